@@ -1,0 +1,47 @@
+# Two commands on a fresh machine with Python 3.11:  make lab   |   make test
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: lab test venv student student-check unit scripts notebooks pbs clean
+
+# The virtualenv is rebuilt whenever the pins change.
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=23"
+	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## Open the course in JupyterLab (learner copies in notebooks/student/)
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+
+## Every test: unit, scripts (4 CPU ranks), notebooks (nbval), student copies, PBS jobs
+test: $(STAMP)
+	$(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks/[0-9]*.ipynb $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+scripts: $(STAMP)
+	$(PY) -m pytest tests/scripts $(PYTEST_ARGS)
+notebooks: $(STAMP)
+	$(PY) -m pytest tests/notebooks --nbval-lax --nbval-current-env notebooks/[0-9]*.ipynb $(PYTEST_ARGS)
+pbs: $(STAMP)
+	$(PY) -m pytest tests/pbs $(PYTEST_ARGS)
+
+## Regenerate the learner's notebooks from the full ones
+student: $(STAMP)
+	$(PY) -m distlab.student notebooks
+
+student-check: $(STAMP)
+	$(PY) -m distlab.student notebooks --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache

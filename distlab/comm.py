@@ -1,0 +1,230 @@
+"""Communication: what a collective costs (the ring model) and what a step actually sent (measured).
+
+Two sizes matter and the course keeps them apart:
+
+* **payload bytes** ``S``: the size of the buffer a collective is about, the full tensor for all-reduce,
+  the gathered output for all-gather, the input for reduce-scatter;
+* **bytes each rank sends** in a ring of ``n`` ranks: ``2 (n-1)/n S`` for all-reduce (a reduce-scatter then
+  an all-gather), ``(n-1)/n S`` for all-gather, reduce-scatter and all-to-all, ``S`` for broadcast
+  (pipelined ring) and for a point-to-point send.
+
+Bus bandwidth (what nccl-tests reports, comparable across collectives and ``n``) is algorithm bandwidth
+``S / t`` times that same factor.
+
+:class:`CommCounter` records every collective issued inside it, from ``torch.distributed`` calls (DDP's
+hand-written cousins, FSDP2) and from DTensor's functional collectives (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+# ring factor: bytes each rank sends = factor(n) * payload bytes
+_RING_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "send": lambda n: 1.0,
+}
+
+
+def ring_factor(collective: str, world_size: int) -> float:
+    if collective not in _RING_FACTORS:
+        raise KeyError(f"no ring model for {collective!r}; known: {sorted(_RING_FACTORS)}")
+    return _RING_FACTORS[collective](world_size)
+
+
+def bytes_sent_per_rank(collective: str, payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank puts on the wire for ``collective`` on a ring of ``world_size`` ranks."""
+    return ring_factor(collective, world_size) * payload_bytes
+
+
+def ring_time(collective: str, payload_bytes: int, world_size: int, bandwidth: float, latency: float) -> float:
+    """The alpha-beta ring model: steps x latency + bytes sent per rank / link bandwidth (bytes/s)."""
+    steps = {"all_reduce": 2 * (world_size - 1), "broadcast": world_size - 1, "send": 1}.get(
+        collective, world_size - 1)
+    return steps * latency + bytes_sent_per_rank(collective, payload_bytes, world_size) / bandwidth
+
+
+def bus_bandwidth(collective: str, payload_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algorithm bandwidth, bus bandwidth) in bytes/s, with nccl-tests' factors."""
+    algorithm = payload_bytes / seconds
+    factor = {"all_reduce": 2 * (world_size - 1) / world_size}.get(
+        collective, (world_size - 1) / world_size if collective in ("all_gather", "reduce_scatter", "all_to_all")
+        else 1.0)
+    return algorithm, algorithm * factor
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CollectiveCall:
+    collective: str
+    payload_bytes: int
+    group_size: int
+    source: str  # "c10d" (torch.distributed call) or "functional" (DTensor / functional collectives)
+
+    @property
+    def bytes_sent_per_rank(self) -> float:
+        return bytes_sent_per_rank(self.collective, self.payload_bytes, self.group_size)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+# payload of each torch.distributed collective, from its arguments
+def _c10d_payload(name, args, kwargs):
+    first = args[0] if args else next(iter(kwargs.values()))
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        out, inp = args[0], args[1]
+        return _nbytes(out) if name == "all_gather_into_tensor" else _nbytes(inp)
+    if name == "all_gather":  # (tensor_list, tensor)
+        return sum(_nbytes(t) for t in args[0])
+    if name == "reduce_scatter":  # (output, input_list)
+        return sum(_nbytes(t) for t in args[1])
+    if name == "all_to_all_single":
+        return _nbytes(args[1])
+    if name == "all_to_all":
+        return sum(_nbytes(t) for t in args[1])
+    return _nbytes(first)
+
+
+_C10D_FUNCTIONS = {
+    "all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "send": "send", "isend": "send",
+}
+
+# functional collectives (what DTensor issues): op name -> (collective, payload from args)
+_FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "all_reduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "all_gather_into_tensor": ("all_gather", lambda a, n: _nbytes(a[0]) * n),
+    "all_gather_into_tensor_out": ("all_gather", lambda a, n: _nbytes(a[0]) * n),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a, n: _nbytes(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a, n: _nbytes(a[0])),
+    "broadcast": ("broadcast", lambda a, n: _nbytes(a[0])),
+    "broadcast_": ("broadcast", lambda a, n: _nbytes(a[0])),
+}
+
+
+class CommCounter(contextlib.AbstractContextManager):
+    """Record the collectives issued inside ``with CommCounter() as counter:``.
+
+    ``counter.calls`` lists them; ``counter.total(collective)`` sums payload bytes. Both routes are seen:
+    ``torch.distributed.<collective>`` calls (patched for the duration) and functional collectives
+    (a TorchDispatchMode). Collectives called from inside another recorded one are not counted twice.
+    """
+
+    def __init__(self):
+        self.calls: list[CollectiveCall] = []
+        self._saved = {}
+        self._mode = None
+        self._depth = 0
+
+    # -- torch.distributed functions -------------------------------------------------------------
+    def _wrap(self, name, fn):
+        collective = _C10D_FUNCTIONS[name]
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self._depth == 0:
+                group = kwargs.get("group")
+                size = 2 if collective == "send" else _group_size(group)
+                self.calls.append(CollectiveCall(collective, _c10d_payload(name, args, kwargs), size, "c10d"))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return wrapper
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in _C10D_FUNCTIONS:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+        self._mode = _functional_mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        self._mode.__exit__(*exc)
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+        return False
+
+    # -- summaries ---------------------------------------------------------------------------------
+    def total(self, collective: str | None = None) -> int:
+        return sum(c.payload_bytes for c in self.calls if collective in (None, c.collective))
+
+    def count(self, collective: str | None = None) -> int:
+        return sum(1 for c in self.calls if collective in (None, c.collective))
+
+    def by_collective(self) -> dict[str, dict]:
+        summary: dict[str, dict] = {}
+        for c in self.calls:
+            entry = summary.setdefault(c.collective, {"calls": 0, "payload_bytes": 0, "sent_bytes_per_rank": 0.0})
+            entry["calls"] += 1
+            entry["payload_bytes"] += c.payload_bytes
+            entry["sent_bytes_per_rank"] += c.bytes_sent_per_rank
+        return summary
+
+
+def _functional_mode(counter: CommCounter):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def group_size_of(args) -> int:
+        # functional ops take the group as its name string: the last str argument
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for a in reversed(args):
+            if isinstance(a, str):
+                try:
+                    return dist.get_world_size(_resolve_process_group(a))
+                except Exception:  # noqa: BLE001 - not a group name
+                    continue
+        return dist.get_world_size()
+
+    class FunctionalCollectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            # DTensor dispatches once as DTensor and once on local tensors: count the local one only.
+            if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+                return NotImplemented
+            namespace = getattr(func, "namespace", "")
+            op_name = func._schema.name.split("::")[-1]
+            if namespace in ("_c10d_functional", "c10d_functional") and op_name in _FUNCTIONAL_OPS \
+                    and counter._depth == 0:
+                collective, payload = _FUNCTIONAL_OPS[op_name]
+                size = group_size_of(args)
+                counter.calls.append(CollectiveCall(collective, payload(args, size), size, "functional"))
+            return func(*args, **kwargs)
+
+    del torch  # only needed for the import side effect
+    return FunctionalCollectives()

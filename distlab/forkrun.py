@@ -1,0 +1,95 @@
+"""``python -m distlab.forkrun --nproc=4 script.py [args]``: torchrun's job, started by fork (CPU only).
+
+Importing torch costs each rank seconds; here the parent imports it once and forks the ranks, each with
+the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). The script runs unchanged, as ``__main__``. When a rank fails, the others get a few seconds
+to finish their own report and are then stopped, as torchrun does; the launcher exits with the first
+failing rank's code (so a configuration error exits 2) and prints every rank's exit code.
+
+CUDA does not survive fork: use torchrun for GPU runs (``distlab.launch`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+GRACE_SECONDS = 5.0
+
+
+def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[str]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      GROUP_RANK="0", ROLE_RANK=str(rank))
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, (int, type(None))):
+            print(done.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - report any failure of the rank, then exit non-zero
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    options = parser.parse_args()
+
+    # The expensive imports, once, before forking. No thread pool has started yet, so fork is safe.
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn  # noqa: F401
+
+    from distlab.runtime import free_port
+
+    port = free_port()
+    children: dict[int, int] = {}
+    for rank in range(options.nproc):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(rank, options.nproc, port, options.script, options.script_args)
+        children[pid] = rank
+
+    exit_codes: dict[int, int] = {}
+    first_failure: int | None = None
+    deadline = None
+    while len(exit_codes) < options.nproc:
+        if deadline is not None and time.monotonic() > deadline:
+            for pid, rank in children.items():
+                if rank not in exit_codes:
+                    os.kill(pid, signal.SIGKILL)
+            deadline = None
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.02)
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        exit_codes[children[pid]] = code
+        if code != 0 and first_failure is None:
+            first_failure = code if code > 0 else 1
+            deadline = time.monotonic() + GRACE_SECONDS
+
+    if first_failure is not None:
+        for rank in sorted(exit_codes):
+            print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
+        return first_failure
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The metrics file every script writes, and the numbers it holds: checks, FLOPs, MFU, memory.
+
+A script proves itself through a :class:`Report`::
+
+    report = metrics.Report(__file__, rt, config=vars(args))
+    report.losses.append(loss)
+    report.check_close("loss equals single-device", parallel_losses, reference_losses, tolerance=1e-5)
+    sys.exit(report.finish(args.metrics_out))   # prints the checks; exit 1 if one failed
+
+The JSON written (rank 0) has the keys of DESIGN.md's script contract: script, world_size, device, config,
+losses, checks [{name, passed, value, tolerance}], comm [{collective, measured_bytes, analytic_bytes}],
+memory, throughput, timeline [{rank, stage, microbatch, kind, start, end}], and ``extra`` for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Dense peak FLOP/s per GPU (vendor data sheets; no sparsity). MFU is reported only where a peak is known.
+PEAK_FLOPS = {
+    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "tf32"): 156e12, ("A100", "fp32"): 19.5e12,
+    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "tf32"): 494e12, ("H100", "fp32"): 67e12,
+    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "tf32"): 494e12, ("H200", "fp32"): 67e12,
+}
+
+
+def peak_flops(device_name: str | None, dtype: str = "bf16") -> float | None:
+    """Peak FLOP/s of a GPU named like ``torch.cuda.get_device_name()``; None for a CPU or an unknown GPU.
+
+    H100 PCIe is slower than SXM (756 vs 989 TFLOP/s bf16): the name tells them apart.
+    """
+    if not device_name:
+        return None
+    name = device_name.upper()
+    for (gpu, kind), flops in PEAK_FLOPS.items():
+        if gpu in name and kind == dtype:
+            return flops * (756 / 989 if gpu == "H100" and "PCIE" in name else 1.0)
+    return None
+
+
+def transformer_flops_per_token(cfg, seq_len: int | None = None) -> float:
+    """Training FLOPs per token of the shared transformer: 6 N + 12 L d T (Kaplan/PaLM accounting).
+
+    N counts the parameters that do matrix multiplies (every one except the embedding lookup); 6 = 2
+    (multiply-add) x 3 (forward, and backward for inputs and for weights). 12 L d T is attention's
+    QK^T and AV products, counted over the full T x T square as PaLM does (causal masking is not subtracted).
+    """
+    seq_len = seq_len or cfg.seq_len
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.dim
+    return 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, device_name: str | None, dtype: str = "bf16",
+        num_devices: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved / peak. None where no peak is known (CPUs): no MFU is claimed."""
+    peak = peak_flops(device_name, dtype)
+    if peak is None:
+        return None
+    return tokens_per_second * flops_per_token / (peak * num_devices)
+
+
+def device_name(device) -> str:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def memory_snapshot(device) -> dict:
+    """Peak memory of this process: the CUDA allocator's on a GPU, resident set size on a CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return {"kind": "cuda_allocator", "allocated_bytes": torch.cuda.memory_allocated(device),
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device)}
+    max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return {"kind": "process_rss", "peak_rss_bytes": max_rss_kib * 1024}
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by a collection of tensors, counting each storage once (views share it)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), local.device)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def max_abs_diff(actual, expected) -> float:
+    """Largest |actual - expected| over numbers, sequences of numbers, tensors or sequences of tensors."""
+    import torch
+
+    if isinstance(actual, (list, tuple)):
+        if len(actual) != len(expected):
+            return math.inf
+        return max((max_abs_diff(a, e) for a, e in zip(actual, expected)), default=0.0)
+    if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+        if actual.shape != expected.shape:
+            return math.inf
+        if actual.numel() == 0:
+            return 0.0
+        return (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max().item()
+    return abs(float(actual) - float(expected))
+
+
+@dataclass
+class Report:
+    """Everything a script measured and checked; written as the metrics JSON by rank 0."""
+
+    script: str
+    world_size: int = 1
+    device: str = "cpu"
+    config: dict = field(default_factory=dict)
+    losses: list = field(default_factory=list)
+    checks: list = field(default_factory=list)
+    comm: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    throughput: dict = field(default_factory=dict)
+    timeline: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+    rank: int = 0
+
+    def __init__(self, script_file: str, rt=None, config: dict | None = None):
+        path = Path(script_file)
+        self.script = f"{path.parent.name}/{path.name}" if path.suffix == ".py" else str(script_file)
+        self.world_size = rt.world_size if rt else 1
+        self.device = str(rt.device) if rt else "cpu"
+        self.rank = rt.rank if rt else 0
+        self.config = {k: v for k, v in (config or {}).items() if _jsonable(v)}
+        self.losses, self.checks, self.comm, self.timeline = [], [], [], []
+        self.memory, self.throughput, self.extra = {}, {}, {}
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check(self, name: str, passed: bool, value=None, tolerance=None) -> bool:
+        self.checks.append({"name": name, "passed": bool(passed), "value": _plain(value),
+                            "tolerance": _plain(tolerance)})
+        return bool(passed)
+
+    def check_close(self, name: str, actual, expected, tolerance: float) -> bool:
+        """Pass when the largest absolute difference is within ``tolerance``; records that difference."""
+        diff = max_abs_diff(actual, expected)
+        return self.check(name, diff <= tolerance, diff, tolerance)
+
+    def check_equal(self, name: str, actual, expected) -> bool:
+        return self.check(name, actual == expected, _plain(actual), f"== {_plain(expected)}")
+
+    @property
+    def all_passed(self) -> bool:
+        return all(c["passed"] for c in self.checks)
+
+    # ---- communication ledger -------------------------------------------------------------------
+    def add_comm(self, collective: str, measured_bytes: int, analytic_bytes: int, **details) -> None:
+        self.comm.append({"collective": collective, "measured_bytes": int(measured_bytes),
+                          "analytic_bytes": int(analytic_bytes), **details})
+
+    # ---- output ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"script": self.script, "world_size": self.world_size, "device": self.device,
+                "config": self.config, "losses": [float(x) for x in self.losses], "checks": self.checks,
+                "comm": self.comm, "memory": self.memory, "throughput": self.throughput,
+                "timeline": self.timeline, "extra": _plain(self.extra)}
+
+    def checks_table(self) -> str:
+        lines = []
+        for c in self.checks:
+            mark = "PASS" if c["passed"] else "FAIL"
+            detail = ""
+            if c["value"] is not None:
+                value = f"{c['value']:.3g}" if isinstance(c["value"], float) else str(c["value"])
+                tol = c["tolerance"]
+                tol = f"{tol:.1g}" if isinstance(tol, float) else tol
+                detail = f"  ({value}" + (f", tolerance {tol})" if tol is not None else ")")
+            lines.append(f"  [{mark}] {c['name']}{detail}")
+        return "\n".join(lines)
+
+    def write(self, path: str | os.PathLike | None) -> None:
+        if path and self.rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    def finish(self, path: str | os.PathLike | None = None) -> int:
+        """Print the checks (rank 0), write the metrics file, and return the exit code: 1 if a check failed."""
+        if self.rank == 0:
+            passed = sum(c["passed"] for c in self.checks)
+            print(f"checks: {passed}/{len(self.checks)} passed", flush=True)
+            if self.checks:
+                print(self.checks_table(), flush=True)
+        self.write(path)
+        sys.stdout.flush()
+        return 0 if self.all_passed else 1
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _plain(value):
+    """Turn tensors and numpy scalars into JSON-friendly Python numbers."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return value

@@ -1,0 +1,361 @@
+"""Join a distributed job, whoever started it, and leave it cleanly.
+
+Every script of the course starts the same way::
+
+    args = runtime.parser(__doc__, ...).parse_args()
+    with runtime.start(args) as rt:          # rank, world size, device, process group
+        rt.require(args.batch % rt.world_size == 0, "...")   # checked on every rank, before any collective
+        ...
+
+What this module decides, once, for every script:
+
+* **Who am I?** ``launcher_env()`` reads the variables that torchrun, mpiexec (Cray PALS, MPICH/PMI,
+  OpenMPI) or Slurm's srun set, and falls back to a world of one.
+* **Where is rank 0?** ``MASTER_ADDR``/``MASTER_PORT`` when the launcher (or our PBS job) sets them;
+  otherwise the first host of the Slurm or PBS node list, and a port derived from the job id.
+* **Which device and backend?** cuda+nccl when a GPU is present, else cpu+gloo; ``--device`` overrides,
+  and asking for cuda where there is none is a configuration error.
+* **Bad configuration** is a ``ConfigError``: every rank prints one line and exits with code 2 within
+  seconds, before any collective could hang.
+* **Every process group has a timeout** (``--pg-timeout``, default 300 s; ``DISTLAB_PG_TIMEOUT`` overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import os
+import random
+import re
+import socket
+import sys
+from dataclasses import dataclass, field
+
+CONFIG_ERROR_EXIT_CODE = 2
+CHECK_FAILED_EXIT_CODE = 1
+DEFAULT_PG_TIMEOUT_S = 300
+DEFAULT_MASTER_PORT = 29500
+
+
+class ConfigError(Exception):
+    """A configuration that cannot run: reported as one line, exit code 2, on every rank."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Who am I? Reading the launcher's environment (pure functions: unit-tested per launcher)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """Where this process sits in the job, as its launcher described it."""
+
+    launcher: str  # "torchrun", "pals", "mpich", "openmpi", "slurm" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    notes: tuple[str, ...] = field(default=())  # how master_addr/port were found, for --verbose runs
+
+
+def _int(env: dict, *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm/PBS compressed host list: ``"dec[0001-0003,0007],login1"`` -> 4 names + ``login1``."""
+    hosts: list[str] = []
+    # split on commas that are not inside brackets
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", hostlist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            if "-" in item:
+                lo, hi = item.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{item}{suffix}")
+    return hosts
+
+
+def _port_from_job_id(job_id: str) -> int:
+    # Every rank of one job derives the same port; two jobs sharing a node rarely collide.
+    digest = int(hashlib.sha256(job_id.encode()).hexdigest(), 16)
+    return 20000 + digest % 20000
+
+
+def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
+    """Work out rank, world size, local rank and the rendezvous address from ``env`` (default os.environ).
+
+    Order matters: torchrun sets RANK; Cray PALS sets PALS_RANKID (and PMI_RANK); MPICH's Hydra sets
+    PMI_RANK; OpenMPI sets OMPI_COMM_WORLD_RANK; Slurm's srun sets SLURM_PROCID. Nothing set: a world of one.
+    """
+    env = dict(os.environ if env is None else env)
+    read_file = read_file or (lambda path: open(path).read())
+    notes: list[str] = []
+
+    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+        launcher = "torchrun"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") or 0
+        local_world = _int(env, "LOCAL_WORLD_SIZE") or world
+    elif env.get("PALS_RANKID") is not None:
+        launcher = "pals"
+        rank = _int(env, "PALS_RANKID")
+        world = _int(env, "PMI_SIZE", "PALS_SIZE")
+        local_rank = _int(env, "PALS_LOCAL_RANKID") or 0
+        local_world = _int(env, "PALS_LOCAL_SIZE", "PALS_PPN")
+    elif env.get("OMPI_COMM_WORLD_RANK") is not None:
+        launcher = "openmpi"
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif env.get("PMI_RANK") is not None:
+        launcher = "mpich"
+        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_rank = _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0
+        local_world = _int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
+        launcher = "slurm"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") or 0
+        tasks_per_node = env.get("SLURM_TASKS_PER_NODE", "")  # e.g. "4(x2)" or "4,3"
+        local_world = int(tasks_per_node.split("(")[0].split(",")[0]) if tasks_per_node else None
+    else:
+        launcher = "single"
+        rank, world, local_rank, local_world = 0, 1, 0, 1
+
+    if world is None or rank is None:
+        raise ConfigError(f"launcher {launcher!r} set a rank but no world size; check the launch command")
+    if local_world is None:
+        local_world = world
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is outside a world of size {world}")
+
+    # Where is rank 0?
+    master_addr = env.get("MASTER_ADDR")
+    if master_addr:
+        notes.append("MASTER_ADDR from the environment")
+    elif launcher == "slurm" and env.get("SLURM_JOB_NODELIST"):
+        master_addr = expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        notes.append("MASTER_ADDR = first host of SLURM_JOB_NODELIST")
+    elif env.get("PBS_NODEFILE") and world > local_world:
+        lines = [ln.strip() for ln in read_file(env["PBS_NODEFILE"]).splitlines() if ln.strip()]
+        master_addr = lines[0]
+        notes.append("MASTER_ADDR = first host of PBS_NODEFILE")
+    elif world <= local_world:
+        master_addr = "127.0.0.1"
+        notes.append("single node: MASTER_ADDR = 127.0.0.1")
+    else:
+        raise ConfigError(
+            f"{world} ranks over several nodes and no MASTER_ADDR: export MASTER_ADDR=<first node> "
+            "(pbs/common.sh does this for you)"
+        )
+
+    master_port = _int(env, "MASTER_PORT")
+    if master_port is None:
+        job_id = env.get("PBS_JOBID") or env.get("SLURM_JOB_ID")
+        master_port = _port_from_job_id(job_id) if job_id else DEFAULT_MASTER_PORT
+        notes.append(f"MASTER_PORT derived ({'job id' if job_id else 'default'})")
+    return LauncherEnv(launcher, rank, world, local_rank, local_world, master_addr, master_port, tuple(notes))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line flags shared by every script
+# --------------------------------------------------------------------------------------------------
+
+
+def parser(description: str | None, *, presets: tuple[str, ...] | None = None, steps: int | None = 10,
+           seed: int = 0) -> argparse.ArgumentParser:
+    """The flags every script shares (``--device``, ``--seed``, ``--metrics-out``, ...); add your own after."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo)")
+    if presets:
+        p.add_argument("--preset", choices=list(presets), default=presets[0],
+                       help="model size: tiny runs in seconds on a laptop CPU; a100 shows the point on 4 x A100-40GB")
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help="training steps")
+    p.add_argument("--seed", type=int, default=seed, help="seed of model init and data (same on every rank)")
+    p.add_argument("--metrics-out", metavar="FILE", default=None, help="write the metrics JSON here (rank 0)")
+    p.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"process-group timeout (default {DEFAULT_PG_TIMEOUT_S}, or $DISTLAB_PG_TIMEOUT)")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# The running job
+# --------------------------------------------------------------------------------------------------
+
+
+def pick_device(requested: str, local_rank: int, cuda_available: bool, cuda_count: int) -> tuple[str, str]:
+    """Return (device string, backend). Pure, so it is unit-tested without a GPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, not {requested!r}")
+    if requested == "cuda" and not cuda_available:
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible on this node")
+    if requested == "cpu" or (requested == "auto" and not cuda_available):
+        return "cpu", "gloo"
+    return f"cuda:{local_rank % max(cuda_count, 1)}", "cuda:nccl,cpu:gloo"
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for distlab's users
+        pass
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Runtime:
+    """What a script needs to know about the job it runs in."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: "object"  # torch.device
+    backend: str
+    launcher: str
+    pg_timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def print(self, *args, **kwargs) -> None:
+        """Print from rank 0 only, flushed, so lines of 4 ranks do not interleave."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def print_all(self, *args, **kwargs) -> None:
+        """Print from every rank, prefixed with the rank."""
+        print(f"[rank {self.rank}]", *args, **kwargs, flush=True)
+
+    def require(self, condition: bool, message: str) -> None:
+        """Stop every rank with one clear line and exit code 2 when ``condition`` is false.
+
+        Call it before the first collective, with the same arguments on every rank, so every rank stops.
+        """
+        require(condition, message)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def sync(self) -> None:
+        """Wait for queued device work, so wall-clock timings mean something on GPUs."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _config_error_exit(message: str, rank: int | None) -> None:
+    who = f" (rank {rank})" if rank is not None else ""
+    print(f"config error{who}: {message}", file=sys.stderr, flush=True)
+    # os._exit: no atexit handlers or destructors that might wait on peers that already left
+    sys.stdout.flush()
+    os._exit(CONFIG_ERROR_EXIT_CODE)
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` (one line, exit code 2 on every rank) when ``condition`` is false."""
+    if not condition:
+        raise ConfigError(message)
+
+
+@contextlib.contextmanager
+def start(args: argparse.Namespace | None = None, *, validate=None, device: str | None = None,
+          seed: int | None = None, pg_timeout_s: float | None = None):
+    """Join the job, set device, backend and seed, and yield a :class:`Runtime`; leave cleanly at the end.
+
+    ``validate(world_size)`` runs on every rank before the process group is formed, so a configuration that
+    cannot work (a mesh that does not divide the world) stops before any rank waits on another. A
+    :class:`ConfigError` raised there or inside the block (``rt.require``) prints one line and exits 2.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = device or getattr(args, "device", None) or "auto"
+    seed = seed if seed is not None else getattr(args, "seed", 0)
+    timeout = pg_timeout_s or getattr(args, "pg_timeout", None) or float(
+        os.environ.get("DISTLAB_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
+
+    rank = None
+    try:
+        where = launcher_env()
+        rank = where.rank
+        if validate is not None:
+            validate(where.world_size)
+        device_name, backend = pick_device(device, where.local_rank, torch.cuda.is_available(),
+                                           torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        torch_device = torch.device(device_name)
+        if torch_device.type == "cuda":
+            torch.cuda.set_device(torch_device)
+        else:
+            # Ranks sharing a CPU share its cores: one thread pool each would oversubscribe them.
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // where.local_world_size))
+        os.environ.setdefault("MASTER_ADDR", where.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(where.master_port))
+        if not dist.is_initialized():
+            kwargs = dict(backend=backend, rank=where.rank, world_size=where.world_size,
+                          timeout=datetime.timedelta(seconds=timeout))
+            if where.world_size == 1:
+                kwargs["store"] = dist.HashStore()  # alone: no rendezvous, no port
+            else:
+                # env:// and not tcp://: under torchrun the agent already serves the store on MASTER_PORT
+                # and workers must join it as clients (TORCHELASTIC_USE_AGENT_STORE).
+                kwargs["init_method"] = "env://"
+            if torch_device.type == "cuda":
+                kwargs["device_id"] = torch_device
+            dist.init_process_group(**kwargs)
+        seed_everything(seed)
+        rt = Runtime(where.rank, where.world_size, where.local_rank, where.local_world_size, torch_device,
+                     backend, where.launcher, timeout)
+    except ConfigError as error:
+        _config_error_exit(str(error), rank)
+        raise  # unreachable; keeps type checkers calm
+
+    try:
+        yield rt
+    except ConfigError as error:
+        _config_error_exit(str(error), rt.rank)
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free right now on this machine (for launching jobs from notebooks and tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

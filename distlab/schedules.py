@@ -1,0 +1,568 @@
+"""Pipeline schedules as data: who runs which forward or backward, in which order, and what that costs.
+
+A pipeline cuts the model into *stages*. Each rank holds one stage (or, interleaved, ``chunks`` stages) and
+runs an ordered list of :class:`Action` s, each one microbatch through one stage:
+
+- ``F``: forward.
+- ``B``: backward. In a schedule that does not split the backward (``split_backward=False``: naive, GPipe,
+  1F1B, interleaved 1F1B) it is the *full* backward: input gradient and weight gradient together. In a
+  schedule that splits it (zero bubble) it is only the *input* gradient, the part the previous stage waits
+  for (torch calls it ``I``).
+- ``W``: the weight gradient, present only when the backward is split. Nobody waits for it, so a schedule
+  may run it late, in time the rank would otherwise sit idle.
+
+:func:`simulate` turns the per-rank lists into a timeline under simple :class:`Costs`, and the bubble (the
+idle share of ranks x time) falls out of it. The closed form :func:`bubble_fraction` says the same thing::
+
+    bubble(GPipe) = bubble(1F1B) = (P - 1) / (M + P - 1)      # 1F1B saves memory, not time
+    bubble(interleaved, V chunks) = (P - 1) / (V*M + P - 1)
+    bubble(zero bubble H1, F = B = W) = (P - 1) / (3*M + P - 1), about a third of 1F1B's
+
+The builders follow Megatron-LM and ``torch.distributed.pipelining``; :func:`from_torch_pipeline_order`
+reads torch's own schedules into the same form, so both can be simulated and drawn (see ``distlab.gantt``).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import defaultdict
+from dataclasses import dataclass
+
+KINDS = ("F", "B", "W")
+SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One microbatch through one stage: ``kind`` is "F" (forward), "B" (backward) or "W" (weight gradient).
+
+    "B" is the full backward unless the schedule splits the backward, where it is the input gradient only
+    and "W" is the rest. Printed like torch prints its actions: stage, kind, microbatch (``4B1``).
+    """
+
+    stage: int
+    microbatch: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass
+class Schedule:
+    """A complete pipeline schedule: for every rank, the actions it runs, in order.
+
+    ``chunks`` is the number of stages per rank (V); there are ``num_ranks * chunks`` stages and stage s
+    lives on rank ``stage_to_rank[s]``. ``split_backward`` says whether backward is split into B and W.
+    """
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    chunks: int
+    stage_to_rank: dict[int, int]
+    actions: dict[int, list[Action]]
+    split_backward: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        return sorted(s for s, r in self.stage_to_rank.items() if r == rank)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every (stage, microbatch) has exactly one F and one B (and one W when the
+        backward is split), each on the rank that holds the stage."""
+        kinds = ("F", "B", "W") if self.split_backward else ("F", "B")
+        seen: set[tuple[str, int, int]] = set()
+        for rank, rank_actions in self.actions.items():
+            for action in rank_actions:
+                if action.kind not in kinds:
+                    raise ValueError(f"{self.name}: rank {rank} has action {action} of kind {action.kind!r}; "
+                                     f"this schedule allows only {', '.join(kinds)}.")
+                if self.stage_to_rank.get(action.stage) != rank:
+                    raise ValueError(f"{self.name}: rank {rank} runs {action}, but stage {action.stage} lives "
+                                     f"on rank {self.stage_to_rank.get(action.stage)}.")
+                if not 0 <= action.microbatch < self.num_microbatches:
+                    raise ValueError(f"{self.name}: rank {rank} runs {action}, but microbatches are "
+                                     f"0..{self.num_microbatches - 1}.")
+                key = (action.kind, action.stage, action.microbatch)
+                if key in seen:
+                    raise ValueError(f"{self.name}: {action} appears twice.")
+                seen.add(key)
+        expected = len(kinds) * self.num_stages * self.num_microbatches
+        if len(seen) != expected:
+            missing = next(f"{s}{k}{m}" for k in kinds for s in range(self.num_stages)
+                           for m in range(self.num_microbatches) if (k, s, m) not in seen)
+            raise ValueError(f"{self.name}: {expected - len(seen)} actions are missing, for example {missing}.")
+
+    def format(self) -> str:
+        """The per-rank order as text, one line per rank: ``rank 0: 0F0 0F1 0B0 ...``."""
+        return "\n".join(f"rank {rank}: " + " ".join(str(a) for a in self.actions[rank])
+                         for rank in sorted(self.actions))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_sizes(num_ranks: int, num_microbatches: int, chunks: int = 1) -> None:
+    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("chunks", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}.")
+
+
+def _one_stage_per_rank(name: str, num_ranks: int, num_microbatches: int,
+                        actions: dict[int, list[Action]], split_backward: bool = False) -> Schedule:
+    return Schedule(name, num_ranks, num_microbatches, 1, {r: r for r in range(num_ranks)}, actions,
+                    split_backward)
+
+
+def naive(num_ranks: int, num_microbatches: int) -> Schedule:
+    """One microbatch in flight at a time: it goes forward through every stage and back before the next
+    starts. Every rank but one is always idle: bubble (P - 1) / P."""
+    _check_sizes(num_ranks, num_microbatches)
+    actions = {rank: [a for m in range(num_microbatches) for a in (Action(rank, m, "F"), Action(rank, m, "B"))]
+               for rank in range(num_ranks)}
+    return _one_stage_per_rank("naive", num_ranks, num_microbatches, actions)
+
+
+def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """GPipe: every rank runs all M forwards, then all M backwards (in microbatch order, as torch does).
+    Holds the activations of all M microbatches at once."""
+    _check_sizes(num_ranks, num_microbatches)
+    actions = {rank: [Action(rank, m, "F") for m in range(num_microbatches)]
+               + [Action(rank, m, "B") for m in range(num_microbatches)]
+               for rank in range(num_ranks)}
+    return _one_stage_per_rank("gpipe", num_ranks, num_microbatches, actions)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush, Megatron's default): rank r runs P - 1 - r warm-up forwards, then alternates one
+    forward and one backward, then drains the remaining backwards.
+
+    Same bubble as GPipe; what it saves is memory: rank r holds at most P - r microbatches, not M.
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    actions = {}
+    for rank in range(num_ranks):
+        warmup = min(num_ranks - 1 - rank, num_microbatches)
+        order = [Action(rank, m, "F") for m in range(warmup)]
+        for i in range(num_microbatches - warmup):      # steady state: one forward, one backward
+            order += [Action(rank, warmup + i, "F"), Action(rank, i, "B")]
+        order += [Action(rank, m, "B") for m in range(num_microbatches - warmup, num_microbatches)]
+        actions[rank] = order
+    return _one_stage_per_rank("1f1b", num_ranks, num_microbatches, actions)
+
+
+def interleaved_warmup(rank: int, num_ranks: int, num_microbatches: int, chunks: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward in interleaved 1F1B (Megatron and torch)."""
+    # The last rank must first push P microbatches through each of its first V - 1 chunks; every hop
+    # further from the last rank adds 2: one forward there and one backward back.
+    return min((chunks - 1) * num_ranks + 2 * (num_ranks - 1 - rank), chunks * num_microbatches)
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021; ``ScheduleInterleaved1F1B`` in torch).
+
+    The model is cut into P * V stages; stage s lives on rank s % P, so rank r holds stages r, r + P, ...
+    Each rank walks its chunks in groups of P microbatches (depth first) and runs 1F1B over the V * M
+    (chunk, microbatch) pairs. Each chunk is 1/V of the rank's layers, so the warm-up and drain shrink V-fold:
+    bubble (P - 1) / (V*M + P - 1), for V times more point-to-point messages and a little more memory.
+
+    Requires M % P == 0, like Megatron. With V = 1 it is a valid schedule but not plain 1F1B: its
+    warm-up is 2 (P - 1 - r) forwards, as in torch.
+    """
+    _check_sizes(num_ranks, num_microbatches, chunks)
+    if num_microbatches % num_ranks != 0:
+        raise ValueError(f"interleaved_1f1b needs num_microbatches ({num_microbatches}) to be a multiple of "
+                         f"num_ranks ({num_ranks}).")
+    total = chunks * num_microbatches                    # (chunk, microbatch) pairs per rank
+
+    def pair(step: int, backward: bool) -> tuple[int, int]:
+        # Steps go through P microbatches of one chunk, then the same P of the next chunk, ...; after all
+        # V chunks, the next group of P microbatches. Backward walks the chunks from the last one.
+        chunk = (step // num_ranks) % chunks
+        if backward:
+            chunk = chunks - 1 - chunk
+        microbatch = (step // (num_ranks * chunks)) * num_ranks + step % num_ranks
+        return chunk, microbatch
+
+    actions = {}
+    for rank in range(num_ranks):
+        def act(step: int, kind: str) -> Action:
+            chunk, microbatch = pair(step, backward=kind == "B")
+            return Action(chunk * num_ranks + rank, microbatch, kind)
+
+        warmup = interleaved_warmup(rank, num_ranks, num_microbatches, chunks)
+        order = [act(k, "F") for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [act(warmup + i, "F"), act(i, "B")]
+        order += [act(k, "B") for k in range(total - warmup, total)]
+        actions[rank] = order
+    stage_to_rank = {s: s % num_ranks for s in range(num_ranks * chunks)}
+    return Schedule("interleaved_1f1b", num_ranks, num_microbatches, chunks, stage_to_rank, actions)
+
+
+def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Zero bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
+
+    The backward is split: B (input gradient) is what the previous stage waits for, W (weight gradient)
+    waits for nobody. The order is 1F1B's with B in place of the full backward, and rank r keeps up to r
+    W's pending, running each later, where 1F1B's rank r would wait. Warm-up is 1F1B's (P - 1 - r
+    forwards), so at most P microbatches are held on any rank, like 1F1B's rank 0. With F = B = W the
+    bubble is (P - 1) / (3M + P - 1), about a third of 1F1B's. torch's ``ScheduleInterleavedZeroBubble``
+    with one stage per rank produces this exact order.
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    actions = {}
+    for rank in range(num_ranks):
+        pending_weight_limit = rank                       # later ranks defer more W: they wait longer
+        warmup = min(num_ranks - 1 - rank, num_microbatches)
+        order = [Action(rank, m, "F") for m in range(warmup)]
+        next_backward = next_weight = 0
+
+        def backward_then_maybe_weight() -> None:
+            nonlocal next_backward, next_weight
+            order.append(Action(rank, next_backward, "B"))
+            next_backward += 1
+            if next_backward - next_weight > pending_weight_limit:
+                order.append(Action(rank, next_weight, "W"))
+                next_weight += 1
+
+        for i in range(num_microbatches - warmup):
+            order.append(Action(rank, warmup + i, "F"))
+            backward_then_maybe_weight()
+        while next_backward < num_microbatches:
+            backward_then_maybe_weight()
+        order += [Action(rank, m, "W") for m in range(next_weight, num_microbatches)]
+        actions[rank] = order
+    return _one_stage_per_rank("zero_bubble", num_ranks, num_microbatches, actions, split_backward=True)
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
+    """Build a schedule by name: "naive", "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble".
+
+    ``chunks`` (stages per rank) applies to "interleaved_1f1b" only; the others need chunks=1.
+    """
+    builders = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble_h1}
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, chunks)
+    if name not in builders:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}.")
+    if chunks != 1:
+        raise ValueError(f"schedule {name!r} holds one stage per rank; chunks={chunks} needs interleaved_1f1b.")
+    return builders[name](num_ranks, num_microbatches)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Simulation
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one microbatch through one rank's share of the model (all its layers, whatever ``chunks``).
+
+    With V chunks per rank each action does 1/V of that work, so it takes 1/V of the time; the same Costs
+    compare schedules fairly. ``backward`` is the full backward (about twice the forward in a transformer).
+    A schedule that splits it gives ``weight_fraction`` of it to W and the rest to B: by default
+    F = 1, B = 2 (full backward), or F = 1, B = 1, W = 1 when split, the zero-bubble paper's setting.
+    ``send`` is the latency of one activation or gradient message between two ranks (not scaled by V).
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    weight_fraction: float = 0.5
+    send: float = 0.0
+
+    def __post_init__(self):
+        if min(self.forward, self.backward, self.send) < 0:
+            raise ValueError(f"costs must not be negative, got {self}.")
+        if not 0.0 <= self.weight_fraction <= 1.0:
+            raise ValueError(f"weight_fraction must be between 0 and 1, got {self.weight_fraction}.")
+
+    def durations(self, split_backward: bool, chunks: int = 1) -> dict[str, float]:
+        """Duration of one F, B and W action for a schedule of this kind."""
+        if split_backward:
+            weight = self.backward * self.weight_fraction
+            durations = {"F": self.forward, "B": self.backward - weight, "W": weight}
+        else:
+            durations = {"F": self.forward, "B": self.backward, "W": 0.0}
+        return {kind: value / chunks for kind, value in durations.items()}
+
+
+@dataclass(slots=True)
+class TimelineEvent:
+    """One action as it ran (or would run): the ``timeline`` entry of the metrics file."""
+
+    rank: int
+    stage: int
+    microbatch: int
+    kind: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "stage": self.stage, "microbatch": self.microbatch, "kind": self.kind,
+                "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> TimelineEvent:
+        return cls(int(entry["rank"]), int(entry["stage"]), int(entry["microbatch"]), str(entry["kind"]),
+                   float(entry["start"]), float(entry["end"]))
+
+
+def to_dicts(events) -> list[dict]:
+    """Events as plain dicts, ready for JSON."""
+    return [event.to_dict() for event in events]
+
+
+def from_dicts(entries) -> list[TimelineEvent]:
+    """Events from a metrics file's ``timeline`` (dicts); TimelineEvents pass through unchanged."""
+    return [entry if isinstance(entry, TimelineEvent) else TimelineEvent.from_dict(entry) for entry in entries]
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> list[TimelineEvent]:
+    """Run the schedule on paper: each rank does its actions in order, one at a time, as soon as their inputs
+    have arrived. Returns the events sorted by rank, then time.
+
+    Dependencies (a message from another rank adds ``costs.send``):
+    F(s, m) needs F(s-1, m); B(s, m) needs its own F(s, m) and B(s+1, m) (the last stage needs only its F);
+    W(s, m) needs B(s, m). An order that can never finish raises ValueError naming the stuck ranks, and so
+    does a malformed one (an action twice, on the wrong rank, or missing).
+
+    Event driven, no clock: a rank advances until its next action needs a result not computed yet, then
+    parks on that result; finishing an action wakes the ranks parked on it. Each action is handled once.
+    """
+    # Half a million small events would wake Python's cycle collector again and again (doubling the run
+    # time); they hold no cycles, so it sleeps while they are made.
+    collector_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(schedule, costs or Costs())
+    finally:
+        if collector_was_on:
+            gc.enable()
+
+
+def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
+    durations = costs.durations(schedule.split_backward, schedule.chunks)
+    forward_time, backward_time, weight_time = durations["F"], durations["B"], durations["W"]
+    send = costs.send
+    num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
+    last_stage = num_stages - 1
+    rank_of_stage = [schedule.stage_to_rank[s] for s in range(num_stages)]
+
+    # finish_time[slot]: when action (kind, stage, microbatch) ended, -1 until it has run. One flat list,
+    # F slots first, then B, then W: slot = kind_offset + stage * M + microbatch.
+    slots_per_kind = num_stages * num_microbatches
+    backward_offset, weight_offset = slots_per_kind, 2 * slots_per_kind
+    finish_time = [-1.0] * (3 * slots_per_kind)
+    parked: list[list[int] | None] = [None] * (3 * slots_per_kind)    # slot -> ranks waiting for it
+    position = {rank: 0 for rank in schedule.actions}                   # index of each rank's next action
+    rank_free_at = {rank: 0.0 for rank in schedule.actions}
+    timeline: dict[int, list[TimelineEvent]] = {rank: [] for rank in schedule.actions}
+    runnable = list(schedule.actions)
+
+    def malformed(rank: int, action: Action, why: str) -> ValueError:
+        return ValueError(f"{schedule.name}: rank {rank} runs {action}, {why}.")
+
+    while runnable:
+        rank = runnable.pop()
+        rank_actions, events = schedule.actions[rank], timeline[rank]
+        i, now = position[rank], rank_free_at[rank]
+        while i < len(rank_actions):
+            action = rank_actions[i]
+            stage, microbatch, kind = action.stage, action.microbatch, action.kind
+            if not (0 <= stage <= last_stage and rank_of_stage[stage] == rank):
+                raise malformed(rank, action, f"but stage {stage} does not live on rank {rank}")
+            if not 0 <= microbatch < num_microbatches:
+                raise malformed(rank, action, f"but microbatches are 0..{num_microbatches - 1}")
+            own_forward = stage * num_microbatches + microbatch
+            start, waiting_for = now, -1
+            if kind == "F":
+                if stage > 0:                                   # input from the previous stage
+                    ready = finish_time[own_forward - num_microbatches]
+                    if ready < 0:
+                        waiting_for = own_forward - num_microbatches
+                    else:
+                        if rank_of_stage[stage - 1] != rank:
+                            ready += send
+                        start = ready if ready > start else start
+                slot, duration = own_forward, forward_time
+            elif kind == "B":
+                ready = finish_time[own_forward]                # its own forward (same rank, no message)
+                if ready < 0:
+                    waiting_for = own_forward
+                else:
+                    start = ready if ready > start else start
+                    if stage < last_stage:                      # gradient from the next stage
+                        next_backward = backward_offset + own_forward + num_microbatches
+                        ready = finish_time[next_backward]
+                        if ready < 0:
+                            waiting_for = next_backward
+                        else:
+                            if rank_of_stage[stage + 1] != rank:
+                                ready += send
+                            start = ready if ready > start else start
+                slot, duration = backward_offset + own_forward, backward_time
+            elif kind == "W" and schedule.split_backward:
+                ready = finish_time[backward_offset + own_forward]
+                if ready < 0:
+                    waiting_for = backward_offset + own_forward
+                else:
+                    start = ready if ready > start else start
+                slot, duration = weight_offset + own_forward, weight_time
+            else:
+                raise malformed(rank, action, f"but kind {kind!r} is not one of this schedule's "
+                                              f"{'F, B, W' if schedule.split_backward else 'F, B'}")
+            if waiting_for >= 0:
+                if parked[waiting_for] is None:
+                    parked[waiting_for] = []
+                parked[waiting_for].append(rank)
+                break
+            if finish_time[slot] >= 0:
+                raise malformed(rank, action, "but that action has already run")
+            now = start + duration
+            finish_time[slot] = now
+            events.append(TimelineEvent(rank, stage, microbatch, kind, start, now))
+            if parked[slot] is not None:
+                runnable.extend(parked[slot])
+                parked[slot] = None
+            i += 1
+        position[rank], rank_free_at[rank] = i, now
+
+    stuck = [rank for rank in schedule.actions if position[rank] < len(schedule.actions[rank])]
+    if stuck:
+        details = "; ".join(f"rank {r} at {schedule.actions[r][position[r]]} (its action {position[r]})"
+                            for r in stuck)
+        raise ValueError(f"{schedule.name} deadlocks: these ranks wait for results that never come: {details}.")
+    kinds_per_pair = 3 if schedule.split_backward else 2
+    if sum(position.values()) != kinds_per_pair * slots_per_kind:
+        schedule.validate()     # some action was never listed: let validate() name one
+    return [event for rank in sorted(timeline) for event in timeline[rank]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bubble and memory
+# ----------------------------------------------------------------------------------------------------------
+
+def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle share of a pipeline of P = ``stages`` ranks: (P - 1) / (V*M + P - 1), V = ``chunks``.
+
+    With V = 1 this is GPipe and 1F1B alike: 1F1B reorders the same work to hold fewer activations, it does
+    not shorten the fill and drain. Interleaving (V > 1) shrinks both V-fold. Assumes no send latency and
+    the same forward/backward costs on every stage.
+    """
+    _check_sizes(stages, microbatches, chunks)
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def _busy_intervals(events) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, the merged intervals during which it ran something (overlaps counted once)."""
+    by_rank: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for event in events:
+        by_rank[event.rank].append((event.start, event.end))
+    merged = {}
+    for rank, intervals in by_rank.items():
+        intervals.sort()
+        out = [list(intervals[0])]
+        for start, end in intervals[1:]:
+            if start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        merged[rank] = [(a, b) for a, b in out]
+    return merged
+
+
+def bubble_fraction_from_timeline(events, num_ranks: int | None = None) -> float:
+    """Measured bubble: idle time / (ranks x makespan), makespan from the first start to the last end.
+
+    ``events`` are TimelineEvents or metrics dicts, simulated or measured (seconds). ``num_ranks`` defaults
+    to the number of ranks that appear in the events.
+    """
+    events = from_dicts(events)
+    if not events:
+        raise ValueError("the timeline is empty; there is no bubble to measure.")
+    first, last = min(e.start for e in events), max(e.end for e in events)
+    makespan = last - first
+    busy_by_rank = _busy_intervals(events)
+    ranks = num_ranks or len(busy_by_rank)
+    if makespan <= 0:
+        return 0.0
+    busy = sum(end - start for intervals in busy_by_rank.values() for start, end in intervals)
+    return (ranks * makespan - busy) / (ranks * makespan)
+
+
+def peak_activations(schedule: Schedule, release_on_input_grad: bool = False) -> dict[int, int]:
+    """Per rank, the most (stage, microbatch) activations held at once, walking the rank's order.
+
+    An activation is held from its F until its backward is done: until B when the schedule does not split
+    the backward; until W when it does (W still needs the saved inputs), or until B with
+    ``release_on_input_grad=True``. Results: GPipe M; 1F1B min(P - r, M); zero bubble H1 min(P, M) on every
+    rank (its warm-up is 1F1B's, the deferred W's make up the rest). Interleaved counts (chunk, microbatch)
+    pairs, each 1/V of a rank's layers: min((V-1)P + 2(P-1-r) + 1, V*M), i.e. P + (P-1)/V stage-equivalents
+    on rank 0, a little more than 1F1B's P.
+    """
+    release_kind = "W" if schedule.split_backward and not release_on_input_grad else "B"
+    peaks = {}
+    for rank, rank_actions in schedule.actions.items():
+        held = peak = 0
+        for action in rank_actions:
+            if action.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif action.kind == release_kind:
+                held -= 1
+        peaks[rank] = peak
+    return peaks
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.distributed.pipelining
+# ----------------------------------------------------------------------------------------------------------
+
+def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None = None,
+                              name: str = "torch") -> Schedule:
+    """Read ``schedule.pipeline_order`` of a ``torch.distributed.pipelining`` schedule as a :class:`Schedule`.
+
+    ``pipeline_order`` is ``{rank: [action or None]}``; None (a bubble in torch's time grid) and non-compute
+    actions (sends, receives, REDUCE_GRAD, ...) are dropped, and an overlapped F/B pair is expanded. torch's
+    F becomes "F"; its full backward B and its input backward I both become "B"; W stays "W". Stage to rank
+    placement is read off the order. This reads a private torch API, so tests pin what it returns: e.g.
+    torch 2.13's Schedule1F1B lists the last rank's forwards off by one, and validate() then fails.
+    """
+    from torch.distributed.pipelining.schedules import _ComputationType   # lazy: the module is torch-free
+
+    kind_of = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+               _ComputationType.BACKWARD_INPUT: "B", _ComputationType.BACKWARD_WEIGHT: "W"}
+
+    def compute_actions(torch_action):
+        if torch_action is None:
+            return
+        if getattr(torch_action, "sub_actions", None):
+            for sub_action in torch_action.sub_actions:
+                yield from compute_actions(sub_action)
+        elif torch_action.computation_type in kind_of:
+            yield Action(torch_action.stage_index, torch_action.microbatch_index,
+                         kind_of[torch_action.computation_type])
+
+    actions = {rank: [a for item in order for a in compute_actions(item)]
+               for rank, order in sorted(pipeline_order.items())}
+    stage_to_rank: dict[int, int] = {}
+    for rank, rank_actions in actions.items():
+        for action in rank_actions:
+            stage_to_rank.setdefault(action.stage, rank)
+    stage_to_rank = dict(sorted(stage_to_rank.items()))
+    num_ranks = len(actions)
+    if num_microbatches is None:
+        num_microbatches = 1 + max(a.microbatch for acts in actions.values() for a in acts)
+    split_backward = any(a.kind == "W" for acts in actions.values() for a in acts)
+    return Schedule(name, num_ranks, num_microbatches, max(1, len(stage_to_rank) // num_ranks),
+                    stage_to_rank, actions, split_backward)
