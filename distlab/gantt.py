@@ -75,11 +75,13 @@ def _draw_row(events: list[TimelineEvent], origin: float, scale: float, columns:
     return "".join(cells)
 
 
-def ascii_gantt(events, width: int | None = None, title: str | None = None) -> str:
+def ascii_gantt(events, width: int | None = None, title: str | None = None,
+                time_unit: str = "time units") -> str:
     """The timeline as text: one row per rank, a time axis, a legend and the measured bubble.
 
     ``width`` caps every line (default 100 characters). A simulated timeline is drawn with 1 or 2 columns
-    per shortest pass so it reads exactly; a measured one is stretched to the width.
+    per shortest pass so it reads exactly; a measured one is stretched to the width. ``time_unit`` names
+    the unit of the event times in the legend ("s" for a measured run).
     """
     events = from_dicts(events)
     if not events:
@@ -107,8 +109,8 @@ def ascii_gantt(events, width: int | None = None, title: str | None = None) -> s
     kinds = sorted({e.kind for e in events}, key=lambda k: "FBIW".find(k) % 5)
     named = ", ".join(f"{k}n {KIND_NAMES.get(k, k).split(' (')[0]} of microbatch n" for k in kinds)
     fills = " ".join(f"'{FILL_CHARACTER.get(k, '?')}'" for k in kinds)
-    lines.append(f"legend: {named}; {fills} continue a pass too long for its label; "
-                 f"'{IDLE_CHARACTER}' idle; 1 column = {1 / scale:.3g} time units")
+    lines.append(f"legend: {named}; {fills} mark a pass, or its rest, too short for its label; "
+                 f"'{IDLE_CHARACTER}' idle; 1 column = {1 / scale:.3g} {time_unit}")
     bubble = bubble_fraction_from_timeline(events)
     lines.append(f"bubble: {100 * bubble:.2f}% idle (idle time / (ranks x makespan), measured from these events)")
     return "\n".join(_wrap(line, width) for line in lines)
@@ -129,11 +131,12 @@ def _wrap(line: str, width: int) -> str:
     return "\n".join(out)
 
 
-def plot_gantt(events, ax=None, title: str | None = None):
+def plot_gantt(events, ax=None, title: str | None = None, time_unit: str | None = None):
     """Draw the timeline with matplotlib and return the Axes (its figure is ``ax.figure``).
 
     One row per rank, rank 0 on top; a light grey band behind each row shows idle time; F, B and W have
-    their own colours; microbatch numbers are written in bars wide enough; the bubble is in the title.
+    their own colours, paler for a rank's later chunks when it holds several stages (interleaved);
+    microbatch numbers are written in bars wide enough; the bubble is in the title.
     """
     events = from_dicts(events)
     if not events:
@@ -149,13 +152,20 @@ def plot_gantt(events, ax=None, title: str | None = None):
 
     ax.barh(ranks, [makespan] * len(ranks), left=0, height=bar_height, color=IDLE_COLOUR, label="idle",
             zorder=0)
+    stages_of_rank = {rank: sorted({e.stage for e in events if e.rank == rank}) for rank in ranks}
+    chunk_of = {(rank, stage): stages.index(stage) for rank, stages in stages_of_rank.items() for stage in stages}
+    chunks = max(len(stages) for stages in stages_of_rank.values())
     kinds = sorted({e.kind for e in events}, key=lambda k: "FBIW".find(k) % 5)
     for kind in kinds:
-        of_kind = [e for e in events if e.kind == kind]
-        ax.barh([e.rank for e in of_kind], [e.end - e.start for e in of_kind],
-                left=[e.start - origin for e in of_kind], height=bar_height,
-                color=KIND_COLOURS.get(kind, "#8172B3"), edgecolor="white", linewidth=0.5,
-                label=KIND_NAMES.get(kind, kind), zorder=1)
+        for chunk in range(chunks):
+            of_kind = [e for e in events if e.kind == kind and chunk_of[e.rank, e.stage] == chunk]
+            if not of_kind:
+                continue
+            ax.barh([e.rank for e in of_kind], [e.end - e.start for e in of_kind],
+                    left=[e.start - origin for e in of_kind], height=bar_height,
+                    color=KIND_COLOURS.get(kind, "#8172B3"), alpha=1.0 - 0.5 * chunk / max(chunks - 1, 1),
+                    edgecolor="white", linewidth=0.5, zorder=1,
+                    label=KIND_NAMES.get(kind, kind) if chunk == 0 else "_nolegend_")
 
     # A label fits when the bar is wider than its text: compare in data units via the axes' pixel width.
     font_size = 7 if len(ranks) > 8 else 8
@@ -170,20 +180,26 @@ def plot_gantt(events, ax=None, title: str | None = None):
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.set_ylim(ranks[-1] + 0.6, ranks[0] - 0.6)     # rank 0 on top
     ax.set_xlim(0, makespan)
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
     bubble = bubble_fraction_from_timeline(events)
     ax.set_title(f"{title + ': ' if title else ''}bubble {100 * bubble:.1f}%")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    handles, _ = ax.get_legend_handles_labels()
+    if chunks > 1:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="grey", alpha=0.5, label="paler: a later chunk"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
 
-def save_gantt_png(events, path, title: str | None = None, dpi: int = 120) -> Path:
+def save_gantt_png(events, path, title: str | None = None, dpi: int = 120,
+                   time_unit: str | None = None) -> Path:
     """Write the matplotlib chart to ``path`` (PNG) without touching pyplot's state; returns the path."""
     from matplotlib.figure import Figure            # a bare Figure needs no GUI backend
 
     events = from_dicts(events)
     figure = Figure(figsize=(11, 1.2 + 0.45 * len({e.rank for e in events})), dpi=dpi)
-    plot_gantt(events, ax=figure.add_subplot(), title=title)
+    plot_gantt(events, ax=figure.add_subplot(), title=title, time_unit=time_unit)
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=dpi)

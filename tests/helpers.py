@@ -1,0 +1,38 @@
+"""Assertions shared by the script tests."""
+
+from __future__ import annotations
+
+from distlab import launch
+
+
+def assert_all_checks_passed(result: launch.LaunchResult, min_checks: int = 1) -> dict:
+    """Every check in the run's metrics passed, and there were some: a run that checks nothing proves nothing."""
+    assert result.returncode == 0, result.tail()
+    metrics = result.metrics
+    assert metrics is not None, "the script wrote no metrics file"
+    for key in ("script", "world_size", "device", "config", "losses", "checks", "comm", "memory", "throughput"):
+        assert key in metrics, f"metrics lack {key!r}"
+    checks = metrics["checks"]
+    assert len(checks) >= min_checks, f"expected at least {min_checks} checks, got {len(checks)}"
+    failed = [c for c in checks if not c["passed"]]
+    assert not failed, f"failed checks: {failed}"
+    return metrics
+
+
+def assert_config_error(script: str, args, expected_text: str, nproc: int = 4, launcher: str = "auto",
+                        max_seconds: float = 30) -> launch.LaunchResult:
+    """A bad configuration: exit code 2 on every rank, one clear line each, no Python traceback, quickly."""
+    result = launch.run(script, nproc=nproc, args=args, stream=False, check=False, launcher=launcher,
+                        metrics=False, timeout=max_seconds + 30)
+    assert result.returncode in (1, 2) if launcher == "torchrun" else result.returncode == 2, result.tail()
+    error_lines = [ln for ln in result.lines if ln.startswith("config error")]
+    assert len(error_lines) == nproc, f"expected one 'config error' line per rank:\n{result.tail()}"
+    assert all(expected_text in ln for ln in error_lines), f"{expected_text!r} not in {error_lines}"
+    script_tracebacks = [ln for ln in result.lines if ln.startswith("Traceback")]
+    if launcher != "torchrun":  # torchrun's own agent prints a traceback of ChildFailedError; ranks must not
+        assert not script_tracebacks, result.tail()
+        assert set(result.rank_exit_codes.values()) == {2}, result.rank_exit_codes
+    else:
+        assert "exitcode  : 2" in result.output, result.tail()
+    assert result.seconds < max_seconds, f"took {result.seconds:.1f} s to fail"
+    return result
