@@ -90,9 +90,11 @@ def _group_size(group) -> int:
 # payload of each torch.distributed collective, from its arguments
 def _c10d_payload(name, args, kwargs):
     first = args[0] if args else next(iter(kwargs.values()))
-    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        out, inp = args[0], args[1]
-        return _nbytes(out) if name == "all_gather_into_tensor" else _nbytes(inp)
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single"):
+        # FSDP2 passes these by keyword (output=..., input=...)
+        out = args[0] if len(args) > 0 else kwargs.get("output", kwargs.get("output_tensor"))
+        inp = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
+        return _nbytes(out) if name.startswith("all_gather") else _nbytes(inp)
     if name == "all_gather":  # (tensor_list, tensor)
         return sum(_nbytes(t) for t in args[0])
     if name == "reduce_scatter":  # (output, input_list)
@@ -108,6 +110,8 @@ _C10D_FUNCTIONS = {
     "all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
     "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
     "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    # torch 2.13 names (the *_tensor ones are deprecated aliases of these; FSDP2 calls these)
+    "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
     "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
     "send": "send", "isend": "send",
 }
