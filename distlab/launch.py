@@ -12,10 +12,15 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
 
 ``launcher="auto"`` picks fork for CPU runs and torchrun otherwise; ``DISTLAB_LAUNCHER`` overrides.
 A failing run raises :class:`LaunchError` with the tail of its output (unless ``check=False``).
+
+``DISTLAB_LAUNCH_CACHE=DIR`` (set by the test suite only) replays a run already made in the same test
+session with the same script contents, arguments and ranks: the learner's copy of a notebook launches
+exactly what the full notebook launched a minute earlier, so the suite does not pay for it twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -112,6 +117,12 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     else:
         command = [sys.executable, "-m", "distlab.forkrun", f"--nproc={nproc}", str(script), *args]
 
+    cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path)
+    if cache_file is not None and cache_file.exists():
+        result = _replay(cache_file, script, check, stream, metrics_path)
+        tmpdir.cleanup()
+        return result
+
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env.setdefault("DISTLAB_PG_TIMEOUT", "120")
@@ -151,6 +162,10 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     if metrics_path is not None and metrics_path.exists():
         result.metrics = json.loads(metrics_path.read_text())
     tmpdir.cleanup()
+    if cache_file is not None:
+        cache_file.write_text(json.dumps({"command": command, "returncode": result.returncode, "output": output,
+                                          "seconds": result.seconds, "metrics": result.metrics,
+                                          "rank_exit_codes": result.rank_exit_codes}))
     if check and result.returncode != 0:
         raise LaunchError(f"{script} exited with code {result.returncode} after {result.seconds:.1f} s. "
                           f"Last output:\n{result.tail()}", result)
@@ -165,3 +180,30 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
             rank = int(line.split()[2])
             codes[rank] = int(line.rsplit(" ", 1)[1])
     return codes
+
+
+def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[str], metrics_path) -> Path | None:
+    folder = os.environ.get("DISTLAB_LAUNCH_CACHE")
+    path = script if script.is_absolute() else cwd / script
+    if not folder or not path.exists():
+        return None
+    key = hashlib.sha256()
+    key.update(path.read_bytes())
+    key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)]]).encode())
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder) / f"{key.hexdigest()[:24]}.json"
+
+
+def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_path) -> LaunchResult:
+    saved = json.loads(cache_file.read_text())
+    if metrics_path is not None and saved["metrics"] is not None:  # a caller may read the file itself
+        Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(metrics_path).write_text(json.dumps(saved["metrics"]))
+    result = LaunchResult(saved["command"], saved["returncode"], saved["output"], saved["seconds"],
+                          saved["metrics"], {int(k): v for k, v in saved["rank_exit_codes"].items()})
+    if stream:
+        print(f"[replayed from this test session's earlier run of {script}]", flush=True)
+        print(result.output, end="", flush=True)
+    if check and result.returncode != 0:
+        raise LaunchError(f"{script} exited with code {result.returncode}. Last output:\n{result.tail()}", result)
+    return result

@@ -26,7 +26,11 @@ def assert_config_error(script: str, args, expected_text: str, nproc: int = 4, l
                         metrics=False, timeout=max_seconds + 30)
     assert result.returncode in (1, 2) if launcher == "torchrun" else result.returncode == 2, result.tail()
     error_lines = [ln for ln in result.lines if ln.startswith("config error")]
-    assert len(error_lines) == nproc, f"expected one 'config error' line per rank:\n{result.tail()}"
+    if launcher == "torchrun":
+        # torchrun's agent stops the other ranks as soon as one fails, so not every rank may get to print
+        assert 1 <= len(error_lines) <= nproc, f"expected 'config error' lines:\n{result.tail()}"
+    else:
+        assert len(error_lines) == nproc, f"expected one 'config error' line per rank:\n{result.tail()}"
     assert all(expected_text in ln for ln in error_lines), f"{expected_text!r} not in {error_lines}"
     script_tracebacks = [ln for ln in result.lines if ln.startswith("Traceback")]
     if launcher != "torchrun":  # torchrun's own agent prints a traceback of ChildFailedError; ranks must not

@@ -1,0 +1,36 @@
+"""A test-only job: reports what distlab.runtime saw, all-reduces, and can be told to fail or hang."""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import metrics, runtime
+
+
+def main():
+    p = runtime.parser(__doc__, steps=None)
+    p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises an exception")
+    p.add_argument("--sleep", type=float, default=0.0, help="rank 0 sleeps this long before the collective")
+    p.add_argument("--bad-config", action="store_true")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: runtime.require(not args.bad_config, "probe told to fail")) as rt:
+        report = metrics.Report(__file__, rt, vars(args))
+        if rt.rank == args.fail_rank:
+            raise RuntimeError(f"probe failure on rank {rt.rank}")
+        if rt.rank == 0 and args.sleep:
+            time.sleep(args.sleep)
+        value = torch.tensor([float(rt.rank)])
+        dist.all_reduce(value)
+        report.check_equal("all-reduce of ranks", value.item(), float(sum(range(rt.world_size))))
+        ranks = [None] * rt.world_size
+        dist.all_gather_object(ranks, (rt.rank, rt.local_rank, rt.launcher))
+        report.extra["ranks"] = ranks
+        rt.print(f"probe ok: world {rt.world_size}")
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""distlab.launch: both launchers give scripts the same job, failures surface clearly, nothing hangs."""
+
+from pathlib import Path
+
+import pytest
+
+from distlab import launch
+from helpers import assert_all_checks_passed, assert_config_error
+
+PROBE = str(Path(__file__).with_name("probe_job.py"))
+
+
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_both_launchers_give_the_same_job(launcher):
+    result = launch.run(PROBE, nproc=4, launcher=launcher, stream=False)
+    metrics = assert_all_checks_passed(result)
+    assert metrics["world_size"] == 4
+    assert [r[:2] for r in metrics["extra"]["ranks"]] == [[r, r] for r in range(4)]
+
+
+def test_output_is_streamed_live(capsys):
+    launch.run(PROBE, nproc=2)
+    out = capsys.readouterr().out
+    assert out.startswith("$ torchrun --standalone --nproc_per_node=2")
+    assert "probe ok: world 2" in out
+
+
+def test_a_failing_rank_raises_with_the_tail_of_the_output():
+    with pytest.raises(launch.LaunchError, match="probe failure on rank 2") as error:
+        launch.run(PROBE, nproc=4, args=["--fail-rank", "2"], stream=False, timeout=60)
+    assert error.value.result.returncode == 1
+    assert error.value.result.seconds < 30, "the other ranks must not wait for a dead peer"
+
+
+def test_config_error_exits_2_on_every_rank():
+    assert_config_error(PROBE, ["--bad-config"], "probe told to fail")
+
+
+def test_config_error_under_torchrun():
+    assert_config_error(PROBE, ["--bad-config"], "probe told to fail", launcher="torchrun")
+
+
+def test_a_hung_run_is_killed_at_the_timeout():
+    with pytest.raises(launch.LaunchError, match="did not finish within 3 s"):
+        launch.run(PROBE, nproc=2, args=["--sleep", "60"], stream=False, timeout=3)
+
+
+def test_the_replay_cache_returns_the_earlier_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DISTLAB_LAUNCH_CACHE", str(tmp_path))
+    first = launch.run(PROBE, nproc=2, stream=False)
+    second = launch.run(PROBE, nproc=2)
+    assert second.metrics == first.metrics and second.output == first.output
+    assert "replayed" in capsys.readouterr().out
+    assert len(list(tmp_path.iterdir())) == 1
