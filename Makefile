@@ -23,16 +23,20 @@ venv: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
-## Every test: unit, scripts (4 CPU ranks), notebooks (nbval), student copies, PBS jobs
+NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
+
+## Every test: unit, scripts (4 CPU ranks), PBS jobs, notebooks (nbval), then the learner's copies
+## (in that order: the learner's copies replay the runs their full notebooks just made)
 test: $(STAMP)
-	$(PY) -m pytest tests --nbval-lax --nbval-current-env notebooks/[0-9]*.ipynb $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) tests/notebooks \
+		--nbval-lax --nbval-current-env $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 scripts: $(STAMP)
 	$(PY) -m pytest tests/scripts $(PYTEST_ARGS)
 notebooks: $(STAMP)
-	$(PY) -m pytest tests/notebooks --nbval-lax --nbval-current-env notebooks/[0-9]*.ipynb $(PYTEST_ARGS)
+	$(PY) -m pytest $(NOTEBOOKS) tests/notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
 pbs: $(STAMP)
 	$(PY) -m pytest tests/pbs $(PYTEST_ARGS)
 
