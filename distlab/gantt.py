@@ -29,6 +29,11 @@ IDLE_COLOUR = "#EEEEEE"
 DEFAULT_WIDTH = 100
 
 
+def _kind_order(kind: str) -> int:
+    """F, B, I, W in the order a microbatch meets them; anything else last."""
+    return {"F": 0, "B": 1, "I": 2, "W": 3}.get(kind, 4)
+
+
 def _grid_step(events: list[TimelineEvent], origin: float) -> float | None:
     """The shortest duration, if every start and end is a whole multiple of it (simulated timelines);
     None for measured ones, whose times fall anywhere."""
@@ -106,7 +111,7 @@ def ascii_gantt(events, width: int | None = None, title: str | None = None,
         lines.append(row_label.format(rank) + row + "|")
     end_label = f"{makespan:.4g}"
     lines.append(" " * prefix + "0" + end_label.rjust(used))
-    kinds = sorted({e.kind for e in events}, key=lambda k: "FBIW".find(k) % 5)
+    kinds = sorted({e.kind for e in events}, key=_kind_order)
     named = ", ".join(f"{k}n {KIND_NAMES.get(k, k).split(' (')[0]} of microbatch n" for k in kinds)
     fills = " ".join(f"'{FILL_CHARACTER.get(k, '?')}'" for k in kinds)
     lines.append(f"legend: {named}; {fills} mark a pass, or its rest, too short for its label; "
@@ -155,7 +160,7 @@ def plot_gantt(events, ax=None, title: str | None = None, time_unit: str | None 
     stages_of_rank = {rank: sorted({e.stage for e in events if e.rank == rank}) for rank in ranks}
     chunk_of = {(rank, stage): stages.index(stage) for rank, stages in stages_of_rank.items() for stage in stages}
     chunks = max(len(stages) for stages in stages_of_rank.values())
-    kinds = sorted({e.kind for e in events}, key=lambda k: "FBIW".find(k) % 5)
+    kinds = sorted({e.kind for e in events}, key=_kind_order)
     for kind in kinds:
         for chunk in range(chunks):
             of_kind = [e for e in events if e.kind == kind and chunk_of[e.rank, e.stage] == chunk]

@@ -28,7 +28,6 @@ import gc
 from collections import defaultdict
 from dataclasses import dataclass
 
-KINDS = ("F", "B", "W")
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
@@ -368,6 +367,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
     rank_free_at = {rank: 0.0 for rank in schedule.actions}
     timeline: dict[int, list[TimelineEvent]] = {rank: [] for rank in schedule.actions}
     runnable = list(schedule.actions)
+    waiting_on: dict[int, int] = {}                                      # rank -> slot it last parked on
 
     def malformed(rank: int, action: Action, why: str) -> ValueError:
         return ValueError(f"{schedule.name}: rank {rank} runs {action}, {why}.")
@@ -422,6 +422,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
                 raise malformed(rank, action, f"but kind {kind!r} is not one of this schedule's "
                                               f"{'F, B, W' if schedule.split_backward else 'F, B'}")
             if waiting_for >= 0:
+                waiting_on[rank] = waiting_for
                 if parked[waiting_for] is None:
                     parked[waiting_for] = []
                 parked[waiting_for].append(rank)
@@ -439,9 +440,15 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
 
     stuck = [rank for rank in schedule.actions if position[rank] < len(schedule.actions[rank])]
     if stuck:
-        details = "; ".join(f"rank {r} at {schedule.actions[r][position[r]]} (its action {position[r]})"
-                            for r in stuck)
-        raise ValueError(f"{schedule.name} deadlocks: these ranks wait for results that never come: {details}.")
+        schedule.validate()     # an action nobody lists is a clearer error than the deadlock it causes
+
+        def action_in(slot: int) -> Action:
+            kind, rest = divmod(slot, slots_per_kind)
+            return Action(rest // num_microbatches, rest % num_microbatches, "FBW"[kind])
+
+        details = "; ".join(f"rank {r} at {schedule.actions[r][position[r]]} (its action {position[r]}) "
+                            f"waits for {action_in(waiting_on[r])}" for r in stuck)
+        raise ValueError(f"{schedule.name} deadlocks: {details}.")
     kinds_per_pair = 3 if schedule.split_backward else 2
     if sum(position.values()) != kinds_per_pair * slots_per_kind:
         schedule.validate()     # some action was never listed: let validate() name one
@@ -459,7 +466,9 @@ def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     not shorten the fill and drain. Interleaving (V > 1) shrinks both V-fold. Assumes no send latency and
     the same forward/backward costs on every stage.
     """
-    _check_sizes(stages, microbatches, chunks)
+    for label, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}.")
     return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
