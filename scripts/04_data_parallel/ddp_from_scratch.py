@@ -1,0 +1,205 @@
+"""Data parallelism by hand: broadcast the weights once, then average the gradients after every backward.
+
+Each of N ranks holds a full replica of the model and trains on its own N-th of the global batch. Two
+collectives make the replicas behave like one model trained on the whole batch:
+
+1. ``broadcast`` rank 0's weights at the start (here every rank deliberately builds *different* weights,
+   seed + rank, so the broadcast visibly matters);
+2. after ``loss.backward()``, ``all_reduce`` every gradient (sum) and divide by N: every rank now holds the
+   gradient of the mean loss over the global batch, and takes the same AdamW step.
+
+The script proves it: a single-device run on the same global batch (on rank 0, in lockstep) gives the same
+loss and the same parameters at every step, within fp32 rounding; every replica ends identical; and the
+bytes all-reduced per step equal the parameter bytes (each rank sends 2(N-1)/N of them on a ring).
+
+    torchrun --standalone --nproc_per_node=4 scripts/04_data_parallel/ddp_from_scratch.py
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import comm, data, metrics, models, runtime
+
+# fp32 tolerances. Gradients: the N partial sums are added in another order than one big sum, so they
+# differ by a few ulps (measured 2e-8 to 2e-7 on gradients up to ~5e-2: tolerance 1e-5). Losses: ~1e-7.
+# Parameters: AdamW divides each gradient by sqrt(v) + eps (eps = 1e-8), so where a gradient is itself
+# ~1e-8 a 1e-11 rounding difference moves that weight by lr * 1e-3 (measured ~4e-6 with lr 3e-3); the
+# tolerance is lr / 100 (3e-5 at the default lr): far below a real bug (a missing division by N moves
+# weights by ~lr), far above rounding.
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+
+def param_tolerance(lr: float) -> float:
+    return lr / 100
+
+
+def check_config(args, world_size):
+    runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
+    if args.batch is not None:
+        runtime.require(args.batch >= world_size and args.batch % world_size == 0,
+                        f"--batch {args.batch} does not split over {world_size} ranks "
+                        f"(the global batch must be a multiple of the world size)")
+
+
+# ---- the two collectives of data parallelism ----------------------------------------------------
+
+
+@torch.no_grad()
+def broadcast_parameters(model, src=0):
+    """Make every replica start from rank ``src``'s weights."""
+    for param in model.parameters():
+        dist.broadcast(param, src=src)
+
+
+@torch.no_grad()
+def average_gradients(model):
+    """Replace each rank's gradient by the mean over ranks: the gradient of the global-batch loss.
+
+    Each rank's loss is the mean over its B/N samples, so the mean of the N local gradients is the gradient
+    of the mean over all B samples (gloo has no AVG reduction: sum, then divide).
+    """
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            param.grad.div_(world_size)
+
+
+def replica_fingerprint(model) -> torch.Tensor:
+    """One float64 number per parameter tensor: equal on every rank if (and in practice only if) the replicas are."""
+    return torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in model.parameters()])
+
+
+def replicas_identical(model) -> bool:
+    mine = replica_fingerprint(model).cpu()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(mine, other) for other in everyone)
+
+
+def make_optimizer(params, args):
+    return torch.optim.AdamW(params, lr=args.lr)
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=10)
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch, sequences per step, split over the ranks (default: 8; 16 for a100)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="train a single-device reference on rank 0 in lockstep and compare every step "
+                        "(default: on for tiny; off for a100, whose reference would not fit beside the replica)")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset)
+        args.batch = args.batch or (16 if args.preset == "a100" else 8)
+        rt.require(args.batch % rt.world_size == 0, f"--batch {args.batch} does not split over {rt.world_size} ranks")
+        precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
+        with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
+        num_params = cfg.num_params()
+        rt.print(f"{args.preset} transformer: {num_params:,} parameters; global batch {args.batch} = "
+                 f"{rt.world_size} ranks x {args.batch // rt.world_size} sequences of {cfg.seq_len} tokens; "
+                 f"{precision}, {rt.device}")
+
+        # Every rank builds its own weights (seed + rank: different on purpose), then takes rank 0's.
+        model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
+        differed = not replicas_identical(model)
+        broadcast_parameters(model, src=0)
+        report.check("replicas differed before the broadcast", differed or rt.world_size == 1)
+        report.check("replicas identical after the broadcast", replicas_identical(model))
+        optimizer = make_optimizer(model.parameters(), args)
+        autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+        reference = ref_optimizer = None
+        if with_reference and rt.rank == 0:
+            reference = models.build_transformer(cfg, seed=args.seed, device=rt.device)  # rank 0's seed
+            ref_optimizer = make_optimizer(reference.parameters(), args)
+        loss_diffs, grad_diffs, param_diffs, ref_losses = [], [], [], []
+
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bytes_per_step, seconds = [], []
+        for step in range(args.steps):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, rt.world_size).to(rt.device))
+            rt.sync()
+            started = time.perf_counter()
+            with autocast:
+                loss = models.lm_loss(model(inputs), targets)
+            loss.backward()
+            with comm.CommCounter() as counter:
+                average_gradients(model)  # the whole of data parallelism, after backward
+            bytes_per_step.append(counter.total("all_reduce"))
+            rt.sync()
+            seconds.append(time.perf_counter() - started)
+
+            if reference is not None:  # the single-device run: same global batch, same step
+                ref_inputs, ref_targets = data.split_inputs_targets(tokens.to(rt.device))
+                with autocast:
+                    ref_loss = models.lm_loss(reference(ref_inputs), ref_targets)
+                ref_loss.backward()
+                grad_diffs.append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                                                       [p.grad for p in reference.parameters()]))
+                ref_optimizer.step()
+                ref_optimizer.zero_grad(set_to_none=True)
+                ref_losses.append(ref_loss.item())
+
+            started = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            rt.sync()
+            seconds[-1] += time.perf_counter() - started
+
+            # the loss of the global batch: the mean of the ranks' losses (equal shard sizes)
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)
+            global_loss = global_loss.item() / rt.world_size
+            report.losses.append(global_loss)
+            if reference is not None:
+                loss_diffs.append(abs(global_loss - ref_losses[-1]))
+                param_diffs.append(metrics.max_abs_diff(list(model.parameters()), list(reference.parameters())))
+                rt.print(f"step {step:3d}  loss {global_loss:.6f}  single-device {ref_losses[-1]:.6f}  "
+                         f"max |diff|: loss {loss_diffs[-1]:.1e}  grads {grad_diffs[-1]:.1e}  "
+                         f"params {param_diffs[-1]:.1e}")
+            else:
+                rt.print(f"step {step:3d}  loss {global_loss:.6f}  ({seconds[-1] * 1e3:.0f} ms)")
+
+        # ---- communication: measured = analytic ----
+        sent = comm.bytes_sent_per_rank("all_reduce", param_bytes, rt.world_size)
+        report.add_comm("all_reduce", bytes_per_step[-1], param_bytes, sent_bytes_per_rank=sent,
+                        calls=len(list(model.parameters())))
+        rt.print(f"all-reduced per step: {bytes_per_step[-1]:,} B (parameter bytes: {param_bytes:,} B); "
+                 f"on a ring each rank sends 2(N-1)/N of it = {sent:,.0f} B")
+        report.check("bytes all-reduced per step = parameter bytes (every step)",
+                     all(b == param_bytes for b in bytes_per_step), bytes_per_step[-1], f"== {param_bytes}")
+
+        if rt.rank == 0 and reference is not None:
+            report.check_close("loss = single-device loss (every step)", max(loss_diffs), 0.0, LOSS_TOLERANCE)
+            report.check_close("averaged gradients = single-device gradients (every step)", max(grad_diffs), 0.0,
+                               GRAD_TOLERANCE)
+            report.check_close("parameters = single-device parameters (every step)", max(param_diffs), 0.0,
+                               param_tolerance(args.lr))
+            report.extra["reference_losses"] = ref_losses
+            report.extra["loss_diffs"] = loss_diffs
+            report.extra["grad_diffs"] = grad_diffs
+            report.extra["param_diffs"] = param_diffs
+        elif reference is None:
+            rt.print("single-device comparison off (--no-reference); the replicas are still checked")
+        report.check("replicas identical after training", replicas_identical(model))
+
+        tokens_per_s = args.batch * cfg.seq_len * len(seconds) / sum(seconds)
+        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": sum(seconds) / len(seconds)}
+        report.memory = {"device": metrics.memory_snapshot(rt.device)}
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
