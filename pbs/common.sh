@@ -1,0 +1,344 @@
+# shellcheck shell=bash
+# pbs/common.sh: what every PBS job of the course shares. A job sources it, then launches scripts:
+#
+#     cd "${PBS_O_WORKDIR:-.}" && { [[ -f pbs/common.sh ]] || cd ..; } || exit 2
+#     source pbs/common.sh || exit 2
+#     distlab_launch scripts/04_data_parallel/train_ddp.py --preset "$DISTLAB_PRESET" --device "$DISTLAB_DEVICE" \
+#         --metrics-out "$DISTLAB_RUN_DIR/train_ddp.json"
+#     distlab_finish
+#
+# Sourcing it: loads modules, activates the conda environment, sets NCCL/libfabric for Slingshot, reads
+# the job's nodes from $PBS_NODEFILE, exports MASTER_ADDR/MASTER_PORT and makes a run directory.
+# distlab_launch starts one script on every GPU of the job, with mpiexec (default) or with one torchrun
+# agent per node. Every setting is an environment variable with a default (qsub -v NAME=value);
+# pbs/README.md lists them. Anything wrong stops the job at once with one line "distlab: error: ...".
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    echo "pbs/common.sh is sourced by the jobs in pbs/, not run: see pbs/README.md" >&2
+    exit 2
+fi
+
+set -uo pipefail # no -e: one failing script must not stop the others; distlab_finish reports it
+
+distlab_log() { printf 'distlab: %s\n' "$*"; }
+distlab_die() {
+    printf 'distlab: error: %s\n' "$*" >&2
+    exit 2
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Settings (defaults for Derecho: 4 x A100 per node, PBS Pro, Cray PALS mpiexec, conda)
+# ---------------------------------------------------------------------------------------------------
+DISTLAB_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || distlab_die "cannot find the repository root"
+DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-mpiexec}          # mpiexec | torchrun
+DISTLAB_MPIEXEC=${DISTLAB_MPIEXEC:-mpiexec}            # the mpiexec binary
+DISTLAB_MPIEXEC_FLAVOR=${DISTLAB_MPIEXEC_FLAVOR:-auto} # auto | pals (Cray) | hydra (MPICH, Intel MPI)
+DISTLAB_MPIEXEC_ARGS=${DISTLAB_MPIEXEC_ARGS:-}         # extra mpiexec flags, e.g. "-launcher fork"
+DISTLAB_CPU_BIND=${DISTLAB_CPU_BIND:-none}             # PALS --cpu-bind (none, depth, core, ...)
+DISTLAB_DEPTH=${DISTLAB_DEPTH:-}                       # PALS --depth (cores per rank); implies --cpu-bind depth
+DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-4}      # ranks per node: one per GPU
+DISTLAB_NPROCS=${DISTLAB_NPROCS:-}                     # ranks of one launch (default: every GPU of the job)
+DISTLAB_DEVICE=${DISTLAB_DEVICE:-cuda}                 # what the jobs pass to --device
+DISTLAB_PRESET=${DISTLAB_PRESET:-a100}                 # what the jobs pass to --preset
+DISTLAB_ONLY=${DISTLAB_ONLY:-}                         # run only these scripts (comma-separated file names)
+DISTLAB_DRY_RUN=${DISTLAB_DRY_RUN:-0}                  # 1: print the launch commands, run nothing
+DISTLAB_LAUNCH_TIMEOUT=${DISTLAB_LAUNCH_TIMEOUT:-}     # seconds one launch may take (default: the walltime)
+DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python imports torch and distlab first
+DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv cuda conda}  # modules to load ("" for none)
+DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
+DISTLAB_NETWORK=${DISTLAB_NETWORK:-slingshot}          # slingshot: NCCL/libfabric settings below; none: leave them
+DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
+[[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
+[[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
+case $DISTLAB_LAUNCHER in
+mpiexec | torchrun) ;;
+*) distlab_die "DISTLAB_LAUNCHER=$DISTLAB_LAUNCHER: use mpiexec or torchrun" ;;
+esac
+
+# ---------------------------------------------------------------------------------------------------
+# Software: modules, conda, python
+# ---------------------------------------------------------------------------------------------------
+distlab_load_modules() {
+    [[ -n $DISTLAB_MODULES ]] || return 0
+    if ! type module >/dev/null 2>&1; then
+        distlab_log "no 'module' command here: not loading $DISTLAB_MODULES"
+        return 0
+    fi
+    local modules rc
+    read -ra modules <<<"$DISTLAB_MODULES"
+    set +u # module scripts read unset variables
+    module load "${modules[@]}"
+    rc=$?
+    set -u
+    ((rc == 0)) || distlab_die "module load $DISTLAB_MODULES failed: set DISTLAB_MODULES to your site's modules ('' for none)"
+}
+
+distlab_activate_conda() {
+    [[ -n $DISTLAB_CONDA_ENV ]] || return 0
+    if [[ ${CONDA_DEFAULT_ENV:-} == "$DISTLAB_CONDA_ENV" ]]; then
+        return 0
+    fi
+    if ! type conda >/dev/null 2>&1; then
+        distlab_log "no conda here: not activating '$DISTLAB_CONDA_ENV', using $(command -v python3 || echo 'no python3')"
+        return 0
+    fi
+    local hook rc
+    set +u # conda's activation scripts read unset variables
+    hook=$(conda shell.bash hook 2>/dev/null) && eval "$hook"
+    conda activate "$DISTLAB_CONDA_ENV"
+    rc=$?
+    set -u
+    ((rc == 0)) || distlab_die "conda activate $DISTLAB_CONDA_ENV failed: create it once with 'conda env create -f environment.yml'"
+}
+
+distlab_check_python() {
+    DISTLAB_PYTHON=${DISTLAB_PYTHON:-python}
+    command -v "$DISTLAB_PYTHON" >/dev/null 2>&1 || distlab_die "DISTLAB_PYTHON=$DISTLAB_PYTHON: no such command"
+    # Every rank imports distlab from this checkout, whatever is installed in the environment.
+    export PYTHONPATH="$DISTLAB_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    [[ $DISTLAB_PREFLIGHT == 1 ]] || return 0
+    local report
+    report=$("$DISTLAB_PYTHON" -c 'import sys, torch, distlab
+cuda = torch.cuda.is_available()
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"{torch.cuda.device_count() if cuda else 0} GPU(s) visible on this node")' 2>&1) ||
+        distlab_die "$DISTLAB_PYTHON cannot import torch and distlab: ${report##*$'\n'}"
+    distlab_log "$report"
+    if [[ $DISTLAB_DEVICE == cuda && $report == *" 0 GPU(s) "* ]]; then
+        distlab_die "no GPU is visible but DISTLAB_DEVICE=cuda: ask for GPUs (-l select=...:ngpus=4) or set DISTLAB_DEVICE=cpu"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Network: NCCL over HPE Slingshot-11 (Derecho and other Cray EX systems). Each setting keeps a value
+# already in the environment, so `qsub -v NCCL_DEBUG=INFO` or an export before sourcing wins.
+# ---------------------------------------------------------------------------------------------------
+distlab_network_env() {
+    [[ $DISTLAB_NETWORK == slingshot ]] || return 0
+    # Bootstrap and socket traffic over the Slingshot interfaces hsn0..hsnN, not the management Ethernet.
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
+    # Let a ring or tree leave a node on a different NIC than it entered (4 NICs per node, not rail-wired).
+    export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-1}
+    # GPUDirect RDMA when the GPU and the NIC share a PCIe host bridge.
+    export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
+    # Warnings only; NCCL_DEBUG=INFO shows the transport chosen ("Using network AWS Libfabric" or "Socket").
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    # libfabric's Slingshot provider. Without DISABLE_HOST_REGISTER CUDA allocations can deadlock with it;
+    # a larger completion queue avoids overruns at scale; userfaultfd is the safe memory-cache monitor.
+    export FI_PROVIDER=${FI_PROVIDER:-cxi}
+    export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
+    export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
+    export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
+    # PyTorch talks through NCCL, not GPU-aware MPI: asking Cray MPICH for GPU support without its GTL
+    # library linked aborts at start.
+    export MPICH_GPU_SUPPORT_ENABLED=${MPICH_GPU_SUPPORT_ENABLED:-0}
+    # NCCL's fast path over Slingshot is the aws-ofi-nccl plugin. NCCL_NET="AWS Libfabric" makes NCCL fail
+    # at start when the plugin is missing instead of silently falling back to TCP sockets, so "auto" sets
+    # it only when a libnccl-net plugin is on LD_LIBRARY_PATH or in the conda environment.
+    if [[ -z ${NCCL_NET:-} ]]; then
+        local use_ofi=$DISTLAB_NCCL_OFI dir
+        if [[ $use_ofi == auto ]]; then
+            use_ofi=0
+            local -a dirs
+            IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}:${CONDA_PREFIX:+$CONDA_PREFIX/lib}"
+            for dir in "${dirs[@]}"; do
+                if [[ -n $dir ]] && compgen -G "$dir/libnccl-net*.so*" >/dev/null; then
+                    use_ofi=1
+                    break
+                fi
+            done
+        fi
+        if [[ $use_ofi == 1 ]]; then
+            export NCCL_NET="AWS Libfabric"
+        elif ((DISTLAB_NNODES > 1)); then
+            distlab_log "no aws-ofi-nccl plugin found: NCCL between nodes uses TCP sockets on $NCCL_SOCKET_IFNAME (slower)"
+        fi
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Nodes: PBS writes one line per MPI process (mpiprocs) per node into $PBS_NODEFILE, in node order.
+# ---------------------------------------------------------------------------------------------------
+distlab_port_from_job_id() {
+    # The same job id gives the same port on every node; two jobs sharing a node rarely collide.
+    local sum
+    sum=$(printf '%s' "$1" | cksum) || return 1
+    echo $((20000 + ${sum%% *} % 12000))
+}
+
+distlab_discover_nodes() {
+    [[ -n ${PBS_NODEFILE:-} ]] || distlab_die "PBS_NODEFILE is not set: submit the job with qsub (see pbs/README.md), or export PBS_NODEFILE=<file with one host per line> to try it elsewhere"
+    [[ -r $PBS_NODEFILE ]] || distlab_die "PBS_NODEFILE=$PBS_NODEFILE cannot be read"
+    local -a hosts
+    mapfile -t hosts < <(awk 'NF && !seen[$1]++ { print $1 }' "$PBS_NODEFILE")
+    ((${#hosts[@]} > 0)) || distlab_die "PBS_NODEFILE=$PBS_NODEFILE lists no hosts"
+    export DISTLAB_NODES="${hosts[*]}" DISTLAB_NNODES=${#hosts[@]}
+    # Rank 0 runs on the first node; every rank reads MASTER_ADDR/MASTER_PORT (distlab.runtime, torchrun).
+    export MASTER_ADDR=${DISTLAB_MASTER_ADDR:-${hosts[0]}}
+    export MASTER_PORT=${DISTLAB_MASTER_PORT:-$(distlab_port_from_job_id "${PBS_JOBID:-distlab}")}
+}
+
+distlab_make_run_dir() {
+    DISTLAB_RUN_DIR=${DISTLAB_RUN_DIR:-$DISTLAB_ROOT/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}}
+    mkdir -p "$DISTLAB_RUN_DIR/logs" || distlab_die "cannot create the run directory $DISTLAB_RUN_DIR"
+    export DISTLAB_RUN_DIR
+    DISTLAB_HOSTFILE=$DISTLAB_RUN_DIR/hosts.txt # one line per node, for mpiexec -f (Hydra)
+    printf '%s\n' "${DISTLAB_NODES// /$'\n'}" >"$DISTLAB_HOSTFILE"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# mpiexec: Cray PALS (Derecho) and MPICH's Hydra spell their options differently
+# ---------------------------------------------------------------------------------------------------
+distlab_detect_mpiexec() {
+    local path version
+    path=$(command -v "$DISTLAB_MPIEXEC") || distlab_die "mpiexec not found ($DISTLAB_MPIEXEC): load your MPI module or set DISTLAB_MPIEXEC"
+    case $DISTLAB_MPIEXEC_FLAVOR in
+    pals | hydra) return 0 ;;
+    auto) ;;
+    *) distlab_die "DISTLAB_MPIEXEC_FLAVOR=$DISTLAB_MPIEXEC_FLAVOR: use auto, pals or hydra" ;;
+    esac
+    version=$("$DISTLAB_MPIEXEC" --version 2>&1 </dev/null | head -n 20)
+    case "$path $version" in
+    *HYDRA* | *"Intel(R) MPI"*) DISTLAB_MPIEXEC_FLAVOR=hydra ;;
+    *"Open MPI"* | *OpenRTE*) distlab_die "$path is Open MPI's mpiexec: use Cray PALS or MPICH (DISTLAB_MPIEXEC), or DISTLAB_LAUNCHER=torchrun with Cray PALS/MPICH" ;;
+    *pals* | *PALS*) DISTLAB_MPIEXEC_FLAVOR=pals ;;
+    *)
+        DISTLAB_MPIEXEC_FLAVOR=pals
+        distlab_log "could not tell which mpiexec $path is: assuming Cray PALS (set DISTLAB_MPIEXEC_FLAVOR=pals|hydra)"
+        ;;
+    esac
+}
+
+# distlab_mpiexec_command NPROCS PPN: the mpiexec words that start NPROCS processes, PPN per node.
+distlab_mpiexec_command() {
+    local nprocs=$1 ppn=$2 bind=$DISTLAB_CPU_BIND
+    local -a cmd extra
+    cmd=("$DISTLAB_MPIEXEC")
+    case $DISTLAB_MPIEXEC_FLAVOR in
+    pals)
+        cmd+=(-n "$nprocs" --ppn "$ppn")
+        if ((ppn == 1)); then
+            bind=none # a torchrun agent and its workers need every core of the node
+        elif [[ -n $DISTLAB_DEPTH ]]; then
+            cmd+=(--depth "$DISTLAB_DEPTH")
+            bind=depth
+        fi
+        cmd+=(--cpu-bind "$bind")
+        ;;
+    hydra) cmd+=(-n "$nprocs" -ppn "$ppn" -f "$DISTLAB_HOSTFILE") ;;
+    esac
+    read -ra extra <<<"$DISTLAB_MPIEXEC_ARGS"
+    cmd+=("${extra[@]}")
+    printf '%s\n' "${cmd[@]}"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# The one launch function
+# ---------------------------------------------------------------------------------------------------
+DISTLAB_RESULTS=()
+DISTLAB_LAUNCHES=0
+
+# distlab_launch SCRIPT [ARGS...]: run SCRIPT on DISTLAB_NPROCS ranks (default: every GPU of the job),
+# one per GPU, with DISTLAB_LAUNCHER. Returns the script's exit code; distlab_finish sums them up.
+distlab_launch() {
+    (($# >= 1)) || distlab_die "distlab_launch needs a script"
+    local script=$1
+    shift
+    local name=${script##*/}
+    if [[ -n $DISTLAB_ONLY && ",$DISTLAB_ONLY," != *",$name,"* ]]; then
+        distlab_log "skip $name (DISTLAB_ONLY=$DISTLAB_ONLY)"
+        return 0
+    fi
+    if [[ ! -f $script ]]; then
+        distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
+        DISTLAB_RESULTS+=("missing $name")
+        return 2
+    fi
+
+    local nprocs=${DISTLAB_NPROCS:-$((DISTLAB_NNODES * DISTLAB_GPUS_PER_NODE))}
+    local ppn=$((nprocs < DISTLAB_GPUS_PER_NODE ? nprocs : DISTLAB_GPUS_PER_NODE))
+    local nodes=$(((nprocs + ppn - 1) / ppn))
+    if ((nprocs % ppn != 0 || nodes > DISTLAB_NNODES)); then
+        distlab_die "$nprocs ranks do not fit $DISTLAB_NNODES node(s) x $DISTLAB_GPUS_PER_NODE GPUs (DISTLAB_NPROCS, DISTLAB_GPUS_PER_NODE)"
+    fi
+    DISTLAB_LAUNCHES=$((DISTLAB_LAUNCHES + 1))
+
+    local -a cmd
+    if [[ $DISTLAB_LAUNCHER == mpiexec ]]; then
+        # One process per GPU; distlab.runtime reads rank and local rank from PALS_*/PMI_* variables.
+        mapfile -t cmd < <(distlab_mpiexec_command "$nprocs" "$ppn")
+        cmd+=("$DISTLAB_PYTHON" -u "$script" "$@")
+    else
+        # One torchrun agent per node; the agents meet at MASTER_ADDR:MASTER_PORT (c10d rendezvous) and
+        # each starts one worker per GPU. The agent of the first node (rank 0 of this mpiexec) hosts the
+        # rendezvous store: is_host, passed through torchrun's PET_RDZV_CONF variable, says so explicitly
+        # rather than leaving torch to guess from host names.
+        mapfile -t cmd < <(distlab_mpiexec_command "$nodes" 1)
+        # shellcheck disable=SC2016 # expanded by the agent's shell on its own node, not here
+        cmd+=(bash -c 'agent=${PALS_RANKID:-${PMI_RANK:-}}; [[ -z $agent ]] || export PET_RDZV_CONF=is_host=$((agent == 0)); exec "$@"' torchrun-agent
+            "$DISTLAB_PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc-per-node="$ppn"
+            --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+            --rdzv-id="${PBS_JOBID:-distlab}-$DISTLAB_LAUNCHES" --max-restarts=0
+            "$script" "$@")
+    fi
+    if [[ -n $DISTLAB_LAUNCH_TIMEOUT ]]; then
+        cmd=(timeout --kill-after=15 "$DISTLAB_LAUNCH_TIMEOUT" "${cmd[@]}")
+    fi
+
+    local line log
+    line=$(printf '%q ' "${cmd[@]}")
+    printf '%s\n' "$line" >>"$DISTLAB_RUN_DIR/commands.sh"
+    distlab_log "launch $name: $nprocs rank(s) on $nodes node(s) with $DISTLAB_LAUNCHER"
+    echo "+ $line"
+    if [[ $DISTLAB_DRY_RUN == 1 ]]; then
+        DISTLAB_RESULTS+=("dry-run $name")
+        return 0
+    fi
+    log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
+    local start=$SECONDS rc
+    "${cmd[@]}" </dev/null 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    local seconds=$((SECONDS - start))
+    if ((rc == 0)); then
+        distlab_log "ok $name in ${seconds}s"
+        DISTLAB_RESULTS+=("ok $name ${seconds}s")
+    else
+        distlab_log "FAILED $name: exit code $rc after ${seconds}s (log: $log)"
+        DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
+    fi
+    return "$rc"
+}
+
+# distlab_finish: print what ran, write it to the run directory, exit 1 if any launch failed.
+distlab_finish() {
+    local result failed=0
+    {
+        echo "job ${PBS_JOBID:-local} on $DISTLAB_NNODES node(s): $DISTLAB_NODES"
+        if ((${#DISTLAB_RESULTS[@]} == 0)); then echo "  (nothing launched)"; fi
+        printf '  %s\n' "${DISTLAB_RESULTS[@]}"
+    } | tee "$DISTLAB_RUN_DIR/summary.txt"
+    for result in "${DISTLAB_RESULTS[@]}"; do
+        [[ $result == ok* || $result == dry-run* ]] || failed=1
+    done
+    distlab_log "metrics and logs in $DISTLAB_RUN_DIR"
+    exit "$failed"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Set up the job now
+# ---------------------------------------------------------------------------------------------------
+cd "$DISTLAB_ROOT" || distlab_die "cannot cd to $DISTLAB_ROOT"
+distlab_discover_nodes
+distlab_make_run_dir
+distlab_load_modules
+distlab_activate_conda
+distlab_check_python
+distlab_network_env
+distlab_detect_mpiexec
+if [[ -z ${OMP_NUM_THREADS:-} ]]; then
+    # Cores of this node shared by its ranks (torchrun would otherwise set 1).
+    OMP_NUM_THREADS=$(($(nproc 2>/dev/null || echo "$DISTLAB_GPUS_PER_NODE") / DISTLAB_GPUS_PER_NODE))
+    export OMP_NUM_THREADS=$((OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1))
+fi
+distlab_log "job ${PBS_JOBID:-local}: $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER ($DISTLAB_MPIEXEC_FLAVOR mpiexec); MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
+distlab_log "run directory $DISTLAB_RUN_DIR"
