@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 LAB_ARGS ?=
+# Jupyter refuses to run as root unless told; containers and some workshop VMs run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 
 .PHONY: lab test venv student student-check unit scripts notebooks pbs clean
@@ -21,7 +23,7 @@ venv: $(STAMP)
 
 ## Open the course in JupyterLab (learner copies in notebooks/student/)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
