@@ -37,7 +37,7 @@ def test_jupyterlab_serves_the_notebooks_and_the_kernel():
             assert page.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/kernelspecs?token={token}", timeout=5) as r:
             spec = json.load(r)["kernelspecs"]["python3"]["spec"]
-        assert Path(spec["argv"][0]).resolve().parent == Path(sys.executable).resolve().parent, spec["argv"]
+        assert Path(spec["argv"][0]).parent == Path(sys.executable).parent, spec["argv"]
     finally:
         server.terminate()
         server.wait(timeout=20)
