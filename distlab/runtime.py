@@ -279,7 +279,9 @@ class Runtime:
 
 def _config_error_exit(message: str, rank: int | None) -> None:
     who = f" (rank {rank})" if rank is not None else ""
-    print(f"config error{who}: {message}", file=sys.stderr, flush=True)
+    # one write, newline included: ranks sharing a pipe must not interleave their lines (print writes twice)
+    sys.stderr.write(f"config error{who}: {message}\n")
+    sys.stderr.flush()
     # os._exit: no atexit handlers or destructors that might wait on peers that already left
     sys.stdout.flush()
     os._exit(CONFIG_ERROR_EXIT_CODE)
