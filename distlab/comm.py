@@ -232,3 +232,38 @@ def _functional_mode(counter: CommCounter):
 
     del torch  # only needed for the import side effect
     return FunctionalCollectives()
+
+
+class ModuleCommCounter(CommCounter):
+    """A :class:`CommCounter` that also notes, for each collective, which module issued it and in which
+    phase: ``call.module`` (the innermost module running, e.g. ``"Transformer.layers.0.attention"``, or
+    ``"Global"`` outside every module) and ``call.phase`` (``"forward"`` or ``"backward"``).
+
+    It follows modules with torch's ``ModTracker`` (forward and backward hooks on every module). A hook
+    that runs after its module has returned (an output redistribution) is credited to the parent module.
+    """
+
+    def __enter__(self):
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        self._tracker = ModTracker()
+        self._tracker.__enter__()
+        self.calls = _TaggedCalls(self._tracker)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._tracker.__exit__(*exc)
+        return False
+
+
+class _TaggedCalls(list):
+    def __init__(self, tracker):
+        super().__init__()
+        self._tracker = tracker
+
+    def append(self, call):
+        parents = [name for name in self._tracker.parents if name != "Global"]
+        call.module = max(parents, key=lambda name: name.count("."), default="Global")
+        call.phase = "backward" if self._tracker.is_bw else "forward"
+        super().append(call)

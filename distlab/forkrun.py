@@ -54,6 +54,9 @@ def main() -> int:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn  # noqa: F401
+    # torch.optim and DTensor import torch._dynamo on first use: 1.5 s each rank, 4-6 s for 4 ranks on 2 cores.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     from distlab.runtime import free_port
 

@@ -86,6 +86,21 @@ def ledger(model, optimizer=None) -> StateBytes:
     return StateBytes(tensor_bytes(params), tensor_bytes(grads), tensor_bytes(state))
 
 
+def _local_shard(tensor):
+    # A wrapper tensor (a DTensor of tensor parallelism or FSDP2, or the AsyncCollectiveTensor a collective
+    # returns) holds no storage itself: the plain tensor inside it is what this rank's memory holds.
+    # Unwrapped through __tensor_flatten__, not to_local(): no autograd op inside a saved-tensor hook.
+    while hasattr(tensor, "__tensor_flatten__"):
+        inner_names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner_names[0])
+    return tensor
+
+
+def _storage_key(tensor) -> tuple:
+    local = _local_shard(tensor)
+    return (local.untyped_storage().data_ptr(), local.device)
+
+
 @contextmanager
 def saved_activation_bytes(exclude=()):
     """Measure the bytes autograd saves for backward inside the block: ``with ... as saved: loss = f(x)``.
@@ -100,11 +115,11 @@ def saved_activation_bytes(exclude=()):
         tensors = 0
 
     result = Saved()
-    seen: set = {(p.untyped_storage().data_ptr(), p.device) for p in exclude}
+    seen: set = {_storage_key(p) for p in exclude}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), tensor.device)
+        storage = _local_shard(tensor).untyped_storage()
+        key = _storage_key(tensor)
         is_leaf_weight = tensor.requires_grad and tensor.grad_fn is None
         if not is_leaf_weight:
             if key not in seen:
