@@ -1,0 +1,165 @@
+"""Tensor parallelism of the shared LLaMA-style transformer with DTensor: a declarative plan, and proof.
+
+Every rank holds 1/tp of every weight matrix (heads of attention, columns of the feed-forward, a slice of
+the vocabulary) and the whole batch; `parallelize_module` applies the plan of
+`distlab.tensor_parallel.transformer_tp_plan`, and `loss_parallel` computes the cross-entropy on logits
+that stay split over the vocabulary. The script proves that
+
+* losses over the training steps, and the gradients of the first step, equal the single-device model's;
+* the parameters each rank holds are 1/tp of the matrices plus the (replicated) norm weights;
+* the collectives of one training step, measured, equal the formula: 2 all-reduces of B x S x H per block
+  forward and 2 backward, one for the embedding, one for the output projection, three small ones for the loss.
+
+    torchrun --standalone --nproc_per_node=4 scripts/06_tensor_parallel/tp_transformer.py
+    torchrun --standalone --nproc_per_node=4 scripts/06_tensor_parallel/tp_transformer.py --preset a100
+"""
+
+import contextlib
+import sys
+import time
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from distlab import comm, data, memory, metrics, models, runtime, tensor_parallel
+
+BATCH = {"tiny": 4, "a100": 2}  # a100: the single-device reference (16 B/param of AdamW state) must fit 40 GB
+# fp32 sums in another order differ in the last bits (~1e-8 here); AdamW's 1/sqrt(v) magnifies that in later
+# steps' losses. A TP mistake (a missing reduction, a wrong slice) is off by 1e-3 or more.
+TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad": 1e-5}}
+
+
+def model_config(args) -> models.TransformerConfig:
+    overrides = {name: value for name, value in (("dim", args.dim), ("n_heads", args.heads),
+                                                 ("ffn_hidden", args.ffn_hidden)) if value is not None}
+    return models.preset(args.preset, **overrides)
+
+
+def check_config(args, world_size):
+    tp = args.tp or world_size
+    runtime.require(tp == world_size, f"--tp {tp} must equal the number of ranks ({world_size}): this chapter "
+                                      "runs tensor parallelism alone (chapter 09 combines it with data parallelism)")
+    cfg = model_config(args)
+    problems = tensor_parallel.tp_config_problems(cfg, tp, batch=args.batch, seq_len=args.seq_len)
+    runtime.require(not problems, "; ".join(problems))
+
+
+def train_single_device(cfg, args, device):
+    """The reference: the same model, data and optimizer on one device. Returns losses and step-0 grads."""
+    model = models.build_transformer(cfg, args.seed, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, first_grads = [], {}
+    for step in range(args.steps):
+        inputs, targets = data.split_inputs_targets(
+            data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(device))
+        loss = models.lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the number of ranks)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
+    p.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    args = p.parse_args()
+    args.batch = args.batch or BATCH[args.preset]
+    args.seq_len = args.seq_len or models.preset(args.preset).seq_len
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = model_config(args)
+        report = metrics.Report(__file__, rt, config={**vars(args), "tp": rt.world_size, "model": cfg.to_dict()})
+        rt.print(f"TP over {rt.world_size} ranks: {cfg.n_heads // rt.world_size} heads, "
+                 f"{cfg.ffn_hidden // rt.world_size} feed-forward columns, "
+                 f"{cfg.vocab_size // rt.world_size} vocabulary rows per rank")
+
+        # 1. The single-device reference, first, so its memory is free before the TP model is built.
+        reference_losses, reference_grads = train_single_device(cfg, args, rt.device)
+        if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        # 2. The same model, split by the plan. Same seed: every rank starts from the same full weights
+        #    and parallelize_module keeps its own slice of each.
+        mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
+        model = models.build_transformer(cfg, args.seed, rt.device)
+        tensor_parallel.parallelize_transformer(model, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+        # 3. Train. Every TP rank sees the whole batch: TP splits the model, not the data.
+        counter = comm.ModuleCommCounter()
+        started = None
+        for step in range(args.steps):
+            if step == 1:
+                rt.sync()
+                started = time.perf_counter()  # step 0 pays one-off costs (DTensor's sharding caches)
+            inputs, targets = data.split_inputs_targets(
+                data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(rt.device))
+            with counter if step == 0 else contextlib.nullcontext(), loss_parallel():
+                logits = model(inputs)  # a DTensor, split over the vocabulary
+                loss = models.lm_loss(logits, targets)
+                loss.backward()
+            if step == 0:
+                grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                         for name, p in model.named_parameters()}
+                report.check_close("step-0 gradients equal single-device (every parameter)",
+                                   [grads[n].cpu() for n in reference_grads], list(reference_grads.values()),
+                                   tolerance=TOLERANCE[args.preset]["grad"])
+                del grads
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            report.losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
+            rt.print(f"step {step}: loss {report.losses[-1]:.6f}   single device {reference_losses[step]:.6f}")
+        rt.sync()
+        elapsed = time.perf_counter() - started if started else float("nan")
+
+        report.check_close("losses equal single-device", report.losses, reference_losses,
+                           tolerance=TOLERANCE[args.preset]["loss"])
+
+        # 4. Parameters per rank: measured off the local shards, against the formula.
+        held = memory.ledger(model).params
+        expected = tensor_parallel.tp_param_count_per_rank(cfg, rt.world_size)
+        report.check_equal("parameter bytes per rank = matrices / tp + norms", held, expected["total"] * 4)
+        report.memory = {"param_bytes_per_rank": held, "param_bytes_formula": expected["total"] * 4,
+                         "param_bytes_single_device": cfg.num_params() * 4,
+                         **metrics.memory_snapshot(rt.device)}
+
+        # 5. The communication ledger of step 0: measured, against the formula.
+        formula = tensor_parallel.tp_comm_formula(cfg, args.batch, args.seq_len, rt.world_size)
+        ledger = tensor_parallel.join_comm_rows(tensor_parallel.measured_comm_rows(counter.calls), formula,
+                                                rt.world_size)
+        rt.print(f"\ncommunication of one training step (B x S x H = {args.batch} x {args.seq_len} x {cfg.dim}):")
+        rt.print(f"  {'phase':9s} {'where':10s} {'collective':12s} {'calls':>5s} {'measured':>12s} "
+                 f"{'formula':>12s}   sent per rank")
+        for row in ledger:
+            rt.print(f"  {row['phase']:9s} {row['where']:10s} {row['collective']:12s} {row['measured_calls']:5d} "
+                     f"{row['measured_bytes']:12,d} {row['analytic_bytes']:12,d}   {row['sent_bytes_per_rank']:,.0f}")
+            report.add_comm(row["collective"], row["measured_bytes"], row["analytic_bytes"], phase=row["phase"],
+                            where=row["where"], measured_calls=row["measured_calls"],
+                            analytic_calls=row["analytic_calls"], sent_bytes_per_rank=row["sent_bytes_per_rank"])
+        mismatched = [f"{r['phase']}/{r['where']}/{r['collective']}" for r in ledger
+                      if (r["measured_bytes"], r["measured_calls"]) != (r["analytic_bytes"], r["analytic_calls"])]
+        report.check("communication of one step = formula (calls and bytes of every collective)", not mismatched,
+                     mismatched or len(ledger), "every row equal")
+
+        tokens_per_s = (args.steps - 1) * args.batch * args.seq_len / elapsed if args.steps > 1 else None
+        name = metrics.device_name(rt.device)
+        report.throughput = {"tokens_per_s": tokens_per_s, "device_name": name,
+                             "mfu": metrics.mfu(tokens_per_s, metrics.transformer_flops_per_token(cfg, args.seq_len),
+                                                name, "fp32", rt.world_size) if tokens_per_s else None}
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
