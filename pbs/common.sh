@@ -252,7 +252,7 @@ distlab_launch() {
     if [[ ! -f $script ]]; then
         distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
         DISTLAB_RESULTS+=("missing $name")
-        return 2
+        [[ $DISTLAB_DRY_RUN == 1 ]] || return 2 # a dry run still shows the command
     fi
 
     local nprocs=${DISTLAB_NPROCS:-$((DISTLAB_NNODES * DISTLAB_GPUS_PER_NODE))}
@@ -291,7 +291,7 @@ distlab_launch() {
     distlab_log "launch $name: $nprocs rank(s) on $nodes node(s) with $DISTLAB_LAUNCHER"
     echo "+ $line"
     if [[ $DISTLAB_DRY_RUN == 1 ]]; then
-        DISTLAB_RESULTS+=("dry-run $name")
+        [[ -f $script ]] && DISTLAB_RESULTS+=("dry-run $name")
         return 0
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
