@@ -130,3 +130,50 @@ def saved_activation_bytes(exclude=()):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield result
+
+
+# --------------------------------------------------------------------------------------------------
+# Predicted activations of the shared transformer (chapter 01)
+# --------------------------------------------------------------------------------------------------
+
+
+def transformer_activation_breakdown(cfg, batch: int, seq_len: int | None = None, dtype_bytes: int = 4,
+                                     include_loss: bool = True) -> dict:
+    """Bytes autograd saves for backward in one fp32 forward of ``distlab.models.Transformer``, by part.
+
+    Counted tensor by tensor from what each operation keeps for its backward (per token, d = dim,
+    F = ffn_hidden, H = heads, V = vocab), as ``saved_activation_bytes`` measures it on a CPU:
+
+    * each RMSNorm keeps its input x, the 1/rms scale (1 number) and the normalised x before and after the
+      weight (3 d + 1): the linear layers after it keep that last one, already counted;
+    * attention keeps q and k after the rotation, v, the attention output and one log-sum-exp per head
+      (4 d + H); the rotation keeps the two cos/sin tables (once, as they are buffers);
+    * SwiGLU keeps w1 x, w3 x, silu(w1 x) and their product (4 F);
+    * so one block keeps 2 (3 d + 1) + 4 d + H + 4 F = 10 d + 2 + H + 4 F numbers per token;
+    * the final RMSNorm keeps 3 d + 1 and the loss keeps the log-softmax (V) per token, plus the int64
+      targets (a copy, as flattening the (B, T) slice of the batch cannot be a view, except when B = 1),
+      its 4-byte normaliser, and the int64 token ids (the (B, T+1) batch the inputs are a view of).
+
+    ``include_loss=False`` predicts a forward without ``lm_loss``: the logits are then not saved by anything.
+    Under bf16 autocast (GPUs) the mix of dtypes differs; this formula is the fp32 one.
+    """
+    seq_len = seq_len or cfg.seq_len
+    tokens = batch * seq_len
+    d, hidden, heads = cfg.dim, cfg.ffn_hidden, cfg.n_heads
+    per_block = (10 * d + 2 + heads + 4 * hidden) * dtype_bytes * tokens
+    parts = {
+        "blocks": cfg.n_layers * per_block,
+        "final norm": (3 * d + 1) * dtype_bytes * tokens,
+        "rope tables": 2 * cfg.seq_len * (cfg.head_dim // 2) * 4,
+        "token ids": batch * (seq_len + 1) * 8,
+    }
+    if include_loss:
+        targets_copy = tokens * 8 if batch > 1 else 0
+        parts["loss (log-softmax)"] = cfg.vocab_size * 4 * tokens + targets_copy + 4
+    return parts
+
+
+def transformer_activation_bytes(cfg, batch: int, seq_len: int | None = None, dtype_bytes: int = 4,
+                                 include_loss: bool = True) -> int:
+    """Total of :func:`transformer_activation_breakdown`: equals ``saved_activation_bytes`` (fp32, CPU)."""
+    return int(sum(transformer_activation_breakdown(cfg, batch, seq_len, dtype_bytes, include_loss).values()))

@@ -1,0 +1,156 @@
+"""The reference training loop: the course's transformer trained on one device.
+
+Every later chapter splits this loop over several devices and proves itself against it: same model
+(``distlab.models``), same data (``distlab.data``), same optimizer, same losses. This script also
+measures where the memory goes (parameters, gradients, AdamW state, saved activations) and how fast it
+trains (tokens/s, model FLOPs per token, and MFU on a GPU), and proves itself:
+
+* the loss falls (the model learns the synthetic rule);
+* the same seed gives the same losses (the first steps are trained a second time, from scratch);
+* measured training state = 16 bytes/parameter, measured saved activations = the formula (fp32).
+
+    python scripts/01_single_device_baseline/train_baseline.py
+    torchrun --standalone --nproc_per_node=4 scripts/01_single_device_baseline/train_baseline.py
+
+Under torchrun every rank trains the same full replica on the same full batch (nothing is split) and the
+script checks that all replicas agree: four devices doing one device's work, which is what chapter 04's
+data parallelism fixes.
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import data, memory, metrics, models, runtime
+
+REPRODUCE_STEPS = 3  # steps trained a second time, from scratch, to prove the run is reproducible
+
+
+def check_config(args, world_size):
+    runtime.require(args.steps >= 2, f"--steps {args.steps}: at least 2 steps are needed to see the loss fall")
+    runtime.require(args.batch is None or args.batch >= 1, f"--batch {args.batch}: need at least 1 sequence")
+    runtime.require(args.lr > 0, f"--lr {args.lr}: the learning rate must be positive")
+
+
+def train(cfg, args, rt, precision, steps, measure=None):
+    """The whole loop: build, then per step forward, loss, backward, AdamW. Returns losses and step times."""
+    model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    losses, seconds = [], []
+    for step in range(steps):
+        tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
+        inputs, targets = data.split_inputs_targets(tokens)
+        rt.sync()
+        started = time.perf_counter()
+        if measure is not None and step == 0:  # what autograd saves for backward, read off the tensors
+            with memory.saved_activation_bytes(exclude=model.parameters()) as saved, autocast:
+                loss = models.lm_loss(model(inputs), targets)
+            measure["activations"] = saved.bytes
+        else:
+            with autocast:
+                loss = models.lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        if measure is not None and step == 0:  # parameters, gradients and AdamW moments all exist now
+            measure["state"] = memory.ledger(model, optimizer)
+            measure["num_params"] = models.count_params(model)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # .item() waits for the device: the step time below is real
+        seconds.append(time.perf_counter() - started)
+    del model, optimizer
+    return losses, seconds
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "small", "a100"), steps=20)
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (default: 8 for tiny and small, 4 for a100)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset)
+        args.batch = args.batch or (4 if args.preset == "a100" else 8)
+        precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
+        report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision,
+                                                      "model": cfg.to_dict()})
+        num_params = cfg.num_params()
+        rt.print(f"{args.preset} transformer: {num_params:,} parameters, batch {args.batch} x {cfg.seq_len} tokens, "
+                 f"{precision}, {rt.device}")
+        if rt.world_size > 1:
+            rt.print(f"{rt.world_size} ranks: every rank trains the same full replica on the same batch "
+                     f"(nothing is split yet: that is chapter 04)")
+
+        measured = {}
+        losses, seconds = train(cfg, args, rt, precision, args.steps, measure=measured)
+        for step, loss in enumerate(losses):
+            if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
+                rt.print(f"step {step:4d}  loss {loss:.4f}  ({seconds[step] * 1e3:.1f} ms)")
+        report.losses = losses
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
+        again, _ = train(cfg, args, rt, precision, min(REPRODUCE_STEPS, args.steps))
+
+        # ---- throughput: tokens/s over the steps after the first (which pays for one-off set-up) ----
+        tokens_per_step = args.batch * cfg.seq_len
+        timed = seconds[1:]
+        tokens_per_s = tokens_per_step * len(timed) / sum(timed)
+        flops_per_token = metrics.transformer_flops_per_token(cfg)
+        name = metrics.device_name(rt.device)
+        peak_dtype = "bf16" if precision == "bf16" else (
+            "tf32" if rt.device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32")
+        mfu = metrics.mfu(tokens_per_s, flops_per_token, name, peak_dtype)
+        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": sum(timed) / len(timed),
+                             "flops_per_token": flops_per_token, "achieved_flops_per_s": tokens_per_s * flops_per_token,
+                             "device_name": name, "peak_flops": metrics.peak_flops(name, peak_dtype), "mfu": mfu}
+        rt.print(f"throughput: {tokens_per_s:,.0f} tokens/s x {flops_per_token:,.0f} FLOPs/token "
+                 f"= {tokens_per_s * flops_per_token / 1e9:.2f} GFLOP/s achieved")
+        if mfu is None:
+            rt.print(f"MFU: not reported on {name}: no known peak FLOP/s for it (MFU is a GPU figure)")
+        else:
+            rt.print(f"MFU: {mfu:.1%} of {name}'s {metrics.peak_flops(name, peak_dtype) / 1e12:.0f} TFLOP/s "
+                     f"({peak_dtype} peak)")
+
+        # ---- memory: measured from the tensors, predicted from the formulas ----
+        state = measured["state"]
+        predicted_state = memory.training_state_bytes(num_params, "fp32")  # autocast keeps fp32 weights
+        predicted_activations = memory.transformer_activation_bytes(cfg, args.batch)
+        report.memory = {"measured_state": state.as_dict(), "predicted_state": predicted_state.as_dict(),
+                         "measured_activations": measured["activations"],
+                         "predicted_activations": predicted_activations,
+                         "device": metrics.memory_snapshot(rt.device)}
+        rt.print(f"memory: params {state.params:,} B, grads {state.grads:,} B, AdamW {state.optimizer:,} B, "
+                 f"saved activations {measured['activations']:,} B")
+
+        # ---- the checks ----
+        exact = 0.0 if rt.device_type == "cpu" else 2e-2  # GPU kernels (and bf16) need not be bitwise repeatable
+        first, last = losses[0], sum(losses[-3:]) / len(losses[-3:])
+        report.check("loss falls (mean of last 3 steps < 90% of the first)", last < 0.9 * first,
+                     round(last / first, 4), "< 0.9")
+        report.check_close(f"same seed, same losses (first {len(again)} steps trained again)",
+                           losses[:len(again)], again, tolerance=exact)
+        report.check_equal("parameter count = formula (TransformerConfig.num_params)",
+                           measured["num_params"], num_params)
+        report.check_equal("training state measured = 16 bytes/param (fp32 weights, grads, AdamW moments)",
+                           state.total, predicted_state.total)
+        if precision == "fp32":
+            report.check_equal("saved activations measured = formula (memory.transformer_activation_bytes)",
+                               measured["activations"], predicted_activations)
+        else:
+            rt.print("saved activations: the formula is the fp32 one; under bf16 autocast only the measurement "
+                     "is reported")
+        if rt.world_size > 1:
+            every_rank = [None] * rt.world_size
+            dist.all_gather_object(every_rank, losses)
+            report.check_close(f"all {rt.world_size} replicas trained identically", every_rank,
+                               [losses] * rt.world_size, tolerance=exact)
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

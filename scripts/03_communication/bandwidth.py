@@ -1,0 +1,153 @@
+"""Measure how fast collectives move data: algorithm bandwidth and bus bandwidth, over message sizes.
+
+For each collective and payload size S (bytes; the full tensor for all-reduce, the gathered output for
+all-gather, the input for reduce-scatter: ``distlab.comm``'s convention, also nccl-tests'), the script
+times ``--iters`` calls after ``--warmup`` calls, takes the slowest rank's average time t, and reports
+
+* **algorithm bandwidth** ``S / t``: how fast the collective finishes for its payload;
+* **bus bandwidth** ``S / t x factor``, with factor = 2(n-1)/n for all-reduce and (n-1)/n for all-gather and
+  reduce-scatter: the bytes each rank actually pushes through its link on a ring, per second. It is
+  comparable across collectives and rank counts, and with a link's peak (NVLink, Slingshot).
+
+Defaults are small so a laptop CPU finishes in seconds; on GPUs ask for big messages:
+
+    torchrun --standalone --nproc_per_node=4 scripts/03_communication/bandwidth.py
+    torchrun --standalone --nproc_per_node=4 scripts/03_communication/bandwidth.py --max-bytes 1G --iters 20
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import comm, metrics, runtime
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+FLOAT_BYTES = 4
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536; K, M and G are powers of 1024."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except ValueError:
+        raise runtime.ConfigError(f"cannot read size {text!r}: use bytes or 4K, 16M, 1G") from None
+
+
+def bus_factor(collective: str, world: int) -> float:
+    """Bytes each rank sends per payload byte on a ring: the factor between algorithm and bus bandwidth."""
+    return 2 * (world - 1) / world if collective == "all_reduce" else (world - 1) / world
+
+
+def sizes(min_bytes: int, max_bytes: int, step: int, world: int) -> list[int]:
+    """Payloads from min to max, multiplied by ``step`` each time, rounded so every rank gets a whole chunk."""
+    quantum = FLOAT_BYTES * world
+    out, size = [], min_bytes
+    while size <= max_bytes:
+        out.append(max(quantum, size // quantum * quantum))
+        size *= step
+    return out
+
+
+def check_config(args, world_size):
+    runtime.require(world_size >= 2, "a bandwidth needs at least 2 ranks: torchrun --standalone --nproc_per_node=4 ...")
+    args.min_bytes, args.max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    runtime.require(0 < args.min_bytes <= args.max_bytes,
+                    f"--min-bytes {args.min_bytes} must be positive and at most --max-bytes {args.max_bytes}")
+    runtime.require(args.step >= 2, f"--step {args.step}: sizes must grow by a factor of at least 2")
+    runtime.require(args.iters >= 1 and args.warmup >= 0, "--iters must be at least 1 and --warmup at least 0")
+    unknown = set(args.collectives) - set(COLLECTIVES)
+    runtime.require(not unknown, f"unknown collective(s) {sorted(unknown)}: choose from {', '.join(COLLECTIVES)}")
+
+
+def make_call(collective: str, payload_bytes: int, world: int, rank: int, device):
+    """One collective of ``payload_bytes``: returns (run it once, run it once more and check the result)."""
+    numel = payload_bytes // FLOAT_BYTES
+    mine, total = float(rank + 1), world * (world + 1) / 2  # rank r puts in r + 1; the sum over ranks
+    if collective == "all_reduce":
+        buffer = torch.full((numel,), mine, device=device)
+
+        def call():
+            dist.all_reduce(buffer)  # in place: each timed call sums the previous sums, which is fine to time
+
+        def check():
+            buffer.fill_(mine)
+            call()
+            return torch.all(buffer == total).item()
+    elif collective == "all_gather":
+        source, output = torch.full((numel // world,), mine, device=device), torch.empty(numel, device=device)
+
+        def call():
+            dist.all_gather_single(output, source)
+
+        def check():
+            call()
+            expected = torch.arange(1, world + 1, device=device).float().repeat_interleave(numel // world)
+            return torch.equal(output, expected)
+    else:
+        source, output = torch.full((numel,), mine, device=device), torch.empty(numel // world, device=device)
+
+        def call():
+            dist.reduce_scatter_single(output, source)
+
+        def check():
+            call()
+            return torch.all(output == total).item()
+    return call, check
+
+
+def main():
+    p = runtime.parser(__doc__, steps=None)
+    p.add_argument("--min-bytes", default="4K", help="smallest payload (bytes, or 4K, 1M, 1G)")
+    p.add_argument("--max-bytes", default="1M", help="largest payload")
+    p.add_argument("--step", type=int, default=4, help="each size is this many times the previous one")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), help="which collectives to time")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        report = metrics.Report(__file__, rt, config=vars(args))
+        world = rt.world_size
+        rows = []
+        rt.print(f"{world} ranks on {rt.device} ({rt.backend}); slowest rank's mean of {args.iters} calls")
+        rt.print(f"{'collective':>14} {'payload':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+        for collective in args.collectives:
+            correct, counted_ok = True, True
+            for size in sizes(args.min_bytes, args.max_bytes, args.step, world):
+                call, check = make_call(collective, size, world, rt.rank, rt.device)
+                for _ in range(args.warmup):
+                    call()
+                rt.sync()
+                dist.barrier()
+                with comm.CommCounter() as counter:
+                    started = time.perf_counter()
+                    for _ in range(args.iters):
+                        call()
+                    rt.sync()
+                    seconds = torch.tensor((time.perf_counter() - started) / args.iters)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+                seconds = seconds.item()
+                algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
+                rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
+                             "busbw": busbw, "sent_bytes_per_rank": comm.bytes_sent_per_rank(collective, size, world)})
+                rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} {algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
+                per_call = counter.total(collective) // args.iters
+                report.add_comm(collective, per_call, size)
+                counted_ok &= per_call == size and counter.count() == args.iters
+                correct &= bool(check())  # the benchmark's own sanity: one more call, its result checked
+            report.check(f"{collective}: results correct at every size", correct)
+            report.check(f"{collective}: bytes counted per call = payload at every size", counted_ok)
+            factor = bus_factor(collective, world)
+            _, bus = comm.bus_bandwidth(collective, 1, 1.0, world)
+            report.check_close(f"{collective}: bus factor = {'2(n-1)/n' if collective == 'all_reduce' else '(n-1)/n'}"
+                               f" = {factor:.3f}", bus, factor, tolerance=1e-12)
+        report.extra["bandwidth"] = rows
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The ring cost model, bus bandwidth factors, and the bytes CommCounter records."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_factors(n):
+    assert comm.ring_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    for collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert comm.ring_factor(collective, n) == pytest.approx((n - 1) / n)
+    assert comm.ring_factor("broadcast", n) == 1.0
+    # an all-reduce is a reduce-scatter followed by an all-gather
+    assert comm.ring_factor("all_reduce", n) == pytest.approx(
+        comm.ring_factor("reduce_scatter", n) + comm.ring_factor("all_gather", n))
+    with pytest.raises(KeyError):
+        comm.ring_factor("gossip", n)
+
+
+def test_bytes_sent_per_rank_approach_twice_the_payload():
+    sent = [comm.bytes_sent_per_rank("all_reduce", 1000, n) for n in (2, 4, 8, 1024)]
+    assert sent[:3] == [1000, 1500, 1750] and 1998 < sent[3] < 2000
+
+
+@pytest.mark.parametrize("collective, factor", [("all_reduce", 1.5), ("all_gather", 0.75),
+                                                ("reduce_scatter", 0.75), ("broadcast", 1.0)])
+def test_bus_bandwidth_factors_for_four_ranks(collective, factor):
+    algorithm, bus = comm.bus_bandwidth(collective, 8e9, 2.0, 4)
+    assert algorithm == 4e9 and bus == pytest.approx(factor * 4e9)
+
+
+def test_ring_time_is_latency_bound_small_and_bandwidth_bound_large():
+    latency, bandwidth = 5e-6, 100e9
+    # all-reduce on 4 ranks: 2(n-1) = 6 steps of latency, 1.5 S bytes over the link
+    assert comm.ring_time("all_reduce", 0, 4, bandwidth, latency) == pytest.approx(6 * latency)
+    assert comm.ring_time("all_reduce", 1e9, 4, bandwidth, latency) == pytest.approx(6 * latency + 1.5e9 / bandwidth)
+    small = comm.ring_time("all_reduce", 1e3, 4, bandwidth, latency)
+    assert 6 * latency / small > 0.99  # 1 kB: all latency
+    large = comm.ring_time("all_reduce", 1e9, 4, bandwidth, latency)
+    assert 1.5e9 / bandwidth / large > 0.99  # 1 GB: all bandwidth
+    assert comm.ring_time("all_gather", 4e6, 4, bandwidth, latency) == pytest.approx(3 * latency + 3e6 / bandwidth)
+
+
+@pytest.fixture
+def world_of_one():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_comm_counter_records_payloads(world_of_one):
+    x, original = torch.ones(16), dist.all_reduce
+    with comm.CommCounter() as counter:
+        dist.all_reduce(x)
+        dist.broadcast(x, src=0)
+        out = torch.empty(16)
+        dist.all_gather_single(out, x)
+        dist.reduce_scatter_single(out, x)
+    assert [c.collective for c in counter.calls] == ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
+    assert counter.total() == 4 * 64 and counter.total("all_reduce") == 64
+    assert counter.by_collective()["all_gather"] == {"calls": 1, "payload_bytes": 64, "sent_bytes_per_rank": 0.0}
+    assert dist.all_reduce is original  # the patches are gone after the block

@@ -1,0 +1,96 @@
+"""Where training memory goes: every formula of distlab.memory equals what the tensors hold.
+
+Chapter 01 quotes the numbers pinned at the bottom of this file.
+"""
+
+import pytest
+import torch
+
+from distlab import data, memory, models
+
+CONFIGS = [
+    (models.preset("tiny"), 4, None),
+    (models.preset("tiny"), 1, 7),  # one sequence: the targets are a view, not a copy
+    (models.preset("small"), 2, 40),
+    (models.TransformerConfig(vocab_size=50, dim=48, n_layers=3, n_heads=6, ffn_hidden=100, seq_len=24), 3, 24),
+    (models.TransformerConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_hidden=80, seq_len=16), 5, 9),
+]
+
+
+def _measured_activations(cfg, batch, seq_len, include_loss):
+    model = models.build_transformer(cfg)
+    inputs, targets = data.split_inputs_targets(data.token_batch(0, batch, seq_len, cfg.vocab_size))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+        out = model(inputs)
+        if include_loss:
+            models.lm_loss(out, targets)
+    return saved.bytes
+
+
+@pytest.mark.parametrize("cfg, batch, seq_len", CONFIGS)
+@pytest.mark.parametrize("include_loss", [True, False])
+def test_activation_formula_equals_saved_activation_bytes(cfg, batch, seq_len, include_loss):
+    seq_len = seq_len or cfg.seq_len
+    predicted = memory.transformer_activation_bytes(cfg, batch, seq_len, include_loss=include_loss)
+    assert predicted == _measured_activations(cfg, batch, seq_len, include_loss)
+
+
+def test_activations_grow_linearly_with_batch_and_layers():
+    cfg = models.preset("tiny")
+    parts = memory.transformer_activation_breakdown(cfg, 2)
+    doubled = memory.transformer_activation_breakdown(cfg, 4)
+    assert doubled["blocks"] == 2 * parts["blocks"]
+    deeper = memory.transformer_activation_breakdown(models.preset("tiny", n_layers=4), 2)
+    assert deeper["blocks"] == 2 * parts["blocks"]
+    assert deeper["rope tables"] == parts["rope tables"]  # buffers: once, whatever the batch or depth
+
+
+@pytest.mark.parametrize("optimizer, state_bytes_per_param", [("adamw", 8), ("sgd_momentum", 4), ("sgd", 0)])
+def test_state_formula_equals_ledger(optimizer, state_bytes_per_param):
+    cfg = models.preset("tiny")
+    model = models.build_transformer(cfg)
+    make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+            "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+            "sgd": lambda p: torch.optim.SGD(p, lr=1e-3)}[optimizer]
+    opt = make(model.parameters())
+    inputs, targets = data.split_inputs_targets(data.token_batch(0, 2, cfg.seq_len, cfg.vocab_size))
+    models.lm_loss(model(inputs), targets).backward()
+    opt.step()
+    measured = memory.ledger(model, opt)
+    predicted = memory.training_state_bytes(cfg.num_params(), "fp32", optimizer)
+    assert measured == predicted
+    assert predicted.optimizer == state_bytes_per_param * cfg.num_params()
+
+
+def test_ledger_before_the_first_step_has_no_optimizer_state():
+    model = models.build_transformer("tiny")
+    opt = torch.optim.AdamW(model.parameters())
+    assert memory.ledger(model, opt) == memory.StateBytes(4 * models.count_params(model), 0, 0)
+
+
+def test_mixed_precision_saves_no_state():
+    fp32, mixed = memory.training_state_bytes(10**6, "fp32"), memory.training_state_bytes(10**6, "mixed")
+    assert fp32.total == mixed.total == 16 * 10**6
+    assert (mixed.params, mixed.grads, mixed.optimizer) == (2e6, 2e6, 12e6)
+    with pytest.raises(ValueError):
+        memory.training_state_bytes(1, "fp8")
+
+
+@pytest.mark.parametrize("stage, expected", [(0, 16), (1, 4 + 12 / 4), (2, 2 + 14 / 4), (3, 16 / 4)])
+def test_zero_stages_on_four_devices(stage, expected):
+    assert memory.zero_state_bytes(1, 4, stage).total == pytest.approx(expected)
+
+
+def test_chapter_01_numbers():
+    """The numbers chapter 01 quotes (tiny preset, batch 8; the a100 preset)."""
+    tiny = models.preset("tiny")
+    assert tiny.num_params() == 123_200
+    assert memory.training_state_bytes(tiny.num_params()).as_dict() == {
+        "params": 492_800, "grads": 492_800, "optimizer": 985_600, "total": 1_971_200}
+    assert memory.transformer_activation_bytes(tiny, 8) == 3_230_788
+    a100 = models.preset("a100")
+    assert a100.num_params() == 1_364_297_728
+    assert round(memory.training_state_bytes(a100.num_params()).total / 1e9, 1) == 21.8
+    assert round(memory.transformer_activation_bytes(a100, 1) / 1e9, 2) == 4.39  # per 1024-token sequence, fp32
+    small = models.preset("small")
+    assert small.num_params() == 984_192 and 16 * small.num_params() == 15_747_072  # the exercise's answer

@@ -1,0 +1,73 @@
+"""FLOPs, MFU, peaks and the metrics report."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from distlab import data, metrics, models
+
+
+def test_peak_flops_of_the_gpus_the_course_quotes():
+    assert metrics.peak_flops("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
+    assert metrics.peak_flops("NVIDIA A100-SXM4-40GB", "tf32") == 156e12
+    assert metrics.peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756e12)
+    assert metrics.peak_flops("cpu") is None and metrics.peak_flops(None) is None
+    assert metrics.peak_flops("NVIDIA GeForce GTX 1080") is None
+
+
+def test_mfu_is_none_where_no_peak_is_known():
+    assert metrics.mfu(1e6, 1e9, "cpu") is None
+    # 100 k tokens/s x 1.56 GFLOP/token on one A100 = 156 TFLOP/s = half of 312
+    assert metrics.mfu(1e5, 1.56e9, "A100", "bf16") == pytest.approx(0.5)
+    assert metrics.mfu(4e5, 1.56e9, "A100", "bf16", num_devices=4) == pytest.approx(0.5)
+
+
+def test_flops_per_token_formula():
+    cfg = models.preset("tiny")
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.dim
+    assert metrics.transformer_flops_per_token(cfg) == 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * cfg.seq_len
+    assert metrics.transformer_flops_per_token(cfg) == 739_200  # chapter 01 quotes it
+    a100 = models.preset("a100")
+    assert round(metrics.transformer_flops_per_token(a100) / 1e9, 2) == 8.40
+
+
+def test_six_flops_per_weight_per_token_is_what_the_matmuls_do():
+    """FlopCounterMode over forward + backward: the matrix products are exactly 6 x weights x tokens."""
+    cfg = models.preset("tiny")
+    model = models.build_transformer(cfg)
+    inputs, targets = data.split_inputs_targets(data.token_batch(0, 4, cfg.seq_len, cfg.vocab_size))
+    with FlopCounterMode(display=False) as counter:
+        models.lm_loss(model(inputs), targets).backward()
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name)
+    mm_flops = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert mm_flops == 6 * matmul_weights * inputs.numel()
+
+
+def test_report_checks_and_exit_code(tmp_path, capsys):
+    report = metrics.Report("scripts/01_x/y.py", config={"steps": 3, "fn": print})
+    assert report.script == "01_x/y.py" and report.config == {"steps": 3}  # unserialisable values dropped
+    report.check_close("close", [1.0, 2.0], [1.0, 2.0 + 1e-9], tolerance=1e-6)
+    report.check_equal("equal", 5, 5)
+    assert report.finish(tmp_path / "m.json") == 0
+    written = json.loads((tmp_path / "m.json").read_text())
+    for key in ("script", "world_size", "device", "config", "losses", "checks", "comm", "memory", "throughput"):
+        assert key in written
+    report.check("fails", False)
+    assert report.finish() == 1
+    assert "[FAIL] fails" in capsys.readouterr().out
+
+
+def test_tensor_bytes_counts_a_storage_once():
+    t = torch.zeros(10)
+    assert metrics.tensor_bytes([t, t[:5], t.view(2, 5), None]) == 40
+    assert metrics.tensor_bytes([t, torch.zeros(3, dtype=torch.float64)]) == 40 + 24
+
+
+def test_max_abs_diff():
+    assert metrics.max_abs_diff([1.0, [2.0, 3.0]], [1.0, [2.0, 3.5]]) == 0.5
+    assert metrics.max_abs_diff(torch.ones(2), torch.ones(3)) == float("inf")
+    assert metrics.max_abs_diff([1.0], [1.0, 2.0]) == float("inf")
