@@ -42,8 +42,13 @@ SLINGSHOT11_NIC_BYTES_PER_S = 200e9 / 8
 # --------------------------------------------------------------------------------------------------
 
 
-def transformer_tp_plan(sequence_parallel: bool = False) -> dict:
+def transformer_tp_plan(sequence_parallel: bool = False, region_inputs: bool = True) -> dict:
     """The tensor-parallel plan of :class:`distlab.models.Transformer` as ``{module name pattern: style}``.
+
+    ``region_inputs=False`` leaves out the two ``PrepareModuleInput`` entries (possible without sequence
+    parallelism only): each column-parallel linear then turns the replicated input into a DTensor of its
+    own, and backward all-reduces wq's, wk's, wv's, w1's and w3's input gradients separately, 5 all-reduces
+    per block instead of 2 (see :func:`tp_comm_formula`).
 
     Attention and feed-forward outputs of the column-parallel linears are plain local tensors
     (``use_local_output=True``): attention views them as ``(B, T, -1, head_dim)`` and so computes this
@@ -75,6 +80,8 @@ def transformer_tp_plan(sequence_parallel: bool = False) -> dict:
             "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "norm": SequenceParallel(),
         }
+    if not region_inputs and sequence_parallel:
+        raise ValueError("sequence parallelism needs the PrepareModuleInput entries (they all-gather)")
     plan.update({
         # One DTensor enters each TP region: the input gradients of wq, wk, wv (and of w1, w3) add up as
         # partial sums, and one all-reduce (or reduce-scatter) finishes them, not one per linear.
@@ -89,14 +96,16 @@ def transformer_tp_plan(sequence_parallel: bool = False) -> dict:
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     })
+    if not region_inputs:
+        del plan["layers.*.attention"], plan["layers.*.feed_forward"]
     return plan
 
 
-def parallelize_transformer(model, mesh, sequence_parallel: bool = False):
+def parallelize_transformer(model, mesh, sequence_parallel: bool = False, region_inputs: bool = True):
     """Apply :func:`transformer_tp_plan` to ``model`` on the 1-D ``mesh`` (in place; returns the model)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, mesh, transformer_tp_plan(sequence_parallel))
+    return parallelize_module(model, mesh, transformer_tp_plan(sequence_parallel, region_inputs))
 
 
 def reduce_partial_gradients(model) -> int:
@@ -155,7 +164,7 @@ def tp_config_problems(cfg, tp: int, *, batch: int | None = None, seq_len: int |
 
 
 def tp_comm_formula(cfg, batch: int, seq_len: int, tp: int, *, sequence_parallel: bool = False,
-                    bytes_per_element: int = 4) -> list[dict]:
+                    region_inputs: bool = True, bytes_per_element: int = 4) -> list[dict]:
     """The collectives of one training step of the TP plan, as rows ``{phase, where, collective, calls,
     payload_bytes}`` (payload: the full B x S x H tensor a collective is about, summed over its calls).
 
@@ -166,6 +175,8 @@ def tp_comm_formula(cfg, batch: int, seq_len: int, tp: int, *, sequence_parallel
 
     With SP each all-reduce becomes an all-gather (into the TP region) plus a reduce-scatter (out of it) of
     the same payload, and the norm weights' gradients need one all-reduce of H numbers each.
+
+    ``region_inputs=False`` (the plan without PrepareModuleInput): 5 backward all-reduces per block.
     """
     layers = cfg.n_layers
     activation = batch * seq_len * cfg.dim * bytes_per_element
@@ -181,7 +192,7 @@ def tp_comm_formula(cfg, batch: int, seq_len: int, tp: int, *, sequence_parallel
         add("forward", "blocks", "all_reduce", 2 * layers, activation)
         add("forward", "loss", "all_reduce", 3, loss_stats)
         add("backward", "output", "all_reduce", 1, activation)
-        add("backward", "blocks", "all_reduce", 2 * layers, activation)
+        add("backward", "blocks", "all_reduce", (2 if region_inputs else 5) * layers, activation)
     else:
         add("forward", "embedding", "reduce_scatter", 1, activation)
         add("forward", "blocks", "all_gather", 2 * layers, activation)
@@ -210,13 +221,15 @@ def where_in_transformer(module_name: str) -> str:
     return "embedding"
 
 
-def measured_comm_rows(calls, group_size: int | None = None) -> list[dict]:
-    """Group the calls of a :class:`distlab.comm.ModuleCommCounter` into the rows of :func:`tp_comm_formula`."""
+def measured_comm_rows(calls, *, phase: str | None = None, where: str | None = None) -> list[dict]:
+    """Group measured collectives into the rows of :func:`tp_comm_formula`.
+
+    ``calls`` come from a :class:`distlab.comm.ModuleCommCounter` (each knows its module and phase); for a
+    plain :class:`distlab.comm.CommCounter` give ``phase`` and ``where`` for all of them.
+    """
     rows: dict[tuple, dict] = {}
     for call in calls:
-        if group_size is not None and call.group_size != group_size:
-            continue
-        key = (call.phase, where_in_transformer(call.module), call.collective)
+        key = (phase or call.phase, where or where_in_transformer(call.module), call.collective)
         row = rows.setdefault(key, {"phase": key[0], "where": key[1], "collective": key[2], "calls": 0,
                                     "payload_bytes": 0})
         row["calls"] += 1

@@ -72,6 +72,9 @@ def main():
     p.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
     p.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
+    p.add_argument("--plan", choices=["regions", "per-linear"], default="regions",
+                   help="regions: one DTensor input per attention/feed-forward region (2 backward all-reduces per "
+                        "block); per-linear: without PrepareModuleInput (5)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     args = p.parse_args()
     args.batch = args.batch or BATCH[args.preset]
@@ -93,7 +96,7 @@ def main():
         #    and parallelize_module keeps its own slice of each.
         mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
         model = models.build_transformer(cfg, args.seed, rt.device)
-        tensor_parallel.parallelize_transformer(model, mesh)
+        tensor_parallel.parallelize_transformer(model, mesh, region_inputs=args.plan == "regions")
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
         # 3. Train. Every TP rank sees the whole batch: TP splits the model, not the data.
@@ -135,7 +138,8 @@ def main():
                          **metrics.memory_snapshot(rt.device)}
 
         # 5. The communication ledger of step 0: measured, against the formula.
-        formula = tensor_parallel.tp_comm_formula(cfg, args.batch, args.seq_len, rt.world_size)
+        formula = tensor_parallel.tp_comm_formula(cfg, args.batch, args.seq_len, rt.world_size,
+                                                  region_inputs=args.plan == "regions")
         ledger = tensor_parallel.join_comm_rows(tensor_parallel.measured_comm_rows(counter.calls), formula,
                                                 rt.world_size)
         rt.print(f"\ncommunication of one training step (B x S x H = {args.batch} x {args.seq_len} x {cfg.dim}):")
