@@ -1,0 +1,239 @@
+"""Context parallelism: causal attention over a sequence split across ranks, K and V passed around a ring.
+
+Each rank holds the queries, keys and values of its part of the sequence. Attention needs every query
+against every (earlier) key, so the key/value blocks travel: at step s, rank r works on the block that
+rank r - s owns, while sending the block it holds to rank r + 1. Each query keeps a running output and
+log-sum-exp, and every new block is folded in with the online-softmax merge
+(`distlab.tensor_parallel.merge_attention_blocks`): after P steps each query has seen every key, and no
+rank ever held the S x S score matrix or the whole K and V.
+
+Backward runs the same ring: the key/value blocks travel again, this time with their gradients, which
+every rank adds to on the way; one last hop brings each block's finished dK, dV home.
+
+The causal mask makes the work uneven: with contiguous shards rank 0 (the start of the sequence) attends to
+almost nothing and the last rank to everything. Zig-zag sharding gives each rank one early and one late
+chunk of 2P, and the same work. The script counts the attention blocks each rank computes for both layouts
+and proves that outputs and gradients equal full causal attention.
+
+    torchrun --standalone --nproc_per_node=4 scripts/08_sequence_parallel/ring_attention.py
+    torchrun --standalone --nproc_per_node=4 scripts/08_sequence_parallel/ring_attention.py --native   # CUDA only
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import comm, metrics, runtime
+from distlab.tensor_parallel import (attention_with_lse, block_kind, causal_blocks_per_rank, chunk_positions,
+                                     merge_attention_blocks, ring_chunks)
+
+SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
+          "a100": {"batch": 1, "heads": 16, "seq_len": 16384, "head_dim": 128}}
+# Largest difference relative to the largest value: fp32 softmax sums in another order (~1e-7 relative).
+TOLERANCE = 1e-5
+
+
+def ring_pass(tensor, rank, world_size):
+    """Send ``tensor`` to the next rank and receive the previous rank's, asynchronously."""
+    received = torch.empty_like(tensor)
+    requests = [dist.isend(tensor, (rank + 1) % world_size), dist.irecv(received, (rank - 1) % world_size)]
+    return received, requests
+
+
+def block_pairs(my_chunks, owner, world_size, layout):
+    """(i, j, kind) for my i-th chunk of queries against the owner's j-th chunk of keys, masked ones left out."""
+    for i, query_chunk in enumerate(my_chunks):
+        for j, key_chunk in enumerate(ring_chunks(owner, world_size, layout)):
+            kind = block_kind(query_chunk, key_chunk)
+            if kind != "skipped":
+                yield i, j, kind
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries (its two chunks) against the whole sequence's keys."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, log):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        my_chunks = ring_chunks(rank, world, layout)
+        chunk = q.shape[-2] // 2
+        queries = q.split(chunk, dim=-2)
+        out, lse = [None, None], [None, None]
+        travelling = torch.stack([k, v])  # one message per hop
+        for step in range(world):
+            owner = (rank - step) % world
+            if step < world - 1:  # start the next hop first: it runs while this block computes
+                arriving, requests = ring_pass(travelling, rank, world)
+            keys, values = travelling[0].split(chunk, dim=-2), travelling[1].split(chunk, dim=-2)
+            computed = []
+            for i, j, kind in block_pairs(my_chunks, owner, world, layout):
+                block_out, block_lse = attention_with_lse(queries[i], keys[j], values[j], causal=kind == "diagonal")
+                if out[i] is None:
+                    out[i], lse[i] = block_out, block_lse
+                else:
+                    out[i], lse[i] = merge_attention_blocks(out[i], lse[i], block_out, block_lse)
+                computed.append(kind)
+            log.append({"step": step, "owner": owner, "blocks": computed})
+            if step < world - 1:
+                for request in requests:
+                    request.wait()
+                travelling = arriving
+        out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        rank, world = dist.get_rank(), dist.get_world_size()
+        my_chunks = ring_chunks(rank, world, ctx.layout)
+        chunk, scale = q.shape[-2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        grad_out = grad_out.contiguous()
+        # softmax backward needs, per query, sum_j P_ij dP_ij = sum_d dO_id O_id: the final output's.
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # K, V and their gradients
+        for step in range(world):
+            owner = (rank - step) % world
+            keys, values, grad_keys, grad_values = (t.split(chunk, dim=-2) for t in travelling)
+            for i, j, kind in block_pairs(my_chunks, owner, world, ctx.layout):
+                rows = slice(i * chunk, (i + 1) * chunk)
+                scores = (q[..., rows, :] @ keys[j].transpose(-1, -2)) * scale
+                if kind == "diagonal":
+                    mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+                    scores = scores.masked_fill(~mask, float("-inf"))
+                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # recomputed, never stored
+                grad_values[j].add_(probs.transpose(-1, -2) @ grad_out[..., rows, :])
+                grad_scores = probs * (grad_out[..., rows, :] @ values[j].transpose(-1, -2) - delta[..., rows, :])
+                grad_q[..., rows, :] += grad_scores @ keys[j] * scale
+                grad_keys[j].add_(grad_scores.transpose(-1, -2) @ q[..., rows, :] * scale)
+            # Pass the block on with the gradients added so far; after the last step only dK, dV travel,
+            # one hop further: home to their owner.
+            arriving, requests = ring_pass(travelling if step < world - 1 else travelling[2:].contiguous(), rank, world)
+            for request in requests:
+                request.wait()
+            travelling = arriving
+        return grad_q, travelling[0], travelling[1], None, None
+
+
+def check_config(args, world_size):
+    chunks = 2 * world_size
+    runtime.require(args.seq_len % chunks == 0,
+                    f"sequence length {args.seq_len} does not split into {chunks} chunks (2 per rank, "
+                    f"{world_size} ranks)")
+    if args.native:
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        runtime.require(cuda, "--native runs PyTorch's context_parallel, whose ring covers only the CUDA "
+                              "attention kernels: run it on GPUs, or drop --native on a CPU")
+
+
+def ring_comm_formula(q_shard_bytes: int, world_size: int) -> dict:
+    """Bytes one rank sends: forward P-1 hops of (K, V); backward P-1 hops of (K, V, dK, dV) and a last of (dK, dV)."""
+    return {"forward": (world_size - 1) * 2 * q_shard_bytes,
+            "backward": (world_size - 1) * 4 * q_shard_bytes + 2 * q_shard_bytes}
+
+
+def run_native(args, rt, q, k, v, grad_out, reference, report):
+    """PyTorch's own context parallelism: SDPA patched to run a ring, buffers sharded head-and-tail (zig-zag)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    mesh = init_device_mesh("cuda", (rt.world_size,), mesh_dim_names=("cp",))
+    q_, k_, v_, grad_ = (t.detach().clone() for t in (q, k, v, grad_out))
+    with context_parallel(mesh, buffers=[q_, k_, v_, grad_], buffer_seq_dims=[2, 2, 2, 2],
+                          no_restore_buffers={q_, k_, v_, grad_}):
+        for t in (q_, k_, v_):
+            t.requires_grad_()  # now this rank's shard: a leaf of its own
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+        out.backward(grad_)
+    gathered = context_parallel_unshard(mesh, [out.detach(), q_.grad, k_.grad, v_.grad], [2, 2, 2, 2])
+    for name, got, want in zip(("output", "dQ", "dK", "dV"), gathered, reference):
+        diff = metrics.max_abs_diff(got, want) / want.abs().max().item()
+        # 1e-4: the CUDA kernels (memory-efficient attention) sum in their own order and precision.
+        report.check(f"native context_parallel: {name} equals full attention (relative)", diff <= 1e-4, diff, 1e-4)
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
+    p.add_argument("--layout", choices=["both", "zigzag", "contiguous"], default="both",
+                   help="how the sequence is split over ranks (both: run and compare the two)")
+    p.add_argument("--batch", type=int, default=None, help="sequences (default: the preset's)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--head-dim", type=int, default=None, help="dimension of each head (default: the preset's)")
+    p.add_argument("--native", action="store_true",
+                   help="also run PyTorch's context_parallel (CUDA only; a config error on a CPU)")
+    args = p.parse_args()
+    for key, value in SHAPES[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        rank, world = rt.rank, rt.world_size
+        report = metrics.Report(__file__, rt, config=vars(args))
+        chunk = args.seq_len // (2 * world)
+        shape = (args.batch, args.heads, args.seq_len, args.head_dim)
+        generator = torch.Generator().manual_seed(args.seed)  # the same full q, k, v everywhere
+        q, k, v, grad_out = (torch.randn(shape, generator=generator).to(rt.device) for _ in range(4))
+
+        # The answer: full causal attention on one device.
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference_out = F.scaled_dot_product_attention(*full, is_causal=True)
+        reference_out.backward(grad_out)
+        reference = [reference_out.detach()] + [t.grad for t in full]
+
+        layouts = ["zigzag", "contiguous"] if args.layout == "both" else [args.layout]
+        report.extra["ring"] = {}
+        for layout in layouts:
+            positions = chunk_positions(ring_chunks(rank, world, layout), chunk).to(rt.device)
+            mine = [t[..., positions, :].clone().requires_grad_() for t in (q, k, v)]
+            log = []
+            with comm.CommCounter() as forward_comm:
+                out = RingAttention.apply(*mine, layout, log)
+            with comm.CommCounter() as backward_comm:
+                out.backward(grad_out[..., positions, :])
+
+            for name, got, want in zip(("output", "dQ", "dK", "dV"), [out] + [t.grad for t in mine], reference):
+                diff = metrics.max_abs_diff(got, want[..., positions, :]) / want.abs().max().item()
+                report.check(f"{layout}: {name} of my positions equals full attention (relative)",
+                             diff <= TOLERANCE, diff, TOLERANCE)
+
+            # Work per rank: attention blocks computed, gathered from every rank.
+            logs = [None] * world
+            dist.all_gather_object(logs, log)
+            blocks = [sum(len(entry["blocks"]) for entry in rank_log) for rank_log in logs]
+            report.check_equal(f"{layout}: attention blocks per rank = causal_blocks_per_rank", blocks,
+                               causal_blocks_per_rank(world, layout))
+            report.extra["ring"][layout] = {"blocks_per_rank": blocks, "steps": logs,
+                                            "chunks": [ring_chunks(r, world, layout) for r in range(world)]}
+            rt.print(f"{layout:10s}: chunks per rank {[ring_chunks(r, world, layout) for r in range(world)]}, "
+                     f"attention blocks per rank {blocks} (busiest / average "
+                     f"{max(blocks) / (sum(blocks) / world):.2f})")
+
+            # Communication: every rank sends the same, whatever the layout.
+            shard_bytes = mine[1].numel() * mine[1].element_size()
+            formula = ring_comm_formula(shard_bytes, world)
+            for phase, counter in (("forward", forward_comm), ("backward", backward_comm)):
+                report.add_comm("send", counter.total("send"), formula[phase], phase=phase, layout=layout,
+                                calls=counter.count("send"))
+                report.check_equal(f"{layout}: bytes sent per rank in {phase} = formula", counter.total("send"),
+                                   formula[phase])
+
+        if "zigzag" in layouts and "contiguous" in layouts:
+            zigzag, contiguous = (report.extra["ring"][name]["blocks_per_rank"] for name in ("zigzag", "contiguous"))
+            report.check("zig-zag balances the causal work (every rank the same), contiguous does not",
+                         len(set(zigzag)) == 1 and len(set(contiguous)) > 1, {"zigzag": zigzag,
+                                                                               "contiguous": contiguous})
+        if args.native:
+            run_native(args, rt, q, k, v, grad_out, reference, report)
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
