@@ -40,7 +40,7 @@ DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-4}      # ranks per node: one per
 DISTLAB_NPROCS=${DISTLAB_NPROCS:-}                     # ranks of one launch (default: every GPU of the job)
 DISTLAB_DEVICE=${DISTLAB_DEVICE:-cuda}                 # what the jobs pass to --device
 DISTLAB_PRESET=${DISTLAB_PRESET:-a100}                 # what the jobs pass to --preset
-DISTLAB_ONLY=${DISTLAB_ONLY:-}                         # run only these scripts (comma-separated file names)
+DISTLAB_ONLY=${DISTLAB_ONLY:-}                         # run only these scripts (file names; , : or space between)
 DISTLAB_DRY_RUN=${DISTLAB_DRY_RUN:-0}                  # 1: print the launch commands, run nothing
 DISTLAB_LAUNCH_TIMEOUT=${DISTLAB_LAUNCH_TIMEOUT:-}     # seconds one launch may take (default: the walltime)
 DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python imports torch and distlab first
@@ -245,7 +245,8 @@ distlab_launch() {
     local script=$1
     shift
     local name=${script##*/}
-    if [[ -n $DISTLAB_ONLY && ",$DISTLAB_ONLY," != *",$name,"* ]]; then
+    local only=" ${DISTLAB_ONLY//[,:]/ } " # names separated by commas, colons or spaces
+    if [[ -n ${DISTLAB_ONLY// /} && $only != *" $name "* ]]; then
         distlab_log "skip $name (DISTLAB_ONLY=$DISTLAB_ONLY)"
         return 0
     fi

@@ -262,11 +262,11 @@ def test_ranks_that_do_not_fit_the_nodes_stop_the_job(job_env):
 
 
 def test_only_and_missing_scripts(job_env, tmp_path):
-    env = job_env | {"DISTLAB_DRY_RUN": "1", "DISTLAB_ONLY": "job_probe.py,other.py"}
+    env = job_env | {"DISTLAB_DRY_RUN": "1", "DISTLAB_ONLY": "other.py:job_probe.py"}
     result = source_common(env, after="distlab_launch tests/pbs/probe.pbs; distlab_launch tests/pbs/job_probe.py; "
                                       "DISTLAB_ONLY= DISTLAB_DRY_RUN=0 distlab_launch scripts/no_such.py; echo rc=$?; "
                                       "distlab_finish")
-    assert "skip probe.pbs" in result.output
+    assert "skip probe.pbs" in result.output and "skip job_probe.py" not in result.output
     assert "missing no_such.py" in (tmp_path / "run" / "summary.txt").read_text()
     assert result.values()["rc"] == "2"
     assert result.returncode == 1  # distlab_finish: a launch failed

@@ -14,7 +14,7 @@ from pbs_helpers import ALL_JOBS, CHAPTER_JOBS, PBS_DIR, ROOT, run_bash, tool, w
 CHAPTER_SCRIPTS = {
     "01_single_device_baseline": ["train_baseline.py"],
     "02_why_distributed": ["compute_and_memory_per_rank.py"],
-    "03_communication": ["collectives.py", "bandwidth.py"],
+    "03_communication": ["collectives.py", "ring_allreduce.py", "bandwidth.py"],
     "04_data_parallel": ["ddp_from_scratch.py", "train_ddp.py"],
     "05_fully_sharded": ["zero_from_scratch.py", "train_fsdp.py", "checkpoint_resume.py"],
     "06_tensor_parallel": ["tp_from_scratch.py", "tp_transformer.py"],
@@ -30,14 +30,16 @@ def job_id(path: Path) -> str:
 
 
 def directives(path: Path) -> list[str]:
-    """The #PBS lines PBS reads: those before the first command of the script."""
+    """The #PBS lines, which must follow the #! line directly: POSIX qsub stops reading directives at the first
+    line that is not one (PBS Pro reads on past comments, but not every PBS does)."""
+    lines = path.read_text().splitlines()
     found = []
-    for line in path.read_text().splitlines()[1:]:
-        stripped = line.strip()
-        if stripped.startswith("#PBS"):
-            found.append(stripped[4:].strip())
-        elif stripped and not stripped.startswith("#"):
+    for line in lines[1:]:
+        if not line.startswith("#PBS "):
             break
+        found.append(line[5:].strip())
+    later = [ln for ln in lines[len(found) + 1:] if ln.lstrip().startswith("#PBS")]
+    assert not later, f"#PBS lines after the first block are ignored by qsub: {later}"
     return found
 
 
@@ -83,7 +85,8 @@ def test_pbs_directives_are_sane(path):
     assert "-j oe" in d, "stdout and stderr should go to one file (-j oe)"
     assert not any(x.startswith("-A") for x in d), "no hard-coded account: qsub -A $PBS_ACCOUNT"
     assert not re.search(r"^\s*(export\s+)?PBS_ACCOUNT=", text, re.M), "no hard-coded account"
-    assert all(x.startswith(("-N ", "-q ", "-l ", "-j ")) for x in d), d
+    assert "-S /bin/bash" in d, "run by bash whatever the user's login shell"
+    assert all(x.startswith(("-N ", "-S ", "-q ", "-l ", "-j ")) for x in d), d
 
     res = resources(path)
     h, m, s = (int(x) for x in res["walltime"].split(":"))
@@ -159,16 +162,14 @@ def test_job_launches_its_chapter_scripts_with_flags_they_accept(path, job_env, 
 def test_pipeline_job_has_one_stage_per_gpu(job_env, fake_pals, tmp_path):
     job = PBS_DIR / "07_pipeline_parallel.pbs"
     env = job_env | {"DISTLAB_MPIEXEC": fake_pals}
-    pp_train = [c for c in dry_run(job, env) if script_of(c)[0].endswith("pp_train.py")][0]
-    assert pp_train[1:5] == ["-n", "8", "--ppn", "4"]  # two nodes: 8 stages
-    args = script_of(pp_train)[1]
-    assert args[args.index("--pp") + 1] == "8"
-
-    write_nodefile(tmp_path / "nodefile", ["dec0001"], 4)
-    (tmp_path / "run" / "commands.sh").unlink()
-    pp_train = [c for c in dry_run(job, env) if script_of(c)[0].endswith("pp_train.py")][0]
-    assert pp_train[1:5] == ["-n", "4", "--ppn", "4"]  # one node: 4 stages
-    assert script_of(pp_train)[1][script_of(pp_train)[1].index("--pp") + 1] == "4"
+    for hosts, stages in ((["dec0001", "dec0002"], 8), (["dec0001"], 4)):
+        write_nodefile(tmp_path / "nodefile", hosts, 4)
+        (tmp_path / "run" / "commands.sh").unlink(missing_ok=True)
+        for command in dry_run(job, env):
+            assert command[1:5] == ["-n", str(stages), "--ppn", "4"]  # one stage per rank, one rank per GPU
+            args = script_of(command)[1]
+            microbatches, batch = int(args[args.index("--microbatches") + 1]), int(args[args.index("--batch") + 1])
+            assert microbatches == 4 * stages and batch % microbatches == 0  # what every schedule accepts
 
 
 def test_baseline_job_uses_one_gpu(job_env, fake_pals):
