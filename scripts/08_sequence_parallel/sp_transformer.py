@@ -47,7 +47,9 @@ def check_config(args, world_size):
 
 def batch_of(step, args, cfg, device):
     tokens = data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(device)
-    return tokens, *data.split_inputs_targets(tokens)
+    inputs, targets = data.split_inputs_targets(tokens)
+    # The loss saves the targets: a storage of their own, so they count as saved whatever the batch size.
+    return tokens, inputs, targets.clone()
 
 
 def measured_step(model, tokens, inputs, targets, device):

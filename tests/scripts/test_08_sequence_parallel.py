@@ -1,0 +1,40 @@
+"""Chapter 08: sequence parallelism saves activations at the same traffic; ring attention equals full attention."""
+
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch
+
+SEQUENCE_PARALLEL = "scripts/08_sequence_parallel/sp_transformer.py"
+RING = "scripts/08_sequence_parallel/ring_attention.py"
+
+
+def test_sequence_parallel_equals_one_device_and_saves_activation_memory():
+    metrics = assert_all_checks_passed(launch.run(SEQUENCE_PARALLEL, nproc=4, args=["--steps", "2"], stream=False),
+                                       min_checks=8)
+    saved = metrics["memory"]["activation_bytes"]
+    assert saved["TP 4 + SP"]["measured"] < saved["TP 4"]["measured"] < saved["single device"]["measured"]
+    for entry in saved.values():
+        assert entry["measured"] == entry["total"]  # exact on a CPU
+    traffic = metrics["extra"]["activation_traffic_per_rank"]
+    assert traffic["tp"] == traffic["tp+sp"]
+    collectives = {r["collective"] for r in metrics["comm"] if r["plan"] == "tp+sp" and r["where"] == "blocks"}
+    assert collectives == {"all_gather", "reduce_scatter"}
+
+
+def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun():
+    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, launcher="torchrun", stream=False), min_checks=15)
+    ring = metrics["extra"]["ring"]
+    assert ring["zigzag"]["blocks_per_rank"] == [9, 9, 9, 9]
+    assert ring["contiguous"]["blocks_per_rank"] == [3, 7, 11, 15]
+
+
+def test_sequence_that_does_not_split_over_ranks_exits_2():
+    assert_config_error(SEQUENCE_PARALLEL, ["--seq-len", "30"], "sequence length 30 does not split over 4 ranks")
+
+
+def test_ring_sequence_that_does_not_split_into_chunks_exits_2():
+    assert_config_error(RING, ["--seq-len", "60"], "does not split into 8 chunks")
+
+
+def test_native_context_parallel_on_a_cpu_exits_2():
+    assert_config_error(RING, ["--native", "--device", "cpu"], "--native runs PyTorch's context_parallel")
