@@ -2,7 +2,8 @@
 
 For each collective and payload size S (bytes; the full tensor for all-reduce, the gathered output for
 all-gather, the input for reduce-scatter: ``distlab.comm``'s convention, also nccl-tests'), the script
-times ``--iters`` calls after ``--warmup`` calls, takes the slowest rank's average time t, and reports
+times ``--repeats`` blocks of ``--iters`` calls after ``--warmup`` calls, takes the slowest rank's mean time
+per call in the fastest block as t, and reports
 
 * **algorithm bandwidth** ``S / t``: how fast the collective finishes for its payload;
 * **bus bandwidth** ``S / t x factor``, with factor = 2(n-1)/n for all-reduce and (n-1)/n for all-gather and
@@ -58,7 +59,8 @@ def check_config(args, world_size):
     runtime.require(0 < args.min_bytes <= args.max_bytes,
                     f"--min-bytes {args.min_bytes} must be positive and at most --max-bytes {args.max_bytes}")
     runtime.require(args.step >= 2, f"--step {args.step}: sizes must grow by a factor of at least 2")
-    runtime.require(args.iters >= 1 and args.warmup >= 0, "--iters must be at least 1 and --warmup at least 0")
+    runtime.require(args.iters >= 1 and args.repeats >= 1 and args.warmup >= 0,
+                    "--iters and --repeats must be at least 1, --warmup at least 0")
     unknown = set(args.collectives) - set(COLLECTIVES)
     runtime.require(not unknown, f"unknown collective(s) {sorted(unknown)}: choose from {', '.join(COLLECTIVES)}")
 
@@ -106,13 +108,16 @@ def main():
     p.add_argument("--step", type=int, default=4, help="each size is this many times the previous one")
     p.add_argument("--iters", type=int, default=5, help="timed calls per size")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed blocks of --iters calls; the fastest block counts (the least disturbed)")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), help="which collectives to time")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))
         world = rt.world_size
         rows = []
-        rt.print(f"{world} ranks on {rt.device} ({rt.backend}); slowest rank's mean of {args.iters} calls")
+        rt.print(f"{world} ranks on {rt.device} ({rt.backend}); t = slowest rank's mean of {args.iters} calls, "
+                 f"best of {args.repeats} blocks")
         rt.print(f"{'collective':>14} {'payload':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
         for collective in args.collectives:
             correct, counted_ok = True, True
@@ -120,23 +125,27 @@ def main():
                 call, check = make_call(collective, size, world, rt.rank, rt.device)
                 for _ in range(args.warmup):
                     call()
-                rt.sync()
-                dist.barrier()
+                blocks = []
                 with comm.CommCounter() as counter:
-                    started = time.perf_counter()
-                    for _ in range(args.iters):
-                        call()
-                    rt.sync()
-                    seconds = torch.tensor((time.perf_counter() - started) / args.iters)
+                    for _ in range(args.repeats):
+                        rt.sync()
+                        dist.barrier()
+                        started = time.perf_counter()
+                        for _ in range(args.iters):
+                            call()
+                        rt.sync()
+                        blocks.append((time.perf_counter() - started) / args.iters)
+                seconds = torch.tensor(blocks)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
-                seconds = seconds.item()
+                seconds = seconds.min().item()  # the best block: the least disturbed by other processes
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
                              "busbw": busbw, "sent_bytes_per_rank": comm.bytes_sent_per_rank(collective, size, world)})
                 rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} {algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
-                per_call = counter.total(collective) // args.iters
+                calls = args.iters * args.repeats
+                per_call = counter.total(collective) // calls
                 report.add_comm(collective, per_call, size)
-                counted_ok &= per_call == size and counter.count() == args.iters
+                counted_ok &= per_call == size and counter.count() == calls
                 correct &= bool(check())  # the benchmark's own sanity: one more call, its result checked
             report.check(f"{collective}: results correct at every size", correct)
             report.check(f"{collective}: bytes counted per call = payload at every size", counted_ok)
