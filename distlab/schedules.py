@@ -543,9 +543,12 @@ def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None
 
     ``pipeline_order`` is ``{rank: [action or None]}``; None (a bubble in torch's time grid) and non-compute
     actions (sends, receives, REDUCE_GRAD, ...) are dropped, and an overlapped F/B pair is expanded. torch's
-    F becomes "F"; its full backward B and its input backward I both become "B"; W stays "W". Stage to rank
-    placement is read off the order. This reads a private torch API, so tests pin what it returns: e.g.
-    torch 2.13's Schedule1F1B lists the last rank's forwards off by one, and validate() then fails.
+    F becomes "F"; its full backward B and its input backward I both become "B"; W stays "W". A schedule that
+    mixes both kinds of backward (DualPipeV: full B in its middle, I and W at its ends) is read as a split
+    one, each full backward becoming "B" then "W" of the same microbatch back to back: the same work in
+    the same place. Stage to rank placement is read off the order. This reads a private torch API, so tests
+    pin what it returns: e.g. torch 2.13's Schedule1F1B lists the last rank's forwards off by one, and
+    validate() then fails.
     """
     from torch.distributed.pipelining.schedules import _ComputationType   # lazy: the module is torch-free
 
@@ -561,9 +564,21 @@ def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None
         elif torch_action.computation_type in kind_of:
             yield Action(torch_action.stage_index, torch_action.microbatch_index,
                          kind_of[torch_action.computation_type])
+            if torch_action.computation_type == _ComputationType.FULL_BACKWARD:
+                yield None                                  # marks a full backward: see split_backward below
 
-    actions = {rank: [a for item in order for a in compute_actions(item)]
-               for rank, order in sorted(pipeline_order.items())}
+    listed = {rank: [a for item in order for a in compute_actions(item)]
+              for rank, order in sorted(pipeline_order.items())}
+    splits = any(a is not None and a.kind == "W" for acts in listed.values() for a in acts)
+    actions: dict[int, list[Action]] = {}
+    for rank, acts in listed.items():
+        actions[rank] = []
+        for action in acts:
+            if action is not None:
+                actions[rank].append(action)
+            elif splits:    # where other backwards are split, a full one is B then its W, back to back
+                full = actions[rank][-1]
+                actions[rank].append(Action(full.stage, full.microbatch, "W"))
     stage_to_rank: dict[int, int] = {}
     for rank, rank_actions in actions.items():
         for action in rank_actions:

@@ -188,3 +188,106 @@ def does_it_fit_explorer(num_params: float = 7e9, gpus: int = 4, gpu: str = "A10
                     "mfu": utilisation}
     box.output = out
     return box
+
+
+# --------------------------------------------------------------------------------------------------------
+# Chapter 07: the pipeline schedule explorer
+# --------------------------------------------------------------------------------------------------------
+
+PIPELINE_SCHEDULES = {"naive": "naive (one microbatch at a time)", "gpipe": "GPipe", "1f1b": "1F1B",
+                      "interleaved_1f1b": "interleaved 1F1B", "zero_bubble": "zero bubble (ZB-H1)"}
+
+
+def pipeline_summary(name: str, ranks: int, microbatches: int, chunks: int = 1) -> dict:
+    """Everything the schedule explorer shows for one setting, computed by ``distlab.schedules`` (pure).
+
+    ``chunks`` (V) applies to interleaved 1F1B only and is ignored by the other schedules (reported as 1).
+    A setting the schedule cannot run (interleaved with M not a multiple of P) comes back with ``error``
+    set and nothing else. Costs are the library's defaults: F = 1, B = 2 (zero bubble: B = W = 1) per
+    microbatch through a rank's layers, so every schedule does the same work and makespans compare.
+    """
+    from distlab import schedules
+
+    chunks = chunks if name == "interleaved_1f1b" else 1
+    summary = {"name": name, "label": PIPELINE_SCHEDULES.get(name, name), "ranks": ranks,
+               "microbatches": microbatches, "chunks": chunks, "error": None}
+    try:
+        schedule = schedules.build(name, ranks, microbatches, chunks)
+    except ValueError as error:
+        summary["error"] = str(error)
+        return summary
+    timeline = schedules.simulate(schedule)
+    peaks = schedules.peak_activations(schedule)
+    formula = None
+    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        formula = schedules.bubble_fraction(ranks, microbatches, chunks)
+    elif name == "naive":
+        formula = (ranks - 1) / ranks
+    summary.update(
+        schedule=schedule, timeline=timeline,
+        bubble=schedules.bubble_fraction_from_timeline(timeline, ranks), formula=formula,
+        one_f_one_b_bubble=schedules.bubble_fraction(ranks, microbatches),
+        makespan=max(e.end for e in timeline) - min(e.start for e in timeline),
+        ideal_makespan=3.0 * microbatches,  # one rank's own work: M x (F + B), nothing idle
+        peak_activations=peaks,
+        # in units of one microbatch through all of a rank's layers (an interleaved chunk is 1/V of them)
+        peak_activation_layers={rank: count / chunks for rank, count in peaks.items()},
+    )
+    return summary
+
+
+def pipeline_explorer_html(name: str, ranks: int, microbatches: int, chunks: int = 1, width: int = 100) -> str:
+    """The explorer's answer as HTML: the simulated Gantt chart (ASCII), the bubble against its formula, the
+    step time against the ideal, and the activations each rank holds at its peak."""
+    import html
+
+    from distlab import gantt
+
+    s = pipeline_summary(name, ranks, microbatches, chunks)
+    title = f"<b>{s['label']}: P = {ranks} ranks, M = {microbatches} microbatches" + (
+        f", V = {s['chunks']} stages per rank" if name == "interleaved_1f1b" else "") + "</b>"
+    if s["error"]:
+        return f'{title}<br><b style="color:#c0392b">cannot run:</b> {html.escape(s["error"])}'
+    chart = gantt.ascii_gantt(s["timeline"], width=width)
+    lines = [title, f"<pre style='line-height:1.15'>{html.escape(chart)}</pre>"]
+    bubble = f"bubble <b>{100 * s['bubble']:.1f}%</b> (simulated)"
+    if s["formula"] is not None:
+        shape = "(P-1)/P" if name == "naive" else "(P-1)/(V·M+P-1)" if name == "interleaved_1f1b" \
+            else "(P-1)/(M+P-1)"
+        bubble += f"; formula {shape} = {100 * s['formula']:.1f}%"
+    if name not in ("gpipe", "1f1b"):
+        bubble += f"; GPipe and 1F1B: {100 * s['one_f_one_b_bubble']:.1f}%"
+    lines.append(bubble)
+    lines.append(f"step time {s['makespan']:g} units of one forward (F = 1, B = 2 per rank's layers) against "
+                 f"{s['ideal_makespan']:g} with no bubble")
+    peaks = s["peak_activation_layers"]
+    lines.append("activations held at the peak, in microbatches through a rank's layers: "
+                 + ", ".join(f"rank {r}: {peaks[r]:g}" for r in sorted(peaks)))
+    return "<br>".join(lines)
+
+
+def pipeline_explorer(name: str = "1f1b", ranks: int = 4, microbatches: int = 8, chunks: int = 2):
+    """The interactive schedule explorer (ipywidgets): schedule, P, M and V over ``pipeline_explorer_html``."""
+    import ipywidgets as w
+
+    schedule = w.Dropdown(options=[(label, key) for key, label in PIPELINE_SCHEDULES.items()], value=name,
+                          description="schedule")
+    ranks_slider = w.IntSlider(value=ranks, min=2, max=16, description="P (ranks)")
+    microbatches_slider = w.IntSlider(value=microbatches, min=1, max=64, description="M (microbatches)")
+    chunks_slider = w.IntSlider(value=chunks, min=1, max=4, description="V (interleaved)")
+    out = w.HTML()
+
+    def update(_=None):
+        chunks_slider.disabled = schedule.value != "interleaved_1f1b"
+        out.value = pipeline_explorer_html(schedule.value, ranks_slider.value, microbatches_slider.value,
+                                           chunks_slider.value)
+
+    for control in (schedule, ranks_slider, microbatches_slider, chunks_slider):
+        control.observe(update, names="value")
+    update()
+    box = w.VBox([w.HBox([schedule, ranks_slider]), w.HBox([microbatches_slider, chunks_slider]), out])
+    box.update = update
+    box.controls = {"schedule": schedule, "ranks": ranks_slider, "microbatches": microbatches_slider,
+                    "chunks": chunks_slider}
+    box.output = out
+    return box

@@ -1,0 +1,183 @@
+"""What the chapter's pipeline scripts share: torch's schedules by name, where each stage lives, the
+transformer cut into stages, and a stopwatch on every forward and backward a stage runs.
+
+Not in ``distlab`` because nothing outside chapter 07 needs it; ``distlab.schedules`` holds the part that
+is pure (schedules as data, simulation, bubble maths) and this file the part that touches torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from distlab import runtime, schedules
+
+
+# ---- torch's schedules, by the names torch.distributed.pipelining.get_schedule_class takes ------------------
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    name: str                     # torch's name
+    multi_stage: bool             # the schedule takes a list of stages (PipelineScheduleMulti)
+    v_shape: bool                 # stages r and 2P-1-r on rank r (ZBV, DualPipeV); else r, r+P, r+2P, ...
+    default_stages_per_rank: int  # V
+    fixed_stages_per_rank: bool   # V cannot change
+    ours: str | None              # the distlab.schedules builder that gives the same order, if any
+    needs: str                    # microbatch requirement, in words (for --help and errors)
+
+
+CHOICES = {c.name: c for c in (
+    PipelineChoice("GPipe", False, False, 1, True, "gpipe", "any M"),
+    PipelineChoice("1F1B", False, False, 1, True, "1f1b", "M >= P"),
+    PipelineChoice("Interleaved1F1B", True, False, 2, False, "interleaved_1f1b", "M a multiple of P"),
+    PipelineChoice("InterleavedZeroBubble", True, False, 1, False, "zero_bubble", "M a multiple of P"),
+    PipelineChoice("ZBVZeroBubble", True, True, 2, True, None, "M >= 2P"),
+    PipelineChoice("DualPipeV", True, True, 2, True, None, "M >= 2P"),
+)}
+
+
+def schedule_help() -> str:
+    return "; ".join(f"{c.name} ({c.needs}" + (", V=2 in a V" if c.v_shape else
+                                                f", V={c.default_stages_per_rank} by default"
+                                                if not c.fixed_stages_per_rank else "") + ")"
+                     for c in CHOICES.values())
+
+
+def check_pipeline_config(schedule: str, ranks: int, microbatches: int, stages_per_rank: int | None) -> int:
+    """Refuse (ConfigError: one line, exit 2) what would fail or hang inside torch; return V."""
+    runtime.require(schedule in CHOICES, f"unknown schedule {schedule!r}; choose one of {', '.join(CHOICES)}")
+    choice = CHOICES[schedule]
+    runtime.require(microbatches >= 1, f"--microbatches {microbatches}: need at least one microbatch")
+    chunks = stages_per_rank or choice.default_stages_per_rank
+    runtime.require(chunks >= 1, f"--stages-per-rank {chunks}: need at least one stage per rank")
+    if choice.v_shape:
+        # The V: rank r holds stages r and 2P-1-r, so activations go down the ranks and back up. Any other
+        # count of stages per rank has no V to follow (and a wrong placement hangs inside torch).
+        runtime.require(chunks == 2, f"{schedule} places exactly 2 stages per rank in a V (stages r and 2P-1-r); "
+                                     f"--stages-per-rank {chunks} does not fit")
+    elif choice.fixed_stages_per_rank:
+        runtime.require(chunks == 1, f"{schedule} holds one stage per rank; --stages-per-rank {chunks} needs "
+                                     f"Interleaved1F1B or InterleavedZeroBubble")
+    stages = ranks * chunks
+    if choice.needs == "M >= P":
+        runtime.require(microbatches >= ranks, f"{schedule} needs at least as many microbatches as stages: "
+                                               f"--microbatches {microbatches} < {ranks} stages")
+    elif choice.needs == "M >= 2P":
+        runtime.require(microbatches >= stages, f"{schedule} needs at least as many microbatches as stages: "
+                                                f"--microbatches {microbatches} < {stages} stages")
+    elif choice.needs == "M a multiple of P":
+        runtime.require(microbatches % ranks == 0, f"{schedule} walks the microbatches in rounds of P = {ranks}: "
+                                                   f"--microbatches {microbatches} is not a multiple of {ranks}")
+    return chunks
+
+
+def stage_indices(schedule: str, rank: int, ranks: int, chunks: int) -> list[int]:
+    """The stages rank ``rank`` holds: r, r+P, r+2P, ... (loop), or r and 2P-1-r (V)."""
+    if CHOICES[schedule].v_shape:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(chunks)]
+
+
+def torch_schedule(schedule: str, stages: list, microbatches: int, loss_fn):
+    """torch's schedule object for this rank's stages (a single-stage class gets the one stage)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    cls = get_schedule_class(schedule)
+    if CHOICES[schedule].multi_stage:
+        return cls(stages, microbatches, loss_fn=loss_fn)
+    return cls(stages[0], microbatches, loss_fn=loss_fn)
+
+
+def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int, torch_object) -> schedules.Schedule:
+    """What each rank should run, as distlab data: our own builder where there is one; for the V
+    schedules (no builder of ours) torch's listed order read with ``from_torch_pipeline_order``."""
+    ours = CHOICES[schedule].ours
+    if ours == "zero_bubble" and chunks == 1:
+        return schedules.zero_bubble_h1(ranks, microbatches)
+    if ours in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return schedules.build(ours, ranks, microbatches, chunks if ours == "interleaved_1f1b" else 1)
+    return schedules.from_torch_pipeline_order(torch_object.pipeline_order, microbatches, name=schedule)
+
+
+# ---- the stopwatch: one event per forward, backward and weight-gradient pass ----------------------------------
+
+def record_actions(stage, events: list, sync=None) -> None:
+    """Wrap the stage's three compute entry points so each call appends (stage, microbatch, kind, start, end,
+    full backward?) to ``events``.
+
+    The schedule waits for incoming activations and gradients *before* it calls these, so waiting is not
+    counted as work: it shows up as idle time, which is what the bubble is. In a schedule that splits the
+    backward, ``backward_one_chunk(full_backward=False)`` is the input gradient (torch's I, our B) and
+    ``backward_weight_one_chunk`` the weight gradient (W). ``sync`` (``rt.sync`` on a GPU) runs before each
+    stop of the clock.
+    """
+    def timed(method, kind):
+        def wrapper(chunk_id, *args, **kwargs):
+            start = time.perf_counter()
+            result = method(chunk_id, *args, **kwargs)
+            if sync is not None:
+                sync()          # on a GPU, wait for the kernels: time the work, not its launch
+            full = kind == "B" and kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            events.append((stage.stage_index, chunk_id, kind, start, time.perf_counter(), bool(full)))
+            return result
+        return wrapper
+
+    stage.forward_one_chunk = timed(stage.forward_one_chunk, "F")
+    stage.backward_one_chunk = timed(stage.backward_one_chunk, "B")
+    stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "W")
+
+
+def gather_timeline(events: list, t0: float, rank: int, split_backward: bool = False) -> list[dict]:
+    """Every rank's events on one clock, on every rank: each rank subtracts its own t0, read just after a
+    common barrier (so clocks of different nodes need not agree), then all_gather_object.
+
+    With ``split_backward`` (a schedule that splits some backwards), a full backward is followed by a
+    zero-length W at its end: its weight gradient was computed inside it, as ``from_torch_pipeline_order``
+    reads such a schedule (DualPipeV runs full backwards in its middle and split ones at its ends).
+    """
+    mine = []
+    for stage, microbatch, kind, start, end, *full in events:
+        mine.append(schedules.TimelineEvent(rank, stage, microbatch, kind, start - t0, end - t0).to_dict())
+        if split_backward and full and full[0]:
+            mine.append(schedules.TimelineEvent(rank, stage, microbatch, "W", end - t0, end - t0).to_dict())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted((e for rank_events in everyone for e in rank_events), key=lambda e: (e["rank"], e["start"]))
+
+
+def executed_order(timeline: list[dict], rank: int) -> list[schedules.Action]:
+    """The actions rank ``rank`` actually ran, in the order they started."""
+    return [schedules.Action(e["stage"], e["microbatch"], e["kind"])
+            for e in sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])]
+
+
+# ---- the course's transformer, cut into pipeline stages -------------------------------------------------------
+
+def layers_of_stage(num_layers: int, num_stages: int, stage: int) -> list[int]:
+    """Contiguous blocks of layers, as even as possible (the first stages take one more when it does not divide)."""
+    base, extra = divmod(num_layers, num_stages)
+    first = stage * base + min(stage, extra)
+    return list(range(first, first + base + (1 if stage < extra else 0)))
+
+
+def transformer_stage(model, stage: int, num_stages: int):
+    """A copy of ``model`` that keeps only what stage ``stage`` runs, under the same parameter names.
+
+    The first stage keeps the token embeddings, the last the final norm and output projection; every stage
+    keeps its own ``layers[i]`` with i unchanged (the ModuleDict is keyed by name, not position), so
+    ``stage.state_dict()`` keys match the full model's and a checkpoint needs no renaming.
+    """
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layers_of_stage(len(model.layers), num_stages, stage)}
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != num_stages - 1:
+        part.norm = None
+        part.output = None
+    return part

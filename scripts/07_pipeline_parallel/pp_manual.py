@@ -1,0 +1,203 @@
+"""Pipeline parallelism by hand: the transformer cut into stages, activations sent forward and gradients
+sent back with send/recv, microbatch by microbatch, in the order of one of our schedules.
+
+Rank r holds stage r: a contiguous block of the transformer's layers (the first stage also the token
+embeddings, the last the final norm and output projection). The global batch is cut into M microbatches,
+and rank r runs the actions ``distlab.schedules.build(--schedule, P, M).actions[r]`` lists, one by one:
+
+* ``F m``: receive microbatch m's activation from rank r-1 (stage 0 reads the tokens), run the stage, keep
+  its input and output for the backward, send the output to rank r+1 (the last stage computes the loss);
+* ``B m``: receive the gradient of the loss with respect to that output from rank r+1 (the last stage
+  starts from its loss), backpropagate through the stage, send the gradient of the input to rank r-1.
+
+Each microbatch's loss is divided by M, so the gradients that accumulate over the M backwards are the
+gradient of the whole batch's mean loss. The script proves it: the losses and every parameter's
+gradient equal the single-device model's on the same global batch, step after step of AdamW.
+
+Sends are ``isend`` (a rank never waits for its receiver to be ready, so no order of ours can deadlock on
+a send); receives block, and that waiting is the pipeline bubble you see in the Gantt chart it prints.
+
+    torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_manual.py --schedule 1f1b
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from common_pipeline import executed_order, gather_timeline, layers_of_stage, transformer_stage
+from distlab import data, gantt, metrics, models, runtime, schedules
+
+HAND_SCHEDULES = ("naive", "gpipe", "1f1b")   # one stage per rank, full backward: what this loop runs
+# fp32: the microbatches' gradients are summed in another order than one big batch's (measured ~1e-8 on
+# losses and gradients); AdamW keeps the copies within ~1e-7 over a few steps.
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+
+def check_config(args, world_size):
+    runtime.require(args.schedule in HAND_SCHEDULES,
+                    f"unknown schedule {args.schedule!r} for this script; choose one of {', '.join(HAND_SCHEDULES)}")
+    runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
+    runtime.require(args.microbatches >= 1, f"--microbatches {args.microbatches}: need at least one")
+    runtime.require(args.batch % args.microbatches == 0 and args.batch >= args.microbatches,
+                    f"--batch {args.batch} does not split into {args.microbatches} equal microbatches")
+    runtime.require(args.layers >= world_size, f"{world_size} stages but only {args.layers} layers: every stage "
+                                               f"needs at least one layer (--layers)")
+
+
+class StageRunner:
+    """Runs one stage's F and B actions for one step, with the sends and receives around them."""
+
+    def __init__(self, stage_module, rank, world_size, microbatches, hidden_shape, device):
+        self.module, self.rank, self.world = stage_module, rank, world_size
+        self.first, self.last = rank == 0, rank == world_size - 1
+        self.microbatches, self.hidden_shape, self.device = microbatches, hidden_shape, device
+        self.inputs, self.outputs, self.losses, self.pending_sends = {}, {}, {}, []
+
+    def receive_input(self, m, tokens):
+        """Microbatch m's input: the tokens on the first stage, else the previous stage's output (we wait)."""
+        if self.first:
+            return tokens[m]
+        x = torch.empty(self.hidden_shape, device=self.device)
+        dist.recv(x, src=self.rank - 1, tag=m)
+        return x.requires_grad_(True)          # we will need d(loss)/d(x), to send back
+
+    def forward(self, m, x, targets):
+        out = self.module(x)
+        self.inputs[m] = x
+        if self.last:
+            self.losses[m] = models.lm_loss(out, targets[m]) / self.microbatches
+        else:
+            self.outputs[m] = out
+            self.pending_sends.append(dist.isend(out.detach(), dst=self.rank + 1, tag=m))
+
+    def receive_output_grad(self, m):
+        """d(loss)/d(our output) of microbatch m, from the next stage (we wait); the last stage has its loss."""
+        if self.last:
+            return None
+        grad = torch.empty(self.hidden_shape, device=self.device)
+        dist.recv(grad, src=self.rank + 1, tag=m)
+        return grad
+
+    def backward(self, m, grad):
+        if self.last:
+            self.losses[m].backward()
+        else:
+            torch.autograd.backward(self.outputs.pop(m), grad)
+        x = self.inputs.pop(m)
+        if not self.first:
+            self.pending_sends.append(dist.isend(x.grad, dst=self.rank - 1, tag=m))
+
+    def finish_step(self):
+        for work in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+        loss = sum(self.losses[m].item() for m in sorted(self.losses)) if self.last else None
+        self.losses.clear()
+        return loss
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
+    p.add_argument("--schedule", default="1f1b", help=f"the order each rank runs: {', '.join(HAND_SCHEDULES)}")
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks, at least one per stage (default: 8 for tiny, whose 2 would not fill "
+                        "4 stages; the preset's otherwise)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="train the single-device model beside each stage and compare (default: on for tiny; off "
+                        "for a100, whose whole model would not fit beside a stage)")
+    args = p.parse_args()
+    if args.layers is None:
+        args.layers = 8 if args.preset == "tiny" else models.preset(args.preset).n_layers
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset, n_layers=args.layers)
+        rank, world, microbatches = rt.rank, rt.world_size, args.microbatches
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
+        schedule = schedules.build(args.schedule, world, microbatches)
+        rt.print(f"{args.schedule} by hand: {world} stages, layers "
+                 + ", ".join(f"{layers_of_stage(cfg.n_layers, world, s)}" for s in range(world))
+                 + f"; {microbatches} microbatches of {args.batch // microbatches} sequences")
+        rt.print(f"rank 0 runs: {' '.join(map(str, schedule.actions[0]))}")
+
+        with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        full = models.build_transformer(cfg, seed=args.seed)      # every rank, same weights, on the CPU
+        stage = transformer_stage(full, rank, world).to(rt.device)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr)
+        reference = reference_optimizer = None
+        if with_reference:                                         # the single-device model, beside the stage
+            reference = full.to(rt.device)
+            reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+        names = [n for n, _ in stage.named_parameters()]
+        runner = StageRunner(stage, rank, world, microbatches,
+                             (args.batch // microbatches, cfg.seq_len, cfg.dim), rt.device)
+
+        losses, reference_losses, grad_diffs, events = [], [], [], []
+        for step in range(args.steps):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
+            inputs, targets = data.split_inputs_targets(tokens)
+            input_mbs, target_mbs = inputs.chunk(microbatches), targets.chunk(microbatches)
+            events.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for action in schedule.actions[rank]:       # the schedule, as data, is the program
+                m = action.microbatch
+                if action.kind == "F":
+                    x = runner.receive_input(m, input_mbs)  # waiting here is the bubble: not timed as work
+                    start = time.perf_counter()
+                    runner.forward(m, x, target_mbs)
+                else:
+                    grad = runner.receive_output_grad(m)
+                    start = time.perf_counter()
+                    runner.backward(m, grad)
+                rt.sync()                               # on a GPU, wait for the kernels: time the work, not its launch
+                events.append((rank, m, action.kind, start, time.perf_counter()))
+            losses.append(runner.finish_step())
+
+            if reference is not None:
+                reference_loss = models.lm_loss(reference(inputs), targets)   # the whole batch, one device
+                reference_loss.backward()
+                reference_losses.append(reference_loss.item())
+                reference_params = dict(reference.named_parameters())
+                grad_diffs.append(metrics.max_abs_diff([p.grad for p in stage.parameters()],
+                                                       [reference_params[n].grad for n in names]))
+                reference_optimizer.step()
+                reference_optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        timeline = gather_timeline(events, t0, rank)
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"losses": losses, "grad_diff": max(grad_diffs, default=None),
+                                          "names": names})
+        losses = gathered[-1]["losses"]
+        report.losses = losses
+        report.timeline = timeline
+        stage_names = [n for g in gathered for n in g["names"]]
+        report.check("each parameter lives on exactly one stage, under its own name",
+                     sorted(stage_names) == sorted(n for n, _ in full.named_parameters()),
+                     f"{len(stage_names)} names", "the full model's names")
+        if with_reference:
+            report.check_close("losses equal the single-device model's", losses, reference_losses, LOSS_TOLERANCE)
+            worst = max(g["grad_diff"] for g in gathered)
+            report.check("gradients equal the single-device model's (every stage, every step)",
+                         worst <= GRAD_TOLERANCE, worst, GRAD_TOLERANCE)
+        report.check("every rank ran the schedule's order", all(
+            executed_order(timeline, r) == schedule.actions[r] for r in range(world)), schedule.name, "every rank")
+        report.extra.update(schedule=args.schedule, order=schedule.format(),
+                            layers_of_stage={s: layers_of_stage(cfg.n_layers, world, s) for s in range(world)},
+                            peak_activations=schedules.peak_activations(schedule))
+        rt.print(gantt.ascii_gantt(timeline, title=f"{args.schedule} by hand, last step (measured)", time_unit="s"))
+        rt.print(f"losses: {' '.join(f'{x:.4f}' for x in losses)}" + (
+            f" (single device: {' '.join(f'{x:.4f}' for x in reference_losses)})" if with_reference else ""))
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

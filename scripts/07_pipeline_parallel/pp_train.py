@@ -1,0 +1,161 @@
+"""Training the course's transformer with torch.distributed.pipelining: same losses as on one device.
+
+The model is built whole on every rank from the seed, then each rank keeps only its stages: a contiguous
+block of ``layers`` (the ModuleDict keeps its keys, so ``layers.5.attention.wq.weight`` is called that on
+the rank that holds it, as in the full model), plus the token embeddings on the first stage and the final
+norm and output projection on the last. Each stage becomes a ``PipelineStage``, the rank's stages go to
+the ``--schedule`` (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), and
+every step is one ``schedule.step(...)``: M microbatches forward and backward in the schedule's order,
+gradients accumulated and scaled by 1/M, then each rank's AdamW updates its own stages.
+
+It proves the pipeline changes *when* work happens, not *what* is computed: a single-device model, trained
+on rank 0 on the same global batch with the same seed, has the same loss at every step and the same
+parameters at the end, within fp32 rounding.
+
+    torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_train.py --schedule 1F1B
+    torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_train.py --schedule ZBVZeroBubble
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from common_pipeline import (check_pipeline_config, layers_of_stage, record_actions, gather_timeline, schedule_help,
+                             stage_indices, torch_schedule, transformer_stage)
+from distlab import data, metrics, models, runtime
+
+# fp32: microbatches sum their gradients in another order than one big batch: losses and gradients agree to
+# ~5e-7. AdamW divides each gradient by sqrt(v) + eps, so a weight whose gradient is itself ~eps moves by a
+# good part of lr on a rounding difference (measured: one entry in ten thousand off by ~2e-5 = lr / 150 after
+# 4 steps); a real bug moves most weights by ~lr every step. Parameters: lr / 10. And because AdamW does not
+# care about a gradient's scale, the first step's gradients are checked too (a missing 1/M would pass the
+# loss check alone).
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+
+def check_config(args, world_size):
+    args.chunks = check_pipeline_config(args.schedule, world_size, args.microbatches, args.stages_per_rank)
+    runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
+    runtime.require(args.batch % args.microbatches == 0 and args.batch >= args.microbatches,
+                    f"--batch {args.batch} does not split into {args.microbatches} equal microbatches")
+    layers = args.layers or models.preset(args.preset).n_layers
+    stages = world_size * args.chunks
+    runtime.require(layers >= stages, f"{stages} stages ({world_size} ranks x {args.chunks}) but only {layers} "
+                                      f"layers: every stage needs at least one layer (--layers)")
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
+    p.add_argument("--schedule", default="1F1B", help=f"torch's schedule: {schedule_help()}")
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="V, stages per rank (interleaved schedules; default: the schedule's own)")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks (default: 8 for tiny, whose 2 would not fill 4 stages; the preset's "
+                        "otherwise)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="train the single-device model on rank 0 in lockstep and compare (default: on for tiny; "
+                        "off for a100, whose whole model would not fit beside the stages)")
+    args = p.parse_args()
+    if args.layers is None:
+        args.layers = 8 if args.preset == "tiny" else models.preset(args.preset).n_layers
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        from torch.distributed.pipelining import PipelineStage
+
+        cfg = models.preset(args.preset, n_layers=args.layers)
+        ranks, chunks, microbatches = rt.world_size, args.chunks, args.microbatches
+        num_stages = ranks * chunks
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
+        mine = stage_indices(args.schedule, rt.rank, ranks, chunks)
+        rt.print(f"{args.schedule}: {cfg.n_layers} layers in {num_stages} stages "
+                 + ", ".join(f"{s}:{layers_of_stage(cfg.n_layers, num_stages, s)}" for s in range(num_stages))
+                 + f"; rank r holds stages {[stage_indices(args.schedule, r, ranks, chunks) for r in range(ranks)]}")
+
+        with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        full = models.build_transformer(cfg, seed=args.seed)          # on the CPU: only a stage goes to the device
+        modules = {s: transformer_stage(full, s, num_stages).to(rt.device) for s in mine}
+        stages = [PipelineStage(modules[s], s, num_stages, rt.device) for s in mine]
+        events = []
+        for stage in stages:
+            record_actions(stage, events, rt.sync)
+        schedule = torch_schedule(args.schedule, stages, microbatches, loss_fn=models.lm_loss)
+        optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=args.lr)
+        first_here, last_here = 0 in mine, num_stages - 1 in mine
+
+        reference = reference_optimizer = None
+        if with_reference and rt.is_main:   # the single-device run, in lockstep
+            reference = full.to(rt.device)
+            reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+        else:
+            del full
+
+        losses, reference_losses, step_seconds = [], [], []
+        first_grads = reference_first_grads = None
+        for step in range(args.steps):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
+            inputs, targets = data.split_inputs_targets(tokens)
+            events.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step_losses = [] if last_here else None
+            schedule.step(*((inputs,) if first_here else ()),
+                          **(dict(target=targets, losses=step_losses) if last_here else {}))
+            if step == 0 and with_reference:
+                first_grads = {n: p.grad.detach().cpu() for m in modules.values() for n, p in m.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_seconds.append(time.perf_counter() - t0)
+            losses.append(torch.stack(step_losses).mean().item() if last_here else None)
+            if reference is not None:
+                loss = models.lm_loss(reference(inputs), targets)
+                loss.backward()
+                if step == 0:
+                    reference_first_grads = {n: p.grad.detach().cpu() for n, p in reference.named_parameters()}
+                reference_optimizer.step()
+                reference_optimizer.zero_grad(set_to_none=True)
+                reference_losses.append(loss.item())
+        report.timeline = gather_timeline(events, t0, rt.rank)
+
+        # Bring the losses (on the last stage's rank) and every stage's parameters to rank 0.
+        mine_state = {name: p.detach().cpu() for m in modules.values() for name, p in m.named_parameters()} \
+            if with_reference else {}
+        gathered = [None] * ranks
+        dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads})
+        losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
+        report.losses = losses
+        report.throughput = {"step_seconds": step_seconds,
+                             "tokens_per_second": args.batch * cfg.seq_len / min(step_seconds)}
+        if rt.is_main:
+            if with_reference:
+                pipeline_grads = {name: t for g in gathered for name, t in g["grads"].items()}
+                pipeline_params = {name: t for g in gathered for name, t in g["params"].items()}
+                names = sorted(n for n, _ in reference.named_parameters())
+                reference_params = dict(reference.named_parameters())
+                report.check("the stages' parameter names are the full model's", sorted(pipeline_params) == names,
+                             f"{len(pipeline_params)} names", f"{len(names)} names")
+                report.check_close("losses equal the single-device run's", losses, reference_losses,
+                                   LOSS_TOLERANCE)
+                report.check_close("first step's gradients equal the single-device run's",
+                                   [pipeline_grads[n] for n in names], [reference_first_grads[n] for n in names],
+                                   GRAD_TOLERANCE)
+                report.check_close("parameters after training equal the single-device run's",
+                                   [pipeline_params[n] for n in names],
+                                   [reference_params[n].detach().cpu() for n in names], args.lr / 10)
+                print(f"losses   pipeline: {' '.join(f'{x:.5f}' for x in losses)}\n"
+                      f"    single device: {' '.join(f'{x:.5f}' for x in reference_losses)}")
+            report.check("the loss fell", losses[-1] < losses[0] or args.steps == 1, losses[-1] - losses[0], "< 0")
+        report.extra.update(schedule=args.schedule, stages_of_rank={r: stage_indices(args.schedule, r, ranks, chunks)
+                                                                    for r in range(ranks)},
+                            layers_of_stage={s: layers_of_stage(cfg.n_layers, num_stages, s) for s in range(num_stages)})
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
