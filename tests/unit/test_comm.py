@@ -66,3 +66,16 @@ def test_comm_counter_records_payloads(world_of_one):
     assert counter.total() == 4 * 64 and counter.total("all_reduce") == 64
     assert counter.by_collective()["all_gather"] == {"calls": 1, "payload_bytes": 64, "sent_bytes_per_rank": 0.0}
     assert dist.all_reduce is original  # the patches are gone after the block
+
+
+def test_chapter_03_ring_model_numbers():
+    """The alpha-beta examples chapter 03 quotes (link figures are the chapter's stated assumptions)."""
+    nvlink, slingshot = (300e9, 5e-6), (25e9, 10e-6)
+    assert comm.ring_time("all_reduce", 1e9, 4, *nvlink) * 1e3 == pytest.approx(5.03, abs=0.005)
+    assert comm.ring_time("all_reduce", 1e9, 4, *slingshot) * 1e3 == pytest.approx(60.06, abs=0.005)
+    # crossover where the 2(n-1) latencies cost as much as the bytes: 2(n-1) alpha beta / (2(n-1)/n)
+    for (bandwidth, latency), crossover_mb in ((nvlink, 6.0), (slingshot, 1.0)):
+        crossover = 6 * latency * bandwidth / 1.5
+        assert crossover / 1e6 == pytest.approx(crossover_mb)
+        assert comm.ring_time("all_reduce", crossover, 4, bandwidth, latency) == pytest.approx(12 * latency)
+    assert [round(comm.ring_factor("all_reduce", n), 3) for n in (2, 4, 8, 64)] == [1.0, 1.5, 1.75, 1.969]

@@ -71,3 +71,11 @@ def test_max_abs_diff():
     assert metrics.max_abs_diff([1.0, [2.0, 3.0]], [1.0, [2.0, 3.5]]) == 0.5
     assert metrics.max_abs_diff(torch.ones(2), torch.ones(3)) == float("inf")
     assert metrics.max_abs_diff([1.0], [1.0, 2.0]) == float("inf")
+
+
+def test_chapter_01_mfu_numbers():
+    """a100 preset: tokens/s that 40% MFU means on one A100 and one H100 (bf16), and MFU at 5,000 tokens/s."""
+    per_token = metrics.transformer_flops_per_token(models.preset("a100"))
+    assert round(0.4 * metrics.peak_flops("A100", "bf16") / per_token) == 14_863
+    assert round(0.4 * metrics.peak_flops("H100", "bf16") / per_token) == 47_115
+    assert round(metrics.mfu(5000, per_token, "A100", "bf16"), 3) == 0.135

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from distlab import memory, widgets
+from distlab import memory, metrics, widgets
 
 GB = widgets.GB
 A100 = widgets.GPUS["A100-40GB"]
@@ -94,3 +94,23 @@ def test_gpus_must_be_positive():
     with pytest.raises(ValueError):
         widgets.fit(1e9, 0)
     assert math.isclose(widgets.fit(1e9, 1).fraction_used, 16e9 / A100)
+
+
+def test_chapter_02_sharding_a_7b_model_over_four_gpus():
+    per_gpu = [round(widgets.state_bytes_per_gpu(7e9, 4, stage) / GB, 1) for stage in (0, 1, 2, 3)]
+    assert per_gpu == [112.0, 49.0, 38.5, 28.0]
+    assert [widgets.fit(7e9, 4, A100, s).fits for s in (0, 1, 2, 3)] == [False, False, True, True]
+    days = {gpus: widgets.training_days(7e9, 140e9, gpus=gpus) for gpus in (1, 4, 512)}
+    assert [round(days[1]), round(days[4]), round(days[512], 1)] == [545, 136, 1.1]
+    assert round(widgets.training_days(70e9, 1.4e12, gpus=512)) == 107
+
+
+def test_chapter_02_compute_table_on_a_node_and_on_512_gpus():
+    table = {r["model"]: r for r in widgets.fit_table("A100-40GB", gpus=1)}
+    on_a_node = {m: round(widgets.training_days(r["params"], r["tokens"], gpus=4)) for m, r in table.items()}
+    assert on_a_node == {"1B": 3, "7B": 136, "13B": 470, "70B": 13633}
+    on_512 = {m: float(f"{widgets.training_days(r['params'], r['tokens'], gpus=512):.2g}") for m, r in table.items()}
+    assert on_512 == {"1B": 0.022, "7B": 1.1, "13B": 3.7, "70B": 110.0}
+    assert [f"{r['params'] * r['tokens'] * 6:.1e}" for r in table.values()] == ["1.2e+20", "5.9e+21", "2.0e+22", "5.9e+23"]
+    assert memory.training_state_bytes(7e9, "mixed").params == 14e9  # a 7B model's bf16 weights: 14 GB
+    assert round(metrics.peak_flops("H100", "bf16") / metrics.peak_flops("A100", "bf16"), 1) == 3.2  # H100 vs A100
