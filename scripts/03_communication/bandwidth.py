@@ -141,7 +141,8 @@ def main():
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
                              "busbw": busbw, "sent_bytes_per_rank": comm.bytes_sent_per_rank(collective, size, world)})
-                rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} {algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
+                rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} "
+                         f"{algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
                 calls = args.iters * args.repeats
                 per_call = counter.total(collective) // calls
                 report.add_comm(collective, per_call, size)

@@ -42,7 +42,8 @@ def test_six_flops_per_weight_per_token_is_what_the_matmuls_do():
     inputs, targets = data.split_inputs_targets(data.token_batch(0, 4, cfg.seq_len, cfg.vocab_size))
     with FlopCounterMode(display=False) as counter:
         models.lm_loss(model(inputs), targets).backward()
-    matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name)
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters()
+                         if p.dim() == 2 and "tok_embeddings" not in name)
     mm_flops = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
     assert mm_flops == 6 * matmul_weights * inputs.numel()
 

@@ -111,6 +111,7 @@ def test_chapter_02_compute_table_on_a_node_and_on_512_gpus():
     assert on_a_node == {"1B": 3, "7B": 136, "13B": 470, "70B": 13633}
     on_512 = {m: float(f"{widgets.training_days(r['params'], r['tokens'], gpus=512):.2g}") for m, r in table.items()}
     assert on_512 == {"1B": 0.022, "7B": 1.1, "13B": 3.7, "70B": 110.0}
-    assert [f"{r['params'] * r['tokens'] * 6:.1e}" for r in table.values()] == ["1.2e+20", "5.9e+21", "2.0e+22", "5.9e+23"]
+    flops = [f"{6 * r['params'] * r['tokens']:.1e}" for r in table.values()]
+    assert flops == ["1.2e+20", "5.9e+21", "2.0e+22", "5.9e+23"]
     assert memory.training_state_bytes(7e9, "mixed").params == 14e9  # a 7B model's bf16 weights: 14 GB
     assert round(metrics.peak_flops("H100", "bf16") / metrics.peak_flops("A100", "bf16"), 1) == 3.2  # H100 vs A100
