@@ -46,7 +46,7 @@ DISTLAB_LAUNCH_TIMEOUT=${DISTLAB_LAUNCH_TIMEOUT:-}     # seconds one launch may 
 DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python imports torch and distlab first
 DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv cuda conda}  # modules to load ("" for none)
 DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
-DISTLAB_NETWORK=${DISTLAB_NETWORK:-slingshot}          # slingshot: NCCL/libfabric settings below; none: leave them
+DISTLAB_NETWORK=${DISTLAB_NETWORK:-auto}               # slingshot: NCCL/libfabric settings below; none; auto: by hsn*
 DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
@@ -60,11 +60,23 @@ esac
 # ---------------------------------------------------------------------------------------------------
 distlab_load_modules() {
     [[ -n $DISTLAB_MODULES ]] || return 0
+    local init modules rc
+    if ! type module >/dev/null 2>&1; then
+        # A batch shell that is not a login shell may lack the module function: look for Lmod's set-up.
+        for init in ${DISTLAB_MODULE_INIT:-${MODULESHOME:+$MODULESHOME/init/bash} /etc/profile.d/z00_lmod.sh /etc/profile.d/lmod.sh /etc/profile.d/modules.sh}; do
+            if [[ -r $init ]]; then
+                set +u
+                # shellcheck disable=SC1090 # the site's own file
+                source "$init"
+                set -u
+                break
+            fi
+        done
+    fi
     if ! type module >/dev/null 2>&1; then
         distlab_log "no 'module' command here: not loading $DISTLAB_MODULES"
         return 0
     fi
-    local modules rc
     read -ra modules <<<"$DISTLAB_MODULES"
     set +u # module scripts read unset variables
     module load "${modules[@]}"
@@ -114,7 +126,20 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.
 # already in the environment, so `qsub -v NCCL_DEBUG=INFO` or an export before sourcing wins.
 # ---------------------------------------------------------------------------------------------------
 distlab_network_env() {
-    [[ $DISTLAB_NETWORK == slingshot ]] || return 0
+    if [[ $DISTLAB_NETWORK == auto ]]; then
+        # Slingshot NICs show up as hsn0, hsn1, ...; elsewhere NCCL_SOCKET_IFNAME=hsn would leave NCCL no interface.
+        if compgen -G "${DISTLAB_SYS_NET:-/sys/class/net}/hsn*" >/dev/null; then # (tests point DISTLAB_SYS_NET elsewhere)
+            DISTLAB_NETWORK=slingshot
+        else
+            DISTLAB_NETWORK=none
+            distlab_log "no Slingshot interface (hsn*) on this node: leaving NCCL's network settings alone"
+        fi
+    fi
+    case $DISTLAB_NETWORK in
+    slingshot) ;;
+    none) return 0 ;;
+    *) distlab_die "DISTLAB_NETWORK=$DISTLAB_NETWORK: use auto, slingshot or none" ;;
+    esac
     # Bootstrap and socket traffic over the Slingshot interfaces hsn0..hsnN, not the management Ethernet.
     export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
     # Let a ring or tree leave a node on a different NIC than it entered (4 NICs per node, not rail-wired).

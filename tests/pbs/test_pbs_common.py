@@ -115,6 +115,7 @@ def test_no_usable_nodefile_stops_with_one_line(job_env, tmp_path, nodefile, mes
     ({"DISTLAB_MPIEXEC_FLAVOR": "openmpi"}, "use auto, pals or hydra"),
     ({"DISTLAB_MPIEXEC": "/nonexistent/mpiexec"}, "mpiexec not found"),
     ({"DISTLAB_PYTHON": "/nonexistent/python"}, "no such command"),
+    ({"DISTLAB_NETWORK": "infiniband"}, "use auto, slingshot or none"),
 ])
 def test_bad_settings_stop_with_one_line(job_env, setting, message):
     result = source_common(job_env | setting, after="echo SHOULD_NOT_RUN")
@@ -153,6 +154,13 @@ def test_without_module_or_conda_commands_the_job_goes_on(job_env):
     assert "no 'module' command here" in result.output and "no conda here" in result.output
 
 
+def test_module_command_is_set_up_when_the_batch_shell_lacks_it(job_env, tmp_path):
+    init = tmp_path / "lmod.sh"
+    init.write_text('module() { echo "MODULE_CALL=$*"; }\n')
+    v = source_common(job_env | {"DISTLAB_MODULES": "cuda", "DISTLAB_MODULE_INIT": f"/nonexistent {init}"}).values()
+    assert v["MODULE_CALL"] == "load cuda"
+
+
 def test_a_failing_module_load_stops_the_job(job_env):
     result = source_common(job_env | {"DISTLAB_MODULES": "nosuchmodule"}, before="module() { return 1; }")
     assert result.returncode == 2 and "module load nosuchmodule failed" in result.output
@@ -170,23 +178,26 @@ def test_preflight_refuses_cuda_where_torch_sees_no_gpu(job_env):
     assert "no GPU is visible but DISTLAB_DEVICE=cuda" in result.output
 
 
-def test_slingshot_settings_keep_values_already_set(job_env):
+def test_slingshot_settings_keep_values_already_set(job_env, tmp_path):
+    (tmp_path / "net" / "hsn0").mkdir(parents=True)  # a Slingshot node, as /sys/class/net shows it
     after = 'env | grep -E "^(NCCL|FI|MPICH)_" | sort'
-    v = source_common(job_env | {"NCCL_DEBUG": "INFO"}, after=after).values()
+    v = source_common(job_env | {"NCCL_DEBUG": "INFO", "DISTLAB_SYS_NET": str(tmp_path / "net")}, after=after).values()
     assert v["NCCL_SOCKET_IFNAME"] == "hsn"
     assert v["NCCL_DEBUG"] == "INFO"  # set by the user: kept
     assert v["FI_CXI_DISABLE_HOST_REGISTER"] == "1" and v["FI_PROVIDER"] == "cxi"
     assert v["NCCL_CROSS_NIC"] == "1" and v["NCCL_NET_GDR_LEVEL"] == "PHB"
     assert v["MPICH_GPU_SUPPORT_ENABLED"] == "0"
     assert "NCCL_NET" not in v  # no aws-ofi-nccl plugin here: NCCL would refuse to start
-    none = source_common(job_env | {"DISTLAB_NETWORK": "none"}, after=after).values()
-    assert not any(k.startswith(("NCCL_", "FI_")) for k in none)
+    for off in ({"DISTLAB_NETWORK": "none"}, {"DISTLAB_SYS_NET": str(tmp_path / "no-hsn")}):
+        result = source_common(job_env | off, after=after)
+        assert not any(k.startswith(("NCCL_", "FI_")) for k in result.values()), result.output
+    assert "no Slingshot interface" in result.output
 
 
 def test_nccl_uses_the_libfabric_plugin_when_one_is_installed(job_env, tmp_path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libnccl-net.so").write_text("")
-    v = source_common(job_env | {"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path / 'lib'}"},
+    v = source_common(job_env | {"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path / 'lib'}", "DISTLAB_NETWORK": "slingshot"},
                       after='echo "NCCL_NET=${NCCL_NET:-}"').values()
     assert v["NCCL_NET"] == "AWS Libfabric"
 
