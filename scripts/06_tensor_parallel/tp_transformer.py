@@ -83,9 +83,9 @@ def main():
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = model_config(args)
         report = metrics.Report(__file__, rt, config={**vars(args), "tp": rt.world_size, "model": cfg.to_dict()})
-        rt.print(f"TP over {rt.world_size} ranks: {cfg.n_heads // rt.world_size} heads, "
+        rt.print(f"TP over {rt.world_size} ranks, per rank: {cfg.n_heads // rt.world_size} of {cfg.n_heads} heads, "
                  f"{cfg.ffn_hidden // rt.world_size} feed-forward columns, "
-                 f"{cfg.vocab_size // rt.world_size} vocabulary rows per rank")
+                 f"{cfg.vocab_size // rt.world_size} vocabulary rows")
 
         # 1. The single-device reference, first, so its memory is free before the TP model is built.
         reference_losses, reference_grads = train_single_device(cfg, args, rt.device)
