@@ -10,7 +10,8 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
 * ``fork``: one process imports torch once, then forks the ranks: 2-5 s. Safe on CPU only (CUDA does not
   survive fork), so it is used only when the run is on CPU. Notebooks and tests use it to stay fast.
 
-``launcher="auto"`` picks fork for CPU runs and torchrun otherwise; ``DISTLAB_LAUNCHER`` overrides.
+``launcher="auto"`` picks fork for CPU runs and torchrun otherwise; ``DISTLAB_LAUNCH_MODE`` (auto, fork
+or torchrun) overrides it. (The PBS jobs' ``DISTLAB_LAUNCHER`` is another thing: mpiexec or torchrun per node.)
 A failing run raises :class:`LaunchError` with the tail of its output (unless ``check=False``).
 
 ``DISTLAB_LAUNCH_CACHE=DIR`` (set by the test suite only) replays a run already made in the same test
@@ -94,7 +95,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     cwd = Path(cwd) if cwd else REPO_ROOT
     script = Path(script)
     args = [str(a) for a in args]
-    launcher = os.environ.get("DISTLAB_LAUNCHER", launcher)
+    launcher = os.environ.get("DISTLAB_LAUNCH_MODE", launcher)
     if launcher == "auto":
         launcher = "fork" if _wants_cpu(args) else "torchrun"
     if launcher not in ("fork", "torchrun"):
