@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import re
 import sys
 from pathlib import Path
 
@@ -108,18 +107,19 @@ def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.Not
                 cell.source = strip_solutions(cell.source)
             cell.outputs = []
             cell.execution_count = None
-        cell.pop("id", None)
     header = nbformat.v4.new_markdown_cell(HEADER.format(name=name))
     header.metadata["tags"] = ["student-header"]
-    header.pop("id", None)
     student.cells.insert(0, header)
+    # Cell ids (nbformat >= 4.5) must exist and be unique; numbering them keeps a regenerated copy
+    # byte-identical, so the drift test can compare files.
+    student.nbformat, student.nbformat_minor = 4, max(5, notebook.get("nbformat_minor", 5))
+    for index, cell in enumerate(student.cells):
+        cell["id"] = f"cell-{index:03d}"
     return student
 
 
 def render(notebook: nbformat.NotebookNode) -> str:
-    text = nbformat.writes(notebook, version=4)
-    # nbformat adds random cell ids: drop them so a regenerated copy is byte-identical
-    return re.sub(r'\n\s*"id": "[^"]*",', "", text).rstrip("\n") + "\n"
+    return nbformat.writes(notebook, version=4).rstrip("\n") + "\n"
 
 
 def full_notebooks(folder: Path) -> list[Path]:
