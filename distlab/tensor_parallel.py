@@ -171,7 +171,7 @@ def tp_comm_formula(cfg, batch: int, seq_len: int, tp: int, *, sequence_parallel
     Without SP, each block all-reduces B x S x H twice forward (after wo and after w2) and twice backward
     (the input gradients of the attention and feed-forward regions). The vocabulary-split embedding adds one
     forward all-reduce, the vocabulary-split output projection one backward, and ``loss_parallel`` three
-    small forward all-reduces of B x S fp32 numbers (max logit, sum of exponentials, target logit).
+    small forward all-reduces of B x S fp32 numbers (max logit, sum of exponentials, log-probability of the target).
 
     With SP each all-reduce becomes an all-gather (into the TP region) plus a reduce-scatter (out of it) of
     the same payload, and the norm weights' gradients need one all-reduce of H numbers each.

@@ -95,3 +95,33 @@ def test_why_tensor_parallelism_stays_inside_a_node():
     assert round(nvlink["comm_over_compute"], 2) == 0.31
     assert round(slingshot["comm_over_compute"], 1) == 3.7
     assert slingshot["comm_s"] / nvlink["comm_s"] == pytest.approx(12)
+
+
+def test_the_numbers_chapters_06_and_08_quote():
+    """Every figure the chapter texts state that is not printed by a script run comes from these formulas."""
+    from distlab.comm import bytes_sent_per_rank
+
+    tiny, a100, large = models.preset("tiny"), models.preset("a100"), models.preset("a100_large")
+    # 06: parameters per rank, tiny model on TP 4 (fp32), and the a100_large training state (16 B/param)
+    assert tp.tp_param_count_per_rank(tiny, 4)["total"] * 4 == 124_160 and tiny.num_params() * 4 == 492_800
+    assert [round(tp.tp_param_count_per_rank(large, t)["total"] * 16 / 1e9, 1) for t in (1, 4)] == [53.9, 13.5]
+    # 06: per token and layer, a100 preset, TP 4, bf16: ns of all-reduce over NVLink / Slingshot, ns of compute
+    nvlink = tp.tp_comm_time_per_layer(a100, 4, tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, 312e12)
+    slingshot = tp.tp_comm_time_per_layer(a100, 4, tp.SLINGSHOT11_NIC_BYTES_PER_S, 312e12)
+    assert (round(nvlink["comm_s"] * 1e9), round(slingshot["comm_s"] * 1e9), round(nvlink["compute_s"] * 1e9)) == \
+        (82, 983, 267)
+    # 06: one TP 4 step of the a100 preset at B = 2: 16.8 MB per all-reduce, 1.64 GB of payload in all
+    assert 2 * 1024 * a100.dim * 4 == 16_777_216
+    assert round(sum(r["payload_bytes"] for r in tp.tp_comm_formula(a100, 2, 1024, 4)) / 1e9, 2) == 1.64
+    # 08: saved activations per rank, tiny model (B = 4, S = 32) and a100 preset (B = 2, S = 1024, GB)
+    assert [tp.activation_bytes(tiny, 4, 32, t, sequence_parallel=s)["total"]
+            for t, s in ((1, False), (4, False), (4, True))] == [1_613_316, 774_660, 526_980]
+    assert [round(tp.activation_bytes(a100, 2, 1024, t, sequence_parallel=s)["total"] / 1e9, 2)
+            for t, s in ((1, False), (4, False), (4, True))] == [8.77, 4.04, 2.81]
+    plain = tp.activation_bytes(a100, 2, 1024, 4)
+    assert (round(plain["norms"] / 1e9, 2), round(plain["tp_inputs"] / 1e9, 2)) == (1.61, 0.81)
+    # 08: activation bytes each rank sends in one tiny step, TP and TP + SP alike
+    for sequence_parallel in (False, True):
+        rows = tp.tp_comm_formula(tiny, 4, 32, 4, sequence_parallel=sequence_parallel)
+        assert sum(bytes_sent_per_rank(r["collective"], r["payload_bytes"], 4)
+                   for r in rows if r["where"] not in ("loss", "norm weights")) == 491_520
