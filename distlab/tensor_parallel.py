@@ -127,6 +127,25 @@ def reduce_partial_gradients(model) -> int:
     return reduced
 
 
+def max_gradient_difference(model, reference_grads: dict) -> float:
+    """Largest |gradient - reference| over every parameter of a (tensor-)parallel ``model``.
+
+    ``reference_grads`` maps parameter names to the single-device gradients (on any device). Each sharded
+    gradient is gathered whole (``full_tensor``, a collective: call it on every rank) one parameter at a
+    time, so at most one full gradient is held at once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from distlab.metrics import max_abs_diff
+
+    largest = 0.0
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        largest = max(largest, max_abs_diff(grad.cpu(), reference_grads[name].cpu()))
+        del grad
+    return largest
+
+
 # --------------------------------------------------------------------------------------------------
 # What must divide what
 # --------------------------------------------------------------------------------------------------
