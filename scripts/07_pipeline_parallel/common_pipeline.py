@@ -148,6 +148,47 @@ def gather_timeline(events: list, t0: float, rank: int, split_backward: bool = F
     return sorted((e for rank_events in everyone for e in rank_events), key=lambda e: (e["rank"], e["start"]))
 
 
+def handoff_latency(timeline: list[dict]) -> float:
+    """Median time from a pass ending on one rank to the pass that waited for its output starting on another.
+
+    Only hand-offs the receiver actually waited for count (it was idle when the sender finished): that is the
+    cost of one message plus waking the receiver, which the bubble formula does not charge. 0 if none waited.
+    """
+    by_key = {(e["stage"], e["microbatch"], e["kind"]): e for e in timeline}
+    last_stage = max(e["stage"] for e in timeline)
+    previous_end = {}
+    for rank in {e["rank"] for e in timeline}:
+        ordered = sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])
+        previous_end.update({id(b): a["end"] for a, b in zip(ordered, ordered[1:])})
+    waits = []
+    for e in timeline:
+        if e["kind"] == "F" and e["stage"] > 0:
+            source = by_key.get((e["stage"] - 1, e["microbatch"], "F"))
+        elif e["kind"] == "B" and e["stage"] < last_stage:
+            source = by_key.get((e["stage"] + 1, e["microbatch"], "B"))
+        else:
+            continue
+        if source is None or source["rank"] == e["rank"]:
+            continue
+        if previous_end.get(id(e), float("-inf")) <= source["end"] <= e["start"]:   # the receiver was waiting
+            waits.append(e["start"] - source["end"])
+    waits.sort()
+    return waits[len(waits) // 2] if waits else 0.0
+
+
+def measured_costs(timeline: list[dict], chunks: int, split_backward: bool) -> schedules.Costs:
+    """Costs for the simulator from a measured run: median pass times (per rank's layers, so x V) and the
+    median hand-off latency as the send cost."""
+    def median(kind):
+        values = sorted(e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["end"] > e["start"])
+        return values[len(values) // 2] if values else 0.0
+
+    forward, backward, weight = median("F"), median("B"), median("W") if split_backward else 0.0
+    return schedules.Costs(forward=forward * chunks, backward=(backward + weight) * chunks,
+                           weight_fraction=weight / (backward + weight) if split_backward else 0.5,
+                           send=handoff_latency(timeline))
+
+
 def executed_order(timeline: list[dict], rank: int) -> list[schedules.Action]:
     """The actions rank ``rank`` actually ran, in the order they started."""
     return [schedules.Action(e["stage"], e["microbatch"], e["kind"])

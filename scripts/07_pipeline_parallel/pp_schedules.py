@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common_pipeline import (CHOICES, check_pipeline_config, executed_order, expected_schedule, gather_timeline,
-                             record_actions, schedule_help, stage_indices, torch_schedule)
+                             measured_costs, record_actions, schedule_help, stage_indices, torch_schedule)
 from distlab import gantt, metrics, runtime, schedules
 
 # Measured vs simulated bubble, absolute. Each pass costs ~0.3-1 ms of Python and messaging on top of its
@@ -193,13 +193,19 @@ def main():
         simulated = schedules.simulate(expected, costs)
         simulated_bubble = schedules.bubble_fraction_from_timeline(simulated, ranks)
         measured_bubble = step_bubbles[median]
+        # The same order simulated with what this run measured: pass times and the cost of a hand-off.
+        costs_measured = measured_costs(timeline, chunks, expected.split_backward)
+        with_latency_bubble = schedules.bubble_fraction_from_timeline(schedules.simulate(expected, costs_measured),
+                                                                      ranks)
         formula = schedules.bubble_fraction(ranks, microbatches, chunks) \
             if CHOICES[args.schedule].ours in ("gpipe", "1f1b", "interleaved_1f1b") else None
         report.extra.update(schedule=args.schedule, ranks=ranks, chunks=chunks, microbatches=microbatches,
                             stages_of_rank={r: stage_indices(args.schedule, r, ranks, chunks) for r in range(ranks)},
                             expected_order=expected.format(), simulated_timeline=schedules.to_dicts(simulated),
                             bubble={"measured": measured_bubble, "simulated": simulated_bubble, "formula": formula,
-                                    "measured_per_step": step_bubbles},
+                                    "measured_per_step": step_bubbles,
+                                    "simulated_with_measured_costs": with_latency_bubble},
+                            measured_costs_s=vars(costs_measured),
                             peak_activations=schedules.peak_activations(expected))
         report.throughput = {"step_seconds": step_seconds, "last_step_seconds": step_seconds[-1]}
         if formula is not None:
@@ -216,6 +222,8 @@ def main():
             print(f"bubble: measured {100 * measured_bubble:.1f}% (steps: "
                   + ", ".join(f"{100 * b:.1f}%" for b in step_bubbles) + f"), simulated {100 * simulated_bubble:.1f}%"
                   + (f", formula {100 * formula:.1f}%" if formula is not None else ""))
+            print(f"simulated with this run's pass times and a hand-off latency of {1000 * costs_measured.send:.2f} ms: "
+                  f"{100 * with_latency_bubble:.1f}%")
             if not all(listed_ok.values()):
                 print("note: torch's pipeline_order differs from what ran on rank(s) "
                       f"{[r for r, ok in listed_ok.items() if not ok]} (it is a description; execution is right)")

@@ -1,0 +1,165 @@
+"""Chapter 07's numbers and its scripts' pure parts: the bubble table in the chapter is what distlab.schedules
+computes; stage placement, layer split and configuration checks; torch's V schedules read as our data."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import runtime, schedules
+
+REPO = Path(__file__).resolve().parents[2]
+CHAPTER = REPO / "chapters" / "07_pipeline_parallel.md"
+sys.path.insert(0, str(REPO / "scripts" / "07_pipeline_parallel"))
+
+import common_pipeline  # noqa: E402  (the scripts' shared helper, imported as the scripts import it)
+
+TABLE_RANKS = (4, 8, 16)
+TABLE_MICROBATCHES = (4, 8, 16, 64, 256)
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.1f}%"
+
+
+def bubble_table() -> str:
+    """The chapter's bubble table, computed: closed forms where they exist, the simulator for zero bubble.
+
+    Interleaved 1F1B needs M to be a multiple of P (as in Megatron-LM); where it is not, the cell says so.
+    """
+    lines = ["| P | M | GPipe | 1F1B | interleaved, V = 2 | interleaved, V = 4 | zero bubble (ZB-H1) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for ranks in TABLE_RANKS:
+        for microbatches in TABLE_MICROBATCHES:
+            gpipe = schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.gpipe(ranks, microbatches)))
+            one_f_one_b = schedules.bubble_fraction(ranks, microbatches)
+            interleaved = [percent(schedules.bubble_fraction(ranks, microbatches, v))
+                           if microbatches % ranks == 0 else "needs M % P = 0" for v in (2, 4)]
+            zero = schedules.bubble_fraction_from_timeline(
+                schedules.simulate(schedules.zero_bubble_h1(ranks, microbatches)), ranks)
+            lines.append(f"| {ranks} | {microbatches} | {percent(gpipe)} | {percent(one_f_one_b)} | "
+                         f"{interleaved[0]} | {interleaved[1]} | {percent(zero)} |")
+    return "\n".join(lines)
+
+
+def test_the_chapter_table_is_what_the_library_computes():
+    text = CHAPTER.read_text()
+    assert bubble_table() in text, "the bubble table in the chapter is stale: paste bubble_table() into it\n" \
+                                   + bubble_table()
+
+
+def test_the_table_says_1f1b_has_gpipes_bubble_and_only_interleaving_or_zero_bubble_shrink_it():
+    for ranks in TABLE_RANKS:
+        for microbatches in TABLE_MICROBATCHES:
+            gpipe = schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.gpipe(ranks, microbatches)))
+            one_f_one_b = schedules.bubble_fraction_from_timeline(
+                schedules.simulate(schedules.one_f_one_b(ranks, microbatches)))
+            assert gpipe == pytest.approx(one_f_one_b) == pytest.approx(schedules.bubble_fraction(ranks, microbatches))
+            zero = schedules.bubble_fraction_from_timeline(
+                schedules.simulate(schedules.zero_bubble_h1(ranks, microbatches)), ranks)
+            assert zero < one_f_one_b
+
+
+def _numbers_in_chapter(pattern: str) -> list[str]:
+    return re.findall(pattern, CHAPTER.read_text())
+
+
+def test_numbers_quoted_in_the_chapter_text():
+    text = CHAPTER.read_text()
+    # P = 4, M = 8: the running example of the chapter and of the scripts' defaults.
+    for value in (schedules.bubble_fraction(4, 8), schedules.bubble_fraction(4, 8, 2), 3 / 27,
+                  schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.naive(4, 8)))):
+        assert percent(value) in text, f"{percent(value)} not in the chapter"
+    peaks = schedules.peak_activations(schedules.one_f_one_b(4, 8))
+    assert peaks == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert schedules.peak_activations(schedules.gpipe(4, 8)) == {r: 8 for r in range(4)}
+    assert schedules.one_f_one_b(4, 8).format().splitlines()[0] in text
+    assert schedules.zero_bubble_h1(4, 8).format().splitlines()[0] in text
+    interleaved_rank_0 = schedules.peak_activations(schedules.interleaved_1f1b(4, 8, 2))[0] / 2
+    assert interleaved_rank_0 == 4 + 3 / 2 and f"{interleaved_rank_0:g} for P = 4 and V = 2" in text
+    assert "4, 3, 2 and 1 on the four ranks, against 8" in text
+
+
+# ---- the scripts' pure helpers ----------------------------------------------------------------------------
+
+def test_layers_split_contiguously_and_evenly():
+    assert [common_pipeline.layers_of_stage(8, 4, s) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [common_pipeline.layers_of_stage(10, 4, s) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert sum((common_pipeline.layers_of_stage(5, 5, s) for s in range(5)), []) == list(range(5))
+
+
+def test_stage_placement_loop_and_v():
+    assert [common_pipeline.stage_indices("Interleaved1F1B", r, 4, 2) for r in range(4)] == [[0, 4], [1, 5], [2, 6],
+                                                                                              [3, 7]]
+    assert [common_pipeline.stage_indices("ZBVZeroBubble", r, 4, 2) for r in range(4)] == [[0, 7], [1, 6], [2, 5],
+                                                                                            [3, 4]]
+    assert common_pipeline.stage_indices("1F1B", 2, 4, 1) == [2]
+
+
+@pytest.mark.parametrize("schedule, ranks, microbatches, per_rank, message", [
+    ("Zigzag", 4, 8, None, "unknown schedule 'Zigzag'"),
+    ("1F1B", 4, 2, None, "needs at least as many microbatches as stages"),
+    ("DualPipeV", 4, 6, None, "--microbatches 6 < 8 stages"),
+    ("ZBVZeroBubble", 4, 8, 3, "does not fit"),
+    ("GPipe", 4, 8, 2, "holds one stage per rank"),
+    ("Interleaved1F1B", 4, 6, None, "not a multiple of 4"),
+])
+def test_bad_pipeline_configurations_are_refused_with_one_line(schedule, ranks, microbatches, per_rank, message):
+    with pytest.raises(runtime.ConfigError, match=re.escape(message)):
+        common_pipeline.check_pipeline_config(schedule, ranks, microbatches, per_rank)
+
+
+def test_good_configurations_give_the_stages_per_rank():
+    assert common_pipeline.check_pipeline_config("1F1B", 4, 4, None) == 1
+    assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, None) == 2
+    assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, 3) == 3
+    assert common_pipeline.check_pipeline_config("DualPipeV", 4, 8, None) == 2
+    assert common_pipeline.check_pipeline_config("GPipe", 4, 1, None) == 1
+
+
+def test_transformer_stages_keep_the_full_models_names():
+    from distlab import models
+
+    full = models.build_transformer(models.preset("tiny", n_layers=8), seed=0)
+    names = [n for s in range(4) for n, _ in common_pipeline.transformer_stage(full, s, 4).named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())
+    middle = common_pipeline.transformer_stage(full, 1, 4)
+    assert list(middle.layers) == ["2", "3"] and middle.tok_embeddings is None and middle.output is None
+
+
+# ---- torch's V schedules, read as distlab data (fake process group: no ranks launched) -------------------
+
+@pytest.fixture
+def v_schedule_order():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def make(name, ranks, microbatches):
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+        try:
+            stages = [PipelineStage(torch.nn.Linear(2, 2), s, 2 * ranks, torch.device("cpu"))
+                      for s in (0, 2 * ranks - 1)]
+            return get_schedule_class(name)(stages, microbatches, loss_fn=lambda out, target: out.sum()).pipeline_order
+        finally:
+            dist.destroy_process_group()
+
+    return make
+
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_schedules_read_as_valid_split_schedules_in_a_v(name, v_schedule_order):
+    ours = schedules.from_torch_pipeline_order(v_schedule_order(name, 4, 8), 8, name=name)
+    ours.validate()                      # DualPipeV's full backwards became B then W
+    assert ours.split_backward and ours.chunks == 2
+    assert {r: ours.stages_of_rank(r) for r in range(4)} == {0: [0, 7], 1: [1, 6], 2: [2, 5], 3: [3, 4]}
+    bubble = schedules.bubble_fraction_from_timeline(schedules.simulate(ours), 4)
+    assert bubble == pytest.approx(1 / 17)    # 5.9%: below ZB-H1's 11.1% with the same F = B = W
+    if name == "ZBVZeroBubble":
+        assert f"torch's ZBV order, with F = B = W, gives {percent(bubble)}" in CHAPTER.read_text()
