@@ -38,6 +38,8 @@ def model_config(args) -> models.TransformerConfig:
 
 
 def check_config(args, world_size):
+    runtime.require(world_size >= 2, "tensor parallelism needs at least 2 ranks: launch with "
+                                     "torchrun --standalone --nproc_per_node=4")
     tp = args.tp or world_size
     runtime.require(tp == world_size, f"--tp {tp} must equal the number of ranks ({world_size}): this chapter "
                                       "runs tensor parallelism alone (chapter 09 combines it with data parallelism)")

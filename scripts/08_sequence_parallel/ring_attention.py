@@ -39,7 +39,11 @@ TOLERANCE = 1e-5
 def ring_pass(tensor, rank, world_size):
     """Send ``tensor`` to the next rank and receive the previous rank's, asynchronously."""
     received = torch.empty_like(tensor)
-    requests = [dist.isend(tensor, (rank + 1) % world_size), dist.irecv(received, (rank - 1) % world_size)]
+    send = lambda: dist.isend(tensor, (rank + 1) % world_size)  # noqa: E731
+    receive = lambda: dist.irecv(received, (rank - 1) % world_size)  # noqa: E731
+    # Even ranks send first, odd ranks receive first: on NCCL a send may wait for its matching receive, and
+    # two ranks that both start by sending to each other (a ring of 2) would wait forever.
+    requests = [send(), receive()] if rank % 2 == 0 else [receive(), send()]
     return received, requests
 
 
@@ -121,6 +125,8 @@ class RingAttention(torch.autograd.Function):
 
 
 def check_config(args, world_size):
+    runtime.require(world_size >= 2, "context parallelism needs at least 2 ranks: launch with "
+                                     "torchrun --standalone --nproc_per_node=4")
     chunks = 2 * world_size
     runtime.require(args.seq_len % chunks == 0,
                     f"sequence length {args.seq_len} does not split into {chunks} chunks (2 per rank, "

@@ -39,6 +39,8 @@ def model_config(args) -> models.TransformerConfig:
 
 
 def check_config(args, world_size):
+    runtime.require(world_size >= 2, "sequence parallelism needs at least 2 ranks: launch with "
+                                     "torchrun --standalone --nproc_per_node=4")
     cfg = model_config(args)
     problems = tensor_parallel.tp_config_problems(cfg, world_size, batch=args.batch, seq_len=args.seq_len,
                                                   sequence_parallel=True)
