@@ -164,10 +164,16 @@ class CommCounter(contextlib.AbstractContextManager):
     def __enter__(self):
         import torch.distributed as dist
 
+        from torch.distributed import distributed_c10d
+
         for name in _C10D_FUNCTIONS:
             if hasattr(dist, name):
                 self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self._saved[name]))
+        # P2POp and batch_isend_irecv (used by torch.distributed.pipelining) compare ``op is isend`` with
+        # distributed_c10d's own global: it must be the same wrapper, or a P2POp(dist.isend, ...) is refused.
+        self._saved_c10d_isend = distributed_c10d.isend
+        distributed_c10d.isend = dist.isend
         self._mode = _functional_mode(self)
         self._mode.__enter__()
         return self
@@ -175,7 +181,10 @@ class CommCounter(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         import torch.distributed as dist
 
+        from torch.distributed import distributed_c10d
+
         self._mode.__exit__(*exc)
+        distributed_c10d.isend = self._saved_c10d_isend
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved.clear()

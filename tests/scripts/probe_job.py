@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab import metrics, runtime
+from distlab import comm, metrics, runtime
 
 
 def main():
@@ -24,6 +24,16 @@ def main():
         value = torch.tensor([float(rt.rank)])
         dist.all_reduce(value)
         report.check_equal("all-reduce of ranks", value.item(), float(sum(range(rt.world_size))))
+        # torch's pipelining sends with P2POp(dist.isend, ...) + batch_isend_irecv: it must work while counted
+        right, left = (rt.rank + 1) % rt.world_size, (rt.rank - 1) % rt.world_size
+        send, receive = torch.full((4,), float(rt.rank)), torch.zeros(4)
+        with comm.CommCounter() as counter:
+            ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, receive, left)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        report.check_equal("ring by batch_isend_irecv", receive.tolist(), [float(left)] * 4)
+        report.check_equal("isend bytes counted", counter.total("send"), 16)
+        report.check("originals restored", dist.isend is dist.distributed_c10d.isend)
         ranks = [None] * rt.world_size
         dist.all_gather_object(ranks, (rt.rank, rt.local_rank, rt.launcher))
         report.extra["ranks"] = ranks

@@ -79,3 +79,4 @@ def test_chapter_03_ring_model_numbers():
         assert crossover / 1e6 == pytest.approx(crossover_mb)
         assert comm.ring_time("all_reduce", crossover, 4, bandwidth, latency) == pytest.approx(12 * latency)
     assert [round(comm.ring_factor("all_reduce", n), 3) for n in (2, 4, 8, 64)] == [1.0, 1.5, 1.75, 1.969]
+
