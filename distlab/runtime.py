@@ -348,6 +348,11 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
 
     try:
         yield rt
+        if dist.is_initialized() and rt.world_size > 1:
+            # Let gloo's worker threads finish with the last collective's tensors while this thread waits
+            # without the GIL. Otherwise a process group that outlives destroy_process_group (DDP's reducer
+            # holds one) is destroyed later, GIL held, joining a worker that needs the GIL: a deadlock at exit.
+            dist.barrier()
     except ConfigError as error:
         _config_error_exit(str(error), rt.rank)
     finally:
