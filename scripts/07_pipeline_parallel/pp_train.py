@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common_pipeline import (check_pipeline_config, layers_of_stage, record_actions, gather_timeline, schedule_help,
+from common_pipeline import (check_pipeline_config, gather_timeline, layers_of_stage, record_actions, schedule_help,
                              stage_indices, torch_schedule, transformer_stage)
 from distlab import data, metrics, models, runtime
 
@@ -42,10 +42,9 @@ def check_config(args, world_size):
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
     runtime.require(args.batch % args.microbatches == 0 and args.batch >= args.microbatches,
                     f"--batch {args.batch} does not split into {args.microbatches} equal microbatches")
-    layers = args.layers or models.preset(args.preset).n_layers
     stages = world_size * args.chunks
-    runtime.require(layers >= stages, f"{stages} stages ({world_size} ranks x {args.chunks}) but only {layers} "
-                                      f"layers: every stage needs at least one layer (--layers)")
+    runtime.require(args.layers >= stages, f"{stages} stages ({world_size} ranks x {args.chunks}) but only "
+                                           f"{args.layers} layers: every stage needs at least one layer (--layers)")
 
 
 def main():
@@ -150,9 +149,10 @@ def main():
                 print(f"losses   pipeline: {' '.join(f'{x:.5f}' for x in losses)}\n"
                       f"    single device: {' '.join(f'{x:.5f}' for x in reference_losses)}")
             report.check("the loss fell", losses[-1] < losses[0] or args.steps == 1, losses[-1] - losses[0], "< 0")
-        report.extra.update(schedule=args.schedule, stages_of_rank={r: stage_indices(args.schedule, r, ranks, chunks)
-                                                                    for r in range(ranks)},
-                            layers_of_stage={s: layers_of_stage(cfg.n_layers, num_stages, s) for s in range(num_stages)})
+        report.extra.update(
+            schedule=args.schedule,
+            stages_of_rank={r: stage_indices(args.schedule, r, ranks, chunks) for r in range(ranks)},
+            layers_of_stage={s: layers_of_stage(cfg.n_layers, num_stages, s) for s in range(num_stages)})
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

@@ -57,34 +57,37 @@ def test_measured_bubble_matches_the_simulation(schedule, formula):
     assert _check(metrics, "every rank ran the order")["passed"]
     kinds = {e["kind"] for e in metrics["timeline"]}
     assert kinds == ({"F", "B", "W"} if schedule == "ZBVZeroBubble" else {"F", "B"})
+    if schedule == "ZBVZeroBubble":
+        # torch skips stage 0's input gradient (nobody needs it) and runs its whole backward as W: 2T, not T
+        def median_ms(stage, kind):
+            values = sorted(1000 * (e["end"] - e["start"]) for e in metrics["timeline"]
+                            if e["stage"] == stage and e["kind"] == kind)
+            return values[len(values) // 2]
+        assert median_ms(0, "B") < 5 and median_ms(0, "W") > 35 and 15 < median_ms(1, "W") < 30
+    if schedule == "1F1B":
+        # torch 2.13 lists the last rank's forwards off by one in pipeline_order, and runs them right
+        assert metrics["extra"]["torch_listed_order_matches_execution"] == {"0": True, "1": True, "2": True,
+                                                                             "3": False}
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "DualPipeV"])
 def test_zero_bubble_schedules_run_their_order_and_equal_one_device(schedule):
     # Orders and numbers only (no pauses: quick); the V schedule holds stages r and 2P-1-r.
-    result = _run_schedule(schedule, ["--stage-compute-ms", "0", "--steps", "2"])
+    result = _run_schedule(schedule, ["--stage-compute-ms", "0", "--steps", "1"])
     metrics = assert_all_checks_passed(result, min_checks=3)
     assert not any(c["name"] == BUBBLE_CHECK for c in metrics["checks"])
     if schedule == "DualPipeV":
         assert metrics["extra"]["stages_of_rank"] == {"0": [0, 7], "1": [1, 6], "2": [2, 5], "3": [3, 4]}
 
 
-def test_1f1b_torch_lists_the_last_rank_off_by_one_but_runs_it_right():
-    result = _run_schedule("1F1B", ["--stage-compute-ms", "0", "--steps", "2"])
-    metrics = assert_all_checks_passed(result)
-    assert metrics["extra"]["torch_listed_order_matches_execution"] == {"0": True, "1": True, "2": True, "3": False}
-
-
 def test_pp_train_under_torchrun_has_the_single_device_losses():
-    result = launch.run(TRAIN, nproc=4, args=["--steps", "3"], launcher="torchrun", stream=False)
+    # Interleaved: two stages per rank, [r, r + 4], each keeping its layers' names.
+    result = launch.run(TRAIN, nproc=4, args=["--schedule", "Interleaved1F1B", "--steps", "3"], launcher="torchrun",
+                        stream=False)
     metrics = assert_all_checks_passed(result, min_checks=5)
     assert len(metrics["losses"]) == 3 and metrics["losses"][-1] < metrics["losses"][0]
-
-
-def test_pp_train_interleaved_keeps_parameter_names():
-    result = launch.run(TRAIN, nproc=4, args=["--schedule", "Interleaved1F1B", "--steps", "2"], stream=False)
-    metrics = assert_all_checks_passed(result, min_checks=5)
     assert metrics["extra"]["stages_of_rank"]["1"] == [1, 5]
+    assert metrics["extra"]["layers_of_stage"]["5"] == [5]
 
 
 @pytest.mark.parametrize("script, args, message", [

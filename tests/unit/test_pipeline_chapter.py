@@ -63,10 +63,6 @@ def test_the_table_says_1f1b_has_gpipes_bubble_and_only_interleaving_or_zero_bub
             assert zero < one_f_one_b
 
 
-def _numbers_in_chapter(pattern: str) -> list[str]:
-    return re.findall(pattern, CHAPTER.read_text())
-
-
 def test_numbers_quoted_in_the_chapter_text():
     text = CHAPTER.read_text()
     # P = 4, M = 8: the running example of the chapter and of the scripts' defaults.
