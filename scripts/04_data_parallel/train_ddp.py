@@ -1,0 +1,315 @@
+"""DistributedDataParallel: the data parallelism of ddp_from_scratch.py, as PyTorch ships it.
+
+What DDP adds to the two collectives written by hand:
+
+* **buckets and overlap**: gradients are grouped into buckets of ``--bucket-mb``; a bucket is all-reduced as
+  soon as backward has produced all of its gradients, while backward goes on computing the rest;
+* **gradient_as_bucket_view**: gradients live inside the bucket buffers instead of beside them (one copy
+  of the gradients less);
+* **no_sync**: gradient accumulation over ``--accumulation`` micro-batches all-reduces once, on the last;
+* **DistributedSampler** hands each rank its own disjoint share of the dataset, reshuffled every epoch.
+
+A comm hook records every bucket DDP all-reduces, when, and which parameters it holds. The script checks
+that the bytes all-reduced per optimizer step equal the parameter bytes, that micro-steps inside
+``no_sync`` send nothing, and that the replicas stay identical; with ``--compare`` it also trains the
+single-device baseline (rank 0) and the from-scratch version (ddp_from_scratch.py) in lockstep and
+checks that all three agree at every step.
+
+    torchrun --standalone --nproc_per_node=4 scripts/04_data_parallel/train_ddp.py --compare
+    torchrun --standalone --nproc_per_node=4 scripts/04_data_parallel/train_ddp.py --bucket-mb 0.1 --accumulation 2
+"""
+
+import argparse
+import contextlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_from_scratch import (GRAD_TOLERANCE, LOSS_TOLERANCE, average_gradients, broadcast_parameters,
+                              param_tolerance, replicas_identical)
+from distlab import comm, data, metrics, models, runtime
+
+
+def check_config(args, world_size):
+    runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
+    runtime.require(args.accumulation >= 1, f"--accumulation {args.accumulation}: need at least 1 micro-step")
+    runtime.require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: a bucket must hold something")
+    if args.batch is not None:
+        runtime.require(args.batch % (world_size * args.accumulation) == 0,
+                        f"--batch {args.batch} does not split into {world_size} ranks x {args.accumulation} "
+                        f"accumulation steps (the global batch must be a multiple of {world_size * args.accumulation})")
+        if args.samples is not None:
+            runtime.require(args.samples % args.batch == 0,
+                            f"--samples {args.samples} is not a whole number of global batches of {args.batch}")
+
+
+class BucketLog:
+    """What DDP's reducer did during backward: which bucket was all-reduced when, holding which parameters."""
+
+    def __init__(self, model):
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.buckets = []        # this micro-step's all-reduced buckets
+        self.grad_ready = []     # this micro-step's (parameter name, time) as backward produced each gradient
+        self.started = time.perf_counter()
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name: self.grad_ready.append(
+                (name, time.perf_counter() - self.started)))
+
+    def start_micro_step(self):
+        self.buckets, self.grad_ready, self.started = [], [], time.perf_counter()
+
+    def hook(self, state, bucket):
+        """A DDP comm hook: note the bucket, then do exactly what DDP does by default (average with all-reduce)."""
+        buffer = bucket.buffer()
+        self.buckets.append({"index": bucket.index(), "bytes": buffer.numel() * buffer.element_size(),
+                             "numel": buffer.numel(), "params": [self.names[id(p)] for p in bucket.parameters()],
+                             "t": time.perf_counter() - self.started,
+                             "storage": buffer.untyped_storage().data_ptr()})
+        return allreduce_hook(state, bucket)
+
+    def bytes(self) -> int:
+        return sum(b["bytes"] for b in self.buckets)
+
+    def timeline(self) -> list[dict]:
+        bucket_of = {name: b["index"] for b in self.buckets for name in b["params"]}
+        events = [{"kind": "grad_ready", "param": name, "bucket": bucket_of.get(name), "t": t}
+                  for name, t in self.grad_ready]
+        events += [{"kind": "all_reduce", "bucket": b["index"], "bytes": b["bytes"], "t": b["t"]}
+                   for b in self.buckets]
+        return sorted(events, key=lambda e: e["t"])
+
+
+def samplers_for(dataset, world_size, args):
+    """One DistributedSampler per rank, built without a process group (what each rank builds for itself)."""
+    return [DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=args.shuffle, seed=args.seed)
+            for r in range(world_size)]
+
+
+def global_batch_indices(samplers, step, per_rank, steps_per_epoch):
+    """The dataset indices every rank trains on at ``step``, rank 0's first: the single device's global batch."""
+    epoch, within = divmod(step, steps_per_epoch)
+    indices = []
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        indices += list(sampler)[within * per_rank:(within + 1) * per_rank]
+    return indices
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=10)
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch, sequences per optimizer step (default: 8; 16 for a100)")
+    p.add_argument("--accumulation", type=int, default=1,
+                   help="micro-batches per optimizer step; all but the last run under no_sync()")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="let gradients live inside DDP's bucket buffers (saves one copy of the gradients)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="dataset size for DistributedSampler (default: 4 global batches, so epochs turn over)")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                   help="DistributedSampler reshuffles every epoch (set_epoch)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+    p.add_argument("--compare", action="store_true",
+                   help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
+                        "lockstep, and check all three agree every step (tiny models)")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset)
+        world, accumulation = rt.world_size, args.accumulation
+        args.batch = args.batch or (16 if args.preset == "a100" else 8)
+        args.samples = args.samples or 4 * args.batch
+        check_config(args, world)  # again, with the defaults filled in
+        micro_batch = args.batch // (world * accumulation)
+        precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
+        report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
+        rt.print(f"{args.preset} transformer: {cfg.num_params():,} parameters; global batch {args.batch} = "
+                 f"{world} ranks x {accumulation} micro-steps x {micro_batch} sequences; buckets of "
+                 f"{args.bucket_mb} MB; gradient_as_bucket_view={args.gradient_as_bucket_view}; {precision}")
+
+        # ---- data: each rank its own shard of the dataset, through DistributedSampler ----
+        dataset = data.SyntheticTokens(args.samples, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rt.rank, shuffle=args.shuffle, seed=args.seed)
+        loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
+        steps_per_epoch = args.samples // args.batch
+        all_samplers = samplers_for(dataset, world, args)
+        covered = []
+        for epoch in range(2):
+            shards = []
+            for s in all_samplers:
+                s.set_epoch(epoch)
+                shards.append(set(s))
+            covered.append(set().union(*shards) == set(range(args.samples)) and sum(map(len, shards)) == args.samples)
+        report.check("DistributedSampler: the ranks' shards are disjoint and cover the dataset (epochs 0, 1)",
+                     all(covered))
+
+        # ---- the model: DDP broadcasts rank 0's weights when it wraps (each rank built different ones) ----
+        model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
+        ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None,
+                  bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+        report.check("replicas identical once DDP wrapped them (it broadcasts rank 0's weights)",
+                     replicas_identical(model))
+        log = BucketLog(model)
+        ddp.register_comm_hook(state=None, hook=log.hook)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+        # ---- with --compare: the single-device baseline (rank 0) and the from-scratch version, in lockstep ----
+        baseline = scratch = None
+        if args.compare:
+            if rt.rank == 0:
+                baseline = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+                baseline_optimizer = torch.optim.AdamW(baseline.parameters(), lr=args.lr)
+            scratch = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
+            broadcast_parameters(scratch)
+            scratch_optimizer = torch.optim.AdamW(scratch.parameters(), lr=args.lr)
+        diffs = {"baseline_loss": [], "baseline_grad": [], "baseline_param": [], "scratch_loss": [],
+                 "scratch_grad": [], "scratch_param": []}
+
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        step_bytes, micro_step_bytes, buckets_per_step, seconds = [], [], [], []
+        views_ok = []
+        batches = iter(())
+        epoch = -1
+        for step in range(args.steps):
+            micro_batches = []
+            for _ in range(accumulation):
+                tokens = next(batches, None)
+                if tokens is None:  # a new epoch: a new shuffle, the same on every rank
+                    epoch += 1
+                    sampler.set_epoch(epoch)
+                    batches = iter(loader)
+                    tokens = next(batches)
+                micro_batches.append(tokens)
+
+            rt.sync()
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=rt.device)
+            sent = []
+            for i, tokens in enumerate(micro_batches):
+                inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
+                last = i == accumulation - 1
+                log.start_micro_step()
+                # Not the last micro-batch: accumulate locally, all-reduce nothing.
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    with autocast:
+                        loss = models.lm_loss(ddp(inputs), targets) / accumulation
+                    loss.backward()
+                sent.append(log.bytes())
+                step_loss += loss.detach()
+            rt.sync()
+            seconds.append(time.perf_counter() - started)
+            bucket_storages = {b["storage"] for b in log.buckets}
+            views_ok.append(all((p.grad.untyped_storage().data_ptr() in bucket_storages)
+                                == args.gradient_as_bucket_view for p in model.parameters()))
+            micro_step_bytes.append(sent)
+            step_bytes.append(sum(sent))
+            buckets_per_step.append(len(log.buckets))
+
+            if args.compare:
+                # the from-scratch version: same micro-batches, accumulate, then average by hand once
+                scratch_step_loss = torch.zeros((), device=rt.device)
+                for tokens in micro_batches:
+                    inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
+                    with autocast:
+                        scratch_loss = models.lm_loss(scratch(inputs), targets) / accumulation
+                    scratch_loss.backward()
+                    scratch_step_loss += scratch_loss.detach()
+                average_gradients(scratch)
+                diffs["scratch_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                                                                  [p.grad for p in scratch.parameters()]))
+                if baseline is not None:
+                    # the single device: the whole global batch (every rank's samples) in one step
+                    indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)
+                    tokens = torch.stack([dataset[i] for i in indices]).to(rt.device)
+                    inputs, targets = data.split_inputs_targets(tokens)
+                    with autocast:
+                        baseline_loss = models.lm_loss(baseline(inputs), targets)
+                    baseline_loss.backward()
+                    diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                                                                       [p.grad for p in baseline.parameters()]))
+                    baseline_optimizer.step()
+                    baseline_optimizer.zero_grad(set_to_none=True)
+
+            started = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            rt.sync()
+            seconds[-1] += time.perf_counter() - started
+
+            dist.all_reduce(step_loss)
+            global_loss = step_loss.item() / world
+            report.losses.append(global_loss)
+            line = f"step {step:3d}  loss {global_loss:.6f}  all-reduced {sent} B in {len(log.buckets)} bucket(s)"
+            if args.compare:
+                scratch_optimizer.step()
+                scratch_optimizer.zero_grad(set_to_none=True)
+                dist.all_reduce(scratch_step_loss)
+                diffs["scratch_loss"].append(abs(global_loss - scratch_step_loss.item() / world))
+                diffs["scratch_param"].append(metrics.max_abs_diff(list(model.parameters()), list(scratch.parameters())))
+                if baseline is not None:
+                    diffs["baseline_loss"].append(abs(global_loss - baseline_loss.item()))
+                    diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                                                                        list(baseline.parameters())))
+                    line += f"  | single-device {baseline_loss.item():.6f}"
+            rt.print(line)
+
+        # ---- communication: measured (comm hook) = analytic ----
+        ring_sent = comm.bytes_sent_per_rank("all_reduce", param_bytes, world)
+        report.add_comm("all_reduce", step_bytes[-1], param_bytes, sent_bytes_per_rank=ring_sent,
+                        buckets=buckets_per_step[-1])
+        rt.print(f"all-reduced per optimizer step: {step_bytes[-1]:,} B = parameter bytes {param_bytes:,} B; on a "
+                 f"ring each rank sends 2(N-1)/N of it = {ring_sent:,.0f} B")
+        rt.print(f"buckets (last step, in the order they were all-reduced): "
+                 + ", ".join(f"#{b['index']}: {b['bytes']:,} B, {len(b['params'])} params" for b in log.buckets))
+        report.check("bytes all-reduced per optimizer step = parameter bytes (comm hook, every step)",
+                     all(b == param_bytes for b in step_bytes), step_bytes[-1], f"== {param_bytes}")
+        in_buckets = [n for b in log.buckets for n in b["params"]]
+        report.check("buckets hold every parameter exactly once",
+                     sorted(in_buckets) == sorted(log.names.values()), len(in_buckets), f"== {len(log.names)}")
+        if accumulation > 1:
+            report.check("micro-steps inside no_sync() all-reduce nothing (every step)",
+                         all(all(b == 0 for b in sent[:-1]) for sent in micro_step_bytes),
+                         [sent[:-1] for sent in micro_step_bytes][-1], "== 0")
+        report.check(f"gradients {'are' if args.gradient_as_bucket_view else 'are not'} views of the bucket "
+                     f"buffers (gradient_as_bucket_view={args.gradient_as_bucket_view})", all(views_ok))
+
+        if args.compare:
+            report.check_close("DDP loss = from-scratch loss (every step)", max(diffs["scratch_loss"]), 0.0,
+                               LOSS_TOLERANCE)
+            report.check_close("DDP gradients = from-scratch gradients (every step)", max(diffs["scratch_grad"]),
+                               0.0, GRAD_TOLERANCE)
+            report.check_close("DDP parameters = from-scratch parameters (every step)", max(diffs["scratch_param"]),
+                               0.0, param_tolerance(args.lr))
+            if rt.rank == 0:
+                report.check_close("DDP loss = single-device loss (every step)", max(diffs["baseline_loss"]), 0.0,
+                                   LOSS_TOLERANCE)
+                report.check_close("DDP gradients = single-device gradients (every step)",
+                                   max(diffs["baseline_grad"]), 0.0, GRAD_TOLERANCE)
+                report.check_close("DDP parameters = single-device parameters (every step)",
+                                   max(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
+            report.extra["diffs"] = diffs
+        report.check("replicas identical after training", replicas_identical(model))
+
+        report.extra.update({
+            "buckets": [{k: v for k, v in b.items() if k != "storage"} for b in log.buckets],
+            "buckets_per_step": buckets_per_step,
+            "micro_step_bytes": micro_step_bytes,
+            "backward_timeline": log.timeline(),
+            "param_bytes": param_bytes,
+        })
+        tokens_per_s = args.batch * cfg.seq_len * len(seconds) / sum(seconds)
+        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": sum(seconds) / len(seconds)}
+        report.memory = {"device": metrics.memory_snapshot(rt.device)}
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

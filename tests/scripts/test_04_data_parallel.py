@@ -1,0 +1,50 @@
+"""Chapter 04: data parallelism by hand and with DDP, on 4 CPU ranks."""
+
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch
+
+FROM_SCRATCH = "scripts/04_data_parallel/ddp_from_scratch.py"
+TRAIN_DDP = "scripts/04_data_parallel/train_ddp.py"
+TINY_PARAM_BYTES = 123_200 * 4  # the tiny transformer's fp32 parameters
+
+
+def test_ddp_from_scratch_matches_single_device_under_torchrun():
+    result = launch.run(FROM_SCRATCH, nproc=4, args=["--steps", "3"], launcher="torchrun", stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=7)
+    names = " ".join(c["name"] for c in metrics["checks"])
+    assert "single-device gradients" in names and "single-device parameters" in names
+    (allreduce,) = metrics["comm"]
+    assert allreduce["measured_bytes"] == allreduce["analytic_bytes"] == TINY_PARAM_BYTES
+    assert allreduce["sent_bytes_per_rank"] == 2 * 3 / 4 * TINY_PARAM_BYTES
+
+
+def test_train_ddp_compare_buckets_and_no_sync():
+    args = ["--steps", "3", "--compare", "--accumulation", "2", "--bucket-mb", "0.1", "--gradient-as-bucket-view"]
+    result = launch.run(TRAIN_DDP, nproc=4, args=args, stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=13)
+    extra = metrics["extra"]
+    # accumulation: the first micro-step of every optimizer step sends nothing, the last sends every gradient
+    assert extra["micro_step_bytes"] == [[0, TINY_PARAM_BYTES]] * 3
+    # DDP's first step uses one bucket; then buckets of ~0.1 MB rebuilt in the order gradients were ready
+    assert extra["buckets_per_step"][0] == 1 and extra["buckets_per_step"][1:] == [4, 4]
+    assert sum(b["bytes"] for b in extra["buckets"]) == TINY_PARAM_BYTES
+    # the picture's data: every gradient became ready before its bucket was all-reduced
+    timeline = extra["backward_timeline"]
+    launched = {e["bucket"]: e["t"] for e in timeline if e["kind"] == "all_reduce"}
+    assert all(e["t"] <= launched[e["bucket"]] for e in timeline if e["kind"] == "grad_ready")
+
+
+def test_train_ddp_default_one_bucket():
+    result = launch.run(TRAIN_DDP, nproc=4, args=["--steps", "2"], stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=6)
+    assert metrics["comm"][0]["measured_bytes"] == TINY_PARAM_BYTES
+    assert metrics["extra"]["buckets_per_step"] == [1, 1]  # 0.5 MB of gradients fit one 25 MB bucket
+
+
+def test_batch_not_divisible_by_world_exits_2():
+    assert_config_error(FROM_SCRATCH, ["--batch", "6"], "does not split over 4 ranks")
+
+
+def test_batch_not_divisible_by_world_times_accumulation_exits_2():
+    assert_config_error(TRAIN_DDP, ["--batch", "8", "--accumulation", "4"], "does not split into 4 ranks x 4")
