@@ -349,16 +349,22 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
     try:
         yield rt
         if dist.is_initialized() and rt.world_size > 1:
-            # Let gloo's worker threads finish with the last collective's tensors while this thread waits
-            # without the GIL. Otherwise a process group that outlives destroy_process_group (DDP's reducer
-            # holds one) is destroyed later, GIL held, joining a worker that needs the GIL: a deadlock at exit.
-            dist.barrier()
+            dist.barrier()  # every rank is done with every collective before any group goes away
     except ConfigError as error:
         _config_error_exit(str(error), rt.rank)
     finally:
         if dist.is_initialized():
+            # A gloo group joins its worker threads in its destructor, with the GIL held; a worker still
+            # releasing the last collective's tensors needs the GIL: a deadlock at exit (seen when DDP's
+            # reducer, which holds the group, was freed with the script's frame). Keeping the group objects
+            # until the interpreter ends means none is destroyed in that window (forkrun ends with os._exit).
+            with contextlib.suppress(Exception):
+                _GROUPS_KEPT_UNTIL_EXIT.extend(dist.distributed_c10d._world.pg_map)
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+_GROUPS_KEPT_UNTIL_EXIT: list = []
 
 
 def free_port() -> int:
