@@ -276,3 +276,40 @@ class _TaggedCalls(list):
         call.module = max(parents, key=lambda name: name.count("."), default="Global")
         call.phase = "backward" if self._tracker.is_bw else "forward"
         super().append(call)
+
+
+# ------------------------------------------------------------------------------------------------
+# Analytic bytes per training step: data parallelism and ZeRO / FSDP (chapters 04 and 05)
+# ------------------------------------------------------------------------------------------------
+
+
+def zero_step_bytes(num_params: int, stage: int, *, param_bytes: int = 4, grad_bytes: int = 4,
+                    reshard_after_forward: bool = True) -> dict[str, int]:
+    """Payload bytes of each collective in one optimizer step, under ZeRO stage 0 (DDP) to 3 (FSDP).
+
+    * stage 0, DDP: all-reduce every gradient once (whatever the buckets, whatever the accumulation);
+    * stage 1, as chapter 05 writes it: all-reduce the gradients, then all-gather the updated parameter slices;
+    * stage 2: reduce-scatter the gradients, then all-gather the parameters: the two halves of an
+      all-reduce, so each rank sends exactly what DDP sends;
+    * stage 3, FSDP: all-gather the parameters before forward and again before backward (once when they
+      are kept after forward: ``reshard_after_forward=False``), and reduce-scatter the gradients.
+
+    ``param_bytes`` is the size of an all-gathered parameter (2 under bf16 mixed precision), ``grad_bytes``
+    that of a reduced gradient. Bytes each rank sends on a ring: :func:`bytes_sent_per_rank` of each entry.
+    Sharded collectives pad every tensor to a multiple of N; the formula assumes nothing needs padding.
+    """
+    params, grads = num_params * param_bytes, num_params * grad_bytes
+    if stage == 0:
+        return {"all_reduce": grads}
+    if stage == 1:
+        return {"all_reduce": grads, "all_gather": params}
+    if stage == 2:
+        return {"reduce_scatter": grads, "all_gather": params}
+    if stage == 3:
+        return {"all_gather": (2 if reshard_after_forward else 1) * params, "reduce_scatter": grads}
+    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage}")
+
+
+def step_bytes_sent_per_rank(step_bytes: dict[str, int], world_size: int) -> float:
+    """Bytes one rank sends in a step of ``zero_step_bytes`` (ring model, every collective summed)."""
+    return sum(bytes_sent_per_rank(collective, payload, world_size) for collective, payload in step_bytes.items())

@@ -1,0 +1,53 @@
+"""What chapter 05's three scripts share: the single-device baseline they are checked against, and the tolerances.
+
+Not a script: ``zero_from_scratch.py``, ``train_fsdp.py`` and ``checkpoint_resume.py`` import it.
+"""
+
+import torch
+
+from distlab import data, models
+
+# fp32 tolerances (chapter 04 explains them): sharded and single-device runs add the same numbers in
+# another order, so they differ by rounding only.
+# * losses (values ~4): measured <= 1e-6;
+# * parameters: AdamW moves a weight whose gradient is as small as the rounding noise by up to ~lr whatever
+#   the noise says, so parameters are compared at lr / 10 (measured ~1e-5 after a few steps at lr 3e-3).
+LOSS_TOLERANCE = 1e-5
+
+
+def param_tolerance(lr: float) -> float:
+    return lr / 10
+
+
+# bf16 mixed precision (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32
+# sharded weights) against the fp32 baseline: bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2%),
+# and a loss of ~4.8 sums thousands of such products. Measured differences: ~2e-3 on the loss, ~lr on a
+# few weights. Tolerances: 2e-2 on the loss (0.4%), 2 * lr per step on the parameters (an AdamW step moves a
+# weight by at most ~lr, so two runs can at worst step in opposite directions).
+BF16_LOSS_TOLERANCE = 2e-2
+
+
+def bf16_param_tolerance(lr: float, steps: int) -> float:
+    return 2 * lr * steps
+
+
+class Baseline:
+    """The single-device run, in lockstep with the sharded one: same seed, same global batch, same AdamW."""
+
+    def __init__(self, cfg, seed: int, lr: float, device):
+        self.cfg, self.seed = cfg, seed
+        self.model = models.build_transformer(cfg, seed=seed, device=device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.losses: list[float] = []
+
+    def step(self, tokens: torch.Tensor) -> float:
+        inputs, targets = data.split_inputs_targets(tokens)
+        loss = models.lm_loss(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def state(self) -> dict:
+        return {name: p.detach() for name, p in self.model.named_parameters()}
