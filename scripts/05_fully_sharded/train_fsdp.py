@@ -1,0 +1,241 @@
+"""FSDP2: ``fully_shard`` each transformer block and the root, and train: ZeRO-3 as PyTorch ships it.
+
+Every parameter is split along dim 0 over the N ranks (a DTensor: each rank stores 1/N of it), and so are its
+gradient and its AdamW moments: 16 bytes per parameter become 16/N. A block's full weights exist only while
+the block runs: FSDP all-gathers them just before its forward and frees them after; before its backward it
+gathers them again, and the gradients leave by reduce-scatter.
+
+* ``--no-reshard-after-forward`` keeps each block's gathered weights from forward to backward (ZeRO-2-like
+  traffic: one all-gather per step instead of two, for more memory in between);
+* ``--mixed-precision`` all-gathers and computes in bf16 and reduces gradients in fp32 (the sharded weights
+  and AdamW stay fp32);
+* ``--activation-checkpointing`` saves only each block's input and recomputes the rest in backward;
+* ``--cpu-offload`` keeps the shards, gradients and AdamW state in host memory (the step runs on the CPU).
+
+Checks: same losses and parameters as the single-device baseline (fp32 tolerance, or the documented bf16
+one); per-rank bytes of parameters, gradients and optimizer state measured from the local shards
+(distlab.memory.ledger) = the ZeRO-3 table; all-gather and reduce-scatter bytes per step = the formula
+(distlab.comm.zero_step_bytes) for the chosen reshard setting.
+
+    torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py
+    torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py --no-reshard-after-forward
+    torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py --preset a100   # 4 x A100-40GB
+"""
+
+import argparse
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from common_fully_sharded import (BF16_LOSS_TOLERANCE, LOSS_TOLERANCE, Baseline, bf16_param_mean_tolerance,
+                                  mean_abs_diff, param_tolerance)
+from distlab import comm, data, memory, metrics, models, runtime
+
+PRESETS = {"tiny": "tiny", "a100": "a100_large"}  # a100: ~3.3 B parameters, too big for one A100-40GB with DDP
+
+
+def check_config(args, world_size):
+    runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 steps (memory is read at step 2)")
+    if args.batch is not None:
+        runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(args.preset != "a100" or args.init != "seed",
+                    "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
+
+
+def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
+               activation_checkpointing=False, pin_memory=False):
+    """Shard each transformer block, then the root (embeddings, final norm, output), in that order.
+
+    Each ``fully_shard`` call makes one unit: its parameters are gathered and freed together. Blocks first,
+    so the root's unit holds only what no block holds.
+    """
+    policy = dict(reshard_after_forward=reshard_after_forward,
+                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if mixed_precision else MixedPrecisionPolicy(),
+                  offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
+    for block in model.layers.values():
+        if activation_checkpointing:
+            checkpoint(block)  # recompute the block in backward; parameter names unchanged
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
+def materialize_on_meta(cfg, seed, device, **fsdp_options):
+    """Build on the meta device (no memory), shard, then allocate and initialise only the local shards."""
+    with torch.device("meta"):
+        model = models.Transformer(cfg)
+    apply_fsdp(model, **fsdp_options)
+    model.to_empty(device="cpu" if fsdp_options.get("cpu_offload") else device)
+    # On a GPU, DTensor draws each shard from its own part of one random stream (rank 0's seed). On a CPU it
+    # has no such tracker and each rank draws from its own generator: seeded apart, or the shards would repeat.
+    torch.manual_seed(seed + dist.get_rank())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        models._init_transformer_(model)
+    cos, sin = models.rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+    model.rope_cos.copy_(cos)  # buffers are not sharded; to_empty left them uninitialised
+    model.rope_sin.copy_(sin)
+    return model
+
+
+def full_parameters(model) -> list[torch.Tensor]:
+    """Every parameter, gathered whole (a collective: every rank calls it)."""
+    return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=5)
+    p.add_argument("--batch", type=int, default=None, help="global batch, sequences per step (default: 8; 16 for a100)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free each block's gathered weights after its forward (ZeRO-3); --no-...: keep them "
+                        "until backward (one all-gather per step fewer)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="bf16 parameters for compute and all-gather, fp32 gradient reduction (on for a100)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--cpu-offload", action="store_true", help="shards, gradients and AdamW state in host memory")
+    p.add_argument("--init", choices=["auto", "seed", "meta"], default="auto",
+                   help="seed: build the whole model on every rank, then shard (tiny); meta: build on the meta "
+                        "device and initialise the shards only (default for a100)")
+    args = p.parse_args()
+    args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(PRESETS[args.preset])
+        world = rt.world_size
+        args.batch = args.batch or (16 if args.preset == "a100" else 8)
+        if args.preset == "a100":
+            args.mixed_precision = True  # bf16 compute: what makes 3.3 B parameters train at speed
+        compare = args.preset == "tiny"
+        num_params = cfg.num_params()
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
+        rt.print(f"FSDP2 on {world} ranks: {PRESETS[args.preset]} transformer, {num_params:,} parameters, global batch "
+                 f"{args.batch}; reshard_after_forward={args.reshard_after_forward}, mixed precision="
+                 f"{'bf16/fp32' if args.mixed_precision else 'off'}, activation checkpointing="
+                 f"{args.activation_checkpointing}, CPU offload={args.cpu_offload}, init={args.init}")
+
+        fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision,
+                            cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
+                            pin_memory=args.cpu_offload and rt.device_type == "cuda")  # pinning needs a GPU
+        if args.init == "seed":
+            model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
+        else:
+            model = materialize_on_meta(cfg, args.seed, rt.device, **fsdp_options)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        baseline = None
+        if compare:
+            start_weights = full_parameters(model)  # collective: every rank
+            if rt.rank == 0:
+                baseline = Baseline(cfg, args.seed, args.lr, rt.device)
+                with torch.no_grad():  # after meta init, the baseline starts from the sharded model's weights
+                    for mine, theirs in zip(baseline.model.parameters(), start_weights):
+                        mine.copy_(theirs)
+        local = next(iter(model.parameters())).to_local()
+        rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
+                 f"{tuple(local.shape)} on {local.device}")
+
+        loss_diffs, param_diffs, param_mean_diffs, measured_comm, seconds = [], [], [], [], []
+        state = activations = None
+        for step in range(args.steps):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world).to(rt.device))
+            rt.sync()
+            started = time.perf_counter()
+            with comm.CommCounter() as counter:
+                if step == 0:
+                    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+                        loss = models.lm_loss(model(inputs), targets)
+                    activations = saved.bytes
+                else:
+                    loss = models.lm_loss(model(inputs), targets)
+                loss.backward()  # all-gathers again (if resharded) and reduce-scatters, unit by unit
+            optimizer.step()     # on the local shards only: no communication
+            if step == 1:        # parameters, gradients and AdamW moments all exist now
+                state = memory.ledger(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            rt.sync()
+            seconds.append(time.perf_counter() - started)
+            measured_comm.append(counter.by_collective())
+            global_loss = loss.detach().float().clone()
+            dist.all_reduce(global_loss)
+            report.losses.append(global_loss.item() / world)
+            line = f"step {step:3d}  loss {report.losses[-1]:.6f}  ({seconds[-1] * 1e3:.0f} ms)"
+            if compare:
+                params_now = full_parameters(model)
+                if baseline is not None:
+                    baseline.step(tokens.to(rt.device))
+                    loss_diffs.append(abs(report.losses[-1] - baseline.losses[-1]))
+                    param_diffs.append(metrics.max_abs_diff(params_now, list(baseline.model.parameters())))
+                    param_mean_diffs.append(mean_abs_diff(params_now, list(baseline.model.parameters())))
+                    line += f"  single-device {baseline.losses[-1]:.6f}"
+            rt.print(line)
+
+        # ---- communication: measured = formula ----
+        formula = dict(stage=3, param_bytes=2 if args.mixed_precision else 4, grad_bytes=4,
+                       reshard_after_forward=args.reshard_after_forward)
+        analytic = comm.zero_step_bytes(num_params, **formula)
+        # FSDP pads dim 0 of every parameter to a multiple of N: what that adds, if any (none for tiny, N = 4)
+        padded_params = sum(-(-p.shape[0] // world) * world * p[0].numel() for p in model.parameters())
+        padded = comm.zero_step_bytes(padded_params, **formula)
+        for collective, expected in analytic.items():
+            per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
+            calls = measured_comm[-1].get(collective, {}).get("calls", 0)
+            report.add_comm(collective, per_step[-1], expected, calls=calls,
+                            sent_bytes_per_rank=comm.bytes_sent_per_rank(collective, per_step[-1], world))
+            extra = padded[collective] - expected
+            report.check(f"{collective} bytes per step = formula (every step)",
+                         all(0 <= b - expected <= extra for b in per_step), per_step[-1],
+                         f"== {expected}" + (f" + padding <= {extra}" if extra else ""))
+            rt.print(f"{collective}: {per_step[-1]:,} B per step in {calls} calls (formula {expected:,} B); "
+                     f"each rank sends {comm.bytes_sent_per_rank(collective, per_step[-1], world):,.0f} B")
+
+        # ---- memory: measured from the local shards = the ZeRO-3 table ----
+        # FSDP2 keeps fp32 shards even under mixed precision (bf16 copies exist only while gathered), so the
+        # persistent state is the fp32 table's: 4 + 4 + 8 bytes per parameter, divided by N.
+        table = memory.zero_state_bytes(num_params, world, 3, precision="fp32")
+        totals = torch.tensor([state.params, state.grads, state.optimizer], dtype=torch.float64)
+        dist.all_reduce(totals)  # summed over ranks: the full model's state, exactly, even with uneven shards
+        report.memory = {"measured": state.as_dict(), "analytic": table.as_dict(),
+                         "ddp": memory.zero_state_bytes(num_params, world, 0, precision="fp32").as_dict(),
+                         "saved_activation_bytes": activations, "shard_device": str(local.device),
+                         "device": metrics.memory_snapshot(rt.device)}
+        rt.print(f"rank {rt.rank} state: params {state.params:,} B, grads {state.grads:,} B, AdamW "
+                 f"{state.optimizer:,} B = {state.total / num_params:.2f} bytes/param (DDP: 16); saved activations "
+                 f"{activations:,} B")
+        even = all(p.shape[0] % world == 0 for p in model.parameters())  # else shards differ by a row
+        padding = 16 * sum(-p.shape[0] % world * p[0].numel() for p in model.parameters())  # bytes, all state
+        for part, total in zip(("params", "grads", "optimizer"), totals.tolist()):
+            if even:
+                report.check_equal(f"{part} bytes on this rank = ZeRO-3 table (16/N bytes per parameter in all)",
+                                   getattr(state, part), int(getattr(table, part)))
+            report.check_close(f"{part} bytes summed over ranks = the whole model's"
+                               + ("" if even else " (within padding)"), total, getattr(table, part) * world,
+                               tolerance=0 if even else padding)
+        report.check_equal("shards live on the host" if args.cpu_offload else "shards live on the device",
+                           local.device.type, "cpu" if args.cpu_offload else rt.device_type)
+
+        if compare and rt.rank == 0:
+            if args.mixed_precision:  # bf16 against the fp32 baseline: see common_fully_sharded.py
+                report.check_close("loss = single-device fp32 loss (every step, bf16 tolerance)", max(loss_diffs), 0.0,
+                                   BF16_LOSS_TOLERANCE)
+                report.check_close("parameters = single-device fp32 parameters (mean |difference|, every step, "
+                                   "bf16 tolerance)", max(param_mean_diffs), 0.0, bf16_param_mean_tolerance(args.lr))
+            else:
+                report.check_close("loss = single-device loss (every step)", max(loss_diffs), 0.0, LOSS_TOLERANCE)
+                report.check_close("parameters = single-device parameters (every step)", max(param_diffs), 0.0,
+                                   param_tolerance(args.lr))
+            report.extra.update(loss_diffs=loss_diffs, param_diffs=param_diffs, param_mean_diffs=param_mean_diffs,
+                                baseline_losses=baseline.losses)
+        tokens_per_s = args.batch * cfg.seq_len * (len(seconds) - 1) / max(sum(seconds[1:]), 1e-9)
+        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": seconds}
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
