@@ -1,0 +1,82 @@
+"""Chapter 05: ZeRO by hand, FSDP2, distributed checkpoints, on 4 CPU ranks."""
+
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch
+
+ZERO = "scripts/05_fully_sharded/zero_from_scratch.py"
+FSDP = "scripts/05_fully_sharded/train_fsdp.py"
+CHECKPOINT = "scripts/05_fully_sharded/checkpoint_resume.py"
+P = 123_200  # parameters of the tiny transformer
+
+
+def comm_of(metrics):
+    return {c["collective"]: c for c in metrics["comm"]}
+
+
+def test_zero1_under_torchrun_matches_ddp_and_costs_one_and_a_half_ddp():
+    result = launch.run(ZERO, nproc=4, args=["--stage", "1", "--steps", "3"], launcher="torchrun", stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=9)
+    comm = comm_of(metrics)
+    assert comm["all_reduce"]["measured_bytes"] == comm["all_gather"]["measured_bytes"] == 4 * P
+    assert metrics["extra"]["sent_bytes_per_rank"]["zero"] == 1.5 * metrics["extra"]["sent_bytes_per_rank"]["ddp"]
+    assert metrics["memory"]["measured"] == {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P / 4,
+                                             "total": 4 * P + 4 * P + 2 * P}
+
+
+def test_zero2_shards_gradients_and_costs_what_ddp_costs():
+    metrics = assert_all_checks_passed(launch.run(ZERO, nproc=4, args=["--stage", "2", "--steps", "3"], stream=False),
+                                       min_checks=9)
+    assert set(comm_of(metrics)) == {"reduce_scatter", "all_gather"}
+    assert metrics["extra"]["sent_bytes_per_rank"]["zero"] == metrics["extra"]["sent_bytes_per_rank"]["ddp"]
+    assert metrics["memory"]["measured"]["grads"] == 4 * P / 4
+
+
+def test_fsdp_reshard_after_forward_gathers_twice():
+    metrics = assert_all_checks_passed(launch.run(FSDP, nproc=4, args=["--steps", "3"], stream=False), min_checks=11)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == 2 * 4 * P and comm["reduce_scatter"]["measured_bytes"] == 4 * P
+    assert metrics["memory"]["measured"]["total"] == 16 * P / 4  # 16 bytes per parameter, over 4 ranks
+
+
+def test_fsdp_no_reshard_gathers_once_and_checkpointing_saves_activations():
+    plain = launch.run(FSDP, nproc=4, args=["--steps", "2", "--no-reshard-after-forward"], stream=False)
+    checkpointed = launch.run(FSDP, nproc=4, args=["--steps", "2", "--no-reshard-after-forward",
+                                                    "--activation-checkpointing"], stream=False)
+    for result in (plain, checkpointed):
+        metrics = assert_all_checks_passed(result, min_checks=11)
+        assert comm_of(metrics)["all_gather"]["measured_bytes"] == 4 * P
+    saved = [r.metrics["memory"]["saved_activation_bytes"] for r in (plain, checkpointed)]
+    assert saved[1] < saved[0] / 4, saved
+
+
+def test_fsdp_bf16_mixed_precision_cpu_offload_meta_init():
+    args = ["--steps", "3", "--mixed-precision", "--cpu-offload", "--init", "meta"]
+    metrics = assert_all_checks_passed(launch.run(FSDP, nproc=4, args=args, stream=False), min_checks=11)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == 2 * 2 * P  # bf16 all-gathers: half the bytes
+    assert comm["reduce_scatter"]["measured_bytes"] == 4 * P   # gradients reduced in fp32
+    assert any("bf16 tolerance" in c["name"] for c in metrics["checks"])
+
+
+def test_checkpoint_interrupt_resume_and_reshard_4_to_2(tmp_path):
+    save = ["--save-dir", str(tmp_path / "ckpt"), "--steps", "5", "--save-every", "2"]
+    first = assert_all_checks_passed(launch.run(CHECKPOINT, nproc=4, args=save + ["--stop-after", "3"],
+                                                stream=False), min_checks=2)
+    assert sorted((tmp_path / "ckpt").glob("step_*/.metadata"))[0].parent.name == "step_000002"
+    resumed = assert_all_checks_passed(launch.run(CHECKPOINT, nproc=4, args=save + ["--resume"], stream=False),
+                                       min_checks=7)
+    assert resumed["extra"]["first_step"] == 2  # step 2 was lost with the interruption and is trained again
+    assert resumed["losses"][0] == first["losses"][2]
+    resharded = assert_all_checks_passed(launch.run(CHECKPOINT, nproc=2, args=save + ["--world-size-check"],
+                                                    stream=False), min_checks=4)
+    assert (resharded["extra"]["written_by"], resharded["extra"]["read_by"]) == (4, 2)
+    assert resharded["extra"]["loaded_step"] == 4
+
+
+def test_bad_batch_exits_2():
+    assert_config_error(FSDP, ["--batch", "6"], "does not split over 4 ranks")
+
+
+def test_checkpoint_refuses_to_overwrite_or_to_resume_nothing(tmp_path):
+    assert_config_error(CHECKPOINT, ["--save-dir", str(tmp_path), "--resume"], "no checkpoint in")
