@@ -207,7 +207,8 @@ def train(args, rt, cfg, model, optimizer, training, report, earlier_losses):
         if rt.rank == 0:  # the loss log survives the interruption: the resumed run compares against it
             log_file.write_text(json.dumps({**earlier_losses, **{str(s): v for s, v in losses.items()}}))
     report.losses = [losses[s] for s in sorted(losses)]
-    report.extra.update(first_step=first, last_step=last, losses_by_step=losses, earlier_losses=earlier_losses)
+    report.extra.update(first_step=first, last_step=last, losses_by_step=losses, earlier_losses=earlier_losses,
+                        uninterrupted_losses=baseline.losses if baseline is not None else None)
 
     if args.stop_after is not None:
         lost = last - (last // args.save_every) * args.save_every

@@ -179,6 +179,9 @@ def main():
         formula = dict(stage=3, param_bytes=2 if args.mixed_precision else 4, grad_bytes=4,
                        reshard_after_forward=args.reshard_after_forward)
         analytic = comm.zero_step_bytes(num_params, **formula)
+        if world == 1:  # one rank: nothing to gather or reduce, and FSDP skips the collectives
+            formula["param_bytes"] = formula["grad_bytes"] = 0
+            analytic = comm.zero_step_bytes(num_params, **formula)
         # FSDP pads dim 0 of every parameter to a multiple of N: what that adds, if any (none for tiny, N = 4)
         padded_params = sum(-(-p.shape[0] // world) * world * p[0].numel() for p in model.parameters())
         padded = comm.zero_step_bytes(padded_params, **formula)
