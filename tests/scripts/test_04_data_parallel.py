@@ -29,6 +29,8 @@ def test_train_ddp_compare_buckets_and_no_sync():
     # DDP's first step uses one bucket; then buckets of ~0.1 MB rebuilt in the order gradients were ready
     assert extra["buckets_per_step"][0] == 1 and extra["buckets_per_step"][1:] == [4, 4]
     assert sum(b["bytes"] for b in extra["buckets"]) == TINY_PARAM_BYTES
+    assert [b["bytes"] for b in extra["buckets"]] == [131_328, 114_944, 147_712, 98_816]  # as chapter 04 lists them
+    assert extra["buckets"][0]["params"][0] == "output.weight"  # backward starts at the output layer
     # the picture's data: every gradient became ready before its bucket was all-reduced
     timeline = extra["backward_timeline"]
     launched = {e["bucket"]: e["t"] for e in timeline if e["kind"] == "all_reduce"}

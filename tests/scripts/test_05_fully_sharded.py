@@ -47,7 +47,7 @@ def test_fsdp_no_reshard_gathers_once_and_checkpointing_saves_activations():
         metrics = assert_all_checks_passed(result, min_checks=11)
         assert comm_of(metrics)["all_gather"]["measured_bytes"] == 4 * P
     saved = [r.metrics["memory"]["saved_activation_bytes"] for r in (plain, checkpointed)]
-    assert saved[1] < saved[0] / 4, saved
+    assert saved[1] < saved[0] / 5, saved  # chapter 05: "less than a fifth" on the tiny model
 
 
 def test_fsdp_bf16_mixed_precision_cpu_offload_meta_init():
