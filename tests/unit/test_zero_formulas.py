@@ -66,3 +66,12 @@ def test_the_a100_large_preset_needs_fsdp_on_a100_40gb():
     assert gib(num_params, 1, 0) > 40           # 50.2 GiB: DDP does not fit one A100-40GB, before activations
     assert round(gib(num_params, 1, 0), 1) == 50.2
     assert round(gib(num_params, 4, 3), 1) == 12.5  # FSDP on 4: a quarter
+
+
+def test_the_chapter_04_numbers_for_the_a100_preset():
+    num_params = models.preset("a100").num_params()
+    assert num_params == 1_364_297_728
+    step = comm.zero_step_bytes(num_params, 0)  # fp32 gradients (autocast keeps fp32 weights)
+    assert round(step["all_reduce"] / 1e9, 2) == 5.46
+    assert round(comm.step_bytes_sent_per_rank(step, 4) / 1e9, 2) == 8.19
+    assert round(memory.training_state_bytes(num_params, "fp32").total / memory.GIB, 1) == 20.3
