@@ -72,6 +72,8 @@ def test_checkpoint_interrupt_resume_and_reshard_4_to_2(tmp_path):
                                                     stream=False), min_checks=4)
     assert (resharded["extra"]["written_by"], resharded["extra"]["read_by"]) == (4, 2)
     assert resharded["extra"]["loaded_step"] == 4
+    entries = [c["value"] for c in resharded["checks"] if "same entries" in c["name"]]
+    assert entries == [21, 73]  # chapter 05: 21 model tensors, 73 optimizer entries
 
 
 def test_bad_batch_exits_2():
