@@ -182,7 +182,7 @@ def main():
         sent = comm.step_bytes_sent_per_rank(analytic, world)
         ddp_sent = comm.step_bytes_sent_per_rank(comm.zero_step_bytes(num_params, 0), world)
         rt.print(f"bytes each rank sends per step (ring): ZeRO-{args.stage} {sent:,.0f}, DDP {ddp_sent:,.0f} "
-                 f"({sent / ddp_sent:.2f}x)")
+                 + (f"({sent / ddp_sent:.2f}x)" if ddp_sent else "(one rank sends nothing)"))
         report.extra["sent_bytes_per_rank"] = {"zero": sent, "ddp": ddp_sent}
 
         # ---- memory: measured on this rank = the ZeRO table ----
