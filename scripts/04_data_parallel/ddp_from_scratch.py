@@ -47,6 +47,9 @@ def check_config(args, world_size):
         runtime.require(args.batch >= world_size and args.batch % world_size == 0,
                         f"--batch {args.batch} does not split over {world_size} ranks "
                         f"(the global batch must be a multiple of the world size)")
+    with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+    runtime.require(not (with_reference and args.precision == "bf16"),
+                    "the single-device comparison checks fp32 equality: use --precision fp32 or --no-reference")
 
 
 # ---- the two collectives of data parallelism ----------------------------------------------------
@@ -95,7 +98,7 @@ def main():
                    help="global batch, sequences per step, split over the ranks (default: 8; 16 for a100)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+                   help="auto: fp32 when comparing with a single device, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="train a single-device reference on rank 0 in lockstep and compare every step "
                         "(default: on for tiny; off for a100, whose reference would not fit beside the replica)")
@@ -104,8 +107,9 @@ def main():
         cfg = models.preset(args.preset)
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         rt.require(args.batch % rt.world_size == 0, f"--batch {args.batch} does not split over {rt.world_size} ranks")
-        precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
         with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        precision = args.precision if args.precision != "auto" else (
+            "bf16" if rt.device_type == "cuda" and not with_reference else "fp32")
         report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
         num_params = cfg.num_params()
         rt.print(f"{args.preset} transformer: {num_params:,} parameters; global batch {args.batch} = "

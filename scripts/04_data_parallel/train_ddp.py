@@ -39,6 +39,8 @@ def check_config(args, world_size):
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
     runtime.require(args.accumulation >= 1, f"--accumulation {args.accumulation}: need at least 1 micro-step")
     runtime.require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: a bucket must hold something")
+    runtime.require(not (args.compare and args.precision == "bf16"),
+                    "--compare checks fp32 equality: use --precision fp32 (or auto) with it")
     if args.batch is not None:
         runtime.require(args.batch % (world_size * args.accumulation) == 0,
                         f"--batch {args.batch} does not split into {world_size} ranks x {args.accumulation} "
@@ -115,7 +117,7 @@ def main():
                    help="DistributedSampler reshuffles every epoch (set_epoch)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+                   help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -127,7 +129,8 @@ def main():
         args.samples = args.samples or 4 * args.batch
         check_config(args, world)  # again, with the defaults filled in
         micro_batch = args.batch // (world * accumulation)
-        precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
+        precision = args.precision if args.precision != "auto" else (
+            "bf16" if rt.device_type == "cuda" and not args.compare else "fp32")
         report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
         rt.print(f"{args.preset} transformer: {cfg.num_params():,} parameters; global batch {args.batch} = "
                  f"{world} ranks x {accumulation} micro-steps x {micro_batch} sequences; buckets of "
@@ -252,7 +255,8 @@ def main():
                 scratch_optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(scratch_step_loss)
                 diffs["scratch_loss"].append(abs(global_loss - scratch_step_loss.item() / world))
-                diffs["scratch_param"].append(metrics.max_abs_diff(list(model.parameters()), list(scratch.parameters())))
+                diffs["scratch_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                                                                   list(scratch.parameters())))
                 if baseline is not None:
                     diffs["baseline_loss"].append(abs(global_loss - baseline_loss.item()))
                     diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
