@@ -78,9 +78,10 @@ def materialize_on_meta(cfg, seed, device, **fsdp_options):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         models._init_transformer_(model)
+    # Buffers are not sharded and to_empty left them uninitialised: recompute them, on the compute device
+    # (with CPU offload the shards live on the host, but the rotary tables are used where the layers run).
     cos, sin = models.rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
-    model.rope_cos.copy_(cos)  # buffers are not sharded; to_empty left them uninitialised
-    model.rope_sin.copy_(sin)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
 
 
