@@ -70,6 +70,7 @@ def main() -> int:
 
     exit_codes: dict[int, int] = {}
     first_failure: int | None = None
+    first_failed_rank: int | None = None
     deadline = None
     while len(exit_codes) < options.nproc:
         if deadline is not None and time.monotonic() > deadline:
@@ -85,9 +86,11 @@ def main() -> int:
         exit_codes[children[pid]] = code
         if code != 0 and first_failure is None:
             first_failure = code if code > 0 else 1
+            first_failed_rank = children[pid]
             deadline = time.monotonic() + GRACE_SECONDS
 
     if first_failure is not None:
+        print(f"[forkrun] rank {first_failed_rank} failed first", file=sys.stderr, flush=True)
         for rank in sorted(exit_codes):
             print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
         return first_failure

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -168,9 +169,26 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
                                           "seconds": result.seconds, "metrics": result.metrics,
                                           "rank_exit_codes": result.rank_exit_codes}))
     if check and result.returncode != 0:
-        raise LaunchError(f"{script} exited with code {result.returncode} after {result.seconds:.1f} s. "
-                          f"Last output:\n{result.tail()}", result)
+        raise LaunchError(_failure_message(script, result), result)
     return result
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b.*")
+
+
+def first_error(output: str) -> str | None:
+    """The first exception line of a run: when one rank fails, its peers fail after it (connection reset by
+    peer), so the first one is the cause. Config errors are found too."""
+    for line in output.splitlines():
+        if line.startswith("config error") or _EXCEPTION_LINE.match(line):
+            return line.strip()
+    return None
+
+
+def _failure_message(script, result: "LaunchResult") -> str:
+    cause = first_error(result.output)
+    return (f"{script} exited with code {result.returncode} after {result.seconds:.1f} s."
+            + (f"\nFirst error: {cause}" if cause else "") + f"\nLast output:\n{result.tail()}")
 
 
 def _rank_exit_codes(output: str) -> dict[int, int]:
@@ -206,5 +224,5 @@ def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_p
         print(f"[replayed from this test session's earlier run of {script}]", flush=True)
         print(result.output, end="", flush=True)
     if check and result.returncode != 0:
-        raise LaunchError(f"{script} exited with code {result.returncode}. Last output:\n{result.tail()}", result)
+        raise LaunchError(_failure_message(script, result), result)
     return result
