@@ -35,12 +35,3 @@ def test_tensor_checks_shape_and_values():
 def test_errors_render_without_traceback():
     assert exercises.ExerciseWrong("msg")._render_traceback_() == ["ExerciseWrong: msg"]
 
-
-def test_first_error_finds_the_cause_before_the_peers_connection_resets():
-    from distlab.launch import first_error
-
-    output = ("step 0\nTraceback (most recent call last):\n  File 'x.py'\nRuntimeError: probe failure on rank 2\n"
-              "Traceback (most recent call last):\nRuntimeError: [gloo] Connection reset by peer\n")
-    assert first_error(output) == "RuntimeError: probe failure on rank 2"
-    assert first_error("config error (rank 0): --tp 3 does not divide 4\n").startswith("config error")
-    assert first_error("all fine\n") is None

@@ -1,0 +1,16 @@
+"""distlab.launch reads a run's output: the cause of a failure, each rank's exit code."""
+
+from distlab.launch import _rank_exit_codes, first_error
+
+
+def test_first_error_finds_the_cause_before_the_peers_connection_resets():
+    output = ("step 0\nTraceback (most recent call last):\n  File 'x.py'\nRuntimeError: probe failure on rank 2\n"
+              "Traceback (most recent call last):\nRuntimeError: [gloo] Connection reset by peer\n")
+    assert first_error(output) == "RuntimeError: probe failure on rank 2"
+    assert first_error("config error (rank 0): --tp 3 does not divide 4\n").startswith("config error")
+    assert first_error("all fine\n") is None
+
+
+def test_rank_exit_codes_are_read_from_the_fork_launcher():
+    output = "[forkrun] rank 1 failed first\n[forkrun] rank 0 exited with code 2\n[forkrun] rank 1 exited with code 2\n"
+    assert _rank_exit_codes(output) == {0: 2, 1: 2}
