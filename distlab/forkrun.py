@@ -90,7 +90,7 @@ def main() -> int:
             deadline = time.monotonic() + GRACE_SECONDS
 
     if first_failure is not None:
-        print(f"[forkrun] rank {first_failed_rank} failed first", file=sys.stderr, flush=True)
+        print(f"[forkrun] rank {first_failed_rank} was the first to exit with an error", file=sys.stderr, flush=True)
         for rank in sorted(exit_codes):
             print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
         return first_failure

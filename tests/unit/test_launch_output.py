@@ -12,5 +12,5 @@ def test_first_error_finds_the_cause_before_the_peers_connection_resets():
 
 
 def test_rank_exit_codes_are_read_from_the_fork_launcher():
-    output = "[forkrun] rank 1 failed first\n[forkrun] rank 0 exited with code 2\n[forkrun] rank 1 exited with code 2\n"
+    output = "[forkrun] rank 1 was the first to exit with an error\n[forkrun] rank 0 exited with code 2\n[forkrun] rank 1 exited with code 2\n"
     assert _rank_exit_codes(output) == {0: 2, 1: 2}
