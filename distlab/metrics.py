@@ -65,6 +65,26 @@ def mfu(tokens_per_second: float, flops_per_token: float, device_name: str | Non
     return tokens_per_second * flops_per_token / (peak * num_devices)
 
 
+def throughput(tokens_per_step: int, seconds: float, steps: int, *, cfg=None, seq_len: int | None = None,
+               device=None, dtype: str = "fp32", num_devices: int = 1) -> dict:
+    """The throughput block of the metrics file, from ``steps`` timed steps that took ``seconds`` in all.
+
+    Time steps after the first: it pays one-off costs (allocator warm-up, DTensor's sharding caches). With a
+    model config, adds FLOPs per token, achieved FLOP/s and MFU; MFU is None where no peak is known (CPUs).
+    """
+    if steps < 1 or not seconds > 0:
+        return {"tokens_per_s": None, "step_seconds": None, "timed_steps": steps}
+    tokens_per_s = tokens_per_step * steps / seconds
+    block = {"tokens_per_s": tokens_per_s, "step_seconds": seconds / steps, "timed_steps": steps}
+    if cfg is not None:
+        name = device_name(device) if device is not None else "cpu"
+        flops_per_token = transformer_flops_per_token(cfg, seq_len)
+        block.update(flops_per_token=flops_per_token, achieved_flops_per_s=tokens_per_s * flops_per_token,
+                     device_name=name, peak_dtype=dtype, peak_flops=peak_flops(name, dtype),
+                     mfu=mfu(tokens_per_s, flops_per_token, name, dtype, num_devices))
+    return block
+
+
 def device_name(device) -> str:
     import torch
 
@@ -141,6 +161,7 @@ class Report:
         self.world_size = rt.world_size if rt else 1
         self.device = str(rt.device) if rt else "cpu"
         self.rank = rt.rank if rt else 0
+        self._runtime = rt
         self.config = {k: v for k, v in (config or {}).items() if _jsonable(v)}
         self.losses, self.checks, self.comm, self.timeline = [], [], [], []
         self.memory, self.throughput, self.extra = {}, {}, {}
@@ -202,7 +223,10 @@ class Report:
                 print(self.checks_table(), flush=True)
         self.write(path)
         sys.stdout.flush()
-        return 0 if self.all_passed else 1
+        code = 0 if self.all_passed else 1
+        if self._runtime is not None:
+            self._runtime.exit_code = code  # the runtime ends the process with it (see runtime.start)
+        return code
 
 
 def _jsonable(value) -> bool:

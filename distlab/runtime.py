@@ -239,6 +239,7 @@ class Runtime:
     backend: str
     launcher: str
     pg_timeout_s: float
+    exit_code: int | None = None  # set by metrics.Report.finish: how the run ended
 
     @property
     def is_main(self) -> bool:
@@ -350,6 +351,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         yield rt
         if dist.is_initialized() and rt.world_size > 1:
             dist.barrier()  # every rank is done with every collective before any group goes away
+            _exit_without_teardown_at_interpreter_exit(rt)
     except ConfigError as error:
         _config_error_exit(str(error), rt.rank)
     finally:
@@ -365,6 +367,36 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
 
 
 _GROUPS_KEPT_UNTIL_EXIT: list = []
+_UNCAUGHT = {"seen": False}
+
+
+def _exit_without_teardown_at_interpreter_exit(rt: Runtime) -> None:
+    """After a clean multi-rank run, end the process with ``os._exit`` when the interpreter exits.
+
+    Tearing a gloo group down can crash or hang at the very end of a run that succeeded: its destructor
+    joins worker threads while holding the GIL (a deadlock when a worker needs it), and a group still alive
+    at interpreter shutdown aborts in C++ ("terminate called without an active exception": seen under
+    torchrun about one run in ten). Nothing is left to do by then (the metrics file is written, output
+    flushed), so the process leaves without destroying anything, with the exit code the script's report
+    decided (``Report.finish`` records it on the runtime). forkrun ends its ranks the same way.
+    """
+    import atexit
+
+    previous_hook = sys.excepthook
+
+    def note_uncaught(*info):  # an exception after the run: exit 1 as Python would, not the report's code
+        _UNCAUGHT["seen"] = True
+        previous_hook(*info)
+
+    def leave():
+        if rt.exit_code is None:
+            return  # the script did not finish a report: leave the normal way
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _UNCAUGHT["seen"] else rt.exit_code)
+
+    sys.excepthook = note_uncaught
+    atexit.register(leave)
 
 
 def free_port() -> int:

@@ -96,17 +96,12 @@ def main():
         again, _ = train(cfg, args, rt, precision, min(REPRODUCE_STEPS, args.steps))
 
         # ---- throughput: tokens/s over the steps after the first (which pays for one-off set-up) ----
-        tokens_per_step = args.batch * cfg.seq_len
-        timed = seconds[1:]
-        tokens_per_s = tokens_per_step * len(timed) / sum(timed)
-        flops_per_token = metrics.transformer_flops_per_token(cfg)
-        name = metrics.device_name(rt.device)
         peak_dtype = "bf16" if precision == "bf16" else (
             "tf32" if rt.device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32")
-        mfu = metrics.mfu(tokens_per_s, flops_per_token, name, peak_dtype)
-        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": sum(timed) / len(timed),
-                             "flops_per_token": flops_per_token, "achieved_flops_per_s": tokens_per_s * flops_per_token,
-                             "device_name": name, "peak_flops": metrics.peak_flops(name, peak_dtype), "mfu": mfu}
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1,
+                                               cfg=cfg, device=rt.device, dtype=peak_dtype)
+        tokens_per_s, flops_per_token, mfu, name = (report.throughput[k] for k in
+                                                     ("tokens_per_s", "flops_per_token", "mfu", "device_name"))
         rt.print(f"throughput: {tokens_per_s:,.0f} tokens/s x {flops_per_token:,.0f} FLOPs/token "
                  f"= {tokens_per_s * flops_per_token / 1e9:.2f} GFLOP/s achieved")
         if mfu is None:

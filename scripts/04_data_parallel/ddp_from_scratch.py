@@ -201,8 +201,8 @@ def main():
             rt.print("single-device comparison off (--no-reference); the replicas are still checked")
         report.check("replicas identical after training", replicas_identical(model))
 
-        tokens_per_s = args.batch * cfg.seq_len * len(seconds) / sum(seconds)
-        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": sum(seconds) / len(seconds)}
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds), len(seconds), cfg=cfg,
+                                               device=rt.device, num_devices=rt.world_size)
         report.memory = {"device": metrics.memory_snapshot(rt.device)}
         code = report.finish(args.metrics_out)
     sys.exit(code)

@@ -235,8 +235,9 @@ def main():
                                    param_tolerance(args.lr))
             report.extra.update(loss_diffs=loss_diffs, param_diffs=param_diffs, param_mean_diffs=param_mean_diffs,
                                 baseline_losses=baseline.losses)
-        tokens_per_s = args.batch * cfg.seq_len * (len(seconds) - 1) / max(sum(seconds[1:]), 1e-9)
-        report.throughput = {"tokens_per_s": tokens_per_s, "step_seconds": seconds}
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1,
+                                               cfg=cfg, device=rt.device, num_devices=rt.world_size,
+                                               dtype="bf16" if args.mixed_precision else "fp32")
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

@@ -214,7 +214,8 @@ def main():
             report.extra["diffs"] = diffs
         else:
             rt.print("a100 preset: no DDP or single-device model fits beside this one; comparisons are tiny-only")
-        report.throughput = {"tokens_per_s": args.batch * cfg.seq_len * len(seconds) / sum(seconds)}
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds), len(seconds), cfg=cfg,
+                                               device=rt.device, num_devices=rt.world_size)
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

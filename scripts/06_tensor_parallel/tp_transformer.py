@@ -155,11 +155,8 @@ def main():
         report.check("communication of one step = formula (calls and bytes of every collective)", not mismatched,
                      mismatched or len(ledger), "every row equal")
 
-        tokens_per_s = (args.steps - 1) * args.batch * args.seq_len / elapsed if args.steps > 1 else None
-        name = metrics.device_name(rt.device)
-        report.throughput = {"tokens_per_s": tokens_per_s, "device_name": name,
-                             "mfu": metrics.mfu(tokens_per_s, metrics.transformer_flops_per_token(cfg, args.seq_len),
-                                                name, "fp32", rt.world_size) if tokens_per_s else None}
+        report.throughput = metrics.throughput(args.batch * args.seq_len, elapsed, args.steps - 1, cfg=cfg,
+                                               seq_len=args.seq_len, device=rt.device, num_devices=rt.world_size)
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

@@ -197,11 +197,8 @@ def main():
                            "= all-reduce)", sp_traffic, tp_traffic)
         report.extra["activation_traffic_per_rank"] = {"tp": tp_traffic, "tp+sp": sp_traffic}
 
-        tokens_per_s = (args.steps - 1) * args.batch * args.seq_len / elapsed if args.steps > 1 else None
-        name = metrics.device_name(rt.device)
-        report.throughput = {"tokens_per_s": tokens_per_s, "device_name": name,
-                             "mfu": metrics.mfu(tokens_per_s, metrics.transformer_flops_per_token(cfg, args.seq_len),
-                                                name, "fp32", tp) if tokens_per_s else None}
+        report.throughput = metrics.throughput(args.batch * args.seq_len, elapsed, args.steps - 1, cfg=cfg,
+                                               seq_len=args.seq_len, device=rt.device, num_devices=tp)
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

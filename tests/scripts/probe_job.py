@@ -14,6 +14,8 @@ def main():
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises an exception")
     p.add_argument("--sleep", type=float, default=0.0, help="rank 0 sleeps this long before the collective")
     p.add_argument("--bad-config", action="store_true")
+    p.add_argument("--fail-check", action="store_true", help="record a failing check (exit code 1)")
+    p.add_argument("--raise-after", action="store_true", help="raise after the run has finished cleanly")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: runtime.require(not args.bad_config, "probe told to fail")) as rt:
         report = metrics.Report(__file__, rt, vars(args))
@@ -37,8 +39,12 @@ def main():
         ranks = [None] * rt.world_size
         dist.all_gather_object(ranks, (rt.rank, rt.local_rank, rt.launcher))
         report.extra["ranks"] = ranks
+        if args.fail_check:
+            report.check("a check told to fail", False)
         rt.print(f"probe ok: world {rt.world_size}")
         code = report.finish(args.metrics_out)
+    if args.raise_after:
+        raise RuntimeError("raised after the run")
     sys.exit(code)
 
 

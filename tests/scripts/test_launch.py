@@ -52,3 +52,12 @@ def test_the_replay_cache_returns_the_earlier_run(tmp_path, monkeypatch, capsys)
     assert second.metrics == first.metrics and second.output == first.output
     assert "replayed" in capsys.readouterr().out
     assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("flag, cause", [("--fail-check", "FAIL] a check told to fail"),
+                                         ("--raise-after", "RuntimeError: raised after the run")])
+def test_exit_code_is_honest_under_torchrun(flag, cause):
+    """Ranks leave through os._exit after a clean run (runtime.start): the exit code must still be 1."""
+    result = launch.run(PROBE, nproc=2, args=[flag], launcher="torchrun", stream=False, check=False)
+    assert result.returncode == 1 and "exitcode  : 1" in result.output, result.tail()
+    assert cause in result.output

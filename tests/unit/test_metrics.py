@@ -80,3 +80,17 @@ def test_chapter_01_mfu_numbers():
     assert round(0.4 * metrics.peak_flops("A100", "bf16") / per_token) == 14_863
     assert round(0.4 * metrics.peak_flops("H100", "bf16") / per_token) == 47_115
     assert round(metrics.mfu(5000, per_token, "A100", "bf16"), 3) == 0.135
+
+
+def test_throughput_block():
+    from distlab import metrics, models
+
+    cfg = models.preset("tiny")
+    block = metrics.throughput(1000, 2.0, 4, cfg=cfg, device="cpu")
+    assert block["tokens_per_s"] == 2000 and block["step_seconds"] == 0.5 and block["timed_steps"] == 4
+    assert block["flops_per_token"] == metrics.transformer_flops_per_token(cfg)
+    assert block["achieved_flops_per_s"] == 2000 * block["flops_per_token"]
+    assert block["mfu"] is None and block["peak_flops"] is None, "no MFU is claimed on a CPU"
+    assert metrics.throughput(1000, 0.0, 0)["tokens_per_s"] is None  # nothing timed: nothing claimed
+    assert metrics.throughput(10, 1.0, 1, cfg=cfg, seq_len=8)["flops_per_token"] == \
+        metrics.transformer_flops_per_token(cfg, 8)
