@@ -104,3 +104,17 @@ def test_chapter_job_on_two_nodes(two_nodes, tmp_path):
     assert metrics["world_size"] == 4
     assert metrics["checks"] and all(c["passed"] for c in metrics["checks"]), metrics["checks"]
     assert "skip bandwidth.py" in result.output
+
+
+def test_checkpoint_round_trip_job_on_two_nodes(two_nodes, tmp_path):
+    """The real chapter 05 job: checkpoint on 2 nodes x 2 ranks, interrupt, resume, reload on half the ranks."""
+    result, _ = run_job(PBS_DIR / "05_fully_sharded.pbs", two_nodes | {"DISTLAB_ONLY": "checkpoint_resume.py"})
+    assert result.returncode == 0, result.output
+    run = tmp_path / "run"
+    worlds = {}
+    for name in ("checkpoint_interrupted", "checkpoint_resumed", "checkpoint_tiny_saved", "checkpoint_resharded"):
+        metrics = json.loads((run / f"{name}.json").read_text())
+        assert metrics["checks"] and all(c["passed"] for c in metrics["checks"]), (name, metrics["checks"])
+        worlds[name] = metrics["world_size"]
+    assert worlds == {"checkpoint_interrupted": 4, "checkpoint_resumed": 4, "checkpoint_tiny_saved": 4,
+                      "checkpoint_resharded": 2}
