@@ -151,6 +151,35 @@ def max_gradient_difference(model, reference_grads: dict) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+# The model-shape flags of the tensor- and sequence-parallel scripts, and how closely they must match one device.
+DEFAULT_BATCH = {"tiny": 4, "a100": 2}  # a100: the single-device reference (16 B/param AdamW state) must fit 40 GB
+# fp32 sums in another order differ in the last bits (~1e-8 here); AdamW's 1/sqrt(v) magnifies that in later
+# steps' losses. A TP mistake (a missing reduction, a wrong slice) is off by 1e-3 or more.
+TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad": 1e-5}}
+
+
+def add_model_flags(parser) -> None:
+    """--batch, --seq-len, --dim, --heads, --ffn-hidden, --lr: shapes to try a split with (preset's by default)."""
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    parser.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
+    parser.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+
+
+def model_from_args(args):
+    """The preset with the flags' overrides; fills in ``args.batch`` and ``args.seq_len`` where not given."""
+    from distlab import models
+
+    args.batch = args.batch or DEFAULT_BATCH[args.preset]
+    args.seq_len = args.seq_len or models.preset(args.preset).seq_len
+    overrides = {name: value for name, value in (("dim", args.dim), ("n_heads", args.heads),
+                                                 ("ffn_hidden", args.ffn_hidden)) if value is not None}
+    return models.preset(args.preset, **overrides)
+
+
+
 def tp_config_problems(cfg, tp: int, *, batch: int | None = None, seq_len: int | None = None,
                        sequence_parallel: bool = False) -> list[str]:
     """Every reason ``cfg`` cannot be split over ``tp`` ranks (empty when it can), one sentence each."""

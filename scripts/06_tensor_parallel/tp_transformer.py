@@ -25,17 +25,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from distlab import comm, data, memory, metrics, models, runtime, tensor_parallel
 
-BATCH = {"tiny": 4, "a100": 2}  # a100: the single-device reference (16 B/param of AdamW state) must fit 40 GB
-# fp32 sums in another order differ in the last bits (~1e-8 here); AdamW's 1/sqrt(v) magnifies that in later
-# steps' losses. A TP mistake (a missing reduction, a wrong slice) is off by 1e-3 or more.
-TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad": 1e-5}}
-
-
-def model_config(args) -> models.TransformerConfig:
-    overrides = {name: value for name, value in (("dim", args.dim), ("n_heads", args.heads),
-                                                 ("ffn_hidden", args.ffn_hidden)) if value is not None}
-    return models.preset(args.preset, **overrides)
-
 
 def check_config(args, world_size):
     runtime.require(world_size >= 2, "tensor parallelism needs at least 2 ranks: launch with "
@@ -43,7 +32,7 @@ def check_config(args, world_size):
     tp = args.tp or world_size
     runtime.require(tp == world_size, f"--tp {tp} must equal the number of ranks ({world_size}): this chapter "
                                       "runs tensor parallelism alone (chapter 09 combines it with data parallelism)")
-    cfg = model_config(args)
+    cfg = tensor_parallel.model_from_args(args)
     problems = tensor_parallel.tp_config_problems(cfg, tp, batch=args.batch, seq_len=args.seq_len)
     runtime.require(not problems, "; ".join(problems))
 
@@ -69,22 +58,16 @@ def train_single_device(cfg, args, device):
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the number of ranks)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
-    p.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
     p.add_argument("--plan", choices=["regions", "per-linear"], default="regions",
                    help="regions: one DTensor input per attention/feed-forward region (2 backward all-reduces per "
                         "block); per-linear: without PrepareModuleInput (5)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
-    args.batch = args.batch or BATCH[args.preset]
-    args.seq_len = args.seq_len or models.preset(args.preset).seq_len
+    cfg = tensor_parallel.model_from_args(args)
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg = model_config(args)
         report = metrics.Report(__file__, rt, config={**vars(args), "tp": rt.world_size, "model": cfg.to_dict()})
+        tolerance = tensor_parallel.TOLERANCE[args.preset]  # against one device
         rt.print(f"TP over {rt.world_size} ranks, per rank: {cfg.n_heads // rt.world_size} of {cfg.n_heads} heads, "
                  f"{cfg.ffn_hidden // rt.world_size} feed-forward columns, "
                  f"{cfg.vocab_size // rt.world_size} vocabulary rows")
@@ -117,7 +100,7 @@ def main():
             if step == 0:
                 difference = tensor_parallel.max_gradient_difference(model, reference_grads)
                 report.check("step-0 gradients equal single-device (every parameter)",
-                             difference <= TOLERANCE[args.preset]["grad"], difference, TOLERANCE[args.preset]["grad"])
+                             difference <= tolerance["grad"], difference, tolerance["grad"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             report.losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
@@ -126,7 +109,7 @@ def main():
         elapsed = time.perf_counter() - started if started else float("nan")
 
         report.check_close("losses equal single-device", report.losses, reference_losses,
-                           tolerance=TOLERANCE[args.preset]["loss"])
+                           tolerance=tolerance["loss"])
 
         # 4. Parameters per rank: measured off the local shards, against the formula.
         held = memory.ledger(model).params

@@ -27,21 +27,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from distlab import comm, data, memory, metrics, models, runtime, tensor_parallel
 
-BATCH = {"tiny": 4, "a100": 2}  # a100: the single-device reference (16 B/param of AdamW state) must fit 40 GB
-# fp32 sums in another order differ in the last bits; AdamW's 1/sqrt(v) magnifies that in later losses.
-TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad": 1e-5}}
-
-
-def model_config(args) -> models.TransformerConfig:
-    overrides = {name: value for name, value in (("dim", args.dim), ("n_heads", args.heads),
-                                                 ("ffn_hidden", args.ffn_hidden)) if value is not None}
-    return models.preset(args.preset, **overrides)
-
 
 def check_config(args, world_size):
     runtime.require(world_size >= 2, "sequence parallelism needs at least 2 ranks: launch with "
                                      "torchrun --standalone --nproc_per_node=4")
-    cfg = model_config(args)
+    cfg = tensor_parallel.model_from_args(args)
     problems = tensor_parallel.tp_config_problems(cfg, world_size, batch=args.batch, seq_len=args.seq_len,
                                                   sequence_parallel=True)
     runtime.require(not problems, "; ".join(problems))
@@ -69,19 +59,14 @@ def measured_step(model, tokens, inputs, targets, device):
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
-    p.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
-    args.batch = args.batch or BATCH[args.preset]
-    args.seq_len = args.seq_len or models.preset(args.preset).seq_len
+    cfg = tensor_parallel.model_from_args(args)
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg, tp = model_config(args), rt.world_size
+        tp = rt.world_size
         report = metrics.Report(__file__, rt, config={**vars(args), "tp": tp, "model": cfg.to_dict()})
+        tolerance = tensor_parallel.TOLERANCE[args.preset]  # against one device
         # Memory formulas hold exactly for the CPU's attention kernel; a GPU kernel may save a little more.
         memory_tolerance = 0.0 if rt.device.type == "cpu" else 0.02
         mesh = init_device_mesh(rt.device.type, (tp,), mesh_dim_names=("tp",))
@@ -130,7 +115,7 @@ def main():
                                                                     where="norm weights"))
                 difference = tensor_parallel.max_gradient_difference(model, reference_grads)
                 report.check("step-0 gradients equal single-device (every parameter)",
-                             difference <= TOLERANCE[args.preset]["grad"], difference, TOLERANCE[args.preset]["grad"])
+                             difference <= tolerance["grad"], difference, tolerance["grad"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             report.losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
@@ -138,7 +123,7 @@ def main():
         rt.sync()
         elapsed = time.perf_counter() - started if started else float("nan")
         report.check_close("losses equal single-device", report.losses, reference_losses,
-                           tolerance=TOLERANCE[args.preset]["loss"])
+                           tolerance=tolerance["loss"])
 
         # 4. Activation memory per rank: measured against the formula, three ways.
         rt.print(f"\nactivations saved for backward, per rank (B x S x H = {args.batch} x {args.seq_len} x {cfg.dim}, "

@@ -125,3 +125,19 @@ def test_the_numbers_chapters_06_and_08_quote():
         rows = tp.tp_comm_formula(tiny, 4, 32, 4, sequence_parallel=sequence_parallel)
         assert sum(bytes_sent_per_rank(r["collective"], r["payload_bytes"], 4)
                    for r in rows if r["where"] not in ("loss", "norm weights")) == 491_520
+
+
+def test_model_flags_fill_defaults_and_override_shapes():
+    import argparse
+
+    from distlab import models, tensor_parallel
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="tiny")
+    tensor_parallel.add_model_flags(parser)
+    args = parser.parse_args(["--heads", "8"])
+    cfg = tensor_parallel.model_from_args(args)
+    assert (args.batch, args.seq_len, args.lr) == (4, models.preset("tiny").seq_len, 1e-3)
+    assert cfg == models.preset("tiny", n_heads=8)
+    args = parser.parse_args(["--preset", "a100", "--batch", "6", "--dim", "512"])
+    assert tensor_parallel.model_from_args(args).dim == 512 and args.batch == 6
