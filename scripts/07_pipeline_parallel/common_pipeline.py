@@ -7,13 +7,14 @@ is pure (schedules as data, simulation, bubble maths) and this file the part tha
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from distlab import runtime, schedules
+from distlab import models, runtime, schedules
 
 
 # ---- torch's schedules, by the names torch.distributed.pipelining.get_schedule_class takes ------------------
@@ -222,3 +223,24 @@ def transformer_stage(model, stage: int, num_stages: int):
         part.norm = None
         part.output = None
     return part
+
+
+def add_training_flags(parser) -> None:
+    """--batch, --layers, --lr, --reference: the flags of the scripts that train the transformer in a pipeline."""
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer blocks, at least one per stage (default: 8 for tiny, whose 2 would not "
+                             "fill 4 stages; the preset's otherwise)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                        help="train the single-device model too and compare (default: on for tiny; off for a100, "
+                             "whose whole model would not fit beside a stage)")
+
+
+def resolve_training_flags(args):
+    """Fill in the defaults that depend on the preset (``args.layers``, ``args.reference``); return the config."""
+    if args.layers is None:
+        args.layers = 8 if args.preset == "tiny" else models.preset(args.preset).n_layers
+    if args.reference is None:
+        args.reference = args.preset == "tiny"
+    return models.preset(args.preset, n_layers=args.layers)

@@ -20,14 +20,14 @@ a send); receives block, and that waiting is the pipeline bubble you see in the 
     torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_manual.py --schedule 1f1b
 """
 
-import argparse
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from common_pipeline import executed_order, gather_timeline, layers_of_stage, transformer_stage
+from common_pipeline import (add_training_flags, executed_order, gather_timeline, layers_of_stage,
+                             resolve_training_flags, transformer_stage)
 from distlab import data, gantt, metrics, models, runtime, schedules
 
 HAND_SCHEDULES = ("naive", "gpipe", "1f1b")   # one stage per rank, full backward: what this loop runs
@@ -104,19 +104,10 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
     p.add_argument("--schedule", default="1f1b", help=f"the order each rank runs: {', '.join(HAND_SCHEDULES)}")
     p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
-    p.add_argument("--layers", type=int, default=None,
-                   help="transformer blocks, at least one per stage (default: 8 for tiny, whose 2 would not fill "
-                        "4 stages; the preset's otherwise)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                   help="train the single-device model beside each stage and compare (default: on for tiny; off "
-                        "for a100, whose whole model would not fit beside a stage)")
+    add_training_flags(p)  # --batch --layers --lr --reference
     args = p.parse_args()
-    if args.layers is None:
-        args.layers = 8 if args.preset == "tiny" else models.preset(args.preset).n_layers
+    cfg = resolve_training_flags(args)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg = models.preset(args.preset, n_layers=args.layers)
         rank, world, microbatches = rt.rank, rt.world_size, args.microbatches
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
         schedule = schedules.build(args.schedule, world, microbatches)
@@ -125,7 +116,7 @@ def main():
                  + f"; {microbatches} microbatches of {args.batch // microbatches} sequences")
         rt.print(f"rank 0 runs: {' '.join(map(str, schedule.actions[0]))}")
 
-        with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        with_reference = args.reference
         full = models.build_transformer(cfg, seed=args.seed)      # every rank, same weights, on the CPU
         stage = transformer_stage(full, rank, world).to(rt.device)
         optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr)

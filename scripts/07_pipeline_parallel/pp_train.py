@@ -16,15 +16,15 @@ parameters at the end, within fp32 rounding.
     torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_train.py --schedule ZBVZeroBubble
 """
 
-import argparse
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from common_pipeline import (check_pipeline_config, gather_timeline, layers_of_stage, record_actions, schedule_help,
-                             stage_indices, torch_schedule, transformer_stage)
+from common_pipeline import (add_training_flags, check_pipeline_config, gather_timeline, layers_of_stage,
+                             record_actions, resolve_training_flags, schedule_help, stage_indices, torch_schedule,
+                             transformer_stage)
 from distlab import data, metrics, models, runtime
 
 # fp32: microbatches sum their gradients in another order than one big batch: losses and gradients agree to
@@ -53,21 +53,12 @@ def main():
     p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
     p.add_argument("--stages-per-rank", type=int, default=None,
                    help="V, stages per rank (interleaved schedules; default: the schedule's own)")
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
-    p.add_argument("--layers", type=int, default=None,
-                   help="transformer blocks (default: 8 for tiny, whose 2 would not fill 4 stages; the preset's "
-                        "otherwise)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                   help="train the single-device model on rank 0 in lockstep and compare (default: on for tiny; "
-                        "off for a100, whose whole model would not fit beside the stages)")
+    add_training_flags(p)  # --batch --layers --lr --reference
     args = p.parse_args()
-    if args.layers is None:
-        args.layers = 8 if args.preset == "tiny" else models.preset(args.preset).n_layers
+    cfg = resolve_training_flags(args)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         from torch.distributed.pipelining import PipelineStage
 
-        cfg = models.preset(args.preset, n_layers=args.layers)
         ranks, chunks, microbatches = rt.world_size, args.chunks, args.microbatches
         num_stages = ranks * chunks
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
@@ -76,7 +67,7 @@ def main():
                  + ", ".join(f"{s}:{layers_of_stage(cfg.n_layers, num_stages, s)}" for s in range(num_stages))
                  + f"; rank r holds stages {[stage_indices(args.schedule, r, ranks, chunks) for r in range(ranks)]}")
 
-        with_reference = args.reference if args.reference is not None else args.preset == "tiny"
+        with_reference = args.reference
         full = models.build_transformer(cfg, seed=args.seed)          # on the CPU: only a stage goes to the device
         modules = {s: transformer_stage(full, s, num_stages).to(rt.device) for s in mine}
         stages = [PipelineStage(modules[s], s, num_stages, rt.device) for s in mine]
