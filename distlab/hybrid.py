@@ -18,7 +18,7 @@ order decides which groups talk over NVLink inside a node and which over the net
 
 Pure functions, no process group: :func:`grid_coordinates`, :func:`grid_rank`, :func:`grid_groups`,
 :func:`groups_of_rank`, :func:`node_of`, :func:`groups_crossing_nodes`, :func:`mesh_shape_problems`,
-:func:`mesh_shape_warnings`, :func:`default_mesh_shape`.
+:func:`mesh_shape_warnings`, :func:`default_mesh_shape`, :func:`crossing_groups_by_order`, :func:`grid_table`.
 """
 
 from __future__ import annotations
@@ -140,3 +140,24 @@ def default_mesh_shape(world: int, ranks_per_node: int) -> tuple:
     if world % tp:
         tp = math.gcd(world, tp)
     return world // tp, tp
+
+
+def crossing_groups_by_order(shape, gpus_per_node: int) -> dict:
+    """For each rank order of :data:`RANK_ORDERS`, the groups of each dimension that span several nodes:
+    ``{"device_mesh": {"pp": [...], "dp": [...], "tp": [...]}, "hybrid_context": {...}}``."""
+    return {order: {dim: groups_crossing_nodes(groups, gpus_per_node)
+                    for dim, groups in grid_groups(shape, order).items()}
+            for order in RANK_ORDERS}
+
+
+def grid_table(shape, order="device_mesh", gpus_per_node: int | None = None) -> list:
+    """One row per rank: ``{"rank", "node", "pp", "dp", "tp"}`` (node only when ``gpus_per_node`` is given);
+    what a picture of the mesh (nodes x GPUs, coloured by group) is drawn from."""
+    world = math.prod(_shape_dict(shape).values())
+    rows = []
+    for rank in range(world):
+        row = {"rank": rank, **grid_coordinates(rank, shape, order)}
+        if gpus_per_node is not None:
+            row["node"] = node_of(rank, gpus_per_node)
+        rows.append(row)
+    return rows
