@@ -113,6 +113,176 @@ def check_run(name: str, result, *, hint: str = "") -> None:
     _ok(f"{name}: all {len(checks)} checks of the run passed")
 
 
+# --------------------------------------------------------------------------------------------------
+# Checks of one exercise each: they look at more than the final number, so a plausible wrong answer that
+# happens to give it (an unsharded optimizer, loss statistics counted in the wrong phase) is still caught.
+# tests/unit/test_exercises_reject_wrong.py feeds each one the wrong answers it must reject.
+# --------------------------------------------------------------------------------------------------
+
+
+def check_zero1_adamw_step(function, *, lr: float = 0.01, hint: str = "") -> None:
+    """Notebook 05, exercise 1: ZeRO-1 by hand.
+
+    ``function(weight, grad, world_size, lr)`` returns ``(new_weight, optimizers)``. The new weight must equal
+    one AdamW step over the whole weight, and ``optimizers[r]`` (rank r's optimizer) must hold the moments of
+    rank r's slice ``grad.chunk(world_size)[r]`` only: 1/N of the state, with the values of that slice. The
+    moments are checked too because AdamW's first step is about ``lr * sign(grad)``: a gradient N times too
+    big, or a slice stepped by the wrong rank's optimizer, would not show in the weights.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    for numel, world in ((12, 4), (10, 4), (7, 3)):  # 10 and 7 do not split evenly: the last slices are shorter
+        weight, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
+        whole = torch.nn.Parameter(weight.clone())
+        whole.grad = grad.clone()
+        reference = torch.optim.AdamW([whole], lr=lr)
+        reference.step()
+        case = f"`zero1_adamw_step(weight of {numel}, grad, {world})`"
+        try:
+            result = function(weight.clone(), grad.clone(), world, lr)
+        except NotImplementedError:
+            raise _not_done("zero1_adamw_step", hint) from None
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ExerciseWrong(f"{case} should return (new_weight, optimizers), got {_short(result)}. {hint}".strip())
+        new_weight, optimizers = result
+        difference = _default_compare(new_weight, whole.detach())
+        if difference:
+            raise ExerciseWrong(f"{case}: the new weight {difference}. {hint}".strip())
+        slices = reference.state[whole]["exp_avg"].chunk(world)
+        if not isinstance(optimizers, (list, tuple)) or len(optimizers) != len(slices):
+            raise ExerciseWrong(f"{case}: return one optimizer per rank ({len(slices)}), got "
+                                f"{_short(optimizers)}. {hint}".strip())
+        for rank, (optimizer, first_moment) in enumerate(zip(optimizers, slices)):
+            states = list(getattr(optimizer, "state", {}).values())
+            held = sum(t.numel() for state in states for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+            if held != 2 * first_moment.numel():
+                raise ExerciseWrong(
+                    f"{case}: rank {rank}'s optimizer holds {held} moment values; ZeRO-1 keeps only those of its "
+                    f"slice, 2 x {first_moment.numel()} (1/N of one optimizer's 2 x {numel}). {hint}".strip())
+            mine = torch.cat([state["exp_avg"].flatten() for state in states if "exp_avg" in state] or [torch.zeros(0)])
+            difference = _default_compare(mine, first_moment)
+            if difference:
+                raise ExerciseWrong(f"{case}: rank {rank}'s first moment (exp_avg) {difference}: it should be "
+                                    f"that of slice {rank} of the gradient. {hint}".strip())
+    _ok("zero1_adamw_step: the weights equal one AdamW, and each rank holds the moments of its slice only (1/N)")
+
+
+def smallest_world_size(num_params: float, stage: int, gpu_gib: float, reserve_gib: float) -> int:
+    """The fewest GPUs (any count) whose ZeRO-``stage`` training state leaves ``reserve_gib`` of ``gpu_gib`` free."""
+    from distlab import memory
+
+    budget = (gpu_gib - reserve_gib) * memory.GIB
+    return next(n for n in range(1, 1_000_000)
+                if memory.zero_state_bytes(int(num_params), n, stage).total <= budget)
+
+
+def check_min_gpus(name: str, value, *, num_params: float, stage: int, gpu_gib: float, reserve_gib: float,
+                   hint: str = "") -> None:
+    """Notebook 05, exercise 2: the fewest GPUs for a model under ZeRO, with memory kept for activations.
+
+    The exercise's numbers are chosen so that the usual slips give answers different from the right one
+    (the test shows it); when the value is one of them, the message says which.
+    """
+    if value is None or value is Ellipsis:
+        raise _not_done(name, hint)
+    right = smallest_world_size(num_params, stage, gpu_gib, reserve_gib)
+    if value == right:
+        _ok(f"{name} = {value}")
+        return
+    gb_per_gib = 2**30 / 1e9
+    slips = [  # (what a slip gives, what the message says): two slips may give the same value
+        (smallest_world_size(num_params, stage, gpu_gib, 0),
+         f"that leaves nothing for activations: keep {reserve_gib:g} GiB of the {gpu_gib:g} free"),
+        (smallest_world_size(num_params * gb_per_gib, stage, gpu_gib, reserve_gib),
+         "that counts GB (1e9 bytes) against a budget in GiB (2^30 bytes): divide the bytes by 2**30"),
+        (2 ** math.ceil(math.log2(right)), "that is a power of two, not the smallest number: ZeRO shards over any "
+                                           "number of GPUs"),
+    ]
+    slip = " or ".join(message for slip_value, message in slips if slip_value == value) or (
+        f"under ZeRO-{stage} each GPU holds the sharded state, 16 / N bytes per parameter at stage 3; find the "
+        f"smallest N whose state fits in {gpu_gib:g} - {reserve_gib:g} GiB")
+    raise ExerciseWrong(f"`{name}` = {value}: {slip}. {hint}".strip())
+
+
+def check_bytes_per_phase(name: str, predicted: dict, comm_rows, *, hint: str = "") -> None:
+    """Notebook 06, exercise 2: the payload bytes of one step, phase by phase, against the measured ledger.
+
+    ``predicted`` is ``{phase: bytes}``; ``comm_rows`` the run's ``metrics["comm"]`` (rows with ``phase`` and
+    ``measured_bytes``). Each phase is compared, not only the total: the loss statistics counted in backward,
+    or the embedding's all-reduce counted twice and the output's forgotten, give the right total.
+    """
+    if predicted is None or any(value is None or value is Ellipsis for value in dict(predicted).values()):
+        raise _not_done(name, hint)
+    measured: dict[str, int] = {}
+    for row in comm_rows:
+        measured[row["phase"]] = measured.get(row["phase"], 0) + row["measured_bytes"]
+    if set(predicted) != set(measured):
+        raise ExerciseWrong(f"`{name}` should give one number per phase, {sorted(measured)}; got "
+                            f"{sorted(predicted)}. {hint}".strip())
+    wrong = [f"{phase}: predicted {float(predicted[phase]):,.0f} B, measured {measured[phase]:,} B"
+             for phase in measured if not math.isclose(float(predicted[phase]), measured[phase], rel_tol=1e-9)]
+    if wrong:
+        raise ExerciseWrong(f"`{name}`: " + "; ".join(wrong) + f". {hint}".strip())
+    _ok(f"{name}: " + ", ".join(f"{phase} {measured[phase]:,} B" for phase in measured) + " (measured)")
+
+
+def _block_attention(q, k, v, query_positions, key_positions, causal: bool):
+    """Attention of q over one block of keys, and its log-sum-exp; a query that sees no key of the block
+    (causal, all its keys in the future) gets out = 0 and lse = -inf, as FlashAttention returns."""
+    import torch
+
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(key_positions[None, :] > query_positions[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+    return out, lse
+
+
+def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
+    """Notebook 08: the online-softmax merge, block by block against full softmax attention.
+
+    Without a mask: keys split in two and three blocks. With a causal mask: a query sees no key of a block
+    in its future, so that block's lse is -inf for it, and merged in reverse order (a ring can deliver the
+    blocks in any order) a query can have seen no key on either side yet: its out must stay 0 and its lse
+    -inf, not nan. The merged lse is compared too: the next merge needs it.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, length, 8, generator=generator) for length in (24, 24, 24))
+    positions = torch.arange(24)
+    cases = [("no mask, keys cut at 10", [10], False, False), ("no mask, keys cut at 4 and 17", [4, 17], False, False),
+             ("causal, keys cut at 8 and 16", [8, 16], True, False),
+             ("causal, keys cut at 8 and 16, merged last block first", [8, 16], True, True)]
+    for label, cuts, causal, reverse in cases:
+        full_out, full_lse = _block_attention(q, k, v, positions, positions, causal)
+        edges = [0, *cuts, 24]
+        blocks = [_block_attention(q, k[..., a:b, :], v[..., a:b, :], positions, positions[a:b], causal)
+                  for a, b in zip(edges, edges[1:])]
+        blocks = blocks[::-1] if reverse else blocks
+        out, lse = blocks[0]
+        try:
+            for block_out, block_lse in blocks[1:]:
+                out, lse = merge(out, lse, block_out, block_lse)
+        except NotImplementedError:
+            raise _not_done("merge_attention_blocks", hint) from None
+        for what, got, expected in (("out", out, full_out), ("lse", lse, full_lse)):
+            if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} should be a tensor of shape "
+                                    f"{tuple(expected.shape)}, got {_short(got)}. {hint}".strip())
+            if torch.isnan(got).any():
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} has nan: a query that has seen no "
+                                    f"key yet has lse -inf on both sides, and exp(-inf - (-inf)) is nan; keep its "
+                                    f"out 0 and lse -inf. {hint}".strip())
+            if not torch.allclose(got.double(), expected.double(), atol=1e-5, rtol=1e-5):
+                worst = (got.double() - expected.double()).abs().nan_to_num(float("inf")).max().item()
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} differs from full attention by up "
+                                    f"to {worst:.3g}. {hint}".strip())
+    _ok(f"merge_attention_blocks passed {len(cases)} cases (causal ones with fully masked rows included)")
+
+
 def _default_compare(got, expected) -> str | None:
     try:
         import torch
