@@ -51,3 +51,9 @@ student-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+## On a machine with NVIDIA GPUs: every chapter script on them, the baseline's MFU, memory model vs allocator,
+## bandwidths; one JSON summary + a table in build/gpu_check/ (under 10 minutes; exit 2 without a GPU)
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) -m distlab.gpu_check $(GPU_CHECK_ARGS)
