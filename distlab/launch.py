@@ -16,7 +16,10 @@ A failing run raises :class:`LaunchError` with the tail of its output (unless ``
 
 ``DISTLAB_LAUNCH_CACHE=DIR`` (set by the test suite only) replays a run already made in the same test
 session with the same script contents, arguments and ranks: the learner's copy of a notebook launches
-exactly what the full notebook launched a minute earlier, so the suite does not pay for it twice.
+exactly what the full notebook launched a minute earlier, so the suite does not pay for it twice. The key
+is every file the run depends on (the script, its folder's helpers, the ``distlab`` package: see
+:func:`run_dependencies`), the arguments, the ranks, the launcher and the extra environment: an edit
+anywhere in them can never replay a stale result.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     else:
         command = [sys.executable, "-m", "distlab.forkrun", f"--nproc={nproc}", str(script), *args]
 
-    cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path)
+    cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path, env)
     if cache_file is not None and cache_file.exists():
         result = _replay(cache_file, script, check, stream, metrics_path)
         tmpdir.cleanup()
@@ -201,16 +204,29 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
     return codes
 
 
-def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[str], metrics_path) -> Path | None:
+def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[str], metrics_path,
+                env: dict | None = None) -> Path | None:
     folder = os.environ.get("DISTLAB_LAUNCH_CACHE")
     path = script if script.is_absolute() else cwd / script
     if not folder or not path.exists():
         return None
     key = hashlib.sha256()
-    key.update(path.read_bytes())
-    key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)]]).encode())
+    for source in run_dependencies(path):  # an edit to any of them is a new key: never a stale replay
+        key.update(f"{source.parent.name}/{source.name}".encode())
+        key.update(source.read_bytes())
+    key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)],
+                           sorted((env or {}).items())]).encode())
     Path(folder).mkdir(parents=True, exist_ok=True)
     return Path(folder) / f"{key.hexdigest()[:24]}.json"
+
+
+def run_dependencies(script: Path) -> list[Path]:
+    """Every source file a run of ``script`` depends on: the script, the Python files of its folder (its
+    chapter's ``common_*.py`` helpers) and the whole ``distlab`` package. The replay cache keys on them all."""
+    script = Path(script).resolve()
+    package = Path(__file__).resolve().parent
+    files = {script, *script.parent.glob("*.py"), *package.glob("*.py")}
+    return sorted(files)
 
 
 def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_path) -> LaunchResult:
