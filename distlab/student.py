@@ -156,3 +156,51 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- Notebook format: what JupyterLab would write, so that opening a notebook does not mark it modified ----
+#
+# JupyterLab marks a notebook modified ("dirty") as soon as its model changes after loading. On open it writes
+# the kernel's `language_info` (and `kernelspec`) into the notebook metadata, and its shared model skips a
+# value only when it deep-equals what is stored. A notebook stored with `language_info: {"name": "python"}`
+# therefore turns dirty the moment the kernel answers. The server also upgrades nbformat 4.4 to 4.5 on save,
+# adding random cell ids, so a saved notebook differs from the committed one. `normalise_notebook` stores what
+# Jupyter would: nbformat 4.5, stable cell ids, the course kernel's spec and the kernel's full language_info.
+
+KERNELSPEC = {"display_name": "Python 3 (distlab)", "language": "python", "name": "python3"}  # the Makefile's
+
+
+def kernel_language_info() -> dict:
+    """The `language_info` that the course's ipykernel reports for the Python running this function."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return copy.deepcopy(dict(IPythonKernel.language_info))
+
+
+def normalise_notebook(notebook: nbformat.NotebookNode, stem: str) -> nbformat.NotebookNode:
+    """The notebook as JupyterLab (with the course kernel) would save it right after opening it."""
+    notebook = copy.deepcopy(notebook)
+    notebook.nbformat, notebook.nbformat_minor = 4, max(5, notebook.get("nbformat_minor", 5))
+    notebook.metadata["kernelspec"] = dict(KERNELSPEC)
+    notebook.metadata["language_info"] = kernel_language_info()
+    seen = set()
+    for index, cell in enumerate(notebook.cells):
+        cell_id = cell.get("id")
+        if not cell_id or cell_id in seen:  # keep existing ids (they are stable); number the missing ones
+            cell_id = f"{stem[:2]}-{index:03d}"
+        cell["id"] = cell_id
+        seen.add(cell_id)
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.validate(notebook)
+    return notebook
+
+
+def normalise_file(path) -> bool:
+    """Rewrite one notebook in the normal form; True when it changed."""
+    path = Path(path)
+    before = path.read_text()
+    after = render(normalise_notebook(nbformat.reads(before, as_version=4), path.stem))
+    if after != before:
+        path.write_text(after)
+    return after != before

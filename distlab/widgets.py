@@ -18,10 +18,15 @@ from dataclasses import dataclass
 
 from distlab import memory, metrics
 
-GB = 1e9  # this chapter's gigabyte: 10^9 bytes, as GPU data sheets and "7B parameters" count
+GB = 1e9  # 10^9 bytes: bandwidths, bytes on the wire, "7B parameters" (chapters/00_conventions.md)
+GIB = 2**30  # 2^30 bytes: memory capacity and memory use. An A100 "40GB" has 40 GiB (40,960 MiB).
 
-# Memory as sold (GB) of the GPUs people train on; peak FLOP/s come from distlab.metrics.peak_flops.
-GPUS = {"A100-40GB": 40 * GB, "A100-80GB": 80 * GB, "H100-80GB": 80 * GB, "H200-141GB": 141 * GB}
+# Memory as sold, counted in GiB as the cards report it (an A100-40GB shows 40,960 MiB); the names keep the
+# vendors' spelling. Peak FLOP/s come from distlab.metrics.peak_flops.
+GPUS = {"A100-40GB": 40 * GIB, "A100-80GB": 80 * GIB, "H100-80GB": 80 * GIB, "H200-141GB": 141 * GIB}
+
+# The explorer's model sizes: every size the chapter's tables use, so it can start exactly at one of them.
+EXPLORER_SIZES_B = (0.1, 0.125, 0.35, 0.5, 1, 1.3, 2, 3, 7, 8, 13, 20, 30, 34, 40, 65, 70, 100, 175, 405, 1000)
 
 MODEL_SIZES = {"1B": 1e9, "7B": 7e9, "13B": 13e9, "70B": 70e9}
 
@@ -125,7 +130,7 @@ def fit_table(gpu: str = "A100-40GB", gpus: int = 1, zero_stage: int = 0, models
     rows = []
     for name, num_params in (models or MODEL_SIZES).items():
         answer = fit(num_params, gpus, GPUS[gpu], zero_stage)
-        rows.append({"model": name, "params": num_params, "state_gb_per_gpu": answer.state_bytes / GB,
+        rows.append({"model": name, "params": num_params, "state_gib_per_gpu": answer.state_bytes / GIB,
                      "fits": answer.fits,
                      "min_gpus_fully_sharded": min_gpus_to_fit(num_params, GPUS[gpu], 3),
                      "tokens": tokens_per_param * num_params,
@@ -139,19 +144,19 @@ def _bar(fraction: float, colour: str) -> str:
             f'<div style="background:{colour};width:{width:.1f}%;height:14px"></div></div>')
 
 
-def explorer_html(num_params: float, gpus: int, gpu: str, zero_stage: int, activation_gb: float = 0.0,
+def explorer_html(num_params: float, gpus: int, gpu: str, zero_stage: int, activation_gib: float = 0.0,
                   tokens: float | None = None, mfu: float = 0.4) -> str:
     """The explorer's answer as HTML: memory per GPU against capacity, the verdict, and the days to train."""
     gpu_bytes = GPUS[gpu]
-    answer = fit(num_params, gpus, gpu_bytes, zero_stage, activation_gb * GB)
+    answer = fit(num_params, gpus, gpu_bytes, zero_stage, activation_gib * GIB)
     verdict = "fits" if answer.fits else "does NOT fit"
     colour = "#4c9a2a" if answer.fits else "#c0392b"
     lines = [f"<b>{num_params / 1e9:.3g} B parameters on {gpus} x {gpu}, {STRATEGIES[zero_stage]}</b>",
-             f"state per GPU {answer.state_bytes / GB:,.1f} GB + activations {activation_gb:,.1f} GB "
-             f"= {answer.total_bytes / GB:,.1f} GB of {gpu_bytes / GB:,.0f} GB: "
+             f"state per GPU {answer.state_bytes / GIB:,.1f} GiB + activations {activation_gib:,.1f} GiB "
+             f"= {answer.total_bytes / GIB:,.1f} GiB of {gpu_bytes / GIB:,.0f} GiB: "
              f'<b style="color:{colour}">{verdict}</b> ({answer.fraction_used:.0%})',
              _bar(answer.fraction_used, colour)]
-    needed = min_gpus_to_fit(num_params, gpu_bytes, zero_stage, activation_gb * GB)
+    needed = min_gpus_to_fit(num_params, gpu_bytes, zero_stage, activation_gib * GIB)
     lines.append(f"fewest GPUs for this strategy: {needed:,}" if needed is not None
                  else "no number of GPUs is enough for this strategy: shard more (a higher ZeRO stage)")
     tokens = tokens if tokens is not None else 20 * num_params
@@ -165,13 +170,14 @@ def does_it_fit_explorer(num_params: float = 7e9, gpus: int = 4, gpu: str = "A10
     """The interactive explorer (ipywidgets): sliders over ``explorer_html``. Returns the widget box."""
     import ipywidgets as w
 
-    size = w.FloatLogSlider(value=num_params / 1e9, base=10, min=-1, max=3, step=0.05,
-                            description="params (B)", readout_format=".3g")
+    # A slider over the listed sizes, not a log slider: 10^(k/20) cannot land on 7 (it showed 7.08e9).
+    sizes = sorted(set(EXPLORER_SIZES_B) | {num_params / 1e9})
+    size = w.SelectionSlider(options=sizes, value=num_params / 1e9, description="params (B)")
     count = w.SelectionSlider(options=[2**i for i in range(0, 14)], value=gpus, description="GPUs")
     kind = w.Dropdown(options=list(GPUS), value=gpu, description="GPU")
     stage = w.Dropdown(options=[(label, s) for s, label in STRATEGIES.items()], value=zero_stage,
                        description="strategy")
-    activations = w.FloatSlider(value=0.0, min=0.0, max=40.0, step=0.5, description="act. GB/GPU")
+    activations = w.FloatSlider(value=0.0, min=0.0, max=40.0, step=0.5, description="act. GiB/GPU")
     utilisation = w.FloatSlider(value=0.4, min=0.05, max=0.8, step=0.05, description="MFU")
     out = w.HTML()
 

@@ -10,7 +10,13 @@ import pytest
 from distlab import memory, metrics, widgets
 
 GB = widgets.GB
+GIB = widgets.GIB
 A100 = widgets.GPUS["A100-40GB"]
+
+
+def test_an_a100_40gb_has_40_gib():
+    """chapters/00_conventions.md: memory in GiB; the A100 "40GB" reports 40,960 MiB."""
+    assert A100 == 40 * 2**30 == 40_960 * 2**20 and GIB == 2**30 and GB == 10**9
 
 
 @pytest.mark.parametrize("stage, expected", [(0, (16, 0)), (1, (4, 12)), (2, (2, 14)), (3, (0, 16))])
@@ -23,13 +29,14 @@ def test_bytes_per_param_split_into_replicated_and_sharded(stage, expected):
 
 
 def test_chapter_02_memory_wall_table():
-    """16 B/param: 1B needs 16 GB (fits a 40 GB A100), 7B 112 GB, 13B 208 GB, 70B 1120 GB (none fit)."""
+    """16 B/param: 1B needs 14.9 GiB (fits a 40 GiB A100), 7B 104.3 GiB, 13B 193.7, 70B 1,043.1 (none fit)."""
     rows = {r["model"]: r for r in widgets.fit_table("A100-40GB", gpus=1, zero_stage=0)}
-    assert {m: r["state_gb_per_gpu"] for m, r in rows.items()} == pytest.approx(
-        {"1B": 16, "7B": 112, "13B": 208, "70B": 1120})
+    assert {m: round(r["state_gib_per_gpu"], 1) for m, r in rows.items()} == {
+        "1B": 14.9, "7B": 104.3, "13B": 193.7, "70B": 1043.1}
     assert {m: r["fits"] for m, r in rows.items()} == {"1B": True, "7B": False, "13B": False, "70B": False}
-    # fully sharded over enough A100-40GB: ceil(16 N / 40 GB)
-    assert {m: r["min_gpus_fully_sharded"] for m, r in rows.items()} == {"1B": 1, "7B": 3, "13B": 6, "70B": 28}
+    # fully sharded over enough A100-40GB: ceil(16 N / 40 GiB); counting 40 GB instead gives 6 and 28
+    assert {m: r["min_gpus_fully_sharded"] for m, r in rows.items()} == {"1B": 1, "7B": 3, "13B": 5, "70B": 27}
+    assert [math.ceil(16 * n / 40e9) for n in (13e9, 70e9)] == [6, 28]  # the GB mistake is visible
 
 
 def test_chapter_02_compute_wall_table():
@@ -59,14 +66,15 @@ def test_fit_and_min_gpus_agree():
 def test_replicated_state_never_fits_by_adding_gpus():
     assert widgets.min_gpus_to_fit(7e9, A100, zero_stage=0) is None
     assert widgets.min_gpus_to_fit(2e9, A100, zero_stage=0) == 1
-    # ZeRO-1 keeps 4 B/param replicated: 70B needs 280 GB on every GPU, so never fits a 40 GB card
+    # ZeRO-1 keeps 4 B/param replicated: 70B needs 280 GB on every GPU, so never fits a 40 GiB card
     assert widgets.min_gpus_to_fit(70e9, A100, zero_stage=1) is None
 
 
 def test_largest_model_that_fits():
-    # the chapter's exercise: one node of 4 A100-40GB, a quarter of each GPU kept for activations
-    assert widgets.largest_model_that_fits(4, A100, 0, activation_bytes=10 * GB) == pytest.approx(1.875e9)
-    assert widgets.largest_model_that_fits(4, A100, 3, activation_bytes=10 * GB) == pytest.approx(7.5e9)
+    # the chapter's exercise: one node of 4 A100-40GB, 10 GiB of each GPU kept for activations
+    assert widgets.largest_model_that_fits(4, A100, 0, activation_bytes=10 * GIB) == pytest.approx(30 * 2**30 / 16)
+    assert widgets.largest_model_that_fits(4, A100, 3, activation_bytes=10 * GIB) == pytest.approx(4 * 30 * 2**30 / 16)
+    assert round(widgets.largest_model_that_fits(4, A100, 3, activation_bytes=10 * GIB) / 1e9, 2) == 8.05
     for stage in (0, 1, 2, 3):
         largest = widgets.largest_model_that_fits(8, A100, stage, 2 * GB)
         assert widgets.fit(largest * 0.999, 8, A100, stage, 2 * GB).fits
@@ -74,8 +82,9 @@ def test_largest_model_that_fits():
 
 
 def test_explorer_html_states_the_verdict():
-    html = widgets.explorer_html(7e9, 4, "A100-40GB", 3, activation_gb=5)
-    assert "fits" in html and "NOT" not in html and "28.0 GB" in html  # 16 x 7e9 / 4 = 28 GB per GPU
+    html = widgets.explorer_html(7e9, 4, "A100-40GB", 3, activation_gib=5)
+    assert "fits" in html and "NOT" not in html and "26.1 GiB" in html  # 16 x 7e9 / 4 bytes = 26.1 GiB per GPU
+    assert "of 40 GiB" in html
     html = widgets.explorer_html(7e9, 4, "A100-40GB", 0)
     assert "does NOT fit" in html and "no number of GPUs" in html
     assert "days" in html
@@ -84,21 +93,24 @@ def test_explorer_html_states_the_verdict():
 def test_explorer_widget_updates_from_its_controls():
     box = widgets.does_it_fit_explorer(num_params=7e9, gpus=4, zero_stage=0)
     assert "does NOT fit" in box.output.value
+    # it starts exactly at the chapter's 7 B model (a log slider showed 7.08e9)
+    assert box.controls["params"].value * 1e9 == 7e9 and "<b>7 B parameters on 4 x A100-40GB" in box.output.value
+    assert "104.3 GiB" in box.output.value
     box.controls["strategy"].value = 3  # observed: the answer refreshes without a browser
     assert "fits" in box.output.value and "NOT" not in box.output.value
-    box.controls["params"].value = 300.0
+    box.controls["params"].value = 405
     assert "does NOT fit" in box.output.value
 
 
 def test_gpus_must_be_positive():
     with pytest.raises(ValueError):
         widgets.fit(1e9, 0)
-    assert math.isclose(widgets.fit(1e9, 1).fraction_used, 16e9 / A100)
+    assert math.isclose(widgets.fit(1e9, 1).fraction_used, 16e9 / (40 * 2**30))
 
 
 def test_chapter_02_sharding_a_7b_model_over_four_gpus():
-    per_gpu = [round(widgets.state_bytes_per_gpu(7e9, 4, stage) / GB, 1) for stage in (0, 1, 2, 3)]
-    assert per_gpu == [112.0, 49.0, 38.5, 28.0]
+    per_gpu = [round(widgets.state_bytes_per_gpu(7e9, 4, stage) / GIB, 1) for stage in (0, 1, 2, 3)]
+    assert per_gpu == [104.3, 45.6, 35.9, 26.1]
     assert [widgets.fit(7e9, 4, A100, s).fits for s in (0, 1, 2, 3)] == [False, False, True, True]
     days = {gpus: widgets.training_days(7e9, 140e9, gpus=gpus) for gpus in (1, 4, 512)}
     assert [round(days[1]), round(days[4]), round(days[512], 1)] == [545, 136, 1.1]
@@ -114,4 +126,5 @@ def test_chapter_02_compute_table_on_a_node_and_on_512_gpus():
     flops = [f"{6 * r['params'] * r['tokens']:.1e}" for r in table.values()]
     assert flops == ["1.2e+20", "5.9e+21", "2.0e+22", "5.9e+23"]
     assert memory.training_state_bytes(7e9, "mixed").params == 14e9  # a 7B model's bf16 weights: 14 GB
+    assert round(memory.training_state_bytes(7e9, "mixed").params / GIB, 1) == 13.0  # = 13.0 GiB
     assert round(metrics.peak_flops("H100", "bf16") / metrics.peak_flops("A100", "bf16"), 1) == 3.2  # H100 vs A100
