@@ -1,0 +1,161 @@
+"""Pipelines combined with data and tensor parallelism (chapter 09): what must divide what, and the bytes.
+
+Pure functions, no process group, each equal to a measurement in ``scripts/09_hybrid_parallel``:
+
+* :func:`pipeline_split_problems`: every reason a (pp, dp) split of layers and batch cannot run;
+* :func:`stage_param_count`: parameters of one pipeline stage of the shared transformer, whole or as one TP
+  rank holds them (matrices / tp, norm weights replicated);
+* :func:`dp_gradient_sync_bytes`: what the data-parallel dimension sends per step, when gradients are
+  synchronised once per step (what torch's schedules do) or after every microbatch (the naive way);
+* :func:`pp_send_bytes`: activations and their gradients one rank sends to its pipeline neighbours per step;
+* :func:`tp_stage_comm_bytes`: the TP collectives of one stage per step;
+* :func:`comm_dimension`: which mesh dimension a measured collective belongs to;
+* :func:`merge_config_file`: ``--config FILE.json`` under the command line (flags override the file).
+
+The grid itself (coordinates, groups, mesh-shape validation) is :mod:`distlab.hybrid`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def pipeline_split_problems(*, layers: int, pp: int, stages_per_rank: int, batch: int, dp: int,
+                            microbatches: int) -> list[str]:
+    """Every reason the layers do not cut into pp x V equal stages, or the batch into dp x M equal microbatches."""
+    problems = []
+    stages = pp * stages_per_rank
+    if stages >= 1 and layers % stages:
+        problems.append(f"{layers} layers do not split into pp x stages-per-rank = {pp} x {stages_per_rank} = "
+                        f"{stages} equal stages (--layers)")
+    if dp >= 1 and microbatches >= 1 and (batch % (dp * microbatches) or batch < dp * microbatches):
+        problems.append(f"--batch {batch} does not split over dp x microbatches = {dp} x {microbatches} = "
+                        f"{dp * microbatches} equal microbatches")
+    return problems
+
+
+def stage_param_count(cfg, stage: int, num_stages: int, tp: int = 1) -> dict:
+    """Parameters of stage ``stage`` (of ``num_stages`` equal ones) of :class:`distlab.models.Transformer`.
+
+    Returns ``{"matrices", "norms", "total"}`` as one TP rank of ``tp`` holds them: every matrix (embedding,
+    attention, feed-forward, output projection) split ``tp`` ways, the RMSNorm weights replicated.
+    The first stage holds the embedding, the last the final norm and the output projection.
+    """
+    layers = cfg.n_layers // num_stages
+    matrices = layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden)
+    norms = layers * 2 * cfg.dim
+    if stage == 0:
+        matrices += cfg.vocab_size * cfg.dim
+    if stage == num_stages - 1:
+        matrices += cfg.vocab_size * cfg.dim
+        norms += cfg.dim
+    return {"matrices": matrices // tp, "norms": norms, "total": matrices // tp + norms}
+
+
+def dp_gradient_sync_bytes(stage_params: int, microbatches: int, dp_mode: str, every_microbatch: bool,
+                           bytes_per_element: int = 4) -> dict[str, int]:
+    """Payload bytes per step of the data-parallel collectives of a stage of ``stage_params`` parameters.
+
+    * DDP: all-reduce the gradients; once per step, or once per microbatch when every backward syncs.
+    * FSDP2 with the stage's parameters kept gathered for the whole step (``reshard_after_forward=False``, as
+      torchtitan does under PP: resharding would all-gather again for every microbatch): one all-gather of the
+      parameters per step, and a reduce-scatter of the gradients once per step or once per microbatch.
+
+    The gradient bytes are the point: a ZeRO-2/FSDP stage that reduce-scatters after every microbatch sends
+    M times what it needs to.
+    """
+    grads = stage_params * bytes_per_element * (microbatches if every_microbatch else 1)
+    if dp_mode == "ddp":
+        return {"all_reduce": grads}
+    if dp_mode == "fsdp":
+        return {"all_gather": stage_params * bytes_per_element, "reduce_scatter": grads}
+    raise ValueError(f"dp_mode must be 'ddp' or 'fsdp', not {dp_mode!r}")
+
+
+def pp_send_bytes(stages_of_rank: list[int], num_stages: int, microbatches: int, microbatch_rows: int,
+                  seq_len: int, dim: int, bytes_per_element: int = 4) -> int:
+    """Bytes one rank sends to its pipeline neighbours in a step: for each of its stages, the activations of
+    every microbatch forward (unless it is the last stage) and their gradients backward (unless it is the
+    first: nothing needs the gradient of token ids). One activation is microbatch x sequence x hidden."""
+    activation = microbatch_rows * seq_len * dim * bytes_per_element
+    sends = sum((stage != num_stages - 1) + (stage != 0) for stage in stages_of_rank)
+    return sends * microbatches * activation
+
+
+def tp_stage_comm_bytes(cfg, layers: int, first: bool, last: bool, microbatches: int, microbatch_rows: int,
+                        seq_len: int, bytes_per_element: int = 4) -> dict[str, int]:
+    """Payload bytes per step of the TP collectives of one pipeline stage (the plan of
+    :func:`distlab.tensor_parallel.transformer_tp_plan`, with the head's logits gathered: see hybrid_3d.py).
+
+    Per microbatch, each block all-reduces microbatch x sequence x hidden twice forward (after wo, after w2) and
+    twice backward (the input gradients of the attention and feed-forward regions); the vocabulary-split
+    embedding adds one forward all-reduce; the head all-gathers the logits (x vocabulary) forward and
+    all-reduces its input gradient backward.
+    """
+    activation = microbatch_rows * seq_len * cfg.dim * bytes_per_element
+    all_reduce = 4 * layers * activation + (activation if first else 0) + (activation if last else 0)
+    all_gather = microbatch_rows * seq_len * cfg.vocab_size * bytes_per_element if last else 0
+    return {"all_reduce": microbatches * all_reduce, "all_gather": microbatches * all_gather}
+
+
+def comm_dimension(call) -> str:
+    """The mesh dimension a :class:`distlab.comm.CollectiveCall` belongs to, in a (pp, dp, tp) run:
+
+    * point-to-point sends are the pipeline's (``pp``);
+    * DTensor's functional collectives are tensor parallelism's (``tp``): the plan issues them;
+    * the other collectives are FSDP2's all-gathers and reduce-scatters over ``dp`` (FSDP2 calls
+      torch.distributed directly, even on a 2-D mesh where each of its parameters is a TP shard).
+    """
+    if call.collective == "send":
+        return "pp"
+    return "tp" if call.source == "functional" else "dp"
+
+
+def bytes_by_dimension(calls) -> dict[str, dict[str, int]]:
+    """``{dimension: {collective: payload bytes}}`` of measured calls (see :func:`comm_dimension`)."""
+    summary: dict[str, dict[str, int]] = {}
+    for call in calls:
+        per_dim = summary.setdefault(comm_dimension(call), {})
+        per_dim[call.collective] = per_dim.get(call.collective, 0) + call.payload_bytes
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# --config FILE.json under the command line
+# --------------------------------------------------------------------------------------------------
+
+
+def merge_config_file(parser: argparse.ArgumentParser, argv: list[str] | None = None,
+                      script: str | None = None) -> tuple[argparse.Namespace, str | None]:
+    """Parse ``argv`` with the settings of ``--config FILE.json`` as defaults: flags given override the file.
+
+    The file is one JSON object of flag names (``"dp_mode"`` or ``"dp-mode"``) to values, plus optional
+    ``"script"`` (the script it is meant for: refused by another) and ``"description"``. Returns the
+    arguments and a problem (one sentence) or None; the caller reports the problem as a config error on every
+    rank, so a bad file stops the job like any bad flag.
+    """
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if not path:
+        return args, None
+    try:
+        settings = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return args, f"--config {path}: no such file"
+    except json.JSONDecodeError as error:
+        return args, f"--config {path} is not valid JSON ({error.msg}, line {error.lineno})"
+    if not isinstance(settings, dict):
+        return args, f"--config {path} must hold one JSON object of flag names and values"
+    meant_for = settings.pop("script", None)
+    settings.pop("description", None)
+    if script and meant_for and Path(meant_for).name != Path(script).name:
+        return args, f"--config {path} is for {meant_for}, not {Path(script).name}"
+    known = {action.dest for action in parser._actions} - {"help", "config"}
+    settings = {key.replace("-", "_"): value for key, value in settings.items()}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        return args, f"--config {path}: unknown setting(s) {', '.join(unknown)}"
+    parser.set_defaults(**settings)
+    return parser.parse_args(argv), None

@@ -1,0 +1,213 @@
+"""What the chapter's two pipeline hybrids share (``pp_dp_hybrid.py``, ``hybrid_3d.py``): their flags and the
+checks of their configuration, the single-device reference, a pipeline stage that can also synchronise its
+gradients after every microbatch, and how results spread over a mesh come back to rank 0.
+
+Chapter 07's pipeline pieces (torch's schedules by name, the stage cut out of the transformer, the stopwatch
+on every pass) are imported from ``scripts/07_pipeline_parallel/common_pipeline.py``, not copied.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "07_pipeline_parallel"))
+
+from common_pipeline import (CHOICES, add_training_flags, check_pipeline_config,  # noqa: E402
+                             resolve_training_flags, schedule_help)
+from distlab import data, hybrid, hybrid_pipeline, models, runtime, tensor_parallel  # noqa: E402
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+# Against the single-device run, fp32 (chapter 07's pp_train.py gives the long story): microbatches add their
+# gradients in another order than one big batch, DP averages in yet another, TP sums partial products: losses
+# and gradients agree to ~1e-7. AdamW divides by sqrt(v) + eps, so a weight whose gradient is itself rounding
+# noise moves by a fraction of lr on a rounding difference: parameters are compared at lr / 10. A real mistake
+# (a missing 1/M or 1/dp, a gradient reduced twice or not at all, a wrong slice) is off by 1e-3 or more, and the
+# step-0 gradients catch a scale error that AdamW would hide.
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+
+def param_tolerance(lr: float) -> float:
+    return lr / 10
+
+
+# ---- flags and configuration ------------------------------------------------------------------------------
+
+def add_hybrid_flags(parser, *, pp: int, tp: bool) -> None:
+    """The mesh, pipeline and training flags both scripts take (``--tp`` only where TP exists)."""
+    parser.add_argument("--config", metavar="FILE.json", default=None,
+                        help=f"load the run's settings from a JSON file (flags given override it); reference "
+                             f"layouts in {CONFIG_DIR.relative_to(CONFIG_DIR.parents[2])}/")
+    parser.add_argument("--pp", type=int, default=pp, help=f"pipeline-parallel degree: stages' ranks (default {pp})")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the ranks left over)")
+    if tp:
+        parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, inside a node (default 2)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="ranks per node, for the TP-across-nodes warning (default: the launcher's)")
+    parser.add_argument("--schedule", default="1F1B", help=f"torch's schedule: {schedule_help()}")
+    parser.add_argument("--microbatches", type=int, default=4, help="M, microbatches per step and replica")
+    parser.add_argument("--stages-per-rank", type=int, default=None,
+                        help="V, stages per rank (interleaved schedules; default: the schedule's own)")
+    add_training_flags(parser)  # --batch --layers --lr --reference
+    parser.set_defaults(layers=4)  # tiny: 4 blocks fill pp = 2 with V = 2
+
+
+def parse_with_config(parser, script: str):
+    """Arguments with ``--config`` applied; a problem with the file is kept for ``check_hybrid_config``."""
+    args, problem = hybrid_pipeline.merge_config_file(parser, sys.argv[1:], script)
+    args.config_problem = problem
+    if not hasattr(args, "tp"):
+        args.tp = 1
+    cfg = resolve_training_flags(args)   # layers and reference, from the preset where not given
+    return args, cfg
+
+
+def check_hybrid_config(args, cfg, world_size: int) -> None:
+    """Every rank, before the process group forms: a bad run stops with one line and exit 2."""
+    runtime.require(args.config_problem is None, args.config_problem or "")
+    tp = args.tp
+    if args.dp is None:
+        args.dp = max(1, world_size // max(1, args.pp * tp))
+    problems = hybrid.mesh_shape_problems(world_size, args.pp, args.dp, tp)
+    runtime.require(not problems, "; ".join(problems))
+    runtime.require(getattr(args, "dp_mode", "fsdp") in ("ddp", "fsdp"),
+                    f"--dp-mode {getattr(args, 'dp_mode', None)!r}: choose ddp or fsdp")
+    args.chunks = check_pipeline_config(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
+    runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1 is the one measured)")
+    problems = hybrid_pipeline.pipeline_split_problems(layers=args.layers, pp=args.pp, stages_per_rank=args.chunks,
+                                                       batch=args.batch, dp=args.dp, microbatches=args.microbatches)
+    problems += tensor_parallel.tp_config_problems(cfg, tp) if tp > 1 else []
+    runtime.require(not problems, "; ".join(problems))
+
+
+def warn_if_tp_crosses_nodes(rt, args) -> list[str]:
+    """TP larger than a node runs, slowly: say so (rank 0), and return the warnings for the metrics."""
+    warnings = hybrid.mesh_shape_warnings(args.tp, args.gpus_per_node or rt.local_world_size)
+    for line in warnings:
+        rt.print(line)
+    return warnings
+
+
+def resolved_config(args, cfg, world_size: int) -> dict:
+    """What the run actually used: every flag after --config and defaults, the mesh and the model."""
+    config = {key: value for key, value in vars(args).items() if key != "config_problem"}
+    return {**config, "mesh": {"pp": args.pp, "dp": args.dp, "tp": args.tp}, "world_size": world_size,
+            "model": cfg.to_dict()}
+
+
+# ---- the single-device reference ---------------------------------------------------------------------------
+
+def single_device_run(cfg, args, device) -> dict:
+    """The whole model on one device, trained on each step's whole global batch: losses, step-0 gradients and
+    final parameters by name. Built from the seed alone, as the parallel model is: an independent answer."""
+    model = models.build_transformer(cfg, seed=args.seed, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, first_grads = [], {}
+    for step in range(args.steps):
+        tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(device)
+        inputs, targets = data.split_inputs_targets(tokens)
+        loss = models.lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {name: p.detach().cpu() for name, p in model.named_parameters()}
+    return {"losses": losses, "first_grads": first_grads, "params": params}
+
+
+def replica_batch(step: int, args, cfg, dp_rank: int, device):
+    """This data-parallel replica's rows of the step's global batch (inputs, targets), on the device."""
+    tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+    return data.split_inputs_targets(data.shard_rows(tokens, dp_rank, args.dp).to(device))
+
+
+# ---- a stage that can synchronise its gradients after every microbatch -------------------------------------
+
+def pipeline_stage_class():
+    """``PipelineStage`` with a switch, ``sync_every_microbatch``, for measuring what torch saves.
+
+    torch's schedules already synchronise the data-parallel gradients once per step: a DDP stage runs every
+    backward but the last under ``no_sync()``; an FSDP stage runs them all with
+    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` and reduce-scatters in the
+    schedule's REDUCE_GRAD action, after the last microbatch (``stage.py``: ``backward_maybe_with_nosync``,
+    ``perform_reduce_grad``). With the switch on, every microbatch's backward synchronises instead: the naive
+    PP + DP, whose extra bytes the scripts measure.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel.distributed import _find_tensors
+
+    class SwitchableSyncStage(PipelineStage):
+        sync_every_microbatch = False
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if not self.sync_every_microbatch:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            assert backward_type == "full", "per-microbatch sync is shown with full backwards only"
+            if isinstance(self.submod, DistributedDataParallel):
+                # what DDP's forward does outside no_sync(): arm the reducer, so this backward all-reduces
+                self.submod.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
+            elif isinstance(self.submod, FSDPModule):
+                self.submod.set_requires_gradient_sync(True)      # reduce-scatter after this backward
+                self.submod.set_reshard_after_backward(False)     # keep the parameters: only the sync differs
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                   bwd_kwargs["input_values"])
+            return grads, None
+
+    return SwitchableSyncStage
+
+
+def supports_sync_every_microbatch(schedule: str) -> bool:
+    """Schedules that run whole backwards (no zero-bubble split): the ones the per-microbatch variant covers."""
+    return schedule in ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+# ---- results spread over the mesh, brought to every rank ---------------------------------------------------
+
+def gather_named(tensors: dict) -> dict:
+    """Union of every rank's ``{name: tensor}`` (ranks that hold nothing to report pass {}), on every rank."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tensors)
+    merged = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def full_named(module, *, grads: bool = False) -> dict:
+    """A stage's parameters (or gradients) by the full model's names, whole: DTensors (FSDP, TP) gathered over
+    their mesh (a collective for every rank of the stage), DDP's ``module.`` prefix removed, on the CPU."""
+    result = {}
+    for name, param in module.named_parameters():
+        value = param.grad if grads else param.detach()
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        result[name.removeprefix("module.")] = value.detach().cpu()
+    return result
+
+
+def replica_losses(step_losses: list | None, last_stage_here: bool, report_here: bool) -> list[float]:
+    """The global loss of every step: the mean over dp replicas of each replica's mean microbatch loss.
+
+    Losses come back only on the last stage's ranks (one per dp replica and, with TP, per TP rank: identical);
+    ``report_here`` picks one rank per replica."""
+    mine = step_losses if (last_stage_here and report_here) else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    replicas = [losses for losses in everyone if losses is not None]
+    return [sum(values) / len(values) for values in zip(*replicas)]
+
+
+__all__ = ["CHOICES", "CONFIG_DIR", "GRAD_TOLERANCE", "LOSS_TOLERANCE", "add_hybrid_flags", "check_hybrid_config",
+           "full_named", "gather_named", "param_tolerance", "parse_with_config", "pipeline_stage_class",
+           "replica_batch", "replica_losses", "resolved_config", "single_device_run",
+           "supports_sync_every_microbatch", "warn_if_tp_crosses_nodes"]
