@@ -18,6 +18,12 @@ What this module decides, once, for every script:
 * **Bad configuration** is a ``ConfigError``: every rank prints one line and exits with code 2 within
   seconds, before any collective could hang.
 * **Every process group has a timeout** (``--pg-timeout``, default 300 s; ``DISTLAB_PG_TIMEOUT`` overrides).
+* **Which GPU is mine?** The local rank picks it. A launcher that sets no local rank of its own (a Cray PALS
+  job without ``PALS_LOCAL_RANKID``) falls back to the other launchers' variables; none at all on a node with
+  several ranks is a configuration error, not every rank on GPU 0.
+* **Where am I?** ``--verbose`` (or ``DISTLAB_VERBOSE=1``) makes every rank print its host, rank, local rank,
+  ``CUDA_VISIBLE_DEVICES`` and the GPU it uses. ``python -m distlab.runtime`` does only that, for every rank
+  of a job, and checks that no two ranks of a node share a GPU (the PBS preflight job runs it).
 """
 
 from __future__ import annotations
@@ -99,6 +105,24 @@ def _port_from_job_id(job_id: str) -> int:
     return 20000 + digest % 20000
 
 
+# Every launcher's name for "my rank on this node" and "ranks on this node". A launcher's own variable is read
+# first; the others are the fallback (a Cray PALS job without PALS_LOCAL_RANKID still has MPICH's
+# MPI_LOCALRANKID, and so on), so a missing variable never silently puts every rank on GPU 0.
+LOCAL_RANK_VARIABLES = ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "SLURM_LOCALID", "LOCAL_RANK")
+LOCAL_SIZE_VARIABLES = ("PALS_LOCAL_SIZE", "PALS_PPN", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _first_set(env: dict, own: tuple[str, ...], everyone: tuple[str, ...]) -> tuple[int | None, str | None]:
+    """The first of ``own``, then of ``everyone``, that is set: (value, variable name), or (None, None)."""
+    for name in own + tuple(n for n in everyone if n not in own):
+        value = _int(env, name)
+        if value is not None:
+            return value, name
+    return None, None
+
+
 def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
     """Work out rank, world size, local rank and the rendezvous address from ``env`` (default os.environ).
 
@@ -112,40 +136,54 @@ def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
     if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
         launcher = "torchrun"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK") or 0
-        local_world = _int(env, "LOCAL_WORLD_SIZE") or world
+        own_local, own_size = ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)
     elif env.get("PALS_RANKID") is not None:
         launcher = "pals"
         rank = _int(env, "PALS_RANKID")
         world = _int(env, "PMI_SIZE", "PALS_SIZE")
-        local_rank = _int(env, "PALS_LOCAL_RANKID") or 0
-        local_world = _int(env, "PALS_LOCAL_SIZE", "PALS_PPN")
+        own_local, own_size = ("PALS_LOCAL_RANKID",), ("PALS_LOCAL_SIZE", "PALS_PPN")
     elif env.get("OMPI_COMM_WORLD_RANK") is not None:
         launcher = "openmpi"
         rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0
-        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        own_local, own_size = ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)
     elif env.get("PMI_RANK") is not None:
         launcher = "mpich"
         rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-        local_rank = _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0
-        local_world = _int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+        own_local, own_size = ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
     elif env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
         launcher = "slurm"
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-        local_rank = _int(env, "SLURM_LOCALID") or 0
-        tasks_per_node = env.get("SLURM_TASKS_PER_NODE", "")  # e.g. "4(x2)" or "4,3"
-        local_world = int(tasks_per_node.split("(")[0].split(",")[0]) if tasks_per_node else None
+        own_local, own_size = ("SLURM_LOCALID",), ()
     else:
         launcher = "single"
-        rank, world, local_rank, local_world = 0, 1, 0, 1
+        rank, world = 0, 1
+        own_local, own_size = (), ()
 
     if world is None or rank is None:
         raise ConfigError(f"launcher {launcher!r} set a rank but no world size; check the launch command")
-    if local_world is None:
-        local_world = world
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside a world of size {world}")
+    if launcher == "single":
+        local_rank, local_world = 0, 1
+    else:
+        local_world, _ = _first_set(env, own_size, LOCAL_SIZE_VARIABLES)
+        if local_world is None and launcher == "slurm" and env.get("SLURM_TASKS_PER_NODE"):
+            local_world = int(env["SLURM_TASKS_PER_NODE"].split("(")[0].split(",")[0])  # e.g. "4(x2)" or "4,3"
+        if local_world is None:
+            local_world = world
+        local_rank, found = _first_set(env, own_local, LOCAL_RANK_VARIABLES)
+        if local_rank is None:
+            if local_world > 1:
+                names = own_local + tuple(n for n in LOCAL_RANK_VARIABLES if n not in own_local)
+                raise ConfigError(
+                    f"{launcher} launched {local_world} ranks on this node but set no local rank (none of "
+                    f"{', '.join(names)}): every rank would pick GPU 0. Launch as pbs/common.sh does "
+                    "(mpiexec or torchrun), or export LOCAL_RANK for each rank")
+            local_rank = 0
+        elif own_local and found not in own_local:
+            notes.append(f"local rank from {found} ({' / '.join(own_local)} not set)")
+    if not 0 <= local_rank < local_world:
+        raise ConfigError(f"local rank {local_rank} is outside {local_world} rank(s) on this node")
 
     # Where is rank 0?
     master_addr = env.get("MASTER_ADDR")
@@ -195,6 +233,9 @@ def parser(description: str | None, *, presets: tuple[str, ...] | None = None, s
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="write the metrics JSON here (rank 0)")
     p.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
                    help=f"process-group timeout (default {DEFAULT_PG_TIMEOUT_S}, or $DISTLAB_PG_TIMEOUT)")
+    p.add_argument("--verbose", action="store_true",
+                   help="every rank prints where it runs: host, rank, local rank, CUDA_VISIBLE_DEVICES, its GPU "
+                        "(also $DISTLAB_VERBOSE=1)")
     return p
 
 
@@ -212,6 +253,47 @@ def pick_device(requested: str, local_rank: int, cuda_available: bool, cuda_coun
     if requested == "cpu" or (requested == "auto" and not cuda_available):
         return "cpu", "gloo"
     return f"cuda:{local_rank % max(cuda_count, 1)}", "cuda:nccl,cpu:gloo"
+
+
+def placement(rank: int, local_rank: int, device, env: dict | None = None, host: str | None = None) -> dict:
+    """Where this rank runs: host, rank, local rank, CUDA_VISIBLE_DEVICES and the GPU it uses ("cpu" if none).
+
+    The GPU is named by what CUDA reports for it: model, index among the visible devices, PCI bus id (the
+    one identity that two ranks of a node can compare, whatever CUDA_VISIBLE_DEVICES renumbered).
+    """
+    env = os.environ if env is None else env
+    # MPICH's Hydra names the node from its host file (what tells two fake nodes on one machine apart)
+    host = host or env.get("PMI_HOSTNAME") or socket.gethostname()
+    where = {"host": host, "rank": rank, "local_rank": local_rank,
+             "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES", "(unset)"), "device": str(device),
+             "gpu": "cpu", "gpu_index": None, "bus_id": None}
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        bus = None
+        if getattr(props, "pci_bus_id", None) is not None:
+            bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        where.update(gpu=props.name, gpu_index=device.index, bus_id=bus)
+    return where
+
+
+def format_placement(where: dict) -> str:
+    """One line per rank, the same on every launcher: what ``--verbose`` and the preflight job print."""
+    gpu = "cpu" if where["gpu"] == "cpu" else (
+        f"GPU {where['gpu_index']} ({where['gpu']}" + (f", bus {where['bus_id']})" if where["bus_id"] else ")"))
+    return (f"host {where['host']}  rank {where['rank']}  local rank {where['local_rank']}  "
+            f"CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']}  uses {gpu}")
+
+
+def shared_gpus(placements: list[dict]) -> list[str]:
+    """GPUs that more than one rank of a node uses (NCCL refuses them: "Duplicate GPU detected")."""
+    users: dict[tuple, list[int]] = {}
+    for where in placements:
+        if where["gpu"] != "cpu":
+            users.setdefault((where["host"], where["bus_id"] or where["gpu_index"]), []).append(where["rank"])
+    return [f"ranks {', '.join(map(str, sorted(ranks)))} share GPU {gpu} on {host}"
+            for (host, gpu), ranks in sorted(users.items(), key=str) if len(ranks) > 1]
 
 
 def seed_everything(seed: int) -> None:
@@ -343,6 +425,12 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         seed_everything(seed)
         rt = Runtime(where.rank, where.world_size, where.local_rank, where.local_world_size, torch_device,
                      backend, where.launcher, timeout)
+        if getattr(args, "verbose", False) or os.environ.get("DISTLAB_VERBOSE") == "1":
+            notes = f"  [{where.launcher}; {'; '.join(where.notes)}]" if where.notes else f"  [{where.launcher}]"
+            # one write per rank, so the lines of several ranks do not interleave
+            sys.stdout.write(f"[rank {rt.rank}] {format_placement(placement(rt.rank, rt.local_rank, torch_device))}"
+                             f"{notes}\n")
+            sys.stdout.flush()
     except ConfigError as error:
         _config_error_exit(str(error), rank)
         raise  # unreachable; keeps type checkers calm
@@ -404,3 +492,57 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# python -m distlab.runtime: where every rank of a job runs (the PBS preflight job's first launch)
+# --------------------------------------------------------------------------------------------------
+
+
+def local_ranks_problems(placements: list[dict]) -> list[str]:
+    """Hosts whose ranks do not have the local ranks 0..n-1 (a launcher variable read wrong, or missing)."""
+    by_host: dict[str, list[int]] = {}
+    for where in placements:
+        by_host.setdefault(where["host"], []).append(where["local_rank"])
+    return [f"{host}: local ranks {sorted(found)}, expected {list(range(len(found)))}"
+            for host, found in sorted(by_host.items()) if sorted(found) != list(range(len(found)))]
+
+
+def rank_map(argv: list[str] | None = None) -> int:
+    """Every rank reports where it runs; rank 0 prints the map and checks it.
+
+    Run it under the job's own launcher, as the PBS preflight job does, so that "no GPU visible to the
+    ranks", "two ranks on one GPU" or "every rank thinks it is local rank 0" show up before a chapter runs:
+
+        mpiexec -n 8 --ppn 4 python -m distlab.runtime --device cuda --metrics-out rank_map.json
+    """
+    import torch.distributed as dist
+
+    from distlab import metrics
+
+    args = parser(rank_map.__doc__, steps=None).parse_args(argv)
+    with start(args) as rt:
+        report = metrics.Report(__file__, rt, config=vars(args))
+        mine = dict(placement(rt.rank, rt.local_rank, rt.device), launcher=rt.launcher)
+        everyone = [None] * rt.world_size
+        dist.all_gather_object(everyone, mine)
+        everyone.sort(key=lambda where: where["rank"])
+        rt.print(f"rank map: {rt.world_size} rank(s), launcher {rt.launcher}, device {rt.device_type}")
+        for where in everyone:
+            rt.print("  " + format_placement(where))
+        report.check_equal("every rank reported", [w["rank"] for w in everyone], list(range(rt.world_size)))
+        problems = local_ranks_problems(everyone)
+        report.check("local ranks of each host are 0..n-1", not problems, "; ".join(problems) or "yes")
+        shared = shared_gpus(everyone)
+        report.check("no two ranks of a node share a GPU", not shared, "; ".join(shared) or "none shared")
+        report.extra["ranks"] = everyone
+        code = report.finish(args.metrics_out)
+    return code
+
+
+if __name__ == "__main__":
+    # run through the imported module, so that there is one distlab.runtime (not a second __main__ copy)
+    from distlab import runtime as _runtime
+
+    sys.exit(_runtime.rank_map())
+

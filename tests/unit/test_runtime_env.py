@@ -2,7 +2,8 @@
 
 import pytest
 
-from distlab.runtime import ConfigError, expand_hostlist, launcher_env, pick_device
+from distlab.runtime import (ConfigError, expand_hostlist, format_placement, launcher_env, local_ranks_problems,
+                             pick_device, placement, shared_gpus)
 
 
 def test_alone_is_a_world_of_one():
@@ -25,7 +26,7 @@ def test_cray_pals_multi_node_reads_pbs_nodefile():
                         "PBS_JOBID": "123.desched1"}, read_file=lambda path: nodefile)
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("pals", 6, 8, 2, 4)
     assert env.master_addr == "dec0007.hsn.de.hpc.ucar.edu"
-    again = launcher_env({"PALS_RANKID": "0", "PMI_SIZE": "8", "PALS_LOCAL_SIZE": "4",
+    again = launcher_env({"PALS_RANKID": "0", "PALS_LOCAL_RANKID": "0", "PMI_SIZE": "8", "PALS_LOCAL_SIZE": "4",
                           "PBS_NODEFILE": "x", "PBS_JOBID": "123.desched1"}, read_file=lambda path: nodefile)
     assert again.master_port == env.master_port, "every rank of one job must derive the same port"
     assert 20000 <= env.master_port < 40000
@@ -54,7 +55,7 @@ def test_slurm_finds_master_in_nodelist():
 
 def test_multi_node_without_master_is_a_config_error():
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
-        launcher_env({"PMI_RANK": "0", "PMI_SIZE": "8", "MPI_LOCALNRANKS": "4"})
+        launcher_env({"PMI_RANK": "0", "PMI_SIZE": "8", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "4"})
 
 
 def test_rank_outside_world_is_a_config_error():
@@ -82,3 +83,85 @@ def test_pick_device():
     assert pick_device("auto", 5, True, 4) == ("cuda:1", "cuda:nccl,cpu:gloo")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         pick_device("cuda", 0, False, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Local rank: the launcher's own variable, else another launcher's, else a config error on a shared node
+# ---------------------------------------------------------------------------------------------------
+
+PALS_WITHOUT_LOCAL_RANK = {"PALS_RANKID": "5", "PMI_RANK": "5", "PMI_SIZE": "8", "PALS_LOCAL_SIZE": "4",
+                           "MASTER_ADDR": "dec0001"}
+
+
+@pytest.mark.parametrize("fallback", ["MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK",
+                                      "PMI_LOCAL_RANK"])
+def test_pals_without_its_local_rank_falls_back_to_another_launchers(fallback):
+    env = launcher_env(PALS_WITHOUT_LOCAL_RANK | {fallback: "1"})
+    assert (env.launcher, env.rank, env.local_rank, env.local_world_size) == ("pals", 5, 1, 4)
+    assert any(fallback in note and "PALS_LOCAL_RANKID" in note for note in env.notes), env.notes
+
+
+def test_the_launchers_own_local_rank_wins_over_the_others():
+    env = launcher_env(PALS_WITHOUT_LOCAL_RANK | {"PALS_LOCAL_RANKID": "2", "MPI_LOCALRANKID": "3", "LOCAL_RANK": "0"})
+    assert env.local_rank == 2 and not any("local rank from" in note for note in env.notes)
+    # torchrun's workers started by mpiexec inherit the agent's PALS variables: LOCAL_RANK still decides
+    worker = launcher_env({"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+                           "PALS_RANKID": "1", "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "1",
+                           "MASTER_ADDR": "dec0001"})
+    assert (worker.launcher, worker.local_rank, worker.local_world_size) == ("torchrun", 2, 4)
+
+
+def test_no_local_rank_on_a_node_of_several_ranks_is_a_config_error():
+    with pytest.raises(ConfigError, match="every rank would pick GPU 0") as error:
+        launcher_env(PALS_WITHOUT_LOCAL_RANK)
+    assert "PALS_LOCAL_RANKID" in str(error.value) and "MPI_LOCALRANKID" in str(error.value)
+    # one rank per node: local rank 0 is the only possible one
+    alone = launcher_env(PALS_WITHOUT_LOCAL_RANK | {"PALS_LOCAL_SIZE": "1"})
+    assert alone.local_rank == 0
+
+
+def test_local_rank_outside_the_node_is_a_config_error():
+    with pytest.raises(ConfigError, match="outside 4 rank"):
+        launcher_env(PALS_WITHOUT_LOCAL_RANK | {"PALS_LOCAL_RANKID": "4"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-rank placement report (--verbose, python -m distlab.runtime, the preflight job)
+# ---------------------------------------------------------------------------------------------------
+
+
+def where(host, rank, local_rank, gpu="NVIDIA A100-SXM4-40GB", index=None, bus=None):
+    index = local_rank if index is None else index
+    return {"host": host, "rank": rank, "local_rank": local_rank, "cuda_visible_devices": "0,1,2,3",
+            "device": f"cuda:{index}", "gpu": gpu, "gpu_index": index, "bus_id": bus}
+
+
+def test_placement_on_a_cpu_says_cpu():
+    import torch
+
+    got = placement(3, 1, torch.device("cpu"), env={"CUDA_VISIBLE_DEVICES": "2"}, host="dec0002")
+    assert got == {"host": "dec0002", "rank": 3, "local_rank": 1, "cuda_visible_devices": "2", "device": "cpu",
+                   "gpu": "cpu", "gpu_index": None, "bus_id": None}
+    assert format_placement(got) == "host dec0002  rank 3  local rank 1  CUDA_VISIBLE_DEVICES=2  uses cpu"
+    assert placement(0, 0, torch.device("cpu"), env={}, host="x")["cuda_visible_devices"] == "(unset)"
+    assert placement(0, 0, torch.device("cpu"), env={"PMI_HOSTNAME": "fake-node-2"})["host"] == "fake-node-2"
+
+
+def test_placement_line_of_a_gpu_rank():
+    line = format_placement(where("dec0001", 5, 1, bus="0000:41:00.0"))
+    assert line == ("host dec0001  rank 5  local rank 1  CUDA_VISIBLE_DEVICES=0,1,2,3  "
+                    "uses GPU 1 (NVIDIA A100-SXM4-40GB, bus 0000:41:00.0)")
+
+
+def test_two_ranks_on_one_gpu_of_a_node_are_found():
+    good = [where("dec0001", r, r) for r in range(4)] + [where("dec0002", 4 + r, r) for r in range(4)]
+    assert shared_gpus(good) == [] and local_ranks_problems(good) == []
+    # the bug of a missing local rank: every rank of a node on GPU 0
+    bad = [where("dec0001", r, 0, index=0) for r in range(4)] + [where("dec0002", 4, 0)]
+    assert shared_gpus(bad) == ["ranks 0, 1, 2, 3 share GPU 0 on dec0001"]
+    assert local_ranks_problems(bad) == ["dec0001: local ranks [0, 0, 0, 0], expected [0, 1, 2, 3]"]
+    # one GPU per rank through CUDA_VISIBLE_DEVICES: every rank sees "GPU 0", the bus ids differ
+    masked = [where("dec0001", r, r, index=0, bus=f"0000:{r:02x}:00.0") for r in range(4)]
+    assert shared_gpus(masked) == []
+    cpus = [dict(where("h", r, r), gpu="cpu") for r in range(2)] + [dict(where("h", 2, 2), gpu="cpu", gpu_index=0)]
+    assert shared_gpus(cpus) == []  # CPU ranks share no GPU
