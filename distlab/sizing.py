@@ -273,3 +273,80 @@ def largest_micro_batch(model: str | LlamaShape, nodes: int, assumptions: Assump
             break
         best = micro_batch
     return best
+
+
+def block_communication(model: str | LlamaShape, dp: int, tp: int = 4, assumptions: Assumptions = Assumptions(),
+                        peak_flops: float = 312e12) -> dict:
+    """One transformer block, one training step of one micro-batch, on a ``dp x tp`` mesh: the collectives of
+    each mesh dimension, the bytes each rank sends, and the seconds they take on their link, beside the
+    block's compute (derived, no overlap assumed).
+
+    TP (inside a node, NVLink, ``tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S``): the rows of
+    ``tensor_parallel.tp_comm_formula`` for one block, in bf16. FSDP (across nodes, one Slingshot NIC per
+    GPU, ``SLINGSHOT11_NIC_BYTES_PER_S``): the block's bf16 weights (this TP rank's share) all-gathered
+    before forward and again before backward, its fp32 gradients reduce-scattered once. Compute: 6 FLOPs
+    per matrix parameter and token plus attention's 12 x seq x dim, split over tp, at ``peak_flops``
+    (A100 bf16).
+    """
+    from distlab import comm
+
+    shape = _shape(model)
+    a = assumptions
+    cfg = replace(shape.config(a.seq_len), n_layers=1)
+    tp_rows = [r for r in tensor_parallel.tp_comm_formula(cfg, a.micro_batch, a.seq_len, tp,
+                                                           sequence_parallel=a.sequence_parallel,
+                                                           bytes_per_element=2)
+               if r["where"] == "blocks"]
+    shard = (shape.block_params() - 2 * shape.dim) / tp + 2 * shape.dim
+    fsdp_rows = [{"phase": "forward and backward", "where": "block", "collective": "all_gather", "calls": 2,
+                  "payload_bytes": 2 * 2 * shard},
+                 {"phase": "backward", "where": "block", "collective": "reduce_scatter", "calls": 1,
+                  "payload_bytes": 4 * shard}]
+    links = {"tp": tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S,
+             "dp": tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S}
+    result = {}
+    for dimension, rows, size in (("tp", tp_rows, tp), ("dp", fsdp_rows, dp)):
+        sent = sum(comm.bytes_sent_per_rank(r["collective"], r["payload_bytes"], size) for r in rows)
+        result[dimension] = {"rows": rows, "calls": sum(r["calls"] for r in rows), "sent_bytes": sent,
+                             "seconds": sent / links[dimension]}
+    tokens = a.micro_batch * a.seq_len
+    matmul_params = shape.block_params() - 2 * shape.dim
+    flops = (6 * matmul_params + 12 * a.seq_len * shape.dim) * tokens / tp
+    result["compute"] = {"flops": flops, "seconds": flops / peak_flops}
+    return result
+
+
+def micro_batch_to_hide_fsdp(model: str | LlamaShape, nodes: int, assumptions: Assumptions = Assumptions(),
+                             limit: int = 256) -> int | None:
+    """The fewest sequences per micro-batch for which one block's compute at peak takes at least as long as
+    its FSDP traffic across nodes (TP = a node, FSDP = nodes), so that prefetching can hide it. FSDP moves
+    the weights whatever the batch; compute grows with the tokens. None beyond ``limit``."""
+    for micro_batch in range(1, limit + 1):
+        block = block_communication(model, nodes, assumptions.gpus_per_node, replace(assumptions, micro_batch=micro_batch))
+        if block["compute"]["seconds"] >= block["dp"]["seconds"]:
+            return micro_batch
+    return None
+
+
+def min_nodes_to_hide_fsdp(model: str | LlamaShape, assumptions: Assumptions = Assumptions(),
+                           max_nodes: int = 1024) -> int | None:
+    """The fewest nodes on which a micro-batch large enough to hide FSDP's traffic (:func:`micro_batch_to_hide_fsdp`)
+    still fits in memory (:func:`largest_micro_batch`). None beyond ``max_nodes``."""
+    for nodes in range(1, max_nodes + 1):
+        needed = micro_batch_to_hide_fsdp(model, nodes, assumptions)
+        if needed is not None and largest_micro_batch(model, nodes, assumptions, limit=needed) >= needed:
+            return nodes
+    return None
+
+
+def overlap_table_markdown(assumptions: Assumptions = Assumptions()) -> str:
+    """The chapter's second table: what the rule of thumb's extra nodes buy (all derived)."""
+    with_sp = replace(assumptions, sequence_parallel=True)
+    lines = ["| model | rule of thumb | largest micro-batch there | micro-batch that hides FSDP there | "
+             "fewest nodes where FSDP hides | the same with sequence parallelism |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, nodes in RULE_OF_THUMB_NODES.items():
+        lines.append(f"| {name} | {nodes} | {largest_micro_batch(name, nodes, assumptions)} | "
+                     f"{micro_batch_to_hide_fsdp(name, nodes, assumptions)} | "
+                     f"{min_nodes_to_hide_fsdp(name, assumptions)} | {min_nodes_to_hide_fsdp(name, with_sp)} |")
+    return "\n".join(lines)

@@ -142,3 +142,49 @@ def test_the_markdown_table_has_a_row_per_model_and_says_derived():
     assert len(lines) == 2 + len(sizing.LLAMA_SHAPES)  # header, separator, one row per model
     assert "(derived)" in lines[0]
     assert lines[-1].startswith("| 70B | 68.98 B | 10 |") and "| no number of nodes |" in lines[-1]
+
+
+def test_block_communication_by_hand_for_7b_on_two_nodes():
+    block = sizing.block_communication("7B", dp=2, tp=4)
+    activation = 1 * 4096 * 4096 * 2  # one micro-batch's block output, bf16: 32 MiB
+    assert activation == 32 * 2**20
+    # TP: 2 all-reduces forward, 2 backward; a ring all-reduce over 4 sends 2 x 3/4 of the payload
+    assert block["tp"]["calls"] == 4 and block["tp"]["sent_bytes"] == 4 * 2 * 3 / 4 * activation
+    # FSDP over 2 nodes: this TP rank's share of the block (norms whole), gathered twice in bf16,
+    # gradients reduce-scattered once in fp32; each sends (2-1)/2 of the payload
+    shard = (4 * 4096 * 4096 + 3 * 4096 * 11008) / 4 + 2 * 4096
+    assert block["dp"]["calls"] == 3
+    assert block["dp"]["sent_bytes"] == pytest.approx((2 * 2 * shard + 4 * shard) / 2)
+    assert block["dp"]["seconds"] == pytest.approx(block["dp"]["sent_bytes"] / 25e9)  # Slingshot-11 NIC
+    assert block["tp"]["seconds"] == pytest.approx(block["tp"]["sent_bytes"] / 300e9)  # NVLink 3, one way
+    flops = (6 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 12 * 4096 * 4096) * 4096 / 4
+    assert block["compute"]["seconds"] == pytest.approx(flops / 312e12)
+    # FSDP's bytes do not grow with the micro-batch; TP's and the compute do
+    bigger = sizing.block_communication("7B", dp=2, tp=4, assumptions=replace(DEFAULT, micro_batch=4))
+    assert bigger["dp"]["sent_bytes"] == block["dp"]["sent_bytes"]
+    assert bigger["tp"]["sent_bytes"] == 4 * block["tp"]["sent_bytes"]
+    assert bigger["compute"]["seconds"] == pytest.approx(4 * block["compute"]["seconds"])
+
+
+@pytest.mark.parametrize("name, nodes", list(sizing.RULE_OF_THUMB_NODES.items()))
+def test_micro_batch_to_hide_fsdp_is_the_fewest(name, nodes):
+    needed = sizing.micro_batch_to_hide_fsdp(name, nodes)
+
+    def hidden(micro_batch):
+        block = sizing.block_communication(name, nodes, 4, replace(DEFAULT, micro_batch=micro_batch))
+        return block["compute"]["seconds"] >= block["dp"]["seconds"]
+
+    assert hidden(needed) and (needed == 1 or not hidden(needed - 1))
+
+
+def test_what_the_rule_of_thumbs_nodes_buy():
+    assert {m: (sizing.largest_micro_batch(m, n), sizing.micro_batch_to_hide_fsdp(m, n))
+            for m, n in sizing.RULE_OF_THUMB_NODES.items()} == {
+        "7B": (14, 2), "13B": (10, 3), "30B": (5, 4), "70B": (3, 4)}
+    assert {m: sizing.min_nodes_to_hide_fsdp(m) for m in sizing.RULE_OF_THUMB_NODES} == {
+        "7B": 1, "13B": 2, "30B": 7, "70B": 27}
+    with_sp = replace(DEFAULT, sequence_parallel=True)
+    assert {m: sizing.min_nodes_to_hide_fsdp(m, with_sp) for m in ("30B", "70B")} == {"30B": 4, "70B": 10}
+    nodes = sizing.min_nodes_to_hide_fsdp("70B")
+    assert sizing.largest_micro_batch("70B", nodes) >= sizing.micro_batch_to_hide_fsdp("70B", nodes)
+    assert sizing.largest_micro_batch("70B", nodes - 1) < sizing.micro_batch_to_hide_fsdp("70B", nodes - 1)
