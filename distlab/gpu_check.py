@@ -52,7 +52,7 @@ MIN_RUN_SECONDS = 20          # with less budget left than this, a run is not st
 FIT_FRACTION = 0.85           # a model "fits" when predicted peak <= this share of the GPU's memory
 NO_GPU_EXIT_CODE = 2
 GB = 1e9                      # bandwidths and rates: GB/s = 10^9 bytes per second
-GIB = 1024**3                 # memory sizes: GiB = 2^30 bytes, as torch and nvidia-smi report them
+GIB = 1024**3                 # memory sizes: GiB = 2^30 bytes, as torch reports them
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,7 +66,8 @@ class Run:
 
     ``world``: "all" = one rank per GPU present, "one" = a single GPU, "half" = half of them (to reload a
     checkpoint on another number of ranks). ``min_gpus``: the script's own rule (a ring needs 2 ranks).
-    ``role``: which figure of the summary it feeds, if any. ``{workdir}`` in ``args`` is the output folder.
+    ``role``: which figure of the summary it feeds, if any. In ``args``, ``{workdir}`` is the output folder,
+    ``{world}`` the world size and ``{half}`` half of it (a 2-D mesh: tp 2 x dp world/2).
     """
 
     name: str
@@ -81,17 +82,18 @@ class Run:
 CH01, CH02, CH03 = "scripts/01_single_device_baseline", "scripts/02_why_distributed", "scripts/03_communication"
 CH04, CH05, CH06 = "scripts/04_data_parallel", "scripts/05_fully_sharded", "scripts/06_tensor_parallel"
 CH07, CH08 = "scripts/07_pipeline_parallel", "scripts/08_sequence_parallel"
+CH09, CH10 = "scripts/09_hybrid_parallel", "scripts/10_domain_parallel"
 
 # In order: the figures first, so a run out of time loses chapter checks, not the baseline.
 RUNS: tuple[Run, ...] = (
     Run("baseline_a100_bf16", f"{CH01}/train_baseline.py", ("--preset", "a100", "--precision", "bf16", "--steps", "10"),
-        world="one", timeout_s=180, role="baseline"),
+        world="one", timeout_s=150, role="baseline"),
     Run("fsdp_a100_memory", f"{CH05}/train_fsdp.py", ("--preset", "a100", "--batch", "{world}", "--steps", "3"),
-        timeout_s=180, role="memory_fsdp"),
+        timeout_s=150, role="memory_fsdp"),
     Run("nccl_bandwidth", f"{CH03}/bandwidth.py",
-        ("--min-bytes", "1M", "--max-bytes", "1G", "--iters", "10", "--warmup", "3"), min_gpus=2, timeout_s=120,
+        ("--min-bytes", "1M", "--max-bytes", "1G", "--iters", "10", "--warmup", "3"), min_gpus=2, timeout_s=90,
         role="nccl_bandwidth"),
-    Run("ring_attention_native", f"{CH08}/ring_attention.py", ("--native",), min_gpus=2, role="native_cp"),
+    Run("ring_attention_native", f"{CH08}/ring_attention.py", ("--native",), min_gpus=2, timeout_s=60, role="native_cp"),
     Run("baseline_tiny", f"{CH01}/train_baseline.py"),
     Run("compute_and_memory_per_rank", f"{CH02}/compute_and_memory_per_rank.py"),
     Run("collectives", f"{CH03}/collectives.py", min_gpus=2),
@@ -116,6 +118,12 @@ RUNS: tuple[Run, ...] = (
     Run("pp_train_zbv", f"{CH07}/pp_train.py", ("--schedule", "ZBVZeroBubble"), min_gpus=2),
     Run("sp_transformer", f"{CH08}/sp_transformer.py", min_gpus=2),
     Run("ring_attention", f"{CH08}/ring_attention.py", min_gpus=2),
+    Run("rank_grid", f"{CH09}/rank_grid.py", ("--gpus-per-node", "{world}"), min_gpus=2),
+    Run("fsdp_tp_hybrid", f"{CH09}/fsdp_tp_hybrid.py", ("--tp", "2", "--dp", "{half}"), min_gpus=2),
+    Run("pp_dp_hybrid_ddp", f"{CH09}/pp_dp_hybrid.py", ("--dp-mode", "ddp"), min_gpus=2),
+    Run("pp_dp_hybrid_fsdp", f"{CH09}/pp_dp_hybrid.py", ("--dp-mode", "fsdp"), min_gpus=2),
+    Run("halo_conv", f"{CH10}/halo_conv.py", min_gpus=2),
+    Run("domain_train", f"{CH10}/domain_train.py", min_gpus=2),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)
@@ -152,7 +160,8 @@ def plan_runs(gpu_count: int, gpu_memory_bytes: int, workdir: str | os.PathLike,
     planned = []
     for run in runs:
         world = world_size_of(run, gpu_count)
-        args = tuple(a.replace("{workdir}", str(workdir)).replace("{world}", str(world)) for a in run.args)
+        args = tuple(a.replace("{workdir}", str(workdir)).replace("{world}", str(world))
+                     .replace("{half}", str(max(1, world // 2))) for a in run.args)
         args += ("--device", "cuda")
         skip = None
         if gpu_count < run.min_gpus:
