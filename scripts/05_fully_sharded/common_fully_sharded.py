@@ -20,7 +20,7 @@ def param_tolerance(lr: float) -> float:
 
 
 # bf16 mixed precision (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32
-# sharded weights) against the fp32 baseline: bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2%).
+# sharded weights) against the fp32 baseline: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39%).
 # * losses (~4.8): measured ~2e-3 apart; tolerance 2e-2 (0.4%);
 # * parameters: a few weights whose gradients are near zero step differently (max difference up to a few
 #   lr), so the check is on the *mean* |difference| over all weights: measured ~2e-4 after 10 steps at lr 3e-3,
