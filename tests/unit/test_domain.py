@@ -1,0 +1,72 @@
+"""distlab.domain: tile grids, receptive radius, the halo formulas, and a 1-tile stack equal to the model."""
+
+import pytest
+import torch
+
+from distlab import domain
+
+
+def test_grid_coordinates_and_neighbours():
+    grid = domain.TileGrid(2, 3, 8, 9)
+    assert [grid.coords(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert grid.neighbours(4) == {"up": 1, "down": None, "left": 3, "right": 5}
+    assert grid.neighbours(0) == {"up": None, "down": 3, "left": None, "right": 1}
+    assert grid.tile_slices(5) == (slice(4, 8), slice(6, 9))
+
+
+@pytest.mark.parametrize("split, ranks, shape", [("h", 4, (4, 1)), ("hw", 4, (2, 2)), ("hw", 8, (2, 4)),
+                                                 ("hw", 6, (2, 3)), ("hw", 7, (1, 7))])
+def test_grid_shape(split, ranks, shape):
+    assert domain.grid_shape(split, ranks) == shape
+
+
+def test_receptive_radius_adds_the_layers_reach():
+    assert domain.receptive_radius([3, 3, 3]) == 3
+    assert domain.receptive_radius([5, 3]) == 3
+    assert domain.receptive_radius([3, 3], dilations=[1, 2]) == 3
+    with pytest.raises(ValueError):
+        domain.receptive_radius([4])
+
+
+def test_tile_problems():
+    assert domain.tile_problems(domain.TileGrid(4, 1, 32, 32), 3) == []
+    assert "does not split" in domain.tile_problems(domain.TileGrid(3, 1, 32, 32), 1)[0]
+    assert "wider than a tile" in domain.tile_problems(domain.TileGrid(4, 1, 8, 32), 3)[0]
+    assert domain.tile_problems(domain.TileGrid(4, 1, 8, 2), 3) == ["a halo of 3 rows is wider than a tile (2 rows): "
+                                                                     "use fewer ranks along the height, a larger "
+                                                                     "field or a shallower stack"]
+
+
+def test_halo_bytes_worked_by_hand():
+    grid = domain.TileGrid(2, 2, 16, 16)  # tiles of 8 x 8, each with one vertical and one horizontal neighbour
+    # 2 rows of 8 up or down; 2 columns of 8 + 2 * 2 (the corners) left or right; 3 channels, batch 1, fp32
+    assert domain.halo_send_bytes(grid, 0, 2, channels=3, batch=1) == (2 * 8 + 2 * 12) * 3 * 4
+    assert domain.halo_send_bytes(grid, 0, 0, channels=3, batch=1) == 0
+    bands = domain.TileGrid(4, 1, 16, 16)
+    assert [domain.halo_send_bytes(bands, r, 1, 1, 1, 1) for r in range(4)] == [16, 32, 32, 16]
+
+
+def test_halo_to_tile_ratio_is_surface_over_volume():
+    assert domain.halo_to_tile_ratio(16, 64, 1, "h") == pytest.approx(2 / 16)
+    assert domain.halo_to_tile_ratio(10, 10, 1, "hw") == pytest.approx((12 * 12 - 100) / 100)
+    # doubling the tile's side halves the ratio (nearly, with the corners)
+    assert domain.halo_to_tile_ratio(64, 64, 2, "hw") / domain.halo_to_tile_ratio(32, 32, 2, "hw") < 0.52
+
+
+@pytest.mark.parametrize("exchange", ["once", "per-layer"])
+def test_one_tile_stack_equals_the_model(exchange):
+    # a single tile has no neighbours: the halo is the field's zero padding, and no message is posted
+    model = domain.build_conv_stack((2, 5, 3), 3, seed=1)
+    field = torch.randn(2, 2, 12, 10, generator=torch.Generator().manual_seed(0))
+    grid = domain.TileGrid(1, 1, 12, 10)
+    torch.testing.assert_close(domain.tile_conv_stack(model, field, grid, 0, exchange=exchange), model(field),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_one_tile_cnn_and_group_norm_equal_the_model():
+    model = domain.build_field_cnn(seed=3)
+    fields, targets = domain.field_batch(0, 2, 2, 16, 16, seed=0)
+    grid = domain.TileGrid(1, 1, 16, 16)
+    torch.testing.assert_close(domain.tile_field_cnn(model, fields, grid, 0), model(fields), rtol=1e-5, atol=1e-6)
+    assert fields.shape == targets.shape == (2, 2, 16, 16)
+    assert not torch.allclose(fields, targets)
