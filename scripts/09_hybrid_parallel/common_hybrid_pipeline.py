@@ -8,7 +8,9 @@ on every pass) are imported from ``scripts/07_pipeline_parallel/common_pipeline.
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,15 +56,20 @@ def add_hybrid_flags(parser, *, pp: int, tp: bool) -> None:
     parser.add_argument("--stages-per-rank", type=int, default=None,
                         help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(parser)  # --batch --layers --lr --reference
-    parser.set_defaults(layers=4)  # tiny: 4 blocks fill pp = 2 with V = 2
 
 
 def parse_with_config(parser, script: str):
     """Arguments with ``--config`` applied; a problem with the file is kept for ``check_hybrid_config``."""
+    quiet_known_torch_warnings()
+    for action in parser._actions:
+        if action.dest == "layers":
+            action.help = "transformer blocks, a multiple of pp x stages-per-rank (default: 4 for tiny, the preset's otherwise)"
     args, problem = hybrid_pipeline.merge_config_file(parser, sys.argv[1:], script)
     args.config_problem = problem
     if not hasattr(args, "tp"):
         args.tp = 1
+    if args.layers is None and args.preset == "tiny":
+        args.layers = 4   # fills pp = 2 with V = 2; chapter 07's default of 8 would only cost time here
     cfg = resolve_training_flags(args)   # layers and reference, from the preset where not given
     return args, cfg
 
@@ -83,6 +90,15 @@ def check_hybrid_config(args, cfg, world_size: int) -> None:
                                                        batch=args.batch, dp=args.dp, microbatches=args.microbatches)
     problems += tensor_parallel.tp_config_problems(cfg, tp) if tp > 1 else []
     runtime.require(not problems, "; ".join(problems))
+
+
+def quiet_known_torch_warnings() -> None:
+    """Two messages of torch 2.13 that say nothing about these runs, on every rank (8 ranks: a wall of text):
+    FSDP2 warns when a module returns a view (an in-place op on it would skip a hook; nothing here writes
+    in place), and DTensor when gathering a (dp, tp)-sharded tensor whole takes two all-gathers (done once,
+    to compare with the single-device run)."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def warn_if_tp_crosses_nodes(rt, args) -> list[str]:

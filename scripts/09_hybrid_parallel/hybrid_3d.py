@@ -1,0 +1,229 @@
+"""PP x FSDP x TP on one 3-D DeviceMesh ("pp", "dp", "tp"): the shared transformer, equal to one device.
+
+    init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))     # tp innermost
+
+tp is the innermost dimension, so a TP group is tp consecutive ranks: on one node, where its all-reduces
+(four per block and microbatch) run over NVLink. dp groups come next (FSDP's all-gathers and reduce-scatters,
+once per step), pp outermost (one activation per microbatch and stage boundary: the lightest traffic, the
+one that may cross the slowest links). Each rank:
+
+1. cuts its pipeline stage(s) out of the whole model (chapter 07: contiguous blocks, embeddings first, head last);
+2. applies tensor parallelism inside the stage over ``mesh["tp"]`` (chapter 06's plan,
+   ``distlab.tensor_parallel.transformer_tp_plan``), *then* FSDP2 over ``mesh["dp"]`` (chapter 05's units: each
+   block, then the stage): FSDP shards the TP shards, so it must see them, as torchtitan composes it.
+   The head gathers its vocabulary-split logits (``ColwiseParallel(output_layouts=Replicate())``) instead of
+   keeping them split for ``loss_parallel``: in a pipeline torch's schedule computes the loss and runs the
+   backward, outside any context we could open around them;
+3. wraps the stage in a ``PipelineStage`` on ``mesh["pp"]`` and runs ``--schedule``.
+
+Each dp replica trains on its rows of the global batch, split into M microbatches; every TP rank of a replica
+sees the same rows. The script proves, against a single-device run built independently from the same seed:
+losses every step, gradients at step 0, parameters at the end. It measures, each = formula
+(``distlab.hybrid_pipeline``): the bytes of every mesh dimension (pp sends, FSDP all-gathers and reduce-scatters
+over dp, TP all-reduces and all-gathers), and parameters, gradients and AdamW state per rank. The measured
+timeline of the pipeline dimension (the ranks with dp = tp = 0, one per stage) is in the metrics ``timeline``
+(ASCII Gantt chart here; PNG with ``--plot FILE``).
+
+``--config FILE.json`` loads a run's settings (flags given override it); the reference layouts are in
+``scripts/09_hybrid_parallel/configs/``. Every run writes its resolved configuration into its metrics.
+
+    torchrun --standalone --nproc_per_node=4 scripts/09_hybrid_parallel/hybrid_3d.py --pp 2 --dp 1 --tp 2
+    torchrun --standalone --nproc_per_node=8 scripts/09_hybrid_parallel/hybrid_3d.py --pp 2 --dp 2 --tp 2
+    mpiexec -n 16 --ppn 4 python scripts/09_hybrid_parallel/hybrid_3d.py \\
+        --config scripts/09_hybrid_parallel/configs/hybrid_3d_16gpus.json
+"""
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from common_hybrid_pipeline import (GRAD_TOLERANCE, LOSS_TOLERANCE, add_hybrid_flags, check_hybrid_config,
+                                    full_named, gather_named, param_tolerance, parse_with_config,
+                                    pipeline_stage_class, replica_batch, replica_losses, resolved_config,
+                                    single_device_run, warn_if_tp_crosses_nodes)
+from common_pipeline import gather_timeline, record_actions, stage_indices, torch_schedule, transformer_stage
+from distlab import comm, gantt, hybrid_pipeline, memory, metrics, models, runtime, tensor_parallel
+
+
+def stage_tp_plan(stage_module) -> dict:
+    """Chapter 06's plan, for the modules this stage has; the head gathers its logits (see the docstring)."""
+    plan = tensor_parallel.transformer_tp_plan()
+    plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    present = {name for name, child in stage_module.named_children() if child is not None}
+    return {pattern: style for pattern, style in plan.items() if pattern.split(".")[0] in present}
+
+
+def parallelize_stage(module, args, mesh):
+    """TP inside the stage, then FSDP2 over dp; a dimension of size 1 is left out (nothing to split)."""
+    if args.tp > 1:
+        parallelize_module(module, mesh["tp"], stage_tp_plan(module))
+    if args.dp > 1:
+        # Gathered for the whole step (reshard_after_forward=False): under PP, resharding after each forward
+        # would all-gather again for every microbatch. torch's schedule reduce-scatters once, after the last.
+        for block in module.layers.values():
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+    return module
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
+    add_hybrid_flags(p, pp=2, tp=True)
+    p.add_argument("--plot", metavar="FILE", default=None, help="write the measured Gantt chart as a PNG")
+    args, cfg = parse_with_config(p, __file__)
+    with runtime.start(args, validate=lambda world: check_hybrid_config(args, cfg, world)) as rt:
+        pp, dp, tp, chunks, microbatches = args.pp, args.dp, args.tp, args.chunks, args.microbatches
+        num_stages = pp * chunks
+        report = metrics.Report(__file__, rt, config=resolved_config(args, cfg, rt.world_size))
+        report.extra["warnings"] = warn_if_tp_crosses_nodes(rt, args)
+        rows = args.batch // (dp * microbatches)
+        rt.print(f"3-D mesh (pp, dp, tp) = ({pp}, {dp}, {tp}) on {rt.world_size} ranks: {args.schedule}, "
+                 f"{num_stages} stages of {cfg.n_layers // num_stages} blocks; {dp} replicas x {microbatches} "
+                 f"microbatches of {rows} sequences; each block split over {tp} TP ranks")
+
+        # 1. The single-device answer (rank 0; tiny), from the seed alone.
+        reference = single_device_run(cfg, args, rt.device) if args.reference and rt.is_main else None
+
+        # 2. The mesh and this rank's place in it.
+        mesh = init_device_mesh(rt.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(dim) for dim in ("pp", "dp", "tp"))
+        mine = stage_indices(args.schedule, pp_rank, pp, chunks)
+
+        # 3. Stages: cut, TP, FSDP, then pipeline stages on the pp group.
+        full = models.build_transformer(cfg, seed=args.seed)
+        modules = {s: parallelize_stage(transformer_stage(full, s, num_stages).to(rt.device), args, mesh)
+                   for s in mine}
+        del full
+        Stage = pipeline_stage_class()
+        stages = [Stage(modules[s], s, num_stages, rt.device, group=mesh.get_group("pp")) for s in mine]
+        events = []
+        for stage in stages:
+            record_actions(stage, events, rt.sync)
+        schedule = torch_schedule(args.schedule, stages, microbatches, loss_fn=models.lm_loss)
+        optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=args.lr)
+        first_here, last_here = 0 in mine, num_stages - 1 in mine
+
+        # 4. Train; step 1 is measured (step 0 also infers the shapes passed between stages).
+        step_losses, first_grads, measured, seconds, state = [], {}, {}, [], None
+        for step in range(args.steps):
+            inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
+            events.clear()
+            dist.barrier()
+            rt.sync()
+            t0 = time.perf_counter()
+            losses = [] if last_here else None
+            with comm.CommCounter() as counter:
+                schedule.step(*((inputs,) if first_here else ()),
+                              **(dict(target=targets, losses=losses) if last_here else {}))
+            rt.sync()
+            seconds.append(time.perf_counter() - t0)
+            step_losses.append(torch.stack(losses).mean().item() if last_here else None)
+            if step == 0 and args.reference:
+                first_grads = {n: g for m in modules.values() for n, g in full_named(m, grads=True).items()}
+            optimizer.step()
+            if step == 1:
+                state = memory.ledger(torch.nn.ModuleList(modules.values()), optimizer)
+                measured = hybrid_pipeline.bytes_by_dimension(counter.calls)
+                # the pipeline dimension of one replica: the ranks with dp = tp = 0, one row per pp rank
+                report.timeline = gather_timeline(events if dp_rank == 0 and tp_rank == 0 else [], t0, pp_rank)
+            optimizer.zero_grad(set_to_none=True)
+        report.losses = replica_losses(step_losses, last_here, tp_rank == 0)
+        rt.print("losses: " + " ".join(f"{x:.5f}" for x in report.losses))
+
+        # 5. Everything to every rank: one rank per stage (dp = tp = 0) reports the whole stage's tensors.
+        stage_report = dp_rank == 0 and tp_rank == 0
+        params_now = {n: t for m in modules.values() for n, t in full_named(m).items()}   # collectives
+        all_params = gather_named(params_now if stage_report else {})
+        all_first_grads = gather_named(first_grads if stage_report else {})
+        everything = [None] * rt.world_size
+        dist.all_gather_object(everything, {"rank": rt.rank, "coordinates": {"pp": pp_rank, "dp": dp_rank,
+                                                                             "tp": tp_rank},
+                                            "stages": mine, "measured": measured, "state": state.as_dict()})
+
+        # ---- checks: one device ----
+        if reference is not None:
+            names = sorted(reference["params"])
+            report.check("the stages' parameter names are the whole model's", sorted(all_params) == names,
+                         f"{len(all_params)} names", f"{len(names)} names")
+            report.check_close("losses equal the single-device run's (every step)", report.losses,
+                               reference["losses"], LOSS_TOLERANCE)
+            report.check_close("step-0 gradients equal the single-device run's (every parameter)",
+                               [all_first_grads[n] for n in names], [reference["first_grads"][n] for n in names],
+                               GRAD_TOLERANCE)
+            report.check_close("parameters after training equal the single-device run's",
+                               [all_params[n] for n in names], [reference["params"][n] for n in names],
+                               param_tolerance(args.lr))
+
+        # ---- checks: bytes per mesh dimension and memory per rank, every rank against the formulas ----
+        def expected_for(stages_of_rank):
+            """What a rank holding these stages should send per step, per dimension, and hold."""
+            held = sum(hybrid_pipeline.stage_param_count(cfg, s, num_stages, tp)["total"] for s in stages_of_rank)
+            expected = {"pp": {"send": hybrid_pipeline.pp_send_bytes(stages_of_rank, num_stages, microbatches,
+                                                                     rows, cfg.seq_len, cfg.dim)} if pp > 1 else {}}
+            expected["dp"] = hybrid_pipeline.dp_gradient_sync_bytes(held, microbatches, "fsdp", False) if dp > 1 else {}
+            tp_bytes = {"all_reduce": 0, "all_gather": 0}
+            for s in stages_of_rank:
+                for collective, value in hybrid_pipeline.tp_stage_comm_bytes(
+                        cfg, cfg.n_layers // num_stages, s == 0, s == num_stages - 1, microbatches, rows,
+                        cfg.seq_len).items():
+                    tp_bytes[collective] += value
+            expected["tp"] = {k: v for k, v in tp_bytes.items() if v} if tp > 1 else {}
+            state_bytes = {"params": 4 * held // dp, "grads": 4 * held // dp, "optimizer": 8 * held // dp}
+            if 0 in stages_of_rank and tp > 1 and dp == 1:
+                # Measured, torch 2.13: the gradient of the vocabulary-split embedding (RowwiseParallel) comes
+                # back whole (Replicate) on every TP rank, not split like its weight. FSDP (dp > 1) hands each
+                # rank a shard in the weight's layout, so there the gradient is the weight's size again.
+                state_bytes["grads"] += 4 * cfg.vocab_size * cfg.dim * (tp - 1) // tp
+            return expected, state_bytes
+
+        wrong = {"pp": [], "dp": [], "tp": [], "memory": []}
+        for r in everything:
+            expected, state_bytes = expected_for(r["stages"])
+            for dim in ("pp", "dp", "tp"):
+                if r["measured"].get(dim, {}) != expected[dim]:
+                    wrong[dim].append((r["rank"], r["measured"].get(dim, {}), expected[dim]))
+            if any(r["state"][k] != v for k, v in state_bytes.items()):
+                wrong["memory"].append((r["rank"], r["state"], state_bytes))
+        my_expected, _ = expected_for(mine)
+        for dim in ("pp", "dp", "tp"):
+            for collective, analytic in my_expected[dim].items():
+                report.add_comm(collective, measured.get(dim, {}).get(collective, 0), analytic, dimension=dim)
+        for dim, what in (("pp", "activations and their gradients sent between stages"),
+                          ("dp", "FSDP all-gather and reduce-scatter, once per step"),
+                          ("tp", "TP all-reduces and the head's all-gather, every microbatch")):
+            size = {"pp": pp, "dp": dp, "tp": tp}[dim]
+            report.check(f"{dim} bytes per step = formula: {what} (every rank)"
+                         + ("" if size > 1 else f"; {dim} = 1: none"), not wrong[dim], wrong[dim] or "all ranks",
+                         "== distlab.hybrid_pipeline formula")
+        report.check("parameters, gradients, AdamW state per rank = the stage's / tp (matrices) / dp (every rank)",
+                     not wrong["memory"], wrong["memory"] or "all ranks", "== 4 / 4 / 8 bytes per parameter held")
+        report.memory = {"measured": everything[rt.rank]["state"],
+                         "per_rank": {r["rank"]: r["state"] for r in everything}}
+        report.check_equal("the timeline has one row per pipeline rank and every F and B of every microbatch",
+                           sorted({(e["rank"], e["stage"], e["microbatch"], e["kind"]) for e in report.timeline}),
+                           sorted({(r, s, m, k) for r in range(pp) for s in stage_indices(args.schedule, r, pp, chunks)
+                                   for m in range(microbatches) for k in ("F", "B")}))
+        report.extra.update(schedule=args.schedule, coordinates={r["rank"]: r["coordinates"] for r in everything},
+                            stages_of_pp_rank={r: stage_indices(args.schedule, r, pp, chunks) for r in range(pp)},
+                            bytes_by_dimension={r["rank"]: r["measured"] for r in everything})
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1, cfg=cfg,
+                                               device=rt.device, num_devices=rt.world_size)
+        if rt.is_main:
+            print(gantt.ascii_gantt(report.timeline, title=f"measured {args.schedule}, pipeline dimension "
+                                                           f"(ranks with dp = tp = 0), step 1", time_unit="s"))
+            if args.plot:
+                gantt.save_gantt_png(report.timeline, args.plot, title=f"measured {args.schedule}, (pp, dp, tp) = "
+                                                                        f"({pp}, {dp}, {tp})", time_unit="s")
+                print(f"wrote {args.plot}")
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
