@@ -405,3 +405,17 @@ def field_batch(step: int, batch: int, channels: int, height: int, width: int, s
     moved = torch.roll(fields, shifts=1, dims=-1)
     smoothed = (moved + 0.25 * (torch.roll(moved, 1, -2) + torch.roll(moved, -1, -2))) / 1.5
     return fields, smoothed
+
+
+def surface_to_volume_rows(height: int, width: int, rank_counts, radius: int) -> list[dict]:
+    """For each rank count and split: the tile, and halo cells per tile cell (communication over computation)."""
+    rows = []
+    for ranks in rank_counts:
+        for split in ("h", "hw"):
+            grid = TileGrid(*grid_shape(split, ranks), height, width)
+            if tile_problems(grid, radius):
+                continue
+            rows.append({"ranks": ranks, "split": split, "grid": (grid.rows, grid.cols),
+                         "tile": (grid.tile_height, grid.tile_width),
+                         "ratio": halo_to_tile_ratio(grid.tile_height, grid.tile_width, radius, split)})
+    return rows
