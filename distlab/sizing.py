@@ -350,3 +350,13 @@ def overlap_table_markdown(assumptions: Assumptions = Assumptions()) -> str:
                      f"{micro_batch_to_hide_fsdp(name, nodes, assumptions)} | "
                      f"{min_nodes_to_hide_fsdp(name, assumptions)} | {min_nodes_to_hide_fsdp(name, with_sp)} |")
     return "\n".join(lines)
+
+
+def shapes_table_markdown() -> str:
+    """The published shapes the guide uses, as markdown (the chapter pastes it; a test checks it)."""
+    lines = ["| model | shape published as | hidden | layers | heads (key/value) | feed-forward | vocabulary | "
+             "parameters |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for s in LLAMA_SHAPES.values():
+        lines.append(f"| {s.name} | {s.source} | {s.dim:,} | {s.n_layers} | {s.n_heads} ({s.n_kv_heads}) | "
+                     f"{s.ffn_hidden:,} | {s.vocab_size:,} | {s.num_params():,} |")
+    return "\n".join(lines)

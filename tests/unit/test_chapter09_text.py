@@ -1,0 +1,128 @@
+"""Chapter 09's numbers, recomputed: every table and figure of chapters/09_hybrid_parallel.md comes from
+distlab.sizing, distlab.hybrid or distlab.tensor_parallel, and this test fails when the text drifts from them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from distlab import hybrid, memory, sizing, tensor_parallel
+
+REPO = Path(__file__).resolve().parents[2]
+CHAPTER = REPO / "chapters" / "09_hybrid_parallel.md"
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def text():
+    return " ".join(CHAPTER.read_text().split("\n"))  # sentences may wrap anywhere
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return CHAPTER.read_text()
+
+
+def test_the_three_tables_are_what_distlab_sizing_computes(raw):
+    for name, table in (("shapes", sizing.shapes_table_markdown()), ("sizing", sizing.sizing_table_markdown()),
+                        ("overlap", sizing.overlap_table_markdown())):
+        assert table in raw, f"the {name} table in the chapter is stale; the code gives:\n{table}"
+
+
+def test_the_stated_assumptions_are_the_defaults(text):
+    a = sizing.Assumptions()
+    assert (a.seq_len, a.micro_batch, a.activation_checkpointing, a.reserve_bytes, a.gpu_bytes) == (
+        4096, 1, True, 4 * memory.GIB, 40 * memory.GIB)
+    assert f"sequences of **{a.seq_len:,} tokens**" in text and "a micro-batch of **1 sequence**" in text
+    assert "a **reserve of 4 GiB** per GPU" in text and "a GPU of 40 GiB" in text
+    assert memory.training_state_bytes(1, "mixed").total == 16 and "**16 bytes per parameter**" in text
+    assert sizing.Assumptions().prefetched_units == 2 and "two gathered units" in text
+
+
+def test_the_block_communication_table_for_7b_on_two_nodes(text):
+    block = sizing.block_communication("7B", dp=2, tp=4)
+    payload = block["tp"]["rows"][0]["payload_bytes"] // block["tp"]["rows"][0]["calls"]
+    row_tp = (f"| tp (4 ranks) | NVLink, 300 GB/s | {block['tp']['calls']} all-reduces of {payload / MIB:.0f} MiB | "
+              f"{block['tp']['sent_bytes'] / MIB:.0f} MiB | {block['tp']['seconds'] * 1e3:.2f} ms |")
+    gathers = sum(r["calls"] for r in block["dp"]["rows"] if r["collective"] == "all_gather")
+    scatters = sum(r["calls"] for r in block["dp"]["rows"] if r["collective"] == "reduce_scatter")
+    row_dp = (f"| dp (2 ranks) | Slingshot, 25 GB/s | {gathers} all-gathers + {scatters} reduce-scatter | "
+              f"{block['dp']['sent_bytes'] / MIB:.0f} MiB | {block['dp']['seconds'] * 1e3:.1f} ms |")
+    assert row_tp in text, row_tp
+    assert row_dp in text, row_dp
+    assert f"against {block['compute']['seconds'] * 1e3:.2f} ms of the block's matrix multiplies" in text
+    # "the link makes the difference of twelve times": the links' ratio, and the times' ratio
+    assert tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S == 12
+    assert round(block["dp"]["seconds"] / block["tp"]["seconds"]) == 12 and "difference of twelve times" in text
+    assert round(block["dp"]["sent_bytes"] / block["tp"]["sent_bytes"], 2) == pytest.approx(1.0, abs=0.02)
+    # the TP group across the nodes: its all-reduces on the NIC cost more than the compute
+    assert block["tp"]["sent_bytes"] / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S > block["compute"]["seconds"]
+    # "with 2 sequences per micro-batch the compute doubles and covers them"
+    assert sizing.micro_batch_to_hide_fsdp("7B", 2) == 2 and "with 2 sequences per micro-batch" in text
+    # the alternative head all-reduces B x S x V logits: V is nearly eight times h
+    assert round(32000 / 4096) == 8 and "V = 32,000 nearly eight times h = 4,096" in text
+
+
+def test_the_two_node_mesh_picture(raw):
+    groups = hybrid.grid_groups((1, 2, 4), "device_mesh")
+    assert groups["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "FSDP groups across the nodes: " + " ".join(str(g) for g in groups["dp"]) in raw
+    for node, group in enumerate(groups["tp"]):
+        assert f"one TP group {group}" in raw
+
+
+def test_the_rank_order_table(text):
+    shape, gpus_per_node = (2, 2, 4), 4
+    crossing = hybrid.crossing_groups_by_order(shape, gpus_per_node)
+    for order, label in (("device_mesh", "DeviceMesh"), ("hybrid_context", "HybridParallelContext")):
+        tp_groups = hybrid.grid_groups(shape, order)["tp"]
+        row = (f"| {label} | {' '.join(str(g) for g in tp_groups)} | "
+               f"{len(crossing[order]['tp'])} of {len(tp_groups)} |")
+        assert row in text, row
+    # the two formulas as the chapter writes them
+    assert hybrid.grid_coordinates(6, shape, "hybrid_context") == {"pp": 0, "dp": 0, "tp": 3}
+    assert hybrid.grid_coordinates(6, shape, "device_mesh") == {"pp": 0, "dp": 1, "tp": 2}
+    assert "rank = pp_rank x dp x tp + dp_rank x tp + tp_rank" in text
+    assert "rank = pp_rank x tp x dp + tp_rank x dp + dp_rank" in text
+
+
+def test_the_sizing_paragraphs(text):
+    rows = {r["model"]: r for r in sizing.sizing_table()}
+    rule = sizing.RULE_OF_THUMB_NODES
+    minimum = [rows[m]["min_nodes"] for m in rule]
+    assert f"{minimum[0]}, {minimum[1]}, {minimum[2]} and {minimum[3]} against " \
+           f"{rule['7B']}, {rule['13B']}, {rule['30B']} and {rule['70B']}" in text
+    assert [rule[m] / rows[m]["min_nodes"] for m in rule] == [2, 2, 2, 2] and "half the nodes of the rule" in text
+    assert f"30 B needs {rows['30B']['min_nodes_without_checkpointing']} nodes" in text
+    assert rows["70B"]["min_nodes_without_checkpointing"] is None and "70 B fits on no number of nodes" in text
+    # 70B's bf16 block inputs on every TP rank: 80 x 4096 x 8192 x 2 bytes
+    assert 80 * 4096 * 8192 * 2 == 5 * memory.GIB and "(5 GiB at 80 layers)" in text
+    fits, needed = sizing.largest_micro_batch("70B", 20), sizing.micro_batch_to_hide_fsdp("70B", 20)
+    assert f"room for {fits} sequences on 20 nodes where {needed} are needed" in text
+    assert f"{sizing.min_nodes_to_hide_fsdp('70B')} nodes are the fewest that hide FSDP" in text
+    with_sp = replace(sizing.Assumptions(), sequence_parallel=True)
+    assert f"with SP the inputs shrink four times and {sizing.min_nodes_to_hide_fsdp('70B', with_sp)} nodes do" in text
+    assert f"({sizing.min_nodes_to_hide_fsdp('30B')} nodes by this criterion, {rule['30B']} by the rule)" in text
+    for m in ("7B", "13B"):  # "generous": half the rule's nodes already hide FSDP
+        assert sizing.min_nodes_to_hide_fsdp(m) <= rule[m] // 2
+    assert "generous for 7 B and 13 B" in text
+
+
+def test_pipe_is_gone_from_torch(text):
+    import importlib.util
+
+    assert importlib.util.find_spec("torch.distributed.pipeline") is None
+    assert importlib.util.find_spec("torch.distributed.pipelining") is not None
+    assert "removed in 2.4 (pytorch/pytorch#127354)" in text
+
+
+def test_the_chapter_names_scripts_and_modules_that_exist(raw):
+    for path in ("notebooks/09_hybrid_parallel.ipynb", "scripts/09_hybrid_parallel/rank_grid.py",
+                 "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py", "scripts/09_hybrid_parallel/pp_dp_hybrid.py"):
+        assert (REPO / path).exists() or path.startswith("notebooks/"), path
+    import distlab.hybrid_pipeline as hybrid_pipeline
+
+    assert hasattr(hybrid_pipeline, "dp_gradient_sync_bytes") and "dp_gradient_sync_bytes" in raw
+    assert hasattr(tensor_parallel, "activation_bytes") and "tensor_parallel.activation_bytes" in raw
