@@ -161,3 +161,194 @@ def grid_table(shape, order="device_mesh", gpus_per_node: int | None = None) -> 
             row["node"] = node_of(rank, gpus_per_node)
         rows.append(row)
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# 2-D FSDP x TP (fsdp_tp_hybrid.py): parameters per rank and communication per mesh dimension
+# --------------------------------------------------------------------------------------------------
+
+EMBEDDING_PLANS = ("usual", "alternative")
+
+
+def _chunk_rows(rows: int, parts: int, index: int) -> int:
+    """Rows of piece ``index`` when ``torch.chunk`` cuts ``rows`` into ``parts`` (FSDP2's dim-0 split):
+    pieces of ceil(rows / parts), the last ones shorter or empty (10 rows on 4 ranks: 3, 3, 3, 1)."""
+    size = -(-rows // parts)
+    return max(0, min(size, rows - index * size))
+
+
+def tp_local_shapes(cfg, tp: int, embedding_plan: str = "usual") -> dict:
+    """Shape of every parameter on one TP rank, ``{name: (rows, columns)}`` (norm weights: ``(H, 1)``).
+
+    The blocks follow chapter 06's plan: wq, wk, wv, w1, w3 column-wise (their output rows split), wo and
+    w2 row-wise (their input columns split), norms replicated. ``usual``: embedding split by vocabulary
+    (rows) and head column-wise (rows); ``alternative``: embedding split by hidden size (columns) and head
+    row-wise (columns).
+    """
+    if embedding_plan not in EMBEDDING_PLANS:
+        raise ValueError(f"embedding_plan must be one of {EMBEDDING_PLANS}, not {embedding_plan!r}")
+    h, f, v = cfg.dim, cfg.ffn_hidden, cfg.vocab_size
+    by_vocabulary = embedding_plan == "usual"
+    shapes = {"tok_embeddings.weight": (v // tp, h) if by_vocabulary else (v, h // tp)}
+    for i in range(cfg.n_layers):
+        block = f"layers.{i}."
+        shapes.update({block + "attention_norm.weight": (h, 1), block + "ffn_norm.weight": (h, 1)})
+        shapes.update({block + f"attention.{name}.weight": (h // tp, h) for name in ("wq", "wk", "wv")})
+        shapes[block + "attention.wo.weight"] = (h, h // tp)
+        shapes.update({block + f"feed_forward.{name}.weight": (f // tp, h) for name in ("w1", "w3")})
+        shapes[block + "feed_forward.w2.weight"] = (h, f // tp)
+    shapes["norm.weight"] = (h, 1)
+    shapes["output.weight"] = (v // tp, h) if by_vocabulary else (v, h // tp)
+    return shapes
+
+
+def hybrid_param_count_per_rank(cfg, dp: int, tp: int, dp_rank: int = 0, embedding_plan: str = "usual") -> dict:
+    """Parameters one rank of a dp x tp mesh stores: its TP slice of every weight, cut once more along dim 0
+    into ``dp`` pieces by FSDP (piece ``dp_rank``; uneven rows give the last ranks less).
+
+    ``{"blocks": .., "root": .., "total": ..}`` (root: embedding, final norm, head). With every dim 0
+    divisible, total = (matrices / tp + norms) / dp.
+    """
+    blocks = root = 0
+    for name, (rows, columns) in tp_local_shapes(cfg, tp, embedding_plan).items():
+        count = _chunk_rows(rows, dp, dp_rank) * columns
+        if name.startswith("layers."):
+            blocks += count
+        else:
+            root += count
+    return {"blocks": blocks, "root": root, "total": blocks + root}
+
+
+def hybrid_state_bytes(cfg, dp: int, tp: int, dp_rank: int = 0, embedding_plan: str = "usual"):
+    """fp32 training state of one rank (a :class:`distlab.memory.StateBytes`): 4 bytes of parameter, 4 of
+    gradient and 8 of AdamW moments for each parameter it stores (:func:`hybrid_param_count_per_rank`)."""
+    from distlab.memory import StateBytes
+
+    held = hybrid_param_count_per_rank(cfg, dp, tp, dp_rank, embedding_plan)["total"]
+    return StateBytes(4 * held, 4 * held, 8 * held)
+
+
+def fsdp_unit_params(cfg, tp: int, embedding_plan: str = "usual") -> dict:
+    """Parameters of one FSDP unit on one TP rank (what the unit's all-gather rebuilds over dp):
+    ``{"block": .., "root": ..}``; each block is one unit, the root (embedding, final norm, head) another."""
+    shapes = tp_local_shapes(cfg, tp, embedding_plan)
+    block = sum(r * c for name, (r, c) in shapes.items() if name.startswith("layers.0."))
+    root = sum(r * c for name, (r, c) in shapes.items() if not name.startswith("layers."))
+    return {"block": block, "root": root}
+
+
+def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, sequence_parallel: bool = False,
+                         embedding_plan: str = "usual", reshard_after_forward: bool = True,
+                         bytes_per_element: int = 4) -> list:
+    """The collectives of one training step on a dp x tp mesh, per mesh dimension, as rows
+    ``{dimension, phase, where, collective, calls, payload_bytes}`` (payload summed over the calls).
+
+    **tp** (each TP group works on its replica's batch / dp sequences): chapter 06's rows
+    (:func:`distlab.tensor_parallel.tp_comm_formula`), with ``where`` either ``blocks`` (2 all-reduces of
+    B x S x H per block forward and 2 backward; all-gather + reduce-scatter pairs under SP) or
+    ``outside blocks`` (embedding, head, final norm, loss). Under SP the norm weights' gradient all-reduces
+    run inside backward (FSDP's post-backward hook finishes them before its reduce-scatter).
+    The ``alternative`` embedding plan replaces the outside rows: forward, an all-gather of B x S x H (the
+    embedding's hidden-size shards) and an all-reduce of the B x S x V logits (the head's partial sums);
+    backward, an all-gather of B x S x H (the head's input gradient); no loss_parallel reductions.
+
+    **dp** (FSDP2 over the ``dp`` ranks holding the same TP slice): per unit (each block, and the root),
+    an all-gather of the unit's TP-local parameters before forward, another before backward
+    (``reshard_after_forward``), and a reduce-scatter of its gradients. Groups of one rank carry nothing:
+    no rows for a dimension of size 1.
+    """
+    from distlab.tensor_parallel import tp_comm_formula
+
+    rows: dict[tuple, dict] = {}
+
+    def add(dimension, phase, where, collective, calls, payload_each):
+        key = (dimension, phase, where, collective)
+        row = rows.setdefault(key, {"dimension": dimension, "phase": phase, "where": where,
+                                    "collective": collective, "calls": 0, "payload_bytes": 0})
+        row["calls"] += calls
+        row["payload_bytes"] += calls * payload_each
+
+    if tp > 1:
+        replica_batch = batch // dp
+        activation = replica_batch * seq_len * cfg.dim * bytes_per_element
+        for row in tp_comm_formula(cfg, replica_batch, seq_len, tp, sequence_parallel=sequence_parallel,
+                                   bytes_per_element=bytes_per_element):
+            if embedding_plan == "alternative" and row["where"] != "blocks":
+                continue  # written below
+            if row["where"] == "norm weights":  # 2 per block, and the final norm
+                add("tp", "backward", "blocks", row["collective"], 2 * cfg.n_layers, cfg.dim * bytes_per_element)
+                add("tp", "backward", "outside blocks", row["collective"], 1, cfg.dim * bytes_per_element)
+                continue
+            where = "blocks" if row["where"] == "blocks" else "outside blocks"
+            add("tp", row["phase"], where, row["collective"], row["calls"], row["payload_bytes"] // row["calls"])
+        if embedding_plan == "alternative":
+            add("tp", "forward", "outside blocks", "all_gather", 1, activation)
+            add("tp", "forward", "outside blocks", "all_reduce", 1,
+                replica_batch * seq_len * cfg.vocab_size * bytes_per_element)
+            add("tp", "backward", "outside blocks", "all_gather", 1, activation)
+    if dp > 1:
+        units = fsdp_unit_params(cfg, tp, embedding_plan)
+        for unit, count in (("block", cfg.n_layers), ("root", 1)):
+            unit_bytes = units[unit] * bytes_per_element
+            # a unit is recognised by its size when measured: a root as large as a block counts as one
+            where = "blocks" if unit == "block" or units["root"] == units["block"] else "root"
+            add("dp", "forward", where, "all_gather", count, unit_bytes)
+            if reshard_after_forward:
+                add("dp", "backward", where, "all_gather", count, unit_bytes)
+            add("dp", "backward", where, "reduce_scatter", count, unit_bytes)
+    return list(rows.values())
+
+
+def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual",
+                               bytes_per_element: int = 4) -> list:
+    """Group the collectives a :class:`distlab.comm.ModuleCommCounter` recorded into the rows of
+    :func:`fsdp_tp_comm_formula`.
+
+    The mesh dimension comes from who issued the call: FSDP2 calls ``torch.distributed`` collectives on
+    its dp group (``source == "c10d"``), DTensor issues functional collectives on the tp group. Calls on a
+    group of one rank move nothing and are left out. A TP call is in ``blocks`` when a block's module
+    issued it. An FSDP call's unit is read from its size (a block's or the root's TP-local parameters),
+    not from the module running at the time: FSDP prefetches, gathering the next unit's weights while
+    the current one computes. A size that is neither becomes a row of its own, ``unknown unit``.
+    """
+    units = {size * bytes_per_element: name
+             for name, size in (("root", fsdp_unit_params(cfg, tp, embedding_plan)["root"]),
+                                ("blocks", fsdp_unit_params(cfg, tp, embedding_plan)["block"]))}
+    rows: dict[tuple, dict] = {}
+    for call in calls:
+        if call.group_size == 1:
+            continue
+        if call.source == "c10d":
+            dimension = "dp"
+            where = units.get(call.payload_bytes, "unknown unit")
+        else:
+            dimension = "tp"
+            where = "blocks" if ".layers." in f".{call.module}." else "outside blocks"
+        key = (dimension, call.phase, where, call.collective)
+        row = rows.setdefault(key, {"dimension": dimension, "phase": call.phase, "where": where,
+                                    "collective": call.collective, "calls": 0, "payload_bytes": 0})
+        row["calls"] += 1
+        row["payload_bytes"] += call.payload_bytes
+    return list(rows.values())
+
+
+def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> list:
+    """One row per (dimension, phase, where, collective) found in either list, measured beside formula,
+    with the bytes each rank sends on a ring over that dimension's group."""
+    from distlab.comm import bytes_sent_per_rank
+
+    def key(row):
+        return (row["dimension"], row["phase"], row["where"], row["collective"])
+
+    measured_by_key = {key(r): r for r in measured}
+    formula_by_key = {key(r): r for r in formula}
+    joined = []
+    for k in list(formula_by_key) + [k for k in measured_by_key if k not in formula_by_key]:
+        m = measured_by_key.get(k, {"calls": 0, "payload_bytes": 0})
+        f = formula_by_key.get(k, {"calls": 0, "payload_bytes": 0})
+        group = dp if k[0] == "dp" else tp
+        joined.append({"dimension": k[0], "phase": k[1], "where": k[2], "collective": k[3],
+                       "measured_calls": m["calls"], "analytic_calls": f["calls"],
+                       "measured_bytes": m["payload_bytes"], "analytic_bytes": f["payload_bytes"],
+                       "sent_bytes_per_rank": bytes_sent_per_rank(k[3], m["payload_bytes"], group)})
+    return joined

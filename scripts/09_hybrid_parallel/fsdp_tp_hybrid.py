@@ -1,0 +1,291 @@
+"""2-D parallelism: tensor parallelism inside a node, FSDP across nodes, on one DeviceMesh ("dp", "tp").
+
+The shared LLaMA-style transformer on a ``dp x tp`` mesh. Each TP group (``tp`` consecutive ranks: one
+node) splits every block by the plan of chapter 06 (heads of attention, columns of the feed-forward, the
+vocabulary); each of the ``dp`` TP groups takes 1/dp of the global batch; and FSDP2 shards every TP shard
+once more, over the ``dp`` ranks that hold the same TP shard (one per node). A rank therefore stores
+1/(dp x tp) of every matrix; the per-layer all-reduces of TP stay on NVLink and only FSDP's once-per-unit
+all-gathers and reduce-scatters cross the network.
+
+It proves, against a single-device run built independently from the same seed and the same global batch:
+
+* losses equal at every step, gradients at step 0, parameters at the end;
+* per-rank parameters, gradients and AdamW state measured off the local shards = the formula
+  (``distlab.hybrid.hybrid_state_bytes``);
+* the collectives of one step, measured per mesh dimension = the formula
+  (``distlab.hybrid.fsdp_tp_comm_formula``): TP all-reduces per block over ``tp``, FSDP all-gathers and
+  reduce-scatters per unit over ``dp``.
+
+``--embedding-plan``: ``usual`` splits the embedding row-wise (by vocabulary) and the output head
+column-wise with ``loss_parallel`` (logits never gathered); ``alternative`` is the plan one of our source
+texts prints, embedding column-wise (by hidden size) and head row-wise. Both train correctly; the script
+measures what each communicates (see the chapter for which to use and why).
+
+    torchrun --standalone --nproc_per_node=4 scripts/09_hybrid_parallel/fsdp_tp_hybrid.py --dp 2 --tp 2
+    torchrun --standalone --nproc_per_node=4 scripts/09_hybrid_parallel/fsdp_tp_hybrid.py --embedding-plan alternative
+    mpiexec -n 8 --ppn 4 python scripts/09_hybrid_parallel/fsdp_tp_hybrid.py --preset a100   # tp 4 x dp 2
+"""
+
+import argparse
+import contextlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+from distlab import comm, data, hybrid, memory, metrics, models, runtime, tensor_parallel
+
+
+def mesh_shape(args, world_size, ranks_per_node):
+    """(dp, tp): as given, else TP over the ranks of a node and DP over the nodes."""
+    default_dp, default_tp = hybrid.default_mesh_shape(world_size, ranks_per_node)
+    tp = args.tp or (world_size // args.dp if args.dp else default_tp)
+    dp = args.dp or max(1, world_size // tp)
+    return dp, tp
+
+
+def check_config(args, world_size):
+    dp, tp = mesh_shape(args, world_size, runtime.launcher_env().local_world_size)
+    problems = hybrid.mesh_shape_problems(world_size, 1, dp, tp)
+    runtime.require(not problems, "; ".join(problems))
+    cfg = tensor_parallel.model_from_args(args)  # also fills in args.batch and args.seq_len
+    problems = tensor_parallel.tp_config_problems(cfg, tp, batch=args.batch, seq_len=args.seq_len,
+                                                  sequence_parallel=args.sequence_parallel)
+    runtime.require(not problems, "; ".join(problems))
+    runtime.require(args.batch % dp == 0, f"--batch {args.batch} does not split over dp = {dp} replicas")
+    runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1's communication is measured)")
+    runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
+                    "--sequence-parallel goes with the usual embedding plan only")
+
+
+def tp_plan(embedding_plan, sequence_parallel):
+    """Chapter 06's plan for the blocks; the embedding and the head as ``embedding_plan`` says."""
+    plan = tensor_parallel.transformer_tp_plan(sequence_parallel)
+    if embedding_plan == "alternative":
+        # The embedding split by hidden size: each rank looks up H/tp columns of every token, then an
+        # all-gather rebuilds B x S x H. The head split by its input (H): each rank multiplies its H/tp slice
+        # and the full B x S x V logits are summed by an all-reduce (no loss_parallel: logits are whole).
+        plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["output"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return plan
+
+
+def build_hybrid_model(cfg, args, mesh, device):
+    """The model on the 2-D mesh: tensor parallel over mesh["tp"] first, then FSDP over mesh["dp"].
+
+    Why in that order: parallelize_module turns each weight into a DTensor on the TP mesh, holding this
+    rank's TP slice. fully_shard then sees those DTensors and shards each one's local slice once more along
+    dim 0 over dp: the parameter becomes a DTensor on the 2-D (dp, tp) mesh, and FSDP's all-gathers rebuild
+    the TP slice (not the full weight) just before a block runs, over the dp ranks only. The other order
+    would shard full weights over dp first and TP could no longer choose its own split.
+    """
+    model = models.build_transformer(cfg, args.seed, device)  # same seed: the full weights of one device
+    parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
+    for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward)
+    return model
+
+
+def train_single_device(cfg, args, device):
+    """The reference: one model, the whole global batch, AdamW. Losses, step-0 gradients, final parameters."""
+    model = models.build_transformer(cfg, args.seed, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses, first_grads = [], {}
+    for step in range(args.steps):
+        inputs, targets = data.split_inputs_targets(
+            data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(device))
+        loss = models.lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    final = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    return losses, first_grads, final
+
+
+def quiet_redistribution():
+    """Gathering a 2-D sharded weight whole takes one all-gather per mesh dimension; torch warns that this
+    is "suboptimal" each time. Here it is deliberate (a check, once per parameter): silence the warning."""
+    import logging
+
+    @contextlib.contextmanager
+    def quiet():
+        logger = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+    return quiet()
+
+
+def compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt):
+    """What the embedding and the head communicate under each plan (formula), beside this run's measurement.
+
+    The usual plan sends the embedding's output once (an all-reduce of B x S x H) and keeps the logits split
+    over the vocabulary (loss_parallel: three small all-reduces of B x S numbers); the alternative sends
+    the embedding's output as an all-gather (half the bytes per rank on a ring) but sums the whole
+    B x S x V logits with an all-reduce, and every rank then holds all of them. V is many times H in a
+    language model (32,000 vs 2,048 for the a100 preset), so the usual plan is the one to use.
+    """
+    if tp == 1:
+        return
+    sent = {}
+    for plan in hybrid.EMBEDDING_PLANS:
+        rows = hybrid.fsdp_tp_comm_formula(cfg, args.batch, args.seq_len, dp, tp, embedding_plan=plan,
+                                           sequence_parallel=args.sequence_parallel and plan == "usual")
+        sent[plan] = sum(comm.bytes_sent_per_rank(r["collective"], r["payload_bytes"], tp) for r in rows
+                         if r["dimension"] == "tp" and r["where"] == "outside blocks")
+    measured = sum(r["sent_bytes_per_rank"] for r in ledger if r["dimension"] == "tp" and r["where"] == "outside blocks")
+    logits_per_rank = {"usual": args.batch // dp * args.seq_len * cfg.vocab_size // tp * 4,
+                       "alternative": args.batch // dp * args.seq_len * cfg.vocab_size * 4}
+    rt.print(f"\nembedding + head + loss, bytes each rank sends per step over tp (ring): usual plan "
+             f"{sent['usual']:,.0f}, alternative {sent['alternative']:,.0f} (formula); this run "
+             f"({args.embedding_plan}) measured {measured:,.0f}. Logits held per rank: usual "
+             f"{logits_per_rank['usual']:,} B, alternative {logits_per_rank['alternative']:,} B (derived). "
+             f"Both plans train like one device (the checks above); the usual one sends "
+             f"{'less' if sent['usual'] < sent['alternative'] else 'more'} and keeps the logits split.")
+    report.extra["embedding_plans"] = {"sent_bytes_per_rank_outside_blocks": sent, "measured_this_plan": measured,
+                                       "logits_bytes_per_rank": logits_per_rank, "this_plan": args.embedding_plan}
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
+    p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) degree (default: the number of nodes)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the ranks of a node)")
+    p.add_argument("--sequence-parallel", action="store_true", help="split the activations between TP regions")
+    p.add_argument("--embedding-plan", choices=["usual", "alternative"], default="usual",
+                   help="usual: embedding row-wise, head column-wise + loss_parallel; alternative: embedding "
+                        "column-wise, head row-wise (what one of our source texts prints)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP frees each block's gathered weights after forward (2 all-gathers per unit and step)")
+    tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
+    args = p.parse_args()
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = tensor_parallel.model_from_args(args)
+        dp, tp = mesh_shape(args, rt.world_size, rt.local_world_size)
+        report = metrics.Report(__file__, rt, config={**vars(args), "dp": dp, "tp": tp, "model": cfg.to_dict()})
+        # Losses and step-0 gradients: chapter 06's fp32 tolerances (sums in another order). Parameters after
+        # the last step: AdamW divides by sqrt(v), so a weight whose gradient is mostly rounding noise can move
+        # by up to ~lr per step whichever way the noise points; a wrong gradient moves every weight by ~lr.
+        tolerance = {**tensor_parallel.TOLERANCE[args.preset], "param": args.lr / 10}
+        for warning in hybrid.mesh_shape_warnings(tp, rt.local_world_size):
+            rt.print(warning)
+
+        # 1. The single-device reference first, so its memory is free before the hybrid model is built.
+        reference_losses, reference_grads, reference_final = train_single_device(cfg, args, rt.device)
+        if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        # 2. The 2-D mesh: tp innermost, so a TP group is tp consecutive ranks (one node; see rank_grid.py).
+        mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh.get_local_rank("dp")
+        model = build_hybrid_model(cfg, args, mesh, rt.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        rt.print(f"{rt.world_size} ranks as dp {dp} x tp {tp}; TP groups {hybrid.grid_groups((1, dp, tp))['tp']}, "
+                 f"FSDP groups {hybrid.grid_groups((1, dp, tp))['dp']}; embedding plan {args.embedding_plan}"
+                 + (", sequence parallel" if args.sequence_parallel else ""))
+
+        # 3. Train. A TP group shares one slice of the batch: every TP rank of replica d sees rows d/dp.
+        counter = comm.ModuleCommCounter()  # step 1 (step 0 also pays one-off set-up)
+        started = state = None
+        for step in range(args.steps):
+            if step == 2:
+                rt.sync()
+                started = time.perf_counter()
+            tokens = data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, dp_rank, dp).to(rt.device))
+            usual = args.embedding_plan == "usual"
+            with counter if step == 1 else contextlib.nullcontext(), \
+                    loss_parallel() if usual else contextlib.nullcontext():
+                loss = models.lm_loss(model(inputs), targets)
+                loss.backward()
+            # (Under SP the norm weights' gradients are partial sums over sequence shards: FSDP's post-backward
+            # hook all-reduces them over tp before its reduce-scatter over dp, so nothing is left to reduce.)
+            if step == 0:
+                with quiet_redistribution():
+                    difference = tensor_parallel.max_gradient_difference(model, reference_grads)
+                report.check("step-0 gradients equal single-device (every parameter)",
+                             difference <= tolerance["grad"], difference, tolerance["grad"])
+            optimizer.step()
+            if step == 1:
+                state = memory.ledger(model, optimizer)  # parameters, gradients and AdamW moments all exist now
+            optimizer.zero_grad(set_to_none=True)
+            local = loss.full_tensor() if isinstance(loss, DTensor) else loss  # the same on every TP rank
+            global_loss = local.detach().clone()
+            dist.all_reduce(global_loss, group=mesh.get_group("dp"))  # the mean over the dp replicas
+            report.losses.append(global_loss.item() / dp)
+            rt.print(f"step {step}: loss {report.losses[-1]:.6f}   single device {reference_losses[step]:.6f}")
+        rt.sync()
+        elapsed = time.perf_counter() - started if started else float("nan")
+        report.check_close("losses equal single-device (every step)", report.losses, reference_losses,
+                           tolerance=tolerance["loss"])
+
+
+        # 4. Parameters at the end: every weight gathered whole (a collective), against the reference's.
+        with quiet_redistribution():
+            final_difference = max(metrics.max_abs_diff(
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu(), reference_final[name])
+                for name, p in model.named_parameters())
+        report.check("parameters after the last step equal single-device (every parameter)",
+                     final_difference <= tolerance["param"], final_difference, tolerance["param"])
+
+        # 5. Memory per rank: measured off the local shards (at step 1, after the optimizer step) = formula.
+        formula_state = hybrid.hybrid_state_bytes(cfg, dp, tp, dp_rank, args.embedding_plan)
+        for part in ("params", "grads", "optimizer"):
+            report.check_equal(f"{part} bytes on this rank = formula (1/(dp x tp) of the matrices, 1/dp of the "
+                               f"norms)", getattr(state, part), int(getattr(formula_state, part)))
+        report.memory = {"measured": state.as_dict(), "analytic": formula_state.as_dict(),
+                         "single_device": memory.training_state_bytes(cfg.num_params(), "fp32").as_dict(),
+                         "tp_only": memory.training_state_bytes(
+                             tensor_parallel.tp_param_count_per_rank(cfg, tp)["total"], "fp32").as_dict(),
+                         "device": metrics.memory_snapshot(rt.device)}
+        rt.print(f"\nstate per rank: {state.total:,.0f} B measured, {formula_state.total:,.0f} B formula; one device "
+                 f"{report.memory['single_device']['total']:,.0f} B, TP alone {report.memory['tp_only']['total']:,.0f} B")
+
+        # 6. The communication of step 1, per mesh dimension: measured = formula.
+        formula = hybrid.fsdp_tp_comm_formula(cfg, args.batch, args.seq_len, dp, tp,
+                                              sequence_parallel=args.sequence_parallel,
+                                              embedding_plan=args.embedding_plan,
+                                              reshard_after_forward=args.reshard_after_forward)
+        measured = hybrid.measured_fsdp_tp_comm_rows(counter.calls, cfg, tp, args.embedding_plan)
+        ledger = hybrid.join_fsdp_tp_comm_rows(measured, formula, dp, tp)
+        rt.print(f"\ncommunication of one training step per mesh dimension (replica batch {args.batch // dp} x "
+                 f"{args.seq_len} tokens, H = {cfg.dim}, V = {cfg.vocab_size}):")
+        rt.print(f"  {'dim':3s} {'phase':8s} {'where':14s} {'collective':14s} {'calls':>5s} {'measured':>10s} "
+                 f"{'formula':>10s}  sent per rank")
+        for row in ledger:
+            rt.print(f"  {row['dimension']:3s} {row['phase']:8s} {row['where']:14s} {row['collective']:14s} "
+                     f"{row['measured_calls']:5d} {row['measured_bytes']:10,d} {row['analytic_bytes']:10,d}  "
+                     f"{row['sent_bytes_per_rank']:,.0f}")
+            report.add_comm(row["collective"], row["measured_bytes"], row["analytic_bytes"],
+                            dimension=row["dimension"], phase=row["phase"], where=row["where"],
+                            measured_calls=row["measured_calls"], analytic_calls=row["analytic_calls"],
+                            sent_bytes_per_rank=row["sent_bytes_per_rank"])
+        for dimension in ("tp", "dp"):
+            rows = [r for r in ledger if r["dimension"] == dimension]
+            mismatched = [f"{r['phase']}/{r['where']}/{r['collective']}" for r in rows
+                          if (r["measured_bytes"], r["measured_calls"]) != (r["analytic_bytes"], r["analytic_calls"])]
+            report.check(f"{dimension} communication of one step = formula (calls and bytes of every collective)",
+                         not mismatched, mismatched or len(rows), "every row equal")
+        compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt)
+
+        report.throughput = metrics.throughput(args.batch * args.seq_len, elapsed, args.steps - 2, cfg=cfg,
+                                               seq_len=args.seq_len, device=rt.device, num_devices=rt.world_size)
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
