@@ -78,9 +78,13 @@ def pp_send_bytes(stages_of_rank: list[int], num_stages: int, microbatches: int,
                   seq_len: int, dim: int, bytes_per_element: int = 4) -> int:
     """Bytes one rank sends to its pipeline neighbours in a step: for each of its stages, the activations of
     every microbatch forward (unless it is the last stage) and their gradients backward (unless it is the
-    first: nothing needs the gradient of token ids). One activation is microbatch x sequence x hidden."""
+    first: nothing needs the gradient of token ids). One activation is microbatch x sequence x hidden.
+    A neighbour stage on the same rank (the middle of a V: stages r and 2P-1-r meet on rank P-1) gets its
+    tensor without a message."""
     activation = microbatch_rows * seq_len * dim * bytes_per_element
-    sends = sum((stage != num_stages - 1) + (stage != 0) for stage in stages_of_rank)
+    mine = set(stages_of_rank)
+    sends = sum((stage != num_stages - 1 and stage + 1 not in mine) + (stage != 0 and stage - 1 not in mine)
+                for stage in stages_of_rank)
     return sends * microbatches * activation
 
 

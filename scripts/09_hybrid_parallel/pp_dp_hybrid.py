@@ -73,18 +73,15 @@ class BucketLog:
 def make_data_parallel(module, args, mesh, bucket_log):
     """The stage, data parallel over the ranks that hold the same stage."""
     if args.dp_mode == "ddp":
+        device = next(module.parameters()).device
         wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp"),
-                                          device_ids=[module_device(module)] if torch.cuda.is_available() else None)
+                                          device_ids=[device] if device.type == "cuda" else None)
         wrapped.register_comm_hook(state=None, hook=bucket_log.hook)
         return wrapped
     # FSDP2: each block one unit, then the stage's root (embeddings or head). Gathered for the whole step.
     for block in module.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
     return fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
-
-
-def module_device(module):
-    return next(module.parameters()).device
 
 
 def check_config(args, cfg, world_size):
