@@ -98,6 +98,7 @@ RUNS: tuple[Run, ...] = (
     Run("compute_and_memory_per_rank", f"{CH02}/compute_and_memory_per_rank.py"),
     Run("collectives", f"{CH03}/collectives.py", min_gpus=2),
     Run("ring_allreduce", f"{CH03}/ring_allreduce.py", min_gpus=2),
+    Run("process_groups", f"{CH03}/process_groups.py", min_gpus=2),
     Run("ddp_from_scratch", f"{CH04}/ddp_from_scratch.py"),                       # fp32: compared with one device
     Run("ddp_from_scratch_bf16", f"{CH04}/ddp_from_scratch.py", ("--precision", "bf16", "--no-reference")),
     Run("train_ddp_compare", f"{CH04}/train_ddp.py", ("--compare",)),
@@ -122,6 +123,7 @@ RUNS: tuple[Run, ...] = (
     Run("fsdp_tp_hybrid", f"{CH09}/fsdp_tp_hybrid.py", ("--tp", "2", "--dp", "{half}"), min_gpus=2),
     Run("pp_dp_hybrid_ddp", f"{CH09}/pp_dp_hybrid.py", ("--dp-mode", "ddp"), min_gpus=2),
     Run("pp_dp_hybrid_fsdp", f"{CH09}/pp_dp_hybrid.py", ("--dp-mode", "fsdp"), min_gpus=2),
+    Run("hybrid_3d", f"{CH09}/hybrid_3d.py", ("--pp", "2", "--tp", "2"), min_gpus=4),   # dp: the ranks left over
     Run("halo_conv", f"{CH10}/halo_conv.py", min_gpus=2),
     Run("domain_train", f"{CH10}/domain_train.py", min_gpus=2),
 )
