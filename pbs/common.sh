@@ -7,8 +7,10 @@
 #         --metrics-out "$DISTLAB_RUN_DIR/train_ddp.json"
 #     distlab_finish
 #
-# Sourcing it: loads modules, activates the conda environment, sets NCCL/libfabric for Slingshot, reads
-# the job's nodes from $PBS_NODEFILE, exports MASTER_ADDR/MASTER_PORT and makes a run directory.
+# Sourcing it: loads modules, activates the conda environment, sets NCCL/libfabric (and gloo) for Slingshot,
+# reads the job's nodes from $PBS_NODEFILE, exports MASTER_ADDR/MASTER_PORT and makes a run directory on
+# scratch (never over an earlier run's files). DISTLAB_FUNCTIONS_ONLY=1 defines the functions and does
+# nothing else (the unit tests of its rules call them one by one).
 # distlab_launch starts one script on every GPU of the job, with mpiexec (default) or with one torchrun
 # agent per node. Every setting is an environment variable with a default (qsub -v NAME=value);
 # pbs/README.md lists them. Anything wrong stops the job at once with one line "distlab: error: ...".
@@ -48,6 +50,10 @@ DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv cuda conda}  # modules to load ("" for
 DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
 DISTLAB_NETWORK=${DISTLAB_NETWORK:-auto}               # slingshot: NCCL/libfabric settings below; none; auto: by hsn*
 DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
+DISTLAB_NCCL_PLUGIN_DIR=${DISTLAB_NCCL_PLUGIN_DIR:-}   # a folder holding libnccl-net*.so (aws-ofi-nccl), searched first
+DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (default: $SCRATCH, else the site's scratch)
+DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-/glade/derecho/scratch/${USER:-$(id -un)}} # Derecho's scratch
+DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 case $DISTLAB_LAUNCHER in
@@ -140,16 +146,26 @@ distlab_network_env() {
     none) return 0 ;;
     *) distlab_die "DISTLAB_NETWORK=$DISTLAB_NETWORK: use auto, slingshot or none" ;;
     esac
-    # Bootstrap and socket traffic over the Slingshot interfaces hsn0..hsnN, not the management Ethernet.
+    # Bootstrap and socket traffic over the Slingshot interfaces hsn0..hsnN, not the management Ethernet
+    # (NCCL reads the value as a prefix of interface names).
     export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
+    # The scripts run CPU-side collectives (object collectives, CPU tensors) on gloo ("cuda:nccl,cpu:gloo").
+    # Gloo wants one exact interface name; left alone it binds to whatever the host name resolves to, and a
+    # two-node run can hang until the process-group timeout. Same network as NCCL: the first hsn interface.
+    if [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then
+        local first
+        first=$(compgen -G "${DISTLAB_SYS_NET:-/sys/class/net}/hsn*" | sort | head -n 1)
+        [[ -z $first ]] || export GLOO_SOCKET_IFNAME=${first##*/}
+    fi
     # Let a ring or tree leave a node on a different NIC than it entered (4 NICs per node, not rail-wired).
     export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-1}
-    # GPUDirect RDMA when the GPU and the NIC share a PCIe host bridge.
-    export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
-    # Warnings only; NCCL_DEBUG=INFO shows the transport chosen ("Using network AWS Libfabric" or "Socket").
+    # NCCL_NET_GDR_LEVEL is left to NCCL: NCAR's PyTorch jobs set it (PHB) and later dropped it, and we have
+    # not measured it stable on Derecho (pbs/README.md). Set it yourself to try: qsub -v NCCL_NET_GDR_LEVEL=PHB.
+    # Warnings only; NCCL_DEBUG=INFO shows the transport chosen (distlab_nccl_transport reads it).
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
     # libfabric's Slingshot provider. Without DISABLE_HOST_REGISTER CUDA allocations can deadlock with it;
-    # a larger completion queue avoids overruns at scale; userfaultfd is the safe memory-cache monitor.
+    # a larger completion queue avoids overruns at scale; userfaultfd is the memory-cache monitor HPE found
+    # NCCL not to deadlock with (HPE, "Running NCCL-Based Applications"; pbs/README.md lists the sources).
     export FI_PROVIDER=${FI_PROVIDER:-cxi}
     export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
     export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
@@ -157,27 +173,85 @@ distlab_network_env() {
     # PyTorch talks through NCCL, not GPU-aware MPI: asking Cray MPICH for GPU support without its GTL
     # library linked aborts at start.
     export MPICH_GPU_SUPPORT_ENABLED=${MPICH_GPU_SUPPORT_ENABLED:-0}
-    # NCCL's fast path over Slingshot is the aws-ofi-nccl plugin. NCCL_NET="AWS Libfabric" makes NCCL fail
-    # at start when the plugin is missing instead of silently falling back to TCP sockets, so "auto" sets
-    # it only when a libnccl-net plugin is on LD_LIBRARY_PATH or in the conda environment.
+    # NCCL's fast path over Slingshot is the aws-ofi-nccl plugin; neither conda-forge's nor pip's PyTorch
+    # ships it. NCCL_NET="AWS Libfabric" makes NCCL fail at start when the plugin is missing instead of
+    # silently falling back to TCP sockets, so "auto" sets it only when distlab_find_nccl_plugin finds one.
     if [[ -z ${NCCL_NET:-} ]]; then
-        local use_ofi=$DISTLAB_NCCL_OFI dir
+        local use_ofi=$DISTLAB_NCCL_OFI plugin
+        plugin=$(distlab_find_nccl_plugin)
+        if [[ -n $plugin ]]; then
+            distlab_log "aws-ofi-nccl plugin: $plugin"
+            # NCCL dlopens libnccl-net.so (or libnccl-net-$NCCL_NET_PLUGIN.so) through the library path
+            case ":${LD_LIBRARY_PATH:-}:" in *":${plugin%/*}:"*) ;; *) export LD_LIBRARY_PATH=${plugin%/*}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;; esac
+            if [[ ${plugin##*/} == libnccl-net-ofi.so* && ! -e ${plugin%/*}/libnccl-net.so ]]; then
+                export NCCL_NET_PLUGIN=${NCCL_NET_PLUGIN:-ofi}
+            fi
+        fi
         if [[ $use_ofi == auto ]]; then
             use_ofi=0
-            local -a dirs
-            IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}:${CONDA_PREFIX:+$CONDA_PREFIX/lib}"
-            for dir in "${dirs[@]}"; do
-                if [[ -n $dir ]] && compgen -G "$dir/libnccl-net*.so*" >/dev/null; then
-                    use_ofi=1
-                    break
-                fi
-            done
+            [[ -z $plugin ]] || use_ofi=1
         fi
         if [[ $use_ofi == 1 ]]; then
             export NCCL_NET="AWS Libfabric"
         elif ((DISTLAB_NNODES > 1)); then
-            distlab_log "no aws-ofi-nccl plugin found: NCCL between nodes uses TCP sockets on $NCCL_SOCKET_IFNAME (slower)"
+            distlab_log "no aws-ofi-nccl plugin found: NCCL between nodes uses TCP sockets on $NCCL_SOCKET_IFNAME (slow; see pbs/README.md, 'NCCL on Slingshot')"
         fi
+    fi
+}
+
+# distlab_find_nccl_plugin: the path of an aws-ofi-nccl plugin (libnccl-net*.so), or nothing. Looks in
+# DISTLAB_NCCL_PLUGIN_DIR, then every folder of LD_LIBRARY_PATH, then the conda environment's lib.
+distlab_find_nccl_plugin() {
+    local -a dirs
+    local dir found
+    IFS=: read -ra dirs <<<"${DISTLAB_NCCL_PLUGIN_DIR}:${LD_LIBRARY_PATH:-}:${CONDA_PREFIX:+$CONDA_PREFIX/lib}"
+    for dir in "${dirs[@]}"; do
+        [[ -n $dir && -d $dir ]] || continue
+        # libnccl-net.so first: the name NCCL opens without NCCL_NET_PLUGIN
+        for found in "$dir"/libnccl-net.so "$dir"/libnccl-net*.so*; do
+            if [[ -e $found ]]; then
+                echo "$found"
+                return 0
+            fi
+        done
+    done
+    return 1
+}
+
+# distlab_nccl_transport LOG...: the network NCCL chose, from its NCCL_DEBUG=INFO lines. One line:
+# "OFI (aws-ofi-nccl, provider cxi)", "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported".
+distlab_nccl_transport() {
+    local net provider sockets
+    net=$(grep -h -o 'NCCL INFO Using network .*' "$@" 2>/dev/null | tail -n 1)
+    net=${net#NCCL INFO Using network }
+    provider=$(grep -h -o -i 'NET/OFI Selected provider is [A-Za-z0-9_;+-]*' "$@" 2>/dev/null | tail -n 1)
+    provider=${provider##* }
+    sockets=$(grep -h -o 'NET/Socket : Using .*' "$@" 2>/dev/null | tail -n 1)
+    sockets=${sockets#NET/Socket : Using }
+    case $net in
+    *Libfabric* | OFI) echo "OFI (aws-ofi-nccl${provider:+, provider $provider})" ;;
+    Socket) echo "Socket (TCP${sockets:+ on ${sockets# }})" ;;
+    "")
+        # a log cut short before "Using network": the plugin's own lines still tell
+        if [[ -n $provider ]]; then
+            echo "OFI (aws-ofi-nccl, provider $provider)"
+        elif [[ -n $sockets ]]; then
+            echo "Socket (TCP on ${sockets# })"
+        else
+            echo "none reported (NCCL_DEBUG=INFO not set, or no NCCL communicator: CPU/gloo runs)"
+        fi
+        ;;
+    *) echo "$net" ;;
+    esac
+}
+
+# distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
+distlab_report_transport() {
+    local transport
+    transport=$(distlab_nccl_transport "$@")
+    distlab_log "NCCL transport: $transport"
+    if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
+        distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
     fi
 }
 
@@ -203,10 +277,38 @@ distlab_discover_nodes() {
     export MASTER_PORT=${DISTLAB_MASTER_PORT:-$(distlab_port_from_job_id "${PBS_JOBID:-distlab}")}
 }
 
+# distlab_scratch: where this job's run folder goes. DISTLAB_SCRATCH, else $SCRATCH (set by many sites),
+# else the site's scratch (DISTLAB_SITE_SCRATCH: Derecho's /glade/derecho/scratch/$USER) when it exists;
+# nothing when there is none (then the repository's runs/ folder, which suits a laptop, not $HOME on a
+# cluster: Derecho's home has a 50 GB quota and the chapter 05 job's a100 checkpoints alone are larger).
+distlab_scratch() {
+    local candidate
+    for candidate in "$DISTLAB_SCRATCH" "${SCRATCH:-}" "$DISTLAB_SITE_SCRATCH"; do
+        if [[ -n $candidate && -d $candidate && -w $candidate ]]; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
 distlab_make_run_dir() {
-    DISTLAB_RUN_DIR=${DISTLAB_RUN_DIR:-$DISTLAB_ROOT/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}}
+    if [[ -z ${DISTLAB_RUN_DIR:-} ]]; then
+        local scratch
+        if scratch=$(distlab_scratch); then
+            DISTLAB_RUN_DIR=$scratch/distlab/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
+        else
+            DISTLAB_RUN_DIR=$DISTLAB_ROOT/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
+            distlab_log "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH): writing under the repository"
+        fi
+    fi
+    # Never write over an earlier run's metrics, logs or checkpoints: a folder that holds files is refused.
+    if [[ $DISTLAB_RUN_DIR_REUSE != 1 && -d $DISTLAB_RUN_DIR ]] && [[ -n $(ls -A "$DISTLAB_RUN_DIR" 2>/dev/null) ]]; then
+        distlab_die "DISTLAB_RUN_DIR=$DISTLAB_RUN_DIR already holds files: name a new folder (or DISTLAB_RUN_DIR_REUSE=1 to write over them)"
+    fi
     mkdir -p "$DISTLAB_RUN_DIR/logs" || distlab_die "cannot create the run directory $DISTLAB_RUN_DIR"
     export DISTLAB_RUN_DIR
+    distlab_log "this job writes to $DISTLAB_RUN_DIR: hosts.txt, commands.sh, logs/, summary.txt and each script's metrics (*.json)"
     DISTLAB_HOSTFILE=$DISTLAB_RUN_DIR/hosts.txt # one line per node, for mpiexec -f (Hydra)
     printf '%s\n' "${DISTLAB_NODES// /$'\n'}" >"$DISTLAB_HOSTFILE"
 }
@@ -269,13 +371,20 @@ distlab_launch() {
     (($# >= 1)) || distlab_die "distlab_launch needs a script"
     local script=$1
     shift
+    local -a target=("$script")
+    if [[ $script == -m ]]; then # a module of this checkout: distlab_launch -m distlab.runtime ARGS
+        (($# >= 1)) || distlab_die "distlab_launch -m needs a module"
+        script=$1
+        target=(-m "$1")
+        shift
+    fi
     local name=${script##*/}
     local only=" ${DISTLAB_ONLY//[,:]/ } " # names separated by commas, colons or spaces
     if [[ -n ${DISTLAB_ONLY// /} && $only != *" $name "* ]]; then
         distlab_log "skip $name (DISTLAB_ONLY=$DISTLAB_ONLY)"
         return 0
     fi
-    if [[ ! -f $script ]]; then
+    if [[ ${target[0]} != -m && ! -f $script ]]; then
         distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
         DISTLAB_RESULTS+=("missing $name")
         [[ $DISTLAB_DRY_RUN == 1 ]] || return 2 # a dry run still shows the command
@@ -293,7 +402,7 @@ distlab_launch() {
     if [[ $DISTLAB_LAUNCHER == mpiexec ]]; then
         # One process per GPU; distlab.runtime reads rank and local rank from PALS_*/PMI_* variables.
         mapfile -t cmd < <(distlab_mpiexec_command "$nprocs" "$ppn")
-        cmd+=("$DISTLAB_PYTHON" -u "$script" "$@")
+        cmd+=("$DISTLAB_PYTHON" -u "${target[@]}" "$@")
     else
         # One torchrun agent per node; the agents meet at MASTER_ADDR:MASTER_PORT (c10d rendezvous) and
         # each starts one worker per GPU. The agent of the first node (rank 0 of this mpiexec) hosts the
@@ -305,7 +414,7 @@ distlab_launch() {
             "$DISTLAB_PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc-per-node="$ppn"
             --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
             --rdzv-id="${PBS_JOBID:-distlab}-$DISTLAB_LAUNCHES" --max-restarts=0
-            "$script" "$@")
+            "${target[@]}" "$@")
     fi
     if [[ -n $DISTLAB_LAUNCH_TIMEOUT ]]; then
         cmd=(timeout --kill-after=15 "$DISTLAB_LAUNCH_TIMEOUT" "${cmd[@]}")
@@ -317,7 +426,7 @@ distlab_launch() {
     distlab_log "launch $name: $nprocs rank(s) on $nodes node(s) with $DISTLAB_LAUNCHER"
     echo "+ $line"
     if [[ $DISTLAB_DRY_RUN == 1 ]]; then
-        [[ -f $script ]] && DISTLAB_RESULTS+=("dry-run $name")
+        [[ ${target[0]} == -m || -f $script ]] && DISTLAB_RESULTS+=("dry-run $name")
         return 0
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
@@ -333,6 +442,13 @@ distlab_launch() {
         DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
     fi
     return "$rc"
+}
+
+# distlab_rank_map [ARGS...]: every rank of the job prints its host, rank, local rank, CUDA_VISIBLE_DEVICES
+# and the GPU it uses (python -m distlab.runtime), started exactly as the chapter scripts are; it fails when
+# two ranks of a node share a GPU or the local ranks are wrong, before a chapter runs.
+distlab_rank_map() {
+    distlab_launch -m distlab.runtime --device "$DISTLAB_DEVICE" --metrics-out "$DISTLAB_RUN_DIR/rank_map.json" "$@"
 }
 
 # distlab_finish: print what ran, write it to the run directory, exit 1 if any launch failed.
@@ -353,6 +469,9 @@ distlab_finish() {
 # ---------------------------------------------------------------------------------------------------
 # Set up the job now
 # ---------------------------------------------------------------------------------------------------
+if [[ ${DISTLAB_FUNCTIONS_ONLY:-0} == 1 ]]; then
+    return 0 # the functions are defined; the tests call them one by one
+fi
 cd "$DISTLAB_ROOT" || distlab_die "cannot cd to $DISTLAB_ROOT"
 distlab_discover_nodes
 distlab_make_run_dir

@@ -18,6 +18,8 @@ def job_env(tmp_path):
         PBS_JOBID="4242.desched1",
         PBS_O_WORKDIR=str(ROOT),
         DISTLAB_RUN_DIR=str(tmp_path / "run"),
+        DISTLAB_RUN_DIR_REUSE="1",  # tests run jobs again in one folder; test_pbs_common checks the refusal
+        DISTLAB_SITE_SCRATCH=str(tmp_path / "no-site-scratch"),
         DISTLAB_MODULES="",
         DISTLAB_CONDA_ENV="",
         DISTLAB_PREFLIGHT="0",

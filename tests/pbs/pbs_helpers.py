@@ -28,7 +28,7 @@ def tool(name: str) -> str | None:
 # Variables that would leak from the shell running the tests into the fake job.
 LEAKY_PREFIXES = ("PBS_", "DISTLAB_", "NCCL_", "FI_", "MASTER_", "PMI_", "PALS_", "OMPI_", "SLURM_",
                   "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MPICH_", "TORCHELASTIC_", "PET_",
-                  "OMP_NUM_THREADS", "CONDA_DEFAULT_ENV")
+                  "OMP_NUM_THREADS", "CONDA_DEFAULT_ENV", "GLOO_", "SCRATCH", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 
 
 @dataclass

@@ -180,17 +180,19 @@ def test_preflight_refuses_cuda_where_torch_sees_no_gpu(job_env):
 
 def test_slingshot_settings_keep_values_already_set(job_env, tmp_path):
     (tmp_path / "net" / "hsn0").mkdir(parents=True)  # a Slingshot node, as /sys/class/net shows it
-    after = 'env | grep -E "^(NCCL|FI|MPICH)_" | sort'
+    after = 'env | grep -E "^(NCCL|FI|MPICH|GLOO)_" | sort'
     v = source_common(job_env | {"NCCL_DEBUG": "INFO", "DISTLAB_SYS_NET": str(tmp_path / "net")}, after=after).values()
     assert v["NCCL_SOCKET_IFNAME"] == "hsn"
+    assert v["GLOO_SOCKET_IFNAME"] == "hsn0"  # gloo needs one exact name: the first Slingshot interface
     assert v["NCCL_DEBUG"] == "INFO"  # set by the user: kept
     assert v["FI_CXI_DISABLE_HOST_REGISTER"] == "1" and v["FI_PROVIDER"] == "cxi"
-    assert v["NCCL_CROSS_NIC"] == "1" and v["NCCL_NET_GDR_LEVEL"] == "PHB"
+    assert v["NCCL_CROSS_NIC"] == "1"
+    assert "NCCL_NET_GDR_LEVEL" not in v  # not measured stable on Derecho: left to NCCL (pbs/README.md)
     assert v["MPICH_GPU_SUPPORT_ENABLED"] == "0"
     assert "NCCL_NET" not in v  # no aws-ofi-nccl plugin here: NCCL would refuse to start
     for off in ({"DISTLAB_NETWORK": "none"}, {"DISTLAB_SYS_NET": str(tmp_path / "no-hsn")}):
         result = source_common(job_env | off, after=after)
-        assert not any(k.startswith(("NCCL_", "FI_")) for k in result.values()), result.output
+        assert not any(k.startswith(("NCCL_", "FI_", "GLOO_")) for k in result.values()), result.output
     assert "no Slingshot interface" in result.output
 
 

@@ -1,0 +1,213 @@
+"""The rules of pbs/common.sh, one bash function at a time: which network NCCL chose (from recorded
+NCCL_DEBUG=INFO logs), where the aws-ofi-nccl plugin is found, where a job writes, and the per-rank report.
+
+Each test sources common.sh with DISTLAB_FUNCTIONS_ONLY=1 (functions defined, no job set up) and calls one
+function, so a rule is checked without a PBS job, a GPU or a Slingshot network.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "pbs" / "data"
+OFI_LOG = DATA / "nccl_info_ofi_cxi.log"
+SOCKET_LOG = DATA / "nccl_info_socket.log"
+# the shell running the tests must not leak its own settings into the rules under test
+LEAKY = ("PBS_", "DISTLAB_", "NCCL_", "FI_", "GLOO_", "MASTER_", "PMI_", "PALS_", "MPICH_", "SCRATCH",
+         "CONDA_PREFIX", "LD_LIBRARY_PATH")
+
+
+def bash(snippet: str, **env: str) -> subprocess.CompletedProcess:
+    """Run ``snippet`` after sourcing pbs/common.sh's functions only."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(LEAKY)}
+    clean.update({"DISTLAB_FUNCTIONS_ONLY": "1", "DISTLAB_SITE_SCRATCH": "/nonexistent/site-scratch"} | env)
+    return subprocess.run(["bash", "-c", f"source pbs/common.sh || exit 9\n{snippet}"], cwd=ROOT, env=clean,
+                          capture_output=True, text=True, timeout=30)
+
+
+def out(snippet: str, **env: str) -> str:
+    result = bash(snippet, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which transport NCCL chose, from its INFO lines
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_transport_from_a_recorded_libfabric_log():
+    assert out(f"distlab_nccl_transport {OFI_LOG}") == "OFI (aws-ofi-nccl, provider cxi)"
+
+
+def test_transport_from_a_recorded_socket_log():
+    assert out(f"distlab_nccl_transport {SOCKET_LOG}") == (
+        "Socket (TCP on [0]hsn0:10.150.1.17<0> [1]hsn1:10.150.1.18<0> [2]hsn2:10.150.1.19<0> [3]hsn3:10.150.1.20<0>)")
+
+
+@pytest.mark.parametrize("lines, expected", [
+    # aws-ofi-nccl 1.14 and later: "Selected provider is %s, fabric is %s (found %d nics)"; 1.12+ names itself
+    # "Libfabric" unless NCCL_NET="AWS Libfabric" asked for the old name
+    (["NCCL INFO NET/OFI Selected provider is cxi, fabric is cxi (found 4 nics)", "NCCL INFO Using network Libfabric"],
+     "OFI (aws-ofi-nccl, provider cxi)"),
+    (["NCCL INFO NET/OFI Selected provider is cxi, fabric is cxi (found 4 nics)"], "OFI (aws-ofi-nccl, provider cxi)"),
+    (["NCCL INFO NET/Socket : Using [0]hsn0:10.0.0.1<0>"], "Socket (TCP on [0]hsn0:10.0.0.1<0>)"),
+    (["NCCL INFO NET/IB : Using [0]mlx5_0:1/IB", "NCCL INFO Using network IB"], "IB"),
+    (["NCCL version 2.21.5+cuda12.4", "checks: 3/3 passed"], "none reported"),
+])
+def test_transport_from_other_lines(tmp_path, lines, expected):
+    log = tmp_path / "run.log"
+    log.write_text("".join(f"dec0001:1:1 [0] {line}\n" for line in lines))
+    assert out(f"distlab_nccl_transport {log}").startswith(expected)
+
+
+def test_transport_of_several_logs_and_of_none():
+    assert out(f"distlab_nccl_transport {SOCKET_LOG} {OFI_LOG}").startswith("OFI")  # the last one read wins
+    assert out("distlab_nccl_transport /nonexistent.log").startswith("none reported")
+
+
+def test_sockets_on_a_slingshot_node_print_one_loud_warning():
+    lines = out(f"distlab_report_transport {SOCKET_LOG}", DISTLAB_NETWORK="slingshot").splitlines()
+    assert lines[0].startswith("distlab: NCCL transport: Socket (TCP on [0]hsn0")
+    assert len(lines) == 2 and "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE" in lines[1]
+    assert len(out(f"distlab_report_transport {OFI_LOG}", DISTLAB_NETWORK="slingshot").splitlines()) == 1
+    # no Slingshot: sockets are all there is, nothing to warn about
+    assert "WARNING" not in out(f"distlab_report_transport {SOCKET_LOG}", DISTLAB_NETWORK="none")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the aws-ofi-nccl plugin is found, and what NCCL is told
+# ---------------------------------------------------------------------------------------------------
+
+
+def plugin(folder: Path, name: str = "libnccl-net.so") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("")
+    return folder / name
+
+
+def test_plugin_search_order(tmp_path):
+    explicit, on_path, conda = tmp_path / "explicit", tmp_path / "ld", tmp_path / "env"
+    for folder in (explicit, on_path, conda / "lib"):
+        plugin(folder)
+    env = dict(LD_LIBRARY_PATH=f"/nonexistent:{on_path}", CONDA_PREFIX=str(conda))
+    assert out("distlab_find_nccl_plugin", DISTLAB_NCCL_PLUGIN_DIR=str(explicit), **env) == f"{explicit}/libnccl-net.so"
+    assert out("distlab_find_nccl_plugin", **env) == f"{on_path}/libnccl-net.so"
+    assert out("distlab_find_nccl_plugin", CONDA_PREFIX=str(conda)) == f"{conda}/lib/libnccl-net.so"
+    missing = bash("distlab_find_nccl_plugin", LD_LIBRARY_PATH=str(tmp_path / "empty"))
+    assert missing.returncode == 1 and missing.stdout == ""
+
+
+def test_plugin_names_of_newer_aws_ofi_nccl(tmp_path):
+    # newer builds install libnccl-net-ofi.so too; libnccl-net.so is preferred (NCCL opens it by default)
+    only_ofi = plugin(tmp_path / "a", "libnccl-net-ofi.so")
+    assert out("distlab_find_nccl_plugin", LD_LIBRARY_PATH=str(tmp_path / "a")) == str(only_ofi)
+    plugin(tmp_path / "a", "libnccl-net.so")
+    assert out("distlab_find_nccl_plugin", LD_LIBRARY_PATH=str(tmp_path / "a")) == str(tmp_path / "a" / "libnccl-net.so")
+
+
+NETWORK = 'DISTLAB_NNODES=2; distlab_network_env; env | grep -E "^(NCCL_NET|NCCL_NET_PLUGIN|LD_LIBRARY_PATH)=" | sort'
+
+
+def test_a_plugin_found_anywhere_is_put_on_the_library_path_and_required(tmp_path):
+    plugin(tmp_path / "site", "libnccl-net-ofi.so")
+    lines = out(NETWORK, DISTLAB_NETWORK="slingshot", DISTLAB_NCCL_PLUGIN_DIR=str(tmp_path / "site"),
+                LD_LIBRARY_PATH="/usr/lib/other").splitlines()
+    assert f"LD_LIBRARY_PATH={tmp_path / 'site'}:/usr/lib/other" in lines
+    assert "NCCL_NET=AWS Libfabric" in lines  # NCCL fails at start rather than falling back to sockets
+    assert "NCCL_NET_PLUGIN=ofi" in lines  # only libnccl-net-ofi.so: NCCL must be told its name
+
+
+def test_no_plugin_leaves_nccl_net_unset_and_says_so(tmp_path):
+    result = bash(NETWORK, DISTLAB_NETWORK="slingshot", LD_LIBRARY_PATH=str(tmp_path))
+    assert "NCCL_NET=" not in result.stdout
+    assert "no aws-ofi-nccl plugin found" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where a job writes: scratch, never over an earlier run
+# ---------------------------------------------------------------------------------------------------
+
+RUN_DIR = 'DISTLAB_NODES=dec0001; distlab_make_run_dir; echo "RUN_DIR=$DISTLAB_RUN_DIR"'
+
+
+def run_dir_of(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return next(ln for ln in result.stdout.splitlines() if ln.startswith("RUN_DIR="))[len("RUN_DIR="):]
+
+
+def test_scratch_order(tmp_path):
+    ours, sites_var, site = tmp_path / "ours", tmp_path / "scratch", tmp_path / "glade"
+    for folder in (ours, sites_var, site):
+        folder.mkdir()
+    env = dict(SCRATCH=str(sites_var), DISTLAB_SITE_SCRATCH=str(site))
+    assert out("distlab_scratch", DISTLAB_SCRATCH=str(ours), **env) == str(ours)
+    assert out("distlab_scratch", **env) == str(sites_var)
+    assert out("distlab_scratch", SCRATCH=str(tmp_path / "gone"), DISTLAB_SITE_SCRATCH=str(site)) == str(site)
+    assert bash("distlab_scratch", SCRATCH=str(tmp_path / "gone")).returncode == 1
+
+
+def test_run_directory_goes_to_scratch_and_says_what_it_writes(tmp_path):
+    result = bash(RUN_DIR, SCRATCH=str(tmp_path), PBS_JOBID="777.desched1")
+    assert run_dir_of(result) == f"{tmp_path}/distlab/runs/777.desched1"
+    assert (tmp_path / "distlab" / "runs" / "777.desched1" / "hosts.txt").read_text() == "dec0001\n"
+    assert f"this job writes to {tmp_path}/distlab/runs/777.desched1: " in result.stdout
+
+
+def test_without_scratch_the_run_directory_is_in_the_repository(tmp_path):
+    job = f"rules-test-{os.getpid()}"
+    try:
+        result = bash(RUN_DIR, PBS_JOBID=job)
+        assert run_dir_of(result) == str(ROOT / "runs" / job)
+        assert "no scratch folder" in result.stdout
+    finally:
+        subprocess.run(["rm", "-rf", str(ROOT / "runs" / job)], check=True)
+
+
+def test_a_run_directory_that_holds_files_is_refused(tmp_path):
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "checkpoint.pt").write_text("a user's data")
+    result = bash(RUN_DIR, DISTLAB_RUN_DIR=str(earlier))
+    assert result.returncode == 2 and "already holds files" in result.stderr
+    assert (earlier / "checkpoint.pt").read_text() == "a user's data" and not (earlier / "hosts.txt").exists()
+    assert run_dir_of(bash(RUN_DIR, DISTLAB_RUN_DIR=str(earlier), DISTLAB_RUN_DIR_REUSE="1")) == str(earlier)
+    (tmp_path / "empty").mkdir()
+    assert run_dir_of(bash(RUN_DIR, DISTLAB_RUN_DIR=str(tmp_path / "empty"))) == str(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-rank GPU report: python -m distlab.runtime under the job's own launcher
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rank_map_is_launched_like_every_script(tmp_path):
+    fake_pals = tmp_path / "opt" / "cray" / "pals" / "bin" / "mpiexec"
+    fake_pals.parent.mkdir(parents=True)
+    fake_pals.write_text("#!/bin/sh\necho 'mpiexec version 1.2.12'\n")
+    fake_pals.chmod(0o755)
+    snippet = ("DISTLAB_NODES='dec0001 dec0002' DISTLAB_NNODES=2; distlab_make_run_dir >/dev/null; "
+               "distlab_detect_mpiexec; DISTLAB_PYTHON=python3 DISTLAB_DRY_RUN=1 distlab_rank_map; "
+               "tail -n 1 \"$DISTLAB_RUN_DIR/commands.sh\"")
+    result = bash(snippet, DISTLAB_MPIEXEC=str(fake_pals), DISTLAB_RUN_DIR=str(tmp_path / "run"), DISTLAB_DEVICE="cuda")
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert command == [str(fake_pals), "-n", "8", "--ppn", "4", "--cpu-bind", "none", "python3", "-u", "-m",
+                       "distlab.runtime", "--device", "cuda", "--metrics-out", str(tmp_path / "run" / "rank_map.json")]
+
+
+def test_rank_map_output_names_host_rank_local_rank_devices_and_gpu():
+    """The module the job runs, alone on this machine: one rank, its line, its checks (CPU: "uses cpu")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LEAKY + ("RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    result = subprocess.run([sys.executable, "-m", "distlab.runtime", "--device", "cpu"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env | {"CUDA_VISIBLE_DEVICES": "3"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0  local rank 0  CUDA_VISIBLE_DEVICES=3  uses cpu" in result.stdout
+    assert "checks: 3/3 passed" in result.stdout
