@@ -313,3 +313,168 @@ def zero_step_bytes(num_params: int, stage: int, *, param_bytes: int = 4, grad_b
 def step_bytes_sent_per_rank(step_bytes: dict[str, int], world_size: int) -> float:
     """Bytes one rank sends in a step of ``zero_step_bytes`` (ring model, every collective summed)."""
     return sum(bytes_sent_per_rank(collective, payload, world_size) for collective, payload in step_bytes.items())
+
+
+# ------------------------------------------------------------------------------------------------
+# Point-to-point on NCCL: which orders of sends and receives can deadlock (chapters 03, 07, 08)
+# ------------------------------------------------------------------------------------------------
+#
+# gloo forgives what NCCL does not. On NCCL, PyTorch runs every point-to-point operation between two ranks
+# on one communicator and one stream, in the order the rank issued them, and an operation that is not part
+# of a group (``batch_isend_irecv``) holds that stream until its partner is posted. Two ranks that each send
+# to the other before receiving therefore wait forever, while gloo (which buffers sends) lets them pass.
+# NCCL also ignores tags: the k-th send from a to b meets the k-th receive on b from a.
+#
+# ``P2PRecorder`` notes every point-to-point operation a rank issues; ``nccl_p2p_deadlocks`` replays the
+# notes of all ranks under that model and names each pair of ranks that would wait forever.
+
+
+@dataclass(frozen=True)
+class P2PNote:
+    kind: str             # "send" or "recv"
+    peer: int             # the other rank (global)
+    batch: int | None     # the batch_isend_irecv call it belongs to; None: issued on its own
+
+
+class P2PRecorder(contextlib.AbstractContextManager):
+    """Record, in order, the point-to-point operations issued inside it (``dist.send/recv/isend/irecv`` and
+    the operations of ``dist.batch_isend_irecv``). ``sink(note)``, if given, sees each note as it happens."""
+
+    def __init__(self, sink=None):
+        self.notes: list[P2PNote] = []
+        self._sink = sink
+        self._saved = {}
+        self._batches = 0
+        self._inside = False
+
+    def _note(self, kind, peer, batch):
+        note = P2PNote(kind, int(peer), batch)
+        self.notes.append(note)
+        if self._sink is not None:
+            self._sink(note)
+
+    def _wrap_single(self, name, fn):
+        kind = "send" if "send" in name else "recv"
+
+        @functools.wraps(fn)
+        def wrapper(tensor, *args, **kwargs):
+            if self._inside:             # recv calls irecv, batch_isend_irecv calls isend: noted once
+                return fn(tensor, *args, **kwargs)
+            import torch.distributed as dist
+
+            peer = args[0] if args else kwargs.get("dst" if kind == "send" else "src")
+            if peer is None:  # given as a rank of the group
+                group_peer = kwargs.get("group_dst" if kind == "send" else "group_src")
+                peer = dist.get_global_rank(kwargs.get("group") or dist.group.WORLD, group_peer)
+            self._note(kind, peer, None)
+            self._inside = True
+            try:
+                return fn(tensor, *args, **kwargs)
+            finally:
+                self._inside = False
+
+        return wrapper
+
+    def _wrap_batch(self, fn):
+        @functools.wraps(fn)
+        def wrapper(p2p_op_list):
+            self._batches += 1
+            for op in p2p_op_list:
+                self._note("send" if "send" in getattr(op.op, "__name__", "") else "recv", op.peer, self._batches)
+            self._inside = True
+            try:
+                return fn(p2p_op_list)
+            finally:
+                self._inside = False
+
+        return wrapper
+
+    def __enter__(self):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for name in ("send", "recv", "isend", "irecv"):
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap_single(name, self._saved[name]))
+        self._saved["batch_isend_irecv"] = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
+        # P2POp accepts only its module's own isend/irecv, and batch_isend_irecv tells sends from receives
+        # by ``op.op is isend``: they must be the same objects as ours.
+        self._saved_c10d = {name: getattr(distributed_c10d, name) for name in ("isend", "irecv")}
+        distributed_c10d.isend, distributed_c10d.irecv = dist.isend, dist.irecv
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for name, fn in self._saved_c10d.items():
+            setattr(distributed_c10d, name, fn)
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+        return False
+
+
+def nccl_p2p_deadlocks(notes_of_rank: dict[int, list]) -> list[str]:
+    """Replay every rank's point-to-point notes (``P2PNote`` or ``(kind, peer, batch)``) under NCCL's rules
+    (above) and return one line per pair of ranks that would wait forever or leave a message unmatched.
+
+    Per pair (a, b): each rank's operations with the other, in issue order, form units (one batch, or one
+    operation on its own); a unit starts when the previous one has finished and finishes when each of its
+    operations has met its partner (the k-th send a -> b meets the k-th receive b <- a) in a started unit.
+    """
+    problems = []
+    ranks = sorted(notes_of_rank)
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1:]:
+            units = {r: _units([P2PNote(*n) if not isinstance(n, P2PNote) else n for n in notes_of_rank[r]], peer)
+                     for r, peer in ((a, b), (b, a))}
+            if not units[a] and not units[b]:
+                continue
+            problem = _replay_pair(a, b, units)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _units(notes, peer):
+    """This rank's operations with ``peer``, numbered per direction, grouped into units."""
+    units, counters, last_batch = [], {"send": 0, "recv": 0}, object()
+    for note in notes:
+        if note.peer != peer:
+            continue
+        op = (note.kind, counters[note.kind])
+        counters[note.kind] += 1
+        if note.batch is not None and note.batch == last_batch:
+            units[-1].append(op)
+        else:
+            units.append([op])
+        last_batch = note.batch
+    return units
+
+
+def _replay_pair(a, b, units) -> str | None:
+    position = {a: 0, b: 0}
+    matched = {a: set(), b: set()}
+    while True:
+        started = {r: set(units[r][position[r]]) if position[r] < len(units[r]) else set() for r in (a, b)}
+        for r, other in ((a, b), (b, a)):
+            for kind, k in started[r]:
+                partner = ("recv" if kind == "send" else "send", k)
+                if partner in started[other]:
+                    matched[r].add((kind, k))
+        progressed = False
+        for r in (a, b):
+            if position[r] < len(units[r]) and set(units[r][position[r]]) <= matched[r]:
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            break
+    if position[a] == len(units[a]) and position[b] == len(units[b]):
+        return None
+    waiting = {r: units[r][position[r]] if position[r] < len(units[r]) else [] for r in (a, b)}
+    describe = lambda r, other: ", ".join(f"{kind} #{k} {'to' if kind == 'send' else 'from'} {other}"  # noqa: E731
+                                         for kind, k in waiting[r]) or "nothing left"
+    return (f"ranks {a} and {b} would wait forever on NCCL: rank {a} is stuck at [{describe(a, b)}], "
+            f"rank {b} at [{describe(b, a)}]")

@@ -7,6 +7,9 @@ to finish their own report and are then stopped, as torchrun does; the launcher 
 failing rank's code (so a configuration error exits 2) and prints every rank's exit code.
 
 CUDA does not survive fork: use torchrun for GPU runs (``distlab.launch`` does).
+
+``DISTLAB_P2P_LOG=DIR`` (tests only) records every point-to-point operation each rank issues in
+``DIR/rank{r}.jsonl`` (:class:`distlab.comm.P2PRecorder`), so a test can replay them under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[s
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
     code = 0
     try:
+        _record_point_to_point(rank)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -41,6 +45,19 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _record_point_to_point(rank: int) -> None:
+    folder = os.environ.get("DISTLAB_P2P_LOG")
+    if not folder:
+        return
+    import json
+
+    from distlab.comm import P2PRecorder
+
+    log = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115 - open until os._exit
+    # Each note is written as it happens: the rank leaves through os._exit, which runs no cleanup.
+    P2PRecorder(sink=lambda note: log.write(json.dumps([note.kind, note.peer, note.batch]) + "\n")).__enter__()
 
 
 def main() -> int:

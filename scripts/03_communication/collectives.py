@@ -84,10 +84,12 @@ def run_collectives(rank: int, world: int, numel: int, seed: int, device) -> dic
     dist.all_to_all_single(t, x)
     out["all_to_all"] = t
 
-    # Point to point around a ring: everyone sends right and receives from the left at the same time.
-    # Non-blocking isend/irecv: with blocking send first on every rank, all would wait for a receiver.
+    # Point to point around a ring: everyone sends right and receives from the left at the same time, as
+    # one batch. Blocking sends first would wait for receivers that never come; on NCCL even isend then irecv
+    # between the same two ranks (a ring of 2) can hang unless the two are posted together like this.
     t = torch.empty(numel, device=device)
-    requests = [dist.isend(x, dst=(rank + 1) % world), dist.irecv(t, src=(rank - 1) % world)]
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world),
+                                       dist.P2POp(dist.irecv, t, (rank - 1) % world)])
     for request in requests:
         request.wait()
     out["send_recv"] = t

@@ -30,8 +30,10 @@ def check_config(args, world_size):
 
 
 def exchange(send: torch.Tensor, receive: torch.Tensor, right: int, left: int) -> None:
-    """Send to the right neighbour while receiving from the left one (non-blocking, so nobody waits forever)."""
-    requests = [dist.isend(send, dst=right), dist.irecv(receive, src=left)]
+    """Send to the right neighbour while receiving from the left one, as one batch: NCCL posts the two
+    together, so nobody waits forever even on a ring of 2, where right and left are the same rank (an
+    isend then an irecv to one peer share one NCCL stream, and two ranks both sending first would hang)."""
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, receive, left)])
     for request in requests:
         request.wait()
 

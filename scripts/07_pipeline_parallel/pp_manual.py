@@ -14,8 +14,15 @@ Each microbatch's loss is divided by M, so the gradients that accumulate over th
 gradient of the whole batch's mean loss. The script proves it: the losses and every parameter's
 gradient equal the single-device model's on the same global batch, step after step of AdamW.
 
-Sends are ``isend`` (a rank never waits for its receiver to be ready, so no order of ours can deadlock on
-a send); receives block, and that waiting is the pipeline bubble you see in the Gantt chart it prints.
+The sends of an action wait in an outbox and leave with the next action's receive, as one
+``batch_isend_irecv`` (the last ones at the end of the step). On NCCL a send and a receive between two ranks
+that are not posted together can wait forever: in 1F1B's steady state rank r sends an activation to r+1
+while r+1 sends a gradient to r, and both would wait for a receiver. Posted together, they meet. Waiting
+for the receive is the pipeline bubble you see in the Gantt chart it prints.
+
+It also proves what ran: the order each rank computed, read from the clock, equals the textbook order of
+the schedule written out below (not the list the loop walked), and the activations held at once, measured
+as the bytes autograd saved for backward and still alive, peak at what the schedule predicts (1F1B: P - r).
 
     torchrun --standalone --nproc_per_node=4 scripts/07_pipeline_parallel/pp_manual.py --schedule 1f1b
 """
@@ -48,6 +55,54 @@ def check_config(args, world_size):
                                                f"needs at least one layer (--layers)")
 
 
+def textbook_order(schedule: str, stages: int, microbatches: int, stage: int) -> list[str]:
+    """What the literature says stage ``stage`` runs, written out by hand (not with distlab.schedules, whose
+    order the loop follows): naive F0 B0 F1 B1 ...; GPipe every forward, then every backward; 1F1B (Megatron)
+    P - 1 - r warm-up forwards, then one forward and one backward in turn, then the remaining backwards."""
+    if schedule == "naive":
+        return [f"{kind}{m}" for m in range(microbatches) for kind in "FB"]
+    if schedule == "gpipe":
+        return [f"F{m}" for m in range(microbatches)] + [f"B{m}" for m in range(microbatches)]
+    warm_up = min(stages - 1 - stage, microbatches)
+    order = [f"F{m}" for m in range(warm_up)]
+    for m in range(microbatches - warm_up):
+        order += [f"F{warm_up + m}", f"B{m}"]
+    return order + [f"B{m}" for m in range(microbatches - warm_up, microbatches)]
+
+
+class SavedActivations:
+    """Bytes autograd saved for backward and still alive, and their peak: the activations a stage holds.
+
+    Parameters are left out (autograd saves them too, but they are there anyway). A saved tensor counts
+    from the forward that saves it until autograd frees it, at the end of its backward."""
+
+    def __init__(self, parameters):
+        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self.alive = self.peak = 0
+
+    def pack(self, tensor):
+        if tensor.untyped_storage().data_ptr() in self.parameter_storages:
+            return tensor
+        return _Held(tensor, self)
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Held) else saved
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    def __init__(self, tensor, ledger):
+        self.tensor, self.ledger, self.nbytes = tensor, ledger, tensor.numel() * tensor.element_size()
+        ledger.alive += self.nbytes
+        ledger.peak = max(ledger.peak, ledger.alive)
+
+    def __del__(self):                      # autograd let go of it: the activation is freed
+        self.ledger.alive -= self.nbytes
+
+
 class StageRunner:
     """Runs one stage's F and B actions for one step, with the sends and receives around them."""
 
@@ -55,31 +110,44 @@ class StageRunner:
         self.module, self.rank, self.world = stage_module, rank, world_size
         self.first, self.last = rank == 0, rank == world_size - 1
         self.microbatches, self.hidden_shape, self.device = microbatches, hidden_shape, device
-        self.inputs, self.outputs, self.losses, self.pending_sends = {}, {}, {}, []
+        self.inputs, self.outputs, self.losses = {}, {}, {}
+        self.outbox = []                    # sends not posted yet: they leave with the next receive
+        self.saved = SavedActivations(stage_module.parameters())
+
+    def post(self, receive=None):
+        """Post the waiting sends and this receive (a P2POp, or None) as one batch, and wait for all of them."""
+        operations = self.outbox + ([receive] if receive is not None else [])
+        self.outbox = []
+        if operations:
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
 
     def receive_input(self, m, tokens):
         """Microbatch m's input: the tokens on the first stage, else the previous stage's output (we wait)."""
         if self.first:
+            self.post()                     # nothing to receive: our waiting sends leave now
             return tokens[m]
         x = torch.empty(self.hidden_shape, device=self.device)
-        dist.recv(x, src=self.rank - 1, tag=m)
+        self.post(dist.P2POp(dist.irecv, x, self.rank - 1))
         return x.requires_grad_(True)          # we will need d(loss)/d(x), to send back
 
     def forward(self, m, x, targets):
-        out = self.module(x)
+        with self.saved.hooks():               # count what autograd keeps for this microbatch's backward
+            out = self.module(x)
+            if self.last:
+                self.losses[m] = models.lm_loss(out, targets[m]) / self.microbatches
         self.inputs[m] = x
-        if self.last:
-            self.losses[m] = models.lm_loss(out, targets[m]) / self.microbatches
-        else:
+        if not self.last:
             self.outputs[m] = out
-            self.pending_sends.append(dist.isend(out.detach(), dst=self.rank + 1, tag=m))
+            self.outbox.append(dist.P2POp(dist.isend, out.detach(), self.rank + 1))
 
     def receive_output_grad(self, m):
         """d(loss)/d(our output) of microbatch m, from the next stage (we wait); the last stage has its loss."""
         if self.last:
+            self.post()
             return None
         grad = torch.empty(self.hidden_shape, device=self.device)
-        dist.recv(grad, src=self.rank + 1, tag=m)
+        self.post(dist.P2POp(dist.irecv, grad, self.rank + 1))
         return grad
 
     def backward(self, m, grad):
@@ -89,12 +157,10 @@ class StageRunner:
             torch.autograd.backward(self.outputs.pop(m), grad)
         x = self.inputs.pop(m)
         if not self.first:
-            self.pending_sends.append(dist.isend(x.grad, dst=self.rank - 1, tag=m))
+            self.outbox.append(dist.P2POp(dist.isend, x.grad, self.rank - 1))
 
     def finish_step(self):
-        for work in self.pending_sends:
-            work.wait()
-        self.pending_sends.clear()
+        self.post()                             # the last sends of the step
         loss = sum(self.losses[m].item() for m in sorted(self.losses)) if self.last else None
         self.losses.clear()
         return loss
@@ -129,6 +195,7 @@ def main():
                              (args.batch // microbatches, cfg.seq_len, cfg.dim), rt.device)
 
         losses, reference_losses, grad_diffs, events = [], [], [], []
+        bytes_per_microbatch = None
         for step in range(args.steps):
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
             inputs, targets = data.split_inputs_targets(tokens)
@@ -142,6 +209,8 @@ def main():
                     x = runner.receive_input(m, input_mbs)  # waiting here is the bubble: not timed as work
                     start = time.perf_counter()
                     runner.forward(m, x, target_mbs)
+                    if bytes_per_microbatch is None:    # the first forward, alone in the stage
+                        bytes_per_microbatch = runner.saved.alive
                 else:
                     grad = runner.receive_output_grad(m)
                     start = time.perf_counter()
@@ -164,8 +233,11 @@ def main():
         timeline = gather_timeline(events, t0, rank)
 
         gathered = [None] * world
+        # Measured: one microbatch's saved bytes (the first forward's, alone in the stage) and the peak.
+        peak_microbatches = runner.saved.peak / bytes_per_microbatch
         dist.all_gather_object(gathered, {"losses": losses, "grad_diff": max(grad_diffs, default=None),
-                                          "names": names})
+                                          "names": names, "rank": rank, "bytes_per_microbatch": bytes_per_microbatch,
+                                          "peak_microbatches": round(peak_microbatches, 6)})
         losses = gathered[-1]["losses"]
         report.losses = losses
         report.timeline = timeline
@@ -178,11 +250,18 @@ def main():
             worst = max(g["grad_diff"] for g in gathered)
             report.check("gradients equal the single-device model's (every stage, every step)",
                          worst <= GRAD_TOLERANCE, worst, GRAD_TOLERANCE)
-        report.check("every rank ran the schedule's order", all(
-            executed_order(timeline, r) == schedule.actions[r] for r in range(world)), schedule.name, "every rank")
+        ran = {r: [f"{a.kind}{a.microbatch}" for a in executed_order(timeline, r)] for r in range(world)}
+        report.check("every rank ran the textbook order (read from the clock)", all(
+            ran[r] == textbook_order(args.schedule, world, microbatches, r) for r in range(world)),
+            " ".join(ran[0]), "textbook order, every rank")
+        measured_peaks = {int(g["rank"]): g["peak_microbatches"] for g in gathered}
+        predicted = schedules.peak_activations(schedule)
+        report.check_equal("activations held at once (measured, in microbatches) = schedule's prediction",
+                           measured_peaks, predicted)
         report.extra.update(schedule=args.schedule, order=schedule.format(),
                             layers_of_stage={s: layers_of_stage(cfg.n_layers, world, s) for s in range(world)},
-                            peak_activations=schedules.peak_activations(schedule))
+                            peak_activations=predicted, measured_peak_activations=measured_peaks,
+                            saved_bytes_per_microbatch={int(g["rank"]): g["bytes_per_microbatch"] for g in gathered})
         rt.print(gantt.ascii_gantt(timeline, title=f"{args.schedule} by hand, last step (measured)", time_unit="s"))
         rt.print(f"losses: {' '.join(f'{x:.4f}' for x in losses)}" + (
             f" (single device: {' '.join(f'{x:.4f}' for x in reference_losses)})" if with_reference else ""))

@@ -39,11 +39,10 @@ TOLERANCE = 1e-5
 def ring_pass(tensor, rank, world_size):
     """Send ``tensor`` to the next rank and receive the previous rank's, asynchronously."""
     received = torch.empty_like(tensor)
-    send = lambda: dist.isend(tensor, (rank + 1) % world_size)  # noqa: E731
-    receive = lambda: dist.irecv(received, (rank - 1) % world_size)  # noqa: E731
-    # Even ranks send first, odd ranks receive first: on NCCL a send may wait for its matching receive, and
-    # two ranks that both start by sending to each other (a ring of 2) would wait forever.
-    requests = [send(), receive()] if rank % 2 == 0 else [receive(), send()]
+    # One batch: on NCCL a send on its own may wait for its matching receive, and two ranks that both start
+    # by sending to each other (a ring of 2) would wait forever. Posted together, they cannot.
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, (rank + 1) % world_size),
+                                       dist.P2POp(dist.irecv, received, (rank - 1) % world_size)])
     return received, requests
 
 

@@ -28,6 +28,10 @@ def test_manual_1f1b_equals_single_device_and_runs_the_schedule_order():
     assert len(timeline) == 4 * 2 * 8                    # 4 ranks x (F and B) x 8 microbatches
     assert {e["rank"] for e in timeline} == {0, 1, 2, 3}
     assert metrics["extra"]["peak_activations"] == {"0": 4, "1": 3, "2": 2, "3": 1}
+    # measured (saved tensors alive), not computed from the schedule: 1F1B holds P - r microbatches
+    assert metrics["extra"]["measured_peak_activations"] == {"0": 4, "1": 3, "2": 2, "3": 1}
+    assert _check(metrics, "every rank ran the textbook order")["passed"]
+    assert _check(metrics, "activations held at once (measured")["passed"]
 
 
 def _run_schedule(schedule, args):
