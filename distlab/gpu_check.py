@@ -415,27 +415,34 @@ def _probe() -> dict:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None}
 
 
-def _measure_copy(nbytes: int = GIB, copies: int = 20, repeats: int = 5) -> dict:
-    """Time ``copies`` device-to-device copies of ``nbytes``, ``repeats`` times; keep the fastest block."""
+def _measure_copy(nbytes: int = GIB, copies: int = 20, repeats: int = 5, device: str = "cuda") -> dict:
+    """Time ``copies`` device-to-device copies of ``nbytes``, ``repeats`` times; keep the fastest block.
+
+    (``device="cpu"`` exists so a unit test runs this code on a machine without a GPU; the figure is a GPU's.)
+    """
     import torch
 
-    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    def wait():  # CUDA copies are queued: the clock may be read only when the queue is empty
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    for _ in range(3):  # warm-up: the first copy pays for the kernel's launch set-up
+    for _ in range(3):  # warm-up: the first copies pay for set-up
         target.copy_(source)
     blocks = []
     for _ in range(repeats):
-        torch.cuda.synchronize()  # the clock starts when the queue is empty ...
+        wait()
         started = time.perf_counter()
         for _ in range(copies):
             target.copy_(source)
-        torch.cuda.synchronize()  # ... and stops when the last copy has finished
+        wait()
         blocks.append((time.perf_counter() - started) / copies)
     seconds = min(blocks)
     return {"gb_per_s": copy_bandwidth_gb_per_s(nbytes, seconds), "bytes_per_copy": nbytes, "seconds_per_copy": seconds,
-            "device": torch.cuda.get_device_name(0),
+            "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
             "convention": "a copy of S bytes moves 2S (S read + S written), as STREAM's Copy; GB = 10^9 bytes; "
-                          f"best of {repeats} blocks of {copies} copies of {nbytes / GIB:.0f} GiB, GPU 0"}
+                          f"best of {repeats} blocks of {copies} copies of {nbytes / 2**20:.0f} MiB, GPU 0"}
 
 
 def _in_child(what: str, timeout: float = 120) -> dict:

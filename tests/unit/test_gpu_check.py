@@ -278,3 +278,53 @@ def test_table(summary):
     assert ("NCCL bus bandwidth, 4 GPUs: all_reduce 200.0 GB/s at 1024 MiB, all_gather 140.0 GB/s at 32 MiB, "
             "reduce_scatter 160.0 GB/s at 1024 MiB") in lines
     assert render_table(json.loads(json.dumps(summary))) == table  # summary.json renders the same table
+
+
+# ---- the parts that run things, exercised on CPU -------------------------------------------------------
+
+
+def test_launch_collects_a_real_run_and_writes_its_log(tmp_path, monkeypatch):
+    # the GPU path with --device cpu: launched, metrics read back, status, log file. (Started by fork, 2-3 s
+    # faster than the torchrun gpu-check uses; test_launch_timeout_and_spent_budget goes through torchrun.)
+    monkeypatch.setenv("DISTLAB_LAUNCH_MODE", "fork")
+    run = Run("baseline_cpu", "scripts/01_single_device_baseline/train_baseline.py", timeout_s=60)
+    row = gpu_check._launch(Planned(run, 1, ("--steps", "8", "--device", "cpu")), tmp_path, budget_left=60)
+    assert row["status"] == "passed", row
+    assert row["checks_total"] >= 4 and row["metrics"]["device"] == "cpu"
+    log = (tmp_path / "baseline_cpu.log").read_text().splitlines()
+    assert log[0] == ("torchrun --standalone --nproc_per_node=1 scripts/01_single_device_baseline/train_baseline.py "
+                      "--steps 8 --device cpu")
+    assert any(line.startswith("checks: ") for line in log)
+
+
+def test_launch_timeout_and_spent_budget(tmp_path):
+    run = Run("slow", "scripts/01_single_device_baseline/train_baseline.py", timeout_s=1)
+    row = gpu_check._launch(Planned(run, 1, ("--steps", "500", "--device", "cpu")), tmp_path, budget_left=60)
+    assert (row["status"], row["reason"]) == ("timeout", "killed after 1 s")
+    spent = gpu_check._launch(Planned(run, 1, ()), tmp_path, budget_left=gpu_check.MIN_RUN_SECONDS - 1)
+    assert (spent["status"], spent["reason"]) == ("skipped", "time budget of 540 s spent")
+
+
+def test_copy_measurement_code_runs(monkeypatch):
+    copy = gpu_check._measure_copy(nbytes=2**20, copies=2, repeats=2, device="cpu")
+    assert copy["gb_per_s"] == pytest.approx(2 * 2**20 / copy["seconds_per_copy"] / 1e9)
+    assert "2S (S read + S written)" in copy["convention"] and "1 MiB" in copy["convention"]
+
+
+def test_probe_finds_no_gpu_here():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_check._probe()["gpus"] == [] and gpu_check._probe()["nccl"] is None
+
+
+def test_cli_plan_for_another_machine_and_render(tmp_path, capsys, summary):
+    assert gpu_check.main(["--plan-only", "--gpus", "2", "--gpu-memory-gib", "80"]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    assert len(plan) == len(RUNS)
+    assert re.match(r"  hybrid_3d\s+2 rank\(s\)  SKIP: needs 4\+ GPUs", next(ln for ln in plan if "hybrid_3d" in ln))
+    saved = tmp_path / "summary.json"
+    saved.write_text(json.dumps(summary))
+    assert gpu_check.main(["--render", str(saved)]) == 0
+    assert capsys.readouterr().out == render_table(summary) + "\n"
