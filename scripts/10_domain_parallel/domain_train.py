@@ -170,6 +170,8 @@ def main():
         report.check("bytes of step 0 (halo sends, all-reduces) = formula",
                      all(r["measured_bytes"] == r["analytic_bytes"] for r in report.comm),
                      [r["measured_bytes"] for r in report.comm], [r["analytic_bytes"] for r in report.comm])
+        report.extra = {"reference_losses": reference_losses, "local_norm_error": worst_local_norm_error.item(),
+                        "grid": [grid.rows, grid.cols], "tile": [grid.tile_height, grid.tile_width]}
         report.throughput = metrics.throughput(args.batch * args.height * args.width, elapsed, args.steps - 1)
         report.throughput["unit"] = "cells/s (tokens_per_s counts grid cells)"
         code = report.finish(args.metrics_out)

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pbs_helpers import ALL_JOBS, CHAPTER_JOBS, PBS_DIR, ROOT, run_bash, tool, write_nodefile
+from pbs_helpers import ALL_JOBS, CHAPTER_JOBS, PBS_DIR, PREFLIGHT_JOB, ROOT, run_bash, tool, write_nodefile
 
 # The scripts each chapter's job must run (names fixed by the chapters' issues).
 CHAPTER_SCRIPTS = {
@@ -20,6 +20,8 @@ CHAPTER_SCRIPTS = {
     "06_tensor_parallel": ["tp_from_scratch.py", "tp_transformer.py"],
     "07_pipeline_parallel": ["pp_manual.py", "pp_schedules.py", "pp_train.py"],
     "08_sequence_parallel": ["sp_transformer.py", "ring_attention.py"],
+    "09_hybrid_parallel": ["rank_grid.py", "fsdp_tp_hybrid.py", "pp_dp_hybrid.py", "hybrid_3d.py"],
+    "10_domain_parallel": ["halo_conv.py", "domain_train.py"],
 }
 MAX_WALLTIME_H = 12
 MAX_CHAPTER_WALLTIME_H = 0.5
@@ -187,3 +189,64 @@ def test_jupyterlab_job_prints_the_tunnel(job_env, fake_pals, tmp_path):
     assert info.stat().st_mode & 0o077 == 0, "the token file must be readable by its owner only"
     assert re.search(rf"http://localhost:{tunnel.group(1)}/lab\?token=[0-9a-f]{{48}}", info.read_text())
     assert "token=" not in result.output  # the token stays out of the job's output file
+
+
+# ---------------------------------------------------------------------------------------------------
+# The preflight job: every script of every chapter, under the jobs' own mpiexec
+# ---------------------------------------------------------------------------------------------------
+
+
+def course_scripts() -> set[str]:
+    """Every script of scripts/NN_name/ in the repository (git's list: what a fresh clone has), helpers
+    (common_*.py) aside."""
+    listed = subprocess.run(["git", "ls-files", "scripts"], cwd=ROOT, capture_output=True, text=True)
+    paths = listed.stdout.split() if listed.returncode == 0 and listed.stdout else [
+        str(p.relative_to(ROOT)) for p in ROOT.glob("scripts/*/*.py")]
+    return {p for p in paths if re.fullmatch(r"scripts/\d\d_\w+/(?!common_)\w+\.py", p)}
+
+
+def flags_of(script: Path) -> set[str]:
+    """Flags the script itself defines, with those of the folder's common_*.py helpers it imports, and
+    distlab.runtime.parser's (--preset only where the script has presets)."""
+    from distlab import runtime
+
+    source = script.read_text()
+    for helper in script.parent.glob("common_*.py"):
+        if helper.stem in source:
+            source += helper.read_text()
+    common = {o for a in runtime.parser("x", presets=("tiny",))._actions for o in a.option_strings}
+    if "presets=" not in script.read_text():
+        common.discard("--preset")
+    return set(re.findall(r"""["'](--[a-z][\w-]*)["']""", source)) | common
+
+
+def test_preflight_runs_every_script_once_with_flags_it_accepts(job_env, fake_pals, tmp_path):
+    """Dry run on 2 fake Derecho nodes: the rank map first, then each script of scripts/ exactly once."""
+    env = job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_DEVICE": "cuda"}
+    commands = dry_run(PREFLIGHT_JOB, env)
+    assert commands[0][commands[0].index("-m"):commands[0].index("-m") + 2] == ["-m", "distlab.runtime"]
+    assert commands[0][1:5] == ["-n", "8", "--ppn", "4"]  # the rank map: every rank of the job
+    launched = [script_of(c) for c in commands[1:]]
+    names = [script for script, _ in launched]
+    assert len(names) == len(set(names)), "a script listed twice"
+    missing = course_scripts() - set(names)
+    assert not missing, f"pbs/preflight.pbs does not run {sorted(missing)}: add them to PREFLIGHT_SCRIPTS"
+    stale = set(names) - course_scripts()
+    assert not stale, f"pbs/preflight.pbs runs scripts that do not exist: {sorted(stale)}"
+    for (script, args), command in zip(launched, commands[1:]):
+        assert args[args.index("--device") + 1] == "cuda"
+        assert args[args.index("--metrics-out") + 1] == f"{env['DISTLAB_RUN_DIR']}/{Path(script).stem}.json"
+        unknown = {a.split("=")[0] for a in args if a.startswith("--")} - flags_of(ROOT / script)
+        assert not unknown, f"{script} does not define {sorted(unknown)}"
+        if "--preset" in args:
+            assert args[args.index("--preset") + 1] == "tiny"  # quick, whatever DISTLAB_PRESET the chapter jobs use
+        ranks = int(command[command.index("-n") + 1])
+        expected = 1 if script.startswith("scripts/01_") else 4 if "tensor" in script or "sp_" in script else 8
+        assert ranks == expected, f"{script} on {ranks} ranks"
+
+
+def test_a_flag_the_script_does_not_define_is_caught():
+    """flags_of is the check above: it must not accept a flag that only a sibling script defines."""
+    assert "--gpus-per-node" in flags_of(ROOT / "scripts/09_hybrid_parallel/hybrid_3d.py")
+    assert "--gpus-per-node" not in flags_of(ROOT / "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py")
+    assert "--preset" not in flags_of(ROOT / "scripts/03_communication/bandwidth.py")

@@ -70,3 +70,50 @@ def test_one_tile_cnn_and_group_norm_equal_the_model():
     torch.testing.assert_close(domain.tile_field_cnn(model, fields, grid, 0), model(fields), rtol=1e-5, atol=1e-6)
     assert fields.shape == targets.shape == (2, 2, 16, 16)
     assert not torch.allclose(fields, targets)
+
+
+# ---- notebook 10's exercise checks reject plausible wrong answers --------------------------------------------
+
+
+def _notebook_cell(marker: str) -> str:
+    import nbformat
+
+    from pathlib import Path
+
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "notebooks" / "10_domain_parallel.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and marker in c.source)
+
+
+def test_halo_exercise_rejects_plausible_slips():
+    from distlab import exercises
+
+    check = _notebook_cell('exercises.check_value("halo"')
+    for wrong in (4,    # forgot the dilation
+                  10,   # k - 1 per layer instead of (k - 1) / 2
+                  11):  # k per layer
+        with pytest.raises(exercises.ExerciseWrong):
+            exec(check, {"exercises": exercises, "domain": domain, "halo": wrong})
+    exec(check, {"exercises": exercises, "domain": domain, "halo": 5})
+
+
+def test_halo_from_above_exercise_rejects_plausible_slips():
+    from distlab import exercises
+
+    check = _notebook_cell('exercises.check_function("halo_from_above"')
+
+    def first_rows_of_band_above(bands, rank, width):
+        return torch.zeros(width, bands[0].shape[1]) if rank == 0 else bands[rank - 1][:width]
+
+    def last_rows_of_band_below(bands, rank, width):
+        return torch.zeros(width, bands[0].shape[1]) if rank == len(bands) - 1 else bands[rank + 1][:width]
+
+    def wraps_around_at_the_top(bands, rank, width):
+        return bands[rank - 1][-width:]  # rank 0 gets the bottom band's rows: a periodic boundary
+
+    def right(bands, rank, width):
+        return torch.zeros(width, bands[0].shape[1]) if rank == 0 else bands[rank - 1][-width:]
+
+    for wrong in (first_rows_of_band_above, last_rows_of_band_below, wraps_around_at_the_top):
+        with pytest.raises(exercises.ExerciseWrong):
+            exec(check, {"exercises": exercises, "torch": torch, "halo_from_above": wrong})
+    exec(check, {"exercises": exercises, "torch": torch, "halo_from_above": right})
