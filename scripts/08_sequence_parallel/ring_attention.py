@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab import comm, metrics, runtime
-from distlab.tensor_parallel import (attention_with_lse, block_kind, causal_blocks_per_rank, chunk_positions,
+from distlab.tensor_parallel import (attention_with_lse, block_kind, chunk_positions,
                                      merge_attention_blocks, ring_chunks)
 
 SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
@@ -71,15 +71,17 @@ class RingAttention(torch.autograd.Function):
             if step < world - 1:  # start the next hop first: it runs while this block computes
                 arriving, requests = ring_pass(travelling, rank, world)
             keys, values = travelling[0].split(chunk, dim=-2), travelling[1].split(chunk, dim=-2)
-            computed = []
+            kinds, computed = [], []
+            key_chunks = ring_chunks(owner, world, layout)
             for i, j, kind in block_pairs(my_chunks, owner, world, layout):
                 block_out, block_lse = attention_with_lse(queries[i], keys[j], values[j], causal=kind == "diagonal")
                 if out[i] is None:
                     out[i], lse[i] = block_out, block_lse
                 else:
                     out[i], lse[i] = merge_attention_blocks(out[i], lse[i], block_out, block_lse)
-                computed.append(kind)
-            log.append({"step": step, "owner": owner, "blocks": computed})
+                kinds.append(kind)
+                computed.append([my_chunks[i], key_chunks[j]])   # what was computed: (query, key) chunks
+            log.append({"step": step, "owner": owner, "blocks": kinds, "computed": computed})
             if step < world - 1:
                 for request in requests:
                     request.wait()
@@ -134,6 +136,13 @@ def check_config(args, world_size):
         cuda = torch.cuda.is_available() and args.device != "cpu"
         runtime.require(cuda, "--native runs PyTorch's context_parallel, whose ring covers only the CUDA "
                               "attention kernels: run it on GPUs, or drop --native on a CPU")
+
+
+def expected_blocks_per_rank(world_size: int, layout: str) -> list[int]:
+    """Chunk blocks a rank computes under a causal mask, counted by hand: query chunk c attends to chunks
+    0..c, c + 1 blocks. Zig-zag (chunks r and 2P-1-r): (r + 1) + (2P - r) = 2P + 1 on every rank;
+    contiguous (chunks 2r and 2r+1): (2r + 1) + (2r + 2) = 4r + 3."""
+    return [2 * world_size + 1 if layout == "zigzag" else 4 * r + 3 for r in range(world_size)]
 
 
 def ring_comm_formula(q_shard_bytes: int, world_size: int) -> dict:
@@ -212,8 +221,14 @@ def main():
             logs = [None] * world
             dist.all_gather_object(logs, log)
             blocks = [sum(len(entry["blocks"]) for entry in rank_log) for rank_log in logs]
-            report.check_equal(f"{layout}: attention blocks per rank = causal_blocks_per_rank", blocks,
-                               causal_blocks_per_rank(world, layout))
+            computed = sorted((q_chunk, k_chunk) for rank_log in logs for entry in rank_log
+                              for q_chunk, k_chunk in entry["computed"])
+            causal_triangle = [(q_chunk, k_chunk) for q_chunk in range(2 * world) for k_chunk in range(q_chunk + 1)]
+            report.check(f"{layout}: the blocks computed cover the causal triangle, each block once",
+                         computed == causal_triangle, f"{len(computed)} blocks", f"{len(causal_triangle)} blocks")
+            report.check_equal(f"{layout}: attention blocks per rank (counted as computed) = "
+                               + ("2P + 1 on every rank" if layout == "zigzag" else "4r + 3 on rank r"),
+                               blocks, expected_blocks_per_rank(world, layout))
             report.extra["ring"][layout] = {"blocks_per_rank": blocks, "steps": logs,
                                             "chunks": [ring_chunks(r, world, layout) for r in range(world)]}
             rt.print(f"{layout:10s}: chunks per rank {[ring_chunks(r, world, layout) for r in range(world)]}, "

@@ -26,6 +26,10 @@ def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun
     ring = metrics["extra"]["ring"]
     assert ring["zigzag"]["blocks_per_rank"] == [9, 9, 9, 9]
     assert ring["contiguous"]["blocks_per_rank"] == [3, 7, 11, 15]
+    names = [c["name"] for c in metrics["checks"]]
+    assert sum("cover the causal triangle" in n for n in names) == 2          # counted from what was computed
+    computed = [pair for rank_log in ring["zigzag"]["steps"] for entry in rank_log for pair in entry["computed"]]
+    assert len(computed) == 36 and all(k <= q for q, k in computed)
     # each rank sends 3 hops of (K, V) forward; 3 of (K, V, dK, dV) and 1 of (dK, dV) backward; 8 KiB per shard
     sent = {(r["layout"], r["phase"]): r["measured_bytes"] for r in metrics["comm"]}
     assert sent[("zigzag", "forward")] == sent[("contiguous", "forward")] == 3 * 2 * 8192
