@@ -73,8 +73,13 @@ class BucketLog:
 def make_data_parallel(module, args, mesh, bucket_log):
     """The stage, data parallel over the ranks that hold the same stage."""
     if args.dp_mode == "ddp":
+        # find_unused_parameters=True although every parameter is used: on the first step torch 2.13's pipelining
+        # infers the shapes passed between stages with a real forward and backward through DDP, outside no_sync,
+        # so DDP notes the gradients' ready order twice and its one-off bucket rebuild (which this flag turns
+        # off) fails an internal assert on the next forward (measured with GPipe, Interleaved1F1B, ZBV). The
+        # flag costs a walk over the autograd graph per step, and no bytes.
         device = next(module.parameters()).device
-        wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp"),
+        wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp"), find_unused_parameters=True,
                                           device_ids=[device] if device.type == "cuda" else None)
         wrapped.register_comm_hook(state=None, hook=bucket_log.hook)
         return wrapped

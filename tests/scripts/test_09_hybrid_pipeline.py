@@ -1,0 +1,164 @@
+"""Chapter 09's pipeline hybrids on CPU ranks: PP + DDP and FSDP + PP (pp_dp_hybrid.py), PP x FSDP x TP
+(hybrid_3d.py) in the shapes 2x1x2, 2x2x1, 1x2x2 on 4 ranks and 2x2x2 on 8, each equal to one device with its
+bytes and memory = formula; bad configurations exit 2 on every rank. One launch per run, asserted many ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch
+
+PP_DP = "scripts/09_hybrid_parallel/pp_dp_hybrid.py"
+HYBRID_3D = "scripts/09_hybrid_parallel/hybrid_3d.py"
+CONFIGS = "scripts/09_hybrid_parallel/configs"
+ONE_DEVICE = ("losses equal the single-device", "step-0 gradients equal", "parameters after training equal")
+
+
+def _check(metrics, name_start):
+    matches = [c for c in metrics["checks"] if c["name"].startswith(name_start)]
+    assert matches, f"no check named {name_start!r}: {[c['name'] for c in metrics['checks']]}"
+    return matches[0]
+
+
+def _assert_equal_to_one_device(metrics):
+    for name in ONE_DEVICE:
+        assert _check(metrics, name)["passed"]
+
+
+# ---- pp_dp_hybrid.py -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pp_ddp():
+    # the real launcher once in this file: torchrun
+    return launch.run(PP_DP, nproc=4, args=["--dp-mode", "ddp", "--schedule", "GPipe", "--steps", "2"],
+                      launcher="torchrun", stream=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp_pp():
+    return launch.run(PP_DP, nproc=4, args=["--dp-mode", "fsdp", "--schedule", "Interleaved1F1B", "--steps", "2"],
+                      stream=False)
+
+
+@pytest.mark.parametrize("run, collective", [("pp_ddp", "all_reduce"), ("fsdp_pp", "reduce_scatter")])
+def test_pp_dp_equals_one_device_and_syncs_gradients_once_per_step(run, collective, request):
+    metrics = assert_all_checks_passed(request.getfixturevalue(run), min_checks=10)
+    _assert_equal_to_one_device(metrics)
+    assert _check(metrics, "torch.distributed.pipeline (Pipe + RPC) is gone")["passed"]
+    # the naive way (sync in every microbatch's backward) sends M = 4 times the gradient bytes
+    sync = metrics["extra"]["gradient_sync_bytes"]
+    assert sync["every_microbatch"] == 4 * sync["once"] > 0
+    naive = [c for c in metrics["comm"] if c.get("sync") == "every microbatch (naive)"]
+    assert [c["collective"] for c in naive] == [collective]
+    assert naive[0]["measured_bytes"] == naive[0]["analytic_bytes"] == sync["every_microbatch"]
+    assert metrics["config"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1}
+    assert len(metrics["losses"]) == 2 and metrics["losses"][1] < metrics["losses"][0]
+
+
+def test_fsdp_pp_interleaves_two_stages_per_rank(fsdp_pp):
+    metrics = fsdp_pp.metrics
+    assert metrics["extra"]["stages_of_pp_rank"] == {"0": [0, 2], "1": [1, 3]}
+    assert metrics["memory"]["per_rank"]["0"]["params"] * 2 == metrics["memory"]["per_rank"]["0"]["optimizer"]
+    assert {e["rank"] for e in metrics["timeline"]} == {0, 1}
+
+
+# ---- hybrid_3d.py ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_3d(tmp_path_factory):
+    """Each shape launched once, the first time a test asks for it."""
+    runs = {}
+
+    def get(shape):
+        if shape not in runs:
+            runs[shape] = SHAPES[shape](tmp_path_factory)
+        return runs[shape]
+    return get
+
+
+def _pp_tp(_):
+    # 2x1x2, and a node of 1 "GPU": TP crosses nodes, a warning, not an error
+    return launch.run(HYBRID_3D, nproc=4, args=["--pp", "2", "--dp", "1", "--tp", "2", "--gpus-per-node", "1",
+                                                "--steps", "2"], stream=False)
+
+
+def _pp_fsdp(_):
+    # 2x2x1 with a zero-bubble V schedule: stages 0 and 3 on pp rank 0, 1 and 2 on pp rank 1
+    return launch.run(HYBRID_3D, nproc=4, args=["--pp", "2", "--dp", "2", "--tp", "1", "--schedule", "ZBVZeroBubble",
+                                                "--steps", "2"], stream=False)
+
+
+def _fsdp_tp(tmp_path_factory):
+    # 1x2x2 from a --config file, with a flag overriding the file
+    path = tmp_path_factory.mktemp("config") / "fsdp_tp.json"
+    path.write_text(json.dumps({"script": "hybrid_3d.py", "pp": 1, "dp": 2, "tp": 2, "schedule": "GPipe",
+                                "steps": 5}))
+    return launch.run(HYBRID_3D, nproc=4, args=["--config", str(path), "--steps", "2"], stream=False)
+
+
+def _all_three(_):
+    # 2x2x2 on 8 ranks (slow on 2 cores: once), interleaved: 4 stages
+    return launch.run(HYBRID_3D, nproc=8, args=["--pp", "2", "--dp", "2", "--tp", "2", "--schedule",
+                                                "Interleaved1F1B", "--steps", "2"], stream=False, timeout=240)
+
+
+SHAPES = {"2x1x2": _pp_tp, "2x2x1": _pp_fsdp, "1x2x2": _fsdp_tp, "2x2x2": _all_three}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_3d_shapes_equal_one_device_with_bytes_and_memory_per_dimension_equal_formula(shape, run_3d):
+    metrics = assert_all_checks_passed(run_3d(shape), min_checks=9)
+    _assert_equal_to_one_device(metrics)
+    pp, dp, tp = map(int, shape.split("x"))
+    assert metrics["config"]["mesh"] == {"pp": pp, "dp": dp, "tp": tp}
+    assert metrics["world_size"] == pp * dp * tp
+    for dim, size in (("pp", pp), ("dp", dp), ("tp", tp)):
+        assert _check(metrics, f"{dim} bytes per step = formula")["passed"]
+        rows = [c for c in metrics["comm"] if c["dimension"] == dim]
+        assert bool(rows) == (size > 1), (dim, rows)        # a dimension of size 1 sends nothing
+        assert all(c["measured_bytes"] == c["analytic_bytes"] > 0 for c in rows)
+    coordinates = metrics["extra"]["coordinates"]
+    assert sorted((c["pp"], c["dp"], c["tp"]) for c in coordinates.values()) == \
+        sorted((a, b, c) for a in range(pp) for b in range(dp) for c in range(tp))
+    # DeviceMesh's order: tp innermost, so a TP group is consecutive ranks
+    assert all(int(rank) == (c["pp"] * dp + c["dp"]) * tp + c["tp"] for rank, c in coordinates.items())
+    # the Gantt chart of the pipeline dimension: one row per pp rank
+    assert {e["rank"] for e in metrics["timeline"]} == set(range(pp))
+
+
+def test_3d_timeline_and_warning(run_3d):
+    metrics = run_3d("2x1x2").metrics
+    assert metrics["extra"]["warnings"] and "larger than the 1 ranks of a node" in metrics["extra"]["warnings"][0]
+    assert "warning: --tp 2 is larger" in run_3d("2x1x2").output
+    zbv = run_3d("2x2x1").metrics
+    assert zbv["extra"]["stages_of_pp_rank"] == {"0": [0, 3], "1": [1, 2]}
+    assert {e["kind"] for e in zbv["timeline"]} == {"F", "B", "W"}     # zero bubble: weight gradients apart
+
+
+def test_3d_writes_its_resolved_configuration(run_3d):
+    config = run_3d("1x2x2").metrics["config"]
+    assert config["steps"] == 2 and config["schedule"] == "GPipe"      # the flag beat the file; the file's schedule
+    assert config["config"].endswith("fsdp_tp.json") and config["model"]["n_layers"] == 4
+    assert config["chunks"] == 1 and config["reference"] is True
+
+
+# ---- bad input: one line, exit 2, every rank ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("script, args, message", [
+    (HYBRID_3D, ["--pp", "2", "--dp", "2", "--tp", "2"], "2 x 2 x 2 = 8 ranks is not the world size 4"),
+    (HYBRID_3D, ["--config", f"{CONFIGS}/hybrid_3d_16gpus.json"], "2 x 2 x 4 = 16 ranks is not the world size 4"),
+    (PP_DP, ["--config", f"{CONFIGS}/pp_dp_8gpus.json"], "2 x 4 x 1 = 8 ranks is not the world size 4"),
+    (PP_DP, ["--config", f"{CONFIGS}/fsdp_pp_8gpus.json"], "2 x 4 x 1 = 8 ranks is not the world size 4"),
+    (PP_DP, ["--config", f"{CONFIGS}/hybrid_3d_16gpus.json"], "is for hybrid_3d.py, not pp_dp_hybrid.py"),
+    (PP_DP, ["--schedule", "Interleaved1F1B", "--layers", "6"], "6 layers do not split into pp x stages-per-rank"),
+    (PP_DP, ["--batch", "12"], "--batch 12 does not split over dp x microbatches = 2 x 4 = 8"),
+    (HYBRID_3D, ["--dp", "1", "--microbatches", "1", "--batch", "4"],
+     "needs at least as many microbatches as stages"),
+    (HYBRID_3D, ["--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "ZBVZeroBubble", "--microbatches", "2"],
+     "needs at least as many microbatches as stages"),
+])
+def test_bad_configurations_exit_2_on_every_rank(script, args, message):
+    assert_config_error(script, args, message)
