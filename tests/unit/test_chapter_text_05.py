@@ -1,0 +1,119 @@
+"""Chapter 05's numbers, recomputed: the test fails when chapters/05_fully_sharded.md drifts from the code.
+
+Also pins what the chapter says of FSDP2's call counts: with ``reshard_after_forward=True`` forced on the root
+(as train_fsdp.apply_fsdp does) a step all-gathers 6 times on the tiny model; with the root left at its default,
+5. Measured on a fake process group (one process, 4 ranks' worth of sharding, no ranks launched)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlab import comm, memory, models
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = (REPO / "chapters" / "05_fully_sharded.md").read_text()
+GIB = 2**30
+
+
+def says(phrase: str) -> None:
+    assert phrase in TEXT, f"chapter 05 no longer says {phrase!r}: the code computes it; update the text"
+
+
+def gib(num_params, ranks, stage):
+    return memory.zero_state_bytes(num_params, ranks, stage).total / GIB
+
+
+def test_the_zero_table_bytes_per_parameter():
+    totals = [memory.zero_state_bytes(1, 4, stage).total for stage in range(4)]
+    says(f"| DDP | 2 | 2 | 12 | {totals[0]:g} |")
+    says(f"| ZeRO-1: shard the optimizer state | 2 | 2 | 12 / N | {totals[1]:g} |")
+    says(f"| ZeRO-2: and the gradients | 2 | 2 / N | 12 / N | {totals[2]:g} |")
+    says(f"| ZeRO-3 (FSDP): and the weights | 2 / N | 2 / N | 12 / N | {totals[3]:g} |")
+
+
+def test_the_tiny_measurements_table_is_the_formula():
+    n = models.preset("tiny").num_params()
+    ddp, one, two = (memory.zero_state_bytes(n, 4, s, precision="fp32") for s in (0, 1, 2))
+    says(f"| DDP (formula) | {ddp.params:,.0f} | {ddp.grads:,.0f} | {ddp.optimizer:,.0f} |")
+    says(f"| ZeRO-1, measured | {one.params:,.0f} | {one.grads:,.0f} | {one.optimizer:,.0f} |")
+    says(f"| ZeRO-2, measured | {two.params:,.0f} | {two.grads:,.0f} | {two.optimizer:,.0f} |")
+    step1, step3 = comm.zero_step_bytes(n, 1), comm.zero_step_bytes(n, 3)
+    says(f"stage 1 all-reduces {step1['all_reduce']:,} bytes\nand all-gathers {step1['all_gather']:,}")
+    ratio = comm.step_bytes_sent_per_rank(step1, 4) / comm.step_bytes_sent_per_rank(comm.zero_step_bytes(n, 0), 4)
+    assert ratio == 1.5
+    says(f"so each rank sends {ratio:g} times what DDP sends")
+    says(f"Our stage 1, which\n  all-reduces and then all-gathers, measured {ratio:g} times DDP")
+    says(f"{step3['all_gather']:,} bytes all-gathered in 6 calls")
+    says(f"and {step3['reduce_scatter']:,} bytes reduce-scattered in 3 calls")
+
+
+def test_the_sizing_table_in_gib():
+    for size in (7, 13):
+        for ranks in (4, 8, 16):
+            cells = " | ".join(f"{gib(size * 1e9, ranks, s):.1f}" for s in range(4))
+            says(f"| {size} B, N = {ranks} | {cells} |")
+    # the sentences under it: 13 B needs ZeRO-3 on 8 GPUs to keep 10 GiB; ZeRO-2 fits from 16, 5 GiB to spare
+    assert next(n for n in (1, 2, 4, 8, 16) if 40 - gib(13e9, n, 3) >= 10) == 8
+    assert next(n for n in (1, 2, 4, 8, 16) if gib(13e9, n, 2) <= 40) == 16
+    says(f"ZeRO-2 fits its state only from 16 GPUs, with\n{int(40 - gib(13e9, 16, 2))} GiB to spare")
+    large = models.preset("a100_large").num_params()
+    says(f"the `a100_large` preset, {large / 1e9:.2f} B parameters. Its state under DDP is {gib(large, 1, 0):.1f} GiB")
+    says(f"sharded over the 4 GPUs of one node it is {gib(large, 4, 3):.1f} GiB per GPU")
+    says(f"needs {gib(7e9, 1, 0):.0f} GiB of training state per GPU")
+
+
+def test_bf16_unit_roundoff():
+    unit_roundoff = torch.finfo(torch.bfloat16).eps / 2  # 8 significant bits: 2^-8
+    assert unit_roundoff == 2.0**-8
+    says(f"a unit roundoff of\n2^-8, about {100 * unit_roundoff:.2f}%")
+    code = (REPO / "scripts" / "05_fully_sharded" / "common_fully_sharded.py").read_text()
+    assert "2^-8" in code and "2^-9" not in code
+
+
+def test_zero_1_is_not_said_to_cost_ddps_traffic():
+    assert "Stages 1 and 2 cost DDP's communication" not in TEXT
+    says("Stage 2 costs DDP's communication")
+
+
+@pytest.fixture(scope="module")
+def fsdp_all_gathers():
+    """All-gather and reduce-scatter calls of one forward + backward of the tiny model, root forced or default."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, str(REPO / "scripts" / "05_fully_sharded"))
+    import train_fsdp  # noqa: E402  (the script's own apply_fsdp)
+
+    sys.path.pop(0)
+    counts = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        for root in ("forced", "default"):
+            model = models.build_transformer(models.preset("tiny"), seed=0)
+            if root == "forced":
+                train_fsdp.apply_fsdp(model)
+            else:
+                for block in model.layers.values():
+                    fully_shard(block, reshard_after_forward=True)
+                fully_shard(model)  # reshard_after_forward=None: False for the root
+            tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+            with CommDebugMode() as mode:
+                models.lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            calls = {str(k): v for k, v in mode.get_comm_counts().items()}
+            counts[root] = (calls.get("c10d._allgather_base_"), calls.get("c10d._reduce_scatter_base_"))
+    finally:
+        dist.destroy_process_group()
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook", "ignore:FSDP2-wrapped module")
+def test_fsdp2_call_counts_forced_root_and_default_root(fsdp_all_gathers):
+    assert fsdp_all_gathers["forced"] == (6, 3)   # 3 units (2 blocks + root), twice each
+    assert fsdp_all_gathers["default"] == (5, 3)  # the root keeps its gathered weights for backward
+    says("all-gathered in 6 calls (3 units, twice each, the root included because we force it to reshard)")
+    says("With the root left at its\ndefault the root would gather once: 5 calls.")
+    says("Left to its default (`None`),\nFSDP2 reshards every unit but the root")
