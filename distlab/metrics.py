@@ -248,3 +248,34 @@ def _plain(value):
     if isinstance(value, float) and math.isinf(value):
         return "inf"
     return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Many runs in one table (the PBS preflight job's summary)
+# --------------------------------------------------------------------------------------------------
+
+
+def runs_table(runs) -> str:
+    """One line per launch: script, result, checks passed, step time, all-reduce bus bandwidth, device.
+
+    ``runs`` holds ``(name, status, metrics file)`` per launch, the status as pbs/common.sh records it ("ok",
+    "FAILED(1)", "missing"). Every figure is read from the run's metrics file: the step time is its
+    ``throughput.step_seconds``; the bus bandwidth the largest all-reduce ``busbw`` measured by a bandwidth
+    benchmark (``extra.bandwidth``, NCCL on GPUs, gloo on CPUs); "-" where the run did not measure it.
+    """
+    header = ("script", "result", "checks", "step time", "all-reduce busbw", "device")
+    lines = []
+    for name, status, path in runs:
+        data = {}
+        if path and Path(path).is_file():
+            data = json.loads(Path(path).read_text())
+        checks = data.get("checks") or []
+        passed = f"{sum(c['passed'] for c in checks)}/{len(checks)}" if data else "-"
+        step = (data.get("throughput") or {}).get("step_seconds")
+        busbw = [row["busbw"] for row in (data.get("extra") or {}).get("bandwidth", [])
+                 if row.get("collective") == "all_reduce" and row.get("busbw")]
+        lines.append((name, status, passed, f"{step * 1e3:.1f} ms" if step else "-",
+                      f"{max(busbw) / 1e9:.3g} GB/s" if busbw else "-", data.get("device", "-")))
+    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+    return "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [header, *lines])

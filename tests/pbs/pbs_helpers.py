@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PBS_DIR = ROOT / "pbs"
 CHAPTER_JOBS = sorted(PBS_DIR.glob("[0-9][0-9]_*.pbs"))
-ALL_JOBS = CHAPTER_JOBS + [PBS_DIR / "jupyterlab.pbs", ROOT / "tests" / "pbs" / "probe.pbs"]
+PREFLIGHT_JOB = PBS_DIR / "preflight.pbs"
+ALL_JOBS = CHAPTER_JOBS + [PBS_DIR / "jupyterlab.pbs", PREFLIGHT_JOB, ROOT / "tests" / "pbs" / "probe.pbs"]
 BIN = Path(sys.executable).parent
 
 
