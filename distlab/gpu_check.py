@@ -202,11 +202,12 @@ def run_result(planned: Planned, returncode: int | None, output: str, seconds: f
         row.update(checks_passed=sum(bool(c["passed"]) for c in checks), checks_total=len(checks),
                    failed_checks=[c["name"] for c in checks if not c["passed"]],
                    metrics={k: v for k, v in metrics.items() if k != "timeline"})  # timelines: long, not needed
+    # A rank that exits 2 makes torchrun's agent exit 1: the output, not the exit code, tells what happened.
     if timed_out:
         status, reason = "timeout", f"killed after {seconds:.0f} s"
-    elif returncode == 2 and config_errors:
+    elif returncode in (1, 2) and config_errors:
         status, reason = "cannot run here", config_errors[0]
-    elif returncode == 2 and any("error: unrecognized arguments" in ln or "error: argument" in ln for ln in lines):
+    elif returncode in (1, 2) and any("error: unrecognized arguments" in ln or "error: argument" in ln for ln in lines):
         status, reason = "bad flags", next(ln for ln in lines if "error:" in ln)
     elif returncode == 0 and metrics is not None and row["checks_total"] > 0 and not row["failed_checks"]:
         status = "passed"
@@ -242,9 +243,9 @@ MEMORY_EXPLANATION = (
     "or 16/N under ZeRO-3) and the activations saved for backward. max_memory_allocated also counts: (1) allocator "
     "rounding: every block is rounded up to a multiple of 512 B (reserved memory adds 2 MiB/20 MiB segments and "
     "cached free blocks); (2) workspaces: cuBLAS and attention kernels allocate scratch memory; (3) transients of the "
-    "step that no formula above holds: the logits and their gradient, autocast's bf16 copies of the weights (2 B/param "
-    "for the step), AdamW's temporaries, FSDP's all-gathered blocks; (4) kernels that save extra tensors (fused "
-    "attention keeps its log-sum-exp and RNG state).")
+    "step that no formula above holds: the logits' gradient, AdamW's temporaries, FSDP's all-gathered blocks (the "
+    "bf16 copies of the weights that autocast saves for backward are among the saved activations read off the "
+    "tensors); (4) kernels that save extra tensors (fused attention keeps its log-sum-exp and RNG state).")
 
 
 def _baseline_figures(row: dict, gpu_name: str) -> dict:
@@ -269,8 +270,6 @@ def _baseline_figures(row: dict, gpu_name: str) -> dict:
 
 def _memory_row(row: dict) -> dict:
     """Predicted (distlab.memory's terms) against the allocator's peak, for one run's rank 0."""
-    from distlab import models
-
     metrics = row.get("metrics") or {}
     memory, config = metrics.get("memory") or {}, metrics.get("config") or {}
     device = memory.get("device") or {}
@@ -289,14 +288,9 @@ def _memory_row(row: dict) -> dict:
         terms["training state, this rank (memory.zero_state_bytes, stage 3)"] = memory["analytic"]["total"]
         terms["saved activations (read off the tensors)"] = memory["saved_activation_bytes"]
     predicted = int(sum(terms.values()))
-    estimates = {}
-    model = config.get("model")
-    if model and (config.get("precision") == "bf16" or config.get("mixed_precision")) and "predicted_state" in memory:
-        num_params = models.TransformerConfig(**model).num_params()
-        estimates["autocast's bf16 weight copies (2 B/param, estimate)"] = 2 * num_params
     return {**out, "terms": terms, "predicted_bytes": predicted, "peak_allocated_bytes": measured,
             "reserved_bytes": device.get("reserved_bytes"), "difference_bytes": measured - predicted,
-            "ratio": measured / predicted if predicted else None, "not_in_the_model_estimates": estimates}
+            "ratio": measured / predicted if predicted else None}
 
 
 def _nccl_figures(row: dict) -> dict:
@@ -374,7 +368,7 @@ def render_table(summary: dict) -> str:
         out.append(f"memory, {m['run']} (rank 0 of {m['world_size']}): predicted {_gib(m['predicted_bytes'])}, "
                    f"max_memory_allocated {_gib(m['peak_allocated_bytes'])} (ratio {m['ratio']:.2f}, "
                    f"difference {_gib(m['difference_bytes'])}), reserved {_gib(m['reserved_bytes'])}")
-        for term, nbytes in {**m["terms"], **m["not_in_the_model_estimates"]}.items():
+        for term, nbytes in m["terms"].items():
             out.append(f"    {term}: {_gib(nbytes)}")
     if summary["memory"]:
         out.append(f"    why they differ: {summary['memory_explanation']}")
@@ -458,7 +452,7 @@ def _no_gpu_here() -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return "no NVIDIA GPU visible (CUDA_VISIBLE_DEVICES is empty)"
-    if not Path("/dev/nvidiactl").exists() and not Path("/dev/nvidia0").exists():
+    if not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")):  # dxg: WSL2
         return "no NVIDIA GPU on this machine (no /dev/nvidia* device)"
     return None
 

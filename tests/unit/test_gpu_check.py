@@ -41,6 +41,17 @@ def test_refuses_without_a_gpu_in_one_line_with_exit_2():
     assert time.perf_counter() - started < 10
 
 
+def test_refuses_without_a_gpu_device_node():
+    if any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")):
+        pytest.skip("this machine has a GPU device node")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run([sys.executable, "-m", "distlab.gpu_check"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("config error: no NVIDIA GPU on this machine (no /dev/nvidia* device): make gpu-check "
+                           "needs an NVIDIA GPU; nothing was run\n")
+
+
 def test_make_target_runs_the_module():
     done = subprocess.run(["make", "-n", "gpu-check", "GPU_CHECK_ARGS=--plan-only"], cwd=REPO, capture_output=True,
                           text=True, timeout=30)
@@ -158,8 +169,12 @@ def metrics_with(*passed):
     (0, "", None, False, "crashed", "exit code 0 but no metrics file"),
     (2, "config error (rank 0): heads 3 do not split\nconfig error (rank 1): heads 3 do not split", None, False,
      "cannot run here", "config error (rank 0): heads 3 do not split"),
+    (1, "config error (rank 1): heads 3 do not split\n  exitcode  : 2 (pid: 7)", None, False,  # as under torchrun
+     "cannot run here", "config error (rank 1): heads 3 do not split"),
     (2, "usage: x.py\nx.py: error: unrecognized arguments: --nope", None, False, "bad flags",
      "x.py: error: unrecognized arguments: --nope"),
+    (1, "usage: x.py\nx.py: error: argument --preset: invalid choice: 'huge'", None, False, "bad flags",
+     "x.py: error: argument --preset: invalid choice: 'huge'"),
     (1, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.", None, False, "crashed",
      "torch.OutOfMemoryError: CUDA out of memory."),
     (None, "step 0", None, True, "timeout", "killed after 61 s"),
@@ -238,7 +253,6 @@ def test_summary_memory_model_against_allocator(summary):
     assert baseline["difference_bytes"] == 33_000_000_000 - 29_828_763_648
     assert baseline["ratio"] == pytest.approx(33_000_000_000 / 29_828_763_648)
     assert "saved activations (read off the tensors; bf16 autocast)" in baseline["terms"]
-    assert list(baseline["not_in_the_model_estimates"].values()) == [2 * 1_364_297_728]
     # ZeRO-3 on 4 ranks: 16 B x 3,367,676,928 / 4 = 13,470,707,712 B, + 3,000,000,000 B of activations
     assert fsdp["run"] == "fsdp_a100_memory" and fsdp["world_size"] == 4
     assert fsdp["predicted_bytes"] == 16_470_707_712 and fsdp["difference_bytes"] == 1_529_292_288
