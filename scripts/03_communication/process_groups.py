@@ -31,7 +31,8 @@ from distlab import comm, metrics, runtime
 
 
 def check_config(args, world_size):
-    runtime.require(world_size >= 2, "process groups need at least 2 ranks: torchrun --standalone --nproc_per_node=4 ...")
+    runtime.require(world_size >= 2,
+                    "process groups need at least 2 ranks: torchrun --standalone --nproc_per_node=4 ...")
     runtime.require(args.group_size >= 1 and world_size % args.group_size == 0,
                     f"--group-size {args.group_size} does not divide the {world_size} ranks into equal groups")
     runtime.require(args.numel >= 1, f"--numel {args.numel} must be at least 1")
@@ -57,7 +58,8 @@ def main():
         column_groups = [dist.new_group(ranks) for ranks in columns]
         my_row = next(i for i, ranks in enumerate(rows) if rt.rank in ranks)
         my_column = next(i for i, ranks in enumerate(columns) if rt.rank in ranks)
-        rt.print(f"{rt.world_size} ranks as {len(rows)} x {args.group_size}: row groups {rows}, column groups {columns}")
+        rt.print(f"{rt.world_size} ranks as {len(rows)} x {args.group_size}: "
+                 f"row groups {rows}, column groups {columns}")
 
         mine = contribution(rt.rank, args.numel, args.seed).to(rt.device)
         everyone = [contribution(r, args.numel, args.seed) for r in range(rt.world_size)]
@@ -100,7 +102,8 @@ def main():
         shown = [None] * rt.world_size  # what each rank ended with, printed by rank 0 (outside the counter)
         dist.all_gather_object(shown, (over_row.int().tolist(), over_column.int().tolist()))
         for r in range(rt.world_size):
-            rt.print(f"  rank {r}: put in {everyone[r].int().tolist()}, row sum {shown[r][0]}, column sum {shown[r][1]}")
+            rt.print(f"  rank {r}: put in {everyone[r].int().tolist()}, "
+                     f"row sum {shown[r][0]}, column sum {shown[r][1]}")
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

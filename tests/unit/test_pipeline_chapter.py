@@ -159,3 +159,49 @@ def test_v_schedules_read_as_valid_split_schedules_in_a_v(name, v_schedule_order
     assert bubble == pytest.approx(1 / 17)    # 5.9%: below ZB-H1's 11.1% with the same F = B = W
     if name == "ZBVZeroBubble":
         assert f"torch's ZBV order, with F = B = W, gives {percent(bubble)}" in CHAPTER.read_text()
+
+
+# ---- the two bubble conventions, and ZB-H1's closed form (issue 9, items 3 and 11) ---------------------------
+
+def idle_time_per_rank(schedule) -> list[float]:
+    """Simulated idle time of every rank: the step (first start to last end) minus the rank's own work."""
+    timeline = schedules.simulate(schedule)
+    step = max(e.end for e in timeline) - min(e.start for e in timeline)
+    return [step - sum(e.end - e.start for e in timeline if e.rank == r) for r in sorted({e.rank for e in timeline})]
+
+
+def test_both_bubble_conventions_are_named_and_agree():
+    text = CHAPTER.read_text()
+    share = schedules.bubble_fraction(4, 8)                       # idle / step
+    timeline = schedules.simulate(schedules.one_f_one_b(4, 8))
+    step = max(e.end for e in timeline)
+    useful = sum(e.end - e.start for e in timeline) / 4
+    overhead = (step - useful) / useful                           # idle / ideal step, measured on the simulation
+    assert overhead == pytest.approx((4 - 1) / 8) and share == pytest.approx(overhead / (1 + overhead))
+    assert f"**(P - 1) / M**: {percent(overhead)} for the same pipeline" in text
+    assert "**share of the step**" in text and "**relative to the ideal step**" in text
+    conventions = (REPO / "chapters" / "00_conventions.md").read_text()
+    assert f"For P = 4 and M = 8 they are {percent(overhead)} and {percent(share)}." in conventions
+
+
+def test_zb_h1_closed_form_holds_for_m_at_least_p_only():
+    text = CHAPTER.read_text()
+    for ranks in TABLE_RANKS:
+        for microbatches in TABLE_MICROBATCHES:
+            simulated = schedules.bubble_fraction_from_timeline(
+                schedules.simulate(schedules.zero_bubble_h1(ranks, microbatches)), ranks)
+            closed_form = (ranks - 1) / (3 * microbatches + ranks - 1)
+            if microbatches >= ranks:
+                assert simulated == pytest.approx(closed_form)
+                # a third of 1F1B's idle time (F = B = W = 1 against F = 1, B = 2), not a third of the fraction
+                zb, one_f_one_b = (idle_time_per_rank(s) for s in (schedules.zero_bubble_h1(ranks, microbatches),
+                                                                   schedules.one_f_one_b(ranks, microbatches)))
+                assert zb == pytest.approx([ranks - 1] * ranks)
+                assert one_f_one_b == pytest.approx([3 * (ranks - 1)] * ranks)
+            else:
+                assert simulated > closed_form + 0.05
+    short = schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.zero_bubble_h1(8, 4)), 8)
+    assert f"the table's {percent(short)}\nfor P = 8 and M = 4, where the formula would say {percent(7 / 19)}" in text
+    ratio = (3 / 27) / schedules.bubble_fraction(4, 8)
+    assert f"11.1% is {ratio:.2f} of 1F1B's 27.3%" in text
+    assert "about a third of 1F1B's." not in text

@@ -1,0 +1,58 @@
+"""Chapter 06's numbers, recomputed: the test fails when chapters/06_tensor_parallel.md drifts from the code."""
+
+import re
+from pathlib import Path
+
+from distlab import metrics, models
+from distlab import tensor_parallel as tp
+
+TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "06_tensor_parallel.md").read_text()
+GIB = 2**30
+
+
+def says(phrase: str) -> None:
+    assert phrase in TEXT, f"chapter 06 no longer says {phrase!r}: the code computes it; update the text"
+
+
+def test_tiny_run_payloads():
+    tiny = models.preset("tiny")
+    rows = tp.tp_comm_formula(tiny, 4, 32, 4)
+    activation = 4 * 32 * tiny.dim * 4  # B x S x h fp32
+    assert {r["payload_bytes"] // r["calls"] for r in rows if r["where"] == "blocks"} == {activation}
+    says(f"issue exactly one all-reduce of {activation:,} bytes forward and one backward")
+    says(f"For the tiny run that is {activation:,} bytes per activation all-reduce")
+    loss = sum(r["payload_bytes"] for r in rows if r["where"] == "loss")
+    says(f"and {loss:,} bytes\nfor the loss")
+    says(f"(B = 4 sequences of S = 32 tokens, h = {tiny.dim}, fp32)")
+
+
+def test_parameters_per_rank_and_the_a100_large_state():
+    tiny, large = models.preset("tiny"), models.preset("a100_large")
+    says(f"{tp.tp_param_count_per_rank(tiny, 4)['total'] * 4:,} bytes of the tiny model's {tiny.num_params() * 4:,}")
+    full, quarter = (tp.tp_param_count_per_rank(large, t)["total"] * 16 / GIB for t in (1, 4))
+    says(f"the `a100_large` preset's {full:.1f} GiB of AdamW")
+    says(f"is {quarter:.1f} GiB per GPU under TP 4")
+
+
+def test_the_a100_ledger_and_the_node_argument():
+    a100 = models.preset("a100")
+    says(f"The `a100` preset (h = {a100.dim})")
+    per_all_reduce = 2 * 1024 * a100.dim * 4
+    total = sum(r["payload_bytes"] for r in tp.tp_comm_formula(a100, 2, 1024, 4))
+    says(f"all-reduces {per_all_reduce / 1e6:.1f} MB of fp32 activations 4 times per layer and step, "
+         f"{total / 1e9:.2f} GB of payload per step")
+    nvlink = tp.tp_comm_time_per_layer(a100, 4, tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S,
+                                       metrics.peak_flops("A100", "bf16"))
+    slingshot = tp.tp_comm_time_per_layer(a100, 4, tp.SLINGSHOT11_NIC_BYTES_PER_S, metrics.peak_flops("A100", "bf16"))
+    says(f"= {nvlink['sent_bytes']:,.0f} bytes per token and layer")
+    says(f"take **{nvlink['comm_s'] * 1e9:.0f} ns**")
+    says(f"**{slingshot['comm_s'] * 1e9:.0f} ns**, {slingshot['comm_s'] / nvlink['comm_s']:.0f} times longer")
+    says(f"bf16 peak: **{nvlink['compute_s'] * 1e9:.0f} ns**")
+    says(f"{tp.NVLINK3_A100_TOTAL_BYTES_PER_S / 1e9:.0f} GB/s in total per GPU, which is "
+         f"{tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / 1e9:.0f} GB/s in each direction")
+
+
+def test_h_is_the_width_and_a_the_heads():
+    # issue 9 item 10: one letter, one meaning. Upper-case H is no longer used at all.
+    assert not re.search(r"\bH\b", TEXT)
+    says("a/n of its a heads on a TP rank")
