@@ -23,8 +23,8 @@ NCCL bus bandwidth from ``scripts/03_communication/bandwidth.py`` with 2+ GPUs.
 
 World sizes: each script runs on one rank per GPU present. On a one-GPU machine the scripts that need two
 ranks or more (a ring, a tensor or pipeline split) are listed as skipped, with the reason; the others run on
-one rank. A script that refuses the world size it is given (exit 2, ``config error``) is reported as "cannot
-run here", not as a failure; a failed check, a crash or a timeout fails the check (exit 1).
+one rank. A script that refuses the world size it is given (its ``config error`` line) is reported as
+"cannot run here", not as a failure; a failed check, a crash or a timeout fails the check (exit 1).
 
 It only reads GPU properties, launches the course's scripts and times a copy: it never changes a GPU
 setting (no persistence mode, clocks or resets). Without a GPU it says so in one line and exits 2.

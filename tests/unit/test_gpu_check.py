@@ -301,6 +301,7 @@ def test_launch_collects_a_real_run_and_writes_its_log(tmp_path, monkeypatch):
     # the GPU path with --device cpu: launched, metrics read back, status, log file. (Started by fork, 2-3 s
     # faster than the torchrun gpu-check uses; test_launch_timeout_and_spent_budget goes through torchrun.)
     monkeypatch.setenv("DISTLAB_LAUNCH_MODE", "fork")
+    monkeypatch.delenv("DISTLAB_LAUNCH_CACHE", raising=False)  # a real run, never a replay
     run = Run("baseline_cpu", "scripts/01_single_device_baseline/train_baseline.py", timeout_s=60)
     row = gpu_check._launch(Planned(run, 1, ("--steps", "8", "--device", "cpu")), tmp_path, budget_left=60)
     assert row["status"] == "passed", row
@@ -311,7 +312,8 @@ def test_launch_collects_a_real_run_and_writes_its_log(tmp_path, monkeypatch):
     assert any(line.startswith("checks: ") for line in log)
 
 
-def test_launch_timeout_and_spent_budget(tmp_path):
+def test_launch_timeout_and_spent_budget(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTLAB_LAUNCH_CACHE", raising=False)
     run = Run("slow", "scripts/01_single_device_baseline/train_baseline.py", timeout_s=1)
     row = gpu_check._launch(Planned(run, 1, ("--steps", "500", "--device", "cpu")), tmp_path, budget_left=60)
     assert (row["status"], row["reason"]) == ("timeout", "killed after 1 s")
