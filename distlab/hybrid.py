@@ -228,12 +228,14 @@ def hybrid_state_bytes(cfg, dp: int, tp: int, dp_rank: int = 0, embedding_plan: 
     return StateBytes(4 * held, 4 * held, 8 * held)
 
 
-def fsdp_unit_params(cfg, tp: int, embedding_plan: str = "usual") -> dict:
+def fsdp_unit_params(cfg, tp: int, embedding_plan: str = "usual", dp: int = 1) -> dict:
     """Parameters of one FSDP unit on one TP rank (what the unit's all-gather rebuilds over dp):
-    ``{"block": .., "root": ..}``; each block is one unit, the root (embedding, final norm, head) another."""
+    ``{"block": .., "root": ..}``; each block is one unit, the root (embedding, final norm, head) another.
+    FSDP pads each parameter's dim 0 to a multiple of ``dp`` (equal pieces on the wire): counted here."""
     shapes = tp_local_shapes(cfg, tp, embedding_plan)
-    block = sum(r * c for name, (r, c) in shapes.items() if name.startswith("layers.0."))
-    root = sum(r * c for name, (r, c) in shapes.items() if not name.startswith("layers."))
+    padded = {name: -(-rows // dp) * dp * columns for name, (rows, columns) in shapes.items()}
+    block = sum(count for name, count in padded.items() if name.startswith("layers.0."))
+    root = sum(count for name, count in padded.items() if not name.startswith("layers."))
     return {"block": block, "root": root}
 
 
@@ -287,7 +289,7 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
                 replica_batch * seq_len * cfg.vocab_size * bytes_per_element)
             add("tp", "backward", "outside blocks", "all_gather", 1, activation)
     if dp > 1:
-        units = fsdp_unit_params(cfg, tp, embedding_plan)
+        units = fsdp_unit_params(cfg, tp, embedding_plan, dp)
         for unit, count in (("block", cfg.n_layers), ("root", 1)):
             unit_bytes = units[unit] * bytes_per_element
             # a unit is recognised by its size when measured: a root as large as a block counts as one
@@ -300,7 +302,7 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
 
 
 def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual",
-                               bytes_per_element: int = 4) -> list:
+                               bytes_per_element: int = 4, dp: int = 1) -> list:
     """Group the collectives a :class:`distlab.comm.ModuleCommCounter` recorded into the rows of
     :func:`fsdp_tp_comm_formula`.
 
@@ -311,9 +313,8 @@ def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual
     not from the module running at the time: FSDP prefetches, gathering the next unit's weights while
     the current one computes. A size that is neither becomes a row of its own, ``unknown unit``.
     """
-    units = {size * bytes_per_element: name
-             for name, size in (("root", fsdp_unit_params(cfg, tp, embedding_plan)["root"]),
-                                ("blocks", fsdp_unit_params(cfg, tp, embedding_plan)["block"]))}
+    unit_params = fsdp_unit_params(cfg, tp, embedding_plan, dp)
+    units = {unit_params["root"] * bytes_per_element: "root", unit_params["block"] * bytes_per_element: "blocks"}
     rows: dict[tuple, dict] = {}
     for call in calls:
         if call.group_size == 1:

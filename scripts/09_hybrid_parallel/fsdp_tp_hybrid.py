@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,9 @@ def build_hybrid_model(cfg, args, mesh, device):
     the TP slice (not the full weight) just before a block runs, over the dp ranks only. The other order
     would shard full weights over dp first and TP could no longer choose its own split.
     """
+    # FSDP warns when a unit returns a view (an in-place op on it would skip its pre-backward hook); the
+    # alternative head's all-reduced logits are one, and nothing here modifies them in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = models.build_transformer(cfg, args.seed, device)  # same seed: the full weights of one device
     parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
     for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
@@ -259,7 +263,7 @@ def main():
                                               sequence_parallel=args.sequence_parallel,
                                               embedding_plan=args.embedding_plan,
                                               reshard_after_forward=args.reshard_after_forward)
-        measured = hybrid.measured_fsdp_tp_comm_rows(counter.calls, cfg, tp, args.embedding_plan)
+        measured = hybrid.measured_fsdp_tp_comm_rows(counter.calls, cfg, tp, args.embedding_plan, dp=dp)
         ledger = hybrid.join_fsdp_tp_comm_rows(measured, formula, dp, tp)
         rt.print(f"\ncommunication of one training step per mesh dimension (replica batch {args.batch // dp} x "
                  f"{args.seq_len} tokens, H = {cfg.dim}, V = {cfg.vocab_size}):")

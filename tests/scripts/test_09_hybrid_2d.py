@@ -1,9 +1,9 @@
 """Chapter 09, 2-D: the rank grid of both orders against DeviceMesh, and FSDP x TP on a (dp, tp) mesh equal
 to one device with its memory and its communication per mesh dimension equal to the formulas.
 
-Five launches in all, shared by the tests through module-scoped fixtures: rank_grid on 4 ranks and on a
-fake world, fsdp_tp_hybrid on 2 x 2 with the usual plan (under the real torchrun), with the alternative
-embedding plan, and with sequence parallelism (FSDP keeping gathered weights); then the bad inputs.
+Four launches, shared by the tests through module-scoped fixtures: rank_grid on 4 ranks, fsdp_tp_hybrid on 2 x 2 with the usual plan (under the real torchrun), with the alternative
+embedding plan, and with sequence parallelism (FSDP keeping gathered weights); then the bad inputs. The
+fake worlds of rank_grid run inside the test process.
 """
 
 from __future__ import annotations
@@ -51,24 +51,48 @@ def test_the_copied_order_puts_tp_across_nodes(grid_run):
     assert "The copied HybridParallelContext order puts TP across nodes" in grid_run.output
 
 
-@pytest.fixture(scope="module")
-def fake_world_run():
-    # one process (a world of 1 for the launcher); DeviceMesh is built on a fake process group per rank
-    return launch.run(GRID, nproc=1, args=["--world", "16", "--pp", "2", "--dp", "2", "--tp", "4"], stream=False)
+def run_in_this_process(script, args, tmp_path, capsys):
+    """``python script args`` inside the test's process (a fake world needs no launcher): exit code,
+    output, metrics. Cheaper than a launch: torch is already imported."""
+    import json
+    import runpy
+    import sys
+
+    metrics_file = tmp_path / "metrics.json"
+    saved_argv = sys.argv
+    sys.argv = [script, *args, "--metrics-out", str(metrics_file)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    finally:
+        sys.argv = saved_argv
+    output = capsys.readouterr()
+    return code, output.out + output.err, json.loads(metrics_file.read_text()) if metrics_file.exists() else None
 
 
-def test_fake_world_of_16_checks_every_rank_and_finds_the_issue_example(fake_world_run):
-    metrics = assert_all_checks_passed(fake_world_run, min_checks=1)
-    assert metrics["world_size"] == 16
+def test_fake_world_of_16_checks_every_rank_and_finds_the_issue_example(tmp_path, capsys):
+    code, output, metrics = run_in_this_process(GRID, ["--world", "16", "--pp", "2", "--dp", "2", "--tp", "4"],
+                                                tmp_path, capsys)
+    assert code == 0, output
+    assert metrics["world_size"] == 16 and [c["passed"] for c in metrics["checks"]] == [True]
     assert metrics["extra"]["crossing_group_counts"]["hybrid_context"]["tp"] == 4   # all 4 TP groups cross
     assert metrics["extra"]["crossing_group_counts"]["device_mesh"]["tp"] == 0
-    assert "its TP group [0, 2, 4, 6] spans nodes" in fake_world_run.output
+    assert "its TP group [0, 2, 4, 6] spans nodes" in output
 
 
-def test_fake_world_warns_when_tp_is_larger_than_a_node():
-    result = launch.run(GRID, nproc=1, args=["--world", "8", "--dp", "1", "--tp", "8"], stream=False)
-    assert result.returncode == 0
-    assert "warning: --tp 8 is larger than the 4 ranks of a node" in result.output
+def test_fake_world_warns_when_tp_is_larger_than_a_node(tmp_path, capsys):
+    code, output, _ = run_in_this_process(GRID, ["--world", "8", "--dp", "1", "--tp", "8"], tmp_path, capsys)
+    assert code == 0, output
+    assert "warning: --tp 8 is larger than the 4 ranks of a node" in output
+
+
+def test_fake_world_bad_mesh_is_a_config_error(tmp_path, capsys):
+    code, output, metrics = run_in_this_process(GRID, ["--world", "12", "--pp", "2", "--dp", "2", "--tp", "4"],
+                                                tmp_path, capsys)
+    assert code == 2 and metrics is None
+    assert output.strip() == "config error: the mesh pp x dp x tp = 2 x 2 x 4 = 16 ranks is not the world size 12"
 
 
 # ---- fsdp_tp_hybrid.py ----------------------------------------------------------------------------------
@@ -77,13 +101,14 @@ def test_fake_world_warns_when_tp_is_larger_than_a_node():
 @pytest.fixture(scope="module")
 def usual_run():
     # the chapter's one run under the real launcher
-    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2"], launcher="torchrun", stream=False)
+    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--steps", "3"], launcher="torchrun",
+                      stream=False)
 
 
 @pytest.fixture(scope="module")
 def alternative_run():
-    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--embedding-plan", "alternative"],
-                      stream=False)
+    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--embedding-plan", "alternative",
+                                             "--steps", "3"], stream=False)
 
 
 @pytest.fixture(scope="module")
