@@ -82,7 +82,7 @@ class Run:
 CH01, CH02, CH03 = "scripts/01_single_device_baseline", "scripts/02_why_distributed", "scripts/03_communication"
 CH04, CH05, CH06 = "scripts/04_data_parallel", "scripts/05_fully_sharded", "scripts/06_tensor_parallel"
 CH07, CH08 = "scripts/07_pipeline_parallel", "scripts/08_sequence_parallel"
-CH09, CH10 = "scripts/09_hybrid_parallel", "scripts/10_domain_parallel"
+CH09, CH10, CH12 = "scripts/09_hybrid_parallel", "scripts/10_domain_parallel", "scripts/12_hpc_operations"
 
 # In order: the figures first, so a run out of time loses chapter checks, not the baseline.
 RUNS: tuple[Run, ...] = (
@@ -126,6 +126,9 @@ RUNS: tuple[Run, ...] = (
     Run("hybrid_3d", f"{CH09}/hybrid_3d.py", ("--pp", "2", "--tp", "2"), min_gpus=4),   # dp: the ranks left over
     Run("halo_conv", f"{CH10}/halo_conv.py", min_gpus=2),
     Run("domain_train", f"{CH10}/domain_train.py", min_gpus=2),
+    # a planted hang must end in seconds with its diagnosis on NCCL too (its watchdog, not gloo's timeout)
+    Run("deadlocks_none", f"{CH12}/deadlocks.py", ("--hang", "none"), min_gpus=4, timeout_s=60),
+    Run("deadlocks_skipped_barrier", f"{CH12}/deadlocks.py", ("--hang", "skipped-barrier"), min_gpus=4, timeout_s=60),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)
@@ -457,14 +460,14 @@ def _no_gpu_here() -> str | None:
     return None
 
 
-def _launch(planned: Planned, logs: Path, budget_left: float) -> dict:
+def _launch(planned: Planned, logs: Path, budget_left: float, budget_s: float = TIME_BUDGET_S) -> dict:
     from distlab import launch
 
     if planned.skip is not None:
         return run_result(planned, None, "", 0.0, None)
     if budget_left < MIN_RUN_SECONDS:
         return run_result(Planned(planned.run, planned.world_size, planned.args,
-                                  f"time budget of {TIME_BUDGET_S} s spent"), None, "", 0.0, None)
+                                  f"time budget of {budget_s:.0f} s spent"), None, "", 0.0, None)
     timeout = min(planned.run.timeout_s, budget_left)
     print(f"  {planned.run.name}: {planned.world_size} rank(s), timeout {timeout:.0f} s ...", end=" ", flush=True)
     try:
@@ -492,6 +495,9 @@ def main(argv=None) -> int:
     p.add_argument("--plan-only", action="store_true", help="print what would run here (or on --gpus), run nothing")
     p.add_argument("--gpus", type=int, default=None, help="with --plan-only: plan for this many GPUs")
     p.add_argument("--gpu-memory-gib", type=float, default=40.0, help="with --plan-only --gpus: memory of each")
+    p.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                   help=f"seconds for all the script runs (default {TIME_BUDGET_S}); a run is not started with "
+                        f"less than {MIN_RUN_SECONDS} s left")
     p.add_argument("--render", metavar="SUMMARY_JSON", default=None, help="print the table of a summary.json")
     p.add_argument("--child", choices=["probe", "copy"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -526,7 +532,8 @@ def main(argv=None) -> int:
     shutil.rmtree(out / "ckpt", ignore_errors=True)  # the checkpoint runs start from an empty folder
     started = time.monotonic()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    results = [_launch(planned, logs, TIME_BUDGET_S - (time.monotonic() - started)) for planned in plan]
+    results = [_launch(planned, logs, args.budget_s - (time.monotonic() - started), args.budget_s)
+               for planned in plan]
     try:
         copy = _in_child("copy")
     except (RuntimeError, subprocess.TimeoutExpired) as error:
