@@ -57,3 +57,8 @@ clean:
 .PHONY: gpu-check
 gpu-check: $(STAMP)
 	$(PY) -m distlab.gpu_check $(GPU_CHECK_ARGS)
+
+## The chapters' pictures (chapters/figures/*.png), drawn by distlab.figures from the library's own functions
+.PHONY: figures
+figures: $(STAMP)
+	$(PY) -m distlab.figures chapters/figures

@@ -1,0 +1,244 @@
+"""The chapters' pictures, drawn from the library's own functions: ``python -m distlab.figures`` (``make figures``).
+
+Each figure is one function ``draw_<name>(ax_or_fig)`` over the same code the scripts run (the ring all-reduce
+simulated chunk by chunk, ``memory.zero_state_bytes``, ``schedules.simulate``, ``tensor_parallel.ring_chunks``),
+and ``FIGURES`` maps each file in ``chapters/figures/`` to its function. The chapters embed the PNGs;
+``tests/unit/test_figures.py`` checks that every figure a chapter references exists and that every generator runs.
+Small PNGs (about 100 dpi) from the Agg backend, with no timestamp in their metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+DPI = 90
+
+
+# ---- chapter 03: the ring all-reduce, chunk by chunk ---------------------------------------------------------
+
+def ring_allreduce_contributions(ranks: int = 4) -> list[list[list[int]]]:
+    """After each of the 2(n-1) steps of the ring all-reduce, how many ranks' inputs each chunk of each rank holds.
+
+    Runs the algorithm of chapter 03 on sets of contributors instead of numbers: at reduce-scatter step s rank r
+    sends chunk (r - s) mod n to the right, which adds it into its own; at all-gather step s rank r sends the
+    finished chunk (r + 1 - s) mod n, which the right neighbour stores. Returns ``[step][rank][chunk]`` counts,
+    step 0 being the inputs (every chunk holds 1).
+    """
+    n = ranks
+    held = [[{r} for _ in range(n)] for r in range(n)]
+    history = [[[len(c) for c in row] for row in held]]
+    for step in range(n - 1):
+        outgoing = {r: ((r - step) % n, set(held[r][(r - step) % n])) for r in range(n)}
+        for r, (chunk, contributors) in outgoing.items():
+            held[(r + 1) % n][chunk] |= contributors
+        history.append([[len(c) for c in row] for row in held])
+    for step in range(n - 1):
+        outgoing = {r: ((r + 1 - step) % n, set(held[r][(r + 1 - step) % n])) for r in range(n)}
+        for r, (chunk, contributors) in outgoing.items():
+            held[(r + 1) % n][chunk] = contributors
+        history.append([[len(c) for c in row] for row in held])
+    return history
+
+
+def draw_ring_allreduce(fig) -> None:
+    import numpy as np
+
+    history = ring_allreduce_contributions(4)
+    n = 4
+    axes = fig.subplots(1, len(history))
+    for step, (ax, counts) in enumerate(zip(axes, history)):
+        ax.imshow(np.array(counts), cmap="Greens", vmin=0, vmax=n)
+        for r in range(n):
+            for c in range(n):
+                ax.text(c, r, counts[r][c], ha="center", va="center", fontsize=8,
+                        color="white" if counts[r][c] == n else "black")
+        phase = "inputs" if step == 0 else f"RS step {step}" if step < n else f"AG step {step - n + 1}"
+        ax.set_title(phase, fontsize=8)
+        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=6)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)] if step == 0 else [""] * n, fontsize=6)
+    fig.suptitle("ring all-reduce on 4 ranks: how many ranks' inputs each chunk holds "
+                 "(reduce-scatter, then all-gather)", fontsize=9)
+
+
+# ---- chapter 05: ZeRO stages -------------------------------------------------------------------------------
+
+def draw_zero_stages(fig) -> None:
+    from distlab import memory
+
+    ax = fig.subplots()
+    gpus = 4
+    parts = [("weights (bf16)", "params", "#1f77b4"), ("gradients (bf16)", "grads", "#ff7f0e"),
+             ("optimizer (fp32 master + moments)", "optimizer", "#2ca02c")]
+    labels = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
+    for stage, label in enumerate(labels):
+        state = memory.zero_state_bytes(1, gpus, stage)  # bytes per parameter on one GPU, mixed precision
+        for gpu in range(gpus):
+            x = stage * (gpus + 1.5) + gpu
+            bottom = 0.0
+            for name, field, colour in parts:
+                height = getattr(state, field)
+                ax.bar(x, height, bottom=bottom, color=colour, width=0.8,
+                       label=name if stage == 0 and gpu == 0 else None)
+                bottom += height
+        ax.text(stage * (gpus + 1.5) + (gpus - 1) / 2, state.total + 0.4, f"{label}\n{state.total:g} B/param",
+                ha="center", fontsize=8)
+    ax.set_xticks([])
+    ax.set_ylim(0, 19.5)
+    ax.set_ylabel("bytes per parameter, each GPU")
+    ax.set_title("ZeRO stages on 4 GPUs: what each GPU keeps (mixed-precision AdamW)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right", frameon=False)
+
+
+# ---- chapter 06: column and row splits ---------------------------------------------------------------------
+
+def _matrix(ax, x, y, w, h, label, colours=None, split=None, fontsize=7):
+    """A rectangle; ``split`` 'cols' or 'rows' cuts it into len(colours) coloured blocks."""
+    from matplotlib.patches import Rectangle
+
+    colours = colours or ["#bbbbbb"]
+    for i, colour in enumerate(colours):
+        if split == "cols":
+            ax.add_patch(Rectangle((x + i * w / len(colours), y), w / len(colours), h, color=colour, alpha=0.75))
+        elif split == "rows":
+            ax.add_patch(Rectangle((x, y + h - (i + 1) * h / len(colours)), w, h / len(colours), color=colour,
+                                   alpha=0.75))
+        else:
+            ax.add_patch(Rectangle((x, y), w, h, color=colour, alpha=0.75))
+    ax.add_patch(Rectangle((x, y), w, h, fill=False, lw=1))
+    ax.text(x + w / 2, y - 0.35, label, ha="center", va="top", fontsize=fontsize)
+
+
+def draw_tensor_parallel_split(fig) -> None:
+    ax = fig.subplots()
+    grey = ["#bbbbbb"]
+    _matrix(ax, 0, 1, 1.2, 2, "X\n(replicated)", grey)
+    ax.text(1.6, 2, "x", fontsize=12, va="center")
+    _matrix(ax, 2.0, 0.6, 2.4, 2.8, "W1ᵀ: column parallel\n(rank r: output block r)", RANK_COLOURS, "cols")
+    ax.text(4.8, 2, "=", fontsize=12, va="center")
+    _matrix(ax, 5.2, 1, 2.4, 2, "Y1 split by columns\n(+ SiLU, local)", RANK_COLOURS, "cols")
+    ax.text(8.0, 2, "x", fontsize=12, va="center")
+    _matrix(ax, 8.4, 0.6, 1.2, 2.8, "W2ᵀ: row parallel\n(rank r: input block r)", RANK_COLOURS, "rows")
+    ax.text(10.0, 2, "=", fontsize=12, va="center")
+    for r, colour in enumerate(RANK_COLOURS):
+        _matrix(ax, 10.4 + r * 0.35, 1.3 + r * 0.15, 1.2, 1.4, "" if r < 3 else "partial sums", [colour])
+    ax.annotate("all-reduce", xy=(13.9, 2), xytext=(12.3, 3.3), fontsize=8,
+                arrowprops=dict(arrowstyle="->", lw=1))
+    _matrix(ax, 13.9, 1.3, 1.2, 1.4, "Y (replicated)", grey)
+    ax.set_xlim(-0.3, 15.4)
+    ax.set_ylim(-0.6, 3.8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("a column-parallel layer feeds a row-parallel one: one all-reduce per pair (4 ranks)", fontsize=9)
+
+
+# ---- chapter 07: a Gantt chart of GPipe and 1F1B -------------------------------------------------------------
+
+def draw_pipeline_gantt(fig) -> None:
+    from distlab import gantt, schedules
+
+    axes = fig.subplots(2, 1)
+    timelines = [schedules.simulate(schedules.gpipe(4, 8)), schedules.simulate(schedules.one_f_one_b(4, 8))]
+    longest = max(max(e.end for e in t) for t in timelines)
+    for ax, name, timeline in zip(axes, ("GPipe", "1F1B"), timelines):
+        gantt.plot_gantt(timeline, ax=ax, title=f"{name}, P = 4, M = 8", time_unit="units of F")
+        ax.set_xlim(0, longest)
+    fig.tight_layout()
+
+
+# ---- chapter 08: the sequence-parallel regions, and ring attention's work per rank ---------------------------
+
+def draw_sequence_parallel_regions(fig) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    ax = fig.subplots()
+    boxes = [("RMSNorm\n(S/t positions)", "seq"), ("all-gather\nalong S", "comm"),
+             ("attention\n(a/t heads)", "tp"), ("reduce-scatter\nalong S", "comm"), ("+ residual\n(S/t)", "seq"),
+             ("RMSNorm\n(S/t)", "seq"), ("all-gather\nalong S", "comm"), ("SwiGLU\n(F/t features)", "tp"),
+             ("reduce-scatter\nalong S", "comm"), ("+ residual\n(S/t)", "seq")]
+    colours = {"seq": "#9ecae1", "tp": "#fdd0a2", "comm": "#ffffff"}
+    for i, (label, kind) in enumerate(boxes):
+        ax.add_patch(FancyBboxPatch((i * 1.7, 0), 1.45, 1, boxstyle="round,pad=0.05", fc=colours[kind],
+                                    ec="black", lw=1, ls="--" if kind == "comm" else "-"))
+        ax.text(i * 1.7 + 0.72, 0.5, label, ha="center", va="center", fontsize=6.5)
+        if i:
+            ax.annotate("", xy=(i * 1.7 - 0.06, 0.5), xytext=(i * 1.7 - 0.2, 0.5),
+                        arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax.text(0, -0.45, "blue: sharded along the sequence (SP)   orange: tensor parallel (TP)   dashed: collectives "
+            "(TP alone: identity in, all-reduce out)", fontsize=7)
+    ax.set_xlim(-0.2, len(boxes) * 1.7)
+    ax.set_ylim(-0.7, 1.3)
+    ax.axis("off")
+    ax.set_title("one transformer block under TP + sequence parallelism (t ranks)", fontsize=9)
+
+
+def draw_ring_attention_blocks(fig) -> None:
+    import numpy as np
+
+    from distlab import tensor_parallel
+
+    ranks = 4
+    chunks = 2 * ranks
+    axes = fig.subplots(1, 2)
+    for ax, layout in zip(axes, ("contiguous", "zigzag")):
+        owner = {c: r for r in range(ranks) for c in tensor_parallel.ring_chunks(r, ranks, layout)}
+        grid = np.full((chunks, chunks), np.nan)
+        for q in range(chunks):
+            for k in range(chunks):
+                if tensor_parallel.block_kind(q, k) != "skipped":
+                    grid[q, k] = owner[q]  # the rank that holds query chunk q computes the block
+        from matplotlib.colors import ListedColormap
+
+        ax.imshow(grid, cmap=ListedColormap(RANK_COLOURS), vmin=-0.5, vmax=ranks - 0.5)
+        for q in range(chunks):
+            for k in range(chunks):
+                if tensor_parallel.block_kind(q, k) == "diagonal":
+                    ax.text(k, q, "◣", ha="center", va="center", fontsize=7, color="white")
+        counts = tensor_parallel.causal_blocks_per_rank(ranks, layout)
+        ax.set_title(f"{layout}: blocks per rank {counts}", fontsize=8)
+        ax.set_xlabel("key chunk", fontsize=7)
+        ax.set_ylabel("query chunk", fontsize=7)
+        ax.tick_params(labelsize=6)
+    fig.suptitle("ring attention under a causal mask: who computes which block (colour = rank)", fontsize=9)
+
+
+# ---- the registry and the command line -------------------------------------------------------------------
+
+FIGURES = {
+    "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
+    "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
+    "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
+    "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
+    "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),
+    "08_ring_attention_blocks.png": (draw_ring_attention_blocks, (8, 3.6)),
+}
+
+
+def render(name: str, folder) -> Path:
+    """Draw one figure of ``FIGURES`` into ``folder``; returns the file written."""
+    from matplotlib.figure import Figure  # no pyplot: no backend is chosen, nothing global changes
+
+    draw, size = FIGURES[name]
+    fig = Figure(figsize=size)
+    draw(fig)
+    path = Path(folder) / name
+    fig.savefig(path, dpi=DPI, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", nargs="?", default="chapters/figures")
+    parser.add_argument("names", nargs="*", help="figures to draw (default: all)")
+    options = parser.parse_args(argv)
+    folder = Path(options.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in options.names or FIGURES:
+        print(f"wrote {render(name, folder)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The chapters' pictures: every figure a chapter references exists, and every generator in distlab.figures runs.
+
+Also the data behind the ring picture: the chunk counts are chapter 03's algorithm, not a drawing."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from distlab import figures
+
+REPO = Path(__file__).resolve().parents[2]
+CHAPTERS = REPO / "chapters"
+REFERENCE = re.compile(r"!\[[^\]]*\]\((figures/[^)]+)\)")
+
+
+def referenced() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for chapter in sorted(CHAPTERS.glob("[0-9][0-9]_*.md")):
+        for target in REFERENCE.findall(chapter.read_text()):
+            found.setdefault(target, []).append(chapter.name)
+    return found
+
+
+def test_every_referenced_figure_exists_and_comes_from_a_generator():
+    refs = referenced()
+    assert len(refs) >= 6, "the chapters embed their mechanisms' figures"
+    for target, chapters in refs.items():
+        assert (CHAPTERS / target).is_file(), f"{chapters} reference {target}, which is missing: run `make figures`"
+        assert Path(target).name in figures.FIGURES, f"{target} has no generator in distlab.figures.FIGURES"
+
+
+def test_every_generated_figure_is_used_and_committed():
+    used = {Path(t).name for t in referenced()}
+    assert set(figures.FIGURES) == used, "a generator whose figure no chapter shows (or the reverse)"
+    on_disk = {p.name for p in (CHAPTERS / "figures").glob("*.png")}
+    assert on_disk == set(figures.FIGURES), "chapters/figures holds stale or missing files: run `make figures`"
+
+
+@pytest.mark.parametrize("name", sorted(figures.FIGURES))
+def test_each_generator_runs(name, tmp_path):
+    path = figures.render(name, tmp_path)
+    assert path.stat().st_size > 5_000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (CHAPTERS / "figures" / name).stat().st_size < 200_000  # small PNGs
+
+
+def test_the_ring_picture_is_the_ring_algorithm():
+    history = figures.ring_allreduce_contributions(4)
+    assert len(history) == 1 + 2 * 3                                 # inputs, 3 reduce-scatter, 3 all-gather steps
+    after_reduce_scatter = history[3]
+    for rank in range(4):                                            # rank r holds the full sum of chunk r + 1
+        assert after_reduce_scatter[rank][(rank + 1) % 4] == 4
+        assert sorted(after_reduce_scatter[rank]) == [1, 2, 3, 4]
+    assert history[-1] == [[4] * 4] * 4                              # every rank holds every summed chunk
+    for n in (2, 3, 5):
+        assert figures.ring_allreduce_contributions(n)[-1] == [[n] * n] * n
