@@ -246,13 +246,16 @@ distlab_nccl_transport() {
 }
 
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
+# The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
 distlab_report_transport() {
     local transport
     transport=$(distlab_nccl_transport "$@")
-    distlab_log "NCCL transport: $transport"
-    if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
-        distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
-    fi
+    {
+        distlab_log "NCCL transport: $transport"
+        if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
+            distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
+        fi
+    } | if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then tee -a "$DISTLAB_RUN_DIR/nccl_transport.txt"; else cat; fi
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -458,6 +461,7 @@ distlab_finish() {
         echo "job ${PBS_JOBID:-local} on $DISTLAB_NNODES node(s): $DISTLAB_NODES"
         if ((${#DISTLAB_RESULTS[@]} == 0)); then echo "  (nothing launched)"; fi
         printf '  %s\n' "${DISTLAB_RESULTS[@]}"
+        if [[ -f $DISTLAB_RUN_DIR/nccl_transport.txt ]]; then sed 's/^distlab: /  /' "$DISTLAB_RUN_DIR/nccl_transport.txt"; fi
     } | tee "$DISTLAB_RUN_DIR/summary.txt"
     for result in "${DISTLAB_RESULTS[@]}"; do
         [[ $result == ok* || $result == dry-run* ]] || failed=1

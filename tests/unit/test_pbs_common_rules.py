@@ -211,3 +211,14 @@ def test_rank_map_output_names_host_rank_local_rank_devices_and_gpu():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0  local rank 0  CUDA_VISIBLE_DEVICES=3  uses cpu" in result.stdout
     assert "checks: 3/3 passed" in result.stdout
+
+
+def test_the_transport_goes_into_the_run_summary(tmp_path):
+    snippet = (f"DISTLAB_NODES=dec0001 DISTLAB_NNODES=1; distlab_make_run_dir >/dev/null; DISTLAB_RESULTS=('ok bandwidth.py 9s'); "
+               f"distlab_report_transport {SOCKET_LOG} >/dev/null; distlab_finish")
+    result = bash(snippet, DISTLAB_RUN_DIR=str(tmp_path / "run"), DISTLAB_NETWORK="slingshot")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = (tmp_path / "run" / "summary.txt").read_text().splitlines()
+    assert summary[1:3] == ["  ok bandwidth.py 9s", "  NCCL transport: Socket (TCP on [0]hsn0:10.150.1.17<0> "
+                            "[1]hsn1:10.150.1.18<0> [2]hsn2:10.150.1.19<0> [3]hsn3:10.150.1.20<0>)"]
+    assert summary[3].startswith("  WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE")
