@@ -11,6 +11,11 @@ Two sizes matter and the course keeps them apart:
 Bus bandwidth (what nccl-tests reports, comparable across collectives and ``n``) is algorithm bandwidth
 ``S / t`` times that same factor.
 
+What is measured and what is derived: :class:`CommCounter` measures payloads (the bytes handed to each
+collective). The bytes each rank sends on the wire are the ring model applied to them; wherever the course
+stores that number its key ends in ``_derived`` (``sent_bytes_per_rank_derived``): a formula, never a
+measurement. Checks compare measured payloads with formulas, not a formula with itself.
+
 :class:`CommCounter` records every collective issued inside it, from ``torch.distributed`` calls (DDP's
 hand-written cousins, FSDP2) and from DTensor's functional collectives (tensor parallelism).
 """
@@ -198,12 +203,15 @@ class CommCounter(contextlib.AbstractContextManager):
         return sum(1 for c in self.calls if collective in (None, c.collective))
 
     def by_collective(self) -> dict[str, dict]:
+        """Per collective: calls and payload bytes (measured), and the bytes each rank sends on a ring
+        (``sent_bytes_per_rank_derived``: the ring model applied to the measured payloads, not a measurement)."""
         summary: dict[str, dict] = {}
         for c in self.calls:
-            entry = summary.setdefault(c.collective, {"calls": 0, "payload_bytes": 0, "sent_bytes_per_rank": 0.0})
+            entry = summary.setdefault(c.collective, {"calls": 0, "payload_bytes": 0,
+                                                      "sent_bytes_per_rank_derived": 0.0})
             entry["calls"] += 1
             entry["payload_bytes"] += c.payload_bytes
-            entry["sent_bytes_per_rank"] += c.bytes_sent_per_rank
+            entry["sent_bytes_per_rank_derived"] += c.bytes_sent_per_rank
         return summary
 
 

@@ -85,6 +85,53 @@ def throughput(tokens_per_step: int, seconds: float, steps: int, *, cfg=None, se
     return block
 
 
+# fp32 comparisons on a GPU. A CPU sums in one fixed order, so a distributed run and its single-device reference
+# differ by a few ulps (the tolerances the scripts state were measured there). A GPU sums in other orders:
+# cuBLAS picks its split of a matmul per shape, and some backward kernels (embedding, index_add) add with
+# atomics in a nondeterministic order. Differences grow to ~1e-6 relative, about 10x the CPU's. Every fp32
+# comparison of the course therefore states its CPU tolerance and widens it by this factor on a GPU (not
+# measured in CI, which has no GPU: a margin from the kernels' documented behaviour, still 100x tighter
+# than what a wrong result gives). TF32 is off for fp32 matmuls (PyTorch's default), so fp32 means fp32.
+GPU_FP32_TOLERANCE_FACTOR = 10
+
+
+def fp32_tolerance(cpu_tolerance: float, device) -> float:
+    """The tolerance of an fp32 comparison on ``device``: the CPU's, or x GPU_FP32_TOLERANCE_FACTOR on a GPU."""
+    on_gpu = getattr(device, "type", str(device)).startswith("cuda")
+    return cpu_tolerance * (GPU_FP32_TOLERANCE_FACTOR if on_gpu else 1)
+
+
+class DeviceClock:
+    """Timestamps on the device's own timeline, read after the run: CUDA events on a GPU (when the kernels
+    queued so far have run, not when they were launched), ``time.perf_counter`` on a CPU.
+
+        clock = DeviceClock(device)          # its origin: now
+        mark = clock.mark()                  # cheap; on a GPU, an event recorded on the current stream
+        ...; rt.sync(); clock.seconds(mark)  # seconds since the origin (after a device sync)
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self._cuda = getattr(device, "type", str(device)) == "cuda"
+        self._torch = torch
+        self.origin = self.mark()
+
+    def mark(self):
+        import time
+
+        if self._cuda:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, mark) -> float:
+        if self._cuda:
+            return self.origin.elapsed_time(mark) / 1e3
+        return mark - self.origin
+
+
 def device_name(device) -> str:
     import torch
 

@@ -8,7 +8,9 @@ per call in the fastest block as t, and reports
 * **algorithm bandwidth** ``S / t``: how fast the collective finishes for its payload;
 * **bus bandwidth** ``S / t x factor``, with factor = 2(n-1)/n for all-reduce and (n-1)/n for all-gather and
   reduce-scatter: the bytes each rank actually pushes through its link on a ring, per second. It is
-  comparable across collectives and rank counts, and with a link's peak (NVLink, Slingshot).
+  comparable across collectives and rank counts, and with a link's peak (NVLink, Slingshot). The factors
+  are ``distlab.comm.bus_bandwidth``'s, pinned by a unit test (tests/unit/test_comm.py) to nccl-tests' values;
+  the ring all-reduce script (ring_allreduce.py) measures the 2(n-1)/n by counting the bytes it sends.
 
 Defaults are small so a laptop CPU finishes in seconds; on GPUs ask for big messages:
 
@@ -36,11 +38,6 @@ def parse_size(text: str) -> int:
         return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
     except ValueError:
         raise runtime.ConfigError(f"cannot read size {text!r}: use bytes or 4K, 16M, 1G") from None
-
-
-def bus_factor(collective: str, world: int) -> float:
-    """Bytes each rank sends per payload byte on a ring: the factor between algorithm and bus bandwidth."""
-    return 2 * (world - 1) / world if collective == "all_reduce" else (world - 1) / world
 
 
 def sizes(min_bytes: int, max_bytes: int, step: int, world: int) -> list[int]:
@@ -139,8 +136,10 @@ def main():
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
                 seconds = seconds.min().item()  # the best block: the least disturbed by other processes
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
+                sent = comm.bytes_sent_per_rank(collective, size, world)  # the ring model's, not measured
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
-                             "busbw": busbw, "sent_bytes_per_rank": comm.bytes_sent_per_rank(collective, size, world)})
+                             "busbw": busbw, "sent_bytes_per_rank_derived": sent,
+                             "sent_bytes_per_rank": sent})  # the old name, read by notebook 03: the same derived number
                 rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} "
                          f"{algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
                 calls = args.iters * args.repeats
@@ -150,10 +149,6 @@ def main():
                 correct &= bool(check())  # the benchmark's own sanity: one more call, its result checked
             report.check(f"{collective}: results correct at every size", correct)
             report.check(f"{collective}: bytes counted per call = payload at every size", counted_ok)
-            factor = bus_factor(collective, world)
-            _, bus = comm.bus_bandwidth(collective, 1, 1.0, world)
-            report.check_close(f"{collective}: bus factor = {'2(n-1)/n' if collective == 'all_reduce' else '(n-1)/n'}"
-                               f" = {factor:.3f}", bus, factor, tolerance=1e-12)
         report.extra["bandwidth"] = rows
         code = report.finish(args.metrics_out)
     sys.exit(code)

@@ -33,6 +33,8 @@ from distlab import comm, data, metrics, models, runtime
 #   12 steps at lr 3e-3. Tolerance lr / 10: far below what wrong data does (~lr per step on every weight).
 #   Note that Adam is blind to a gradient's scale: a forgotten division by N leaves the parameters almost
 #   unchanged, which is why the gradients are checked, not only the parameters.
+# On a GPU, the loss and gradient tolerances widen by metrics.GPU_FP32_TOLERANCE_FACTOR (10x: its kernels sum
+# in other, partly nondeterministic orders); the parameter tolerance (lr / 10) already covers that.
 LOSS_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
 
@@ -179,18 +181,19 @@ def main():
                 rt.print(f"step {step:3d}  loss {global_loss:.6f}  ({seconds[-1] * 1e3:.0f} ms)")
 
         # ---- communication: measured = analytic ----
-        sent = comm.bytes_sent_per_rank("all_reduce", param_bytes, rt.world_size)
-        report.add_comm("all_reduce", bytes_per_step[-1], param_bytes, sent_bytes_per_rank=sent,
+        sent = comm.bytes_sent_per_rank("all_reduce", bytes_per_step[-1], rt.world_size)  # ring model x measured
+        report.add_comm("all_reduce", bytes_per_step[-1], param_bytes, sent_bytes_per_rank_derived=sent,
                         calls=len(list(model.parameters())))
         rt.print(f"all-reduced per step: {bytes_per_step[-1]:,} B (parameter bytes: {param_bytes:,} B); "
-                 f"on a ring each rank sends 2(N-1)/N of it = {sent:,.0f} B")
+                 f"on a ring each rank sends 2(N-1)/N of it = {sent:,.0f} B (derived: the ring model)")
         report.check("bytes all-reduced per step = parameter bytes (every step)",
                      all(b == param_bytes for b in bytes_per_step), bytes_per_step[-1], f"== {param_bytes}")
 
         if rt.rank == 0 and reference is not None:
-            report.check_close("loss = single-device loss (every step)", max(loss_diffs), 0.0, LOSS_TOLERANCE)
+            report.check_close("loss = single-device loss (every step)", max(loss_diffs), 0.0,
+                               metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
             report.check_close("averaged gradients = single-device gradients (every step)", max(grad_diffs), 0.0,
-                               GRAD_TOLERANCE)
+                               metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
             report.check_close("parameters = single-device parameters (every step)", max(param_diffs), 0.0,
                                param_tolerance(args.lr))
             report.extra["reference_losses"] = ref_losses
@@ -201,8 +204,9 @@ def main():
             rt.print("single-device comparison off (--no-reference); the replicas are still checked")
         report.check("replicas identical after training", replicas_identical(model))
 
-        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds), len(seconds), cfg=cfg,
-                                               device=rt.device, num_devices=rt.world_size)
+        timed = seconds[1:] or seconds   # the first step pays one-off costs (allocator, first kernels): left out
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(timed), len(timed), cfg=cfg,
+                                               device=rt.device, dtype=precision, num_devices=rt.world_size)
         report.memory = {"device": metrics.memory_snapshot(rt.device)}
         code = report.finish(args.metrics_out)
     sys.exit(code)

@@ -91,6 +91,7 @@ def main():
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
             inputs, targets = data.split_inputs_targets(tokens)
             events.clear()
+            rt.sync()
             dist.barrier()
             t0 = time.perf_counter()
             step_losses = [] if last_here else None
@@ -100,6 +101,7 @@ def main():
                 first_grads = {n: p.grad.detach().cpu() for m in modules.values() for n, p in m.named_parameters()}
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            rt.sync()                       # on a GPU, wait for the step's kernels before reading the clock
             step_seconds.append(time.perf_counter() - t0)
             losses.append(torch.stack(step_losses).mean().item() if last_here else None)
             if reference is not None:
@@ -119,8 +121,10 @@ def main():
         dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads})
         losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
         report.losses = losses
-        report.throughput = {"step_seconds": step_seconds,
-                             "tokens_per_second": args.batch * cfg.seq_len / min(step_seconds)}
+        timed = step_seconds[1:] or step_seconds   # the first step pays one-off costs: left out
+        report.throughput = {**metrics.throughput(args.batch * cfg.seq_len, sum(timed), len(timed), cfg=cfg,
+                                                  device=rt.device, dtype="fp32", num_devices=ranks),
+                             "step_seconds": step_seconds}
         if rt.is_main:
             if with_reference:
                 pipeline_grads = {name: t for g in gathered for name, t in g["grads"].items()}

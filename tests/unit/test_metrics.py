@@ -94,3 +94,45 @@ def test_throughput_block():
     assert metrics.throughput(1000, 0.0, 0)["tokens_per_s"] is None  # nothing timed: nothing claimed
     assert metrics.throughput(10, 1.0, 1, cfg=cfg, seq_len=8)["flops_per_token"] == \
         metrics.transformer_flops_per_token(cfg, 8)
+
+
+def test_every_script_states_the_dtype_its_mfu_is_measured_against():
+    """MFU against the fp32 peak for a bf16 run is 16x too high on an A100: every throughput call says its dtype."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "scripts"
+    missing = []
+    for script in sorted(root.glob("0[1-8]_*/*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "metrics.throughput" \
+                    and "dtype" not in {k.arg for k in node.keywords}:
+                missing.append(f"{script.parent.name}/{script.name}:{node.lineno}")
+    assert not missing, f"metrics.throughput without dtype=: {missing}"
+
+
+def test_a_bf16_run_is_measured_against_the_bf16_peak():
+    from distlab import metrics
+
+    fp32 = metrics.mfu(1000.0, 1e9, "NVIDIA A100-SXM4-40GB", "fp32")
+    bf16 = metrics.mfu(1000.0, 1e9, "NVIDIA A100-SXM4-40GB", "bf16")
+    assert fp32 / bf16 == 312 / 19.5 == 16.0   # the error the wrong peak makes
+
+
+def test_fp32_tolerance_widens_on_a_gpu_only():
+    import torch
+
+    from distlab import metrics
+
+    assert metrics.fp32_tolerance(1e-5, torch.device("cpu")) == 1e-5
+    assert metrics.fp32_tolerance(1e-5, torch.device("cuda", 0)) == 1e-5 * metrics.GPU_FP32_TOLERANCE_FACTOR
+
+
+def test_device_clock_on_a_cpu_counts_seconds_from_its_origin():
+    import time
+
+    from distlab import metrics
+
+    clock = metrics.DeviceClock("cpu")
+    time.sleep(0.01)
+    assert 0.009 < clock.seconds(clock.mark()) < 1.0
