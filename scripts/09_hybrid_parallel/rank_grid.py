@@ -187,8 +187,8 @@ def main():
         mesh_groups = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in DIMENSIONS}
         verdicts = {
             "hand-built device_mesh-order groups = DeviceMesh's groups (mesh.get_group, every dim, every rank)":
-                all(hand_built[("device_mesh", dim)][1] == mesh_groups[dim] == mesh[dim].mesh.tolist()
-                    for dim in DIMENSIONS),
+                all(dist.get_process_group_ranks(hand_built[("device_mesh", dim)][0]) == mesh_groups[dim]
+                    == mesh[dim].mesh.tolist() == ours[dim] for dim in DIMENSIONS),
             "DeviceMesh coordinates = the device_mesh-order arithmetic (every rank)":
                 dict(zip(DIMENSIONS, mesh.get_coordinate())) == hybrid.grid_coordinates(rt.rank, shape),
             "all-reduce of rank ids = sum of members, every group of both orders and of DeviceMesh":
