@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "07_pipeline_parallel"))
 
-from common_pipeline import (CHOICES, add_training_flags, check_pipeline_config,  # noqa: E402
-                             resolve_training_flags, schedule_help)
+from common_pipeline import (add_training_flags, check_pipeline_config, resolve_training_flags,  # noqa: E402
+                             schedule_help)
 from distlab import data, hybrid, hybrid_pipeline, models, runtime, tensor_parallel  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -63,7 +63,8 @@ def parse_with_config(parser, script: str):
     quiet_known_torch_warnings()
     for action in parser._actions:
         if action.dest == "layers":
-            action.help = "transformer blocks, a multiple of pp x stages-per-rank (default: 4 for tiny, the preset's otherwise)"
+            action.help = ("transformer blocks, a multiple of pp x stages-per-rank (default: 4 for tiny, the "
+                           "preset's otherwise)")
     args, problem = hybrid_pipeline.merge_config_file(parser, sys.argv[1:], script)
     args.config_problem = problem
     if not hasattr(args, "tp"):
@@ -222,8 +223,3 @@ def replica_losses(step_losses: list | None, last_stage_here: bool, report_here:
     replicas = [losses for losses in everyone if losses is not None]
     return [sum(values) / len(values) for values in zip(*replicas)]
 
-
-__all__ = ["CHOICES", "CONFIG_DIR", "GRAD_TOLERANCE", "LOSS_TOLERANCE", "add_hybrid_flags", "check_hybrid_config",
-           "full_named", "gather_named", "param_tolerance", "parse_with_config", "pipeline_stage_class",
-           "replica_batch", "replica_losses", "resolved_config", "single_device_run",
-           "supports_sync_every_microbatch", "warn_if_tp_crosses_nodes"]

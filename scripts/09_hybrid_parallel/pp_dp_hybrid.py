@@ -89,18 +89,13 @@ def make_data_parallel(module, args, mesh, bucket_log):
     return fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
 
 
-def check_config(args, cfg, world_size):
-    check_hybrid_config(args, cfg, world_size)
-    runtime.require(args.tp == 1, "pp_dp_hybrid.py has no tensor parallelism: use hybrid_3d.py for --tp")
-
-
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
     p.add_argument("--dp-mode", default="ddp", choices=["ddp", "fsdp"],
                    help="ddp: each stage replicated (PP + DP); fsdp: each stage sharded with FSDP2 (FSDP + PP)")
     add_hybrid_flags(p, pp=2, tp=False)
     args, cfg = parse_with_config(p, __file__)
-    with runtime.start(args, validate=lambda world: check_config(args, cfg, world)) as rt:
+    with runtime.start(args, validate=lambda world: check_hybrid_config(args, cfg, world)) as rt:
         pp, dp, chunks, microbatches = args.pp, args.dp, args.chunks, args.microbatches
         num_stages = pp * chunks
         report = metrics.Report(__file__, rt, config=resolved_config(args, cfg, rt.world_size))
@@ -190,9 +185,8 @@ def main():
             "rank": rt.rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": mine, "measured": measured,
             "state": state.as_dict(),
             "sync_bytes": {mode: v["bytes"] for mode, v in sync_modes.items()},
-            "sync_grad_diff": metrics.max_abs_diff([sync_modes["once"]["grads"][n] for n in sorted(sync_modes["once"]["grads"])],
-                                                   [sync_modes["every_microbatch"]["grads"][n]
-                                                    for n in sorted(sync_modes["once"]["grads"])])
+            "sync_grad_diff": metrics.max_abs_diff(*([modes["grads"][n] for n in sorted(modes["grads"])]
+                                                     for modes in (sync_modes["once"], sync_modes["every_microbatch"])))
             if sync_modes else None})
         all_params = gather_named(params_now if stage_report else {})
         all_first_grads = gather_named(first_grads if stage_report else {})
