@@ -56,3 +56,28 @@ def test_lock_file_agrees_with_requirements():
             lock[name.lower().replace("_", "-")] = version
     for name, version in _requirements().items():
         assert lock.get(name) == version, f"constraints.txt has {name}=={lock.get(name)}, requirements {version}"
+
+
+# The CUDA builds conda-forge makes of each PyTorch version (linux-64), from its feedstock's variant files:
+# conda-forge/pytorch-cpu-feedstock, .ci_support/linux_64_*cuda_compiler_version{12.9,13.0}*.yaml at
+# 74dd3d4 (Aug 2026, recipe/meta.yaml: version 2.13.0). The CUDA 12.6 variants are gone.
+CONDA_FORGE_PYTORCH_CUDA = {"2.13.0": {"12.9", "13.0"}}
+
+
+def test_cuda_pin_is_a_build_conda_forge_makes_of_this_pytorch():
+    conda = _conda()
+    torch, cuda = conda["pytorch-gpu"], conda["cuda-version"]
+    assert torch in CONDA_FORGE_PYTORCH_CUDA, f"pytorch-gpu={torch}: look up its CUDA builds on conda-forge first"
+    assert cuda in CONDA_FORGE_PYTORCH_CUDA[torch], (
+        f"cuda-version={cuda} does not exist for pytorch-gpu={torch}: choose one of {sorted(CONDA_FORGE_PYTORCH_CUDA[torch])}")
+
+
+def test_install_commands_override_cuda_with_the_pinned_version():
+    """A login node has no GPU: every documented `conda env create` carries CONDA_OVERRIDE_CUDA=<the pin>."""
+    cuda = _conda()["cuda-version"]
+    for doc in ("environment.yml", "README.md", "pbs/README.md"):
+        text = (REPO / doc).read_text()
+        creates = [line for line in text.splitlines() if "conda env create" in line and "-f environment.yml" in line]
+        assert creates, f"{doc} shows no `conda env create -f environment.yml`"
+        for line in creates:
+            assert f"CONDA_OVERRIDE_CUDA={cuda} conda env create" in line, f"{doc}: {line.strip()}"
