@@ -205,3 +205,28 @@ def test_zb_h1_closed_form_holds_for_m_at_least_p_only():
     ratio = (3 / 27) / schedules.bubble_fraction(4, 8)
     assert f"11.1% is {ratio:.2f} of 1F1B's 27.3%" in text
     assert "about a third of 1F1B's." not in text
+
+
+def notebook_check_cell(marker: str) -> str:
+    import nbformat
+
+    notebook = nbformat.read(REPO / "notebooks" / "07_pipeline_parallel.ipynb", as_version=4)
+    cells = [c.source for c in notebook.cells if "check" in c.metadata.get("tags", []) and marker in c.source]
+    assert len(cells) == 1, marker
+    return cells[0]
+
+
+@pytest.mark.parametrize("marker, name, wrong, right", [
+    # exercise 2: P = 8, M = 32, V = 4; the ideal-relative convention (P-1)/(VM) is the plausible wrong answer
+    ('check_value("bubble"', "bubble", 7 / (4 * 32), 7 / (4 * 32 + 7)),
+    # exercise 3: (P-1)/M <= 5% gives 140 microbatches; as a share of the step, (P-1)/(M+P-1) <= 5% gives 133
+    ('check_value("microbatches_needed"', "microbatches_needed", 140, 133),
+])
+def test_the_exercises_say_which_convention_and_reject_the_other(marker, name, wrong, right):
+    from distlab import exercises
+
+    source = notebook_check_cell(marker)
+    namespace = {"exercises": exercises, "schedules": schedules, "print": lambda *a, **k: None}
+    with pytest.raises(exercises.ExerciseWrong):
+        exec(source, {**namespace, name: wrong})
+    exec(source, {**namespace, name: right})  # the right convention passes
