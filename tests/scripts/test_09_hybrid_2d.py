@@ -153,10 +153,11 @@ def test_alternative_embedding_plan_is_correct_but_sends_the_logits(usual_run, a
     logits = 2 * 32 * TINY.vocab_size * 4  # the replica's B x S x V, fp32, all-reduced over tp
     assert outside["all_reduce"]["measured_bytes"] == logits
     assert outside["all_gather"]["measured_bytes"] == 2 * 32 * TINY.dim * 4  # the embedding's H shards
-    sent = [sum(r["sent_bytes_per_rank"] for r in _rows(m, "tp", "outside blocks")) for m in (usual, alternative)]
+    sent = [sum(r["sent_bytes_per_rank_derived"] for r in _rows(m, "tp", "outside blocks"))
+            for m in (usual, alternative)]
     assert sent[0] < sent[1]
-    assert alternative["extra"]["embedding_plans"]["measured_this_plan"] == sent[1]
-    assert usual["extra"]["embedding_plans"]["sent_bytes_per_rank_outside_blocks"]["alternative"] == sent[1]
+    assert alternative["extra"]["embedding_plans"]["this_plan_derived_from_measured"] == sent[1]
+    assert usual["extra"]["embedding_plans"]["sent_bytes_per_rank_outside_blocks_derived"]["alternative"] == sent[1]
     assert usual["losses"] == pytest.approx(alternative["losses"], abs=1e-5)
     # the blocks and FSDP do not care which plan the embedding and head follow
     assert _rows(usual, "dp") == _rows(alternative, "dp")
