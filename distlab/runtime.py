@@ -422,6 +422,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
             if torch_device.type == "cuda":
                 kwargs["device_id"] = torch_device
             dist.init_process_group(**kwargs)
+        _subgroups_inherit_timeout(timeout)
         seed_everything(seed)
         rt = Runtime(where.rank, where.world_size, where.local_rank, where.local_world_size, torch_device,
                      backend, where.launcher, timeout)
@@ -452,6 +453,21 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
                 _GROUPS_KEPT_UNTIL_EXIT.extend(dist.distributed_c10d._world.pg_map)
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def _subgroups_inherit_timeout(seconds: float) -> None:
+    """Give every process group created later the job's timeout, not PyTorch's default.
+
+    ``new_group`` and DeviceMesh's subgroups, made without a ``timeout=``, take
+    ``distributed_c10d._get_default_timeout(backend)``: 30 minutes on gloo, 10 on NCCL, whatever the world
+    group was given. A hang inside a tensor-parallel or pipeline subgroup would then wait that long. That
+    function reads these two module globals when a group is made, so setting them once makes every later group
+    (DeviceMesh's included) time out like the world group.
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    distributed_c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=seconds)
 
 
 _GROUPS_KEPT_UNTIL_EXIT: list = []

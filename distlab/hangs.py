@@ -1,0 +1,151 @@
+"""Finding a hang: a journal of every rank's calls, kept outside the process group, and a diagnosis from it.
+
+A distributed hang is silent: each rank waits in a call for peers that will never join it. What tells you
+why is a record, per rank, of the calls it made on each process group and of the one it is stuck in.
+NCCL's flight recorder keeps exactly that (``TORCH_NCCL_TRACE_BUFFER_SIZE``; dumped on a timeout); this module
+is the same idea in a few dozen lines, so it can be watched working on CPU:
+
+* :class:`CallJournal` writes each call (its label in the program, the operation, the group, the peer) into
+  the job's key-value store before the call and marks it done after; the store outlives a broken group;
+* :func:`diagnose` reads all ranks' journals and names the cause: the same program line on different groups
+  (wrong group), different operations at the same position on one group (mismatched collectives), a call some
+  members of a group never made (a skipped collective), a receive with no matching send (too few messages),
+  or ranks all receiving from each other (unpaired point-to-point).
+
+It is a pure function of the journals, so it is unit-tested on recorded examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter, defaultdict
+
+P2P = ("send", "recv")
+
+
+class CallJournal:
+    """This rank's calls, mirrored into ``store`` under ``{prefix}/{rank}`` as JSON after every change."""
+
+    def __init__(self, store, rank: int, prefix: str = "journal"):
+        self.store, self.rank, self.key = store, rank, f"{prefix}/{rank}"
+        self.calls: list[dict] = []
+        self.state = "running"
+
+    def _save(self) -> None:
+        self.store.set(self.key, json.dumps({"rank": self.rank, "state": self.state, "calls": self.calls}))
+
+    @contextlib.contextmanager
+    def call(self, label: str, op: str, group: str = "world", members=None, peer: int | None = None,
+             order: int = 0):
+        """Record ``op`` (on ``group``, whose ranks are ``members``; or to/from ``peer``) around the block.
+
+        ``order``: where the call sits in the program's text (any increasing number), for the diagnosis."""
+        entry = {"label": label, "op": op, "group": group, "members": list(members or []), "peer": peer,
+                 "order": order, "done": False}
+        self.calls.append(entry)
+        self._save()
+        yield
+        entry["done"] = True
+        self._save()
+
+    def finish(self, state: str) -> None:
+        """``finished`` (the program ran to its end) or ``timed out`` (a call raised after the timeout)."""
+        self.state = state
+        self._save()
+
+
+def read_journals(store, world_size: int, prefix: str = "journal") -> dict[int, dict]:
+    return {r: json.loads(store.get(f"{prefix}/{r}")) for r in range(world_size)}
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def diagnose(journals: dict[int, dict]) -> dict:
+    """``{"cause": short name, "verdict": one sentence, "stuck": {rank: call}}`` from every rank's journal.
+
+    Each call may carry ``order``, its position in the program's text, so that of two different calls at the
+    same position on a group the diagnosis can tell which ranks went past a call the others wait in.
+    """
+    stuck = {r: j["calls"][-1] for r, j in journals.items() if j["calls"] and not j["calls"][-1]["done"]}
+    if not stuck:
+        return {"cause": "none", "verdict": "no rank is stuck in a call: no hang", "stuck": {}}
+
+    # 1. Point-to-point: ranks receiving from each other, or a receive that no send matches.
+    sent, posted = Counter(), Counter()
+    for r, j in journals.items():
+        for c in j["calls"]:
+            if c["op"] == "send":
+                sent[(r, c["peer"])] += 1
+            elif c["op"] == "recv":
+                posted[(c["peer"], r)] += 1
+    receiving = {r: c["peer"] for r, c in stuck.items() if c["op"] == "recv"}
+    cycles = sorted({tuple(sorted((r, p))) for r, p in receiving.items() if receiving.get(p) == r})
+    if cycles:
+        pairs = ", ".join(f"{a} and {b}" for a, b in cycles)
+        return {"cause": "unpaired point-to-point", "stuck": stuck,
+                "verdict": f"ranks {pairs} each wait to receive from the other and neither sends: order the pair "
+                           "(one sends first) or post both with batch_isend_irecv (on NCCL two unpaired sends "
+                           "deadlock the same way)"}
+    for r, peer in sorted(receiving.items()):
+        if posted[(peer, r)] > sent[(peer, r)]:
+            return {"cause": "too few messages", "stuck": stuck,
+                    "verdict": f"rank {r} waits for message #{posted[(peer, r)]} from rank {peer}, which sent only "
+                               f"{sent[(peer, r)]} and moved on: sender and receiver count the messages (the "
+                               "microbatches) differently"}
+
+    collectives = {r: [c for c in j["calls"] if c["op"] not in P2P] for r, j in journals.items()}
+
+    # 2. One line of the program, run on different groups by different ranks.
+    groups_by_label = defaultdict(lambda: defaultdict(set))
+    for r, calls in collectives.items():
+        for c in calls:
+            groups_by_label[c["label"]][c["group"]].add(r)
+    for label, groups in groups_by_label.items():
+        if len(groups) > 1:
+            parts = "; ".join(f"{_ranks(rs)} on {g}" for g, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+            return {"cause": "wrong group", "stuck": stuck,
+                    "verdict": f"'{label}' ran on different process groups ({parts}): a collective on the wrong "
+                               "group pairs up with another call of that group, then the ranks wait in different places"}
+
+    # 3. Each group's collectives, position by position, over its members.
+    per_group, members_of = defaultdict(dict), {}
+    for r, calls in collectives.items():
+        for c in calls:
+            per_group[c["group"]].setdefault(r, []).append(c)
+            members_of[c["group"]] = c["members"] or sorted(journals)
+    for group, by_rank in per_group.items():
+        longest = max(len(calls) for calls in by_rank.values())
+        for position in range(longest):
+            at = {r: by_rank.get(r, [])[position] if position < len(by_rank.get(r, [])) else None
+                  for r in members_of[group]}
+            made = {r: c for r, c in at.items() if c is not None}
+            labels = {c["label"] for c in made.values()}
+            if len(labels) == 1:
+                label, ops = next(iter(labels)), sorted({c["op"] for c in made.values()})
+                if len(ops) > 1:
+                    parts = "; ".join(f"{_ranks([r for r, c in made.items() if c['op'] == op])} called {op}"
+                                      for op in ops)
+                    return {"cause": "mismatched collectives", "stuck": stuck,
+                            "verdict": f"at '{label}', call #{position + 1} on {group}, the ranks called different "
+                                       f"collectives ({parts}): every rank must issue the same collectives on a "
+                                       "group, in the same order"}
+                missing = sorted(r for r, c in at.items() if c is None)
+                if missing:
+                    return {"cause": "skipped collective", "stuck": stuck,
+                            "verdict": f"{_ranks(made)} called '{label}' ({ops[0]} on {group}); {_ranks(missing)} "
+                                       "never did: a collective under a condition that is not the same on every rank"}
+                continue
+            behind = min(made.values(), key=lambda c: c.get("order", 0))
+            waiting = sorted(r for r, c in made.items() if c["label"] == behind["label"])
+            ahead = sorted(r for r in made if r not in waiting)
+            return {"cause": "skipped collective", "stuck": stuck,
+                    "verdict": f"{_ranks(ahead)} skipped '{behind['label']}' ({behind['op']} on {group}) and went on "
+                               f"to '{made[ahead[0]]['label']}', while {_ranks(waiting)} wait in it: a collective "
+                               "under a condition that is not the same on every rank"}
+
+    where = "; ".join(f"rank {r} in {c['op']} ('{c['label']}')" for r, c in sorted(stuck.items()))
+    return {"cause": "unknown", "stuck": stuck, "verdict": f"stuck: {where}"}

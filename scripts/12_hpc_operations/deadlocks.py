@@ -1,0 +1,156 @@
+"""The classic distributed hangs, one flag each, every one ending in seconds with a diagnosis instead of silence.
+
+    --hang mismatched-collectives  rank 0 broadcasts where the others all-reduce
+    --hang skipped-barrier         the last rank skips a barrier that sits under an `if`
+    --hang wrong-group             ranks 2 and 3 all-reduce "their pair" on the world group (group= forgotten)
+    --hang few-microbatches        the first stage splits its batch with torch.chunk, which returns fewer pieces
+                                   than asked when the batch does not split evenly; the last stage waits for more
+    --hang unpaired-p2p            two ranks both receive first: each waits for the other's send
+    --hang none                    the same program, correct: it finishes
+
+Each rank records every call it makes (what, on which group, to or from whom) in the job's key-value store,
+before the call and when it returns: a flight recorder by hand (`distlab.hangs`). The process group has a short
+timeout (`--pg-timeout`, default 4 s), so a call whose peers never come raises; every rank then reads all the
+journals and prints the same diagnosis. The checks: the hang ended within its time bound (no silent hang) and
+the diagnosis names the cause the flag planted.
+
+With `--debug-detail` (TORCH_DISTRIBUTED_DEBUG=DETAIL) PyTorch itself checks, before each collective, that all
+ranks call the same one with the same shapes: a mismatched collective is reported at once, without waiting for
+the timeout.
+
+    torchrun --standalone --nproc_per_node=4 scripts/12_hpc_operations/deadlocks.py --hang skipped-barrier
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import hangs, metrics, runtime
+
+EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-barrier": "skipped collective",
+                  "wrong-group": "wrong group", "few-microbatches": "too few messages",
+                  "unpaired-p2p": "unpaired point-to-point", "none": "none"}
+# the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
+ORDER = {"sync weights": 1, "barrier before logging": 2, "pair all-reduce": 3, "microbatch": 4, "end of step": 5}
+
+
+def check_config(args, world_size):
+    runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
+                                     "with torchrun --standalone --nproc_per_node=4")
+    runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
+
+
+def program(args, rt, journal, pairs):
+    """One step of a training program, with the bug that --hang plants (none: the correct program)."""
+    rank, bug = rt.rank, args.hang
+    world = list(range(rt.world_size))
+    t = torch.ones(4, device=rt.device)
+
+    def collective(label, op, group=None, members=world, name="world"):
+        with journal.call(label, op, name, members, order=ORDER[label]):
+            if op == "broadcast":
+                dist.broadcast(t, src=members[0], group=group)
+            elif op == "barrier":
+                dist.barrier(group=group)
+            else:
+                dist.all_reduce(t, group=group)
+
+    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
+    collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
+    # a barrier under a condition: the last rank skips it when the bug is planted
+    if not (bug == "skipped-barrier" and rank == rt.world_size - 1):
+        collective("barrier before logging", "barrier")
+    # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
+    pair_index = rank // 2
+    if bug == "wrong-group" and pair_index == 1:
+        collective("pair all-reduce", "all_reduce")
+    else:
+        collective("pair all-reduce", "all_reduce", pairs[pair_index], [2 * pair_index, 2 * pair_index + 1],
+                   f"pair{pair_index}")
+    # a two-stage pipeline in each pair: the even rank sends its microbatches to the odd one
+    first_stage, partner = rank % 2 == 0, rank + 1 if rank % 2 == 0 else rank - 1
+    batch = torch.arange(args.batch * 4, dtype=torch.float32, device=rt.device).reshape(args.batch, 4)
+    if bug == "unpaired-p2p":  # both receive first
+        with journal.call("microbatch", "recv", peer=partner, order=ORDER["microbatch"]):
+            dist.recv(torch.empty(4, device=rt.device), partner)
+    elif first_stage:
+        # torch.chunk(6 rows, 4) gives 3 chunks of 2; tensor_split would give 4 (2, 2, 1, 1)
+        pieces = batch.chunk(args.microbatches) if bug == "few-microbatches" else batch.tensor_split(args.microbatches)
+        for piece in pieces:
+            with journal.call("microbatch", "send", peer=partner, order=ORDER["microbatch"]):
+                dist.send(piece.sum(0).contiguous(), partner)
+    else:
+        for _ in range(args.microbatches):
+            with journal.call("microbatch", "recv", peer=partner, order=ORDER["microbatch"]):
+                dist.recv(torch.empty(4, device=rt.device), partner)
+    collective("end of step", "all_reduce")
+
+
+def main():
+    p = runtime.parser(__doc__, steps=None)
+    p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
+    p.add_argument("--batch", type=int, default=6, help="rows of the first stage's batch")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches the pipeline stages agree on")
+    p.add_argument("--debug-detail", action="store_true",
+                   help="TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch checks every collective's type and shapes first")
+    p.set_defaults(pg_timeout=4.0)
+    args = p.parse_args()
+    if args.debug_detail:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read when the process group is created
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        report = metrics.Report(__file__, rt, config=vars(args))
+        store = dist.distributed_c10d._get_default_store()  # the rendezvous store: it outlives a broken group
+        journal = hangs.CallJournal(store, rt.rank, prefix=f"deadlocks/{args.hang}")
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        rt.print(f"planting: {args.hang}; process-group timeout {rt.pg_timeout_s:g} s")
+        started = time.perf_counter()
+        error = None
+        try:
+            program(args, rt, journal, pairs)
+            journal.finish("finished")
+        except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            journal.finish("timed out")
+            print(f"[rank {rt.rank}] gave up after {time.perf_counter() - started:.1f} s: {error}", flush=True)
+
+        # Wait until every rank has finished or given up (the store still works), then read all journals.
+        prefix, deadline = f"deadlocks/{args.hang}", time.monotonic() + 3 * rt.pg_timeout_s + 10
+        journals = hangs.read_journals(store, rt.world_size, prefix)
+        while any(j["state"] == "running" for j in journals.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            journals = hangs.read_journals(store, rt.world_size, prefix)
+        elapsed = time.perf_counter() - started
+        finding = hangs.diagnose(journals)
+
+        rt.print(f"\nwhere every rank is (journal of its calls; * = the call it is stuck in):")
+        for r, j in sorted(journals.items()):
+            calls = ", ".join(f"{c['op']}({c['group'] if c['peer'] is None else 'peer ' + str(c['peer'])})"
+                              f"{'' if c['done'] else '*'}" for c in j["calls"])
+            rt.print(f"  rank {r} [{j['state']}]: {calls}")
+        rt.print(f"\ndiagnosis: {finding['cause']}: {finding['verdict']}")
+
+        bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
+        report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
+        report.check("the diagnosis names the planted cause", finding["cause"] == EXPECTED_CAUSE[args.hang],
+                     finding["cause"], EXPECTED_CAUSE[args.hang])
+        report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
+                        "error": error, "journals": journals}
+        code = report.finish(args.metrics_out)
+
+        # The group may be broken (a timed-out gloo group cannot be used again), so no closing barrier: rank 0
+        # serves the store in a plain launch, so it leaves last, once everyone has said goodbye through it.
+        store.add(f"{prefix}/left", 1)
+        if rt.rank == 0:
+            while int(store.add(f"{prefix}/left", 0)) < rt.world_size and time.monotonic() < deadline + 10:
+                time.sleep(0.05)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

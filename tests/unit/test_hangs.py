@@ -1,0 +1,61 @@
+"""distlab.hangs: the diagnosis of a hang from every rank's journal, on journals recorded from deadlocks.py."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from distlab import hangs
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "hang_journals.json").read_text())
+
+
+def journals(flag):
+    return {int(r): j for r, j in copy.deepcopy(RECORDED[flag]["journals"]).items()}
+
+
+@pytest.mark.parametrize("flag, cause", [("none", "none"), ("mismatched-collectives", "mismatched collectives"),
+                                         ("skipped-barrier", "skipped collective"), ("wrong-group", "wrong group"),
+                                         ("few-microbatches", "too few messages"),
+                                         ("unpaired-p2p", "unpaired point-to-point")])
+def test_each_recorded_hang_gets_its_cause(flag, cause):
+    finding = hangs.diagnose(journals(flag))
+    assert finding["cause"] == cause, finding
+
+
+def test_verdicts_name_the_ranks_and_the_call():
+    assert "rank 3 never did" in hangs.diagnose(journals("skipped-barrier"))["verdict"]
+    assert "rank 1 waits for message #4 from rank 0, which sent only 3" in \
+        hangs.diagnose(journals("few-microbatches"))["verdict"]
+    assert "ranks 0, 1 on pair0; ranks 2, 3 on world" in hangs.diagnose(journals("wrong-group"))["verdict"]
+    assert "rank 0 called broadcast" in hangs.diagnose(journals("mismatched-collectives"))["verdict"]
+
+
+def test_a_rank_that_went_past_a_call_is_named_by_program_order():
+    # rank 3 skipped the barrier and waits in the next call, at the same position on the world group
+    calls = lambda *ops: [{"label": lb, "op": op, "group": "world", "members": [0, 1, 2, 3], "peer": None,
+                           "order": order, "done": False} for lb, op, order in ops]
+    state = {r: {"rank": r, "state": "timed out", "calls": calls(("barrier before logging", "barrier", 2))}
+             for r in range(3)}
+    state[3] = {"rank": 3, "state": "timed out", "calls": calls(("end of step", "all_reduce", 5))}
+    verdict = hangs.diagnose(state)
+    assert verdict["cause"] == "skipped collective"
+    assert "rank 3 skipped 'barrier before logging'" in verdict["verdict"]
+
+
+def test_journal_mirrors_every_call_into_the_store():
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+        def get(self, key):
+            return self[key].encode()
+
+    store = Store()
+    journal = hangs.CallJournal(store, 2, prefix="p")
+    with journal.call("x", "all_reduce"):
+        assert json.loads(store["p/2"])["calls"][0]["done"] is False  # written before the call
+    assert json.loads(store["p/2"])["calls"][0]["done"] is True
+    journal.finish("finished")
+    assert json.loads(store["p/2"])["state"] == "finished"
