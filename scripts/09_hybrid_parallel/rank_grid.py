@@ -39,8 +39,9 @@ DIMENSIONS = hybrid.DIMENSIONS  # ("pp", "dp", "tp"): the order a shape is given
 
 
 def resolve_shape(args, world_size):
-    """The mesh (pp, dp, tp): --pp (1) and --tp (2) as given, dp fills the rest unless given."""
-    pp, tp = args.pp, args.tp
+    """The mesh (pp, dp, tp): --pp (1) and --tp (2 on an even world, else 1) as given, dp fills the rest."""
+    pp = args.pp
+    tp = args.tp if args.tp is not None else (2 if world_size % 2 == 0 else 1)
     dp = args.dp if args.dp is not None else max(1, world_size // max(1, pp * tp))
     return pp, dp, tp
 
@@ -132,7 +133,7 @@ def run_fake_world(args):
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 2, or 1 on an odd world)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / (pp x tp))")
     p.add_argument("--gpus-per-node", type=int, default=4,
                    help="ranks per node when the launcher fills nodes in rank order (default 4: Derecho)")
