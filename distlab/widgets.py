@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from distlab import memory, metrics
 
 GB = 1e9  # 10^9 bytes: bandwidths, bytes on the wire, "7B parameters" (chapters/00_conventions.md)
-GIB = 2**30  # 2^30 bytes: memory capacity and memory use. An A100 "40GB" has 40 GiB (40,960 MiB).
+GIB = memory.GIB  # 2^30 bytes: memory capacity and memory use. An A100 "40GB" has 40 GiB (40,960 MiB).
 
 # Memory as sold, counted in GiB as the cards report it (an A100-40GB shows 40,960 MiB); the names keep the
 # vendors' spelling. Peak FLOP/s come from distlab.metrics.peak_flops.
