@@ -71,7 +71,9 @@ class BucketLog:
 
 
 def make_data_parallel(module, args, mesh, bucket_log):
-    """The stage, data parallel over the ranks that hold the same stage."""
+    """The stage, data parallel over the ranks that hold the same stage (alone on its stage: left as it is)."""
+    if args.dp == 1:
+        return module
     if args.dp_mode == "ddp":
         # find_unused_parameters=True although every parameter is used: on the first step torch 2.13's pipelining
         # infers the shapes passed between stages with a real forward and backward through DDP, outside no_sync,
@@ -135,6 +137,12 @@ def main():
                           **(dict(target=targets, losses=losses) if last_here else {}))
             return torch.stack(losses).mean().item() if last_here else None
 
+        def dp_bytes(counter):
+            """Bytes of the dp dimension in the step just run: DDP's buckets (comm hook), or FSDP's collectives."""
+            if args.dp_mode == "ddp":
+                return {"all_reduce": bucket_log.bytes} if bucket_log.bytes else {}
+            return hybrid_pipeline.bytes_by_dimension(counter.calls).get("dp", {})
+
         # 4. Train; step 1 is measured (step 0 also infers shapes between stages).
         step_losses, first_grads, measured, seconds, state = [], {}, {}, [], None
         for step in range(args.steps):
@@ -152,8 +160,7 @@ def main():
             optimizer.step()
             if step == 1:
                 state = memory.ledger(torch.nn.ModuleList(wrapped.values()), optimizer)
-                measured = {"dp": {"all_reduce": bucket_log.bytes} if args.dp_mode == "ddp" else
-                            hybrid_pipeline.bytes_by_dimension(counter.calls).get("dp", {}),
+                measured = {"dp": dp_bytes(counter),
                             "pp": hybrid_pipeline.bytes_by_dimension(counter.calls).get("pp", {}).get("send", 0)}
                 report.timeline = gather_timeline(events if dp_rank == 0 else [], t0, pp_rank)
             optimizer.zero_grad(set_to_none=True)
@@ -169,10 +176,8 @@ def main():
                 bucket_log.bytes = 0
                 with comm.CommCounter() as counter:
                     run_step(args.steps)
-                dp_bytes = {"all_reduce": bucket_log.bytes} if args.dp_mode == "ddp" else \
-                    hybrid_pipeline.bytes_by_dimension(counter.calls).get("dp", {})
                 grads = {n: g for module in wrapped.values() for n, g in full_named(module, grads=True).items()}
-                sync_modes["every_microbatch" if every else "once"] = {"bytes": dp_bytes, "grads": grads}
+                sync_modes["every_microbatch" if every else "once"] = {"bytes": dp_bytes(counter), "grads": grads}
                 optimizer.zero_grad(set_to_none=True)
             for stage in stages:
                 stage.sync_every_microbatch = False
