@@ -12,7 +12,12 @@ from distlab import data, models
 # * losses (values ~4): measured <= 1e-6;
 # * parameters: AdamW moves a weight whose gradient is as small as the rounding noise by up to ~lr whatever
 #   the noise says, so parameters are compared at lr / 10 (measured ~1e-5 after a few steps at lr 3e-3).
+# * gradients (largest ~5e-2): measured ~1e-8 to 4e-7 (chapter 04's). Checked on their own because AdamW is
+#   blind to a gradient's scale: a sharded optimizer that forgets to divide by N still takes (almost) the
+#   right steps, so losses and parameters alone would not see it.
+# On a GPU, loss and gradient tolerances widen 10x (distlab.metrics.fp32_tolerance says why).
 LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
 
 
 def param_tolerance(lr: float) -> float:
@@ -42,9 +47,9 @@ def mean_abs_diff(actual: list, expected: list) -> float:
 class Baseline:
     """The single-device run, in lockstep with the sharded one: same seed, same global batch, same AdamW."""
 
-    def __init__(self, cfg, seed: int, lr: float, device):
+    def __init__(self, cfg, seed: int, lr: float, device, model=None):
         self.cfg, self.seed = cfg, seed
-        self.model = models.build_transformer(cfg, seed=seed, device=device)
+        self.model = model if model is not None else models.build_transformer(cfg, seed=seed, device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.losses: list[float] = []
 
@@ -52,6 +57,7 @@ class Baseline:
         inputs, targets = data.split_inputs_targets(tokens)
         loss = models.lm_loss(self.model(inputs), targets)
         loss.backward()
+        self.grads = [p.grad.detach().clone() for p in self.model.parameters()]  # this step's, for the checks
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.item())

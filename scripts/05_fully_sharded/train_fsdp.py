@@ -25,12 +25,13 @@ one); per-rank bytes of parameters, gradients and optimizer state measured from 
 import argparse
 import sys
 import time
-import warnings
+import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 from common_fully_sharded import (BF16_LOSS_TOLERANCE, LOSS_TOLERANCE, Baseline, bf16_param_mean_tolerance,
                                   mean_abs_diff, param_tolerance)
@@ -66,23 +67,53 @@ def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_
     return model
 
 
+def initial_value(cfg, name: str, shape, seed: int, index: int) -> torch.Tensor:
+    """Parameter ``name``'s initial values, whole, from the seed alone: the transformer's own rule
+    (``models._init_transformer_``: its standard deviations), drawn from a generator of this parameter's own,
+    seeded (seed, index). The same on every rank and every device; built one parameter at a time, so the
+    peak memory is the largest parameter, not the model."""
+    full = torch.empty(shape)
+    one_parameter = types.SimpleNamespace(cfg=cfg, named_parameters=lambda: [(name, full)])
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed * 100_003 + index)
+        models._init_transformer_(one_parameter)
+    return full
+
+
 def materialize_on_meta(cfg, seed, device, **fsdp_options):
-    """Build on the meta device (no memory), shard, then allocate and initialise only the local shards."""
+    """Build on the meta device (no memory), shard, then allocate the local shards and fill each with its rows
+    of the parameter's initial value (:func:`initial_value`)."""
     with torch.device("meta"):
         model = models.Transformer(cfg)
     apply_fsdp(model, **fsdp_options)
     model.to_empty(device="cpu" if fsdp_options.get("cpu_offload") else device)
-    # On a GPU, DTensor draws each shard from its own part of one random stream (rank 0's seed). On a CPU it
-    # has no such tracker and each rank draws from its own generator: seeded apart, or the shards would repeat.
-    torch.manual_seed(seed + dist.get_rank())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        models._init_transformer_(model)
+    # Every rank computes the whole parameter and keeps its own rows (src_data_rank=None: no communication).
+    # Drawing the shards directly (nn.init on DTensors) would depend on the device's random streams, and on a
+    # CPU every rank would draw the same values unless seeded apart; then no single-device model could be
+    # built to check against.
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            full = initial_value(cfg, name, param.shape, seed, index)
+            rows = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(rows)
     # Buffers are not sharded and to_empty left them uninitialised: recompute them, on the compute device
     # (with CPU offload the shards live on the host, but the rotary tables are used where the layers run).
     cos, sin = models.rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
+
+
+def single_device_model(cfg, seed: int, init: str, device):
+    """The single-device reference, built from the seed by its own path, never copied from the sharded model:
+    ``models.build_transformer`` for ``--init seed``; for ``--init meta``, a plain model whose every parameter
+    is :func:`initial_value`, whole."""
+    if init == "seed":
+        return models.build_transformer(cfg, seed=seed, device=device)
+    model = models.Transformer(cfg)
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            param.copy_(initial_value(cfg, name, param.shape, seed, index))
+    return model.to(device)
 
 
 def full_parameters(model) -> list[torch.Tensor]:
@@ -131,11 +162,11 @@ def main():
         baseline = None
         if compare:
             start_weights = full_parameters(model)  # collective: every rank
-            if rt.rank == 0:
-                baseline = Baseline(cfg, args.seed, args.lr, rt.device)
-                with torch.no_grad():  # after meta init, the baseline starts from the sharded model's weights
-                    for mine, theirs in zip(baseline.model.parameters(), start_weights):
-                        mine.copy_(theirs)
+            if rt.rank == 0:   # built from the seed, independently: a sharding or init bug cannot leak into it
+                baseline = Baseline(cfg, args.seed, args.lr, rt.device,
+                                    model=single_device_model(cfg, args.seed, args.init, rt.device))
+                report.check_close("initial full weights (gathered from the shards) = the single-device model's, "
+                                   "built from the seed", start_weights, list(baseline.model.parameters()), 0.0)
         local = next(iter(model.parameters())).to_local()
         rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
                  f"{tuple(local.shape)} on {local.device}")
@@ -189,14 +220,14 @@ def main():
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
             calls = measured_comm[-1].get(collective, {}).get("calls", 0)
-            report.add_comm(collective, per_step[-1], expected, calls=calls,
-                            sent_bytes_per_rank=comm.bytes_sent_per_rank(collective, per_step[-1], world))
+            report.add_comm(collective, per_step[-1], expected, calls=calls,  # ring model x measured payload:
+                            sent_bytes_per_rank_derived=comm.bytes_sent_per_rank(collective, per_step[-1], world))
             extra = padded[collective] - expected
             report.check(f"{collective} bytes per step = formula (every step)",
                          all(0 <= b - expected <= extra for b in per_step), per_step[-1],
                          f"== {expected}" + (f" + padding <= {extra}" if extra else ""))
             rt.print(f"{collective}: {per_step[-1]:,} B per step in {calls} calls (formula {expected:,} B); "
-                     f"each rank sends {comm.bytes_sent_per_rank(collective, per_step[-1], world):,.0f} B")
+                     f"each rank sends {comm.bytes_sent_per_rank(collective, per_step[-1], world):,.0f} B (derived: ring model)")
 
         # ---- memory: measured from the local shards = the ZeRO-3 table ----
         # FSDP2 keeps fp32 shards even under mixed precision (bf16 copies exist only while gathered), so the

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common_fully_sharded import LOSS_TOLERANCE, Baseline, param_tolerance
+from common_fully_sharded import GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, param_tolerance
 from distlab import comm, data, memory, metrics, models, runtime
 
 
@@ -90,6 +90,10 @@ class ZeroAdamW:
             dist.all_gather_single(gathered, F.pad(shard.detach(), (0, k - shard.numel())))  # N equal slices
             p.view(-1).copy_(gathered[:p.numel()])  # every rank now holds every updated slice
 
+    def slices_of(self, tensors) -> list[torch.Tensor]:
+        """This rank's slice of each of ``tensors`` (one per parameter, full size): what its shards hold."""
+        return [t.reshape(-1)[lo:hi] for t, (lo, hi) in zip(tensors, self.bounds)]
+
     def zero_grad(self) -> None:
         for p, shard in zip(self.params, self.shards):
             p.grad, shard.grad = None, None
@@ -126,7 +130,8 @@ def main():
             ddp = DDP(ddp_model)
             ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr)
             baseline = Baseline(cfg, args.seed, args.lr, rt.device) if rt.rank == 0 else None
-        diffs = {"ddp_loss": [], "ddp_param": [], "baseline_loss": [], "baseline_param": []}
+        diffs = {"ddp_loss": [], "ddp_param": [], "ddp_grad": [], "baseline_loss": [], "baseline_param": [],
+                 "baseline_grad": []}
 
         measured_comm, seconds, state = [], [], None
         for step in range(args.steps):
@@ -141,6 +146,7 @@ def main():
                 zero.step()               # own slices updated, then all-gathered
             if step == 1:  # every kind of state exists now (AdamW creates its moments at the first step)
                 state = zero.state_bytes()
+            grad_slices = [shard.grad.detach().clone() for shard in zero.shards]  # this rank's averaged slices
             zero.zero_grad()
             rt.sync()
             seconds.append(time.perf_counter() - started)
@@ -153,6 +159,9 @@ def main():
             if compare:  # DDP on the same shards of the same batch; the single device on the whole batch
                 ddp_loss = models.lm_loss(ddp(inputs), targets)
                 ddp_loss.backward()
+                # Gradients, not only losses and parameters: AdamW would hide a missing division by N.
+                diffs["ddp_grad"].append(metrics.max_abs_diff(grad_slices, zero.slices_of(
+                    [q.grad for q in ddp_model.parameters()])))
                 ddp_optimizer.step()
                 ddp_optimizer.zero_grad(set_to_none=True)
                 ddp_loss = ddp_loss.detach()
@@ -162,6 +171,7 @@ def main():
                 line += f"  DDP {ddp_loss.item() / world:.6f}"
                 if baseline is not None:
                     baseline.step(tokens.to(rt.device))
+                    diffs["baseline_grad"].append(metrics.max_abs_diff(grad_slices, zero.slices_of(baseline.grads)))
                     diffs["baseline_loss"].append(abs(report.losses[-1] - baseline.losses[-1]))
                     diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
                                                                         list(baseline.model.parameters())))
@@ -174,16 +184,18 @@ def main():
         padding_bytes = 4 * (padded_params - num_params)       # what the sharded collectives add for padding
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
-            report.add_comm(collective, per_step[-1], expected,
-                            sent_bytes_per_rank=comm.bytes_sent_per_rank(collective, per_step[-1], world))
+            report.add_comm(collective, per_step[-1], expected,  # ring model x measured payload: derived
+                            sent_bytes_per_rank_derived=comm.bytes_sent_per_rank(collective, per_step[-1], world))
             report.check(f"{collective} bytes per step = formula (every step)",
                          all(0 <= got - expected <= padding_bytes for got in per_step), per_step[-1],
                          f"== {expected}" + (f" + padding <= {padding_bytes}" if padding_bytes else ""))
-        sent = comm.step_bytes_sent_per_rank(analytic, world)
+        # Derived, not measured: the ring model applied to the payloads measured above (ZeRO) and to DDP's formula.
+        sent = sum(row["sent_bytes_per_rank_derived"] for row in report.comm)
         ddp_sent = comm.step_bytes_sent_per_rank(comm.zero_step_bytes(num_params, 0), world)
-        rt.print(f"bytes each rank sends per step (ring): ZeRO-{args.stage} {sent:,.0f}, DDP {ddp_sent:,.0f} "
-                 + (f"({sent / ddp_sent:.2f}x)" if ddp_sent else "(one rank sends nothing)"))
-        report.extra["sent_bytes_per_rank"] = {"zero": sent, "ddp": ddp_sent}
+        rt.print(f"bytes each rank sends per step (derived: ring model): ZeRO-{args.stage} {sent:,.0f}, "
+                 f"DDP {ddp_sent:,.0f} " + (f"({sent / ddp_sent:.2f}x)" if ddp_sent else "(one rank sends nothing)"))
+        report.extra["sent_bytes_per_rank_derived"] = {"zero": sent, "ddp": ddp_sent}
+        report.extra["sent_bytes_per_rank"] = report.extra["sent_bytes_per_rank_derived"]  # old name: notebook 05
 
         # ---- memory: measured on this rank = the ZeRO table ----
         table = memory.zero_state_bytes(num_params, world, args.stage, precision="fp32")
@@ -203,10 +215,17 @@ def main():
                                    want, tolerance=2 * padding_bytes)
 
         if compare:
+            # the worst rank's gradient slices: every rank's shard is checked, rank 0 reports
+            worst_grad = torch.tensor(max(diffs["ddp_grad"]), dtype=torch.float64, device=rt.device)
+            dist.all_reduce(worst_grad, op=dist.ReduceOp.MAX)
+            report.check_close("gradient shards = DDP's averaged gradients, sliced (every rank, every step)",
+                               worst_grad.item(), 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
             report.check_close("loss = DDP loss (every step)", max(diffs["ddp_loss"]), 0.0, LOSS_TOLERANCE)
             report.check_close("parameters = DDP parameters (every step)", max(diffs["ddp_param"]), 0.0,
                                param_tolerance(args.lr))
             if rt.rank == 0:
+                report.check_close("rank 0's gradient shards = the single-device gradients, sliced (every step)",
+                                   max(diffs["baseline_grad"]), 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
                 report.check_close("loss = single-device loss (every step)", max(diffs["baseline_loss"]), 0.0,
                                    LOSS_TOLERANCE)
                 report.check_close("parameters = single-device parameters (every step)",
