@@ -158,3 +158,24 @@ def test_plan_and_fully_shard_on_a_fake_world_match_the_formulas(dp, tp, vocab, 
                 assert sorted(measured, key=key) == sorted(formula, key=key)
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plan", hybrid.EMBEDDING_PLANS)
+def test_tp_local_shapes_are_the_shapes_the_plan_leaves(plan):
+    """Every parameter's local shape after the script's TP plan (fake world of 2, rank 0) = tp_local_shapes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = models.build_transformer(TINY, 0)
+        parallelize_module(model, init_device_mesh("cpu", (2,)), load_script().tp_plan(plan, False))
+        local = {name: tuple((p.to_local() if hasattr(p, "to_local") else p).shape)  # norms stay plain
+                 for name, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    expected = {name: (rows,) if columns == 1 else (rows, columns)
+                for name, (rows, columns) in hybrid.tp_local_shapes(TINY, 2, plan).items()}
+    assert local == expected
