@@ -6,9 +6,9 @@ First with the notebook's solution: it must pass (so the namespace is right and 
 check's doing, not a NameError). Then with each wrong answer put in place of the solution block, written as a
 learner would write it: the check must raise ExerciseWrong, not pass and not fail some other way.
 
-Two stand-ins, where the check reads a script run: notebook 04's DDP payload and notebook 06's ledger take
-the counted bytes of a run as the formula gives them (the notebooks themselves run under nbval against the
-real runs). Everything else is the notebooks' own code.
+Stand-ins where a check reads a script run (notebook 04's DDP and ring runs, notebook 06's ledger): the
+counted bytes of the run as the formula gives them, so the tests stay fast; the notebooks themselves run under
+nbval against the real runs. Everything else is the notebooks' own code.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ def _cells(notebook: str) -> list:
 
 
 def exercise_and_check_cells(notebook: str) -> list[tuple[str, str]]:
-    """(exercise cell, the check cell after it) for every exercise of the notebook, in order."""
+    """(exercise cell, the first check cell after it) for every exercise of the notebook, in order (a cell
+    between the two, such as a run the check reads, is the test's to stand in for)."""
     cells = [c for c in _cells(notebook) if c.cell_type == "code"]
     pairs = []
-    for cell, following in zip(cells, cells[1:]):
+    for index, cell in enumerate(cells):
         if student.has_solution(cell.source):
-            assert "check" in following.metadata.get("tags", []), f"{notebook}: an exercise not followed by its check"
-            pairs.append((cell.source, following.source))
+            check = next((c for c in cells[index + 1:] if "check" in c.metadata.get("tags", [])), None)
+            assert check is not None and not student.has_solution(check.source), \
+                f"{notebook}: an exercise with no check cell before the next exercise"
+            pairs.append((cell.source, check.source))
     return pairs
 
 
@@ -79,9 +82,11 @@ def namespace(notebook: str, needs: tuple[str, ...] = ()) -> dict:
 
 
 def fake_ddp_run(scope: dict) -> None:
+    """Notebook 04's DDP run (the payload it counted) and chapter 03's ring run (the bytes a rank sent)."""
     payload = scope["models"].preset("tiny").num_params() * 4
-    scope["ddp"] = types.SimpleNamespace(metrics={"comm": [
-        {"measured_bytes": payload, "sent_bytes_per_rank": 2 * (scope["world"] - 1) / scope["world"] * payload}]})
+    scope["ddp"] = types.SimpleNamespace(metrics={"comm": [{"measured_bytes": payload}]})
+    sent = 2 * (scope["world"] - 1) / scope["world"] * payload
+    scope["ring"] = types.SimpleNamespace(metrics={"comm": [{"measured_bytes": sent}]})
 
 
 def fake_tp_run(scope: dict) -> None:
