@@ -121,9 +121,9 @@ def test_checkpoint_round_trip_job_on_two_nodes(two_nodes, tmp_path):
 
 
 def test_preflight_job_on_two_nodes(two_nodes, tmp_path):
-    """pbs/preflight.pbs end to end with the real mpiexec: the rank map and two of its scripts (DISTLAB_ONLY keeps
+    """pbs/preflight.pbs end to end with the real mpiexec: the rank map and the bandwidth script (DISTLAB_ONLY keeps
     it short; test_pbs_job_files checks that the full list covers every script), then its table."""
-    env = two_nodes | {"DISTLAB_ONLY": "distlab.runtime:collectives.py:bandwidth.py", "PREFLIGHT_BW_MAX_BYTES": "64K"}
+    env = two_nodes | {"DISTLAB_ONLY": "distlab.runtime:bandwidth.py", "PREFLIGHT_BW_MAX_BYTES": "64K"}
     result, _ = run_job(PBS_DIR / "preflight.pbs", env)
     assert result.returncode == 0, result.output
     run = tmp_path / "run"
@@ -132,14 +132,15 @@ def test_preflight_job_on_two_nodes(two_nodes, tmp_path):
     # script, result, checks passed of all, step time, bus bandwidth, device: read back from the metrics files
     rank_map = json.loads((run / "rank_map.json").read_text())
     assert rows["rank"][2:4] == ["ok", f"{len(rank_map['checks'])}/{len(rank_map['checks'])}"]
-    collectives = json.loads((run / "collectives.json").read_text())
-    assert rows["collectives.py"][1:3] == ["ok", f"{len(collectives['checks'])}/{len(collectives['checks'])}"]
     bandwidth = json.loads((run / "bandwidth.json").read_text())
+    checks = f"{len(bandwidth['checks'])}/{len(bandwidth['checks'])}"
     busbw = max(r["busbw"] for r in bandwidth["extra"]["bandwidth"] if r["collective"] == "all_reduce")
-    assert rows["bandwidth.py"][1] == "ok" and rows["bandwidth.py"][4:6] == [f"{busbw / 1e9:.3g}", "GB/s"]
+    assert rows["bandwidth.py"][1:3] == ["ok", checks] and rows["bandwidth.py"][4:6] == [f"{busbw / 1e9:.3g}", "GB/s"]
     # where each rank ran: two "nodes", local ranks 0,1 on each, no GPU
     placements = [ln.strip() for ln in table.splitlines() if ln.strip().startswith("host ")]
     assert placements == [f"host {host}  rank {rank}  local rank {rank % 2}  CUDA_VISIBLE_DEVICES=(unset)  uses cpu"
                           for rank, host in enumerate(["localhost", "localhost", "127.0.0.1", "127.0.0.1"])]
     assert "NCCL transport: none reported" in table  # gloo on CPUs: no NCCL communicator
-    assert "skip train_baseline.py" in result.output and "ok bandwidth.py" in (run / "summary.txt").read_text()
+    assert "skip train_baseline.py" in result.output
+    summary = (run / "summary.txt").read_text()
+    assert "ok distlab.runtime" in summary and "ok bandwidth.py" in summary and "NCCL transport" in summary
