@@ -206,10 +206,14 @@ def test_rank_map_is_launched_like_every_script(tmp_path):
 def test_rank_map_output_names_host_rank_local_rank_devices_and_gpu():
     """The module the job runs, alone on this machine: one rank, its line, its checks (CPU: "uses cpu")."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LEAKY + ("RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    result = subprocess.run([sys.executable, "-m", "distlab.runtime", "--device", "cpu"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env=env | {"CUDA_VISIBLE_DEVICES": "3"})
+    result = subprocess.run([sys.executable, "-m", "distlab.runtime", "--device", "cpu", "--verbose"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env | {"CUDA_VISIBLE_DEVICES": "3"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0  local rank 0  CUDA_VISIBLE_DEVICES=3  uses cpu" in result.stdout
+    # --verbose: every rank's own line as it joins the job (runtime.start), with how it found its place
+    verbose = [ln for ln in result.stdout.splitlines() if ln.startswith("[rank 0] host ")]
+    assert len(verbose) == 1 and verbose[0].endswith("uses cpu  [single; single node: MASTER_ADDR = 127.0.0.1; "
+                                                     "MASTER_PORT derived (default)]"), result.stdout
     assert "checks: 3/3 passed" in result.stdout
 
 
