@@ -54,11 +54,19 @@ def test_the_static_rule_sees_unpaired_calls_and_allows_batches():
     assert unpaired_calls(good) == []
 
 
+# Scripts that send and receive on their own on purpose, with the run that proves their correct path safe
+# under NCCL's rules (replayed below): chapter 12 teaches the unpaired hang and fixes it with an even/odd order.
+PROVEN_AT_RUN_TIME = {"12_hpc_operations/deadlocks.py": (4, ["--hang", "none"])}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_script_sends_or_receives_outside_a_batch(script):
+    if f"{script.parent.name}/{script.name}" in PROVEN_AT_RUN_TIME:
+        pytest.skip("point-to-point on its own on purpose; its correct order is replayed under NCCL's rules below")
     calls = unpaired_calls(script.read_text())
     assert not calls, (f"{script.name}: point-to-point outside batch_isend_irecv can hang on NCCL; pair the send "
-                       f"with its receive in one dist.batch_isend_irecv([...]): {calls}")
+                       f"with its receive in one dist.batch_isend_irecv([...]) (or prove an even/odd order at run "
+                       f"time: PROVEN_AT_RUN_TIME): {calls}")
 
 
 # ---- the NCCL model, on hand-written orders -------------------------------------------------------------
@@ -86,6 +94,8 @@ def test_an_unmatched_message_is_reported():
 
 
 # ---- the real scripts, recorded on gloo and replayed under NCCL's rules ------------------------------------
+# Rings on 2 ranks (left = right: the dangerous case); the pipeline on 4 (1F1B's steady state sends both ways
+# between every pair of neighbours).
 
 def _recorded_run(tmp_path, script, nproc, args=()):
     log = tmp_path / Path(script).stem
@@ -120,11 +130,11 @@ def test_the_recorder_catches_an_order_gloo_forgives(tmp_path):
     ("scripts/03_communication/ring_allreduce.py", 2, ["--numel", "64"]),
     ("scripts/03_communication/collectives.py", 2, []),
     ("scripts/08_sequence_parallel/ring_attention.py", 2, ["--layout", "zigzag"]),
-    ("scripts/07_pipeline_parallel/pp_manual.py", 2, ["--steps", "1", "--no-reference", "--layers", "2",
-                                                      "--microbatches", "4", "--batch", "4"]),
     ("scripts/07_pipeline_parallel/pp_manual.py", 4, ["--steps", "1", "--no-reference", "--layers", "4",
                                                       "--microbatches", "6", "--batch", "6"]),
-], ids=["ring_allreduce", "collectives", "ring_attention", "pp_manual-1f1b-2", "pp_manual-1f1b-4"])
+    *[(f"scripts/{name}", nproc, args) for name, (nproc, args) in PROVEN_AT_RUN_TIME.items()
+      if (launch.REPO_ROOT / "scripts" / name).exists()],
+], ids=lambda value: Path(value).stem if isinstance(value, str) and value.endswith(".py") else None)
 def test_point_to_point_scripts_cannot_deadlock_on_nccl(tmp_path, script, nproc, args):
     notes = _recorded_run(tmp_path, script, nproc, args)
     assert any(notes.values()), "no point-to-point recorded: the recorder saw nothing"
