@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from distlab import hybrid, launch
 
 PP_DP = "scripts/09_hybrid_parallel/pp_dp_hybrid.py"
 HYBRID_3D = "scripts/09_hybrid_parallel/hybrid_3d.py"
@@ -123,8 +123,9 @@ def test_3d_shapes_equal_one_device_with_bytes_and_memory_per_dimension_equal_fo
     coordinates = metrics["extra"]["coordinates"]
     assert sorted((c["pp"], c["dp"], c["tp"]) for c in coordinates.values()) == \
         sorted((a, b, c) for a in range(pp) for b in range(dp) for c in range(tp))
-    # DeviceMesh's order: tp innermost, so a TP group is consecutive ranks
+    # DeviceMesh's order: tp innermost, so a TP group is consecutive ranks; distlab.hybrid's grid agrees
     assert all(int(rank) == (c["pp"] * dp + c["dp"]) * tp + c["tp"] for rank, c in coordinates.items())
+    assert all(hybrid.grid_coordinates(int(rank), (pp, dp, tp), "device_mesh") == c for rank, c in coordinates.items())
     # the Gantt chart of the pipeline dimension: one row per pp rank
     assert {e["rank"] for e in metrics["timeline"]} == set(range(pp))
 
