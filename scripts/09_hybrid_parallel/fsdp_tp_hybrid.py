@@ -153,7 +153,8 @@ def compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt):
                                            sequence_parallel=args.sequence_parallel and plan == "usual")
         sent[plan] = sum(comm.bytes_sent_per_rank(r["collective"], r["payload_bytes"], tp) for r in rows
                          if r["dimension"] == "tp" and r["where"] == "outside blocks")
-    measured = sum(r["sent_bytes_per_rank_derived"] for r in ledger if r["dimension"] == "tp" and r["where"] == "outside blocks")
+    measured = sum(r["sent_bytes_per_rank_derived"] for r in ledger
+                   if r["dimension"] == "tp" and r["where"] == "outside blocks")
     logits_per_rank = {"usual": args.batch // dp * args.seq_len * cfg.vocab_size // tp * 4,
                        "alternative": args.batch // dp * args.seq_len * cfg.vocab_size * 4}
     rt.print(f"\nembedding + head + loss, bytes each rank sends per step over tp (derived, ring model): usual plan "
@@ -261,8 +262,9 @@ def main():
                          "tp_only": memory.training_state_bytes(
                              tensor_parallel.tp_param_count_per_rank(cfg, tp)["total"], "fp32").as_dict(),
                          "device": metrics.memory_snapshot(rt.device)}
-        rt.print(f"\nstate per rank: {state.total:,.0f} B measured, {formula_state.total:,.0f} B formula; one device "
-                 f"{report.memory['single_device']['total']:,.0f} B, TP alone {report.memory['tp_only']['total']:,.0f} B")
+        rt.print(f"\nstate per rank: {state.total:,.0f} B measured, {formula_state.total:,.0f} B formula; one "
+                 f"device {report.memory['single_device']['total']:,.0f} B, TP alone "
+                 f"{report.memory['tp_only']['total']:,.0f} B")
 
         # 6. The communication of step 1, per mesh dimension: measured = formula.
         formula = hybrid.fsdp_tp_comm_formula(cfg, args.batch, args.seq_len, dp, tp,

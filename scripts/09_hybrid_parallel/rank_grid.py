@@ -80,14 +80,13 @@ def explain_crossings(shape, gpus_per_node, say) -> dict:
         say(f"  {order:15s} " + "   ".join(f"{dim}: {len(by_dim[dim])} of {total[dim]}" for dim in DIMENSIONS))
     if crossing["hybrid_context"]["tp"] and not crossing["device_mesh"]["tp"]:
         # vendor figures (distlab.tensor_parallel): NVLink 3 per direction vs one Slingshot-11 NIC
-        ratio = (tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S
-                 / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S)
+        nvlink = tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S
+        slingshot = tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S
         say(f"\nThe copied HybridParallelContext order puts TP across nodes: its TP group "
             f"{crossing['hybrid_context']['tp'][0]} spans nodes because dp = {shape[1]} > 1 and tp x dp = "
             f"{shape[2] * shape[1]} > {gpus_per_node} GPUs per node. TP all-reduces the activations 4 times per "
-            f"layer and step; across nodes they run over Slingshot (~{tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S / 1e9:.0f}"
-            f" GB/s per NIC) instead of NVLink (~{tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / 1e9:.0f}"
-            f" GB/s per direction): ~{ratio:.0f}x less bandwidth (derived from vendor figures) on the most "
+            f"layer and step; across nodes they run over Slingshot (~{slingshot / 1e9:.0f} GB/s per NIC) instead "
+            f"of NVLink (~{nvlink / 1e9:.0f} GB/s per direction): ~{nvlink / slingshot:.0f}x less bandwidth (derived from vendor figures) on the most "
             f"frequent collective. DeviceMesh's order (tp innermost) keeps every TP group on one node; it is "
             f"the DP (or PP) groups that cross, and they communicate once per step (or per microbatch).")
     elif crossing["hybrid_context"]["tp"]:

@@ -1,8 +1,9 @@
 """Chapter 09, 2-D: the rank grid of both orders against DeviceMesh, and FSDP x TP on a (dp, tp) mesh equal
 to one device with its memory and its communication per mesh dimension equal to the formulas.
 
-Four launches, shared by the tests through module-scoped fixtures: rank_grid on 4 ranks, fsdp_tp_hybrid on 2 x 2 with the usual plan (under the real torchrun), with the alternative
-embedding plan, and with sequence parallelism (FSDP keeping gathered weights); then the bad inputs. The
+Four launches, shared by the tests through module-scoped fixtures: rank_grid on 4 ranks, fsdp_tp_hybrid
+on 2 x 2 with the usual plan (under the real torchrun), with the alternative embedding plan, and with
+sequence parallelism (FSDP keeping gathered weights); then the bad inputs (4 more, each seconds). The
 fake worlds of rank_grid run inside the test process.
 """
 
@@ -177,7 +178,8 @@ def test_sequence_parallel_turns_block_all_reduces_into_gather_scatter_pairs(seq
 
 
 def test_mesh_that_is_not_the_world_exits_2():
-    assert_config_error(HYBRID, ["--dp", "3", "--tp", "2"], "pp x dp x tp = 1 x 3 x 2 = 6 ranks is not the world size 4")
+    assert_config_error(HYBRID, ["--dp", "3", "--tp", "2"],
+                        "pp x dp x tp = 1 x 3 x 2 = 6 ranks is not the world size 4")
 
 
 def test_heads_that_do_not_split_over_tp_exit_2():

@@ -80,7 +80,8 @@ def test_tp_traffic_is_chapter_06_on_the_replica_batch():
                 == sum(r["payload_bytes"] for r in chapter_06 if r["collective"] == collective)
             assert sum(r["calls"] for r in ours if r["dimension"] == "tp" and r["collective"] == collective) \
                 == sum(r["calls"] for r in chapter_06 if r["collective"] == collective)
-    blocks = [r for r in hybrid.fsdp_tp_comm_formula(TINY, 8, 32, 2, 4) if r["where"] == "blocks" and r["dimension"] == "tp"]
+    blocks = [r for r in hybrid.fsdp_tp_comm_formula(TINY, 8, 32, 2, 4)
+              if r["where"] == "blocks" and r["dimension"] == "tp"]
     assert [(r["phase"], r["calls"], r["payload_bytes"]) for r in blocks] == [
         ("forward", 2 * TINY.n_layers, 2 * TINY.n_layers * 4 * 32 * 64 * 4),
         ("backward", 2 * TINY.n_layers, 2 * TINY.n_layers * 4 * 32 * 64 * 4)]
