@@ -65,6 +65,24 @@ def test_the_block_communication_table_for_7b_on_two_nodes(text):
     assert round(32000 / 4096) == 8 and "V = 32,000 nearly eight times h = 4,096" in text
 
 
+def test_the_embedding_plans_for_7b(text):
+    cfg = sizing.LLAMA_SHAPES["7B"].config(4096)
+    assert sizing.LLAMA_SHAPES["7B"].n_kv_heads == cfg.n_heads  # no GQA: the course's model is the 7B exactly
+    outside = {}
+    for plan in ("usual", "alternative"):
+        rows = [r for r in hybrid.fsdp_tp_comm_formula(cfg, 1, 4096, 1, 4, embedding_plan=plan, bytes_per_element=2)
+                if r["where"] == "outside blocks"]
+        outside[plan] = rows
+    usual = sum(r["payload_bytes"] for r in outside["usual"])
+    alternative = sum(r["payload_bytes"] for r in outside["alternative"])
+    logits = max(r["payload_bytes"] for r in outside["alternative"])
+    assert logits == 4096 * 32000 * 2
+    assert usual - 2 * 32 * MIB == 3 * 4096 * 4 == 48 * 1024  # the loss statistics, fp32
+    assert (f"move {usual / MIB:.0f} MiB per step under the usual plan (two all-reduces of 32 MiB, and 48 KiB of "
+            f"loss statistics) and {alternative / MIB:.0f} MiB under the alternative, {logits / MIB:.0f} MiB of them "
+            f"the logits") in text
+
+
 def test_the_two_node_mesh_picture(raw):
     groups = hybrid.grid_groups((1, 2, 4), "device_mesh")
     assert groups["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -120,8 +138,12 @@ def test_pipe_is_gone_from_torch(text):
 
 def test_the_chapter_names_scripts_and_modules_that_exist(raw):
     for path in ("notebooks/09_hybrid_parallel.ipynb", "scripts/09_hybrid_parallel/rank_grid.py",
-                 "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py", "scripts/09_hybrid_parallel/pp_dp_hybrid.py"):
-        assert (REPO / path).exists() or path.startswith("notebooks/"), path
+                 "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py", "scripts/09_hybrid_parallel/pp_dp_hybrid.py",
+                 "scripts/09_hybrid_parallel/hybrid_3d.py", "pbs/09_hybrid_parallel.pbs"):
+        assert (REPO / path).exists() and path.split("/")[-1] in raw, path
+    assert (REPO / "pbs" / "instructor_demo.pbs").exists() and "pbs/instructor_demo.pbs" in raw
+    for name in ("pp_dp_8gpus.json", "fsdp_pp_8gpus.json", "hybrid_3d_16gpus.json"):  # the reference layouts
+        assert (REPO / "scripts" / "09_hybrid_parallel" / "configs" / name).exists(), name
     import distlab.hybrid_pipeline as hybrid_pipeline
 
     assert hasattr(hybrid_pipeline, "dp_gradient_sync_bytes") and "dp_gradient_sync_bytes" in raw
