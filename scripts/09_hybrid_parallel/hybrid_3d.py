@@ -138,9 +138,10 @@ def main():
 
         # 5. Everything to every rank: one rank per stage (dp = tp = 0) reports the whole stage's tensors.
         stage_report = dp_rank == 0 and tp_rank == 0
-        params_now = {n: t for m in modules.values() for n, t in full_named(m).items()}   # collectives
-        all_params = gather_named(params_now if stage_report else {})
-        all_first_grads = gather_named(first_grads if stage_report else {})
+        if args.reference:   # whole tensors, for the comparison only (an a100 run has no reference)
+            params_now = {n: t for m in modules.values() for n, t in full_named(m).items()}   # collectives
+            all_params = gather_named(params_now if stage_report else {})
+            all_first_grads = gather_named(first_grads if stage_report else {})
         everything = [None] * rt.world_size
         dist.all_gather_object(everything, {"rank": rt.rank, "coordinates": {"pp": pp_rank, "dp": dp_rank,
                                                                              "tp": tp_rank},
