@@ -415,6 +415,15 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
                           timeout=datetime.timedelta(seconds=timeout))
             if where.world_size == 1:
                 kwargs["store"] = dist.HashStore()  # alone: no rendezvous, no port
+            elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # Under torchrun the agent serves the store on MASTER_PORT and keeps it across restarts
+                # (--max-restarts): gloo would read the dead attempt's addresses from it and fail to connect
+                # ("connectFullMesh failed ... Connection refused"; torch 2.13). One prefix per attempt.
+                agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                            where.world_size, is_master=False,
+                                            timeout=datetime.timedelta(seconds=timeout))
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                kwargs["store"] = dist.PrefixStore(f"distlab/attempt_{attempt}", agent_store)
             else:
                 # env:// and not tcp://: under torchrun the agent already serves the store on MASTER_PORT
                 # and workers must join it as clients (TORCHELASTIC_USE_AGENT_STORE).

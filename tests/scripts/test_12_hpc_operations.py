@@ -25,3 +25,72 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause):
 
 def test_deadlocks_need_four_ranks():
     assert_config_error(DEADLOCKS, [], "the scenarios are written for 4 ranks", nproc=2)
+
+
+# ---- faults and walltime ------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+FAULT_DRILL = "scripts/12_hpc_operations/fault_drill.py"
+
+
+def test_a_dead_rank_restarts_from_the_last_checkpoint_and_ends_like_one_device(tmp_path):
+    # the real torchrun, with one restart allowed: rank 1 dies at step 5, the job resumes from step 4
+    metrics_file = tmp_path / "metrics.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
+               FAULT_DRILL, "--run-dir", str(tmp_path / "run"), "--kill-rank", "1", "--kill-at-step", "5",
+               "--pg-timeout", "60", "--metrics-out", str(metrics_file)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=launch.REPO_ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads(metrics_file.read_text())
+    assert all(c["passed"] for c in metrics["checks"]) and len(metrics["checks"]) >= 4, metrics["checks"]
+    extra = metrics["extra"]
+    assert extra["attempts"] == 2 and extra["died_at_step"] == 5 and extra["steps_trained_twice"] == [4]
+    assert 0 < extra["seconds_to_restart"] < 60
+    # the survivors of the first attempt left by themselves, each with one line
+    assert sum("lost a peer at step 5" in line for line in done.stdout.splitlines()) == 3
+
+
+def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path):
+    result = launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(tmp_path / "run"), "--kill-rank", "2",
+                                                    "--kill-at-step", "3", "--pg-timeout", "30"],
+                        stream=False, check=False, metrics=False, timeout=90)
+    assert result.returncode == 1
+    survivors = [line for line in result.lines if "lost a peer at step 3" in line]
+    assert len(survivors) == 3, result.tail()
+    assert result.seconds < 30  # well within the 30 s timeout: gloo sees the closed socket at once
+
+
+def test_sigterm_writes_a_checkpoint_and_a_second_job_finishes_like_one_device(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "distlab.forkrun", "--nproc=4", FAULT_DRILL, "--run-dir", str(run_dir),
+               "--step-seconds", "0.3", "--metrics-out", str(tmp_path / "first.json")]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, cwd=launch.REPO_ROOT)
+    lines = []
+    deadline = time.monotonic() + 90
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("step 2:"):
+            os.killpg(job.pid, signal.SIGTERM)  # what PBS does to the job's processes before the walltime
+        assert time.monotonic() < deadline, "".join(lines)
+    job.wait(timeout=30)
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert first["extra"]["stopped_by_signal"] and all(c["passed"] for c in first["checks"]), "".join(lines)
+    stopped_at = first["extra"]["checkpoint_step"]
+    assert 3 <= stopped_at < 8 and (run_dir / f"step_{stopped_at:06d}" / ".metadata").exists()
+    # the chained job: same command, same folder
+    second = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir)],
+                                                 stream=False), min_checks=2)
+    assert len(second["losses"]) == 8
+
+
+def test_a_run_folder_with_someone_elses_files_is_refused(tmp_path):
+    (tmp_path / "thesis.tex").write_text("not ours")
+    assert_config_error(FAULT_DRILL, ["--run-dir", str(tmp_path)], "holds files this script did not write")

@@ -1,0 +1,186 @@
+"""Faults and walltime: a training run that survives a dead rank and the end of its allocation.
+
+Data-parallel training (DDP) of the course transformer that writes a distributed checkpoint (DCP) every
+``--save-every`` steps into ``--run-dir`` and, when started again on the same folder, resumes from the latest
+one. Two things end real jobs early, and the script handles both:
+
+* **A rank dies** (a node fails). ``--kill-rank R --kill-at-step K`` makes rank R exit at step K, on the first
+  attempt only. The other ranks learn it from their next collective (gloo: at once, the socket closes; NCCL: at
+  the process-group timeout at the latest) and leave with one line instead of hanging. Under
+  ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
+  and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
+  death to the restart.
+* **The walltime runs out.** PBS sends SIGTERM to the job's processes some time before it kills them. The
+  script catches it, and at the end of the current step all ranks agree (an all-reduce of the flag), write a
+  checkpoint and exit 0; the next job in the chain (``qsub -W depend=afterany:JOBID``) resumes.
+
+When the run completes it proves that every step's loss, across however many attempts, equals an
+uninterrupted single-device run, and reports the steps lost and the time to detect.
+
+    torchrun --standalone --nproc_per_node=4 --max-restarts=1 scripts/12_hpc_operations/fault_drill.py \\
+        --run-dir runs/drill --kill-rank 1 --kill-at-step 5
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab import checkpointing, data, metrics, models, runtime
+
+LOSS_TOLERANCE = 1e-5  # fp32, DDP's averaged gradients vs one device: rounding only (chapter 04)
+LOSSES_FILE, FAILURE_FILE, SIGTERM_FILE = "losses.jsonl", "failure.json", "sigterm.json"
+STOP_REQUESTED = {"signal": None}
+
+
+def check_config(args, world_size):
+    runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(args.save_every >= 1, f"--save-every {args.save_every}: must be at least 1")
+    if args.kill_rank is not None:
+        runtime.require(0 <= args.kill_rank < world_size, f"--kill-rank {args.kill_rank}: no such rank")
+        runtime.require(args.kill_at_step is not None and 0 < args.kill_at_step < args.steps,
+                        f"--kill-at-step must be between 1 and --steps - 1 ({args.steps - 1})")
+    run_dir = Path(args.run_dir)
+    if run_dir.exists():
+        ours = {LOSSES_FILE, FAILURE_FILE, SIGTERM_FILE, "metrics.json"}
+        foreign = [p.name for p in run_dir.iterdir() if p.name not in ours and not p.name.startswith("step_")]
+        runtime.require(not foreign, f"--run-dir {run_dir} holds files this script did not write "
+                                     f"({', '.join(sorted(foreign)[:3])}): choose an empty or new folder")
+
+
+def on_sigterm(signum, frame):
+    STOP_REQUESTED["signal"] = signum  # acted on at the end of the step, by every rank together
+
+
+def reference_losses(args, device) -> list[float]:
+    """The uninterrupted single-device run, from the seed: what every attempt must reproduce."""
+    model = models.build_transformer("tiny", seed=args.seed, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for step in range(args.steps):
+        inputs, targets = data.split_inputs_targets(
+            data.token_batch(step, args.batch, model.cfg.seq_len, model.cfg.vocab_size, args.seed).to(device))
+        loss = models.lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def main():
+    p = runtime.parser(__doc__, steps=8)
+    p.add_argument("--run-dir", default=os.path.join(os.environ.get("DISTLAB_RUN_DIR", "runs"), "fault_drill"),
+                   help="checkpoints and the loss record (default: $DISTLAB_RUN_DIR/fault_drill, else runs/fault_drill)")
+    p.add_argument("--save-every", type=int, default=2, help="checkpoint every this many steps")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--kill-rank", type=int, default=None, help="this rank dies (first attempt only)")
+    p.add_argument("--kill-at-step", type=int, default=None, help="... at the start of this step")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long per step (to give a signal time)")
+    args = p.parse_args()
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        started_at = time.time()
+        run_dir = Path(args.run_dir)
+        report = metrics.Report(__file__, rt, config={**vars(args), "attempt": attempt})
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+        model = DDP(models.build_transformer("tiny", seed=args.seed, device=rt.device))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        state = checkpointing.TrainingState(model, optimizer)
+        latest = checkpointing.latest_checkpoint(run_dir)
+        if latest is not None:
+            checkpointing.load(state, latest)
+            rt.print(f"attempt {attempt}: resuming from {latest} (step {state.step})")
+        else:
+            rt.print(f"attempt {attempt}: no checkpoint in {run_dir}: starting at step 0")
+        if rt.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = model.module.cfg
+
+        try:
+            for step in range(state.step, args.steps):
+                if rt.rank == args.kill_rank and step == args.kill_at_step and attempt == 0:
+                    (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time()}))
+                    print(f"[rank {rt.rank}] dies at step {step} (a node fails)", flush=True)
+                    os._exit(1)
+                tokens = data.shard_rows(data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, args.seed),
+                                         rt.rank, rt.world_size).to(rt.device)
+                inputs, targets = data.split_inputs_targets(tokens)
+                loss = models.lm_loss(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step = step + 1
+                mean_loss = loss.detach().clone()
+                dist.all_reduce(mean_loss)
+                mean_loss = mean_loss.item() / rt.world_size
+                if rt.is_main:
+                    with open(run_dir / LOSSES_FILE, "a") as record:
+                        record.write(json.dumps({"step": step, "loss": mean_loss, "attempt": attempt}) + "\n")
+                rt.print(f"step {step}: loss {mean_loss:.6f}")
+                time.sleep(args.step_seconds)
+                stop = torch.tensor([1.0 if STOP_REQUESTED["signal"] else 0.0], device=rt.device)
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal seen by any rank stops all of them
+                if state.step % args.save_every == 0 or state.step == args.steps or stop.item():
+                    where = checkpointing.save(state, run_dir)
+                    rt.print(f"  checkpoint {where.name}")
+                if stop.item():
+                    if rt.is_main:
+                        (run_dir / SIGTERM_FILE).write_text(json.dumps({"step": state.step, "time": time.time()}))
+                    rt.print(f"SIGTERM: stopped after step {step} with checkpoint step_{state.step:06d} written; "
+                             "start the job again (a chained qsub) to resume")
+                    report.check("a checkpoint of the last step done is on disk",
+                                 checkpointing.latest_checkpoint(run_dir) == checkpointing.checkpoint_dir(run_dir, state.step),
+                                 str(checkpointing.latest_checkpoint(run_dir)), f"step_{state.step:06d}")
+                    report.extra = {"stopped_by_signal": True, "checkpoint_step": state.step}
+                    sys.exit(report.finish(args.metrics_out))
+        except (RuntimeError, dist.DistBackendError) as error:
+            # A peer is gone: leave now, with one line, rather than wait for collectives that cannot complete.
+            print(f"[rank {rt.rank}] lost a peer at step {state.step} after {time.time() - started_at:.1f} s: "
+                  f"{str(error).splitlines()[0][:140]}; exiting (torchrun --max-restarts restarts the job)",
+                  flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+        # Completed: the whole trajectory, over every attempt, against the uninterrupted single-device run.
+        expected = reference_losses(args, rt.device)
+        records = [json.loads(line) for line in (run_dir / LOSSES_FILE).read_text().splitlines()]
+        last_per_step = {r["step"]: r["loss"] for r in records}  # a step trained twice: its last value
+        trained_twice = sorted({r["step"] for r in records if sum(q["step"] == r["step"] for q in records) > 1})
+        report.losses = [last_per_step.get(s, float("nan")) for s in range(args.steps)]
+        report.check("every step trained, over all attempts", sorted(last_per_step) == list(range(args.steps)),
+                     len(last_per_step), args.steps)
+        report.check_close("losses over all attempts = uninterrupted single device", report.losses, expected,
+                           LOSS_TOLERANCE)
+        repeated = [max(abs(r["loss"] - last_per_step[r["step"]]) for r in records if r["step"] == s)
+                    for s in trained_twice]
+        if trained_twice:
+            report.check("a step trained twice gives the same loss both times (the checkpoint is exact)",
+                         max(repeated) == 0.0, max(repeated), 0.0)
+        failure = run_dir / FAILURE_FILE
+        extra = {"attempts": max(r["attempt"] for r in records) + 1, "steps_lost": len(trained_twice),
+                 "steps_trained_twice": trained_twice}
+        if failure.exists():
+            died = json.loads(failure.read_text())
+            extra.update(died_at_step=died["step"], seconds_to_restart=started_at - died["time"])
+            last_save = max((c for c in range(0, died["step"] + 1, args.save_every)), default=0)
+            report.check("steps lost = death step - last checkpoint before it", len(trained_twice) == died["step"] - last_save,
+                         len(trained_twice), died["step"] - last_save)
+            rt.print(f"rank {died['rank']} died at step {died['step']}; the job was running again "
+                     f"{extra['seconds_to_restart']:.1f} s later; {len(trained_twice)} step(s) trained twice")
+        report.extra = extra
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
