@@ -98,8 +98,8 @@ def explorer_html(pp: int, dp: int, tp: int, gpus_per_node: int = 4, colour_by: 
     title = (f"<b>pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp} ranks on "
              f"{math.ceil(pp * dp * tp / gpus_per_node)} node(s) of {gpus_per_node} GPUs, coloured by "
              f"{colour_by.upper()} group</b>")
-    panes = "".join(f'<td style="vertical-align:top;padding-right:24px">{mesh_html((pp, dp, tp), order, gpus_per_node, colour_by)}</td>'
-                    for order in hybrid.RANK_ORDERS)
+    panes = "".join('<td style="vertical-align:top;padding-right:24px">'
+                    f"{mesh_html((pp, dp, tp), order, gpus_per_node, colour_by)}</td>" for order in hybrid.RANK_ORDERS)
     notes = [html.escape(w) for w in hybrid.mesh_shape_warnings(tp, gpus_per_node)]
     summary = crossing_summary((pp, dp, tp), gpus_per_node)
     if summary["hybrid_context"]["tp"][0] and not summary["device_mesh"]["tp"][0]:

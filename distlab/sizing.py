@@ -188,7 +188,8 @@ def activation_bytes_per_gpu(model: str | LlamaShape, tp: int, assumptions: Assu
     return shape.n_layers * block_input + one_block + per_rank["head"]
 
 
-def memory_per_gpu(model: str | LlamaShape, dp: int, tp: int = 4, assumptions: Assumptions = Assumptions()) -> MemoryPerGPU:
+def memory_per_gpu(model: str | LlamaShape, dp: int, tp: int = 4,
+                   assumptions: Assumptions = Assumptions()) -> MemoryPerGPU:
     """Derived bytes per GPU of ``model`` on a ``dp x tp`` mesh (TP inside a node, FSDP over dp)."""
     shape = _shape(model)
     return MemoryPerGPU(shape.name, dp, tp, state_bytes_per_gpu(shape, dp, tp),
@@ -212,7 +213,8 @@ def min_nodes(model: str | LlamaShape, assumptions: Assumptions = Assumptions(),
     return None
 
 
-def sizing_table(assumptions: Assumptions = Assumptions(), models_: tuple[str, ...] = tuple(LLAMA_SHAPES)) -> list[dict]:
+def sizing_table(assumptions: Assumptions = Assumptions(),
+                 models_: tuple[str, ...] = tuple(LLAMA_SHAPES)) -> list[dict]:
     """One row per model: parameters, the fewest nodes (TP = a node, FSDP = nodes), GiB per GPU there by part,
     the same without activation checkpointing, and the rule of thumb."""
     rows = []
@@ -257,7 +259,8 @@ def fewest_nodes_for_state(num_params: float, activation_gib: float, assumptions
     (no reserve): the answer of the notebook's dp x tp exercise."""
     room = assumptions.gpu_bytes / GIB - activation_gib
     if room <= 0:
-        raise ValueError(f"{activation_gib} GiB of activations leave no room on a {assumptions.gpu_bytes / GIB:g} GiB GPU")
+        raise ValueError(f"{activation_gib} GiB of activations leave no room on a "
+                         f"{assumptions.gpu_bytes / GIB:g} GiB GPU")
     gpus = math.ceil(state_gib_per_gpu(num_params, 1) / room - 1e-12)
     return max(1, math.ceil(gpus / assumptions.gpus_per_node))
 
@@ -322,7 +325,8 @@ def micro_batch_to_hide_fsdp(model: str | LlamaShape, nodes: int, assumptions: A
     its FSDP traffic across nodes (TP = a node, FSDP = nodes), so that prefetching can hide it. FSDP moves
     the weights whatever the batch; compute grows with the tokens. None beyond ``limit``."""
     for micro_batch in range(1, limit + 1):
-        block = block_communication(model, nodes, assumptions.gpus_per_node, replace(assumptions, micro_batch=micro_batch))
+        block = block_communication(model, nodes, assumptions.gpus_per_node,
+                                    replace(assumptions, micro_batch=micro_batch))
         if block["compute"]["seconds"] >= block["dp"]["seconds"]:
             return micro_batch
     return None
