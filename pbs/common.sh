@@ -300,6 +300,9 @@ distlab_make_run_dir() {
         local scratch
         if scratch=$(distlab_scratch); then
             DISTLAB_RUN_DIR=$scratch/distlab/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
+        elif [[ -n ${PBS_JOBID:-} && -n ${HOME:-} && $DISTLAB_ROOT/ == "${HOME%/}"/* ]]; then
+            # a batch job with the course in $HOME: its quota (50 GB on Derecho) is no place for checkpoints
+            distlab_die "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH) and the repository is in \$HOME: set DISTLAB_SCRATCH or DISTLAB_RUN_DIR"
         else
             DISTLAB_RUN_DIR=$DISTLAB_ROOT/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
             distlab_log "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH): writing under the repository"

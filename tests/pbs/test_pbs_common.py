@@ -78,12 +78,13 @@ def test_master_address_and_port_can_be_overridden(job_env):
     assert (v["MASTER_ADDR"], v["MASTER_PORT"]) == ("dec0002-hsn0", "29999")
 
 
-def test_run_directory_defaults_to_runs_job_id(job_env):
+def test_run_directory_defaults_to_runs_job_id(job_env, tmp_path):
     job_id = f"pbs-test-{os.getpid()}"
     run_dir = ROOT / "runs" / job_id
     try:
+        # no scratch and the course not in $HOME (a laptop, CI): the repository's runs/ folder
         result = run_bash('DISTLAB_RUN_DIR=; source pbs/common.sh; echo "RUN_DIR=$DISTLAB_RUN_DIR"',
-                          job_env | {"PBS_JOBID": job_id})
+                          job_env | {"PBS_JOBID": job_id, "HOME": str(tmp_path)})
         assert result.values()["RUN_DIR"] == str(run_dir)
         assert (run_dir / "hosts.txt").exists() and (run_dir / "logs").is_dir()
     finally:

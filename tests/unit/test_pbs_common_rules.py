@@ -164,11 +164,19 @@ def test_run_directory_goes_to_scratch_and_says_what_it_writes(tmp_path):
 def test_without_scratch_the_run_directory_is_in_the_repository(tmp_path):
     job = f"rules-test-{os.getpid()}"
     try:
-        result = bash(RUN_DIR, PBS_JOBID=job)
+        result = bash(RUN_DIR, PBS_JOBID=job, HOME=str(tmp_path))  # a laptop or CI: the course is not in $HOME
         assert run_dir_of(result) == str(ROOT / "runs" / job)
         assert "no scratch folder" in result.stdout
     finally:
         subprocess.run(["rm", "-rf", str(ROOT / "runs" / job)], check=True)
+
+
+def test_a_batch_job_never_writes_into_a_repository_in_home(tmp_path):
+    result = bash(RUN_DIR, PBS_JOBID="778.desched1", HOME=str(ROOT.parent))  # the course cloned into $HOME
+    assert result.returncode == 2 and "the repository is in $HOME" in result.stderr
+    assert not (ROOT / "runs" / "778.desched1").exists()
+    assert run_dir_of(bash(RUN_DIR, PBS_JOBID="778.desched1", HOME=str(ROOT.parent), SCRATCH=str(tmp_path))) == (
+        f"{tmp_path}/distlab/runs/778.desched1")
 
 
 def test_a_run_directory_that_holds_files_is_refused(tmp_path):
