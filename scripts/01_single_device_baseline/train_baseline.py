@@ -26,6 +26,9 @@ import torch.distributed as dist
 from distlab import data, memory, metrics, models, runtime
 
 REPRODUCE_STEPS = 3  # steps trained a second time, from scratch, to prove the run is reproducible
+# On a GPU the saved-activation formula (counted on a CPU) is checked within 1%: see the check. One d-sized tensor
+# per block more or less is ~4% of the total for both presets (memory.transformer_activation_bytes).
+ACTIVATION_TOLERANCE_GPU = 0.01
 
 
 def check_config(args, world_size):
@@ -132,9 +135,16 @@ def main():
                            measured["num_params"], num_params)
         report.check_equal("training state measured = 16 bytes/param (fp32 weights, grads, AdamW moments)",
                            state.total, predicted_state.total)
-        if precision == "fp32":
+        if precision == "fp32" and rt.device_type == "cpu":
             report.check_equal("saved activations measured = formula (memory.transformer_activation_bytes)",
                                measured["activations"], predicted_activations)
+        elif precision == "fp32":
+            # CUDA's attention kernels save a little more than the CPU's: a log-sum-exp padded to a multiple of
+            # 32 positions per head, and the dropout RNG's seed and offset. Relative tolerance 1% (not measured
+            # in CI, which has no GPU): a tensor missing from or added to the formula moves it by ~4%.
+            relative = abs(measured["activations"] - predicted_activations) / predicted_activations
+            report.check_close("saved activations measured = formula within 1% (CUDA kernels save extras)",
+                               relative, 0.0, ACTIVATION_TOLERANCE_GPU)
         else:
             rt.print("saved activations: the formula is the fp32 one; under bf16 autocast only the measurement "
                      "is reported")

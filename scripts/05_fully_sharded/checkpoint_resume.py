@@ -217,7 +217,8 @@ def train(args, rt, cfg, model, optimizer, training, report, earlier_losses):
     if baseline is not None:
         steps = sorted(losses)
         report.check_close(f"losses = uninterrupted single-device run (steps {steps[0]}-{steps[-1]})",
-                           [losses[s] for s in steps], baseline.losses[first:], LOSS_TOLERANCE)
+                           [losses[s] for s in steps], baseline.losses[first:],
+                           metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
         report.check_close("parameters = uninterrupted single-device run", params_now,
                            list(baseline.model.parameters()), param_tolerance(args.lr))
     repeated = [s for s in sorted(losses) if args.resume and str(s) in earlier_losses]

@@ -33,6 +33,7 @@ from distlab import comm, metrics, models, runtime
 # Largest difference relative to the largest value: fp32 sums over the split dimension are added in another
 # order (~1e-7 relative); a wrong split or a missing reduction is off by order 1.
 TOLERANCE = 1e-5
+# On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
 def relative_diff(actual, expected) -> float:
@@ -182,7 +183,8 @@ def compare(report, name, rank, world, x, full_block, split_block, column, row, 
         diffs[f"{layer_name or 'weight'} gradient"] = relative_diff(split_layer.weight.grad,
                                                                    full_layer.weight.grad[cut])
     report.check(f"{name}: output, input gradient and weight gradients equal the unsplit one (relative)",
-                 max(diffs.values()) <= TOLERANCE, max(diffs.values()), TOLERANCE)
+                 max(diffs.values()) <= metrics.fp32_tolerance(TOLERANCE, x.device), max(diffs.values()),
+                 metrics.fp32_tolerance(TOLERANCE, x.device))
     return forward_comm, backward_comm
 
 
@@ -236,7 +238,7 @@ def main():
                    relative_diff(row.weight.grad, linear_out.weight.grad[:, mine]),
                    relative_diff(row.bias.grad, linear_out.bias.grad))
         report.check("RowParallelLinear vs nn.Linear: output, input slice gradient, weight and bias gradients (relative)",
-                     diff <= TOLERANCE, diff, TOLERANCE)
+                     diff <= metrics.fp32_tolerance(TOLERANCE, rt.device), diff, metrics.fp32_tolerance(TOLERANCE, rt.device))
 
         # 2. The Megatron feed-forward: w1, w3 by columns, w2 by rows; and attention split by heads.
         model = models.build_transformer(cfg, args.seed, rt.device)
@@ -277,7 +279,7 @@ def main():
             relative_diff(getattr(by_hand.inner, n).weight.grad, getattr(by_dtensor, n).weight.grad.to_local())
             for n in ("w1", "w2", "w3")])
         report.check("from scratch = DTensor ColwiseParallel/RowwiseParallel (output, weight-shard gradients)",
-                     diff <= TOLERANCE, diff, TOLERANCE)
+                     diff <= metrics.fp32_tolerance(TOLERANCE, rt.device), diff, metrics.fp32_tolerance(TOLERANCE, rt.device))
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

@@ -67,7 +67,8 @@ def main():
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config={**vars(args), "tp": rt.world_size, "model": cfg.to_dict()})
-        tolerance = tensor_parallel.TOLERANCE[args.preset]  # against one device
+        tolerance = {kind: metrics.fp32_tolerance(value, rt.device)   # against one device; 10x on a GPU
+                     for kind, value in tensor_parallel.TOLERANCE[args.preset].items()}
         rt.print(f"TP over {rt.world_size} ranks, per rank: {cfg.n_heads // rt.world_size} of {cfg.n_heads} heads, "
                  f"{cfg.ffn_hidden // rt.world_size} feed-forward columns, "
                  f"{cfg.vocab_size // rt.world_size} vocabulary rows")

@@ -42,6 +42,7 @@ HAND_SCHEDULES = ("naive", "gpipe", "1f1b")   # one stage per rank, full backwar
 # losses and gradients); AdamW keeps the copies within ~1e-7 over a few steps.
 LOSS_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
+# On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
 def check_config(args, world_size):
@@ -246,10 +247,12 @@ def main():
                      sorted(stage_names) == sorted(n for n, _ in full.named_parameters()),
                      f"{len(stage_names)} names", "the full model's names")
         if with_reference:
-            report.check_close("losses equal the single-device model's", losses, reference_losses, LOSS_TOLERANCE)
+            report.check_close("losses equal the single-device model's", losses, reference_losses,
+                               metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
             worst = max(g["grad_diff"] for g in gathered)
             report.check("gradients equal the single-device model's (every stage, every step)",
-                         worst <= GRAD_TOLERANCE, worst, GRAD_TOLERANCE)
+                         worst <= metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device), worst,
+                         metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
         ran = {r: [f"{a.kind}{a.microbatch}" for a in executed_order(timeline, r)] for r in range(world)}
         report.check("every rank ran the textbook order (read from the clock)", all(
             ran[r] == textbook_order(args.schedule, world, microbatches, r) for r in range(world)),

@@ -49,6 +49,7 @@ BUBBLE_TOLERANCE = {"DualPipeV": 0.10}
 DEFAULT_BUBBLE_TOLERANCE = 0.05
 LOSS_TOLERANCE = 1e-6
 GRAD_TOLERANCE = 1e-6
+# On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
 class Pause(torch.autograd.Function):
@@ -179,10 +180,10 @@ def main():
         report.losses = pipeline_losses
         report.timeline = timeline
         report.check_close("losses equal the single-device model's", pipeline_losses, reference_losses,
-                           LOSS_TOLERANCE)
+                           metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
         report.check("gradients equal the single-device model's (every stage)",
-                     max(g["grad_diff"] for g in gathered) <= GRAD_TOLERANCE,
-                     max(g["grad_diff"] for g in gathered), GRAD_TOLERANCE)
+                     max(g["grad_diff"] for g in gathered) <= metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device),
+                     max(g["grad_diff"] for g in gathered), metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
 
         # Did each rank run the order we expect?
         mismatched = [r for r in range(ranks) if executed_order(timeline, r) != expected.actions[r]]

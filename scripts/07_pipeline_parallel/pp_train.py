@@ -35,6 +35,7 @@ from distlab import data, metrics, models, runtime
 # loss check alone).
 LOSS_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
+# On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
 def check_config(args, world_size):
@@ -134,10 +135,10 @@ def main():
                 report.check("the stages' parameter names are the full model's", sorted(pipeline_params) == names,
                              f"{len(pipeline_params)} names", f"{len(names)} names")
                 report.check_close("losses equal the single-device run's", losses, reference_losses,
-                                   LOSS_TOLERANCE)
+                                   metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
                 report.check_close("first step's gradients equal the single-device run's",
                                    [pipeline_grads[n] for n in names], [reference_first_grads[n] for n in names],
-                                   GRAD_TOLERANCE)
+                                   metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
                 report.check_close("parameters after training equal the single-device run's",
                                    [pipeline_params[n] for n in names],
                                    [reference_params[n].detach().cpu() for n in names], args.lr / 10)

@@ -34,6 +34,7 @@ SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
           "a100": {"batch": 1, "heads": 16, "seq_len": 16384, "head_dim": 128}}
 # Largest difference relative to the largest value: fp32 softmax sums in another order (~1e-7 relative).
 TOLERANCE = 1e-5
+# On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
 def ring_pass(tensor, rank, world_size):
@@ -215,7 +216,8 @@ def main():
             for name, got, want in zip(("output", "dQ", "dK", "dV"), [out] + [t.grad for t in mine], reference):
                 diff = metrics.max_abs_diff(got, want[..., positions, :]) / want.abs().max().item()
                 report.check(f"{layout}: {name} of my positions equals full attention (relative)",
-                             diff <= TOLERANCE, diff, TOLERANCE)
+                             diff <= metrics.fp32_tolerance(TOLERANCE, rt.device), diff,
+                             metrics.fp32_tolerance(TOLERANCE, rt.device))
 
             # Work per rank: attention blocks computed, gathered from every rank.
             logs = [None] * world
