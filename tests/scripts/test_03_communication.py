@@ -15,13 +15,15 @@ def test_every_collective_matches_its_definition_under_torchrun():
     assert {c["collective"] for c in metrics["comm"]} == {
         "broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     assert all(c["measured_bytes"] == c["analytic_bytes"] for c in metrics["comm"])
+    # bytes each rank sends: derived from the measured payload by the ring model, and labelled so
+    assert all(c["sent_bytes_per_rank_derived"] > 0 for c in metrics["comm"])
     gathered = next(c for c in metrics["comm"] if c["collective"] == "all_gather")
     assert gathered["analytic_bytes"] == 4 * 8 * 4  # 4 ranks x 8 floats x 4 bytes: the gathered output
 
 
 def test_bandwidth_table_uses_the_bus_factors():
     result = launch.run(BANDWIDTH, nproc=4, args=["--max-bytes", "64K", "--iters", "2"], stream=False)
-    metrics = assert_all_checks_passed(result, min_checks=9)
+    metrics = assert_all_checks_passed(result, min_checks=6)   # per collective: results correct, bytes counted
     rows = metrics["extra"]["bandwidth"]
     assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter"}
     for row in rows:
