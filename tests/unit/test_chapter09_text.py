@@ -17,7 +17,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def text():
-    return " ".join(CHAPTER.read_text().split("\n"))  # sentences may wrap anywhere
+    return " ".join(CHAPTER.read_text().split())  # sentences may wrap (and indent) anywhere
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,10 @@ def test_the_sizing_paragraphs(text):
     with_sp = replace(sizing.Assumptions(), sequence_parallel=True)
     assert f"with SP the inputs shrink four times and {sizing.min_nodes_to_hide_fsdp('70B', with_sp)} nodes do" in text
     assert f"({sizing.min_nodes_to_hide_fsdp('30B')} nodes by this criterion, {rule['30B']} by the rule)" in text
+    # "one micro-batch of 4,096 tokens does too little compute to hide a 30 B or 70 B block's all-gathers"
+    for m in ("30B", "70B"):
+        assert all(sizing.micro_batch_to_hide_fsdp(m, n) > 1 for n in range(2, rule[m] + 1))
+    assert "too little compute to hide a 30 B or 70 B block's all-gathers" in text
     for m in ("7B", "13B"):  # "generous": half the rule's nodes already hide FSDP
         assert sizing.min_nodes_to_hide_fsdp(m) <= rule[m] // 2
     assert "generous for 7 B and 13 B" in text
