@@ -1,0 +1,242 @@
+"""Read a ``torch.profiler`` Chrome trace and measure from it: time per kind, communication, overlap.
+
+A trace (``prof.export_chrome_trace(path)``, opens in https://ui.perfetto.dev or chrome://tracing) is JSON with
+``traceEvents``; the ones that matter here are complete events (``"ph": "X"``): a name, a thread (``tid``),
+a start ``ts`` and a duration ``dur``, both in microseconds. Everything below is pure functions on those
+events, so it is unit-tested on hand-made traces and used on real ones by
+``scripts/12_hpc_operations/profile_step.py``.
+
+What is what (measured with torch 2.13):
+
+* **steps**: ``ProfilerStep#N`` spans, one per active step of the profiler's schedule (``prof.step()``);
+* **communication on a CPU (gloo)**: one ``gloo:<collective>`` event per collective, on one of gloo's worker
+  threads, lasting while the collective runs. The main thread only records a short ``c10d::allreduce_``
+  (the enqueue). FSDP2's reduce-scatters appear as ``gloo:all_reduce``: gloo has no reduce-scatter of one
+  flat tensor, so its ``_reduce_scatter_base`` all-reduces the buffer and keeps this rank's slice;
+* **communication on a GPU (NCCL)**: the NCCL kernels (``ncclDevKernel_AllReduce...``, category ``kernel``)
+  on the GPU's streams; ``nccl:all_reduce`` on the CPU is only the launch;
+* **compute on a CPU**: the ``aten::`` operators of the main thread (backward's too: the autograd engine runs
+  CPU work on the thread that called ``backward()``); on a GPU: every kernel that is not NCCL's;
+* **backward**: the spans a script labels ``record_function("backward")``.
+
+Time per kind partitions the steps' wall time: at each instant the rank computes only, communicates only,
+does both (overlapped), or neither (idle: Python between operators, waiting on a peer, the data loader).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+STEP_PREFIX = "ProfilerStep#"
+BACKWARD_LABEL = "backward"
+CPU_COMMUNICATION_PREFIXES = ("gloo:",)
+KINDS = ("compute", "communication", "overlapped", "idle")  # exposed communication = "communication"
+
+
+# --------------------------------------------------------------------------------------------------
+# Intervals: (start, end) pairs in microseconds
+# --------------------------------------------------------------------------------------------------
+
+
+def merge(intervals) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping intervals covering the same time as ``intervals``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def length(intervals) -> float:
+    """Time covered by ``intervals`` (overlaps counted once)."""
+    return sum(end - start for start, end in merge(intervals))
+
+
+def intersect(a, b) -> list[tuple[float, float]]:
+    """The time covered by both ``a`` and ``b``."""
+    a, b = merge(a), merge(b)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a, b) -> list[tuple[float, float]]:
+    """The time covered by ``a`` and not by ``b``."""
+    out = []
+    b = merge(b)
+    for start, end in merge(a):
+        cursor = start
+        for b_start, b_end in b:
+            if b_end <= cursor or b_start >= end:
+                continue
+            if b_start > cursor:
+                out.append((cursor, b_start))
+            cursor = max(cursor, b_end)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Events of a trace
+# --------------------------------------------------------------------------------------------------
+
+
+def load_trace(path) -> dict:
+    """The trace as exported by ``torch.profiler`` (raises if the file is not JSON with ``traceEvents``)."""
+    trace = json.loads(Path(path).read_text())
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+    return trace
+
+
+def complete_events(trace: dict) -> list[dict]:
+    """The events with a duration (``"ph": "X"``)."""
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def span(event: dict) -> tuple[float, float]:
+    return float(event["ts"]), float(event["ts"]) + float(event["dur"])
+
+
+def is_communication(event: dict, device_type: str = "cpu") -> bool:
+    """A collective running: gloo's worker-thread events on a CPU, NCCL's kernels on a GPU."""
+    name = event.get("name", "")
+    if device_type == "cuda":
+        return event.get("cat") == "kernel" and "nccl" in name.lower()
+    return name.startswith(CPU_COMMUNICATION_PREFIXES)
+
+
+def collective_name(event: dict) -> str:
+    """``gloo:all_reduce`` -> ``all_reduce``; ``ncclDevKernel_AllGather_RING_LL(...)`` -> ``all_gather``."""
+    name = event["name"]
+    if ":" in name and not name.lower().startswith("nccl"):
+        return name.split(":", 1)[1]
+    lowered = name.lower()
+    for key, collective in (("allreduce", "all_reduce"), ("allgather", "all_gather"),
+                            ("reducescatter", "reduce_scatter"), ("broadcast", "broadcast"),
+                            ("sendrecv", "send_recv"), ("alltoall", "all_to_all")):
+        if key in lowered:
+            return collective
+    return name
+
+
+def main_thread(events: list[dict]) -> object:
+    """The thread that ran the steps (the one with the ``ProfilerStep#`` spans)."""
+    for e in events:
+        if e["name"].startswith(STEP_PREFIX):
+            return e["tid"]
+    raise ValueError("no ProfilerStep# event: was prof.step() called inside the profiler's active steps?")
+
+
+def is_compute(event: dict, device_type: str, thread) -> bool:
+    if device_type == "cuda":
+        return event.get("cat") == "kernel" and not is_communication(event, "cuda")
+    return event["tid"] == thread and event["name"].startswith("aten::")
+
+
+def step_spans(events: list[dict]) -> list[tuple[float, float]]:
+    return sorted(span(e) for e in events if e["name"].startswith(STEP_PREFIX))
+
+
+def labelled_spans(events: list[dict], label: str, device_type: str = "cpu") -> list[tuple[float, float]]:
+    """Spans of ``record_function(label)``; on a GPU, where the GPU ran them (``gpu_user_annotation``)."""
+    category = "gpu_user_annotation" if device_type == "cuda" else "user_annotation"
+    return sorted(span(e) for e in events if e["name"] == label and e.get("cat") == category)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a trace says
+# --------------------------------------------------------------------------------------------------
+
+
+def communication_events(trace: dict, device_type: str = "cpu") -> list[dict]:
+    """Every collective that ran inside the profiled steps: ``{collective, start, end}`` in microseconds."""
+    events = complete_events(trace)
+    steps = merge(step_spans(events))
+    out = []
+    for e in events:
+        if is_communication(e, device_type):
+            start, end = span(e)
+            if any(s <= start < t for s, t in steps):
+                out.append({"collective": collective_name(e), "start": start, "end": end})
+    return sorted(out, key=lambda c: c["start"])
+
+
+def time_per_kind(trace: dict, device_type: str = "cpu") -> dict:
+    """Seconds of the profiled steps spent computing only, communicating only, both, or neither.
+
+    The four kinds partition the steps' spans, so they add up to ``window_seconds`` (the trace's own wall
+    time of the active steps); the script compares that with the wall time it measured with its own clock.
+    Also: ``compute_seconds`` and ``communication_seconds`` in all (overlapped time in both).
+    """
+    events = complete_events(trace)
+    thread = main_thread(events)
+    window = merge(step_spans(events))
+    compute = intersect([span(e) for e in events if is_compute(e, device_type, thread)], window)
+    communication = intersect([span(e) for e in events if is_communication(e, device_type)], window)
+    both = intersect(compute, communication)
+    busy = merge(compute + communication)
+    seconds = {
+        "compute": length(subtract(compute, communication)) / 1e6,
+        "communication": length(subtract(communication, compute)) / 1e6,
+        "overlapped": length(both) / 1e6,
+        "idle": length(subtract(window, busy)) / 1e6,
+    }
+    return {**seconds, "window_seconds": length(window) / 1e6, "steps": len(step_spans(events)),
+            "compute_seconds": length(compute) / 1e6, "communication_seconds": length(communication) / 1e6}
+
+
+def backward_overlap(trace: dict, device_type: str = "cpu") -> dict:
+    """How much communication ran while backward was computing, from the trace's intervals.
+
+    ``hidden_fraction``: the share of communication time that overlapped backward's own compute (the time
+    that communication cost nothing); ``during_backward_fraction``: the share that fell inside the backward
+    spans at all (computing or not); ``after_backward_fraction``: the share outside them (forward's
+    all-gathers under FSDP, or an all-reduce left waiting for the step's end).
+    """
+    events = complete_events(trace)
+    thread = main_thread(events)
+    window = merge(step_spans(events))
+    backward = intersect(labelled_spans(events, BACKWARD_LABEL, device_type), window)
+    if not backward:
+        raise ValueError(f"no record_function({BACKWARD_LABEL!r}) span in the profiled steps")
+    compute = [span(e) for e in events if is_compute(e, device_type, thread)]
+    communication = intersect([span(e) for e in events if is_communication(e, device_type)], window)
+    total = length(communication)
+    hidden = length(intersect(communication, intersect(compute, backward)))
+    inside = length(intersect(communication, backward))
+    share = (lambda x: x / total) if total > 0 else (lambda x: 0.0)
+    return {"communication_seconds": total / 1e6, "hidden_seconds": hidden / 1e6,
+            "backward_seconds": length(backward) / 1e6, "hidden_fraction": share(hidden),
+            "during_backward_fraction": share(inside), "after_backward_fraction": share(total - inside)}
+
+
+def timeline(trace: dict, device_type: str = "cpu", first_step_only: bool = True) -> list[dict]:
+    """Rows for ``distlab.gantt``: backward spans, merged compute and each collective, in seconds from the
+    first profiled step's start (only that step by default, so a picture stays readable)."""
+    events = complete_events(trace)
+    thread = main_thread(events)
+    steps = step_spans(events)
+    window = [steps[0]] if first_step_only else merge(steps)
+    origin = window[0][0]
+    rows = [{"lane": "compute", "kind": "compute", "start": s, "end": e}
+            for s, e in intersect([span(ev) for ev in events if is_compute(ev, device_type, thread)], window)]
+    rows += [{"lane": "backward", "kind": "backward", "start": s, "end": e}
+             for s, e in intersect(labelled_spans(events, BACKWARD_LABEL, device_type), window)]
+    for c in communication_events(trace, device_type):
+        if any(s <= c["start"] < e for s, e in window):
+            rows.append({"lane": "communication", "kind": c["collective"], "start": c["start"], "end": c["end"]})
+    return [{**r, "start": (r["start"] - origin) / 1e6, "end": (r["end"] - origin) / 1e6} for r in rows]

@@ -1,0 +1,210 @@
+"""Profile a few training steps of DDP or FSDP2 with torch.profiler, and read the trace: where did time go?
+
+The course transformer trains under ``--strategy ddp`` (chapter 04: DistributedDataParallel, gradients
+all-reduced in buckets during backward) or ``--strategy fsdp`` (chapter 05: ``fully_shard`` per block,
+parameters all-gathered before use, gradients reduce-scattered). ``torch.profiler`` watches the steps with a
+schedule: ``--wait`` steps ignored, ``--warmup`` steps traced and thrown away (the profiler's own start-up
+cost), ``--active`` steps kept. Each rank writes a Chrome trace (open it in https://ui.perfetto.dev or
+chrome://tracing) and reads it back (``distlab.profiling``) to say:
+
+* time per kind over the active steps: computing only, communicating only (exposed), both (overlapped),
+  neither (idle: Python between operators, waiting on a peer);
+* how much of the communication ran while backward was computing: the overlap, measured from the trace's
+  intervals, not drawn.
+
+On a CPU the trace shows each gloo collective as a ``gloo:<collective>`` event on one of gloo's worker
+threads (the main thread only records the enqueue, ``c10d::allreduce_``); FSDP2's reduce-scatters appear as
+``gloo:all_reduce``. On a GPU the NCCL kernels are the communication.
+
+Checks: every rank's trace exists and parses; the four kinds add up to the wall time of the active steps
+measured with the script's own clock; the collectives in the trace, step by step, equal those one more
+(unprofiled) step issues as counted by ``distlab.comm.CommCounter``; the losses equal the single-device
+baseline's (tiny preset); with several buckets or units, some communication overlapped backward's compute.
+
+    torchrun --standalone --nproc_per_node=4 scripts/12_hpc_operations/profile_step.py --strategy ddp
+    torchrun --standalone --nproc_per_node=4 scripts/12_hpc_operations/profile_step.py --strategy fsdp
+"""
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "05_fully_sharded"))
+from common_fully_sharded import LOSS_TOLERANCE, Baseline  # noqa: E402 - chapter 05's reference
+from train_fsdp import apply_fsdp  # noqa: E402 - chapter 05's sharding, not a copy
+
+from distlab import comm, data, metrics, models, profiling, runtime  # noqa: E402
+
+# The kinds come from the trace, the wall time from time.perf_counter around the same steps: they differ by
+# what happens between the profiler's step marks and the clock's reads (a few Python lines per step).
+KINDS_TOLERANCE_FRACTION = 0.10
+KINDS_TOLERANCE_SECONDS = 0.005
+
+
+def check_config(args, world_size):
+    runtime.require(args.wait >= 0 and args.warmup >= 0, "--wait and --warmup cannot be negative")
+    runtime.require(args.active >= 1, f"--active {args.active}: the profiler must keep at least one step")
+    runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: a bucket must hold something")
+
+
+def parallelize(model, args, rt):
+    """Chapter 04's DDP or chapter 05's FSDP2 around the same model."""
+    if args.strategy == "fsdp":
+        return apply_fsdp(model)
+    ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None, bucket_cap_mb=args.bucket_mb,
+              forward_sync_buffers=False)  # the rotary tables never change: no broadcast each step
+    # DDP's default all-reduce, as a Python comm hook: the same collective, now visible to CommCounter
+    ddp.register_comm_hook(state=None, hook=allreduce_hook)
+    return ddp
+
+
+def expected_in_trace(issued: dict, device_type: str) -> Counter:
+    """The collectives a step issued (CommCounter's names) as the trace names them: gloo runs FSDP2's flat
+    reduce-scatter as an all-reduce (``gloo:all_reduce``); NCCL has a kernel of its own for each."""
+    renamed = {"reduce_scatter": "all_reduce"} if device_type == "cpu" else {}
+    expected = Counter()
+    for collective, calls in issued.items():
+        expected[renamed.get(collective, collective)] += calls
+    return expected
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="which chapter's training to profile")
+    p.add_argument("--wait", type=int, default=1, help="steps the profiler skips (step 0: DDP builds its buckets)")
+    p.add_argument("--warmup", type=int, default=1, help="steps traced, then thrown away (profiler start-up)")
+    p.add_argument("--active", type=int, default=2, help="steps traced and kept")
+    p.add_argument("--batch", type=int, default=8, help="global batch, sequences per step")
+    p.add_argument("--bucket-mb", type=float, default=0.1,
+                   help="DDP bucket_cap_mb (0.1: 4 buckets for the tiny model; DDP's default is 25)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--trace-dir", default="build/profile_step", help="where each rank writes its Chrome trace")
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset)
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
+        profiled_steps = args.wait + args.warmup + args.active
+        rt.print(f"{args.preset} transformer, {cfg.num_params():,} parameters, {args.strategy} on {rt.world_size} "
+                 f"ranks; profiler schedule: wait {args.wait}, warmup {args.warmup}, active {args.active}")
+
+        model = parallelize(models.build_transformer(cfg, seed=args.seed, device=rt.device), args, rt)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        # the single-device answer: the same model from the same seed, on the whole global batch (tiny only:
+        # an a100-sized copy would not fit beside the replica)
+        baseline = Baseline(cfg, args.seed, args.lr, rt.device) if args.preset == "tiny" else None
+
+        def train_step(step):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, rt.world_size))
+            loss = models.lm_loss(model(inputs), targets)
+            with record_function(profiling.BACKWARD_LABEL):  # labels backward's span in the trace
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            rt.sync()  # a step's GPU work ends inside its profiler step
+            return loss.detach()
+
+        trace_path = Path(args.trace_dir) / f"{args.strategy}_rank{rt.rank}.json"
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device_type == "cuda" else [])
+        local_losses, wall_seconds = [], 0.0
+        with profile(activities=activities,
+                     schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1),
+                     on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path))) as prof:
+            for step in range(profiled_steps):
+                rt.sync()
+                started = time.perf_counter()
+                local_losses.append(train_step(step))
+                if step >= args.wait + args.warmup:  # an active step: the script's own clock
+                    wall_seconds += time.perf_counter() - started
+                prof.step()
+
+        # One more step, not profiled, with the collectives counted in Python (independent of the trace).
+        with comm.CommCounter() as counter:
+            local_losses.append(train_step(profiled_steps))
+        issued = {c: v["calls"] for c, v in counter.by_collective().items()}
+
+        # ---- read the trace back ----
+        trace = profiling.load_trace(trace_path)
+        kinds = profiling.time_per_kind(trace, rt.device_type)
+        overlap = profiling.backward_overlap(trace, rt.device_type)
+        steps = profiling.step_spans(profiling.complete_events(trace))
+        in_trace = profiling.communication_events(trace, rt.device_type)
+        per_step = [Counter(c["collective"] for c in in_trace if start <= c["start"] < end) for start, end in steps]
+        mine = {"rank": rt.rank, "trace": str(trace_path), "events": len(trace["traceEvents"]), "kinds": kinds,
+                "wall_seconds": wall_seconds, "overlap": overlap, "trace_collectives_per_step": per_step,
+                "issued": issued}
+        everyone = [None] * rt.world_size
+        dist.all_gather_object(everyone, mine)
+
+        if baseline is not None:  # after the profiled steps, so that its work is in no trace
+            for step in range(profiled_steps + 1):
+                baseline.step(data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+                              .to(rt.device))
+        losses = torch.stack(local_losses).to(rt.device)
+        dist.all_reduce(losses)  # each rank's mean over equal shards: the global mean is their average
+        report.losses = (losses / rt.world_size).tolist()
+
+        # ---- what rank 0 prints: its own time per kind, and every rank's overlap ----
+        window = kinds["window_seconds"]
+        rt.print(f"\ntrace: {trace_path} (each rank its own file; open in https://ui.perfetto.dev)")
+        rt.print(f"time per kind (rank 0, {args.active} active step(s), {1e3 * wall_seconds:.1f} ms on the "
+                 f"script's clock, {1e3 * window:.1f} ms in the trace):")
+        for kind, meaning in (("compute", "computing only"), ("communication", "communicating only (exposed)"),
+                              ("overlapped", "computing and communicating"), ("idle", "neither")):
+            rt.print(f"  {kind:<14}{1e3 * kinds[kind]:8.2f} ms  {100 * kinds[kind] / window:5.1f}%  {meaning}")
+        rt.print(f"collectives per step in the trace: {dict(per_step[-1])}; issued (CommCounter): {issued}")
+        for row in everyone:
+            o = row["overlap"]
+            rt.print(f"rank {row['rank']}: {1e3 * o['communication_seconds']:.2f} ms of communication, "
+                     f"{100 * o['hidden_fraction']:.0f}% of it while backward computed, "
+                     f"{100 * o['during_backward_fraction']:.0f}% inside backward's span")
+
+        # ---- checks ----
+        report.check("every rank's Chrome trace exists and parses (events in each)",
+                     all(row["events"] > 0 for row in everyone), [row["events"] for row in everyone], "> 0")
+        report.check("the profiler kept the active steps (ProfilerStep# spans in every trace)",
+                     all(len(row["trace_collectives_per_step"]) == args.active for row in everyone),
+                     [len(row["trace_collectives_per_step"]) for row in everyone], f"== {args.active}")
+        gaps = [abs(sum(row["kinds"][k] for k in profiling.KINDS) - row["wall_seconds"]) for row in everyone]
+        bound = max(KINDS_TOLERANCE_FRACTION * row["wall_seconds"] for row in everyone) + KINDS_TOLERANCE_SECONDS
+        report.check("compute + communication + overlapped + idle (trace) = wall time of the active steps "
+                     "(script's clock), every rank", max(gaps) <= bound, max(gaps), bound)
+        expected = [expected_in_trace(row["issued"], rt.device_type) for row in everyone]
+        report.check("collectives in the trace, every active step = what a step issues (CommCounter, counted in "
+                     "an unprofiled step), every rank",
+                     all(all(step == want for step in row["trace_collectives_per_step"])
+                         for row, want in zip(everyone, expected)),
+                     dict(everyone[0]["trace_collectives_per_step"][-1]), f"== {dict(expected[0])}")
+        # DDP launches each bucket's all-reduce from backward's gradient hooks and goes on computing: with two
+        # buckets or more, some communication must overlap backward. FSDP2 overlaps through CUDA streams; on a
+        # CPU the trace shows no operator running while any of its collectives ran (measured, reported below).
+        hidden = [row["overlap"]["hidden_fraction"] for row in everyone]
+        if (args.strategy == "ddp" and sum(issued.values()) > 1) or rt.device_type == "cuda":
+            report.check("some communication ran while backward computed (trace intervals), every rank",
+                         min(hidden) > 0, min(hidden), "> 0")
+        if baseline is not None:
+            report.check_close("losses = single-device baseline (every step)", report.losses, baseline.losses,
+                               metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
+        else:
+            rt.print("no single-device comparison at this size (the reference would not fit beside the replica)")
+
+        report.extra = {"strategy": args.strategy, "ranks": everyone,
+                        "timeline": profiling.timeline(trace, rt.device_type) if rt.rank == 0 else []}
+        report.throughput = metrics.throughput(args.batch * cfg.seq_len, wall_seconds, args.active, cfg=cfg,
+                                               device=rt.device, dtype="fp32", num_devices=rt.world_size)
+        report.memory = {"device": metrics.memory_snapshot(rt.device)}
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
