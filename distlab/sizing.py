@@ -214,12 +214,12 @@ def min_nodes(model: str | LlamaShape, assumptions: Assumptions = Assumptions(),
 
 
 def sizing_table(assumptions: Assumptions = Assumptions(),
-                 models_: tuple[str, ...] = tuple(LLAMA_SHAPES)) -> list[dict]:
+                 model_names: tuple[str, ...] = tuple(LLAMA_SHAPES)) -> list[dict]:
     """One row per model: parameters, the fewest nodes (TP = a node, FSDP = nodes), GiB per GPU there by part,
     the same without activation checkpointing, and the rule of thumb."""
     rows = []
     no_checkpointing = replace(assumptions, activation_checkpointing=False)
-    for name in models_:
+    for name in model_names:
         nodes = min_nodes(name, assumptions)
         # TP = a whole node, so dp = nodes
         per_gpu = memory_per_gpu(name, nodes, assumptions.gpus_per_node, assumptions) if nodes else None
