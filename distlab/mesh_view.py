@@ -17,10 +17,10 @@ import math
 
 from distlab import hybrid
 
-# Distinguishable fills (matplotlib's tab20, light and dark alternated); a group's colour is its index here.
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
-           "#dbdb8d", "#9edae5"]
+# Distinguishable fills (matplotlib's tab20); a group's colour is its index here.
+# Reds are left out: red marks a group that crosses nodes.
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+           "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5"]
 ORDER_LABELS = {"device_mesh": "DeviceMesh order (pp, dp, tp): tp innermost",
                 "hybrid_context": "HybridParallelContext order (pp, tp, dp): dp innermost"}
 CROSSING_COLOUR = "#c0392b"
