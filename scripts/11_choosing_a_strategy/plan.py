@@ -1,0 +1,208 @@
+"""Which TP / PP / DP / FSDP layout for my model on my cluster, and will it fit? The planner of chapter 11.
+
+A search prints every layout of --gpus GPUs ranked by estimated throughput among those that fit, then the
+rejected ones with their reason; --layout evaluates one layout (memory per GPU by part, communication per
+mesh dimension, bubble, step time, MFU). Every number is derived from the course's formulas
+(``distlab.planner``), which the tests prove against measured runs of chapters 05 and 09.
+
+    python scripts/11_choosing_a_strategy/plan.py --model 70b --gpus 64 --cluster h100-80gb
+    python scripts/11_choosing_a_strategy/plan.py --model gpt3-175b --gpus 1024 --cluster v100-32gb \\
+        --layout tp=8,pp=8,dp=16 --zero 1
+    python scripts/11_choosing_a_strategy/plan.py --model 13b --gpus 16 --cluster a100-40gb --json
+    python scripts/11_choosing_a_strategy/plan.py --model 70b --gpus 256 --cluster a100-80gb --dry-run
+
+--dry-run builds the chosen layout's DeviceMesh on a fake process group, in this one process, for every
+rank of the job (up to a sample of 64 ranks), and checks its groups against the grid arithmetic
+(``distlab.hybrid``): no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from distlab import hybrid, planner, runtime
+
+GIB = planner.GIB
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="7b", help=f"a preset: {', '.join(planner.MODELS)} (default 7b)")
+    p.add_argument("--model-config", help="a JSON file with ModelSpec's fields (layers, hidden, heads, ...)")
+    p.add_argument("--cluster", default="a100-40gb", help=f"a preset: {', '.join(planner.CLUSTERS)}")
+    p.add_argument("--cluster-config", help="a JSON file: gpus_per_node, gpu_gib, peak_tflops, "
+                                            "intra_node_gb_per_s, inter_node_gb_per_s")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (default: one node, or the --layout's)")
+    p.add_argument("--layout", help="evaluate one layout, like tp=8,pp=8,dp=16 (cp= and zero= optional)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (0 DDP, 3 FSDP); default: the search tries 0, 1 and 3; --layout uses 1")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP gathers the weights again for backward (default yes)")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute every block in backward (default yes)")
+    p.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron SP with TP")
+    p.add_argument("--schedule", choices=planner.PIPELINE_SCHEDULES, default="1f1b")
+    p.add_argument("--chunks", type=int, default=1, help="stages per rank (interleaved_1f1b)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per microbatch (default: the preset's)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--dry-run", action="store_true", help="build the chosen layout's DeviceMesh on a fake "
+                                                          "process group and check its groups")
+    return p.parse_args(argv)
+
+
+def resolve(args):
+    """Model, cluster, options and GPU count from the flags; ConfigError (one line, exit 2) when they do not make
+    sense."""
+    if args.model_config:
+        try:
+            model = planner.model_from_file(args.model_config)
+        except (OSError, ValueError) as error:
+            raise runtime.ConfigError(f"--model-config: {error}") from None
+    else:
+        runtime.require(args.model in planner.MODELS,
+                        f"unknown model {args.model!r}; choose from {', '.join(planner.MODELS)}")
+        model = planner.MODELS[args.model]
+    if args.cluster_config:
+        try:
+            cluster = planner.cluster_from_file(args.cluster_config)
+        except (OSError, ValueError) as error:
+            raise runtime.ConfigError(f"--cluster-config: {error}") from None
+    else:
+        runtime.require(args.cluster in planner.CLUSTERS,
+                        f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
+        cluster = planner.CLUSTERS[args.cluster]
+    overrides = {k: v for k, v in (("micro_batch", args.micro_batch), ("global_batch", args.global_batch),
+                                   ("seq_len", args.seq_len)) if v is not None}
+    model = replace(model, **overrides)
+    for label, value in (("--micro-batch", model.micro_batch), ("--global-batch", model.global_batch),
+                         ("--seq-len", model.seq_len), ("--chunks", args.chunks), ("--top", args.top)):
+        runtime.require(value >= 1, f"{label} must be at least 1, not {value}")
+    gpus = args.gpus if args.gpus is not None else None if args.layout else cluster.gpus_per_node
+    runtime.require(gpus is None or gpus >= 1, f"--gpus must be at least 1, not {gpus}")
+    options = planner.Options(zero_stage=args.zero, reshard_after_forward=args.reshard_after_forward,
+                              activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+                              sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                              chunks=args.chunks if args.schedule == "interleaved_1f1b" else 1)
+    return model, cluster, options, gpus
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:6.1f}"
+
+
+def describe(plan: planner.Plan, model, cluster, say=print) -> None:
+    """One layout in words: memory by part against the GPU, communication per dimension, time."""
+    say(f"layout {plan.layout.label()} on {plan.layout.gpus} x {cluster.name}: "
+        f"{'fits' if plan.fits else 'does NOT fit'} ({plan.reason})")
+    if plan.problems:
+        return
+    m = plan.memory_per_gpu_bytes
+    say(f"  memory per GPU, GiB (derived; pipeline stage {plan.worst_stage}, the fullest): "
+        + " + ".join(f"{k} {v / GIB:.2f}" for k, v in m.items() if k != "total")
+        + f" = {m['total'] / GIB:.2f} of {cluster.gpu_bytes / GIB:.0f}")
+    for dimension, seconds in plan.comm_seconds.items():
+        if seconds:
+            data = plan.comm_bytes_per_gpu[dimension]
+            payload = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in data["payload"].items())
+            say(f"  {dimension}: {payload} per step; each GPU sends {data['sent'] / 1e9:.3g} GB, "
+                f"{seconds:.3g} s on its link (derived)")
+    b = plan.bubble
+    say(f"  bubble: {b['of_step']:.1%} of the step, {b['of_ideal']:.1%} of the ideal time ({b['seconds']:.3g} s)")
+    say(f"  step {plan.step_seconds:.3g} s (compute {plan.compute_seconds:.3g} s at "
+        f"{planner.Options().compute_efficiency:.0%} of peak), {plan.tokens_per_second:,.0f} tokens/s, "
+        f"MFU {plan.mfu:.1%} of {cluster.peak_flops / 1e12:.0f} TFLOP/s {cluster.dtype} dense (all derived)")
+
+
+def print_table(plans, top: int) -> None:
+    fitting = [p for p in plans if p.fits]
+    print(f"{'#':>3s}  {'layout':28s} {'GiB/GPU':>8s} {'step s':>8s} {'tokens/s':>12s} {'MFU':>6s}  bubble")
+    for i, plan in enumerate(fitting[:top], 1):
+        print(f"{i:3d}  {plan.layout.label():28s} {gib(plan.memory_per_gpu_bytes['total']):>8s} "
+              f"{plan.step_seconds:8.3g} {plan.tokens_per_second:12,.0f} {plan.mfu:6.1%}  {plan.bubble['of_step']:.1%}")
+    rejected = [p for p in plans if not p.fits]
+    print(f"\n{len(fitting)} of {len(plans)} layouts fit; rejected ({len(rejected)}), first {min(top, len(rejected))}:")
+    for plan in rejected[:top]:
+        print(f"     {plan.layout.label():28s} {plan.reason}")
+
+
+def dry_run(layout: planner.Layout, sample: int = 64) -> list[int]:
+    """DeviceMesh (pp, dp, tp) on a fake process group for sampled ranks of the world; the ranks whose groups
+    or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh arithmetic holds)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, shape = layout.gpus, (layout.pp, layout.dp, layout.tp)
+    step = max(1, world // sample)
+    ranks = sorted(set(range(0, world, step)) | {world - 1})
+    wrong = []
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=hybrid.DIMENSIONS)
+            theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in hybrid.DIMENSIONS}
+            coordinates = dict(zip(hybrid.DIMENSIONS, mesh.get_coordinate()))
+            if theirs != hybrid.groups_of_rank(rank, shape) or coordinates != hybrid.grid_coordinates(rank, shape):
+                wrong.append(rank)
+        finally:
+            dist.destroy_process_group()
+    print(f"dry run: DeviceMesh (pp, dp, tp) = {shape} built on a fake process group of {world} ranks for "
+          f"{len(ranks)} of them; groups and coordinates = distlab.hybrid's grid: "
+          f"{'every one' if not wrong else f'NOT for ranks {wrong[:8]}'}")
+    return wrong
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model, cluster, options, gpus = resolve(args)
+        if args.layout:
+            try:
+                layout = planner.parse_layout(args.layout, zero_stage=1 if args.zero is None else args.zero)
+            except (ValueError, TypeError) as error:
+                raise runtime.ConfigError(str(error)) from None
+            gpus = gpus or layout.gpus  # --layout alone: the job is the layout's GPUs
+            plans = [planner.evaluate(model, cluster, layout, options, gpus)]
+            runtime.require(not plans[0].problems, f"--layout {args.layout}: {plans[0].reason}")
+        else:
+            plans = planner.search(model, cluster, gpus, options)
+            runtime.require(any(p.fits for p in plans),
+                            f"{model.name} fits in no layout of {gpus} x {cluster.name} (the closest: "
+                            f"{min(plans, key=lambda p: p.memory_per_gpu_bytes.get('total', float('inf'))).reason})"
+                            if plans else f"no layout of {gpus} GPUs exists on {cluster.gpus_per_node}-GPU nodes")
+        if args.dry_run:
+            runtime.require(plans[0].layout.cp == 1, "--dry-run builds (pp, dp, tp) meshes: use cp=1")
+    except runtime.ConfigError as error:
+        sys.stderr.write(f"config error: {error}\n")
+        return runtime.CONFIG_ERROR_EXIT_CODE
+
+    if args.json:
+        if args.layout:
+            print(json.dumps(plans[0].to_dict()))
+        else:
+            print(json.dumps({"model": model.to_dict(), "cluster": cluster.to_dict(), "gpus": gpus,
+                              "options": options.to_dict(), "layouts": [p.to_dict() for p in plans]}))
+    else:
+        print(f"{model.name}: {model.num_params() / 1e9:.2f} B parameters, {model.layers} layers, hidden "
+              f"{model.hidden}, {model.heads} heads ({model.kv_heads} key/value), batch {model.global_batch} x "
+              f"{model.seq_len} tokens, micro-batch {model.micro_batch}")
+        print(f"cluster: {cluster.source or cluster.name}; {gpus} GPUs ({gpus / cluster.gpus_per_node:g} nodes)")
+        print(f"options: {options.to_dict()}\n")
+        if not args.layout:
+            print_table(plans, args.top)
+            print("\nbest layout:")
+        describe(plans[0], model, cluster)
+    if args.dry_run:
+        return 1 if dry_run(plans[0].layout) else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
