@@ -1,0 +1,50 @@
+"""Chapter 12: profile_step.py under DDP and FSDP2 on 4 CPU ranks: the traces, the kinds, the counts, the overlap."""
+
+import pytest
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch, profiling
+
+SCRIPT = "scripts/12_hpc_operations/profile_step.py"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def profiled(request, tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp(f"traces_{request.param}")
+    result = launch.run(SCRIPT, nproc=4, args=["--strategy", request.param, "--trace-dir", trace_dir],
+                        stream=False, timeout=120)
+    return request.param, trace_dir, assert_all_checks_passed(result, min_checks=5)
+
+
+def test_every_rank_wrote_a_trace_that_opens(profiled):
+    strategy, trace_dir, metrics = profiled
+    for rank in range(4):
+        trace = profiling.load_trace(trace_dir / f"{strategy}_rank{rank}.json")
+        assert profiling.step_spans(profiling.complete_events(trace)), "no ProfilerStep# span"
+
+
+def test_the_trace_counts_what_the_strategy_issues(profiled):
+    strategy, _, metrics = profiled
+    names = {c["name"]: c for c in metrics["checks"]}
+    assert any(name.startswith("collectives in the trace") for name in names)
+    issued = metrics["extra"]["ranks"][0]["issued"]
+    if strategy == "ddp":  # 4 buckets of at most 0.1 MB for 123,200 fp32 parameters
+        assert issued == {"all_reduce": 4}
+    else:  # two blocks and the root: 6 all-gathers (the root is not resharded after forward), 3 reduce-scatters
+        assert issued == {"all_gather": 6, "reduce_scatter": 3}
+        assert metrics["extra"]["ranks"][0]["trace_collectives_per_step"][-1] == {"all_gather": 6, "all_reduce": 3}
+
+
+def test_overlap_is_measured_and_ddp_hides_some(profiled):
+    strategy, _, metrics = profiled
+    hidden = [row["overlap"]["hidden_fraction"] for row in metrics["extra"]["ranks"]]
+    if strategy == "ddp":
+        assert min(hidden) > 0
+    else:  # FSDP2 on a CPU: no operator runs while a collective does (it overlaps through CUDA streams)
+        assert max(hidden) <= 0.01
+    rows = metrics["extra"]["timeline"]
+    assert {r["lane"] for r in rows} == {"compute", "backward", "communication"}
+
+
+def test_inactive_profiler_is_a_config_error():
+    assert_config_error(SCRIPT, ["--active", "0"], "the profiler must keep at least one step")

@@ -1,0 +1,86 @@
+"""distlab.profiling on hand-made traces: interval maths, time per kind, counting, overlap with backward."""
+
+import json
+
+import pytest
+
+from distlab import profiling
+
+MAIN, GLOO = 1, 2
+
+
+def event(name, ts, dur, tid=MAIN, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": cat}
+
+
+def hand_made_trace():
+    """One step of 100 us: forward computes 0-30, backward 40-90 (computing 40-60 and 70-90), an all-reduce
+    on gloo's thread 50-80 (10 us hidden under compute at 50-60, 10 us at 70-80, 10 us exposed at 60-70)."""
+    return {"traceEvents": [
+        event("ProfilerStep#2", 0, 100, cat="user_annotation"),
+        event("aten::linear", 0, 30), event("aten::mm", 5, 10),          # nested: counted once
+        event("backward", 40, 50, cat="user_annotation"),
+        event("aten::mm", 40, 20), event("aten::mul", 70, 20),
+        event("c10d::allreduce_", 50, 1),                                 # the enqueue: not communication
+        event("gloo:all_reduce", 50, 30, tid=GLOO),
+        event("gloo:all_gather", 150, 10, tid=GLOO),                      # outside the step: not counted
+        {"ph": "M", "name": "thread_name", "tid": GLOO},
+    ]}
+
+
+def test_interval_maths():
+    assert profiling.merge([(5, 8), (0, 3), (2, 4)]) == [(0, 4), (5, 8)]
+    assert profiling.length([(0, 10), (5, 15)]) == 15
+    assert profiling.intersect([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
+    assert profiling.subtract([(0, 10)], [(2, 3), (5, 20)]) == [(0, 2), (3, 5)]
+
+
+def test_time_per_kind_partitions_the_step():
+    kinds = profiling.time_per_kind(hand_made_trace())
+    assert kinds["compute"] == pytest.approx(50e-6)        # 0-30, 40-50, 80-90
+    assert kinds["communication"] == pytest.approx(10e-6)  # 60-70
+    assert kinds["overlapped"] == pytest.approx(20e-6)     # 50-60, 70-80
+    assert kinds["idle"] == pytest.approx(20e-6)           # 30-40, 90-100
+    assert sum(kinds[k] for k in profiling.KINDS) == pytest.approx(kinds["window_seconds"]) == pytest.approx(100e-6)
+
+
+def test_communication_events_count_only_the_profiled_steps():
+    events = profiling.communication_events(hand_made_trace())
+    assert [e["collective"] for e in events] == ["all_reduce"]
+
+
+def test_backward_overlap_from_intervals():
+    overlap = profiling.backward_overlap(hand_made_trace())
+    assert overlap["hidden_fraction"] == pytest.approx(20 / 30)
+    assert overlap["during_backward_fraction"] == pytest.approx(1.0)
+    assert overlap["after_backward_fraction"] == pytest.approx(0.0)
+
+
+def test_gpu_trace_uses_kernels():
+    trace = {"traceEvents": [
+        event("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 20, 40, tid=7, cat="kernel"),
+        event("ampere_sgemm_128x64", 10, 30, tid=7, cat="kernel"),
+        event("nccl:all_reduce", 19, 1),                                  # the CPU-side launch
+        event("backward", 10, 60, tid=7, cat="gpu_user_annotation"),
+    ]}
+    kinds = profiling.time_per_kind(trace, "cuda")
+    assert kinds["overlapped"] == pytest.approx(20e-6) and kinds["communication"] == pytest.approx(20e-6)
+    assert [e["collective"] for e in profiling.communication_events(trace, "cuda")] == ["all_reduce"]
+    assert profiling.backward_overlap(trace, "cuda")["hidden_fraction"] == pytest.approx(0.5)
+
+
+def test_timeline_rows_start_at_the_step():
+    rows = profiling.timeline(hand_made_trace())
+    lanes = {(r["lane"], r["kind"]) for r in rows}
+    assert lanes == {("compute", "compute"), ("backward", "backward"), ("communication", "all_reduce")}
+    assert min(r["start"] for r in rows) == 0.0
+
+
+def test_a_file_without_events_is_refused(tmp_path):
+    path = tmp_path / "not_a_trace.json"
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        profiling.load_trace(path)
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        profiling.time_per_kind({"traceEvents": [event("aten::mm", 0, 1)]})
