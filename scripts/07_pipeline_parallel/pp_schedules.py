@@ -150,9 +150,11 @@ def main():
             losses = [] if last_here else None
             inputs = (x.to(rt.device),) if first_here else ()                          # the first stage's rank
             outputs = dict(target=target.to(rt.device), losses=losses) if last_here else {}   # the last's
+            rt.sync()
             dist.barrier()
             t0 = time.perf_counter()
             schedule.step(*inputs, **outputs)
+            rt.sync()                       # on a GPU, wait for the step's kernels before reading the clock
             step_seconds.append(time.perf_counter() - t0)
             if last_here:
                 pipeline_losses.append(torch.stack(losses).mean().item())
