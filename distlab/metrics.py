@@ -233,6 +233,8 @@ class Report:
 
     # ---- communication ledger -------------------------------------------------------------------
     def add_comm(self, collective: str, measured_bytes: int, analytic_bytes: int, **details) -> None:
+        """One row of the ledger: the payload measured (counted at the call) and the formula's. A detail
+        computed from them (the ring model's bytes per rank) is named ``..._derived``: never a measurement."""
         self.comm.append({"collective": collective, "measured_bytes": int(measured_bytes),
                           "analytic_bytes": int(analytic_bytes), **details})
 
