@@ -401,11 +401,11 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
     unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting). DDP and ZeRO-1:
     DDP's buckets, a second copy of the gradients (none with ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
     params = stage_params(model, layout, stage)
+    param_bytes = 4 if options.precision == "fp32" else 2
+    if layout.zero_stage == 3:  # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
+        return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
     if layout.dp * layout.cp == 1:
         return 0.0
-    param_bytes = 4 if options.precision == "fp32" else 2
-    if layout.zero_stage == 3:
-        return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
     if layout.zero_stage == 2:
         return 2 * options.bucket_bytes
     grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
