@@ -71,10 +71,17 @@ def test_the_job_fits_every_mesh_to_its_nodes(nodes, job_env, fake_pals, tmp_pat
         assert [mesh_of(a) for a in launched["hybrid_3d.py"]] == [{"pp": 2, "dp": nodes // 2, "tp": 4}]
 
 
-def test_a_tp_that_does_not_divide_the_gpus_stops_the_job(job_env, fake_pals):
-    result = run_bash(["bash", str(JOB)], job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_DRY_RUN": "1",
-                                                     "HYBRID_TP": "3"}, timeout=60)
-    assert result.returncode == 2 and "distlab: error: HYBRID_TP=3 does not divide the job's 8 GPUs" in result.output
+@pytest.mark.parametrize("setting, message", [
+    ({"HYBRID_TP": "3"}, "HYBRID_TP=3 does not divide the job's 8 GPUs"),
+    ({"HYBRID_PP": "3"}, "HYBRID_PP=3 does not divide the job's 8 GPUs"),
+    ({"HYBRID_TP": "two"}, "must be positive integers"),
+    ({"HYBRID_PP": "0"}, "must be positive integers"),
+])
+def test_a_bad_mesh_setting_stops_the_job_with_one_line(setting, message, job_env, fake_pals):
+    result = run_bash(["bash", str(JOB)], job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_DRY_RUN": "1", **setting},
+                      timeout=60)
+    errors = [line for line in result.output.splitlines() if line.startswith("distlab: error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.output
 
 
 def test_demo_job_file_is_sane_and_launches_scripts_with_flags_they_accept(job_env, fake_pals):
