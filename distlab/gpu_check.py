@@ -129,6 +129,11 @@ RUNS: tuple[Run, ...] = (
     # a planted hang must end in seconds with its diagnosis on NCCL too (its watchdog, not gloo's timeout)
     Run("deadlocks_none", f"{CH12}/deadlocks.py", ("--hang", "none"), min_gpus=4, timeout_s=60),
     Run("deadlocks_skipped_barrier", f"{CH12}/deadlocks.py", ("--hang", "skipped-barrier"), min_gpus=4, timeout_s=60),
+    # a plain run (no rank killed): DCP checkpoints of a DDP model on the GPUs, losses = one device
+    Run("fault_drill", f"{CH12}/fault_drill.py", ("--run-dir", "{workdir}/fault_drill")),
+    # the trace's NCCL kernels counted against CommCounter; FSDP2 must overlap on a GPU (CUDA streams)
+    Run("profile_step_ddp", f"{CH12}/profile_step.py", ("--strategy", "ddp", "--trace-dir", "{workdir}/traces")),
+    Run("profile_step_fsdp", f"{CH12}/profile_step.py", ("--strategy", "fsdp", "--trace-dir", "{workdir}/traces")),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)

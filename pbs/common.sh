@@ -419,7 +419,7 @@ distlab_launch() {
         cmd+=(bash -c 'agent=${PALS_RANKID:-${PMI_RANK:-}}; [[ -z $agent ]] || export PET_RDZV_CONF=is_host=$((agent == 0)); exec "$@"' torchrun-agent
             "$DISTLAB_PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc-per-node="$ppn"
             --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-            --rdzv-id="${PBS_JOBID:-distlab}-$DISTLAB_LAUNCHES" --max-restarts=0
+            --rdzv-id="${PBS_JOBID:-distlab}-$DISTLAB_LAUNCHES" --max-restarts="${DISTLAB_MAX_RESTARTS:-0}"
             "${target[@]}" "$@")
     fi
     if [[ -n $DISTLAB_LAUNCH_TIMEOUT ]]; then
