@@ -398,12 +398,17 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
     """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
-    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting). DDP and ZeRO-1:
+    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting); without resharding
+    after forward (and under PP) every unit stays gathered until its backward: the stage's whole weights. DDP and ZeRO-1:
     DDP's buckets, a second copy of the gradients (none with ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
-    if layout.zero_stage == 3:  # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
+    if layout.zero_stage == 3 and (options.reshard_after_forward and layout.pp == 1):
+        # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
         return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
+    if layout.zero_stage == 3:
+        # kept gathered from forward to backward (no reshard, or a pipeline stage): the whole stage's weights
+        return param_bytes * params["total"] + 4 * params["largest_unit"]
     if layout.dp * layout.cp == 1:
         return 0.0
     if layout.zero_stage == 2:
