@@ -84,3 +84,61 @@ def test_a_file_without_events_is_refused(tmp_path):
         profiling.load_trace(path)
     with pytest.raises(ValueError, match="ProfilerStep"):
         profiling.time_per_kind({"traceEvents": [event("aten::mm", 0, 1)]})
+
+
+# ---- chapter 12's exercises: the solutions pass, plausible wrong answers are rejected -----------------------
+
+from distlab import exercises, exercises_operations  # noqa: E402
+
+
+def lanes(rows, name):
+    return [(r["start"], r["end"]) for r in rows if r["lane"] == name]
+
+
+def wrong_all_communication(rows):
+    return profiling.length(lanes(rows, "communication"))
+
+
+def wrong_inside_backward_span(rows):
+    return profiling.length(profiling.intersect(lanes(rows, "communication"), lanes(rows, "backward")))
+
+
+def wrong_summed_per_collective(rows):
+    hidden = profiling.intersect(lanes(rows, "compute"), lanes(rows, "backward"))
+    return sum(profiling.length(profiling.intersect([c], hidden)) for c in lanes(rows, "communication"))
+
+
+def wrong_any_compute(rows):
+    return profiling.length(profiling.intersect(lanes(rows, "communication"), lanes(rows, "compute")))
+
+
+def test_hidden_communication_check():
+    exercises_operations.check_hidden_communication(exercises_operations.hidden_seconds)
+    for wrong in (wrong_all_communication, wrong_inside_backward_span, wrong_summed_per_collective,
+                  wrong_any_compute):
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises_operations.check_hidden_communication(wrong)
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises_operations.check_hidden_communication(lambda rows: None)
+
+
+def wrong_stuck_ranks(journals, label):
+    return sorted(r for r, j in journals.items() if j["calls"] and j["calls"][-1]["label"] == label
+                  and not j["calls"][-1]["done"])
+
+
+def wrong_everyone_without_the_call(journals, label):
+    return sorted(r for r, j in journals.items() if all(c["label"] != label for c in j["calls"]))
+
+
+def wrong_not_finished(journals, label):
+    return sorted(r for r, j in journals.items() if j["state"] != "finished")
+
+
+def test_missing_ranks_check():
+    exercises_operations.check_missing_ranks(exercises_operations.missing_ranks)
+    for wrong in (wrong_stuck_ranks, wrong_everyone_without_the_call, wrong_not_finished):
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises_operations.check_missing_ranks(wrong)
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises_operations.check_missing_ranks(lambda journals, label: None)

@@ -1,0 +1,113 @@
+"""Checks of chapter 12's exercises: read a profiler timeline, find a hang from the ranks' call journals.
+
+Each check calls the learner's function on several cases (hand-made ones that tell the plausible wrong
+answers apart, and, when given, the notebook's own run) and compares with what ``distlab.profiling`` and
+``distlab.hangs`` compute. tests/unit/test_profiling.py feeds each check the wrong answers it must reject.
+"""
+
+from __future__ import annotations
+
+from distlab import profiling
+from distlab.exercises import ExerciseWrong, _not_done, _ok
+
+
+def hidden_seconds(rows: list[dict]) -> float:
+    """Communication time that overlapped backward's compute, from ``profiling.timeline`` rows: the union of
+    the collectives (two may run at once on two gloo threads), intersected with compute and backward."""
+    lane = lambda name: [(r["start"], r["end"]) for r in rows if r["lane"] == name]  # noqa: E731
+    return profiling.length(profiling.intersect(lane("communication"),
+                                                profiling.intersect(lane("compute"), lane("backward"))))
+
+
+def _rows(compute, backward, communication):
+    return ([{"lane": "compute", "kind": "compute", "start": s, "end": e} for s, e in compute]
+            + [{"lane": "backward", "kind": "backward", "start": s, "end": e} for s, e in backward]
+            + [{"lane": "communication", "kind": "all_reduce", "start": s, "end": e} for s, e in communication])
+
+
+# Each case tells one wrong answer apart: all communication time; communication inside backward's span,
+# computing or not; the overlaps of each collective summed (two collectives at once counted twice); compute
+# during forward counted as hiding communication.
+TIMELINE_CASES = (
+    _rows(compute=[(0, 3), (4, 6), (7, 10)], backward=[(4, 10)], communication=[(5, 8)]),
+    _rows(compute=[(0, 2), (3, 9)], backward=[(3, 9)], communication=[(4, 6), (5, 7), (10, 11)]),
+    _rows(compute=[(0, 5), (6, 8)], backward=[(6, 8)], communication=[(1, 3), (6.5, 7)]),
+)
+
+
+def check_hidden_communication(function, run_rows: list[dict] | None = None, *, hint: str = "") -> None:
+    """``function(rows)`` must return the seconds of communication that ran while backward computed."""
+    cases = [list(rows) for rows in TIMELINE_CASES] + ([run_rows] if run_rows else [])
+    for index, rows in enumerate(cases):
+        try:
+            got = function(rows)
+        except NotImplementedError:
+            raise _not_done("hidden_communication", hint) from None
+        if got is None:
+            raise _not_done("hidden_communication", hint)
+        want = hidden_seconds(rows)
+        if abs(float(got) - want) > 1e-9 + 1e-6 * abs(want):
+            which = "the notebook's run" if index == len(TIMELINE_CASES) else f"hand-made timeline #{index + 1}"
+            raise ExerciseWrong(
+                f"hidden_communication on {which}: {float(got):.6g} s, expected {want:.6g} s. Count time once "
+                f"where two collectives run together, and only where backward is computing. {hint}".strip())
+    _ok(f"hidden_communication agrees on {len(cases)} timeline(s)")
+
+
+def _journals(calls_by_rank: dict[int, list[tuple]], stuck: dict[int, bool]) -> dict[int, dict]:
+    """Journals as distlab.hangs writes them, from (label, op, group, members) tuples; the last call of a rank
+    in ``stuck`` is not done."""
+    journals = {}
+    for rank, calls in calls_by_rank.items():
+        entries = [{"label": label, "op": op, "group": group, "members": members, "peer": None, "order": i,
+                    "done": True} for i, (label, op, group, members) in enumerate(calls)]
+        if stuck.get(rank) and entries:
+            entries[-1]["done"] = False
+        journals[rank] = {"rank": rank, "state": "timed out" if stuck.get(rank) else "finished", "calls": entries}
+    return journals
+
+
+WORLD, PAIR1 = [0, 1, 2, 3], [2, 3]
+# (journals, label of the call some ranks are stuck in, the ranks of its group that never made it)
+JOURNAL_CASES = (
+    (_journals({0: [("sync", "all_reduce", "world", WORLD), ("barrier", "barrier", "world", WORLD)],
+                1: [("sync", "all_reduce", "world", WORLD), ("barrier", "barrier", "world", WORLD)],
+                2: [("sync", "all_reduce", "world", WORLD), ("barrier", "barrier", "world", WORLD)],
+                3: [("sync", "all_reduce", "world", WORLD), ("end", "all_reduce", "world", WORLD)]},
+               {0: True, 1: True, 2: True, 3: True}), "barrier", [3]),
+    # a pair's collective: ranks 0 and 1 are not members, so they are not "missing" from it
+    (_journals({0: [("sync", "all_reduce", "world", WORLD)], 1: [("sync", "all_reduce", "world", WORLD)],
+                2: [("sync", "all_reduce", "world", WORLD), ("pair", "all_reduce", "pair1", PAIR1)],
+                3: [("sync", "all_reduce", "world", WORLD)]},
+               {2: True}), "pair", [3]),
+    (_journals({0: [("barrier", "barrier", "world", WORLD)], 1: [("end", "all_reduce", "world", WORLD)],
+                2: [("barrier", "barrier", "world", WORLD)], 3: [("end", "all_reduce", "world", WORLD)]},
+               {0: True, 1: True, 2: True, 3: True}), "barrier", [1, 3]),
+)
+
+
+def missing_ranks(journals: dict, label: str) -> list[int]:
+    """The members of the group of the call ``label`` (as the stuck ranks recorded it) that never made it."""
+    journals = {int(r): j for r, j in journals.items()}
+    made = {r for r, j in journals.items() if any(c["label"] == label for c in j["calls"])}
+    call = next(c for j in journals.values() for c in j["calls"] if c["label"] == label and not c["done"])
+    members = call["members"] or sorted(journals)
+    return sorted(r for r in members if r not in made)
+
+
+def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -> None:
+    """``function(journals, label)`` must return the ranks of the call's group that never made the call."""
+    cases = list(JOURNAL_CASES) + ([(run[0], run[1], missing_ranks(*run))] if run else [])
+    for index, (journals, label, want) in enumerate(cases):
+        try:
+            got = function(journals, label)
+        except NotImplementedError:
+            raise _not_done("missing_ranks", hint) from None
+        if got is None:
+            raise _not_done("missing_ranks", hint)
+        if sorted(int(r) for r in got) != want:
+            which = "the notebook's run" if index == len(JOURNAL_CASES) else f"journal set #{index + 1}"
+            raise ExerciseWrong(
+                f"missing_ranks on {which}, call {label!r}: {sorted(got)}, expected {want}. The culprits are the "
+                f"members of that call's group that never recorded it, not the ranks waiting in it. {hint}".strip())
+    _ok(f"missing_ranks finds the culprits in {len(cases)} journal set(s)")
