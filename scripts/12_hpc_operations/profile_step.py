@@ -43,9 +43,10 @@ from train_fsdp import apply_fsdp  # noqa: E402 - chapter 05's sharding, not a c
 from distlab import comm, data, metrics, models, profiling, runtime  # noqa: E402
 
 # The kinds come from the trace, the wall time from time.perf_counter around the same steps: they differ by
-# what happens between the profiler's step marks and the clock's reads (a few Python lines per step).
+# what happens between the profiler's step marks and the clock's reads (inside prof.step(): a few ms, more
+# on a loaded machine where another process may run in between).
 KINDS_TOLERANCE_FRACTION = 0.10
-KINDS_TOLERANCE_SECONDS = 0.005
+KINDS_TOLERANCE_SECONDS = 0.010
 
 
 def check_config(args, world_size):
@@ -120,11 +121,11 @@ def main():
                      schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1),
                      on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path))) as prof:
             for step in range(profiled_steps):
-                rt.sync()
-                started = time.perf_counter()
+                if step == args.wait + args.warmup:  # the first active step begins: the script's own clock
+                    started = time.perf_counter()
                 local_losses.append(train_step(step))
-                if step >= args.wait + args.warmup:  # an active step: the script's own clock
-                    wall_seconds += time.perf_counter() - started
+                if step == profiled_steps - 1:       # the last one ends (its prof.step() writes the trace)
+                    wall_seconds = time.perf_counter() - started
                 prof.step()
 
         # One more step, not profiled, with the collectives counted in Python (independent of the trace).
@@ -178,6 +179,7 @@ def main():
         bound = max(KINDS_TOLERANCE_FRACTION * row["wall_seconds"] for row in everyone) + KINDS_TOLERANCE_SECONDS
         report.check("compute + communication + overlapped + idle (trace) = wall time of the active steps "
                      "(script's clock), every rank", max(gaps) <= bound, max(gaps), bound)
+        rt.print("trace - clock, per rank: " + ", ".join(f"{1e3 * g:.1f} ms" for g in gaps))
         expected = [expected_in_trace(row["issued"], rt.device_type) for row in everyone]
         report.check("collectives in the trace, every active step = what a step issues (CommCounter, counted in "
                      "an unprofiled step), every rank",
