@@ -354,5 +354,4 @@ def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> l
                        "measured_bytes": m["payload_bytes"], "analytic_bytes": f["payload_bytes"],
                        # the ring model applied to the measured payload: derived, not measured
                        "sent_bytes_per_rank_derived": bytes_sent_per_rank(k[3], m["payload_bytes"], group)})
-        joined[-1]["sent_bytes_per_rank"] = joined[-1]["sent_bytes_per_rank_derived"]  # the first name it had
     return joined

@@ -304,7 +304,6 @@ def join_comm_rows(measured: list[dict], formula: list[dict], world_size: int) -
                        "measured_bytes": m["payload_bytes"], "analytic_bytes": f["payload_bytes"],
                        # the ring model applied to the measured payload: derived, not measured
                        "sent_bytes_per_rank_derived": bytes_sent_per_rank(k[2], m["payload_bytes"], world_size)})
-        joined[-1]["sent_bytes_per_rank"] = joined[-1]["sent_bytes_per_rank_derived"]  # old name (notebook 08)
     return joined
 
 

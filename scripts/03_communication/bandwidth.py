@@ -138,8 +138,7 @@ def main():
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
                 sent = comm.bytes_sent_per_rank(collective, size, world)  # the ring model's, not measured
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
-                             "busbw": busbw, "sent_bytes_per_rank_derived": sent,
-                             "sent_bytes_per_rank": sent})  # the old name, read by notebook 03: the same derived number
+                             "busbw": busbw, "sent_bytes_per_rank_derived": sent})
                 rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} "
                          f"{algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
                 calls = args.iters * args.repeats

@@ -139,8 +139,7 @@ def main():
             rt.print(f"{name:>14} {call.payload_bytes:>10} {analytic:>10} {sent:>32.0f}")
             report.check(f"{name}: every rank holds what the definition says", diff == 0.0, diff, 0.0)
             report.check_equal(f"{name}: bytes counted = payload formula", call.payload_bytes, analytic)
-            report.add_comm(name, call.payload_bytes, analytic, sent_bytes_per_rank_derived=sent, group_size=world,
-                            sent_bytes_per_rank=sent)  # the old name, read by notebook 03: the same derived number
+            report.add_comm(name, call.payload_bytes, analytic, sent_bytes_per_rank_derived=sent, group_size=world)
         report.check_equal("one call counted per collective", counter.count(), len(expected))
         code = report.finish(args.metrics_out)
     sys.exit(code)

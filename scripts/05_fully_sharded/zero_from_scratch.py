@@ -195,7 +195,6 @@ def main():
         rt.print(f"bytes each rank sends per step (derived: ring model): ZeRO-{args.stage} {sent:,.0f}, "
                  f"DDP {ddp_sent:,.0f} " + (f"({sent / ddp_sent:.2f}x)" if ddp_sent else "(one rank sends nothing)"))
         report.extra["sent_bytes_per_rank_derived"] = {"zero": sent, "ddp": ddp_sent}
-        report.extra["sent_bytes_per_rank"] = report.extra["sent_bytes_per_rank_derived"]  # old name: notebook 05
 
         # ---- memory: measured on this rank = the ZeRO table ----
         table = memory.zero_state_bytes(num_params, world, args.stage, precision="fp32")

@@ -163,14 +163,12 @@ def main():
                             where=row["where"], measured_calls=row["measured_calls"],
                             analytic_calls=row["analytic_calls"],
                             sent_bytes_per_rank_derived=row["sent_bytes_per_rank_derived"],
-                            sent_bytes_per_rank=row["sent_bytes_per_rank_derived"],  # old name, read by notebook 08
                             plan="tp+sp")
         for row in tp_ledger:
             report.add_comm(row["collective"], row["measured_bytes"], row["analytic_bytes"], phase=row["phase"],
                             where=row["where"], measured_calls=row["measured_calls"],
                             analytic_calls=row["analytic_calls"],
                             sent_bytes_per_rank_derived=row["sent_bytes_per_rank_derived"],
-                            sent_bytes_per_rank=row["sent_bytes_per_rank_derived"],  # old name, read by notebook 08
                             plan="tp")
         mismatched = [f"{r['phase']}/{r['where']}/{r['collective']}" for r in sp_ledger + tp_ledger
                       if (r["measured_bytes"], r["measured_calls"]) != (r["analytic_bytes"], r["analytic_calls"])]
