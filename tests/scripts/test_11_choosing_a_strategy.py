@@ -224,3 +224,11 @@ def test_bad_model_file_and_the_real_process_exit_code(tmp_path):
                           cwd=launch.REPO_ROOT, timeout=60)
     assert done.returncode == 2 and time.perf_counter() - started < 30
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "unknown model fields ['colour']" in done.stderr
+
+
+def test_the_notebooks_side_by_side_table_is_all_equal(hybrid_run):
+    from distlab import planner_widgets
+
+    rows = planner_widgets.predicted_vs_measured(hybrid_run[0], dp=2, tp=2)
+    assert len(rows) >= 6 and all(r["predicted"] == r["measured"] for r in rows)
+    assert "| NO |" not in planner_widgets.rows_markdown(rows)

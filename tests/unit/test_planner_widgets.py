@@ -1,0 +1,42 @@
+"""The planner's widgets, headless: what the explorer shows, the bars, the exercises' verdicts."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from distlab import planner, planner_widgets  # noqa: E402
+
+
+def test_explorer_shows_the_best_fitting_layouts_and_their_table():
+    plans, text = planner_widgets.explorer_view("70b", "h100-80gb", 64)
+    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)
+    assert [p.layout for p in plans] == [p.layout for p in best[:6]] and all(p.fits for p in plans)
+    assert f"| 1 | {best[0].layout.label()} |" in text
+
+
+def test_explorer_says_why_nothing_fits():
+    plans, text = planner_widgets.explorer_view("405b", "a100-40gb", 8)
+    assert plans and not any(p.fits for p in plans) and "nothing fits on 8 x a100-40gb; the closest: needs" in text
+    assert planner_widgets.explorer_view("7b", "a100-40gb", 0)[1] == "**GPUs must be at least 1, not 0**"
+
+
+def test_memory_bars_stack_the_parts_against_the_gpu_line():
+    plans, _ = planner_widgets.explorer_view("13b", "a100-40gb", 16, top=3)
+    ax = planner_widgets.draw_memory_bars(plans)
+    widths = [patch.get_width() for patch in ax.patches]
+    assert len(widths) == 3 * len(planner_widgets.PARTS)
+    assert sum(widths[: len(planner_widgets.PARTS)]) == sum(planner_widgets.memory_parts_gib(plans[0]).values())
+    assert ax.lines[0].get_xdata()[0] == 40
+
+
+def test_layout_verdicts():
+    assert planner_widgets.layout_verdict(None).ok is None
+    assert planner_widgets.layout_verdict((8, 8, 1)).ok is False
+    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[0].layout
+    assert planner_widgets.layout_verdict(best).ok is True
+    ddp = planner_widgets.layout_verdict(planner.Layout(dp=64, zero_stage=0))
+    assert ddp.ok is False and "does not fit" in ddp.message
+    wrong_size = planner_widgets.layout_verdict(planner.Layout(tp=8, pp=8, dp=8, zero_stage=1), gpus=64)
+    assert wrong_size.ok is False and "is not the 64 GPUs" in wrong_size.message
