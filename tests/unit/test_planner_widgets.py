@@ -40,3 +40,22 @@ def test_layout_verdicts():
     assert ddp.ok is False and "does not fit" in ddp.message
     wrong_size = planner_widgets.layout_verdict(planner.Layout(tp=8, pp=8, dp=8, zero_stage=1), gpus=64)
     assert wrong_size.ok is False and "is not the 64 GPUs" in wrong_size.message
+
+
+def test_the_notebooks_exercise_checks_reject_plausible_wrong_answers():
+    import pytest
+
+    from distlab import exercises
+
+    right = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
+    exercises.check_value("nodes_13b", right, right)
+    for slip in (1, right + 1):  # the state alone / 40 GB read as 40e9 bytes and a node more "to be safe"
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises.check_value("nodes_13b", slip, right)
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises.check_true("layout_70b", planner_widgets.layout_verdict(None).ok, "")
+    for slip in (planner.Layout(tp=8, pp=1, dp=8, zero_stage=3),  # FSDP re-gathers for every microbatch
+                 planner.Layout(dp=64, zero_stage=1)):            # ZeRO-1 keeps a whole replica of the weights
+        verdict = planner_widgets.layout_verdict(slip)
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises.check_true("layout_70b", verdict.ok, verdict.message)
