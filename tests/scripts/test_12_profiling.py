@@ -30,7 +30,7 @@ def test_the_trace_counts_what_the_strategy_issues(profiled):
     issued = metrics["extra"]["ranks"][0]["issued"]
     if strategy == "ddp":  # 4 buckets of at most 0.1 MB for 123,200 fp32 parameters
         assert issued == {"all_reduce": 4}
-    else:  # two blocks and the root: 6 all-gathers (the root is not resharded after forward), 3 reduce-scatters
+    else:  # two blocks and the root, each gathered in forward and again in backward: 6 all-gathers, 3 reduce-scatters
         assert issued == {"all_gather": 6, "reduce_scatter": 3}
         assert metrics["extra"]["ranks"][0]["trace_collectives_per_step"][-1] == {"all_gather": 6, "all_reduce": 3}
 

@@ -1,0 +1,110 @@
+"""Chapter 12's numbers and messages come from the code: recomputed here, and the test fails when the text drifts.
+
+The troubleshooting messages that a CPU can produce are produced by doing the thing (a port already taken, an
+interface that does not exist, a GPU that is not there, a rank outside its world), then looked up in the chapter.
+"""
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import comm, hangs, models, runtime, schedules
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTER = (ROOT / "chapters" / "12_hpc_operations.md").read_text()
+RECORDED = json.loads((Path(__file__).parent / "data" / "hang_journals.json").read_text())  # from deadlocks.py
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("flag", ["mismatched-collectives", "skipped-barrier", "wrong-group", "few-microbatches",
+                                  "unpaired-p2p"])
+def test_each_diagnosis_line_is_the_one_the_script_prints(flag):
+    journals = {int(r): j for r, j in copy.deepcopy(RECORDED[flag]["journals"]).items()}
+    finding = hangs.diagnose(journals)
+    line = f"diagnosis: {finding['cause']}: {finding['verdict']}"  # deadlocks.py prints exactly this
+    assert line in CHAPTER, f"chapter 12 lacks, or words differently, the line:\n{line}"
+    assert f"`{flag}`" in CHAPTER
+
+
+def test_tuning_numbers():
+    tiny, a100 = models.preset("tiny"), models.preset("a100")
+    assert f"**{tiny.num_params() * 4:,} bytes**" in CHAPTER                       # the tiny model's fp32 gradients
+    assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in CHAPTER
+    bubbles = {m: schedules.bubble_fraction(4, m) for m in (4, 8, 16, 32)}
+    for m, share in bubbles.items():
+        assert f"**{100 * share:.1f}%** at {m}" in CHAPTER or f"**{100 * share:.1f}%** at {m} " in CHAPTER, m
+    fp32 = comm.zero_step_bytes(tiny.num_params(), 3)
+    bf16 = comm.zero_step_bytes(tiny.num_params(), 3, param_bytes=2)
+    assert f"**{fp32['all_gather']:,} → {bf16['all_gather']:,} bytes**" in CHAPTER
+    assert f"stay **{bf16['reduce_scatter']:,}** in fp32" in CHAPTER
+
+
+def test_fsdp_collective_counts():
+    units = models.preset("tiny").n_layers + 1  # one fully_shard per block, and the root
+    assert f"the tiny model has **{units}** units" in flat(CHAPTER)
+    assert f"**{2 * units}** and **{units}**" in CHAPTER
+    # the same counts are what profile_step.py's test asserts from a real run
+    script_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
+    assert f'{{"all_gather": {2 * units}, "reduce_scatter": {units}}}' in script_test
+
+
+def test_every_launcher_variable_in_the_table_is_read_by_runtime():
+    source = (ROOT / "distlab" / "runtime.py").read_text()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID",
+                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK",
+                 "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        assert f"`{name}`" in CHAPTER and f'"{name}"' in source, name
+    # and each row's variables give that launcher's answer
+    for env, launcher in (({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, "torchrun"),
+                          ({"PALS_RANKID": "1", "PMI_RANK": "1", "PMI_SIZE": "4", "PALS_LOCAL_RANKID": "1"}, "pals"),
+                          ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "openmpi"),
+                          ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, "mpich"),
+                          ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}, "slurm")):
+        where = runtime.launcher_env(env)
+        assert (where.launcher, where.rank, where.world_size, where.local_rank) == (launcher, 1, 4, 1)
+
+
+def test_troubleshooting_messages_as_a_cpu_produces_them():
+    # a GPU asked for and missing
+    with pytest.raises(runtime.ConfigError) as missing_gpu:
+        runtime.pick_device("cuda", 0, cuda_available=False, cuda_count=0)
+    assert f"`config error (rank 0): {missing_gpu.value}`" in CHAPTER
+    # a rank outside its world (the launcher's variables disagree): reported before a rank is known
+    with pytest.raises(runtime.ConfigError) as outside:
+        runtime.launcher_env({"RANK": "4", "WORLD_SIZE": "4"})
+    assert f"`config error: {outside.value}`" in CHAPTER
+    # a port in use
+    import datetime
+
+    import torch.distributed as dist
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(dist.DistNetworkError) as in_use:
+        dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=5))
+    taken.close()
+    message = str(in_use.value).splitlines()[0].replace(f"port: {port},", "port: P,")
+    assert f"`DistNetworkError: {message}`" in CHAPTER, message
+
+
+def test_wrong_interface_message():
+    code = ("import torch.distributed as dist\n"
+            "try:\n    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "except Exception as e:\n    print(type(e).__name__ + ': ' + str(e).splitlines()[0])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"GLOO_SOCKET_IFNAME": "nosuch0", "PATH": "/usr/bin:/bin"})
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("RuntimeError: [enforce fail at ") and "Unable to find address for: nosuch0" in line
+    shown = "RuntimeError: [enforce fail at .../gloo/transport/" + line.split("/gloo/transport/", 1)[1]
+    assert f"`{shown}`" in CHAPTER, shown
