@@ -54,6 +54,14 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--dry-run", action="store_true", help="build the chosen layout's DeviceMesh on a fake "
                                                           "process group and check its groups")
+    p.add_argument("--measure", action="store_true",
+                   help="run under a launcher (every rank): plan the course's --preset transformer on this job's "
+                        "GPUs (pp 1, FSDP x TP: what chapter 09's fsdp_tp_hybrid.py runs), run that layout with it, "
+                        "and print predicted beside measured memory and step time (rank 0)")
+    p.add_argument("--preset", choices=["tiny", "a100"], default="a100", help="--measure: the course's model")
+    p.add_argument("--steps", type=int, default=4, help="--measure: training steps of the run (first 2 untimed)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="--measure: the run's device")
+    p.add_argument("--metrics-out", help="write the result as JSON to this file (rank 0)")
     return p.parse_args(argv)
 
 
@@ -159,8 +167,86 @@ def dry_run(layout: planner.Layout, sample: int = 64) -> list[int]:
     return wrong
 
 
+HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"
+
+
+def measure(args) -> int:
+    """--measure: every rank plans the same layout (pure arithmetic, no collective), then runs it with chapter 09's
+    fsdp_tp_hybrid.py in this process; rank 0 prints and writes predicted beside measured."""
+    import runpy
+    import tempfile
+    from pathlib import Path
+
+    from distlab import metrics, models, tensor_parallel
+
+    where = runtime.launcher_env()
+    try:
+        cluster = planner.cluster_from_file(args.cluster_config) if args.cluster_config else \
+            planner.CLUSTERS.get(args.cluster)
+        runtime.require(cluster is not None, f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
+        runtime.require(args.steps >= 3, f"--steps {args.steps}: --measure times the steps after the first two")
+    except (OSError, ValueError, runtime.ConfigError) as error:
+        sys.stderr.write(f"config error (rank {where.rank}): {error}\n")
+        return runtime.CONFIG_ERROR_EXIT_CODE
+    # the script trains in fp32 (state 16 B per parameter; compute at the fp32 dense peak)
+    cluster = replace(cluster, peak_flops=metrics.PEAK_FLOPS[("A100", "fp32")], dtype="fp32") \
+        if cluster.name.startswith("a100") else cluster
+    cfg = models.preset(args.preset)
+    batch = tensor_parallel.DEFAULT_BATCH[args.preset]
+    options = planner.Options(zero_stage=3, precision="fp32", activation_checkpointing=False)
+    plans = []
+    for tp in planner.divisors(where.world_size):
+        dp = where.world_size // tp
+        spec = planner.from_config(cfg, micro_batch=max(1, batch // dp), global_batch=batch)
+        plans.append(planner.evaluate(spec, cluster, planner.Layout(tp=tp, dp=dp, zero_stage=3), options,
+                                      where.world_size))
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: -p.tokens_per_second)
+    if not fitting:
+        reasons = "; ".join(f"{p.layout.label()}: {p.reason}" for p in plans)
+        sys.stderr.write(f"config error (rank {where.rank}): no FSDP x TP layout of {where.world_size} ranks runs "
+                         f"the {args.preset} model ({reasons})\n")
+        return runtime.CONFIG_ERROR_EXIT_CODE
+    plan = fitting[0]
+    say = print if where.rank == 0 else (lambda *a, **k: None)
+    say(f"planner: {plan.layout.label()} for the {args.preset} transformer on {where.world_size} ranks; running it with "
+        f"{HYBRID}")
+    measured_file = Path(tempfile.gettempdir()) / f"distlab-plan-measure-{where.master_port}.json"
+    saved_argv = sys.argv
+    sys.argv = [HYBRID, "--dp", str(plan.layout.dp), "--tp", str(plan.layout.tp), "--preset", args.preset,
+                "--device", args.device, "--steps", str(args.steps), "--metrics-out", str(measured_file)]
+    try:
+        runpy.run_path(str(Path(__file__).resolve().parents[2] / HYBRID), run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    finally:
+        sys.argv = saved_argv
+    if where.rank != 0:
+        return code
+    run = json.loads(measured_file.read_text())
+    state, predicted = run["memory"]["measured"], plan.memory_per_gpu_bytes
+    device = run["memory"].get("device", {})
+    peak = device.get("peak_allocated_bytes")
+    rows = [(part, predicted[part], state[part]) for part in ("params", "grads", "optimizer")]
+    rows.append(("peak allocated (all parts but the reserve)", predicted["total"] - predicted["reserve"], peak))
+    rows.append(("step seconds", plan.step_seconds, run["throughput"].get("step_seconds")))
+    print(f"\n{'':44s} {'predicted (derived)':>20s} {'measured':>16s}")
+    for name, guess, seen in rows:
+        shown = "-" if seen is None else (f"{seen:16.3g}" if name == "step seconds" else f"{seen:16,.0f}")
+        print(f"{name:44s} {guess:20.3g} {shown:>16s}" if name == "step seconds" else
+              f"{name:44s} {guess:20,.0f} {shown:>16s}")
+    if args.metrics_out:
+        Path(args.metrics_out).write_text(json.dumps({
+            "script": "11_choosing_a_strategy/plan.py", "world_size": where.world_size, "plan": plan.to_dict(),
+            "measured_run": HYBRID, "rows": [{"what": n, "predicted": g, "measured": m} for n, g, m in rows],
+            "measured_checks_passed": all(c["passed"] for c in run["checks"])}, default=str))
+    return code
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.measure:
+        return measure(args)
     try:
         model, cluster, options, gpus = resolve(args)
         if args.layout:
@@ -183,6 +269,10 @@ def main(argv=None) -> int:
         sys.stderr.write(f"config error: {error}\n")
         return runtime.CONFIG_ERROR_EXIT_CODE
 
+    if args.metrics_out:
+        from pathlib import Path
+        Path(args.metrics_out).write_text(json.dumps({"script": "11_choosing_a_strategy/plan.py", "gpus": gpus,
+                                                      "layouts": [p.to_dict() for p in plans]}))
     if args.json:
         if args.layout:
             print(json.dumps(plans[0].to_dict()))

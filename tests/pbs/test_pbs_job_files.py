@@ -22,6 +22,7 @@ CHAPTER_SCRIPTS = {
     "08_sequence_parallel": ["sp_transformer.py", "ring_attention.py"],
     "09_hybrid_parallel": ["rank_grid.py", "fsdp_tp_hybrid.py", "pp_dp_hybrid.py", "hybrid_3d.py"],
     "10_domain_parallel": ["halo_conv.py", "domain_train.py"],
+    "11_choosing_a_strategy": ["plan.py"],
     "12_hpc_operations": ["fault_drill.py", "deadlocks.py", "profile_step.py"],
 }
 MAX_WALLTIME_H = 12

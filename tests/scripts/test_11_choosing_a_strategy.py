@@ -232,3 +232,19 @@ def test_the_notebooks_side_by_side_table_is_all_equal(hybrid_run):
     rows = planner_widgets.predicted_vs_measured(hybrid_run[0], dp=2, tp=2)
     assert len(rows) >= 6 and all(r["predicted"] == r["measured"] for r in rows)
     assert "| NO |" not in planner_widgets.rows_markdown(rows)
+
+
+def test_measure_runs_the_planned_layout_and_prints_predicted_beside_measured(tmp_path):
+    """What the PBS job runs on the cluster, on 4 CPU ranks under the real torchrun: every rank plans, then
+    runs chapter 09's script; the predicted state equals the measured one."""
+    out = tmp_path / "plan.json"
+    result = launch.run(PLAN, nproc=4, args=["--measure", "--preset", "tiny", "--device", "cpu", "--steps", "3",
+                                             "--metrics-out", str(out)], launcher="torchrun", stream=False,
+                        metrics=False)
+    assert result.returncode == 0, result.tail()
+    data = json.loads(out.read_text())
+    assert data["measured_checks_passed"] and data["world_size"] == 4
+    rows = {r["what"]: r for r in data["rows"]}
+    for part in ("params", "grads", "optimizer"):
+        assert rows[part]["predicted"] == rows[part]["measured"]
+    assert "predicted (derived)" in result.output and result.output.count("planner: tp=") == 1
