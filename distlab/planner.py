@@ -399,7 +399,8 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
     """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
     unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting); without resharding
-    after forward (and under PP) every unit stays gathered until its backward: the stage's whole weights. DDP and ZeRO-1:
+    after forward (and under PP) every unit stays gathered until its backward: the stage's whole weights.
+    DDP and ZeRO-1:
     DDP's buckets, a second copy of the gradients (none with ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
@@ -502,7 +503,6 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     if problems:
         return Plan(layout, {"total": float("nan")}, cluster.gpu_bytes, {}, {}, {}, float("inf"), float("inf"),
                     0.0, 0.0, problems)
-    stages = range(layout.pp)
     memories = {s: memory_per_gpu(model, layout, s, options) for s in {0, layout.pp - 1}}
     worst = max(memories, key=lambda s: memories[s]["total"])
     sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
@@ -541,7 +541,6 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
         exposed += max(0.0, comm_seconds["cp"] - compute * attention_share)
     step = compute + bubble["seconds"] + exposed
     mfu = model_flops_per_gpu / (step * cluster.peak_flops)
-    del stages
     return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step, compute, mfu,
                 tokens / step, [], worst)
 
@@ -566,7 +565,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Op
 def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Plan]:
     """Every layout of ``gpus`` GPUs evaluated: those that fit first, by estimated tokens/s, then the others
     with their reasons (invalid ones last)."""
-    plans = [evaluate(model, cluster, layout, options, gpus) for layout in candidate_layouts(model, cluster, gpus, options)]
+    plans = [evaluate(model, cluster, layout, options, gpus)
+             for layout in candidate_layouts(model, cluster, gpus, options)]
     return sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
                                         p.memory_per_gpu_bytes.get("total", 0)))
 

@@ -123,8 +123,9 @@ def predicted_vs_measured(run_metrics: dict, dp: int, tp: int) -> list[dict]:
 
 def rows_markdown(rows) -> str:
     lines = ["| | planner (derived) | measured | equal |", "|---|---:|---:|---|"]
-    lines += [f"| {r['what']} | {r['predicted']:,} | {r['measured']:,} | {'yes' if r['predicted'] == r['measured'] else 'NO'} |"
-              for r in rows]
+    for r in rows:
+        equal = "yes" if r["predicted"] == r["measured"] else "NO"
+        lines.append(f"| {r['what']} | {r['predicted']:,} | {r['measured']:,} | {equal} |")
     return "\n".join(lines)
 
 

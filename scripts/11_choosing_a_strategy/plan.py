@@ -183,7 +183,8 @@ def measure(args) -> int:
     try:
         cluster = planner.cluster_from_file(args.cluster_config) if args.cluster_config else \
             planner.CLUSTERS.get(args.cluster)
-        runtime.require(cluster is not None, f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
+        runtime.require(cluster is not None,
+                        f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
         runtime.require(args.steps >= 3, f"--steps {args.steps}: --measure times the steps after the first two")
     except (OSError, ValueError, runtime.ConfigError) as error:
         sys.stderr.write(f"config error (rank {where.rank}): {error}\n")
@@ -208,8 +209,8 @@ def measure(args) -> int:
         return runtime.CONFIG_ERROR_EXIT_CODE
     plan = fitting[0]
     say = print if where.rank == 0 else (lambda *a, **k: None)
-    say(f"planner: {plan.layout.label()} for the {args.preset} transformer on {where.world_size} ranks; running it with "
-        f"{HYBRID}")
+    say(f"planner: {plan.layout.label()} for the {args.preset} transformer on {where.world_size} ranks; "
+        f"running it with {HYBRID}")
     measured_file = Path(tempfile.gettempdir()) / f"distlab-plan-measure-{where.master_port}.json"
     saved_argv = sys.argv
     sys.argv = [HYBRID, "--dp", str(plan.layout.dp), "--tp", str(plan.layout.tp), "--preset", args.preset,

@@ -37,7 +37,8 @@ def test_the_mixture_of_experts_sentence(text):
 
 def test_stated_assumptions_are_the_planners(text):
     options = planner.Options()
-    assert f"{options.prefetched_units} gathered units" in text and f"at {options.compute_efficiency:.0%} of the dense peak" in text
+    assert f"{options.prefetched_units} gathered units" in text
+    assert f"at {options.compute_efficiency:.0%} of the dense peak" in text
     assert f"| {options.reserve_bytes / planner.GIB:.0f} GiB: CUDA context" in text
     peaks = {name: c.peak_flops / 1e12 for name, c in planner.CLUSTERS.items()}
     assert (peaks["a100-40gb"], peaks["h100-80gb"], peaks["v100-32gb"]) == (312, 989, 125)
@@ -73,6 +74,7 @@ def test_the_planner_needs_one_node_less_for_70b_with_a_pipeline_of_9(text):
 def test_the_decision_path_says_what_the_prose_reads_from_it():
     steps = planner.decision_path()
     assert "DDP: does not fit" in steps[1]["answer"] and "FSDP dp=8: fits" in steps[1]["answer"]
-    fsdp_alone = planner.evaluate(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"], planner.Layout(dp=64, zero_stage=3))
+    fsdp_alone = planner.evaluate(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"],
+                                  planner.Layout(dp=64, zero_stage=3))
     best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"], 64)[0]
     assert fsdp_alone.fits and best.mfu > fsdp_alone.mfu and best.layout.tp > 1 and best.layout.pp > 1
