@@ -248,3 +248,18 @@ def test_measure_runs_the_planned_layout_and_prints_predicted_beside_measured(tm
     for part in ("params", "grads", "optimizer"):
         assert rows[part]["predicted"] == rows[part]["measured"]
     assert "predicted (derived)" in result.output and result.output.count("planner: tp=") == 1
+
+
+def test_model_and_cluster_from_files(tmp_path, capsys):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"name": "mine", "layers": 24, "hidden": 2048, "heads": 16, "ffn": 5632,
+                                 "vocab": 32000, "seq_len": 2048, "global_batch": 64}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"gpus_per_node": 4, "gpu_gib": 40, "peak_tflops": 312, "intra_node_gb_per_s": 300,
+                                   "inter_node_gb_per_s": 25}))
+    code, out, _ = run_plan(["--model-config", str(model), "--cluster-config", str(cluster), "--gpus", "8", "--json"],
+                            capsys)
+    data = json.loads(out)
+    assert code == 0 and data["model"]["kv_heads"] == 16 and data["cluster"]["gpu_bytes"] == 40 * planner.GIB
+    spec, machine = planner.model_from_file(model), planner.cluster_from_file(cluster)
+    assert data["layouts"][0]["label"] == planner.search(spec, machine, 8)[0].layout.label()
