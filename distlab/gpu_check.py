@@ -129,6 +129,8 @@ RUNS: tuple[Run, ...] = (
     # a planted hang must end in seconds with its diagnosis on NCCL too (its watchdog, not gloo's timeout)
     Run("deadlocks_none", f"{CH12}/deadlocks.py", ("--hang", "none"), min_gpus=4, timeout_s=60),
     Run("deadlocks_skipped_barrier", f"{CH12}/deadlocks.py", ("--hang", "skipped-barrier"), min_gpus=4, timeout_s=60),
+    # the planner's layout run by chapter 09's script: predicted state per GPU = measured, step time beside it
+    Run("plan_measure", "scripts/11_choosing_a_strategy/plan.py", ("--measure", "--preset", "tiny"), min_gpus=2),
     # a plain run (no rank killed): DCP checkpoints of a DDP model on the GPUs, losses = one device
     Run("fault_drill", f"{CH12}/fault_drill.py", ("--run-dir", "{workdir}/fault_drill")),
     # the trace's NCCL kernels counted against CommCounter; FSDP2 must overlap on a GPU (CUDA streams)
@@ -137,10 +139,7 @@ RUNS: tuple[Run, ...] = (
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)
-NOT_ON_GPU: dict[str, str] = {
-    "scripts/11_choosing_a_strategy/plan.py": "the planner computes on the CPU alone: no process group, no GPU "
-                                              "(its --dry-run builds a fake world in one process)",
-}
+NOT_ON_GPU: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -236,12 +236,20 @@ def measure(args) -> int:
         shown = "-" if seen is None else (f"{seen:16.3g}" if name == "step seconds" else f"{seen:16,.0f}")
         print(f"{name:44s} {guess:20.3g} {shown:>16s}" if name == "step seconds" else
               f"{name:44s} {guess:20,.0f} {shown:>16s}")
+    # the planner proves itself on what the run measured exactly: the training state of a rank
+    state_equal = all(int(guess) == seen for _, guess, seen in rows[:3])
+    checks = run["checks"] + [{"name": "training state per GPU: planner (derived) = measured (params, grads, "
+                                       "optimizer)", "passed": state_equal,
+                               "value": [seen for _, _, seen in rows[:3]], "tolerance": "equal"}]
+    print(f"planner's state per GPU = measured: {'PASS' if state_equal else 'FAIL'}")
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps({
-            "script": "11_choosing_a_strategy/plan.py", "world_size": where.world_size, "plan": plan.to_dict(),
+            "script": "11_choosing_a_strategy/plan.py", "world_size": where.world_size, "device": run["device"],
+            "config": vars(args), "losses": run["losses"], "checks": checks, "comm": run["comm"],
+            "memory": run["memory"], "throughput": run["throughput"], "plan": plan.to_dict(),
             "measured_run": HYBRID, "rows": [{"what": n, "predicted": g, "measured": m} for n, g, m in rows],
             "measured_checks_passed": all(c["passed"] for c in run["checks"])}, default=str))
-    return code
+    return code if code or state_equal else runtime.CHECK_FAILED_EXIT_CODE
 
 
 def main(argv=None) -> int:

@@ -244,6 +244,7 @@ def test_measure_runs_the_planned_layout_and_prints_predicted_beside_measured(tm
     assert result.returncode == 0, result.tail()
     data = json.loads(out.read_text())
     assert data["measured_checks_passed"] and data["world_size"] == 4
+    assert all(c["passed"] for c in data["checks"]) and data["checks"][-1]["name"].startswith("training state per GPU")
     rows = {r["what"]: r for r in data["rows"]}
     for part in ("params", "grads", "optimizer"):
         assert rows[part]["predicted"] == rows[part]["measured"]
