@@ -1,18 +1,34 @@
 """distlab: the shared toolkit of the course. One job per module; no chapter logic lives here.
 
-runtime   join a job (torchrun, mpiexec, srun, alone); device, backend, seed, timeout, config errors
-models    the MLP and the LLaMA-style transformer, presets tiny .. a100
-data      deterministic synthetic data: the same global batch whatever the world size
-metrics   the metrics file, checks, throughput, FLOPs, MFU
-memory    training-state and activation memory: formulas, and measured from the tensors
-comm      ring cost model, bus bandwidth, measured bytes per collective
+runtime          join a job (torchrun, mpiexec, srun, alone); device, backend, seed, timeout, config errors
+models           the MLP and the LLaMA-style transformer, presets tiny .. a100
+data             deterministic synthetic data: the same global batch whatever the world size
+metrics          the metrics file, checks, throughput, FLOPs, MFU, tolerances on CPU and GPU
+memory           training-state and activation memory: formulas, and measured from the tensors
+comm             ring cost model, bus bandwidth, measured bytes per collective, point-to-point pairing rules
 tensor_parallel  the TP/SP plan of the shared transformer, its formulas, ring-attention maths
-schedules pipeline schedules as data, the simulator, bubble maths
-gantt     ASCII and matplotlib Gantt charts of any timeline
-launch    run a script on N ranks from a notebook or a test (forkrun: the fast CPU launcher)
-widgets   ipywidgets explorers over pure, tested functions
-exercises the checks that notebook exercises call
-student   the learner's copies of the notebooks (make student)
+schedules        pipeline schedules as data, the simulator, bubble maths
+gantt            ASCII and matplotlib Gantt charts of any timeline
+hybrid           the (pp, dp, tp) rank grid in both rank orders; 2-D FSDP x TP formulas (chapter 09)
+hybrid_pipeline  pipelines combined with DP/FSDP and TP: what must divide what, bytes per dimension (09)
+sizing           chapter 09's sizing guide: LLaMA-style 1B-70B on 4 x A100-40GB nodes, derived
+mesh_view        a rank grid drawn on nodes x GPUs, each group coloured (09)
+domain           tiles of a grid, halo exchange as an autograd function, halo formulas (chapter 10)
+planner          memory, communication, bubble and step time of a layout; the search over layouts (11)
+planner_widgets  the planner's bars, tables and explorer (11)
+checkpointing    distributed checkpoints (DCP) of a run: what one holds, where the latest is (05, 12)
+hangs            a journal of every rank's calls and the diagnosis of a hang from it (12)
+profiling        time per kind and communication overlap read from a torch.profiler trace (12)
+launch           run a script on N ranks from a notebook or a test (forkrun: the fast CPU launcher)
+forkrun          torchrun's job started by fork on CPU: imports once, seconds instead of tens
+widgets          ipywidgets explorers over pure, tested functions
+figures          the chapters' pictures, drawn from the library's own functions (make figures)
+exercises        the checks that notebook exercises call
+exercises_hybrid      ... of chapter 09's exercises (rank grid, layout, TP plan)
+exercises_operations  ... of chapter 12's exercises (a profiler timeline, a hang's journals)
+student          the learner's copies of the notebooks (make student); the notebooks' normal form
+demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
+gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table
 """
 
 __version__ = "0.1.0"
