@@ -210,8 +210,8 @@ def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[s
     path = script if script.is_absolute() else cwd / script
     if not folder or not path.exists():
         return None
-    key = hashlib.sha256()
-    for source in run_dependencies(path):  # an edit to any of them is a new key: never a stale replay
+    key = hashlib.sha256(f"{path.parent.name}/{path.name}".encode())  # which script: its folder's other
+    for source in run_dependencies(path):                              # scripts are among its dependencies  # an edit to any of them is a new key: never a stale replay
         key.update(f"{source.parent.name}/{source.name}".encode())
         key.update(source.read_bytes())
     key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)],

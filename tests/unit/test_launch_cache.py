@@ -41,6 +41,10 @@ def test_an_edit_to_any_dependency_or_the_environment_changes_the_key(tmp_path, 
     assert key() != first                                   # the chapter's helper changed
     assert key({"DISTLAB_X": "1"}) != key()                 # another environment is another run
     assert launch._cache_file(script, tmp_path, 4, "fork", [], None) != key()
+    # another script of the same chapter folder has the same dependencies, but is another run
+    sibling = script.parent / "goodbye.py"
+    sibling.write_text(SCRIPT)
+    assert launch._cache_file(sibling, tmp_path, 2, "fork", [], None) != key()
 
 
 def test_a_run_is_replayed_until_a_helper_changes(tmp_path, monkeypatch):

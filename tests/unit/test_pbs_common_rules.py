@@ -172,11 +172,12 @@ def test_without_scratch_the_run_directory_is_in_the_repository(tmp_path):
 
 
 def test_a_batch_job_never_writes_into_a_repository_in_home(tmp_path):
-    result = bash(RUN_DIR, PBS_JOBID="778.desched1", HOME=str(ROOT.parent))  # the course cloned into $HOME
+    job = f"{os.getpid()}.desched1"  # a job id no earlier run can have left a folder for
+    result = bash(RUN_DIR, PBS_JOBID=job, HOME=str(ROOT.parent))  # the course cloned into $HOME
     assert result.returncode == 2 and "the repository is in $HOME" in result.stderr
-    assert not (ROOT / "runs" / "778.desched1").exists()
-    assert run_dir_of(bash(RUN_DIR, PBS_JOBID="778.desched1", HOME=str(ROOT.parent), SCRATCH=str(tmp_path))) == (
-        f"{tmp_path}/distlab/runs/778.desched1")
+    assert not (ROOT / "runs" / job).exists()
+    assert run_dir_of(bash(RUN_DIR, PBS_JOBID=job, HOME=str(ROOT.parent), SCRATCH=str(tmp_path))) == (
+        f"{tmp_path}/distlab/runs/{job}")
 
 
 def test_a_run_directory_that_holds_files_is_refused(tmp_path):
