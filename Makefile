@@ -27,11 +27,17 @@ lab: $(STAMP)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-## Every test: unit, scripts (4 CPU ranks), PBS jobs, notebooks (nbval), then the learner's copies
-## (in that order: the learner's copies replay the runs their full notebooks just made)
+## Every test, in two phases. First unit, scripts (4 CPU ranks), PBS jobs and notebooks (nbval) on two
+## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
+## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then, alone, the
+## tests marked `serial`: the timing-sensitive ones, and the learner's copies, which replay the script
+## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases).
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) tests/notebooks \
-		--nbval-lax --nbval-current-env $(PYTEST_ARGS)
+	export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
+	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
+	$(PY) -m pytest tests/scripts tests/notebooks -m serial $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

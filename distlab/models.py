@@ -227,3 +227,31 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int, batch: int, seq_len: int | None = None,
+                    device="cpu") -> dict:
+    """The single-device run every parallel transformer script is checked against.
+
+    The model built from the seed alone (never copied from a parallel one), each step's whole global batch
+    (``distlab.data.token_batch``), AdamW. Returns ``losses`` (every step), ``first_grads`` (step 0, by
+    parameter name, on the CPU) and ``params`` (after the last step, by name, on the CPU).
+    """
+    from distlab import data
+
+    seq_len = seq_len or cfg.seq_len
+    model = build_transformer(cfg, seed=seed, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, first_grads = [], {}
+    for step in range(steps):
+        inputs, targets = data.split_inputs_targets(
+            data.token_batch(step, batch, seq_len, cfg.vocab_size, seed).to(device))
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "first_grads": first_grads, "params": params}

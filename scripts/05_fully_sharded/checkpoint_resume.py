@@ -25,35 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict, set_state_dict)
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from common_fully_sharded import LOSS_TOLERANCE, Baseline, param_tolerance
 from distlab import data, metrics, models, runtime
+from distlab.checkpointing import TrainingState  # model and optimizer shards, and the step count
 from train_fsdp import PRESETS, apply_fsdp, full_parameters, materialize_on_meta
 
 DEFAULT_SAVE_DIR = "runs/05_fully_sharded/checkpoints"
-
-
-class TrainingState(Stateful):
-    """What a checkpoint holds: the model's and the optimizer's shards, and the number of steps done.
-
-    DCP calls ``state_dict()`` when saving and ``load_state_dict()`` when loading; ``get_state_dict`` gives
-    the sharded (DTensor) state keyed by parameter name, which is what lets another layout read it.
-    """
-
-    def __init__(self, model, optimizer, step: int = 0):
-        self.model, self.optimizer, self.step = model, optimizer, step
-
-    def state_dict(self):
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "step": self.step}
-
-    def load_state_dict(self, state):
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        self.step = state["step"]
 
 
 def checkpoints(save_dir) -> list[Path]:

@@ -37,24 +37,6 @@ def check_config(args, world_size):
     runtime.require(not problems, "; ".join(problems))
 
 
-def train_single_device(cfg, args, device):
-    """The reference: the same model, data and optimizer on one device. Returns losses and step-0 grads."""
-    model = models.build_transformer(cfg, args.seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, first_grads = [], {}
-    for step in range(args.steps):
-        inputs, targets = data.split_inputs_targets(
-            data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(device))
-        loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
-        if step == 0:
-            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, first_grads
-
-
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the number of ranks)")
@@ -74,7 +56,10 @@ def main():
                  f"{cfg.vocab_size // rt.world_size} vocabulary rows")
 
         # 1. The single-device reference, first, so its memory is free before the TP model is built.
-        reference_losses, reference_grads = train_single_device(cfg, args, rt.device)
+        reference = models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch,
+                                           seq_len=args.seq_len, device=rt.device)
+        reference_losses, reference_grads = reference["losses"], reference["first_grads"]
+        del reference
         if rt.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -13,7 +13,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "07_pipeline_parallel"))
@@ -122,21 +121,7 @@ def resolved_config(args, cfg, world_size: int) -> dict:
 def single_device_run(cfg, args, device) -> dict:
     """The whole model on one device, trained on each step's whole global batch: losses, step-0 gradients and
     final parameters by name. Built from the seed alone, as the parallel model is: an independent answer."""
-    model = models.build_transformer(cfg, seed=args.seed, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, first_grads = [], {}
-    for step in range(args.steps):
-        tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(device)
-        inputs, targets = data.split_inputs_targets(tokens)
-        loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
-        if step == 0:
-            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    params = {name: p.detach().cpu() for name, p in model.named_parameters()}
-    return {"losses": losses, "first_grads": first_grads, "params": params}
+    return models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch, device=device)
 
 
 def replica_batch(step: int, args, cfg, dp_rank: int, device):

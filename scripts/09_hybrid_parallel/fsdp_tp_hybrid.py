@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from distlab import comm, data, hybrid, memory, metrics, models, runtime, tensor_parallel
@@ -97,25 +97,6 @@ def build_hybrid_model(cfg, args, mesh, device):
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward)
     return model
-
-
-def train_single_device(cfg, args, device):
-    """The reference: one model, the whole global batch, AdamW. Losses, step-0 gradients, final parameters."""
-    model = models.build_transformer(cfg, args.seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, first_grads = [], {}
-    for step in range(args.steps):
-        inputs, targets = data.split_inputs_targets(
-            data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(device))
-        loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
-        if step == 0:
-            first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    final = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    return losses, first_grads, final
 
 
 def quiet_redistribution():
@@ -195,7 +176,10 @@ def main():
             rt.print(warning)
 
         # 1. The single-device reference first, so its memory is free before the hybrid model is built.
-        reference_losses, reference_grads, reference_final = train_single_device(cfg, args, rt.device)
+        reference = models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch,
+                                           seq_len=args.seq_len, device=rt.device)
+        reference_losses, reference_grads, reference_final = (reference["losses"], reference["first_grads"],
+                                                              reference["params"])
         if rt.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -58,22 +58,6 @@ def on_sigterm(signum, frame):
     STOP_REQUESTED["signal"] = signum  # acted on at the end of the step, by every rank together
 
 
-def reference_losses(args, device) -> list[float]:
-    """The uninterrupted single-device run, from the seed: what every attempt must reproduce."""
-    model = models.build_transformer("tiny", seed=args.seed, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses = []
-    for step in range(args.steps):
-        inputs, targets = data.split_inputs_targets(
-            data.token_batch(step, args.batch, model.cfg.seq_len, model.cfg.vocab_size, args.seed).to(device))
-        loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def main():
     p = runtime.parser(__doc__, steps=8)
     p.add_argument("--run-dir", default=os.path.join(os.environ.get("DISTLAB_RUN_DIR", "runs"), "fault_drill"),
@@ -152,7 +136,8 @@ def main():
             os._exit(1)
 
         # Completed: the whole trajectory, over every attempt, against the uninterrupted single-device run.
-        expected = reference_losses(args, rt.device)
+        expected = models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch,
+                                          device=rt.device)["losses"]  # uninterrupted, one device, from the seed
         records = [json.loads(line) for line in (run_dir / LOSSES_FILE).read_text().splitlines()]
         last_per_step = {r["step"]: r["loss"] for r in records}  # a step trained twice: its last value
         trained_twice = sorted({r["step"] for r in records if sum(q["step"] == r["step"] for q in records) > 1})

@@ -44,6 +44,7 @@ def _run_schedule(schedule, args):
     return result
 
 
+@pytest.mark.serial  # measures seconds: run with the machine to itself (see the Makefile)
 @pytest.mark.parametrize("schedule, formula", [
     ("GPipe", schedules.bubble_fraction(4, 8)),
     ("1F1B", schedules.bubble_fraction(4, 8)),                 # the same bubble as GPipe

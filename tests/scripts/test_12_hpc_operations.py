@@ -53,8 +53,9 @@ def test_a_dead_rank_restarts_from_the_last_checkpoint_and_ends_like_one_device(
     extra = metrics["extra"]
     assert extra["attempts"] == 2 and extra["died_at_step"] == 5 and extra["steps_trained_twice"] == [4]
     assert 0 < extra["seconds_to_restart"] < 60
-    # the survivors of the first attempt left by themselves, each with one line
-    assert sum("lost a peer at step 5" in line for line in done.stdout.splitlines()) == 3
+    # the survivors of the first attempt leave by themselves with one line each, unless torchrun's agent, which
+    # stops the other workers as soon as one fails, gets there first (the fork test below waits for all three)
+    assert 1 <= sum("lost a peer at step 5" in line for line in done.stdout.splitlines()) <= 3
 
 
 def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path):

@@ -53,8 +53,8 @@ def test_refuses_without_a_gpu_device_node():
 
 
 def test_make_target_runs_the_module():
-    done = subprocess.run(["make", "-n", "gpu-check", "GPU_CHECK_ARGS=--plan-only"], cwd=REPO, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "GPU_CHECK_ARGS=--plan-only"], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert re.search(r"python -m distlab\.gpu_check --plan-only$", done.stdout.strip()), done.stdout
 
