@@ -128,10 +128,11 @@ def main():
                     report.extra = {"stopped_by_signal": True, "checkpoint_step": state.step}
                     sys.exit(report.finish(args.metrics_out))
         except (RuntimeError, dist.DistBackendError) as error:
-            # A peer is gone: leave now, with one line, rather than wait for collectives that cannot complete.
-            print(f"[rank {rt.rank}] lost a peer at step {state.step} after {time.time() - started_at:.1f} s: "
-                  f"{str(error).splitlines()[0][:140]}; exiting (torchrun --max-restarts restarts the job)",
-                  flush=True)
+            # A peer is gone: leave now, with one line, rather than wait for collectives that cannot complete
+            # (one write, newline included, so the lines of several ranks do not interleave).
+            sys.stdout.write(f"[rank {rt.rank}] lost a peer at step {state.step} after "
+                             f"{time.time() - started_at:.1f} s: {str(error).splitlines()[0][:140]}; exiting "
+                             "(torchrun --max-restarts restarts the job)\n")
             sys.stdout.flush()
             os._exit(1)
 

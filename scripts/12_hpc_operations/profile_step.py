@@ -187,12 +187,17 @@ def main():
                          for row, want in zip(everyone, expected)),
                      dict(everyone[0]["trace_collectives_per_step"][-1]), f"== {dict(expected[0])}")
         # DDP launches each bucket's all-reduce from backward's gradient hooks and goes on computing: with two
-        # buckets or more, some communication must overlap backward. FSDP2 overlaps through CUDA streams; on a
-        # CPU the trace shows no operator running while any of its collectives ran (measured, reported below).
+        # buckets or more, some communication overlaps backward. FSDP2 overlaps through CUDA streams; on a CPU
+        # the trace shows no operator running while any of its collectives ran (measured, reported below).
+        # On a GPU every rank overlaps. On a CPU shared by 4 ranks (and maybe other jobs) a rank can be
+        # descheduled until its backward has ended, so there the claim is for the job: some rank overlapped.
         hidden = [row["overlap"]["hidden_fraction"] for row in everyone]
-        if (args.strategy == "ddp" and sum(issued.values()) > 1) or rt.device_type == "cuda":
+        if rt.device_type == "cuda":
             report.check("some communication ran while backward computed (trace intervals), every rank",
                          min(hidden) > 0, min(hidden), "> 0")
+        elif args.strategy == "ddp" and sum(issued.values()) > 1:
+            report.check("some communication ran while backward computed (trace intervals), on some rank",
+                         max(hidden) > 0, max(hidden), "> 0")
         if baseline is not None:
             report.check_close("losses = single-device baseline (every step)", report.losses, baseline.losses,
                                metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
