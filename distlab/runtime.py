@@ -447,8 +447,10 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
 
     try:
         yield rt
-        if dist.is_initialized() and rt.world_size > 1:
-            dist.barrier()  # every rank is done with every collective before any group goes away
+        if dist.is_initialized():
+            if rt.world_size > 1:
+                dist.barrier()  # every rank is done with every collective before any group goes away
+            # a group of one rank can abort at teardown too ("terminate called without an active exception")
             _exit_without_teardown_at_interpreter_exit(rt)
     except ConfigError as error:
         _config_error_exit(str(error), rt.rank)
