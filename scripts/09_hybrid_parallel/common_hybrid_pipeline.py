@@ -124,6 +124,21 @@ def single_device_run(cfg, args, device) -> dict:
     return models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch, device=device)
 
 
+def check_against_single_device(report, reference, all_params, all_first_grads, lr) -> None:
+    """The checks against :func:`single_device_run` (on rank 0): every parameter name, the losses of every step,
+    the step-0 gradients and the parameters after training, each gathered from the stages that hold them."""
+    names = sorted(reference["params"])
+    report.check("the stages' parameter names are the whole model's", sorted(all_params) == names,
+                 f"{len(all_params)} names", f"{len(names)} names")
+    report.check_close("losses equal the single-device run's (every step)", report.losses,
+                       reference["losses"], LOSS_TOLERANCE)
+    report.check_close("step-0 gradients equal the single-device run's (every parameter)",
+                       [all_first_grads[n] for n in names], [reference["first_grads"][n] for n in names],
+                       GRAD_TOLERANCE)
+    report.check_close("parameters after training equal the single-device run's",
+                       [all_params[n] for n in names], [reference["params"][n] for n in names], param_tolerance(lr))
+
+
 def replica_batch(step: int, args, cfg, dp_rank: int, device):
     """This data-parallel replica's rows of the step's global batch (inputs, targets), on the device."""
     tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)

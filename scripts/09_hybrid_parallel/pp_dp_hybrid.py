@@ -49,8 +49,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from common_hybrid_pipeline import (GRAD_TOLERANCE, LOSS_TOLERANCE, add_hybrid_flags, check_hybrid_config,
-                                    full_named, gather_named, param_tolerance, parse_with_config,
+from common_hybrid_pipeline import (GRAD_TOLERANCE, add_hybrid_flags, check_against_single_device,
+                                    check_hybrid_config, full_named, gather_named, parse_with_config,
                                     pipeline_stage_class, replica_batch, replica_losses, resolved_config,
                                     single_device_run, supports_sync_every_microbatch)
 from common_pipeline import gather_timeline, record_actions, stage_indices, torch_schedule, transformer_stage
@@ -201,17 +201,7 @@ def main():
 
         # ---- checks: one device ----
         if reference is not None:
-            names = sorted(reference["params"])
-            report.check("the stages' parameter names are the whole model's", sorted(all_params) == names,
-                         f"{len(all_params)} names", f"{len(names)} names")
-            report.check_close("losses equal the single-device run's (every step)", report.losses,
-                               reference["losses"], LOSS_TOLERANCE)
-            report.check_close("step-0 gradients equal the single-device run's (every parameter)",
-                               [all_first_grads[n] for n in names], [reference["first_grads"][n] for n in names],
-                               GRAD_TOLERANCE)
-            report.check_close("parameters after training equal the single-device run's",
-                               [all_params[n] for n in names], [reference["params"][n] for n in names],
-                               param_tolerance(args.lr))
+            check_against_single_device(report, reference, all_params, all_first_grads, args.lr)
 
         # ---- checks: bytes and memory, every rank against the formulas ----
         def stage_params(stages_of_rank):
