@@ -186,6 +186,8 @@ class Options:
     """How the model trains. Every field is printed beside the plans it produces."""
 
     zero_stage: int | None = None          # 0 DDP, 1, 2, 3 FSDP; None: the search tries ZERO_STAGES
+    context_parallel: int | None = None    # CP degree; None: the search tries those of long enough shares
+    cp_min_tokens: int = 8192              # the search's CP: at least this many tokens of a sequence per rank
     reshard_after_forward: bool = True     # FSDP: gather again for backward (PP keeps stages gathered instead)
     activation_checkpointing: bool = True  # every block recomputed in backward
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
@@ -439,8 +441,9 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
       reduced in fp32); FSDP without PP repeats its collectives for every accumulated microbatch; under
       PP it keeps a stage gathered for the whole step and reduces once (torchtitan's choice);
     * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch);
-    * cp: ring attention passes this rank's keys and values around the ring in forward, and again with their
-      gradients in backward: 2 x (cp - 1) x 2 x b x s/cp x kv_dim per layer and microbatch.
+    * cp: ring attention (``tensor_parallel.ring_comm_formula``, chapter 08's measured ring) per layer and
+      microbatch: this rank's keys and values around the ring in forward (again when recomputed), and in
+      backward with their gradients, blocks of b x s/cp x kv_dim.
     """
     number_bytes = 4 if options.precision == "fp32" else 2
     layers = stage_layers(model.layers, layout.pp, stage)
@@ -475,7 +478,8 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
                                              model.hidden, number_bytes)
         result["pp"] = {"send": sent}
     if layout.cp > 1:
-        per_layer = 2 * (layout.cp - 1) * 2 * model.micro_batch * seq * model.kv_dim * number_bytes
+        ring = tensor_parallel.ring_comm_formula(model.micro_batch * seq * model.kv_dim * number_bytes, layout.cp)
+        per_layer = ring["forward"] * (2 if options.activation_checkpointing else 1) + ring["backward"]
         result["cp"] = {"send": per_layer * layers * num_micro}
     return result
 
@@ -549,16 +553,30 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> list[int]:
+    """The CP degrees the search tries where ``ways`` GPUs are left after TP and PP: ``options.context_parallel``
+    when it is set; else 1 and every divisor of ``ways`` that leaves each rank at least ``options.cp_min_tokens``
+    tokens of a sequence (an assumption, stated: the estimate counts CP's bytes, which hide behind attention, but
+    not what CP costs on short shares, where smaller blocks keep the matrix units less busy and every ring step of
+    every layer adds a message's latency; LLaMA 3 405B used CP 16 only for its 128K-token stage, 8K per rank)."""
+    if options.context_parallel is not None:
+        return [options.context_parallel] if ways % options.context_parallel == 0 else []
+    return [c for c in divisors(ways) if c == 1 or model.seq_len // c >= options.cp_min_tokens]
+
+
 def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Layout]:
-    """Every (tp, pp, dp) with tp x pp x dp = gpus, tp a divisor of the node, and each ZeRO stage tried."""
+    """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, cp from :func:`cp_degrees`,
+    each ZeRO stage tried. Sizes that do not divide the model (heads over TP, layers over PP, the sequence over
+    CP, the batch over DP) stay in the list: :func:`evaluate` rejects them with their reason."""
     stages = (options.zero_stage,) if options.zero_stage is not None else ZERO_STAGES
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
         if gpus % tp:
             continue
         for pp in divisors(gpus // tp):
-            for stage in stages:
-                layouts.append(Layout(tp, pp, gpus // (tp * pp), 1, stage))
+            for cp in cp_degrees(model, gpus // (tp * pp), options):
+                for stage in stages:
+                    layouts.append(Layout(tp, pp, gpus // (tp * pp * cp), cp, stage))
     return layouts
 
 
@@ -602,6 +620,10 @@ PUBLISHED = (
     {"model": "405b", "cluster": "h100-80gb", "gpus": 16384, "layout": Layout(8, 16, 128, 1, 1),
      "options": Options(schedule="interleaved_1f1b", chunks=2, sequence_parallel=True),
      "claim": "LLaMA 3 405B on 16K H100 (TP 8, PP 16, DP 128, sequence parallel, interleaved 1F1B)"},
+    {"model": "405b", "cluster": "h100-80gb", "gpus": 16384, "layout": Layout(8, 16, 8, 16, 1),
+     "sizes": {"seq_len": 131072, "global_batch": 128},  # its long-context stage: 16M tokens a step, 128K each
+     "options": Options(schedule="interleaved_1f1b", chunks=2, sequence_parallel=True),
+     "claim": "LLaMA 3 405B, 128K-token sequences, on 16K H100 (TP 8, CP 16, PP 16, DP 8)"},
 )
 
 
@@ -610,7 +632,7 @@ def published_table() -> list[dict]:
     a sharded optimizer; the search also tries DDP and FSDP)."""
     rows = []
     for entry in PUBLISHED:
-        model, cluster = MODELS[entry["model"]], CLUSTERS[entry["cluster"]]
+        model, cluster = replace(MODELS[entry["model"]], **entry.get("sizes", {})), CLUSTERS[entry["cluster"]]
         plan = evaluate(model, cluster, entry["layout"], entry["options"], entry["gpus"])
         plans = search(model, cluster, entry["gpus"], entry["options"])
         top = plans[0]
@@ -733,10 +755,17 @@ def decision_path() -> list[dict]:
     no_sp, sp, cp = (evaluate(long, c["h100-80gb"], layout, Options(sequence_parallel=s), 64)
                      for layout, s in ((Layout(8, 8, 1, 1, 1), False), (Layout(8, 8, 1, 1, 1), True),
                                        (Layout(8, 4, 1, 2, 1), True)))
-    steps.append({"question": "Long sequences? SP with TP, then CP.", "case": "70B, 32K tokens, 64 H100-80GB",
-                  "answer": f"tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB "
+    longest = replace(MODELS["70b"], seq_len=131072, global_batch=32)
+    plans = search(longest, c["h100-80gb"], 64)
+    closest = min((p for p in plans if p.layout.cp == 1 and not p.problems),
+                  key=lambda p: p.memory_per_gpu_bytes["total"])
+    steps.append({"question": "Long sequences? SP with TP, then CP.",
+                  "case": "70B, 32K then 128K tokens, 64 H100-80GB",
+                  "answer": f"32K, tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB "
                             f"without SP, {sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB with SP; "
-                            f"tp=8,pp=4,cp=2 with SP: {_verdict(cp)}"})
+                            f"tp=8,pp=4,cp=2 with SP: {_verdict(cp)}; 128K without SP: nothing without CP fits "
+                            f"(closest {closest.layout.label()}: {_verdict(closest)}); the search's choice: "
+                            f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
     return steps
 
 

@@ -369,6 +369,14 @@ def activation_bytes(cfg, batch: int, seq_len: int, tp: int = 1, *, sequence_par
 # --------------------------------------------------------------------------------------------------
 
 
+def ring_comm_formula(kv_shard_bytes: int, world_size: int) -> dict:
+    """Bytes one rank of a ring-attention group sends, for one attention (chapter 08's ring_attention.py
+    measures it; chapter 11's planner uses it): forward P-1 hops of (K, V); backward P-1 hops of
+    (K, V, dK, dV) and a last one of (dK, dV). ``kv_shard_bytes``: this rank's K (or V) block."""
+    return {"forward": (world_size - 1) * 2 * kv_shard_bytes,
+            "backward": (world_size - 1) * 4 * kv_shard_bytes + 2 * kv_shard_bytes}
+
+
 def ring_chunks(rank: int, world_size: int, layout: str = "zigzag") -> list[int]:
     """The two sequence chunks (of ``2 x world_size``) that ``rank`` holds.
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from distlab import comm, metrics, runtime
 from distlab.tensor_parallel import (attention_with_lse, block_kind, chunk_positions,
-                                     merge_attention_blocks, ring_chunks)
+                                     merge_attention_blocks, ring_chunks, ring_comm_formula)
 
 SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
           "a100": {"batch": 1, "heads": 16, "seq_len": 16384, "head_dim": 128}}
@@ -144,12 +144,6 @@ def expected_blocks_per_rank(world_size: int, layout: str) -> list[int]:
     0..c, c + 1 blocks. Zig-zag (chunks r and 2P-1-r): (r + 1) + (2P - r) = 2P + 1 on every rank;
     contiguous (chunks 2r and 2r+1): (2r + 1) + (2r + 2) = 4r + 3."""
     return [2 * world_size + 1 if layout == "zigzag" else 4 * r + 3 for r in range(world_size)]
-
-
-def ring_comm_formula(q_shard_bytes: int, world_size: int) -> dict:
-    """Bytes one rank sends: forward P-1 hops of (K, V); backward P-1 hops of (K, V, dK, dV) and a last of (dK, dV)."""
-    return {"forward": (world_size - 1) * 2 * q_shard_bytes,
-            "backward": (world_size - 1) * 4 * q_shard_bytes + 2 * q_shard_bytes}
 
 
 def run_native(args, rt, q, k, v, grad_out, reference, report):

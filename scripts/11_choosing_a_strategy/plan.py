@@ -10,6 +10,8 @@ mesh dimension, bubble, step time, MFU). Every number is derived from the course
         --layout tp=8,pp=8,dp=16 --zero 1
     python scripts/11_choosing_a_strategy/plan.py --model 13b --gpus 16 --cluster a100-40gb --json
     python scripts/11_choosing_a_strategy/plan.py --model 70b --gpus 256 --cluster a100-80gb --dry-run
+    python scripts/11_choosing_a_strategy/plan.py --model 70b --gpus 64 --cluster h100-80gb --seq-len 131072 \\
+        --global-batch 32 --dry-run                       # long sequences: the search reaches for CP
 
 --dry-run builds the chosen layout's DeviceMesh on a fake process group, in this one process, for every
 rank of the job (up to a sample of 64 ranks), and checks its groups against the grid arithmetic
@@ -46,6 +48,11 @@ def parse_args(argv=None):
                    help="recompute every block in backward (default yes)")
     p.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron SP with TP")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context parallelism degree the search uses (default: 1 and every degree that leaves "
+                        "each rank --cp-min-tokens of a sequence)")
+    p.add_argument("--cp-min-tokens", type=int, default=planner.Options().cp_min_tokens,
+                   help="the search's CP: tokens of a sequence each rank keeps at least (default %(default)s)")
     p.add_argument("--schedule", choices=planner.PIPELINE_SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=1, help="stages per rank (interleaved_1f1b)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per microbatch (default: the preset's)")
@@ -91,14 +98,18 @@ def resolve(args):
                                    ("seq_len", args.seq_len)) if v is not None}
     model = replace(model, **overrides)
     for label, value in (("--micro-batch", model.micro_batch), ("--global-batch", model.global_batch),
-                         ("--seq-len", model.seq_len), ("--chunks", args.chunks), ("--top", args.top)):
+                         ("--seq-len", model.seq_len), ("--chunks", args.chunks), ("--top", args.top),
+                         ("--cp", 1 if args.cp is None else args.cp), ("--cp-min-tokens", args.cp_min_tokens)):
         runtime.require(value >= 1, f"{label} must be at least 1, not {value}")
     gpus = args.gpus if args.gpus is not None else None if args.layout else cluster.gpus_per_node
     runtime.require(gpus is None or gpus >= 1, f"--gpus must be at least 1, not {gpus}")
+    runtime.require(args.cp is None or not args.layout, "--cp sets the search's CP: with --layout write cp= in it")
+    runtime.require(args.cp is None or gpus % args.cp == 0, f"--cp {args.cp} does not divide the {gpus} GPUs")
     options = planner.Options(zero_stage=args.zero, reshard_after_forward=args.reshard_after_forward,
                               activation_checkpointing=args.activation_checkpointing, precision=args.precision,
                               sequence_parallel=args.sequence_parallel, schedule=args.schedule,
-                              chunks=args.chunks if args.schedule == "interleaved_1f1b" else 1)
+                              chunks=args.chunks if args.schedule == "interleaved_1f1b" else 1,
+                              context_parallel=args.cp, cp_min_tokens=args.cp_min_tokens)
     return model, cluster, options, gpus
 
 
@@ -109,7 +120,7 @@ def gib(value: float) -> str:
 def describe(plan: planner.Plan, model, cluster, say=print) -> None:
     """One layout in words: memory by part against the GPU, communication per dimension, time."""
     say(f"layout {plan.layout.label()} on {plan.layout.gpus} x {cluster.name}: "
-        f"{'fits' if plan.fits else 'does NOT fit'} ({plan.reason})")
+        + ("fits" if plan.fits else f"does NOT fit ({plan.reason})"))
     if plan.problems:
         return
     m = plan.memory_per_gpu_bytes
@@ -142,27 +153,38 @@ def print_table(plans, top: int) -> None:
 
 
 def dry_run(layout: planner.Layout, sample: int = 64) -> list[int]:
-    """DeviceMesh (pp, dp, tp) on a fake process group for sampled ranks of the world; the ranks whose groups
-    or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh arithmetic holds)."""
+    """DeviceMesh (pp, dp, tp), or (pp, dp, cp, tp) with CP, on a fake process group for sampled ranks of the
+    world; the ranks whose groups or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh
+    arithmetic holds). With CP the grid is chapter 09's (pp, dp x cp, tp): DeviceMesh's dp and cp groups are
+    the strided and the consecutive parts of its dp x cp group (cp varies faster, as it is nearer tp)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world, shape = layout.gpus, (layout.pp, layout.dp, layout.tp)
+    cp = layout.cp
+    world, grid = layout.gpus, (layout.pp, layout.dp * cp, layout.tp)
+    names = ("pp", "dp", "cp", "tp") if cp > 1 else hybrid.DIMENSIONS
+    shape = (layout.pp, layout.dp, cp, layout.tp) if cp > 1 else grid
     step = max(1, world // sample)
     ranks = sorted(set(range(0, world, step)) | {world - 1})
     wrong = []
     for rank in ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=hybrid.DIMENSIONS)
-            theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in hybrid.DIMENSIONS}
-            coordinates = dict(zip(hybrid.DIMENSIONS, mesh.get_coordinate()))
-            if theirs != hybrid.groups_of_rank(rank, shape) or coordinates != hybrid.grid_coordinates(rank, shape):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in names}
+            coordinates = dict(zip(names, mesh.get_coordinate()))
+            expected, where = hybrid.groups_of_rank(rank, grid), hybrid.grid_coordinates(rank, grid)
+            if cp > 1:
+                both, index = expected["dp"], where["dp"]  # the dp x cp group, and this rank's place in it
+                expected = {"pp": expected["pp"], "dp": both[index % cp::cp],
+                            "cp": both[index - index % cp:index - index % cp + cp], "tp": expected["tp"]}
+                where = {"pp": where["pp"], "dp": index // cp, "cp": index % cp, "tp": where["tp"]}
+            if theirs != expected or coordinates != where:
                 wrong.append(rank)
         finally:
             dist.destroy_process_group()
-    print(f"dry run: DeviceMesh (pp, dp, tp) = {shape} built on a fake process group of {world} ranks for "
+    print(f"dry run: DeviceMesh ({', '.join(names)}) = {shape} built on a fake process group of {world} ranks for "
           f"{len(ranks)} of them; groups and coordinates = distlab.hybrid's grid: "
           f"{'every one' if not wrong else f'NOT for ranks {wrong[:8]}'}")
     return wrong
@@ -278,8 +300,6 @@ def main(argv=None) -> int:
                             f"{model.name} fits in no layout of {gpus} x {cluster.name} (the closest: "
                             f"{min(plans, key=lambda p: p.memory_per_gpu_bytes.get('total', float('inf'))).reason})"
                             if plans else f"no layout of {gpus} GPUs exists on {cluster.gpus_per_node}-GPU nodes")
-        if args.dry_run:
-            runtime.require(plans[0].layout.cp == 1, "--dry-run builds (pp, dp, tp) meshes: use cp=1")
     except runtime.ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return runtime.CONFIG_ERROR_EXIT_CODE

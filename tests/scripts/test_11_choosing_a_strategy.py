@@ -166,6 +166,29 @@ def run_plan(args, capsys):
     return code, output.out, output.err
 
 
+# ---- chapter 08: ring attention on 4 ranks (context parallelism) ------------------------------------------
+
+
+RING = "scripts/08_sequence_parallel/ring_attention.py"
+
+
+def test_cp_traffic_equals_the_bytes_ring_attention_sent():
+    """One attention layer of the ring script's tiny shape as a ModelSpec (multi-head: K and V as wide as Q); the
+    planner's CP bytes per rank (forward and backward) against what the script's ranks sent."""
+    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, stream=False), min_checks=15)
+    sent = sum(r["measured_bytes"] for r in metrics["comm"] if r["layout"] == "zigzag")
+    shape = runpy.run_path(str(launch.REPO_ROOT / RING), run_name="ring")["SHAPES"]["tiny"]
+    hidden = shape["heads"] * shape["head_dim"]
+    spec = planner.ModelSpec("ring", 1, hidden, shape["heads"], shape["heads"], 4 * hidden, 100, shape["seq_len"],
+                             shape["batch"], shape["batch"])
+    options = planner.Options(**MEASURED_OPTIONS)
+    predicted = planner.comm_per_step(spec, planner.Layout(cp=4), 0, options)["cp"]["send"]
+    assert predicted == sent == (3 * 2 + 3 * 4 + 2) * 8192
+    # recomputed (activation checkpointing): the forward ring runs again
+    again = planner.comm_per_step(spec, planner.Layout(cp=4), 0, replace(options, activation_checkpointing=True))
+    assert again["cp"]["send"] == sent + 3 * 2 * 8192
+
+
 def test_search_prints_the_ranked_table_and_the_best_layout(capsys):
     code, out, _ = run_plan(["--model", "70b", "--gpus", "64", "--cluster", "h100-80gb"], capsys)
     assert code == 0 and "best layout:" in out and "layouts fit; rejected" in out
@@ -201,7 +224,34 @@ def test_dry_run_builds_the_mesh_of_hundreds_of_ranks(capsys):
     assert code == 0 and "fake process group of 256 ranks" in out and "grid: every one" in out
 
 
+def test_dry_run_with_cp_builds_a_4d_mesh_and_fails_when_it_is_built_wrong(capsys, monkeypatch):
+    long = ["--model", "70b", "--gpus", "64", "--cluster", "h100-80gb", "--seq-len", "131072", "--global-batch", "32"]
+    code, out, _ = run_plan(long + ["--dry-run"], capsys)
+    assert code == 0 and "DeviceMesh (pp, dp, cp, tp) = (1, 4, 16, 1)" in out and "grid: every one" in out
+    # the check can fail: a mesh whose dp and cp are swapped (cp outer) is caught
+    from torch.distributed import device_mesh
+
+    real = device_mesh.init_device_mesh
+
+    def swapped(device, shape, mesh_dim_names):
+        pp, dp, cp, tp = shape
+        return real(device, (pp, cp, dp, tp), mesh_dim_names=("pp", "cp", "dp", "tp"))
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", swapped)
+    code, out, _ = run_plan(long + ["--dry-run"], capsys)
+    assert code == 1 and "NOT for ranks" in out
+
+
+def test_cp_flag_fixes_the_searchs_degree(capsys):
+    code, out, _ = run_plan(["--model", "70b", "--gpus", "64", "--cluster", "h100-80gb", "--cp", "2", "--json"],
+                            capsys)
+    assert code == 0 and {p["layout"]["cp"] for p in json.loads(out)["layouts"]} == {2}
+
+
 @pytest.mark.parametrize("args,expected", [
+    (["--model", "70b", "--gpus", "64", "--cp", "3"], "--cp 3 does not divide the 64 GPUs"),
+    (["--model", "70b", "--layout", "tp=8,dp=8", "--cp", "2"], "with --layout write cp= in it"),
+    (["--cp-min-tokens", "0"], "--cp-min-tokens must be at least 1"),
     (["--model", "175b"], "unknown model '175b'"),
     (["--cluster", "tpu-v5"], "unknown cluster 'tpu-v5'"),
     (["--model", "405b", "--gpus", "8", "--cluster", "a100-40gb"], "fits in no layout of 8"),

@@ -44,7 +44,7 @@ def test_ring_attention_bytes_and_blocks():
         sys.path.pop(0)
     shape = ring_attention.SHAPES["tiny"]
     shard = shape["batch"] * shape["heads"] * (shape["seq_len"] // 4) * shape["head_dim"] * 4
-    sent = ring_attention.ring_comm_formula(shard, 4)
+    sent = tp.ring_comm_formula(shard, 4)
     says(f"forward\n({sent['forward']:,} bytes)")
     says(f"backward ({sent['backward']:,} bytes)")
     contiguous, zigzag = tp.causal_blocks_per_rank(4, "contiguous"), tp.causal_blocks_per_rank(4, "zigzag")

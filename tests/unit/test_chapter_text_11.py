@@ -78,3 +78,28 @@ def test_the_decision_path_says_what_the_prose_reads_from_it():
                                   planner.Layout(dp=64, zero_stage=3))
     best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"], 64)[0]
     assert fsdp_alone.fits and best.mfu > fsdp_alone.mfu and best.layout.tp > 1 and best.layout.pp > 1
+
+
+def test_the_cp_section_states_the_searchs_rule(text):
+    options = planner.Options()
+    assert f"at least `cp_min_tokens` = {options.cp_min_tokens} tokens of a sequence" in text
+    assert f"`--cp-min-tokens`, {options.cp_min_tokens}, of a sequence" in text
+    spec = planner.MODELS["70b"]
+    degrees = {seq: planner.cp_degrees(planner.replace(spec, seq_len=seq), 64) for seq in (4096, 32768, 131072)}
+    assert (degrees[4096], max(degrees[32768]), max(degrees[131072])) == ([1], 4, 16)
+    assert "none at 4K, up to CP 4 at 32K, up to CP 16 at 128K" in text
+    # "With CP free, the search would put it everywhere, even on 4K-token sequences"
+    free = planner.search(spec, planner.CLUSTERS["h100-80gb"], 64, planner.Options(cp_min_tokens=1))
+    assert free[0].layout.cp > 1 and "even on 4K-token sequences" in text
+    assert "the search's own choice is CP 16 with FSDP over the other 4 ways" in text
+    best = planner.decision_path()[-1]["answer"]
+    assert "tp=1,pp=1,dp=4,cp=16,zero=3" in best and "nothing without CP fits" in best
+
+
+def test_the_long_context_layout_needs_what_the_8k_one_needs(text):
+    rows = planner.published_table()
+    short, long = rows[2], rows[3]
+    assert "128K" in long["claim"] and "cp=16" in long["layout"] and "cp" not in short["layout"].replace("dp", "")
+    assert long["gib_per_gpu"] == short["gib_per_gpu"]
+    assert (f"**{long['gib_per_gpu']:.1f} GiB** against **{short['gib_per_gpu']:.1f} GiB**" in text
+            and "exactly what its 8K layout needs" in text)

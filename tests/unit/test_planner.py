@@ -206,3 +206,50 @@ def test_parse_layout():
     assert planner.parse_layout("dp=2, tp=4, zero=3") == planner.Layout(4, 1, 2, 1, 3)
     with pytest.raises(ValueError, match="write it like"):
         planner.parse_layout("tp8")
+
+
+# ---- context parallelism in the search -----------------------------------------------------------------------
+
+
+def test_the_search_tries_cp_only_where_each_rank_keeps_its_minimum_of_a_sequence():
+    options = planner.Options()
+    assert options.cp_min_tokens == 8192
+    degrees = {seq: planner.cp_degrees(replace(planner.MODELS["70b"], seq_len=seq), 64) for seq in (4096, 32768, 131072)}
+    assert degrees == {4096: [1], 32768: [1, 2, 4], 131072: [1, 2, 4, 8, 16]}
+    # --cp N: exactly that degree, where it divides what TP and PP leave
+    fixed = planner.Options(context_parallel=4)
+    assert planner.cp_degrees(planner.MODELS["70b"], 64, fixed) == [4] and planner.cp_degrees(
+        planner.MODELS["70b"], 6, fixed) == []
+    layouts = planner.candidate_layouts(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64, fixed)
+    assert layouts and {layout.cp for layout in layouts} == {4} and all(layout.gpus == 64 for layout in layouts)
+
+
+def test_long_sequences_make_the_search_choose_cp_and_short_ones_never_see_it():
+    cluster = planner.CLUSTERS["h100-80gb"]
+    short = planner.search(planner.MODELS["70b"], cluster, 64)
+    assert {p.layout.cp for p in short} == {1}
+    longest = replace(planner.MODELS["70b"], seq_len=131072, global_batch=32)
+    plans = planner.search(longest, cluster, 64)
+    assert plans[0].fits and plans[0].layout.cp > 1
+    assert not any(p.fits for p in plans if p.layout.cp == 1)  # the decision path's "nothing without CP fits"
+    # the rule is what keeps CP off 4K sequences: without it, CP would win there on the estimate alone
+    free = planner.search(planner.MODELS["70b"], cluster, 64, planner.Options(cp_min_tokens=1))
+    assert free[0].layout.cp > 1
+
+
+def test_cp_divides_activations_and_shards_the_state_over_dp_x_cp():
+    spec, cluster = replace(planner.MODELS["7b"], seq_len=32768, global_batch=64), planner.CLUSTERS["h100-80gb"]
+    options = planner.Options(activation_checkpointing=False)
+    plain, split = (planner.evaluate(spec, cluster, layout, options, 8).memory_per_gpu_bytes
+                    for layout in (planner.Layout(dp=8, zero_stage=3), planner.Layout(dp=2, cp=4, zero_stage=3)))
+    assert split["params"] == plain["params"] and split["optimizer"] == plain["optimizer"]  # 8 ways either way
+    # chapter 08's formula (measured there) on a quarter of the tokens: less than a third of the activations
+    assert split["activations"] < plain["activations"] / 3
+
+
+def test_the_long_context_layout_of_llama3_needs_what_its_8k_layout_needs():
+    rows = {r["claim"]: r for r in planner.published_table()}
+    short, long = (next(r for claim, r in rows.items() if claim.startswith(start))
+                   for start in ("LLaMA 3 405B on 16K", "LLaMA 3 405B, 128K"))
+    assert long["fits"] and long["rank"] <= 10 and "cp=16" in long["layout"]
+    assert long["gib_per_gpu"] == pytest.approx(short["gib_per_gpu"], rel=1e-12)
