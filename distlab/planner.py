@@ -378,7 +378,7 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
     seq = model.seq_len // layout.cp
     b = model.micro_batch
     per_rank = tensor_parallel.activation_bytes(_stage_config(model, layers, seq), b, seq, layout.tp,
-                                                sequence_parallel=options.sequence_parallel)
+                                                sequence_parallel=options.sequence_parallel, kv_dim=model.kv_dim)
     number_bytes = 4 if options.precision == "fp32" else 2
     one_block = per_rank["per_layer"] * number_bytes / 4
     if options.activation_checkpointing:

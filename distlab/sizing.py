@@ -65,8 +65,8 @@ class LlamaShape:
         return 2 * self.vocab_size * self.dim + self.n_layers * self.block_params() + self.dim
 
     def config(self, seq_len: int) -> models.TransformerConfig:
-        """The course's TransformerConfig of the same sizes (it has no grouped-query attention: k and v get
-        every head, so activation formulas on it overestimate GQA models slightly)."""
+        """The course's TransformerConfig of the same sizes (it has no grouped-query attention: the activation
+        formula takes k and v's width, ``n_kv_heads x head_dim``, beside it)."""
         return models.TransformerConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
                                         n_heads=self.n_heads, ffn_hidden=self.ffn_hidden, seq_len=seq_len)
 
@@ -177,7 +177,8 @@ def activation_bytes_per_gpu(model: str | LlamaShape, tp: int, assumptions: Assu
     shape = _shape(model)
     a = assumptions
     per_rank = tensor_parallel.activation_bytes(shape.config(a.seq_len), a.micro_batch, a.seq_len, tp,
-                                                sequence_parallel=a.sequence_parallel)
+                                                sequence_parallel=a.sequence_parallel,
+                                                kv_dim=shape.n_kv_heads * shape.head_dim)
     scale = a.activation_bytes_per_number / 4
     one_block = per_rank["per_layer"] * scale
     if not a.activation_checkpointing:

@@ -334,7 +334,8 @@ def tp_param_count_per_rank(cfg, tp: int) -> dict:
     return {"sharded": sharded // tp, "replicated": norms, "total": sharded // tp + norms}
 
 
-def activation_bytes(cfg, batch: int, seq_len: int, tp: int = 1, *, sequence_parallel: bool = False) -> dict:
+def activation_bytes(cfg, batch: int, seq_len: int, tp: int = 1, *, sequence_parallel: bool = False,
+                     kv_dim: int | None = None) -> dict:
     """Bytes autograd saves for backward on one rank, training the shared transformer in fp32 with the TP plan.
 
     Exactly what :func:`distlab.memory.saved_activation_bytes` measures on a CPU (weights, buffers and the
@@ -349,13 +350,17 @@ def activation_bytes(cfg, batch: int, seq_len: int, tp: int = 1, *, sequence_par
 
     The head adds the final norm (2 b s h + b s, / t under SP), the output projection's input (b s h), the
     log-softmax of this rank's vocabulary shard (b s v / t), the int64 targets (8 bytes each) and one scalar.
+
+    ``kv_dim``: the width of k and v under grouped-query attention (the course's model has every head: h,
+    the default, measured). A smaller one is derived: k and v are saved at their own width.
     """
     b, s, h, f, a, v, t = batch, seq_len, cfg.dim, cfg.ffn_hidden, cfg.n_heads, cfg.vocab_size, tp
+    kv = h if kv_dim is None else kv_dim
     sp = t if sequence_parallel else 1
     fp32 = 4
     norms = 2 * (2 * b * s * h + b * s) // sp * fp32
     tp_inputs = 2 * b * s * h * fp32
-    attention = (4 * b * s * h + b * s * a) // t * fp32
+    attention = (2 * b * s * h + 2 * b * s * kv + b * s * a) // t * fp32
     swiglu = 4 * b * s * f // t * fp32
     per_layer = norms + tp_inputs + attention + swiglu
     head = ((2 * b * s * h + b * s) // sp + b * s * h + b * s * v // t + 1) * fp32 + b * s * 8

@@ -253,3 +253,19 @@ def test_the_long_context_layout_of_llama3_needs_what_its_8k_layout_needs():
                    for start in ("LLaMA 3 405B on 16K", "LLaMA 3 405B, 128K"))
     assert long["fits"] and long["rank"] <= 10 and "cp=16" in long["layout"]
     assert long["gib_per_gpu"] == pytest.approx(short["gib_per_gpu"], rel=1e-12)
+
+
+def test_grouped_query_attention_saves_k_and_v_at_their_own_width():
+    """Derived: the course's model (every head for k and v) is what chapter 08 measures; with GQA the formula keeps
+    k and v at kv_dim wide, and nothing else changes."""
+    from distlab import tensor_parallel
+
+    spec = planner.MODELS["70b"]
+    cfg, b, s, t = spec.config(), 1, 4096, 8
+    full = tensor_parallel.activation_bytes(cfg, b, s, t)
+    assert tensor_parallel.activation_bytes(cfg, b, s, t, kv_dim=spec.hidden) == full
+    gqa = tensor_parallel.activation_bytes(cfg, b, s, t, kv_dim=spec.kv_dim)
+    assert spec.kv_dim == spec.hidden // 8
+    assert full["per_layer"] - gqa["per_layer"] == 2 * b * s * (spec.hidden - spec.kv_dim) // t * 4
+    assert {k: v for k, v in gqa.items() if k not in ("attention", "per_layer", "total")} == \
+        {k: v for k, v in full.items() if k not in ("attention", "per_layer", "total")}
