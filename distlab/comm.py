@@ -318,6 +318,31 @@ def zero_step_bytes(num_params: int, stage: int, *, param_bytes: int = 4, grad_b
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage}")
 
 
+MIB = 2**20  # DDP's bucket_cap_mb counts MiB: the cap is int(bucket_cap_mb * 2**20) bytes
+
+
+def ddp_bucket_sizes(gradient_bytes, bucket_cap_mb: float) -> list[int]:
+    """Bytes of each bucket DDP all-reduces, in order, by DDP's rule: walk the gradients in the order backward
+    produces them and close a bucket as soon as it holds at least ``bucket_cap_mb`` MiB (so a bucket can pass
+    the cap by up to one gradient).
+
+    ``gradient_bytes``: each gradient's bytes in that order; for a model whose layers run in the order they are
+    defined, the reverse of ``model.parameters()``. DDP's first step uses one bucket for everything; it then
+    rebuilds the buckets this way in the order the gradients became ready. (One dtype and device, and a
+    ``bucket_cap_mb`` passed explicitly: left at its default, DDP caps the first bucket at 1 MiB.)
+    """
+    cap = int(bucket_cap_mb * MIB)
+    if cap <= 0:
+        raise ValueError(f"bucket_cap_mb must hold at least a byte, got {bucket_cap_mb!r}")
+    sizes, current = [], 0
+    for nbytes in gradient_bytes:
+        current += nbytes
+        if current >= cap:
+            sizes.append(current)
+            current = 0
+    return sizes + ([current] if current else [])
+
+
 def step_bytes_sent_per_rank(step_bytes: dict[str, int], world_size: int) -> float:
     """Bytes one rank sends in a step of ``zero_step_bytes`` (ring model, every collective summed)."""
     return sum(bytes_sent_per_rank(collective, payload, world_size) for collective, payload in step_bytes.items())

@@ -138,7 +138,7 @@ def saved_activation_bytes(exclude=()):
 
 
 def transformer_activation_breakdown(cfg, batch: int, seq_len: int | None = None, dtype_bytes: int = 4,
-                                     include_loss: bool = True) -> dict:
+                                     include_loss: bool = True, checkpointed: bool = False) -> dict:
     """Bytes autograd saves for backward in one fp32 forward of ``distlab.models.Transformer``, by part.
 
     Counted tensor by tensor from what each operation keeps for its backward (per token, d = dim,
@@ -155,12 +155,13 @@ def transformer_activation_breakdown(cfg, batch: int, seq_len: int | None = None
       its 4-byte normaliser, and the int64 token ids (the (B, T+1) batch the inputs are a view of).
 
     ``include_loss=False`` predicts a forward without ``lm_loss``: the logits are then not saved by anything.
-    Under bf16 autocast (GPUs) the mix of dtypes differs; this formula is the fp32 one.
+    ``checkpointed=True``: every block under activation checkpointing keeps only its input (d numbers per
+    token) and recomputes the rest in backward. Under bf16 autocast (GPUs) the mix of dtypes differs; this formula is the fp32 one.
     """
     seq_len = seq_len or cfg.seq_len
     tokens = batch * seq_len
     d, hidden, heads = cfg.dim, cfg.ffn_hidden, cfg.n_heads
-    per_block = (10 * d + 2 + heads + 4 * hidden) * dtype_bytes * tokens
+    per_block = (d if checkpointed else 10 * d + 2 + heads + 4 * hidden) * dtype_bytes * tokens
     parts = {
         "blocks": cfg.n_layers * per_block,
         "final norm": (3 * d + 1) * dtype_bytes * tokens,
@@ -174,6 +175,7 @@ def transformer_activation_breakdown(cfg, batch: int, seq_len: int | None = None
 
 
 def transformer_activation_bytes(cfg, batch: int, seq_len: int | None = None, dtype_bytes: int = 4,
-                                 include_loss: bool = True) -> int:
+                                 include_loss: bool = True, checkpointed: bool = False) -> int:
     """Total of :func:`transformer_activation_breakdown`: equals ``saved_activation_bytes`` (fp32, CPU)."""
-    return int(sum(transformer_activation_breakdown(cfg, batch, seq_len, dtype_bytes, include_loss).values()))
+    return int(sum(transformer_activation_breakdown(cfg, batch, seq_len, dtype_bytes, include_loss,
+                                                    checkpointed).values()))

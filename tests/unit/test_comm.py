@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import comm
+from distlab import comm, models
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 64])
@@ -85,3 +85,22 @@ def test_chapter_03_ring_model_numbers():
         assert comm.ring_time("all_reduce", crossover, 4, bandwidth, latency) == pytest.approx(12 * latency)
     assert [round(comm.ring_factor("all_reduce", n), 3) for n in (2, 4, 8, 64)] == [1.0, 1.5, 1.75, 1.969]
 
+
+
+@pytest.mark.parametrize("cap_mb", [25, 0.1, 0.025, 0.04, 1e-6])
+def test_ddp_bucket_sizes_is_ddps_own_assignment(cap_mb):
+    """Our rule against the one DDP calls (torch's private _compute_bucket_assignment_by_size), on the tiny
+    transformer's gradients in backward's order (the reverse of its parameters)."""
+    grads = [torch.empty_like(p) for p in reversed(list(models.build_transformer(models.preset("tiny")).parameters()))]
+    indices, _ = dist._compute_bucket_assignment_by_size(grads, [int(cap_mb * comm.MIB)])
+    torch_sizes = [sum(grads[i].numel() * 4 for i in bucket) for bucket in indices]
+    assert comm.ddp_bucket_sizes([g.numel() * 4 for g in grads], cap_mb) == torch_sizes
+
+
+def test_ddp_bucket_sizes_of_the_tiny_model():
+    sizes = [p.numel() * 4 for p in reversed(list(models.build_transformer(models.preset("tiny")).parameters()))]
+    assert comm.ddp_bucket_sizes(sizes, 25) == [492_800]
+    assert comm.ddp_bucket_sizes(sizes, 0.1) == [131_328, 114_944, 147_712, 98_816]  # what train_ddp.py measures
+    assert len(comm.ddp_bucket_sizes(sizes, 0.025)) == 12
+    with pytest.raises(ValueError):
+        comm.ddp_bucket_sizes(sizes, 0)

@@ -35,6 +35,23 @@ def test_activation_formula_equals_saved_activation_bytes(cfg, batch, seq_len, i
     assert predicted == _measured_activations(cfg, batch, seq_len, include_loss)
 
 
+@pytest.mark.parametrize("cfg, batch, seq_len", CONFIGS)
+def test_checkpointed_formula_equals_saved_activation_bytes(cfg, batch, seq_len):
+    """Under activation checkpointing (each block wrapped, as train_fsdp.apply_fsdp and tuning.py do) a block
+    keeps only its input: what autograd saves outside the recomputed regions is the formula's."""
+    from torch.distributed._composable import checkpoint
+
+    seq_len = seq_len or cfg.seq_len
+    model = models.build_transformer(cfg)
+    for block in model.layers.values():
+        checkpoint(block)
+    inputs, targets = data.split_inputs_targets(data.token_batch(0, batch, seq_len, cfg.vocab_size))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+        models.lm_loss(model(inputs), targets)
+    assert saved.bytes == memory.transformer_activation_bytes(cfg, batch, seq_len, checkpointed=True)
+    assert saved.bytes < memory.transformer_activation_bytes(cfg, batch, seq_len)
+
+
 def test_activations_grow_linearly_with_batch_and_layers():
     cfg = models.preset("tiny")
     parts = memory.transformer_activation_breakdown(cfg, 2)
