@@ -136,6 +136,9 @@ RUNS: tuple[Run, ...] = (
     # the trace's NCCL kernels counted against CommCounter; FSDP2 must overlap on a GPU (CUDA streams)
     Run("profile_step_ddp", f"{CH12}/profile_step.py", ("--strategy", "ddp", "--trace-dir", "{workdir}/traces")),
     Run("profile_step_fsdp", f"{CH12}/profile_step.py", ("--strategy", "fsdp", "--trace-dir", "{workdir}/traces")),
+    # each knob's buckets, bytes and saved activations against its formula on NCCL and CUDA (the microbatch
+    # sweep needs 2 GPUs: on one it is left out)
+    Run("tuning", f"{CH12}/tuning.py"),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)

@@ -23,7 +23,7 @@ CHAPTER_SCRIPTS = {
     "09_hybrid_parallel": ["rank_grid.py", "fsdp_tp_hybrid.py", "pp_dp_hybrid.py", "hybrid_3d.py"],
     "10_domain_parallel": ["halo_conv.py", "domain_train.py"],
     "11_choosing_a_strategy": ["plan.py"],
-    "12_hpc_operations": ["fault_drill.py", "deadlocks.py", "profile_step.py"],
+    "12_hpc_operations": ["fault_drill.py", "deadlocks.py", "profile_step.py", "tuning.py"],
 }
 MAX_WALLTIME_H = 12
 MAX_CHAPTER_WALLTIME_H = 0.5

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import comm, hangs, models, runtime, schedules
+from distlab import comm, hangs, memory, models, runtime, schedules
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER = (ROOT / "chapters" / "12_hpc_operations.md").read_text()
@@ -35,16 +35,40 @@ def test_each_diagnosis_line_is_the_one_the_script_prints(flag):
 
 
 def test_tuning_numbers():
+    """The numbers of the tuning section's prose. Those of its printed table are compared with a real run of
+    tuning.py by tests/scripts/test_12_tuning.py; its times are stated as this machine's, and not tested."""
     tiny, a100 = models.preset("tiny"), models.preset("a100")
-    assert f"**{tiny.num_params() * 4:,} bytes**" in CHAPTER                       # the tiny model's fp32 gradients
-    assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in CHAPTER
-    bubbles = {m: schedules.bubble_fraction(4, m) for m in (4, 8, 16, 32)}
-    for m, share in bubbles.items():
-        assert f"**{100 * share:.1f}%** at {m}" in CHAPTER or f"**{100 * share:.1f}%** at {m} " in CHAPTER, m
-    fp32 = comm.zero_step_bytes(tiny.num_params(), 3)
-    bf16 = comm.zero_step_bytes(tiny.num_params(), 3, param_bytes=2)
-    assert f"**{fp32['all_gather']:,} → {bf16['all_gather']:,} bytes**" in CHAPTER
-    assert f"stay **{bf16['reduce_scatter']:,}** in fp32" in CHAPTER
+    text = flat(CHAPTER[CHAPTER.index("## Tuning"):CHAPTER.index("## Troubleshooting")])
+    n = tiny.num_params()
+    # DDP buckets: DDP's rule on the tiny model's gradients, in backward's order
+    backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(tiny).parameters()))]
+    buckets = {mb: comm.ddp_bucket_sizes(backward_order, mb) for mb in (25, 0.1, 0.025)}
+    assert len(buckets[25]) == 1 and sum(buckets[25]) == 4 * n
+    assert f"(**{buckets[0.1][0]:,}** bytes under a cap of **{int(0.1 * comm.MIB):,}**)" in text
+    assert buckets[0.1][0] > int(0.1 * comm.MIB)
+    assert f"the tiny model's **{4 * n:,} bytes** of gradients" in text
+    assert f"with **{len(buckets[0.1])}** or **{len(buckets[0.025])}** buckets" in text
+    # gradient_as_bucket_view: two copies of the gradients, then one; the a100 preset's saving
+    assert f"two copies, **{2 * 4 * n:,} bytes**" in text and f"one copy, **{4 * n:,} bytes**" in text
+    assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in text
+    # activation checkpointing: 2 sequences of 32 tokens per rank (global batch 8 over 4 ranks)
+    off, on = (memory.transformer_activation_bytes(tiny, 2, checkpointed=c) for c in (False, True))
+    assert f"**{off:,} bytes** per rank without, **{on:,}** with" in text
+    per_token = 10 * tiny.dim + 2 + tiny.n_heads + 4 * tiny.ffn_hidden   # memory.transformer_activation_breakdown's
+    assert memory.transformer_activation_breakdown(tiny, 1, 1)["blocks"] == tiny.n_layers * per_token * 4
+    assert memory.transformer_activation_breakdown(tiny, 1, 1, checkpointed=True)["blocks"] == \
+        tiny.n_layers * tiny.dim * 4
+    assert f"**{tiny.dim}** numbers per token instead of **{per_token:,}**" in text
+    assert f"**{tiny.n_layers}** block forwards per step, then **{2 * tiny.n_layers}**" in text
+    # microbatches: the formula's bubble with 4 stages
+    for m in (4, 8, 16, 32):
+        assert f"**{100 * schedules.bubble_fraction(4, m):.1f}%** at {m}" in text, m
+    # bf16 under FSDP2
+    fp32 = comm.zero_step_bytes(n, 3)
+    bf16 = comm.zero_step_bytes(n, 3, param_bytes=2)
+    assert f"**{fp32['all_gather']:,} → {bf16['all_gather']:,} bytes**" in text
+    assert f"stay **{bf16['reduce_scatter']:,}** in fp32" in text
+    assert "no measurement" not in text
 
 
 def test_fsdp_collective_counts():
