@@ -53,13 +53,25 @@ def ranked_table_markdown(plans, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+SEQUENCE_LENGTHS = ("preset", 8192, 32768, 131072)
+
+
+def with_sequence_length(spec: planner.ModelSpec, seq_len) -> planner.ModelSpec:
+    """``spec`` at ``seq_len`` tokens a sequence ("preset": unchanged), with the tokens of a step kept (fewer,
+    longer sequences, as LLaMA 3's 128K stage kept its 16M tokens a step)."""
+    if seq_len == "preset" or seq_len == spec.seq_len:
+        return spec
+    tokens = spec.global_batch * spec.seq_len
+    return planner.replace(spec, seq_len=seq_len, global_batch=max(1, tokens // seq_len))
+
+
 def explorer_view(model: str, cluster: str, gpus: int, zero_stage=None, activation_checkpointing: bool = True,
-                  sequence_parallel: bool = False, top: int = 6) -> tuple[list, str]:
+                  sequence_parallel: bool = False, top: int = 6, seq_len="preset") -> tuple[list, str]:
     """What the explorer shows for one setting: the plans to draw (the best ``top`` that fit, or the closest
     that do not) and a markdown text (the ranked table, or why nothing fits)."""
     options = planner.Options(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
                               sequence_parallel=sequence_parallel)
-    spec, machine = planner.MODELS[model], planner.CLUSTERS[cluster]
+    spec, machine = with_sequence_length(planner.MODELS[model], seq_len), planner.CLUSTERS[cluster]
     problems = [] if gpus >= 1 else [f"GPUs must be at least 1, not {gpus}"]
     plans = planner.search(spec, machine, gpus, options) if not problems else []
     fitting = [p for p in plans if p.fits]
@@ -77,16 +89,16 @@ def planner_explorer(model: str = "70b", cluster: str = "h100-80gb", gpus: int =
     import matplotlib.pyplot as plt
     from IPython.display import Markdown, display
 
-    def show(model, cluster, gpus, zero, checkpointing, sequence_parallel):
+    def show(model, cluster, gpus, seq_len, zero, checkpointing, sequence_parallel):
         plans, text = explorer_view(model, cluster, gpus, None if zero == "search" else int(zero), checkpointing,
-                                    sequence_parallel)
+                                    sequence_parallel, seq_len=seq_len)
         if plans:
-            draw_memory_bars(plans, title=f"{model} on {gpus} x {cluster}")
+            draw_memory_bars(plans, title=f"{model} on {gpus} x {cluster}, {seq_len} tokens a sequence")
             plt.show()
         display(Markdown(text))
 
     return widgets.interact(show, model=list(planner.MODELS), cluster=list(planner.CLUSTERS),
-                            gpus=widgets.IntText(value=gpus, description="GPUs"),
+                            gpus=widgets.IntText(value=gpus, description="GPUs"), seq_len=list(SEQUENCE_LENGTHS),
                             zero=["search", "0", "1", "2", "3"], checkpointing=True, sequence_parallel=False)
 
 

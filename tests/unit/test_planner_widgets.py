@@ -16,6 +16,17 @@ def test_explorer_shows_the_best_fitting_layouts_and_their_table():
     assert f"| 1 | {best[0].layout.label()} |" in text
 
 
+def test_explorer_at_long_sequences_keeps_the_tokens_and_reaches_for_cp():
+    spec = planner_widgets.with_sequence_length(planner.MODELS["70b"], 131072)
+    preset = planner.MODELS["70b"]
+    assert spec.seq_len * spec.global_batch == preset.seq_len * preset.global_batch
+    assert planner_widgets.with_sequence_length(preset, "preset") is preset
+    plans, text = planner_widgets.explorer_view("70b", "h100-80gb", 64, seq_len=131072)
+    assert plans and all(p.fits and p.layout.cp > 1 for p in plans) and ",cp=" in text
+    short, _ = planner_widgets.explorer_view("70b", "h100-80gb", 64)
+    assert all(p.layout.cp == 1 for p in short)
+
+
 def test_explorer_says_why_nothing_fits():
     plans, text = planner_widgets.explorer_view("405b", "a100-40gb", 8)
     assert plans and not any(p.fits for p in plans) and "nothing fits on 8 x a100-40gb; the closest: needs" in text
