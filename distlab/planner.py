@@ -500,13 +500,18 @@ def bytes_sent(dimension: str, collectives: dict, group: int) -> float:
     return float(sum(comm.bytes_sent_per_rank(name, payload, group) for name, payload in collectives.items()))
 
 
+def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
+    """A layout that is not evaluated, with its reasons."""
+    return Plan(layout, {"total": float("nan")}, cluster.gpu_bytes, {}, {}, {}, float("inf"), float("inf"),
+                0.0, 0.0, problems)
+
+
 def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = Options(),
              gpus: int | None = None) -> Plan:
     """One layout: memory per GPU (the stage that needs most), communication, bubble, time, MFU; derived."""
     problems = layout_problems(model, cluster, layout, gpus, options)
     if problems:
-        return Plan(layout, {"total": float("nan")}, cluster.gpu_bytes, {}, {}, {}, float("inf"), float("inf"),
-                    0.0, 0.0, problems)
+        return rejected(layout, cluster, problems)
     memories = {s: memory_per_gpu(model, layout, s, options) for s in {0, layout.pp - 1}}
     worst = max(memories, key=lambda s: memories[s]["total"])
     sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
@@ -554,7 +559,7 @@ def divisors(n: int) -> list[int]:
 
 
 def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> list[int]:
-    """The CP degrees the search tries where ``ways`` GPUs are left after TP and PP: ``options.context_parallel``
+    """The CP degrees the search evaluates where ``ways`` GPUs are left after TP and PP: ``options.context_parallel``
     when it is set; else 1 and every divisor of ``ways`` that leaves each rank at least ``options.cp_min_tokens``
     tokens of a sequence (an assumption, stated: the estimate counts CP's bytes, which hide behind attention, but
     not what CP costs on short shares, where smaller blocks keep the matrix units less busy and every ring step of
@@ -565,26 +570,39 @@ def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> lis
 
 
 def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Layout]:
-    """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, cp from :func:`cp_degrees`,
-    each ZeRO stage tried. Sizes that do not divide the model (heads over TP, layers over PP, the sequence over
-    CP, the batch over DP) stay in the list: :func:`evaluate` rejects them with their reason."""
+    """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, every CP degree (only
+    ``options.context_parallel`` when it is set), each ZeRO stage tried. Sizes that do not divide the model (heads
+    over TP, layers over PP, the sequence over CP, the batch over DP) stay in the list: :func:`evaluate` rejects
+    them with their reason, and :func:`search` the CP degrees :func:`cp_degrees` leaves out."""
     stages = (options.zero_stage,) if options.zero_stage is not None else ZERO_STAGES
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
         if gpus % tp:
             continue
         for pp in divisors(gpus // tp):
-            for cp in cp_degrees(model, gpus // (tp * pp), options):
+            rest = gpus // (tp * pp)
+            for cp in divisors(rest) if options.context_parallel is None else cp_degrees(model, rest, options):
                 for stage in stages:
-                    layouts.append(Layout(tp, pp, gpus // (tp * pp * cp), cp, stage))
+                    layouts.append(Layout(tp, pp, rest // cp, cp, stage))
     return layouts
+
+
+def search_rule_problems(model: ModelSpec, layout: Layout, options: Options = Options()) -> list[str]:
+    """The search's own reason to leave a layout out (a CP share shorter than ``options.cp_min_tokens``)."""
+    if layout.cp in cp_degrees(model, layout.cp * layout.dp, options):
+        return []
+    return [f"CP {layout.cp} leaves {model.seq_len // layout.cp} tokens of a sequence per rank, fewer than the "
+            f"search's {options.cp_min_tokens} (--cp-min-tokens): the estimate does not see what short shares cost"]
 
 
 def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Plan]:
     """Every layout of ``gpus`` GPUs evaluated: those that fit first, by estimated tokens/s, then the others
-    with their reasons (invalid ones last)."""
-    plans = [evaluate(model, cluster, layout, options, gpus)
-             for layout in candidate_layouts(model, cluster, gpus, options)]
+    with their reasons (invalid ones, and those the search's CP rule leaves out, last)."""
+    plans = []
+    for layout in candidate_layouts(model, cluster, gpus, options):
+        rule = search_rule_problems(model, layout, options)
+        plans.append(rejected(layout, cluster, layout_problems(model, cluster, layout, gpus, options) + rule)
+                     if rule else evaluate(model, cluster, layout, options, gpus))
     return sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
                                         p.memory_per_gpu_bytes.get("total", 0)))
 
