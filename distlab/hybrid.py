@@ -336,22 +336,8 @@ def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual
 def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> list:
     """One row per (dimension, phase, where, collective) found in either list, measured beside formula,
     with the bytes each rank sends on a ring over that dimension's group (``sent_bytes_per_rank_derived``:
-    the ring model applied to the measured payload)."""
-    from distlab.comm import bytes_sent_per_rank
+    the ring model applied to the measured payload): ``tensor_parallel.join_comm_rows`` with a group per row."""
+    from distlab.tensor_parallel import join_comm_rows
 
-    def key(row):
-        return (row["dimension"], row["phase"], row["where"], row["collective"])
-
-    measured_by_key = {key(r): r for r in measured}
-    formula_by_key = {key(r): r for r in formula}
-    joined = []
-    for k in list(formula_by_key) + [k for k in measured_by_key if k not in formula_by_key]:
-        m = measured_by_key.get(k, {"calls": 0, "payload_bytes": 0})
-        f = formula_by_key.get(k, {"calls": 0, "payload_bytes": 0})
-        group = dp if k[0] == "dp" else tp
-        joined.append({"dimension": k[0], "phase": k[1], "where": k[2], "collective": k[3],
-                       "measured_calls": m["calls"], "analytic_calls": f["calls"],
-                       "measured_bytes": m["payload_bytes"], "analytic_bytes": f["payload_bytes"],
-                       # the ring model applied to the measured payload: derived, not measured
-                       "sent_bytes_per_rank_derived": bytes_sent_per_rank(k[3], m["payload_bytes"], group)})
-    return joined
+    return join_comm_rows(measured, formula, lambda row: dp if row["dimension"] == "dp" else tp,
+                          keys=("dimension", "phase", "where", "collective"))

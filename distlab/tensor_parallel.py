@@ -285,13 +285,15 @@ def measured_comm_rows(calls, *, phase: str | None = None, where: str | None = N
     return list(rows.values())
 
 
-def join_comm_rows(measured: list[dict], formula: list[dict], world_size: int) -> list[dict]:
-    """One row per (phase, where, collective) present in either list: measured and formula side by side,
-    with the bytes each rank sends on a ring (:func:`distlab.comm.bytes_sent_per_rank`)."""
+def join_comm_rows(measured: list[dict], formula: list[dict], world_size, *,
+                   keys: tuple = ("phase", "where", "collective")) -> list[dict]:
+    """One row per ``keys`` (by default (phase, where, collective)) present in either list: measured and formula
+    side by side, with the bytes each rank sends on a ring (:func:`distlab.comm.bytes_sent_per_rank`).
+    ``world_size``: the ring's size, or a function of a row's keys (``{"dimension": ..}`` -> that group's size)."""
     from distlab.comm import bytes_sent_per_rank
 
     def key(row):
-        return (row["phase"], row["where"], row["collective"])
+        return tuple(row[name] for name in keys)
 
     measured_by_key = {key(r): r for r in measured}
     formula_by_key = {key(r): r for r in formula}
@@ -299,11 +301,13 @@ def join_comm_rows(measured: list[dict], formula: list[dict], world_size: int) -
     for k in list(formula_by_key) + [k for k in measured_by_key if k not in formula_by_key]:
         m = measured_by_key.get(k, {"calls": 0, "payload_bytes": 0})
         f = formula_by_key.get(k, {"calls": 0, "payload_bytes": 0})
-        joined.append({"phase": k[0], "where": k[1], "collective": k[2],
-                       "measured_calls": m["calls"], "analytic_calls": f["calls"],
+        row = dict(zip(keys, k))
+        group = world_size(row) if callable(world_size) else world_size
+        joined.append({**row, "measured_calls": m["calls"], "analytic_calls": f["calls"],
                        "measured_bytes": m["payload_bytes"], "analytic_bytes": f["payload_bytes"],
                        # the ring model applied to the measured payload: derived, not measured
-                       "sent_bytes_per_rank_derived": bytes_sent_per_rank(k[2], m["payload_bytes"], world_size)})
+                       "sent_bytes_per_rank_derived": bytes_sent_per_rank(row["collective"], m["payload_bytes"],
+                                                                          group)})
     return joined
 
 

@@ -73,27 +73,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def preset_or_file(kind: str, name: str, path: str | None, presets: dict, load):
+    """The ``--{kind}-config`` file's model or cluster when given, else the preset ``name``; ConfigError (one
+    line, exit 2) when the file does not load or the name is unknown."""
+    if path:
+        try:
+            return load(path)
+        except (OSError, ValueError) as error:
+            raise runtime.ConfigError(f"--{kind}-config: {error}") from None
+    runtime.require(name in presets, f"unknown {kind} {name!r}; choose from {', '.join(presets)}")
+    return presets[name]
+
+
 def resolve(args):
     """Model, cluster, options and GPU count from the flags; ConfigError (one line, exit 2) when they do not make
     sense."""
-    if args.model_config:
-        try:
-            model = planner.model_from_file(args.model_config)
-        except (OSError, ValueError) as error:
-            raise runtime.ConfigError(f"--model-config: {error}") from None
-    else:
-        runtime.require(args.model in planner.MODELS,
-                        f"unknown model {args.model!r}; choose from {', '.join(planner.MODELS)}")
-        model = planner.MODELS[args.model]
-    if args.cluster_config:
-        try:
-            cluster = planner.cluster_from_file(args.cluster_config)
-        except (OSError, ValueError) as error:
-            raise runtime.ConfigError(f"--cluster-config: {error}") from None
-    else:
-        runtime.require(args.cluster in planner.CLUSTERS,
-                        f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
-        cluster = planner.CLUSTERS[args.cluster]
+    model = preset_or_file("model", args.model, args.model_config, planner.MODELS, planner.model_from_file)
+    cluster = preset_or_file("cluster", args.cluster, args.cluster_config, planner.CLUSTERS,
+                             planner.cluster_from_file)
     overrides = {k: v for k, v in (("micro_batch", args.micro_batch), ("global_batch", args.global_batch),
                                    ("seq_len", args.seq_len)) if v is not None}
     model = replace(model, **overrides)
@@ -204,10 +201,8 @@ def measure(args) -> int:
 
     where = runtime.launcher_env()
     try:
-        cluster = planner.cluster_from_file(args.cluster_config) if args.cluster_config else \
-            planner.CLUSTERS.get(args.cluster)
-        runtime.require(cluster is not None,
-                        f"unknown cluster {args.cluster!r}; choose from {', '.join(planner.CLUSTERS)}")
+        cluster = preset_or_file("cluster", args.cluster, args.cluster_config, planner.CLUSTERS,
+                                 planner.cluster_from_file)
         runtime.require(args.steps >= 3, f"--steps {args.steps}: --measure times the steps after the first two")
     except (OSError, ValueError, runtime.ConfigError) as error:
         sys.stderr.write(f"config error (rank {where.rank}): {error}\n")
