@@ -6,7 +6,8 @@ from pathlib import Path
 import distlab
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = sorted(p.stem for p in (ROOT / "distlab").glob("*.py") if p.stem != "__init__")
+MODULES = sorted(p.stem for p in (ROOT / "distlab").glob("*.py") if p.stem != "__init__") + sorted(
+    p.name for p in (ROOT / "distlab").iterdir() if (p / "__init__.py").exists())
 
 
 def test_the_package_index_lists_every_module():

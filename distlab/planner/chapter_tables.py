@@ -1,0 +1,114 @@
+"""The chapter's tables (chapters/11_choosing_a_strategy.md pastes them; tests/unit/test_chapter_text_11.py
+recomputes them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from distlab import sizing
+from distlab.planner.published import MIXTRAL_8X7B, moe_params
+from distlab.planner.search import best, fewest_nodes, rank_of, search
+from distlab.planner.spec import CLUSTERS, GIB, MODELS, Layout, Options
+from distlab.planner.step_time import Plan, evaluate
+
+
+def _gib(plan: Plan) -> str:
+    total = plan.memory_per_gpu_bytes.get("total", float("nan"))
+    return f"{total / GIB:.1f} GiB" if total == total else "-"
+
+
+def _verdict(plan: Plan) -> str:
+    return (f"fits, {_gib(plan)}, MFU {plan.mfu:.0%}" if plan.fits
+            else f"does not fit: {plan.reason}" if plan.problems else f"does not fit ({_gib(plan)})")
+
+
+def _best_with(plans: list[Plan], condition) -> Plan | None:
+    return next((p for p in plans if condition(p.layout)), None)
+
+
+def decision_path() -> list[dict]:
+    """The chapter's decision path, each step a question, a case, and what the planner says (derived)."""
+    c = CLUSTERS
+    steps = []
+    one = evaluate(MODELS["1b"], c["a100-80gb"], Layout(), Options(), 1)
+    plans = search(MODELS["1b"], c["a100-80gb"], 8)
+    ddp = _best_with(plans, lambda l: l.zero_stage == 0 and l.tp == l.pp == 1)
+    steps.append({"question": "Does it fit on one GPU? Then DDP.", "case": "1B on A100-80GB",
+                  "answer": f"one GPU: {_verdict(one)}; on 8, DDP (dp=8): {_verdict(ddp)}, "
+                            f"place {rank_of(plans, ddp.layout)} of {sum(p.fits for p in plans)}"})
+    plans = search(MODELS["7b"], c["a100-40gb"], 8)
+    ddp, fsdp = (evaluate(MODELS["7b"], c["a100-40gb"], Layout(dp=8, zero_stage=z)) for z in (0, 3))
+    steps.append({"question": "Too big for a replica per GPU? Shard it: FSDP (ZeRO-3).",
+                  "case": "7B on 2 nodes of 4 x A100-40GB",
+                  "answer": f"DDP: {_verdict(ddp)}; FSDP dp=8: {_verdict(fsdp)}; best: "
+                            f"{plans[0].layout.label()} ({plans[0].mfu:.0%})"})
+    plans = search(MODELS["70b"], c["a100-40gb"], 64)
+    fsdp = evaluate(MODELS["70b"], c["a100-40gb"], Layout(dp=64, zero_stage=3))
+    steps.append({"question": "Layers too wide, activations too big? TP inside a node.",
+                  "case": "70B on 16 nodes of 4 x A100-40GB",
+                  "answer": f"FSDP alone (dp=64): {_verdict(fsdp)}; best: {plans[0].layout.label()}, "
+                            f"{_verdict(plans[0])}"})
+    plans = search(MODELS["405b"], c["h100-80gb"], 1024)
+    flat = _best_with(plans, lambda l: l.pp == 1)
+    steps.append({"question": "Still too big, or many nodes? PP across nodes.", "case": "405B on 1024 H100-80GB",
+                  "answer": f"best without PP ({flat.layout.label()}): {_verdict(flat)}; best: "
+                            f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
+    long = replace(MODELS["70b"], seq_len=32768, global_batch=128)
+    no_sp, sp, cp = (evaluate(long, c["h100-80gb"], layout, Options(sequence_parallel=s), 64)
+                     for layout, s in ((Layout(8, 8, 1, 1, 1), False), (Layout(8, 8, 1, 1, 1), True),
+                                       (Layout(8, 4, 1, 2, 1), True)))
+    longest = replace(MODELS["70b"], seq_len=131072, global_batch=32)
+    plans = search(longest, c["h100-80gb"], 64)
+    closest = min((p for p in plans if p.layout.cp == 1 and not p.problems),
+                  key=lambda p: p.memory_per_gpu_bytes["total"])
+    steps.append({"question": "Long sequences? SP with TP, then CP.",
+                  "case": "70B, 32K then 128K tokens, 64 H100-80GB",
+                  "answer": f"32K, tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB "
+                            f"without SP, {sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB with SP; "
+                            f"tp=8,pp=4,cp=2 with SP: {_verdict(cp)}; 128K without SP: nothing without CP fits "
+                            f"(closest {closest.layout.label()}: {_verdict(closest)}); the search's choice: "
+                            f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
+    return steps
+
+
+def decision_path_markdown() -> str:
+    lines = ["| question | case | what the planner says (derived) |", "|---|---|---|"]
+    lines += [f"| {s['question']} | {s['case']} | {s['answer']} |" for s in decision_path()]
+    return "\n".join(lines)
+
+
+TRADEOFF_LAYOUTS = (Layout(1, 8, 8, 1, 3), Layout(2, 8, 4, 1, 3), Layout(8, 8, 1, 1, 1), Layout(8, 1, 8, 1, 3),
+                    Layout(8, 2, 4, 1, 1), Layout(8, 4, 2, 1, 1), Layout(2, 2, 16, 1, 3), Layout(1, 2, 32, 1, 3))
+
+
+def tradeoffs_markdown(model: str = "70b", cluster: str = "h100-80gb", gpus: int = 64) -> str:
+    """Raising one degree at the others' expense: memory, the seconds of each dimension, bubble, MFU."""
+    lines = [f"| {model} on {gpus} x {cluster} | GiB per GPU | TP s | DP s | PP s | bubble (of the step) | "
+             "MFU |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for layout in TRADEOFF_LAYOUTS:
+        plan = evaluate(MODELS[model], CLUSTERS[cluster], layout, Options(), gpus)
+        s = plan.comm_seconds
+        lines.append(f"| {layout.label()} | {plan.memory_per_gpu_bytes['total'] / GIB:.1f} | {s['tp']:.2f} | "
+                     f"{s['dp']:.2f} | {s['pp']:.2f} | {plan.bubble['of_step']:.1%} | {plan.mfu:.1%} |")
+    return "\n".join(lines)
+
+
+def sizing_check_markdown() -> str:
+    """Chapter 09's guide (TP = a node, FSDP over nodes) against the planner's search over every layout."""
+    lines = ["| model | chapter 09: fewest nodes, TP 4 x FSDP | planner: fewest nodes, any layout | "
+             "its layout there |", "|---|---:|---:|---|"]
+    for name in sizing.LLAMA_SHAPES:
+        spec = MODELS[name.lower()]
+        nodes = fewest_nodes(spec, CLUSTERS["a100-40gb"])
+        plan = best(spec, CLUSTERS["a100-40gb"], nodes * CLUSTERS["a100-40gb"].gpus_per_node)
+        lines.append(f"| {name} | {sizing.min_nodes(name)} | {nodes} | {plan.layout.label()} |")
+    return "\n".join(lines)
+
+
+def moe_markdown() -> str:
+    counted = moe_params(**MIXTRAL_8X7B)
+    return (f"Mixtral 8x7B: {counted['total'] / 1e9:.1f} B parameters stored (every expert), "
+            f"{counted['active'] / 1e9:.1f} B used per token (2 of 8 experts), not the "
+            f"{counted['naive_name'] / 1e9:.0f} B its name suggests. Memory follows the {counted['total'] / 1e9:.1f} B "
+            f"({16 * counted['total'] / GIB:.0f} GiB of mixed-precision AdamW state); "
+            f"FLOPs per token follow the {counted['active'] / 1e9:.1f} B.")

@@ -1,0 +1,118 @@
+"""Memory per GPU of a layout, by part: training state, activations, temporary buffers, reserve."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from distlab import memory, models, tensor_parallel
+from distlab.planner.spec import Layout, ModelSpec, Options, microbatches, stage_layers
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
+    """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "total"}``
+    (the sharded ones already divided by TP), and its largest FSDP unit (a block, or the embedding/head)."""
+    block = model.block_params()
+    layers = stage_layers(model.layers, layout.pp, stage)
+    sharded = layers * block["sharded"]
+    replicated = layers * block["replicated"]
+    units = [block["sharded"] / layout.tp + block["replicated"]] if layers else []
+    root_sharded = root_replicated = 0
+    if stage == 0:
+        embedding = model.embedding_params()
+        root_sharded += embedding["sharded"]
+        root_replicated += embedding["replicated"]
+    if stage == layout.pp - 1:
+        head = model.head_params(tied_copy=layout.pp > 1)
+        root_sharded += head["sharded"]
+        root_replicated += head["replicated"]
+    if root_sharded or root_replicated:
+        units.append(root_sharded / layout.tp + root_replicated)
+    sharded_per_rank = (sharded + root_sharded) / layout.tp
+    return {"sharded": sharded_per_rank, "replicated": replicated + root_replicated,
+            "total": sharded_per_rank + replicated + root_replicated, "largest_unit": max(units)}
+
+
+
+def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks: int = 1) -> float:
+    """Microbatches whose activations stage ``stage`` holds at its peak, in whole-stage units (closed forms of
+    ``schedules.peak_activations``, tested equal to it): GPipe M; 1F1B min(P - s, M); interleaved
+    min((V-1)P + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return num_microbatches
+    if schedule == "1f1b":
+        return min(pp - stage, num_microbatches)
+    if schedule == "interleaved_1f1b":
+        return min((chunks - 1) * pp + 2 * (pp - 1 - stage) + 1, chunks * num_microbatches) / chunks
+    raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, not {schedule!r}")
+
+
+def stage_config(model: ModelSpec, layers: int, seq_len: int) -> models.TransformerConfig:
+    return replace(model.config(), n_layers=max(layers, 1), seq_len=seq_len)
+
+
+def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
+    """Saved activations on one GPU of stage ``stage`` at its peak (the start of backward).
+
+    Per microbatch, from ``tensor_parallel.activation_bytes`` (the fp32 formula measured on CPU ranks) on this
+    stage's layers with the sequence split over CP. Mixed precision saves the blocks in 2-byte numbers
+    (the head's log-softmax stays fp32). Checkpointed: each block keeps its input (split over TP under SP)
+    and one block is live again in backward. Times the microbatches in flight (:func:`in_flight`). The head
+    (log-softmax over this rank's vocabulary) is on the last stage; the embedding output is the first block's
+    input, already counted.
+    """
+    layers = stage_layers(model.layers, layout.pp, stage)
+    seq = model.seq_len // layout.cp
+    b = model.micro_batch
+    per_rank = tensor_parallel.activation_bytes(stage_config(model, layers, seq), b, seq, layout.tp,
+                                                sequence_parallel=options.sequence_parallel, kv_dim=model.kv_dim)
+    number_bytes = 4 if options.precision == "fp32" else 2
+    one_block = per_rank["per_layer"] * number_bytes / 4
+    if options.activation_checkpointing:
+        block_input = b * seq * model.hidden * number_bytes / (layout.tp if options.sequence_parallel else 1)
+        per_microbatch, live = layers * block_input, one_block
+    else:
+        per_microbatch, live = layers * one_block, 0
+    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), options.chunks)
+    head = per_rank["head"] if stage == layout.pp - 1 else 0
+    return held * per_microbatch + live + head
+
+
+def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> memory.StateBytes:
+    """Parameters, gradients and optimizer state on one GPU: ``memory.zero_state_bytes`` over dp (and cp,
+    whose ranks hold the same weights and shard them too, as FSDP over dp x cp does) of this stage's TP share."""
+    held = stage_params(model, layout, stage)["total"]
+    return memory.zero_state_bytes(held, layout.dp * layout.cp, layout.zero_stage, options.precision)
+
+
+def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
+    """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
+    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting); without resharding
+    after forward (and under PP) every unit stays gathered until its backward: the stage's whole weights.
+    DDP and ZeRO-1:
+    DDP's buckets, a second copy of the gradients (none with ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
+    params = stage_params(model, layout, stage)
+    param_bytes = 4 if options.precision == "fp32" else 2
+    if layout.zero_stage == 3 and (options.reshard_after_forward and layout.pp == 1):
+        # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
+        return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
+    if layout.zero_stage == 3:
+        # kept gathered from forward to backward (no reshard, or a pipeline stage): the whole stage's weights
+        return param_bytes * params["total"] + 4 * params["largest_unit"]
+    if layout.dp * layout.cp == 1:
+        return 0.0
+    if layout.zero_stage == 2:
+        return 2 * options.bucket_bytes
+    grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
+    return 0.0 if options.ddp_bucket_view else grads
+
+
+def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    state = state_bytes(model, layout, stage, options)
+    parts = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer,
+             "activations": activation_bytes(model, layout, stage, options),
+             "temporary": temporary_bytes(model, layout, stage, options), "reserve": options.reserve_bytes}
+    parts["total"] = sum(parts.values())
+    return parts
+

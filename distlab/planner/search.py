@@ -1,0 +1,78 @@
+"""The search over every layout of a GPU count, and the questions asked of it (best, rank, fewest nodes)."""
+
+from __future__ import annotations
+
+from distlab.planner.spec import ZERO_STAGES, Cluster, Layout, ModelSpec, Options, layout_problems
+from distlab.planner.step_time import Plan, evaluate, rejected
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> list[int]:
+    """The CP degrees the search evaluates where ``ways`` GPUs are left after TP and PP: ``options.context_parallel``
+    when it is set; else 1 and every divisor of ``ways`` that leaves each rank at least ``options.cp_min_tokens``
+    tokens of a sequence (an assumption, stated: the estimate counts CP's bytes, which hide behind attention, but
+    not what CP costs on short shares, where smaller blocks keep the matrix units less busy and every ring step of
+    every layer adds a message's latency; LLaMA 3 405B used CP 16 only for its 128K-token stage, 8K per rank)."""
+    if options.context_parallel is not None:
+        return [options.context_parallel] if ways % options.context_parallel == 0 else []
+    return [c for c in divisors(ways) if c == 1 or model.seq_len // c >= options.cp_min_tokens]
+
+
+def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Layout]:
+    """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, every CP degree (only
+    ``options.context_parallel`` when it is set), each ZeRO stage tried. Sizes that do not divide the model (heads
+    over TP, layers over PP, the sequence over CP, the batch over DP) stay in the list: :func:`evaluate` rejects
+    them with their reason, and :func:`search` the CP degrees :func:`cp_degrees` leaves out."""
+    stages = (options.zero_stage,) if options.zero_stage is not None else ZERO_STAGES
+    layouts = []
+    for tp in divisors(cluster.gpus_per_node):
+        if gpus % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            rest = gpus // (tp * pp)
+            for cp in divisors(rest) if options.context_parallel is None else cp_degrees(model, rest, options):
+                for stage in stages:
+                    layouts.append(Layout(tp, pp, rest // cp, cp, stage))
+    return layouts
+
+
+def search_rule_problems(model: ModelSpec, layout: Layout, options: Options = Options()) -> list[str]:
+    """The search's own reason to leave a layout out (a CP share shorter than ``options.cp_min_tokens``)."""
+    if layout.cp in cp_degrees(model, layout.cp * layout.dp, options):
+        return []
+    return [f"CP {layout.cp} leaves {model.seq_len // layout.cp} tokens of a sequence per rank, fewer than the "
+            f"search's {options.cp_min_tokens} (--cp-min-tokens): the estimate does not see what short shares cost"]
+
+
+def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Plan]:
+    """Every layout of ``gpus`` GPUs evaluated: those that fit first, by estimated tokens/s, then the others
+    with their reasons (invalid ones, and those the search's CP rule leaves out, last)."""
+    plans = []
+    for layout in candidate_layouts(model, cluster, gpus, options):
+        rule = search_rule_problems(model, layout, options)
+        plans.append(rejected(layout, cluster, layout_problems(model, cluster, layout, gpus, options) + rule)
+                     if rule else evaluate(model, cluster, layout, options, gpus))
+    return sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
+                                        p.memory_per_gpu_bytes.get("total", 0)))
+
+
+def best(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> Plan | None:
+    plans = search(model, cluster, gpus, options)
+    return plans[0] if plans and plans[0].fits else None
+
+
+def rank_of(plans: list[Plan], layout: Layout) -> int | None:
+    """1-based place of ``layout`` among the plans that fit; None when it does not fit."""
+    fitting = [p.layout for p in plans if p.fits]
+    return fitting.index(layout) + 1 if layout in fitting else None
+
+
+def fewest_nodes(model: ModelSpec, cluster: Cluster, options: Options = Options(), max_nodes: int = 512) -> int | None:
+    """The fewest nodes on which some layout fits (the search on each node count)."""
+    for nodes in range(1, max_nodes + 1):
+        if best(model, cluster, nodes * cluster.gpus_per_node, options):
+            return nodes
+    return None

@@ -1,0 +1,286 @@
+"""What the planner plans for: the model (:class:`ModelSpec`), the cluster (:class:`Cluster`), how it trains
+(:class:`Options`) and how it splits (:class:`Layout`), with the presets, the JSON files and the checks that a
+layout can run at all (:func:`layout_problems`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+from distlab import memory, metrics, models, sizing, tensor_parallel
+
+GIB = memory.GIB
+GB = 1e9
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer and the batch it trains on.
+
+    ``architecture="llama"``: RMSNorm, SwiGLU (3 matrices of ``hidden x ffn``), grouped-query attention,
+    untied embedding and output, no biases, rotary positions. ``"gpt"``: LayerNorm with bias, a 2-matrix GELU
+    MLP with biases, biased attention projections, learned positions, output tied to the embedding (under
+    PP the last stage keeps its own copy of the tied matrix, as Megatron does).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    micro_batch: int = 1
+    global_batch: int = 1
+    architecture: str = "llama"
+    source: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def block_params(self) -> dict:
+        """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases) and
+        ``replicated`` (norms and the biases added after a row-parallel matrix)."""
+        h, f = self.hidden, self.ffn
+        if self.architecture == "gpt":
+            attention = h * h + 2 * h * self.kv_dim + (h + 2 * self.kv_dim)  # q, k, v weights and biases
+            return {"sharded": attention + h * h + 2 * h * f + f, "replicated": 4 * h + 2 * h}
+        return {"sharded": 2 * h * h + 2 * h * self.kv_dim + 3 * h * f, "replicated": 2 * h}
+
+    def embedding_params(self) -> dict:
+        positions = self.seq_len * self.hidden if self.architecture == "gpt" else 0
+        return {"sharded": self.vocab * self.hidden, "replicated": positions}
+
+    def head_params(self, tied_copy: bool = True) -> dict:
+        """Final norm and output projection (for a tied GPT, the copy a separate last stage holds)."""
+        norm = 2 * self.hidden if self.architecture == "gpt" else self.hidden
+        output = 0 if self.architecture == "gpt" and not tied_copy else self.vocab * self.hidden
+        return {"sharded": output, "replicated": norm}
+
+    def num_params(self) -> int:
+        block = self.block_params()
+        return (sum(self.embedding_params().values()) + self.layers * (block["sharded"] + block["replicated"])
+                + sum(self.head_params(tied_copy=False).values()))
+
+    def matmul_params(self) -> int:
+        """The parameters that multiply (all but the embedding lookup and position table): 6 FLOPs each per token."""
+        return self.num_params() - self.vocab * self.hidden * (self.architecture != "gpt") \
+            - self.embedding_params()["replicated"]
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, 6 N + 12 L h s (``metrics.transformer_flops_per_token``'s accounting)."""
+        return 6 * self.matmul_params() + 12 * self.layers * self.hidden * self.seq_len
+
+    def config(self) -> models.TransformerConfig:
+        """The course's TransformerConfig of the same sizes (what the activation and TP formulas take)."""
+        return models.TransformerConfig(vocab_size=self.vocab, dim=self.hidden, n_layers=self.layers,
+                                        n_heads=self.heads, ffn_hidden=self.ffn, seq_len=self.seq_len)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def from_llama_shape(shape: sizing.LlamaShape, seq_len: int = 4096, global_batch: int = 1024) -> ModelSpec:
+    return ModelSpec(shape.name.lower(), shape.n_layers, shape.dim, shape.n_heads, shape.n_kv_heads,
+                     shape.ffn_hidden, shape.vocab_size, seq_len, 1, global_batch, "llama", shape.source)
+
+
+def from_config(cfg: models.TransformerConfig, micro_batch: int, global_batch: int, name: str = "course") -> ModelSpec:
+    """The course's own transformer (chapters 01-09): multi-head attention, untied, LLaMA-style."""
+    return ModelSpec(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_heads, cfg.ffn_hidden, cfg.vocab_size,
+                     cfg.seq_len, micro_batch, global_batch, "llama", "distlab.models")
+
+
+# LLaMA-style 1B-70B: chapter 09's shapes (distlab.sizing), written once. Batches: ~4M tokens a step.
+MODELS: dict[str, ModelSpec] = {name.lower(): from_llama_shape(shape) for name, shape in sizing.LLAMA_SHAPES.items()}
+MODELS["405b"] = ModelSpec("405b", 126, 16384, 128, 8, 53248, 128256, 8192, 1, 2048, "llama",
+                           "LLaMA 3.1 405B (Llama Team, 2024: 126 layers, 16M tokens a step)")
+MODELS["gpt3-175b"] = ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, 1, 1536, "gpt",
+                                "GPT-3 175B (Brown et al., 2020: batch 3.2M tokens)")
+MODELS["mt-nlg-530b"] = ModelSpec("mt-nlg-530b", 105, 20480, 128, 128, 4 * 20480, 50257, 2048, 1, 1920, "gpt",
+                                  "Megatron-Turing NLG 530B (Smith et al., 2022: batch 1920)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Clusters
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One kind of node. Bandwidths are per GPU and one direction; ``peak_flops`` is dense, for ``dtype``."""
+
+    name: str
+    gpus_per_node: int
+    gpu_bytes: float
+    peak_flops: float
+    dtype: str
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    source: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CLUSTERS: dict[str, Cluster] = {
+    "a100-40gb": Cluster("a100-40gb", 4, 40 * GIB, metrics.PEAK_FLOPS[("A100", "bf16")], "bf16",
+                         tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S,
+                         tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S,
+                         "Derecho-like: 4 x A100-40GB, NVLink 3, one Slingshot 11 NIC (200 Gb/s) per GPU"),
+    "a100-80gb": Cluster("a100-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("A100", "bf16")], "bf16",
+                         tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, 200e9 / 8,
+                         "DGX A100: 8 x A100-80GB, NVLink 3, one 200 Gb/s InfiniBand HDR NIC per GPU"),
+    "h100-80gb": Cluster("h100-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("H100", "bf16")], "bf16",
+                         900e9 / 2, 400e9 / 8,
+                         "DGX H100: 8 x H100-80GB SXM, NVLink 4 (900 GB/s both ways), one 400 Gb/s NDR NIC per GPU"),
+    "v100-32gb": Cluster("v100-32gb", 8, 32 * GIB, 125e12, "fp16", 300e9 / 2, 100e9 / 8,
+                         "8 x V100-32GB SXM2 (fp16 tensor cores 125 TFLOP/s dense; no bf16), NVLink 2, "
+                         "100 Gb/s per GPU"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Options and layouts
+# --------------------------------------------------------------------------------------------------
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the model trains. Every field is printed beside the plans it produces."""
+
+    zero_stage: int | None = None          # 0 DDP, 1, 2, 3 FSDP; None: the search tries ZERO_STAGES
+    context_parallel: int | None = None    # CP degree; None: the search tries those of long enough shares
+    cp_min_tokens: int = 8192              # the search's CP: at least this many tokens of a sequence per rank
+    reshard_after_forward: bool = True     # FSDP: gather again for backward (PP keeps stages gathered instead)
+    activation_checkpointing: bool = True  # every block recomputed in backward
+    precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
+    sequence_parallel: bool = False        # Megatron SP: activations between TP regions split over TP
+    schedule: str = "1f1b"
+    chunks: int = 1                        # stages per rank (interleaved_1f1b)
+    reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
+    prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
+    ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)
+    bucket_bytes: float = 25 * 2**20       # DDP/ZeRO bucket size (DDP's bucket_cap_mb=25)
+    compute_efficiency: float = 0.6        # share of the dense peak the matrix multiplies reach (assumed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+ZERO_STAGES = (0, 1, 3)  # what the search tries when Options.zero_stage is None: DDP, ZeRO-1, FSDP
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def label(self) -> str:
+        text = f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        return (text + (f",cp={self.cp}" if self.cp > 1 else "")) + f",zero={self.zero_stage}"
+
+
+def parse_layout(text: str, zero_stage: int = 0) -> Layout:
+    """``"tp=8,pp=8,dp=16"`` (any order; cp= and zero= optional) as a :class:`Layout`; ValueError if malformed."""
+    sizes = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("tp", "pp", "dp", "cp", "zero") or not value.isdigit():
+            raise ValueError(f"--layout {text!r}: write it like tp=8,pp=8,dp=16 (keys tp, pp, dp, cp, zero)")
+        sizes["zero_stage" if key == "zero" else key] = int(value)
+    sizes.setdefault("zero_stage", zero_stage)
+    return Layout(**sizes)
+
+
+def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: int | None = None,
+                    options: Options = Options()) -> list[str]:
+    """Every reason ``layout`` cannot run ``model`` on ``gpus`` GPUs of ``cluster`` (empty when it can)."""
+    t, p, d, c = layout.tp, layout.pp, layout.dp, layout.cp
+    if min(t, p, d, c) < 1:
+        return [f"every size must be at least 1, not {layout.label()}"]
+    problems = []
+    if gpus is not None and layout.gpus != gpus:
+        problems.append(f"tp x pp x dp x cp = {layout.gpus} is not the {gpus} GPUs")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage must be 0, 1, 2 or 3, not {layout.zero_stage}")
+    if t > cluster.gpus_per_node:
+        problems.append(f"TP {t} is larger than a node's {cluster.gpus_per_node} GPUs (TP stays on NVLink)")
+    for label, value in (("attention heads", model.heads), ("key/value heads", model.kv_heads),
+                         ("hidden size", model.hidden), ("feed-forward size", model.ffn)):
+        if value % t:
+            problems.append(f"{value} {label} do not split over TP {t}")
+    if p > model.layers:
+        problems.append(f"PP {p} is more stages than the {model.layers} layers")
+    if p * options.chunks > model.layers:
+        problems.append(f"PP {p} x {options.chunks} chunks is more stages than the {model.layers} layers")
+    if model.seq_len % c or (options.sequence_parallel and (model.seq_len // c) % t):
+        problems.append(f"sequence length {model.seq_len} does not split over CP {c}"
+                        + (f" x SP {t}" if options.sequence_parallel else ""))
+    if model.global_batch % (d * model.micro_batch):
+        problems.append(f"global batch {model.global_batch} does not split into dp x micro-batch = "
+                        f"{d} x {model.micro_batch} equal parts")
+    return problems
+
+
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> int:
+    """Layers of stage ``stage`` when ``layers`` do not divide: the first ``layers % pp`` stages take one more."""
+    return layers // pp + (1 if stage < layers % pp else 0)
+
+
+
+def microbatches(model: ModelSpec, layout: Layout) -> int:
+    """Microbatches per step on one replica: global batch / (dp x micro-batch)."""
+    return max(1, model.global_batch // (layout.dp * model.micro_batch))
+
+
+
+def model_from_file(path) -> ModelSpec:
+    """A ModelSpec from JSON with its field names (``name, layers, hidden, heads, kv_heads, ffn, vocab,
+    seq_len``, optional ``micro_batch, global_batch, architecture``). ValueError with the reason if not."""
+    data = json.loads(open(path).read())
+    known = {f.name for f in fields(ModelSpec)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown model fields {sorted(unknown)}; known: {sorted(known)}")
+    data.setdefault("name", str(path))
+    data.setdefault("kv_heads", data.get("heads"))
+    try:
+        return ModelSpec(**data)
+    except TypeError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def cluster_from_file(path) -> Cluster:
+    """A Cluster from JSON (``gpus_per_node, gpu_gib, peak_tflops, dtype, intra_node_gb_per_s,
+    inter_node_gb_per_s``: GiB, dense TFLOP/s and GB/s one way, as a data sheet quotes them)."""
+    data = json.loads(open(path).read())
+    needed = ("gpus_per_node", "gpu_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s")
+    missing = [k for k in needed if k not in data]
+    if missing:
+        raise ValueError(f"{path}: missing cluster fields {missing}")
+    return Cluster(data.get("name", str(path)), int(data["gpus_per_node"]), data["gpu_gib"] * GIB,
+                   data["peak_tflops"] * 1e12, data.get("dtype", "bf16"), data["intra_node_gb_per_s"] * GB,
+                   data["inter_node_gb_per_s"] * GB, data.get("source", ""))
+
