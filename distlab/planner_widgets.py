@@ -65,10 +65,11 @@ def with_sequence_length(spec: planner.ModelSpec, seq_len) -> planner.ModelSpec:
     return planner.replace(spec, seq_len=seq_len, global_batch=max(1, tokens // seq_len))
 
 
-def explorer_view(model: str, cluster: str, gpus: int, zero_stage=None, activation_checkpointing: bool = True,
-                  sequence_parallel: bool = False, top: int = 6, seq_len="preset") -> tuple[list, str]:
+def explorer_view(model: str, cluster: str, gpus: int, zero_stage=None, activation_checkpointing=None,
+                  sequence_parallel=None, top: int = 6, seq_len="preset") -> tuple[list, str]:
     """What the explorer shows for one setting: the plans to draw (the best ``top`` that fit, or the closest
-    that do not) and a markdown text (the ranked table, or why nothing fits)."""
+    that do not) and a markdown text (the ranked table, or why nothing fits). ``activation_checkpointing`` and
+    ``sequence_parallel`` None: the search chooses (as ``planner.Options``)."""
     options = planner.Options(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
                               sequence_parallel=sequence_parallel)
     spec, machine = with_sequence_length(planner.MODELS[model], seq_len), planner.CLUSTERS[cluster]
@@ -90,16 +91,21 @@ def planner_explorer(model: str = "70b", cluster: str = "h100-80gb", gpus: int =
     from IPython.display import Markdown, display
 
     def show(model, cluster, gpus, seq_len, zero, checkpointing, sequence_parallel):
-        plans, text = explorer_view(model, cluster, gpus, None if zero == "search" else int(zero), checkpointing,
-                                    sequence_parallel, seq_len=seq_len)
+        plans, text = explorer_view(model, cluster, gpus, None if zero == "search" else int(zero),
+                                    None if checkpointing == "search" else checkpointing,
+                                    {"auto": None, "on": True, "off": False}[sequence_parallel], seq_len=seq_len)
         if plans:
             draw_memory_bars(plans, title=f"{model} on {gpus} x {cluster}, {seq_len} tokens a sequence")
             plt.show()
         display(Markdown(text))
 
-    return widgets.interact(show, model=list(planner.MODELS), cluster=list(planner.CLUSTERS),
+    # each control opens on the value this call asked for (a bare list would open on its first option)
+    return widgets.interact(show, model=widgets.Dropdown(options=list(planner.MODELS), value=model),
+                            cluster=widgets.Dropdown(options=list(planner.CLUSTERS), value=cluster),
                             gpus=widgets.IntText(value=gpus, description="GPUs"), seq_len=list(SEQUENCE_LENGTHS),
-                            zero=["search", "0", "1", "2", "3"], checkpointing=True, sequence_parallel=False)
+                            zero=["search", "0", "1", "2", "3"],
+                            checkpointing=["search", "full", "selective", "none"],
+                            sequence_parallel=["auto", "on", "off"])
 
 
 # ---- the prediction beside a measured run (fsdp_tp_hybrid.py of chapter 09) ------------------------------
@@ -160,7 +166,7 @@ def layout_verdict(layout, model: str = "70b", cluster: str = "h100-80gb", gpus:
         return Verdict(False, f"write the answer as planner.Layout(tp=..., pp=..., dp=..., zero_stage=...), "
                               f"not {type(layout).__name__}")
     spec, machine = planner.MODELS[model], planner.CLUSTERS[cluster]
-    plan = planner.evaluate(spec, machine, layout, planner.Options(), gpus)
+    plan = planner.tune(spec, machine, layout, planner.Options(), gpus)
     best = planner.search(spec, machine, gpus)[0]
     if not plan.fits:
         return Verdict(False, f"{layout.label()} {plan.reason if plan.problems else 'does not fit: ' + plan.reason}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from distlab import sizing
-from distlab.planner.published import MIXTRAL_8X7B, moe_params
-from distlab.planner.search import best, fewest_nodes, rank_of, search
+from distlab.planner.published import MIXTRAL_8X7B, MIXTRAL_8X22B, moe_params
+from distlab.planner.search import best, fewest_nodes, rank_of, search, tune
 from distlab.planner.spec import CLUSTERS, GIB, MODELS, Layout, Options
 from distlab.planner.step_time import Plan, evaluate
 
@@ -48,25 +48,29 @@ def decision_path() -> list[dict]:
                   "case": "70B on 16 nodes of 4 x A100-40GB",
                   "answer": f"FSDP alone (dp=64): {_verdict(fsdp)}; best: {plans[0].layout.label()}, "
                             f"{_verdict(plans[0])}"})
-    plans = search(MODELS["405b"], c["h100-80gb"], 1024)
+    plans = search(MODELS["405b"], c["h100-80gb"], 16384)
     flat = _best_with(plans, lambda l: l.pp == 1)
-    steps.append({"question": "Still too big, or many nodes? PP across nodes.", "case": "405B on 1024 H100-80GB",
-                  "answer": f"best without PP ({flat.layout.label()}): {_verdict(flat)}; best: "
-                            f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
+    steps.append({"question": "Many nodes, and the batch runs out of replicas? PP across nodes.",
+                  "case": "405B on 16,384 H100-80GB, 2,048 sequences a step",
+                  "answer": f"best without PP ({flat.layout.label()}, one sequence a replica): {_verdict(flat)}; "
+                            f"best: {plans[0].layout.label()} ({plans[0].describe_settings()}), {_verdict(plans[0])}"})
     long = replace(MODELS["70b"], seq_len=32768, global_batch=128)
     no_sp, sp, cp = (evaluate(long, c["h100-80gb"], layout, Options(sequence_parallel=s), 64)
                      for layout, s in ((Layout(8, 8, 1, 1, 1), False), (Layout(8, 8, 1, 1, 1), True),
                                        (Layout(8, 4, 1, 2, 1), True)))
     longest = replace(MODELS["70b"], seq_len=131072, global_batch=32)
+    without_sp = search(longest, c["h100-80gb"], 64, Options(sequence_parallel=False))
     plans = search(longest, c["h100-80gb"], 64)
-    closest = min((p for p in plans if p.layout.cp == 1 and not p.problems),
+    closest = min((p for p in without_sp if p.layout.cp == 1 and not p.problems),
                   key=lambda p: p.memory_per_gpu_bytes["total"])
+    flat = _best_with(plans, lambda l: l.cp == 1)
     steps.append({"question": "Long sequences? SP with TP, then CP.",
                   "case": "70B, 32K then 128K tokens, 64 H100-80GB",
                   "answer": f"32K, tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB "
                             f"without SP, {sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB with SP; "
                             f"tp=8,pp=4,cp=2 with SP: {_verdict(cp)}; 128K without SP: nothing without CP fits "
-                            f"(closest {closest.layout.label()}: {_verdict(closest)}); the search's choice: "
+                            f"(closest {closest.layout.label()}: {_verdict(closest)}); with SP, the best without CP: "
+                            f"{flat.layout.label()}, {_verdict(flat)}; the search's choice: "
                             f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
     return steps
 
@@ -78,18 +82,22 @@ def decision_path_markdown() -> str:
 
 
 TRADEOFF_LAYOUTS = (Layout(1, 8, 8, 1, 3), Layout(2, 8, 4, 1, 3), Layout(8, 8, 1, 1, 1), Layout(8, 1, 8, 1, 3),
-                    Layout(8, 2, 4, 1, 1), Layout(8, 4, 2, 1, 1), Layout(2, 2, 16, 1, 3), Layout(1, 2, 32, 1, 3))
+                    Layout(8, 2, 4, 1, 1), Layout(8, 4, 2, 1, 1), Layout(2, 2, 16, 1, 3), Layout(1, 2, 32, 1, 3),
+                    Layout(4, 4, 4, 1, 1))
 
 
 def tradeoffs_markdown(model: str = "70b", cluster: str = "h100-80gb", gpus: int = 64) -> str:
-    """Raising one degree at the others' expense: memory, the seconds of each dimension, bubble, MFU."""
-    lines = [f"| {model} on {gpus} x {cluster} | GiB per GPU | TP s | DP s | PP s | bubble (of the step) | "
-             "MFU |", "|---|---:|---:|---:|---:|---:|---:|"]
+    """Raising one degree at the others' expense, each layout with the settings the search gives it: whether it
+    fits, memory, the seconds of each dimension's traffic and what of it stays exposed, bubble, MFU."""
+    lines = [f"| {model} on {gpus} x {cluster} | settings | fits | GiB per GPU | TP s (exposed) | DP s (exposed) | "
+             "PP s | bubble (of the step) | MFU |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for layout in TRADEOFF_LAYOUTS:
-        plan = evaluate(MODELS[model], CLUSTERS[cluster], layout, Options(), gpus)
-        s = plan.comm_seconds
-        lines.append(f"| {layout.label()} | {plan.memory_per_gpu_bytes['total'] / GIB:.1f} | {s['tp']:.2f} | "
-                     f"{s['dp']:.2f} | {s['pp']:.2f} | {plan.bubble['of_step']:.1%} | {plan.mfu:.1%} |")
+        plan = tune(MODELS[model], CLUSTERS[cluster], layout, Options(), gpus)
+        s, e = plan.comm_seconds, plan.exposed_seconds
+        lines.append(f"| {layout.label()} | {plan.describe_settings()} | {'yes' if plan.fits else '**no**'} | "
+                     f"{plan.memory_per_gpu_bytes['total'] / GIB:.1f} | {s['tp']:.2f} ({e['tp']:.2f}) | "
+                     f"{s['dp']:.2f} ({e['dp']:.2f}) | {s['pp']:.2f} | {plan.bubble['of_step']:.1%} | "
+                     f"{plan.mfu:.1%} |")
     return "\n".join(lines)
 
 
@@ -112,3 +120,10 @@ def moe_markdown() -> str:
             f"{counted['naive_name'] / 1e9:.0f} B its name suggests. Memory follows the {counted['total'] / 1e9:.1f} B "
             f"({16 * counted['total'] / GIB:.0f} GiB of mixed-precision AdamW state); "
             f"FLOPs per token follow the {counted['active'] / 1e9:.1f} B.")
+
+
+def moe_correction_markdown() -> str:
+    """The seed's Mixtral 8x22B row gave "141B active": 141 B is what it stores."""
+    counted = moe_params(**MIXTRAL_8X22B)
+    return (f"Mixtral 8x22B stores {counted['total'] / 1e9:.0f} B parameters and uses "
+            f"{counted['active'] / 1e9:.0f} B per token")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 from distlab import comm, hybrid_pipeline, tensor_parallel
 from distlab.planner.memory import stage_config, stage_params
-from distlab.planner.spec import Cluster, Layout, ModelSpec, Options, microbatches, stage_layers
+from distlab.planner.spec import (Cluster, Layout, ModelSpec, Options, bucket_params, checkpointing, chunks,
+                                  keeps_gathered, microbatches, sequence_parallel, stage_layers)
 
 
 def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
@@ -15,52 +17,94 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
     follow from ``comm.bytes_sent_per_rank``).
 
     * tp: ``tensor_parallel.tp_comm_formula`` on this stage's layers, per microbatch, the embedding row on the
-      first stage, output and loss rows on the last; with checkpointing the blocks' forward collectives run
-      again in backward;
+      first stage, output and loss rows on the last; with full checkpointing the blocks' forward collectives
+      run again in backward (per block and microbatch 2 + 2 + 2 = 6 all-reduces without SP); selective
+      checkpointing recomputes only attention's core, which has no TP collective;
     * dp: ``comm.zero_step_bytes`` of this stage's TP share (all-gathers in the compute dtype, gradients
-      reduced in fp32); FSDP without PP repeats its collectives for every accumulated microbatch; under
-      PP it keeps a stage gathered for the whole step and reduces once (torchtitan's choice);
-    * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch);
+      reduced in fp32). ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters, as
+      ZeRO (Rajbhandari et al. 2020) and Megatron's distributed optimizer do: the bytes of ZeRO-2 and of
+      DDP's all-reduce (chapter 05's from-scratch ZeRO-1 all-reduces instead, to keep it short). FSDP
+      without PP repeats its collectives for every accumulated microbatch, unless it keeps the weights
+      gathered (``fsdp_keep_gathered``); under PP it keeps a stage gathered for the whole step and reduces
+      once (torch's pipeline stage);
+    * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch
+      and chunk); under SP a rank sends its sequence shard (1/tp of the activation): the boundary tensor is
+      already split over TP, as in Megatron's scatter-gather optimisation (Narayanan et al. 2021);
     * cp: ring attention (``tensor_parallel.ring_comm_formula``, chapter 08's measured ring) per layer and
-      microbatch: this rank's keys and values around the ring in forward (again when recomputed), and in
-      backward with their gradients, blocks of b x s/cp x kv_dim.
+      microbatch: this rank's keys and values around the ring in forward (again when recomputed, fully or
+      selectively), and in backward with their gradients, blocks of b x s/cp x kv_dim.
     """
+    return {dimension: {name: entry["payload"] for name, entry in collectives.items()}
+            for dimension, collectives in ledger(model, layout, stage, options).items()}
+
+
+def collective_calls(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    """How many collectives (or messages) one GPU of stage ``stage`` issues per step, per mesh dimension,
+    ``{dimension: {collective: calls}}``: the count each call's latency multiplies. dp: one call per gradient
+    bucket (:func:`distlab.planner.spec.bucket_params`) for DDP and ZeRO-1/2, one per FSDP unit and gather."""
+    return {dimension: {name: entry["calls"] for name, entry in collectives.items()}
+            for dimension, collectives in ledger(model, layout, stage, options).items()}
+
+
+@functools.lru_cache(maxsize=8192)  # the search asks again for the same stage; every argument is frozen
+def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    """``{dimension: {collective: {"payload": bytes, "calls": count}}}`` of one step: what
+    :func:`comm_per_step` and :func:`collective_calls` read."""
     number_bytes = 4 if options.precision == "fp32" else 2
     layers = stage_layers(model.layers, layout.pp, stage)
     num_micro = microbatches(model, layout)
     seq = model.seq_len // layout.cp
+    sp = sequence_parallel(options, layout)
     result = {"tp": {}, "dp": {}, "pp": {}, "cp": {}}
+
+    def add(dimension, collective, payload, calls):
+        entry = result[dimension].setdefault(collective, {"payload": 0, "calls": 0})
+        entry["payload"] += payload
+        entry["calls"] += calls
+
     if layout.tp > 1:
         cfg = stage_config(model, layers, seq)
-        rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp,
-                                               sequence_parallel=options.sequence_parallel,
+        rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
         keep = {"blocks", "norm weights"} | ({"embedding"} if stage == 0 else set()) \
             | ({"output", "loss"} if stage == layout.pp - 1 else set())
         for row in rows:
             if row["where"] not in keep:
                 continue
-            payload = row["payload_bytes"] * (1 if row["where"] == "norm weights" else num_micro)
-            if options.activation_checkpointing and row["where"] == "blocks" and row["phase"] == "forward":
-                payload *= 2  # the recomputed forward issues its collectives again
-            result["tp"][row["collective"]] = result["tp"].get(row["collective"], 0) + payload
+            times = 1 if row["where"] == "norm weights" else num_micro
+            if checkpointing(options) == "full" and row["where"] == "blocks" and row["phase"] == "forward":
+                times *= 2  # the recomputed forward issues its collectives again
+            add("tp", row["collective"], row["payload_bytes"] * times, row["calls"] * times)
     if layout.dp * layout.cp > 1:
-        held = stage_params(model, layout, stage)["total"]
-        result["dp"] = comm.zero_step_bytes(held, layout.zero_stage,
-                                            param_bytes=number_bytes if layout.zero_stage >= 1 else 4,
-                                            grad_bytes=4,
-                                            reshard_after_forward=options.reshard_after_forward and layout.pp == 1)
-        if layout.zero_stage == 3 and layout.pp == 1:
-            # FSDP without a pipeline gathers and reduce-scatters again for every accumulated microbatch
-            result["dp"] = {name: payload * num_micro for name, payload in result["dp"].items()}
+        params = stage_params(model, layout, stage)
+        kept = keeps_gathered(options, layout)
+        per_step = comm.zero_step_bytes(params["total"], 2 if layout.zero_stage == 1 else layout.zero_stage,
+                                        param_bytes=number_bytes if layout.zero_stage >= 1 else 4, grad_bytes=4,
+                                        reshard_after_forward=options.reshard_after_forward and not kept)
+        if layout.zero_stage == 3:
+            # one call per FSDP unit (the blocks, the embedding, the head) and gather; without keeping the
+            # weights gathered, FSDP gathers and reduce-scatters again for every accumulated microbatch
+            units = layers + (stage == 0) + (stage == layout.pp - 1)
+            times = 1 if kept else num_micro
+            gathers = 1 if kept or not options.reshard_after_forward else 2
+            add("dp", "all_gather", per_step["all_gather"] * times, gathers * units * times)
+            add("dp", "reduce_scatter", per_step["reduce_scatter"] * times, units * times)
+        else:
+            buckets = math.ceil(params["total"] / bucket_params(options, layout))
+            for name, payload in per_step.items():
+                add("dp", name, payload, buckets)
     if layout.pp > 1:
-        sent = hybrid_pipeline.pp_send_bytes([stage], layout.pp, num_micro, model.micro_batch, seq,
-                                             model.hidden, number_bytes)
-        result["pp"] = {"send": sent}
+        v = chunks(options)
+        one = model.micro_batch * seq * model.hidden * number_bytes
+        sent = hybrid_pipeline.pp_send_bytes([stage + k * layout.pp for k in range(v)], layout.pp * v, num_micro,
+                                             model.micro_batch, seq, model.hidden, number_bytes)
+        add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
     if layout.cp > 1:
         ring = tensor_parallel.ring_comm_formula(model.micro_batch * seq * model.kv_dim * number_bytes, layout.cp)
-        per_layer = ring["forward"] * (2 if options.activation_checkpointing else 1) + ring["backward"]
-        result["cp"] = {"send": per_layer * layers * num_micro}
+        again = 1 if checkpointing(options) == "none" else 2
+        hops = (layout.cp - 1) * again + layout.cp
+        add("cp", "send", (ring["forward"] * again + ring["backward"]) * layers * num_micro,
+            hops * layers * num_micro)
     return result
 
 
@@ -79,3 +123,30 @@ def bytes_sent(dimension: str, collectives: dict, group: int) -> float:
         return float(sum(collectives.values()))
     return float(sum(comm.bytes_sent_per_rank(name, payload, group) for name, payload in collectives.items()))
 
+
+
+def ring_steps(collective: str, group: int) -> int:
+    """Steps of a ring collective, each paying one latency: 2 (n - 1) for an all-reduce, n - 1 for an all-gather
+    or reduce-scatter, 1 for a message."""
+    if collective == "send":
+        return 1
+    return (2 if collective == "all_reduce" else 1) * (group - 1)
+
+
+def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int,
+                      options: Options = Options()) -> dict:
+    """Seconds each mesh dimension's traffic of one step takes on its link, ``{dimension: {"bandwidth",
+    "latency", "total"}}``: bytes sent / link bandwidth, plus calls x ring steps x the link's latency (a ring of
+    1,024 ranks is not free even for small messages)."""
+    sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
+    payloads = comm_per_step(model, layout, stage, options)
+    calls = collective_calls(model, layout, stage, options)
+    result = {}
+    for dimension, collectives in payloads.items():
+        across = crosses_nodes(layout, dimension, cluster)
+        link = cluster.inter_node_bytes_per_s if across else cluster.intra_node_bytes_per_s
+        latency = cluster.inter_node_latency_s if across else cluster.intra_node_latency_s
+        bandwidth = bytes_sent(dimension, collectives, sizes[dimension]) / link
+        waits = sum(calls[dimension].get(name, 0) * ring_steps(name, sizes[dimension]) for name in collectives)
+        result[dimension] = {"bandwidth": bandwidth, "latency": waits * latency, "total": bandwidth + waits * latency}
+    return result

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from distlab import memory, models, tensor_parallel
-from distlab.planner.spec import Layout, ModelSpec, Options, microbatches, stage_layers
+from distlab.planner.spec import (Layout, ModelSpec, Options, bucket_params, checkpointing, chunks, keeps_gathered,
+                                  microbatches,
+                                  sequence_parallel, stage_layers)
 
 
+@functools.lru_cache(maxsize=8192)
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
     """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "total"}``
     (the sharded ones already divided by TP), and its largest FSDP unit (a block, or the embedding/head)."""
@@ -57,24 +61,35 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
 
     Per microbatch, from ``tensor_parallel.activation_bytes`` (the fp32 formula measured on CPU ranks) on this
     stage's layers with the sequence split over CP. Mixed precision saves the blocks in 2-byte numbers
-    (the head's log-softmax stays fp32). Checkpointed: each block keeps its input (split over TP under SP)
-    and one block is live again in backward. Times the microbatches in flight (:func:`in_flight`). The head
-    (log-softmax over this rank's vocabulary) is on the last stage; the embedding output is the first block's
-    input, already counted.
+    (the head's log-softmax stays fp32). Checkpointing (:func:`distlab.planner.spec.checkpointing`):
+
+    * ``full``: each block keeps its input (split over TP under SP) and one block is live again in backward;
+    * ``selective`` (Korthikanti et al. 2022): every block keeps what the formula counts, but not attention's
+      s x s probabilities, which its backward recomputes; with a flash-attention kernel (``flash_attention``,
+      the formula's attention) there are none to drop, so selective saves what ``none`` saves;
+    * ``none``: every block keeps everything, and without flash attention also the probabilities,
+      heads x s x s per sequence (in the compute dtype, split over TP by heads).
+
+    Times the microbatches in flight (:func:`in_flight`). The head (log-softmax over this rank's vocabulary)
+    is on the last stage; the embedding output is the first block's input, already counted.
     """
     layers = stage_layers(model.layers, layout.pp, stage)
     seq = model.seq_len // layout.cp
     b = model.micro_batch
+    sp = sequence_parallel(options, layout)
     per_rank = tensor_parallel.activation_bytes(stage_config(model, layers, seq), b, seq, layout.tp,
-                                                sequence_parallel=options.sequence_parallel, kv_dim=model.kv_dim)
+                                                sequence_parallel=sp, kv_dim=model.kv_dim)
     number_bytes = 4 if options.precision == "fp32" else 2
     one_block = per_rank["per_layer"] * number_bytes / 4
-    if options.activation_checkpointing:
-        block_input = b * seq * model.hidden * number_bytes / (layout.tp if options.sequence_parallel else 1)
+    mode = checkpointing(options)
+    if mode == "full":
+        block_input = b * seq * model.hidden * number_bytes / (layout.tp if sp else 1)
         per_microbatch, live = layers * block_input, one_block
     else:
-        per_microbatch, live = layers * one_block, 0
-    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), options.chunks)
+        scores = 0 if options.flash_attention or mode == "selective" else \
+            b * model.heads // layout.tp * seq * model.seq_len * number_bytes
+        per_microbatch, live = layers * (one_block + scores), 0
+    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
     return held * per_microbatch + live + head
 
@@ -88,22 +103,26 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
     """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
-    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting); without resharding
-    after forward (and under PP) every unit stays gathered until its backward: the stage's whole weights.
-    DDP and ZeRO-1:
-    DDP's buckets, a second copy of the gradients (none with ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
+    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting). Kept gathered
+    over the microbatches (PP, or ``fsdp_keep_gathered``): the stage's whole weights, and, with more than one
+    microbatch, its unsharded gradients, accumulated in fp32 until the last backward reduces them (FSDP2 upcasts
+    them to the reduce dtype: ``FSDPParam.to_accumulated_grad_if_needed``); without resharding after forward
+    the whole weights too. DDP and ZeRO-1: DDP's buckets, a second copy of the gradients (none with
+    ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
-    if layout.zero_stage == 3 and (options.reshard_after_forward and layout.pp == 1):
-        # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
-        return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
-    if layout.zero_stage == 3:
-        # kept gathered from forward to backward (no reshard, or a pipeline stage): the whole stage's weights
+    if layout.zero_stage == 3 and not keeps_gathered(options, layout):
+        if options.reshard_after_forward:
+            # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
+            return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
         return param_bytes * params["total"] + 4 * params["largest_unit"]
+    if layout.zero_stage == 3:
+        accumulated = params["total"] if microbatches(model, layout) > 1 else params["largest_unit"]
+        return param_bytes * params["total"] + 4 * accumulated
     if layout.dp * layout.cp == 1:
         return 0.0
     if layout.zero_stage == 2:
-        return 2 * options.bucket_bytes
+        return 2 * 4 * min(params["total"], bucket_params(options, layout))
     grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
     return 0.0 if options.ddp_bucket_view else grads
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from distlab.planner.spec import ZERO_STAGES, Cluster, Layout, ModelSpec, Options, layout_problems
+import itertools
+from dataclasses import replace
+
+from distlab.planner.memory import memory_per_gpu
+from distlab.planner.spec import CHECKPOINTING, ZERO_STAGES, Cluster, Layout, ModelSpec, Options, layout_problems
 from distlab.planner.step_time import Plan, evaluate, rejected
+
+MICRO_BATCHES = (1, 2, 4, 8)  # sequences per microbatch the search tries (those that divide a replica's batch)
+CHUNKS = (1, 2, 4, 8)         # the interleaved schedule's stages per rank the search tries (1: plain 1F1B)
 
 
 def divisors(n: int) -> list[int]:
@@ -47,6 +54,49 @@ def search_rule_problems(model: ModelSpec, layout: Layout, options: Options = Op
             f"search's {options.cp_min_tokens} (--cp-min-tokens): the estimate does not see what short shares cost"]
 
 
+def variants(model: ModelSpec, layout: Layout, options: Options = Options()) -> list[tuple[ModelSpec, Options]]:
+    """The settings the search tries for one layout, each a (model, options) pair with concrete values: the
+    micro-batch (``search_micro_batch``), the interleaved schedule's chunks (``chunks`` None, under PP), the
+    checkpointing mode (``activation_checkpointing`` None; selective only without flash attention, where it
+    saves memory: with a flash-attention kernel it saves what none saves and recomputes more), and FSDP's
+    gathered weights over the microbatches (``fsdp_keep_gathered`` None, FSDP without PP)."""
+    per_replica = model.global_batch // layout.dp
+    micro = [b for b in MICRO_BATCHES if per_replica % b == 0] if options.search_micro_batch else [model.micro_batch]
+    interleaved = options.schedule == "interleaved_1f1b" and options.chunks is None and layout.pp > 1
+    chunk_choices = [v for v in CHUNKS if layout.pp * v <= model.layers + 2] if interleaved else [options.chunks]
+    modes = CHECKPOINTING if options.activation_checkpointing is None else [options.activation_checkpointing]
+    modes = [m for m in modes if m != "selective" or not options.flash_attention or len(modes) == 1]
+    keep = [True, False] if options.fsdp_keep_gathered is None and layout.zero_stage == 3 and layout.pp == 1 \
+        else [options.fsdp_keep_gathered]
+    return [(replace(model, micro_batch=b), replace(options, chunks=v, activation_checkpointing=m,
+                                                     fsdp_keep_gathered=k))
+            for b, v, m, k in itertools.product(micro or [model.micro_batch], chunk_choices, modes, keep)]
+
+
+def tune(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = Options(),
+         gpus: int | None = None) -> Plan:
+    """One layout with the settings the search chooses (:func:`variants`): the fastest that fits; when none fits,
+    the one that needs least memory, with its reason. Memory first, time only for those that fit."""
+    problems = layout_problems(model, cluster, layout, gpus, options)
+    if problems:
+        return rejected(layout, cluster, problems)
+    fitting, smallest = [], None
+    for spec, settings in variants(model, layout, options):
+        if layout_problems(spec, cluster, layout, gpus, settings):
+            continue
+        need = max(memory_per_gpu(spec, layout, s, settings)["total"] for s in {0, layout.pp - 1})
+        if need <= cluster.gpu_bytes:
+            fitting.append((spec, settings))
+        elif smallest is None or need < smallest[0]:
+            smallest = (need, spec, settings)
+    if fitting:
+        return max((evaluate(spec, cluster, layout, settings, gpus) for spec, settings in fitting),
+                   key=lambda plan: plan.tokens_per_second)
+    if smallest is None:
+        return evaluate(model, cluster, layout, options, gpus)
+    return evaluate(smallest[1], cluster, layout, smallest[2], gpus)
+
+
 def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Plan]:
     """Every layout of ``gpus`` GPUs evaluated: those that fit first, by estimated tokens/s, then the others
     with their reasons (invalid ones, and those the search's CP rule leaves out, last)."""
@@ -54,7 +104,7 @@ def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Opt
     for layout in candidate_layouts(model, cluster, gpus, options):
         rule = search_rule_problems(model, layout, options)
         plans.append(rejected(layout, cluster, layout_problems(model, cluster, layout, gpus, options) + rule)
-                     if rule else evaluate(model, cluster, layout, options, gpus))
+                     if rule else tune(model, cluster, layout, options, gpus))
     return sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
                                         p.memory_per_gpu_bytes.get("total", 0)))
 

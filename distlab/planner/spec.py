@@ -128,25 +128,45 @@ class Cluster:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     source: str = ""
+    # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
+    # model's FLOPs reach in its kernels, and the latency of one step of a ring inside a node and across nodes
+    compute_efficiency: float = 0.5
+    intra_node_latency_s: float = 3.4e-6
+    inter_node_latency_s: float = 14e-6
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+# One set of constants per GPU type, the same for every run of the validation table (distlab.planner.published):
+# the efficiency is fitted once per GPU type against that table (published.fitted_efficiency) and stated in
+# chapter 11; the latencies are
+# NCCL's own cost model for the Simple protocol of a ring step (src/graph/tuning.cc, hwLat: NVLink 3.4 us,
+# network 14 us), which its tuner uses to choose between algorithms.
+GPU_CONSTANTS = {
+    "A100": {"compute_efficiency": 0.54, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.67, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+}
+
 CLUSTERS: dict[str, Cluster] = {
     "a100-40gb": Cluster("a100-40gb", 4, 40 * GIB, metrics.PEAK_FLOPS[("A100", "bf16")], "bf16",
                          tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S,
                          tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S,
-                         "Derecho-like: 4 x A100-40GB, NVLink 3, one Slingshot 11 NIC (200 Gb/s) per GPU"),
+                         "Derecho-like: 4 x A100-40GB, NVLink 3, one Slingshot 11 NIC (200 Gb/s) per GPU",
+                         **GPU_CONSTANTS["A100"]),
     "a100-80gb": Cluster("a100-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("A100", "bf16")], "bf16",
                          tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, 200e9 / 8,
-                         "DGX A100: 8 x A100-80GB, NVLink 3, one 200 Gb/s InfiniBand HDR NIC per GPU"),
+                         "DGX A100: 8 x A100-80GB, NVLink 3, one 200 Gb/s InfiniBand HDR NIC per GPU",
+                         **GPU_CONSTANTS["A100"]),
     "h100-80gb": Cluster("h100-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("H100", "bf16")], "bf16",
                          900e9 / 2, 400e9 / 8,
-                         "DGX H100: 8 x H100-80GB SXM, NVLink 4 (900 GB/s both ways), one 400 Gb/s NDR NIC per GPU"),
+                         "DGX H100: 8 x H100-80GB SXM, NVLink 4 (900 GB/s both ways), one 400 Gb/s NDR NIC per GPU",
+                         **GPU_CONSTANTS["H100"]),
     "v100-32gb": Cluster("v100-32gb", 8, 32 * GIB, 125e12, "fp16", 300e9 / 2, 100e9 / 8,
                          "8 x V100-32GB SXM2 (fp16 tensor cores 125 TFLOP/s dense; no bf16), NVLink 2, "
-                         "100 Gb/s per GPU"),
+                         "100 Gb/s per GPU",
+                         **GPU_CONSTANTS["V100"]),
 }
 
 
@@ -157,27 +177,74 @@ CLUSTERS: dict[str, Cluster] = {
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
+CHECKPOINTING = ("none", "selective", "full")  # the search tries them in this order and keeps the first that fits
+
+
 @dataclass(frozen=True)
 class Options:
-    """How the model trains. Every field is printed beside the plans it produces."""
+    """How the model trains. Every field is printed beside the plans it produces. A field left at None is a
+    setting the search chooses for each layout (:func:`distlab.planner.search.tune`); :func:`evaluate` alone
+    reads None as the value in brackets."""
 
     zero_stage: int | None = None          # 0 DDP, 1, 2, 3 FSDP; None: the search tries ZERO_STAGES
     context_parallel: int | None = None    # CP degree; None: the search tries those of long enough shares
     cp_min_tokens: int = 8192              # the search's CP: at least this many tokens of a sequence per rank
     reshard_after_forward: bool = True     # FSDP: gather again for backward (PP keeps stages gathered instead)
-    activation_checkpointing: bool = True  # every block recomputed in backward
+    # FSDP without PP under gradient accumulation: keep the weights gathered and the gradients unsharded from
+    # the first microbatch to the last (FSDP2's set_reshard_after_backward(False), set_requires_gradient_sync
+    # (False), what torch's pipeline stage does): one gather and one reduce-scatter a step [False]
+    fsdp_keep_gathered: bool | None = None
+    # "full": every block recomputed in backward (True); "selective": attention's core only (Korthikanti et
+    # al. 2022); "none" (False) [full]
+    activation_checkpointing: bool | str | None = None
+    flash_attention: bool = True           # False: attention saves its s x s probabilities (what selective drops)
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
-    sequence_parallel: bool = False        # Megatron SP: activations between TP regions split over TP
-    schedule: str = "1f1b"
-    chunks: int = 1                        # stages per rank (interleaved_1f1b)
+    sequence_parallel: bool | None = None  # Megatron SP with TP; it costs no extra bytes [on whenever tp > 1]
+    schedule: str = "interleaved_1f1b"     # with 1 chunk this is 1F1B
+    chunks: int | None = None              # stages per rank (interleaved_1f1b) [1]
+    search_micro_batch: bool = True        # the search tries micro-batches of 1, 2, 4, 8 sequences
+    async_tp: bool = False                 # TP's collectives overlapped with the matmuls they feed (async TP)
     reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
     prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
     ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)
-    bucket_bytes: float = 25 * 2**20       # DDP/ZeRO bucket size (DDP's bucket_cap_mb=25)
-    compute_efficiency: float = 0.6        # share of the dense peak the matrix multiplies reach (assumed)
+    # gradient buckets of DDP and ZeRO, in parameters; None: Megatron-Core's rule, max(40M, 1M x dp): larger
+    # buckets on larger rings, since every bucket's collective pays the ring's 2 (n - 1) latencies
+    bucket_params: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def checkpointing(options: Options) -> str:
+    """The activation checkpointing mode: "none", "selective" or "full" (None and True: full)."""
+    mode = options.activation_checkpointing
+    mode = "full" if mode is None or mode is True else "none" if mode is False else mode
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {CHECKPOINTING}, not {mode!r}")
+    return mode
+
+
+def sequence_parallel(options: Options, layout: Layout) -> bool:
+    """Whether SP is on: as set, or (None) whenever there is TP to pair it with."""
+    return layout.tp > 1 if options.sequence_parallel is None else bool(options.sequence_parallel)
+
+
+def chunks(options: Options) -> int:
+    """Stages per rank: the interleaved schedule's chunks (1 when unset), 1 for the other schedules."""
+    return (options.chunks or 1) if options.schedule == "interleaved_1f1b" else 1
+
+
+def keeps_gathered(options: Options, layout: Layout) -> bool:
+    """FSDP keeps the weights gathered (and the gradients unsharded) over the step's microbatches: always under
+    PP (torch's pipeline stage), without PP when ``fsdp_keep_gathered``."""
+    return layout.zero_stage == 3 and (layout.pp > 1 or bool(options.fsdp_keep_gathered))
+
+
+def bucket_params(options: Options, layout: Layout) -> int:
+    """Parameters per gradient bucket (Megatron-Core's default: max(40M, 1M x the data-parallel size))."""
+    if options.bucket_params is not None:
+        return options.bucket_params
+    return max(40_000_000, 1_000_000 * layout.dp * layout.cp)
 
 
 ZERO_STAGES = (0, 1, 3)  # what the search tries when Options.zero_stage is None: DDP, ZeRO-1, FSDP
@@ -231,11 +298,13 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
             problems.append(f"{value} {label} do not split over TP {t}")
     if p > model.layers:
         problems.append(f"PP {p} is more stages than the {model.layers} layers")
-    if p * options.chunks > model.layers:
-        problems.append(f"PP {p} x {options.chunks} chunks is more stages than the {model.layers} layers")
-    if model.seq_len % c or (options.sequence_parallel and (model.seq_len // c) % t):
-        problems.append(f"sequence length {model.seq_len} does not split over CP {c}"
-                        + (f" x SP {t}" if options.sequence_parallel else ""))
+    v = chunks(options)
+    if v > 1 and p * v > model.layers + 2:
+        problems.append(f"PP {p} x {v} chunks is more stages than the {model.layers} layers (and the embedding "
+                        "and the head, which may take a stage of their own)")
+    sp = sequence_parallel(options, layout)
+    if model.seq_len % c or (sp and (model.seq_len // c) % t):
+        problems.append(f"sequence length {model.seq_len} does not split over CP {c}" + (f" x SP {t}" if sp else ""))
     if model.global_batch % (d * model.micro_batch):
         problems.append(f"global batch {model.global_batch} does not split into dp x micro-batch = "
                         f"{d} x {model.micro_batch} equal parts")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from distlab import schedules
-from distlab.planner.communication import bytes_sent, comm_per_step, crosses_nodes
-from distlab.planner.memory import memory_per_gpu
-from distlab.planner.spec import GIB, Cluster, Layout, ModelSpec, Options, layout_problems, microbatches
+from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds
+from distlab.planner.memory import memory_per_gpu, stage_params
+from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
+                                  layout_problems, microbatches, sequence_parallel, stage_layers)
 
 
 @dataclass
@@ -26,6 +27,24 @@ class Plan:
     tokens_per_second: float
     problems: list = field(default_factory=list)
     worst_stage: int = 0
+    exposed_seconds: dict = field(default_factory=dict)  # the communication left on the critical path
+    settings: dict = field(default_factory=dict)         # micro-batch, schedule, checkpointing, SP, FSDP mode
+
+    def describe_settings(self) -> str:
+        """The settings in a few words: ``mb 1, 1F1B x8, full ckpt, SP``."""
+        s = self.settings
+        if not s:
+            return ""
+        words = [f"mb {s['micro_batch']}"]
+        if self.layout.pp > 1:
+            words.append(f"interleaved x{s['chunks']}" if s["chunks"] > 1 else "1F1B" if s["schedule"] != "gpipe"
+                         else "GPipe")
+        words.append({"none": "no ckpt", "selective": "selective ckpt", "full": "full ckpt"}[s["checkpointing"]])
+        if s["sequence_parallel"]:
+            words.append("SP")
+        if s["fsdp_keep_gathered"] and self.layout.pp == 1:
+            words.append("FSDP kept gathered")
+        return ", ".join(words)
 
     @property
     def fits(self) -> bool:
@@ -47,7 +66,8 @@ class Plan:
                 "gpu_bytes": self.gpu_bytes, "comm_bytes_per_gpu": self.comm_bytes_per_gpu,
                 "comm_seconds": self.comm_seconds, "bubble": self.bubble, "step_seconds": self.step_seconds,
                 "compute_seconds": self.compute_seconds, "mfu": self.mfu,
-                "tokens_per_second": self.tokens_per_second, "worst_stage": self.worst_stage}
+                "tokens_per_second": self.tokens_per_second, "worst_stage": self.worst_stage,
+                "exposed_seconds": self.exposed_seconds, "settings": self.settings}
 
 
 def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
@@ -56,49 +76,115 @@ def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
                 0.0, 0.0, problems)
 
 
+def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    """FLOPs one GPU of stage ``stage`` computes in a step: ``model`` (what MFU counts: 6 per matmul parameter
+    and token, and attention's 12 h s per layer and token, the full s x s square as PaLM and Megatron count it),
+    ``recompute`` (full: the blocks' forward again, 2 per parameter + 4 h s; selective: attention's core forward,
+    4 h s; none: 0), ``forward`` and ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
+    layers = stage_layers(model.layers, layout.pp, stage)
+    block = sum(model.block_params().values())
+    attention = 12 * model.hidden * model.seq_len
+    head = sum(model.head_params(tied_copy=True).values()) if stage == layout.pp - 1 else 0
+    mode = checkpointing(options)
+    recompute = {"full": 2 * block + attention / 3, "selective": attention / 3, "none": 0}[mode]
+    tokens = model.global_batch * model.seq_len / layout.dp / (layout.tp * layout.cp)
+    return {"model": tokens * (layers * (6 * block + attention) + 6 * head),
+            "recompute": tokens * layers * recompute,
+            "forward": tokens * (layers * (2 * block + attention / 3) + 2 * head),
+            "attention": tokens * layers * attention * (1 + (mode != "none") / 3)}
+
+
+def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    """One stage's step without the bubble: its compute at the cluster's efficiency, and the communication that
+    does not hide behind it, per dimension (seconds):
+
+    * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
+    * dp hides as far as the schedule lets it: DDP and ZeRO-1/2 reduce the gradients during the last
+      microbatch's backward and gather ZeRO's updated parameters during the next step's first forward (Megatron's
+      overlap of both); FSDP kept gathered likewise; FSDP resharding every microbatch hides each microbatch's
+      gathers and reduce-scatters behind that microbatch's compute, except the first unit's gather, which
+      nothing precedes;
+    * cp hides behind attention's compute;
+    * pp is counted by :func:`evaluate` (the fill and the drain).
+    """
+    flops = stage_flops(model, layout, stage, options)
+    rate = cluster.peak_flops * cluster.compute_efficiency
+    compute = (flops["model"] + flops["recompute"]) / rate
+    m = microbatches(model, layout)
+    forward, backward = flops["forward"] / rate / m, compute / m - flops["forward"] / rate / m
+    seconds = dimension_seconds(model, cluster, layout, stage, options)
+    exposed = {"tp": seconds["tp"]["total"] if not options.async_tp else max(0.0, seconds["tp"]["total"] - compute)}
+    payload = comm_per_step(model, layout, stage, options)["dp"]
+    dp = seconds["dp"]["total"]
+    if dp:
+        gathered = payload.get("all_gather", 0)
+        share = gathered / sum(payload.values())  # split the dimension's time by bytes (same ring, same link)
+        gather, reduce = dp * share, dp * (1 - share)
+        group = layout.dp * layout.cp
+        if layout.zero_stage == 3 and not keeps_gathered(options, layout):
+            unit = stage_params(model, layout, stage)["largest_unit"] * (4 if options.precision == "fp32" else 2)
+            first = unit * (group - 1) / group / _link(cluster, layout, "dp")[0] + (group - 1) * _link(
+                cluster, layout, "dp")[1]
+            exposed["dp"] = m * (max(0.0, dp / m - (forward + backward)) + first)
+        else:
+            exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - backward)
+    else:
+        exposed["dp"] = 0.0
+    exposed["cp"] = max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)
+    return {"compute": compute, "forward_per_microbatch": forward, "exposed": exposed, "seconds": seconds,
+            "flops": flops}
+
+
+def _link(cluster: Cluster, layout: Layout, dimension: str) -> tuple[float, float]:
+    from distlab.planner.communication import crosses_nodes
+
+    across = crosses_nodes(layout, dimension, cluster)
+    return ((cluster.inter_node_bytes_per_s, cluster.inter_node_latency_s) if across
+            else (cluster.intra_node_bytes_per_s, cluster.intra_node_latency_s))
+
+
 def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = Options(),
              gpus: int | None = None) -> Plan:
-    """One layout: memory per GPU (the stage that needs most), communication, bubble, time, MFU; derived."""
+    """One layout with concrete settings (None read as in :class:`Options`): memory per GPU (the stage that
+    needs most), communication, bubble, step time, MFU; all derived.
+
+    The step is set by the slowest stage (of the first, which holds the most layers and the embedding, and
+    the last, which holds the head): its compute and exposed communication, times (1 + bubble of the ideal
+    time), plus the pipeline's sends on the fill and the drain (2 (P - 1) transfers of one microbatch's
+    activation) and every message's latency. MFU = model FLOPs (no recomputation) / (step x dense peak).
+    """
     problems = layout_problems(model, cluster, layout, gpus, options)
     if problems:
         return rejected(layout, cluster, problems)
-    memories = {s: memory_per_gpu(model, layout, s, options) for s in {0, layout.pp - 1}}
+    stages = sorted({0, layout.pp - 1})
+    memories = {s: memory_per_gpu(model, layout, s, options) for s in stages}
     worst = max(memories, key=lambda s: memories[s]["total"])
-    sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
-    # communication and its time: the busier of the first and last stage
-    comm_by_stage = {s: comm_per_step(model, layout, s, options) for s in {0, layout.pp - 1}}
-    seconds_by_stage = {}
-    for s, per_dimension in comm_by_stage.items():
-        seconds_by_stage[s] = {}
-        for dimension, collectives in per_dimension.items():
-            link = cluster.inter_node_bytes_per_s if crosses_nodes(layout, dimension, cluster) \
-                else cluster.intra_node_bytes_per_s
-            seconds_by_stage[s][dimension] = bytes_sent(dimension, collectives, sizes[dimension]) / link
-    busiest = max(seconds_by_stage, key=lambda s: sum(seconds_by_stage[s].values()))
-    comm_seconds = seconds_by_stage[busiest]
-    comm_bytes = {d: {"payload": c, "sent": bytes_sent(d, c, sizes[d])} for d, c in comm_by_stage[busiest].items()}
-
-    # compute: model FLOPs per GPU per step, recomputation adds one forward (2 of the 6), at an assumed efficiency
+    times = {s: stage_time(model, cluster, layout, s, options) for s in stages}
+    busy = {s: t["compute"] + t["exposed"]["tp"] + t["exposed"]["dp"] + t["exposed"]["cp"] for s, t in times.items()}
+    slowest = max(busy, key=busy.get)
+    timing = times[slowest]
+    m, v = microbatches(model, layout), chunks(options)
+    share = schedules.bubble_fraction(layout.pp, m, v)
+    bubble_seconds = busy[slowest] * (layout.pp - 1) / (v * m)
+    exposed = dict(timing["exposed"])
+    exposed["pp"] = 0.0
+    if layout.pp > 1:
+        pp = timing["seconds"]["pp"]
+        sends = sum(comm_per_step(model, layout, slowest, options)["pp"].values())
+        calls = max(1, round(pp["latency"] / _link(cluster, layout, "pp")[1])) if pp["latency"] else 1
+        exposed["pp"] = 2 * (layout.pp - 1) * pp["bandwidth"] / calls + pp["latency"] if sends else 0.0
+    step = busy[slowest] + bubble_seconds + exposed["pp"]
     tokens = model.global_batch * model.seq_len
     model_flops_per_gpu = model.flops_per_token() * tokens / layout.gpus
-    hardware_flops = model_flops_per_gpu * (8 / 6 if options.activation_checkpointing else 1)
-    compute = hardware_flops / (cluster.peak_flops * options.compute_efficiency)
-    num_micro = microbatches(model, layout)
-    chunks = options.chunks if options.schedule == "interleaved_1f1b" else 1
-    share = schedules.bubble_fraction(layout.pp, num_micro, chunks)
-    bubble = {"of_step": share, "of_ideal": (layout.pp - 1) / (chunks * num_micro),
-              "seconds": compute * share / (1 - share)}
-    # what does not overlap: TP's collectives sit between matmuls (all exposed); DP's hide behind compute up
-    # to the compute's length; PP's sends delay the fill and the drain only (2 (P-1) transfers of one
-    # microbatch); CP's ring hides behind attention (12 L h s of the flops per token)
-    exposed = comm_seconds.get("tp", 0.0)
-    exposed += max(0.0, comm_seconds.get("dp", 0.0) - compute)
-    if layout.pp > 1:
-        exposed += comm_seconds["pp"] / (2 * num_micro) * 2 * (layout.pp - 1)
-    if layout.cp > 1:
-        attention_share = 12 * model.layers * model.hidden * model.seq_len / model.flops_per_token()
-        exposed += max(0.0, comm_seconds["cp"] - compute * attention_share)
-    step = compute + bubble["seconds"] + exposed
     mfu = model_flops_per_gpu / (step * cluster.peak_flops)
-    return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step, compute, mfu,
-                tokens / step, [], worst)
+    comm_seconds = {d: t["total"] for d, t in timing["seconds"].items()}
+    comm = comm_per_step(model, layout, slowest, options)
+    sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
+    comm_bytes = {d: {"payload": c, "sent": bytes_sent(d, c, sizes[d])} for d, c in comm.items()}
+    bubble = {"of_step": share, "of_ideal": (layout.pp - 1) / (v * m), "seconds": bubble_seconds}
+    settings = {"micro_batch": model.micro_batch, "schedule": options.schedule if layout.pp > 1 else "none",
+                "chunks": v, "checkpointing": checkpointing(options),
+                "sequence_parallel": sequence_parallel(options, layout),
+                "fsdp_keep_gathered": keeps_gathered(options, layout)}
+    return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step,
+                timing["compute"], mfu, tokens / step, [], worst, exposed, settings)
