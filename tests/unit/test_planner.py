@@ -129,7 +129,8 @@ def test_fewest_nodes_equal_the_sizing_guide():
         nodes = sizing.min_nodes(name)
         spec = planner.MODELS[name.lower()]
         fits = [planner.evaluate(replace(spec, global_batch=n), cluster, planner.Layout(tp=4, dp=n, zero_stage=3),
-                                 planner.Options(zero_stage=3)).fits for n in (nodes - 1, nodes) if n >= 1]
+                                 planner.Options(zero_stage=3, sequence_parallel=False)).fits
+                for n in (nodes - 1, nodes) if n >= 1]
         assert fits[-1] and (len(fits) == 1 or not fits[0]), name
 
 
@@ -233,7 +234,9 @@ def test_long_sequences_make_the_search_choose_cp_and_short_ones_never_see_it():
     longest = replace(planner.MODELS["70b"], seq_len=131072, global_batch=32)
     plans = planner.search(longest, cluster, 64)
     assert plans[0].fits and plans[0].layout.cp > 1
-    assert not any(p.fits for p in plans if p.layout.cp == 1)  # the decision path's "nothing without CP fits"
+    # the decision path's "without SP, nothing without CP fits"
+    without_sp = planner.search(longest, cluster, 64, planner.Options(sequence_parallel=False))
+    assert not any(p.fits for p in without_sp if p.layout.cp == 1)
     # the rule is what keeps CP off 4K sequences: without it, CP would win there on the estimate alone
     free = planner.search(planner.MODELS["70b"], cluster, 64, planner.Options(cp_min_tokens=1))
     assert free[0].layout.cp > 1
@@ -251,8 +254,7 @@ def test_cp_divides_activations_and_shards_the_state_over_dp_x_cp():
 
 def test_the_long_context_layout_of_llama3_needs_what_its_8k_layout_needs():
     rows = {r["claim"]: r for r in planner.published_table()}
-    short, long = (next(r for claim, r in rows.items() if claim.startswith(start))
-                   for start in ("LLaMA 3 405B on 16K", "LLaMA 3 405B, 128K"))
+    short, long = rows["Llama 3 405B, 8K tokens, 16,384 H100"], rows["Llama 3 405B, 128K tokens, 16,384 H100"]
     assert long["fits"] and long["rank"] <= 10 and "cp=16" in long["layout"]
     assert long["gib_per_gpu"] == pytest.approx(short["gib_per_gpu"], rel=1e-12)
 
@@ -271,3 +273,106 @@ def test_grouped_query_attention_saves_k_and_v_at_their_own_width():
     assert full["per_layer"] - gqa["per_layer"] == 2 * b * s * (spec.hidden - spec.kv_dim) // t * 4
     assert {k: v for k, v in gqa.items() if k not in ("attention", "per_layer", "total")} == \
         {k: v for k, v in full.items() if k not in ("attention", "per_layer", "total")}
+
+
+# ---- the time model's mechanisms ------------------------------------------------------------------------------
+
+
+def test_zero1_sends_what_ddp_sends_reduce_scatter_then_all_gather():
+    spec, layout = replace(planner.MODELS["7b"], global_batch=8), planner.Layout(dp=8, zero_stage=1)
+    options = planner.Options(precision="fp32")  # all-gathers in fp32 too: the bytes compare one to one
+    zero1 = planner.comm_per_step(spec, layout, 0, options)["dp"]
+    ddp = planner.comm_per_step(spec, replace(layout, zero_stage=0), 0, options)["dp"]
+    assert set(zero1) == {"reduce_scatter", "all_gather"} and set(ddp) == {"all_reduce"}
+    sent = {name: planner.bytes_sent("dp", payloads, 8) for name, payloads in (("zero1", zero1), ("ddp", ddp))}
+    assert sent["zero1"] == pytest.approx(sent["ddp"])  # not 1.5 x DDP (an all-reduce plus an all-gather)
+
+
+def test_sequence_parallel_is_on_with_tp_and_costs_no_extra_bytes():
+    spec = replace(planner.MODELS["7b"], global_batch=8)
+    layout = planner.Layout(tp=4, dp=2, zero_stage=3)
+    assert planner.spec.sequence_parallel(planner.Options(), layout)
+    assert not planner.spec.sequence_parallel(planner.Options(), planner.Layout(dp=8))
+    on, off = (planner.comm_per_step(spec, layout, 0, planner.Options(sequence_parallel=sp))["tp"] for sp in (True, False))
+    blocks_on = on["all_gather"] + on["reduce_scatter"]
+    assert planner.bytes_sent("tp", {"all_gather": on["all_gather"], "reduce_scatter": on["reduce_scatter"]}, 4) == \
+        pytest.approx(planner.bytes_sent("tp", {"all_reduce": off["all_reduce"]}, 4), rel=0.01)
+    assert blocks_on > 0
+
+
+def test_fsdp_kept_gathered_gathers_once_and_holds_the_weights_and_fp32_gradients():
+    spec = replace(planner.MODELS["7b"], global_batch=64)  # 8 microbatches per replica
+    layout = planner.Layout(dp=8, zero_stage=3)
+    kept, resharded = (planner.Options(fsdp_keep_gathered=k, activation_checkpointing="full") for k in (True, False))
+    assert planner.microbatches(spec, layout) == 8
+    once = planner.comm_per_step(spec, layout, 0, kept)["dp"]
+    every = planner.comm_per_step(spec, layout, 0, resharded)["dp"]
+    assert every["reduce_scatter"] == 8 * once["reduce_scatter"] and every["all_gather"] == 16 * once["all_gather"]
+    params = planner.stage_params(spec, layout, 0)["total"]
+    assert planner.temporary_bytes(spec, layout, 0, kept) == 2 * params + 4 * params
+    faster = planner.evaluate(spec, planner.CLUSTERS["h100-80gb"], layout, kept)
+    slower = planner.evaluate(spec, planner.CLUSTERS["h100-80gb"], layout, resharded)
+    assert faster.comm_seconds["dp"] < slower.comm_seconds["dp"] / 7
+
+
+def test_checkpointing_modes_trade_memory_for_flops():
+    spec = replace(planner.MODELS["7b"], global_batch=8)
+    layout = planner.Layout(tp=2, dp=4, zero_stage=3)
+    memory = {}
+    for flash in (True, False):
+        for mode in planner.CHECKPOINTING:
+            options = planner.Options(activation_checkpointing=mode, flash_attention=flash)
+            memory[flash, mode] = planner.activation_bytes(spec, layout, 0, options)
+    # full keeps only block inputs; selective drops exactly the s x s probabilities a non-flash attention saves
+    assert memory[True, "full"] < memory[True, "selective"] == memory[True, "none"]
+    scores = spec.layers * spec.micro_batch * spec.heads // 2 * spec.seq_len * spec.seq_len * 2
+    assert memory[False, "none"] - memory[False, "selective"] == scores
+    flops = {mode: planner.stage_flops(spec, layout, 0, planner.Options(activation_checkpointing=mode))
+             for mode in planner.CHECKPOINTING}
+    attention_forward = 4 * spec.hidden * spec.seq_len * spec.layers * spec.global_batch * spec.seq_len / (4 * 2)
+    assert flops["none"]["recompute"] == 0 and flops["selective"]["recompute"] == pytest.approx(attention_forward)
+    assert flops["full"]["recompute"] > 5 * flops["selective"]["recompute"]
+    assert {f["model"] for f in flops.values()} == {flops["none"]["model"]}  # MFU never counts recomputation
+
+
+def test_model_flops_summed_over_stages_are_the_models_flops_per_token():
+    spec = planner.MODELS["405b"]
+    layout = planner.Layout(tp=8, pp=16, dp=128, zero_stage=1)
+    total = sum(planner.stage_flops(spec, layout, s)["model"] for s in range(16)) * 8 * 128
+    expected = spec.flops_per_token() * spec.global_batch * spec.seq_len
+    assert total == pytest.approx(expected, rel=2e-3)  # the final norm counted as a matmul by one, not the other
+
+
+def test_every_collective_pays_its_ring_latency():
+    spec = replace(planner.MODELS["70b"], global_batch=1024)
+    cluster = planner.CLUSTERS["h100-80gb"]
+    layout = planner.Layout(tp=1, dp=1024, zero_stage=0)
+    seconds = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
+    buckets = planner.collective_calls(spec, layout, 0, planner.Options())["dp"]["all_reduce"]
+    assert buckets == -(-planner.stage_params(spec, layout, 0)["total"] // 1_024_000_000)  # max(40M, 1M x dp)
+    assert seconds["latency"] == pytest.approx(buckets * 2 * 1023 * cluster.inter_node_latency_s)
+    # with PyTorch DDP's 25 MiB buckets (6.5M fp32 numbers) the same ring waits far longer
+    small = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(bucket_params=25 * 2**20 // 4))["dp"]
+    assert small["latency"] > 100 * seconds["latency"] and small["bandwidth"] == seconds["bandwidth"]
+
+
+def test_tune_picks_the_fastest_fitting_variant_and_the_search_uses_it():
+    spec, cluster = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    layout = planner.Layout(tp=4, pp=4, dp=4, zero_stage=1)
+    tuned = planner.tune(spec, cluster, layout, planner.Options(), 64)
+    brute = [planner.evaluate(s, cluster, layout, o, 64) for s, o in planner.variants(spec, layout, planner.Options())]
+    assert len(brute) >= 8 and tuned.tokens_per_second == max(p.tokens_per_second for p in brute if p.fits)
+    assert tuned.settings["chunks"] > 1  # interleaving shrinks the bubble
+    searched = next(p for p in planner.search(spec, cluster, 64) if p.layout == layout)
+    assert searched.tokens_per_second == tuned.tokens_per_second
+
+
+def test_the_validation_band_can_fail():
+    """The band check is not vacuous: one efficiency too high for the A100 rows, or no exposed TP, and rows leave."""
+    runs = [run for run in planner.published.RUNS if run.cluster.name.startswith("a100")]
+    hot = [planner.published.validate(replace(run, cluster=replace(run.cluster, compute_efficiency=0.65)))
+           for run in runs]
+    assert any(not r["passes"] for r in hot)
+    overlapped = [planner.published.validate(replace(run, options=replace(run.options, async_tp=True)))
+                  for run in runs]
+    assert any(not r["passes"] for r in overlapped)
