@@ -44,18 +44,24 @@ def parse_args(argv=None):
                    help="ZeRO stage (0 DDP, 3 FSDP); default: the search tries 0, 1 and 3; --layout uses 1")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP gathers the weights again for backward (default yes)")
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute every block in backward (default yes)")
+    p.add_argument("--activation-checkpointing", choices=["search", "full", "selective", "none"], default="search",
+                   help="full: recompute every block in backward; selective: attention's core only; none; "
+                        "search (default): the fastest that fits, for each layout")
     p.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
-    p.add_argument("--sequence-parallel", action="store_true", help="Megatron SP with TP")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron SP with TP (default: on whenever tp > 1; it costs no extra bytes)")
+    p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the matmuls they feed")
     p.add_argument("--cp", type=int, default=None,
                    help="context parallelism degree the search uses (default: 1 and every degree that leaves "
                         "each rank --cp-min-tokens of a sequence)")
     p.add_argument("--cp-min-tokens", type=int, default=planner.Options().cp_min_tokens,
                    help="the search's CP: tokens of a sequence each rank keeps at least (default %(default)s)")
-    p.add_argument("--schedule", choices=planner.PIPELINE_SCHEDULES, default="1f1b")
-    p.add_argument("--chunks", type=int, default=1, help="stages per rank (interleaved_1f1b)")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per microbatch (default: the preset's)")
+    p.add_argument("--schedule", choices=planner.PIPELINE_SCHEDULES, default="interleaved_1f1b",
+                   help="pipeline schedule (default interleaved_1f1b; with 1 chunk it is 1F1B)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="stages per rank of interleaved_1f1b (default: the search tries 1, 2, 4 and 8)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per microbatch (default: the search tries 1, 2, 4 and 8)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
@@ -95,7 +101,7 @@ def resolve(args):
                                    ("seq_len", args.seq_len)) if v is not None}
     model = replace(model, **overrides)
     for label, value in (("--micro-batch", model.micro_batch), ("--global-batch", model.global_batch),
-                         ("--seq-len", model.seq_len), ("--chunks", args.chunks), ("--top", args.top),
+                         ("--seq-len", model.seq_len), ("--chunks", args.chunks or 1), ("--top", args.top),
                          ("--cp", 1 if args.cp is None else args.cp), ("--cp-min-tokens", args.cp_min_tokens)):
         runtime.require(value >= 1, f"{label} must be at least 1, not {value}")
     gpus = args.gpus if args.gpus is not None else None if args.layout else cluster.gpus_per_node
@@ -103,9 +109,11 @@ def resolve(args):
     runtime.require(args.cp is None or not args.layout, "--cp sets the search's CP: with --layout write cp= in it")
     runtime.require(args.cp is None or gpus % args.cp == 0, f"--cp {args.cp} does not divide the {gpus} GPUs")
     options = planner.Options(zero_stage=args.zero, reshard_after_forward=args.reshard_after_forward,
-                              activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+                              activation_checkpointing=None if args.activation_checkpointing == "search"
+                              else args.activation_checkpointing, precision=args.precision,
                               sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                               chunks=args.chunks if args.schedule == "interleaved_1f1b" else 1,
+                              search_micro_batch=args.micro_batch is None, async_tp=args.async_tp,
                               context_parallel=args.cp, cp_min_tokens=args.cp_min_tokens)
     return model, cluster, options, gpus
 
@@ -117,7 +125,8 @@ def gib(value: float) -> str:
 def describe(plan: planner.Plan, model, cluster, say=print) -> None:
     """One layout in words: memory by part against the GPU, communication per dimension, time."""
     say(f"layout {plan.layout.label()} on {plan.layout.gpus} x {cluster.name}: "
-        + ("fits" if plan.fits else f"does NOT fit ({plan.reason})"))
+        + ("fits" if plan.fits else f"does NOT fit ({plan.reason})")
+        + (f"; settings: {plan.describe_settings()}" if plan.settings else ""))
     if plan.problems:
         return
     m = plan.memory_per_gpu_bytes
@@ -129,20 +138,23 @@ def describe(plan: planner.Plan, model, cluster, say=print) -> None:
             data = plan.comm_bytes_per_gpu[dimension]
             payload = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in data["payload"].items())
             say(f"  {dimension}: {payload} per step; each GPU sends {data['sent'] / 1e9:.3g} GB, "
-                f"{seconds:.3g} s on its link (derived)")
+                f"{seconds:.3g} s on its link, {plan.exposed_seconds.get(dimension, 0.0):.3g} s of it exposed "
+                f"(derived)")
     b = plan.bubble
     say(f"  bubble: {b['of_step']:.1%} of the step, {b['of_ideal']:.1%} of the ideal time ({b['seconds']:.3g} s)")
     say(f"  step {plan.step_seconds:.3g} s (compute {plan.compute_seconds:.3g} s at "
-        f"{planner.Options().compute_efficiency:.0%} of peak), {plan.tokens_per_second:,.0f} tokens/s, "
+        f"{cluster.compute_efficiency:.0%} of peak), {plan.tokens_per_second:,.0f} tokens/s, "
         f"MFU {plan.mfu:.1%} of {cluster.peak_flops / 1e12:.0f} TFLOP/s {cluster.dtype} dense (all derived)")
 
 
 def print_table(plans, top: int) -> None:
     fitting = [p for p in plans if p.fits]
-    print(f"{'#':>3s}  {'layout':28s} {'GiB/GPU':>8s} {'step s':>8s} {'tokens/s':>12s} {'MFU':>6s}  bubble")
+    print(f"{'#':>3s}  {'layout':28s} {'GiB/GPU':>8s} {'step s':>8s} {'tokens/s':>12s} {'MFU':>6s}  {'bubble':>6s}  "
+          "settings")
     for i, plan in enumerate(fitting[:top], 1):
         print(f"{i:3d}  {plan.layout.label():28s} {gib(plan.memory_per_gpu_bytes['total']):>8s} "
-              f"{plan.step_seconds:8.3g} {plan.tokens_per_second:12,.0f} {plan.mfu:6.1%}  {plan.bubble['of_step']:.1%}")
+              f"{plan.step_seconds:8.3g} {plan.tokens_per_second:12,.0f} {plan.mfu:6.1%}  {plan.bubble['of_step']:6.1%}  "
+              f"{plan.describe_settings()}")
     rejected = [p for p in plans if not p.fits]
     print(f"\n{len(fitting)} of {len(plans)} layouts fit; rejected ({len(rejected)}), first {min(top, len(rejected))}:")
     for plan in rejected[:top]:
@@ -212,7 +224,8 @@ def measure(args) -> int:
         if cluster.name.startswith("a100") else cluster
     cfg = models.preset(args.preset)
     batch = tensor_parallel.DEFAULT_BATCH[args.preset]
-    options = planner.Options(zero_stage=3, precision="fp32", activation_checkpointing=False)
+    options = planner.Options(zero_stage=3, precision="fp32", activation_checkpointing=False,
+                              sequence_parallel=False, fsdp_keep_gathered=False)
     plans = []
     for tp in planner.divisors(where.world_size):
         dp = where.world_size // tp
@@ -287,7 +300,7 @@ def main(argv=None) -> int:
             except (ValueError, TypeError) as error:
                 raise runtime.ConfigError(str(error)) from None
             gpus = gpus or layout.gpus  # --layout alone: the job is the layout's GPUs
-            plans = [planner.evaluate(model, cluster, layout, options, gpus)]
+            plans = [planner.tune(model, cluster, layout, options, gpus)]
             runtime.require(not plans[0].problems, f"--layout {args.layout}: {plans[0].reason}")
         else:
             plans = planner.search(model, cluster, gpus, options)

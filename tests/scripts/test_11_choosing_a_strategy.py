@@ -52,7 +52,8 @@ def hybrid_run():
     config = metrics["config"]
     cfg = models.preset(config["preset"], seq_len=config["seq_len"])
     spec = planner.from_config(cfg, micro_batch=config["batch"] // 2, global_batch=config["batch"])
-    options = planner.Options(zero_stage=3, reshard_after_forward=True, **MEASURED_OPTIONS)
+    options = planner.Options(zero_stage=3, reshard_after_forward=True, sequence_parallel=False,
+                              **MEASURED_OPTIONS)
     return metrics, spec, planner.Layout(tp=2, dp=2, zero_stage=3), options
 
 
@@ -227,7 +228,7 @@ def test_dry_run_builds_the_mesh_of_hundreds_of_ranks(capsys):
 def test_dry_run_with_cp_builds_a_4d_mesh_and_fails_when_it_is_built_wrong(capsys, monkeypatch):
     long = ["--model", "70b", "--gpus", "64", "--cluster", "h100-80gb", "--seq-len", "131072", "--global-batch", "32"]
     code, out, _ = run_plan(long + ["--dry-run"], capsys)
-    assert code == 0 and "DeviceMesh (pp, dp, cp, tp) = (1, 4, 16, 1)" in out and "grid: every one" in out
+    assert code == 0 and "DeviceMesh (pp, dp, cp, tp) = (1, 8, 8, 1)" in out and "grid: every one" in out
     # the check can fail: a mesh whose dp and cp are swapped (cp outer) is caught
     from torch.distributed import device_mesh
 
