@@ -348,6 +348,25 @@ def build_field_cnn(seed: int, device="cpu", **sizes) -> FieldCNN:
     return model
 
 
+class SummedOverGroup(torch.autograd.Function):
+    """An all-reduce (sum) that autograd can go through: every rank's output depends on every rank's input, so
+    the gradient of each input is the sum of every rank's output gradient, one all-reduce again. (What the
+    deprecated ``torch.distributed.nn.functional.all_reduce`` did, written out.)"""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = grad.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None
+
+
 def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None) -> torch.Tensor:
     """``norm(x)`` for the whole field, computed on one tile: the statistics are summed over the domain group.
 
@@ -358,14 +377,12 @@ def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None) -> torch.Te
     statistics too. ``group=None``: no reduction, each tile normalised on its own (wrong; the script shows by
     how much).
     """
-    from torch.distributed.nn.functional import all_reduce
-
     batch, channels = x.shape[:2]
     grouped = x.reshape(batch, norm.num_groups, -1)
     count = grouped.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
 
     def field_sum(t):
-        return all_reduce(t, group=group) if group is not None else t
+        return SummedOverGroup.apply(t, group) if group is not None else t
 
     mean = field_sum(grouped.sum(-1)) / count
     centred = grouped - mean[..., None]
