@@ -22,7 +22,13 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 venv: $(STAMP)
 
 ## Open the course in JupyterLab (learner copies in notebooks/student/)
-lab: $(STAMP)
+## JupyterLab's settings for the course: no "notified about official Jupyter news?" prompt over the first lab
+## (and no news fetch: compute nodes have no internet anyway), installed where JupyterLab reads overrides
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
+	mkdir -p $(dir $@) && cp jupyter/overrides.json $@
+
+lab: $(STAMP) $(LAB_OVERRIDES)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
@@ -33,7 +39,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## tests marked `serial`: the timing-sensitive ones, and the learner's copies, which replay the script
 ## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases).
 PYTEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \

@@ -38,6 +38,20 @@ def test_jupyterlab_serves_the_notebooks_and_the_kernel():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/kernelspecs?token={token}", timeout=5) as r:
             spec = json.load(r)["kernelspecs"]["python3"]["spec"]
         assert Path(spec["argv"][0]).parent == Path(sys.executable).parent, spec["argv"]
+        # the course's overrides reach the running lab: JupyterLab's own default is "none" (ask with a prompt)
+        notification = "@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab/api/settings/{notification}?token={token}",
+                                    timeout=5) as r:
+            assert json.load(r)["schema"]["properties"]["fetchNews"]["default"] == "false"
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+def test_jupyterlab_opens_without_the_news_prompt():
+    """The course's overrides (jupyter/overrides.json, installed by `make lab` and `make test`) answer JupyterLab's
+    "notified about official Jupyter news?" question: no news fetch, no prompt over the first lab."""
+    source = json.loads((REPO / "jupyter" / "overrides.json").read_text())
+    assert source["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+    installed = Path(sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    assert installed.is_file() and json.loads(installed.read_text()) == source, "run `make lab` (or `make test`)"
