@@ -33,14 +33,19 @@ class TransformerConfig:
     seq_len: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_kv_heads: int | None = None  # grouped-query attention (LLaMA 2 70B, LLaMA 3); None: every head its own k, v
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_dim(self) -> int:
+        return (self.n_kv_heads or self.n_heads) * self.head_dim
+
     def num_params(self) -> int:
         """Parameter count from the shapes (tested equal to the model's)."""
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_hidden + 2 * self.dim
+        per_layer = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_hidden + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
 
     def to_dict(self) -> dict:
@@ -101,8 +106,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,6 +117,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[2] != q.shape[2]:  # grouped-query attention: each k, v head serves q.heads / k.heads heads
+            k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -13,9 +13,10 @@ mesh dimension, bubble, step time, MFU). Every number is derived from the course
     python scripts/11_choosing_a_strategy/plan.py --model 70b --gpus 64 --cluster h100-80gb --seq-len 131072 \\
         --global-batch 32 --dry-run                       # long sequences: the search reaches for CP
 
---dry-run builds the chosen layout's DeviceMesh on a fake process group, in this one process, for every
-rank of the job (up to a sample of 64 ranks), and checks its groups against the grid arithmetic
-(``distlab.hybrid``): no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
+--dry-run builds the chosen layout at its full world size on a fake process group, in this one process
+(``distlab.planner.dry_run``): the DeviceMesh of sampled ranks checked against the grid arithmetic
+(``distlab.hybrid``), and for a rank of each pipeline position the real model of its stage, parallelized by the
+course's own code, its state bytes read from the shards against the planner's: no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--dry-run", action="store_true", help="build the chosen layout's DeviceMesh on a fake "
-                                                          "process group and check its groups")
+    p.add_argument("--dry-run", action="store_true", help="build the chosen layout at its full world size on a "
+                                                          "fake process group and check it against the planner")
     p.add_argument("--measure", action="store_true",
                    help="run under a launcher (every rank): plan the course's --preset transformer on this job's "
                         "GPUs (pp 1, FSDP x TP: what chapter 09's fsdp_tp_hybrid.py runs), run that layout with it, "
@@ -161,42 +162,27 @@ def print_table(plans, top: int) -> None:
         print(f"     {plan.layout.label():28s} {plan.reason}")
 
 
-def dry_run(layout: planner.Layout, sample: int = 64) -> list[int]:
-    """DeviceMesh (pp, dp, tp), or (pp, dp, cp, tp) with CP, on a fake process group for sampled ranks of the
-    world; the ranks whose groups or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh
-    arithmetic holds). With CP the grid is chapter 09's (pp, dp x cp, tp): DeviceMesh's dp and cp groups are
-    the strided and the consecutive parts of its dp x cp group (cp varies faster, as it is nearer tp)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def dry_run(plan: planner.Plan, model, options) -> int:
+    """--dry-run: the plan's layout at its full world size on a fake process group (``distlab.planner.dry_run``):
+    the mesh's groups against the grid, and each sampled rank's state bytes read from its shards against the
+    planner's. 0 when everything agrees, 1 otherwise."""
+    from distlab.planner import dry_run as full_world
 
-    cp = layout.cp
-    world, grid = layout.gpus, (layout.pp, layout.dp * cp, layout.tp)
-    names = ("pp", "dp", "cp", "tp") if cp > 1 else hybrid.DIMENSIONS
-    shape = (layout.pp, layout.dp, cp, layout.tp) if cp > 1 else grid
-    step = max(1, world // sample)
-    ranks = sorted(set(range(0, world, step)) | {world - 1})
-    wrong = []
-    for rank in ranks:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in names}
-            coordinates = dict(zip(names, mesh.get_coordinate()))
-            expected, where = hybrid.groups_of_rank(rank, grid), hybrid.grid_coordinates(rank, grid)
-            if cp > 1:
-                both, index = expected["dp"], where["dp"]  # the dp x cp group, and this rank's place in it
-                expected = {"pp": expected["pp"], "dp": both[index % cp::cp],
-                            "cp": both[index - index % cp:index - index % cp + cp], "tp": expected["tp"]}
-                where = {"pp": where["pp"], "dp": index // cp, "cp": index % cp, "tp": where["tp"]}
-            if theirs != expected or coordinates != where:
-                wrong.append(rank)
-        finally:
-            dist.destroy_process_group()
-    print(f"dry run: DeviceMesh ({', '.join(names)}) = {shape} built on a fake process group of {world} ranks for "
-          f"{len(ranks)} of them; groups and coordinates = distlab.hybrid's grid: "
-          f"{'every one' if not wrong else f'NOT for ranks {wrong[:8]}'}")
-    return wrong
+    wrong = full_world.check_mesh(plan.layout)
+    spec = full_world.stand_in(model)
+    if spec is not model:
+        print(f"dry run: {model.name} is a {model.architecture} model; the course's LLaMA-style model of its sizes "
+              "is built instead (the planner is asked about that same model)")
+    settings = replace(options, activation_checkpointing=plan.settings.get("checkpointing"),
+                       chunks=plan.settings.get("chunks"))
+    result = full_world.dry_run(replace(spec, micro_batch=plan.settings.get("micro_batch", spec.micro_batch)),
+                                plan.layout, settings)
+    print(full_world.dry_run_markdown(result))
+    verdict = "equal" if result["equal"] else "NOT equal"
+    print(f"dry run: {len(result['ranks'])} ranks of {result['world']:,} built with the course's TP plan, "
+          f"fully_shard and pipeline split in {result['seconds']:.1f} s; state bytes read from their shards = "
+          f"the planner's (FSDP padding named): {verdict}")
+    return 0 if result["equal"] and not wrong else 1
 
 
 HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"
@@ -333,7 +319,7 @@ def main(argv=None) -> int:
             print("\nbest layout:")
         describe(plans[0], model, cluster)
     if args.dry_run:
-        return 1 if dry_run(plans[0].layout) else 0
+        return dry_run(plans[0], model, options)
     return 0
 
 

@@ -1,0 +1,228 @@
+"""The chosen layout built at its full world size, in one process: ``plan.py --dry-run``.
+
+On a fake process group (``torch.testing._internal.distributed.fake_pg``: every collective returns at once and
+moves nothing) and on the meta device (shapes, no storage), for a rank of each pipeline position (the first
+stage, the last, and one in the middle), at the layout's full world size:
+
+1. DeviceMesh ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with CP) is built and every sampled rank's groups and
+   coordinates are checked against chapter 09's grid arithmetic (:func:`check_mesh`);
+2. the course's model (``distlab.models.Transformer``, with the layout's grouped-query attention) is cut into
+   that rank's pipeline stage by chapter 07's ``transformer_stage`` and parallelized by chapter 09's
+   ``hybrid_3d.parallelize_stage``: chapter 06's TP plan on ``mesh["tp"]``, then ``fully_shard`` over the
+   data-parallel ranks (dp x cp: CP ranks hold the same weights and shard them too);
+3. a real AdamW step runs on the meta shards, and the rank's parameter, gradient and optimizer-state bytes are
+   read from its DTensor local shards, then compared with the planner's ``state_bytes``.
+
+How each ZeRO stage is read: FSDP2 implements ZeRO-3 only, so the stage is built twice, TP alone (what DDP and
+ZeRO-1/2 keep whole on every data-parallel rank) and TP + ``fully_shard`` (each rank's 1/dp shard). Parameters are
+read from the sharded build under ZeRO-3 and from the TP build otherwise; gradients from the sharded build under
+ZeRO-2 and 3; optimizer state from the sharded build under ZeRO-1 to 3. The model is built in fp32 (the master
+weights); mixed precision's accounting (``memory.training_state_bytes``) is then applied to the bytes read:
+parameters and gradients in bf16 are half the fp32 shards', the optimizer holds AdamW's two moments (read from the
+optimizer after its step) plus the fp32 master weights (the fp32 shards). FSDP2 splits a tensor's first dimension
+in ceil(n / dp) rows, so the first ranks may hold a little more than 1/dp of it: that padding is counted and
+named, and the planner's bytes plus the padding must equal what the shards hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import io
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from distlab import hybrid, memory, models
+from distlab.planner.memory import state_bytes
+from distlab.planner.spec import Layout, ModelSpec, Options
+
+GIB = memory.GIB
+REPO = Path(__file__).resolve().parents[2]
+
+
+def check_mesh(layout: Layout, sample: int = 64) -> list[int]:
+    """DeviceMesh (pp, dp, tp), or (pp, dp, cp, tp) with CP, on a fake process group for sampled ranks of the
+    world; the ranks whose groups or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh
+    arithmetic holds). With CP the grid is chapter 09's (pp, dp x cp, tp): DeviceMesh's dp and cp groups are
+    the strided and the consecutive parts of its dp x cp group (cp varies faster, as it is nearer tp)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cp = layout.cp
+    world, grid = layout.gpus, (layout.pp, layout.dp * cp, layout.tp)
+    names = ("pp", "dp", "cp", "tp") if cp > 1 else hybrid.DIMENSIONS
+    shape = (layout.pp, layout.dp, cp, layout.tp) if cp > 1 else grid
+    step = max(1, world // sample)
+    ranks = sorted(set(range(0, world, step)) | {world - 1})
+    wrong = []
+    for rank in ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in names}
+            coordinates = dict(zip(names, mesh.get_coordinate()))
+            expected, where = hybrid.groups_of_rank(rank, grid), hybrid.grid_coordinates(rank, grid)
+            if cp > 1:
+                both, index = expected["dp"], where["dp"]  # the dp x cp group, and this rank's place in it
+                expected = {"pp": expected["pp"], "dp": both[index % cp::cp],
+                            "cp": both[index - index % cp:index - index % cp + cp], "tp": expected["tp"]}
+                where = {"pp": where["pp"], "dp": index // cp, "cp": index % cp, "tp": where["tp"]}
+            if theirs != expected or coordinates != where:
+                wrong.append(rank)
+        finally:
+            dist.destroy_process_group()
+    print(f"dry run: DeviceMesh ({', '.join(names)}) = {shape} built on a fake process group of {world} ranks for "
+          f"{len(ranks)} of them; groups and coordinates = distlab.hybrid's grid: "
+          f"{'every one' if not wrong else f'NOT for ranks {wrong[:8]}'}")
+    return wrong
+
+
+def _chapter_code():
+    """Chapter 07's ``transformer_stage`` and chapter 09's ``parallelize_stage``, imported from their scripts."""
+    for folder in ("07_pipeline_parallel", "09_hybrid_parallel"):
+        path = str(REPO / "scripts" / folder)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    with contextlib.redirect_stderr(io.StringIO()):
+        common_pipeline = importlib.import_module("common_pipeline")
+        hybrid_3d = importlib.import_module("hybrid_3d")
+    return common_pipeline.transformer_stage, hybrid_3d.parallelize_stage
+
+
+def course_config(spec: ModelSpec) -> models.TransformerConfig:
+    """The course's transformer of ``spec``'s sizes (LLaMA-style; grouped-query attention kept)."""
+    if spec.architecture != "llama":
+        raise ValueError(f"the dry run builds the course's LLaMA-style transformer; {spec.name} is "
+                         f"{spec.architecture!r} (LayerNorm, biases, tied output): evaluate it without --dry-run")
+    return replace(spec.config(), n_kv_heads=spec.kv_heads, seq_len=min(spec.seq_len, 16))
+
+
+def _shard_bytes_of(tensor) -> int:
+    """Bytes of this rank's piece of ``tensor``: a DTensor's local shard, or the tensor itself."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _shard_bytes(module) -> int:
+    """fp32 bytes of this rank's parameter shards."""
+    return sum(_shard_bytes_of(p) for p in module.parameters())
+
+
+def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, full_model=None) -> dict:
+    """One rank: its stage built at the full world size on the fake process group, bytes read and compared."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    transformer_stage, parallelize_stage = _chapter_code()
+    ways = layout.dp * layout.cp
+    world = layout.gpus
+    coordinates = hybrid.grid_coordinates(rank, (layout.pp, ways, layout.tp))
+    stage = coordinates["pp"]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (layout.pp, ways, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        if full_model is None:
+            with torch.device("meta"):
+                full_model = models.Transformer(course_config(spec))
+        quiet = contextlib.redirect_stderr(io.StringIO())
+        with quiet:
+            tp_only = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
+                                        SimpleNamespace(tp=layout.tp, dp=1), mesh)
+            sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
+                                        SimpleNamespace(tp=layout.tp, dp=ways), mesh)
+        built = {"tp": _shard_bytes(tp_only), "sharded": _shard_bytes(sharded)}
+        # a real AdamW step on the meta shards: its two moments are the optimizer state the rank holds
+        source = sharded if layout.zero_stage >= 1 else tp_only
+        for p in source.parameters():
+            p.grad = torch.empty_like(p)
+        optimizer = torch.optim.AdamW(source.parameters(), lr=1e-4, foreach=False)
+        with quiet:
+            optimizer.step()
+        moments = sum(_shard_bytes_of(v) for state in optimizer.state.values() for v in state.values()
+                      if hasattr(v, "dim") and v.dim() > 0)
+    finally:
+        dist.destroy_process_group()
+    params32 = built["sharded"] if layout.zero_stage >= 3 else built["tp"]
+    grads32 = built["sharded"] if layout.zero_stage >= 2 else built["tp"]
+    master32 = built["sharded"] if layout.zero_stage >= 1 else built["tp"]
+    if options.precision == "fp32":
+        measured = {"params": params32, "grads": grads32, "optimizer": moments}
+    else:
+        measured = {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}
+    planned = state_bytes(spec, layout, stage, options)
+    planner_bytes = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
+    # what FSDP2's ceil split adds on this rank beyond an exact 1/ways of its TP shards (negative on the last
+    # ranks, which hold fewer rows), per part (in the part's bytes per fp32 byte)
+    pad32 = built["sharded"] - built["tp"] / ways
+    scale = {"params": (0.5 if options.precision != "fp32" else 1) * (layout.zero_stage >= 3),
+             "grads": (0.5 if options.precision != "fp32" else 1) * (layout.zero_stage >= 2),
+             "optimizer": (2 + (options.precision != "fp32")) * (layout.zero_stage >= 1)}
+    padding = {part: pad32 * scale[part] for part in measured}
+    equal = all(math.isclose(measured[part], planner_bytes[part] + padding[part], rel_tol=1e-9, abs_tol=1)
+                for part in measured)
+    return {"rank": rank, "stage": stage, "coordinates": coordinates, "measured": measured,
+            "planner": planner_bytes, "padding_bytes": padding, "equal": equal}
+
+
+def sampled_ranks(layout: Layout) -> list[int]:
+    """A rank of each pipeline position: the first stage, a middle one, the last; at dp and tp coordinate 0 (and
+    the last dp rank, whose shards a ceil split makes smallest)."""
+    ways = layout.dp * layout.cp
+    stages = sorted({0, layout.pp // 2, layout.pp - 1})
+    ranks = [hybrid.grid_rank({"pp": s, "dp": 0, "tp": 0}, (layout.pp, ways, layout.tp)) for s in stages]
+    ranks.append(hybrid.grid_rank({"pp": layout.pp - 1, "dp": ways - 1, "tp": layout.tp - 1},
+                                  (layout.pp, ways, layout.tp)))
+    return sorted(set(ranks))
+
+
+def dry_run(spec: ModelSpec, layout: Layout, options: Options = Options(), gpus: int | None = None) -> dict:
+    """The layout at its full world size (see the module's docstring): the mesh check and every sampled rank."""
+    import torch
+
+    if gpus is not None and gpus != layout.gpus:
+        raise ValueError(f"the layout {layout.label()} has {layout.gpus} GPUs, not {gpus}")
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        mesh_ok = not check_mesh(layout, sample=16)
+    with torch.device("meta"):
+        full_model = models.Transformer(course_config(spec))
+    ranks = [dry_run_rank(spec, layout, options, rank, full_model) for rank in sampled_ranks(layout)]
+    return {"world": layout.gpus, "layout": layout.label(), "model": spec.name, "mesh_ok": mesh_ok, "ranks": ranks,
+            "equal": mesh_ok and all(r["equal"] for r in ranks), "seconds": time.perf_counter() - start}
+
+
+def dry_run_markdown(result: dict) -> str:
+    """The ranks' bytes, read from their shards, beside the planner's (GiB), one row a rank."""
+    lines = [f"| rank of {result['world']:,} | stage | read from its shards: params + grads + optimizer (GiB) | "
+             "the planner's (GiB) | FSDP padding (bytes) | equal |", "|---:|---:|---|---|---:|---|"]
+    for r in result["ranks"]:
+        seen = " + ".join(f"{r['measured'][p] / GIB:.3f}" for p in ("params", "grads", "optimizer"))
+        planned = " + ".join(f"{r['planner'][p] / GIB:.3f}" for p in ("params", "grads", "optimizer"))
+        lines.append(f"| {r['rank']:,} | {r['stage']} | {seen} | {planned} | "
+                     f"{sum(r['padding_bytes'].values()):,.0f} | {'yes' if r['equal'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def stand_in(spec: ModelSpec) -> ModelSpec:
+    """A GPT-architecture spec as the course's LLaMA-style model of the same depth, width, heads and vocabulary
+    (the dry run builds only the course's model): the layout's world size, mesh and shards are the real ones,
+    the per-parameter details (biases, LayerNorm, a 4h GELU MLP for SwiGLU's 3 matrices) are not."""
+    if spec.architecture == "llama":
+        return spec
+    return replace(spec, architecture="llama", kv_heads=spec.heads, ffn=spec.ffn, name=f"{spec.name} (LLaMA-style stand-in)")
+
+
+def dry_run_published(run) -> dict:
+    """A published run's layout at its full world size (``run`` has .model, .layout, .options): the planner asked
+    about the model that is built (a LLaMA-style stand-in for a GPT architecture, say so)."""
+    result = dry_run(stand_in(run.model), run.layout, run.options)
+    result["stand_in"] = run.model.architecture != "llama"
+    return result

@@ -1,0 +1,77 @@
+"""The planner at the full world size: the chosen layout's real model built for a rank of each pipeline position on
+a fake process group, in one process on the meta device, its shards' bytes against the planner's state bytes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from distlab import models, planner
+from distlab.planner import dry_run
+
+
+def test_llama3_405b_on_16384_ranks_equals_the_planner_in_seconds():
+    run = planner.published.RUNS[1]
+    assert run.layout.gpus == 16384 and (run.layout.tp, run.layout.pp, run.layout.dp) == (8, 16, 128)
+    start = time.perf_counter()
+    result = dry_run.dry_run(run.model, run.layout, run.options)
+    assert time.perf_counter() - start < 30
+    assert result["mesh_ok"] and result["equal"] and result["world"] == 16384
+    stages = {r["stage"] for r in result["ranks"]}
+    assert {0, 15} <= stages and len(stages) >= 3  # the first, a middle and the last stage
+    first = next(r for r in result["ranks"] if r["stage"] == 0)
+    assert first["measured"]["params"] == first["planner"]["params"]  # exact: TP splits 128256 and 16384 by 8
+    # the ceil split of FSDP2 named, not hidden: the last data-parallel rank holds less than 1/dp
+    last = max(result["ranks"], key=lambda r: r["rank"])
+    assert last["padding_bytes"]["optimizer"] < 0 < first["padding_bytes"]["optimizer"]
+
+
+@pytest.mark.parametrize("run", planner.published.RUNS, ids=lambda run: run.label)
+def test_every_layout_of_the_validation_table_dry_runs(run):
+    result = dry_run.dry_run_published(run)
+    assert result["mesh_ok"] and result["equal"], dry_run.dry_run_markdown(result)
+    assert result["stand_in"] == (run.model.architecture == "gpt")
+
+
+def test_uneven_shards_are_named_as_padding():
+    spec = replace(planner.MODELS["7b"], global_batch=3)
+    layout = planner.Layout(dp=3, zero_stage=3)  # 32000 x 4096 embedding rows over 3: a ceil split
+    result = dry_run.dry_run(spec, layout, planner.Options(activation_checkpointing="full"))
+    assert result["equal"]
+    pads = [sum(r["padding_bytes"].values()) for r in result["ranks"]]
+    assert any(p != 0 for p in pads)
+
+
+def test_the_comparison_fails_when_the_planner_or_the_build_is_wrong(monkeypatch):
+    run = planner.published.RUNS[1]
+    real = dry_run.state_bytes
+
+    def forgets_the_norms(spec, layout, stage, options):  # a planner that drops the blocks' norm weights
+        right = real(spec, layout, stage, options)
+        norms = 2 * planner.stage_layers(spec.layers, layout.pp, stage) * spec.hidden * 2  # two a block, bf16
+        return replace(right, params=right.params - norms)
+
+    monkeypatch.setattr(dry_run, "state_bytes", forgets_the_norms)
+    assert not dry_run.dry_run_rank(run.model, run.layout, run.options, 0)["equal"]
+    monkeypatch.setattr(dry_run, "state_bytes", real)
+    assert dry_run.dry_run_rank(run.model, run.layout, run.options, 0)["equal"]
+    # a planner asked about another layout (half the data-parallel ranks) than the one built
+    monkeypatch.setattr(dry_run, "state_bytes",
+                        lambda spec, layout, stage, options: real(spec, replace(layout, dp=64), stage, options))
+    assert not dry_run.dry_run_rank(run.model, run.layout, run.options, 0)["equal"]
+
+
+def test_a_gpt_model_is_refused_by_name_and_the_course_model_has_grouped_query_attention():
+    with pytest.raises(ValueError, match="LLaMA-style"):
+        dry_run.course_config(planner.MODELS["gpt3-175b"])
+    cfg = dry_run.course_config(planner.MODELS["405b"])
+    assert cfg.n_kv_heads == 8 and cfg.kv_dim == 1024
+    import torch
+
+    small = models.TransformerConfig(n_kv_heads=2)  # 4 query heads share 2 key/value heads
+    model = models.Transformer(small)
+    assert models.count_params(model) == small.num_params()
+    assert model.layers["0"].attention.wk.weight.shape == (small.kv_dim, small.dim)
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, small.vocab_size)
