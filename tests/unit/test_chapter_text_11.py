@@ -174,3 +174,12 @@ def test_the_recomputed_forward_is_counted_once_more_in_text_and_code(text):
         activation_checkpointing=mode, sequence_parallel=False))["tp"]["all_reduce"] for mode in ("none", "full")}
     assert calls["full"] - calls["none"] == 2  # the block's two forward all-reduces, again
     assert "2 + 2 + 2 = 6 all-reduces per microbatch" in text and "(three forward when recomputed)" not in text
+
+
+def test_the_dry_run_table_is_what_a_dry_run_reads(raw):
+    from distlab.planner import dry_run
+
+    run = planner.published.RUNS[1]
+    result = dry_run.dry_run(run.model, run.layout, run.options)
+    assert result["equal"] and dry_run.dry_run_markdown(result) in raw
+    assert "ceil(n / dp) rows" in raw
