@@ -204,6 +204,67 @@ def draw_ring_attention_blocks(fig) -> None:
     fig.suptitle("ring attention under a causal mask: who computes which block (colour = rank)", fontsize=9)
 
 
+# ---- chapter 11: the planner against published runs, and the decision path ---------------------------------
+
+def draw_predicted_vs_published(fig) -> None:
+    """Each row of the validation table: predicted MFU against published MFU, with y = x and the +-15 % band."""
+    from distlab.planner import published
+
+    ax = fig.subplots()
+    rows = published.validation_table()
+    top = max(max(r["published_mfu"], r["predicted_mfu"]) for r in rows) * 1.2
+    line = [0, top]
+    ax.fill_between(line, [x * (1 - published.BAND) for x in line], [x * (1 + published.BAND) for x in line],
+                    color="#dddddd", label=f"within {published.BAND:.0%}")
+    ax.plot(line, line, color="black", linewidth=0.8, label="predicted = published")
+    for i, (run, row) in enumerate(zip(published.RUNS, rows)):
+        gpu = run.cluster.name.split("-")[0].upper()
+        colour = {"A100": RANK_COLOURS[0], "H100": RANK_COLOURS[1]}[gpu]
+        ax.scatter(row["published_mfu"], row["predicted_mfu"], color=colour, s=28, zorder=3,
+                   label=gpu if gpu not in ax.get_legend_handles_labels()[1] else None)
+        ax.annotate(row["label"].split(",")[0] + f" ({row['gpus']:,})", (row["published_mfu"], row["predicted_mfu"]),
+                    fontsize=6, xytext=(5, (-3, 5, -11)[i % 3]), textcoords="offset points")  # staggered
+    ax.set_xlim(0.2, top)
+    ax.set_ylim(0.2, top)
+    ax.set_xlabel("published MFU (converted to the chapter's definition)")
+    ax.set_ylabel("planner's MFU (derived)")
+    ax.set_title("The planner against ten measured training runs", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+
+
+def draw_decision_flowchart(fig) -> None:
+    """The chapter's decision path as boxes: each question (from ``planner.decision_path``), its answer, its case."""
+    from matplotlib.patches import FancyBboxPatch
+
+    from distlab import planner
+
+    steps = planner.decision_path()
+    answers = ["DDP", "FSDP (ZeRO-3)", "TP inside a node (with SP)", "PP across nodes (interleaved)",
+               "CP over the sequence"]
+    ax = fig.subplots()
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, len(steps) + 0.6)
+    ax.axis("off")
+    for i, (step, answer) in enumerate(zip(steps, answers)):
+        y = len(steps) - i - 0.2
+        question, _, action = step["question"].partition("?")
+        ax.add_patch(FancyBboxPatch((0.1, y - 0.35), 5.6, 0.7, boxstyle="round,pad=0.02", facecolor="#eef3fb",
+                                    edgecolor=RANK_COLOURS[0]))
+        ax.text(2.9, y + 0.08, question.strip() + "?", ha="center", va="center", fontsize=7.5)
+        ax.text(2.9, y - 0.2, step["case"], ha="center", va="center", fontsize=6, color="#555555")
+        ax.annotate("", xy=(6.5, y), xytext=(5.75, y), arrowprops={"arrowstyle": "->"})
+        ax.text(6.0, y + 0.1, "yes", fontsize=6)
+        ax.add_patch(FancyBboxPatch((6.55, y - 0.25), 3.3, 0.5, boxstyle="round,pad=0.02", facecolor="#fdf1e6",
+                                    edgecolor=RANK_COLOURS[1]))
+        ax.text(8.2, y, answer, ha="center", va="center", fontsize=7.5)
+        if i < len(steps) - 1:
+            ax.annotate("", xy=(2.9, y - 0.62), xytext=(2.9, y - 0.37), arrowprops={"arrowstyle": "->"})
+            ax.text(3.0, y - 0.52, "no / more", fontsize=6)
+    ax.text(5, 0.05, "then: the planner's search ranks every layout, and --dry-run builds the chosen one at full "
+                     "size", ha="center", fontsize=7, style="italic")
+
+
 # ---- the registry and the command line -------------------------------------------------------------------
 
 FIGURES = {
@@ -213,6 +274,8 @@ FIGURES = {
     "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
     "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),
     "08_ring_attention_blocks.png": (draw_ring_attention_blocks, (8, 3.6)),
+    "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
+    "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
 }
 
 
