@@ -196,7 +196,7 @@ def plan_runs(gpu_count: int, gpu_memory_bytes: int, workdir: str | os.PathLike,
 
 
 def run_result(planned: Planned, returncode: int | None, output: str, seconds: float, metrics: dict | None,
-               timed_out: bool = False) -> dict:
+               timed_out: bool = False, limit_s: float | None = None) -> dict:
     """The summary's row for one run. Status: passed, failed, crashed, timeout, bad flags, cannot run here, skipped.
 
     ``passed`` needs exit code 0 *and* a metrics file whose checks all passed, at least one of them.
@@ -217,7 +217,9 @@ def run_result(planned: Planned, returncode: int | None, output: str, seconds: f
                    metrics={k: v for k, v in metrics.items() if k != "timeline"})  # timelines: long, not needed
     # A rank that exits 2 makes torchrun's agent exit 1: the output, not the exit code, tells what happened.
     if timed_out:
-        status, reason = "timeout", f"killed after {seconds:.0f} s"
+        # the limit, not the clock: stopping torchrun and its ranks takes seconds more on a busy machine
+        limit = planned.run.timeout_s if limit_s is None else limit_s
+        status, reason = "timeout", f"killed at its {limit:.0f} s limit"
     elif returncode in (1, 2) and config_errors:
         status, reason = "cannot run here", config_errors[0]
     elif returncode in (1, 2) and any("error: unrecognized arguments" in ln or "error: argument" in ln for ln in lines):
@@ -487,7 +489,8 @@ def _launch(planned: Planned, logs: Path, budget_left: float, budget_s: float = 
         row = run_result(planned, result.returncode, result.output, result.seconds, result.metrics)
         output = result.output
     except launch.LaunchError as error:  # raised only for a timeout when check=False
-        row = run_result(planned, None, error.result.output, error.result.seconds, None, timed_out=True)
+        row = run_result(planned, None, error.result.output, error.result.seconds, None, timed_out=True,
+                         limit_s=timeout)
         output = error.result.output
     (logs / f"{planned.run.name}.log").write_text(row["command"] + "\n" + output)
     print(f"{row['status']} ({row['seconds']:.0f} s)" + (f": {row['reason']}" if row["reason"] else ""), flush=True)

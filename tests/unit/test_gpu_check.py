@@ -177,7 +177,7 @@ def metrics_with(*passed):
      "x.py: error: argument --preset: invalid choice: 'huge'"),
     (1, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.", None, False, "crashed",
      "torch.OutOfMemoryError: CUDA out of memory."),
-    (None, "step 0", None, True, "timeout", "killed after 61 s"),
+    (None, "step 0", None, True, "timeout", "killed at its 90 s limit"),
 ])
 def test_run_status(returncode, output, metrics, timed_out, status, reason):
     row = run_result(PLANNED, returncode, output, 61.0, metrics, timed_out)
@@ -316,7 +316,8 @@ def test_launch_timeout_and_spent_budget(tmp_path, monkeypatch):
     monkeypatch.delenv("DISTLAB_LAUNCH_CACHE", raising=False)
     run = Run("slow", "scripts/01_single_device_baseline/train_baseline.py", timeout_s=1)
     row = gpu_check._launch(Planned(run, 1, ("--steps", "500", "--device", "cpu")), tmp_path, budget_left=60)
-    assert (row["status"], row["reason"]) == ("timeout", "killed after 1 s")
+    assert (row["status"], row["reason"]) == ("timeout", "killed at its 1 s limit")
+    assert row["seconds"] >= 1  # the clock, kept beside the limit
     spent = gpu_check._launch(Planned(run, 1, ()), tmp_path, budget_left=gpu_check.MIN_RUN_SECONDS - 1)
     assert (spent["status"], spent["reason"]) == ("skipped", "time budget of 540 s spent")
 
