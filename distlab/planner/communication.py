@@ -18,8 +18,10 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
 
     * tp: ``tensor_parallel.tp_comm_formula`` on this stage's layers, per microbatch, the embedding row on the
       first stage, output and loss rows on the last; with full checkpointing the blocks' forward collectives
-      run again in backward (per block and microbatch 2 + 2 + 2 = 6 all-reduces without SP); selective
-      checkpointing recomputes only attention's core, which has no TP collective;
+      run again in backward: per block and microbatch without SP 2 forward + 2 backward + 2 recomputed = 6
+      all-reduces when the whole block re-runs (``recompute_early_stop=False``, Megatron), 5 under PyTorch's
+      non-reentrant checkpoint, which stops before the block's last collective (both measured in chapter
+      08's sp_transformer.py); selective checkpointing recomputes only attention's core, no TP collective;
     * dp: ``comm.zero_step_bytes`` of this stage's TP share (all-gathers in the compute dtype, gradients
       reduced in fp32). ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters, as
       ZeRO (Rajbhandari et al. 2020) and Megatron's distributed optimizer do: the bytes of ZeRO-2 and of
@@ -68,13 +70,17 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                                                bytes_per_element=number_bytes)
         keep = {"blocks", "norm weights"} | ({"embedding"} if stage == 0 else set()) \
             | ({"output", "loss"} if stage == layout.pp - 1 else set())
+        block_output = "reduce_scatter" if sp else "all_reduce"  # the feed-forward's row-parallel output
         for row in rows:
             if row["where"] not in keep:
                 continue
             times = 1 if row["where"] == "norm weights" else num_micro
+            calls = row["calls"]
             if checkpointing(options) == "full" and row["where"] == "blocks" and row["phase"] == "forward":
-                times *= 2  # the recomputed forward issues its collectives again
-            add("tp", row["collective"], row["payload_bytes"] * times, row["calls"] * times)
+                # the recomputed forward issues the block's collectives again; stopped early, all but its last
+                skipped = layers if options.recompute_early_stop and row["collective"] == block_output else 0
+                calls += row["calls"] - skipped
+            add("tp", row["collective"], row["payload_bytes"] // row["calls"] * calls * times, calls * times)
     if layout.dp * layout.cp > 1:
         params = stage_params(model, layout, stage)
         kept = keeps_gathered(options, layout)

@@ -81,9 +81,10 @@ MTNLG = "Smith et al. (2022), Using DeepSpeed and Megatron to Train Megatron-Tur
 # the first and the last (section 3.3.2); the paper does not say how it recomputes: the planner's choice
 LLAMA_PIPELINE = Options(zero_stage=1, schedule="interleaved_1f1b", chunks=8, sequence_parallel=True,
                          search_micro_batch=False)
-# Megatron-LM (2020-2022): full recomputation, no flash attention; the micro-batch and the chunks are not stated
+# Megatron-LM (2020-2022): full recomputation of whole blocks, no flash attention; the micro-batch and the chunks
+# are not stated
 MEGATRON_FULL = Options(zero_stage=1, activation_checkpointing="full", flash_attention=False,
-                        sequence_parallel=False)
+                        sequence_parallel=False, recompute_early_stop=False)
 
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("Llama 3 405B, 8K tokens, 8,192 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 64, 1, 1),

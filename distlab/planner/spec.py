@@ -145,7 +145,7 @@ class Cluster:
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
     "A100": {"compute_efficiency": 0.54, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "H100": {"compute_efficiency": 0.67, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.66, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
     "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
 }
 
@@ -198,6 +198,10 @@ class Options:
     # al. 2022); "none" (False) [full]
     activation_checkpointing: bool | str | None = None
     flash_attention: bool = True           # False: attention saves its s x s probabilities (what selective drops)
+    # full checkpointing under PyTorch's non-reentrant checkpoint stops recomputing once backward has every tensor
+    # it needs: before a block's last collective (torch.utils.checkpoint's default early stop, measured in chapter
+    # 08's sp_transformer.py); False: the whole block re-runs (Megatron's recompute), every forward collective again
+    recompute_early_stop: bool = True
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
     sequence_parallel: bool | None = None  # Megatron SP with TP; it costs no extra bytes [on whenever tp > 1]
     schedule: str = "interleaved_1f1b"     # with 1 chunk this is 1F1B

@@ -21,6 +21,8 @@ import sys
 import time
 
 import torch
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -94,6 +96,23 @@ def main():
         tokens, inputs, targets = batch_of(0, args, cfg, rt.device)
         _, tp_saved, tp_counter, tp_peak = measured_step(model, tokens, inputs, targets, rt.device)
         del model
+
+        # 2b. The same with every block checkpointed (recomputed in backward), twice: with torch's default, whose
+        # recomputation stops as soon as the last tensor backward needs is back (before the block's last
+        # collective), and without that early stop (as Megatron's recompute re-runs the whole block). Chapter 11's
+        # planner counts both; the gradients do not change.
+        ckpt_calls = {}
+        for early_stop in (True, False):
+            model = tensor_parallel.parallelize_transformer(models.build_transformer(cfg, args.seed, rt.device), mesh)
+            for block in model.layers.values():
+                checkpoint(block)  # keep the block's input, recompute the rest in backward (as chapters 05, 12 do)
+            with set_checkpoint_early_stop(early_stop):
+                _, _, counter, _ = measured_step(model, tokens, inputs, targets, rt.device)
+            ckpt_calls[early_stop] = counter.calls
+            difference = tensor_parallel.max_gradient_difference(model, reference_grads)
+            report.check(f"step-0 gradients with every block checkpointed (early stop {early_stop}) equal "
+                         "single-device", difference <= tolerance["grad"], difference, tolerance["grad"])
+            del model
 
         # 3. Tensor + sequence parallelism: train, and measure step 0.
         model = tensor_parallel.parallelize_transformer(models.build_transformer(cfg, args.seed, rt.device), mesh,
@@ -170,6 +189,23 @@ def main():
                             analytic_calls=row["analytic_calls"],
                             sent_bytes_per_rank_derived=row["sent_bytes_per_rank_derived"],
                             plan="tp")
+        # checkpointed: each collective's bytes = the formula's, plus the blocks' forward collectives once more
+        # (without early stop), or all but each block's last one (torch's default early stop)
+        for early_stop, calls in ckpt_calls.items():
+            per_block_again = (1 if early_stop else 2) / 2  # of the 2 forward all-reduces of a block
+            recomputed = {}
+            for row in tensor_parallel.tp_comm_formula(cfg, args.batch, args.seq_len, tp):
+                again = per_block_again if row["where"] == "blocks" and row["phase"] == "forward" else 0
+                recomputed[row["collective"]] = recomputed.get(row["collective"], 0) + row["payload_bytes"] * (1 + again)
+            measured_ckpt = {}
+            for row in tensor_parallel.measured_comm_rows(calls):
+                measured_ckpt[row["collective"]] = measured_ckpt.get(row["collective"], 0) + row["payload_bytes"]
+            label = "tp+checkpointing" + ("" if early_stop else " without early stop")
+            for collective, measured_bytes in measured_ckpt.items():
+                report.add_comm(collective, measured_bytes, recomputed.get(collective, 0), plan=label)
+            report.check(f"communication of one checkpointed TP step (early stop {early_stop}) = formula + the "
+                         f"blocks' forward collectives {'but the last ' if early_stop else ''}again",
+                         measured_ckpt == recomputed, measured_ckpt, recomputed)
         mismatched = [f"{r['phase']}/{r['where']}/{r['collective']}" for r in sp_ledger + tp_ledger
                       if (r["measured_bytes"], r["measured_calls"]) != (r["analytic_bytes"], r["analytic_calls"])]
         report.check("communication of one step = formula, TP and TP + SP (calls and bytes)", not mismatched,

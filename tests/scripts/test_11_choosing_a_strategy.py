@@ -318,3 +318,18 @@ def test_model_and_cluster_from_files(tmp_path, capsys):
     assert code == 0 and data["model"]["kv_heads"] == 16 and data["cluster"]["gpu_bytes"] == 40 * planner.GIB
     spec, machine = planner.model_from_file(model), planner.cluster_from_file(cluster)
     assert data["layouts"][0]["label"] == planner.search(spec, machine, 8)[0].layout.label()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_tp_traffic_of_a_checkpointed_step_equals_the_planners(early_stop, sequence_parallel_run):
+    """The recomputed forward's collectives, counted in a run (every block checkpointed, with and without torch's
+    early stop) against the planner's, and against the uncheckpointed run: not only in the text."""
+    metrics, spec, layout = sequence_parallel_run
+    options = planner.Options(**{**MEASURED_OPTIONS, "activation_checkpointing": "full"}, sequence_parallel=False,
+                              recompute_early_stop=early_stop)
+    label = "tp+checkpointing" + ("" if early_stop else " without early stop")
+    measured = summed_by_collective([r for r in metrics["comm"] if r.get("plan") == label])
+    plain = summed_by_collective([r for r in metrics["comm"] if r.get("plan") == "tp"])
+    assert measured and planner.comm_per_step(spec, layout, 0, options)["tp"] == measured
+    block_forward = 2 * spec.layers * spec.micro_batch * spec.seq_len * spec.hidden * 4  # 2 all-reduces a block
+    assert measured["all_reduce"] - plain["all_reduce"] == block_forward // (2 if early_stop else 1)

@@ -166,14 +166,21 @@ def test_the_long_context_layout_needs_what_the_8k_one_needs(text):
             and "exactly what its 8K layout needs" in text)
 
 
-def test_the_recomputed_forward_is_counted_once_more_in_text_and_code(text):
-    """6 all-reduces per block and microbatch under full recomputation (not "three forward")."""
+def test_the_recomputed_forward_is_counted_as_pytorch_and_megatron_run_it(text):
+    """Per block and microbatch without SP: 6 all-reduces when the whole block re-runs, 5 under PyTorch's early stop
+    (chapter 08's sp_transformer.py measures both; tests/scripts/test_11 compares them with the planner)."""
     spec = planner.replace(planner.MODELS["7b"], layers=1, global_batch=1)
     layout = planner.Layout(tp=2)
-    calls = {mode: planner.collective_calls(spec, layout, 0, planner.Options(
-        activation_checkpointing=mode, sequence_parallel=False))["tp"]["all_reduce"] for mode in ("none", "full")}
-    assert calls["full"] - calls["none"] == 2  # the block's two forward all-reduces, again
-    assert "2 + 2 + 2 = 6 all-reduces per microbatch" in text and "(three forward when recomputed)" not in text
+
+    def calls(**settings):
+        return planner.collective_calls(spec, layout, 0, planner.Options(sequence_parallel=False, **settings))["tp"]
+
+    plain = calls(activation_checkpointing="none")["all_reduce"]
+    assert calls(activation_checkpointing="full", recompute_early_stop=False)["all_reduce"] - plain == 2
+    assert calls(activation_checkpointing="full")["all_reduce"] - plain == 1
+    assert "2 + 2 + 2 = 6 all-reduces per microbatch" in text and "2 + 1 + 2 = 5 under PyTorch's checkpoint" in text
+    assert "(three forward when recomputed)" not in text
+    assert planner.published.MEGATRON_FULL.recompute_early_stop is False
 
 
 def test_the_dry_run_table_is_what_a_dry_run_reads(raw):

@@ -293,7 +293,11 @@ def test_sequence_parallel_is_on_with_tp_and_costs_no_extra_bytes():
     layout = planner.Layout(tp=4, dp=2, zero_stage=3)
     assert planner.spec.sequence_parallel(planner.Options(), layout)
     assert not planner.spec.sequence_parallel(planner.Options(), planner.Layout(dp=8))
-    on, off = (planner.comm_per_step(spec, layout, 0, planner.Options(sequence_parallel=sp))["tp"] for sp in (True, False))
+    # the same bytes without recomputation, and when whole blocks are recomputed; under PyTorch's early stop the
+    # recomputation re-issues the feed-forward's all-gather but not its all-reduce: one all-gather a block more
+    whole = dict(activation_checkpointing="full", recompute_early_stop=False)
+    on, off = (planner.comm_per_step(spec, layout, 0, planner.Options(sequence_parallel=sp, **whole))["tp"]
+               for sp in (True, False))
     blocks_on = on["all_gather"] + on["reduce_scatter"]
     assert planner.bytes_sent("tp", {"all_gather": on["all_gather"], "reduce_scatter": on["reduce_scatter"]}, 4) == \
         pytest.approx(planner.bytes_sent("tp", {"all_reduce": off["all_reduce"]}, 4), rel=0.01)
