@@ -226,3 +226,139 @@ def dry_run_published(run) -> dict:
     result = dry_run(stand_in(run.model), run.layout, run.options)
     result["stand_in"] = run.model.architecture != "llama"
     return result
+
+
+# ------------------------------------------------------------------------------------------------
+# One training step's collectives at the full world size (forward and backward of one microbatch)
+# ------------------------------------------------------------------------------------------------
+#
+# Meta tensors do not run a step through FSDP2: ``fully_shard`` refuses parameters left on meta at its lazy
+# init (``FSDPParamGroup._validate_no_meta_params``) and all-gathers into buffers on the mesh's device. So the
+# step runs on real CPU tensors of a *narrow* copy of the model: the same depth, heads, KV heads and layout, at the
+# same full world size, with a head size of 8 (the widths change, the collectives' number and place do not). The
+# planner is asked about the same narrow model: its calls must equal the counted ones, and its bytes the counted
+# ones less FSDP's ceil-split padding, which is computed from the TP shards' shapes and named.
+
+NARROW_HEAD_DIM = 8
+
+
+def narrow_spec(spec: ModelSpec, layout: Layout) -> ModelSpec:
+    """``spec`` with a head size of 8 (heads, KV heads and layers kept), a vocabulary of 64 rows a TP rank, 16
+    tokens, one sequence a microbatch and one microbatch a step: small enough to run a stage on a CPU."""
+    hidden = spec.heads * NARROW_HEAD_DIM
+    ffn = math.ceil(spec.ffn / spec.hidden * hidden / layout.tp) * layout.tp
+    return replace(spec, hidden=hidden, ffn=ffn, vocab=64 * layout.tp, seq_len=16, micro_batch=1,
+                   global_batch=layout.dp, architecture="llama", name=f"{spec.name}, narrowed")
+
+
+# what the counted step runs: FSDP2 over dp with the weights kept gathered (as chapter 09's hybrid_3d.py), no SP,
+# no recomputation, fp32, one microbatch
+COUNTED_OPTIONS = Options(zero_stage=3, activation_checkpointing="none", sequence_parallel=False, precision="fp32",
+                          fsdp_keep_gathered=True, search_micro_batch=False, chunks=1)
+
+
+def _count_stage(job: tuple) -> dict:
+    """In a fresh (forked) process: one stage's forward and backward of one microbatch on the fake process group,
+    its collectives counted per mesh dimension (DTensor's functional collectives are TP's, c10d's are FSDP's)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlab import comm, tensor_parallel
+
+    spec, layout, rank = job
+    torch.set_num_threads(1)
+    transformer_stage, _ = _chapter_code()
+    coordinates = hybrid.grid_coordinates(rank, (layout.pp, layout.dp, layout.tp))
+    stage, last = coordinates["pp"], coordinates["pp"] == layout.pp - 1
+    cfg = replace(spec.config(), n_kv_heads=spec.kv_heads)
+    with torch.device("meta"):
+        full = models.Transformer(cfg)
+    part = transformer_stage(full, stage, layout.pp).to_empty(device="cpu")  # values do not matter: nothing moves
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
+    try:
+        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        if layout.tp > 1:
+            # chapter 06's plan, the head's logits kept split for loss_parallel (what the planner's TP rows count;
+            # chapter 09's hybrid_3d.py gathers them instead, for torch's pipeline schedule)
+            present = {name for name, child in part.named_children() if child is not None}
+            plan = {pattern: style for pattern, style in tensor_parallel.transformer_tp_plan().items()
+                    if pattern.split(".")[0] in present}
+            parallelize_module(part, mesh["tp"], plan)
+        # FSDP2 splits each TP shard's first dimension in ceil(rows / dp) rows a rank: the padding is known
+        exact = padded = 0
+        for p in part.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            rows, rest = local.shape[0], local[0].numel() if local.dim() > 1 else 1
+            exact += rows * rest * local.element_size()
+            padded += math.ceil(rows / layout.dp) * layout.dp * rest * local.element_size()
+        if layout.dp > 1:  # as chapter 09's parallelize_stage: a dimension of size 1 is left out
+            for block in part.layers.values():
+                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
+        inputs = (torch.randint(0, cfg.vocab_size, (1, cfg.seq_len)) if stage == 0
+                  else torch.randn(1, cfg.seq_len, cfg.dim, requires_grad=True))
+        with comm.CommCounter() as counter, loss_parallel():
+            out = part(inputs)
+            if last:
+                models.lm_loss(out, torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))).backward()
+            else:
+                out.backward(torch.ones_like(out))  # the gradient the next stage would send back
+    finally:
+        dist.destroy_process_group()
+    counted: dict = {}
+    for call in counter.calls:
+        dimension = "tp" if call.source == "functional" else "dp"
+        entry = counted.setdefault(dimension, {}).setdefault(call.collective, {"payload": 0, "calls": 0})
+        entry["payload"] += call.payload_bytes
+        entry["calls"] += 1
+    return {"rank": rank, "stage": stage, "counted": counted, "padding_bytes": padded - exact}
+
+
+def count_step(spec: ModelSpec, layout: Layout, ranks: list[int] | None = None) -> dict:
+    """One step of one microbatch at ``layout``'s full world size under FSDP (ZeRO-3), for a rank of each pipeline position, each in a
+    forked process (torch caches DTensor's plans by mesh, which outlive a destroyed process group): its TP and
+    FSDP collectives counted and compared with the planner's ledger of the same narrow model. Equal: every call
+    count equal; TP bytes equal; FSDP bytes = the planner's + the named padding (for each of all-gather and
+    reduce-scatter)."""
+    import multiprocessing
+
+    from distlab.planner.communication import ledger
+
+    if layout.cp > 1:
+        raise ValueError("the counted step covers pp x dp x tp layouts (context parallelism: chapter 08's scripts)")
+    layout = replace(layout, zero_stage=3)  # what FSDP2 builds (ZeRO-1/2 move the same bytes in other calls)
+    narrow = narrow_spec(spec, layout)
+    ranks = sampled_ranks(layout) if ranks is None else ranks
+    start = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(processes=min(2, len(ranks)), maxtasksperchild=1) as pool:
+        results = pool.map(_count_stage, [(narrow, layout, rank) for rank in ranks], chunksize=1)
+    for r in results:
+        planned = ledger(narrow, layout, r["stage"], COUNTED_OPTIONS)
+        r["planner"] = {d: {name: dict(e) for name, e in planned[d].items()} for d in ("tp", "dp") if planned[d]}
+        expected = {d: {name: {"calls": e["calls"],
+                               "payload": e["payload"] + (r["padding_bytes"] if d == "dp" else 0)}
+                        for name, e in collectives.items()} for d, collectives in r["planner"].items()}
+        r["equal"] = expected == r["counted"]
+    return {"world": layout.gpus, "layout": layout.label(), "model": narrow.name, "ranks": results,
+            "equal": all(r["equal"] for r in results), "seconds": time.perf_counter() - start}
+
+
+def count_step_markdown(result: dict) -> str:
+    """Counted against the planner, one row a rank and mesh dimension: calls and bytes of each collective."""
+    lines = [f"| rank of {result['world']:,} | stage | dimension | counted: calls, MiB | the planner's: calls, MiB "
+             "| FSDP padding (MiB) | equal |", "|---:|---:|---|---|---|---:|---|"]
+    for r in result["ranks"]:
+        for dimension in ("tp", "dp"):
+            counted, planned = r["counted"].get(dimension, {}), r["planner"].get(dimension, {})
+
+            def show(collectives):
+                return ", ".join(f"{name} {e['calls']} x, {e['payload'] / 2**20:.2f}"
+                                 for name, e in sorted(collectives.items())) or "none"
+            padding = r["padding_bytes"] / 2**20 if dimension == "dp" else 0
+            lines.append(f"| {r['rank']:,} | {r['stage']} | {dimension} | {show(counted)} | {show(planned)} | "
+                         f"{padding:.2f} | {'yes' if r['equal'] else 'NO'} |")
+    return "\n".join(lines)

@@ -182,7 +182,19 @@ def dry_run(plan: planner.Plan, model, options) -> int:
     print(f"dry run: {len(result['ranks'])} ranks of {result['world']:,} built with the course's TP plan, "
           f"fully_shard and pipeline split in {result['seconds']:.1f} s; state bytes read from their shards = "
           f"the planner's (FSDP padding named): {verdict}")
-    return 0 if result["equal"] and not wrong else 1
+    counted = {"equal": True}
+    if plan.layout.cp == 1:
+        # a step's collectives, counted at the same world size on a narrow copy of the model (see count_step)
+        counted = full_world.count_step(spec, plan.layout)
+        print(full_world.count_step_markdown(counted))
+        print(f"dry run: one microbatch's forward and backward on those ranks ({counted['model']}: head size "
+              f"{full_world.NARROW_HEAD_DIM}, same depth, heads and layout) in {counted['seconds']:.1f} s; TP and "
+              f"FSDP collectives counted = the planner's (calls; bytes, FSDP padding named): "
+              f"{'equal' if counted['equal'] else 'NOT equal'}")
+    else:
+        print("dry run: a step's collectives are counted for pp x dp x tp layouts; context parallelism's ring is "
+              "measured by chapter 08's scripts")
+    return 0 if result["equal"] and counted["equal"] and not wrong else 1
 
 
 HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"

@@ -223,6 +223,7 @@ def test_one_layout_as_json_has_fits_reason_memory_and_step_time(capsys):
 def test_dry_run_builds_the_mesh_of_hundreds_of_ranks(capsys):
     code, out, _ = run_plan(["--model", "70b", "--gpus", "256", "--cluster", "a100-80gb", "--dry-run"], capsys)
     assert code == 0 and "fake process group of 256 ranks" in out and "grid: every one" in out
+    assert "FSDP collectives counted = the planner's (calls; bytes, FSDP padding named): equal" in out
 
 
 def test_dry_run_with_cp_builds_a_4d_mesh_and_fails_when_it_is_built_wrong(capsys, monkeypatch):

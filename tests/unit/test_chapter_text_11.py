@@ -190,3 +190,14 @@ def test_the_dry_run_table_is_what_a_dry_run_reads(raw):
     result = dry_run.dry_run(run.model, run.layout, run.options)
     assert result["equal"] and dry_run.dry_run_markdown(result) in raw
     assert "ceil(n / dp) rows" in raw
+
+
+def test_the_counted_step_table_is_what_a_counted_step_reads(raw):
+    from distlab.planner import dry_run
+
+    run = planner.published.RUNS[1]
+    result = dry_run.count_step(run.model, run.layout)
+    assert result["equal"] and dry_run.count_step_markdown(result) in raw
+    narrow = dry_run.narrow_spec(run.model, run.layout)
+    assert (narrow.layers, narrow.heads, narrow.kv_heads) == (126, 128, 8)
+    assert f"head size\nof {dry_run.NARROW_HEAD_DIM} instead of {run.model.head_dim}" in raw

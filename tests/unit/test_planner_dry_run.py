@@ -75,3 +75,51 @@ def test_a_gpt_model_is_refused_by_name_and_the_course_model_has_grouped_query_a
     assert models.count_params(model) == small.num_params()
     assert model.layers["0"].attention.wk.weight.shape == (small.kv_dim, small.dim)
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, small.vocab_size)
+
+
+# ---- one step's collectives at the full world size, on a narrow copy of the model ----------------------------
+
+COUNTED_RUNS = [planner.published.RUNS[i] for i in (1, 3, 7, 9)]  # 405B; MT-NLG, 1T (GPT stand-ins); 22B, dp 1
+
+
+@pytest.mark.parametrize("run", COUNTED_RUNS, ids=lambda run: run.label)
+def test_a_step_counted_at_the_full_world_size_equals_the_planners_collectives(run):
+    spec = dry_run.stand_in(run.model)
+    result = dry_run.count_step(spec, run.layout)
+    assert result["equal"], dry_run.count_step_markdown(result)
+    assert result["world"] == run.layout.gpus
+    narrow = dry_run.narrow_spec(spec, run.layout)
+    for r in result["ranks"]:
+        layers = planner.stage_layers(spec.layers, run.layout.pp, r["stage"])
+        first, last = r["stage"] == 0, r["stage"] == run.layout.pp - 1
+        # counted, not copied: 4 all-reduces a block, the embedding's 1, the head's 1 and loss_parallel's 3
+        assert r["counted"]["tp"]["all_reduce"]["calls"] == 4 * layers + first + 4 * last
+        activation = narrow.seq_len * narrow.hidden * 4
+        assert r["counted"]["tp"]["all_reduce"]["payload"] == (4 * layers + first + last) * activation \
+            + 3 * last * narrow.seq_len * 4
+        if run.layout.dp > 1:  # one gather and one reduce-scatter a FSDP unit: the blocks and the root
+            assert r["counted"]["dp"]["all_gather"]["calls"] == layers + (first or last)
+        else:
+            assert "dp" not in r["counted"]
+
+
+def test_the_counted_step_fails_a_planner_that_counts_wrong(monkeypatch):
+    from distlab.planner import communication
+
+    run = planner.published.RUNS[1]
+    real = communication.ledger
+
+    def buckets(model, layout, stage, options):  # FSDP's traffic as ZeRO-1/2's: the same bytes, in buckets
+        return real(model, replace(layout, zero_stage=2), stage, options)
+
+    def forgets_the_embedding(model, layout, stage, options):
+        result = real(model, layout, stage, options)
+        reduce = dict(result["tp"]["all_reduce"])
+        reduce["calls"] -= 1 if stage == 0 else 0
+        return {**result, "tp": {**result["tp"], "all_reduce": reduce}}
+
+    for wrong in (buckets, forgets_the_embedding):
+        monkeypatch.setattr(communication, "ledger", wrong)
+        assert not dry_run.count_step(run.model, run.layout, ranks=[0])["equal"], wrong.__name__
+    monkeypatch.setattr(communication, "ledger", real)
+    assert dry_run.count_step(run.model, run.layout, ranks=[0])["equal"]
