@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from distlab import runtime  # no torch: the parent never imports it (the probe runs in a child)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIME_BUDGET_S = 540           # the chapter runs; discovery and the copy benchmark fit in the rest of 10 minutes
 MIN_RUN_SECONDS = 20          # with less budget left than this, a run is not started
@@ -506,9 +508,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="build/gpu_check", help="folder of summary.json, summary.txt and logs/")
     p.add_argument("--plan-only", action="store_true", help="print what would run here (or on --gpus), run nothing")
-    p.add_argument("--gpus", type=int, default=None, help="with --plan-only: plan for this many GPUs")
-    p.add_argument("--gpu-memory-gib", type=float, default=40.0, help="with --plan-only --gpus: memory of each")
-    p.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+    p.add_argument("--gpus", type=runtime.positive_int, default=None, help="with --plan-only: plan for this many GPUs")
+    p.add_argument("--gpu-memory-gib", type=runtime.positive_float, default=40.0, help="with --plan-only --gpus: memory of each")
+    p.add_argument("--budget-s", type=runtime.positive_float, default=TIME_BUDGET_S,
                    help=f"seconds for all the script runs (default {TIME_BUDGET_S}); a run is not started with "
                         f"less than {MIN_RUN_SECONDS} s left")
     p.add_argument("--render", metavar="SUMMARY_JSON", default=None, help="print the table of a summary.json")

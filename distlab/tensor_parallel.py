@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from distlab import runtime
+
 # Link speeds quoted by the chapters (vendor figures). NVLink 3 on an A100: 12 links x 50 GB/s = 600 GB/s
 # in total per GPU, 300 GB/s in each direction. Slingshot-11: 200 Gb/s per NIC and direction = 25 GB/s.
 NVLINK3_A100_TOTAL_BYTES_PER_S = 600e9
@@ -160,12 +162,12 @@ TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad"
 
 def add_model_flags(parser) -> None:
     """--batch, --seq-len, --dim, --heads, --ffn-hidden, --lr: shapes to try a split with (preset's by default)."""
-    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    parser.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
-    parser.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--batch", type=runtime.positive_int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
+    parser.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
+    parser.add_argument("--dim", type=runtime.positive_int, default=None, help="hidden size H (default: the preset's)")
+    parser.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
+    parser.add_argument("--ffn-hidden", type=runtime.positive_int, default=None, help="feed-forward hidden size (default: the preset's)")
+    parser.add_argument("--lr", type=runtime.positive_float, default=1e-3, help="AdamW learning rate")
 
 
 def model_from_args(args):

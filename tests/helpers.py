@@ -40,3 +40,15 @@ def assert_config_error(script: str, args, expected_text: str, nproc: int = 4, l
         assert "exitcode  : 2" in result.output, result.tail()
     assert result.seconds < max_seconds, f"took {result.seconds:.1f} s to fail"
     return result
+
+
+def assert_usage_error(script: str, args, flag: str, nproc: int = 4, max_seconds: float = 30) -> launch.LaunchResult:
+    """A flag's value refused by its type (``distlab.runtime.positive_int``, ...): argparse's one error line naming
+    the flag on every rank, exit code 2 on every rank, no traceback, before any process group exists."""
+    result = launch.run(script, nproc=nproc, args=args, stream=False, check=False, metrics=False,
+                        timeout=max_seconds + 30)
+    errors = [ln for ln in result.lines if f"error: argument {flag}: " in ln]
+    assert len(errors) == nproc and set(result.rank_exit_codes.values()) == {2}, result.tail()
+    assert not [ln for ln in result.lines if ln.startswith("Traceback")], result.tail()
+    assert result.seconds < max_seconds, f"took {result.seconds:.1f} s to fail"
+    return result

@@ -57,7 +57,7 @@ def exact_flops_per_token(cfg, fused_attention: bool = True) -> int:
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "small"), steps=None)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch (sequences), split over the ranks")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(args.preset)

@@ -102,10 +102,10 @@ def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--min-bytes", default="4K", help="smallest payload (bytes, or 4K, 1M, 1G)")
     p.add_argument("--max-bytes", default="1M", help="largest payload")
-    p.add_argument("--step", type=int, default=4, help="each size is this many times the previous one")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--step", type=runtime.positive_int, default=4, help="each size is this many times the previous one")
+    p.add_argument("--iters", type=runtime.positive_int, default=5, help="timed calls per size")
+    p.add_argument("--warmup", type=runtime.nonnegative_int, default=2, help="untimed calls per size first")
+    p.add_argument("--repeats", type=runtime.positive_int, default=3,
                    help="timed blocks of --iters calls; the fastest block counts (the least disturbed)")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), help="which collectives to time")
     args = p.parse_args()

@@ -104,7 +104,7 @@ def analytic_payload(collective: str, numel: int, world: int) -> int:
 
 def main():
     p = runtime.parser(__doc__, steps=None)
-    p.add_argument("--numel", type=int, default=8, help="numbers each rank contributes (a multiple of the ranks)")
+    p.add_argument("--numel", type=runtime.positive_int, default=8, help="numbers each rank contributes (a multiple of the ranks)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))

@@ -47,8 +47,8 @@ def rank_grid(world_size: int, group_size: int) -> tuple[list[list[int]], list[l
 
 def main():
     p = runtime.parser(__doc__, steps=None)
-    p.add_argument("--group-size", type=int, default=2, help="K, ranks per row group (must divide the world size)")
-    p.add_argument("--numel", type=int, default=8, help="numbers each rank contributes")
+    p.add_argument("--group-size", type=runtime.positive_int, default=2, help="K, ranks per row group (must divide the world size)")
+    p.add_argument("--numel", type=runtime.positive_int, default=8, help="numbers each rank contributes")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))

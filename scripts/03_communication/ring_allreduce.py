@@ -61,7 +61,7 @@ def contribution(rank: int, numel: int, seed: int) -> torch.Tensor:
 
 def main():
     p = runtime.parser(__doc__, steps=None)
-    p.add_argument("--numel", type=int, default=4096, help="elements of each rank's tensor (need not divide by n)")
+    p.add_argument("--numel", type=runtime.positive_int, default=4096, help="elements of each rank's tensor (need not divide by n)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))

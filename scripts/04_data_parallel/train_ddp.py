@@ -140,18 +140,18 @@ def global_batch_indices(samplers, step, per_rank, steps_per_epoch):
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=10)
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=runtime.positive_int, default=None,
                    help="global batch, sequences per optimizer step (default: 8; 16 for a100)")
-    p.add_argument("--accumulation", type=int, default=1,
+    p.add_argument("--accumulation", type=runtime.positive_int, default=1,
                    help="micro-batches per optimizer step; all but the last run under no_sync()")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
+    p.add_argument("--bucket-mb", type=runtime.positive_float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
     p.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="let gradients live inside DDP's bucket buffers (saves one copy of the gradients)")
-    p.add_argument("--samples", type=int, default=None,
+    p.add_argument("--samples", type=runtime.positive_int, default=None,
                    help="dataset size for DistributedSampler (default: 4 global batches, so epochs turn over)")
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                    help="DistributedSampler reshuffles every epoch (set_epoch)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--compare", action="store_true",

@@ -97,14 +97,14 @@ def compare_states(report, name, loaded, saved) -> None:
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=6)
     p.add_argument("--save-dir", default=DEFAULT_SAVE_DIR, help=f"checkpoint folder (default {DEFAULT_SAVE_DIR})")
-    p.add_argument("--save-every", type=int, default=2, help="checkpoint after every K steps")
-    p.add_argument("--stop-after", type=int, default=None, metavar="S",
+    p.add_argument("--save-every", type=runtime.positive_int, default=2, help="checkpoint after every K steps")
+    p.add_argument("--stop-after", type=runtime.positive_int, default=None, metavar="S",
                    help="simulate an interruption: stop after S steps (the steps since the last checkpoint are lost)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--world-size-check", action="store_true",
                    help="load the latest checkpoint on this number of ranks and compare with the full copy")
-    p.add_argument("--batch", type=int, default=8, help="global batch, sequences per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
+    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(PRESETS[args.preset])

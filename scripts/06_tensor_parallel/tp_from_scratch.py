@@ -199,11 +199,11 @@ def check_config(args, world_size):
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
-    p.add_argument("--batch", type=int, default=None, help="sequences (default: 4 tiny, 2 a100)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--dim", type=int, default=None, help="hidden size H (default: the preset's)")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
-    p.add_argument("--ffn-hidden", type=int, default=None, help="feed-forward hidden size (default: the preset's)")
+    p.add_argument("--batch", type=runtime.positive_int, default=None, help="sequences (default: 4 tiny, 2 a100)")
+    p.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--dim", type=runtime.positive_int, default=None, help="hidden size H (default: the preset's)")
+    p.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
+    p.add_argument("--ffn-hidden", type=runtime.positive_int, default=None, help="feed-forward hidden size (default: the preset's)")
     args = p.parse_args()
     base = models.preset(args.preset)
     args.batch = args.batch or {"tiny": 4, "a100": 2}[args.preset]

@@ -39,7 +39,7 @@ def check_config(args, world_size):
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the number of ranks)")
+    p.add_argument("--tp", type=runtime.positive_int, default=None, help="tensor-parallel degree (default: the number of ranks)")
     p.add_argument("--plan", choices=["regions", "per-linear"], default="regions",
                    help="regions: one DTensor input per attention/feed-forward region (2 backward all-reduces per "
                         "block); per-linear: without PrepareModuleInput (5)")

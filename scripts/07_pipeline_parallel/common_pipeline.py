@@ -227,11 +227,11 @@ def transformer_stage(model, stage: int, num_stages: int):
 
 def add_training_flags(parser) -> None:
     """--batch, --layers, --lr, --reference: the flags of the scripts that train the transformer in a pipeline."""
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split into M microbatches")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--batch", type=runtime.positive_int, default=16, help="global batch (sequences), split into M microbatches")
+    parser.add_argument("--layers", type=runtime.positive_int, default=None,
                         help="transformer blocks, at least one per stage (default: 8 for tiny, whose 2 would not "
                              "fill 4 stages; the preset's otherwise)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                         help="train the single-device model too and compare (default: on for tiny; off for a100, "
                              "whose whole model would not fit beside a stage)")

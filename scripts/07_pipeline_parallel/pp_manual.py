@@ -170,7 +170,7 @@ class StageRunner:
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
     p.add_argument("--schedule", default="1f1b", help=f"the order each rank runs: {', '.join(HAND_SCHEDULES)}")
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--microbatches", type=runtime.positive_int, default=8, help="M, microbatches per step")
     add_training_flags(p)  # --batch --layers --lr --reference
     args = p.parse_args()
     cfg = resolve_training_flags(args)

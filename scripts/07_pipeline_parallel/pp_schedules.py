@@ -102,12 +102,12 @@ def batch(step, args):
 def main():
     p = runtime.parser(__doc__, steps=4)
     p.add_argument("--schedule", default="1F1B", help=f"torch's schedule: {schedule_help()}")
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--stages-per-rank", type=int, default=None,
+    p.add_argument("--microbatches", type=runtime.positive_int, default=8, help="M, microbatches per step")
+    p.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                    help="V, stages per rank (interleaved schedules; default: the schedule's own)")
-    p.add_argument("--batch", type=int, default=16, help="global batch, split into M microbatches")
-    p.add_argument("--dim", type=int, default=32, help="width of each stage's Linear")
-    p.add_argument("--stage-compute-ms", type=float, default=20.0,
+    p.add_argument("--batch", type=runtime.positive_int, default=16, help="global batch, split into M microbatches")
+    p.add_argument("--dim", type=runtime.positive_int, default=32, help="width of each stage's Linear")
+    p.add_argument("--stage-compute-ms", type=runtime.nonnegative_float, default=20.0,
                    help="pause per stage: T ms forward, 2T backward (0: only the real, tiny compute; "
                         "the measured bubble is then not checked). --steps counts a first, untimed step")
     p.add_argument("--plot", metavar="FILE", default=None, help="write the measured Gantt chart as a PNG")

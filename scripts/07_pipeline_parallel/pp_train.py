@@ -51,8 +51,8 @@ def check_config(args, world_size):
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
     p.add_argument("--schedule", default="1F1B", help=f"torch's schedule: {schedule_help()}")
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
-    p.add_argument("--stages-per-rank", type=int, default=None,
+    p.add_argument("--microbatches", type=runtime.positive_int, default=8, help="M, microbatches per step")
+    p.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                    help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(p)  # --batch --layers --lr --reference
     args = p.parse_args()

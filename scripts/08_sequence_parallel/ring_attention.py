@@ -171,10 +171,10 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
     p.add_argument("--layout", choices=["both", "zigzag", "contiguous"], default="both",
                    help="how the sequence is split over ranks (both: run and compare the two)")
-    p.add_argument("--batch", type=int, default=None, help="sequences (default: the preset's)")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (default: the preset's)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--head-dim", type=int, default=None, help="dimension of each head (default: the preset's)")
+    p.add_argument("--batch", type=runtime.positive_int, default=None, help="sequences (default: the preset's)")
+    p.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
+    p.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--head-dim", type=runtime.positive_int, default=None, help="dimension of each head (default: the preset's)")
     p.add_argument("--native", action="store_true",
                    help="also run PyTorch's context_parallel (CUDA only; a config error on a CPU)")
     args = p.parse_args()

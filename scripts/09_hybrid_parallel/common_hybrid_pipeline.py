@@ -44,15 +44,15 @@ def add_hybrid_flags(parser, *, pp: int, tp: bool) -> None:
     parser.add_argument("--config", metavar="FILE.json", default=None,
                         help=f"load the run's settings from a JSON file (flags given override it); reference "
                              f"layouts in {CONFIG_DIR.relative_to(CONFIG_DIR.parents[2])}/")
-    parser.add_argument("--pp", type=int, default=pp, help=f"pipeline-parallel degree: stages' ranks (default {pp})")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the ranks left over)")
+    parser.add_argument("--pp", type=runtime.positive_int, default=pp, help=f"pipeline-parallel degree: stages' ranks (default {pp})")
+    parser.add_argument("--dp", type=runtime.positive_int, default=None, help="data-parallel degree (default: the ranks left over)")
     if tp:
-        parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree, inside a node (default 2)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
+        parser.add_argument("--tp", type=runtime.positive_int, default=2, help="tensor-parallel degree, inside a node (default 2)")
+    parser.add_argument("--gpus-per-node", type=runtime.positive_int, default=None,
                         help="ranks per node, for the TP-across-nodes warning (default: the launcher's)")
     parser.add_argument("--schedule", default="1F1B", help=f"torch's schedule: {schedule_help()}")
-    parser.add_argument("--microbatches", type=int, default=4, help="M, microbatches per step and replica")
-    parser.add_argument("--stages-per-rank", type=int, default=None,
+    parser.add_argument("--microbatches", type=runtime.positive_int, default=4, help="M, microbatches per step and replica")
+    parser.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                         help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(parser)  # --batch --layers --lr --reference
 

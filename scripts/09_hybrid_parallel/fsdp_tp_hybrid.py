@@ -151,8 +151,8 @@ def compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt):
 
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
-    p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) degree (default: the number of nodes)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the ranks of a node)")
+    p.add_argument("--dp", type=runtime.positive_int, default=None, help="data-parallel (FSDP) degree (default: the number of nodes)")
+    p.add_argument("--tp", type=runtime.positive_int, default=None, help="tensor-parallel degree (default: the ranks of a node)")
     p.add_argument("--sequence-parallel", action="store_true", help="split the activations between TP regions")
     p.add_argument("--embedding-plan", choices=["usual", "alternative"], default="usual",
                    help="usual: embedding row-wise, head column-wise + loss_parallel; alternative: embedding "

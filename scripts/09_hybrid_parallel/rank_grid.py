@@ -131,12 +131,12 @@ def run_fake_world(args):
 
 def main():
     p = runtime.parser(__doc__, steps=None)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 2, or 1 on an odd world)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world / (pp x tp))")
-    p.add_argument("--gpus-per-node", type=int, default=4,
+    p.add_argument("--pp", type=runtime.positive_int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--tp", type=runtime.positive_int, default=None, help="tensor-parallel degree (default 2, or 1 on an odd world)")
+    p.add_argument("--dp", type=runtime.positive_int, default=None, help="data-parallel degree (default: world / (pp x tp))")
+    p.add_argument("--gpus-per-node", type=runtime.positive_int, default=4,
                    help="ranks per node when the launcher fills nodes in rank order (default 4: Derecho)")
-    p.add_argument("--world", type=int, default=None,
+    p.add_argument("--world", type=runtime.positive_int, default=None,
                    help="check a world of N ranks in this one process on a fake process group (no launcher)")
     args = p.parse_args()
     if args.world is not None:

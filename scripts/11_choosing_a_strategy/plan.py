@@ -39,9 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--cluster", default="a100-40gb", help=f"a preset: {', '.join(planner.CLUSTERS)}")
     p.add_argument("--cluster-config", help="a JSON file: gpus_per_node, gpu_gib, peak_tflops, "
                                             "intra_node_gb_per_s, inter_node_gb_per_s")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (default: one node, or the --layout's)")
+    p.add_argument("--gpus", type=runtime.positive_int, default=None, help="GPUs in the job (default: one node, or the --layout's)")
     p.add_argument("--layout", help="evaluate one layout, like tp=8,pp=8,dp=16 (cp= and zero= optional)")
-    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+    p.add_argument("--zero", type=runtime.nonnegative_int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage (0 DDP, 3 FSDP); default: the search tries 0, 1 and 3; --layout uses 1")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP gathers the weights again for backward (default yes)")
@@ -52,20 +52,20 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="Megatron SP with TP (default: on whenever tp > 1; it costs no extra bytes)")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the matmuls they feed")
-    p.add_argument("--cp", type=int, default=None,
+    p.add_argument("--cp", type=runtime.positive_int, default=None,
                    help="context parallelism degree the search uses (default: 1 and every degree that leaves "
                         "each rank --cp-min-tokens of a sequence)")
-    p.add_argument("--cp-min-tokens", type=int, default=planner.Options().cp_min_tokens,
+    p.add_argument("--cp-min-tokens", type=runtime.positive_int, default=planner.Options().cp_min_tokens,
                    help="the search's CP: tokens of a sequence each rank keeps at least (default %(default)s)")
     p.add_argument("--schedule", choices=planner.PIPELINE_SCHEDULES, default="interleaved_1f1b",
                    help="pipeline schedule (default interleaved_1f1b; with 1 chunk it is 1F1B)")
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("--chunks", type=runtime.positive_int, default=None,
                    help="stages per rank of interleaved_1f1b (default: the search tries 1, 2, 4 and 8)")
-    p.add_argument("--micro-batch", type=int, default=None,
+    p.add_argument("--micro-batch", type=runtime.positive_int, default=None,
                    help="sequences per microbatch (default: the search tries 1, 2, 4 and 8)")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the preset's)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--top", type=int, default=12, help="rows of the ranked table to print (default 12)")
+    p.add_argument("--global-batch", type=runtime.positive_int, default=None, help="sequences per step (default: the preset's)")
+    p.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--top", type=runtime.positive_int, default=12, help="rows of the ranked table to print (default 12)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--dry-run", action="store_true", help="build the chosen layout at its full world size on a "
                                                           "fake process group and check it against the planner")
@@ -74,7 +74,7 @@ def parse_args(argv=None):
                         "GPUs (pp 1, FSDP x TP: what chapter 09's fsdp_tp_hybrid.py runs), run that layout with it, "
                         "and print predicted beside measured memory and step time (rank 0)")
     p.add_argument("--preset", choices=["tiny", "a100"], default="a100", help="--measure: the course's model")
-    p.add_argument("--steps", type=int, default=4, help="--measure: training steps of the run (first 2 untimed)")
+    p.add_argument("--steps", type=runtime.positive_int, default=4, help="--measure: training steps of the run (first 2 untimed)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="--measure: the run's device")
     p.add_argument("--metrics-out", help="write the result as JSON to this file (rank 0)")
     return p.parse_args(argv)

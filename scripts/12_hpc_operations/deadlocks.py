@@ -92,8 +92,8 @@ def program(args, rt, journal, pairs):
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
-    p.add_argument("--batch", type=int, default=6, help="rows of the first stage's batch")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches the pipeline stages agree on")
+    p.add_argument("--batch", type=runtime.positive_int, default=6, help="rows of the first stage's batch")
+    p.add_argument("--microbatches", type=runtime.positive_int, default=4, help="microbatches the pipeline stages agree on")
     p.add_argument("--debug-detail", action="store_true",
                    help="TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch checks every collective's type and shapes first")
     p.set_defaults(pg_timeout=4.0)

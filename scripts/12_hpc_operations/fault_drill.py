@@ -62,12 +62,12 @@ def main():
     p = runtime.parser(__doc__, steps=8)
     p.add_argument("--run-dir", default=os.path.join(os.environ.get("DISTLAB_RUN_DIR", "runs"), "fault_drill"),
                    help="checkpoints and the loss record (default: $DISTLAB_RUN_DIR/fault_drill, else runs/fault_drill)")
-    p.add_argument("--save-every", type=int, default=2, help="checkpoint every this many steps")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--kill-rank", type=int, default=None, help="this rank dies (first attempt only)")
-    p.add_argument("--kill-at-step", type=int, default=None, help="... at the start of this step")
-    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long per step (to give a signal time)")
+    p.add_argument("--save-every", type=runtime.positive_int, default=2, help="checkpoint every this many steps")
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--kill-rank", type=runtime.nonnegative_int, default=None, help="this rank dies (first attempt only)")
+    p.add_argument("--kill-at-step", type=runtime.positive_int, default=None, help="... at the start of this step")
+    p.add_argument("--step-seconds", type=runtime.nonnegative_float, default=0.0, help="sleep this long per step (to give a signal time)")
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:

@@ -80,13 +80,13 @@ def expected_in_trace(issued: dict, device_type: str) -> Counter:
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
     p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="which chapter's training to profile")
-    p.add_argument("--wait", type=int, default=1, help="steps the profiler skips (step 0: DDP builds its buckets)")
-    p.add_argument("--warmup", type=int, default=1, help="steps traced, then thrown away (profiler start-up)")
-    p.add_argument("--active", type=int, default=2, help="steps traced and kept")
-    p.add_argument("--batch", type=int, default=8, help="global batch, sequences per step")
-    p.add_argument("--bucket-mb", type=float, default=0.1,
+    p.add_argument("--wait", type=runtime.nonnegative_int, default=1, help="steps the profiler skips (step 0: DDP builds its buckets)")
+    p.add_argument("--warmup", type=runtime.nonnegative_int, default=1, help="steps traced, then thrown away (profiler start-up)")
+    p.add_argument("--active", type=runtime.positive_int, default=2, help="steps traced and kept")
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
+    p.add_argument("--bucket-mb", type=runtime.positive_float, default=0.1,
                    help="DDP bucket_cap_mb (0.1: 4 buckets for the tiny model; DDP's default is 25)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--trace-dir", default="build/profile_step", help="where each rank writes its Chrome trace")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:

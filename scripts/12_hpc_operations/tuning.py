@@ -365,16 +365,16 @@ def knob_microbatches(args, rt, report):
 def main():
     p = runtime.parser(__doc__, presets=("tiny",), steps=None)
     p.add_argument("--knobs", default="all", help=f"comma-separated, from {', '.join(KNOBS)} (default: all)")
-    p.add_argument("--batch", type=int, default=None, help="global batch, sequences (default: 2 per rank)")
+    p.add_argument("--batch", type=runtime.positive_int, default=None, help="global batch, sequences (default: 2 per rank)")
     p.add_argument("--bucket-mb", default="25,0.1,0.025", help="DDP bucket_cap_mb values to sweep (MiB, as DDP)")
-    p.add_argument("--view-bucket-mb", type=float, default=0.1, help="bucket_cap_mb of the gradient_as_bucket_view runs")
-    p.add_argument("--ddp-steps", type=int, default=3, help="DDP steps per setting; the last is measured")
-    p.add_argument("--repeats", type=int, default=5, help="timed forward + backward per checkpointing setting")
+    p.add_argument("--view-bucket-mb", type=runtime.positive_float, default=0.1, help="bucket_cap_mb of the gradient_as_bucket_view runs")
+    p.add_argument("--ddp-steps", type=runtime.positive_int, default=3, help="DDP steps per setting; the last is measured")
+    p.add_argument("--repeats", type=runtime.positive_int, default=5, help="timed forward + backward per checkpointing setting")
     p.add_argument("--microbatches", default="4,8,16", help="pipeline microbatch counts M to sweep")
-    p.add_argument("--stage-compute-ms", type=float, default=5.0,
+    p.add_argument("--stage-compute-ms", type=runtime.nonnegative_float, default=5.0,
                    help="each pipeline stage pauses T ms forward, 2T backward (sleeps: 4 ranks share 2 cores)")
-    p.add_argument("--pipeline-steps", type=int, default=3, help="timed pipeline steps per M (the median is kept)")
-    p.add_argument("--dim", type=int, default=32, help="width of each pipeline stage's Linear")
+    p.add_argument("--pipeline-steps", type=runtime.positive_int, default=3, help="timed pipeline steps per M (the median is kept)")
+    p.add_argument("--dim", type=runtime.positive_int, default=32, help="width of each pipeline stage's Linear")
     args = p.parse_args()
     args.knobs_given = args.knobs != "all"   # all, on one rank, leaves the pipeline out; named, it must run
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from helpers import assert_all_checks_passed, assert_config_error
+from helpers import assert_all_checks_passed, assert_usage_error
 
 from distlab import launch
 
@@ -39,5 +39,5 @@ def test_four_ranks_under_torchrun_train_identical_replicas():
     assert any("replicas trained identically" in c["name"] for c in metrics["checks"])
 
 
-def test_zero_steps_is_a_config_error():
-    assert_config_error(SCRIPT, ["--steps", "0"], "--steps 0")
+def test_zero_steps_is_a_usage_error():
+    assert_usage_error(SCRIPT, ["--steps", "0"], "--steps")

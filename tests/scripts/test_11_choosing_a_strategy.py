@@ -256,7 +256,6 @@ def test_cp_flag_fixes_the_searchs_degree(capsys):
 @pytest.mark.parametrize("args,expected", [
     (["--model", "70b", "--gpus", "64", "--cp", "3"], "--cp 3 does not divide the 64 GPUs"),
     (["--model", "70b", "--layout", "tp=8,dp=8", "--cp", "2"], "with --layout write cp= in it"),
-    (["--cp-min-tokens", "0"], "--cp-min-tokens must be at least 1"),
     (["--model", "175b"], "unknown model '175b'"),
     (["--cluster", "tpu-v5"], "unknown cluster 'tpu-v5'"),
     (["--model", "405b", "--gpus", "8", "--cluster", "a100-40gb"], "fits in no layout of 8"),
@@ -268,6 +267,13 @@ def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
     code, out, err = run_plan(args, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: ") and expected in lines[0], err
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--cp-min-tokens", "--global-batch"])
+def test_a_zero_count_is_argparses_one_error_and_exit_2(flag, capsys):
+    code, out, err = run_plan(["--model", "70b", flag, "0"], capsys)
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert code == 2 and errors == [f"plan.py: error: argument {flag}: must be a positive integer, not 0"], err
 
 
 def test_bad_model_file_and_the_real_process_exit_code(tmp_path):

@@ -1,7 +1,7 @@
 """Chapter 12: profile_step.py under DDP and FSDP2 on 4 CPU ranks: the traces, the kinds, the counts, the overlap."""
 
 import pytest
-from helpers import assert_all_checks_passed, assert_config_error
+from helpers import assert_all_checks_passed, assert_usage_error
 
 from distlab import launch, profiling
 
@@ -46,5 +46,5 @@ def test_overlap_is_measured_and_ddp_hides_some(profiled):
     assert {r["lane"] for r in rows} == {"compute", "backward", "communication"}
 
 
-def test_inactive_profiler_is_a_config_error():
-    assert_config_error(SCRIPT, ["--active", "0"], "the profiler must keep at least one step")
+def test_inactive_profiler_is_a_usage_error():
+    assert_usage_error(SCRIPT, ["--active", "0"], "--active")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from distlab import launch
-from helpers import assert_all_checks_passed, assert_config_error
+from helpers import assert_all_checks_passed, assert_config_error, assert_usage_error
 
 PROBE = str(Path(__file__).with_name("probe_job.py"))
 
@@ -34,6 +34,12 @@ def test_a_failing_rank_raises_with_the_tail_of_the_output():
 
 def test_config_error_exits_2_on_every_rank():
     assert_config_error(PROBE, ["--bad-config"], "probe told to fail")
+
+
+def test_a_zero_flag_ends_as_one_usage_line_on_every_rank():
+    # the tracker's example: `domain_train.py --groups 0` once ended in a ZeroDivisionError on every rank
+    result = assert_usage_error("scripts/10_domain_parallel/domain_train.py", ["--groups", "0"], "--groups")
+    assert "error: argument --groups: must be a positive integer, not 0" in result.output
 
 
 def test_config_error_under_torchrun():
