@@ -310,6 +310,63 @@ def format_placement(where: dict) -> str:
             f"CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']}  uses {gpu}")
 
 
+def loaded_libraries(maps: str | None = None) -> dict:
+    """The CUDA runtime and the NCCL this process loaded, as paths (None: not loaded), read from /proc/self/maps.
+
+    A ``module load cuda`` can put an older libcudart ahead of the one torch was built with on LD_LIBRARY_PATH
+    (undefined-symbol errors at import, or a silent mix): this names the files each rank really mapped."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:  # not Linux
+            maps = ""
+    found: dict = {"libcudart": None, "libnccl": None}
+    for line in maps.splitlines():
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        name = os.path.basename(path)
+        for library in found:
+            if found[library] is None and name.startswith((library + ".so", library + "-")):
+                found[library] = path
+    return found
+
+
+def software(env: dict | None = None) -> dict:
+    """What a rank runs with beside its GPU: its OpenMP threads (PBS sets OMP_NUM_THREADS to the chunk's ncpus,
+    64 on Derecho, unless ``ompthreads`` is asked for), torch's intra-op threads, the node's cores, the CUDA and
+    NCCL libraries loaded."""
+    import torch
+
+    env = os.environ if env is None else env
+    nccl = None
+    if torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    return {"omp_num_threads": env.get("OMP_NUM_THREADS", "(unset)"), "torch_threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
+            **loaded_libraries()}
+
+
+def format_software(where: dict) -> str:
+    """The line under a rank's placement: threads, then the libraries it loaded."""
+    libraries = "  ".join(f"{name} {where[name]}" for name in ("libcudart", "libnccl") if where.get(name))
+    versions = f"torch {where['torch']}" + (f", CUDA {where['cuda']}" if where.get("cuda") else "") \
+        + (f", NCCL {where['nccl']}" if where.get("nccl") else "")
+    return (f"OMP_NUM_THREADS={where['omp_num_threads']}  torch threads {where['torch_threads']} of "
+            f"{where['cores']} cores  {versions}" + (f"  {libraries}" if libraries else ""))
+
+
+def oversubscribed_hosts(placements: list[dict]) -> list[str]:
+    """Hosts whose ranks run more threads together than the host has cores (4 ranks x 64 threads on 64 cores)."""
+    threads: dict[str, int] = {}
+    cores: dict[str, int] = {}
+    for where in placements:
+        threads[where["host"]] = threads.get(where["host"], 0) + int(where["torch_threads"])
+        cores[where["host"]] = int(where["cores"] or 0)
+    return [f"{host}: {threads[host]} threads on {cores[host]} cores" for host in sorted(threads)
+            if cores[host] and threads[host] > cores[host]]
+
+
 def shared_gpus(placements: list[dict]) -> list[str]:
     """GPUs that more than one rank of a node uses (NCCL refuses them: "Duplicate GPU detected")."""
     users: dict[tuple, list[int]] = {}
@@ -574,18 +631,22 @@ def rank_map(argv: list[str] | None = None) -> int:
     args = parser(rank_map.__doc__, steps=None).parse_args(argv)
     with start(args) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))
-        mine = dict(placement(rt.rank, rt.local_rank, rt.device), launcher=rt.launcher)
+        mine = dict(placement(rt.rank, rt.local_rank, rt.device), launcher=rt.launcher, **software())
         everyone = [None] * rt.world_size
         dist.all_gather_object(everyone, mine)
         everyone.sort(key=lambda where: where["rank"])
         rt.print(f"rank map: {rt.world_size} rank(s), launcher {rt.launcher}, device {rt.device_type}")
         for where in everyone:
             rt.print("  " + format_placement(where))
+            rt.print("      " + format_software(where))
         report.check_equal("every rank reported", [w["rank"] for w in everyone], list(range(rt.world_size)))
         problems = local_ranks_problems(everyone)
         report.check("local ranks of each host are 0..n-1", not problems, "; ".join(problems) or "yes")
         shared = shared_gpus(everyone)
         report.check("no two ranks of a node share a GPU", not shared, "; ".join(shared) or "none shared")
+        crowded = oversubscribed_hosts(everyone)
+        report.check("the ranks' threads do not outnumber a node's cores (OMP_NUM_THREADS per rank)", not crowded,
+                     "; ".join(crowded) or "no")
         report.extra["ranks"] = everyone
         code = report.finish(args.metrics_out)
     return code

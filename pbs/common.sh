@@ -261,6 +261,17 @@ distlab_report_transport() {
 # ---------------------------------------------------------------------------------------------------
 # Nodes: PBS writes one line per MPI process (mpiprocs) per node into $PBS_NODEFILE, in node order.
 # ---------------------------------------------------------------------------------------------------
+distlab_omp_threads() {
+    # Always set, never "only when unset": PBS itself sets OMP_NUM_THREADS to the chunk's ncpus (64 on Derecho)
+    # when the select line has no ompthreads= (PBS Professional Reference Guide, "Environment variables"), so
+    # 4 ranks a node would each run 64 threads on 64 cores. Each rank gets its share of the node's cores
+    # (NCPUS: the chunk's ncpus, set by PBS); DISTLAB_OMP_THREADS=n asks for another number.
+    local cores=${NCPUS:-$(nproc 2>/dev/null || echo "$DISTLAB_GPUS_PER_NODE")} threads
+    threads=${DISTLAB_OMP_THREADS:-$((cores / DISTLAB_GPUS_PER_NODE))}
+    [[ $threads =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_OMP_THREADS=$threads is not a positive integer"
+    export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+}
+
 distlab_port_from_job_id() {
     # The same job id gives the same port on every node; two jobs sharing a node rarely collide.
     local sum
@@ -487,10 +498,6 @@ distlab_activate_conda
 distlab_check_python
 distlab_network_env
 distlab_detect_mpiexec
-if [[ -z ${OMP_NUM_THREADS:-} ]]; then
-    # Cores of this node shared by its ranks (torchrun would otherwise set 1).
-    OMP_NUM_THREADS=$(($(nproc 2>/dev/null || echo "$DISTLAB_GPUS_PER_NODE") / DISTLAB_GPUS_PER_NODE))
-    export OMP_NUM_THREADS=$((OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1))
-fi
+distlab_omp_threads
 distlab_log "job ${PBS_JOBID:-local}: $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER ($DISTLAB_MPIEXEC_FLAVOR mpiexec); MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
 distlab_log "run directory $DISTLAB_RUN_DIR"

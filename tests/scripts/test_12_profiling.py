@@ -48,3 +48,26 @@ def test_overlap_is_measured_and_ddp_hides_some(profiled):
 
 def test_inactive_profiler_is_a_usage_error():
     assert_usage_error(SCRIPT, ["--active", "0"], "--active")
+
+
+def test_the_a100_preset_profiles_ddps_default_buckets(monkeypatch):
+    # the tiny preset's 0.1 MB buckets show overlap on a small model; on the a100 model they would make one bucket
+    # a parameter, a pathological trace: there DDP's own 25 MB is the default (read back from the parsed flags)
+    import runpy
+    import sys
+
+    seen = {}
+
+    def stop(args, **kwargs):
+        seen.update(vars(args))
+        raise SystemExit(0)
+
+    from distlab import runtime
+    monkeypatch.setattr(runtime, "start", stop)
+    for preset, expected in (("tiny", 0.1), ("a100", 25.0)):
+        monkeypatch.setattr(sys, "argv", [SCRIPT, "--preset", preset])
+        try:
+            runpy.run_path(SCRIPT, run_name="__main__")
+        except SystemExit:
+            pass
+        assert seen["bucket_mb"] == expected, preset

@@ -223,7 +223,7 @@ def test_rank_map_output_names_host_rank_local_rank_devices_and_gpu():
     verbose = [ln for ln in result.stdout.splitlines() if ln.startswith("[rank 0] host ")]
     assert len(verbose) == 1 and verbose[0].endswith("uses cpu  [single; single node: MASTER_ADDR = 127.0.0.1; "
                                                      "MASTER_PORT derived (default)]"), result.stdout
-    assert "checks: 3/3 passed" in result.stdout
+    assert "checks: 4/4 passed" in result.stdout
 
 
 def test_the_transport_goes_into_the_run_summary(tmp_path):
@@ -235,3 +235,41 @@ def test_the_transport_goes_into_the_run_summary(tmp_path):
     assert summary[1:3] == ["  ok bandwidth.py 9s", "  NCCL transport: Socket (TCP on [0]hsn0:10.150.1.17<0> "
                             "[1]hsn1:10.150.1.18<0> [2]hsn2:10.150.1.19<0> [3]hsn3:10.150.1.20<0>)"]
     assert summary[3].startswith("  WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threads per rank: PBS's OMP_NUM_THREADS (the chunk's ncpus) is replaced, not kept
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"OMP_NUM_THREADS": "64", "NCPUS": "64"}, "16"),   # what PBS gives a Derecho job without ompthreads=
+    ({"NCPUS": "64", "DISTLAB_GPUS_PER_NODE": "8"}, "8"),
+    ({"OMP_NUM_THREADS": "64", "NCPUS": "64", "DISTLAB_OMP_THREADS": "4"}, "4"),
+    ({"NCPUS": "2", "DISTLAB_GPUS_PER_NODE": "4"}, "1"),  # never 0
+])
+def test_every_rank_gets_its_share_of_the_nodes_cores(env, expected):
+    assert out("distlab_omp_threads; echo $OMP_NUM_THREADS", **env) == expected
+
+
+def test_a_bad_thread_count_stops_the_job():
+    result = bash("distlab_omp_threads", DISTLAB_OMP_THREADS="many")
+    assert result.returncode == 2 and "DISTLAB_OMP_THREADS=many is not a positive integer" in result.stderr
+
+
+def test_the_rank_map_names_threads_and_libraries_and_fails_oversubscription():
+    from distlab import runtime
+
+    maps = ("7f00-7f01 r-xp 00000000 00:2f 1 /glade/u/apps/cuda/11.8/lib64/libcudart.so.11.0\n"
+            "7f02-7f03 r-xp 00000000 00:2f 2 /conda/envs/distlab/lib/python3.11/site-packages/nvidia/nccl/lib/"
+            "libnccl.so.2\n7f04-7f05 rw-p 00000000 00:00 0 \n")
+    found = runtime.loaded_libraries(maps)
+    assert found == {"libcudart": "/glade/u/apps/cuda/11.8/lib64/libcudart.so.11.0",
+                     "libnccl": "/conda/envs/distlab/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2"}
+    rank = {"host": "dec0001", "omp_num_threads": "64", "torch_threads": 64, "cores": 64, "torch": "2.13.0",
+            "cuda": "12.8", "nccl": "2.27.5", **found}
+    line = runtime.format_software(rank)
+    assert line.startswith("OMP_NUM_THREADS=64  torch threads 64 of 64 cores  torch 2.13.0, CUDA 12.8, NCCL 2.27.5")
+    assert "libcudart /glade/u/apps/cuda/11.8/lib64/libcudart.so.11.0" in line
+    assert runtime.oversubscribed_hosts([rank] * 4) == ["dec0001: 256 threads on 64 cores"]
+    assert runtime.oversubscribed_hosts([{**rank, "torch_threads": 16}] * 4) == []
