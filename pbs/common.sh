@@ -54,6 +54,11 @@ DISTLAB_NCCL_PLUGIN_DIR=${DISTLAB_NCCL_PLUGIN_DIR:-}   # a folder holding libncc
 DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (default: $SCRATCH, else the site's scratch)
 DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-/glade/derecho/scratch/${USER:-$(id -un)}} # Derecho's scratch
 DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
+DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
+DISTLAB_QSTAT=${DISTLAB_QSTAT:-qstat}                  # PBS's commands (the unit tests put stand-ins here)
+DISTLAB_QSUB=${DISTLAB_QSUB:-qsub}
+DISTLAB_QDEL=${DISTLAB_QDEL:-qdel}
+[[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 case $DISTLAB_LAUNCHER in
@@ -272,6 +277,90 @@ distlab_omp_threads() {
     export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
 }
 
+distlab_tee() {
+    # tee that outlives a SIGTERM. qdel and the walltime signal every process of the job, tee too; a dead tee
+    # turns rank 0's next print into BrokenPipeError before its checkpoint is written. An ignored signal stays
+    # ignored across exec, so this tee ends only when the ranks close the pipe, and the log keeps their last line.
+    (
+        trap '' TERM
+        exec tee "$@"
+    )
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Walltime and chained jobs
+# ---------------------------------------------------------------------------------------------------
+distlab_seconds() {
+    # PBS's durations: [[HH:]MM:]SS -> seconds
+    local -a parts
+    IFS=: read -ra parts <<<"$1"
+    ((${#parts[@]} >= 1 && ${#parts[@]} <= 3)) || return 1
+    local part total=0
+    for part in "${parts[@]}"; do
+        [[ $part =~ ^[0-9]+$ ]] || return 1
+        total=$((total * 60 + 10#$part))
+    done
+    echo "$total"
+}
+
+distlab_qstat_field() {
+    # NAME: its value in `qstat -f $PBS_JOBID`, whose long values PBS folds onto lines that begin with a tab
+    [[ -n ${PBS_JOBID:-} ]] || return 0
+    "$DISTLAB_QSTAT" -f "$PBS_JOBID" 2>/dev/null | awk -v name="$1" '
+        /^\t/ { line = line substr($0, 2); next }
+        { if (line != "") print line; line = $0 }
+        END { if (line != "") print line }' | sed -n "s/^ *${1//./\\.} = //p" | head -n 1
+}
+
+distlab_deadline() {
+    # PBS gives no warning before the walltime: once it has passed, the MoM sends SIGTERM at its next poll and
+    # SIGKILL the queue's kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
+    # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
+    # since the epoch) = now - the walltime used so far + the job's walltime - DISTLAB_WALLTIME_MARGIN.
+    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
+    local walltime used
+    walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
+    [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
+    walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"
+    used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
+    ((walltime > DISTLAB_WALLTIME_MARGIN)) || distlab_die "the walltime (${walltime}s) is not longer than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s)"
+    DISTLAB_DEADLINE=$(($(date +%s) - used + walltime - DISTLAB_WALLTIME_MARGIN))
+    export DISTLAB_DEADLINE
+    distlab_log "deadline: scripts stop, checkpoint written, by $(date -d "@$DISTLAB_DEADLINE" +%T 2>/dev/null || echo "$DISTLAB_DEADLINE") (walltime ${walltime}s less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"
+}
+
+distlab_chain_next() {
+    # JOB_FILE VARIABLES: submit the job that continues this one, starting when this one ends however it ends
+    # (afterany: a job stopped at its walltime did not end "ok"), with this job's own resources: the same
+    # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one. Prints its id.
+    local select walltime queue
+    select=$(distlab_qstat_field Resource_List.select)
+    walltime=$(distlab_qstat_field Resource_List.walltime)
+    queue=${PBS_QUEUE:-$(distlab_qstat_field queue)}
+    local -a args=(-W "depend=afterany:$PBS_JOBID")
+    [[ -z ${PBS_ACCOUNT:-} ]] || args+=(-A "$PBS_ACCOUNT")
+    [[ -z $queue ]] || args+=(-q "$queue")
+    [[ -z $select ]] || args+=(-l "select=$select")
+    [[ -z $walltime ]] || args+=(-l "walltime=$walltime")
+    "$DISTLAB_QSUB" "${args[@]}" -v "$2" "$1"
+}
+
+distlab_chain_done() {
+    # NEXT_JOB METRICS_FILE: the run is complete (its metrics say so: checks passed, not stopped early), so the
+    # chain's queued successor is cancelled and no finished run queues more jobs
+    local next=$1 metrics=$2
+    [[ -n $next && -f $metrics ]] || return 0
+    if "$DISTLAB_PYTHON" - "$metrics" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+done = not m.get("extra", {}).get("stopped_by") and m.get("checks") and all(c["passed"] for c in m["checks"])
+sys.exit(0 if done else 1)
+PY
+    then
+        "$DISTLAB_QDEL" "$next" && distlab_log "the run is complete: the chain's next job $next is cancelled"
+    fi
+}
+
 distlab_port_from_job_id() {
     # The same job id gives the same port on every node; two jobs sharing a node rarely collide.
     local sum
@@ -448,7 +537,7 @@ distlab_launch() {
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
     local start=$SECONDS rc
-    "${cmd[@]}" </dev/null 2>&1 | tee "$log"
+    "${cmd[@]}" </dev/null 2>&1 | distlab_tee "$log"
     rc=${PIPESTATUS[0]}
     local seconds=$((SECONDS - start))
     if ((rc == 0)); then
@@ -499,5 +588,8 @@ distlab_check_python
 distlab_network_env
 distlab_detect_mpiexec
 distlab_omp_threads
+distlab_deadline
+# the job's shell survives a SIGTERM (qdel, walltime) to report; the ranks stop at the end of their step
+trap 'distlab_log "SIGTERM: the ranks stop at the end of their step, checkpoint written"' TERM
 distlab_log "job ${PBS_JOBID:-local}: $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER ($DISTLAB_MPIEXEC_FLAVOR mpiexec); MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
 distlab_log "run directory $DISTLAB_RUN_DIR"

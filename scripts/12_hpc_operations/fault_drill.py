@@ -10,9 +10,13 @@ one. Two things end real jobs early, and the script handles both:
   ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
-* **The walltime runs out.** PBS sends SIGTERM to the job's processes some time before it kills them. The
-  script catches it, and at the end of the current step all ranks agree (an all-reduce of the flag), write a
-  checkpoint and exit 0; the next job in the chain (``qsub -W depend=afterany:JOBID``) resumes.
+* **The walltime runs out.** PBS gives no warning: once the walltime has passed, the MoM sends SIGTERM at its
+  next poll and SIGKILL ``kill_delay`` seconds later (10 by default), too little for a step and a checkpoint of a
+  real model. So the run stops itself first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports
+  ``DISTLAB_DEADLINE``, the job's end less a margin) is checked after every step, and when the next step and a
+  checkpoint, timed as the longest seen so far, would pass it, every rank agrees (an all-reduce of the flag),
+  writes a checkpoint and exits 0; the next job in the chain (``qsub -W depend=afterany:JOBID``) resumes. A
+  SIGTERM (from ``qdel``, or a site that sends one early) is caught and handled the same way.
 
 When the run completes it proves that every step's loss, across however many attempts, equals an
 uninterrupted single-device run, and reports the steps lost and the time to detect.
@@ -35,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab import checkpointing, data, metrics, models, runtime
 
 LOSS_TOLERANCE = 1e-5  # fp32, DDP's averaged gradients vs one device: rounding only (chapter 04)
-LOSSES_FILE, FAILURE_FILE, SIGTERM_FILE = "losses.jsonl", "failure.json", "sigterm.json"
+LOSSES_FILE, FAILURE_FILE, STOPPED_FILE = "losses.jsonl", "failure.json", "stopped.json"
 STOP_REQUESTED = {"signal": None}
 
 
@@ -48,7 +52,7 @@ def check_config(args, world_size):
                         f"--kill-at-step must be between 1 and --steps - 1 ({args.steps - 1})")
     run_dir = Path(args.run_dir)
     if run_dir.exists():
-        ours = {LOSSES_FILE, FAILURE_FILE, SIGTERM_FILE, "metrics.json"}
+        ours = {LOSSES_FILE, FAILURE_FILE, STOPPED_FILE, "metrics.json"}
         foreign = [p.name for p in run_dir.iterdir() if p.name not in ours and not p.name.startswith("step_")]
         runtime.require(not foreign, f"--run-dir {run_dir} holds files this script did not write "
                                      f"({', '.join(sorted(foreign)[:3])}): choose an empty or new folder")
@@ -68,6 +72,10 @@ def main():
     p.add_argument("--kill-rank", type=runtime.nonnegative_int, default=None, help="this rank dies (first attempt only)")
     p.add_argument("--kill-at-step", type=runtime.positive_int, default=None, help="... at the start of this step")
     p.add_argument("--step-seconds", type=runtime.nonnegative_float, default=0.0, help="sleep this long per step (to give a signal time)")
+    deadline = os.environ.get("DISTLAB_DEADLINE")
+    p.add_argument("--deadline", type=runtime.positive_float, default=float(deadline) if deadline else None,
+                   metavar="EPOCH_SECONDS", help="stop, checkpoint written, before this time (default: "
+                   "$DISTLAB_DEADLINE, which pbs/common.sh sets from the job's walltime)")
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -89,6 +97,7 @@ def main():
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         cfg = model.module.cfg
+        longest = {"step": 0.0, "save": 0.0}  # seconds: what the next step and a checkpoint may take
 
         try:
             for step in range(state.step, args.steps):
@@ -96,6 +105,7 @@ def main():
                     (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time()}))
                     print(f"[rank {rt.rank}] dies at step {step} (a node fails)", flush=True)
                     os._exit(1)
+                step_started = time.perf_counter()
                 tokens = data.shard_rows(data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, args.seed),
                                          rt.rank, rt.world_size).to(rt.device)
                 inputs, targets = data.split_inputs_targets(tokens)
@@ -112,20 +122,31 @@ def main():
                         record.write(json.dumps({"step": step, "loss": mean_loss, "attempt": attempt}) + "\n")
                 rt.print(f"step {step}: loss {mean_loss:.6f}")
                 time.sleep(args.step_seconds)
-                stop = torch.tensor([1.0 if STOP_REQUESTED["signal"] else 0.0], device=rt.device)
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal seen by any rank stops all of them
-                if state.step % args.save_every == 0 or state.step == args.steps or stop.item():
+                longest["step"] = max(longest["step"], time.perf_counter() - step_started)
+                out_of_time = (args.deadline is not None and state.step < args.steps
+                               and time.time() + longest["step"] + max(longest["save"], longest["step"]) > args.deadline)
+                stop = torch.tensor([1.0 if STOP_REQUESTED["signal"] else 0.0, float(out_of_time)], device=rt.device)
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # what any rank saw stops all of them
+                by = "signal" if stop[0].item() else "deadline" if stop[1].item() else None
+                if state.step % args.save_every == 0 or state.step == args.steps or by:
+                    save_started = time.perf_counter()
                     where = checkpointing.save(state, run_dir)
+                    longest["save"] = max(longest["save"], time.perf_counter() - save_started)
                     rt.print(f"  checkpoint {where.name}")
-                if stop.item():
+                if by:
                     if rt.is_main:
-                        (run_dir / SIGTERM_FILE).write_text(json.dumps({"step": state.step, "time": time.time()}))
-                    rt.print(f"SIGTERM: stopped after step {step} with checkpoint step_{state.step:06d} written; "
+                        (run_dir / STOPPED_FILE).write_text(json.dumps({"step": state.step, "time": time.time(),
+                                                                         "by": by}))
+                    why = "SIGTERM" if by == "signal" else (
+                        f"deadline in {args.deadline - time.time():.1f} s, less than a step "
+                        f"({longest['step']:.2f} s) and a checkpoint ({longest['save']:.2f} s)")
+                    rt.print(f"{why}: stopped after step {step} with checkpoint step_{state.step:06d} written; "
                              "start the job again (a chained qsub) to resume")
                     report.check("a checkpoint of the last step done is on disk",
                                  checkpointing.latest_checkpoint(run_dir) == checkpointing.checkpoint_dir(run_dir, state.step),
                                  str(checkpointing.latest_checkpoint(run_dir)), f"step_{state.step:06d}")
-                    report.extra = {"stopped_by_signal": True, "checkpoint_step": state.step}
+                    report.extra = {"stopped_by": by, "checkpoint_step": state.step,
+                                    "seconds_left": None if args.deadline is None else args.deadline - time.time()}
                     sys.exit(report.finish(args.metrics_out))
         except (RuntimeError, dist.DistBackendError) as error:
             # A peer is gone: leave now, with one line, rather than wait for collectives that cannot complete

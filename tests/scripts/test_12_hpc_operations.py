@@ -79,16 +79,33 @@ def test_sigterm_writes_a_checkpoint_and_a_second_job_finishes_like_one_device(t
     for line in job.stdout:
         lines.append(line)
         if line.startswith("step 2:"):
-            os.killpg(job.pid, signal.SIGTERM)  # what PBS does to the job's processes before the walltime
+            os.killpg(job.pid, signal.SIGTERM)  # what qdel, or PBS past the walltime, does to the job
         assert time.monotonic() < deadline, "".join(lines)
     job.wait(timeout=30)
     first = json.loads((tmp_path / "first.json").read_text())
-    assert first["extra"]["stopped_by_signal"] and all(c["passed"] for c in first["checks"]), "".join(lines)
+    assert first["extra"]["stopped_by"] == "signal" and all(c["passed"] for c in first["checks"]), "".join(lines)
     stopped_at = first["extra"]["checkpoint_step"]
     assert 3 <= stopped_at < 8 and (run_dir / f"step_{stopped_at:06d}" / ".metadata").exists()
     # the chained job: same command, same folder
     second = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir)],
                                                  stream=False), min_checks=2)
+    assert len(second["losses"]) == 8
+
+
+def test_the_deadline_stops_the_run_before_the_walltime_and_a_second_job_finishes_like_one_device(tmp_path):
+    # the real deadline path, no signal sent: DISTLAB_DEADLINE as pbs/common.sh exports it, a few steps away
+    run_dir = tmp_path / "run"
+    env = {"DISTLAB_DEADLINE": f"{time.time() + 5:.3f}"}  # ranks start in ~2 s; 8 steps take 8 s or more
+    first = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir),
+                                                                            "--step-seconds", "1"],
+                                                env=env, stream=False), min_checks=1)
+    assert first["extra"]["stopped_by"] == "deadline" and first["extra"]["seconds_left"] > 0
+    stopped_at = first["extra"]["checkpoint_step"]
+    assert 1 <= stopped_at < 8 and (run_dir / f"step_{stopped_at:06d}" / ".metadata").exists()
+    assert json.loads((run_dir / "stopped.json").read_text())["by"] == "deadline"
+    # the chained job, past the old deadline (a new job has its own): resumes and ends like one device
+    second = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir)],
+                                                 env={"DISTLAB_DEADLINE": ""}, stream=False), min_checks=2)
     assert len(second["losses"]) == 8
 
 

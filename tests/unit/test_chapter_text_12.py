@@ -122,6 +122,30 @@ def test_troubleshooting_messages_as_a_cpu_produces_them():
     assert f"`DistNetworkError: {message}`" in CHAPTER, message
 
 
+def test_rendezvous_timeout_message_as_a_cpu_produces_it():
+    import datetime
+    import re
+
+    import torch.distributed as dist
+
+    with pytest.raises(dist.DistStoreError) as waiting:  # a store for 2 whose second client never comes
+        dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=1), wait_for_workers=True)
+    message = re.sub(r"after \d+ seconds", "after 901 seconds", str(waiting.value).splitlines()[0])
+    assert f"`torch.distributed.DistStoreError: {message}`" in CHAPTER, message
+
+
+def test_the_walltime_section_states_what_the_job_does():
+    common = (ROOT / "pbs" / "common.sh").read_text()
+    assert "DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120}" in common
+    assert "`DISTLAB_WALLTIME_MARGIN` (120 s" in CHAPTER and "10 s unless the queue sets another" in CHAPTER
+    assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
+    assert "distlab_tee" in common and "sets each rank's share always (16)" in CHAPTER
+    for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
+                "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
+                "conda's package cache fills home"):
+        assert f"| {row} |" in CHAPTER, row
+
+
 def test_wrong_interface_message():
     code = ("import torch.distributed as dist\n"
             "try:\n    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"

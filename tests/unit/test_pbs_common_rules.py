@@ -273,3 +273,111 @@ def test_the_rank_map_names_threads_and_libraries_and_fails_oversubscription():
     assert "libcudart /glade/u/apps/cuda/11.8/lib64/libcudart.so.11.0" in line
     assert runtime.oversubscribed_hosts([rank] * 4) == ["dec0001: 256 threads on 64 cores"]
     assert runtime.oversubscribed_hosts([{**rank, "torch_threads": 16}] * 4) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Walltime, chained jobs and a tee that outlives SIGTERM
+# ---------------------------------------------------------------------------------------------------
+
+# what `qstat -f` prints of a running Derecho job (abridged; a long value folded onto a tab-led line, as PBS does)
+QSTAT_F = """Job Id: 4242.desched1
+    Job_Name = distlab-12-ops
+    resources_used.walltime = 00:01:40
+    job_state = R
+    queue = main
+    Resource_List.select = 2:ncpus=64:ngpus=4:mpiprocs=4:ompthreads=16:mem=480GB:
+\tcpu_type=milan
+    Resource_List.walltime = 00:20:00
+"""
+
+
+def fake_pbs(tmp_path):
+    """Stand-ins for qstat (prints QSTAT_F), qsub and qdel (each records its arguments and prints a job id)."""
+    (tmp_path / "qstat.out").write_text(QSTAT_F)
+    tools = {}
+    for name, body in (("qstat", f'cat {tmp_path}/qstat.out'),
+                       ("qsub", f'printf "%s\\n" "$@" > {tmp_path}/qsub.args; echo 4243.desched1'),
+                       ("qdel", f'printf "%s\\n" "$@" > {tmp_path}/qdel.args')):
+        tool = tmp_path / name
+        tool.write_text(f"#!/bin/bash\n{body}\n")
+        tool.chmod(0o755)
+        tools[f"DISTLAB_{name.upper()}"] = str(tool)
+    return tools
+
+
+@pytest.mark.parametrize("duration, seconds", [("00:20:00", 1200), ("12:00:00", 43200), ("90", 90), ("01:30", 90)])
+def test_pbs_durations(duration, seconds):
+    assert out(f"distlab_seconds {duration}") == str(seconds)
+
+
+def test_a_folded_qstat_value_is_read_whole(tmp_path):
+    tools = fake_pbs(tmp_path)
+    assert out("distlab_qstat_field Resource_List.select", PBS_JOBID="4242.desched1", **tools) == (
+        "2:ncpus=64:ngpus=4:mpiprocs=4:ompthreads=16:mem=480GB:cpu_type=milan")
+    assert out("distlab_qstat_field queue", PBS_JOBID="4242.desched1", **tools) == "main"
+
+
+def test_the_deadline_is_the_jobs_end_less_the_margin(tmp_path):
+    tools = fake_pbs(tmp_path)
+    got = out('now=$(date +%s); distlab_deadline >/dev/null; echo $((DISTLAB_DEADLINE - now))',
+              PBS_JOBID="4242.desched1", **tools)
+    assert int(got) in (1200 - 100 - 120, 1200 - 100 - 120 - 1)  # walltime - used - margin (a second may tick)
+    assert out('distlab_deadline >/dev/null; echo "${DISTLAB_DEADLINE:-none}"') == "none"  # no PBS job: none
+    assert out("distlab_deadline >/dev/null; echo $DISTLAB_DEADLINE", PBS_WALLTIME="600",
+               DISTLAB_WALLTIME_MARGIN="60").isdigit()
+    short = bash("distlab_deadline", PBS_WALLTIME="60")
+    assert short.returncode == 2 and "is not longer than DISTLAB_WALLTIME_MARGIN" in short.stderr
+
+
+def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
+    tools = fake_pbs(tmp_path)
+    job = out("distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1", PBS_JOBID="4242.desched1",
+              PBS_QUEUE="main", PBS_ACCOUNT="UABC0001", **tools)
+    assert job == "4243.desched1"
+    assert (tmp_path / "qsub.args").read_text().splitlines() == [
+        "-W", "depend=afterany:4242.desched1", "-A", "UABC0001", "-q", "main",
+        "-l", "select=2:ncpus=64:ngpus=4:mpiprocs=4:ompthreads=16:mem=480GB:cpu_type=milan",
+        "-l", "walltime=00:20:00", "-v", "DISTLAB_CHAIN=1", "pbs/12_hpc_operations.pbs"]
+
+
+@pytest.mark.parametrize("extra, checks, cancelled", [
+    ({}, [{"passed": True}], True),                                   # complete: the successor is not needed
+    ({"stopped_by": "deadline"}, [{"passed": True}], False),         # stopped early: the chain goes on
+    ({}, [{"passed": False}], False),                                 # a failed run: kept for a look
+])
+def test_a_completed_run_cancels_the_chains_next_job(tmp_path, extra, checks, cancelled):
+    import json
+
+    tools = fake_pbs(tmp_path)
+    metrics = tmp_path / "fault_drill.json"
+    metrics.write_text(json.dumps({"extra": extra, "checks": checks}))
+    out(f"DISTLAB_PYTHON={sys.executable}; distlab_chain_done 4243.desched1 {metrics}", **tools)
+    assert (tmp_path / "qdel.args").exists() == cancelled
+    if cancelled:
+        assert (tmp_path / "qdel.args").read_text().split() == ["4243.desched1"]
+
+
+@pytest.mark.parametrize("tee", ["distlab_tee", "tee"])
+def test_the_log_outlives_a_sigterm_to_the_whole_job(tmp_path, tee):
+    # PBS signals every process of the job: the ranks (here: a loop that, like fault_drill.py, catches SIGTERM and
+    # goes on to its checkpoint line) and the tee of their output. Plain tee dies and the rank's next line breaks
+    # its pipe; distlab_tee keeps the log to the last line.
+    import signal
+    import time
+
+    log = tmp_path / "job.log"
+    rank = ("trap 'echo SIGTERM seen' TERM; for i in 1 2 3 4 5 6; do echo step $i; sleep 0.2; done; "
+            "echo checkpoint written")
+    job = subprocess.Popen(["bash", "-c", f"source pbs/common.sh || exit 9\n"
+                                          f"bash -c {shlex.quote(rank)} | {tee} {log}"],
+                           cwd=ROOT, env={**os.environ, "DISTLAB_FUNCTIONS_ONLY": "1"}, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    os.killpg(job.pid, signal.SIGTERM)
+    job.wait(timeout=10)
+    time.sleep(1.5)  # the rank goes on after the job's shell is gone
+    kept = log.read_text()
+    if tee == "distlab_tee":
+        assert "checkpoint written" in kept and "step 6" in kept
+    else:
+        assert "checkpoint written" not in kept  # the check can fail: plain tee loses the end
