@@ -46,7 +46,10 @@ DISTLAB_ONLY=${DISTLAB_ONLY:-}                         # run only these scripts 
 DISTLAB_DRY_RUN=${DISTLAB_DRY_RUN:-0}                  # 1: print the launch commands, run nothing
 DISTLAB_LAUNCH_TIMEOUT=${DISTLAB_LAUNCH_TIMEOUT:-}     # seconds one launch may take (default: the walltime)
 DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python imports torch and distlab first
-DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv cuda conda}  # modules to load ("" for none)
+# Not the cuda module: PyTorch's wheels and conda packages bring their own CUDA runtime and NCCL, and the module's
+# older libraries ahead on LD_LIBRARY_PATH give undefined-symbol errors at import (the rank map names the
+# libcudart and libnccl each rank loaded). Load cuda only to build something, such as the aws-ofi-nccl plugin.
+DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv conda}       # modules to load ("" for none)
 DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
 DISTLAB_NETWORK=${DISTLAB_NETWORK:-auto}               # slingshot: NCCL/libfabric settings below; none; auto: by hsn*
 DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
@@ -137,6 +140,11 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.
 # already in the environment, so `qsub -v NCCL_DEBUG=INFO` or an export before sourcing wins.
 # ---------------------------------------------------------------------------------------------------
 distlab_network_env() {
+    # NCCL's own lines, one file a rank (%h host, %p pid) in the run folder on scratch, not interleaved in the job's
+    # output and not in node-local /tmp, which is gone with the job: distlab_report_transport reads them.
+    if [[ -z ${NCCL_DEBUG_FILE:-} && -n ${DISTLAB_RUN_DIR:-} ]]; then
+        mkdir -p "$DISTLAB_RUN_DIR/nccl" && export NCCL_DEBUG_FILE=$DISTLAB_RUN_DIR/nccl/nccl.%h.%p.log
+    fi
     if [[ $DISTLAB_NETWORK == auto ]]; then
         # Slingshot NICs show up as hsn0, hsn1, ...; elsewhere NCCL_SOCKET_IFNAME=hsn would leave NCCL no interface.
         if compgen -G "${DISTLAB_SYS_NET:-/sys/class/net}/hsn*" >/dev/null; then # (tests point DISTLAB_SYS_NET elsewhere)
@@ -250,6 +258,32 @@ distlab_nccl_transport() {
     esac
 }
 
+# distlab_nccl_details LOG...: whether the network channels use GPUDirect RDMA (NCCL's src/transport/net.cc logs
+# "Channel %02d/%d : ... [send] via NET/%s/%d%s..." with "/GDRDMA" when the NIC reads GPU memory directly), and
+# which net plugin NCCL loaded ("NET/Plugin: Loaded net plugin %s (v%d)"; "Failed to find ncclNetPlugin_v%d
+# symbol." for each plugin interface the library lacks).
+distlab_nccl_details() {
+    local sends gdr plugin missing
+    sends=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/')
+    gdr=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/.*/GDRDMA')
+    if ((sends == 0)); then
+        echo "GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS without NET)"
+    elif ((gdr > 0)); then
+        echo "GPUDirect RDMA: yes ($gdr of $sends network send channels)"
+    else
+        echo "GPUDirect RDMA: no (0 of $sends network send channels: the NIC reaches GPU memory through host buffers)"
+    fi
+    plugin=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Loaded net plugin .*' | tail -n 1)
+    missing=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Failed to find ncclNetPlugin_v[0-9]* symbol' | head -n 1)
+    if [[ -n $plugin ]]; then
+        echo "net plugin: ${plugin#NET/Plugin: Loaded net plugin }"
+    elif [[ -n $missing ]]; then
+        echo "net plugin: none loaded (${missing#NET/Plugin: }: a plugin older than this NCCL's interface; NCCL falls back to its own sockets)"
+    else
+        echo "net plugin: none reported"
+    fi
+}
+
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
 # The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
 distlab_report_transport() {
@@ -260,6 +294,8 @@ distlab_report_transport() {
         if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
             distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
         fi
+        local detail
+        while IFS= read -r detail; do distlab_log "NCCL $detail"; done < <(distlab_nccl_details "$@")
     } | if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then tee -a "$DISTLAB_RUN_DIR/nccl_transport.txt"; else cat; fi
 }
 

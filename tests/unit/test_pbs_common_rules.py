@@ -76,8 +76,10 @@ def test_transport_of_several_logs_and_of_none():
 def test_sockets_on_a_slingshot_node_print_one_loud_warning():
     lines = out(f"distlab_report_transport {SOCKET_LOG}", DISTLAB_NETWORK="slingshot").splitlines()
     assert lines[0].startswith("distlab: NCCL transport: Socket (TCP on [0]hsn0")
-    assert len(lines) == 2 and "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE" in lines[1]
-    assert len(out(f"distlab_report_transport {OFI_LOG}", DISTLAB_NETWORK="slingshot").splitlines()) == 1
+    assert "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE" in lines[1]
+    assert [ln for ln in lines if "WARNING" in ln] == [lines[1]]  # one, then the GPUDirect and plugin lines
+    ofi = out(f"distlab_report_transport {OFI_LOG}", DISTLAB_NETWORK="slingshot").splitlines()
+    assert not [ln for ln in ofi if "WARNING" in ln] and ofi[-1] == "distlab: NCCL net plugin: AWS Libfabric (v6)"
     # no Slingshot: sockets are all there is, nothing to warn about
     assert "WARNING" not in out(f"distlab_report_transport {SOCKET_LOG}", DISTLAB_NETWORK="none")
 
@@ -381,3 +383,39 @@ def test_the_log_outlives_a_sigterm_to_the_whole_job(tmp_path, tee):
         assert "checkpoint written" in kept and "step 6" in kept
     else:
         assert "checkpoint written" not in kept  # the check can fail: plain tee loses the end
+
+
+# ---------------------------------------------------------------------------------------------------
+# NCCL's own lines: one file a rank in the run folder; GPUDirect RDMA and the net plugin read from them
+# ---------------------------------------------------------------------------------------------------
+
+# NCCL's format strings (src/transport/net.cc, src/plugin/net.cc) filled in; hosts and pids made up
+SEND_GDR = "dec0001:4128:4190 [0] NCCL INFO Channel 00/0 : 0[0] -> 4[0] [send] via NET/AWS Libfabric/0/GDRDMA"
+SEND_HOST = "dec0001:4128:4190 [0] NCCL INFO Channel 01/0 : 0[0] -> 4[0] [send] via NET/AWS Libfabric/1"
+LOADED = "dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v9)"
+TOO_OLD = ["dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPlugin_v10 symbol.",
+           "dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPlugin_v9 symbol."]
+
+
+@pytest.mark.parametrize("lines, expected", [
+    ([LOADED, SEND_GDR, SEND_HOST], ["GPUDirect RDMA: yes (1 of 2 network send channels)",
+                                     "net plugin: Libfabric (v9)"]),
+    ([LOADED, SEND_HOST], ["GPUDirect RDMA: no (0 of 1 network send channels: the NIC reaches GPU memory through "
+                           "host buffers)", "net plugin: Libfabric (v9)"]),
+    (TOO_OLD, ["GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS "
+               "without NET)", "net plugin: none loaded (Failed to find ncclNetPlugin_v10 symbol: a plugin older "
+                                "than this NCCL's interface; NCCL falls back to its own sockets)"]),
+])
+def test_gpudirect_rdma_and_the_net_plugin_from_ncclS_lines(tmp_path, lines, expected):
+    # two ranks' files, as NCCL_DEBUG_FILE=.../nccl.%h.%p.log writes them
+    (tmp_path / "nccl.dec0001.4128.log").write_text("\n".join(lines[:1]) + "\n")
+    (tmp_path / "nccl.dec0001.4129.log").write_text("\n".join(lines[1:]) + "\n")
+    assert out(f"distlab_nccl_details {tmp_path}/nccl.*.log").splitlines() == expected
+
+
+def test_ncclS_debug_file_is_one_a_rank_in_the_run_folder(tmp_path):
+    got = out(f"DISTLAB_RUN_DIR={tmp_path}; DISTLAB_NETWORK=none; distlab_network_env >/dev/null; "
+              "echo $NCCL_DEBUG_FILE")
+    assert got == f"{tmp_path}/nccl/nccl.%h.%p.log" and (tmp_path / "nccl").is_dir()
+    assert out("distlab_network_env >/dev/null; echo $NCCL_DEBUG_FILE", NCCL_DEBUG_FILE="/mine/%h.log",
+               DISTLAB_NETWORK="none") == "/mine/%h.log"
