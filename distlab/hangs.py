@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections import Counter, defaultdict
 
 P2P = ("send", "recv")
@@ -53,6 +54,67 @@ class CallJournal:
         """``finished`` (the program ran to its end) or ``timed out`` (a call raised after the timeout)."""
         self.state = state
         self._save()
+
+
+def debug_env(trace_dir: str) -> dict:
+    """What a hang drill sets before its process group exists (ProcessGroupNCCL reads these in its constructor):
+
+    * ``TORCH_NCCL_BLOCKING_WAIT=1``: a collective that times out raises in the rank's own thread, so its
+      ``except`` runs. Without it NCCL's collectives return once queued, and the watchdog's default
+      (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down first; with it, torch turns async error
+      handling off ("Only TORCH_NCCL_BLOCKING_WAIT is being used in this process", ProcessGroupNCCL.cpp);
+    * ``TORCH_FR_BUFFER_SIZE``: PyTorch's flight recorder keeps each rank's last collectives, with their state;
+    * ``TORCH_FR_DUMP_TEMP_FILE``: where a dump goes, the run folder on scratch (its default is node-local /tmp,
+      gone with the job); ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's watchdog dumps when it sees a timeout.
+    Variables already set are kept."""
+    wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, "trace_rank_")}
+    return {name: os.environ.get(name, value) for name, value in wanted.items()}
+
+
+def dump_flight_recorder(trace_dir: str, rank: int) -> str | None:
+    """This rank's flight-recorder buffer, written as ``trace_rank_<rank>`` (what torch's analyzer reads:
+    ``python -m torch.distributed.flight_recorder.fr_trace <trace_dir>``); None when nothing was recorded."""
+    import torch
+
+    try:
+        data = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+    except Exception:  # noqa: BLE001 - a build without the recorder: the journal still tells
+        return None
+    if not data:
+        return None
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"trace_rank_{rank}")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def flight_recorder_summary(trace_dir: str, world_size: int) -> dict[int, str]:
+    """Each rank's dump read back, one line a rank: per process group how much work the rank enqueued (its
+    ``pg_status``: collectives and point-to-point messages, numbered) and the last collective recorded there.
+    Ranks that enqueued different counts on one group went different ways: the one with fewer skipped a call,
+    the others' last entry is the call they wait in (the journal's ``*``). Whether a timed-out call counts as
+    completed depends on when the backend gave up, so the counts enqueued are what to compare. torch's analyzer
+    (``fr_trace``) matches ranks through the NCCL groups' configuration, which a gloo dump does not carry, so on
+    a CPU the course reads the buffers itself; the fields are the same."""
+    import pickle
+
+    lines = {}
+    for rank in range(world_size):
+        path = os.path.join(trace_dir, f"trace_rank_{rank}")
+        if not os.path.exists(path):
+            lines[rank] = "no dump"
+            continue
+        with open(path, "rb") as f:
+            dump = pickle.load(f)
+        parts = []
+        for pg, status in sorted(dump.get("pg_status", {}).items()):
+            last = [e["profiling_name"] for e in dump["entries"] if e["process_group"][0] == pg]
+            parts.append(f"group {pg}: {status['last_enqueued_collective']} enqueued"
+                         + (f", the last collective {last[-1]}" if last else ""))
+        lines[rank] = "; ".join(parts)
+    return lines
 
 
 def read_journals(store, world_size: int, prefix: str = "journal") -> dict[int, dict]:
@@ -99,13 +161,16 @@ def diagnose(journals: dict[int, dict]) -> dict:
 
     collectives = {r: [c for c in j["calls"] if c["op"] not in P2P] for r, j in journals.items()}
 
-    # 2. One line of the program, run on different groups by different ranks.
+    # 2. One line of the program, run on different groups by different ranks, and on some group by only part of
+    # its members (each pair on its own pair group is right; two ranks on the world group is not).
     groups_by_label = defaultdict(lambda: defaultdict(set))
+    members_of_group = {}
     for r, calls in collectives.items():
         for c in calls:
             groups_by_label[c["label"]][c["group"]].add(r)
+            members_of_group[c["group"]] = set(c["members"] or journals)
     for label, groups in groups_by_label.items():
-        if len(groups) > 1:
+        if len(groups) > 1 and any(callers != members_of_group[g] for g, callers in groups.items()):
             parts = "; ".join(f"{_ranks(rs)} on {g}" for g, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
             return {"cause": "wrong group", "stuck": stuck,
                     "verdict": f"'{label}' ran on different process groups ({parts}): a collective on the wrong "

@@ -1,7 +1,7 @@
 """The classic distributed hangs, one flag each, every one ending in seconds with a diagnosis instead of silence.
 
     --hang mismatched-collectives  rank 0 broadcasts where the others all-reduce
-    --hang skipped-barrier         the last rank skips a barrier that sits under an `if`
+    --hang skipped-barrier         the last rank skips the step's closing barrier, which sits under an `if`
     --hang wrong-group             ranks 2 and 3 all-reduce "their pair" on the world group (group= forgotten)
     --hang few-microbatches        the first stage splits its batch with torch.chunk, which returns fewer pieces
                                    than asked when the batch does not split evenly; the last stage waits for more
@@ -9,10 +9,19 @@
     --hang none                    the same program, correct: it finishes
 
 Each rank records every call it makes (what, on which group, to or from whom) in the job's key-value store,
-before the call and when it returns: a flight recorder by hand (`distlab.hangs`). The process group has a short
-timeout (`--pg-timeout`, default 4 s), so a call whose peers never come raises; every rank then reads all the
-journals and prints the same diagnosis. The checks: the hang ended within its time bound (no silent hang) and
-the diagnosis names the cause the flag planted.
+before the call and when its work has completed: a flight recorder by hand (`distlab.hangs`). Every call is issued
+with ``async_op=True`` and waited on with the process group's timeout (`--pg-timeout`, default 4 s), so "done"
+means done on NCCL too, where a collective returns once queued; a call whose peers never come raises; every rank
+then reads all the journals and prints the same diagnosis. Under NCCL the script also sets, before its process
+group exists, ``TORCH_NCCL_BLOCKING_WAIT=1`` (the timeout raises in the rank's thread instead of the watchdog
+tearing the process down) and PyTorch's own flight recorder (``TORCH_FR_BUFFER_SIZE``), whose buffer each rank
+dumps into ``--trace-dir`` (the run folder, on scratch) when it gives up: read them with
+``python -m torch.distributed.flight_recorder.fr_trace <trace-dir>``. The checks: the hang ended within its time
+bound (no silent hang) and the diagnosis names the cause the flag planted.
+
+No scenario pairs two different collectives on NCCL: a barrier is an all-reduce there, and a rank's barrier
+met by another rank's all-reduce is undefined behaviour, not a clean hang. So the skipped barrier is the step's
+last collective; the rank that skips it has nothing left to call.
 
 With `--debug-detail` (TORCH_DISTRIBUTED_DEBUG=DETAIL) PyTorch itself checks, before each collective, that all
 ranks call the same one with the same shapes: a mismatched collective is reported at once, without waiting for
@@ -21,6 +30,7 @@ the timeout.
     torchrun --standalone --nproc_per_node=4 scripts/12_hpc_operations/deadlocks.py --hang skipped-barrier
 """
 
+import datetime
 import os
 import sys
 import time
@@ -34,7 +44,7 @@ EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-b
                   "wrong-group": "wrong group", "few-microbatches": "too few messages",
                   "unpaired-p2p": "unpaired point-to-point", "none": "none"}
 # the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
-ORDER = {"sync weights": 1, "barrier before logging": 2, "pair all-reduce": 3, "microbatch": 4, "end of step": 5}
+ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5}
 
 
 def check_config(args, world_size):
@@ -49,20 +59,25 @@ def program(args, rt, journal, pairs):
     world = list(range(rt.world_size))
     t = torch.ones(4, device=rt.device)
 
+    wait = datetime.timedelta(seconds=rt.pg_timeout_s)
+
     def collective(label, op, group=None, members=world, name="world"):
+        # async_op and wait: the journal marks a call done when its work is, not when NCCL has queued it
         with journal.call(label, op, name, members, order=ORDER[label]):
             if op == "broadcast":
-                dist.broadcast(t, src=members[0], group=group)
+                work = dist.broadcast(t, src=members[0], group=group, async_op=True)
             elif op == "barrier":
-                dist.barrier(group=group)
+                work = dist.barrier(group=group, async_op=True)
             else:
-                dist.all_reduce(t, group=group)
+                work = dist.all_reduce(t, group=group, async_op=True)
+            work.wait(wait)
+
+    def p2p(op, tensor, peer):
+        with journal.call("microbatch", op, peer=peer, order=ORDER["microbatch"]):
+            (dist.isend if op == "send" else dist.irecv)(tensor, peer).wait(wait)
 
     # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
     collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
-    # a barrier under a condition: the last rank skips it when the bug is planted
-    if not (bug == "skipped-barrier" and rank == rt.world_size - 1):
-        collective("barrier before logging", "barrier")
     # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
     pair_index = rank // 2
     if bug == "wrong-group" and pair_index == 1:
@@ -74,19 +89,19 @@ def program(args, rt, journal, pairs):
     first_stage, partner = rank % 2 == 0, rank + 1 if rank % 2 == 0 else rank - 1
     batch = torch.arange(args.batch * 4, dtype=torch.float32, device=rt.device).reshape(args.batch, 4)
     if bug == "unpaired-p2p":  # both receive first
-        with journal.call("microbatch", "recv", peer=partner, order=ORDER["microbatch"]):
-            dist.recv(torch.empty(4, device=rt.device), partner)
+        p2p("recv", torch.empty(4, device=rt.device), partner)
     elif first_stage:
         # torch.chunk(6 rows, 4) gives 3 chunks of 2; tensor_split would give 4 (2, 2, 1, 1)
         pieces = batch.chunk(args.microbatches) if bug == "few-microbatches" else batch.tensor_split(args.microbatches)
         for piece in pieces:
-            with journal.call("microbatch", "send", peer=partner, order=ORDER["microbatch"]):
-                dist.send(piece.sum(0).contiguous(), partner)
+            p2p("send", piece.sum(0).contiguous(), partner)
     else:
         for _ in range(args.microbatches):
-            with journal.call("microbatch", "recv", peer=partner, order=ORDER["microbatch"]):
-                dist.recv(torch.empty(4, device=rt.device), partner)
+            p2p("recv", torch.empty(4, device=rt.device), partner)
     collective("end of step", "all_reduce")
+    # a barrier under a condition, the step's last collective: the last rank skips it when the bug is planted
+    if not (bug == "skipped-barrier" and rank == rt.world_size - 1):
+        collective("barrier before logging", "barrier")
 
 
 def main():
@@ -94,12 +109,16 @@ def main():
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
     p.add_argument("--batch", type=runtime.positive_int, default=6, help="rows of the first stage's batch")
     p.add_argument("--microbatches", type=runtime.positive_int, default=4, help="microbatches the pipeline stages agree on")
+    p.add_argument("--trace-dir", default=os.path.join(os.environ.get("DISTLAB_RUN_DIR", "build"), "flight_recorder"),
+                   help="where each rank dumps PyTorch's flight recorder when it gives up (default: "
+                        "$DISTLAB_RUN_DIR/flight_recorder, else build/flight_recorder)")
     p.add_argument("--debug-detail", action="store_true",
                    help="TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch checks every collective's type and shapes first")
     p.set_defaults(pg_timeout=4.0)
     args = p.parse_args()
     if args.debug_detail:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read when the process group is created
+    os.environ.update(hangs.debug_env(args.trace_dir))  # read when the process group is created, too
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))
@@ -125,6 +144,12 @@ def main():
             journals = hangs.read_journals(store, rt.world_size, prefix)
         elapsed = time.perf_counter() - started
         finding = hangs.diagnose(journals)
+        if finding["cause"] != "none":  # every rank's buffer, the finished ones' too: the analyzer wants them all
+            dumped = hangs.dump_flight_recorder(args.trace_dir, rt.rank)
+            store.add(f"{prefix}/dumped", 1)
+            while int(store.add(f"{prefix}/dumped", 0)) < rt.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+        recorded = hangs.flight_recorder_summary(args.trace_dir, rt.world_size) if finding["cause"] != "none" else {}
 
         rt.print(f"\nwhere every rank is (journal of its calls; * = the call it is stuck in):")
         for r, j in sorted(journals.items()):
@@ -132,13 +157,18 @@ def main():
                               f"{'' if c['done'] else '*'}" for c in j["calls"])
             rt.print(f"  rank {r} [{j['state']}]: {calls}")
         rt.print(f"\ndiagnosis: {finding['cause']}: {finding['verdict']}")
+        if recorded:
+            rt.print(f"\nPyTorch's flight recorder, each rank's buffer dumped into {args.trace_dir}/ (on NCCL, "
+                     f"python -m torch.distributed.flight_recorder.fr_trace {args.trace_dir} analyses them):")
+            for r, line in recorded.items():
+                rt.print(f"  rank {r}: {line}")
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
         report.check("the diagnosis names the planted cause", finding["cause"] == EXPECTED_CAUSE[args.hang],
                      finding["cause"], EXPECTED_CAUSE[args.hang])
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
-                        "error": error, "journals": journals}
+                        "error": error, "journals": journals, "flight_recorder": recorded}
         code = report.finish(args.metrics_out)
 
         # The group may be broken (a timed-out gloo group cannot be used again), so no closing barrier: rank 0

@@ -12,8 +12,9 @@ DEADLOCKS = "scripts/12_hpc_operations/deadlocks.py"
                                          ("skipped-barrier", "skipped collective"), ("wrong-group", "wrong group"),
                                          ("few-microbatches", "too few messages"),
                                          ("unpaired-p2p", "unpaired point-to-point"), ("none", "none")])
-def test_every_hang_ends_with_its_diagnosis(hang, cause):
-    result = launch.run(DEADLOCKS, nproc=4, args=["--hang", hang, "--pg-timeout", "2"], stream=False, timeout=60)
+def test_every_hang_ends_with_its_diagnosis(hang, cause, tmp_path):
+    result = launch.run(DEADLOCKS, nproc=4, args=["--hang", hang, "--pg-timeout", "2", "--trace-dir", str(tmp_path)],
+                        stream=False, timeout=60)
     metrics = assert_all_checks_passed(result, min_checks=2)
     assert metrics["extra"]["cause"] == cause
     assert metrics["extra"]["seconds_to_diagnosis"] < 9  # 2 s timeouts: one for the stuck call, one for a peer's next
@@ -21,6 +22,13 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause):
     timed_out = [r for r, j in metrics["extra"]["journals"].items() if j["state"] == "timed out"]
     # a hang ends because a rank's own call raised at the timeout (not because a peer was killed)
     assert bool(timed_out) == (hang != "none")
+    # PyTorch's flight recorder, dumped by every rank of a hung run: the same story as the journal
+    recorded = metrics["extra"]["flight_recorder"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if hang == "none" else [f"trace_rank_{r}" for r in range(4)])
+    if hang == "skipped-barrier":  # ranks 0-2 enqueued the barrier as their 7th work item; rank 3 stopped at 6
+        for r in range(3):
+            assert recorded[str(r)].startswith("group 0: 7 enqueued, the last collective gloo:barrier"), recorded
+        assert recorded["3"].startswith("group 0: 6 enqueued, the last collective gloo:all_reduce"), recorded
 
 
 def test_deadlocks_need_four_ranks():

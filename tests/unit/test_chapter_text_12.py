@@ -156,3 +156,19 @@ def test_wrong_interface_message():
     assert line.startswith("RuntimeError: [enforce fail at ") and "Unable to find address for: nosuch0" in line
     shown = "RuntimeError: [enforce fail at .../gloo/transport/" + line.split("/gloo/transport/", 1)[1]
     assert f"`{shown}`" in CHAPTER, shown
+
+
+def test_the_flight_recorder_lines_are_what_the_drill_prints():
+    # the lines the chapter quotes are those tests/scripts/test_12_hpc_operations.py asserts of a real run
+    quoted = ["rank 0: group 0: 7 enqueued, the last collective gloo:barrier",
+              "rank 3: group 0: 6 enqueued, the last collective gloo:all_reduce"]
+    script = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
+    for line in quoted:
+        assert line in CHAPTER
+        assert line.split(": ", 1)[1] in script
+    flat = " ".join(CHAPTER.split())
+    assert "TORCH_NCCL_BLOCKING_WAIT=1" in flat and "Only TORCH_NCCL_BLOCKING_WAIT is being used" in flat
+    from distlab import hangs
+    assert set(hangs.debug_env("x")) <= {"TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                                         "TORCH_FR_DUMP_TEMP_FILE"}
+    assert all(name in CHAPTER for name in hangs.debug_env("x"))

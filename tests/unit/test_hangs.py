@@ -59,3 +59,33 @@ def test_journal_mirrors_every_call_into_the_store():
     assert json.loads(store["p/2"])["calls"][0]["done"] is True
     journal.finish("finished")
     assert json.loads(store["p/2"])["state"] == "finished"
+
+
+def test_the_drills_nccl_settings_are_blocking_wait_and_the_flight_recorder(monkeypatch):
+    from distlab import hangs
+
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    env = hangs.debug_env("/glade/derecho/scratch/me/run/flight_recorder")
+    assert env == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": "/glade/derecho/scratch/me/run/flight_recorder/trace_rank_"}
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")  # the user's own setting is kept
+    assert hangs.debug_env("x")["TORCH_FR_BUFFER_SIZE"] == "100"
+
+
+def test_each_pair_on_its_own_group_is_not_a_wrong_group():
+    from distlab import hangs
+
+    def call(label, group, members, done=True):
+        return {"label": label, "op": "all_reduce", "group": group, "members": members, "peer": None, "order": 1,
+                "done": done}
+
+    journals = {r: {"rank": r, "state": "timed out",
+                    "calls": [call("pair", f"pair{r // 2}", [2 * (r // 2), 2 * (r // 2) + 1]),
+                              call("end", "world", [0, 1, 2, 3], done=r == 3)]} for r in range(4)}
+    journals[3]["calls"].pop()  # rank 3 never reached 'end'
+    assert hangs.diagnose(journals)["cause"] == "skipped collective"
+    journals[2]["calls"][0] = call("pair", "world", [0, 1, 2, 3])  # group= forgotten by one pair
+    journals[3]["calls"][0] = call("pair", "world", [0, 1, 2, 3])
+    assert hangs.diagnose(journals)["cause"] == "wrong group"
