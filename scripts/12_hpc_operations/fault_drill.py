@@ -5,8 +5,13 @@ Data-parallel training (DDP) of the course transformer that writes a distributed
 one. Two things end real jobs early, and the script handles both:
 
 * **A rank dies** (a node fails). ``--kill-rank R --kill-at-step K`` makes rank R exit at step K, on the first
-  attempt only. The other ranks learn it from their next collective (gloo: at once, the socket closes; NCCL: at
-  the process-group timeout at the latest) and leave with one line instead of hanging. Under
+  attempt only. The other ranks learn it from their next collective and leave with one line instead of hanging:
+  on gloo at once (the socket closes); on NCCL at the process-group timeout, since a survivor waits inside an NCCL
+  collective, where neither a Python signal handler nor an ``except`` runs until the call returns
+  (``TORCH_NCCL_BLOCKING_WAIT=1``, set below, makes it return with an error at the timeout rather than the
+  watchdog killing the process). torchrun's agent meanwhile sends the survivors SIGTERM and, 30 s later, SIGKILL
+  (``torch.distributed.elastic``: ``LocalElasticAgent._shutdown``, ``PContext.close(timeout=30)``): so on NCCL a
+  process-group timeout under 30 s lets them leave with their line, a longer one ends them by SIGKILL. Under
   ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
@@ -77,6 +82,8 @@ def main():
                    metavar="EPOCH_SECONDS", help="stop, checkpoint written, before this time (default: "
                    "$DISTLAB_DEADLINE, which pbs/common.sh sets from the job's walltime)")
     args = p.parse_args()
+    # NCCL: a timed-out collective raises in this thread (read when the process group is created; gloo ignores it)
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -172,3 +172,19 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     assert set(hangs.debug_env("x")) <= {"TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                                          "TORCH_FR_DUMP_TEMP_FILE"}
     assert all(name in CHAPTER for name in hangs.debug_env("x"))
+
+
+def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
+    import inspect
+    import re
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    # the agent's SIGTERM-to-SIGKILL wait, read from torch, is the chapter's 30 s
+    assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
+    assert "30 s later, SIGKILL" in " ".join(CHAPTER.split())
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    timeout = int(re.search(r"fault_drill\.py \\\s+\"\$\{device\[@\]\}\" .*--pg-timeout (\d+)", job).group(1))
+    assert timeout < 30 and f"`--pg-timeout {timeout}`" in CHAPTER
+    assert 'os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")' in (
+        ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
