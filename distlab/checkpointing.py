@@ -15,19 +15,37 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class TrainingState(Stateful):
-    """The model's and the optimizer's state (sharded where they are) and the number of steps done."""
+    """The model's and the optimizer's state (sharded where they are) and the number of steps done; with a
+    ``loader`` (``distlab.data.ShuffledLoader``) its position in the data, and with a ``rank`` that rank's random
+    number generators (``runtime.rng_state``: Python, numpy, torch, CUDA), under a key of its own, since each
+    rank's differ. A run resumed from all of it continues exactly where it stopped; from the model and optimizer
+    alone, it reads other samples and draws other random numbers (chapter 12's fault drill shows both)."""
 
-    def __init__(self, model, optimizer, step: int = 0):
+    def __init__(self, model, optimizer, step: int = 0, loader=None, rank: int | None = None):
         self.model, self.optimizer, self.step = model, optimizer, step
+        self.loader, self.rank = loader, rank
 
     def state_dict(self):
+        from distlab import runtime
+
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state, "step": self.step}
+        state = {"model": model_state, "optimizer": optimizer_state, "step": self.step}
+        if self.loader is not None:
+            state["data"] = self.loader.state_dict()
+        if self.rank is not None:
+            state[f"rng_rank{self.rank}"] = runtime.rng_state()
+        return state
 
     def load_state_dict(self, state):
+        from distlab import runtime
+
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.step = state["step"]
+        if self.loader is not None:
+            self.loader.load_state_dict(state["data"])
+        if self.rank is not None:
+            runtime.set_rng_state(state[f"rng_rank{self.rank}"])
 
 
 def checkpoint_dir(run_dir, step: int) -> Path:

@@ -88,3 +88,41 @@ def regression_batch(step: int, global_batch: int, in_features: int, out_feature
     gen = _generator(seed + 1, step)
     x = torch.randn(global_batch, in_features, generator=gen)
     return x, torch.tanh(x @ weight)
+
+
+class ShuffledLoader:
+    """A finite dataset of ``num_samples`` sequences (``token_sample``), read in a shuffled order epoch after epoch,
+    as ``DistributedSampler(shuffle=True)`` reads one: the order comes from a generator whose state moves on with
+    every epoch. Every rank holds the same loader and takes its rows of each global batch (``shard_rows``).
+
+    A resumed run must continue the same order, not restart it: ``state_dict`` (the generator's state, the epoch's
+    order and the position in it) goes into the checkpoint, which is what the batch-as-a-function-of-the-step data
+    of the other scripts never needed (chapter 12's fault drill)."""
+
+    def __init__(self, num_samples: int, global_batch: int, seq_len: int, vocab_size: int, seed: int = 0):
+        self.num_samples, self.global_batch, self.seq_len, self.vocab_size, self.seed = (
+            num_samples, global_batch, seq_len, vocab_size, seed)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch, self.position = 0, 0
+        self.order = torch.randperm(num_samples, generator=self.generator)
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch, (global_batch, seq_len + 1) tokens; a new shuffled epoch when one runs out."""
+        rows = []
+        while len(rows) < self.global_batch:
+            if self.position == self.num_samples:
+                self.epoch, self.position = self.epoch + 1, 0
+                self.order = torch.randperm(self.num_samples, generator=self.generator)
+            take = min(self.global_batch - len(rows), self.num_samples - self.position)
+            rows += self.order[self.position:self.position + take].tolist()
+            self.position += take
+        return torch.stack([token_sample(i, self.seq_len, self.vocab_size, self.seed) for i in rows])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "order": self.order.clone(),
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = state["order"].clone()
+        self.generator.set_state(state["generator"])

@@ -390,6 +390,42 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> dict:
+    """Every random number generator a training step may draw from, as this rank holds it: Python's ``random``,
+    numpy's global one (if numpy is installed), torch's CPU generator and each CUDA device's. A checkpoint that
+    leaves them out resumes with other dropout masks, other augmentations, another shuffle."""
+    import pickle
+
+    import torch
+
+    state = {"python": pickle.dumps(random.getstate()), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = pickle.dumps(np.random.get_state())
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what :func:`rng_state` returned (the generators it found then)."""
+    import pickle
+
+    import torch
+
+    random.setstate(pickle.loads(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(pickle.loads(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
 @dataclass
 class Runtime:
     """What a script needs to know about the job it runs in."""

@@ -23,8 +23,16 @@ one. Two things end real jobs early, and the script handles both:
   writes a checkpoint and exits 0; the next job in the chain (``qsub -W depend=afterany:JOBID``) resumes. A
   SIGTERM (from ``qdel``, or a site that sends one early) is caught and handled the same way.
 
+The data is what a real run reads: a finite dataset (``--samples`` sequences) in a shuffled order, epoch after
+epoch, and each step masks a random tenth of the input tokens (an augmentation drawn from torch's global random
+number generator, the same stream on every rank). So a checkpoint must hold the data position and every random
+number generator as well as the model and the optimizer (``distlab.checkpointing.TrainingState`` with a loader and
+the rank), and the drill proves it holds enough. ``--resume-without-rng`` shows the mistake: a run resumed from
+the model and optimizer alone reads other samples and draws other masks, and the check against one device fails.
+
 When the run completes it proves that every step's loss, across however many attempts, equals an
-uninterrupted single-device run, and reports the steps lost and the time to detect.
+uninterrupted single-device run (the same data order and masks, on one device), and reports the steps lost and
+the time to detect.
 
     torchrun --standalone --nproc_per_node=4 --max-restarts=1 scripts/12_hpc_operations/fault_drill.py \\
         --run-dir runs/drill --kill-rank 1 --kill-at-step 5
@@ -44,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab import checkpointing, data, metrics, models, runtime
 
 LOSS_TOLERANCE = 1e-5  # fp32, DDP's averaged gradients vs one device: rounding only (chapter 04)
+MASK_FRACTION = 0.1    # of the input tokens replaced by random ones each step
 LOSSES_FILE, FAILURE_FILE, STOPPED_FILE = "losses.jsonl", "failure.json", "stopped.json"
 STOP_REQUESTED = {"signal": None}
 
@@ -63,6 +72,37 @@ def check_config(args, world_size):
                                      f"({', '.join(sorted(foreign)[:3])}): choose an empty or new folder")
 
 
+def augment(inputs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Replace a random tenth of the tokens by random tokens, drawn from torch's global generator: the whole global
+    batch on every rank (the same stream everywhere), so each rank's rows equal one device's."""
+    mask = torch.rand(inputs.shape) < MASK_FRACTION
+    noise = torch.randint(0, vocab_size, inputs.shape)
+    return torch.where(mask, noise, inputs)
+
+
+def global_batch(loader, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch, on the CPU: the loader's next rows, inputs augmented, targets as they are."""
+    inputs, targets = data.split_inputs_targets(loader.next_batch())
+    return augment(inputs, vocab_size), targets
+
+
+def single_device_losses(cfg, args, device) -> list[float]:
+    """The uninterrupted run on one device: the same seed, data order and masks, every step's whole batch."""
+    runtime.seed_everything(args.seed)  # the global generators as runtime.start left them
+    loader = data.ShuffledLoader(args.samples, args.batch, cfg.seq_len, cfg.vocab_size, args.seed)
+    model = models.build_transformer(cfg, seed=args.seed, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for _ in range(args.steps):
+        inputs, targets = global_batch(loader, cfg.vocab_size)
+        loss = models.lm_loss(model(inputs.to(device)), targets.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def on_sigterm(signum, frame):
     STOP_REQUESTED["signal"] = signum  # acted on at the end of the step, by every rank together
 
@@ -73,6 +113,10 @@ def main():
                    help="checkpoints and the loss record (default: $DISTLAB_RUN_DIR/fault_drill, else runs/fault_drill)")
     p.add_argument("--save-every", type=runtime.positive_int, default=2, help="checkpoint every this many steps")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--samples", type=runtime.positive_int, default=20,
+                   help="sequences in the dataset, read in a new shuffled order each epoch (20: 2.5 steps an epoch)")
+    p.add_argument("--resume-without-rng", action="store_true",
+                   help="the mistake: checkpoint only the model and the optimizer (no data position, no RNGs)")
     p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--kill-rank", type=runtime.nonnegative_int, default=None, help="this rank dies (first attempt only)")
     p.add_argument("--kill-at-step", type=runtime.positive_int, default=None, help="... at the start of this step")
@@ -94,7 +138,10 @@ def main():
 
         model = DDP(models.build_transformer("tiny", seed=args.seed, device=rt.device))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        state = checkpointing.TrainingState(model, optimizer)
+        cfg = model.module.cfg
+        loader = data.ShuffledLoader(args.samples, args.batch, cfg.seq_len, cfg.vocab_size, args.seed)
+        state = (checkpointing.TrainingState(model, optimizer) if args.resume_without_rng
+                 else checkpointing.TrainingState(model, optimizer, loader=loader, rank=rt.rank))
         latest = checkpointing.latest_checkpoint(run_dir)
         if latest is not None:
             checkpointing.load(state, latest)
@@ -103,7 +150,6 @@ def main():
             rt.print(f"attempt {attempt}: no checkpoint in {run_dir}: starting at step 0")
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-        cfg = model.module.cfg
         longest = {"step": 0.0, "save": 0.0}  # seconds: what the next step and a checkpoint may take
 
         try:
@@ -113,9 +159,8 @@ def main():
                     print(f"[rank {rt.rank}] dies at step {step} (a node fails)", flush=True)
                     os._exit(1)
                 step_started = time.perf_counter()
-                tokens = data.shard_rows(data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, args.seed),
-                                         rt.rank, rt.world_size).to(rt.device)
-                inputs, targets = data.split_inputs_targets(tokens)
+                inputs, targets = global_batch(loader, cfg.vocab_size)
+                inputs, targets = (data.shard_rows(t, rt.rank, rt.world_size).to(rt.device) for t in (inputs, targets))
                 loss = models.lm_loss(model(inputs), targets)
                 loss.backward()
                 optimizer.step()
@@ -165,8 +210,7 @@ def main():
             os._exit(1)
 
         # Completed: the whole trajectory, over every attempt, against the uninterrupted single-device run.
-        expected = models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch,
-                                          device=rt.device)["losses"]  # uninterrupted, one device, from the seed
+        expected = single_device_losses(cfg, args, rt.device)  # uninterrupted, one device, from the seed
         records = [json.loads(line) for line in (run_dir / LOSSES_FILE).read_text().splitlines()]
         last_per_step = {r["step"]: r["loss"] for r in records}  # a step trained twice: its last value
         trained_twice = sorted({r["step"] for r in records if sum(q["step"] == r["step"] for q in records) > 1})

@@ -120,3 +120,18 @@ def test_the_deadline_stops_the_run_before_the_walltime_and_a_second_job_finishe
 def test_a_run_folder_with_someone_elses_files_is_refused(tmp_path):
     (tmp_path / "thesis.tex").write_text("not ours")
     assert_config_error(FAULT_DRILL, ["--run-dir", str(tmp_path)], "holds files this script did not write")
+
+
+def test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data(tmp_path):
+    # the mistake, made on purpose: model and optimizer only. The resumed run reads other samples and draws other
+    # masks, and the check against one device fails; with the full state (the tests above) it passes.
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), "--resume-without-rng"]
+    launch.run(FAULT_DRILL, nproc=4, args=args + ["--kill-rank", "1", "--kill-at-step", "5"], stream=False,
+               check=False, metrics=False, timeout=90)
+    resumed = launch.run(FAULT_DRILL, nproc=4, args=args + ["--metrics-out", str(tmp_path / "m.json")],
+                         stream=False, check=False, timeout=90)
+    checks = {c["name"]: c["passed"] for c in json.loads((tmp_path / "m.json").read_text())["checks"]}
+    assert resumed.returncode != 0
+    assert checks["losses over all attempts = uninterrupted single device"] is False
+    assert checks["every step trained, over all attempts"] is True

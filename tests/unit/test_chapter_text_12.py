@@ -188,3 +188,15 @@ def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
     assert timeout < 30 and f"`--pg-timeout {timeout}`" in CHAPTER
     assert 'os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")' in (
         ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+
+
+def test_the_drills_data_is_what_the_chapter_says():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_drill", ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py")
+    drill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drill)
+    assert drill.MASK_FRACTION == 0.1 and "a random tenth of the input tokens" in " ".join(CHAPTER.split())
+    parser_default = "default=20,"  # --samples
+    assert parser_default in (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "a finite dataset (20 sequences)" in " ".join(CHAPTER.split())

@@ -78,3 +78,31 @@ def test_regression_batch_is_deterministic():
     x1, y1 = data.regression_batch(3, 8, 4, 2, seed=0)
     x2, y2 = data.regression_batch(3, 8, 4, 2, seed=0)
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and y1.shape == (8, 2)
+
+
+def test_the_shuffled_loader_reads_every_sample_once_an_epoch_and_resumes_where_it_stopped():
+    from distlab import data
+
+    loader = data.ShuffledLoader(num_samples=10, global_batch=4, seq_len=8, vocab_size=50, seed=3)
+    first_epoch = torch.cat([loader.next_batch() for _ in range(2)] + [loader.next_batch()[:2]])
+    samples = {tuple(data.token_sample(i, 8, 50, 3).tolist()) for i in range(10)}
+    assert {tuple(row.tolist()) for row in first_epoch} == samples  # 10 rows: each sample once
+    state = loader.state_dict()
+    ahead = [loader.next_batch() for _ in range(3)]  # into the next epochs, a new order each
+    again = data.ShuffledLoader(num_samples=10, global_batch=4, seq_len=8, vocab_size=50, seed=3)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(ahead, [again.next_batch() for _ in range(3)]))
+    # a resume without the loader's state starts the order again: other rows
+    fresh = data.ShuffledLoader(num_samples=10, global_batch=4, seq_len=8, vocab_size=50, seed=3)
+    assert not all(torch.equal(a, b) for a, b in zip(ahead, [fresh.next_batch() for _ in range(3)]))
+
+
+def test_the_rng_state_round_trip_covers_python_numpy_and_torch():
+    import random
+
+    from distlab import runtime
+
+    state = runtime.rng_state()
+    drawn = (random.random(), torch.rand(3).tolist())
+    runtime.set_rng_state(state)
+    assert (random.random(), torch.rand(3).tolist()) == drawn
