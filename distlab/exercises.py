@@ -4,13 +4,23 @@ An exercise cell holds the solution between ``### BEGIN SOLUTION`` and ``### END
 ``make student`` (``python -m distlab.student``) replaces it with a stub: a function body becomes
 ``raise NotImplementedError``, a top-level assignment ``name = ...`` becomes ``name = None``. The check cell
 that follows (tagged ``check``) calls a function of this module, which passes with a short confirmation or
-raises :class:`ExerciseIncomplete` / :class:`ExerciseWrong` with a message that says what to do. In
-Jupyter the message is shown without a traceback.
+says what to do:
+
+* a wrong answer raises :class:`ExerciseWrong`, everywhere: the cell fails, and so does Run All at that cell and
+  the full notebooks under test (nbval);
+* an exercise not written yet (still the stub) is :class:`ExerciseIncomplete`. In a Jupyter notebook the check
+  prints that it is not written yet and returns, so Run All goes on and a learner who answered exercise 2 first
+  sees its check; elsewhere (a script, the unit tests) it raises. ``DISTLAB_INCOMPLETE_EXERCISE=raise`` (or
+  ``show``) decides it either way.
+
+In Jupyter an exercise's failure is shown as its message, without a traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 
 class ExerciseError(AssertionError):
@@ -28,6 +38,38 @@ class ExerciseWrong(ExerciseError):
     """The exercise runs but gives the wrong answer."""
 
 
+def _in_jupyter() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def incomplete_is_shown() -> bool:
+    """Whether an unwritten exercise is reported and passed over (True) or raised (False): see the module's doc."""
+    choice = os.environ.get("DISTLAB_INCOMPLETE_EXERCISE", "")
+    return choice == "show" or (choice != "raise" and _in_jupyter())
+
+
+def learner_check(check):
+    """A check function as a learner's notebook runs it: True when the answer is right; an unwritten exercise says
+    so and returns False, letting the notebook run on (:func:`incomplete_is_shown`), so a cell that goes on to use
+    the answer writes ``if exercises.check_...(...):``; a wrong answer still raises."""
+    @functools.wraps(check)
+    def run(*args, **kwargs):
+        try:
+            check(*args, **kwargs)
+        except ExerciseIncomplete as missing:
+            if not incomplete_is_shown():
+                raise
+            print(f"Not written yet: {missing} (the rest of the notebook runs on; come back to this one)")
+            return False
+        return True
+    return run
+
+
 def _ok(message: str) -> None:
     print(f"Correct: {message}")
 
@@ -36,6 +78,7 @@ def _not_done(name: str, hint: str) -> ExerciseIncomplete:
     return ExerciseIncomplete(f"`{name}` is not written yet. {hint}".strip())
 
 
+@learner_check
 def check_value(name: str, value, expected, *, rtol: float = 1e-6, atol: float = 0.0, hint: str = "") -> None:
     """A number (or sequence of numbers) the learner computed, against the expected one."""
     if value is None or value is Ellipsis:
@@ -53,6 +96,7 @@ def check_value(name: str, value, expected, *, rtol: float = 1e-6, atol: float =
     _ok(f"{name} = {value}")
 
 
+@learner_check
 def check_tensor(name: str, value, expected, *, atol: float = 1e-6, rtol: float = 1e-5, hint: str = "") -> None:
     """A tensor the learner produced, against the reference tensor."""
     import torch
@@ -71,6 +115,7 @@ def check_tensor(name: str, value, expected, *, atol: float = 1e-6, rtol: float 
     _ok(f"{name} matches the reference (shape {tuple(value.shape)})")
 
 
+@learner_check
 def check_function(name: str, function, cases, *, compare=None, hint: str = "") -> None:
     """Call the learner's ``function`` on each ``(args, expected)`` case.
 
@@ -91,6 +136,7 @@ def check_function(name: str, function, cases, *, compare=None, hint: str = "") 
     _ok(f"{name} passed {len(cases)} case(s)")
 
 
+@learner_check
 def check_true(name: str, condition, message: str, *, hint: str = "") -> None:
     """A property the learner's work must have, with ``message`` explaining what is wrong otherwise."""
     if condition is None:
@@ -100,6 +146,7 @@ def check_true(name: str, condition, message: str, *, hint: str = "") -> None:
     _ok(name)
 
 
+@learner_check
 def check_run(name: str, result, *, hint: str = "") -> None:
     """A script run launched from the notebook (a distlab.launch result): every check in its metrics passed."""
     if result is None:
@@ -120,6 +167,7 @@ def check_run(name: str, result, *, hint: str = "") -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@learner_check
 def check_zero1_adamw_step(function, *, lr: float = 0.01, hint: str = "") -> None:
     """Notebook 05, exercise 1: ZeRO-1 by hand.
 
@@ -168,6 +216,7 @@ def check_zero1_adamw_step(function, *, lr: float = 0.01, hint: str = "") -> Non
     _ok("zero1_adamw_step: the weights equal one AdamW, and each rank holds the moments of its slice only (1/N)")
 
 
+@learner_check
 def check_parallel_linears(column_parallel_linear, row_parallel_linear, *, ranks: int = 4, hint: str = "") -> None:
     """Notebook 06, exercise 1: the column- and row-parallel linears, forward and weight gradients.
 
@@ -226,6 +275,7 @@ def smallest_world_size(num_params: float, stage: int, gpu_gib: float, reserve_g
                 if memory.zero_state_bytes(int(num_params), n, stage).total <= budget)
 
 
+@learner_check
 def check_min_gpus(name: str, value, *, num_params: float, stage: int, gpu_gib: float, reserve_gib: float,
                    hint: str = "") -> None:
     """Notebook 05, exercise 2: the fewest GPUs for a model under ZeRO, with memory kept for activations.
@@ -254,6 +304,7 @@ def check_min_gpus(name: str, value, *, num_params: float, stage: int, gpu_gib: 
     raise ExerciseWrong(f"`{name}` = {value}: {slip}. {hint}".strip())
 
 
+@learner_check
 def check_bytes_per_phase(name: str, predicted: dict, comm_rows, *, hint: str = "") -> None:
     """Notebook 06, exercise 2: the payload bytes of one step, phase by phase, against the measured ledger.
 
@@ -289,6 +340,7 @@ def _block_attention(q, k, v, query_positions, key_positions, causal: bool):
     return out, lse
 
 
+@learner_check
 def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
     """Notebook 08: the online-softmax merge, block by block against full softmax attention.
 

@@ -14,7 +14,7 @@ Each raises :class:`distlab.exercises.ExerciseIncomplete` while the exercise is 
 from __future__ import annotations
 
 from distlab import hybrid, sizing
-from distlab.exercises import ExerciseIncomplete, ExerciseWrong
+from distlab.exercises import ExerciseIncomplete, ExerciseWrong, learner_check
 
 NOT_WRITTEN = "is not written yet."
 
@@ -50,6 +50,7 @@ def _expected_grid(shape, rank):
     return (p, d, t), groups
 
 
+@learner_check
 def check_rank_grid(coordinates, groups) -> None:
     """``coordinates(rank, pp, dp, tp) -> (pp_rank, dp_rank, tp_rank)`` and ``groups(rank, pp, dp, tp) ->
     {"pp": [...], "dp": [...], "tp": [...]}`` (members in order of their coordinate), DeviceMesh's order."""
@@ -84,6 +85,7 @@ def _fits(num_params: float, gpus: int, activation_gib: float) -> bool:
     return sizing.state_gib_per_gpu(num_params, gpus) + activation_gib <= GPU_GIB
 
 
+@learner_check
 def check_layout_choice(choose_layout) -> None:
     """``choose_layout(num_params, nodes, activation_gib) -> (dp, tp)`` that fits, or None when no layout of
     those nodes does: TP inside a node (tp <= 4), dp x tp = every GPU, state + activations <= 40 GiB."""
@@ -118,6 +120,7 @@ def check_layout_choice(choose_layout) -> None:
     print(f"Correct: {len(LAYOUT_CASES)} layouts, each fitting exactly when 16 bytes per parameter do.")
 
 
+@learner_check
 def check_block_plan(block_plan) -> None:
     """``block_plan``: ``{name inside a block: ColwiseParallel() or RowwiseParallel()}`` for the seven linears."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

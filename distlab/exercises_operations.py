@@ -8,7 +8,7 @@ answers apart, and, when given, the notebook's own run) and compares with what `
 from __future__ import annotations
 
 from distlab import profiling
-from distlab.exercises import ExerciseWrong, _not_done, _ok
+from distlab.exercises import ExerciseWrong, _not_done, _ok, learner_check
 
 
 def hidden_seconds(rows: list[dict]) -> float:
@@ -35,6 +35,7 @@ TIMELINE_CASES = (
 )
 
 
+@learner_check
 def check_hidden_communication(function, run_rows: list[dict] | None = None, *, hint: str = "") -> None:
     """``function(rows)`` must return the seconds of communication that ran while backward computed."""
     cases = [list(rows) for rows in TIMELINE_CASES] + ([run_rows] if run_rows else [])
@@ -95,6 +96,7 @@ def missing_ranks(journals: dict, label: str) -> list[int]:
     return sorted(r for r in members if r not in made)
 
 
+@learner_check
 def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -> None:
     """``function(journals, label)`` must return the ranks of the call's group that never made the call."""
     cases = list(JOURNAL_CASES) + ([(run[0], run[1], missing_ranks(*run))] if run else [])
