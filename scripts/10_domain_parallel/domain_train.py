@@ -71,15 +71,15 @@ def train_single_device(args, device):
 
 def main():
     p = runtime.parser(__doc__, steps=4)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel rows of the mesh; domain = ranks / dp")
+    p.add_argument("--dp", type=runtime.positive_int, default=1, help="data-parallel rows of the mesh; domain = ranks / dp")
     p.add_argument("--split", choices=["h", "hw"], default="hw", help="tiles: bands of rows (h) or a grid (hw)")
-    p.add_argument("--batch", type=int, default=4, help="global batch (fields per step), split over dp")
-    p.add_argument("--channels", type=int, default=2, help="channels of the field (e.g. temperature, pressure)")
-    p.add_argument("--hidden", type=int, default=8, help="channels inside the network")
-    p.add_argument("--groups", type=int, default=2, help="GroupNorm groups")
-    p.add_argument("--height", type=int, default=32, help="field height (cells)")
-    p.add_argument("--width", type=int, default=32, help="field width (cells)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--batch", type=runtime.positive_int, default=4, help="global batch (fields per step), split over dp")
+    p.add_argument("--channels", type=runtime.positive_int, default=2, help="channels of the field (e.g. temperature, pressure)")
+    p.add_argument("--hidden", type=runtime.positive_int, default=8, help="channels inside the network")
+    p.add_argument("--groups", type=runtime.positive_int, default=2, help="GroupNorm groups")
+    p.add_argument("--height", type=runtime.positive_int, default=32, help="field height (cells)")
+    p.add_argument("--width", type=runtime.positive_int, default=32, help="field width (cells)")
+    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:

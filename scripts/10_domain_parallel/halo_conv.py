@@ -65,11 +65,11 @@ def main():
                    help="h: bands of rows; hw: a grid of tiles (rows x cols as square as the rank count allows)")
     p.add_argument("--exchange", choices=["once", "per-layer"], default="once",
                    help="once: one halo of the stack's receptive radius; per-layer: k//2 before every layer")
-    p.add_argument("--height", type=int, default=32, help="field height (cells)")
-    p.add_argument("--width", type=int, default=32, help="field width (cells)")
+    p.add_argument("--height", type=runtime.positive_int, default=32, help="field height (cells)")
+    p.add_argument("--width", type=runtime.positive_int, default=32, help="field width (cells)")
     p.add_argument("--channels", default="4,16,16,4", help="channels in and out of each layer, comma-separated")
-    p.add_argument("--kernel", type=int, default=3, help="kernel size of every layer (odd)")
-    p.add_argument("--batch", type=int, default=2, help="fields per batch")
+    p.add_argument("--kernel", type=runtime.positive_int, default=3, help="kernel size of every layer (odd)")
+    p.add_argument("--batch", type=runtime.positive_int, default=2, help="fields per batch")
     args = p.parse_args()
     channels = parse_channels(args.channels)
 
