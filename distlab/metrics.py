@@ -185,6 +185,24 @@ def max_abs_diff(actual, expected) -> float:
     return abs(float(actual) - float(expected))
 
 
+BRIEF_CHARS = 100
+
+
+def brief(value, limit: int = BRIEF_CHARS) -> str:
+    """``value`` as a check line shows it: whole when short; a long list as its length and first items, a long
+    dict as its size and first keys, a long string cut (``== [...]`` of an equality check keeps its ``== ``)."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, (list, tuple)):
+        return f"{len(value)} items: {brief(value[0], 40)}, {brief(value[1], 40)}, ..." if len(value) > 1 \
+            else f"1 item: {brief(value[0], limit - 8)}"
+    if isinstance(value, dict):
+        keys = ", ".join(str(k) for k in list(value)[:3])
+        return f"{len(value)} entries: {{{keys}, ...}}"
+    return text[:limit - 3] + "..."
+
+
 @dataclass
 class Report:
     """Everything a script measured and checked; written as the metrics JSON by rank 0."""
@@ -246,14 +264,16 @@ class Report:
                 "timeline": self.timeline, "extra": _plain(self.extra)}
 
     def checks_table(self) -> str:
+        """One line a check: its name, then a short value and tolerance (a long list or dict is summarised, and
+        for a failed comparison of two lists the first item that differs is named; the metrics file keeps all)."""
         lines = []
         for c in self.checks:
             mark = "PASS" if c["passed"] else "FAIL"
             detail = ""
             if c["value"] is not None:
-                value = f"{c['value']:.3g}" if isinstance(c["value"], float) else str(c["value"])
+                value = f"{c['value']:.3g}" if isinstance(c["value"], float) else brief(c["value"])
                 tol = c["tolerance"]
-                tol = f"{tol:.1g}" if isinstance(tol, float) else tol
+                tol = f"{tol:.1g}" if isinstance(tol, float) else brief(tol)
                 detail = f"  ({value}" + (f", tolerance {tol})" if tol is not None else ")")
             lines.append(f"  [{mark}] {c['name']}{detail}")
         return "\n".join(lines)

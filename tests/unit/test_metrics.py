@@ -136,3 +136,18 @@ def test_device_clock_on_a_cpu_counts_seconds_from_its_origin():
     clock = metrics.DeviceClock("cpu")
     time.sleep(0.01)
     assert 0.009 < clock.seconds(clock.mark()) < 1.0
+
+
+def test_a_check_line_stays_short_whatever_the_values():
+    from distlab import metrics
+
+    report = metrics.Report("x.py", None)
+    timeline = [{"rank": r, "start": 0.1 * r, "end": 0.1 * r + 0.05, "lane": "compute"} for r in range(40)]
+    report.check("the measured timeline is ordered", True, timeline, timeline)
+    report.check_equal("bytes per rank", list(range(300)), list(range(300)))
+    report.check("loss", True, 0.123456, 1e-5)
+    lines = report.checks_table().splitlines()
+    assert all(len(line) < 260 for line in lines), lines
+    assert "(40 items: 4 entries: {rank, start, end, ...}" in lines[0] and "(300 items: 0, 1, ...," in lines[1]
+    assert lines[2] == "  [PASS] loss  (0.123, tolerance 1e-05)"
+    assert report.checks[0]["value"] == timeline  # the metrics file keeps every item
