@@ -41,6 +41,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_LINES = 40
 
+# Lines a learner need not see, left out of the live output (kept in the result's output and the logs): the
+# profiler's own trace points, "USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start", eight a profiled run.
+NOT_SHOWN = ("USDT:",)
+
 
 class LaunchError(RuntimeError):
     def __init__(self, message: str, result: "LaunchResult"):
@@ -145,7 +149,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     def pump():
         for line in process.stdout:
             lines.append(line)
-            if stream:
+            if stream and not line.startswith(NOT_SHOWN):
                 print(line, end="", flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -238,7 +242,8 @@ def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_p
                           saved["metrics"], {int(k): v for k, v in saved["rank_exit_codes"].items()})
     if stream:
         print(f"[replayed from this test session's earlier run of {script}]", flush=True)
-        print(result.output, end="", flush=True)
+        print("".join(ln for ln in result.output.splitlines(keepends=True) if not ln.startswith(NOT_SHOWN)),
+              end="", flush=True)
     if check and result.returncode != 0:
         raise LaunchError(_failure_message(script, result), result)
     return result

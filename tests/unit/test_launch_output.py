@@ -14,3 +14,18 @@ def test_first_error_finds_the_cause_before_the_peers_connection_resets():
 def test_rank_exit_codes_are_read_from_the_fork_launcher():
     output = "[forkrun] rank 1 was the first to exit with an error\n[forkrun] rank 0 exited with code 2\n[forkrun] rank 1 exited with code 2\n"
     assert _rank_exit_codes(output) == {0: 2, 1: 2}
+
+
+def test_the_profilers_trace_points_are_not_shown_to_the_learner(capsys, tmp_path):
+    import sys
+
+    from distlab import launch
+
+    script = tmp_path / "noisy.py"
+    script.write_text("print('USDT:2026-11-25 02:42:11 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start')\n"
+                      "print('step 0: loss 1.0')\n")
+    result = launch.run(str(script), nproc=1, launcher="fork", metrics=False, stream=True, check=True,
+                        cwd=str(tmp_path))
+    shown = capsys.readouterr().out
+    assert "step 0: loss 1.0" in shown and "USDT" not in shown
+    assert "USDT:" in result.output  # kept for the logs
