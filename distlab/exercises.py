@@ -137,13 +137,14 @@ def check_function(name: str, function, cases, *, compare=None, hint: str = "") 
 
 
 @learner_check
-def check_true(name: str, condition, message: str, *, hint: str = "") -> None:
-    """A property the learner's work must have, with ``message`` explaining what is wrong otherwise."""
+def check_true(name: str, condition, message: str, *, hint: str = "", why: str = "") -> None:
+    """A property the learner's work must have, with ``message`` explaining what is wrong otherwise; ``why``
+    says, when it holds, why the answer is right (feedback that teaches, not just "correct")."""
     if condition is None:
         raise _not_done(name, hint)
     if not condition:
         raise ExerciseWrong(f"{message} {hint}".strip())
-    _ok(name)
+    _ok(f"{name}: {why}" if why else name)
 
 
 @learner_check

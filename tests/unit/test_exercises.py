@@ -61,3 +61,10 @@ def test_block_attention_of_a_fully_masked_row_is_zero_with_lse_minus_infinity()
     assert torch.isneginf(lse[:2]).all() and (out[:2] == 0).all()      # queries 0, 1 see none of keys 2-4
     assert torch.isfinite(lse[2:]).all()
     torch.testing.assert_close(out[3], torch.softmax(q[3] @ k[:2].T / 8**0.5, -1) @ v[:2])  # query 3: keys 2, 3
+
+
+def test_a_right_answer_says_why(capsys):
+    from distlab import exercises
+
+    exercises.check_true("layout_70b", True, "does not fit", why="tp=4,pp=4,dp=4 fits; it reaches 100% of the best")
+    assert capsys.readouterr().out.strip() == "Correct: layout_70b: tp=4,pp=4,dp=4 fits; it reaches 100% of the best"
