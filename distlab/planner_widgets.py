@@ -39,7 +39,10 @@ def draw_memory_bars(plans, ax=None, title: str = ""):
     ax.invert_yaxis()
     ax.set_xlabel("GiB per GPU (derived)")
     ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    # outside the axes, to the right: inside, it covered the ends of the longest bars
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
+    if ax.figure is not None:
+        ax.figure.tight_layout()
     return ax
 
 

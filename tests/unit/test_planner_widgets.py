@@ -70,3 +70,22 @@ def test_the_notebooks_exercise_checks_reject_plausible_wrong_answers():
         verdict = planner_widgets.layout_verdict(slip)
         with pytest.raises(exercises.ExerciseWrong):
             exercises.check_true("layout_70b", verdict.ok, verdict.message)
+
+
+def test_the_memory_legend_covers_no_bar():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from distlab import planner, planner_widgets
+
+    plans = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[:8]
+    ax = planner_widgets.draw_memory_bars(plans)
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for patch in ax.patches]
+    assert bars and not any(legend.overlaps(bar) for bar in bars)
+    plt.close(fig)
