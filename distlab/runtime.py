@@ -235,6 +235,15 @@ def _number(kind, minimum: float, strict: bool, what: str):
     return parse
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose every error is one line, ``config error: ...``, and exit code 2 (argparse prints
+    its usage first): for a command a learner types, such as chapter 11's plan.py, whose other bad input ends the
+    same way."""
+
+    def error(self, message):
+        self.exit(CONFIG_ERROR_EXIT_CODE, f"config error: {message} (see {self.prog} --help)\n")
+
+
 positive_int = _number(int, 0, True, "a positive integer")
 nonnegative_int = _number(int, 0, False, "a non-negative integer")
 positive_float = _number(float, 0.0, True, "a positive number")

@@ -33,7 +33,7 @@ GIB = planner.GIB
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = runtime.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7b", help=f"a preset: {', '.join(planner.MODELS)} (default 7b)")
     p.add_argument("--model-config", help="a JSON file with ModelSpec's fields (layers, hidden, heads, ...)")
     p.add_argument("--cluster", default="a100-40gb", help=f"a preset: {', '.join(planner.CLUSTERS)}")

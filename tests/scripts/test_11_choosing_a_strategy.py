@@ -270,10 +270,10 @@ def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--gpus", "--cp-min-tokens", "--global-batch"])
-def test_a_zero_count_is_argparses_one_error_and_exit_2(flag, capsys):
+def test_a_zero_count_is_one_config_error_line_and_exit_2(flag, capsys):
     code, out, err = run_plan(["--model", "70b", flag, "0"], capsys)
-    errors = [ln for ln in err.splitlines() if "error:" in ln]
-    assert code == 2 and errors == [f"plan.py: error: argument {flag}: must be a positive integer, not 0"], err
+    assert code == 2 and err.splitlines() == [
+        f"config error: argument {flag}: must be a positive integer, not 0 (see plan.py --help)"], err
 
 
 def test_bad_model_file_and_the_real_process_exit_code(tmp_path):
