@@ -39,12 +39,22 @@ HEIGHT, WIDTH = 2, 3  # the dims of a (batch, channels, height, width) field
 
 @dataclass(frozen=True)
 class TileGrid:
-    """``rows x cols`` ranks over a ``height x width`` field; rank ``r`` holds tile ``(r // cols, r % cols)``."""
+    """``rows x cols`` ranks over a ``height x width`` field; rank ``r`` holds tile ``(r // cols, r % cols)``.
+
+    A side that does not divide is split as evenly as it goes: the first ``height % rows`` rows of tiles hold one
+    row more (ERA5's 0.25-degree grid is 721 x 1440; 721 rows over 4 ranks are 181, 180, 180, 180). Tiles of one
+    row of the grid share their height and tiles of one column their width, so neighbours' edges always match.
+
+    ``periodic_width``: the field wraps east-west, as a global latitude-longitude grid does: the first column's
+    west neighbour is the last column (with one column of tiles, the tile itself), and the halo across the edge
+    comes from the other side of the globe instead of zeros. The height (latitude) keeps zero padding.
+    """
 
     rows: int
     cols: int
     height: int
     width: int
+    periodic_width: bool = False
 
     @property
     def size(self) -> int:
@@ -52,17 +62,30 @@ class TileGrid:
 
     @property
     def tile_height(self) -> int:
+        """The smallest tile's height (every tile's, when the rows divide the height)."""
         return self.height // self.rows
 
     @property
     def tile_width(self) -> int:
+        """The smallest tile's width (every tile's, when the columns divide the width)."""
         return self.width // self.cols
+
+    @staticmethod
+    def _edges(length: int, parts: int) -> list[int]:
+        base, extra = divmod(length, parts)
+        edges = [0]
+        for i in range(parts):
+            edges.append(edges[-1] + base + (i < extra))
+        return edges
 
     def coords(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.cols)
 
     def rank_of(self, row: int, col: int) -> int | None:
-        """The rank at (row, col), or None off the grid (the field's edge: no neighbour, zero padding)."""
+        """The rank at (row, col), or None off the grid (the field's edge: no neighbour, zero padding); with
+        ``periodic_width`` the columns wrap around."""
+        if self.periodic_width:
+            col %= self.cols
         if 0 <= row < self.rows and 0 <= col < self.cols:
             return row * self.cols + col
         return None
@@ -75,8 +98,12 @@ class TileGrid:
     def tile_slices(self, rank: int) -> tuple[slice, slice]:
         """The rows and columns of the global field that ``rank`` holds."""
         row, col = self.coords(rank)
-        h, w = self.tile_height, self.tile_width
-        return slice(row * h, (row + 1) * h), slice(col * w, (col + 1) * w)
+        rows, cols = self._edges(self.height, self.rows), self._edges(self.width, self.cols)
+        return slice(rows[row], rows[row + 1]), slice(cols[col], cols[col + 1])
+
+    def tile_shape(self, rank: int) -> tuple[int, int]:
+        rows, cols = self.tile_slices(rank)
+        return rows.stop - rows.start, cols.stop - cols.start
 
     def tile(self, field: torch.Tensor, rank: int) -> torch.Tensor:
         rows, cols = self.tile_slices(rank)
@@ -92,11 +119,12 @@ def grid_shape(split: str, ranks: int) -> tuple[int, int]:
 
 
 def tile_problems(grid: TileGrid, halo: int) -> list[str]:
-    """What stops a field from splitting into this grid with this halo (empty list: it splits)."""
+    """What stops a field from splitting into this grid with this halo (empty list: it splits). A side that does
+    not divide is fine (uneven tiles); a side with fewer cells than tiles is not."""
     problems = []
-    if grid.height % grid.rows:
+    if grid.height < grid.rows:
         problems.append(f"height {grid.height} does not split into {grid.rows} rows of tiles")
-    if grid.width % grid.cols:
+    if grid.width < grid.cols:
         problems.append(f"width {grid.width} does not split into {grid.cols} columns of tiles")
     if not problems:
         # A halo wider than the neighbour's tile would need cells from two ranks away (a second hop).
@@ -160,6 +188,15 @@ class HaloExchange(torch.autograd.Function):
     """
 
     @staticmethod
+    def _receives(first, last, prev_rank, next_rank):
+        """The receives, in the order the peers' sends arrive. Each rank sends its first cells, then its last. When
+        one peer is both neighbours (two columns of tiles around a periodic width) its first message is its first
+        cells, which lie east of me: they are my ``next`` halo, so that receive is posted first."""
+        if prev_rank is not None and prev_rank == next_rank:
+            return [(last, next_rank), (first, prev_rank)]
+        return [(first, prev_rank), (last, next_rank)]
+
+    @staticmethod
     def forward(ctx, x, dim: int, width: int, prev_rank, next_rank, group):
         ctx.dim, ctx.width, ctx.peers, ctx.group = dim, width, (prev_rank, next_rank), group
         n = x.size(dim)
@@ -167,7 +204,7 @@ class HaloExchange(torch.autograd.Function):
         from_next = torch.zeros_like(from_prev)
         _swap(sends=[(x.narrow(dim, 0, width).contiguous(), prev_rank),
                      (x.narrow(dim, n - width, width).contiguous(), next_rank)],
-              recvs=[(from_prev, prev_rank), (from_next, next_rank)], group=group)
+              recvs=HaloExchange._receives(from_prev, from_next, prev_rank, next_rank), group=group)
         return torch.cat([from_prev, x, from_next], dim=dim)
 
     @staticmethod
@@ -179,7 +216,7 @@ class HaloExchange(torch.autograd.Function):
         for_my_last = torch.zeros_like(for_my_first)
         _swap(sends=[(grad.narrow(dim, 0, width).contiguous(), prev_rank),
                      (grad.narrow(dim, n + width, width).contiguous(), next_rank)],
-              recvs=[(for_my_first, prev_rank), (for_my_last, next_rank)], group=ctx.group)
+              recvs=HaloExchange._receives(for_my_first, for_my_last, prev_rank, next_rank), group=ctx.group)
         grad_x.narrow(dim, 0, width).add_(for_my_first)
         grad_x.narrow(dim, n - width, width).add_(for_my_last)
         return grad_x, None, None, None, None, None
@@ -196,6 +233,8 @@ def halo_exchange(tile: torch.Tensor, grid: TileGrid, rank: int, width: int, gro
         return tile
     near = grid.neighbours(rank)
     padded = HaloExchange.apply(tile, HEIGHT, width, near["up"], near["down"], group)
+    if grid.periodic_width and grid.cols == 1:  # the tile spans the globe: its own other edge is the halo
+        return torch.cat([padded[..., -width:], padded, padded[..., :width]], dim=WIDTH)
     return HaloExchange.apply(padded, WIDTH, width, near["left"], near["right"], group)
 
 
@@ -207,10 +246,10 @@ def halo_exchange(tile: torch.Tensor, grid: TileGrid, rank: int, width: int, gro
 class ConvStack(nn.Module):
     """``len(channels) - 1`` same-size convolutions with GELU between: the one-device model."""
 
-    def __init__(self, channels=(4, 16, 16, 4), kernel_size: int = 3):
+    def __init__(self, channels=(4, 16, 16, 4), kernel_size: int = 3, periodic_width: bool = False):
         super().__init__()
-        self.kernel_size = kernel_size
-        self.convs = nn.ModuleList(nn.Conv2d(c_in, c_out, kernel_size, padding=kernel_size // 2)
+        self.kernel_size, self.periodic_width = kernel_size, periodic_width
+        self.convs = nn.ModuleList(nn.Conv2d(c_in, c_out, kernel_size, padding=_padding(kernel_size, periodic_width))
                                    for c_in, c_out in zip(channels[:-1], channels[1:]))
 
     @property
@@ -219,17 +258,27 @@ class ConvStack(nn.Module):
 
     def forward(self, x):
         for i, conv in enumerate(self.convs):
-            x = conv(x)
+            x = conv(_wrap_width(x, self.kernel_size // 2) if self.periodic_width else x)
             if i < len(self.convs) - 1:
                 x = F.gelu(x)
         return x
 
 
-def build_conv_stack(channels, kernel_size: int, seed: int, device="cpu") -> ConvStack:
+def _padding(kernel_size: int, periodic_width: bool):
+    """A same-size convolution's zero padding: both sides, or (with a periodic width) the height only."""
+    return (kernel_size // 2, 0) if periodic_width else kernel_size // 2
+
+
+def _wrap_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The one-device model's periodic padding east-west: the other edge's columns (a circular pad of the width)."""
+    return F.pad(x, (width, width, 0, 0), mode="circular")
+
+
+def build_conv_stack(channels, kernel_size: int, seed: int, device="cpu", periodic_width: bool = False) -> ConvStack:
     """The same weights on every rank and in the one-device reference, from the seed alone."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = ConvStack(channels, kernel_size).to(device)
+    model = ConvStack(channels, kernel_size, periodic_width).to(device)
     torch.random.set_rng_state(generator_state)
     return model
 
@@ -240,7 +289,7 @@ def _outside_field_mask(grid: TileGrid, rank: int, margin: int, device) -> torch
     r = torch.arange(rows.start - margin, rows.stop + margin, device=device)
     c = torch.arange(cols.start - margin, cols.stop + margin, device=device)
     inside_r = ((r >= 0) & (r < grid.height)).float()
-    inside_c = ((c >= 0) & (c < grid.width)).float()
+    inside_c = torch.ones_like(c, dtype=torch.float) if grid.periodic_width else ((c >= 0) & (c < grid.width)).float()
     return inside_r[:, None] * inside_c[None, :]
 
 
@@ -290,9 +339,12 @@ def halo_send_bytes(grid: TileGrid, rank: int, width: int, channels: int, batch:
     if width == 0:
         return 0
     near = grid.neighbours(rank)
+    tile_height, tile_width = grid.tile_shape(rank)
     vertical = sum(p is not None for p in (near["up"], near["down"]))
-    horizontal = sum(p is not None for p in (near["left"], near["right"]))
-    cells = (vertical * width * grid.tile_width + horizontal * width * (grid.tile_height + 2 * width))
+    # one column of tiles around a periodic width wraps inside the tile: nothing sent
+    horizontal = 0 if grid.periodic_width and grid.cols == 1 else sum(
+        p is not None for p in (near["left"], near["right"]))
+    cells = (vertical * width * tile_width + horizontal * width * (tile_height + 2 * width))
     return batch * channels * cells * element_size
 
 
@@ -326,18 +378,23 @@ def halo_to_tile_ratio(tile_height: int, tile_width: int, width: int, split: str
 class FieldCNN(nn.Module):
     """conv -> GroupNorm -> GELU, twice, then a conv back to the field's channels: predicts the next field."""
 
-    def __init__(self, channels: int = 2, hidden: int = 8, groups: int = 2, kernel_size: int = 3):
+    def __init__(self, channels: int = 2, hidden: int = 8, groups: int = 2, kernel_size: int = 3,
+                 periodic_width: bool = False):
         super().__init__()
-        pad = kernel_size // 2
+        pad = _padding(kernel_size, periodic_width)
+        self.kernel_size, self.periodic_width = kernel_size, periodic_width
         self.convs = nn.ModuleList([nn.Conv2d(channels, hidden, kernel_size, padding=pad),
                                     nn.Conv2d(hidden, hidden, kernel_size, padding=pad),
                                     nn.Conv2d(hidden, channels, kernel_size, padding=pad)])
         self.norms = nn.ModuleList([nn.GroupNorm(groups, hidden), nn.GroupNorm(groups, hidden)])
 
+    def _conv(self, conv, x):
+        return conv(_wrap_width(x, self.kernel_size // 2) if self.periodic_width else x)
+
     def forward(self, x):
         for conv, norm in zip(self.convs, self.norms):
-            x = F.gelu(norm(conv(x)))
-        return self.convs[-1](x)
+            x = F.gelu(norm(self._conv(conv, x)))
+        return self._conv(self.convs[-1], x)
 
 
 def build_field_cnn(seed: int, device="cpu", **sizes) -> FieldCNN:
@@ -367,7 +424,7 @@ class SummedOverGroup(torch.autograd.Function):
         return summed, None
 
 
-def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None) -> torch.Tensor:
+def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None, field_cells: int | None = None) -> torch.Tensor:
     """``norm(x)`` for the whole field, computed on one tile: the statistics are summed over the domain group.
 
     GroupNorm normalises each sample's channel group by the mean and variance over all its cells, the cells of
@@ -379,7 +436,15 @@ def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None) -> torch.Te
     """
     batch, channels = x.shape[:2]
     grouped = x.reshape(batch, norm.num_groups, -1)
-    count = grouped.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
+    # the cells a statistic averages: the whole field's (``field_cells``: height x width, since tiles may differ in
+    # size), or, without it, the tile's times the ranks (equal tiles)
+    per_cell = channels // norm.num_groups
+    if group is None:
+        count = grouped.shape[-1]
+    elif field_cells is not None:
+        count = per_cell * field_cells
+    else:
+        count = grouped.shape[-1] * dist.get_world_size(group)
 
     def field_sum(t):
         return SummedOverGroup.apply(t, group) if group is not None else t
@@ -399,7 +464,8 @@ def tile_field_cnn(model: FieldCNN, tile: torch.Tensor, grid: TileGrid, rank: in
     for i, conv in enumerate(model.convs):
         x = F.conv2d(halo_exchange(x, grid, rank, conv.kernel_size[0] // 2, group), conv.weight, conv.bias)
         if i < len(model.norms):
-            x = F.gelu(tile_group_norm(x, model.norms[i], group if reduce_statistics else None))
+            x = F.gelu(tile_group_norm(x, model.norms[i], group if reduce_statistics else None,
+                                       field_cells=grid.height * grid.width))
     return x
 
 

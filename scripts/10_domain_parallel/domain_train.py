@@ -47,14 +47,16 @@ def check_config(args, world_size):
                     f"--dp {dp} does not divide the {world_size} ranks into a dp x domain mesh")
     runtime.require(args.batch % dp == 0, f"--batch {args.batch} does not split over --dp {dp} rows of the mesh")
     runtime.require(args.hidden % args.groups == 0, f"--hidden {args.hidden} does not split into --groups {args.groups}")
-    grid = domain.TileGrid(*domain.grid_shape(args.split, world_size // dp), args.height, args.width)
+    grid = domain.TileGrid(*domain.grid_shape(args.split, world_size // dp), args.height, args.width,
+                         periodic_width=args.periodic_width)
     problems = domain.tile_problems(grid, halo=1)  # 3 x 3 convolutions, one exchange of 1 cell per layer
     runtime.require(not problems, "; ".join(problems))
 
 
 def train_single_device(args, device):
     """The reference: the whole global batch of whole fields on one device."""
-    model = domain.build_field_cnn(args.seed, device, channels=args.channels, hidden=args.hidden, groups=args.groups)
+    model = domain.build_field_cnn(args.seed, device, channels=args.channels, hidden=args.hidden, groups=args.groups,
+                                   periodic_width=args.periodic_width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, first_grads = [], None
     for step in range(args.steps):
@@ -73,6 +75,9 @@ def main():
     p = runtime.parser(__doc__, steps=4)
     p.add_argument("--dp", type=runtime.positive_int, default=1, help="data-parallel rows of the mesh; domain = ranks / dp")
     p.add_argument("--split", choices=["h", "hw"], default="hw", help="tiles: bands of rows (h) or a grid (hw)")
+    p.add_argument("--periodic-width", action="store_true",
+                   help="the field wraps east-west, as a global latitude-longitude grid: a circular halo across the "
+                        "edge (latitude stays zero-padded)")
     p.add_argument("--batch", type=runtime.positive_int, default=4, help="global batch (fields per step), split over dp")
     p.add_argument("--channels", type=runtime.positive_int, default=2, help="channels of the field (e.g. temperature, pressure)")
     p.add_argument("--hidden", type=runtime.positive_int, default=8, help="channels inside the network")
@@ -92,7 +97,8 @@ def main():
         mesh = init_device_mesh(rt.device.type, (dp, domain_size), mesh_dim_names=("dp", "domain"))
         domain_group, dp_group = mesh.get_group("domain"), mesh.get_group("dp")
         tile_rank, dp_rank = mesh.get_local_rank("domain"), mesh.get_local_rank("dp")
-        grid = domain.TileGrid(*domain.grid_shape(args.split, domain_size), args.height, args.width)
+        grid = domain.TileGrid(*domain.grid_shape(args.split, domain_size), args.height, args.width,
+                         periodic_width=args.periodic_width)
         rows, cols = grid.tile_slices(tile_rank)
         local_batch = args.batch // dp
         samples = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
@@ -102,7 +108,7 @@ def main():
         reference_losses, reference_grads, reference_params = train_single_device(args, rt.device)
 
         model = domain.build_field_cnn(args.seed, rt.device, channels=args.channels, hidden=args.hidden,
-                                       groups=args.groups)
+                                       groups=args.groups, periodic_width=args.periodic_width)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         global_cells = args.batch * args.channels * args.height * args.width
         counter, started = comm.CommCounter(), None

@@ -52,7 +52,8 @@ def check_config(args, world_size):
     runtime.require(args.kernel % 2 == 1, f"--kernel {args.kernel} is even: a centred stencil needs an odd kernel")
     runtime.require(args.batch >= 1, f"--batch {args.batch}: need at least one field")
     rows, cols = domain.grid_shape(args.split, world_size)
-    grid = domain.TileGrid(rows, cols, args.height, args.width)
+    grid = domain.TileGrid(rows, cols, args.height, args.width,
+                         periodic_width=args.periodic_width)
     halo = domain.receptive_radius([args.kernel] * (len(channels) - 1))
     width = halo if args.exchange == "once" else args.kernel // 2
     problems = domain.tile_problems(grid, width)
@@ -63,6 +64,8 @@ def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--split", choices=["h", "hw"], default="h",
                    help="h: bands of rows; hw: a grid of tiles (rows x cols as square as the rank count allows)")
+    p.add_argument("--periodic-width", action="store_true",
+                   help="the field wraps east-west (a global latitude-longitude grid): a circular halo across the edge")
     p.add_argument("--exchange", choices=["once", "per-layer"], default="once",
                    help="once: one halo of the stack's receptive radius; per-layer: k//2 before every layer")
     p.add_argument("--height", type=runtime.positive_int, default=32, help="field height (cells)")
@@ -77,7 +80,8 @@ def main():
         report = metrics.Report(__file__, rt, config=vars(args))
         torch.backends.cudnn.allow_tf32 = False  # compare fp32 with fp32 (see TOLERANCE)
         tolerance = TOLERANCE[rt.device.type]
-        grid = domain.TileGrid(*domain.grid_shape(args.split, rt.world_size), args.height, args.width)
+        grid = domain.TileGrid(*domain.grid_shape(args.split, rt.world_size), args.height, args.width,
+                         periodic_width=args.periodic_width)
         row, col = grid.coords(rt.rank)
         rows, cols = grid.tile_slices(rt.rank)
 
@@ -86,8 +90,8 @@ def main():
         generator = torch.Generator().manual_seed(args.seed)
         field = torch.randn(args.batch, channels[0], args.height, args.width, generator=generator).to(rt.device)
         upstream = torch.randn(args.batch, channels[-1], args.height, args.width, generator=generator).to(rt.device)
-        model = domain.build_conv_stack(channels, args.kernel, args.seed, rt.device)
-        reference = domain.build_conv_stack(channels, args.kernel, args.seed, rt.device)
+        model = domain.build_conv_stack(channels, args.kernel, args.seed, rt.device, args.periodic_width)
+        reference = domain.build_conv_stack(channels, args.kernel, args.seed, rt.device, args.periodic_width)
         rt.print(f"field {args.batch} x {channels[0]} x {args.height} x {args.width} split into {grid.rows} x "
                  f"{grid.cols} tiles of {grid.tile_height} x {grid.tile_width}; stack of {len(channels) - 1} "
                  f"{args.kernel}x{args.kernel} convolutions, receptive radius {model.radius}; exchange: "

@@ -53,4 +53,24 @@ def test_mesh_that_does_not_divide_the_ranks_exits_2():
 
 
 def test_field_that_does_not_split_exits_2():
-    assert_config_error(HALO_CONV, [], "height 32 does not split into 3 rows of tiles", nproc=3)
+    # fewer rows than tiles (32 rows over 3 ranks split unevenly: 11, 11, 10, and that runs)
+    assert_config_error(HALO_CONV, ["--height", "2"], "height 2 does not split into 3 rows of tiles", nproc=3)
+
+
+@pytest.mark.parametrize("args", [
+    # ERA5's trouble in small: sides that do not divide (9 rows over 4 bands: 3, 2, 2, 2)
+    ["--height", "9", "--width", "16", "--split", "h"],
+    # a global grid: periodic east-west across a 2 x 2 grid (one neighbour both west and east) of uneven tiles
+    ["--height", "9", "--width", "11", "--split", "hw", "--periodic-width"],
+])
+def test_uneven_and_periodic_fields_train_like_one_device(args):
+    metrics = assert_all_checks_passed(launch.run(DOMAIN_TRAIN, nproc=4, args=args, stream=False), min_checks=5)
+    assert len(metrics["losses"]) == 4
+
+
+@pytest.mark.parametrize("exchange", ["once", "per-layer"])
+def test_a_circular_halo_across_the_date_line_equals_a_circular_convolution(exchange):
+    # 2 x 2 tiles of a 30 x 31 field wrapping east-west: forward and backward equal the one-device model, which
+    # pads the width circularly and the height with zeros (halo_conv.py compares the outputs and input gradients)
+    args = ["--split", "hw", "--periodic-width", "--height", "30", "--width", "31", "--exchange", exchange]
+    assert_all_checks_passed(launch.run(HALO_CONV, nproc=4, args=args, stream=False), min_checks=4)

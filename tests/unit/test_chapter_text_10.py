@@ -29,3 +29,20 @@ def test_halo_bytes_of_the_default_runs():
     tiles = domain.TileGrid(2, 2, 32, 32)
     sent = {domain.halo_send_bytes(tiles, r, 3, channels=4, batch=2) for r in range(4)}
     assert sent == {3648} and "**3,648 bytes**" in CHAPTER
+
+
+def test_real_grids_section_states_what_the_code_does():
+    flat = " ".join(CHAPTER.split())
+    era5 = domain.TileGrid(4, 1, 721, 1440)
+    heights = [era5.tile_shape(r)[0] for r in range(4)]
+    assert heights == [181, 180, 180, 180] and "721 over 4 ranks: 181, 180, 180, 180" in flat
+    bands = domain.TileGrid(4, 1, 9, 16)
+    assert [bands.tile_shape(r)[0] for r in range(4)] == [3, 2, 2, 2] and "(bands of 3, 2, 2 and 2 rows)" in flat
+    assert "ERA5's is 721 x 1440 cells" in flat
+    # the runs the section names are the ones its script tests run
+    tests = (Path(__file__).resolve().parents[1] / "scripts" / "test_10_domain_parallel.py").read_text()
+    assert '"--height", "9", "--width", "16", "--split", "h"' in tests and "domain_train.py --height 9 --width 16" in flat
+    assert '"--height", "30", "--width", "31"' in tests and "on a 30 x 31 field" in flat
+    assert '"--height", "9", "--width", "11", "--split", "hw", "--periodic-width"' in tests and "on a 9 x 11 field" in flat
+    import torch
+    assert (Path(torch.__file__).parent / "distributed" / "tensor" / "_tp_conv.py").exists()

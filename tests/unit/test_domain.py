@@ -30,7 +30,8 @@ def test_receptive_radius_adds_the_layers_reach():
 
 def test_tile_problems():
     assert domain.tile_problems(domain.TileGrid(4, 1, 32, 32), 3) == []
-    assert "does not split" in domain.tile_problems(domain.TileGrid(3, 1, 32, 32), 1)[0]
+    assert domain.tile_problems(domain.TileGrid(3, 1, 32, 32), 1) == []  # uneven: tiles of 11, 11 and 10 rows
+    assert "does not split" in domain.tile_problems(domain.TileGrid(3, 1, 2, 32), 1)[0]
     assert "wider than a tile" in domain.tile_problems(domain.TileGrid(4, 1, 8, 32), 3)[0]
     assert domain.tile_problems(domain.TileGrid(4, 1, 8, 2), 3) == ["a halo of 3 rows is wider than a tile (2 rows): "
                                                                      "use fewer ranks along the height, a larger "
@@ -117,3 +118,32 @@ def test_halo_from_above_exercise_rejects_plausible_slips():
         with pytest.raises(exercises.ExerciseWrong):
             exec(check, {"exercises": exercises, "torch": torch, "halo_from_above": wrong})
     exec(check, {"exercises": exercises, "torch": torch, "halo_from_above": right})
+
+
+def test_uneven_tiles_split_an_era5_grid_as_evenly_as_it_goes():
+    grid = domain.TileGrid(4, 1, 721, 1440)  # ERA5 at 0.25 degrees
+    assert [grid.tile_shape(r) for r in range(4)] == [(181, 1440), (180, 1440), (180, 1440), (180, 1440)]
+    assert [grid.tile_slices(r)[0] for r in range(4)] == [slice(0, 181), slice(181, 361), slice(361, 541),
+                                                          slice(541, 721)]
+    assert domain.tile_problems(grid, 1) == []
+    assert "does not split" in domain.tile_problems(domain.TileGrid(4, 1, 3, 8), 1)[0]  # fewer rows than tiles
+
+
+def test_periodic_width_wraps_the_neighbours_and_one_tile_wraps_onto_itself():
+    grid = domain.TileGrid(2, 3, 8, 9, periodic_width=True)
+    assert grid.neighbours(0)["left"] == 2 and grid.neighbours(2)["right"] == 0  # across the date line
+    assert grid.neighbours(0)["up"] is None  # the pole: no wrap in latitude
+    torch.manual_seed(0)
+    model = domain.build_conv_stack((2, 4, 2), 3, seed=1, periodic_width=True)
+    field = torch.randn(1, 2, 7, 10)
+    whole = domain.TileGrid(1, 1, 7, 10, periodic_width=True)
+    reference = model(field)
+    # the reference itself: a circular convolution in longitude, zero-padded in latitude
+    assert torch.allclose(reference[..., 0], domain.build_conv_stack((2, 4, 2), 3, seed=1)(
+        torch.cat([field[..., -2:], field, field[..., :2]], dim=-1))[..., 2], atol=1e-6)
+    for exchange in ("once", "per-layer"):
+        tiled = domain.tile_conv_stack(model, field, whole, 0, exchange=exchange)
+        assert torch.allclose(tiled, reference, atol=1e-6), exchange
+    # the check can fail: the same tile treated as a bounded field (zero padding east-west) is not the globe
+    bounded = domain.TileGrid(1, 1, 7, 10)
+    assert not torch.allclose(domain.tile_conv_stack(model, field, bounded, 0), reference, atol=1e-3)
