@@ -341,3 +341,29 @@ def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> l
 
     return join_comm_rows(measured, formula, lambda row: dp if row["dimension"] == "dp" else tp,
                           keys=("dimension", "phase", "where", "collective"))
+
+
+def mesh_group_problems(mesh, rank: int, shape) -> list:
+    """Where this rank's process groups, read from the DeviceMesh itself (``mesh.get_group(dim)``), differ from
+    the grid arithmetic of :func:`groups_of_rank` (empty: they agree). ``mesh`` has named dimensions among
+    ``pp``, ``dp``, ``tp``; ``shape`` is the job's (pp, dp, tp). A mesh built in another order (``(tp, dp)``
+    instead of ``(dp, tp)``) puts TP across nodes and every numeric check still passes; this one does not."""
+    import torch.distributed as dist
+
+    expected = groups_of_rank(rank, shape)
+    problems = []
+    for dim in mesh.mesh_dim_names:
+        read = dist.get_process_group_ranks(mesh.get_group(dim))
+        if read != expected[dim]:
+            problems.append(f"rank {rank}: its {dim} group from the mesh is {read}, the grid says {expected[dim]}")
+    return problems
+
+
+def every_rank_agrees(problems: list, group=None) -> list:
+    """Every rank's problems gathered onto every rank (an object all-gather): one rank's wrong group fails the
+    check wherever the report is written."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, problems, group=group)
+    return [p for rank_problems in gathered for p in rank_problems]

@@ -188,8 +188,13 @@ def main():
         dp_rank = mesh.get_local_rank("dp")
         model = build_hybrid_model(cfg, args, mesh, rt.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        rt.print(f"{rt.world_size} ranks as dp {dp} x tp {tp}; TP groups {hybrid.grid_groups((1, dp, tp))['tp']}, "
-                 f"FSDP groups {hybrid.grid_groups((1, dp, tp))['dp']}; embedding plan {args.embedding_plan}"
+        # the groups as the mesh made them (not as arithmetic says they should be), checked on every rank
+        mine = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in ("dp", "tp")}
+        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (1, dp, tp)))
+        report.check("every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid", not wrong,
+                     "; ".join(wrong[:2]) or "all agree", "tp innermost: tp consecutive ranks")
+        rt.print(f"{rt.world_size} ranks as dp {dp} x tp {tp}; rank 0's TP group {mine['tp']}, its FSDP group "
+                 f"{mine['dp']} (read from the mesh); embedding plan {args.embedding_plan}"
                  + (", sequence parallel" if args.sequence_parallel else ""))
 
         # 3. Train. A TP group shares one slice of the batch: every TP rank of replica d sees rows d/dp.

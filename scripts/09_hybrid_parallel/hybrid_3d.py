@@ -48,7 +48,7 @@ from common_hybrid_pipeline import (GRAD_TOLERANCE, add_hybrid_flags, check_agai
                                     pipeline_stage_class, replica_batch, replica_losses, resolved_config,
                                     single_device_run, warn_if_tp_crosses_nodes)
 from common_pipeline import gather_timeline, record_actions, stage_indices, torch_schedule, transformer_stage
-from distlab import comm, gantt, hybrid_pipeline, memory, metrics, models, runtime, tensor_parallel
+from distlab import comm, gantt, hybrid, hybrid_pipeline, memory, metrics, models, runtime, tensor_parallel
 
 
 def stage_tp_plan(stage_module) -> dict:
@@ -93,6 +93,11 @@ def main():
         # 2. The mesh and this rank's place in it.
         mesh = init_device_mesh(rt.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(dim) for dim in ("pp", "dp", "tp"))
+        # every rank's groups as the mesh made them, against the grid arithmetic (a mesh built in another order
+        # would still train correctly and pass every numeric check, with its groups across the nodes)
+        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (pp, dp, tp)))
+        report.check("every rank's groups, read from the mesh, = distlab.hybrid's grid", not wrong,
+                     "; ".join(wrong[:2]) or "all agree", "pp x dp x tp, last innermost")
         mine = stage_indices(args.schedule, pp_rank, pp, chunks)
 
         # 3. Stages: cut, TP, FSDP, then pipeline stages on the pp group.

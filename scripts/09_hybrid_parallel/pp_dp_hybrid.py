@@ -54,7 +54,7 @@ from common_hybrid_pipeline import (GRAD_TOLERANCE, add_hybrid_flags, check_agai
                                     pipeline_stage_class, replica_batch, replica_losses, resolved_config,
                                     single_device_run, supports_sync_every_microbatch)
 from common_pipeline import gather_timeline, record_actions, stage_indices, torch_schedule, transformer_stage
-from distlab import comm, hybrid_pipeline, memory, metrics, models, runtime
+from distlab import comm, hybrid, hybrid_pipeline, memory, metrics, models, runtime
 
 
 class BucketLog:
@@ -111,6 +111,11 @@ def main():
         # 2. The mesh: pp outermost, dp innermost (ranks 0..dp-1 hold stage 0, ...).
         mesh = init_device_mesh(rt.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
         pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        # every rank's groups as the mesh made them, against the grid arithmetic (a mesh built in another order
+        # would still train correctly and pass every numeric check, with its groups across the nodes)
+        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (pp, dp, 1)))
+        report.check("every rank's groups, read from the mesh, = distlab.hybrid's grid", not wrong,
+                     "; ".join(wrong[:2]) or "all agree", "pp x dp x 1, last innermost")
         mine = stage_indices(args.schedule, pp_rank, pp, chunks)
 
         # 3. This rank's stages: cut from the whole model, made data parallel, then pipeline stages on the pp group.

@@ -141,3 +141,22 @@ def test_default_mesh_shape_is_tp_inside_the_node():
     assert hybrid.default_mesh_shape(2, 4) == (1, 2)  # fewer ranks than a node holds
     assert hybrid.default_mesh_shape(6, 4) == (3, 2)  # 4 does not divide 6: the largest common divisor
     assert hybrid.default_mesh_shape(1, 1) == (1, 1)
+
+
+def test_groups_read_from_the_mesh_are_checked_against_the_grid():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlab import hybrid
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
+    try:
+        right = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        assert hybrid.mesh_group_problems(right, 1, (1, 2, 4)) == []
+        # the mistake the issue names: built as (tp, dp), so a TP group strides across the nodes
+        swapped = init_device_mesh("cpu", (4, 2), mesh_dim_names=("tp", "dp"))
+        problems = hybrid.mesh_group_problems(swapped, 1, (1, 2, 4))
+        assert problems and problems[0].startswith("rank 1: its tp group from the mesh is [1, 3, 5, 7]")
+    finally:
+        dist.destroy_process_group()
