@@ -97,9 +97,11 @@ def check_layout_choice(choose_layout) -> None:
         got = _call("choose_layout", choose_layout, num_params, nodes, activation_gib)
         if not fits:
             if got is not None:
-                forgot = 4 * num_params / gpus / sizing.GIB + activation_gib <= GPU_GIB
-                hint = (" Did you count weights and gradients only? AdamW adds 12 bytes per parameter (fp32 master "
-                        "weights and two moments): 16 in all." if forgot else "")
+                # weights and gradients only: 2 + 2 bytes in bf16, or 4 + 4 as FSDP2's fp32 shards
+                forgot = any(b * num_params / gpus / sizing.GIB + activation_gib <= GPU_GIB for b in (4, 8))
+                hint = (" Did you count weights and gradients only? Each parameter holds its fp32 shard (4 bytes), "
+                        "its fp32 gradient (4) and AdamW's two fp32 moments (8): 16 in all, 4 + 4 + 8, the "
+                        "chapter's convention." if forgot else "")
                 raise ExerciseWrong(f"{where} returned {got}, but nothing fits: the state alone is {state:.1f} GiB "
                                     f"per GPU on {gpus} GPUs, + {activation_gib} GiB > {GPU_GIB:g} GiB. Return None."
                                     f"{hint}")

@@ -152,3 +152,35 @@ def test_the_chapter_names_scripts_and_modules_that_exist(raw):
 
     assert hasattr(hybrid_pipeline, "dp_gradient_sync_bytes") and "dp_gradient_sync_bytes" in raw
     assert hasattr(tensor_parallel, "activation_bytes") and "tensor_parallel.activation_bytes" in raw
+
+
+def test_second_pass_corrections_are_what_torch_does(text):
+    """The placements a learner prints, who turns off FSDP's sync in a pipeline, what PP divides, one byte split."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import stage as pipeline_stage
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    flat = text
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        colwise, rowwise = (str(p.placements) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    assert f"`{rowwise}`" in flat and f"`{colwise}`" in flat
+    source = inspect.getsource(pipeline_stage)
+    assert "set_requires_gradient_sync(False)" in source and "set_reshard_after_backward(False)" in source
+    assert "reshard_after_forward" not in source  # the user's choice, never the stage's
+    assert "torch's pipeline schedules do exactly this" not in flat
+    assert "Only TP, SP, PP or CP divide activations" not in flat and "PP does not help the first stage" in flat
+    assert "4 + 4 + 8" in flat and "2 weights + 2 gradients + 4 master" not in (
+        REPO / "notebooks" / "09_hybrid_parallel.ipynb").read_text()

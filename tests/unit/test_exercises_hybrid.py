@@ -77,9 +77,10 @@ def test_layout_accepts_sixteen_bytes_per_parameter_in_any_split(capsys):
     ex.check_layout_choice(tp_two)
 
 
-def test_layout_that_forgets_the_optimizer_state_is_rejected():
-    with pytest.raises(ExerciseWrong, match="AdamW adds 12 bytes per parameter"):
-        ex.check_layout_choice(layout(4))
+@pytest.mark.parametrize("bytes_per_parameter", [4, 8])  # weights + gradients in bf16, or as fp32 shards
+def test_layout_that_forgets_the_optimizer_state_is_rejected(bytes_per_parameter):
+    with pytest.raises(ExerciseWrong, match=r"4 \+ 4 \+ 8, the chapter's convention"):
+        ex.check_layout_choice(layout(bytes_per_parameter))
 
 
 def test_layout_errors_on_gpus_and_nodes():
