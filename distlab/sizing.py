@@ -365,3 +365,37 @@ def shapes_table_markdown() -> str:
         lines.append(f"| {s.name} | {s.source} | {s.dim:,} | {s.n_layers} | {s.n_heads} ({s.n_kv_heads}) | "
                      f"{s.ffn_hidden:,} | {s.vocab_size:,} | {s.num_params():,} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# HSDP against FSDP over every GPU (chapter 09): memory per GPU and the bytes that cross the nodes
+# ------------------------------------------------------------------------------------------------
+
+
+def hsdp_against_fsdp(model: str | LlamaShape, nodes: int, gpus_per_node: int = 4) -> dict:
+    """Per GPU, for FSDP over all ``nodes x gpus_per_node`` GPUs against HSDP (shard inside a node, replicate
+    across): the training state (16 bytes a parameter, ``memory.zero_state_bytes``) and the bytes each GPU sends
+    in a step's collectives whose groups span nodes (ring model, ``comm.bytes_sent_per_rank``; bf16 all-gathers,
+    fp32 gradient reductions, weights re-gathered for backward). Derived, not measured: the ledger that
+    ``train_fsdp.py --replicate`` measures equal to the same formula on CPU ranks."""
+    from distlab import comm
+
+    params = _shape(model).num_params()
+    world = nodes * gpus_per_node
+    fsdp = comm.zero_step_bytes(params, 3, param_bytes=2, grad_bytes=4)
+    fsdp_sent = sum(comm.bytes_sent_per_rank(name, payload, world) for name, payload in fsdp.items())
+    hsdp_sent = comm.bytes_sent_per_rank("all_reduce", params * 4 // gpus_per_node, nodes) if nodes > 1 else 0
+    return {"nodes": nodes, "params": params,
+            "fsdp_state_gib": memory.zero_state_bytes(params, world, 3).total / GIB,
+            "hsdp_state_gib": memory.zero_state_bytes(params, gpus_per_node, 3).total / GIB,
+            "fsdp_sent_gb": fsdp_sent / 1e9, "hsdp_sent_gb": hsdp_sent / 1e9}
+
+
+def hsdp_table_markdown(cases=(("7B", 2), ("7B", 8), ("70B", 8), ("70B", 32))) -> str:
+    lines = ["| model | nodes (4 GPUs each) | state per GPU: FSDP over all GPUs | HSDP, shard 4 | sent per GPU and step "
+             "in groups that span nodes: FSDP | HSDP |", "|---|---:|---:|---:|---:|---:|"]
+    for model, nodes in cases:
+        row = hsdp_against_fsdp(model, nodes)
+        lines.append(f"| {model} | {nodes} | {row['fsdp_state_gib']:.1f} GiB | {row['hsdp_state_gib']:.1f} GiB | "
+                     f"{row['fsdp_sent_gb']:.1f} GB | {row['hsdp_sent_gb']:.1f} GB |")
+    return "\n".join(lines)

@@ -10,7 +10,11 @@ gathers them again, and the gradients leave by reduce-scatter.
 * ``--mixed-precision`` all-gathers and computes in bf16 and reduces gradients in fp32 (the sharded weights
   and AdamW stay fp32);
 * ``--activation-checkpointing`` saves only each block's input and recomputes the rest in backward;
-* ``--cpu-offload`` keeps the shards, gradients and AdamW state in host memory (the step runs on the CPU).
+* ``--cpu-offload`` keeps the shards, gradients and AdamW state in host memory (the step runs on the CPU);
+* ``--replicate R`` is HSDP (hybrid sharded data parallelism), what most multi-node FSDP jobs run:
+  ``fully_shard`` on a 2-D ``(replicate, shard)`` mesh shards each parameter over the N / R ranks of a shard
+  group (one node: NVLink) and replicates the shards over the R groups (across nodes): all-gathers and
+  reduce-scatters stay inside the shard group, and one all-reduce of each gradient shard crosses the nodes.
 
 Checks: same losses and parameters as the single-device baseline (fp32 tolerance, or the documented bf16
 one); per-rank bytes of parameters, gradients and optimizer state measured from the local shards
@@ -30,12 +34,13 @@ import types
 import torch
 import torch.distributed as dist
 from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from common_fully_sharded import (BF16_LOSS_TOLERANCE, LOSS_TOLERANCE, Baseline, bf16_param_mean_tolerance,
                                   mean_abs_diff, param_tolerance)
-from distlab import comm, data, memory, metrics, models, runtime
+from distlab import comm, data, hybrid, memory, metrics, models, runtime
 
 PRESETS = {"tiny": "tiny", "a100": "a100_large"}  # a100: ~3.3 B parameters, too big for one A100-40GB with DDP
 
@@ -44,18 +49,21 @@ def check_config(args, world_size):
     runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 steps (memory is read at step 2)")
     if args.batch is not None:
         runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(world_size % args.replicate == 0,
+                    f"--replicate {args.replicate} does not divide the {world_size} ranks into (replicate, shard)")
     runtime.require(args.preset != "a100" or args.init != "seed",
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
-               activation_checkpointing=False, pin_memory=False):
+               activation_checkpointing=False, pin_memory=False, mesh=None):
     """Shard each transformer block, then the root (embeddings, final norm, output), in that order.
 
     Each ``fully_shard`` call makes one unit: its parameters are gathered and freed together. Blocks first,
-    so the root's unit holds only what no block holds.
+    so the root's unit holds only what no block holds. ``mesh``: None shards over every rank; a 2-D
+    ``(replicate, shard)`` DeviceMesh makes it HSDP.
     """
-    policy = dict(reshard_after_forward=reshard_after_forward,
+    policy = dict(reshard_after_forward=reshard_after_forward, mesh=mesh,
                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if mixed_precision else MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
@@ -132,6 +140,8 @@ def main():
                    help="bf16 parameters for compute and all-gather, fp32 gradient reduction (on for a100)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--cpu-offload", action="store_true", help="shards, gradients and AdamW state in host memory")
+    p.add_argument("--replicate", type=runtime.positive_int, default=1,
+                   help="HSDP: shard over N / R ranks (a node), replicate over R groups (default 1: plain FSDP)")
     p.add_argument("--init", choices=["auto", "seed", "meta"], default="auto",
                    help="seed: build the whole model on every rank, then shard (tiny); meta: build on the meta "
                         "device and initialise the shards only (default for a100)")
@@ -151,7 +161,22 @@ def main():
                  f"{'bf16/fp32' if args.mixed_precision else 'off'}, activation checkpointing="
                  f"{args.activation_checkpointing}, CPU offload={args.cpu_offload}, init={args.init}")
 
-        fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision,
+        # HSDP's mesh: shard groups of N / R consecutive ranks (inside a node), replicas across (chapter 09)
+        shard = world // args.replicate
+        mesh = None
+        if args.replicate > 1:
+            mesh = init_device_mesh(rt.device_type, (args.replicate, shard), mesh_dim_names=("replicate", "shard"))
+            wrong = hybrid.every_rank_agrees(
+                [f"rank {rt.rank}: its {dim} group from the mesh is {ranks}" for dim, ranks in
+                 {d: dist.get_process_group_ranks(mesh.get_group(d)) for d in ("replicate", "shard")}.items()
+                 if ranks != hybrid.groups_of_rank(rt.rank, (1, args.replicate, shard))["tp" if dim == "shard"
+                                                                                        else "dp"]])
+            report.check("every rank's shard group is N / R consecutive ranks, its replicate group strided (read "
+                         "from the mesh)", not wrong, "; ".join(wrong[:2]) or "all agree", "shard innermost")
+            rt.print(f"HSDP: {args.replicate} replicas x shard groups of {shard}; rank 0's shard group "
+                     f"{dist.get_process_group_ranks(mesh.get_group('shard'))}, its replicate group "
+                     f"{dist.get_process_group_ranks(mesh.get_group('replicate'))}")
+        fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision, mesh=mesh,
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                             pin_memory=args.cpu_offload and rt.device_type == "cuda")  # pinning needs a GPU
         if args.init == "seed":
@@ -211,28 +236,37 @@ def main():
         formula = dict(stage=3, param_bytes=2 if args.mixed_precision else 4, grad_bytes=4,
                        reshard_after_forward=args.reshard_after_forward)
         analytic = comm.zero_step_bytes(num_params, **formula)
-        if world == 1:  # one rank: nothing to gather or reduce, and FSDP skips the collectives
+        if shard == 1:  # one rank a shard group: nothing to gather or reduce, and FSDP skips the collectives
             formula["param_bytes"] = formula["grad_bytes"] = 0
             analytic = comm.zero_step_bytes(num_params, **formula)
-        # FSDP pads dim 0 of every parameter to a multiple of N: what that adds, if any (none for tiny, N = 4)
-        padded_params = sum(-(-p.shape[0] // world) * world * p[0].numel() for p in model.parameters())
+        # FSDP pads dim 0 of every parameter to a multiple of its shard group: what that adds, if any (none for
+        # tiny, N = 4)
+        padded_params = sum(-(-p.shape[0] // shard) * shard * p[0].numel() for p in model.parameters())
         padded = comm.zero_step_bytes(padded_params, **formula)
+        group_of = {"all_gather": shard, "reduce_scatter": shard}
+        if args.replicate > 1:  # HSDP: each rank's reduced gradient shard, all-reduced over the replicas
+            analytic["all_reduce"] = num_params * formula["grad_bytes"] // shard
+            padded["all_reduce"] = padded_params * formula["grad_bytes"] // shard
+            group_of["all_reduce"] = args.replicate
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
             calls = measured_comm[-1].get(collective, {}).get("calls", 0)
             report.add_comm(collective, per_step[-1], expected, calls=calls,  # ring model x measured payload:
-                            sent_bytes_per_rank_derived=comm.bytes_sent_per_rank(collective, per_step[-1], world))
+                            group_size=group_of[collective],
+                            sent_bytes_per_rank_derived=comm.bytes_sent_per_rank(collective, per_step[-1],
+                                                                                 group_of[collective]))
             extra = padded[collective] - expected
             report.check(f"{collective} bytes per step = formula (every step)",
                          all(0 <= b - expected <= extra for b in per_step), per_step[-1],
                          f"== {expected}" + (f" + padding <= {extra}" if extra else ""))
-            rt.print(f"{collective}: {per_step[-1]:,} B per step in {calls} calls (formula {expected:,} B); "
-                     f"each rank sends {comm.bytes_sent_per_rank(collective, per_step[-1], world):,.0f} B (derived: ring model)")
+            rt.print(f"{collective}: {per_step[-1]:,} B per step in {calls} calls (formula {expected:,} B) in groups "
+                     f"of {group_of[collective]}; each rank sends "
+                     f"{comm.bytes_sent_per_rank(collective, per_step[-1], group_of[collective]):,.0f} B (derived: ring model)")
 
         # ---- memory: measured from the local shards = the ZeRO-3 table ----
         # FSDP2 keeps fp32 shards even under mixed precision (bf16 copies exist only while gathered), so the
         # persistent state is the fp32 table's: 4 + 4 + 8 bytes per parameter, divided by N.
-        table = memory.zero_state_bytes(num_params, world, 3, precision="fp32")
+        table = memory.zero_state_bytes(num_params, shard, 3, precision="fp32")  # HSDP: over the shard group
         totals = torch.tensor([state.params, state.grads, state.optimizer], dtype=torch.float64)
         dist.all_reduce(totals)  # summed over ranks: the full model's state, exactly, even with uneven shards
         report.memory = {"measured": state.as_dict(), "analytic": table.as_dict(),
@@ -242,15 +276,16 @@ def main():
         rt.print(f"rank {rt.rank} state: params {state.params:,} B, grads {state.grads:,} B, AdamW "
                  f"{state.optimizer:,} B = {state.total / num_params:.2f} bytes/param (DDP: 16); saved activations "
                  f"{activations:,} B")
-        even = all(p.shape[0] % world == 0 for p in model.parameters())  # else shards differ by a row
-        padding = 16 * sum(-p.shape[0] % world * p[0].numel() for p in model.parameters())  # bytes, all state
+        even = all(p.shape[0] % shard == 0 for p in model.parameters())  # else shards differ by a row
+        padding = 16 * sum(-p.shape[0] % shard * p[0].numel() for p in model.parameters())  # bytes, all state
         for part, total in zip(("params", "grads", "optimizer"), totals.tolist()):
             if even:
                 report.check_equal(f"{part} bytes on this rank = ZeRO-3 table (16/N bytes per parameter in all)",
                                    getattr(state, part), int(getattr(table, part)))
             report.check_close(f"{part} bytes summed over ranks = the whole model's"
+                               + (f" x {args.replicate} replicas" if args.replicate > 1 else "")
                                + ("" if even else " (within padding)"), total, getattr(table, part) * world,
-                               tolerance=0 if even else padding)
+                               tolerance=0 if even else padding * args.replicate)
         report.check_equal("shards live on the host" if args.cpu_offload else "shards live on the device",
                            local.device.type, "cpu" if args.cpu_offload else rt.device_type)
 

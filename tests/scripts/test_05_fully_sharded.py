@@ -84,6 +84,22 @@ def test_checkpoint_interrupt_resume_and_reshard_4_to_2(tmp_path):
     assert entries == [21, 73]  # chapter 05: 21 model tensors, 73 optimizer entries
 
 
+def test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas():
+    # 2 replicas x shard groups of 2 (chapter 09): worked by hand from P, the tiny model's parameters
+    metrics = assert_all_checks_passed(launch.run(FSDP, nproc=4, args=["--steps", "3", "--replicate", "2"],
+                                                  stream=False), min_checks=14)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == 2 * 4 * P and comm["reduce_scatter"]["measured_bytes"] == 4 * P
+    assert comm["all_reduce"]["measured_bytes"] == 4 * P // 2  # each rank's gradient shard, over the replicas
+    assert {c["collective"]: c["group_size"] for c in metrics["comm"]} == {
+        "all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
+    assert metrics["memory"]["measured"]["total"] == 16 * P / 2  # divided by the shard group, not the world
+
+
+def test_hsdp_that_does_not_divide_the_ranks_exits_2():
+    assert_config_error(FSDP, ["--replicate", "3"], "--replicate 3 does not divide the 4 ranks")
+
+
 def test_bad_batch_exits_2():
     assert_config_error(FSDP, ["--batch", "6"], "does not split over 4 ranks")
 

@@ -184,3 +184,16 @@ def test_second_pass_corrections_are_what_torch_does(text):
     assert "Only TP, SP, PP or CP divide activations" not in flat and "PP does not help the first stage" in flat
     assert "4 + 4 + 8" in flat and "2 weights + 2 gradients + 4 master" not in (
         REPO / "notebooks" / "09_hybrid_parallel.ipynb").read_text()
+
+
+def test_the_hsdp_table_is_what_sizing_computes(raw, text):
+    from distlab import sizing
+
+    assert sizing.hsdp_table_markdown() in raw
+    seven, seventy = sizing.hsdp_against_fsdp("7B", 2), sizing.hsdp_against_fsdp("70B", 8)
+    assert f"7 B fits HSDP on 40 GiB GPUs ({seven['hsdp_state_gib']:.0f} GiB of state" in text
+    assert f"70 B does not ({seventy['hsdp_state_gib']:.0f} GiB a GPU)" in text
+    for model, nodes in (("7B", 2), ("7B", 8), ("70B", 8), ("70B", 32)):  # the section's claims, every row
+        row = sizing.hsdp_against_fsdp(model, nodes)
+        assert row["hsdp_sent_gb"] < row["fsdp_sent_gb"] / 3 and row["hsdp_state_gib"] > row["fsdp_state_gib"]
+    assert "`train_fsdp.py --replicate 2`" in text
