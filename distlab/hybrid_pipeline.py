@@ -163,3 +163,33 @@ def merge_config_file(parser: argparse.ArgumentParser, argv: list[str] | None = 
         return args, f"--config {path}: unknown setting(s) {', '.join(unknown)}"
     parser.set_defaults(**settings)
     return parser.parse_args(argv), None
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float = 2.0):
+    """Clip the gradients of a model split over pp x dp x tp by their *total* norm, as one device would.
+
+    Each rank holds DTensor gradients (sharded over dp and tp, on one mesh or another) of its own stages. torch's
+    ``get_total_norm`` gives this rank's stages' norm, a DTensor reduced over dp and tp by ``full_tensor()``,
+    one per mesh the gradients live on; the stages' norms, raised to ``norm_type``, are summed over the pp group;
+    ``clip_grads_with_norm_`` then scales every gradient by ``max_norm / total`` (when that is below 1). The same
+    steps torchtitan takes. Returns the total norm (a plain tensor, the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    parameters = [p for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for p in parameters:  # DTensors of different meshes cannot share one foreach call: one group a mesh
+        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    total = None
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        total = norm ** norm_type if total is None else total + norm ** norm_type
+    if total is None:
+        total = torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total ** (1.0 / norm_type)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

@@ -237,19 +237,21 @@ def count_params(model: nn.Module) -> int:
 
 
 def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int, batch: int, seq_len: int | None = None,
-                    device="cpu") -> dict:
+                    device="cpu", clip_grad_norm: float | None = None) -> dict:
     """The single-device run every parallel transformer script is checked against.
 
     The model built from the seed alone (never copied from a parallel one), each step's whole global batch
     (``distlab.data.token_batch``), AdamW. Returns ``losses`` (every step), ``first_grads`` (step 0, by
-    parameter name, on the CPU) and ``params`` (after the last step, by name, on the CPU).
+    parameter name, on the CPU) and ``params`` (after the last step, by name, on the CPU). With
+    ``clip_grad_norm``, each step's gradients are clipped to that total norm by torch's ``clip_grad_norm_``, and
+    ``grad_norms`` holds each step's norm before clipping.
     """
     from distlab import data
 
     seq_len = seq_len or cfg.seq_len
     model = build_transformer(cfg, seed=seed, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, first_grads = [], {}
+    losses, first_grads, grad_norms = [], {}, []
     for step in range(steps):
         inputs, targets = data.split_inputs_targets(
             data.token_batch(step, batch, seq_len, cfg.vocab_size, seed).to(device))
@@ -257,8 +259,10 @@ def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int,
         loss.backward()
         if step == 0:
             first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+        if clip_grad_norm is not None:
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm).item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "first_grads": first_grads, "params": params}
+    return {"losses": losses, "first_grads": first_grads, "params": params, "grad_norms": grad_norms}

@@ -121,7 +121,8 @@ def resolved_config(args, cfg, world_size: int) -> dict:
 def single_device_run(cfg, args, device) -> dict:
     """The whole model on one device, trained on each step's whole global batch: losses, step-0 gradients and
     final parameters by name. Built from the seed alone, as the parallel model is: an independent answer."""
-    return models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch, device=device)
+    return models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch, device=device,
+                                  clip_grad_norm=getattr(args, "clip_grad_norm", None))
 
 
 def check_against_single_device(report, reference, all_params, all_first_grads, lr) -> None:

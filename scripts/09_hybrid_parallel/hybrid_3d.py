@@ -76,6 +76,9 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
     add_hybrid_flags(p, pp=2, tp=True)
     p.add_argument("--plot", metavar="FILE", default=None, help="write the measured Gantt chart as a PNG")
+    p.add_argument("--clip-grad-norm", type=runtime.positive_float, default=None, metavar="MAX",
+                   help="clip the gradients to this total norm over every stage, dp and tp shard (as one device "
+                        "would), each step")
     args, cfg = parse_with_config(p, __file__)
     with runtime.start(args, validate=lambda world: check_hybrid_config(args, cfg, world)) as rt:
         pp, dp, tp, chunks, microbatches = args.pp, args.dp, args.tp, args.chunks, args.microbatches
@@ -115,7 +118,7 @@ def main():
         first_here, last_here = 0 in mine, num_stages - 1 in mine
 
         # 4. Train; step 1 is measured (step 0 also infers the shapes passed between stages).
-        step_losses, first_grads, measured, seconds, state = [], {}, {}, [], None
+        step_losses, first_grads, measured, seconds, state, grad_norms = [], {}, {}, [], None, []
         for step in range(args.steps):
             inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
             events.clear()
@@ -131,6 +134,10 @@ def main():
             step_losses.append(torch.stack(losses).mean().item() if last_here else None)
             if step == 0 and args.reference:
                 first_grads = {n: g for m in modules.values() for n, g in full_named(m, grads=True).items()}
+            if args.clip_grad_norm is not None:  # the total norm over pp x dp x tp, the same on every rank
+                grad_norms.append(hybrid_pipeline.clip_grad_norm_(
+                    [p for m in modules.values() for p in m.parameters()], args.clip_grad_norm,
+                    pp_group=mesh.get_group("pp")).item())
             optimizer.step()
             if step == 1:
                 state = memory.ledger(torch.nn.ModuleList(modules.values()), optimizer)
@@ -155,6 +162,10 @@ def main():
         # ---- checks: one device ----
         if reference is not None:
             check_against_single_device(report, reference, all_params, all_first_grads, args.lr)
+            if args.clip_grad_norm is not None:
+                report.check_close("the total gradient norm over pp x dp x tp = one device's (every step)",
+                                   grad_norms, reference["grad_norms"], GRAD_TOLERANCE)
+                report.extra["grad_norms"] = grad_norms
 
         # ---- checks: bytes per mesh dimension and memory per rank, every rank against the formulas ----
         def expected_for(stages_of_rank):

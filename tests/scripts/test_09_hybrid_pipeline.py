@@ -130,6 +130,16 @@ def test_3d_shapes_equal_one_device_with_bytes_and_memory_per_dimension_equal_fo
     assert {e["rank"] for e in metrics["timeline"]} == set(range(pp))
 
 
+def test_3d_clips_by_the_total_norm_over_every_stage_and_shard():
+    # 2 x 2 x 2 on 8 ranks, a max norm below every step's norm (so every step clips): the total norm over
+    # pp x dp x tp equals one device's clip_grad_norm_ at every step, and so do the losses and parameters after.
+    # Without the pp all-reduce (each stage's own norm) the check fails by 0.34 (tried).
+    result = launch.run(HYBRID_3D, nproc=8, args=["--clip-grad-norm", "0.5"], stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=11)
+    assert min(metrics["extra"]["grad_norms"]) > 0.5  # clipping was active
+    assert any("total gradient norm over pp x dp x tp" in c["name"] for c in metrics["checks"])
+
+
 def test_3d_timeline_and_warning(run_3d):
     metrics = run_3d("2x1x2").metrics
     assert metrics["extra"]["warnings"] and "larger than the 1 ranks of a node" in metrics["extra"]["warnings"][0]

@@ -197,3 +197,16 @@ def test_the_hsdp_table_is_what_sizing_computes(raw, text):
         row = sizing.hsdp_against_fsdp(model, nodes)
         assert row["hsdp_sent_gb"] < row["fsdp_sent_gb"] / 3 and row["hsdp_state_gib"] > row["fsdp_state_gib"]
     assert "`train_fsdp.py --replicate 2`" in text
+
+
+def test_the_clipping_paragraph_names_what_the_code_does(text):
+    import inspect
+
+    from distlab import hybrid_pipeline
+
+    source = inspect.getsource(hybrid_pipeline.clip_grad_norm_)
+    for call in ("get_total_norm", "full_tensor", "clip_grads_with_norm_"):
+        assert call in source and call in text, call
+    assert "dist.all_reduce(total, group=pp_group)" in source and "summed over the pp group (an all-reduce)" in text
+    tests = (REPO / "tests" / "scripts" / "test_09_hybrid_pipeline.py").read_text()
+    assert '"--clip-grad-norm", "0.5"' in tests and "`hybrid_3d.py --clip-grad-norm 0.5` on 2 x 2 x 2 ranks" in text
