@@ -367,3 +367,22 @@ def every_rank_agrees(problems: list, group=None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, problems, group=group)
     return [p for rank_problems in gathered for p in rank_problems]
+
+
+def data_of_rank(rank: int, shape, batch: int) -> dict:
+    """What ``rank`` of a (pp, dp, tp) job reads of each step's global batch of ``batch`` sequences, as chapter 09's
+    scripts feed it (``common_hybrid_pipeline.replica_batch``: ``data.shard_rows`` by the dp coordinate):
+
+    * ``rows``: the replica's contiguous rows, ``batch / dp`` of them: the same for every TP rank of a replica
+      (TP splits the weights, not the batch), different across dp;
+    * ``inputs``: only the first pipeline stage reads token ids; the others receive activations from the stage
+      before them;
+    * ``labels``: only the last stage reads the targets, for the loss."""
+    sizes = _shape_dict(shape)
+    where = grid_coordinates(rank, sizes)
+    per_replica = batch // sizes["dp"]
+    first, last = where["pp"] == 0, where["pp"] == sizes["pp"] - 1
+    rows = range(where["dp"] * per_replica, (where["dp"] + 1) * per_replica)
+    return {"rank": rank, **where, "rows": rows,
+            "inputs": "token ids" if first else f"activations from stage {where['pp'] - 1}",
+            "labels": "targets" if last else "none"}

@@ -160,3 +160,21 @@ def test_groups_read_from_the_mesh_are_checked_against_the_grid():
         assert problems and problems[0].startswith("rank 1: its tp group from the mesh is [1, 3, 5, 7]")
     finally:
         dist.destroy_process_group()
+
+
+def test_which_rank_reads_which_data():
+    import torch
+
+    from distlab import data, hybrid
+
+    shape, batch = (2, 2, 2), 8
+    table = [hybrid.data_of_rank(r, shape, batch) for r in range(8)]
+    for row in table:
+        same_replica = [t for t in table if t["dp"] == row["dp"]]
+        assert all(t["rows"] == row["rows"] for t in same_replica)  # TP ranks (and stages) of a replica: same rows
+        assert (row["inputs"] == "token ids") == (row["pp"] == 0) and (row["labels"] == "targets") == (row["pp"] == 1)
+    assert table[0]["rows"] != table[2]["rows"]  # another dp coordinate: other rows
+    # the rows are the ones the scripts feed (data.shard_rows of the global batch by the dp coordinate)
+    tokens = torch.arange(batch)[:, None]
+    for row in table:
+        assert data.shard_rows(tokens, row["dp"], 2)[:, 0].tolist() == list(row["rows"])
