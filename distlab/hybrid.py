@@ -343,19 +343,22 @@ def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> l
                           keys=("dimension", "phase", "where", "collective"))
 
 
-def mesh_group_problems(mesh, rank: int, shape) -> list:
+def mesh_group_problems(mesh, rank: int, shape, names: dict | None = None) -> list:
     """Where this rank's process groups, read from the DeviceMesh itself (``mesh.get_group(dim)``), differ from
     the grid arithmetic of :func:`groups_of_rank` (empty: they agree). ``mesh`` has named dimensions among
-    ``pp``, ``dp``, ``tp``; ``shape`` is the job's (pp, dp, tp). A mesh built in another order (``(tp, dp)``
-    instead of ``(dp, tp)``) puts TP across nodes and every numeric check still passes; this one does not."""
+    ``pp``, ``dp``, ``tp``, or others mapped onto them by ``names`` (HSDP's ``{"replicate": "dp", "shard":
+    "tp"}``); ``shape`` is the job's (pp, dp, tp). A mesh built in another order (``(tp, dp)`` instead of
+    ``(dp, tp)``) puts TP across nodes and every numeric check still passes; this one does not."""
     import torch.distributed as dist
 
     expected = groups_of_rank(rank, shape)
+    names = names or {}
     problems = []
     for dim in mesh.mesh_dim_names:
         read = dist.get_process_group_ranks(mesh.get_group(dim))
-        if read != expected[dim]:
-            problems.append(f"rank {rank}: its {dim} group from the mesh is {read}, the grid says {expected[dim]}")
+        want = expected[names.get(dim, dim)]
+        if read != want:
+            problems.append(f"rank {rank}: its {dim} group from the mesh is {read}, the grid says {want}")
     return problems
 
 

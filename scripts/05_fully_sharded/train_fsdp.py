@@ -166,11 +166,8 @@ def main():
         mesh = None
         if args.replicate > 1:
             mesh = init_device_mesh(rt.device_type, (args.replicate, shard), mesh_dim_names=("replicate", "shard"))
-            wrong = hybrid.every_rank_agrees(
-                [f"rank {rt.rank}: its {dim} group from the mesh is {ranks}" for dim, ranks in
-                 {d: dist.get_process_group_ranks(mesh.get_group(d)) for d in ("replicate", "shard")}.items()
-                 if ranks != hybrid.groups_of_rank(rt.rank, (1, args.replicate, shard))["tp" if dim == "shard"
-                                                                                        else "dp"]])
+            wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(
+                mesh, rt.rank, (1, args.replicate, shard), names={"replicate": "dp", "shard": "tp"}))
             report.check("every rank's shard group is N / R consecutive ranks, its replicate group strided (read "
                          "from the mesh)", not wrong, "; ".join(wrong[:2]) or "all agree", "shard innermost")
             rt.print(f"HSDP: {args.replicate} replicas x shard groups of {shard}; rank 0's shard group "

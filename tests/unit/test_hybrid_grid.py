@@ -158,6 +158,13 @@ def test_groups_read_from_the_mesh_are_checked_against_the_grid():
         swapped = init_device_mesh("cpu", (4, 2), mesh_dim_names=("tp", "dp"))
         problems = hybrid.mesh_group_problems(swapped, 1, (1, 2, 4))
         assert problems and problems[0].startswith("rank 1: its tp group from the mesh is [1, 3, 5, 7]")
+        # HSDP's names map onto the grid's: shard = the consecutive (tp-like) ranks, replicate = the strided ones
+        hsdp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        names = {"replicate": "dp", "shard": "tp"}
+        assert hybrid.mesh_group_problems(hsdp, 1, (1, 2, 4), names=names) == []
+        backwards = init_device_mesh("cpu", (4, 2), mesh_dim_names=("shard", "replicate"))
+        assert hybrid.mesh_group_problems(backwards, 1, (1, 2, 4), names=names)[0].startswith(
+            "rank 1: its shard group from the mesh is [1, 3, 5, 7], the grid says [0, 1, 2, 3]")
     finally:
         dist.destroy_process_group()
 
