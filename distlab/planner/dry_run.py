@@ -83,8 +83,9 @@ def check_mesh(layout: Layout, sample: int = 64) -> list[int]:
     return wrong
 
 
-def _chapter_code():
-    """Chapter 07's ``transformer_stage`` and chapter 09's ``parallelize_stage``, imported from their scripts."""
+def _chapter_code(with_plan: bool = False):
+    """Chapter 07's ``transformer_stage`` and chapter 09's ``parallelize_stage`` (and, ``with_plan``, its
+    ``stage_tp_plan``), imported from their scripts."""
     for folder in ("07_pipeline_parallel", "09_hybrid_parallel"):
         path = str(REPO / "scripts" / folder)
         if path not in sys.path:
@@ -92,6 +93,8 @@ def _chapter_code():
     with contextlib.redirect_stderr(io.StringIO()):
         common_pipeline = importlib.import_module("common_pipeline")
         hybrid_3d = importlib.import_module("hybrid_3d")
+    if with_plan:
+        return common_pipeline.transformer_stage, hybrid_3d.parallelize_stage, hybrid_3d.stage_tp_plan
     return common_pipeline.transformer_stage, hybrid_3d.parallelize_stage
 
 
@@ -267,11 +270,11 @@ def _count_stage(job: tuple) -> dict:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from distlab import comm, tensor_parallel
+    from distlab import comm
 
     spec, layout, rank = job
     torch.set_num_threads(1)
-    transformer_stage, _ = _chapter_code()
+    transformer_stage, _, stage_tp_plan = _chapter_code(with_plan=True)
     coordinates = hybrid.grid_coordinates(rank, (layout.pp, layout.dp, layout.tp))
     stage, last = coordinates["pp"], coordinates["pp"] == layout.pp - 1
     cfg = replace(spec.config(), n_kv_heads=spec.kv_heads)
@@ -282,12 +285,9 @@ def _count_stage(job: tuple) -> dict:
     try:
         mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         if layout.tp > 1:
-            # chapter 06's plan, the head's logits kept split for loss_parallel (what the planner's TP rows count;
-            # chapter 09's hybrid_3d.py gathers them instead, for torch's pipeline schedule)
-            present = {name for name, child in part.named_children() if child is not None}
-            plan = {pattern: style for pattern, style in tensor_parallel.transformer_tp_plan().items()
-                    if pattern.split(".")[0] in present}
-            parallelize_module(part, mesh["tp"], plan)
+            # chapter 09's stage plan with the head's logits kept split for loss_parallel (what the planner's TP
+            # rows count; hybrid_3d.py gathers them instead, for torch's pipeline schedule)
+            parallelize_module(part, mesh["tp"], stage_tp_plan(part, gather_logits=False))
         # FSDP2 splits each TP shard's first dimension in ceil(rows / dp) rows a rank: the padding is known
         exact = padded = 0
         for p in part.parameters():

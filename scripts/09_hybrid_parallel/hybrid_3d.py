@@ -51,10 +51,12 @@ from common_pipeline import gather_timeline, record_actions, stage_indices, torc
 from distlab import comm, gantt, hybrid, hybrid_pipeline, memory, metrics, models, runtime, tensor_parallel
 
 
-def stage_tp_plan(stage_module) -> dict:
-    """Chapter 06's plan, for the modules this stage has; the head gathers its logits (see the docstring)."""
+def stage_tp_plan(stage_module, gather_logits: bool = True) -> dict:
+    """Chapter 06's plan, for the modules this stage has; the head gathers its logits (see the docstring), or,
+    with ``gather_logits=False``, keeps them split for ``loss_parallel`` as chapter 06 does."""
     plan = tensor_parallel.transformer_tp_plan()
-    plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    if gather_logits:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
     present = {name for name, child in stage_module.named_children() if child is not None}
     return {pattern: style for pattern, style in plan.items() if pattern.split(".")[0] in present}
 
