@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+# The optimizer's state keyed by each parameter's name ("state.layers.0.attention.wq.weight.exp_avg",
+# "param_groups.layers.0.attention.wq.weight.lr"), one entry a tensor or a number, as torchtitan saves it: a
+# rank of another layout (fewer pipeline stages, another TP or dp degree) holds other parameters in another
+# order and finds its own by name. (torch's nested form, param groups as lists of names, also resumed across the
+# layouts of chapter 09 when tried with torch 2.13; the flat one leaves nothing to a rank's order.)
+LAYOUT_FREE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainingState(Stateful):
@@ -28,7 +36,7 @@ class TrainingState(Stateful):
     def state_dict(self):
         from distlab import runtime
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=LAYOUT_FREE)
         state = {"model": model_state, "optimizer": optimizer_state, "step": self.step}
         if self.loader is not None:
             state["data"] = self.loader.state_dict()
@@ -40,7 +48,7 @@ class TrainingState(Stateful):
         from distlab import runtime
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=LAYOUT_FREE)
         self.step = state["step"]
         if self.loader is not None:
             self.loader.load_state_dict(state["data"])
@@ -48,8 +56,36 @@ class TrainingState(Stateful):
             runtime.set_rng_state(state[f"rng_rank{self.rank}"])
 
 
+class StagesOfRank(nn.Module):
+    """The pipeline stages one rank holds, as one module whose parameter names are the whole model's.
+
+    Each stage is a copy of the model with the parts it does not run deleted (``transformer_stage``): its names
+    are already the whole model's ("layers.5.attention.wq.weight"). A rank with two stages (interleaved
+    schedules) would otherwise need a ModuleList, whose names start with the stage's position on this rank
+    ("1.layers.5..."), which another layout does not share. This module holds the same submodules (no copy),
+    merged: what a checkpoint writes under a name, any layout reads under that name.
+    """
+
+    def __init__(self, stages):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if child is None:
+                    continue
+                if name == "layers":
+                    self.layers.update(child)
+                else:
+                    setattr(self, name, child)
+
+
 def checkpoint_dir(run_dir, step: int) -> Path:
     return Path(run_dir) / f"step_{step:06d}"
+
+
+def step_of(path) -> int:
+    """The number of optimizer steps a checkpoint folder ``step_NNNNNN`` holds."""
+    return int(Path(path).name.removeprefix("step_"))
 
 
 def checkpoints(run_dir) -> list[Path]:
@@ -74,3 +110,15 @@ def load(state: TrainingState, path) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.load({"training": state}, checkpoint_id=str(path))
+
+
+def load_weights_only(model, path) -> None:
+    """The mistake chapter 09 shows: the weights of a checkpoint, into a fresh optimizer (AdamW's moments zero,
+    its step count 0), as a script that saves only ``model.state_dict()`` would resume. The loss moves on
+    from the right place, then drifts from the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"training": {"model": get_model_state_dict(model, options=LAYOUT_FREE)}}
+    dcp.load(state, checkpoint_id=str(path))   # reads only the keys asked for
+    set_model_state_dict(model, state["training"]["model"], options=LAYOUT_FREE)

@@ -389,3 +389,9 @@ def data_of_rank(rank: int, shape, batch: int) -> dict:
     return {"rank": rank, **where, "rows": rows,
             "inputs": "token ids" if first else f"activations from stage {where['pp'] - 1}",
             "labels": "targets" if last else "none"}
+
+
+def config_difference(saved: dict, wanted: dict) -> str:
+    """The settings two model configurations disagree on, as ``name saved -> wanted`` (for a one-line error)."""
+    keys = sorted(set(saved) | set(wanted))
+    return ", ".join(f"{k} {saved.get(k)} -> {wanted.get(k)}" for k in keys if saved.get(k) != wanted.get(k))

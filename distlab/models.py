@@ -237,12 +237,13 @@ def count_params(model: nn.Module) -> int:
 
 
 def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int, batch: int, seq_len: int | None = None,
-                    device="cpu", clip_grad_norm: float | None = None) -> dict:
+                    device="cpu", clip_grad_norm: float | None = None, grads_at_step: int = 0) -> dict:
     """The single-device run every parallel transformer script is checked against.
 
     The model built from the seed alone (never copied from a parallel one), each step's whole global batch
     (``distlab.data.token_batch``), AdamW. Returns ``losses`` (every step), ``first_grads`` (step 0, by
-    parameter name, on the CPU) and ``params`` (after the last step, by name, on the CPU). With
+    parameter name, on the CPU; of step ``grads_at_step`` when given: a run resumed from a checkpoint compares its
+    first step's) and ``params`` (after the last step, by name, on the CPU). With
     ``clip_grad_norm``, each step's gradients are clipped to that total norm by torch's ``clip_grad_norm_``, and
     ``grad_norms`` holds each step's norm before clipping.
     """
@@ -257,7 +258,7 @@ def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int,
             data.token_batch(step, batch, seq_len, cfg.vocab_size, seed).to(device))
         loss = lm_loss(model(inputs), targets)
         loss.backward()
-        if step == 0:
+        if step == grads_at_step:
             first_grads = {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
         if clip_grad_norm is not None:
             grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm).item())

@@ -122,18 +122,22 @@ def single_device_run(cfg, args, device) -> dict:
     """The whole model on one device, trained on each step's whole global batch: losses, step-0 gradients and
     final parameters by name. Built from the seed alone, as the parallel model is: an independent answer."""
     return models.train_reference(cfg, seed=args.seed, lr=args.lr, steps=args.steps, batch=args.batch, device=device,
-                                  clip_grad_norm=getattr(args, "clip_grad_norm", None))
+                                  clip_grad_norm=getattr(args, "clip_grad_norm", None),
+                                  grads_at_step=getattr(args, "first_step", 0))
 
 
-def check_against_single_device(report, reference, all_params, all_first_grads, lr) -> None:
+def check_against_single_device(report, reference, all_params, all_first_grads, lr, first_step: int = 0) -> None:
     """The checks against :func:`single_device_run` (on rank 0): every parameter name, the losses of every step,
-    the step-0 gradients and the parameters after training, each gathered from the stages that hold them."""
+    the first step's gradients and the parameters after training, each gathered from the stages that hold them.
+    A run resumed from a checkpoint ran steps ``first_step`` on; the single-device run ran them all, unbroken."""
     names = sorted(reference["params"])
     report.check("the stages' parameter names are the whole model's", sorted(all_params) == names,
                  f"{len(all_params)} names", f"{len(names)} names")
-    report.check_close("losses equal the single-device run's (every step)", report.losses,
-                       reference["losses"], LOSS_TOLERANCE)
-    report.check_close("step-0 gradients equal the single-device run's (every parameter)",
+    resumed = f" (steps {first_step}-{first_step + len(report.losses) - 1} after resuming; it ran every step)" \
+        if first_step else " (every step)"
+    report.check_close("losses equal the single-device run's" + resumed, report.losses,
+                       reference["losses"][first_step:], LOSS_TOLERANCE)
+    report.check_close(f"step-{first_step} gradients equal the single-device run's (every parameter)",
                        [all_first_grads[n] for n in names], [reference["first_grads"][n] for n in names],
                        GRAD_TOLERANCE)
     report.check_close("parameters after training equal the single-device run's",

@@ -24,6 +24,17 @@ over dp, TP all-reduces and all-gathers), and parameters, gradients and AdamW st
 timeline of the pipeline dimension (the ranks with dp = tp = 0, one per stage) is in the metrics ``timeline``
 (ASCII Gantt chart here; PNG with ``--plot FILE``).
 
+A checkpoint that changes layout: ``--save-after N --checkpoint-dir DIR`` writes a DCP checkpoint (model and
+AdamW state, under the whole model's parameter names) after N steps; ``--resume DIR`` starts another job, in any
+other layout, from the latest complete one and runs on to ``--steps``. Its losses, first gradients and final
+parameters are compared with the single-device run that never stopped: what a user does when a job moves to
+another allocation (8 ranks, then 4):
+
+    torchrun --standalone --nproc_per_node=8 scripts/09_hybrid_parallel/hybrid_3d.py --pp 2 --dp 2 --tp 2 \
+        --steps 4 --save-after 2 --checkpoint-dir runs/3d
+    torchrun --standalone --nproc_per_node=4 scripts/09_hybrid_parallel/hybrid_3d.py --pp 1 --dp 2 --tp 2 \
+        --steps 4 --resume runs/3d
+
 ``--config FILE.json`` loads a run's settings (flags given override it); the reference layouts are in
 ``scripts/09_hybrid_parallel/configs/``. Every run writes its resolved configuration into its metrics.
 
@@ -33,8 +44,10 @@ timeline of the pipeline dimension (the ranks with dp = tp = 0, one per stage) i
         --config scripts/09_hybrid_parallel/configs/hybrid_3d_16gpus.json
 """
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,7 +61,8 @@ from common_hybrid_pipeline import (GRAD_TOLERANCE, add_hybrid_flags, check_agai
                                     pipeline_stage_class, replica_batch, replica_losses, resolved_config,
                                     single_device_run, warn_if_tp_crosses_nodes)
 from common_pipeline import gather_timeline, record_actions, stage_indices, torch_schedule, transformer_stage
-from distlab import comm, gantt, hybrid, hybrid_pipeline, memory, metrics, models, runtime, tensor_parallel
+from distlab import (checkpointing, comm, gantt, hybrid, hybrid_pipeline, memory, metrics, models, runtime,
+                     tensor_parallel)
 
 
 def stage_tp_plan(stage_module, gather_logits: bool = True) -> dict:
@@ -74,6 +88,32 @@ def parallelize_stage(module, args, mesh):
     return module
 
 
+def check_checkpoint_flags(args, cfg) -> None:
+    """Every rank, before the process group forms (the folders are on a file system every node sees)."""
+    args.first_step, args.resumed_from, args.saved_by = 0, None, None
+    if args.save_after is not None:
+        runtime.require(args.checkpoint_dir is not None, "--save-after needs --checkpoint-dir DIR")
+        runtime.require(args.save_after <= args.steps, f"--save-after {args.save_after}: the run has only "
+                                                       f"--steps {args.steps}")
+        target = checkpointing.checkpoint_dir(args.checkpoint_dir, args.save_after)
+        runtime.require(not target.exists(), f"{target} exists; choose another --checkpoint-dir (a checkpoint is "
+                                             f"never overwritten)")
+    runtime.require(args.resume is not None or not args.resume_weights_only, "--resume-weights-only needs --resume DIR")
+    if args.resume is not None:
+        latest = checkpointing.latest_checkpoint(args.resume)
+        runtime.require(latest is not None, f"--resume {args.resume}: no complete checkpoint (step_N/.metadata) there")
+        args.first_step, args.resumed_from = checkpointing.step_of(latest), latest
+        runtime.require(args.steps - args.first_step >= 2,
+                        f"--steps {args.steps}: the checkpoint holds {args.first_step} steps; run at least 2 more "
+                        f"(the second is the one measured)")
+        layout = latest / "layout.json"
+        args.saved_by = json.loads(layout.read_text()) if layout.exists() else None
+        if args.saved_by is not None:   # another model would fail inside DCP with a shape, or load half of itself
+            runtime.require(args.saved_by["model"] == cfg.to_dict(),
+                            f"--resume {args.resume}: the checkpoint holds another model "
+                            f"({hybrid.config_difference(args.saved_by['model'], cfg.to_dict())})")
+
+
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=3)
     add_hybrid_flags(p, pp=2, tp=True)
@@ -81,8 +121,21 @@ def main():
     p.add_argument("--clip-grad-norm", type=runtime.positive_float, default=None, metavar="MAX",
                    help="clip the gradients to this total norm over every stage, dp and tp shard (as one device "
                         "would), each step")
+    p.add_argument("--save-after", type=runtime.positive_int, default=None, metavar="N",
+                   help="write a DCP checkpoint after N steps, into --checkpoint-dir")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="where --save-after writes (DIR/step_N; never overwritten)")
+    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="start from the latest complete checkpoint in DIR, saved in this or any other layout")
+    p.add_argument("--resume-weights-only", action="store_true",
+                   help="the mistake: load the weights but not AdamW's state (the check against one device fails)")
     args, cfg = parse_with_config(p, __file__)
-    with runtime.start(args, validate=lambda world: check_hybrid_config(args, cfg, world)) as rt:
+
+    def validate(world):
+        check_hybrid_config(args, cfg, world)
+        check_checkpoint_flags(args, cfg)
+
+    with runtime.start(args, validate=validate) as rt:
         pp, dp, tp, chunks, microbatches = args.pp, args.dp, args.tp, args.chunks, args.microbatches
         num_stages = pp * chunks
         report = metrics.Report(__file__, rt, config=resolved_config(args, cfg, rt.world_size))
@@ -118,10 +171,27 @@ def main():
         schedule = torch_schedule(args.schedule, stages, microbatches, loss_fn=models.lm_loss)
         optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=args.lr)
         first_here, last_here = 0 in mine, num_stages - 1 in mine
+        # what a checkpoint holds: this rank's stages under the whole model's names, each tensor as sharded here
+        training = checkpointing.TrainingState(checkpointing.StagesOfRank(modules.values()), optimizer)
+        layout = {"pp": pp, "dp": dp, "tp": tp, "world_size": rt.world_size, "schedule": args.schedule,
+                  "model": cfg.to_dict()}
+        if args.resumed_from is not None:
+            if args.resume_weights_only:
+                checkpointing.load_weights_only(training.model, args.resumed_from)
+                training.step = args.first_step
+            else:
+                checkpointing.load(training, args.resumed_from)   # DCP reshards every tensor into this layout
+            saved_by = args.saved_by or {}
+            rt.print(f"resumed from {args.resumed_from} ({training.step} steps done), saved by (pp, dp, tp) = "
+                     f"({saved_by.get('pp')}, {saved_by.get('dp')}, {saved_by.get('tp')}) on "
+                     f"{saved_by.get('world_size')} ranks; now ({pp}, {dp}, {tp}) on {rt.world_size}")
+            report.extra["resumed"] = {"from": str(args.resumed_from), "step": training.step, "saved_by": saved_by,
+                                       "layout": layout}
 
         # 4. Train; step 1 is measured (step 0 also infers the shapes passed between stages).
         step_losses, first_grads, measured, seconds, state, grad_norms = [], {}, {}, [], None, []
-        for step in range(args.steps):
+        first = args.first_step
+        for step in range(first, args.steps):
             inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
             events.clear()
             dist.barrier()
@@ -134,19 +204,26 @@ def main():
             rt.sync()
             seconds.append(time.perf_counter() - t0)
             step_losses.append(torch.stack(losses).mean().item() if last_here else None)
-            if step == 0 and args.reference:
+            if step == first and args.reference:
                 first_grads = {n: g for m in modules.values() for n, g in full_named(m, grads=True).items()}
             if args.clip_grad_norm is not None:  # the total norm over pp x dp x tp, the same on every rank
                 grad_norms.append(hybrid_pipeline.clip_grad_norm_(
                     [p for m in modules.values() for p in m.parameters()], args.clip_grad_norm,
                     pp_group=mesh.get_group("pp")).item())
             optimizer.step()
-            if step == 1:
+            if step == first + 1:
                 state = memory.ledger(torch.nn.ModuleList(modules.values()), optimizer)
                 measured = hybrid_pipeline.bytes_by_dimension(counter.calls)
                 # the pipeline dimension of one replica: the ranks with dp = tp = 0, one row per pp rank
                 report.timeline = gather_timeline(events if dp_rank == 0 and tp_rank == 0 else [], t0, pp_rank)
             optimizer.zero_grad(set_to_none=True)
+            if args.save_after == step + 1:
+                training.step = step + 1
+                where = checkpointing.save(training, args.checkpoint_dir)
+                if rt.is_main:   # which layout wrote it, for the job that resumes (DCP itself does not need it)
+                    (where / "layout.json").write_text(json.dumps(layout))
+                rt.print(f"saved {where} after {step + 1} steps")
+                report.extra["saved"] = {"to": str(where), "step": step + 1, "layout": layout}
         report.losses = replica_losses(step_losses, last_here, tp_rank == 0)
         rt.print("losses: " + " ".join(f"{x:.5f}" for x in report.losses))
 
@@ -163,10 +240,10 @@ def main():
 
         # ---- checks: one device ----
         if reference is not None:
-            check_against_single_device(report, reference, all_params, all_first_grads, args.lr)
+            check_against_single_device(report, reference, all_params, all_first_grads, args.lr, first)
             if args.clip_grad_norm is not None:
                 report.check_close("the total gradient norm over pp x dp x tp = one device's (every step)",
-                                   grad_norms, reference["grad_norms"], GRAD_TOLERANCE)
+                                   grad_norms, reference["grad_norms"][first:], GRAD_TOLERANCE)
                 report.extra["grad_norms"] = grad_norms
 
         # ---- checks: bytes per mesh dimension and memory per rank, every rank against the formulas ----

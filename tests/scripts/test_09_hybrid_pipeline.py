@@ -1,10 +1,12 @@
 """Chapter 09's pipeline hybrids on CPU ranks: PP + DDP and FSDP + PP (pp_dp_hybrid.py), PP x FSDP x TP
 (hybrid_3d.py) in the shapes 2x1x2, 2x2x1, 1x2x2 on 4 ranks and 2x2x2 on 8, each equal to one device with its
-bytes and memory = formula; bad configurations exit 2 on every rank. One launch per run, asserted many ways."""
+bytes and memory = formula; the 8-rank run's checkpoint resumed on 4 ranks in two other layouts; bad
+configurations exit 2 on every rank. One launch per run, asserted many ways."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
@@ -99,10 +101,13 @@ def _fsdp_tp(tmp_path_factory):
     return launch.run(HYBRID_3D, nproc=4, args=["--config", str(path), "--steps", "2"], stream=False)
 
 
-def _all_three(_):
-    # 2x2x2 on 8 ranks (slow on 2 cores: once), interleaved: 4 stages
+def _all_three(tmp_path_factory):
+    # 2x2x2 on 8 ranks (slow on 2 cores: once), interleaved: 4 stages; it also writes the checkpoint after step 2
+    # that the tests of a layout change resume on 4 ranks
+    folder = tmp_path_factory.mktemp("checkpoints_2x2x2")
     return launch.run(HYBRID_3D, nproc=8, args=["--pp", "2", "--dp", "2", "--tp", "2", "--schedule",
-                                                "Interleaved1F1B", "--steps", "2"], stream=False, timeout=240)
+                                                "Interleaved1F1B", "--steps", "4", "--save-after", "2",
+                                                "--checkpoint-dir", str(folder)], stream=False, timeout=240)
 
 
 SHAPES = {"2x1x2": _pp_tp, "2x2x1": _pp_fsdp, "1x2x2": _fsdp_tp, "2x2x2": _all_three}
@@ -154,6 +159,51 @@ def test_3d_writes_its_resolved_configuration(run_3d):
     assert config["steps"] == 2 and config["schedule"] == "GPipe"      # the flag beat the file; the file's schedule
     assert config["config"].endswith("fsdp_tp.json") and config["model"]["n_layers"] == 4
     assert config["chunks"] == 1 and config["reference"] is True
+
+
+# ---- a checkpoint that changes layout: saved by 2x2x2 on 8 ranks, resumed on 4 -----------------------------------
+
+def _saved_checkpoints(run_3d):
+    saved = run_3d("2x2x2").metrics["extra"]["saved"]
+    assert saved["step"] == 2 and saved["layout"]["world_size"] == 8
+    return str(Path(saved["to"]).parent)
+
+
+@pytest.mark.parametrize("pp, dp, tp", [(1, 2, 2), (2, 1, 2)])
+def test_3d_checkpoint_resumes_in_another_layout_equal_to_the_run_that_never_stopped(pp, dp, tp, run_3d):
+    # steps 2 and 3 on 4 ranks, from what 8 ranks in another layout wrote: losses, the step-2 gradients and the
+    # final parameters equal the single-device run of steps 0-3 with no stop (and the 8-rank run's own losses)
+    folder = _saved_checkpoints(run_3d)
+    result = launch.run(HYBRID_3D, nproc=4, args=["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--schedule",
+                                                  "GPipe", "--steps", "4", "--resume", folder], stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=9)
+    for name in ("losses equal the single-device run's (steps 2-3 after resuming", "step-2 gradients equal",
+                 "parameters after training equal"):
+        assert _check(metrics, name)["passed"]
+    resumed = metrics["extra"]["resumed"]
+    assert resumed["step"] == 2 and resumed["saved_by"]["world_size"] == 8
+    assert (resumed["layout"]["pp"], resumed["layout"]["dp"], resumed["layout"]["tp"]) == (pp, dp, tp)
+    assert metrics["losses"] == pytest.approx(run_3d("2x2x2").metrics["losses"][2:], abs=1e-5)
+    assert "saved by (pp, dp, tp) = (2, 2, 2) on 8 ranks; now" in result.output
+
+
+def test_3d_resume_with_the_weights_alone_fails_the_check(run_3d):
+    # the mistake a script that saves model.state_dict() alone makes: a fresh AdamW after the restart
+    result = launch.run(HYBRID_3D, nproc=4, args=["--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "GPipe",
+                                                  "--steps", "4", "--resume", _saved_checkpoints(run_3d),
+                                                  "--resume-weights-only"], stream=False, check=False)
+    assert result.returncode == 1
+    assert not _check(result.metrics, "losses equal the single-device run's")["passed"]
+    assert not _check(result.metrics, "parameters after training equal")["passed"]
+
+
+def test_3d_checkpoint_flags_refuse_bad_input(run_3d, tmp_path):
+    folder = _saved_checkpoints(run_3d)
+    assert_config_error(HYBRID_3D, ["--resume", str(tmp_path)], "no complete checkpoint")
+    assert_config_error(HYBRID_3D, ["--resume", folder, "--layers", "8", "--steps", "4"], "holds another model (n_layers 4 -> 8)")
+    assert_config_error(HYBRID_3D, ["--resume", folder, "--steps", "3"], "run at least 2 more")
+    assert_config_error(HYBRID_3D, ["--save-after", "2", "--checkpoint-dir", folder], "exists; choose another")
+    assert_config_error(HYBRID_3D, ["--save-after", "5", "--checkpoint-dir", str(tmp_path)], "has only --steps 3")
 
 
 # ---- bad input: one line, exit 2, every rank ---------------------------------------------------------------------
