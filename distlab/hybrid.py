@@ -241,7 +241,7 @@ def fsdp_unit_params(cfg, tp: int, embedding_plan: str = "usual", dp: int = 1) -
 
 def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, sequence_parallel: bool = False,
                          embedding_plan: str = "usual", reshard_after_forward: bool = True,
-                         bytes_per_element: int = 4) -> list:
+                         bytes_per_element: int = 4, reduce_bytes_per_element: int | None = None) -> list:
     """The collectives of one training step on a dp x tp mesh, per mesh dimension, as rows
     ``{dimension, phase, where, collective, calls, payload_bytes}`` (payload summed over the calls).
 
@@ -258,7 +258,12 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
     an all-gather of the unit's TP-local parameters before forward, another before backward
     (``reshard_after_forward``), and a reduce-scatter of its gradients. Groups of one rank carry nothing:
     no rows for a dimension of size 1.
+
+    ``bytes_per_element`` is the size of an activation and of a gathered weight (2 under bf16), and
+    ``reduce_bytes_per_element`` that of a reduced gradient (FSDP's ``reduce_dtype``: 4 under the course's
+    bf16 policy; by default the same as ``bytes_per_element``); ``loss_parallel``'s statistics are fp32 always.
     """
+    reduce_bytes = reduce_bytes_per_element or bytes_per_element
     from distlab.tensor_parallel import tp_comm_formula
 
     rows: dict[tuple, dict] = {}
@@ -278,6 +283,8 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
             if embedding_plan == "alternative" and row["where"] != "blocks":
                 continue  # written below
             if row["where"] == "norm weights":  # 2 per block, and the final norm
+                # partial sums of the norm weights' gradients, reduced in the compute dtype by FSDP's hook before
+                # it casts them to reduce_dtype (measured: 2 bytes a number under bf16)
                 add("tp", "backward", "blocks", row["collective"], 2 * cfg.n_layers, cfg.dim * bytes_per_element)
                 add("tp", "backward", "outside blocks", row["collective"], 1, cfg.dim * bytes_per_element)
                 continue
@@ -297,12 +304,13 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
             add("dp", "forward", where, "all_gather", count, unit_bytes)
             if reshard_after_forward:
                 add("dp", "backward", where, "all_gather", count, unit_bytes)
-            add("dp", "backward", where, "reduce_scatter", count, unit_bytes)
+            add("dp", "backward", where, "reduce_scatter", count, units[unit] * reduce_bytes)
     return list(rows.values())
 
 
 def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual",
-                               bytes_per_element: int = 4, dp: int = 1) -> list:
+                               bytes_per_element: int = 4, dp: int = 1,
+                               reduce_bytes_per_element: int | None = None) -> list:
     """Group the collectives a :class:`distlab.comm.ModuleCommCounter` recorded into the rows of
     :func:`fsdp_tp_comm_formula`.
 
@@ -314,14 +322,17 @@ def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual
     the current one computes. A size that is neither becomes a row of its own, ``unknown unit``.
     """
     unit_params = fsdp_unit_params(cfg, tp, embedding_plan, dp)
-    units = {unit_params["root"] * bytes_per_element: "root", unit_params["block"] * bytes_per_element: "blocks"}
+    reduce_bytes = reduce_bytes_per_element or bytes_per_element
+    units = {(collective, unit_params[unit] * size): where
+             for collective, size in (("all_gather", bytes_per_element), ("reduce_scatter", reduce_bytes))
+             for unit, where in (("root", "root"), ("block", "blocks"))}
     rows: dict[tuple, dict] = {}
     for call in calls:
         if call.group_size == 1:
             continue
         if call.source == "c10d":
             dimension = "dp"
-            where = units.get(call.payload_bytes, "unknown unit")
+            where = units.get((call.collective, call.payload_bytes), "unknown unit")
         else:
             dimension = "tp"
             where = "blocks" if ".layers." in f".{call.module}." else "outside blocks"
@@ -395,3 +406,42 @@ def config_difference(saved: dict, wanted: dict) -> str:
     """The settings two model configurations disagree on, as ``name saved -> wanted`` (for a one-line error)."""
     keys = sorted(set(saved) | set(wanted))
     return ", ".join(f"{k} {saved.get(k)} -> {wanted.get(k)}" for k in keys if saved.get(k) != wanted.get(k))
+
+
+# ---- precision: fp32 where a run is compared exactly, bf16 where it is meant to be fast --------------------------
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def add_precision_flag(parser) -> None:
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="fp32 (default for tiny: checks exact to rounding) or bf16 (default for a100): bf16 "
+                             "weights all-gathered and computed, gradients reduced and AdamW run in fp32")
+
+
+def resolve_precision(args) -> str:
+    """``args.precision`` filled in from the preset: what the chapter's tables assume on the cluster (bf16), and
+    exact comparisons on a laptop (fp32)."""
+    if args.precision is None:
+        args.precision = "bf16" if args.preset == "a100" else "fp32"
+    return args.precision
+
+
+def precision_bytes(precision: str) -> dict:
+    """Bytes of one number in each kind of traffic under ``precision`` (the course's policy, below):
+    activations and gathered weights in the compute dtype, reduced gradients in fp32."""
+    compute = 2 if precision == "bf16" else 4
+    return {"bytes_per_element": compute, "reduce_bytes_per_element": 4}
+
+
+def mixed_precision_policy(precision: str, root: bool = False):
+    """FSDP2's policy for ``precision``: under bf16 each unit all-gathers and computes in bf16 and
+    reduce-scatters its gradients in fp32 (``reduce_dtype``), and the sharded weights AdamW updates stay fp32.
+    The root also hands back its output (the logits) in fp32, so the loss is computed in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)

@@ -55,7 +55,7 @@ def stage_param_count(cfg, stage: int, num_stages: int, tp: int = 1) -> dict:
 
 
 def dp_gradient_sync_bytes(stage_params: int, microbatches: int, dp_mode: str, every_microbatch: bool,
-                           bytes_per_element: int = 4) -> dict[str, int]:
+                           bytes_per_element: int = 4, reduce_bytes_per_element: int | None = None) -> dict[str, int]:
     """Payload bytes per step of the data-parallel collectives of a stage of ``stage_params`` parameters.
 
     * DDP: all-reduce the gradients; once per step, or once per microbatch when every backward syncs.
@@ -64,9 +64,10 @@ def dp_gradient_sync_bytes(stage_params: int, microbatches: int, dp_mode: str, e
       parameters per step, and a reduce-scatter of the gradients once per step or once per microbatch.
 
     The gradient bytes are the point: a ZeRO-2/FSDP stage that reduce-scatters after every microbatch sends
-    M times what it needs to.
+    M times what it needs to. ``bytes_per_element`` is a gathered weight's number (2 under bf16),
+    ``reduce_bytes_per_element`` a reduced gradient's (FSDP's ``reduce_dtype``; by default the same).
     """
-    grads = stage_params * bytes_per_element * (microbatches if every_microbatch else 1)
+    grads = stage_params * (reduce_bytes_per_element or bytes_per_element) * (microbatches if every_microbatch else 1)
     if dp_mode == "ddp":
         return {"all_reduce": grads}
     if dp_mode == "fsdp":
@@ -118,9 +119,12 @@ def comm_dimension(call) -> str:
 
 
 def bytes_by_dimension(calls) -> dict[str, dict[str, int]]:
-    """``{dimension: {collective: payload bytes}}`` of measured calls (see :func:`comm_dimension`)."""
+    """``{dimension: {collective: payload bytes}}`` of measured calls (see :func:`comm_dimension`). A call on a
+    group of one rank moves nothing (FSDP over one rank, which a bf16 run uses for its mixed precision alone)."""
     summary: dict[str, dict[str, int]] = {}
     for call in calls:
+        if call.group_size == 1:
+            continue
         per_dim = summary.setdefault(comm_dimension(call), {})
         per_dim[call.collective] = per_dim.get(call.collective, 0) + call.payload_bytes
     return summary

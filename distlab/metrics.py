@@ -95,6 +95,30 @@ def throughput(tokens_per_step: int, seconds: float, steps: int, *, cfg=None, se
 GPU_FP32_TOLERANCE_FACTOR = 10
 
 
+# bf16 mixed precision (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32 sharded
+# weights) against the fp32 single-device run: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39%), so
+# no element-wise fp32 tolerance holds; these do, and still reject a wrong run:
+# * losses (~4.8): measured ~2e-3 apart (chapter 05), 5e-4 (chapter 09); tolerance 2e-2 (0.4%);
+# * step-0 gradients: the largest difference over the largest gradient, measured 0.6% (chapter 09); tolerance
+#   5%: a gradient off by a missing 1/dp or 1/M is 50-100% off;
+# * parameters: a few weights whose gradients are near zero step differently (max difference up to a few
+#   lr), so the check is on the *mean* |difference| over all weights: measured ~2e-4 after 10 steps at lr 3e-3,
+#   against ~8e-3 for a run fed other data. Tolerance lr / 5.
+BF16_LOSS_TOLERANCE = 2e-2
+BF16_GRAD_RELATIVE_TOLERANCE = 5e-2
+
+
+def bf16_param_mean_tolerance(lr: float) -> float:
+    return lr / 5
+
+
+def mean_abs_diff(actual: list, expected: list) -> float:
+    """Mean |actual - expected| over every element of two lists of tensors."""
+    total = sum((a.detach().double().cpu() - e.detach().double().cpu()).abs().sum().item()
+                for a, e in zip(actual, expected))
+    return total / sum(a.numel() for a in actual)
+
+
 def fp32_tolerance(cpu_tolerance: float, device) -> float:
     """The tolerance of an fp32 comparison on ``device``: the CPU's, or x GPU_FP32_TOLERANCE_FACTOR on a GPU."""
     on_gpu = getattr(device, "type", str(device)).startswith("cuda")

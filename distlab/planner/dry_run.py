@@ -138,9 +138,9 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
         quiet = contextlib.redirect_stderr(io.StringIO())
         with quiet:
             tp_only = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
-                                        SimpleNamespace(tp=layout.tp, dp=1), mesh)
+                                        SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
-                                        SimpleNamespace(tp=layout.tp, dp=ways), mesh)
+                                        SimpleNamespace(tp=layout.tp, dp=ways, precision="fp32"), mesh)
         built = {"tp": _shard_bytes(tp_only), "sharded": _shard_bytes(sharded)}
         # a real AdamW step on the meta shards: its two moments are the optimizer state the rank holds
         source = sharded if layout.zero_stage >= 1 else tp_only

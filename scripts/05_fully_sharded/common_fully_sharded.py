@@ -6,6 +6,8 @@ Not a script: ``zero_from_scratch.py``, ``train_fsdp.py`` and ``checkpoint_resum
 import torch
 
 from distlab import data, models
+# bf16 mixed precision against the fp32 baseline: the tolerances every chapter uses, explained in distlab.metrics
+from distlab.metrics import BF16_LOSS_TOLERANCE, bf16_param_mean_tolerance, mean_abs_diff  # noqa: F401
 
 # fp32 tolerances (chapter 04 explains them): sharded and single-device runs add the same numbers in
 # another order, so they differ by rounding only.
@@ -22,26 +24,6 @@ GRAD_TOLERANCE = 1e-5
 
 def param_tolerance(lr: float) -> float:
     return lr / 10
-
-
-# bf16 mixed precision (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and fp32
-# sharded weights) against the fp32 baseline: bf16 keeps 8 significant bits (unit roundoff 2^-8 = 0.39%).
-# * losses (~4.8): measured ~2e-3 apart; tolerance 2e-2 (0.4%);
-# * parameters: a few weights whose gradients are near zero step differently (max difference up to a few
-#   lr), so the check is on the *mean* |difference| over all weights: measured ~2e-4 after 10 steps at lr 3e-3,
-#   against ~8e-3 for a run fed other data. Tolerance lr / 5.
-BF16_LOSS_TOLERANCE = 2e-2
-
-
-def bf16_param_mean_tolerance(lr: float) -> float:
-    return lr / 5
-
-
-def mean_abs_diff(actual: list, expected: list) -> float:
-    """Mean |actual - expected| over every element of two lists of tensors."""
-    total = sum((a.detach().double().cpu() - e.detach().double().cpu()).abs().sum().item()
-                for a, e in zip(actual, expected))
-    return total / sum(a.numel() for a in actual)
 
 
 class Baseline:

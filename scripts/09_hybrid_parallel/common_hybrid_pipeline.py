@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "07_pipeline_par
 
 from common_pipeline import (add_training_flags, check_pipeline_config, resolve_training_flags,  # noqa: E402
                              schedule_help)
-from distlab import data, hybrid, hybrid_pipeline, models, runtime, tensor_parallel  # noqa: E402
+from distlab import data, hybrid, hybrid_pipeline, metrics, models, runtime, tensor_parallel  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -55,6 +55,7 @@ def add_hybrid_flags(parser, *, pp: int, tp: bool) -> None:
     parser.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                         help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(parser)  # --batch --layers --lr --reference
+    hybrid.add_precision_flag(parser)
 
 
 def parse_with_config(parser, script: str):
@@ -71,6 +72,7 @@ def parse_with_config(parser, script: str):
     if args.layers is None and args.preset == "tiny":
         args.layers = 4   # fills pp = 2 with V = 2; chapter 07's default of 8 would only cost time here
     cfg = resolve_training_flags(args)   # layers and reference, from the preset where not given
+    hybrid.resolve_precision(args)
     return args, cfg
 
 
@@ -126,15 +128,30 @@ def single_device_run(cfg, args, device) -> dict:
                                   grads_at_step=getattr(args, "first_step", 0))
 
 
-def check_against_single_device(report, reference, all_params, all_first_grads, lr, first_step: int = 0) -> None:
+def check_against_single_device(report, reference, all_params, all_first_grads, lr, first_step: int = 0,
+                                precision: str = "fp32") -> None:
     """The checks against :func:`single_device_run` (on rank 0): every parameter name, the losses of every step,
     the first step's gradients and the parameters after training, each gathered from the stages that hold them.
-    A run resumed from a checkpoint ran steps ``first_step`` on; the single-device run ran them all, unbroken."""
+    A run resumed from a checkpoint ran steps ``first_step`` on; the single-device run ran them all, unbroken.
+    A bf16 run is held to bf16's tolerances (``distlab.metrics``) against the fp32 single-device run."""
     names = sorted(reference["params"])
     report.check("the stages' parameter names are the whole model's", sorted(all_params) == names,
                  f"{len(all_params)} names", f"{len(names)} names")
     resumed = f" (steps {first_step}-{first_step + len(report.losses) - 1} after resuming; it ran every step)" \
         if first_step else " (every step)"
+    if precision == "bf16":
+        report.check_close("losses equal the single-device run's" + resumed[:-1] + "; bf16 tolerance)", report.losses,
+                           reference["losses"][first_step:], metrics.BF16_LOSS_TOLERANCE)
+        largest = max(g.abs().max().item() for g in reference["first_grads"].values())
+        relative = metrics.max_abs_diff([all_first_grads[n] for n in names],
+                                        [reference["first_grads"][n] for n in names]) / largest
+        report.check(f"step-{first_step} gradients equal the single-device run's (every parameter; bf16: largest "
+                     f"difference / largest gradient)", relative <= metrics.BF16_GRAD_RELATIVE_TOLERANCE, relative,
+                     metrics.BF16_GRAD_RELATIVE_TOLERANCE)
+        mean = metrics.mean_abs_diff([all_params[n] for n in names], [reference["params"][n] for n in names])
+        report.check("parameters after training equal the single-device run's (mean |difference|, bf16 tolerance)",
+                     mean <= metrics.bf16_param_mean_tolerance(lr), mean, metrics.bf16_param_mean_tolerance(lr))
+        return
     report.check_close("losses equal the single-device run's" + resumed, report.losses,
                        reference["losses"][first_step:], LOSS_TOLERANCE)
     report.check_close(f"step-{first_step} gradients equal the single-device run's (every parameter)",

@@ -75,16 +75,21 @@ def stage_tp_plan(stage_module, gather_logits: bool = True) -> dict:
     return {pattern: style for pattern, style in plan.items() if pattern.split(".")[0] in present}
 
 
-def parallelize_stage(module, args, mesh):
-    """TP inside the stage, then FSDP2 over dp; a dimension of size 1 is left out (nothing to split)."""
+def parallelize_stage(module, args, mesh, last: bool = False):
+    """TP inside the stage, then FSDP2 over dp; a dimension of size 1 is left out (nothing to split), except
+    that a bf16 run keeps FSDP over one rank for its mixed-precision policy (no traffic, one rule for every
+    shape: bf16 weights computed, fp32 gradients, fp32 weights for AdamW)."""
     if args.tp > 1:
         parallelize_module(module, mesh["tp"], stage_tp_plan(module))
-    if args.dp > 1:
+    if args.dp > 1 or args.precision == "bf16":
         # Gathered for the whole step (reshard_after_forward=False): under PP, resharding after each forward
         # would all-gather again for every microbatch. torch's schedule reduce-scatters once, after the last.
+        # Stages hand bf16 activations to each other; the last stage hands fp32 logits to the loss.
         for block in module.layers.values():
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False,
+                        mp_policy=hybrid.mixed_precision_policy(args.precision))
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False,
+                    mp_policy=hybrid.mixed_precision_policy(args.precision, root=last))
     return module
 
 
@@ -160,7 +165,8 @@ def main():
 
         # 3. Stages: cut, TP, FSDP, then pipeline stages on the pp group.
         full = models.build_transformer(cfg, seed=args.seed)
-        modules = {s: parallelize_stage(transformer_stage(full, s, num_stages).to(rt.device), args, mesh)
+        modules = {s: parallelize_stage(transformer_stage(full, s, num_stages).to(rt.device), args, mesh,
+                                        last=s == num_stages - 1)
                    for s in mine}
         del full
         Stage = pipeline_stage_class()
@@ -240,28 +246,33 @@ def main():
 
         # ---- checks: one device ----
         if reference is not None:
-            check_against_single_device(report, reference, all_params, all_first_grads, args.lr, first)
+            check_against_single_device(report, reference, all_params, all_first_grads, args.lr, first, args.precision)
             if args.clip_grad_norm is not None:
                 report.check_close("the total gradient norm over pp x dp x tp = one device's (every step)",
                                    grad_norms, reference["grad_norms"][first:], GRAD_TOLERANCE)
                 report.extra["grad_norms"] = grad_norms
 
         # ---- checks: bytes per mesh dimension and memory per rank, every rank against the formulas ----
+        number_bytes = hybrid.precision_bytes(args.precision)   # bf16: activations and weights 2, gradients 4
+        activation_bytes = number_bytes["bytes_per_element"]
+
         def expected_for(stages_of_rank):
             """What a rank holding these stages should send per step, per dimension, and hold."""
             held = sum(hybrid_pipeline.stage_param_count(cfg, s, num_stages, tp)["total"] for s in stages_of_rank)
-            expected = {"pp": {"send": hybrid_pipeline.pp_send_bytes(stages_of_rank, num_stages, microbatches,
-                                                                     rows, cfg.seq_len, cfg.dim)} if pp > 1 else {}}
-            expected["dp"] = hybrid_pipeline.dp_gradient_sync_bytes(held, microbatches, "fsdp", False) if dp > 1 else {}
+            expected = {"pp": {"send": hybrid_pipeline.pp_send_bytes(stages_of_rank, num_stages, microbatches, rows,
+                                                                     cfg.seq_len, cfg.dim, activation_bytes)}
+                        if pp > 1 else {}}
+            expected["dp"] = hybrid_pipeline.dp_gradient_sync_bytes(held, microbatches, "fsdp", False,
+                                                                    **number_bytes) if dp > 1 else {}
             tp_bytes = {"all_reduce": 0, "all_gather": 0}
             for s in stages_of_rank:
                 for collective, value in hybrid_pipeline.tp_stage_comm_bytes(
                         cfg, cfg.n_layers // num_stages, s == 0, s == num_stages - 1, microbatches, rows,
-                        cfg.seq_len).items():
+                        cfg.seq_len, activation_bytes).items():
                     tp_bytes[collective] += value
             expected["tp"] = {k: v for k, v in tp_bytes.items() if v} if tp > 1 else {}
             state_bytes = {"params": 4 * held // dp, "grads": 4 * held // dp, "optimizer": 8 * held // dp}
-            if 0 in stages_of_rank and tp > 1 and dp == 1:
+            if 0 in stages_of_rank and tp > 1 and dp == 1 and args.precision == "fp32":
                 # Measured, torch 2.13: the gradient of the vocabulary-split embedding (RowwiseParallel) comes
                 # back whole (Replicate) on every TP rank, not split like its weight. FSDP (dp > 1) hands each
                 # rank a shard in the weight's layout, so there the gradient is the weight's size again.
@@ -300,7 +311,8 @@ def main():
                             stages_of_pp_rank={r: stage_indices(args.schedule, r, pp, chunks) for r in range(pp)},
                             bytes_by_dimension={r["rank"]: r["measured"] for r in everything})
         report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1, cfg=cfg,
-                                               device=rt.device, num_devices=rt.world_size)
+                                               device=rt.device, num_devices=rt.world_size,
+                                               dtype=args.precision)   # MFU against the peak of the dtype used
         if rt.is_main:
             print(gantt.ascii_gantt(report.timeline, title=f"measured {args.schedule}, pipeline dimension "
                                                            f"(ranks with dp = tp = 0), step 1", time_unit="s"))

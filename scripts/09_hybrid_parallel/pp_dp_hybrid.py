@@ -70,9 +70,10 @@ class BucketLog:
         return allreduce_hook(self.dp_group, bucket)   # average over dp, not over the whole world
 
 
-def make_data_parallel(module, args, mesh, bucket_log):
-    """The stage, data parallel over the ranks that hold the same stage (alone on its stage: left as it is)."""
-    if args.dp == 1:
+def make_data_parallel(module, args, mesh, bucket_log, last: bool):
+    """The stage, data parallel over the ranks that hold the same stage (alone on its stage: left as it is,
+    except that FSDP over one rank still gives a bf16 run its mixed-precision policy)."""
+    if args.dp == 1 and (args.dp_mode == "ddp" or args.precision == "fp32"):
         return module
     if args.dp_mode == "ddp":
         # find_unused_parameters=True although every parameter is used: on the first step torch 2.13's pipelining
@@ -86,9 +87,12 @@ def make_data_parallel(module, args, mesh, bucket_log):
         wrapped.register_comm_hook(state=None, hook=bucket_log.hook)
         return wrapped
     # FSDP2: each block one unit, then the stage's root (embeddings or head). Gathered for the whole step.
+    # Under bf16, stages pass bf16 activations; the last hands fp32 logits to the loss.
     for block in module.layers.values():
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-    return fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False,
+                    mp_policy=hybrid.mixed_precision_policy(args.precision))
+    return fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False,
+                       mp_policy=hybrid.mixed_precision_policy(args.precision, root=last))
 
 
 def main():
@@ -121,7 +125,8 @@ def main():
         # 3. This rank's stages: cut from the whole model, made data parallel, then pipeline stages on the pp group.
         full = models.build_transformer(cfg, seed=args.seed)
         bucket_log = BucketLog(mesh.get_group("dp"))
-        wrapped = {s: make_data_parallel(transformer_stage(full, s, num_stages).to(rt.device), args, mesh, bucket_log)
+        wrapped = {s: make_data_parallel(transformer_stage(full, s, num_stages).to(rt.device), args, mesh, bucket_log,
+                                         last=s == num_stages - 1)
                    for s in mine}
         del full
         Stage = pipeline_stage_class()
@@ -133,13 +138,22 @@ def main():
         parameters = [p for module in wrapped.values() for p in module.parameters()]
         optimizer = torch.optim.AdamW(parameters, lr=args.lr)
         first_here, last_here = 0 in mine, num_stages - 1 in mine
+        # bf16 under DDP: autocast (DDP has no public mixed-precision policy); its matmuls run in bf16, and the
+        # residual stream (fp32 + bf16 = fp32), what a stage passes on, and the gradients DDP reduces stay fp32.
+        # Under FSDP the policy casts the weights instead, and everything a stage computes is bf16.
+        autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16,
+                                  enabled=args.precision == "bf16" and args.dp_mode == "ddp")
+        number_bytes = (hybrid.precision_bytes(args.precision) if args.dp_mode == "fsdp"
+                        else hybrid.precision_bytes("fp32"))
+        activation_bytes = number_bytes["bytes_per_element"]
 
         def run_step(step):
             """One pipeline step of this replica on its rows of the global batch; the losses on the last stage."""
             inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
             losses = [] if last_here else None
-            schedule.step(*((inputs,) if first_here else ()),
-                          **(dict(target=targets, losses=losses) if last_here else {}))
+            with autocast:
+                schedule.step(*((inputs,) if first_here else ()),
+                              **(dict(target=targets, losses=losses) if last_here else {}))
             return torch.stack(losses).mean().item() if last_here else None
 
         def dp_bytes(counter):
@@ -206,7 +220,8 @@ def main():
 
         # ---- checks: one device ----
         if reference is not None:
-            check_against_single_device(report, reference, all_params, all_first_grads, args.lr)
+            check_against_single_device(report, reference, all_params, all_first_grads, args.lr,
+                                        precision=args.precision)
 
         # ---- checks: bytes and memory, every rank against the formulas ----
         def stage_params(stages_of_rank):
@@ -216,11 +231,12 @@ def main():
         dp_wrong, pp_wrong, memory_wrong = [], [], []
         for r in everything:
             params = stage_params(r["stages"])
-            formula = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, args.dp_mode, False) \
-                if dp > 1 else {}
+            formula = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, args.dp_mode, False,
+                                                             **number_bytes) if dp > 1 else {}
             if r["measured"]["dp"] != {k: v for k, v in formula.items()}:
                 dp_wrong.append((r["rank"], r["measured"]["dp"], formula))
-            sends = hybrid_pipeline.pp_send_bytes(r["stages"], num_stages, microbatches, rows, cfg.seq_len, cfg.dim)
+            sends = hybrid_pipeline.pp_send_bytes(r["stages"], num_stages, microbatches, rows, cfg.seq_len, cfg.dim,
+                                                  activation_bytes)
             if r["measured"]["pp"] != sends:
                 pp_wrong.append((r["rank"], r["measured"]["pp"], sends))
             shards = dp if args.dp_mode == "fsdp" else 1
@@ -229,12 +245,13 @@ def main():
             if any(r["state"][k] != v for k, v in expected_state.items()):
                 memory_wrong.append((r["rank"], r["state"], expected_state))
         me = everything[rt.rank]
-        my_formula = hybrid_pipeline.dp_gradient_sync_bytes(stage_params(mine), microbatches, args.dp_mode, False)
+        my_formula = hybrid_pipeline.dp_gradient_sync_bytes(stage_params(mine), microbatches, args.dp_mode, False,
+                                                            **number_bytes)
         for collective, analytic in (my_formula.items() if dp > 1 else []):
             report.add_comm(collective, me["measured"]["dp"].get(collective, 0), analytic, dimension="dp",
                             sync="once per step")
         report.add_comm("send", me["measured"]["pp"], hybrid_pipeline.pp_send_bytes(
-            mine, num_stages, microbatches, rows, cfg.seq_len, cfg.dim), dimension="pp")
+            mine, num_stages, microbatches, rows, cfg.seq_len, cfg.dim, activation_bytes), dimension="pp")
         report.check("dp bytes per step = formula, gradients synchronised once per step (every rank)",
                      not dp_wrong, dp_wrong or "all ranks", "== dp_gradient_sync_bytes(once)")
         report.check("pp bytes sent per step = formula (activations forward, gradients back; every rank)",
@@ -249,13 +266,14 @@ def main():
             for r in everything:
                 params = stage_params(r["stages"])
                 for mode, every in (("once", False), ("every_microbatch", True)):
-                    formula = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, args.dp_mode, every)
+                    formula = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, args.dp_mode, every,
+                                                                     **number_bytes)
                     if r["sync_bytes"][mode] != formula:
                         wrong.append((r["rank"], mode, r["sync_bytes"][mode], formula))
             gradient_collective = "all_reduce" if args.dp_mode == "ddp" else "reduce_scatter"
             once, every = (me["sync_bytes"][m].get(gradient_collective, 0) for m in ("once", "every_microbatch"))
             report.add_comm(gradient_collective, every, hybrid_pipeline.dp_gradient_sync_bytes(
-                stage_params(mine), microbatches, args.dp_mode, True)[gradient_collective], dimension="dp",
+                stage_params(mine), microbatches, args.dp_mode, True, **number_bytes)[gradient_collective], dimension="dp",
                 sync="every microbatch (naive)")
             report.check(f"{gradient_collective} bytes: synchronised every microbatch = {microbatches} x once per "
                          f"step = formula, both ways (every rank)", not wrong, wrong or f"{every} vs {once}",
@@ -275,7 +293,8 @@ def main():
                                                                        for r in range(pp)},
                             coordinates={r["rank"]: {"pp": r["pp_rank"], "dp": r["dp_rank"]} for r in everything})
         report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1, cfg=cfg,
-                                               device=rt.device, num_devices=rt.world_size)
+                                               device=rt.device, num_devices=rt.world_size,
+                                               dtype=args.precision)   # MFU against the peak of the dtype used
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

@@ -118,7 +118,15 @@ def sequence_parallel_run():
                                              "--no-reshard-after-forward", "--steps", "3"], stream=False)
 
 
-@pytest.mark.parametrize("run", ["usual_run", "alternative_run", "sequence_parallel_run"])
+@pytest.fixture(scope="module")
+def bf16_run():
+    # the sequence-parallel run again in bf16 (the a100 preset's precision): every kind of collective at once
+    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--sequence-parallel",
+                                             "--no-reshard-after-forward", "--steps", "3", "--precision", "bf16"],
+                      stream=False)
+
+
+@pytest.mark.parametrize("run", ["usual_run", "alternative_run", "sequence_parallel_run", "bf16_run"])
 def test_2d_mesh_trains_like_one_device(run, request):
     metrics = assert_all_checks_passed(request.getfixturevalue(run), min_checks=8)
     for name in ("step-0 gradients equal single-device", "losses equal single-device",
@@ -172,6 +180,22 @@ def test_sequence_parallel_turns_block_all_reduces_into_gather_scatter_pairs(seq
     assert ("forward", "all_reduce") not in block_rows
     assert block_rows[("backward", "all_reduce")]["measured_bytes"] == 2 * TINY.n_layers * TINY.dim * 4  # norms
     assert not [r for r in _rows(metrics, "dp") if r["phase"] == "backward" and r["collective"] == "all_gather"]
+
+
+def test_bf16_halves_activations_and_gathered_weights_not_the_reduced_gradients(sequence_parallel_run, bf16_run):
+    # against the fp32 run's measured bytes, row by row (not against the formula the script already checked):
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers and computes in bf16 and reduces in fp32
+    fp32 = {(r["dimension"], r["phase"], r["where"], r["collective"]): r for r in sequence_parallel_run.metrics["comm"]}
+    bf16 = {(r["dimension"], r["phase"], r["where"], r["collective"]): r for r in bf16_run.metrics["comm"]}
+    assert fp32.keys() == bf16.keys()
+    for key, row in bf16.items():
+        dimension, _, where, collective = key
+        loss_statistics = where == "outside blocks" and collective == "all_reduce" and key[1] == "forward"
+        halves = not (dimension == "dp" and collective == "reduce_scatter") and not loss_statistics
+        assert row["measured_bytes"] * (2 if halves else 1) == fp32[key]["measured_bytes"], key
+    assert [c for c in bf16_run.metrics["checks"] if "bf16 tolerance" in c["name"]]
+    assert bf16_run.metrics["config"]["precision"] == "bf16"
+    assert sequence_parallel_run.metrics["config"]["precision"] == "fp32"  # tiny's default: exact checks
 
 
 # ---- bad input --------------------------------------------------------------------------------------------

@@ -161,6 +161,26 @@ def test_3d_writes_its_resolved_configuration(run_3d):
     assert config["chunks"] == 1 and config["reference"] is True
 
 
+@pytest.mark.parametrize("script, args, fp32_run, ratio", [
+    # FSDP's policy: stages pass bf16 activations (half of 2x1x2's fp32 bytes); FSDP over the one dp rank
+    # carries the policy alone
+    (HYBRID_3D, ["--pp", "2", "--dp", "1", "--tp", "2", "--schedule", "GPipe"], "2x1x2", 2),
+    # DDP under autocast: the matmuls run in bf16, the residual stream a stage passes on stays fp32
+    (PP_DP, ["--dp-mode", "ddp", "--schedule", "GPipe"], "pp_ddp", 1),
+])
+def test_bf16_runs_match_one_device_at_bf16_tolerance_with_their_bytes(script, args, fp32_run, ratio, run_3d,
+                                                                       request):
+    result = launch.run(script, nproc=4, args=args + ["--precision", "bf16", "--steps", "2"], stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=9)
+    assert len([c for c in metrics["checks"] if "bf16" in c["name"]]) == 3   # losses, gradients, parameters
+    fp32 = (run_3d(fp32_run) if script == HYBRID_3D else request.getfixturevalue(fp32_run)).metrics
+    assert fp32["config"]["precision"] == "fp32"
+
+    def sends(m):
+        return sorted(r["measured_bytes"] for r in m["comm"] if r["dimension"] == "pp")
+    assert sends(metrics) and [ratio * b for b in sends(metrics)] == sends(fp32)
+
+
 # ---- a checkpoint that changes layout: saved by 2x2x2 on 8 ranks, resumed on 4 -----------------------------------
 
 def _saved_checkpoints(run_3d):

@@ -139,7 +139,8 @@ def test_plan_and_fully_shard_on_a_fake_world_match_the_formulas(dp, tp, vocab, 
 
     script = load_script()
     cfg = models.preset("tiny", vocab_size=vocab)
-    args = type("Args", (), dict(seed=0, embedding_plan=plan, sequence_parallel=False, reshard_after_forward=True))
+    args = type("Args", (), dict(seed=0, embedding_plan=plan, sequence_parallel=False, reshard_after_forward=True,
+                                 precision="fp32"))
     assert not dist.is_initialized()
     for rank in range(dp * tp):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * tp)
@@ -180,3 +181,26 @@ def test_tp_local_shapes_are_the_shapes_the_plan_leaves(plan):
     expected = {name: (rows,) if columns == 1 else (rows, columns)
                 for name, (rows, columns) in hybrid.tp_local_shapes(TINY, 2, plan).items()}
     assert local == expected
+
+
+def test_precision_defaults_and_the_bytes_of_each_kind_of_traffic():
+    import argparse
+
+    assert hybrid.resolve_precision(argparse.Namespace(preset="a100", precision=None)) == "bf16"
+    assert hybrid.resolve_precision(argparse.Namespace(preset="tiny", precision=None)) == "fp32"
+    assert hybrid.resolve_precision(argparse.Namespace(preset="a100", precision="fp32")) == "fp32"
+    assert hybrid.precision_bytes("bf16") == {"bytes_per_element": 2, "reduce_bytes_per_element": 4}
+    fp32 = {(r["dimension"], r["phase"], r["where"], r["collective"]): r["payload_bytes"]
+            for r in hybrid.fsdp_tp_comm_formula(TINY, 4, 32, 2, 2)}
+    bf16 = {(r["dimension"], r["phase"], r["where"], r["collective"]): r["payload_bytes"]
+            for r in hybrid.fsdp_tp_comm_formula(TINY, 4, 32, 2, 2, **hybrid.precision_bytes("bf16"))}
+    # FSDP's reduce-scatters stay fp32 (reduce_dtype); its all-gathers and TP's activations halve
+    for key, value in bf16.items():
+        if key[3] == "reduce_scatter":
+            assert value == fp32[key], key
+        elif key[0] == "dp" or key[2] == "blocks":
+            assert 2 * value == fp32[key], key
+    policy = hybrid.mixed_precision_policy("bf16", root=True)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == \
+        (torch.bfloat16, torch.float32, torch.float32)
+    assert hybrid.mixed_precision_policy("bf16").output_dtype is None    # stages pass bf16 on
