@@ -204,6 +204,196 @@ def draw_ring_attention_blocks(fig) -> None:
     fig.suptitle("ring attention under a causal mask: who computes which block (colour = rank)", fontsize=9)
 
 
+# ---- chapter 09: meshes on nodes, ZeRO with PP, the sizing guide ------------------------------------------------
+
+LINK_COLOURS = {"tp": "#2ca02c", "dp": "#1f77b4", "pp": "#d62728"}
+
+
+def _gpus_on_nodes(ax, nodes: list[tuple[float, float, list[int]]], gpu_width=0.8, gpu_height=0.55):
+    """Node boxes with their GPUs in a row; returns ``{rank: (x, y)}`` of each GPU's centre."""
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    centres = {}
+    for node, (x, y, ranks) in enumerate(nodes):
+        width = len(ranks) * (gpu_width + 0.25) + 0.25
+        ax.add_patch(FancyBboxPatch((x, y), width, 1.25, boxstyle="round,pad=0.05", facecolor="#f4f4f4",
+                                    edgecolor="#777777"))
+        ax.text(x + 0.1, y + 1.12, f"node {node}", fontsize=7, va="top", color="#555555")
+        for i, rank in enumerate(ranks):
+            gx = x + 0.25 + i * (gpu_width + 0.25)
+            ax.add_patch(Rectangle((gx, y + 0.2), gpu_width, gpu_height, facecolor="white", edgecolor="black"))
+            ax.text(gx + gpu_width / 2, y + 0.2 + gpu_height / 2, f"GPU\n{rank}", ha="center", va="center",
+                    fontsize=6.5)
+            centres[rank] = (gx + gpu_width / 2, y + 0.2 + gpu_height / 2)
+    return centres
+
+
+def draw_mesh_two_nodes(fig) -> None:
+    """The 2-D (dp, tp) = (2, 4) mesh on two 4-GPU nodes: the groups are ``hybrid.grid_groups``' (DeviceMesh's
+    order, tp innermost), the links the chapter's: NVLink inside a node, Slingshot across."""
+    from distlab import hybrid
+
+    groups = hybrid.grid_groups((1, 2, 4), "device_mesh")
+    ax = fig.subplots()
+    centres = _gpus_on_nodes(ax, [(0, 0, groups["tp"][0]), (5.5, 0, groups["tp"][1])])
+    for group in groups["tp"]:   # a TP group: one bar under its GPUs (NVLink connects them all)
+        xs = [centres[r][0] for r in group]
+        y = centres[group[0]][1] - 0.45
+        ax.plot([min(xs), max(xs)], [y, y], color=LINK_COLOURS["tp"], lw=3)
+        for x in xs:
+            ax.plot([x, x], [y, y + 0.18], color=LINK_COLOURS["tp"], lw=1.5)
+        ax.text((min(xs) + max(xs)) / 2, y - 0.08, f"TP group {group}: NVLink, 4 all-reduces per block",
+                ha="center", va="top", fontsize=6.5, color=LINK_COLOURS["tp"])
+    for i, group in enumerate(groups["dp"]):   # an FSDP group: an arc over the nodes
+        (x0, y0), (x1, _) = centres[group[0]], centres[group[1]]
+        height = 0.35 + 0.25 * i
+        ax.plot([x0, x0, x1, x1], [y0 + 0.3, y0 + 0.3 + height, y0 + 0.3 + height, y0 + 0.3],
+                color=LINK_COLOURS["dp"], lw=1.2, ls="--")
+        ax.text(x1 + 0.05, y0 + 0.3 + height, f"FSDP group {group}", fontsize=6, va="center",
+                color=LINK_COLOURS["dp"])
+    ax.text(5.05, 2.35, "Slingshot (25 GB/s a GPU): FSDP's all-gathers and reduce-scatters, once per unit",
+            ha="center", fontsize=7, color=LINK_COLOURS["dp"])
+    ax.set_xlim(-0.2, 11.6)
+    ax.set_ylim(-0.9, 2.5)
+    ax.axis("off")
+    ax.set_title("init_device_mesh(\"cuda\", (2, 4), mesh_dim_names=(\"dp\", \"tp\")) on two nodes", fontsize=9)
+
+
+def draw_mesh_3d(fig) -> None:
+    """The 3-D (pp, dp, tp) = (2, 2, 4) mesh of the 16-GPU reference layout on four nodes: a pipeline stage is
+    two nodes (its dp replicas), a TP group one node; the pp sends join ranks of equal (dp, tp)."""
+    from distlab import hybrid
+
+    groups = hybrid.grid_groups((2, 2, 4), "device_mesh")
+    ax = fig.subplots()
+    nodes = [(0 if n < 2 else 6.2, 1.9 * (1 - n % 2), groups["tp"][n]) for n in range(4)]   # nodes 0-1: stage 0
+    centres = _gpus_on_nodes(ax, nodes)
+    for n, (x, y, ranks) in enumerate(nodes):
+        coords = hybrid.grid_coordinates(ranks[0], (2, 2, 4))
+        ax.text(x + 4.4, y + 1.12, f"stage {coords['pp']}, replica {coords['dp']}", fontsize=6,
+                va="top", ha="right", color="#555555")
+        ax.text(x + 2.2, y + 0.03, f"TP group {ranks}", fontsize=6, va="bottom", ha="center",
+                color=LINK_COLOURS["tp"])
+    for group in groups["dp"]:   # the FSDP groups: ranks of equal (pp, tp), one on each node of a stage
+        (x0, y0), (x1, y1) = centres[group[0]], centres[group[1]]
+        ax.plot([x0, x1], [y0 - 0.3, y1 + 0.3], color=LINK_COLOURS["dp"], lw=1, ls="--")
+    for node in (0, 1):   # the pp groups between a node of stage 0 and its node of stage 1
+        pairs = [g for g in groups["pp"] if g[0] in groups["tp"][node]]
+        y = nodes[node][1] + 0.55
+        ax.annotate("", xy=(6.15, y), xytext=(4.55, y),
+                    arrowprops=dict(arrowstyle="->", color=LINK_COLOURS["pp"], lw=1.5))
+        ax.text(5.35, y + 0.12, "pp groups", ha="center", fontsize=6, color=LINK_COLOURS["pp"])
+        ax.text(5.35, y - 0.12, " ".join(str(g) for g in pairs[:2]), ha="center", va="top", fontsize=5.5,
+                color=LINK_COLOURS["pp"])
+        ax.text(5.35, y - 0.32, " ".join(str(g) for g in pairs[2:]), ha="center", va="top", fontsize=5.5,
+                color=LINK_COLOURS["pp"])
+    ax.text(5.3, 3.45, "pp: a stage sends its activations to the next, rank r to r + 8, one per microbatch",
+            ha="center", fontsize=7, color=LINK_COLOURS["pp"])
+    ax.text(5.3, -0.35, "dp (dashed): FSDP over the two replicas of a stage, across nodes; tp: inside a node",
+            ha="center", fontsize=7, color=LINK_COLOURS["dp"])
+    ax.set_xlim(-0.2, 10.8)
+    ax.set_ylim(-0.55, 3.6)
+    ax.axis("off")
+    ax.set_title("(pp, dp, tp) = (2, 2, 4) on 16 GPUs: tp innermost, pp outermost", fontsize=9)
+
+
+FIGURE_DATA = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data"
+HYBRID_STEP_TIMELINE = FIGURE_DATA / "09_hybrid_step_timeline.json"
+
+
+def draw_hybrid_step_timeline(fig) -> None:
+    """One measured step of ``fsdp_tp_hybrid.py --dp 2 --tp 2`` on 4 CPU ranks (rank 0): compute, the collectives
+    on the tp link and on the dp link, from the profiler's trace (``--timeline-out``, kept in
+    ``chapters/figures/data``: a measurement, redrawn by ``make figures``, re-measured by running the script)."""
+    import json
+
+    run = json.loads(HYBRID_STEP_TIMELINE.read_text())
+    rows = run["rows"]
+    ax = fig.subplots()
+    lanes = {"compute": 2, "tp": 1, "dp": 0}
+    colours = {"all_reduce": RANK_COLOURS[1], "all_gather": RANK_COLOURS[0], "compute": "#888888"}
+    for row in rows:
+        if row["lane"] == "backward":
+            ax.axvspan(row["start"] * 1e3, row["end"] * 1e3, color="#f3eee0", zorder=0)
+            ax.text(row["start"] * 1e3 + 0.5, 2.55, "backward", fontsize=7, color="#8a6d1c")
+            continue
+        colour = colours["compute"] if row["lane"] == "compute" else colours.get(row["kind"], "black")
+        ax.barh(lanes[row["lane"]], (row["end"] - row["start"]) * 1e3, left=row["start"] * 1e3, color=colour,
+                height=0.55)
+    ax.set_yticks(list(lanes.values()), ["compute (main thread)", f"tp link: TP group ({run['tp']} ranks)",
+                                         f"dp link: FSDP group ({run['dp']} ranks)"], fontsize=7)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=colours["all_gather"], label="all-gather (FSDP: a unit's weights)"),
+                       Patch(color=colours["all_reduce"], label="all-reduce (TP: activations; dp: FSDP's "
+                                                                "reduce-scatter, which gloo runs as one)")],
+              fontsize=6.5, loc="upper left", bbox_to_anchor=(0, -0.22), ncol=2, frameon=False)
+    ax.set_xlabel("ms from the step's start (measured, torch.profiler)", fontsize=7)
+    ax.set_ylim(-0.5, 2.8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"one step of fsdp_tp_hybrid.py, (dp, tp) = ({run['dp']}, {run['tp']}), rank {run['rank']}, "
+                 f"{run['model']['n_layers']} blocks, on {run['world_size']} CPU ranks (gloo)", fontsize=9)
+
+
+def draw_zero_with_pipeline(fig) -> None:
+    """One stage's backward passes under 1F1B (``schedules.simulate``), with the reduce-scatter of its gradients
+    after every microbatch (the naive ZeRO-2/3) or once after the last (what torch's stage does), and the bytes
+    each way (``hybrid_pipeline.dp_gradient_sync_bytes``)."""
+    from distlab import hybrid_pipeline, schedules
+
+    ranks, microbatches, stage = 4, 8, 1
+    events = [e for e in schedules.simulate(schedules.one_f_one_b(ranks, microbatches)) if e.stage == stage]
+    backwards = [e for e in events if e.kind == "B"]
+    axes = fig.subplots(2, 1, sharex=True)
+    params = 1_000_000
+    for ax, every in zip(axes, (True, False)):
+        for e in events:
+            colour = RANK_COLOURS[0] if e.kind == "F" else RANK_COLOURS[1]
+            ax.barh(1, e.end - e.start, left=e.start, color=colour, edgecolor="white", height=0.6)
+            ax.text((e.start + e.end) / 2, 1, f"{e.kind}{e.microbatch}", ha="center", va="center", fontsize=6,
+                    color="white")
+        syncs = backwards if every else backwards[-1:]
+        for e in syncs:
+            ax.barh(0, 0.5, left=e.end, color=LINK_COLOURS["dp"], height=0.6)
+        sent = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, "fsdp", every)["reduce_scatter"]
+        once = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, "fsdp", False)["reduce_scatter"]
+        ax.set_yticks([0, 1], ["dp link", f"stage {stage}"], fontsize=7)
+        ax.set_title(("naive ZeRO-2/3: a reduce-scatter after every microbatch" if every else
+                      "torch's pipeline stage: gradients accumulated, one reduce-scatter after the last microbatch")
+                     + f": {sent // once} x the gradients' bytes", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[1].set_xlabel("time (units of one forward; 1F1B, P = 4, M = 8, simulated)", fontsize=7)
+    fig.tight_layout()
+
+
+def draw_sizing_chart(fig) -> None:
+    """The sizing guide's table as bars: GiB per A100-40GB at the fewest nodes each model fits, by part
+    (``sizing.sizing_table``), against the GPU's 40 GiB."""
+    from distlab import sizing
+
+    rows = [r for r in sizing.sizing_table() if r["gib_per_gpu"]]
+    ax = fig.subplots()
+    parts = [("state", "training state (sharded over dp x tp)", RANK_COLOURS[0]),
+             ("fsdp_unit", "FSDP units gathered", RANK_COLOURS[1]),
+             ("activations", "activations (checkpointed)", RANK_COLOURS[2]),
+             ("reserve", "reserve (CUDA, NCCL, fragmentation)", "#aaaaaa")]
+    for i, row in enumerate(rows):
+        bottom = 0.0
+        for key, label, colour in parts:
+            value = row["gib_per_gpu"][key]
+            ax.bar(i, value, bottom=bottom, color=colour, width=0.6, label=label if i == 0 else None)
+            bottom += value
+    gpu = sizing.Assumptions().gpu_bytes / sizing.GIB
+    ax.axhline(gpu, color="black", lw=0.8, ls="--")
+    ax.text(len(rows) - 0.5, gpu + 0.5, f"{gpu:.0f} GiB", fontsize=7, ha="right")
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\non {r['min_nodes']} node{'s' * (r['min_nodes'] > 1)}"
+                                     for r in rows], fontsize=8)
+    ax.set_ylabel("GiB per GPU (derived)")
+    ax.set_ylim(0, gpu * 1.25)
+    ax.set_title("fewest 4 x A100-40GB nodes (TP = 4 in a node, FSDP across), and what fills each GPU there",
+                 fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+
+
 # ---- chapter 11: the planner against published runs, and the decision path ---------------------------------
 
 def draw_predicted_vs_published(fig) -> None:
@@ -274,6 +464,11 @@ FIGURES = {
     "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
     "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),
     "08_ring_attention_blocks.png": (draw_ring_attention_blocks, (8, 3.6)),
+    "09_mesh_two_nodes.png": (draw_mesh_two_nodes, (9, 2.6)),
+    "09_mesh_3d.png": (draw_mesh_3d, (9, 3.4)),
+    "09_hybrid_step_timeline.png": (draw_hybrid_step_timeline, (9, 2.8)),
+    "09_zero_with_pipeline.png": (draw_zero_with_pipeline, (9, 3.2)),
+    "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
 }

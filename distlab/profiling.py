@@ -171,7 +171,9 @@ def communication_events(trace: dict, device_type: str = "cpu") -> list[dict]:
         if is_communication(e, device_type):
             start, end = span(e)
             if any(s <= start < t for s, t in steps):
-                out.append({"collective": collective_name(e), "start": start, "end": end})
+                # the shapes of its inputs (recorded with record_shapes=True): a flat buffer (FSDP's) or not
+                out.append({"collective": collective_name(e), "start": start, "end": end,
+                            "input_dims": e.get("args", {}).get("Input Dims")})
     return sorted(out, key=lambda c: c["start"])
 
 
@@ -238,5 +240,39 @@ def timeline(trace: dict, device_type: str = "cpu", first_step_only: bool = True
              for s, e in intersect(labelled_spans(events, BACKWARD_LABEL, device_type), window)]
     for c in communication_events(trace, device_type):
         if any(s <= c["start"] < e for s, e in window):
-            rows.append({"lane": "communication", "kind": c["collective"], "start": c["start"], "end": c["end"]})
+            rows.append({"lane": "communication", "kind": c["collective"], "start": c["start"], "end": c["end"],
+                         "input_dims": c["input_dims"]})
     return [{**r, "start": (r["start"] - origin) / 1e6, "end": (r["end"] - origin) / 1e6} for r in rows]
+
+
+def flat_buffer(row: dict) -> bool:
+    """A collective on one flat (1-D) buffer, as FSDP2 packs a unit's parameters or gradients; DTensor's
+    collectives in a TP plan run on activations (B x S x H) or loss statistics (B x S). Under sequence
+    parallelism the norm weights' gradient all-reduces are 1-D too: this rule is for plans without it."""
+    dims = row.get("input_dims") or [[]]
+    first = dims[0]
+    while first and isinstance(first[0], list):   # a TensorList input: its first tensor
+        first = first[0]
+    return len(first) == 1
+
+
+def one_step(device):
+    """A profiler for one step: ``with profiling.one_step(device) as prof: ...; prof.step()``; then
+    :func:`trace_of` reads it. Input shapes recorded (``flat_buffer`` needs them)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if getattr(device, "type", "") == "cuda" else [])
+    # repeat=1: one cycle. The default (0) starts recording again after prof.step(), and the trace exported
+    # after the block would be that empty next step.
+    return profile(activities=activities, record_shapes=True,
+                   schedule=schedule(wait=0, warmup=0, active=1, repeat=1))
+
+
+def trace_of(prof) -> dict:
+    """The Chrome trace of a finished profiler, as :func:`load_trace` returns it (through a temporary file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return load_trace(path)

@@ -31,9 +31,11 @@ use the usual plan.
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,8 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.profiler import record_function
 
-from distlab import comm, data, hybrid, memory, metrics, models, runtime, tensor_parallel
+from distlab import comm, data, hybrid, memory, metrics, models, profiling, runtime, tensor_parallel
 
 
 def mesh_shape(args, world_size, ranks_per_node):
@@ -65,6 +68,9 @@ def check_config(args, world_size):
     runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1's communication is measured)")
     runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
                     "--sequence-parallel goes with the usual embedding plan only")
+    runtime.require(args.timeline_out is None or (args.steps >= 3 and not args.sequence_parallel),
+                    "--timeline-out profiles step 2 of a run without --sequence-parallel (its norm weights' "
+                    "gradient all-reduces look like FSDP's flat buffers): need --steps >= 3")
 
 
 def tp_plan(embedding_plan, sequence_parallel):
@@ -119,6 +125,18 @@ def quiet_redistribution():
     return quiet()
 
 
+def step_timeline(prof, device) -> list[dict]:
+    """The profiled step as rows ``{lane, kind, start, end}`` (seconds): the compute, forward and backward spans,
+    and each collective on the link of its mesh dimension: FSDP's on flat buffers (dp), DTensor's on
+    activations (tp; see ``profiling.flat_buffer``)."""
+    rows = profiling.timeline(profiling.trace_of(prof), device.type)
+    for row in rows:
+        if row["lane"] == "communication":
+            row["lane"] = "dp" if profiling.flat_buffer(row) else "tp"
+        row.pop("input_dims", None)
+    return rows
+
+
 def compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt):
     """What the embedding and the head communicate under each plan (formula), beside this run's measurement.
 
@@ -161,6 +179,9 @@ def main():
                         "column-wise, head row-wise (what one of our source texts prints)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP frees each block's gathered weights after forward (2 all-gathers per unit and step)")
+    p.add_argument("--timeline-out", metavar="FILE.json", default=None,
+                   help="profile step 2 and write rank 0's measured timeline (compute, tp link, dp link) as JSON: "
+                        "the data of chapter 09's figure")
     hybrid.add_precision_flag(p)
     tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
@@ -212,10 +233,19 @@ def main():
             tokens = data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed)
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, dp_rank, dp).to(rt.device))
             usual = args.embedding_plan == "usual"
+            profiled = args.timeline_out is not None and step == 2
             with counter if step == 1 else contextlib.nullcontext(), \
-                    loss_parallel() if usual else contextlib.nullcontext():
-                loss = models.lm_loss(model(inputs), targets)
-                loss.backward()
+                    loss_parallel() if usual else contextlib.nullcontext(), \
+                    profiling.one_step(rt.device) if profiled else contextlib.nullcontext() as prof:
+                with record_function("forward"):
+                    loss = models.lm_loss(model(inputs), targets)
+                with record_function(profiling.BACKWARD_LABEL):
+                    loss.backward()
+                rt.sync()
+                if profiled:
+                    prof.step()
+            if profiled:
+                timeline = step_timeline(prof, rt.device)
             # (Under SP the norm weights' gradients are partial sums over sequence shards: FSDP's post-backward
             # hook all-reduces them over tp before its reduce-scatter over dp, so nothing is left to reduce.)
             if step == 0:
@@ -301,6 +331,19 @@ def main():
             report.check(f"{dimension} communication of one step = formula (calls and bytes of every collective)",
                          not mismatched, mismatched or len(rows), "every row equal")
         compare_embedding_plans(cfg, args, dp, tp, ledger, report, rt)
+        if args.timeline_out is not None:   # the profiled step's collectives per link = the counted step's
+            in_trace = {dim: sum(r["lane"] == dim for r in timeline) for dim in ("tp", "dp")}
+            counted = {dim: sum(r["measured_calls"] for r in ledger if r["dimension"] == dim) for dim in ("tp", "dp")}
+            report.check_equal("the profiled step's collectives per mesh dimension = the counted step's",
+                               in_trace, counted)
+            if rt.is_main:
+                Path(args.timeline_out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.timeline_out).write_text(json.dumps({
+                    "script": "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py", "argv": sys.argv[1:],
+                    "rank": rt.rank, "world_size": rt.world_size, "dp": dp, "tp": tp, "device": str(rt.device),
+                    "torch": torch.__version__, "model": cfg.to_dict(), "batch": args.batch, "seq_len": args.seq_len,
+                    "step": 2, "rows": timeline}, indent=1))
+                rt.print(f"wrote {args.timeline_out}")
 
         report.throughput = metrics.throughput(args.batch * args.seq_len, elapsed, args.steps - 2, cfg=cfg,
                                                seq_len=args.seq_len, device=rt.device, num_devices=rt.world_size,

@@ -100,10 +100,11 @@ def test_fake_world_bad_mesh_is_a_config_error(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def usual_run():
-    # the chapter's one run under the real launcher
-    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--steps", "3"], launcher="torchrun",
-                      stream=False)
+def usual_run(tmp_path_factory):
+    # the chapter's one run under the real launcher, with its step 2 profiled (the chapter's timeline figure)
+    timeline = tmp_path_factory.mktemp("timeline") / "timeline.json"
+    return launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--steps", "3", "--timeline-out",
+                                             str(timeline)], launcher="torchrun", stream=False)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,7 @@ def test_2d_mesh_trains_like_one_device(run, request):
 
 def test_usual_run_memory_and_communication_per_dimension(usual_run):
     metrics = usual_run.metrics
+    assert _check(metrics, "the profiled step's collectives per mesh dimension = the counted step's")["passed"]
     replica_activation = 2 * 32 * 64 * 4  # batch 4 / dp 2, S 32, H 64, fp32
     per_block_tp = {(r["phase"]): r for r in _rows(metrics, "tp", "blocks")}
     for phase in ("forward", "backward"):  # 2 all-reduces per block each way, over the TP group only

@@ -55,3 +55,20 @@ def test_the_ring_picture_is_the_ring_algorithm():
     assert history[-1] == [[4] * 4] * 4                              # every rank holds every summed chunk
     for n in (2, 3, 5):
         assert figures.ring_allreduce_contributions(n)[-1] == [[n] * n] * n
+
+
+def test_the_measured_hybrid_timeline_is_the_scripts_and_holds_every_collective_of_a_step():
+    # the committed measurement (fsdp_tp_hybrid.py --timeline-out) against the formula of today's code: a
+    # stale file (another model, plan or mesh) fails here; re-measure with the command in its "argv"
+    import json
+
+    from distlab import hybrid, models
+
+    run = json.loads(figures.HYBRID_STEP_TIMELINE.read_text())
+    assert run["script"] == "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py" and "--timeline-out" in run["argv"]
+    cfg = models.TransformerConfig(**run["model"])
+    formula = hybrid.fsdp_tp_comm_formula(cfg, run["batch"], run["seq_len"], run["dp"], run["tp"])
+    for lane in ("tp", "dp"):
+        expected = sum(r["calls"] for r in formula if r["dimension"] == lane)
+        assert sum(r["lane"] == lane for r in run["rows"]) == expected, lane
+    assert [r for r in run["rows"] if r["lane"] == "backward"] and [r for r in run["rows"] if r["lane"] == "compute"]
