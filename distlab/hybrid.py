@@ -241,7 +241,8 @@ def fsdp_unit_params(cfg, tp: int, embedding_plan: str = "usual", dp: int = 1) -
 
 def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, sequence_parallel: bool = False,
                          embedding_plan: str = "usual", reshard_after_forward: bool = True,
-                         bytes_per_element: int = 4, reduce_bytes_per_element: int | None = None) -> list:
+                         bytes_per_element: int = 4, reduce_bytes_per_element: int | None = None,
+                         replicate: int = 1) -> list:
     """The collectives of one training step on a dp x tp mesh, per mesh dimension, as rows
     ``{dimension, phase, where, collective, calls, payload_bytes}`` (payload summed over the calls).
 
@@ -262,6 +263,11 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
     ``bytes_per_element`` is the size of an activation and of a gathered weight (2 under bf16), and
     ``reduce_bytes_per_element`` that of a reduced gradient (FSDP's ``reduce_dtype``: 4 under the course's
     bf16 policy; by default the same as ``bytes_per_element``); ``loss_parallel``'s statistics are fp32 always.
+
+    **replicate** (HSDP x TP, ``replicate`` > 1: FSDP on a (replicate, shard) mesh with ``dp`` the shard size):
+    the batch splits over replicate x dp groups; FSDP's all-gathers and reduce-scatters stay inside a shard
+    group, and each rank all-reduces its reduced gradient shard (1/dp of the unit) with its peers of the other
+    replicas, once per unit.
     """
     reduce_bytes = reduce_bytes_per_element or bytes_per_element
     from distlab.tensor_parallel import tp_comm_formula
@@ -276,7 +282,7 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
         row["payload_bytes"] += calls * payload_each
 
     if tp > 1:
-        replica_batch = batch // dp
+        replica_batch = batch // (dp * replicate)
         activation = replica_batch * seq_len * cfg.dim * bytes_per_element
         for row in tp_comm_formula(cfg, replica_batch, seq_len, tp, sequence_parallel=sequence_parallel,
                                    bytes_per_element=bytes_per_element):
@@ -305,6 +311,11 @@ def fsdp_tp_comm_formula(cfg, batch: int, seq_len: int, dp: int, tp: int, *, seq
             if reshard_after_forward:
                 add("dp", "backward", where, "all_gather", count, unit_bytes)
             add("dp", "backward", where, "reduce_scatter", count, units[unit] * reduce_bytes)
+    if replicate > 1:
+        units = fsdp_unit_params(cfg, tp, embedding_plan, dp)
+        for unit, count in (("block", cfg.n_layers), ("root", 1)):
+            where = "blocks" if unit == "block" or units["root"] == units["block"] else "root"
+            add("replicate", "backward", where, "all_reduce", count, units[unit] // dp * reduce_bytes)
     return list(rows.values())
 
 
@@ -326,12 +337,15 @@ def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual
     units = {(collective, unit_params[unit] * size): where
              for collective, size in (("all_gather", bytes_per_element), ("reduce_scatter", reduce_bytes))
              for unit, where in (("root", "root"), ("block", "blocks"))}
+    # HSDP: FSDP's only all-reduce is of a reduced gradient shard (1/dp of the unit) across the replicas
+    units.update({("all_reduce", unit_params[unit] // dp * reduce_bytes): where
+                  for unit, where in (("root", "root"), ("block", "blocks"))})
     rows: dict[tuple, dict] = {}
     for call in calls:
         if call.group_size == 1:
             continue
         if call.source == "c10d":
-            dimension = "dp"
+            dimension = "replicate" if call.collective == "all_reduce" else "dp"
             where = units.get((call.collective, call.payload_bytes), "unknown unit")
         else:
             dimension = "tp"
@@ -344,13 +358,14 @@ def measured_fsdp_tp_comm_rows(calls, cfg, tp: int, embedding_plan: str = "usual
     return list(rows.values())
 
 
-def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int) -> list:
+def join_fsdp_tp_comm_rows(measured: list, formula: list, dp: int, tp: int, replicate: int = 1) -> list:
     """One row per (dimension, phase, where, collective) found in either list, measured beside formula,
     with the bytes each rank sends on a ring over that dimension's group (``sent_bytes_per_rank_derived``:
     the ring model applied to the measured payload): ``tensor_parallel.join_comm_rows`` with a group per row."""
     from distlab.tensor_parallel import join_comm_rows
 
-    return join_comm_rows(measured, formula, lambda row: dp if row["dimension"] == "dp" else tp,
+    sizes = {"dp": dp, "tp": tp, "replicate": replicate}
+    return join_comm_rows(measured, formula, lambda row: sizes[row["dimension"]],
                           keys=("dimension", "phase", "where", "collective"))
 
 

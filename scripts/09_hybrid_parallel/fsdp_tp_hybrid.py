@@ -49,7 +49,8 @@ from distlab import comm, data, hybrid, memory, metrics, models, profiling, runt
 
 
 def mesh_shape(args, world_size, ranks_per_node):
-    """(dp, tp): as given, else TP over the ranks of a node and DP over the nodes."""
+    """(dp, tp): as given, else TP over the ranks of a node and DP over the nodes (of a replica, with HSDP)."""
+    world_size //= args.replicate
     default_dp, default_tp = hybrid.default_mesh_shape(world_size, ranks_per_node)
     tp = args.tp or (world_size // args.dp if args.dp else default_tp)
     dp = args.dp or max(1, world_size // tp)
@@ -57,14 +58,17 @@ def mesh_shape(args, world_size, ranks_per_node):
 
 
 def check_config(args, world_size):
+    runtime.require(world_size % args.replicate == 0,
+                    f"--replicate {args.replicate} does not divide the {world_size} ranks into replicas")
     dp, tp = mesh_shape(args, world_size, runtime.launcher_env().local_world_size)
-    problems = hybrid.mesh_shape_problems(world_size, 1, dp, tp)
+    problems = hybrid.mesh_shape_problems(world_size, args.replicate, dp, tp)
     runtime.require(not problems, "; ".join(problems))
     cfg = tensor_parallel.model_from_args(args)  # also fills in args.batch and args.seq_len
     problems = tensor_parallel.tp_config_problems(cfg, tp, batch=args.batch, seq_len=args.seq_len,
                                                   sequence_parallel=args.sequence_parallel)
     runtime.require(not problems, "; ".join(problems))
-    runtime.require(args.batch % dp == 0, f"--batch {args.batch} does not split over dp = {dp} replicas")
+    runtime.require(args.batch % (args.replicate * dp) == 0,
+                    f"--batch {args.batch} does not split over {args.replicate * dp} data-parallel ranks")
     runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1's communication is measured)")
     runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
                     "--sequence-parallel goes with the usual embedding plan only")
@@ -86,7 +90,8 @@ def tp_plan(embedding_plan, sequence_parallel):
 
 
 def build_hybrid_model(cfg, args, mesh, device):
-    """The model on the 2-D mesh: tensor parallel over mesh["tp"] first, then FSDP over mesh["dp"].
+    """The model on the 2-D mesh: tensor parallel over mesh["tp"] first, then FSDP over mesh["dp"] (HSDP: over
+    mesh["replicate", "dp"], sharded over dp and replicated over replicate).
 
     Why in that order: parallelize_module turns each weight into a DTensor on the TP mesh, holding this
     rank's TP slice. fully_shard then sees those DTensors and shards each one's local slice once more along
@@ -100,9 +105,10 @@ def build_hybrid_model(cfg, args, mesh, device):
     model = models.build_transformer(cfg, args.seed, device)  # same seed: the full weights of one device
     parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
     policy = hybrid.mixed_precision_policy(args.precision)
+    fsdp_mesh = mesh["replicate", "dp"] if getattr(args, "replicate", 1) > 1 else mesh["dp"]   # 2-D: HSDP
     for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=args.reshard_after_forward,
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward,
                 mp_policy=hybrid.mixed_precision_policy(args.precision, root=True))
     return model
 
@@ -173,6 +179,9 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
     p.add_argument("--dp", type=runtime.positive_int, default=None, help="data-parallel (FSDP) degree (default: the number of nodes)")
     p.add_argument("--tp", type=runtime.positive_int, default=None, help="tensor-parallel degree (default: the ranks of a node)")
+    p.add_argument("--replicate", type=runtime.positive_int, default=1,
+                   help="HSDP x TP: this many replicas of the dp x tp mesh, FSDP sharding inside each and "
+                        "all-reducing the gradient shards across them (default 1: FSDP x TP)")
     p.add_argument("--sequence-parallel", action="store_true", help="split the activations between TP regions")
     p.add_argument("--embedding-plan", choices=["usual", "alternative"], default="usual",
                    help="usual: embedding row-wise, head column-wise + loss_parallel; alternative: embedding "
@@ -191,7 +200,8 @@ def main():
         cfg = tensor_parallel.model_from_args(args)
         dp, tp = mesh_shape(args, rt.world_size, rt.local_world_size)
         bf16 = args.precision == "bf16"   # compared with the fp32 single-device run at bf16's tolerances
-        report = metrics.Report(__file__, rt, config={**vars(args), "dp": dp, "tp": tp, "model": cfg.to_dict()})
+        report = metrics.Report(__file__, rt, config={**vars(args), "dp": dp, "tp": tp, "replicate": args.replicate,
+                                                      "model": cfg.to_dict()})
         # Losses and step-0 gradients: chapter 06's fp32 tolerances (sums in another order). Parameters after
         # the last step: AdamW divides by sqrt(v), so a weight whose gradient is mostly rounding noise can move
         # by up to ~lr per step whichever way the noise points; a wrong gradient moves every weight by ~lr.
@@ -210,17 +220,27 @@ def main():
             torch.cuda.empty_cache()
 
         # 2. The 2-D mesh: tp innermost, so a TP group is tp consecutive ranks (one node; see rank_grid.py).
-        mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        #    HSDP x TP adds the replicas outermost: (replicate, dp, tp), FSDP sharding over dp inside a replica.
+        replicas = args.replicate
+        if replicas > 1:
+            mesh = init_device_mesh(rt.device.type, (replicas, dp, tp), mesh_dim_names=("replicate", "dp", "tp"))
+        else:
+            mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        replica = mesh.get_local_rank("replicate") if replicas > 1 else 0
         dp_rank = mesh.get_local_rank("dp")
+        data_rank, data_ranks = replica * dp + dp_rank, replicas * dp   # which rows of the batch this rank reads
         model = build_hybrid_model(cfg, args, mesh, rt.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         # the groups as the mesh made them (not as arithmetic says they should be), checked on every rank
-        mine = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in ("dp", "tp")}
-        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (1, dp, tp)))
+        mine = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
+        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (replicas, dp, tp),
+                                                                    names={"replicate": "pp"}))
         report.check("every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid", not wrong,
                      "; ".join(wrong[:2]) or "all agree", "tp innermost: tp consecutive ranks")
-        rt.print(f"{rt.world_size} ranks as dp {dp} x tp {tp}; rank 0's TP group {mine['tp']}, its FSDP group "
-                 f"{mine['dp']} (read from the mesh); embedding plan {args.embedding_plan}"
+        rt.print(f"{rt.world_size} ranks as {f'replicate {replicas} x ' if replicas > 1 else ''}dp {dp} x tp {tp}; "
+                 f"rank 0's TP group {mine['tp']}, its FSDP group {mine['dp']}"
+                 + (f", its replicate group {mine['replicate']}" if replicas > 1 else "")
+                 + f" (read from the mesh); embedding plan {args.embedding_plan}"
                  + (", sequence parallel" if args.sequence_parallel else ""))
 
         # 3. Train. A TP group shares one slice of the batch: every TP rank of replica d sees rows d/dp.
@@ -231,7 +251,7 @@ def main():
                 rt.sync()
                 started = time.perf_counter()
             tokens = data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed)
-            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, dp_rank, dp).to(rt.device))
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, data_rank, data_ranks).to(rt.device))
             usual = args.embedding_plan == "usual"
             profiled = args.timeline_out is not None and step == 2
             with counter if step == 1 else contextlib.nullcontext(), \
@@ -265,8 +285,9 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             local = loss.full_tensor() if isinstance(loss, DTensor) else loss  # the same on every TP rank
             global_loss = local.detach().clone()
-            dist.all_reduce(global_loss, group=mesh.get_group("dp"))  # the mean over the dp replicas
-            report.losses.append(global_loss.item() / dp)
+            for dim in ("dp", "replicate") if replicas > 1 else ("dp",):  # the mean over every data-parallel rank
+                dist.all_reduce(global_loss, group=mesh.get_group(dim))
+            report.losses.append(global_loss.item() / data_ranks)
             rt.print(f"step {step}: loss {report.losses[-1]:.6f}   single device {reference_losses[step]:.6f}")
         rt.sync()
         elapsed = time.perf_counter() - started if started else float("nan")
@@ -308,23 +329,25 @@ def main():
         formula = hybrid.fsdp_tp_comm_formula(cfg, args.batch, args.seq_len, dp, tp,
                                               sequence_parallel=args.sequence_parallel,
                                               embedding_plan=args.embedding_plan,
-                                              reshard_after_forward=args.reshard_after_forward, **number_bytes)
+                                              reshard_after_forward=args.reshard_after_forward,
+                                              replicate=replicas, **number_bytes)
         measured = hybrid.measured_fsdp_tp_comm_rows(counter.calls, cfg, tp, args.embedding_plan, dp=dp,
                                                      **number_bytes)
-        ledger = hybrid.join_fsdp_tp_comm_rows(measured, formula, dp, tp)
-        rt.print(f"\ncommunication of one training step per mesh dimension (replica batch {args.batch // dp} x "
+        ledger = hybrid.join_fsdp_tp_comm_rows(measured, formula, dp, tp, replicas)
+        rt.print(f"\ncommunication of one training step per mesh dimension (replica batch {args.batch // data_ranks} x "
                  f"{args.seq_len} tokens, H = {cfg.dim}, V = {cfg.vocab_size}):")
-        rt.print(f"  {'dim':3s} {'phase':8s} {'where':14s} {'collective':14s} {'calls':>5s} {'measured':>10s} "
+        width = max(len(row["dimension"]) for row in ledger)
+        rt.print(f"  {'dim':{width}s} {'phase':8s} {'where':14s} {'collective':14s} {'calls':>5s} {'measured':>10s} "
                  f"{'formula':>10s}  sent per rank (derived: ring model x measured)")
         for row in ledger:
-            rt.print(f"  {row['dimension']:3s} {row['phase']:8s} {row['where']:14s} {row['collective']:14s} "
+            rt.print(f"  {row['dimension']:{width}s} {row['phase']:8s} {row['where']:14s} {row['collective']:14s} "
                      f"{row['measured_calls']:5d} {row['measured_bytes']:10,d} {row['analytic_bytes']:10,d}  "
                      f"{row['sent_bytes_per_rank_derived']:,.0f}")
             report.add_comm(row["collective"], row["measured_bytes"], row["analytic_bytes"],
                             dimension=row["dimension"], phase=row["phase"], where=row["where"],
                             measured_calls=row["measured_calls"], analytic_calls=row["analytic_calls"],
                             sent_bytes_per_rank_derived=row["sent_bytes_per_rank_derived"])
-        for dimension in ("tp", "dp"):
+        for dimension in ("tp", "dp") + (("replicate",) if replicas > 1 else ()):
             rows = [r for r in ledger if r["dimension"] == dimension]
             mismatched = [f"{r['phase']}/{r['where']}/{r['collective']}" for r in rows
                           if (r["measured_bytes"], r["measured_calls"]) != (r["analytic_bytes"], r["analytic_calls"])]

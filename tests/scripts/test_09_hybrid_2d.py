@@ -200,12 +200,34 @@ def test_bf16_halves_activations_and_gathered_weights_not_the_reduced_gradients(
     assert sequence_parallel_run.metrics["config"]["precision"] == "fp32"  # tiny's default: exact checks
 
 
+def test_hsdp_times_tp_on_a_3d_mesh_equals_one_device_with_each_dimensions_bytes():
+    # (replicate, dp, tp) = (2, 2, 2) on 8 ranks: TP inside, FSDP sharding over dp inside a replica, and each
+    # gradient shard all-reduced over the replicas; every dimension's calls and bytes = the formula's
+    result = launch.run(HYBRID, nproc=8, args=["--dp", "2", "--tp", "2", "--replicate", "2", "--steps", "2"],
+                        stream=False, timeout=240)
+    metrics = assert_all_checks_passed(result, min_checks=10)
+    assert _check(metrics, "replicate communication of one step = formula")["passed"]
+    replicate = _rows(metrics, "replicate")
+    assert {r["collective"] for r in replicate} == {"all_reduce"}
+    assert sum(r["measured_calls"] for r in replicate) == TINY.n_layers + 1      # one per FSDP unit
+    assert not [r for r in _rows(metrics, "dp") if r["collective"] == "all_reduce"]
+    # the shard is 1/dp of a unit, all-reduced: as many bytes as the unit's reduce-scatter, over dp
+    shard_sums = {r["where"]: r["measured_bytes"] for r in replicate}
+    scatters = {r["where"]: r["measured_bytes"] for r in _rows(metrics, "dp") if r["collective"] == "reduce_scatter"}
+    assert {w: 2 * b for w, b in shard_sums.items()} == scatters
+    assert "its replicate group [0, 4]" in result.output
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 
 
 def test_mesh_that_is_not_the_world_exits_2():
     assert_config_error(HYBRID, ["--dp", "3", "--tp", "2"],
                         "pp x dp x tp = 1 x 3 x 2 = 6 ranks is not the world size 4")
+
+
+def test_replicas_that_do_not_divide_the_world_exit_2():
+    assert_config_error(HYBRID, ["--replicate", "3"], "--replicate 3 does not divide the 4 ranks into replicas")
 
 
 def test_heads_that_do_not_split_over_tp_exit_2():
