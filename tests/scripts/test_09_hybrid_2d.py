@@ -235,7 +235,8 @@ def test_heads_that_do_not_split_over_tp_exit_2():
 
 
 def test_batch_that_does_not_split_over_dp_exits_2():
-    assert_config_error(HYBRID, ["--dp", "4", "--tp", "1", "--batch", "6"], "--batch 6 does not split over dp = 4")
+    assert_config_error(HYBRID, ["--dp", "4", "--tp", "1", "--batch", "6"],
+                        "--batch 6 does not split over 4 data-parallel ranks")
 
 
 def test_rank_grid_mesh_that_is_not_the_world_exits_2():
