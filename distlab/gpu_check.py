@@ -348,6 +348,28 @@ def summarize(machine: dict, results: list[dict], copy_bandwidth: dict | None, w
     return summary
 
 
+def torch_pin_note(torch_version: str, requirements: str) -> str | None:
+    """A note when this torch is not the one ``requirements.txt`` pins (a GPU node's own image, say): a crash on
+    a torch API that the pinned version has is then the version's doing, not the GPU's. None when they agree."""
+    pinned = next((line.split("==", 1)[1].strip() for line in requirements.splitlines()
+                   if line.strip().startswith("torch==")), None)
+    if pinned is None or torch_version.split("+")[0] == pinned:
+        return None
+    return (f"torch {torch_version} here, the course pins torch=={pinned}: a run that crashes on a torch API "
+            f"(AttributeError: no attribute, TypeError: unexpected keyword) needs the pinned version, "
+            f"not a fix for the GPU")
+
+
+def select_runs(plan: list[Planned], only: list[str] | None) -> list[Planned]:
+    """The runs named by ``--only`` (every run when None), in the table's order; an unknown name is refused."""
+    if not only:
+        return plan
+    unknown = sorted(set(only) - {p.run.name for p in plan})
+    if unknown:
+        raise runtime.ConfigError(f"--only {' '.join(unknown)}: no such run (see --plan-only for the names)")
+    return [p for p in plan if p.run.name in only]
+
+
 def _gib(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / GIB:.2f} GiB"
 
@@ -513,6 +535,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=runtime.positive_float, default=TIME_BUDGET_S,
                    help=f"seconds for all the script runs (default {TIME_BUDGET_S}); a run is not started with "
                         f"less than {MIN_RUN_SECONDS} s left")
+    p.add_argument("--only", nargs="+", metavar="RUN", default=None,
+                   help="run only these (names as --plan-only lists them): rerun one failure, say")
     p.add_argument("--render", metavar="SUMMARY_JSON", default=None, help="print the table of a summary.json")
     p.add_argument("--child", choices=["probe", "copy"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -537,8 +561,16 @@ def main(argv=None) -> int:
         return NO_GPU_EXIT_CODE
 
     gpus = machine["gpus"]
-    plan = plan_runs(len(gpus), min(g["memory_bytes"] for g in gpus), out.resolve())
+    try:
+        plan = select_runs(plan_runs(len(gpus), min(g["memory_bytes"] for g in gpus), out.resolve()), args.only)
+    except runtime.ConfigError as error:
+        sys.stderr.write(f"config error: {error}\n")
+        return NO_GPU_EXIT_CODE
+    machine["note"] = machine.get("note") or torch_pin_note(machine["torch"],
+                                                            (REPO_ROOT / "requirements.txt").read_text())
     print(f"gpu-check: {len(gpus)} x {gpus[0]['name']}, torch {machine['torch']}, CUDA {machine['cuda']}")
+    if machine["note"]:
+        print(f"NOTE: {machine['note']}")
     if args.plan_only:
         print(_plan_text(plan))
         return 0

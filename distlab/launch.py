@@ -93,6 +93,19 @@ def _has_cuda() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl"))
 
 
+def child_environment(extra: dict | None = None, base: dict | None = None) -> dict:
+    """The ranks' environment: this one, unbuffered output, one OpenMP thread, a process-group timeout, and the
+    folder holding this ``distlab`` first on ``PYTHONPATH``: the ranks import the library that launched them,
+    also from a Python where the course was never ``pip install -e``'d (a GPU node's own PyTorch image: there
+    every rank died with ``No module named 'distlab'``, seen on an H200)."""
+    child_env = dict(os.environ if base is None else base, PYTHONUNBUFFERED="1", **(extra or {}))
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.setdefault("DISTLAB_PG_TIMEOUT", "120")
+    library_root = str(Path(__file__).resolve().parent.parent)
+    child_env["PYTHONPATH"] = os.pathsep.join([library_root, *filter(None, [child_env.get("PYTHONPATH")])])
+    return child_env
+
+
 def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "auto", timeout: float = 180,
         stream: bool = True, check: bool = True, env: dict | None = None, cwd: str | os.PathLike | None = None,
         metrics: bool = True) -> LaunchResult:
@@ -132,9 +145,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
         tmpdir.cleanup()
         return result
 
-    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    child_env.setdefault("OMP_NUM_THREADS", "1")
-    child_env.setdefault("DISTLAB_PG_TIMEOUT", "120")
+    child_env = child_environment(env)
     shown = torchrun_command(script, nproc, [a for a in args if a != str(metrics_path)
                                                and a != "--metrics-out"] if metrics_path else args)
     if stream:

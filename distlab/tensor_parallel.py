@@ -167,7 +167,7 @@ def add_model_flags(parser) -> None:
     parser.add_argument("--dim", type=runtime.positive_int, default=None, help="hidden size H (default: the preset's)")
     parser.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
     parser.add_argument("--ffn-hidden", type=runtime.positive_int, default=None, help="feed-forward hidden size (default: the preset's)")
-    parser.add_argument("--lr", type=runtime.positive_float, default=1e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(parser, 1e-3)
 
 
 def model_from_args(args):

@@ -71,7 +71,7 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "small", "a100"), steps=20)
     p.add_argument("--batch", type=runtime.positive_int, default=None,
                    help="sequences per step (default: 8 for tiny and small, 4 for a100)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 autocast on a GPU, fp32 on a CPU")
     args = p.parse_args()

@@ -98,7 +98,7 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=10)
     p.add_argument("--batch", type=runtime.positive_int, default=None,
                    help="global batch, sequences per step, split over the ranks (default: 8; 16 for a100)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 when comparing with a single device, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,

@@ -151,7 +151,7 @@ def main():
                    help="dataset size for DistributedSampler (default: 4 global batches, so epochs turn over)")
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                    help="DistributedSampler reshuffles every epoch (set_epoch)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--compare", action="store_true",

@@ -104,7 +104,7 @@ def main():
     p.add_argument("--world-size-check", action="store_true",
                    help="load the latest checkpoint on this number of ranks and compare with the full copy")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(PRESETS[args.preset])

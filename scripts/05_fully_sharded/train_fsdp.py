@@ -132,7 +132,7 @@ def full_parameters(model) -> list[torch.Tensor]:
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=5)
     p.add_argument("--batch", type=runtime.positive_int, default=None, help="global batch, sequences per step (default: 8; 16 for a100)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered weights after its forward (ZeRO-3); --no-...: keep them "
                         "until backward (one all-gather per step fewer)")

@@ -111,7 +111,7 @@ def main():
     p.add_argument("--stage", type=runtime.positive_int, choices=[1, 2], default=2,
                    help="1: shard the optimizer state; 2: also reduce-scatter and shard the gradients")
     p.add_argument("--batch", type=runtime.positive_int, default=None, help="global batch, sequences per step (default: 8; 16 for a100)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(args.preset)

@@ -231,7 +231,7 @@ def add_training_flags(parser) -> None:
     parser.add_argument("--layers", type=runtime.positive_int, default=None,
                         help="transformer blocks, at least one per stage (default: 8 for tiny, whose 2 would not "
                              "fill 4 stages; the preset's otherwise)")
-    parser.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(parser)
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                         help="train the single-device model too and compare (default: on for tiny; off for a100, "
                              "whose whole model would not fit beside a stage)")

@@ -47,7 +47,6 @@ another allocation (8 ranks, then 4):
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,9 +127,9 @@ def main():
                         "would), each step")
     p.add_argument("--save-after", type=runtime.positive_int, default=None, metavar="N",
                    help="write a DCP checkpoint after N steps, into --checkpoint-dir")
-    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="where --save-after writes (DIR/step_N; never overwritten)")
-    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+    p.add_argument("--resume", default=None, metavar="DIR",
                    help="start from the latest complete checkpoint in DIR, saved in this or any other layout")
     p.add_argument("--resume-weights-only", action="store_true",
                    help="the mistake: load the weights but not AdamW's state (the check against one device fails)")

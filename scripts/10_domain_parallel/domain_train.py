@@ -84,7 +84,7 @@ def main():
     p.add_argument("--groups", type=runtime.positive_int, default=2, help="GroupNorm groups")
     p.add_argument("--height", type=runtime.positive_int, default=32, help="field height (cells)")
     p.add_argument("--width", type=runtime.positive_int, default=32, help="field width (cells)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:

@@ -117,7 +117,7 @@ def main():
                    help="sequences in the dataset, read in a new shuffled order each epoch (20: 2.5 steps an epoch)")
     p.add_argument("--resume-without-rng", action="store_true",
                    help="the mistake: checkpoint only the model and the optimizer (no data position, no RNGs)")
-    p.add_argument("--lr", type=runtime.positive_float, default=3e-3, help="AdamW learning rate")
+    runtime.add_lr_flag(p)
     p.add_argument("--kill-rank", type=runtime.nonnegative_int, default=None, help="this rank dies (first attempt only)")
     p.add_argument("--kill-at-step", type=runtime.positive_int, default=None, help="... at the start of this step")
     p.add_argument("--step-seconds", type=runtime.nonnegative_float, default=0.0, help="sleep this long per step (to give a signal time)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import gpu_check
+from distlab import gpu_check, runtime
 from distlab.gpu_check import NOT_ON_GPU, RUNS, Planned, Run, plan_runs, render_table, run_result, summarize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -345,3 +345,22 @@ def test_cli_plan_for_another_machine_and_render(tmp_path, capsys, summary):
     saved.write_text(json.dumps(summary))
     assert gpu_check.main(["--render", str(saved)]) == 0
     assert capsys.readouterr().out == render_table(summary) + "\n"
+
+
+def test_only_selects_runs_and_refuses_unknown_names(tmp_path):
+    plan = gpu_check.plan_runs(1, 140 * GIB, tmp_path)
+    chosen = gpu_check.select_runs(plan, ["profile_step_fsdp", "baseline_a100_bf16"])
+    assert [p.run.name for p in chosen] == ["baseline_a100_bf16", "profile_step_fsdp"]  # the table's order
+    assert gpu_check.select_runs(plan, None) == plan
+    with pytest.raises(runtime.ConfigError, match="no_such_run"):
+        gpu_check.select_runs(plan, ["baseline_tiny", "no_such_run"])
+
+
+def test_a_torch_other_than_the_pin_is_named():
+    """On an H200 image with torch 2.11 two runs crashed on 2.13 APIs (dist.all_gather_single, DDP's
+    forward_sync_buffers): the summary says the version is the cause."""
+    requirements = "# pins\nnumpy==2.3.0\ntorch==2.13.0\n"
+    assert gpu_check.torch_pin_note("2.13.0+cu128", requirements) is None
+    note = gpu_check.torch_pin_note("2.11.0+cu130", requirements)
+    assert "2.11.0+cu130" in note and "torch==2.13.0" in note
+    assert gpu_check.torch_pin_note("2.11.0", "numpy==2.3.0\n") is None

@@ -29,3 +29,21 @@ def test_the_profilers_trace_points_are_not_shown_to_the_learner(capsys, tmp_pat
     shown = capsys.readouterr().out
     assert "step 0: loss 1.0" in shown and "USDT" not in shown
     assert "USDT:" in result.output  # kept for the logs
+
+
+def test_the_ranks_import_the_library_that_launched_them(tmp_path):
+    """A GPU node's own PyTorch, where the course was never pip-installed: ``python -S`` skips site-packages
+    (and with it the editable install), so only PYTHONPATH can find distlab, and the ranks' environment puts it
+    there. Without it every rank died with ``No module named 'distlab'`` (seen on an H200)."""
+    import subprocess
+    import sys
+
+    import distlab
+    from distlab.launch import child_environment
+
+    env = child_environment({"DISTLAB_PG_TIMEOUT": "7"}, base={"PYTHONPATH": "/elsewhere", "PATH": "/usr/bin"})
+    root = str(__import__("pathlib").Path(distlab.__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(":") == [root, "/elsewhere"] and env["DISTLAB_PG_TIMEOUT"] == "7"
+    done = subprocess.run([sys.executable, "-S", "-c", "import distlab; print(distlab.__file__)"],
+                          env=child_environment(base={}), cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -63,7 +63,10 @@ def test_gpu_trace_uses_kernels():
         event("ampere_sgemm_128x64", 10, 30, tid=7, cat="kernel"),
         event("nccl:all_reduce", 19, 1),                                  # the CPU-side launch
         event("backward", 10, 60, tid=7, cat="gpu_user_annotation"),
+        event("ProfilerStep#1", 5, 90, tid=7, cat="gpu_user_annotation"),  # Kineto's GPU-side copy of the step
     ]}
+    assert profiling.step_spans(trace["traceEvents"]) == [(0, 100)]      # one step, not two
+    assert profiling.main_thread(trace["traceEvents"]) == MAIN
     kinds = profiling.time_per_kind(trace, "cuda")
     assert kinds["overlapped"] == pytest.approx(20e-6) and kinds["communication"] == pytest.approx(20e-6)
     assert [e["collective"] for e in profiling.communication_events(trace, "cuda")] == ["all_reduce"]

@@ -128,12 +128,9 @@ def test_the_numbers_chapters_06_and_08_quote():
 
 
 def test_model_flags_fill_defaults_and_override_shapes():
-    import argparse
+    from distlab import models, runtime, tensor_parallel
 
-    from distlab import models, tensor_parallel
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="tiny")
+    parser = runtime.parser(None, presets=("tiny", "a100"))
     tensor_parallel.add_model_flags(parser)
     args = parser.parse_args(["--heads", "8"])
     cfg = tensor_parallel.model_from_args(args)
@@ -141,3 +138,4 @@ def test_model_flags_fill_defaults_and_override_shapes():
     assert cfg == models.preset("tiny", n_heads=8)
     args = parser.parse_args(["--preset", "a100", "--batch", "6", "--dim", "512"])
     assert tensor_parallel.model_from_args(args).dim == 512 and args.batch == 6
+    assert args.lr == runtime.LARGE_MODEL_LR  # the a100 preset's learning rate
