@@ -32,6 +32,9 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
     * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch
       and chunk); under SP a rank sends its sequence shard (1/tp of the activation): the boundary tensor is
       already split over TP, as in Megatron's scatter-gather optimisation (Narayanan et al. 2021);
+    * replicate (HSDP, ``layout.shard``): FSDP's all-gathers and reduce-scatters run in the shard group (dp);
+      after each reduce-scatter, the rank's gradient shard (1/shard of the unit's) is all-reduced with its peers
+      of the other replicas (measured in chapter 09's ``fsdp_tp_hybrid.py --replicate``);
     * cp: ring attention (``tensor_parallel.ring_comm_formula``, chapter 08's measured ring) per layer and
       microbatch: this rank's keys and values around the ring in forward (again when recomputed, fully or
       selectively), and in backward with their gradients, blocks of b x s/cp x kv_dim.
@@ -57,7 +60,7 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
     num_micro = microbatches(model, layout)
     seq = model.seq_len // layout.cp
     sp = sequence_parallel(options, layout)
-    result = {"tp": {}, "dp": {}, "pp": {}, "cp": {}}
+    result = {"tp": {}, "dp": {}, "pp": {}, "cp": {}, "replicate": {}}
 
     def add(dimension, collective, payload, calls):
         entry = result[dimension].setdefault(collective, {"payload": 0, "calls": 0})
@@ -88,13 +91,17 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                                         param_bytes=number_bytes if layout.zero_stage >= 1 else 4, grad_bytes=4,
                                         reshard_after_forward=options.reshard_after_forward and not kept)
         if layout.zero_stage == 3:
-            # one call per FSDP unit (the blocks, the embedding, the head) and gather; without keeping the
+            # one call per FSDP unit and gather: the blocks, and the stage's root (chapter 09's
+            # parallelize_stage), which holds the embedding on the first stage, the head on the last, both
+            # when pp = 1 (one unit, not two: the counted step of the dry run found it). Without keeping the
             # weights gathered, FSDP gathers and reduce-scatters again for every accumulated microbatch
-            units = layers + (stage == 0) + (stage == layout.pp - 1)
+            units = layers + (stage == 0 or stage == layout.pp - 1)
             times = 1 if kept else num_micro
             gathers = 1 if kept or not options.reshard_after_forward else 2
             add("dp", "all_gather", per_step["all_gather"] * times, gathers * units * times)
             add("dp", "reduce_scatter", per_step["reduce_scatter"] * times, units * times)
+            if layout.shard:   # HSDP: each reduced gradient shard all-reduced with the other replicas
+                add("replicate", "all_reduce", per_step["reduce_scatter"] * times / layout.shard, units * times)
         else:
             buckets = math.ceil(params["total"] / bucket_params(options, layout))
             for name, payload in per_step.items():
@@ -114,9 +121,21 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
     return result
 
 
+def group_sizes(layout: Layout) -> dict:
+    """The ranks of one group of each dimension: dp is FSDP's (or DDP's) group, over dp x cp, or HSDP's shard."""
+    return {"tp": layout.tp, "dp": layout.fsdp_ways, "pp": layout.pp, "cp": layout.cp, "replicate": layout.replicas}
+
+
 def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
-    """Whether a group of ``dimension`` spans nodes, with DeviceMesh's order (pp, dp, cp, tp): tp innermost.
-    A group of size n whose members are ``stride`` ranks apart spans ``stride x n`` consecutive ranks."""
+    """Whether a group of ``dimension`` spans nodes, with DeviceMesh's order (pp, dp, cp, tp): tp innermost;
+    under HSDP dp is (replicate, shard), the shard inside. A group of size n whose members are ``stride`` ranks
+    apart spans ``stride x n`` consecutive ranks."""
+    if dimension == "replicate" and not layout.shard:
+        return False   # no replicas: no group
+    if layout.shard and dimension in ("dp", "replicate"):
+        inner = layout.cp * layout.tp
+        size, stride = (layout.shard, inner) if dimension == "dp" else (layout.replicas, inner * layout.shard)
+        return size > 1 and stride * size > cluster.gpus_per_node
     order = ("pp", "dp", "cp", "tp")
     sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
     stride = math.prod(sizes[d] for d in order[order.index(dimension) + 1:])
@@ -144,7 +163,7 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
     """Seconds each mesh dimension's traffic of one step takes on its link, ``{dimension: {"bandwidth",
     "latency", "total"}}``: bytes sent / link bandwidth, plus calls x ring steps x the link's latency (a ring of
     1,024 ranks is not free even for small messages)."""
-    sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
+    sizes = group_sizes(layout)
     payloads = comm_per_step(model, layout, stage, options)
     calls = collective_calls(model, layout, stage, options)
     result = {}

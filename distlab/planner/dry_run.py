@@ -45,6 +45,16 @@ GIB = memory.GIB
 REPO = Path(__file__).resolve().parents[2]
 
 
+def mesh_shape(layout: Layout) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The DeviceMesh of a layout, outermost first: (pp, dp, tp); with CP (pp, dp, cp, tp); under HSDP
+    (pp, replicate, dp, tp), dp being the shard group (inside: a node's ranks) and replicate the copies of it."""
+    if layout.shard:
+        return ("pp", "replicate", "dp", "tp"), (layout.pp, layout.replicas, layout.shard, layout.tp)
+    if layout.cp > 1:
+        return ("pp", "dp", "cp", "tp"), (layout.pp, layout.dp, layout.cp, layout.tp)
+    return hybrid.DIMENSIONS, (layout.pp, layout.dp, layout.tp)
+
+
 def check_mesh(layout: Layout, sample: int = 64) -> list[int]:
     """DeviceMesh (pp, dp, tp), or (pp, dp, cp, tp) with CP, on a fake process group for sampled ranks of the
     world; the ranks whose groups or coordinates differ from ``distlab.hybrid``'s grid (empty: the mesh
@@ -54,10 +64,10 @@ def check_mesh(layout: Layout, sample: int = 64) -> list[int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    cp = layout.cp
-    world, grid = layout.gpus, (layout.pp, layout.dp * cp, layout.tp)
-    names = ("pp", "dp", "cp", "tp") if cp > 1 else hybrid.DIMENSIONS
-    shape = (layout.pp, layout.dp, cp, layout.tp) if cp > 1 else grid
+    world, grid = layout.gpus, (layout.pp, layout.dp * layout.cp, layout.tp)
+    names, shape = mesh_shape(layout)
+    # the grid's dp group split in two (CP, or HSDP): the outer part strided, the inner part consecutive
+    split = {4: (names[1], names[2], shape[2])}.get(len(names))
     step = max(1, world // sample)
     ranks = sorted(set(range(0, world, step)) | {world - 1})
     wrong = []
@@ -68,11 +78,12 @@ def check_mesh(layout: Layout, sample: int = 64) -> list[int]:
             theirs = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in names}
             coordinates = dict(zip(names, mesh.get_coordinate()))
             expected, where = hybrid.groups_of_rank(rank, grid), hybrid.grid_coordinates(rank, grid)
-            if cp > 1:
-                both, index = expected["dp"], where["dp"]  # the dp x cp group, and this rank's place in it
-                expected = {"pp": expected["pp"], "dp": both[index % cp::cp],
-                            "cp": both[index - index % cp:index - index % cp + cp], "tp": expected["tp"]}
-                where = {"pp": where["pp"], "dp": index // cp, "cp": index % cp, "tp": where["tp"]}
+            if split:
+                outer, inner, n = split
+                both, index = expected["dp"], where["dp"]  # the whole dp group, and this rank's place in it
+                expected = {"pp": expected["pp"], outer: both[index % n::n],
+                            inner: both[index - index % n:index - index % n + n], "tp": expected["tp"]}
+                where = {"pp": where["pp"], outer: index // n, inner: index % n, "tp": where["tp"]}
             if theirs != expected or coordinates != where:
                 wrong.append(rank)
         finally:
@@ -125,13 +136,18 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     transformer_stage, parallelize_stage = _chapter_code()
-    ways = layout.dp * layout.cp
+    data_parallel = layout.dp * layout.cp      # the ranks that hold the same weights
+    ways = layout.fsdp_ways                    # the ranks their shards are spread over (HSDP: the shard group)
     world = layout.gpus
-    coordinates = hybrid.grid_coordinates(rank, (layout.pp, ways, layout.tp))
+    coordinates = hybrid.grid_coordinates(rank, (layout.pp, data_parallel, layout.tp))
     stage = coordinates["pp"]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (layout.pp, ways, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        if layout.shard:   # FSDP over mesh["replicate", "dp"]: HSDP (parallelize_stage sees the replicate dim)
+            names, shape = mesh_shape(layout)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        else:
+            mesh = init_device_mesh("cpu", (layout.pp, data_parallel, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         if full_model is None:
             with torch.device("meta"):
                 full_model = models.Transformer(course_config(spec))
@@ -140,7 +156,7 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
             tp_only = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
                                         SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
-                                        SimpleNamespace(tp=layout.tp, dp=ways, precision="fp32"), mesh)
+                                        SimpleNamespace(tp=layout.tp, dp=data_parallel, precision="fp32"), mesh)
         built = {"tp": _shard_bytes(tp_only), "sharded": _shard_bytes(sharded)}
         # a real AdamW step on the meta shards: its two moments are the optimizer state the rank holds
         source = sharded if layout.zero_stage >= 1 else tp_only
@@ -283,7 +299,10 @@ def _count_stage(job: tuple) -> dict:
     part = transformer_stage(full, stage, layout.pp).to_empty(device="cpu")  # values do not matter: nothing moves
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
     try:
-        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        names, shape = mesh_shape(layout)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        fsdp_mesh = mesh["replicate", "dp"] if layout.shard else mesh["dp"]   # HSDP: shard on dp, replicate across
+        ways = layout.fsdp_ways
         if layout.tp > 1:
             # chapter 09's stage plan with the head's logits kept split for loss_parallel (what the planner's TP
             # rows count; hybrid_3d.py gathers them instead, for torch's pipeline schedule)
@@ -294,11 +313,11 @@ def _count_stage(job: tuple) -> dict:
             local = p.to_local() if hasattr(p, "to_local") else p
             rows, rest = local.shape[0], local[0].numel() if local.dim() > 1 else 1
             exact += rows * rest * local.element_size()
-            padded += math.ceil(rows / layout.dp) * layout.dp * rest * local.element_size()
+            padded += math.ceil(rows / ways) * ways * rest * local.element_size()
         if layout.dp > 1:  # as chapter 09's parallelize_stage: a dimension of size 1 is left out
             for block in part.layers.values():
-                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-            fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
+                fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=False)
+            fully_shard(part, mesh=fsdp_mesh, reshard_after_forward=False)
         inputs = (torch.randint(0, cfg.vocab_size, (1, cfg.seq_len)) if stage == 0
                   else torch.randn(1, cfg.seq_len, cfg.dim, requires_grad=True))
         with comm.CommCounter() as counter, loss_parallel():
@@ -311,7 +330,9 @@ def _count_stage(job: tuple) -> dict:
         dist.destroy_process_group()
     counted: dict = {}
     for call in counter.calls:
-        dimension = "tp" if call.source == "functional" else "dp"
+        # DTensor's functional collectives are TP's; FSDP's are c10d's: under HSDP its all-reduce is the replicas'
+        dimension = ("tp" if call.source == "functional" else
+                     "replicate" if layout.shard and call.collective == "all_reduce" else "dp")
         entry = counted.setdefault(dimension, {}).setdefault(call.collective, {"payload": 0, "calls": 0})
         entry["payload"] += call.payload_bytes
         entry["calls"] += 1
@@ -338,13 +359,24 @@ def count_step(spec: ModelSpec, layout: Layout, ranks: list[int] | None = None) 
         results = pool.map(_count_stage, [(narrow, layout, rank) for rank in ranks], chunksize=1)
     for r in results:
         planned = ledger(narrow, layout, r["stage"], COUNTED_OPTIONS)
-        r["planner"] = {d: {name: dict(e) for name, e in planned[d].items()} for d in ("tp", "dp") if planned[d]}
-        expected = {d: {name: {"calls": e["calls"],
-                               "payload": e["payload"] + (r["padding_bytes"] if d == "dp" else 0)}
+        r["planner"] = {d: {name: dict(e) for name, e in planned[d].items()} for d in COUNTED_DIMENSIONS
+                        if planned[d]}
+        r["padding"] = {d: padding_of(d, r, layout) for d in COUNTED_DIMENSIONS}
+        expected = {d: {name: {"calls": e["calls"], "payload": e["payload"] + r["padding"][d]}
                         for name, e in collectives.items()} for d, collectives in r["planner"].items()}
         r["equal"] = expected == r["counted"]
     return {"world": layout.gpus, "layout": layout.label(), "model": narrow.name, "ranks": results,
             "equal": all(r["equal"] for r in results), "seconds": time.perf_counter() - start}
+
+
+COUNTED_DIMENSIONS = ("tp", "dp", "replicate")
+
+
+def padding_of(dimension: str, rank_result: dict, layout: Layout) -> float:
+    """FSDP's padding in a dimension's payload: the whole of it in dp's gathers and reduce-scatters, a shard's
+    share in HSDP's all-reduce (of the gradient shard), none in TP's."""
+    padding = rank_result["padding_bytes"]
+    return {"dp": padding, "replicate": padding / max(layout.shard, 1)}.get(dimension, 0)
 
 
 def count_step_markdown(result: dict) -> str:
@@ -352,13 +384,15 @@ def count_step_markdown(result: dict) -> str:
     lines = [f"| rank of {result['world']:,} | stage | dimension | counted: calls, MiB | the planner's: calls, MiB "
              "| FSDP padding (MiB) | equal |", "|---:|---:|---|---|---|---:|---|"]
     for r in result["ranks"]:
-        for dimension in ("tp", "dp"):
+        for dimension in COUNTED_DIMENSIONS:
             counted, planned = r["counted"].get(dimension, {}), r["planner"].get(dimension, {})
+            if dimension == "replicate" and not counted and not planned:
+                continue   # not HSDP
 
             def show(collectives):
                 return ", ".join(f"{name} {e['calls']} x, {e['payload'] / 2**20:.2f}"
                                  for name, e in sorted(collectives.items())) or "none"
-            padding = r["padding_bytes"] / 2**20 if dimension == "dp" else 0
+            padding = r["padding"][dimension] / 2**20
             lines.append(f"| {r['rank']:,} | {r['stage']} | {dimension} | {show(counted)} | {show(planned)} | "
                          f"{padding:.2f} | {'yes' if r['equal'] else 'NO'} |")
     return "\n".join(lines)

@@ -96,9 +96,10 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
 
 def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> memory.StateBytes:
     """Parameters, gradients and optimizer state on one GPU: ``memory.zero_state_bytes`` over dp (and cp,
-    whose ranks hold the same weights and shard them too, as FSDP over dp x cp does) of this stage's TP share."""
+    whose ranks hold the same weights and shard them too, as FSDP over dp x cp does) of this stage's TP share;
+    under HSDP over its shard group only (the replicas hold the same shards)."""
     held = stage_params(model, layout, stage)["total"]
-    return memory.zero_state_bytes(held, layout.dp * layout.cp, layout.zero_stage, options.precision)
+    return memory.zero_state_bytes(held, layout.fsdp_ways, layout.zero_stage, options.precision)
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:

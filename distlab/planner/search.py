@@ -32,7 +32,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Op
     """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, every CP degree (only
     ``options.context_parallel`` when it is set), each ZeRO stage tried. Sizes that do not divide the model (heads
     over TP, layers over PP, the sequence over CP, the batch over DP) stay in the list: :func:`evaluate` rejects
-    them with their reason, and :func:`search` the CP degrees :func:`cp_degrees` leaves out."""
+    them with their reason, and :func:`search` the CP degrees :func:`cp_degrees` leaves out. HSDP is tried
+    where it keeps FSDP's group inside a node: ZeRO-3 with the shard group a node's worth of dp ranks."""
     stages = (options.zero_stage,) if options.zero_stage is not None else ZERO_STAGES
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
@@ -43,6 +44,11 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Op
             for cp in divisors(rest) if options.context_parallel is None else cp_degrees(model, rest, options):
                 for stage in stages:
                     layouts.append(Layout(tp, pp, rest // cp, cp, stage))
+                # HSDP: FSDP's shards inside a node (dp ranks of a node's tp groups), replicated across nodes
+                shard = cluster.gpus_per_node // tp
+                dp = rest // cp
+                if 3 in stages and cp == 1 and 1 < shard < dp and dp % shard == 0:
+                    layouts.append(Layout(tp, pp, dp, cp, 3, shard))
     return layouts
 
 

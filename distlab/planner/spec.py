@@ -261,23 +261,37 @@ class Layout:
     dp: int = 1
     cp: int = 1
     zero_stage: int = 0
+    shard: int = 0   # HSDP (ZeRO-3 only): FSDP shards over groups of this many dp ranks and replicates across them;
+    #                  0: FSDP over all of dp x cp
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def fsdp_ways(self) -> int:
+        """The ranks a parameter's (ZeRO) shards are spread over: HSDP's shard group, else dp x cp."""
+        return self.shard or self.dp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's replicas of each shard (1 without HSDP)."""
+        return self.dp * self.cp // self.shard if self.shard else 1
+
     def label(self) -> str:
         text = f"tp={self.tp},pp={self.pp},dp={self.dp}"
-        return (text + (f",cp={self.cp}" if self.cp > 1 else "")) + f",zero={self.zero_stage}"
+        return (text + (f",cp={self.cp}" if self.cp > 1 else "")) + f",zero={self.zero_stage}" \
+            + (f",shard={self.shard}" if self.shard else "")
 
 
 def parse_layout(text: str, zero_stage: int = 0) -> Layout:
-    """``"tp=8,pp=8,dp=16"`` (any order; cp= and zero= optional) as a :class:`Layout`; ValueError if malformed."""
+    """``"tp=8,pp=8,dp=16"`` (any order; cp=, zero= and shard= optional) as a :class:`Layout`; ValueError if
+    malformed."""
     sizes = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         key, _, value = part.partition("=")
-        if key not in ("tp", "pp", "dp", "cp", "zero") or not value.isdigit():
-            raise ValueError(f"--layout {text!r}: write it like tp=8,pp=8,dp=16 (keys tp, pp, dp, cp, zero)")
+        if key not in ("tp", "pp", "dp", "cp", "zero", "shard") or not value.isdigit():
+            raise ValueError(f"--layout {text!r}: write it like tp=8,pp=8,dp=16 (keys tp, pp, dp, cp, zero, shard)")
         sizes["zero_stage" if key == "zero" else key] = int(value)
     sizes.setdefault("zero_stage", zero_stage)
     return Layout(**sizes)
@@ -294,6 +308,11 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
         problems.append(f"tp x pp x dp x cp = {layout.gpus} is not the {gpus} GPUs")
     if layout.zero_stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage must be 0, 1, 2 or 3, not {layout.zero_stage}")
+    if layout.shard:
+        if layout.zero_stage != 3 or c != 1:
+            problems.append(f"HSDP (shard={layout.shard}) is FSDP's (ZeRO-3), without CP here")
+        if not 1 < layout.shard < d or d % layout.shard:
+            problems.append(f"HSDP's shard group {layout.shard} must divide dp {d} into 2 or more replicas")
     if t > cluster.gpus_per_node:
         problems.append(f"TP {t} is larger than a node's {cluster.gpus_per_node} GPUs (TP stays on NVLink)")
     for label, value in (("attention heads", model.heads), ("key/value heads", model.kv_heads),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from distlab import schedules
-from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds
+from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, group_sizes
 from distlab.planner.memory import memory_per_gpu, stage_params
 from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
                                   layout_problems, microbatches, sequence_parallel, stage_layers)
@@ -104,6 +104,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
       overlap of both); FSDP kept gathered likewise; FSDP resharding every microbatch hides each microbatch's
       gathers and reduce-scatters behind that microbatch's compute, except the first unit's gather, which
       nothing precedes;
+    * replicate (HSDP) hides behind backward, like the reduce-scatters it follows;
     * cp hides behind attention's compute;
     * pp is counted by :func:`evaluate` (the fill and the drain).
     """
@@ -120,7 +121,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
         gathered = payload.get("all_gather", 0)
         share = gathered / sum(payload.values())  # split the dimension's time by bytes (same ring, same link)
         gather, reduce = dp * share, dp * (1 - share)
-        group = layout.dp * layout.cp
+        group = layout.fsdp_ways
         if layout.zero_stage == 3 and not keeps_gathered(options, layout):
             unit = stage_params(model, layout, stage)["largest_unit"] * (4 if options.precision == "fp32" else 2)
             first = unit * (group - 1) / group / _link(cluster, layout, "dp")[0] + (group - 1) * _link(
@@ -130,6 +131,13 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
             exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - backward)
     else:
         exposed["dp"] = 0.0
+    # HSDP's all-reduces over the replicas follow each unit's reduce-scatter inside backward: hidden as far as
+    # the backward of the step (kept gathered: of the last microbatch) or of each microbatch lasts
+    replicate = seconds["replicate"]["total"]
+    if layout.zero_stage == 3 and not keeps_gathered(options, layout):
+        exposed["replicate"] = m * max(0.0, replicate / m - backward)
+    else:
+        exposed["replicate"] = max(0.0, replicate - backward)
     exposed["cp"] = max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)
     return {"compute": compute, "forward_per_microbatch": forward, "exposed": exposed, "seconds": seconds,
             "flops": flops}
@@ -160,7 +168,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     memories = {s: memory_per_gpu(model, layout, s, options) for s in stages}
     worst = max(memories, key=lambda s: memories[s]["total"])
     times = {s: stage_time(model, cluster, layout, s, options) for s in stages}
-    busy = {s: t["compute"] + t["exposed"]["tp"] + t["exposed"]["dp"] + t["exposed"]["cp"] for s, t in times.items()}
+    busy = {s: t["compute"] + sum(t["exposed"][d] for d in ("tp", "dp", "cp", "replicate")) for s, t in times.items()}
     slowest = max(busy, key=busy.get)
     timing = times[slowest]
     m, v = microbatches(model, layout), chunks(options)
@@ -179,7 +187,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     mfu = model_flops_per_gpu / (step * cluster.peak_flops)
     comm_seconds = {d: t["total"] for d, t in timing["seconds"].items()}
     comm = comm_per_step(model, layout, slowest, options)
-    sizes = {"tp": layout.tp, "dp": layout.dp * layout.cp, "pp": layout.pp, "cp": layout.cp}
+    sizes = group_sizes(layout)
     comm_bytes = {d: {"payload": c, "sent": bytes_sent(d, c, sizes[d])} for d, c in comm.items()}
     bubble = {"of_step": share, "of_ideal": (layout.pp - 1) / (v * m), "seconds": bubble_seconds}
     settings = {"micro_batch": model.micro_batch, "schedule": options.schedule if layout.pp > 1 else "none",

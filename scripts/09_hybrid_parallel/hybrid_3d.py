@@ -80,14 +80,16 @@ def parallelize_stage(module, args, mesh, last: bool = False):
     shape: bf16 weights computed, fp32 gradients, fp32 weights for AdamW)."""
     if args.tp > 1:
         parallelize_module(module, mesh["tp"], stage_tp_plan(module))
+    # FSDP's mesh: dp, or (replicate, dp) where the mesh has replicas (HSDP: the planner's dry run builds one)
+    fsdp_mesh = mesh["replicate", "dp"] if "replicate" in (mesh.mesh_dim_names or ()) else mesh["dp"]
     if args.dp > 1 or args.precision == "bf16":
         # Gathered for the whole step (reshard_after_forward=False): under PP, resharding after each forward
         # would all-gather again for every microbatch. torch's schedule reduce-scatters once, after the last.
         # Stages hand bf16 activations to each other; the last stage hands fp32 logits to the loss.
         for block in module.layers.values():
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False,
+            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=False,
                         mp_policy=hybrid.mixed_precision_policy(args.precision))
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False,
+        fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=False,
                     mp_policy=hybrid.mixed_precision_policy(args.precision, root=last))
     return module
 

@@ -150,16 +150,17 @@ def describe(plan: planner.Plan, model, cluster, say=print) -> None:
 
 def print_table(plans, top: int) -> None:
     fitting = [p for p in plans if p.fits]
-    print(f"{'#':>3s}  {'layout':28s} {'GiB/GPU':>8s} {'step s':>8s} {'tokens/s':>12s} {'MFU':>6s}  {'bubble':>6s}  "
+    width = max([28] + [len(p.layout.label()) for p in plans[:2 * top] + fitting[:top]])  # HSDP's labels are longer
+    print(f"{'#':>3s}  {'layout':{width}s} {'GiB/GPU':>8s} {'step s':>8s} {'tokens/s':>12s} {'MFU':>6s}  {'bubble':>6s}  "
           "settings")
     for i, plan in enumerate(fitting[:top], 1):
-        print(f"{i:3d}  {plan.layout.label():28s} {gib(plan.memory_per_gpu_bytes['total']):>8s} "
+        print(f"{i:3d}  {plan.layout.label():{width}s} {gib(plan.memory_per_gpu_bytes['total']):>8s} "
               f"{plan.step_seconds:8.3g} {plan.tokens_per_second:12,.0f} {plan.mfu:6.1%}  {plan.bubble['of_step']:6.1%}  "
               f"{plan.describe_settings()}")
     rejected = [p for p in plans if not p.fits]
     print(f"\n{len(fitting)} of {len(plans)} layouts fit; rejected ({len(rejected)}), first {min(top, len(rejected))}:")
     for plan in rejected[:top]:
-        print(f"     {plan.layout.label():28s} {plan.reason}")
+        print(f"     {plan.layout.label():{width}s} {plan.reason}")
 
 
 def dry_run(plan: planner.Plan, model, options) -> int:

@@ -201,3 +201,20 @@ def test_the_counted_step_table_is_what_a_counted_step_reads(raw):
     narrow = dry_run.narrow_spec(run.model, run.layout)
     assert (narrow.layers, narrow.heads, narrow.kv_heads) == (126, 128, 8)
     assert f"head size\nof {dry_run.NARROW_HEAD_DIM} instead of {run.model.head_dim}" in raw
+
+
+def test_the_hsdp_section_is_what_the_search_finds(text):
+    cluster = planner.CLUSTERS["a100-40gb"]
+    plans = planner.search(planner.MODELS["7b"], cluster, 64)
+    fitting = [p for p in plans if p.fits]
+    hsdp = [p for p in plans if p.layout.shard]
+    assert len(hsdp) == sum(p.fits for p in hsdp) == 8 and "For 7B on 64 GPUs all 8 HSDP layouts fit" in text
+    best = next(p for p in fitting if p.layout.shard)
+    twin = next(p for p in fitting if p.layout == planner.replace(best.layout, shard=0))
+    assert best.layout.label() == "tp=2,pp=2,dp=16,zero=3,shard=2" and best.layout.gpus // best.layout.pp // 2 == 16
+    assert (f"ranks {fitting.index(best) + 1}th at {best.mfu:.1%} MFU" in text and f"ranks ({twin.mfu:.1%})" in text
+            and f"below the first choice's {fitting[0].mfu:.1%}" in text)
+    assert not fitting[0].layout.shard and best.mfu < fitting[0].mfu   # "it wins nothing here"
+    big = [p for p in planner.search(planner.MODELS["70b"], cluster, 256) if p.layout.shard]
+    assert f"For 70B on 256 GPUs {sum(p.fits for p in big)} of the {len(big)} HSDP layouts fit" in text
+    assert "of 4,096 fake ranks" in text   # tests/unit/test_planner_dry_run.py::test_hsdp_builds_at_the_full_world_size...

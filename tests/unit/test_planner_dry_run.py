@@ -123,3 +123,47 @@ def test_the_counted_step_fails_a_planner_that_counts_wrong(monkeypatch):
         assert not dry_run.count_step(run.model, run.layout, ranks=[0])["equal"], wrong.__name__
     monkeypatch.setattr(communication, "ledger", real)
     assert dry_run.count_step(run.model, run.layout, ranks=[0])["equal"]
+
+
+# ---- HSDP (shard inside a node, replicate across) and pp = 1 at the full world size ----------------------------
+
+HSDP_70B = planner.Layout(tp=2, pp=8, dp=256, zero_stage=3, shard=2)   # 4,096 A100s: shard = a node's dp ranks
+
+
+def test_hsdp_builds_at_the_full_world_size_and_equals_the_planner():
+    """FSDP2 on a (replicate, dp) mesh at 4,096 fake ranks: the mesh's groups are the grid's (replicate strided,
+    the shard group consecutive, inside a node), each rank holds 1/shard of its TP shards (state = the planner's),
+    and one step issues FSDP's gathers and reduce-scatters in the shard group and an all-reduce a unit across the
+    replicas, each = the planner's ledger."""
+    spec = planner.MODELS["70b"]
+    result = dry_run.dry_run(spec, HSDP_70B, planner.Options())
+    assert result["mesh_ok"] and result["equal"] and result["world"] == 4096
+    counted = dry_run.count_step(spec, HSDP_70B)
+    assert counted["equal"], dry_run.count_step_markdown(counted)
+    for r in counted["ranks"]:
+        units = planner.stage_layers(spec.layers, 8, r["stage"]) + (r["stage"] in (0, 7))
+        assert r["counted"]["replicate"]["all_reduce"]["calls"] == units
+        # the all-reduce carries the reduced gradient shard: 1/shard of the reduce-scatter's payload
+        assert r["counted"]["replicate"]["all_reduce"]["payload"] * 2 == r["counted"]["dp"]["reduce_scatter"]["payload"]
+
+
+def test_the_hsdp_comparison_fails_a_planner_without_the_replicas(monkeypatch):
+    from distlab.planner import communication
+
+    spec, real = planner.MODELS["70b"], communication.ledger
+
+    def no_replicas(model, layout, stage, options):   # HSDP priced as FSDP over the shard group alone
+        return {**real(model, layout, stage, options), "replicate": {}}
+
+    monkeypatch.setattr(communication, "ledger", no_replicas)
+    assert not dry_run.count_step(spec, HSDP_70B, ranks=[0])["equal"]
+
+
+def test_a_single_stage_has_one_root_unit():
+    """With pp = 1 the root holds the embedding and the head: one FSDP unit, not two (the planner counted two
+    until the counted step showed 33 gathers for 7B's 32 blocks)."""
+    spec = planner.MODELS["7b"]
+    layout = planner.Layout(tp=1, pp=1, dp=64, zero_stage=3)
+    result = dry_run.count_step(spec, layout, ranks=[0])
+    assert result["equal"], dry_run.count_step_markdown(result)
+    assert result["ranks"][0]["counted"]["dp"]["all_gather"]["calls"] == spec.layers + 1
