@@ -70,6 +70,9 @@ def check_config(args, world_size):
     runtime.require(args.batch % (args.replicate * dp) == 0,
                     f"--batch {args.batch} does not split over {args.replicate * dp} data-parallel ranks")
     runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1's communication is measured)")
+    runtime.require(args.planted_bug is None or (dp == tp and args.replicate == 1),
+                    f"--planted-bug {args.planted_bug} needs --dp = --tp and no --replicate (the wrong group must "
+                    f"have the size of the right one), not dp {dp} x tp {tp}")
     runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
                     "--sequence-parallel goes with the usual embedding plan only")
     runtime.require(args.timeline_out is None or (args.steps >= 3 and not args.sequence_parallel),
@@ -191,6 +194,10 @@ def main():
     p.add_argument("--timeline-out", metavar="FILE.json", default=None,
                    help="profile step 2 and write rank 0's measured timeline (compute, tp link, dp link) as JSON: "
                         "the data of chapter 09's figure")
+    p.add_argument("--planted-bug", choices=["tp-on-dp-group"], default=None,
+                   help="a mistake to find (lab 09): the model's mesh built with its dimension names swapped, so "
+                        "TP's all-reduces run on the dp group (ranks that read other rows) and FSDP on the tp group; "
+                        "the data still follows the grid. Needs --dp = --tp")
     hybrid.add_precision_flag(p)
     tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
@@ -229,11 +236,15 @@ def main():
         replica = mesh.get_local_rank("replicate") if replicas > 1 else 0
         dp_rank = mesh.get_local_rank("dp")
         data_rank, data_ranks = replica * dp + dp_rank, replicas * dp   # which rows of the batch this rank reads
-        model = build_hybrid_model(cfg, args, mesh, rt.device)
+        if args.planted_bug == "tp-on-dp-group":   # THE PLANTED BUG: the names swapped, "tp" is the outer dim
+            model_mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("tp", "dp"))
+        else:
+            model_mesh = mesh
+        model = build_hybrid_model(cfg, args, model_mesh, rt.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        # the groups as the mesh made them (not as arithmetic says they should be), checked on every rank
-        mine = {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}
-        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(mesh, rt.rank, (replicas, dp, tp),
+        # the groups as the model's mesh made them (not as arithmetic says they should be), checked on every rank
+        mine = {dim: dist.get_process_group_ranks(model_mesh.get_group(dim)) for dim in model_mesh.mesh_dim_names}
+        wrong = hybrid.every_rank_agrees(hybrid.mesh_group_problems(model_mesh, rt.rank, (replicas, dp, tp),
                                                                     names={"replicate": "pp"}))
         report.check("every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid", not wrong,
                      "; ".join(wrong[:2]) or "all agree", "tp innermost: tp consecutive ranks")

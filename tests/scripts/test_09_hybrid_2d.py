@@ -221,6 +221,29 @@ def test_hsdp_times_tp_on_a_3d_mesh_equals_one_device_with_each_dimensions_bytes
 # ---- bad input --------------------------------------------------------------------------------------------
 
 
+def test_the_planted_wrong_group_fails_the_group_and_single_device_checks_not_the_byte_counts():
+    """Lab 09's bug: TP's all-reduces on the dp group (the mesh's names swapped, the data by the grid). No hang, no
+    crash, the bytes per dimension still equal the formula: the group check and the single-device comparison
+    fail, and the run exits 1."""
+    result = launch.run(HYBRID, nproc=4, args=["--dp", "2", "--tp", "2", "--planted-bug", "tp-on-dp-group",
+                                               "--steps", "2"], stream=False, check=False)
+    assert result.returncode == 1, result.output[-2000:]
+    checks = {c["name"]: c for c in result.metrics["checks"]}
+    failed = {name for name, c in checks.items() if not c["passed"]}
+    assert failed == {"every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid",
+                      "step-0 gradients equal single-device (every parameter)",
+                      "losses equal single-device (every step)",
+                      "parameters after the last step equal single-device (every parameter)"}, failed
+    assert "its tp group from the mesh is [0, 2], the grid says [0, 1]" in checks[
+        "every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid"]["value"]
+    assert checks["losses equal single-device (every step)"]["value"] > 0.1   # a wrong sum, not rounding
+
+
+def test_the_planted_bug_needs_groups_of_one_size_exits_2():
+    assert_config_error(HYBRID, ["--dp", "4", "--tp", "1", "--planted-bug", "tp-on-dp-group"],
+                        "--planted-bug tp-on-dp-group needs --dp = --tp")
+
+
 def test_mesh_that_is_not_the_world_exits_2():
     assert_config_error(HYBRID, ["--dp", "3", "--tp", "2"],
                         "pp x dp x tp = 1 x 3 x 2 = 6 ranks is not the world size 4")
