@@ -37,10 +37,12 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then, alone, the
 ## tests marked `serial`: the timing-sensitive ones, and the learner's copies, which replay the script
-## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases).
+## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases). Each test
+## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, distlab.forkserver):
+## a few hundred launches skip 2.4 s of imports each.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
-	export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
+	export DISTLAB_FORK_SERVER=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts tests/notebooks -m serial $(PYTEST_ARGS)

@@ -60,14 +60,8 @@ def _record_point_to_point(rank: int) -> None:
     P2PRecorder(sink=lambda note: log.write(json.dumps([note.kind, note.peer, note.batch]) + "\n")).__enter__()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    options = parser.parse_args()
-
-    # The expensive imports, once, before forking. No thread pool has started yet, so fork is safe.
+def preload() -> None:
+    """The expensive imports, once, before forking. No thread pool has started yet, so fork is safe."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn  # noqa: F401
@@ -75,6 +69,15 @@ def main() -> int:
     import torch._dynamo  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    options = parser.parse_args()
+
+    preload()
     from distlab.runtime import free_port
 
     port = free_port()

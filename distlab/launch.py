@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distlab import forkserver
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_LINES = 40
 
@@ -153,8 +155,11 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
                                           if launcher == "fork" else ""), flush=True)
 
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, bufsize=1, start_new_session=True)
+    if launcher == "fork" and forkserver.enabled():   # make test: forked from a process that imported torch once
+        process = forkserver.start(command[3:], cwd, child_env)
+    else:
+        process = subprocess.Popen(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     lines: list[str] = []
 
     def pump():

@@ -1,0 +1,174 @@
+"""A fork server for the test suite: torch imported once per test process, a ``distlab.forkrun`` forked per launch.
+
+Every fork launch (``launch.run`` on CPU) starts ``python -m distlab.forkrun``, whose first 2.4 s go to importing
+torch before it forks the ranks: most of a config-error test, a third of a short run. ``make test`` launches a few
+hundred jobs, so it sets ``DISTLAB_FORK_SERVER=1``: then the first fork launch of a process starts this server, which
+imports what forkrun imports and waits on a Unix socket; each launch asks it to fork a child that *is* the
+forkrun of that launch (the same ``forkrun.main``, the launch's arguments, working directory and environment, its
+output on a pipe the caller reads), so the caller sees what ``subprocess.Popen`` would give it: the output, a process
+group to kill on a timeout, the exit code. Learners and instructors never set it: a launch from a notebook or a
+shell starts its own forkrun as before.
+
+Fork is safe here for the reason it is safe in forkrun: the server imports, never computes, so no thread pool has
+started when it forks. The server leaves when the process that started it does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ENABLE_ENV = "DISTLAB_FORK_SERVER"
+_started: dict = {}   # this process's server: {"process": Popen, "path": socket path}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV) == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# The client: what launch.run uses instead of subprocess.Popen
+# --------------------------------------------------------------------------------------------------
+
+
+class ForkedRun:
+    """A forkrun forked by the server, with Popen's few members that launch.run uses."""
+
+    def __init__(self, path: str, argv: list[str], cwd: str, env: dict):
+        read_end, write_end = os.pipe()
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.connect(path)
+        request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()
+        socket.send_fds(self._socket, [len(request).to_bytes(8, "big") + request], [write_end])
+        os.close(write_end)   # the child holds the only writing end: EOF when it and its ranks have exited
+        self.stdout = os.fdopen(read_end, "r", buffering=1)
+        self._received = b""
+        self.pid = int(self._line())   # the child's pid, also its process group (it calls setsid)
+        self.returncode: int | None = None
+
+    def _line(self) -> str:
+        """The next line the child sent; '' when it closed the connection without one (it was killed)."""
+        while b"\n" not in self._received:
+            chunk = self._socket.recv(64)   # raises socket.timeout, and the partial line stays in _received
+            if not chunk:
+                return ""
+            self._received += chunk
+        line, self._received = self._received.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        self._socket.settimeout(timeout)
+        try:
+            line = self._line()
+        except (TimeoutError, socket.timeout):
+            raise subprocess.TimeoutExpired(["distlab.forkrun"], timeout) from None
+        self.returncode = int(line) if line.strip() else -signal.SIGKILL   # no code: it was killed
+        self._socket.close()
+        return self.returncode
+
+
+def start(argv: list[str], cwd, env: dict) -> ForkedRun:
+    """Fork ``python -m distlab.forkrun *argv`` in ``cwd`` with ``env``, from this process's server."""
+    return ForkedRun(_server_path(), argv, cwd, env)
+
+
+def _server_path() -> str:
+    process = _started.get("process")
+    if process is not None and process.poll() is None:
+        return _started["path"]
+    folder = tempfile.mkdtemp(prefix="distlab-forkserver-")
+    path = os.path.join(folder, "socket")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen([sys.executable, "-m", "distlab.forkserver", path], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the fork server did not start (exit code {process.poll()})")
+        time.sleep(0.05)
+    _started.update(process=process, path=path)
+    atexit.register(process.kill)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------------
+
+
+def _receive(connection: socket.socket) -> tuple[dict, int]:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1)
+    size = int.from_bytes(message[:8], "big")
+    body = message[8:]
+    while len(body) < size:
+        body += connection.recv(size - len(body))
+    return json.loads(body), fds[0]
+
+
+def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) -> None:
+    """In the forked child: become ``python -m distlab.forkrun`` of the request, report the exit code, leave."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # forkrun waits for its ranks
+        os.setsid()
+        connection.sendall(f"{os.getpid()}\n".encode())
+        os.dup2(output_fd, 1)
+        os.dup2(output_fd, 2)
+        os.close(output_fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["distlab.forkrun", *request["argv"]]
+        from distlab import forkrun
+
+        code = forkrun.main()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    except BaseException:  # noqa: BLE001 - whatever happened, the caller gets an exit code
+        traceback.print_exc()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        connection.sendall(f"{code}\n".encode())
+    finally:
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    from distlab import forkrun
+
+    forkrun.preload()
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    server.listen(16)
+    os.rename(path + ".tmp", path)   # the path appears only once the server listens
+    server.settimeout(1.0)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # children are reaped by the kernel; their caller gets the code
+    while os.getppid() == parent:                   # the process that started it is gone: leave too
+        try:
+            connection, _ = server.accept()
+        except (TimeoutError, socket.timeout):
+            continue
+        connection.settimeout(None)
+        request, output_fd = _receive(connection)
+        if os.fork() == 0:
+            server.close()
+            _be_the_forkrun(request, output_fd, connection)
+        os.close(output_fd)
+        connection.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,53 @@
+"""The fork server make test uses: the same runs as a forkrun of its own, without importing torch every launch."""
+
+import time
+
+import pytest
+
+from distlab import forkserver, launch
+
+BAD_MESH = ("scripts/09_hybrid_parallel/hybrid_3d.py", ["--pp", "2", "--dp", "2", "--tp", "2"])
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv(forkserver.ENABLE_ENV, "1")
+    monkeypatch.delenv("DISTLAB_LAUNCH_CACHE", raising=False)   # every launch here must really run
+
+
+def test_a_forked_launch_is_what_its_own_forkrun_gives_and_faster(server, monkeypatch):
+    served = [launch.run(BAD_MESH[0], nproc=4, args=BAD_MESH[1], stream=False, check=False, metrics=False)
+              for _ in range(2)]
+    monkeypatch.setenv(forkserver.ENABLE_ENV, "0")
+    alone = launch.run(BAD_MESH[0], nproc=4, args=BAD_MESH[1], stream=False, check=False, metrics=False)
+    for result in served:
+        assert result.returncode == alone.returncode == 2
+        assert result.rank_exit_codes == alone.rank_exit_codes == {0: 2, 1: 2, 2: 2, 3: 2}
+        steady = [sorted(ln for ln in r.lines if "was the first" not in ln) for r in (result, alone)]  # a race
+        assert steady[0] == steady[1]
+    # the second served launch did not import torch: a fraction of the launch that did
+    assert served[1].seconds < alone.seconds / 2, (served[1].seconds, alone.seconds)
+
+
+def test_a_served_run_trains_reports_metrics_and_sees_its_environment(server, tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import os, sys\n"   # one write a line: two ranks' prints may interleave on a shared pipe
+                      "os.write(1, f\"rank {os.environ['RANK']} {os.environ['MY_FLAG']} {os.getcwd()}\\n\".encode())\n"
+                      "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    result = launch.run(str(script), nproc=2, stream=False, check=False, metrics=False, cwd=tmp_path,
+                        env={"MY_FLAG": "seen"})
+    assert result.returncode == 3 and result.rank_exit_codes == {0: 0, 1: 3}
+    assert sorted(ln for ln in result.lines if ln.startswith("rank")) == [f"rank 0 seen {tmp_path}",
+                                                                          f"rank 1 seen {tmp_path}"]
+    ddp = launch.run("scripts/04_data_parallel/ddp_from_scratch.py", nproc=4, args=["--steps", "2"], stream=False)
+    assert ddp.returncode == 0 and all(c["passed"] for c in ddp.metrics["checks"])
+
+
+def test_a_served_run_past_its_timeout_is_killed_with_its_ranks(server, tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    started = time.perf_counter()
+    with pytest.raises(launch.LaunchError, match="did not finish within 2 s") as error:
+        launch.run(str(script), nproc=2, stream=False, metrics=False, timeout=2, cwd=tmp_path)
+    assert error.value.result.returncode == -9 and time.perf_counter() - started < 10
+    assert error.value.result.lines.count("started") == 2
