@@ -16,11 +16,13 @@ mesh_view        a rank grid drawn on nodes x GPUs, each group coloured (09)
 domain           tiles of a grid, halo exchange as an autograd function, halo formulas (chapter 10)
 planner          memory, communication, bubble and step time of a layout; the search over layouts (11)
 planner_widgets  the planner's bars, tables and explorer (11)
+moe              mixture of experts: router, experts, expert parallelism by all-to-all, capacity, balance (13)
 checkpointing    distributed checkpoints (DCP) of a run: what one holds, where the latest is (05, 12)
 hangs            a journal of every rank's calls and the diagnosis of a hang from it (12)
 profiling        time per kind and communication overlap read from a torch.profiler trace (12)
 launch           run a script on N ranks from a notebook or a test (forkrun: the fast CPU launcher)
 forkrun          torchrun's job started by fork on CPU: imports once, seconds instead of tens
+forkserver       make test's fork server: torch imported once per test process, a forkrun forked per launch
 widgets          ipywidgets explorers over pure, tested functions
 figures          the chapters' pictures, drawn from the library's own functions (make figures)
 exercises        the checks that notebook exercises call

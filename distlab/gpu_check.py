@@ -141,6 +141,8 @@ RUNS: tuple[Run, ...] = (
     # each knob's buckets, bytes and saved activations against its formula on NCCL and CUDA (the microbatch
     # sweep needs 2 GPUs: on one it is left out)
     Run("tuning", f"{CH12}/tuning.py"),
+    # the MoE layer's experts over every GPU: NCCL's all-to-all with uneven splits, = one device
+    Run("ep_from_scratch", "scripts/13_expert_parallel/ep_from_scratch.py"),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)

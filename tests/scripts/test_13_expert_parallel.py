@@ -1,0 +1,50 @@
+"""Chapter 13: a mixture-of-experts layer with its experts over 4 ranks equals one device, its all-to-alls = formula."""
+
+import pytest
+from helpers import assert_all_checks_passed, assert_config_error
+
+from distlab import launch
+
+EP = "scripts/13_expert_parallel/ep_from_scratch.py"
+
+
+@pytest.fixture(scope="module")
+def dropless():
+    return launch.run(EP, nproc=4, stream=False)
+
+
+def test_dropless_softmax_routing_equals_one_device(dropless):
+    metrics = assert_all_checks_passed(dropless, min_checks=7)
+    assert metrics["config"]["ep"] == 4 and len(metrics["losses"]) == 4
+    load = metrics["extra"]["load"]
+    # every step routes 8 sequences x 16 tokens x top-2 = 256 assignments, none dropped
+    assert [sum(step) for step in load] == [256] * 4 and metrics["extra"]["dropped"] == [0] * 4
+    assert metrics["extra"]["experts_ran_as"] == "loop"   # no grouped matrix multiply on a CPU
+
+
+def test_each_all_to_all_sends_the_formulas_bytes(dropless):
+    rows = dropless.metrics["comm"]
+    assert [r["kind"] for r in rows] == ["dispatch", "combine", "dispatch", "combine"]
+    assert all(r["measured_bytes"] == r["analytic_bytes"] > 0 for r in rows)
+    # the dispatch is tokens x top-k x hidden x 4 bytes x the share that left: 32 x 2 x 32 x 4 x share
+    share = dropless.metrics["extra"]["leaving_share"]
+    assert rows[0]["measured_bytes"] == round(32 * 2 * 32 * 4 * share)
+    assert dropless.metrics["extra"]["uniform_leaving_share"] == 0.75
+
+
+@pytest.mark.parametrize("args", [
+    ["--capacity-factor", "1.0", "--scoring", "sigmoid", "--shared-expert", "--balance", "bias"],
+    ["--balance", "aux-loss", "--top-k", "1"],
+], ids=["capacity+sigmoid+shared+bias", "aux-loss+top1"])
+def test_the_variants_equal_one_device(args):
+    metrics = assert_all_checks_passed(launch.run(EP, nproc=4, args=args, stream=False), min_checks=7)
+    if "--capacity-factor" in args:   # capacity = ceil(1.0 x 32 x 2 / 8) = 8 a rank and expert: some dropped
+        assert metrics["extra"]["capacity"] == 8 and sum(metrics["extra"]["dropped"]) > 0
+
+
+def test_experts_that_do_not_split_over_the_ranks_exit_2():
+    assert_config_error(EP, ["--experts", "6"], "6 experts do not split over an EP degree of 4")
+
+
+def test_top_k_larger_than_the_experts_exits_2():
+    assert_config_error(EP, ["--top-k", "9"], "top-k 9 must be between 1 and the 8 experts")
