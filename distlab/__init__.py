@@ -28,6 +28,7 @@ figures          the chapters' pictures, drawn from the library's own functions 
 exercises        the checks that notebook exercises call
 exercises_hybrid      ... of chapter 09's exercises (rank grid, layout, TP plan)
 exercises_operations  ... of chapter 12's exercises (a profiler timeline, a hang's journals)
+exercises_moe    ... of chapter 13's exercises (dispatch bytes, the EP degree, a dropless capacity)
 student          the learner's copies of the notebooks (make student); the notebooks' normal form
 demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
 gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table

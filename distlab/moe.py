@@ -277,6 +277,7 @@ class ExpertParallelMoE(nn.Module):
         if full.shared is not None:
             self.shared = FeedForward(self.cfg.dim, self.cfg.ffn_hidden)
             self.shared.load_state_dict(full.shared.state_dict())
+        self.regroup = True                # False: the planted bug of ep_from_scratch.py --planted-bug
         self.log: list | None = None       # set to a list to record the all-to-alls' splits
         self.phases: list | None = None    # set to a list to record (phase, start, end) of each part, in seconds
 
@@ -317,7 +318,8 @@ class ExpertParallelMoE(nn.Module):
         # 4. the rows came grouped by source rank, then by expert: regroup by expert, compute, put back
         with self._phase("experts", x.device):
             expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received.reshape(-1))
-            regroup = torch.argsort(expert_of_row, stable=True)
+            regroup = (torch.argsort(expert_of_row, stable=True) if self.regroup
+                       else torch.arange(expert_of_row.numel(), device=x.device))
             computed = self.experts(arrived[regroup], received.sum(dim=0).tolist())
             by_source = computed[torch.argsort(regroup)]
         # 5. combine: the outputs back to the ranks their tokens came from, weighted by the router, summed per token

@@ -94,6 +94,9 @@ def main():
     p.add_argument("--seq-len", type=runtime.positive_int, default=16, help="tokens per sequence")
     p.add_argument("--dim", type=runtime.positive_int, default=32, help="hidden size")
     p.add_argument("--ffn-hidden", type=runtime.positive_int, default=64, help="each expert's SwiGLU width")
+    p.add_argument("--planted-bug", choices=["router-not-all-reduced", "experts-not-regrouped"], default=None,
+                   help="a mistake the checks must catch: the router's gradient left unsummed over the replicas, or "
+                        "the arrived rows computed in arrival order instead of grouped by expert")
     runtime.add_lr_flag(p)
     args = p.parse_args()
 
@@ -104,6 +107,7 @@ def main():
         torch.manual_seed(args.seed)
         reference = moe.MoE(cfg).to(rt.device)           # the single-device layer, on every rank (it is small)
         layer = moe.ExpertParallelMoE(copy.deepcopy(reference))
+        layer.regroup = args.planted_bug != "experts-not-regrouped"
         optimizer = torch.optim.AdamW(layer.parameters(), lr=args.lr)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
         global_tokens, tokens = args.batch * args.seq_len, args.batch * args.seq_len // ep
@@ -125,7 +129,9 @@ def main():
             local_x, x = x[mine].clone().requires_grad_(), x.requires_grad_()
             measuring = step == 1
             layer.log = [] if measuring else None
-            layer.phases = [] if step == 2 else None
+            layer.phases = [] if step == 2 else None   # step 2's parts timed (the first steps pay one-off costs)
+            if step == 2:
+                timed_phases = layer.phases
             with comm.CommCounter() if measuring else contextlib.nullcontext() as counter:
                 y, info = layer(local_x)
                 aux = (moe.load_balancing_loss(info["scores"], info["chosen"], cfg.num_experts) / ep
@@ -133,7 +139,8 @@ def main():
                 loss = layer_loss(y, target[mine], global_tokens, aux, args.aux_weight)
                 loss.backward()
             for param in layer.replicated_parameters():   # data parallel: the replicas' gradients summed
-                dist.all_reduce(param.grad)
+                if args.planted_bug != "router-not-all-reduced" or param is not layer.router.gate.weight:
+                    dist.all_reduce(param.grad)
 
             # the single-device layer on the whole batch, its capacity and auxiliary loss over the same groups
             reference_y, reference_info = reference(x, groups=ep)
@@ -227,13 +234,22 @@ def main():
                  f"x {cfg.dim} x {element} B x {leaving:.3f} (the share of its assignments that left; uniform routing "
                  f"would give {moe.uniform_leaving_share(ep):.3f}, derived); combine {received_rows * cfg.dim * element:,} B; "
                  f"backward the same two reversed; {a2a_calls} all-to-alls in all (one of {cfg.num_experts} counts)")
+        # where the dispatch went: ranks of this node (NVLink on a GPU node) or of other nodes (the network)
+        per_node = runtime.launcher_env().local_world_size or ep
+        splits = measured_log[0][1]
+        node = rt.rank // per_node
+        same_node = sum(n for j, n in enumerate(splits) if j != rt.rank and j // per_node == node)
+        other_nodes = sum(n for j, n in enumerate(splits) if j // per_node != node)
+        rt.print(f"rank 0's dispatch: {same_node} rows to the other ranks of its node, {other_nodes} to other nodes "
+                 f"({per_node} ranks a node)")
+        report.extra.update({"rows_to_same_node": same_node, "rows_to_other_nodes": other_nodes})
         report.extra.update({"load": loads, "imbalance": imbalance, "dropped": dropped,
-                             "capacity": moe.capacity(tokens, cfg), "phases": layer.phases or [],
+                             "capacity": moe.capacity(tokens, cfg),
                              "experts_ran_as": "grouped_mm" if moe.grouped_mm_available(
                                  torch.zeros(1, device=rt.device)) else "loop",
                              "leaving_share": leaving, "uniform_leaving_share": moe.uniform_leaving_share(ep)})
         phases_of_rank = [None] * ep
-        dist.all_gather_object(phases_of_rank, layer.phases or [])
+        dist.all_gather_object(phases_of_rank, timed_phases if args.steps > 2 else [])
         report.extra["phases"] = phases_of_rank
         code = report.finish(args.metrics_out)
     sys.exit(code)

@@ -48,3 +48,25 @@ def test_experts_that_do_not_split_over_the_ranks_exit_2():
 
 def test_top_k_larger_than_the_experts_exits_2():
     assert_config_error(EP, ["--top-k", "9"], "top-k 9 must be between 1 and the 8 experts")
+
+
+@pytest.mark.parametrize("bug, failing", [
+    ("router-not-all-reduced", {"step-0 gradients", "losses", "parameters after training"}),
+    ("experts-not-regrouped", {"step-0 outputs", "step-0 gradients", "losses", "parameters after training"}),
+])
+def test_the_planted_bugs_fail_the_single_device_comparison(bug, failing):
+    result = launch.run(EP, nproc=4, args=["--planted-bug", bug], stream=False, check=False)
+    assert result.returncode == 1
+    failed = {c["name"].split(" = ")[0] for c in result.metrics["checks"] if not c["passed"]}
+    assert failing <= failed, failed
+
+
+def test_the_chapter_states_what_the_run_measured(dropless):
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    dispatch = dropless.metrics["comm"][0]["measured_bytes"]
+    share = dropless.metrics["extra"]["leaving_share"]
+    assert f"rank 0 dispatched {dispatch:,} B at step 1 (32 tokens x 2 x 32 x 4 B x {share:.3f})" in text
+    assert "gloo accepts uneven splits" in text and dropless.metrics["config"]["ep"] == 4
+    assert "(on these CPU ranks: the loop)" in text and dropless.metrics["extra"]["experts_ran_as"] == "loop"
