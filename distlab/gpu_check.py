@@ -143,6 +143,7 @@ RUNS: tuple[Run, ...] = (
     Run("tuning", f"{CH12}/tuning.py"),
     # the MoE layer's experts over every GPU: NCCL's all-to-all with uneven splits, = one device
     Run("ep_from_scratch", "scripts/13_expert_parallel/ep_from_scratch.py"),
+    Run("moe_transformer", "scripts/13_expert_parallel/moe_transformer.py", ("--batch", "{world}")),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)

@@ -346,3 +346,39 @@ def dispatch_bytes(tokens: int, top_k: int, dim: int, bytes_per_element: int, le
 def uniform_leaving_share(ep: int) -> float:
     """The share of assignments that leave the rank when routing is uniform: (ep - 1) / ep."""
     return (ep - 1) / ep
+
+
+# --------------------------------------------------------------------------------------------------
+# In a transformer
+# --------------------------------------------------------------------------------------------------
+
+
+class MoEFeedForward(nn.Module):
+    """A block's feed-forward as a MoE layer (either kind): [B, T, H] in and out, the tokens flattened for the
+    router. ``last`` keeps the routing of the latest forward (the load, the scores for an auxiliary loss)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.last: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, self.last = self.layer(x.reshape(-1, x.shape[-1]))
+        return y.view_as(x)
+
+
+def moe_transformer(cfg, moe_cfg: MoEConfig, seed: int = 0, device="cpu"):
+    """The course's transformer (``models.build_transformer``) with every block's feed-forward replaced by a MoE
+    layer of ``moe_cfg`` (its hidden size set to the model's), weights depending on ``seed`` alone."""
+    from dataclasses import replace
+
+    from distlab import models
+
+    model = models.build_transformer(cfg, seed=seed, device=device)
+    moe_cfg = replace(moe_cfg, dim=cfg.dim)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        for block in model.layers.values():
+            block.feed_forward = MoEFeedForward(MoE(moe_cfg)).to(device)
+    return model
+

@@ -24,7 +24,7 @@ CHAPTER_SCRIPTS = {
     "10_domain_parallel": ["halo_conv.py", "domain_train.py"],
     "11_choosing_a_strategy": ["plan.py"],
     "12_hpc_operations": ["fault_drill.py", "deadlocks.py", "profile_step.py", "tuning.py"],
-    "13_expert_parallel": ["ep_from_scratch.py"],
+    "13_expert_parallel": ["ep_from_scratch.py", "moe_transformer.py"],
 }
 MAX_WALLTIME_H = 12
 MAX_CHAPTER_WALLTIME_H = 0.5

@@ -70,3 +70,18 @@ def test_the_chapter_states_what_the_run_measured(dropless):
     assert f"rank 0 dispatched {dispatch:,} B at step 1 (32 tokens x 2 x 32 x 4 B x {share:.3f})" in text
     assert "gloo accepts uneven splits" in text and dropless.metrics["config"]["ep"] == 4
     assert "(on these CPU ranks: the loop)" in text and dropless.metrics["extra"]["experts_ran_as"] == "loop"
+
+
+MOE_TRANSFORMER = "scripts/13_expert_parallel/moe_transformer.py"
+
+
+def test_a_moe_transformer_with_fsdp_over_dp_and_experts_over_ep_equals_one_device():
+    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, stream=False), min_checks=7)
+    assert metrics["config"]["ep"] == metrics["config"]["dp"] == 4
+    assert len(metrics["extra"]["load"]) == 4 and len(metrics["extra"]["load"][0]) == 2   # steps x blocks
+    (reduce_scatter,) = metrics["comm"]
+    assert reduce_scatter["measured_bytes"] == reduce_scatter["analytic_bytes"] > 0
+
+
+def test_a_moe_transformer_whose_experts_do_not_split_over_dp_exits_2():
+    assert_config_error(MOE_TRANSFORMER, ["--experts", "6"], "6 experts do not split over an EP degree of 4")

@@ -1,0 +1,196 @@
+"""A transformer whose feed-forwards are mixtures of experts, trained with FSDP over dp and EP over the same ranks.
+
+The course's transformer with every block's feed-forward a MoE layer (``distlab.moe.moe_transformer``). On N ranks,
+as torchtitan lays it out when EP borrows the data-parallel dimension:
+
+* the experts of every block are spread over the N ranks (ep = dp = N): each rank holds E / N of them whole, and
+  tokens reach them by the all-to-alls of ``ep_from_scratch.py``;
+* everything else (embedding, attention, norms, the router, the head) is sharded by FSDP2 over the same N ranks:
+  ``fully_shard(block, mesh=mesh, ignored_params=<the block's experts>)``, since an expert that lives on one rank has
+  nothing to shard or reduce;
+* each rank reads its own N-th of the batch.
+
+One gradient needs a hand: FSDP averages what it reduce-scatters over the N ranks, but an expert's gradient arrives
+through the combine's backward as a *sum* over the ranks whose tokens visited it, each computed from that rank's
+own mean loss. Divided by N it is the gradient of the global mean loss, as one device computes it.
+
+The script proves it: a single-device model with the same weights, trained on the whole batch, gives the same losses
+every step, the same step-0 gradients (every FSDP shard gathered; every rank's experts against their slice) and the
+same parameters after training; the expert load of every layer and step is the same; the all-to-alls per step are 5
+a layer (counts, dispatch and combine forward, both again backward), and FSDP's reduce-scatters carry the non-expert
+parameters only (their bytes, with FSDP's padding, = the formula).
+
+    torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py
+"""
+
+import contextlib
+import copy
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from distlab import comm, data, metrics, models, moe, runtime
+
+# fp32 tolerances: FSDP reduce-scatters and the experts see other batch shapes than one device (a few ulps);
+# measured on 4 CPU ranks: losses <= 1e-7, gradients <= 1e-8.
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+
+def moe_config(args) -> moe.MoEConfig:
+    return moe.MoEConfig(ffn_hidden=args.expert_hidden, num_experts=args.experts, top_k=args.top_k,
+                         scoring=args.scoring, shared_expert=args.shared_expert)
+
+
+def check_config(args, world_size):
+    problems = moe.config_problems(moe_config(args), world_size)
+    runtime.require(not problems, "; ".join(problems))
+    runtime.require(args.batch % world_size == 0,
+                    f"--batch {args.batch} sequences do not split over {world_size} data-parallel ranks")
+
+
+def parallelize(model, mesh) -> list[torch.nn.Parameter]:
+    """EP over the mesh's ranks for the experts, FSDP2 over the same ranks for the rest. Returns this rank's
+    expert parameters."""
+    experts = []
+    for block in model.layers.values():
+        block.feed_forward.layer = moe.ExpertParallelMoE(block.feed_forward.layer, mesh.get_group())
+        mine = list(block.feed_forward.layer.experts.parameters())
+        experts += mine
+        fully_shard(block, mesh=mesh, ignored_params=set(mine))
+    fully_shard(model, mesh=mesh, ignored_params=set(experts))
+    return experts
+
+
+def padded_bytes(params, ways: int) -> int:
+    """Bytes FSDP2 reduce-scatters for ``params`` over ``ways`` ranks: each tensor's rows padded to a multiple of
+    ``ways`` (its shards are equal)."""
+    total = 0
+    for p in params:
+        rows, rest = p.shape[0], p[0].numel() if p.dim() > 1 else 1
+        total += math.ceil(rows / ways) * ways * rest * p.element_size()
+    return total
+
+
+def main():
+    p = runtime.parser(__doc__, steps=4)
+    p.add_argument("--experts", type=runtime.positive_int, default=8, help="routed experts a block (default 8)")
+    p.add_argument("--top-k", type=runtime.positive_int, default=2, help="experts per token (default 2)")
+    p.add_argument("--scoring", choices=moe.SCORINGS, default="softmax", help="softmax or sigmoid top-k")
+    p.add_argument("--shared-expert", action="store_true", help="one more expert every token visits")
+    p.add_argument("--expert-hidden", type=runtime.positive_int, default=64, help="each expert's SwiGLU width")
+    p.add_argument("--layers", type=runtime.positive_int, default=2, help="transformer blocks")
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences")
+    runtime.add_lr_flag(p)
+    args = p.parse_args()
+
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset("tiny", n_layers=args.layers)
+        moe_cfg = moe_config(args)
+        world = rt.world_size
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict(), "moe": moe_cfg.to_dict(),
+                                                      "ep": world, "dp": world})
+        reference = moe.moe_transformer(cfg, moe_cfg, seed=args.seed, device=rt.device)
+        model = copy.deepcopy(reference)
+        mesh = init_device_mesh(rt.device.type, (world,), mesh_dim_names=("dp",))
+        experts = parallelize(model, mesh)
+        expert_ids = {id(p) for p in experts}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+        local = moe_cfg.num_experts // world
+        lo, hi = rt.rank * local, (rt.rank + 1) * local
+        rt.print(f"tiny transformer, {args.layers} blocks, each feed-forward {moe_cfg.num_experts} experts top-"
+                 f"{moe_cfg.top_k} ({moe_cfg.scoring}); {world} ranks: FSDP over dp = {world}, the experts over "
+                 f"ep = dp = {world} ({local} a rank and block); global batch {args.batch} x {cfg.seq_len} tokens")
+
+        grad_diff, loads, reference_loads, counted = 0.0, [], [], None
+        for step in range(args.steps):
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world))
+            with comm.CommCounter() if step == 1 else contextlib.nullcontext() as counter:
+                loss = models.lm_loss(model(inputs), targets)
+                loss.backward()
+            if step == 1:
+                counted = counter
+            for param in experts:   # a sum over the ranks' mean losses: the global mean's gradient is 1/N of it
+                param.grad /= world
+            reference_inputs, reference_targets = data.split_inputs_targets(tokens)
+            reference_loss = models.lm_loss(reference(reference_inputs), reference_targets)
+            reference_loss.backward()
+            if step == 0:
+                theirs = dict(reference.named_parameters())
+                ours, wanted = [], []
+                for name, param in model.named_parameters():
+                    if id(param) in expert_ids:
+                        ours.append(param.grad)
+                        wanted.append(theirs[name].grad[lo:hi])
+                    else:
+                        grad = param.grad
+                        ours.append(grad.full_tensor() if isinstance(grad, DTensor) else grad)
+                        wanted.append(theirs[name].grad)
+                grad_diff = metrics.max_abs_diff(ours, wanted)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            reference_optimizer.zero_grad(set_to_none=True)
+            step_loads, step_reference_loads = [], []
+            for block, reference_block in zip(model.layers.values(), reference.layers.values()):
+                load = block.feed_forward.last["load"].clone()
+                dist.all_reduce(load)
+                step_loads.append(load.tolist())
+                step_reference_loads.append(reference_block.feed_forward.last["load"].tolist())
+            loads.append(step_loads)
+            reference_loads.append(step_reference_loads)
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)
+            report.losses.append(global_loss.item() / world)
+            report.extra.setdefault("reference_losses", []).append(reference_loss.item())
+            rt.print(f"step {step}  loss {report.losses[-1]:.6f}  single-device {reference_loss.item():.6f}  "
+                     f"load of block 0 {step_loads[0]}")
+
+        # ---- checks ----
+        value = torch.tensor(grad_diff, device=rt.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        report.check_close("losses = single-device (every step)", report.losses, report.extra["reference_losses"],
+                           metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
+        report.check_close("step-0 gradients = single-device (FSDP shards gathered; this rank's experts)",
+                           value.item(), 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
+        theirs = dict(reference.named_parameters())
+        final = []
+        for name, param in model.named_parameters():
+            if id(param) in expert_ids:
+                final.append(metrics.max_abs_diff(param, theirs[name][lo:hi]))
+            else:
+                final.append(metrics.max_abs_diff(param.full_tensor() if isinstance(param, DTensor) else param,
+                                                  theirs[name]))
+        report.check_close("parameters after training = single-device", max(final), 0.0, args.lr / 10)
+        report.check("expert load of every block and step = single-device's", loads == reference_loads,
+                     f"{sum(a == b for a, b in zip(loads, reference_loads))} of {len(loads)} steps equal", "every step")
+        expert_numel = sum(p.numel() for p in experts)
+        report.check_equal("expert parameters on this rank = layers x experts / ep x 3 x hidden x expert width",
+                           expert_numel, args.layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
+        calls = counted.by_collective()
+        a2a = calls.get("all_to_all", {}).get("calls", 0)
+        non_expert = [p for name, p in reference.named_parameters() if ".experts." not in name]
+        report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
+                           5 * args.layers)
+        report.add_comm("reduce_scatter", counted.total("reduce_scatter"), padded_bytes(non_expert, world),
+                        dimension="dp", what="FSDP: every parameter but the experts")
+        report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included)",
+                           counted.total("reduce_scatter"), padded_bytes(non_expert, world))
+        rt.print(f"\nper step: {a2a} all-to-alls; FSDP reduce-scattered {counted.total('reduce_scatter'):,} B, the "
+                 f"non-expert parameters ({sum(p.numel() for p in non_expert):,}); each rank keeps {expert_numel:,} "
+                 f"expert parameters of {sum(p.numel() for n, p in reference.named_parameters() if '.experts.' in n):,}"
+                 f" ({local} of {moe_cfg.num_experts} experts a block), with no gradient collective of their own")
+        report.extra["load"] = loads
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
