@@ -267,15 +267,16 @@ class ExpertParallelMoE(nn.Module):
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local = self.cfg.num_experts // self.ep
         lo, hi = self.rank * self.local, (self.rank + 1) * self.local
-        self.router = Router(self.cfg.dim, self.cfg.num_experts)
+        # built where the layer lives (the rank's GPU): modules made on the CPU failed on an H200 ("mat2 is on cpu")
+        with torch.device(full.router.gate.weight.device):
+            self.router = Router(self.cfg.dim, self.cfg.num_experts)
+            self.experts = Experts(self.local, self.cfg.dim, self.cfg.ffn_hidden)
+            self.shared = FeedForward(self.cfg.dim, self.cfg.ffn_hidden) if full.shared is not None else None
         self.router.load_state_dict(full.router.state_dict())
-        self.experts = Experts(self.local, self.cfg.dim, self.cfg.ffn_hidden)
         with torch.no_grad():
             for name in ("w1", "w3", "w2"):
                 getattr(self.experts, name).copy_(getattr(full.experts, name)[lo:hi])
-        self.shared = None
-        if full.shared is not None:
-            self.shared = FeedForward(self.cfg.dim, self.cfg.ffn_hidden)
+        if self.shared is not None:
             self.shared.load_state_dict(full.shared.state_dict())
         self.regroup = True                # False: the planted bug of ep_from_scratch.py --planted-bug
         self.log: list | None = None       # set to a list to record the all-to-alls' splits

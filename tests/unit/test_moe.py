@@ -113,3 +113,18 @@ def test_bad_layouts_are_named():
 
 def test_the_dispatch_formula():
     assert moe.dispatch_bytes(32, 2, 32, 4, 0.75) == 6144 and moe.uniform_leaving_share(4) == 0.75
+
+
+def test_the_expert_parallel_layer_lives_on_the_device_of_the_layer_it_was_built_from(tmp_path):
+    """On a GPU its router, experts and shared expert must sit on cuda:N beside the tokens; built on the CPU they
+    failed with 'mat2 is on cpu' on an H200. The meta device stands for 'not the CPU' here."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            full = moe.MoE(moe.MoEConfig(shared_expert=True))
+        layer = moe.ExpertParallelMoE(full)
+        assert {t.device.type for t in [*layer.parameters(), *layer.buffers()]} == {"meta"}
+    finally:
+        dist.destroy_process_group()
