@@ -457,6 +457,51 @@ def draw_decision_flowchart(fig) -> None:
 
 # ---- the registry and the command line -------------------------------------------------------------------
 
+def expert_dispatch_of_step(step: int = 1, ranks: int = 4, seed: int = 0):
+    """The dispatch of ``ep_from_scratch.py``'s defaults at ``step`` (8 experts, top-2, 32 tokens a rank on 4
+    ranks), computed by the single-device layer with the script's weights and data: [ranks, ranks] rows."""
+    import torch
+
+    from distlab import data, moe
+
+    cfg = moe.MoEConfig()
+    torch.manual_seed(seed)
+    layer = moe.MoE(cfg)
+    x, _ = data.regression_batch(step, 8 * 16, cfg.dim, cfg.dim, seed=seed)
+    with torch.no_grad():
+        _, chosen, _ = moe.route(layer.router, x, cfg.top_k, cfg.scoring)
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    return moe.dispatch_matrix(chosen, keep, ranks, cfg.num_experts // ranks)
+
+
+def draw_expert_dispatch(fig) -> None:
+    """Chapter 13: who sends how many rows to whom in one dispatch, and what each rank then computes."""
+    matrix = expert_dispatch_of_step()
+    ranks = matrix.shape[0]
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
+    left.imshow(matrix, cmap="Blues")
+    for i in range(ranks):
+        for j in range(ranks):
+            left.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=8,
+                      color="black" if i != j else "#8a1c1c", fontweight="bold" if i == j else "normal")
+    left.set_xticks(range(ranks), [f"rank {j}\n(experts {2 * j},{2 * j + 1})" for j in range(ranks)], fontsize=6.5)
+    left.set_yticks(range(ranks), [f"rank {i}" for i in range(ranks)], fontsize=7)
+    left.set_xlabel("to (the rank of the expert)", fontsize=7)
+    left.set_ylabel("from (the rank of the token)", fontsize=7)
+    left.set_title("rows dispatched (diagonal: stays on the rank)", fontsize=8)
+    computed = matrix.sum(dim=0).tolist()
+    mean = sum(computed) / ranks
+    right.bar(range(ranks), computed, color=[RANK_COLOURS[r % len(RANK_COLOURS)] for r in range(ranks)])
+    right.axhline(mean, color="black", linestyle="--", linewidth=1)
+    right.text(ranks - 0.5, mean, " mean", va="bottom", ha="right", fontsize=7)
+    right.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7)
+    right.set_ylabel("rows its experts compute", fontsize=7)
+    right.set_title(f"the busiest rank: {max(computed) / mean:.2f} x the mean", fontsize=8)
+    right.tick_params(axis="y", labelsize=7)
+    fig.suptitle("one dispatch of ep_from_scratch.py (8 experts, top-2, 32 tokens a rank, step 1), from the "
+                 "single-device routing", fontsize=9)
+
+
 FIGURES = {
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
@@ -471,6 +516,7 @@ FIGURES = {
     "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
+    "13_expert_dispatch.png": (draw_expert_dispatch, (9, 3.2)),
 }
 
 

@@ -338,6 +338,15 @@ class ExpertParallelMoE(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
+def dispatch_matrix(chosen: torch.Tensor, keep: torch.Tensor, ranks: int, experts_per_rank: int) -> torch.Tensor:
+    """[ranks, ranks]: the rows rank i sends to rank j in a dispatch, for a routing of every token ([ranks x T, k],
+    each rank's T tokens consecutive) and its kept assignments; the diagonal is what stays on the rank."""
+    owner = (chosen // experts_per_rank)[keep]
+    source = (torch.arange(chosen.shape[0], device=chosen.device)[:, None].expand_as(chosen)
+              // (chosen.shape[0] // ranks))[keep]
+    return torch.bincount(source * ranks + owner, minlength=ranks * ranks).view(ranks, ranks)
+
+
 def dispatch_bytes(tokens: int, top_k: int, dim: int, bytes_per_element: int, leaving_share: float) -> float:
     """Bytes one rank sends in one dispatch: tokens x top-k x hidden x bytes x the share of its assignments whose
     expert is on another rank. The combine sends as many back; backward repeats both (4 x per layer and step)."""

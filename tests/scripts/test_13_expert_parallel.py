@@ -85,3 +85,21 @@ def test_a_moe_transformer_with_fsdp_over_dp_and_experts_over_ep_equals_one_devi
 
 def test_a_moe_transformer_whose_experts_do_not_split_over_dp_exits_2():
     assert_config_error(MOE_TRANSFORMER, ["--experts", "6"], "6 experts do not split over an EP degree of 4")
+
+
+def test_the_dispatch_picture_is_what_the_run_sent(dropless):
+    """chapters/figures/13_expert_dispatch.png is drawn from the single-device routing; its row of rank 0, off the
+    diagonal, is the dispatch the 4-rank run measured at step 1, and the chapter's numbers are the picture's."""
+    from pathlib import Path
+
+    from distlab import figures
+
+    matrix = figures.expert_dispatch_of_step()
+    sent = int(matrix[0].sum() - matrix[0, 0])
+    assert sent * 32 * 4 == dropless.metrics["comm"][0]["measured_bytes"]
+    computed = matrix.sum(dim=0).tolist()
+    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    assert f"keeps {int(matrix[0, 0])} of its {int(matrix[0].sum())} assignments and sends {sent} rows" in text
+    assert f"compute between {min(computed)} and {max(computed)} rows" in text
+    assert "figures/13_expert_dispatch.png" in text
+    assert (Path(__file__).resolve().parents[2] / "chapters" / "figures" / "13_expert_dispatch.png").exists()
