@@ -479,7 +479,7 @@ def draw_expert_dispatch(fig) -> None:
     matrix = expert_dispatch_of_step()
     ranks = matrix.shape[0]
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
-    left.imshow(matrix, cmap="Blues")
+    left.imshow(matrix.numpy(), cmap="Blues")   # a NumPy array: matplotlib asks torch 2.14 for copy=False
     for i in range(ranks):
         for j in range(ranks):
             left.text(j, i, int(matrix[i, j]), ha="center", va="center", fontsize=8,
