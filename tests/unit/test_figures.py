@@ -37,12 +37,35 @@ def test_every_generated_figure_is_used_and_committed():
     assert on_disk == set(figures.FIGURES), "chapters/figures holds stale or missing files: run `make figures`"
 
 
+def differs(fresh: Path, committed: Path) -> str | None:
+    """How a freshly drawn PNG differs from the committed one (None: the same picture). Pixels, not bytes: the
+    same drawing is the same picture whatever zlib made of it."""
+    from matplotlib import image
+
+    if fresh.read_bytes() == committed.read_bytes():
+        return None
+    a, b = image.imread(fresh), image.imread(committed)
+    if a.shape != b.shape:
+        return f"size {a.shape[:2]} against {b.shape[:2]}"
+    changed = float((abs(a - b) > 1 / 255).any(axis=-1).mean())
+    return None if changed == 0 else f"{100 * changed:.2f}% of the pixels"
+
+
 @pytest.mark.parametrize("name", sorted(figures.FIGURES))
-def test_each_generator_runs(name, tmp_path):
+def test_each_generator_runs_and_draws_the_committed_picture(name, tmp_path):
     path = figures.render(name, tmp_path)
     assert path.stat().st_size > 5_000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (CHAPTERS / "figures" / name).stat().st_size < 200_000  # small PNGs
+    committed = CHAPTERS / "figures" / name
+    assert committed.stat().st_size < 200_000  # small PNGs
+    # a figure drawn from the library's functions goes stale when they change: the chapter would show old numbers
+    difference = differs(path, committed)
+    assert difference is None, f"chapters/figures/{name} is stale ({difference} differ): run `make figures`"
+
+
+def test_a_stale_figure_is_found(tmp_path):
+    one, other = (figures.render(name, tmp_path) for name in ("09_mesh_3d.png", "09_mesh_two_nodes.png"))
+    assert differs(one, one) is None and differs(one, other) is not None
 
 
 def test_the_ring_picture_is_the_ring_algorithm():
