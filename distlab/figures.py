@@ -457,6 +457,53 @@ def draw_decision_flowchart(fig) -> None:
 
 # ---- the registry and the command line -------------------------------------------------------------------
 
+def draw_tiles_and_halos(fig) -> None:
+    """Chapter 10: a 16 x 16 field on a 2 x 2 grid of tiles (``domain.TileGrid``), rank 0's tile with the halo of
+    radius 2 it receives from its neighbours (the corner through the vertical neighbour); and halo cells per tile
+    cell as the ranks grow (``domain.surface_to_volume_rows``), bands against tiles."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    from distlab import domain
+
+    grid, radius = domain.TileGrid(2, 2, 16, 16), 2
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+    owner = np.zeros((grid.height, grid.width), dtype=int)
+    for rank in range(grid.size):
+        rows, cols = grid.tile_slices(rank)
+        owner[rows, cols] = rank
+    from matplotlib.colors import ListedColormap
+    left.imshow(owner, cmap=ListedColormap(RANK_COLOURS), alpha=0.35, vmin=-0.5, vmax=grid.size - 0.5)
+    rows, cols = grid.tile_slices(0)
+    left.add_patch(Rectangle((cols.start - 0.5, rows.start - 0.5), cols.stop - cols.start, rows.stop - rows.start,
+                             fill=False, linewidth=2, edgecolor=RANK_COLOURS[0]))
+    halo = Rectangle((cols.start - 0.5, rows.start - 0.5), cols.stop - cols.start + radius,
+                     rows.stop - rows.start + radius, fill=False, linewidth=1.5, edgecolor="black", linestyle="--")
+    left.add_patch(halo)
+    for rank, (x, y) in {1: (11.5, 3.5), 2: (3.5, 11.5), 3: (11.5, 11.5)}.items():
+        left.text(x, y, f"rank {rank}", ha="center", va="center", fontsize=8)
+    left.text(3.5, 3.5, "rank 0", ha="center", va="center", fontsize=8, fontweight="bold")
+    left.annotate(f"rank 0's halo ({radius} cells): from rank 1 (right),\nrank 2 (below), the corner through them",
+                  xy=(8.5, 8.5), xytext=(0, 19.5), fontsize=7, annotation_clip=False,
+                  arrowprops={"arrowstyle": "->", "linewidth": 0.8})
+    left.set_xticks([]), left.set_yticks([])
+    left.set_title("a 16 x 16 field on 2 x 2 tiles", fontsize=8)
+
+    counts = [2, 4, 8, 16, 32, 64, 80, 128]
+    table = domain.surface_to_volume_rows(720, 1440, counts, 3)
+    for split, label, colour in (("h", "bands (--split h)", RANK_COLOURS[1]), ("hw", "tiles (--split hw)",
+                                                                                 RANK_COLOURS[0])):
+        points = [(r["ranks"], 100 * r["ratio"]) for r in table if r["split"] == split]
+        right.plot(*zip(*points), marker="o", color=colour, label=label)
+    right.set_xscale("log", base=2)
+    right.set_xticks(counts, [str(c) for c in counts])
+    right.set_xlabel("ranks", fontsize=7)
+    right.set_ylabel("halo cells per tile cell (%)", fontsize=7)
+    right.set_title("720 x 1440 grid, radius 3: communication over computation", fontsize=8)
+    right.legend(fontsize=7, frameon=False)
+    right.tick_params(labelsize=7)
+
+
 def expert_dispatch_of_step(step: int = 1, ranks: int = 4, seed: int = 0):
     """The dispatch of ``ep_from_scratch.py``'s defaults at ``step`` (8 experts, top-2, 32 tokens a rank on 4
     ranks), computed by the single-device layer with the script's weights and data: [ranks, ranks] rows."""
@@ -514,6 +561,7 @@ FIGURES = {
     "09_hybrid_step_timeline.png": (draw_hybrid_step_timeline, (9, 2.8)),
     "09_zero_with_pipeline.png": (draw_zero_with_pipeline, (9, 3.2)),
     "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
+    "10_tiles_and_halos.png": (draw_tiles_and_halos, (9, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
     "13_expert_dispatch.png": (draw_expert_dispatch, (9, 3.2)),
