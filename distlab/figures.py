@@ -457,6 +457,40 @@ def draw_decision_flowchart(fig) -> None:
 
 # ---- the registry and the command line -------------------------------------------------------------------
 
+def draw_walls(fig) -> None:
+    """Chapter 02: the memory wall (16 bytes a parameter of training state against a GPU's memory, on one GPU and
+    sharded over more) and the compute wall (days to train on 20 tokens a parameter at 40% MFU, on 1, 4 and 512
+    A100s), by model size, from ``widgets``' functions (the chapter's tables)."""
+    import numpy as np
+
+    from distlab import memory, widgets
+
+    sizes = np.logspace(8, 11.5, 60)
+    left, right = fig.subplots(1, 2)
+    per_param = memory.training_state_bytes(1, "mixed").total
+    for gpus, colour in ((1, "black"), (4, RANK_COLOURS[0]), (64, RANK_COLOURS[2])):
+        label = "one GPU (DDP: every GPU)" if gpus == 1 else f"sharded over {gpus} GPUs (FSDP)"
+        left.plot(sizes, sizes * per_param / gpus / widgets.GIB, color=colour, label=label)
+    for gib, name in ((40, "A100-40GB"), (80, "H100-80GB")):
+        left.axhline(gib, color="grey", linestyle="--", linewidth=0.8)
+        left.text(sizes[0], gib * 1.08, name, fontsize=6.5, color="grey")
+    left.set_xscale("log"), left.set_yscale("log")
+    left.set_xlabel("parameters", fontsize=7), left.set_ylabel("training state per GPU (GiB)", fontsize=7)
+    left.set_title(f"the memory wall: {per_param} bytes a parameter", fontsize=8)
+    left.legend(fontsize=6.5, frameon=False, loc="lower right")
+    for gpus, colour in ((1, "black"), (4, RANK_COLOURS[0]), (512, RANK_COLOURS[2])):
+        days = [widgets.training_days(n, 20 * n, gpus) for n in sizes]
+        right.plot(sizes, days, color=colour, label=f"{gpus} A100{'s' if gpus > 1 else ''}")
+    right.axhline(30, color="grey", linestyle="--", linewidth=0.8)
+    right.text(sizes[0], 36, "a month", fontsize=6.5, color="grey")
+    right.set_xscale("log"), right.set_yscale("log")
+    right.set_xlabel("parameters", fontsize=7), right.set_ylabel("days (20 tokens a parameter, 40% MFU)", fontsize=7)
+    right.set_title("the compute wall: 6 N D FLOPs", fontsize=8)
+    right.legend(fontsize=6.5, frameon=False, loc="lower right")
+    for ax in (left, right):
+        ax.tick_params(labelsize=7)
+
+
 def draw_tiles_and_halos(fig) -> None:
     """Chapter 10: a 16 x 16 field on a 2 x 2 grid of tiles (``domain.TileGrid``), rank 0's tile with the halo of
     radius 2 it receives from its neighbours (the corner through the vertical neighbour); and halo cells per tile
@@ -550,6 +584,7 @@ def draw_expert_dispatch(fig) -> None:
 
 
 FIGURES = {
+    "02_walls.png": (draw_walls, (9, 3.2)),
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
     "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
