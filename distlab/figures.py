@@ -457,6 +457,53 @@ def draw_decision_flowchart(fig) -> None:
 
 # ---- the registry and the command line -------------------------------------------------------------------
 
+def training_memory_of(preset: str, batch: int = 8) -> dict:
+    """Chapter 01's memory of one training step of a preset on the CPU, by part: predicted by the formulas
+    (``memory.training_state_bytes``, ``memory.transformer_activation_bytes``) and measured off the tensors
+    (``memory.ledger`` after an AdamW step, ``memory.saved_activation_bytes`` during the forward)."""
+    import torch
+
+    from distlab import data, memory, models
+
+    cfg = models.preset(preset)
+    model = models.build_transformer(cfg, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, targets = data.split_inputs_targets(data.token_batch(0, batch, cfg.seq_len, cfg.vocab_size, seed=0))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+        loss = models.lm_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    measured = memory.ledger(model, optimizer)
+    predicted = memory.training_state_bytes(cfg.num_params())
+    return {"predicted": {"parameters": predicted.params, "gradients": predicted.grads,
+                          "AdamW moments": predicted.optimizer,
+                          "activations": memory.transformer_activation_bytes(cfg, batch)},
+            "measured": {"parameters": measured.params, "gradients": measured.grads,
+                         "AdamW moments": measured.optimizer, "activations": saved.bytes}}
+
+
+def draw_training_memory(fig) -> None:
+    """Chapter 01: where a training step's memory goes, predicted against measured, for two presets."""
+    axes = fig.subplots(1, 2, gridspec_kw={"wspace": 0.08})
+    colours = {"parameters": RANK_COLOURS[0], "gradients": RANK_COLOURS[1], "AdamW moments": RANK_COLOURS[2],
+               "activations": RANK_COLOURS[3]}
+    for ax, preset in zip(axes, ("tiny", "small")):
+        parts = training_memory_of(preset)
+        for row, kind in enumerate(("predicted", "measured")):
+            left = 0.0
+            for part, value in parts[kind].items():
+                ax.barh(row, value / 2**20, left=left, color=colours[part], label=part if row == 0 else None)
+                left += value / 2**20
+            ax.text(left, row, f" {left:.2f} MiB", va="center", fontsize=7)
+        ax.set_yticks([0, 1], ["predicted (formulas)", "measured (tensors)"] if preset == "tiny" else [],
+                      fontsize=7)
+        ax.set_xlabel("MiB", fontsize=7)
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
+        ax.tick_params(labelsize=7)
+        ax.set_title(f"{preset} preset, batch 8, one AdamW step (fp32, CPU)", fontsize=8)
+    axes[0].legend(fontsize=6.5, frameon=False, loc="upper center", bbox_to_anchor=(1.0, -0.25), ncol=4)
+
+
 def draw_walls(fig) -> None:
     """Chapter 02: the memory wall (16 bytes a parameter of training state against a GPU's memory, on one GPU and
     sharded over more) and the compute wall (days to train on 20 tokens a parameter at 40% MFU, on 1, 4 and 512
@@ -584,6 +631,7 @@ def draw_expert_dispatch(fig) -> None:
 
 
 FIGURES = {
+    "01_training_memory.png": (draw_training_memory, (9, 2.6)),
     "02_walls.png": (draw_walls, (9, 3.2)),
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),

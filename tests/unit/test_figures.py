@@ -95,3 +95,9 @@ def test_the_measured_hybrid_timeline_is_the_scripts_and_holds_every_collective_
         expected = sum(r["calls"] for r in formula if r["dimension"] == lane)
         assert sum(r["lane"] == lane for r in run["rows"]) == expected, lane
     assert [r for r in run["rows"] if r["lane"] == "backward"] and [r for r in run["rows"] if r["lane"] == "compute"]
+
+
+def test_the_memory_picture_shows_predicted_equal_to_measured():
+    for preset in ("tiny", "small"):
+        parts = figures.training_memory_of(preset)
+        assert parts["predicted"] == parts["measured"], preset
