@@ -457,6 +457,62 @@ def draw_decision_flowchart(fig) -> None:
 
 # ---- the registry and the command line -------------------------------------------------------------------
 
+DDP_OVERLAP = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "04_ddp_overlap.json"
+DDP_OVERLAP_ARGS = ["--bucket-mb", "0.1", "--steps", "3"]
+
+
+def measure_ddp_overlap(path=DDP_OVERLAP) -> Path:
+    """Run ``train_ddp.py --bucket-mb 0.1`` on 4 CPU ranks and keep rank 0's last step: each gradient's ready time
+    and each bucket's all-reduce (its comm hook's stamps). A measurement, redrawn by ``make figures``; measured again
+    by calling this function (``python -c "from distlab import figures; figures.measure_ddp_overlap()"``)."""
+    import json
+
+    import torch
+
+    from distlab import launch
+
+    run = launch.run("scripts/04_data_parallel/train_ddp.py", nproc=4, args=DDP_OVERLAP_ARGS, stream=False)
+    extra = run.metrics["extra"]
+    kept = {"script": "scripts/04_data_parallel/train_ddp.py", "argv": DDP_OVERLAP_ARGS,
+            "world_size": run.metrics["world_size"], "torch": torch.__version__, "param_bytes": extra["param_bytes"],
+            "buckets": extra["buckets"], "overlap": extra["overlap"], "backward_timeline": extra["backward_timeline"]}
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def draw_ddp_overlap(fig) -> None:
+    """Chapter 04: one measured backward of DDP on 4 CPU ranks (rank 0): each gradient as it becomes ready, coloured
+    by its bucket, and each bucket's all-reduce from its launch to its finish (``DDP_OVERLAP``'s data)."""
+    import json
+
+    run = json.loads(DDP_OVERLAP.read_text())
+    overlap, events = run["overlap"], run["backward_timeline"]
+    origin = overlap["backward_start"]
+    ms = lambda t: 1e3 * (t - origin)  # noqa: E731 - one conversion, named where it is used
+    ax = fig.subplots()
+    ax.axvspan(0, ms(overlap["last_gradient"]), color="#f3eee0", zorder=0)
+    ax.text(0.05, -0.75, "backward computing", fontsize=7, color="#8a6d1c")
+    colour = lambda b: RANK_COLOURS[b % len(RANK_COLOURS)]  # noqa: E731
+    for e in events:
+        if e["kind"] == "grad_ready":
+            ax.plot([ms(e["t"])] * 2, [len(run["buckets"]) - 0.3, len(run["buckets"]) + 0.3], color=colour(e["bucket"]),
+                    linewidth=1.2)
+    for b in overlap["buckets"]:
+        ax.barh(b["index"], ms(b["end"]) - ms(b["launch"]), left=ms(b["launch"]), color=colour(b["index"]),
+                height=0.55)
+        ax.text(ms(b["end"]), b["index"], f" {b['bytes']:,} B", va="center", fontsize=6.5)
+    ax.axvline(ms(overlap["backward_end"]), color="black", linestyle="--", linewidth=0.8)
+    ax.text(ms(overlap["backward_end"]), -0.75, " backward returns", fontsize=6.5)
+    ax.set_yticks(list(range(len(run["buckets"]))) + [len(run["buckets"])],
+                  [f"bucket {b['index']} all-reduce" for b in run["buckets"]] + ["gradients ready"], fontsize=7)
+    ax.set_ylim(-1, len(run["buckets"]) + 0.9)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since backward began (measured: comm hook and gradient hooks, rank 0)", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.set_title(f"DDP's buckets during one backward: train_ddp.py {' '.join(run['argv'])}, "
+                 f"{run['world_size']} CPU ranks (gloo)", fontsize=8.5)
+
+
 def training_memory_of(preset: str, batch: int = 8) -> dict:
     """Chapter 01's memory of one training step of a preset on the CPU, by part: predicted by the formulas
     (``memory.training_state_bytes``, ``memory.transformer_activation_bytes``) and measured off the tensors
@@ -634,6 +690,7 @@ FIGURES = {
     "01_training_memory.png": (draw_training_memory, (9, 2.6)),
     "02_walls.png": (draw_walls, (9, 3.2)),
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
+    "04_ddp_overlap.png": (draw_ddp_overlap, (9, 2.8)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
     "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
     "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),

@@ -101,3 +101,23 @@ def test_the_memory_picture_shows_predicted_equal_to_measured():
     for preset in ("tiny", "small"):
         parts = figures.training_memory_of(preset)
         assert parts["predicted"] == parts["measured"], preset
+
+
+def test_the_measured_ddp_overlap_is_the_tiny_models_and_obeys_ddps_rule():
+    """The committed measurement behind 04_ddp_overlap.png against today's model: every parameter's gradient once,
+    the buckets' bytes = the parameter bytes, each bucket launched when its last gradient was ready (not before),
+    and the first launched before backward had finished computing. A stale file fails; measure again with
+    figures.measure_ddp_overlap()."""
+    import json
+
+    from distlab import models
+
+    run = json.loads(figures.DDP_OVERLAP.read_text())
+    model = models.build_transformer("tiny")
+    ready = [e for e in run["backward_timeline"] if e["kind"] == "grad_ready"]
+    assert sorted(e["param"] for e in ready) == sorted(name for name, _ in model.named_parameters())
+    assert sum(b["bytes"] for b in run["buckets"]) == run["param_bytes"] == 4 * models.preset("tiny").num_params()
+    for bucket in run["overlap"]["buckets"]:
+        last = max(e["t"] for e in ready if e["bucket"] == bucket["index"])
+        assert last <= bucket["launch"] <= bucket["end"] <= run["overlap"]["backward_end"]
+    assert min(b["launch"] for b in run["overlap"]["buckets"]) < run["overlap"]["last_gradient"]
