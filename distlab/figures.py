@@ -513,6 +513,56 @@ def draw_ddp_overlap(fig) -> None:
                  f"{run['world_size']} CPU ranks (gloo)", fontsize=8.5)
 
 
+HANG = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "12_hang_journals.json"
+HANG_ARGS = ["--hang", "skipped-barrier"]
+
+
+def measure_hang(path=HANG) -> Path:
+    """Run ``deadlocks.py --hang skipped-barrier`` on 4 CPU ranks and keep every rank's call journal and the
+    diagnosis it printed (measured again by calling this function)."""
+    import json
+
+    from distlab import launch
+
+    run = launch.run("scripts/12_hpc_operations/deadlocks.py", nproc=4, args=HANG_ARGS, stream=False)
+    extra = run.metrics["extra"]
+    kept = {"script": "scripts/12_hpc_operations/deadlocks.py", "argv": HANG_ARGS, "cause": extra["cause"],
+            "verdict": extra["verdict"], "seconds_to_diagnosis": extra["seconds_to_diagnosis"],
+            "journals": extra["journals"]}
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def draw_hang(fig) -> None:
+    """Chapter 12: a planted hang as every rank's journal shows it: the calls each rank completed, the one it waits
+    in, and the one a rank never made (``HANG``'s data, read by ``hangs.diagnose``)."""
+    import json
+    import textwrap
+
+    run = json.loads(HANG.read_text())
+    journals = {int(r): j for r, j in run["journals"].items()}
+    ax = fig.subplots()
+    longest = max(len(j["calls"]) for j in journals.values())
+    for rank, journal in sorted(journals.items()):
+        for i, call in enumerate(journal["calls"]):
+            waiting = not call["done"]
+            ax.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
+                    edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
+            where = f"to {call['peer']}" if call["op"] in ("send", "recv") else call["group"]
+            ax.text(i + 0.46, rank, f"{call['op']}\n{where}", ha="center", va="center", fontsize=5.5)
+        if len(journal["calls"]) < longest:
+            ax.text(len(journal["calls"]) + 0.05, rank, "  never calls the barrier", va="center",
+                    fontsize=6.5, color="#c0392b")
+    ax.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, longest + 2.2)
+    ax.set_xticks([])
+    ax.set_xlabel("each rank's calls in its journal, in order (grey: completed; red: waiting when the timeout "
+                  "struck)", fontsize=7)
+    ax.set_title("\n".join(textwrap.wrap(f"deadlocks.py {' '.join(run['argv'])}: {run['verdict']}", 110)),
+                 fontsize=7.5)
+
+
 def training_memory_of(preset: str, batch: int = 8) -> dict:
     """Chapter 01's memory of one training step of a preset on the CPU, by part: predicted by the formulas
     (``memory.training_state_bytes``, ``memory.transformer_activation_bytes``) and measured off the tensors
@@ -704,6 +754,7 @@ FIGURES = {
     "10_tiles_and_halos.png": (draw_tiles_and_halos, (9, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
+    "12_hang.png": (draw_hang, (9, 2.8)),
     "13_expert_dispatch.png": (draw_expert_dispatch, (9, 3.2)),
 }
 

@@ -121,3 +121,15 @@ def test_the_measured_ddp_overlap_is_the_tiny_models_and_obeys_ddps_rule():
         last = max(e["t"] for e in ready if e["bucket"] == bucket["index"])
         assert last <= bucket["launch"] <= bucket["end"] <= run["overlap"]["backward_end"]
     assert min(b["launch"] for b in run["overlap"]["buckets"]) < run["overlap"]["last_gradient"]
+
+
+def test_the_hang_picture_is_what_todays_diagnosis_reads_from_its_journals():
+    import json
+
+    from distlab import hangs
+
+    run = json.loads(figures.HANG.read_text())
+    journals = {int(r): j for r, j in run["journals"].items()}
+    found = hangs.diagnose(journals)
+    assert (found["cause"], found["verdict"]) == (run["cause"], run["verdict"])
+    assert sorted(found["stuck"]) == [0, 1, 2]   # the picture's red boxes
