@@ -563,6 +563,67 @@ def draw_hang(fig) -> None:
                  fontsize=7.5)
 
 
+FAULT_DRILL = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "12_fault_drill.json"
+FAULT_DRILL_ARGS = ["--kill-rank", "1", "--kill-at-step", "5", "--pg-timeout", "60"]
+
+
+def measure_fault_drill(path=FAULT_DRILL) -> Path:
+    """Run ``fault_drill.py`` under the real torchrun with one restart (rank 1 killed at step 5), as chapter 12's test
+    does, and keep each step's record (its attempt and wall time), the death and the checkpoints' cadence."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    from distlab import launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        run_dir, metrics_file = Path(folder) / "run", Path(folder) / "metrics.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                   "--max-restarts=1", "scripts/12_hpc_operations/fault_drill.py", "--run-dir", str(run_dir),
+                   *FAULT_DRILL_ARGS, "--metrics-out", str(metrics_file)]
+        subprocess.run(command, check=True, capture_output=True, timeout=240, cwd=launch.REPO_ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        records = [json.loads(line) for line in (run_dir / "losses.jsonl").read_text().splitlines()]
+        died = json.loads((run_dir / "failure.json").read_text())
+        metrics = json.loads(metrics_file.read_text())
+    kept = {"script": "scripts/12_hpc_operations/fault_drill.py", "argv": FAULT_DRILL_ARGS, "records": records,
+            "died": died, "save_every": metrics["config"]["save_every"], "steps": metrics["config"]["steps"],
+            "extra": metrics["extra"]}
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def draw_fault_drill(fig) -> None:
+    """Chapter 12: the fault drill on a timeline: each step as it finished, by attempt; the kill; torchrun's restart
+    from the last checkpoint; the step trained twice (``FAULT_DRILL``'s data)."""
+    import json
+
+    run = json.loads(FAULT_DRILL.read_text())
+    records, died = run["records"], run["died"]
+    origin = min(r["time"] for r in records)
+    ax = fig.subplots()
+    for attempt in sorted({r["attempt"] for r in records}):
+        mine = [r for r in records if r["attempt"] == attempt]
+        ax.plot([r["time"] - origin for r in mine], [r["step"] for r in mine], marker="o", markersize=4,
+                color=RANK_COLOURS[attempt], label=f"attempt {attempt}" + (" (after torchrun's restart)" if attempt
+                                                                          else ""))
+    ax.plot([died["time"] - origin], [died["step"]], marker="X", markersize=10, color="#c0392b",
+            label=f"rank {died['rank']} killed at step {died['step']}")
+    saved = [r for r in records if (r["step"] + 1) % run["save_every"] == 0]   # a checkpoint after this step
+    ax.plot([r["time"] - origin for r in saved], [r["step"] for r in saved], linestyle="none", marker="s",
+            markersize=9, markerfacecolor="none", markeredgecolor="black", label="checkpoint written after it")
+    twice = run["extra"]["steps_trained_twice"]
+    restart = run["extra"]["seconds_to_restart"]
+    ax.set_xlabel(f"seconds since the first step (torchrun restarted the job {restart:.1f} s after the kill; the "
+                  f"new attempt then loads the checkpoint)", fontsize=7)
+    ax.set_ylabel("step", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6.5, frameon=False, loc="lower right")
+    ax.set_title(f"fault_drill.py {' '.join(run['argv'][:4])}: a checkpoint every {run['save_every']} steps; "
+                 f"step{'s' if len(twice) > 1 else ''} {', '.join(map(str, twice))} trained twice", fontsize=8)
+
+
 def training_memory_of(preset: str, batch: int = 8) -> dict:
     """Chapter 01's memory of one training step of a preset on the CPU, by part: predicted by the formulas
     (``memory.training_state_bytes``, ``memory.transformer_activation_bytes``) and measured off the tensors
@@ -755,6 +816,7 @@ FIGURES = {
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
     "12_hang.png": (draw_hang, (9, 2.8)),
+    "12_fault_drill.png": (draw_fault_drill, (8, 3.0)),
     "13_expert_dispatch.png": (draw_expert_dispatch, (9, 3.2)),
 }
 

@@ -171,7 +171,8 @@ def main():
                 mean_loss = mean_loss.item() / rt.world_size
                 if rt.is_main:
                     with open(run_dir / LOSSES_FILE, "a") as record:
-                        record.write(json.dumps({"step": step, "loss": mean_loss, "attempt": attempt}) + "\n")
+                        record.write(json.dumps({"step": step, "loss": mean_loss, "attempt": attempt,
+                                                 "time": time.time()}) + "\n")
                 rt.print(f"step {step}: loss {mean_loss:.6f}")
                 time.sleep(args.step_seconds)
                 longest["step"] = max(longest["step"], time.perf_counter() - step_started)

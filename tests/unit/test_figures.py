@@ -133,3 +133,15 @@ def test_the_hang_picture_is_what_todays_diagnosis_reads_from_its_journals():
     found = hangs.diagnose(journals)
     assert (found["cause"], found["verdict"]) == (run["cause"], run["verdict"])
     assert sorted(found["stuck"]) == [0, 1, 2]   # the picture's red boxes
+
+
+def test_the_fault_drill_picture_restarts_from_the_last_checkpoint_before_the_death():
+    import json
+
+    run = json.loads(figures.FAULT_DRILL.read_text())
+    died, every = run["died"]["step"], run["save_every"]
+    first, second = ([r["step"] for r in run["records"] if r["attempt"] == a] for a in (0, 1))
+    assert first == list(range(died)) and max(first) < died                 # the first attempt stops at the death
+    assert second[0] == died // every * every                                # resumes where the last save left it
+    assert second == list(range(second[0], run["steps"]))                    # and trains to the end
+    assert run["extra"]["steps_trained_twice"] == list(range(second[0], died))
