@@ -103,3 +103,16 @@ def test_the_dispatch_picture_is_what_the_run_sent(dropless):
     assert f"compute between {min(computed)} and {max(computed)} rows" in text
     assert "figures/13_expert_dispatch.png" in text
     assert (Path(__file__).resolve().parents[2] / "chapters" / "figures" / "13_expert_dispatch.png").exists()
+
+
+def test_the_mixtral_row_is_what_the_planner_counts():
+    """Chapter 13's table: Mixtral 8x7B's 47 B stored and 13 B used per token, as the planner counts its published
+    shape (chapter 11 checks the same count against a model built on the meta device)."""
+    from pathlib import Path
+
+    from distlab import planner
+
+    counted = planner.moe_params(**planner.MIXTRAL_8X7B)
+    text = (Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text()
+    row = f"| Mixtral 8x7B | 8 | 2 | {counted['total'] / 1e9:.0f} B | {counted['active'] / 1e9:.0f} B |"
+    assert row in text, row
