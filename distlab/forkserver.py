@@ -86,7 +86,8 @@ def _server_path() -> str:
     process = _started.get("process")
     if process is not None and process.poll() is None:
         return _started["path"]
-    folder = tempfile.mkdtemp(prefix="distlab-forkserver-")
+    # a Unix socket's path must fit in 108 bytes: /tmp when it exists, whatever TMPDIR says
+    folder = tempfile.mkdtemp(prefix="dlfs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "socket")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     process = subprocess.Popen([sys.executable, "-m", "distlab.forkserver", path], env=env,

@@ -155,9 +155,13 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
                                           if launcher == "fork" else ""), flush=True)
 
     started = time.perf_counter()
+    process = None
     if launcher == "fork" and forkserver.enabled():   # make test: forked from a process that imported torch once
-        process = forkserver.start(command[3:], cwd, child_env)
-    else:
+        try:
+            process = forkserver.start(command[3:], cwd, child_env)
+        except (OSError, RuntimeError) as error:       # no server (a socket path too long, say): a forkrun of its own
+            print(f"[launch] fork server unavailable ({error}); starting forkrun directly", file=sys.stderr)
+    if process is None:
         process = subprocess.Popen(command, cwd=cwd, env=child_env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     lines: list[str] = []

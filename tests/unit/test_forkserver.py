@@ -51,3 +51,13 @@ def test_a_served_run_past_its_timeout_is_killed_with_its_ranks(server, tmp_path
         launch.run(str(script), nproc=2, stream=False, metrics=False, timeout=2, cwd=tmp_path)
     assert error.value.result.returncode == -9 and time.perf_counter() - started < 10
     assert error.value.result.lines.count("started") == 2
+
+
+def test_without_a_server_a_launch_starts_its_own_forkrun(server, monkeypatch, capsys):
+    def no_server():
+        raise OSError("AF_UNIX path too long")
+
+    monkeypatch.setattr(forkserver, "_server_path", no_server)
+    result = launch.run(BAD_MESH[0], nproc=4, args=BAD_MESH[1], stream=False, check=False, metrics=False)
+    assert result.returncode == 2 and result.rank_exit_codes == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert "fork server unavailable (AF_UNIX path too long)" in capsys.readouterr().err
