@@ -20,7 +20,11 @@ same parameters after training; the expert load of every layer and step is the s
 a layer (counts, dispatch and combine forward, both again backward), and FSDP's reduce-scatters carry the non-expert
 parameters only (their bytes, with FSDP's padding, = the formula).
 
+--ep E (a divisor of N) makes the EP groups smaller: the experts over groups of E consecutive ranks, replicated in
+every group; each expert's replicas then all-reduce its gradient across the groups (their tokens differ).
+
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py
+    torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py --ep 2
 """
 
 import contextlib
@@ -48,22 +52,25 @@ def moe_config(args) -> moe.MoEConfig:
 
 
 def check_config(args, world_size):
-    problems = moe.config_problems(moe_config(args), world_size)
+    ep = args.ep or world_size
+    runtime.require(world_size % ep == 0, f"--ep {ep} does not divide the {world_size} ranks (EP groups are "
+                                          f"slices of the data-parallel ranks)")
+    problems = moe.config_problems(moe_config(args), ep)
     runtime.require(not problems, "; ".join(problems))
     runtime.require(args.batch % world_size == 0,
                     f"--batch {args.batch} sequences do not split over {world_size} data-parallel ranks")
 
 
-def parallelize(model, mesh) -> list[torch.nn.Parameter]:
-    """EP over the mesh's ranks for the experts, FSDP2 over the same ranks for the rest. Returns this rank's
+def parallelize(model, dp_mesh, ep_group) -> list[torch.nn.Parameter]:
+    """EP over ``ep_group`` for the experts, FSDP2 over every data-parallel rank for the rest. Returns this rank's
     expert parameters."""
     experts = []
     for block in model.layers.values():
-        block.feed_forward.layer = moe.ExpertParallelMoE(block.feed_forward.layer, mesh.get_group())
+        block.feed_forward.layer = moe.ExpertParallelMoE(block.feed_forward.layer, ep_group)
         mine = list(block.feed_forward.layer.experts.parameters())
         experts += mine
-        fully_shard(block, mesh=mesh, ignored_params=set(mine))
-    fully_shard(model, mesh=mesh, ignored_params=set(experts))
+        fully_shard(block, mesh=dp_mesh, ignored_params=set(mine))
+    fully_shard(model, mesh=dp_mesh, ignored_params=set(experts))
     return experts
 
 
@@ -85,6 +92,9 @@ def main():
     p.add_argument("--shared-expert", action="store_true", help="one more expert every token visits")
     p.add_argument("--expert-hidden", type=runtime.positive_int, default=64, help="each expert's SwiGLU width")
     p.add_argument("--layers", type=runtime.positive_int, default=2, help="transformer blocks")
+    p.add_argument("--ep", type=runtime.positive_int, default=None,
+                   help="EP degree: the experts spread over groups of this many consecutive ranks and replicated "
+                        "across the groups (default: every rank, ep = dp)")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences")
     runtime.add_lr_flag(p)
     args = p.parse_args()
@@ -93,20 +103,26 @@ def main():
         cfg = models.preset("tiny", n_layers=args.layers)
         moe_cfg = moe_config(args)
         world = rt.world_size
+        ep = args.ep or world
+        replicas = world // ep
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict(), "moe": moe_cfg.to_dict(),
-                                                      "ep": world, "dp": world})
+                                                      "ep": ep, "dp": world})
         reference = moe.moe_transformer(cfg, moe_cfg, seed=args.seed, device=rt.device)
         model = copy.deepcopy(reference)
-        mesh = init_device_mesh(rt.device.type, (world,), mesh_dim_names=("dp",))
-        experts = parallelize(model, mesh)
+        # FSDP over every rank; the experts over groups of ep consecutive ranks, replicated across the groups
+        dp_mesh = init_device_mesh(rt.device.type, (world,), mesh_dim_names=("dp",))
+        ep_mesh = init_device_mesh(rt.device.type, (replicas, ep), mesh_dim_names=("replica", "ep"))
+        experts = parallelize(model, dp_mesh, ep_mesh.get_group("ep"))
         expert_ids = {id(p) for p in experts}
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
-        local = moe_cfg.num_experts // world
-        lo, hi = rt.rank * local, (rt.rank + 1) * local
+        local = moe_cfg.num_experts // ep
+        ep_rank = ep_mesh.get_local_rank("ep")
+        lo, hi = ep_rank * local, (ep_rank + 1) * local
         rt.print(f"tiny transformer, {args.layers} blocks, each feed-forward {moe_cfg.num_experts} experts top-"
                  f"{moe_cfg.top_k} ({moe_cfg.scoring}); {world} ranks: FSDP over dp = {world}, the experts over "
-                 f"ep = dp = {world} ({local} a rank and block); global batch {args.batch} x {cfg.seq_len} tokens")
+                 f"ep = {ep} ({local} a rank and block{f', {replicas} replicas of each' if replicas > 1 else ''}); "
+                 f"global batch {args.batch} x {cfg.seq_len} tokens")
 
         grad_diff, loads, reference_loads, counted = 0.0, [], [], None
         for step in range(args.steps):
@@ -115,10 +131,12 @@ def main():
             with comm.CommCounter() if step == 1 else contextlib.nullcontext() as counter:
                 loss = models.lm_loss(model(inputs), targets)
                 loss.backward()
+                for param in experts:
+                    if replicas > 1:   # the other replicas of this expert saw the other groups' tokens: add them
+                        dist.all_reduce(param.grad, group=ep_mesh.get_group("replica"))
+                    param.grad /= world   # a sum over every rank's mean loss: the global mean's gradient is 1/N of it
             if step == 1:
                 counted = counter
-            for param in experts:   # a sum over the ranks' mean losses: the global mean's gradient is 1/N of it
-                param.grad /= world
             reference_inputs, reference_targets = data.split_inputs_targets(tokens)
             reference_loss = models.lm_loss(reference(reference_inputs), reference_targets)
             reference_loss.backward()
@@ -172,6 +190,11 @@ def main():
         report.check("expert load of every block and step = single-device's", loads == reference_loads,
                      f"{sum(a == b for a, b in zip(loads, reference_loads))} of {len(loads)} steps equal", "every step")
         expert_numel = sum(p.numel() for p in experts)
+        expert_bytes = sum(p.numel() * p.element_size() for p in experts)
+        report.add_comm("all_reduce", counted.total("all_reduce"), expert_bytes if replicas > 1 else 0,
+                        dimension="replica", what="the experts' gradients across the EP groups")
+        report.check_equal("all-reduced bytes = this rank's expert gradients when there are replicas (else none)",
+                           counted.total("all_reduce"), expert_bytes if replicas > 1 else 0)
         report.check_equal("expert parameters on this rank = layers x experts / ep x 3 x hidden x expert width",
                            expert_numel, args.layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
         calls = counted.by_collective()
@@ -186,7 +209,9 @@ def main():
         rt.print(f"\nper step: {a2a} all-to-alls; FSDP reduce-scattered {counted.total('reduce_scatter'):,} B, the "
                  f"non-expert parameters ({sum(p.numel() for p in non_expert):,}); each rank keeps {expert_numel:,} "
                  f"expert parameters of {sum(p.numel() for n, p in reference.named_parameters() if '.experts.' in n):,}"
-                 f" ({local} of {moe_cfg.num_experts} experts a block), with no gradient collective of their own")
+                 f" ({local} of {moe_cfg.num_experts} experts a block), "
+                 + (f"their gradients all-reduced with the {replicas - 1} other replica(s) of them"
+                    if replicas > 1 else "with no gradient collective of their own"))
         report.extra["load"] = loads
         code = report.finish(args.metrics_out)
     sys.exit(code)

@@ -75,12 +75,21 @@ def test_the_chapter_states_what_the_run_measured(dropless):
 MOE_TRANSFORMER = "scripts/13_expert_parallel/moe_transformer.py"
 
 
-def test_a_moe_transformer_with_fsdp_over_dp_and_experts_over_ep_equals_one_device():
-    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, stream=False), min_checks=7)
-    assert metrics["config"]["ep"] == metrics["config"]["dp"] == 4
+@pytest.mark.parametrize("ep", [4, 2])
+def test_a_moe_transformer_with_fsdp_over_dp_and_experts_over_ep_equals_one_device(ep):
+    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, args=["--ep", str(ep)], stream=False),
+                                       min_checks=8)
+    assert metrics["config"]["ep"] == ep and metrics["config"]["dp"] == 4
     assert len(metrics["extra"]["load"]) == 4 and len(metrics["extra"]["load"][0]) == 2   # steps x blocks
-    (reduce_scatter,) = metrics["comm"]
-    assert reduce_scatter["measured_bytes"] == reduce_scatter["analytic_bytes"] > 0
+    rows = {r["collective"]: r for r in metrics["comm"]}
+    assert rows["reduce_scatter"]["measured_bytes"] == rows["reduce_scatter"]["analytic_bytes"] > 0
+    # ep 2: each expert on 2 ranks (one per EP group), its gradient all-reduced between them: 2 blocks x 4 experts
+    expert_bytes = 2 * (8 // ep) * 3 * 64 * 64 * 4
+    assert rows["all_reduce"]["measured_bytes"] == (expert_bytes if ep == 2 else 0)
+
+
+def test_an_ep_degree_that_does_not_divide_the_ranks_exits_2():
+    assert_config_error(MOE_TRANSFORMER, ["--ep", "3"], "--ep 3 does not divide the 4 ranks")
 
 
 def test_a_moe_transformer_whose_experts_do_not_split_over_dp_exits_2():
