@@ -12,6 +12,8 @@ is a test, on a CPU as on a GPU.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,6 +86,16 @@ def ledger(model, optimizer=None) -> StateBytes:
         for per_param in optimizer.state.values():
             state += [v for v in per_param.values() if hasattr(v, "untyped_storage") and v.dim() > 0]
     return StateBytes(tensor_bytes(params), tensor_bytes(grads), tensor_bytes(state))
+
+
+def fsdp_padded_bytes(tensors, ways: int) -> int:
+    """Bytes of ``tensors`` once FSDP2 has split each one's first dimension over ``ways`` ranks: its rows padded to
+    ceil(rows / ways) a rank, so every shard is equal (what it all-gathers and reduce-scatters)."""
+    total = 0
+    for t in tensors:
+        rows, rest = t.shape[0], t[0].numel() if t.dim() > 1 else 1
+        total += math.ceil(rows / ways) * ways * rest * t.element_size()
+    return total
 
 
 def _local_shard(tensor):

@@ -308,12 +308,9 @@ def _count_stage(job: tuple) -> dict:
             # rows count; hybrid_3d.py gathers them instead, for torch's pipeline schedule)
             parallelize_module(part, mesh["tp"], stage_tp_plan(part, gather_logits=False))
         # FSDP2 splits each TP shard's first dimension in ceil(rows / dp) rows a rank: the padding is known
-        exact = padded = 0
-        for p in part.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            rows, rest = local.shape[0], local[0].numel() if local.dim() > 1 else 1
-            exact += rows * rest * local.element_size()
-            padded += math.ceil(rows / ways) * ways * rest * local.element_size()
+        shards = [p.to_local() if hasattr(p, "to_local") else p for p in part.parameters()]
+        exact = sum(t.numel() * t.element_size() for t in shards)
+        padded = memory.fsdp_padded_bytes(shards, ways)
         if layout.dp > 1:  # as chapter 09's parallelize_stage: a dimension of size 1 is left out
             for block in part.layers.values():
                 fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=False)

@@ -65,17 +65,6 @@ def layer_loss(y, target, global_tokens, aux=None, aux_weight=0.0):
     return loss if aux is None else loss + aux_weight * aux
 
 
-def rows_crossing(chosen, keep, rank: int, local: int, ranks: int):
-    """From a routing of every token ([ranks x T, k]): the rows rank ``rank`` sends to other ranks (its kept
-    assignments whose expert lives elsewhere) and the rows it receives from them (their kept assignments to its
-    experts). Counted from the choices, independently of the splits the layer exchanged."""
-    owner = chosen // local
-    source = torch.arange(chosen.shape[0], device=chosen.device)[:, None].expand_as(chosen) // (chosen.shape[0] // ranks)
-    sent = int(((source == rank) & (owner != rank) & keep).sum())
-    received = int(((source != rank) & (owner == rank) & keep).sum())
-    return sent, received
-
-
 def main():
     p = runtime.parser(__doc__, steps=4)
     p.add_argument("--experts", type=runtime.positive_int, default=8, help="routed experts (default 8)")
@@ -161,7 +150,10 @@ def main():
             if measuring:   # the rows each all-to-all sent to other ranks, against the single-device routing
                 keep = torch.cat([moe.capacity_mask(c, cfg.num_experts, moe.capacity(tokens, cfg))
                                   for c in reference_info["chosen"].chunk(ep)])
-                sent_rows, received_rows = rows_crossing(reference_info["chosen"], keep, rt.rank, local, ep)
+                # from the single-device routing, independently of the splits the layer exchanged
+                crossing = moe.dispatch_matrix(reference_info["chosen"], keep, ep, local)
+                sent_rows = int(crossing[rt.rank].sum() - crossing[rt.rank, rt.rank])
+                received_rows = int(crossing[:, rt.rank].sum() - crossing[rt.rank, rt.rank])
                 measured_log = list(layer.log)
                 sent_by_call = [sum(splits) - splits[rt.rank] for _, splits in measured_log]
                 a2a_calls = counter.count("all_to_all")

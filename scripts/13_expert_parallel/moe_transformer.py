@@ -29,7 +29,6 @@ every group; each expert's replicas then all-reduce its gradient across the grou
 
 import contextlib
 import copy
-import math
 import sys
 
 import torch
@@ -38,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from distlab import comm, data, metrics, models, moe, runtime
+from distlab import comm, data, memory, metrics, models, moe, runtime
 
 # fp32 tolerances: FSDP reduce-scatters and the experts see other batch shapes than one device (a few ulps);
 # measured on 4 CPU ranks: losses <= 1e-7, gradients <= 1e-8.
@@ -72,16 +71,6 @@ def parallelize(model, dp_mesh, ep_group) -> list[torch.nn.Parameter]:
         fully_shard(block, mesh=dp_mesh, ignored_params=set(mine))
     fully_shard(model, mesh=dp_mesh, ignored_params=set(experts))
     return experts
-
-
-def padded_bytes(params, ways: int) -> int:
-    """Bytes FSDP2 reduce-scatters for ``params`` over ``ways`` ranks: each tensor's rows padded to a multiple of
-    ``ways`` (its shards are equal)."""
-    total = 0
-    for p in params:
-        rows, rest = p.shape[0], p[0].numel() if p.dim() > 1 else 1
-        total += math.ceil(rows / ways) * ways * rest * p.element_size()
-    return total
 
 
 def main():
@@ -202,10 +191,10 @@ def main():
         non_expert = [p for name, p in reference.named_parameters() if ".experts." not in name]
         report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
                            5 * args.layers)
-        report.add_comm("reduce_scatter", counted.total("reduce_scatter"), padded_bytes(non_expert, world),
+        report.add_comm("reduce_scatter", counted.total("reduce_scatter"), memory.fsdp_padded_bytes(non_expert, world),
                         dimension="dp", what="FSDP: every parameter but the experts")
         report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included)",
-                           counted.total("reduce_scatter"), padded_bytes(non_expert, world))
+                           counted.total("reduce_scatter"), memory.fsdp_padded_bytes(non_expert, world))
         rt.print(f"\nper step: {a2a} all-to-alls; FSDP reduce-scattered {counted.total('reduce_scatter'):,} B, the "
                  f"non-expert parameters ({sum(p.numel() for p in non_expert):,}); each rank keeps {expert_numel:,} "
                  f"expert parameters of {sum(p.numel() for n, p in reference.named_parameters() if '.experts.' in n):,}"
