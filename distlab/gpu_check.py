@@ -54,6 +54,9 @@ MIN_RUN_SECONDS = 20          # with less budget left than this, a run is not st
 FIT_FRACTION = 0.85           # a model "fits" when predicted peak <= this share of the GPU's memory
 NO_GPU_EXIT_CODE = 2
 GB = 1e9                      # bandwidths and rates: GB/s = 10^9 bytes per second
+# grouped against looped experts: both accumulate in fp32 and round the same intermediates, so they differ by the
+# order of the sums only: a few ulps of the dtype (bf16's ulp at 1 is 7.8e-3)
+GROUPED_TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}
 GIB = 1024**3                 # memory sizes: GiB = 2^30 bytes, as torch reports them
 
 
@@ -423,6 +426,17 @@ def render_table(summary: dict) -> str:
     copy = summary.get("device_memory_bandwidth")
     if copy:
         out.append(f"device memory bandwidth: {copy['gb_per_s']:.0f} GB/s ({copy['convention']})")
+    grouped = summary.get("experts_grouped_against_loop")
+    if grouped and "error" in grouped:
+        out.append(f"chapter 13's experts, grouped against loop: not compared ({grouped['error']})")
+    elif grouped:
+        t = grouped["seconds_forward_backward"]
+        out.append(f"chapter 13's experts, grouped matrix multiply against a loop ({grouped['experts']} experts, "
+                   f"{grouped['rows']} rows, {grouped['dtype']}): {'PASS' if grouped['passed'] else 'FAIL'}, largest "
+                   f"relative difference {grouped['largest_relative_difference']:.1e} (tolerance "
+                   f"{grouped['tolerance']:.0e}); forward + backward {t['grouped'] * 1e3:.2f} ms grouped, "
+                   f"{t['looped'] * 1e3:.2f} ms looped (measured), x{grouped['speedup']:.2f}; the layer's forward "
+                   f"uses {'grouped_mm' if grouped['grouped_mm_in_forward'] else 'the loop'} here")
     nccl = summary.get("nccl_bus_bandwidth")
     if nccl and nccl.get("peak_bus_bandwidth"):
         parts = [f"{c} {v['busbw_gb_per_s']:.1f} GB/s at {v['payload_bytes'] / 2**20:.0f} MiB"
@@ -479,6 +493,68 @@ def _measure_copy(nbytes: int = GIB, copies: int = 20, repeats: int = 5, device:
             "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
             "convention": "a copy of S bytes moves 2S (S read + S written), as STREAM's Copy; GB = 10^9 bytes; "
                           f"best of {repeats} blocks of {copies} copies of {nbytes / 2**20:.0f} MiB, GPU 0"}
+
+
+def _compare_expert_paths(device: str = "cuda", dtype_name: str = "bf16", rows: int = 32768, experts: int = 8,
+                          dim: int = 1024, hidden: int = 2816, repeats: int = 10) -> dict:
+    """Chapter 13's experts two ways on the same rows: ``Experts.grouped`` (torch's grouped matrix multiply, one
+    kernel per weight) against ``Experts.looped`` (a matrix multiply per expert). Outputs and every gradient are
+    compared; each path's forward + backward is timed (device synchronised before each clock read), best of
+    ``repeats``. One expert gets no row: the grouped kernel must handle an empty group.
+
+    (``device="cpu"`` lets a unit test run it without a GPU: torch's CPU grouped_mm is a loop of its own.)
+    """
+    import torch
+
+    from distlab import moe
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+
+    def wait():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    torch.manual_seed(0)
+    layer = moe.Experts(experts, dim, hidden).to(device)
+    counts = torch.distributions.Multinomial(rows, torch.ones(experts)).sample().long()
+    counts[-1] += counts[0]   # expert 0 gets no row
+    counts[0] = 0
+    counts = counts.tolist()
+    x = torch.randn(rows, dim, device=device, dtype=dtype)
+    upstream = torch.randn(rows, dim, device=device, dtype=dtype)
+    results, seconds = {}, {}
+    for name in ("grouped", "looped"):
+        path = getattr(layer, name)
+        inputs = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        out = path(inputs, counts)
+        out.backward(upstream)
+        results[name] = [out.detach().float(), inputs.grad.float()] + [w.grad.float() for w in
+                                                                      (layer.w1, layer.w3, layer.w2)]
+        blocks = []
+        for _ in range(repeats):
+            wait()
+            started = time.perf_counter()
+            path(inputs, counts).backward(upstream)
+            wait()
+            blocks.append(time.perf_counter() - started)
+        seconds[name] = min(blocks)
+
+    def relative(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    names = ("output", "input gradient", "w1 gradient", "w3 gradient", "w2 gradient")
+    differences = {n: relative(g, lo) for n, g, lo in zip(names, results["grouped"], results["looped"])}
+    largest = max(differences.values())
+    flops = 3 * 2 * 3 * rows * dim * hidden       # three matrices, 2 FLOPs a multiply-add, forward + 2 x backward
+    return {"device": torch.cuda.get_device_name(0) if device == "cuda" else device, "dtype": dtype_name,
+            "grouped_mm_in_forward": moe.grouped_mm_available(x), "rows": rows, "experts": experts, "dim": dim,
+            "hidden": hidden, "counts": counts, "relative_difference": differences,
+            "largest_relative_difference": largest, "tolerance": GROUPED_TOLERANCE[dtype_name],
+            "passed": largest <= GROUPED_TOLERANCE[dtype_name],
+            "seconds_forward_backward": seconds, "speedup": seconds["looped"] / seconds["grouped"],
+            "tflops": {n: flops / t / 1e12 for n, t in seconds.items()},
+            "tflops_are": "derived: 18 x rows x dim x hidden FLOPs / measured seconds"}
 
 
 def _in_child(what: str, timeout: float = 120) -> dict:
@@ -541,11 +617,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", metavar="RUN", default=None,
                    help="run only these (names as --plan-only lists them): rerun one failure, say")
     p.add_argument("--render", metavar="SUMMARY_JSON", default=None, help="print the table of a summary.json")
-    p.add_argument("--child", choices=["probe", "copy"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["probe", "copy", "grouped_mm"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:  # runs in a child process: one line of JSON
-        print(json.dumps(_probe() if args.child == "probe" else _measure_copy()))
+        child = {"probe": _probe, "copy": _measure_copy, "grouped_mm": _compare_expert_paths}[args.child]
+        print(json.dumps(child()))
         return 0
     if args.render:
         print(render_table(json.loads(Path(args.render).read_text())))
@@ -589,7 +666,14 @@ def main(argv=None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         copy = None
         print(f"device memory bandwidth: not measured ({str(error).splitlines()[0]})")
+    try:
+        grouped = _in_child("grouped_mm")
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        grouped = {"error": str(error).splitlines()[0]}
+        print(f"grouped matrix multiply: not compared ({grouped['error']})")
     summary = summarize(machine, results, copy, when)
+    summary["experts_grouped_against_loop"] = grouped
+    summary["ok"] = summary["ok"] and grouped.get("passed", False)
     table = render_table(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.txt").write_text(table + "\n")

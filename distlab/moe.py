@@ -165,12 +165,20 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: rows grouped by expert, ``counts[e]`` rows for expert e."""
-        if grouped_mm_available(x):
-            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            w1, w3, w2 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
-            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-            return torch._grouped_mm(h, w2, offs=offsets)
-        outputs = [F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+        return self.grouped(x, counts) if grouped_mm_available(x) else self.looped(x, counts)
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert in one kernel per matrix: ``offsets`` marks where each expert's rows end."""
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        w1, w3, w2 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+        return torch._grouped_mm(h, w2, offs=offsets)
+
+    def looped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One expert after another: three ordinary matrix multiplies each (weights cast to the rows' dtype, as
+        ``grouped`` does)."""
+        w1, w3, w2 = (w.to(x.dtype) for w in (self.w1, self.w3, self.w2))
+        outputs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
                    for e, rows in enumerate(x.split(counts))]
         return torch.cat(outputs) if outputs else x.new_zeros(0, self.w2.shape[1])
 

@@ -328,6 +328,27 @@ def test_copy_measurement_code_runs(monkeypatch):
     assert "2S (S read + S written)" in copy["convention"] and "1 MiB" in copy["convention"]
 
 
+def test_grouped_against_loop_check_runs_and_can_fail(monkeypatch, summary):
+    """The GPU's grouped-experts check, run here on the CPU in fp32: it passes, and fails when the grouped path
+    is wrong (its offsets off by one row)."""
+    small = dict(device="cpu", dtype_name="fp32", rows=256, experts=4, dim=32, hidden=64, repeats=1)
+    result = gpu_check._compare_expert_paths(**small)
+    assert result["passed"] and result["counts"][0] == 0 and sum(result["counts"]) == 256
+    assert set(result["seconds_forward_backward"]) == {"grouped", "looped"}
+    from distlab import moe
+
+    real = moe.Experts.grouped
+
+    def off_by_one(self, x, counts):
+        return real(self, x, [counts[0] + 1, counts[1] - 1, *counts[2:]])
+
+    monkeypatch.setattr(moe.Experts, "grouped", off_by_one)
+    broken = gpu_check._compare_expert_paths(**small)
+    assert not broken["passed"] and broken["largest_relative_difference"] > 1e-2
+    table = render_table({**summary, "experts_grouped_against_loop": broken})
+    assert "grouped matrix multiply against a loop (4 experts, 256 rows, fp32): FAIL" in table
+
+
 def test_probe_finds_no_gpu_here():
     import torch
 

@@ -65,6 +65,31 @@ def test_the_experts_are_the_courses_swiglu_feed_forward():
         start += n
 
 
+def test_the_grouped_matrix_multiply_is_the_loop_with_an_empty_expert_gradients_included():
+    """Experts.grouped (torch._grouped_mm; on the CPU torch's own loop) against Experts.looped: the offsets, the
+    transposes and an expert with no row. Gradients of the rows and of every stacked weight."""
+    cfg, layer, x = routed(num_experts=4)
+    counts = [20, 0, 30, 14]
+    results = []
+    for path in (layer.experts.grouped, layer.experts.looped):
+        layer.zero_grad(set_to_none=True)
+        rows = x.clone().requires_grad_(True)
+        out = path(rows, counts)
+        out.pow(2).sum().backward()
+        results.append([out, rows.grad, layer.experts.w1.grad, layer.experts.w3.grad, layer.experts.w2.grad])
+    for grouped, looped in zip(*results):
+        assert torch.allclose(grouped, looped, atol=1e-5)
+    assert results[0][2][1].abs().max() == 0   # the empty expert learns nothing
+
+
+def test_grouped_offsets_are_checked_by_that_test():
+    """The same comparison with the offsets shifted by one row (a plausible off-by-one) fails."""
+    cfg, layer, x = routed(num_experts=4)
+    counts = [20, 0, 30, 14]
+    shifted = [21, 0, 29, 14]
+    assert not torch.allclose(layer.experts.grouped(x, shifted), layer.experts.looped(x, counts), atol=1e-5)
+
+
 def test_the_layer_is_the_weighted_sum_of_its_chosen_experts():
     cfg, layer, x = routed(shared_expert=True)
     y, info = layer(x)
