@@ -236,6 +236,22 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def adamw_for_mixed_parameters(parameters, lr: float) -> torch.optim.AdamW:
+    """AdamW for a model whose parameters are partly DTensors (sharded by TP or FSDP) and partly plain tensors
+    (a norm left out of a TP plan, experts kept out of FSDP).
+
+    On a GPU, AdamW defaults to its foreach kernels, and one foreach call cannot take DTensors and plain tensors
+    together ("got mixed torch.Tensor and DTensor"); on the CPU it defaults to a loop, where the mix passes. So:
+    foreach=True on every device (the CPU run takes the GPU's path), and one parameter group per kind (AdamW runs
+    each group on its own; the update is the same as one group's)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(parameters)
+    groups = [{"params": [p for p in parameters if isinstance(p, DTensor)]},
+              {"params": [p for p in parameters if not isinstance(p, DTensor)]}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, foreach=True)
+
+
 def train_reference(cfg: TransformerConfig, *, seed: int, lr: float, steps: int, batch: int, seq_len: int | None = None,
                     device="cpu", clip_grad_norm: float | None = None, grads_at_step: int = 0) -> dict:
     """The single-device run every parallel transformer script is checked against.

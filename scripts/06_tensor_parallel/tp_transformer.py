@@ -68,7 +68,7 @@ def main():
         mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
         model = models.build_transformer(cfg, args.seed, rt.device)
         tensor_parallel.parallelize_transformer(model, mesh, region_inputs=args.plan == "regions")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = models.adamw_for_mixed_parameters(model.parameters(), args.lr)  # sharded weights, plain norms
 
         # 3. Train. Every TP rank sees the whole batch: TP splits the model, not the data.
         counter = comm.ModuleCommCounter()

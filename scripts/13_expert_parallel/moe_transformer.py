@@ -103,7 +103,7 @@ def main():
         ep_mesh = init_device_mesh(rt.device.type, (replicas, ep), mesh_dim_names=("replica", "ep"))
         experts = parallelize(model, dp_mesh, ep_mesh.get_group("ep"))
         expert_ids = {id(p) for p in experts}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = models.adamw_for_mixed_parameters(model.parameters(), args.lr)  # DTensors beside the experts
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
         local = moe_cfg.num_experts // ep
         ep_rank = ep_mesh.get_local_rank("ep")
