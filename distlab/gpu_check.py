@@ -500,7 +500,8 @@ def _compare_expert_paths(device: str = "cuda", dtype_name: str = "bf16", rows: 
     """Chapter 13's experts two ways on the same rows: ``Experts.grouped`` (torch's grouped matrix multiply, one
     kernel per weight) against ``Experts.looped`` (a matrix multiply per expert). Outputs and every gradient are
     compared; each path's forward + backward is timed (device synchronised before each clock read), best of
-    ``repeats``. One expert gets no row: the grouped kernel must handle an empty group.
+    ``repeats``. One expert gets no row: the grouped kernel must handle an empty group; and each path first takes
+    the gradient of ``out.sum()`` (zero strides), which the grouped kernel's backward once refused.
 
     (``device="cpu"`` lets a unit test run it without a GPU: torch's CPU grouped_mm is a loop of its own.)
     """
@@ -526,6 +527,8 @@ def _compare_expert_paths(device: str = "cuda", dtype_name: str = "bf16", rows: 
     for name in ("grouped", "looped"):
         path = getattr(layer, name)
         inputs = x.clone().requires_grad_(True)
+        path(inputs, counts).sum().backward()   # a gradient with zero strides, as a loss.sum() sends back
+        inputs.grad = None
         layer.zero_grad(set_to_none=True)
         out = path(inputs, counts)
         out.backward(upstream)

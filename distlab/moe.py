@@ -172,7 +172,12 @@ class Experts(nn.Module):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         w1, w3, w2 = (w.to(x.dtype).transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
         h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-        return torch._grouped_mm(h, w2, offs=offsets)
+        out = torch._grouped_mm(h, w2, offs=offsets)
+        if out.requires_grad:
+            # its backward refuses a gradient with zero strides, as out.sum() sends back ("Invalid strides/sizes",
+            # an H100 under torch 2.11): hand it a dense one
+            out.register_hook(lambda grad: grad.contiguous())
+        return out
 
     def looped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """One expert after another: three ordinary matrix multiplies each (weights cast to the rows' dtype, as

@@ -191,10 +191,12 @@ def main():
         non_expert = [p for name, p in reference.named_parameters() if ".experts." not in name]
         report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
                            5 * args.layers)
-        report.add_comm("reduce_scatter", counted.total("reduce_scatter"), memory.fsdp_padded_bytes(non_expert, world),
+        # on one rank FSDP2 calls no collective at all (torch's _fsdp_param_group.py: "if world_size == 1")
+        scattered = memory.fsdp_padded_bytes(non_expert, world) if world > 1 else 0
+        report.add_comm("reduce_scatter", counted.total("reduce_scatter"), scattered,
                         dimension="dp", what="FSDP: every parameter but the experts")
-        report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included)",
-                           counted.total("reduce_scatter"), memory.fsdp_padded_bytes(non_expert, world))
+        report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included; "
+                           "none on one rank)", counted.total("reduce_scatter"), scattered)
         rt.print(f"\nper step: {a2a} all-to-alls; FSDP reduce-scattered {counted.total('reduce_scatter'):,} B, the "
                  f"non-expert parameters ({sum(p.numel() for p in non_expert):,}); each rank keeps {expert_numel:,} "
                  f"expert parameters of {sum(p.numel() for n, p in reference.named_parameters() if '.experts.' in n):,}"

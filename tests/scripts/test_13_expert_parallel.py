@@ -88,6 +88,15 @@ def test_a_moe_transformer_with_fsdp_over_dp_and_experts_over_ep_equals_one_devi
     assert rows["all_reduce"]["measured_bytes"] == (expert_bytes if ep == 2 else 0)
 
 
+def test_on_one_rank_as_gpu_check_runs_it_on_one_gpu():
+    """One rank (make gpu-check on a one-GPU machine): FSDP2 then calls no collective at all, and the byte check
+    must expect none (it expected the padded parameters, and failed on an H100)."""
+    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=1, args=["--batch", "1"], stream=False),
+                                       min_checks=8)
+    rows = {r["collective"]: r for r in metrics["comm"]}
+    assert rows["reduce_scatter"]["measured_bytes"] == rows["reduce_scatter"]["analytic_bytes"] == 0
+
+
 def test_an_ep_degree_that_does_not_divide_the_ranks_exits_2():
     assert_config_error(MOE_TRANSFORMER, ["--ep", "3"], "--ep 3 does not divide the 4 ranks")
 
