@@ -532,8 +532,9 @@ def _compare_expert_paths(device: str = "cuda", dtype_name: str = "bf16", rows: 
         layer.zero_grad(set_to_none=True)
         out = path(inputs, counts)
         out.backward(upstream)
-        results[name] = [out.detach().float(), inputs.grad.float()] + [w.grad.float() for w in
-                                                                      (layer.w1, layer.w3, layer.w2)]
+        # copies: the timed backward passes below accumulate into these very .grad tensors
+        results[name] = [t.detach().float().clone() for t in (out, inputs.grad, layer.w1.grad, layer.w3.grad,
+                                                               layer.w2.grad)]
         blocks = []
         for _ in range(repeats):
             wait()
