@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 import math
 
-from distlab import comm, hybrid_pipeline, tensor_parallel
+from distlab import comm, hybrid_pipeline, moe, tensor_parallel
 from distlab.planner.memory import stage_config, stage_params
 from distlab.planner.spec import (Cluster, Layout, ModelSpec, Options, bucket_params, checkpointing, chunks,
-                                  keeps_gathered, microbatches, sequence_parallel, stage_layers)
+                                  keeps_gathered, microbatches, sequence_parallel, stage_layer_kinds,
+                                  stage_layers)
 
 
 def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
@@ -60,7 +61,7 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
     num_micro = microbatches(model, layout)
     seq = model.seq_len // layout.cp
     sp = sequence_parallel(options, layout)
-    result = {"tp": {}, "dp": {}, "pp": {}, "cp": {}, "replicate": {}}
+    result = {"tp": {}, "dp": {}, "pp": {}, "cp": {}, "replicate": {}, "ep": {}, "expert_dp": {}}
 
     def add(dimension, collective, payload, calls):
         entry = result[dimension].setdefault(collective, {"payload": 0, "calls": 0})
@@ -84,34 +85,51 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                 skipped = layers if options.recompute_early_stop and row["collective"] == block_output else 0
                 calls += row["calls"] - skipped
             add("tp", row["collective"], row["payload_bytes"] // row["calls"] * calls * times, calls * times)
+    dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
     if layout.dp * layout.cp > 1:
         params = stage_params(model, layout, stage)
         kept = keeps_gathered(options, layout)
-        per_step = comm.zero_step_bytes(params["total"], 2 if layout.zero_stage == 1 else layout.zero_stage,
-                                        param_bytes=number_bytes if layout.zero_stage >= 1 else 4, grad_bytes=4,
-                                        reshard_after_forward=options.reshard_after_forward and not kept)
-        if layout.zero_stage == 3:
-            # one call per FSDP unit and gather: the blocks, and the stage's root (chapter 09's
-            # parallelize_stage), which holds the embedding on the first stage, the head on the last, both
-            # when pp = 1 (one unit, not two: the counted step of the dry run found it). Without keeping the
-            # weights gathered, FSDP gathers and reduce-scatters again for every accumulated microbatch
-            units = layers + (stage == 0 or stage == layout.pp - 1)
-            times = 1 if kept else num_micro
-            gathers = 1 if kept or not options.reshard_after_forward else 2
-            add("dp", "all_gather", per_step["all_gather"] * times, gathers * units * times)
-            add("dp", "reduce_scatter", per_step["reduce_scatter"] * times, units * times)
-            if layout.shard:   # HSDP: each reduced gradient shard all-reduced with the other replicas
-                add("replicate", "all_reduce", per_step["reduce_scatter"] * times / layout.shard, units * times)
-        else:
-            buckets = math.ceil(params["total"] / bucket_params(options, layout))
+
+        def zero(dimension, count, units):
+            per_step = comm.zero_step_bytes(count, 2 if layout.zero_stage == 1 else layout.zero_stage,
+                                            param_bytes=number_bytes if layout.zero_stage >= 1 else 4, grad_bytes=4,
+                                            reshard_after_forward=options.reshard_after_forward and not kept)
+            if layout.zero_stage == 3:
+                times = 1 if kept else num_micro
+                gathers = 1 if kept or not options.reshard_after_forward else 2
+                add(dimension, "all_gather", per_step["all_gather"] * times, gathers * units * times)
+                add(dimension, "reduce_scatter", per_step["reduce_scatter"] * times, units * times)
+                return per_step["reduce_scatter"] * times, units * times
+            buckets = math.ceil(count / bucket_params(options, layout))
             for name, payload in per_step.items():
-                add("dp", name, payload, buckets)
+                add(dimension, name, payload, buckets)
+            return 0, 0
+
+        # one call per FSDP unit and gather: the blocks, and the stage's root (chapter 09's parallelize_stage),
+        # which holds the embedding on the first stage, the head on the last, both when pp = 1 (one unit, not
+        # two: the counted step of the dry run found it). Without keeping the weights gathered, FSDP gathers and
+        # reduce-scatters again for every accumulated microbatch
+        scattered, calls = zero("dp", params["total"] - params["experts"],
+                                layers + (stage == 0 or stage == layout.pp - 1))
+        if layout.shard:   # HSDP: each reduced gradient shard all-reduced with the other replicas
+            add("replicate", "all_reduce", scattered / layout.shard, calls)
+        if params["experts"] and layout.expert_dp > 1:   # the experts' own ZeRO, over the ranks holding them
+            zero("expert_dp", params["experts"], moe_blocks)
     if layout.pp > 1:
         v = chunks(options)
         one = model.micro_batch * seq * model.hidden * number_bytes
         sent = hybrid_pipeline.pp_send_bytes([stage + k * layout.pp for k in range(v)], layout.pp * v, num_micro,
                                              model.micro_batch, seq, model.hidden, number_bytes)
         add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
+    if layout.ep > 1 and moe_blocks:
+        # per MoE block and microbatch: dispatch and combine forward, both again backward (and forward again when
+        # fully recomputed); each rank sends the share of its tokens' copies whose expert is elsewhere, uniform
+        # routing assumed. Under TP each rank routes 1/tp of the tokens (torchtitan), else every TP rank would
+        # send the same ones
+        one = moe.dispatch_bytes(model.micro_batch * seq // layout.tp, model.top_k, model.hidden, number_bytes,
+                                 moe.uniform_leaving_share(layout.ep))
+        per_block = 4 + 2 * (checkpointing(options) == "full")
+        add("ep", "all_to_all", one * per_block * moe_blocks * num_micro, per_block * moe_blocks * num_micro)
     if layout.cp > 1:
         ring = tensor_parallel.ring_comm_formula(model.micro_batch * seq * model.kv_dim * number_bytes, layout.cp)
         again = 1 if checkpointing(options) == "none" else 2
@@ -122,8 +140,10 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
 
 
 def group_sizes(layout: Layout) -> dict:
-    """The ranks of one group of each dimension: dp is FSDP's (or DDP's) group, over dp x cp, or HSDP's shard."""
-    return {"tp": layout.tp, "dp": layout.fsdp_ways, "pp": layout.pp, "cp": layout.cp, "replicate": layout.replicas}
+    """The ranks of one group of each dimension: dp is FSDP's (or DDP's) group, over dp x cp, or HSDP's shard;
+    ep the experts' all-to-all group, expert_dp the ranks that hold the same experts."""
+    return {"tp": layout.tp, "dp": layout.fsdp_ways, "pp": layout.pp, "cp": layout.cp, "replicate": layout.replicas,
+            "ep": layout.ep, "expert_dp": layout.expert_dp}
 
 
 def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
@@ -136,6 +156,10 @@ def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
         inner = layout.cp * layout.tp
         size, stride = (layout.shard, inner) if dimension == "dp" else (layout.replicas, inner * layout.shard)
         return size > 1 and stride * size > cluster.gpus_per_node
+    if dimension in ("ep", "expert_dp"):   # dp = (expert_dp, ep): an EP group is ep consecutive dp ranks
+        inner = layout.cp * layout.tp
+        size, stride = (layout.ep, inner) if dimension == "ep" else (layout.dp // layout.ep, inner * layout.ep)
+        return size > 1 and stride * size > cluster.gpus_per_node
     order = ("pp", "dp", "cp", "tp")
     sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
     stride = math.prod(sizes[d] for d in order[order.index(dimension) + 1:])
@@ -144,7 +168,7 @@ def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
 
 def bytes_sent(dimension: str, collectives: dict, group: int) -> float:
     """Bytes one GPU sends for ``collectives`` on a ring of ``group`` ranks (point-to-point: the payload)."""
-    if dimension in ("pp", "cp"):
+    if dimension in ("pp", "cp", "ep"):   # messages, and an all-to-all's bytes that leave the rank
         return float(sum(collectives.values()))
     return float(sum(comm.bytes_sent_per_rank(name, payload, group) for name, payload in collectives.items()))
 
@@ -152,8 +176,8 @@ def bytes_sent(dimension: str, collectives: dict, group: int) -> float:
 
 def ring_steps(collective: str, group: int) -> int:
     """Steps of a ring collective, each paying one latency: 2 (n - 1) for an all-reduce, n - 1 for an all-gather
-    or reduce-scatter, 1 for a message."""
-    if collective == "send":
+    or reduce-scatter, 1 for a message or an all-to-all (its sends to every peer go out at once)."""
+    if collective in ("send", "all_to_all"):
         return 1
     return (2 if collective == "all_reduce" else 1) * (group - 1)
 
@@ -168,6 +192,10 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
     calls = collective_calls(model, layout, stage, options)
     result = {}
     for dimension, collectives in payloads.items():
+        if dimension == "ep":
+            result["ep"] = all_to_all_seconds(layout, cluster, sum(collectives.values()),
+                                              calls["ep"].get("all_to_all", 0))
+            continue
         across = crosses_nodes(layout, dimension, cluster)
         link = cluster.inter_node_bytes_per_s if across else cluster.intra_node_bytes_per_s
         latency = cluster.inter_node_latency_s if across else cluster.intra_node_latency_s
@@ -175,3 +203,19 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
         waits = sum(calls[dimension].get(name, 0) * ring_steps(name, sizes[dimension]) for name in collectives)
         result[dimension] = {"bandwidth": bandwidth, "latency": waits * latency, "total": bandwidth + waits * latency}
     return result
+
+
+def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving_bytes: float, calls: int) -> dict:
+    """The EP all-to-alls of a step on their links. Of the bytes that leave a rank (uniform routing), those for
+    the EP group's other ranks in the same node cross NVLink and the rest the network, both at once (NCCL sends to
+    every peer together), so the slower of the two sets the time; each call pays one latency of the farthest link.
+    The EP group's ranks in one node: ``gpus_per_node / (cp x tp)`` of them (dp is outside cp and tp)."""
+    if layout.ep == 1 or not calls:
+        return {"bandwidth": 0.0, "latency": 0.0, "total": 0.0, "intra_node_bytes": 0.0, "inter_node_bytes": 0.0}
+    in_node = max(1, min(layout.ep, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    inside = leaving_bytes * (in_node - 1) / (layout.ep - 1)
+    outside = leaving_bytes - inside
+    bandwidth = max(inside / cluster.intra_node_bytes_per_s, outside / cluster.inter_node_bytes_per_s)
+    latency = calls * (cluster.inter_node_latency_s if outside else cluster.intra_node_latency_s)
+    return {"bandwidth": bandwidth, "latency": latency, "total": bandwidth + latency,
+            "intra_node_bytes": inside, "inter_node_bytes": outside}

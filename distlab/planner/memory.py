@@ -5,21 +5,24 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from distlab import memory, models, tensor_parallel
+from distlab import memory, models, moe, tensor_parallel
 from distlab.planner.spec import (Layout, ModelSpec, Options, bucket_params, checkpointing, chunks, keeps_gathered,
                                   microbatches,
-                                  sequence_parallel, stage_layers)
+                                  sequence_parallel, stage_layer_kinds, stage_layers)
 
 
 @functools.lru_cache(maxsize=8192)
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
-    """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "total"}``
-    (the sharded ones already divided by TP), and its largest FSDP unit (a block, or the embedding/head)."""
-    block = model.block_params()
-    layers = stage_layers(model.layers, layout.pp, stage)
-    sharded = layers * block["sharded"]
-    replicated = layers * block["replicated"]
-    units = [block["sharded"] / layout.tp + block["replicated"]] if layers else []
+    """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "experts",
+    "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/ep of each MoE
+    block's, split over TP too), and its largest FSDP unit (a block, or the embedding/head)."""
+    dense, moe = stage_layer_kinds(model, layout.pp, stage)
+    blocks = [(dense, model.block_params()), (moe, model.block_params(moe=True))]
+    sharded = sum(n * block["sharded"] for n, block in blocks)
+    replicated = sum(n * block["replicated"] for n, block in blocks)
+    experts = sum(n * block["experts"] for n, block in blocks) / (layout.ep * layout.tp)
+    units = [block["sharded"] / layout.tp + block["replicated"] + block["experts"] / (layout.ep * layout.tp)
+             for n, block in blocks if n]
     root_sharded = root_replicated = 0
     if stage == 0:
         embedding = model.embedding_params()
@@ -32,8 +35,8 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
     if root_sharded or root_replicated:
         units.append(root_sharded / layout.tp + root_replicated)
     sharded_per_rank = (sharded + root_sharded) / layout.tp
-    return {"sharded": sharded_per_rank, "replicated": replicated + root_replicated,
-            "total": sharded_per_rank + replicated + root_replicated, "largest_unit": max(units)}
+    return {"sharded": sharded_per_rank, "replicated": replicated + root_replicated, "experts": experts,
+            "total": sharded_per_rank + replicated + root_replicated + experts, "largest_unit": max(units)}
 
 
 
@@ -74,6 +77,7 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
     is on the last stage; the embedding output is the first block's input, already counted.
     """
     layers = stage_layers(model.layers, layout.pp, stage)
+    dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
     seq = model.seq_len // layout.cp
     b = model.micro_batch
     sp = sequence_parallel(options, layout)
@@ -81,14 +85,23 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
                                                 sequence_parallel=sp, kv_dim=model.kv_dim)
     number_bytes = 4 if options.precision == "fp32" else 2
     one_block = per_rank["per_layer"] * number_bytes / 4
+    blocks = [one_block] * dense
+    if moe_blocks:
+        # a MoE block: the block without its feed-forward, plus moe.saved_activation_bytes (measured on the
+        # course's layer) for this rank's tokens: under TP each rank routes 1/tp of them (torchtitan)
+        without_ffn = tensor_parallel.activation_bytes(replace(stage_config(model, 1, seq), ffn_hidden=0), b, seq,
+                                                       layout.tp, sequence_parallel=sp, kv_dim=model.kv_dim)
+        routed = moe.saved_activation_bytes(b * seq // layout.tp, model.hidden, model.expert_ffn, model.experts,
+                                            model.top_k, model.shared_experts)
+        blocks += [(without_ffn["per_layer"] + routed) * number_bytes / 4] * moe_blocks
     mode = checkpointing(options)
     if mode == "full":
         block_input = b * seq * model.hidden * number_bytes / (layout.tp if sp else 1)
-        per_microbatch, live = layers * block_input, one_block
+        per_microbatch, live = layers * block_input, max(blocks, default=0)
     else:
         scores = 0 if options.flash_attention or mode == "selective" else \
             b * model.heads // layout.tp * seq * model.seq_len * number_bytes
-        per_microbatch, live = layers * (one_block + scores), 0
+        per_microbatch, live = sum(blocks) + layers * scores, 0
     held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
     return held * per_microbatch + live + head
@@ -97,9 +110,17 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
 def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> memory.StateBytes:
     """Parameters, gradients and optimizer state on one GPU: ``memory.zero_state_bytes`` over dp (and cp,
     whose ranks hold the same weights and shard them too, as FSDP over dp x cp does) of this stage's TP share;
-    under HSDP over its shard group only (the replicas hold the same shards)."""
-    held = stage_params(model, layout, stage)["total"]
-    return memory.zero_state_bytes(held, layout.fsdp_ways, layout.zero_stage, options.precision)
+    under HSDP over its shard group only (the replicas hold the same shards); a MoE stage's routed experts over
+    the ranks that hold the same experts (:attr:`Layout.expert_dp`)."""
+    params = stage_params(model, layout, stage)
+    state = memory.zero_state_bytes(params["total"] - params["experts"], layout.fsdp_ways, layout.zero_stage,
+                                    options.precision)
+    if not params["experts"]:
+        return state
+    # the experts: ZeRO over the ranks that hold the same experts (dp x cp / ep), as torchtitan's FSDP over them
+    experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
+    return memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
+                             state.optimizer + experts.optimizer)
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:

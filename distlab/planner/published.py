@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from distlab.planner.search import rank_of, search, tune
-from distlab.planner.spec import CLUSTERS, GIB, MODELS, Cluster, Layout, ModelSpec, Options
+from distlab import metrics
+from distlab.planner.spec import (CLUSTERS, GIB, GPU_CONSTANTS, MODELS, Cluster, Layout, ModelSpec, Options,
+                                  mla_attention_params)
 from distlab.planner.step_time import Plan
 
 BAND = 0.15  # a published 41 % must be predicted between 35 % and 47 %
@@ -190,16 +192,46 @@ MIXTRAL_8X22B = {"layers": 56, "hidden": 6144, "heads": 48, "kv_heads": 8, "ffn"
                  "experts": 8, "top_k": 2}
 
 
+def mixtral_spec(name: str, shape: dict, seq_len: int = 4096, global_batch: int = 1024) -> ModelSpec:
+    """A Mixtral shape as a planner model: every block a MoE block, experts as wide as the ``ffn``."""
+    return ModelSpec(name, shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"],
+                     shape["vocab"], seq_len, 1, global_batch, "llama",
+                     "Mixtral of Experts (Jiang et al., 2024), Table 1", experts=shape["experts"],
+                     top_k=shape["top_k"], expert_ffn=shape["ffn"])
+
+
 def moe_params(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k) -> dict:
     """Total (stored: every expert) and active (used per token: top_k experts) parameters of a LLaMA-style
-    mixture of experts with a router per layer."""
-    kv_dim = kv_heads * hidden // heads
-    attention = 2 * hidden * hidden + 2 * hidden * kv_dim
-    expert = 3 * hidden * ffn
-    shared = 2 * vocab * hidden + hidden + layers * (attention + 2 * hidden + hidden * experts)
-    return {"total": shared + layers * experts * expert, "active": shared + layers * top_k * expert,
-            "naive_name": experts * 7e9}
+    mixture of experts with a router per layer: the planner's own count (:class:`ModelSpec`)."""
+    spec = mixtral_spec("moe", dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                                    vocab=vocab, experts=experts, top_k=top_k))
+    return {"total": spec.num_params(), "active": spec.active_params(), "naive_name": experts * 7e9}
 
+
+# DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024): 61 blocks, hidden 7,168,
+# multi-head latent attention (128 heads; q_lora_rank 1,536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head
+# 128: its config.json), the first 3 blocks dense (ffn 18,432), the other 58 MoE with 1 shared + 256 routed experts
+# of width 2,048, top-8; vocabulary 129,280; sequences of 4,096, batch 15,360 sequences at the end of its ramp
+# (section 4.2). Published: 671 B parameters in all, 37 B activated per token (abstract); the multi-token
+# prediction module (14 B more) is left out, as the 671 B leaves it out.
+DEEPSEEK_V3 = ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 1, 15360, "llama",
+                        "DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), section 4.2 and config.json",
+                        experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+                        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128))
+DEEPSEEK_V3_PUBLISHED = {"total": 671e9, "active": 37e9}
+
+# Its cluster (section 3.1-3.2): 2,048 H800 GPUs, 8 a node over NVLink and NVSwitch; InfiniBand across nodes.
+# "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" (section 3.2.2): the
+# bandwidths a GPU reaches, used here as the links. The H800 computes as an H100 SXM (989 TFLOP/s dense bf16).
+H800 = Cluster("h800-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("H100", "bf16")], "bf16", 160e9, 50e9,
+               "DeepSeek-V3's cluster: 8 x H800 a node, NVLink 160 GB/s and InfiniBand 50 GB/s per GPU "
+               "(its report, section 3.2.2)", **GPU_CONSTANTS["H100"])
+# Its layout (section 3.2): 16-way pipeline parallelism (DualPipe), 64-way expert parallelism across 8 nodes,
+# ZeRO-1 data parallelism, no tensor parallelism: dp = 2,048 / 16 = 128, EP groups of 64 dp ranks.
+DEEPSEEK_V3_LAYOUT = Layout(tp=1, pp=16, dp=128, zero_stage=1, ep=64)
+# "180K H800 GPU hours" per trillion training tokens (section 1): a measured throughput, 1e12 / (180e3 x 3600)
+# tokens a second per GPU, in FP8 mixed precision with DualPipe hiding the all-to-alls
+DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS = 180e3
 
 
 def fitted_efficiency(gpu: str, grid=tuple(x / 100 for x in range(40, 81))) -> float:

@@ -28,12 +28,18 @@ def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> lis
     return [c for c in divisors(ways) if c == 1 or model.seq_len // c >= options.cp_min_tokens]
 
 
+def expert_parallel_degrees(model: ModelSpec, dp: int) -> list[int]:
+    """The EP degrees (above 1) the search tries for a MoE model over ``dp`` data-parallel ranks."""
+    return [ep for ep in divisors(dp) if ep > 1 and model.experts % ep == 0] if model.is_moe else []
+
+
 def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Layout]:
     """Every (tp, pp, cp, dp) with tp x pp x cp x dp = gpus: tp a divisor of the node, every CP degree (only
     ``options.context_parallel`` when it is set), each ZeRO stage tried. Sizes that do not divide the model (heads
     over TP, layers over PP, the sequence over CP, the batch over DP) stay in the list: :func:`evaluate` rejects
     them with their reason, and :func:`search` the CP degrees :func:`cp_degrees` leaves out. HSDP is tried
-    where it keeps FSDP's group inside a node: ZeRO-3 with the shard group a node's worth of dp ranks."""
+    where it keeps FSDP's group inside a node: ZeRO-3 with the shard group a node's worth of dp ranks. A MoE
+    model's layouts come again with each EP degree (:func:`expert_parallel_degrees`)."""
     stages = (options.zero_stage,) if options.zero_stage is not None else ZERO_STAGES
     layouts = []
     for tp in divisors(cluster.gpus_per_node):
@@ -44,6 +50,9 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Op
             for cp in divisors(rest) if options.context_parallel is None else cp_degrees(model, rest, options):
                 for stage in stages:
                     layouts.append(Layout(tp, pp, rest // cp, cp, stage))
+                    # a MoE model: every EP degree that divides dp and the experts
+                    layouts += [Layout(tp, pp, rest // cp, cp, stage, ep=ep) for ep in expert_parallel_degrees(
+                        model, rest // cp)]
                 # HSDP: FSDP's shards inside a node (dp ranks of a node's tp groups), replicated across nodes
                 shard = cluster.gpus_per_node // tp
                 dp = rest // cp

@@ -39,6 +39,30 @@ class ModelSpec:
     global_batch: int = 1
     architecture: str = "llama"
     source: str = ""
+    # A mixture of experts (chapter 13; experts = 0: dense). Each MoE block's feed-forward: a router (experts x
+    # hidden, replicated under TP), ``experts`` routed SwiGLU experts of width ``expert_ffn`` of which each token
+    # visits ``top_k``, and ``shared_experts`` of the same width that every token visits. The first
+    # ``dense_layers`` blocks keep the dense ``ffn`` (DeepSeek-V3's first three).
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # attention's parameters per block when they are not grouped-query attention's (DeepSeek's multi-head latent
+    # attention: :func:`mla_attention_params`); 0: from the heads
+    attention_params: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.is_moe else 0
+
+    def expert_params(self) -> int:
+        """One SwiGLU expert: 3 matrices of hidden x expert_ffn."""
+        return 3 * self.hidden * self.expert_ffn
 
     @property
     def head_dim(self) -> int:
@@ -48,14 +72,24 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def block_params(self) -> dict:
-        """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases) and
-        ``replicated`` (norms and the biases added after a row-parallel matrix)."""
+    def block_params(self, moe: bool = False) -> dict:
+        """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases),
+        ``replicated`` (norms, the biases added after a row-parallel matrix, a MoE block's router) and ``experts``
+        (a MoE block's routed experts, all of them: split over EP, and over TP as Megatron's expert TP does)."""
         h, f = self.hidden, self.ffn
         if self.architecture == "gpt":
             attention = h * h + 2 * h * self.kv_dim + (h + 2 * self.kv_dim)  # q, k, v weights and biases
-            return {"sharded": attention + h * h + 2 * h * f + f, "replicated": 4 * h + 2 * h}
-        return {"sharded": 2 * h * h + 2 * h * self.kv_dim + 3 * h * f, "replicated": 2 * h}
+            return {"sharded": attention + h * h + 2 * h * f + f, "replicated": 4 * h + 2 * h, "experts": 0}
+        attention = self.attention_params or 2 * h * h + 2 * h * self.kv_dim
+        if not moe:
+            return {"sharded": attention + 3 * h * f, "replicated": 2 * h, "experts": 0}
+        return {"sharded": attention + self.shared_experts * self.expert_params(),
+                "replicated": 2 * h + self.experts * h, "experts": self.experts * self.expert_params()}
+
+    def block_active_params(self, moe: bool = False) -> int:
+        """The parameters one token uses in a block: all of a dense block; a MoE block's top-k experts only."""
+        block = self.block_params(moe)
+        return block["sharded"] + block["replicated"] + (self.top_k * self.expert_params() if moe else 0)
 
     def embedding_params(self) -> dict:
         positions = self.seq_len * self.hidden if self.architecture == "gpt" else 0
@@ -68,13 +102,19 @@ class ModelSpec:
         return {"sharded": output, "replicated": norm}
 
     def num_params(self) -> int:
-        block = self.block_params()
-        return (sum(self.embedding_params().values()) + self.layers * (block["sharded"] + block["replicated"])
-                + sum(self.head_params(tied_copy=False).values()))
+        """Every parameter stored (a MoE model: every expert)."""
+        dense, moe = self.layers - self.moe_layers, self.moe_layers
+        return (sum(self.embedding_params().values()) + dense * sum(self.block_params().values())
+                + moe * sum(self.block_params(moe=True).values()) + sum(self.head_params(tied_copy=False).values()))
+
+    def active_params(self) -> int:
+        """The parameters one token uses (a MoE model: its top-k routed experts, not the others)."""
+        return self.num_params() - self.moe_layers * (self.experts - self.top_k) * self.expert_params()
 
     def matmul_params(self) -> int:
-        """The parameters that multiply (all but the embedding lookup and position table): 6 FLOPs each per token."""
-        return self.num_params() - self.vocab * self.hidden * (self.architecture != "gpt") \
+        """The parameters that multiply a token (the active ones but the embedding lookup and position table): 6
+        FLOPs each per token."""
+        return self.active_params() - self.vocab * self.hidden * (self.architecture != "gpt") \
             - self.embedding_params()["replicated"]
 
     def flops_per_token(self) -> float:
@@ -88,6 +128,15 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def mla_attention_params(hidden: int, heads: int, q_lora: int, kv_lora: int, qk_nope: int, qk_rope: int,
+                         v_head: int) -> int:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a rank-``q_lora`` bottleneck, keys and values
+    from a shared rank-``kv_lora`` latent plus a rotary key of ``qk_rope``, with the two bottlenecks' norms."""
+    query = hidden * q_lora + q_lora + q_lora * heads * (qk_nope + qk_rope)
+    key_value = hidden * (kv_lora + qk_rope) + kv_lora + kv_lora * heads * (qk_nope + v_head)
+    return query + key_value + heads * v_head * hidden
 
 
 def from_llama_shape(shape: sizing.LlamaShape, seq_len: int = 4096, global_batch: int = 1024) -> ModelSpec:
@@ -208,6 +257,9 @@ class Options:
     chunks: int | None = None              # stages per rank (interleaved_1f1b) [1]
     search_micro_batch: bool = True        # the search tries micro-batches of 1, 2, 4, 8 sequences
     async_tp: bool = False                 # TP's collectives overlapped with the matmuls they feed (async TP)
+    # EP's all-to-alls overlapped with another microbatch's compute (DeepSeek-V3's DualPipe): hidden as far as the
+    # stage's compute lasts; False: on the critical path, between the router, the experts and the next block
+    ep_overlap: bool = False
     reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
     prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
     ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)
@@ -263,6 +315,8 @@ class Layout:
     zero_stage: int = 0
     shard: int = 0   # HSDP (ZeRO-3 only): FSDP shards over groups of this many dp ranks and replicates across them;
     #                  0: FSDP over all of dp x cp
+    ep: int = 1      # expert parallelism (a MoE model): each routed expert on one rank of a group of ep
+    #                  consecutive dp ranks (EP borrows the data-parallel dimension, as torchtitan does)
 
     @property
     def gpus(self) -> int:
@@ -278,20 +332,27 @@ class Layout:
         """HSDP's replicas of each shard (1 without HSDP)."""
         return self.dp * self.cp // self.shard if self.shard else 1
 
+    @property
+    def expert_dp(self) -> int:
+        """The ranks that hold the same experts (one per EP group), over which the experts' gradients are
+        reduced and their ZeRO state sharded: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
+
     def label(self) -> str:
         text = f"tp={self.tp},pp={self.pp},dp={self.dp}"
         return (text + (f",cp={self.cp}" if self.cp > 1 else "")) + f",zero={self.zero_stage}" \
-            + (f",shard={self.shard}" if self.shard else "")
+            + (f",shard={self.shard}" if self.shard else "") + (f",ep={self.ep}" if self.ep > 1 else "")
 
 
 def parse_layout(text: str, zero_stage: int = 0) -> Layout:
-    """``"tp=8,pp=8,dp=16"`` (any order; cp=, zero= and shard= optional) as a :class:`Layout`; ValueError if
+    """``"tp=8,pp=8,dp=16"`` (any order; cp=, zero=, shard= and ep= optional) as a :class:`Layout`; ValueError if
     malformed."""
     sizes = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         key, _, value = part.partition("=")
-        if key not in ("tp", "pp", "dp", "cp", "zero", "shard") or not value.isdigit():
-            raise ValueError(f"--layout {text!r}: write it like tp=8,pp=8,dp=16 (keys tp, pp, dp, cp, zero, shard)")
+        if key not in ("tp", "pp", "dp", "cp", "zero", "shard", "ep") or not value.isdigit():
+            raise ValueError(f"--layout {text!r}: write it like tp=8,pp=8,dp=16 (keys tp, pp, dp, cp, zero, shard, "
+                             "ep)")
         sizes["zero_stage" if key == "zero" else key] = int(value)
     sizes.setdefault("zero_stage", zero_stage)
     return Layout(**sizes)
@@ -301,7 +362,7 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
                     options: Options = Options()) -> list[str]:
     """Every reason ``layout`` cannot run ``model`` on ``gpus`` GPUs of ``cluster`` (empty when it can)."""
     t, p, d, c = layout.tp, layout.pp, layout.dp, layout.cp
-    if min(t, p, d, c) < 1:
+    if min(t, p, d, c, layout.ep) < 1:
         return [f"every size must be at least 1, not {layout.label()}"]
     problems = []
     if gpus is not None and layout.gpus != gpus:
@@ -313,6 +374,21 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
             problems.append(f"HSDP (shard={layout.shard}) is FSDP's (ZeRO-3), without CP here")
         if not 1 < layout.shard < d or d % layout.shard:
             problems.append(f"HSDP's shard group {layout.shard} must divide dp {d} into 2 or more replicas")
+    if model.is_moe:
+        if model.architecture != "llama":
+            problems.append("a mixture of experts is modelled on the LLaMA-style block only")
+        if not 1 <= model.top_k <= model.experts:
+            problems.append(f"top-k {model.top_k} must be between 1 and the {model.experts} experts")
+        if model.experts % layout.ep:
+            problems.append(f"{model.experts} experts do not split over EP {layout.ep}")
+        if model.expert_ffn % t:
+            problems.append(f"expert width {model.expert_ffn} does not split over TP {t}")
+    elif layout.ep > 1:
+        problems.append(f"EP {layout.ep} needs a mixture-of-experts model; {model.name} is dense")
+    if d % layout.ep:
+        problems.append(f"EP {layout.ep} must divide dp {d} (EP borrows the data-parallel ranks)")
+    if layout.ep > 1 and layout.shard:
+        problems.append("EP beside HSDP is not modelled")
     if t > cluster.gpus_per_node:
         problems.append(f"TP {t} is larger than a node's {cluster.gpus_per_node} GPUs (TP stays on NVLink)")
     for label, value in (("attention heads", model.heads), ("key/value heads", model.kv_heads),
@@ -340,6 +416,14 @@ def stage_layers(layers: int, pp: int, stage: int) -> int:
     """Layers of stage ``stage`` when ``layers`` do not divide: the first ``layers % pp`` stages take one more."""
     return layers // pp + (1 if stage < layers % pp else 0)
 
+
+
+def stage_layer_kinds(model: ModelSpec, pp: int, stage: int) -> tuple[int, int]:
+    """(dense blocks, MoE blocks) of stage ``stage``: the model's first ``dense_layers`` blocks are dense."""
+    start = sum(stage_layers(model.layers, pp, s) for s in range(stage))
+    layers = stage_layers(model.layers, pp, stage)
+    dense = min(layers, max(0, model.dense_layers - start)) if model.is_moe else layers
+    return dense, layers - dense
 
 
 def microbatches(model: ModelSpec, layout: Layout) -> int:

@@ -8,7 +8,8 @@ from distlab import schedules
 from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, group_sizes
 from distlab.planner.memory import memory_per_gpu, stage_params
 from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
-                                  layout_problems, microbatches, sequence_parallel, stage_layers)
+                                  layout_problems, microbatches, sequence_parallel, stage_layer_kinds,
+                                  stage_layers)
 
 
 @dataclass
@@ -82,15 +83,18 @@ def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options =
     ``recompute`` (full: the blocks' forward again, 2 per parameter + 4 h s; selective: attention's core forward,
     4 h s; none: 0), ``forward`` and ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
     layers = stage_layers(model.layers, layout.pp, stage)
-    block = sum(model.block_params().values())
+    dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
+    # the parameters a token uses in this stage's blocks (a MoE block: its top-k experts): with EP a rank computes
+    # other ranks' tokens in its experts, as many as it sends away under uniform routing, so the FLOPs per rank hold
+    active = dense * model.block_active_params() + moe_blocks * model.block_active_params(moe=True)
     attention = 12 * model.hidden * model.seq_len
     head = sum(model.head_params(tied_copy=True).values()) if stage == layout.pp - 1 else 0
     mode = checkpointing(options)
-    recompute = {"full": 2 * block + attention / 3, "selective": attention / 3, "none": 0}[mode]
+    recompute = {"full": 2 * active + layers * attention / 3, "selective": layers * attention / 3, "none": 0}[mode]
     tokens = model.global_batch * model.seq_len / layout.dp / (layout.tp * layout.cp)
-    return {"model": tokens * (layers * (6 * block + attention) + 6 * head),
-            "recompute": tokens * layers * recompute,
-            "forward": tokens * (layers * (2 * block + attention / 3) + 2 * head),
+    return {"model": tokens * (6 * active + layers * attention + 6 * head),
+            "recompute": tokens * recompute,
+            "forward": tokens * (2 * active + layers * attention / 3 + 2 * head),
             "attention": tokens * layers * attention * (1 + (mode != "none") / 3)}
 
 
@@ -139,6 +143,15 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     else:
         exposed["replicate"] = max(0.0, replicate - backward)
     exposed["cp"] = max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)
+    # EP's all-to-alls sit between the router and the experts, and the experts and the next block: on the
+    # critical path, unless ``ep_overlap`` (DeepSeek-V3's DualPipe) hides them behind another microbatch's compute. The
+    # experts' gradient collectives hide behind backward like the replicas' all-reduces
+    exposed["ep"] = max(0.0, seconds["ep"]["total"] - compute) if options.ep_overlap else seconds["ep"]["total"]
+    expert_dp = seconds["expert_dp"]["total"]
+    if layout.zero_stage == 3 and not keeps_gathered(options, layout):
+        exposed["expert_dp"] = m * max(0.0, expert_dp / m - backward)
+    else:
+        exposed["expert_dp"] = max(0.0, expert_dp - backward)
     return {"compute": compute, "forward_per_microbatch": forward, "exposed": exposed, "seconds": seconds,
             "flops": flops}
 
@@ -168,7 +181,8 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     memories = {s: memory_per_gpu(model, layout, s, options) for s in stages}
     worst = max(memories, key=lambda s: memories[s]["total"])
     times = {s: stage_time(model, cluster, layout, s, options) for s in stages}
-    busy = {s: t["compute"] + sum(t["exposed"][d] for d in ("tp", "dp", "cp", "replicate")) for s, t in times.items()}
+    busy = {s: t["compute"] + sum(t["exposed"][d] for d in ("tp", "dp", "cp", "replicate", "ep", "expert_dp"))
+            for s, t in times.items()}
     slowest = max(busy, key=busy.get)
     timing = times[slowest]
     m, v = microbatches(model, layout), chunks(options)

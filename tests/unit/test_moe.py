@@ -153,3 +153,26 @@ def test_the_expert_parallel_layer_lives_on_the_device_of_the_layer_it_was_built
         assert {t.device.type for t in [*layer.parameters(), *layer.buffers()]} == {"meta"}
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("experts,top_k,ffn,shared,dim,batch,seq", [
+    (8, 2, 64, False, 64, 2, 32), (8, 4, 128, False, 64, 2, 32), (16, 2, 64, True, 128, 4, 16), (4, 1, 32, True, 32, 1, 64)])
+def test_saved_activations_of_a_moe_block_are_the_formula(experts, top_k, ffn, shared, dim, batch, seq):
+    """Measured: what a block of the MoE transformer saves beyond a block with no feed-forward (the dense formula
+    with no SwiGLU) = moe.saved_activation_bytes. The planner's MoE activations are this formula."""
+    from dataclasses import replace
+
+    from distlab import memory, tensor_parallel
+
+    cfg = replace(models.preset("tiny"), dim=dim, seq_len=seq)
+    mcfg = moe.MoEConfig(dim=dim, ffn_hidden=ffn, num_experts=experts, top_k=top_k, shared_expert=shared)
+    measured = []
+    for layers in (1, 2):
+        model = moe.moe_transformer(replace(cfg, n_layers=layers), mcfg)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+        with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+            models.lm_loss(model(tokens), tokens)
+        measured.append(saved.bytes)
+    without_ffn = tensor_parallel.activation_bytes(replace(cfg, ffn_hidden=0), batch, seq)["per_layer"]
+    assert measured[1] - measured[0] - without_ffn == moe.saved_activation_bytes(
+        batch * seq, dim, ffn, experts, top_k, int(shared))
