@@ -127,3 +127,59 @@ def moe_correction_markdown() -> str:
     counted = moe_params(**MIXTRAL_8X22B)
     return (f"Mixtral 8x22B stores {counted['total'] / 1e9:.0f} B parameters and uses "
             f"{counted['active'] / 1e9:.0f} B per token")
+
+
+def moe_at_scale() -> dict:
+    """Chapter 13's numbers at scale (derived, except the published ones named so): DeepSeek-V3 counted and its
+    published layout evaluated, with the all-to-alls on the critical path and hidden (DualPipe); Mixtral 8x7B's
+    best layout on 64 H100s."""
+    from distlab.planner.communication import all_to_all_seconds, collective_calls, comm_per_step
+    from distlab.planner.published import (DEEPSEEK_V3, DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS,
+                                           DEEPSEEK_V3_LAYOUT, DEEPSEEK_V3_PUBLISHED, H800)
+
+    layout = DEEPSEEK_V3_LAYOUT
+    exposed, hidden = (tune(DEEPSEEK_V3, H800, layout, Options(ep_overlap=overlap)) for overlap in (False, True))
+    stage = max(range(layout.pp), key=lambda s: (comm_per_step(DEEPSEEK_V3, layout, s, Options(
+        activation_checkpointing=hidden.settings["checkpointing"]))["ep"].get("all_to_all", 0), -s))
+    settings = Options(activation_checkpointing=hidden.settings["checkpointing"], chunks=hidden.settings["chunks"])
+    leaving = comm_per_step(DEEPSEEK_V3, layout, stage, settings)["ep"]["all_to_all"]
+    links = all_to_all_seconds(layout, H800, leaving, collective_calls(DEEPSEEK_V3, layout, stage, settings)["ep"]
+                               ["all_to_all"])
+    mixtral = search(MODELS["mixtral-8x7b"], CLUSTERS["h100-80gb"], 64)
+    best_mixtral = next(p for p in mixtral if p.fits)
+    no_ep = next(p for p in mixtral if p.fits and p.layout.ep == 1)
+    return {"total": DEEPSEEK_V3.num_params(), "active": DEEPSEEK_V3.active_params(),
+            "published": DEEPSEEK_V3_PUBLISHED, "layout": layout.label(), "fits": hidden.fits,
+            "gib": hidden.memory_per_gpu_bytes["total"] / GIB, "settings": hidden.describe_settings(),
+            "stage": stage, "all_to_all_gb": leaving / 1e9, "network_share": links["inter_node_bytes"] / leaving,
+            "tokens_per_gpu_exposed": exposed.tokens_per_second / layout.gpus,
+            "tokens_per_gpu_hidden": hidden.tokens_per_second / layout.gpus,
+            "exposed_ep_s": exposed.exposed_seconds["ep"], "step_exposed_s": exposed.step_seconds,
+            "step_hidden_s": hidden.step_seconds,
+            "tokens_per_gpu_published": 1e12 / (DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS * 3600),
+            "mixtral_best": best_mixtral.layout.label(), "mixtral_best_mfu": best_mixtral.mfu,
+            "mixtral_no_ep": no_ep.layout.label(), "mixtral_no_ep_mfu": no_ep.mfu}
+
+
+def moe_at_scale_markdown(numbers: dict | None = None) -> str:
+    """The table chapter 13 pastes (derived rows say so; the published ones cite DeepSeek-V3's report)."""
+    n = numbers or moe_at_scale()
+    rows = [
+        ("DeepSeek-V3's parameters, stored / used per token", f"{n['total'] / 1e9:.1f} B / {n['active'] / 1e9:.1f} B",
+         f"{n['published']['total'] / 1e9:.0f} B / {n['published']['active'] / 1e9:.0f} B (its abstract)"),
+        (f"its layout, {n['layout']}, on 2,048 H800", f"fits: {n['gib']:.1f} GiB a GPU ({n['settings']})",
+         "trained (section 3.2)"),
+        (f"all-to-all bytes a GPU sends in a step (stage {n['stage']}, uniform routing)",
+         f"{n['all_to_all_gb']:,.0f} GB, {n['network_share']:.0%} of it over InfiniBand", "-"),
+        ("tokens/s a GPU, all-to-alls on the critical path",
+         f"{n['tokens_per_gpu_exposed']:,.0f} (step {n['step_exposed_s']:.1f} s)", "-"),
+        ("tokens/s a GPU, all-to-alls hidden behind compute (DualPipe)",
+         f"{n['tokens_per_gpu_hidden']:,.0f} (step {n['step_hidden_s']:.1f} s)",
+         f"{n['tokens_per_gpu_published']:,.0f} (180K GPU hours a trillion tokens, section 1)"),
+        ("Mixtral 8x7B on 64 H100: the search's best",
+         f"{n['mixtral_best']} (MFU {n['mixtral_best_mfu']:.1%})", "-"),
+        ("... its best without EP", f"{n['mixtral_no_ep']} (MFU {n['mixtral_no_ep_mfu']:.1%})", "-"),
+    ]
+    lines = ["| what | the planner (derived) | published (measured) |", "|---|---|---|"]
+    lines += [f"| {what} | {derived} | {published} |" for what, derived, published in rows]
+    return "\n".join(lines)

@@ -248,6 +248,132 @@ def dry_run_published(run) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# Expert parallelism at the full world size (a MoE layout)
+# ------------------------------------------------------------------------------------------------
+
+
+def expert_mesh_shape(layout: Layout) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The planner's order for a MoE layout: dp split into (expert_dp, ep), an EP group ep consecutive dp ranks."""
+    return (("pp", "expert_dp", "ep", "cp", "tp"),
+            (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp, layout.tp))
+
+
+def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options = Options()) -> dict:
+    """A MoE layout's expert parallelism built at its full world size on a fake process group, for a rank of the
+    first stage that holds MoE blocks, of a middle one and of the last:
+
+    1. DeviceMesh (pp, expert_dp, ep, cp, tp): the rank's EP group read from the mesh, its nodes counted
+       (``cluster.gpus_per_node`` ranks a node) against the planner's (``communication.all_to_all_seconds``'s
+       ranks in a node; whether it crosses nodes);
+    2. one MoE block of the model's sizes on the meta device, spread over that EP group by chapter 13's
+       ``moe.ExpertParallelMoE``: the experts it keeps x the stage's MoE blocks = the planner's
+       ``stage_params(...)["experts"]``; its router and shared experts = the planner's MoE block's;
+    3. the experts' ZeRO: ``fully_shard`` of those experts over ``mesh["expert_dp"]`` (each expert's rows when a
+       rank holds fewer experts than that group has ranks) and a real AdamW step on the meta shards, read as :func:`dry_run_rank` reads a stage = ``memory.zero_state_bytes`` of the planner's
+       expert parameters over ``layout.expert_dp``.
+
+    Attention is not built (DeepSeek's MLA is not the course's); TP of the experts is not either (tp must be 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlab import moe
+    from distlab.planner.communication import crosses_nodes
+    from distlab.planner.memory import stage_params
+    from distlab.planner.spec import stage_layer_kinds
+
+    if layout.tp != 1 or not spec.is_moe or layout.ep < 2:
+        raise ValueError("the expert dry run builds EP layouts of a MoE model without TP")
+    start = time.perf_counter()
+    names, shape = expert_mesh_shape(layout)
+    stages = [s for s in range(layout.pp) if stage_layer_kinds(spec, layout.pp, s)[1]]
+    sampled = sorted({stages[0], stages[len(stages) // 2], stages[-1]})
+    layer_cfg = moe.MoEConfig(dim=spec.hidden, ffn_hidden=spec.expert_ffn, num_experts=spec.experts,
+                              top_k=spec.top_k, shared_expert=spec.shared_experts > 0)
+    if spec.shared_experts > 1:
+        raise ValueError("chapter 13's layer has at most one shared expert")
+    with torch.device("meta"):
+        full_layer = moe.MoE(layer_cfg)
+    in_node = max(1, min(layout.ep, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    rows = []
+    for stage in sampled:
+        rank = stage * (layout.gpus // layout.pp)      # the stage's first rank
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
+        try:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            group = mesh["ep"].get_group()
+            members = dist.get_process_group_ranks(group)
+            per_node = {}
+            for r in members:
+                per_node[r // cluster.gpus_per_node] = per_node.get(r // cluster.gpus_per_node, 0) + 1
+            layer = moe.ExpertParallelMoE(full_layer, group)
+            experts = sum(p.numel() for p in layer.experts.parameters())
+            replicated = {"router": sum(p.numel() for p in layer.router.parameters()),
+                          "shared": sum(p.numel() for p in layer.shared.parameters()) if layer.shared else 0}
+            unsharded = copy.deepcopy(layer.experts)
+            quiet = contextlib.redirect_stderr(io.StringIO())
+            # FSDP shards dim 0, here the experts: fewer of them than ranks would leave some ranks all and others
+            # none, so those shard each expert's rows instead (torchtitan's shard_placement_fn does the same)
+            ways = layout.expert_dp
+            with quiet:
+                fully_shard(layer.experts, mesh=mesh["expert_dp"],
+                            shard_placement_fn=lambda p: Shard(0) if p.shape[0] % ways == 0 else Shard(1))
+            source = layer.experts if layout.zero_stage >= 1 else unsharded
+            for p in source.parameters():
+                p.grad = torch.empty_like(p)
+            optimizer = torch.optim.AdamW(source.parameters(), lr=1e-4, foreach=False)
+            with quiet:
+                optimizer.step()
+            moments = sum(_shard_bytes_of(v) for state in optimizer.state.values() for v in state.values()
+                          if hasattr(v, "dim") and v.dim() > 0)
+            built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(layer.experts)}
+        finally:
+            dist.destroy_process_group()
+        blocks = stage_layer_kinds(spec, layout.pp, stage)[1]
+        params32 = built["sharded"] if layout.zero_stage >= 3 else built["tp"]
+        grads32 = built["sharded"] if layout.zero_stage >= 2 else built["tp"]
+        master32 = built["sharded"] if layout.zero_stage >= 1 else built["tp"]
+        if options.precision == "fp32":
+            measured = {"params": params32, "grads": grads32, "optimizer": moments}
+        else:
+            measured = {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}
+        measured = {part: value * blocks for part, value in measured.items()}
+        planned_experts = stage_params(spec, layout, stage)["experts"]
+        planned = memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage, options.precision)
+        planner_bytes = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
+        moe_block = spec.block_params(moe=True)
+        row = {"rank": rank, "stage": stage, "moe_blocks": blocks, "ep_group_nodes": len(per_node),
+               "ep_ranks_per_node": max(per_node.values()), "planner_ep_ranks_per_node": in_node,
+               "planner_crosses_nodes": crosses_nodes(layout, "ep", cluster),
+               "experts_on_rank": experts * blocks, "planner_experts_on_rank": planned_experts,
+               "router": replicated["router"], "planner_router": moe_block["replicated"] - 2 * spec.hidden,
+               "shared": replicated["shared"], "planner_shared": spec.shared_experts * spec.expert_params(),
+               "measured": measured, "planner": planner_bytes}
+        row["equal"] = (row["ep_ranks_per_node"] == in_node and row["planner_crosses_nodes"] == (len(per_node) > 1)
+                        and row["experts_on_rank"] == planned_experts and row["router"] == row["planner_router"]
+                        and row["shared"] == row["planner_shared"]
+                        and all(math.isclose(measured[k], planner_bytes[k], rel_tol=1e-9) for k in measured))
+        rows.append(row)
+    return {"world": layout.gpus, "layout": layout.label(), "model": spec.name, "ranks": rows,
+            "equal": all(r["equal"] for r in rows), "seconds": time.perf_counter() - start}
+
+
+def dry_run_experts_markdown(result: dict) -> str:
+    lines = ["| rank | stage | MoE blocks | EP group: nodes, ranks a node (planner) | experts' parameters on the rank "
+             "(planner) | their state, GiB: params, grads, optimizer (planner) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in result["ranks"]:
+        gib = ", ".join(f"{r['measured'][k] / GIB:.2f}" for k in ("params", "grads", "optimizer"))
+        planned = ", ".join(f"{r['planner'][k] / GIB:.2f}" for k in ("params", "grads", "optimizer"))
+        lines.append(f"| {r['rank']:,} | {r['stage']} | {r['moe_blocks']} | {r['ep_group_nodes']}, "
+                     f"{r['ep_ranks_per_node']} ({r['planner_ep_ranks_per_node']}) | {r['experts_on_rank']:,} "
+                     f"({r['planner_experts_on_rank']:,.0f}) | {gib} ({planned}) |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
 # One training step's collectives at the full world size (forward and backward of one microbatch)
 # ------------------------------------------------------------------------------------------------
 #

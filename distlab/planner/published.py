@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from distlab.planner.search import rank_of, search, tune
-from distlab import metrics
-from distlab.planner.spec import (CLUSTERS, GIB, GPU_CONSTANTS, MODELS, Cluster, Layout, ModelSpec, Options,
-                                  mla_attention_params)
+from distlab.planner.spec import (CLUSTERS, GIB, MIXTRAL_8X7B, MODELS, Cluster, Layout, ModelSpec, Options,  # noqa: F401
+                                  mixtral_spec)
 from distlab.planner.step_time import Plan
 
 BAND = 0.15  # a published 41 % must be predicted between 35 % and 47 %
@@ -185,19 +184,10 @@ def published_table_markdown() -> str:
 
 
 # Mixture of experts: a published table that lists total parameters as the per-token ones (or the reverse)
-# gets the memory (all experts are stored) or the compute (only top_k run) wrong. Mixtral 8x7B's shape:
-MIXTRAL_8X7B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
-                "experts": 8, "top_k": 2}
+# gets the memory (all experts are stored) or the compute (only top_k run) wrong. Mixtral 8x7B's shape is
+# spec.MIXTRAL_8X7B; 8x22B's:
 MIXTRAL_8X22B = {"layers": 56, "hidden": 6144, "heads": 48, "kv_heads": 8, "ffn": 16384, "vocab": 32768,
                  "experts": 8, "top_k": 2}
-
-
-def mixtral_spec(name: str, shape: dict, seq_len: int = 4096, global_batch: int = 1024) -> ModelSpec:
-    """A Mixtral shape as a planner model: every block a MoE block, experts as wide as the ``ffn``."""
-    return ModelSpec(name, shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"],
-                     shape["vocab"], seq_len, 1, global_batch, "llama",
-                     "Mixtral of Experts (Jiang et al., 2024), Table 1", experts=shape["experts"],
-                     top_k=shape["top_k"], expert_ffn=shape["ffn"])
 
 
 def moe_params(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k) -> dict:
@@ -208,24 +198,9 @@ def moe_params(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k) -> d
     return {"total": spec.num_params(), "active": spec.active_params(), "naive_name": experts * 7e9}
 
 
-# DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024): 61 blocks, hidden 7,168,
-# multi-head latent attention (128 heads; q_lora_rank 1,536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head
-# 128: its config.json), the first 3 blocks dense (ffn 18,432), the other 58 MoE with 1 shared + 256 routed experts
-# of width 2,048, top-8; vocabulary 129,280; sequences of 4,096, batch 15,360 sequences at the end of its ramp
-# (section 4.2). Published: 671 B parameters in all, 37 B activated per token (abstract); the multi-token
-# prediction module (14 B more) is left out, as the 671 B leaves it out.
-DEEPSEEK_V3 = ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 1, 15360, "llama",
-                        "DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), section 4.2 and config.json",
-                        experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
-                        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128))
+# DeepSeek-V3's published sizes (its abstract): 671 B parameters in all, 37 B activated per token
 DEEPSEEK_V3_PUBLISHED = {"total": 671e9, "active": 37e9}
-
-# Its cluster (section 3.1-3.2): 2,048 H800 GPUs, 8 a node over NVLink and NVSwitch; InfiniBand across nodes.
-# "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" (section 3.2.2): the
-# bandwidths a GPU reaches, used here as the links. The H800 computes as an H100 SXM (989 TFLOP/s dense bf16).
-H800 = Cluster("h800-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("H100", "bf16")], "bf16", 160e9, 50e9,
-               "DeepSeek-V3's cluster: 8 x H800 a node, NVLink 160 GB/s and InfiniBand 50 GB/s per GPU "
-               "(its report, section 3.2.2)", **GPU_CONSTANTS["H100"])
+DEEPSEEK_V3, H800 = MODELS["deepseek-v3"], CLUSTERS["h800-80gb"]
 # Its layout (section 3.2): 16-way pipeline parallelism (DualPipe), 64-way expert parallelism across 8 nodes,
 # ZeRO-1 data parallelism, no tensor parallelism: dp = 2,048 / 16 = 128, EP groups of 64 dp ranks.
 DEEPSEEK_V3_LAYOUT = Layout(tp=1, pp=16, dp=128, zero_stage=1, ep=64)

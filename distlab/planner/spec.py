@@ -160,6 +160,32 @@ MODELS["mt-nlg-530b"] = ModelSpec("mt-nlg-530b", 105, 20480, 128, 128, 4 * 20480
                                   "Megatron-Turing NLG 530B (Smith et al., 2022: batch 1920)")
 
 
+def mixtral_spec(name: str, shape: dict, seq_len: int = 4096, global_batch: int = 1024) -> ModelSpec:
+    """A Mixtral shape as a planner model: every block a MoE block, experts as wide as the ``ffn``."""
+    return ModelSpec(name, shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"],
+                     shape["vocab"], seq_len, 1, global_batch, "llama",
+                     "Mixtral of Experts (Jiang et al., 2024), Table 1", experts=shape["experts"],
+                     top_k=shape["top_k"], expert_ffn=shape["ffn"])
+
+
+
+# Mixtral 8x7B (Jiang et al., 2024, Table 1): 8 experts of width 14,336 in every block, top-2
+MIXTRAL_8X7B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
+                "experts": 8, "top_k": 2}
+MODELS["mixtral-8x7b"] = mixtral_spec("mixtral-8x7b", MIXTRAL_8X7B)
+
+# DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024): 61 blocks, hidden 7,168,
+# multi-head latent attention (128 heads; q_lora_rank 1,536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head
+# 128: its config.json), the first 3 blocks dense (ffn 18,432), the other 58 MoE with 1 shared + 256 routed experts
+# of width 2,048, top-8; vocabulary 129,280; sequences of 4,096, batch 15,360 sequences at the end of its ramp
+# (section 4.2). Published: 671 B parameters in all, 37 B activated per token (abstract); the multi-token
+# prediction module (14 B more) is left out, as the 671 B leaves it out.
+MODELS["deepseek-v3"] = ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 1, 15360, "llama",
+                        "DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), section 4.2 and config.json",
+                        experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
+                        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128))
+
+
 # --------------------------------------------------------------------------------------------------
 # Clusters
 # --------------------------------------------------------------------------------------------------
@@ -219,6 +245,12 @@ CLUSTERS: dict[str, Cluster] = {
 }
 
 
+# Its cluster (section 3.1-3.2): 2,048 H800 GPUs, 8 a node over NVLink and NVSwitch; InfiniBand across nodes.
+# "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" (section 3.2.2): the
+# bandwidths a GPU reaches, used here as the links. The H800 computes as an H100 SXM (989 TFLOP/s dense bf16).
+CLUSTERS["h800-80gb"] = Cluster("h800-80gb", 8, 80 * GIB, metrics.PEAK_FLOPS[("H100", "bf16")], "bf16", 160e9, 50e9,
+               "DeepSeek-V3's cluster: 8 x H800 a node, NVLink 160 GB/s and InfiniBand 50 GB/s per GPU "
+               "(its report, section 3.2.2)", **GPU_CONSTANTS["H100"])
 # --------------------------------------------------------------------------------------------------
 # Options and layouts
 # --------------------------------------------------------------------------------------------------

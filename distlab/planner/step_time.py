@@ -170,14 +170,17 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     needs most), communication, bubble, step time, MFU; all derived.
 
     The step is set by the slowest stage (of the first, which holds the most layers and the embedding, and
-    the last, which holds the head): its compute and exposed communication, times (1 + bubble of the ideal
+    the last, which holds the head; of a MoE model also the first with the most MoE blocks): its compute and exposed communication, times (1 + bubble of the ideal
     time), plus the pipeline's sends on the fill and the drain (2 (P - 1) transfers of one microbatch's
     activation) and every message's latency. MFU = model FLOPs (no recomputation) / (step x dense peak).
     """
     problems = layout_problems(model, cluster, layout, gpus, options)
     if problems:
         return rejected(layout, cluster, problems)
-    stages = sorted({0, layout.pp - 1})
+    stages = {0, layout.pp - 1}
+    if model.is_moe:   # the first stage with the most MoE blocks: its experts may outweigh the ends' extra parts
+        stages.add(max(range(layout.pp), key=lambda s: (stage_layer_kinds(model, layout.pp, s)[1], -s)))
+    stages = sorted(stages)
     memories = {s: memory_per_gpu(model, layout, s, options) for s in stages}
     worst = max(memories, key=lambda s: memories[s]["total"])
     times = {s: stage_time(model, cluster, layout, s, options) for s in stages}

@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="Megatron SP with TP (default: on whenever tp > 1; it costs no extra bytes)")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the matmuls they feed")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="a MoE model: EP's all-to-alls hidden behind another microbatch's compute (DeepSeek-V3's "
+                        "DualPipe); default: on the critical path")
     p.add_argument("--cp", type=runtime.positive_int, default=None,
                    help="context parallelism degree the search uses (default: 1 and every degree that leaves "
                         "each rank --cp-min-tokens of a sequence)")
@@ -115,6 +118,7 @@ def resolve(args):
                               sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                               chunks=args.chunks if args.schedule == "interleaved_1f1b" else 1,
                               search_micro_batch=args.micro_batch is None, async_tp=args.async_tp,
+                              ep_overlap=args.ep_overlap,
                               context_parallel=args.cp, cp_min_tokens=args.cp_min_tokens)
     return model, cluster, options, gpus
 
@@ -163,11 +167,25 @@ def print_table(plans, top: int) -> None:
         print(f"     {plan.layout.label():{width}s} {plan.reason}")
 
 
-def dry_run(plan: planner.Plan, model, options) -> int:
+def dry_run(plan: planner.Plan, model, options, cluster) -> int:
     """--dry-run: the plan's layout at its full world size on a fake process group (``distlab.planner.dry_run``):
     the mesh's groups against the grid, and each sampled rank's state bytes read from its shards against the
-    planner's. 0 when everything agrees, 1 otherwise."""
+    planner's (a MoE layout: its EP groups and its experts, chapter 13's layer). 0 when everything agrees, 1
+    otherwise."""
     from distlab.planner import dry_run as full_world
+
+    if model.is_moe:
+        if plan.layout.ep < 2 or plan.layout.tp > 1:
+            print(f"dry run: {model.name} is a mixture of experts; the dry run builds its EP layouts without TP, not "
+                  f"{plan.layout.label()}")
+            return 1
+        result = full_world.dry_run_experts(model, plan.layout, cluster, options)
+        print(full_world.dry_run_experts_markdown(result))
+        print(f"dry run: {len(result['ranks'])} ranks of {result['world']:,}: EP groups read from the DeviceMesh, "
+              f"chapter 13's ExpertParallelMoE and fully_shard over the experts' data-parallel ranks built in "
+              f"{result['seconds']:.1f} s; EP groups' nodes, experts and their state = the planner's: "
+              f"{'equal' if result['equal'] else 'NOT equal'} (attention is not built)")
+        return 0 if result["equal"] else 1
 
     wrong = full_world.check_mesh(plan.layout)
     spec = full_world.stand_in(model)
@@ -332,7 +350,7 @@ def main(argv=None) -> int:
             print("\nbest layout:")
         describe(plans[0], model, cluster)
     if args.dry_run:
-        return dry_run(plans[0], model, options)
+        return dry_run(plans[0], model, options, cluster)
     return 0
 
 

@@ -340,3 +340,12 @@ def test_tp_traffic_of_a_checkpointed_step_equals_the_planners(early_stop, seque
     assert measured and planner.comm_per_step(spec, layout, 0, options)["tp"] == measured
     block_forward = 2 * spec.layers * spec.micro_batch * spec.seq_len * spec.hidden * 4  # 2 all-reduces a block
     assert measured["all_reduce"] - plain["all_reduce"] == block_forward // (2 if early_stop else 1)
+
+
+def test_dry_run_of_deepseek_v3s_published_layout_builds_its_ep_groups(capsys):
+    """A MoE layout: plan.py --dry-run builds its EP side at 2,048 ranks (chapter 13)."""
+    code, out, _ = run_plan(["--model", "deepseek-v3", "--cluster", "h800-80gb", "--layout",
+                             "tp=1,pp=16,dp=128,zero=1,ep=64", "--ep-overlap", "--dry-run"], capsys)
+    assert code == 0, out
+    assert "fits" in out and "ep: all_to_all" in out
+    assert "EP groups' nodes, experts and their state = the planner's: equal" in out

@@ -1,0 +1,172 @@
+"""The planner with mixture-of-experts models (chapter 13): counts against published sizes, EP's state, bytes and
+links against independent counts, the full-world EP dry run (and a planner bug it catches), chapter 13's table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from distlab import memory as course_memory
+from distlab import moe, planner
+from distlab.planner import dry_run
+from distlab.planner.communication import all_to_all_seconds, comm_per_step, crosses_nodes
+
+DEEPSEEK, H800, LAYOUT = planner.DEEPSEEK_V3, planner.H800, planner.DEEPSEEK_V3_LAYOUT
+MIXTRAL, H100 = planner.MODELS["mixtral-8x7b"], planner.CLUSTERS["h100-80gb"]
+CHAPTER = Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md"
+
+
+def test_deepseek_v3_counts_are_its_published_sizes():
+    """671 B stored, 37 B used per token (its abstract): the planner's count of its config.json shape."""
+    assert math.isclose(DEEPSEEK.num_params(), 671e9, rel_tol=1e-3)
+    assert math.isclose(DEEPSEEK.active_params(), 37e9, rel_tol=0.02)
+    # a dense reading of the same shape (every expert active) would be 18 times the compute
+    assert DEEPSEEK.num_params() / DEEPSEEK.active_params() > 17
+
+
+def test_mla_attention_is_what_its_matrices_hold():
+    """Multi-head latent attention, counted matrix by matrix from DeepSeek-V3's config.json."""
+    h, heads = 7168, 128
+    matrices = [h * 1536, 1536 * heads * 192, h * (512 + 64), 512 * heads * (128 + 128), heads * 128 * h]
+    norms = 1536 + 512
+    assert planner.mla_attention_params(h, heads, 1536, 512, 128, 64, 128) == sum(matrices) + norms
+
+
+def test_dense_layers_come_first_and_moe_blocks_fill_the_rest():
+    kinds = [planner.stage_layer_kinds(DEEPSEEK, 16, s) for s in range(16)]
+    assert kinds[0] == (3, 1) and kinds[1] == (0, 4) and kinds[-1] == (0, 3)
+    assert sum(d for d, _ in kinds) == 3 and sum(m for _, m in kinds) == 58
+    assert planner.stage_layer_kinds(planner.MODELS["7b"], 4, 0) == (8, 0)   # dense models: every block dense
+
+
+def test_flops_follow_the_active_parameters():
+    dense_reading = replace(DEEPSEEK, top_k=DEEPSEEK.experts)
+    assert DEEPSEEK.flops_per_token() < dense_reading.flops_per_token() / 10
+    assert DEEPSEEK.matmul_params() == DEEPSEEK.active_params() - DEEPSEEK.vocab * DEEPSEEK.hidden
+
+
+def test_experts_state_is_sharded_over_ep_and_their_zero_over_the_ranks_holding_them():
+    stage = 1   # four MoE blocks
+    params = planner.stage_params(DEEPSEEK, LAYOUT, stage)
+    assert params["experts"] == 4 * 256 // 64 * 3 * 7168 * 2048
+    state = planner.state_bytes(DEEPSEEK, LAYOUT, stage)
+    shared = course_memory.zero_state_bytes(params["total"] - params["experts"], 128, 1)
+    experts = course_memory.zero_state_bytes(params["experts"], 2, 1)
+    assert state.total == pytest.approx(shared.total + experts.total)
+    # EP 32 holds twice the experts a rank, their optimizer state over 4 ranks instead of 2: the same per rank
+    half = replace(LAYOUT, ep=32)
+    assert planner.stage_params(DEEPSEEK, half, stage)["experts"] == 2 * params["experts"]
+
+
+def test_the_all_to_all_bytes_of_a_step():
+    options = planner.Options(activation_checkpointing="none")
+    micro = planner.microbatches(DEEPSEEK, LAYOUT)
+    one = moe.dispatch_bytes(4096, 8, 7168, 2, 63 / 64)
+    assert comm_per_step(DEEPSEEK, LAYOUT, 1, options)["ep"]["all_to_all"] == pytest.approx(4 * 4 * micro * one)
+    full = planner.Options(activation_checkpointing="full")
+    assert comm_per_step(DEEPSEEK, LAYOUT, 1, full)["ep"]["all_to_all"] == pytest.approx(6 * 4 * micro * one)
+    # under TP each rank routes 1/tp of the tokens: the bytes a rank sends halve with TP 2
+    tp2 = replace(LAYOUT, tp=2, dp=64, ep=32)
+    assert comm_per_step(DEEPSEEK, tp2, 1, options)["ep"]["all_to_all"] == pytest.approx(
+        4 * 4 * planner.microbatches(DEEPSEEK, tp2) * moe.dispatch_bytes(2048, 8, 7168, 2, 31 / 32))
+
+
+def test_the_all_to_all_crosses_nvlink_and_the_network_by_where_the_ep_ranks_are():
+    inside = replace(LAYOUT, ep=8)
+    assert not crosses_nodes(inside, "ep", H800) and crosses_nodes(LAYOUT, "ep", H800)
+    assert crosses_nodes(LAYOUT, "expert_dp", H800) and not crosses_nodes(replace(LAYOUT, ep=128), "expert_dp", H800)
+    one_node = all_to_all_seconds(inside, H800, 7e9, 10)
+    assert one_node["inter_node_bytes"] == 0 and one_node["bandwidth"] == pytest.approx(7e9 / 160e9)
+    eight = all_to_all_seconds(LAYOUT, H800, 63e9, 10)
+    assert eight["inter_node_bytes"] == pytest.approx(56e9) and eight["intra_node_bytes"] == pytest.approx(7e9)
+    assert eight["bandwidth"] == pytest.approx(56e9 / 50e9)   # the network is the slower of the two
+
+
+def test_the_published_layout_fits_and_the_heaviest_moe_stage_sets_the_step():
+    plan = planner.tune(DEEPSEEK, H800, LAYOUT, planner.Options(ep_overlap=True))
+    assert plan.fits
+    options = planner.Options(activation_checkpointing=plan.settings["checkpointing"], chunks=plan.settings["chunks"],
+                              ep_overlap=True)
+    middle = planner.stage_time(DEEPSEEK, H800, LAYOUT, 1, options)
+    assert plan.step_seconds >= middle["compute"] + sum(middle["exposed"].values())
+    hidden, exposed = plan.exposed_seconds["ep"], planner.tune(DEEPSEEK, H800, LAYOUT).exposed_seconds["ep"]
+    assert hidden < exposed
+
+
+@pytest.mark.parametrize("layout,needle", [
+    (planner.Layout(dp=128, pp=16, ep=48), "256 experts do not split over EP 48"),
+    (planner.Layout(dp=96, pp=16, ep=64, zero_stage=1), "EP 64 must divide dp 96"),
+])
+def test_bad_ep_layouts_are_named(layout, needle):
+    gpus = layout.gpus
+    assert any(needle in p for p in planner.layout_problems(DEEPSEEK, H800, layout, gpus))
+
+
+def test_ep_on_a_dense_model_and_beside_hsdp_are_refused():
+    dense = planner.layout_problems(planner.MODELS["7b"], H100, planner.Layout(dp=8, ep=2), 8)
+    assert any("needs a mixture-of-experts model" in p for p in dense)
+    hsdp = planner.layout_problems(MIXTRAL, H100, planner.Layout(dp=16, ep=2, zero_stage=3, shard=8), 16)
+    assert any("EP beside HSDP" in p for p in hsdp)
+    assert planner.parse_layout("tp=1,pp=16,dp=128,zero=1,ep=64") == LAYOUT
+    assert LAYOUT.label() == "tp=1,pp=16,dp=128,zero=1,ep=64"
+
+
+def test_the_search_tries_ep_and_finds_it_worth_it_for_mixtral():
+    plans = [p for p in planner.search(MIXTRAL, H100, 64) if p.fits]
+    assert plans[0].layout.ep > 1 and any(p.layout.ep == 1 for p in plans)
+
+
+# ---- the full-world dry run ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,layout,cluster", [
+    (DEEPSEEK, LAYOUT, H800),
+    (MIXTRAL, planner.Layout(tp=1, pp=2, dp=32, zero_stage=3, ep=8), H100),
+])
+def test_the_ep_layout_built_at_full_world_size_equals_the_planner(spec, layout, cluster):
+    result = dry_run.dry_run_experts(spec, layout, cluster)
+    assert result["equal"], dry_run.dry_run_experts_markdown(result)
+    assert result["world"] == layout.gpus and len(result["ranks"]) >= 2
+
+
+def test_the_dry_run_fails_a_planner_that_forgets_ep(monkeypatch):
+    import importlib
+
+    planner_memory = importlib.import_module("distlab.planner.memory")
+
+    real = planner_memory.stage_params.__wrapped__
+
+    def experts_not_split(model, layout, stage):
+        params = dict(real(model, layout, stage))
+        params["experts"] *= layout.ep
+        return params
+
+    monkeypatch.setattr(planner_memory, "stage_params", experts_not_split)
+    assert not dry_run.dry_run_experts(DEEPSEEK, LAYOUT, H800)["equal"]
+
+
+def test_the_dry_run_fails_an_ep_group_strided_across_the_data_parallel_ranks(monkeypatch):
+    def strided(layout):   # ep outermost: an EP group of ranks 16 apart, not the planner's consecutive ones
+        return ("ep", "pp", "expert_dp", "cp", "tp"), (layout.ep, layout.pp, layout.dp // layout.ep, layout.cp,
+                                                       layout.tp)
+
+    monkeypatch.setattr(dry_run, "expert_mesh_shape", strided)
+    assert not dry_run.dry_run_experts(MIXTRAL, planner.Layout(tp=1, pp=2, dp=32, zero_stage=3, ep=8), H100)["equal"]
+
+
+# ---- chapter 13 ----------------------------------------------------------------------------------------------
+
+
+def test_chapter_13_pastes_the_planners_table_and_its_numbers():
+    text = CHAPTER.read_text()
+    numbers = planner.moe_at_scale()
+    assert planner.moe_at_scale_markdown(numbers) in text, planner.moe_at_scale_markdown(numbers)
+    flat = " ".join(text.split())
+    assert f"{numbers['tokens_per_gpu_hidden']:,.0f} tokens/s a GPU against the measured 1,543" in flat
+    worth = numbers["tokens_per_gpu_hidden"] / numbers["tokens_per_gpu_exposed"] - 1
+    assert f"would run at {numbers['tokens_per_gpu_exposed']:,.0f}: hiding them is worth {worth:.0%}" in flat
+    assert f"37.6 B against \"37 B\"" in flat and numbers["fits"]
+    assert "EP groups span 8 nodes of 8 ranks" in flat and "(4 of 256 a block)" in flat
