@@ -57,8 +57,9 @@ def meta_count(module_class, spec) -> int:
         return sum(p.numel() for p in module_class(spec).parameters())
 
 
-@pytest.mark.parametrize("name", list(planner.MODELS))
+@pytest.mark.parametrize("name", [name for name, spec in planner.MODELS.items() if not spec.is_moe])
 def test_parameter_count_equals_the_model_built_on_the_meta_device(name):
+    """(The mixtures of experts: tests/unit/test_planner_moe.py builds theirs.)"""
     spec = planner.MODELS[name]
     built = meta_count(MetaGPT if spec.architecture == "gpt" else MetaLlama, spec)
     assert spec.num_params() == built

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from distlab import memory as course_memory
 from distlab import moe, planner
@@ -25,6 +26,48 @@ def test_deepseek_v3_counts_are_its_published_sizes():
     assert math.isclose(DEEPSEEK.active_params(), 37e9, rel_tol=0.02)
     # a dense reading of the same shape (every expert active) would be 18 times the compute
     assert DEEPSEEK.num_params() / DEEPSEEK.active_params() > 17
+
+
+def _count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def meta_moe_count(spec, mla: dict | None = None) -> int:
+    """A MoE decoder written from its published description, built block by block on the meta device (one dense
+    block and one MoE block, counted and multiplied: 58 x 256 experts would be 45,000 modules): attention (grouped
+    query, or MLA's matrices from ``mla``), two RMSNorms, a SwiGLU, or a router, routed experts and shared ones."""
+    from torch import nn
+
+    def swiglu(width):
+        return nn.ModuleList(nn.Linear(spec.hidden, width, bias=False) for _ in range(2)).append(
+            nn.Linear(width, spec.hidden, bias=False))
+
+    def attention():
+        if mla:
+            return nn.ModuleList([nn.Linear(spec.hidden, mla["q_lora"], bias=False), nn.RMSNorm(mla["q_lora"]),
+                                  nn.Linear(mla["q_lora"], spec.heads * (mla["nope"] + mla["rope"]), bias=False),
+                                  nn.Linear(spec.hidden, mla["kv_lora"] + mla["rope"], bias=False),
+                                  nn.RMSNorm(mla["kv_lora"]),
+                                  nn.Linear(mla["kv_lora"], spec.heads * (mla["nope"] + mla["v"]), bias=False),
+                                  nn.Linear(spec.heads * mla["v"], spec.hidden, bias=False)])
+        kv = spec.kv_heads * spec.hidden // spec.heads
+        return nn.ModuleList([nn.Linear(spec.hidden, spec.hidden, bias=False), nn.Linear(spec.hidden, kv, bias=False),
+                              nn.Linear(spec.hidden, kv, bias=False), nn.Linear(spec.hidden, spec.hidden, bias=False)])
+
+    with torch.device("meta"):
+        norms = _count(nn.ModuleList([nn.RMSNorm(spec.hidden), nn.RMSNorm(spec.hidden)]))
+        dense = _count(attention()) + norms + _count(swiglu(spec.ffn))
+        moe_block = (_count(attention()) + norms + _count(nn.Linear(spec.hidden, spec.experts, bias=False))
+                     + (spec.experts + spec.shared_experts) * _count(swiglu(spec.expert_ffn)))
+        ends = _count(nn.Embedding(spec.vocab, spec.hidden)) + _count(nn.RMSNorm(spec.hidden)) + _count(
+            nn.Linear(spec.hidden, spec.vocab, bias=False))
+    return ends + spec.dense_layers * dense + (spec.layers - spec.dense_layers) * moe_block
+
+
+def test_moe_counts_equal_models_built_on_the_meta_device():
+    mla = {"q_lora": 1536, "kv_lora": 512, "nope": 128, "rope": 64, "v": 128}   # DeepSeek-V3's config.json
+    assert DEEPSEEK.num_params() == meta_moe_count(DEEPSEEK, mla)
+    assert MIXTRAL.num_params() == meta_moe_count(MIXTRAL)
 
 
 def test_mla_attention_is_what_its_matrices_hold():
