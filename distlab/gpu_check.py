@@ -147,6 +147,9 @@ RUNS: tuple[Run, ...] = (
     # the MoE layer's experts over every GPU: NCCL's all-to-all with uneven splits, = one device
     Run("ep_from_scratch", "scripts/13_expert_parallel/ep_from_scratch.py"),
     Run("moe_transformer", "scripts/13_expert_parallel/moe_transformer.py", ("--batch", "{world}")),
+    # TP for attention beside EP: each TP pair routes half of its tokens; NCCL's all-gather over TP
+    Run("moe_transformer_tp", "scripts/13_expert_parallel/moe_transformer.py", ("--tp", "2", "--batch", "{world}"),
+        min_gpus=2),
 )
 
 # Scripts deliberately left out, each with its reason. (common_*.py files are helpers, not scripts.)

@@ -23,6 +23,7 @@ Pure functions, no process group: :func:`grid_coordinates`, :func:`grid_rank`, :
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 DIMENSIONS = ("pp", "dp", "tp")  # how a shape is always given: (pp, dp, tp), whatever the rank order
@@ -460,3 +461,19 @@ def mixed_precision_policy(precision: str, root: bool = False):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                 output_dtype=torch.float32 if root else None)
+
+
+@contextlib.contextmanager
+def quiet_redistribution():
+    """Gathering a 2-D sharded weight whole (FSDP over dp and TP) takes one all-gather per mesh dimension, and
+    torch warns that this is "suboptimal" each time. A check that gathers once per parameter does it on purpose:
+    the warning is silenced inside the block."""
+    import logging
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -347,6 +347,75 @@ class ExpertParallelMoE(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------
+# Beside tensor parallelism: each TP rank routes its own share of the tokens
+# --------------------------------------------------------------------------------------------------
+
+
+class _SplitTokens(torch.autograd.Function):
+    """Forward: this TP rank's share of rows every TP rank holds alike. Backward: each rank has the gradient of
+    its share only; the input is replicated, so its gradient is all of them, gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group, log):
+        ctx.group, ctx.log = group, log
+        return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.group, ctx.log), None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every TP rank's share of rows, all-gathered into the whole (replicated again). Backward: what
+    follows is replicated over TP, so every rank holds the same gradient of the whole: each keeps its share."""
+
+    @staticmethod
+    def forward(ctx, rows, group, log):
+        ctx.group = group
+        return _gather_rows(rows, group, log)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None, None
+
+
+def _gather_rows(rows: torch.Tensor, group, log: list | None) -> torch.Tensor:
+    out = rows.new_empty((dist.get_world_size(group) * rows.shape[0], *rows.shape[1:]))
+    dist.all_gather_single(out, rows.contiguous(), group=group)
+    if log is not None:
+        log.append(out.numel() * out.element_size())
+    return out
+
+
+class TokensSplitOverTP(nn.Module):
+    """A MoE layer beside TP (torchtitan's layout): the tokens reach the feed-forward replicated over the TP group;
+    each TP rank routes and dispatches only its 1/tp of them (else every TP rank would send the same rows and
+    compute the same experts), and an all-gather over TP makes the output whole again. The router's and the shared
+    expert's gradients then come from a share of the tokens on each TP rank: sum them over TP
+    (:func:`reduce_over_tp`)."""
+
+    def __init__(self, layer: nn.Module, tp_group):
+        super().__init__()
+        self.layer, self.tp_group = layer, tp_group
+        self.gathered: list[int] = []      # bytes of each all-gather over TP (outputs forward, input grads backward)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        y, info = self.layer(_SplitTokens.apply(x, self.tp_group, self.gathered))
+        return _GatherTokens.apply(y, self.tp_group, self.gathered), info
+
+
+def reduce_over_tp(parameters, tp_group) -> int:
+    """Sum gradients computed from each TP rank's share of the tokens over the TP group (the local shard of a
+    DTensor gradient: FSDP shards it alike on every TP rank). Returns the bytes all-reduced."""
+    sent = 0
+    for param in parameters:
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        dist.all_reduce(grad, group=tp_group)
+        sent += grad.numel() * grad.element_size()
+    return sent
+
+
+# --------------------------------------------------------------------------------------------------
 # Formulas
 # --------------------------------------------------------------------------------------------------
 

@@ -116,24 +116,6 @@ def build_hybrid_model(cfg, args, mesh, device):
     return model
 
 
-def quiet_redistribution():
-    """Gathering a 2-D sharded weight whole takes one all-gather per mesh dimension; torch warns that this
-    is "suboptimal" each time. Here it is deliberate (a check, once per parameter): silence the warning."""
-    import logging
-
-    @contextlib.contextmanager
-    def quiet():
-        logger = logging.getLogger("torch.distributed.tensor._redistribute")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
-
-    return quiet()
-
-
 def step_timeline(prof, device) -> list[dict]:
     """The profiled step as rows ``{lane, kind, start, end}`` (seconds): the compute, forward and backward spans,
     and each collective on the link of its mesh dimension: FSDP's on flat buffers (dp), DTensor's on
@@ -280,7 +262,7 @@ def main():
             # (Under SP the norm weights' gradients are partial sums over sequence shards: FSDP's post-backward
             # hook all-reduces them over tp before its reduce-scatter over dp, so nothing is left to reduce.)
             if step == 0:
-                with quiet_redistribution():
+                with hybrid.quiet_redistribution():
                     difference = tensor_parallel.max_gradient_difference(model, reference_grads)
                 if bf16:   # relative to the largest gradient: bf16 keeps 8 bits (distlab.metrics says more)
                     largest = max(g.abs().max().item() for g in reference_grads.values())
@@ -308,7 +290,7 @@ def main():
 
 
         # 4. Parameters at the end: every weight gathered whole (a collective), against the reference's.
-        with quiet_redistribution():
+        with hybrid.quiet_redistribution():
             final = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
                      for name, p in model.named_parameters()}
         if bf16:   # a few near-zero gradients step differently in bf16: the mean difference, not the largest

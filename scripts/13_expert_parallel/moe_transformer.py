@@ -23,8 +23,15 @@ parameters only (their bytes, with FSDP's padding, = the formula).
 --ep E (a divisor of N) makes the EP groups smaller: the experts over groups of E consecutive ranks, replicated in
 every group; each expert's replicas then all-reduce its gradient across the groups (their tokens differ).
 
+--tp T puts TP beside EP on a 2-D mesh (dp = N / T, tp = T), as torchtitan does: attention's projections split over
+the TP group (chapter 06's plan), FSDP over dp, the experts over all N ranks. The tokens reach the MoE layer
+replicated over TP; each TP rank routes its own 1/T of them (``moe.TokensSplitOverTP``), and an all-gather over TP
+makes the output whole again. The router and the shared expert then saw a share of the tokens on each TP rank:
+their gradients are summed over TP (``moe.reduce_over_tp``); the experts' are divided by dp.
+
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py --ep 2
+    torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py --tp 2
 """
 
 import contextlib
@@ -36,8 +43,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
-from distlab import comm, data, memory, metrics, models, moe, runtime
+from distlab import comm, data, hybrid, memory, metrics, models, moe, runtime
 
 # fp32 tolerances: FSDP reduce-scatters and the experts see other batch shapes than one device (a few ulps);
 # measured on 4 CPU ranks: losses <= 1e-7, gradients <= 1e-8.
@@ -52,25 +60,55 @@ def moe_config(args) -> moe.MoEConfig:
 
 def check_config(args, world_size):
     ep = args.ep or world_size
+    runtime.require(world_size % args.tp == 0, f"--tp {args.tp} does not divide the {world_size} ranks")
+    runtime.require(args.tp == 1 or ep == world_size, "--tp with --ep: the experts spread over every rank (leave "
+                                                      "--ep out)")
     runtime.require(world_size % ep == 0, f"--ep {ep} does not divide the {world_size} ranks (EP groups are "
                                           f"slices of the data-parallel ranks)")
+    cfg = models.preset("tiny", n_layers=args.layers)
+    runtime.require(cfg.n_heads % args.tp == 0, f"--tp {args.tp} does not divide the {cfg.n_heads} heads")
     problems = moe.config_problems(moe_config(args), ep)
     runtime.require(not problems, "; ".join(problems))
-    runtime.require(args.batch % world_size == 0,
-                    f"--batch {args.batch} sequences do not split over {world_size} data-parallel ranks")
+    dp = world_size // args.tp
+    runtime.require(args.batch % dp == 0, f"--batch {args.batch} sequences do not split over {dp} data-parallel ranks")
+    runtime.require(args.batch // dp * cfg.seq_len % args.tp == 0,
+                    f"a data-parallel rank's {args.batch // dp * cfg.seq_len} tokens do not split over --tp {args.tp}")
 
 
-def parallelize(model, dp_mesh, ep_group) -> list[torch.nn.Parameter]:
-    """EP over ``ep_group`` for the experts, FSDP2 over every data-parallel rank for the rest. Returns this rank's
-    expert parameters."""
+def single_device_name(name: str) -> str:
+    """The single-device model's name of a parameter (under TP, ``moe.TokensSplitOverTP`` wraps each layer)."""
+    return name.replace(".layer.layer.", ".layer.")
+
+
+def attention_tp_plan() -> dict:
+    """Chapter 06's plan for attention alone: q, k, v column-parallel (heads split), wo row-parallel (one
+    all-reduce); the input enters as one replicated DTensor (one all-reduce of its gradient in backward)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return {"layers.*.attention": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None)),
+            **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")},
+            "layers.*.attention.wo": RowwiseParallel()}
+
+
+def parallelize(model, mesh, ep_group) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """TP over mesh["tp"] for attention (when it has 2+ ranks), EP over ``ep_group`` for the experts, FSDP2 over
+    mesh["dp"] for the rest. Returns this rank's expert parameters and the rest as FSDP found them (TP shards)."""
+    tp = mesh["tp"].size()
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], attention_tp_plan())
     experts = []
     for block in model.layers.values():
-        block.feed_forward.layer = moe.ExpertParallelMoE(block.feed_forward.layer, ep_group)
-        mine = list(block.feed_forward.layer.experts.parameters())
-        experts += mine
-        fully_shard(block, mesh=dp_mesh, ignored_params=set(mine))
-    fully_shard(model, mesh=dp_mesh, ignored_params=set(experts))
-    return experts
+        layer = moe.ExpertParallelMoE(block.feed_forward.layer, ep_group)
+        experts += list(layer.experts.parameters())
+        block.feed_forward.layer = layer if tp == 1 else moe.TokensSplitOverTP(layer, mesh["tp"].get_group())
+    expert_ids = {id(p) for p in experts}
+    rest = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if id(p) not in expert_ids]
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"], ignored_params=set(experts))
+    fully_shard(model, mesh=mesh["dp"], ignored_params=set(experts))
+    return experts, rest
 
 
 def main():
@@ -84,46 +122,62 @@ def main():
     p.add_argument("--ep", type=runtime.positive_int, default=None,
                    help="EP degree: the experts spread over groups of this many consecutive ranks and replicated "
                         "across the groups (default: every rank, ep = dp)")
+    p.add_argument("--tp", type=runtime.positive_int, default=1,
+                   help="TP degree for attention beside EP: a (dp, tp) mesh, the experts over every rank (default 1)")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences")
+    p.add_argument("--planted-bug", choices=["router-not-reduced-over-tp", "experts-divided-by-world"], default=None,
+                   help="with --tp: leave the router's gradients partial over TP, or divide the experts' by every "
+                        "rank instead of dp; the single-device comparison must fail")
     runtime.add_lr_flag(p)
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset("tiny", n_layers=args.layers)
         moe_cfg = moe_config(args)
-        world = rt.world_size
+        world, tp = rt.world_size, args.tp
+        dp = world // tp
         ep = args.ep or world
         replicas = world // ep
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict(), "moe": moe_cfg.to_dict(),
-                                                      "ep": ep, "dp": world})
+                                                      "ep": ep, "dp": dp, "tp": tp})
         reference = moe.moe_transformer(cfg, moe_cfg, seed=args.seed, device=rt.device)
         model = copy.deepcopy(reference)
-        # FSDP over every rank; the experts over groups of ep consecutive ranks, replicated across the groups
-        dp_mesh = init_device_mesh(rt.device.type, (world,), mesh_dim_names=("dp",))
+        # FSDP over dp, TP (attention) over tp; the experts over groups of ep consecutive ranks, replicated across
+        # the groups
+        mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         ep_mesh = init_device_mesh(rt.device.type, (replicas, ep), mesh_dim_names=("replica", "ep"))
-        experts = parallelize(model, dp_mesh, ep_mesh.get_group("ep"))
+        experts, rest = parallelize(model, mesh, ep_mesh.get_group("ep"))
         expert_ids = {id(p) for p in experts}
+        # what each TP rank computes from its share of the tokens, to be summed over TP
+        routers = [p for block in model.layers.values() for layer in [block.feed_forward.layer.layer] if tp > 1
+                   for p in layer.replicated_parameters()]
         optimizer = models.adamw_for_mixed_parameters(model.parameters(), args.lr)  # DTensors beside the experts
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
         local = moe_cfg.num_experts // ep
         ep_rank = ep_mesh.get_local_rank("ep")
         lo, hi = ep_rank * local, (ep_rank + 1) * local
         rt.print(f"tiny transformer, {args.layers} blocks, each feed-forward {moe_cfg.num_experts} experts top-"
-                 f"{moe_cfg.top_k} ({moe_cfg.scoring}); {world} ranks: FSDP over dp = {world}, the experts over "
-                 f"ep = {ep} ({local} a rank and block{f', {replicas} replicas of each' if replicas > 1 else ''}); "
-                 f"global batch {args.batch} x {cfg.seq_len} tokens")
+                 f"{moe_cfg.top_k} ({moe_cfg.scoring}); {world} ranks: FSDP over dp = {dp}"
+                 + (f", attention TP over tp = {tp} (each TP rank routes 1/{tp} of the tokens)" if tp > 1 else "")
+                 + f", the experts over ep = {ep} ({local} a rank and block"
+                 f"{f', {replicas} replicas of each' if replicas > 1 else ''}); global batch {args.batch} x "
+                 f"{cfg.seq_len} tokens")
 
         grad_diff, loads, reference_loads, counted = 0.0, [], [], None
         for step in range(args.steps):
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
-            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world))
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, mesh.get_local_rank("dp"), dp))
             with comm.CommCounter() if step == 1 else contextlib.nullcontext() as counter:
                 loss = models.lm_loss(model(inputs), targets)
                 loss.backward()
                 for param in experts:
                     if replicas > 1:   # the other replicas of this expert saw the other groups' tokens: add them
                         dist.all_reduce(param.grad, group=ep_mesh.get_group("replica"))
-                    param.grad /= world   # a sum over every rank's mean loss: the global mean's gradient is 1/N of it
+                    # a sum over every data-parallel rank's mean loss (each token once, whichever TP rank routed
+                    # it): the global mean's gradient is 1/dp of it
+                    param.grad /= world if args.planted_bug == "experts-divided-by-world" else dp
+                if args.planted_bug != "router-not-reduced-over-tp":
+                    moe.reduce_over_tp(routers, mesh["tp"].get_group() if tp > 1 else None)
             if step == 1:
                 counted = counter
             reference_inputs, reference_targets = data.split_inputs_targets(tokens)
@@ -132,14 +186,15 @@ def main():
             if step == 0:
                 theirs = dict(reference.named_parameters())
                 ours, wanted = [], []
-                for name, param in model.named_parameters():
-                    if id(param) in expert_ids:
-                        ours.append(param.grad)
-                        wanted.append(theirs[name].grad[lo:hi])
-                    else:
-                        grad = param.grad
-                        ours.append(grad.full_tensor() if isinstance(grad, DTensor) else grad)
-                        wanted.append(theirs[name].grad)
+                with hybrid.quiet_redistribution():
+                    for name, param in model.named_parameters():
+                        if id(param) in expert_ids:
+                            ours.append(param.grad)
+                            wanted.append(theirs[single_device_name(name)].grad[lo:hi])
+                        else:
+                            grad = param.grad
+                            ours.append(grad.full_tensor() if isinstance(grad, DTensor) else grad)
+                            wanted.append(theirs[single_device_name(name)].grad)
                 grad_diff = metrics.max_abs_diff(ours, wanted)
             optimizer.step()
             reference_optimizer.step()
@@ -155,7 +210,7 @@ def main():
             reference_loads.append(step_reference_loads)
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss)
-            report.losses.append(global_loss.item() / world)
+            report.losses.append(global_loss.item() / world)   # TP ranks hold the same loss: the mean over dp
             report.extra.setdefault("reference_losses", []).append(reference_loss.item())
             rt.print(f"step {step}  loss {report.losses[-1]:.6f}  single-device {reference_loss.item():.6f}  "
                      f"load of block 0 {step_loads[0]}")
@@ -169,21 +224,28 @@ def main():
                            value.item(), 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
         theirs = dict(reference.named_parameters())
         final = []
-        for name, param in model.named_parameters():
-            if id(param) in expert_ids:
-                final.append(metrics.max_abs_diff(param, theirs[name][lo:hi]))
-            else:
-                final.append(metrics.max_abs_diff(param.full_tensor() if isinstance(param, DTensor) else param,
-                                                  theirs[name]))
+        with hybrid.quiet_redistribution():
+            for name, param in model.named_parameters():
+                wanted = theirs[single_device_name(name)]
+                if id(param) in expert_ids:
+                    final.append(metrics.max_abs_diff(param, wanted[lo:hi]))
+                else:
+                    final.append(metrics.max_abs_diff(param.full_tensor() if isinstance(param, DTensor) else param,
+                                                      wanted))
         report.check_close("parameters after training = single-device", max(final), 0.0, args.lr / 10)
         report.check("expert load of every block and step = single-device's", loads == reference_loads,
                      f"{sum(a == b for a, b in zip(loads, reference_loads))} of {len(loads)} steps equal", "every step")
         expert_numel = sum(p.numel() for p in experts)
         expert_bytes = sum(p.numel() * p.element_size() for p in experts)
-        report.add_comm("all_reduce", counted.total("all_reduce"), expert_bytes if replicas > 1 else 0,
-                        dimension="replica", what="the experts' gradients across the EP groups")
-        report.check_equal("all-reduced bytes = this rank's expert gradients when there are replicas (else none)",
-                           counted.total("all_reduce"), expert_bytes if replicas > 1 else 0)
+        # c10d's all-reduces are the script's own (DTensor's TP collectives are functional ones, counted apart)
+        reduced = sum(c.payload_bytes for c in counted.calls if c.collective == "all_reduce" and c.source == "c10d")
+        router_bytes = sum(p.to_local().numel() * p.element_size() for p in routers)   # their FSDP shards
+        report.add_comm("all_reduce", reduced, (expert_bytes if replicas > 1 else 0) + router_bytes,
+                        dimension="replica" if tp == 1 else "tp", what="the experts' gradients across the EP groups; "
+                        "the router's and shared expert's over TP")
+        report.check_equal("all-reduced bytes = this rank's expert gradients when there are replicas, plus its "
+                           "router and shared expert shards under TP (else none)", reduced,
+                           (expert_bytes if replicas > 1 else 0) + router_bytes)
         report.check_equal("expert parameters on this rank = layers x experts / ep x 3 x hidden x expert width",
                            expert_numel, args.layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
         calls = counted.by_collective()
@@ -192,7 +254,7 @@ def main():
         report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
                            5 * args.layers)
         # on one rank FSDP2 calls no collective at all (torch's _fsdp_param_group.py: "if world_size == 1")
-        scattered = memory.fsdp_padded_bytes(non_expert, world) if world > 1 else 0
+        scattered = memory.fsdp_padded_bytes(rest, dp) if dp > 1 else 0
         report.add_comm("reduce_scatter", counted.total("reduce_scatter"), scattered,
                         dimension="dp", what="FSDP: every parameter but the experts")
         report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included; "
@@ -203,6 +265,15 @@ def main():
                  f" ({local} of {moe_cfg.num_experts} experts a block), "
                  + (f"their gradients all-reduced with the {replicas - 1} other replica(s) of them"
                     if replicas > 1 else "with no gradient collective of their own"))
+        if tp > 1:
+            gathered = [n for block in model.layers.values() for n in block.feed_forward.layer.gathered[-2:]]
+            tokens_per_rank = args.batch // dp * cfg.seq_len
+            report.check_equal("TP all-gathers per block and step = 2 (outputs forward, input gradients backward), "
+                               "each the data-parallel rank's tokens x hidden x 4 B",
+                               gathered, [tokens_per_rank * cfg.dim * 4] * 2 * args.layers)
+            tp_reduces = sum(1 for c in counted.calls if c.collective == "all_reduce" and c.source == "functional")
+            report.check_equal("TP all-reduces per step = 2 a block (attention's output; its input gradient)",
+                               tp_reduces, 2 * args.layers)
         report.extra["load"] = loads
         code = report.finish(args.metrics_out)
     sys.exit(code)

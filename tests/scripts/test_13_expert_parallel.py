@@ -1,5 +1,7 @@
 """Chapter 13: a mixture-of-experts layer with its experts over 4 ranks equals one device, its all-to-alls = formula."""
 
+from pathlib import Path
+
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
@@ -73,6 +75,7 @@ def test_the_chapter_states_what_the_run_measured(dropless):
 
 
 MOE_TRANSFORMER = "scripts/13_expert_parallel/moe_transformer.py"
+CHAPTER_13 = Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md"
 
 
 @pytest.mark.parametrize("ep", [4, 2])
@@ -134,3 +137,35 @@ def test_the_mixtral_row_is_what_the_planner_counts():
     text = (Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text()
     row = f"| Mixtral 8x7B | 8 | 2 | {counted['total'] / 1e9:.0f} B | {counted['active'] / 1e9:.0f} B |"
     assert row in text, row
+
+
+def test_tp_for_attention_beside_ep_equals_one_device():
+    """A (dp 2, tp 2) mesh: attention split over TP, each TP rank routing half of the tokens, the experts over all
+    4 ranks; losses, gradients, parameters and load = one device; the TP all-gathers and the router's reduction
+    over TP counted."""
+    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2"], stream=False),
+                                       min_checks=10)
+    assert metrics["config"]["tp"] == 2 and metrics["config"]["dp"] == 2 and metrics["config"]["ep"] == 4
+    names = [c["name"] for c in metrics["checks"]]
+    assert any(n.startswith("TP all-gathers per block and step = 2") for n in names)
+    # the chapter's picture: each data-parallel rank's tokens, halved over the TP pair
+    gathered = next(c for c in metrics["checks"] if c["name"].startswith("TP all-gathers"))["value"][0]
+    tokens = gathered // (64 * 4)
+    text = " ".join(CHAPTER_13.read_text().split())
+    assert tokens == 128 and f"{tokens} tokens" in text and f"tokens {tokens // 2}..{tokens - 1}" in text
+
+
+@pytest.mark.parametrize("bug,failing", [
+    ("router-not-reduced-over-tp", "step-0 gradients = single-device"),
+    ("experts-divided-by-world", "step-0 gradients = single-device"),
+])
+def test_tp_beside_ep_planted_bugs_fail_the_single_device_comparison(bug, failing):
+    result = launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2", "--planted-bug", bug], stream=False,
+                        check=False)
+    failed = [c["name"] for c in result.metrics["checks"] if not c["passed"]]
+    assert any(name.startswith(failing) for name in failed), failed
+
+
+def test_a_tp_degree_that_does_not_fit_exits_2():
+    assert_config_error(MOE_TRANSFORMER, ["--tp", "3"], "--tp 3 does not divide the 4 ranks")
+    assert_config_error(MOE_TRANSFORMER, ["--tp", "2", "--ep", "2"], "--tp with --ep")
