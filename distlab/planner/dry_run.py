@@ -269,7 +269,8 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
        ``moe.ExpertParallelMoE``: the experts it keeps x the stage's MoE blocks = the planner's
        ``stage_params(...)["experts"]``; its router and shared experts = the planner's MoE block's;
     3. the experts' ZeRO: ``fully_shard`` of those experts over ``mesh["expert_dp"]`` (each expert's rows when a
-       rank holds fewer experts than that group has ranks) and a real AdamW step on the meta shards, read as :func:`dry_run_rank` reads a stage = ``memory.zero_state_bytes`` of the planner's
+       rank holds fewer experts than that group has ranks) and a real AdamW step on the meta shards, read as
+       :func:`dry_run_rank` reads a stage = ``memory.zero_state_bytes`` of the planner's
        expert parameters over ``layout.expert_dp``.
 
     Attention is not built (DeepSeek's MLA is not the course's); TP of the experts is not either (tp must be 1)."""

@@ -149,8 +149,8 @@ def main():
         experts, rest = parallelize(model, mesh, ep_mesh.get_group("ep"))
         expert_ids = {id(p) for p in experts}
         # what each TP rank computes from its share of the tokens, to be summed over TP
-        routers = ([p for block in model.layers.values() for p in block.feed_forward.layer.layer.replicated_parameters()]
-                   if tp > 1 else [])
+        routers = [p for block in model.layers.values() if tp > 1
+                   for p in block.feed_forward.layer.layer.replicated_parameters()]
         optimizer = models.adamw_for_mixed_parameters(model.parameters(), args.lr)  # DTensors beside the experts
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
         local = moe_cfg.num_experts // ep
