@@ -8,7 +8,7 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 
-.PHONY: lab test venv student student-check unit scripts notebooks pbs clean
+.PHONY: lab test venv student student-check unit scripts notebooks pbs clean site site-check
 
 # The virtualenv is rebuilt whenever the pins change.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
@@ -76,3 +76,18 @@ gpu-check: $(STAMP)
 .PHONY: figures
 figures: $(STAMP)
 	$(PY) -m distlab.figures chapters/figures
+
+## The course as a website in build/site/html: chapters, labs run on the CPU (cached: an unchanged lab is not run
+## again; a failing cell fails the build), scripts and jobs as source (distlab.site, Sphinx + MyST-NB, book/conf.py).
+## Offline: open build/site/html/index.html, or `python -m http.server -d build/site/html`.
+SITE := build/site
+site: $(STAMP)
+	$(PY) -m distlab.site --out $(SITE)
+	DISTLAB_STATIC_WIDGETS=1 DISTLAB_SITE_OUT=$(SITE) $(VENV)/bin/sphinx-build -W --keep-going -q -b html -c book \
+		$(SITE)/source $(SITE)/html -d $(SITE)/doctrees
+	@echo "the site: $(SITE)/html/index.html (or: python -m http.server -d $(SITE)/html)"
+
+## The website as a reader meets it: headless Chromium (Debian's package) opens every page at desktop and phone
+## widths; console errors, images that did not load, a search that finds nothing fail it; screenshots kept
+site-check: $(STAMP)
+	$(PY) -m distlab.site_check $(SITE)/html --screenshots $(SITE)/screenshots

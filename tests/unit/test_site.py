@@ -1,0 +1,145 @@
+"""The course as a website (distlab.site, book/conf.py): its source folder, and builds that fail as they should.
+
+`make site` runs every lab (CI does it: .ci/run); here the site is built with the labs left unexecuted (nbval runs
+them in `make test`), which checks every link and image of every page in seconds, and three planted faults (a broken
+link, a missing image, a cell that raises while the lab runs) show that the build fails on each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import site, widgets
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sphinx(source: Path, out: Path, execute: str = "off") -> subprocess.CompletedProcess:
+    env = {**os.environ, "DISTLAB_SITE_EXECUTE": execute, "DISTLAB_SITE_OUT": str(out),
+           widgets.STATIC_ENV: "1"}
+    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-c",
+                           str(REPO / "book"), str(source), str(out / "html"), "-d", str(out / "doctrees")],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    source = site.assemble(out)
+    result = sphinx(source, out)
+    return out, source, result
+
+
+def test_every_chapter_has_its_four_faces():
+    chapters = site.chapter_links()
+    assert [c.number for c in chapters] == [f"{n:02d}" for n in range(1, 14)]
+    for chapter in chapters:
+        assert chapter.lab == f"notebooks/{chapter.stem}.ipynb", chapter
+        assert chapter.scripts and all((REPO / s).exists() for s in chapter.scripts), chapter
+        assert chapter.job == f"pbs/{chapter.stem}.pbs"
+
+
+def test_paths_in_backticks_become_links_and_others_stay_text():
+    known = {"scripts/05_fully_sharded/train_fsdp.py", "notebooks/05_fully_sharded.ipynb"}
+    text = "run `scripts/05_fully_sharded/train_fsdp.py` or `scripts/nope.py`, see `notebooks/05_fully_sharded.ipynb`"
+    linked = site._link_paths(text, "chapters/05_fully_sharded.md", known)
+    assert "[`scripts/05_fully_sharded/train_fsdp.py`](../scripts/05_fully_sharded/train_fsdp.py.md)" in linked
+    assert "[`notebooks/05_fully_sharded.ipynb`](../notebooks/05_fully_sharded.ipynb)" in linked
+    assert "`scripts/nope.py`," in linked and "[`scripts/nope.py`]" not in linked
+
+
+def test_the_site_builds_without_a_warning(built):
+    out, _, result = built
+    assert result.returncode == 0, result.stderr[-3000:]
+    html = out / "html"
+    for chapter in site.chapter_links():
+        assert (html / "chapters" / f"{chapter.stem}.html").exists()
+        assert (html / chapter.lab.replace(".ipynb", ".html")).exists()
+    assert (html / "searchindex.js").exists() and (html / "search.html").exists()
+
+
+def test_links_go_both_ways(built):
+    out, _, _ = built
+    html = out / "html"
+    chapter = (html / "chapters" / "05_fully_sharded.html").read_text()
+    lab = (html / "notebooks" / "05_fully_sharded.html").read_text()
+    script = (html / "scripts" / "05_fully_sharded" / "train_fsdp.py.html").read_text()
+    job = (html / "pbs" / "05_fully_sharded.pbs.html").read_text()
+    assert "../notebooks/05_fully_sharded.html" in chapter and "../scripts/05_fully_sharded/train_fsdp.py.html" in chapter
+    assert "../pbs/05_fully_sharded.pbs.html" in chapter
+    assert "../chapters/05_fully_sharded.html" in lab and "Run this lab yourself" in lab
+    assert '<span class="pre">make</span> <span class="pre">lab</span>' in lab and "05_fully_sharded.ipynb" in lab
+    assert "../../chapters/05_fully_sharded.html" in script and "../../notebooks/05_fully_sharded.html" in script
+    assert '<span class="nf">main</span>' in script and "../chapters/05_fully_sharded.html" in job   # the source, highlighted
+    # the notebook is offered for download
+    assert list((html / "_downloads").rglob("05_fully_sharded.ipynb"))
+
+
+def test_every_figure_the_chapters_show_is_on_the_site(built):
+    out, _, _ = built
+    for page in (out / "html" / "chapters").glob("*.html"):
+        for name in __import__("re").findall(r'src="\.\./_images/([^"]+)"', page.read_text()):
+            assert (out / "html" / "_images" / name).exists(), name
+
+
+def test_nothing_is_fetched_from_the_network(built):
+    out, _, _ = built
+    for page in [out / "html" / "index.html", *(out / "html" / "notebooks").glob("*.html")]:
+        text = page.read_text()
+        assert "https://cdn" not in text and "unpkg.com" not in text and "mathjax" not in text.lower(), page
+
+
+def _planted(tmp_path, built, change) -> subprocess.CompletedProcess:
+    _, source, _ = built
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    change(copy)
+    return sphinx(copy, tmp_path)
+
+
+def test_a_broken_link_fails_the_build(tmp_path, built):
+    def break_link(source):
+        page = source / "chapters" / "05_fully_sharded.md"
+        page.write_text(page.read_text() + "\n\nSee [the missing page](06_no_such_chapter.md).\n")
+
+    result = _planted(tmp_path, built, break_link)
+    assert result.returncode != 0 and "06_no_such_chapter" in result.stderr
+
+
+def test_a_missing_image_fails_the_build(tmp_path, built):
+    result = _planted(tmp_path, built, lambda source: (source / "chapters" / "figures" / "05_zero_stages.png").unlink())
+    assert result.returncode != 0 and "05_zero_stages.png" in result.stderr
+
+
+def test_a_cell_that_raises_fails_the_build(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "index.md").write_text("# A lab\n\n```{toctree}\nlab.ipynb\n```\n")
+    cell = {"cell_type": "code", "id": "boom", "metadata": {}, "outputs": [], "execution_count": None,
+            "source": "raise RuntimeError('a lab that fails')"}
+    (source / "lab.ipynb").write_text(json.dumps({"cells": [{"cell_type": "markdown", "id": "t", "metadata": {},
+                                                             "source": "# The lab"}, cell],
+                                                  "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                                                              "display_name": "Python 3"}},
+                                                  "nbformat": 4, "nbformat_minor": 5}))
+    result = sphinx(source, tmp_path, execute="force")
+    # Sphinx stops on MyST-NB's ExecutionError, naming the lab (the traceback goes to its error log)
+    assert result.returncode != 0 and "ExecutionError" in result.stderr and "lab.ipynb" in result.stderr
+
+
+def test_widgets_show_their_first_view_on_the_website(monkeypatch):
+    from distlab import mesh_view
+
+    monkeypatch.setenv(widgets.STATIC_ENV, "1")
+    fit = widgets.does_it_fit_explorer(num_params=13e9, gpus=8).data
+    assert widgets.STATIC_NOTE in fit and "13" in fit
+    assert widgets.STATIC_NOTE in widgets.pipeline_explorer("gpipe", ranks=4, microbatches=8).data
+    assert widgets.STATIC_NOTE in mesh_view.mesh_explorer(pp=2, dp=2, tp=4).data
+    monkeypatch.delenv(widgets.STATIC_ENV)
+    assert not isinstance(widgets.pipeline_explorer(), type(widgets.static_view("")))   # JupyterLab: the widget
