@@ -8,7 +8,7 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 
-.PHONY: lab test venv student student-check unit scripts notebooks pbs clean site site-check
+.PHONY: lab test venv student student-check unit scripts notebooks pbs clean site site-check lab-check
 
 # The virtualenv is rebuilt whenever the pins change.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
@@ -91,3 +91,9 @@ site: $(STAMP)
 ## widths; console errors, images that did not load, a search that finds nothing fail it; screenshots kept
 site-check: $(STAMP)
 	$(PY) -m distlab.site_check $(SITE)/html --screenshots $(SITE)/screenshots
+
+## Every lab as a learner meets it: JupyterLab (make lab's) over a copy of notebooks/, headless Chromium runs each
+## lab and each learner's copy with Run All; an error, a warning shown, a cell left unrun, a widget opened on other
+## values than its cell passed fail it (distlab.lab_check)
+lab-check: $(STAMP) $(LAB_OVERRIDES)
+	$(PY) -m distlab.lab_check $(LAB_CHECK_ARGS)

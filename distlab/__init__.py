@@ -32,6 +32,9 @@ exercises_moe    ... of chapter 13's exercises (dispatch bytes, the EP degree, a
 student          the learner's copies of the notebooks (make student); the notebooks' normal form
 demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
 gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table
+site             make site: the course laid out as a Sphinx source folder (chapters, labs, scripts, jobs)
+site_check       make site-check: the website read in headless Chromium (DevTools protocol)
+lab_check        make lab-check: every lab and learner's copy run in JupyterLab in headless Chromium
 """
 
 __version__ = "0.1.0"
