@@ -38,17 +38,29 @@ WIDGET_VALUES = {"11_choosing_a_strategy": ["70b", "h100-80gb"], "07_pipeline_pa
                  "02_why_distributed": ["A100-40GB"]}
 RUN_TIMEOUT_S = 300
 
-RUN_ALL = """
-(() => {
+# the notebook's panel among JupyterLab's main-area widgets (headless, nothing has focus: currentWidget may be null)
+FIND = """
+var findPanel = (path) => {   // var: each evaluation declares it again
+  const app = window.jupyterapp;
+  for (const w of Array.from(app.shell.widgets('main'))) {
+    if (w.context && w.content && w.sessionContext && w.context.path === path) return w;
+  }
+  return null;
+};
+"""
+
+RUN_ALL = FIND + """
+((path) => {
   const app = window.jupyterapp;
   window.__distlab = {state: 'waiting'};
   const start = async () => {
     for (let i = 0; i < 600; i++) {
-      const panel = app.shell.currentWidget;
-      if (panel && panel.content && panel.sessionContext && panel.context && panel.context.isReady) {
+      const panel = findPanel(path);
+      if (panel && panel.context.isReady) {
         await panel.sessionContext.ready;
         const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
         if (kernel) {
+          app.shell.activateById(panel.id);
           window.__distlab.state = 'running';
           await app.commands.execute('notebook:run-all-cells');
           window.__distlab.state = 'done';
@@ -61,21 +73,21 @@ RUN_ALL = """
   };
   start().catch(e => { window.__distlab = {state: 'error', error: String(e)}; });
   return true;
-})()
+})(PATH)
 """
 
-STATE = """
-(() => {
-  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-  const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
+STATE = FIND + """
+((path) => {
+  const panel = findPanel(path);
+  const kernel = panel && panel.sessionContext.session && panel.sessionContext.session.kernel;
   return {state: (window.__distlab || {}).state, error: (window.__distlab || {}).error,
           kernel: kernel ? kernel.status : null};
-})()
+})(PATH)
 """
 
-CELLS = """
-(() => {
-  const panel = window.jupyterapp.shell.currentWidget;
+CELLS = FIND + """
+((path) => {
+  const panel = findPanel(path);
   const cells = [];
   for (const cell of panel.content.model.cells) {
     if (cell.type !== 'code') continue;
@@ -89,8 +101,21 @@ CELLS = """
   }
   const selects = Array.from(panel.node.querySelectorAll('.jupyter-widgets select')).map(s => s.value);
   return {cells: cells, selects: selects};
-})()
+})(PATH)
 """
+
+
+CLOSE = FIND + """
+((path) => {
+  const panel = findPanel(path);
+  panel.context.model.dirty = false;
+  return panel.sessionContext.shutdown().then(() => { panel.dispose(); return true; });
+})(PATH)
+"""
+
+
+def _with_path(script: str, path: str) -> str:
+    return script.replace("(PATH)", f"({json.dumps(path)})")
 
 
 def free_port() -> int:
@@ -155,18 +180,17 @@ def problems_of(stem: str, cells: list[dict], selects: list[str], student: bool)
 def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_S) -> dict:
     started = time.monotonic()
     tab.events.clear()
-    tab.call("Page.navigate", url=f"{base}/lab/tree/{path}?token={token}&reset")
+    tab.call("Page.navigate", url=f"{base}/lab/tree/{path}?token={token}")
     tab.wait_for("Page.loadEventFired", timeout=60)
     deadline = time.monotonic() + 60
     while not tab.evaluate("!!(window.jupyterapp && window.jupyterapp.started)"):
         if time.monotonic() > deadline:
             return {"path": path, "seconds": time.monotonic() - started, "problems": ["JupyterLab did not start"]}
         time.sleep(0.5)
-    tab.evaluate("window.jupyterapp.started.then(() => true)")
-    tab.evaluate(RUN_ALL)
+    tab.evaluate(_with_path(RUN_ALL, path))
     state = {}
     while time.monotonic() - started < timeout:
-        state = tab.evaluate(STATE) or {}
+        state = tab.evaluate(_with_path(STATE, path)) or {}
         if state.get("state") in ("done", "error", "no notebook") and state.get("kernel") in ("idle", None):
             break
         time.sleep(1)
@@ -174,11 +198,11 @@ def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_
     if state.get("state") != "done":
         return {"path": path, "seconds": seconds,
                 "problems": [f"Run All did not finish ({state}) within {timeout:.0f} s"]}
-    result = tab.evaluate(CELLS)
+    result = tab.evaluate(_with_path(CELLS, path))
     stem = Path(path).stem
     problems = problems_of(stem, result["cells"], result["selects"], student=path.startswith("student/"))
-    # close it without saving, so the kernel stops and the next lab starts clean
-    tab.evaluate("window.jupyterapp.commands.execute('notebook:close-and-shutdown', {})")
+    # stop its kernel and close it unsaved (the close command would ask in a dialog), so the next lab starts clean
+    tab.evaluate(_with_path(CLOSE, path))
     return {"path": path, "seconds": seconds, "cells": len(result["cells"]), "problems": problems}
 
 
@@ -204,6 +228,7 @@ def main(argv=None) -> int:
         with jupyterlab(Path(folder) / "notebooks") as (base, token), browser(executable) as endpoint:
             tab = new_tab(endpoint)
             tab.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
+            tab.call("Emulation.setFocusEmulationEnabled", enabled=True)   # headless: the page has the focus
             for path in paths:
                 row = run_lab(tab, base, token, path)
                 results.append(row)

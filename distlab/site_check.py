@@ -46,7 +46,9 @@ class DevTools:
         self.events: list[dict] = []
 
     def call(self, method: str, **params) -> dict:
+        """Send a command, return its answer (a page that never answers: an error after 120 s, not a hang)."""
         self.next_id += 1
+        self.socket.settimeout(120)
         self.socket.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
         while True:
             message = json.loads(self.socket.recv())
