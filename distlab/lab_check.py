@@ -33,8 +33,9 @@ from pathlib import Path
 from distlab.site_check import browser, find_browser, new_tab
 
 REPO = Path(__file__).resolve().parent.parent
-# a widget's controls must open on what its cell passed (the selected option of each dropdown, in order)
-WIDGET_VALUES = {"11_choosing_a_strategy": ["70b", "h100-80gb"], "07_pipeline_parallel": ["1f1b"],
+# a widget's controls must open on what its cell passed: each dropdown's selected option, in order, as the learner
+# reads it (its label: lab 07's cell passes "1f1b", the schedule the dropdown labels "1F1B")
+WIDGET_VALUES = {"11_choosing_a_strategy": ["70b", "h100-80gb"], "07_pipeline_parallel": ["1F1B"],
                  "02_why_distributed": ["A100-40GB"]}
 RUN_TIMEOUT_S = 300
 
