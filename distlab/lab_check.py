@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from distlab.site_check import browser, find_browser, new_tab
+from distlab.site_check import browser, find_browser, new_tab, stop
 
 REPO = Path(__file__).resolve().parent.parent
 # a widget's controls must open on what its cell passed: each dropdown's selected option, in order, as the learner
@@ -151,11 +151,7 @@ def jupyterlab(folder: Path):
                 time.sleep(0.5)
         yield base, token
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
         log.close()
 
 

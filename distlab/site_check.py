@@ -160,12 +160,17 @@ def browser(executable: str):
             raise RuntimeError(f"{executable} did not open its DevTools port")
         yield endpoint
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def stop(process: subprocess.Popen, seconds: float = 15) -> None:
+    """End a helper process (the browser, JupyterLab): asked first, killed if it lingers."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def new_tab(endpoint: str) -> DevTools:

@@ -128,6 +128,30 @@ def _shard_bytes(module) -> int:
     return sum(_shard_bytes_of(p) for p in module.parameters())
 
 
+def _measured_state(unsharded, sharded, zero_stage: int, precision: str) -> tuple[dict, dict]:
+    """The training state one rank holds under ZeRO stage ``zero_stage``, read off two builds of the same modules
+    (the module docstring says how): parameters, gradients and master weights from the unsharded or the sharded
+    build, AdamW's moments from a real step on the meta shards. Returns the bytes by part and the fp32 bytes of
+    each build (``{"tp", "sharded"}``)."""
+    import torch
+
+    built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(sharded)}
+    source = sharded if zero_stage >= 1 else unsharded
+    for p in source.parameters():
+        p.grad = torch.empty_like(p)
+    optimizer = torch.optim.AdamW(source.parameters(), lr=1e-4, foreach=False)
+    with contextlib.redirect_stderr(io.StringIO()):
+        optimizer.step()
+    moments = sum(_shard_bytes_of(v) for state in optimizer.state.values() for v in state.values()
+                  if hasattr(v, "dim") and v.dim() > 0)
+    params32 = built["sharded"] if zero_stage >= 3 else built["tp"]
+    grads32 = built["sharded"] if zero_stage >= 2 else built["tp"]
+    master32 = built["sharded"] if zero_stage >= 1 else built["tp"]
+    if precision == "fp32":
+        return {"params": params32, "grads": grads32, "optimizer": moments}, built
+    return {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}, built
+
+
 def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, full_model=None) -> dict:
     """One rank: its stage built at the full world size on the fake process group, bytes read and compared."""
     import torch
@@ -157,25 +181,9 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
                                         SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
                                         SimpleNamespace(tp=layout.tp, dp=data_parallel, precision="fp32"), mesh)
-        built = {"tp": _shard_bytes(tp_only), "sharded": _shard_bytes(sharded)}
-        # a real AdamW step on the meta shards: its two moments are the optimizer state the rank holds
-        source = sharded if layout.zero_stage >= 1 else tp_only
-        for p in source.parameters():
-            p.grad = torch.empty_like(p)
-        optimizer = torch.optim.AdamW(source.parameters(), lr=1e-4, foreach=False)
-        with quiet:
-            optimizer.step()
-        moments = sum(_shard_bytes_of(v) for state in optimizer.state.values() for v in state.values()
-                      if hasattr(v, "dim") and v.dim() > 0)
+        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision)
     finally:
         dist.destroy_process_group()
-    params32 = built["sharded"] if layout.zero_stage >= 3 else built["tp"]
-    grads32 = built["sharded"] if layout.zero_stage >= 2 else built["tp"]
-    master32 = built["sharded"] if layout.zero_stage >= 1 else built["tp"]
-    if options.precision == "fp32":
-        measured = {"params": params32, "grads": grads32, "optimizer": moments}
-    else:
-        measured = {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}
     planned = state_bytes(spec, layout, stage, options)
     planner_bytes = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
     # what FSDP2's ceil split adds on this rank beyond an exact 1/ways of its TP shards (negative on the last
@@ -322,25 +330,10 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
             with quiet:
                 fully_shard(layer.experts, mesh=mesh["expert_dp"],
                             shard_placement_fn=lambda p: Shard(0) if p.shape[0] % ways == 0 else Shard(1))
-            source = layer.experts if layout.zero_stage >= 1 else unsharded
-            for p in source.parameters():
-                p.grad = torch.empty_like(p)
-            optimizer = torch.optim.AdamW(source.parameters(), lr=1e-4, foreach=False)
-            with quiet:
-                optimizer.step()
-            moments = sum(_shard_bytes_of(v) for state in optimizer.state.values() for v in state.values()
-                          if hasattr(v, "dim") and v.dim() > 0)
-            built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(layer.experts)}
+            measured, _ = _measured_state(unsharded, layer.experts, layout.zero_stage, options.precision)
         finally:
             dist.destroy_process_group()
         blocks = stage_layer_kinds(spec, layout.pp, stage)[1]
-        params32 = built["sharded"] if layout.zero_stage >= 3 else built["tp"]
-        grads32 = built["sharded"] if layout.zero_stage >= 2 else built["tp"]
-        master32 = built["sharded"] if layout.zero_stage >= 1 else built["tp"]
-        if options.precision == "fp32":
-            measured = {"params": params32, "grads": grads32, "optimizer": moments}
-        else:
-            measured = {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}
         measured = {part: value * blocks for part, value in measured.items()}
         planned_experts = stage_params(spec, layout, stage)["experts"]
         planned = memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage, options.precision)
