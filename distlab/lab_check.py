@@ -81,8 +81,10 @@ STATE = FIND + """
 ((path) => {
   const panel = findPanel(path);
   const kernel = panel && panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const others = Array.from(window.jupyterapp.shell.widgets('main'))
+    .filter(w => w.context && w.sessionContext && w.context.path !== path).map(w => w.context.path);
   return {state: (window.__distlab || {}).state, error: (window.__distlab || {}).error,
-          kernel: kernel ? kernel.status : null};
+          kernel: kernel ? kernel.status : null, others: others};
 })(PATH)
 """
 
@@ -126,13 +128,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def jupyterlab(folder: Path):
+def jupyterlab(folder: Path, state: Path):
     """JupyterLab on 127.0.0.1 over ``folder``, with a token, the app exposed to the page's scripts (the check
-    calls its commands). Yields (base URL, token)."""
+    calls its commands). Yields (base URL, token).
+
+    Its workspace and user settings live under ``state``, never in the user's ``~/.jupyter``: JupyterLab restores
+    the notebooks a workspace last had open, so a shared one would reopen every lab of the last check (their
+    kernels starting beside the lab under test, Run All landing on another notebook) here, and in the learner's
+    next ``make lab``."""
     port, token = free_port(), secrets.token_hex(16)
     command = [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", f"--port={port}",
                "--ServerApp.ip=127.0.0.1", f"--ServerApp.token={token}", f"--notebook-dir={folder}",
-               "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"]
+               "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True",
+               f"--LabApp.workspaces_dir={state / 'workspaces'}", f"--LabApp.user_settings_dir={state / 'settings'}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
     log = tempfile.TemporaryFile(mode="w+")
@@ -177,7 +185,9 @@ def problems_of(stem: str, cells: list[dict], selects: list[str], student: bool)
 def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_S) -> dict:
     started = time.monotonic()
     tab.events.clear()
-    tab.call("Page.navigate", url=f"{base}/lab/tree/{path}?token={token}")
+    # ?reset: the page starts from an empty workspace; without it JupyterLab reopens every notebook the last page had
+    # open (a closed panel's layout entry outlives it), each starting its kernel beside this lab's
+    tab.call("Page.navigate", url=f"{base}/lab/tree/{path}?reset&token={token}")
     tab.wait_for("Page.loadEventFired", timeout=60)
     deadline = time.monotonic() + 60
     while not tab.evaluate("!!(window.jupyterapp && window.jupyterapp.started)"):
@@ -192,15 +202,22 @@ def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_
             break
         time.sleep(1)
     seconds = time.monotonic() - started
+    row = {"path": path, "seconds": seconds, "problems": []}
+    if state.get("others"):
+        # Run All acts on the notebook JupyterLab calls current: with another open, the verdict would be a race's
+        row["problems"].append(f"other notebooks open beside it: {', '.join(state['others'][:3])}")
     if state.get("state") != "done":
-        return {"path": path, "seconds": seconds,
-                "problems": [f"Run All did not finish ({state}) within {timeout:.0f} s"]}
-    result = tab.evaluate(_with_path(CELLS, path))
-    stem = Path(path).stem
-    problems = problems_of(stem, result["cells"], result["selects"], student=path.startswith("student/"))
+        row["problems"].append(f"Run All did not finish ({state.get('state')}, kernel {state.get('kernel')}) "
+                               f"within {timeout:.0f} s")
+    else:
+        result = tab.evaluate(_with_path(CELLS, path))
+        row["cells"] = len(result["cells"])
+        row["problems"] += problems_of(Path(path).stem, result["cells"], result["selects"],
+                                       student=path.startswith("student/"))
     # stop its kernel and close it unsaved (the close command would ask in a dialog), so the next lab starts clean
-    tab.evaluate(_with_path(CLOSE, path))
-    return {"path": path, "seconds": seconds, "cells": len(result["cells"]), "problems": problems}
+    with contextlib.suppress(Exception):
+        tab.evaluate(_with_path(CLOSE, path))
+    return row
 
 
 def main(argv=None) -> int:
@@ -222,7 +239,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="distlab-labs-") as folder:
         shutil.copytree(REPO / "notebooks", Path(folder) / "notebooks",
                         ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-        with jupyterlab(Path(folder) / "notebooks") as (base, token), browser(executable) as endpoint:
+        with jupyterlab(Path(folder) / "notebooks", Path(folder) / "jupyter") as (base, token), \
+                browser(executable) as endpoint:
             tab = new_tab(endpoint)
             tab.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
             tab.call("Emulation.setFocusEmulationEnabled", enabled=True)   # headless: the page has the focus
@@ -233,9 +251,11 @@ def main(argv=None) -> int:
                 print(f"{path:45s} {row['seconds']:6.1f} s  {verdict}", flush=True)
     if args.report:
         args.report.write_text(json.dumps(results, indent=1))
-    failed = sum(1 for r in results if r["problems"])
-    print(f"{len(results) - failed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    failed = [r for r in results if r["problems"]]
+    for row in failed:   # again at the end, whole, where a log's tail shows it
+        print(f"FAILED {row['path']}:\n" + "\n".join(f"  {problem}" for problem in row["problems"]))
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
