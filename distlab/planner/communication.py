@@ -69,6 +69,11 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         entry["calls"] += calls
 
     if layout.tp > 1:
+        # a MoE block's rows are a dense block's: the planner splits the experts over TP too (expert TP, as Megatron
+        # and torchtitan's ExpertTensorParallel do), and the layer's TP boundary is then the feed-forward's: under SP
+        # an all-gather in and a reduce-scatter out (torchtitan's PrepareModuleInputOutput(Shard(1) -> Replicate,
+        # Partial -> Shard(1)) on "moe"), else all-reduces. Chapter 13's --tp script routes 1/tp of the tokens on
+        # unsplit experts instead (two all-gathers a block): a layout the planner does not model
         cfg = stage_config(model, layers, seq)
         rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
