@@ -69,11 +69,12 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         entry["calls"] += calls
 
     if layout.tp > 1:
-        # a MoE block's rows are a dense block's: the planner splits the experts over TP too (expert TP, as Megatron
-        # and torchtitan's ExpertTensorParallel do), and the layer's TP boundary is then the feed-forward's: under SP
-        # an all-gather in and a reduce-scatter out (torchtitan's PrepareModuleInputOutput(Shard(1) -> Replicate,
-        # Partial -> Shard(1)) on "moe"), else all-reduces. Chapter 13's --tp script routes 1/tp of the tokens on
-        # unsplit experts instead (two all-gathers a block): a layout the planner does not model
+        # a MoE block's rows are a dense block's, as in torchtitan's plan for TP beside EP: under SP the MoE layer's
+        # input is all-gathered and its output reduce-scattered over TP like a feed-forward's
+        # (PrepareModuleInputOutput(Shard(1) -> Replicate, Partial -> Shard(1)) on "moe"), in between each TP rank
+        # routes 1/tp of the tokens (ReordererSequenceParallel; the all-to-all below) to experts held 1/(ep x tp) a
+        # rank (memory.stage_params). Without SP chapter 13's --tp script measures two all-gathers a block where
+        # these rows count two all-reduces (the same bytes in, twice the ring's out)
         cfg = stage_config(model, layers, seq)
         rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
