@@ -74,7 +74,7 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         # (PrepareModuleInputOutput(Shard(1) -> Replicate, Partial -> Shard(1)) on "moe"), in between each TP rank
         # routes 1/tp of the tokens (ReordererSequenceParallel; the all-to-all below) to experts held 1/(ep x tp) a
         # rank (memory.stage_params). Without SP chapter 13's --tp script measures two all-gathers a block where
-        # these rows count two all-reduces (the same bytes in, twice the ring's out)
+        # these rows count two all-reduces: a ring all-reduce sends twice an all-gather's bytes, an overcount left
         cfg = stage_config(model, layers, seq)
         rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
