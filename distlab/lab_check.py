@@ -182,6 +182,18 @@ def problems_of(stem: str, cells: list[dict], selects: list[str], student: bool)
     return found
 
 
+def run_problems(state: dict, timeout: float) -> list[str]:
+    """What is wrong with the run itself (pure: unit-tested), before its cells are read."""
+    found = []
+    if state.get("others"):
+        # Run All acts on the notebook JupyterLab calls current: with another open, the verdict would be a race's
+        found.append(f"other notebooks open beside it: {', '.join(state['others'][:3])}")
+    if state.get("state") != "done":
+        found.append(f"Run All did not finish ({state.get('state')}, kernel {state.get('kernel')}) "
+                     f"within {timeout:.0f} s")
+    return found
+
+
 def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_S) -> dict:
     started = time.monotonic()
     tab.events.clear()
@@ -202,14 +214,8 @@ def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_
             break
         time.sleep(1)
     seconds = time.monotonic() - started
-    row = {"path": path, "seconds": seconds, "problems": []}
-    if state.get("others"):
-        # Run All acts on the notebook JupyterLab calls current: with another open, the verdict would be a race's
-        row["problems"].append(f"other notebooks open beside it: {', '.join(state['others'][:3])}")
-    if state.get("state") != "done":
-        row["problems"].append(f"Run All did not finish ({state.get('state')}, kernel {state.get('kernel')}) "
-                               f"within {timeout:.0f} s")
-    else:
+    row = {"path": path, "seconds": seconds, "problems": run_problems(state, timeout)}
+    if state.get("state") == "done":
         result = tab.evaluate(_with_path(CELLS, path))
         row["cells"] = len(result["cells"])
         row["problems"] += problems_of(Path(path).stem, result["cells"], result["selects"],

@@ -36,3 +36,13 @@ def test_a_widget_that_opens_on_other_values_fails():
     assert lab_check.problems_of("11_choosing_a_strategy", [cell()], ["70b", "h100-80gb", "preset"], False) == []
     found = lab_check.problems_of("11_choosing_a_strategy", [cell()], ["1b", "a100-40gb"], student=False)
     assert found == ["widget opened on ['1b', 'a100-40gb'], its cell passed ['70b', 'h100-80gb']"]
+
+
+def test_a_run_beside_another_open_notebook_or_unfinished_fails():
+    """JupyterLab's Run All acts on the notebook it calls current: another one open makes the verdict a race's."""
+    assert lab_check.run_problems({"state": "done", "kernel": "idle", "others": []}, 300) == []
+    beside = lab_check.run_problems({"state": "done", "kernel": "idle", "others": ["01_single_device_baseline.ipynb"]},
+                                    300)
+    assert beside == ["other notebooks open beside it: 01_single_device_baseline.ipynb"]
+    unfinished = lab_check.run_problems({"state": "running", "kernel": "busy"}, 300)
+    assert unfinished == ["Run All did not finish (running, kernel busy) within 300 s"]
