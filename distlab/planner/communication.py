@@ -69,12 +69,12 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         entry["calls"] += calls
 
     if layout.tp > 1:
-        # a MoE block's rows are a dense block's, as in torchtitan's plan for TP beside EP: under SP the MoE layer's
-        # input is all-gathered and its output reduce-scattered over TP like a feed-forward's
-        # (PrepareModuleInputOutput(Shard(1) -> Replicate, Partial -> Shard(1)) on "moe"), in between each TP rank
-        # routes 1/tp of the tokens (ReordererSequenceParallel; the all-to-all below) to experts held 1/(ep x tp) a
-        # rank (memory.stage_params). Without SP chapter 13's --tp script measures two all-gathers a block where
-        # these rows count two all-reduces: a ring all-reduce sends twice an all-gather's bytes, an overcount left
+        # a MoE block's rows are a dense block's: torchtitan's TP plan for a MoE layer under SP is a feed-forward's
+        # boundary (PrepareModuleInputOutput(Shard(1) -> Replicate, Partial -> Shard(1)) on "moe"). With EP beside
+        # TP this is an approximation, not checked by a run: the planner holds the experts 1/(ep x tp) a rank and
+        # routes 1/tp of the tokens over ep ranks (below), as Megatron-Core's expert TP does, which all-gathers the
+        # dispatched tokens over TP instead; chapter 13's --tp script (no SP) measures two all-gathers a block where
+        # these rows count two all-reduces
         cfg = stage_config(model, layers, seq)
         rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
