@@ -217,6 +217,11 @@ def run_lab(tab, base: str, token: str, path: str, timeout: float = RUN_TIMEOUT_
     row = {"path": path, "seconds": seconds, "problems": run_problems(state, timeout)}
     if state.get("state") == "done":
         result = tab.evaluate(_with_path(CELLS, path))
+        wanted = [] if path.startswith("student/") else WIDGET_VALUES.get(Path(path).stem, [])
+        settle = time.monotonic() + 10   # a widget's view renders in the page after its cell has finished
+        while len(result["selects"]) < len(wanted) and time.monotonic() < settle:
+            time.sleep(0.5)
+            result = tab.evaluate(_with_path(CELLS, path))
         row["cells"] = len(result["cells"])
         row["problems"] += problems_of(Path(path).stem, result["cells"], result["selects"],
                                        student=path.startswith("student/"))
