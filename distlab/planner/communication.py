@@ -69,12 +69,12 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         entry["calls"] += calls
 
     if layout.tp > 1:
-        # a MoE block's rows are a dense block's: torchtitan's TP plan for a MoE layer under SP is a feed-forward's
-        # boundary (PrepareModuleInputOutput(Shard(1) -> Replicate, Partial -> Shard(1)) on "moe"). With EP beside
-        # TP this is an approximation, not checked by a run: the planner holds the experts 1/(ep x tp) a rank and
-        # routes 1/tp of the tokens over ep ranks (below), as Megatron-Core's expert TP does, which all-gathers the
-        # dispatched tokens over TP instead; chapter 13's --tp script (no SP) measures two all-gathers a block where
-        # these rows count two all-reduces
+        # a MoE block's rows are a dense block's, as in torchtitan's TP plan for a MoE layer: under SP its input
+        # all-gathered and its output reduce-scattered like a feed-forward's (PrepareModuleInputOutput(Shard(1) ->
+        # Replicate, Partial -> Shard(1)) on "moe"); with EP beside TP each TP rank then routes 1/tp of the tokens
+        # (ReordererSequenceParallel; the all-to-all below, over Layout.ep_group), without EP TP splits each expert's
+        # width. Chapter 13's --tp script (no SP) measures two all-gathers a block where these rows count two
+        # all-reduces (a ring all-reduce sends twice an all-gather's bytes): an overcount left
         cfg = stage_config(model, layers, seq)
         rows = tensor_parallel.tp_comm_formula(cfg, model.micro_batch, seq, layout.tp, sequence_parallel=sp,
                                                bytes_per_element=number_bytes)
@@ -129,11 +129,11 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
     if layout.ep > 1 and moe_blocks:
         # per MoE block and microbatch: dispatch and combine forward, both again backward (and forward again when
-        # fully recomputed); each rank sends the share of its tokens' copies whose expert is elsewhere, uniform
-        # routing assumed. Under TP each rank routes 1/tp of the tokens (torchtitan), else every TP rank would
-        # send the same ones
+        # fully recomputed); each rank sends the share of its tokens' copies whose expert is on another rank of
+        # its EP group (ep x tp ranks), uniform routing assumed. Under TP each rank routes 1/tp of the tokens
+        # (torchtitan), else every TP rank would send the same ones
         one = moe.dispatch_bytes(model.micro_batch * seq // layout.tp, model.top_k, model.hidden, number_bytes,
-                                 moe.uniform_leaving_share(layout.ep))
+                                 moe.uniform_leaving_share(layout.ep_group))
         per_block = 4 + 2 * (checkpointing(options) == "full")
         add("ep", "all_to_all", one * per_block * moe_blocks * num_micro, per_block * moe_blocks * num_micro)
     if layout.cp > 1:
@@ -149,7 +149,7 @@ def group_sizes(layout: Layout) -> dict:
     """The ranks of one group of each dimension: dp is FSDP's (or DDP's) group, over dp x cp, or HSDP's shard;
     ep the experts' all-to-all group, expert_dp the ranks that hold the same experts."""
     return {"tp": layout.tp, "dp": layout.fsdp_ways, "pp": layout.pp, "cp": layout.cp, "replicate": layout.replicas,
-            "ep": layout.ep, "expert_dp": layout.expert_dp}
+            "ep": layout.ep_group, "expert_dp": layout.expert_dp}
 
 
 def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
@@ -215,11 +215,13 @@ def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving_bytes: float, c
     """The EP all-to-alls of a step on their links. Of the bytes that leave a rank (uniform routing), those for
     the EP group's other ranks in the same node cross NVLink and the rest the network, both at once (NCCL sends to
     every peer together), so the slower of the two sets the time; each call pays one latency of the farthest link.
-    The EP group's ranks in one node: ``gpus_per_node / (cp x tp)`` of them (dp is outside cp and tp)."""
-    if layout.ep == 1 or not calls:
+    The EP group (``Layout.ep_group``: ep dp ranks x their tp ranks) in one node: ``gpus_per_node / (cp x tp)`` dp
+    ranks (dp is outside cp and tp), each with its tp ranks."""
+    group = layout.ep_group
+    if group == 1 or not calls:
         return {"bandwidth": 0.0, "latency": 0.0, "total": 0.0, "intra_node_bytes": 0.0, "inter_node_bytes": 0.0}
-    in_node = max(1, min(layout.ep, cluster.gpus_per_node // (layout.cp * layout.tp)))
-    inside = leaving_bytes * (in_node - 1) / (layout.ep - 1)
+    in_node = min(group, layout.tp * max(1, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    inside = leaving_bytes * (in_node - 1) / (group - 1)
     outside = leaving_bytes - inside
     bandwidth = max(inside / cluster.intra_node_bytes_per_s, outside / cluster.inter_node_bytes_per_s)
     latency = calls * (cluster.inter_node_latency_s if outside else cluster.intra_node_latency_s)

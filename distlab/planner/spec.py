@@ -75,7 +75,8 @@ class ModelSpec:
     def block_params(self, moe: bool = False) -> dict:
         """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases),
         ``replicated`` (norms, the biases added after a row-parallel matrix, a MoE block's router) and ``experts``
-        (a MoE block's routed experts, all of them: split over EP, and over TP as Megatron's expert TP does)."""
+        (a MoE block's routed experts, all of them: whole experts over EP's ep x tp ranks, or each expert's width over TP
+        without EP)."""
         h, f = self.hidden, self.ffn
         if self.architecture == "gpt":
             attention = h * h + 2 * h * self.kv_dim + (h + 2 * self.kv_dim)  # q, k, v weights and biases
@@ -347,8 +348,8 @@ class Layout:
     zero_stage: int = 0
     shard: int = 0   # HSDP (ZeRO-3 only): FSDP shards over groups of this many dp ranks and replicates across them;
     #                  0: FSDP over all of dp x cp
-    ep: int = 1      # expert parallelism (a MoE model): each routed expert on one rank of a group of ep
-    #                  consecutive dp ranks (EP borrows the data-parallel dimension, as torchtitan does)
+    ep: int = 1      # expert parallelism (a MoE model): EP borrows ep consecutive dp ranks, as torchtitan does;
+    #                  with TP beside it each routed expert lives on one rank of their ep x tp (ep_group)
 
     @property
     def gpus(self) -> int:
@@ -363,6 +364,13 @@ class Layout:
     def replicas(self) -> int:
         """HSDP's replicas of each shard (1 without HSDP)."""
         return self.dp * self.cp // self.shard if self.shard else 1
+
+    @property
+    def ep_group(self) -> int:
+        """The ranks one all-to-all spans (1 without EP): ep dp ranks x their tp ranks. As torchtitan lays out EP
+        beside TP without expert TP (etp = 1) and chapter 13's ``--tp`` script runs it: each TP rank routes 1/tp of
+        the tokens to whole experts spread over all of them. Without EP, TP splits each expert's width instead."""
+        return self.ep * self.tp if self.ep > 1 else 1
 
     @property
     def expert_dp(self) -> int:
@@ -411,9 +419,10 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
             problems.append("a mixture of experts is modelled on the LLaMA-style block only")
         if not 1 <= model.top_k <= model.experts:
             problems.append(f"top-k {model.top_k} must be between 1 and the {model.experts} experts")
-        if model.experts % layout.ep:
-            problems.append(f"{model.experts} experts do not split over EP {layout.ep}")
-        if model.expert_ffn % t:
+        if model.experts % layout.ep_group:
+            problems.append(f"{model.experts} experts do not split over EP {layout.ep}"
+                            + (f" x TP {t} ranks" if layout.ep > 1 and t > 1 else ""))
+        if layout.ep == 1 and model.expert_ffn % t:
             problems.append(f"expert width {model.expert_ffn} does not split over TP {t}")
     elif layout.ep > 1:
         problems.append(f"EP {layout.ep} needs a mixture-of-experts model; {model.name} is dense")

@@ -111,10 +111,23 @@ def test_the_all_to_all_bytes_of_a_step():
     assert comm_per_step(DEEPSEEK, LAYOUT, 1, options)["ep"]["all_to_all"] == pytest.approx(4 * 4 * micro * one)
     full = planner.Options(activation_checkpointing="full")
     assert comm_per_step(DEEPSEEK, LAYOUT, 1, full)["ep"]["all_to_all"] == pytest.approx(6 * 4 * micro * one)
-    # under TP each rank routes 1/tp of the tokens: the bytes a rank sends halve with TP 2
+    # under TP each rank routes 1/tp of the tokens (the bytes a rank sends halve with TP 2) to experts spread over
+    # the EP group's ep x tp = 64 ranks (torchtitan without expert TP; chapter 13's --tp script)
     tp2 = replace(LAYOUT, tp=2, dp=64, ep=32)
+    assert tp2.ep_group == 64 and planner.stage_params(DEEPSEEK, tp2, 1)["experts"] == planner.stage_params(
+        DEEPSEEK, LAYOUT, 1)["experts"]
     assert comm_per_step(DEEPSEEK, tp2, 1, options)["ep"]["all_to_all"] == pytest.approx(
-        4 * 4 * planner.microbatches(DEEPSEEK, tp2) * moe.dispatch_bytes(2048, 8, 7168, 2, 31 / 32))
+        4 * 4 * planner.microbatches(DEEPSEEK, tp2) * moe.dispatch_bytes(2048, 8, 7168, 2, 63 / 64))
+
+
+def test_experts_split_over_the_ep_groups_ep_x_tp_ranks_and_over_tp_alone_by_width():
+    mixtral = planner.MODELS["mixtral-8x7b"]
+    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=4, dp=4, ep=4)) == \
+        ["8 experts do not split over EP 4 x TP 4 ranks"]
+    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=2, dp=4, ep=4)) == []
+    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=8, dp=1)) == []   # each expert's width / 8
+    assert [layout.ep for layout in planner.candidate_layouts(mixtral, H800, 16, planner.Options(zero_stage=1))
+            if layout.tp == 2 and layout.pp == 1 and layout.cp == 1] == [1, 2, 4]
 
 
 def test_the_all_to_all_crosses_nvlink_and_the_network_by_where_the_ep_ranks_are():
@@ -126,6 +139,11 @@ def test_the_all_to_all_crosses_nvlink_and_the_network_by_where_the_ep_ranks_are
     eight = all_to_all_seconds(LAYOUT, H800, 63e9, 10)
     assert eight["inter_node_bytes"] == pytest.approx(56e9) and eight["intra_node_bytes"] == pytest.approx(7e9)
     assert eight["bandwidth"] == pytest.approx(56e9 / 50e9)   # the network is the slower of the two
+    # TP 2 beside EP 8: a group of 16 ranks, 8 of them (4 dp ranks x their 2 tp ranks) in each node of 8
+    tp2 = replace(LAYOUT, tp=2, dp=64, ep=8)
+    assert tp2.ep_group == 16 and crosses_nodes(tp2, "ep", H800)
+    split = all_to_all_seconds(tp2, H800, 15e9, 10)
+    assert split["intra_node_bytes"] == pytest.approx(7e9) and split["inter_node_bytes"] == pytest.approx(8e9)
 
 
 def test_the_published_layout_fits_and_the_heaviest_moe_stage_sets_the_step():
