@@ -368,8 +368,10 @@ class Layout:
     @property
     def ep_group(self) -> int:
         """The ranks one all-to-all spans (1 without EP): ep dp ranks x their tp ranks. As torchtitan lays out EP
-        beside TP without expert TP (etp = 1) and chapter 13's ``--tp`` script runs it: each TP rank routes 1/tp of
-        the tokens to whole experts spread over all of them. Without EP, TP splits each expert's width instead."""
+        beside TP without expert TP (``distributed/parallel_dims.py``, etp = 1: "EP would borrow all cp and tp and
+        some dp_shard degree") and chapter 13's ``--tp`` script runs it: each TP rank routes 1/tp of the tokens to
+        whole experts spread over all of them. Without EP, TP splits each expert's width instead. CP's ranks, which
+        torchtitan's EP borrows too, stay outside the group here: each CP rank all-to-alls with its own group."""
         return self.ep * self.tp if self.ep > 1 else 1
 
     @property
