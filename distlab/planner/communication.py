@@ -211,16 +211,21 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
     return result
 
 
+def ep_ranks_in_node(layout: Layout, cluster: Cluster) -> int:
+    """The ranks of one EP group (``Layout.ep_group``: ep dp ranks x their tp ranks) in one node: ``gpus_per_node
+    / (cp x tp)`` dp ranks (dp is outside cp and tp), each with its tp ranks."""
+    return min(layout.ep_group, layout.tp * max(1, cluster.gpus_per_node // (layout.cp * layout.tp)))
+
+
 def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving_bytes: float, calls: int) -> dict:
     """The EP all-to-alls of a step on their links. Of the bytes that leave a rank (uniform routing), those for
     the EP group's other ranks in the same node cross NVLink and the rest the network, both at once (NCCL sends to
     every peer together), so the slower of the two sets the time; each call pays one latency of the farthest link.
-    The EP group (``Layout.ep_group``: ep dp ranks x their tp ranks) in one node: ``gpus_per_node / (cp x tp)`` dp
-    ranks (dp is outside cp and tp), each with its tp ranks."""
+    The group's ranks in a node: :func:`ep_ranks_in_node`."""
     group = layout.ep_group
     if group == 1 or not calls:
         return {"bandwidth": 0.0, "latency": 0.0, "total": 0.0, "intra_node_bytes": 0.0, "inter_node_bytes": 0.0}
-    in_node = min(group, layout.tp * max(1, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    in_node = ep_ranks_in_node(layout, cluster)
     inside = leaving_bytes * (in_node - 1) / (group - 1)
     outside = leaving_bytes - inside
     bandwidth = max(inside / cluster.intra_node_bytes_per_s, outside / cluster.inter_node_bytes_per_s)

@@ -270,9 +270,10 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
     """A MoE layout's expert parallelism built at its full world size on a fake process group, for a rank of the
     first stage that holds MoE blocks, of a middle one and of the last:
 
-    1. DeviceMesh (pp, expert_dp, ep, cp, tp): the rank's EP group read from the mesh, its nodes counted
-       (``cluster.gpus_per_node`` ranks a node) against the planner's (``communication.all_to_all_seconds``'s
-       ranks in a node; whether it crosses nodes);
+    1. DeviceMesh (pp, expert_dp, ep, cp, tp): the rank's EP group read from the mesh (with TP, its ep and tp
+       dimensions flattened into one group, as torchtitan's ``parallel_dims.py`` builds EP without expert TP), its
+       nodes counted (``cluster.gpus_per_node`` ranks a node) against the planner's
+       (``communication.ep_ranks_in_node``; whether it crosses nodes);
     2. one MoE block of the model's sizes on the meta device, spread over that EP group by chapter 13's
        ``moe.ExpertParallelMoE``: the experts it keeps x the stage's MoE blocks = the planner's
        ``stage_params(...)["experts"]``; its router and shared experts = the planner's MoE block's;
@@ -281,7 +282,7 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
        :func:`dry_run_rank` reads a stage = ``memory.zero_state_bytes`` of the planner's
        expert parameters over ``layout.expert_dp``.
 
-    Attention is not built (DeepSeek's MLA is not the course's); TP of the experts is not either (tp must be 1)."""
+    Attention is not built (DeepSeek's MLA is not the course's), nor TP's side of the blocks."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -290,12 +291,12 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from distlab import moe
-    from distlab.planner.communication import crosses_nodes
+    from distlab.planner.communication import crosses_nodes, ep_ranks_in_node
     from distlab.planner.memory import stage_params
     from distlab.planner.spec import stage_layer_kinds
 
-    if layout.tp != 1 or not spec.is_moe or layout.ep < 2:
-        raise ValueError("the expert dry run builds EP layouts of a MoE model without TP")
+    if not spec.is_moe or layout.ep < 2:
+        raise ValueError("the expert dry run builds EP layouts of a MoE model")
     start = time.perf_counter()
     names, shape = expert_mesh_shape(layout)
     stages = [s for s in range(layout.pp) if stage_layer_kinds(spec, layout.pp, s)[1]]
@@ -306,14 +307,14 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
         raise ValueError("chapter 13's layer has at most one shared expert")
     with torch.device("meta"):
         full_layer = moe.MoE(layer_cfg)
-    in_node = max(1, min(layout.ep, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    in_node = ep_ranks_in_node(layout, cluster)
     rows = []
     for stage in sampled:
         rank = stage * (layout.gpus // layout.pp)      # the stage's first rank
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
         try:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            group = mesh["ep"].get_group()
+            group = (mesh["ep", "tp"]._flatten("ep_tp") if layout.tp > 1 else mesh["ep"]).get_group()
             members = dist.get_process_group_ranks(group)
             per_node = {}
             for r in members:

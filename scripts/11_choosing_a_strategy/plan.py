@@ -175,8 +175,8 @@ def dry_run(plan: planner.Plan, model, options, cluster) -> int:
     from distlab.planner import dry_run as full_world
 
     if model.is_moe:
-        if plan.layout.ep < 2 or plan.layout.tp > 1:
-            print(f"dry run: {model.name} is a mixture of experts; the dry run builds its EP layouts without TP, not "
+        if plan.layout.ep < 2:
+            print(f"dry run: {model.name} is a mixture of experts; the dry run builds its EP layouts, not "
                   f"{plan.layout.label()}")
             return 1
         result = full_world.dry_run_experts(model, plan.layout, cluster, options)

@@ -186,6 +186,8 @@ def test_the_search_tries_ep_and_finds_it_worth_it_for_mixtral():
 @pytest.mark.parametrize("spec,layout,cluster", [
     (DEEPSEEK, LAYOUT, H800),
     (MIXTRAL, planner.Layout(tp=1, pp=2, dp=32, zero_stage=3, ep=8), H100),
+    # TP beside EP: the all-to-all over ep x tp = 16 ranks, 8 of them in each node of 8
+    (DEEPSEEK, planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=8), H800),
 ])
 def test_the_ep_layout_built_at_full_world_size_equals_the_planner(spec, layout, cluster):
     result = dry_run.dry_run_experts(spec, layout, cluster)
@@ -231,3 +233,14 @@ def test_chapter_13_pastes_the_planners_table_and_its_numbers():
     assert f"would run at {numbers['tokens_per_gpu_exposed']:,.0f}: hiding them is worth {worth:.0%}" in flat
     assert f"37.6 B against \"37 B\"" in flat and numbers["fits"]
     assert "EP groups span 8 nodes of 8 ranks" in flat and "(4 of 256 a block)" in flat
+
+
+def test_the_dry_run_fails_a_planner_whose_ep_group_leaves_tp_out(monkeypatch):
+    """With TP beside EP the planner's all-to-all group is ep x tp ranks: a planner that left TP out would see a
+    group of 2 where the mesh builds one of 4 (all in one node), and send over the wrong share."""
+    layout = planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=2)
+    assert dry_run.dry_run_experts(DEEPSEEK, layout, H800)["equal"]
+    monkeypatch.setattr(planner.Layout, "ep_group", property(lambda self: self.ep))
+    result = dry_run.dry_run_experts(DEEPSEEK, layout, H800)
+    assert not result["equal"]
+    assert {(r["ep_ranks_per_node"], r["planner_ep_ranks_per_node"]) for r in result["ranks"]} == {(4, 2)}
