@@ -147,6 +147,9 @@ RUNS: tuple[Run, ...] = (
     # the MoE layer's experts over every GPU: NCCL's all-to-all with uneven splits, = one device
     Run("ep_from_scratch", "scripts/13_expert_parallel/ep_from_scratch.py"),
     Run("moe_transformer", "scripts/13_expert_parallel/moe_transformer.py", ("--batch", "{world}")),
+    # the same at the a100 preset's widths (the PBS job's): Adam's near-zero-gradient flips counted, not refused
+    Run("moe_transformer_a100", "scripts/13_expert_parallel/moe_transformer.py",
+        ("--preset", "a100", "--batch", "{world}"), timeout_s=150),
     # TP for attention beside EP: each TP pair routes half of its tokens; NCCL's all-gather over TP
     Run("moe_transformer_tp", "scripts/13_expert_parallel/moe_transformer.py", ("--tp", "2", "--batch", "{world}"),
         min_gpus=2),

@@ -32,6 +32,10 @@ their gradients are summed over TP (``moe.reduce_over_tp``); the experts' are di
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py --ep 2
     torchrun --standalone --nproc_per_node=4 scripts/13_expert_parallel/moe_transformer.py --tp 2
+
+--preset a100 (on 4 x A100) takes the a100 model's attention and sizes (hidden 2,048, 16 heads, 1,024 tokens a
+sequence) with 4 of its 24 blocks, so that the single-device model the run is checked against fits one GPU beside
+the rank's shards, and experts a quarter of its feed-forward wide (1,408), fine-grained as DeepSeekMoE's.
 """
 
 import contextlib
@@ -48,13 +52,24 @@ from torch.distributed.tensor.parallel import parallelize_module
 from distlab import comm, data, hybrid, memory, metrics, models, moe, runtime
 
 # fp32 tolerances: FSDP reduce-scatters and the experts see other batch shapes than one device (a few ulps);
-# measured on 4 CPU ranks: losses <= 1e-7, gradients <= 1e-8.
-LOSS_TOLERANCE = 1e-5
-GRAD_TOLERANCE = 1e-5
+# measured on 4 CPU ranks (tiny): losses <= 1e-7, gradients <= 1e-8. The a100 preset's sums are 30x longer: chapter
+# 09's a100 tolerances. On a GPU each is widened by metrics.GPU_FP32_TOLERANCE_FACTOR (other summation orders).
+TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-5}, "a100": {"loss": 1e-4, "grad": 1e-5}}
+# tokens whose expert may differ from one device's: none on the tiny preset; at the a100 preset's widths on a GPU a
+# router score within an ulp of the next one can fall either way when the two runs sum in other orders
+MOVED_ASSIGNMENTS = {"tiny": 0.0, "a100": 1e-3}
+DEFAULT_LAYERS = {"tiny": 2, "a100": 4}
+FLIPPED_WEIGHTS = 1e-4   # the a100 preset: the share of weights Adam may carry off by a near-zero gradient's noise
+
+
+def model_config(args) -> models.TransformerConfig:
+    """The preset's transformer with ``--layers`` blocks (default: 2 tiny, 4 a100)."""
+    return models.preset(args.preset, n_layers=args.layers or DEFAULT_LAYERS[args.preset])
 
 
 def moe_config(args) -> moe.MoEConfig:
-    return moe.MoEConfig(ffn_hidden=args.expert_hidden, num_experts=args.experts, top_k=args.top_k,
+    width = args.expert_hidden or (64 if args.preset == "tiny" else models.preset(args.preset).ffn_hidden // 4)
+    return moe.MoEConfig(ffn_hidden=width, num_experts=args.experts, top_k=args.top_k,
                          scoring=args.scoring, shared_expert=args.shared_expert)
 
 
@@ -65,7 +80,7 @@ def check_config(args, world_size):
                                                       "--ep out)")
     runtime.require(world_size % ep == 0, f"--ep {ep} does not divide the {world_size} ranks (EP groups are "
                                           f"slices of the data-parallel ranks)")
-    cfg = models.preset("tiny", n_layers=args.layers)
+    cfg = model_config(args)
     runtime.require(cfg.n_heads % args.tp == 0, f"--tp {args.tp} does not divide the {cfg.n_heads} heads")
     problems = moe.config_problems(moe_config(args), ep)
     runtime.require(not problems, "; ".join(problems))
@@ -112,13 +127,15 @@ def parallelize(model, mesh, ep_group) -> tuple[list[torch.nn.Parameter], list[t
 
 
 def main():
-    p = runtime.parser(__doc__, steps=4)
+    p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=4)
     p.add_argument("--experts", type=runtime.positive_int, default=8, help="routed experts a block (default 8)")
     p.add_argument("--top-k", type=runtime.positive_int, default=2, help="experts per token (default 2)")
     p.add_argument("--scoring", choices=moe.SCORINGS, default="softmax", help="softmax or sigmoid top-k")
     p.add_argument("--shared-expert", action="store_true", help="one more expert every token visits")
-    p.add_argument("--expert-hidden", type=runtime.positive_int, default=64, help="each expert's SwiGLU width")
-    p.add_argument("--layers", type=runtime.positive_int, default=2, help="transformer blocks")
+    p.add_argument("--expert-hidden", type=runtime.positive_int, default=None,
+                   help="each expert's SwiGLU width (default: 64 tiny; a100: a quarter of its feed-forward, 1,408)")
+    p.add_argument("--layers", type=runtime.positive_int, default=None,
+                   help="transformer blocks (default: 2 tiny, 4 a100)")
     p.add_argument("--ep", type=runtime.positive_int, default=None,
                    help="EP degree: the experts spread over groups of this many consecutive ranks and replicated "
                         "across the groups (default: every rank, ep = dp)")
@@ -132,7 +149,7 @@ def main():
     args = p.parse_args()
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg = models.preset("tiny", n_layers=args.layers)
+        cfg = model_config(args)
         moe_cfg = moe_config(args)
         world, tp = rt.world_size, args.tp
         dp = world // tp
@@ -156,7 +173,8 @@ def main():
         local = moe_cfg.num_experts // ep
         ep_rank = ep_mesh.get_local_rank("ep")
         lo, hi = ep_rank * local, (ep_rank + 1) * local
-        rt.print(f"tiny transformer, {args.layers} blocks, each feed-forward {moe_cfg.num_experts} experts top-"
+        layers = cfg.n_layers
+        rt.print(f"{args.preset} transformer, {layers} blocks, each feed-forward {moe_cfg.num_experts} experts top-"
                  f"{moe_cfg.top_k} ({moe_cfg.scoring}); {world} ranks: FSDP over dp = {dp}"
                  + (f", attention TP over tp = {tp} (each TP rank routes 1/{tp} of the tokens)" if tp > 1 else "")
                  + f", the experts over ep = {ep} ({local} a rank and block"
@@ -219,22 +237,39 @@ def main():
         value = torch.tensor(grad_diff, device=rt.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         report.check_close("losses = single-device (every step)", report.losses, report.extra["reference_losses"],
-                           metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
+                           metrics.fp32_tolerance(TOLERANCE[args.preset]["loss"], rt.device))
         report.check_close("step-0 gradients = single-device (FSDP shards gathered; this rank's experts)",
-                           value.item(), 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
+                           value.item(), 0.0, metrics.fp32_tolerance(TOLERANCE[args.preset]["grad"], rt.device))
         theirs = dict(reference.named_parameters())
-        final = []
+        # Adam turns any gradient into a step of ~lr: a weight whose gradient is near zero moves ~lr whichever way
+        # the last ulps point, a wrong gradient moves every weight. The tiny preset's noise stays far below lr/10;
+        # at the a100 preset's widths on a GPU a few weights in a million flip (measured on an H100: BENCHMARKS.md)
+        beyond = metrics.fp32_tolerance(args.lr / 10, rt.device)
+        largest, flipped, total = 0.0, 0, 0
         with hybrid.quiet_redistribution():
             for name, param in model.named_parameters():
                 wanted = theirs[single_device_name(name)]
-                if id(param) in expert_ids:
-                    final.append(metrics.max_abs_diff(param, wanted[lo:hi]))
-                else:
-                    final.append(metrics.max_abs_diff(param.full_tensor() if isinstance(param, DTensor) else param,
-                                                      wanted))
-        report.check_close("parameters after training = single-device", max(final), 0.0, args.lr / 10)
-        report.check("expert load of every block and step = single-device's", loads == reference_loads,
-                     f"{sum(a == b for a, b in zip(loads, reference_loads))} of {len(loads)} steps equal", "every step")
+                ours = param.full_tensor() if isinstance(param, DTensor) else param
+                diff = (ours.detach() - (wanted[lo:hi] if id(param) in expert_ids else wanted).detach()).abs()
+                largest = max(largest, diff.max().item())
+                flipped += int((diff > beyond).sum())
+                total += diff.numel()
+        if args.preset == "tiny":
+            report.check_close("parameters after training = single-device", largest, 0.0, beyond)
+        else:
+            report.check("parameters after training = single-device (share of weights off by more than lr/10)",
+                         flipped <= FLIPPED_WEIGHTS * total,
+                         f"{flipped:,} of {total:,} (largest {largest:.2g})", f"<= {FLIPPED_WEIGHTS:.0e} of them")
+        moved = sum(abs(a - b) for step, theirs_step in zip(loads, reference_loads)
+                    for block, theirs_block in zip(step, theirs_step) for a, b in zip(block, theirs_block)) / 2
+        assignments = int(sum(sum(sum(block) for block in step) for step in reference_loads))
+        allowed = MOVED_ASSIGNMENTS[args.preset]
+        report.check("expert load of every block and step = single-device's" + (
+                         f" (up to {allowed:.1%} of the assignments moved between experts: near-ties)" if allowed
+                         else ""), moved <= allowed * assignments,
+                     f"{sum(a == b for a, b in zip(loads, reference_loads))} of {len(loads)} steps equal, "
+                     f"{moved:.0f} of {assignments:,} assignments moved",
+                     "every step" if not allowed else f"<= {allowed * assignments:.0f} moved")
         expert_numel = sum(p.numel() for p in experts)
         expert_bytes = sum(p.numel() * p.element_size() for p in experts)
         # c10d's all-reduces are the script's own (DTensor's TP collectives are functional ones, counted apart)
@@ -247,12 +282,12 @@ def main():
                            "router and shared expert shards under TP (else none)", reduced,
                            (expert_bytes if replicas > 1 else 0) + router_bytes)
         report.check_equal("expert parameters on this rank = layers x experts / ep x 3 x hidden x expert width",
-                           expert_numel, args.layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
+                           expert_numel, layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
         calls = counted.by_collective()
         a2a = calls.get("all_to_all", {}).get("calls", 0)
         non_expert = [p for name, p in reference.named_parameters() if ".experts." not in name]
         report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
-                           5 * args.layers)
+                           5 * layers)
         # on one rank FSDP2 calls no collective at all (torch's _fsdp_param_group.py: "if world_size == 1")
         scattered = memory.fsdp_padded_bytes(rest, dp) if dp > 1 else 0
         report.add_comm("reduce_scatter", counted.total("reduce_scatter"), scattered,
@@ -270,10 +305,10 @@ def main():
             tokens_per_rank = args.batch // dp * cfg.seq_len
             report.check_equal("TP all-gathers per block and step = 2 (outputs forward, input gradients backward), "
                                "each the data-parallel rank's tokens x hidden x 4 B",
-                               gathered, [tokens_per_rank * cfg.dim * 4] * 2 * args.layers)
+                               gathered, [tokens_per_rank * cfg.dim * 4] * 2 * layers)
             tp_reduces = sum(1 for c in counted.calls if c.collective == "all_reduce" and c.source == "functional")
             report.check_equal("TP all-reduces per step = 2 a block (attention's output; its input gradient)",
-                               tp_reduces, 2 * args.layers)
+                               tp_reduces, 2 * layers)
         report.extra["load"] = loads
         code = report.finish(args.metrics_out)
     sys.exit(code)

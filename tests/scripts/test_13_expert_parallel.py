@@ -168,4 +168,8 @@ def test_tp_beside_ep_planted_bugs_fail_the_single_device_comparison(bug, failin
 
 def test_a_tp_degree_that_does_not_fit_exits_2():
     assert_config_error(MOE_TRANSFORMER, ["--tp", "3"], "--tp 3 does not divide the 4 ranks")
+    # the a100 preset is refused as fast, before a model of its size is built
+    assert_config_error(MOE_TRANSFORMER, ["--preset", "a100", "--tp", "32"], "--tp 32 does not divide the 4 ranks")
+    assert_config_error(MOE_TRANSFORMER, ["--preset", "a100", "--tp", "2", "--batch", "3"],
+                        "--batch 3 sequences do not split over 2 data-parallel ranks")
     assert_config_error(MOE_TRANSFORMER, ["--tp", "2", "--ep", "2"], "--tp with --ep")
