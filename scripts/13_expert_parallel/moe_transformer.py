@@ -243,7 +243,7 @@ def main():
         theirs = dict(reference.named_parameters())
         # Adam turns any gradient into a step of ~lr: a weight whose gradient is near zero moves ~lr whichever way
         # the last ulps point, a wrong gradient moves every weight. The tiny preset's noise stays far below lr/10;
-        # at the a100 preset's widths on a GPU a few weights in a million flip (measured on an H100: BENCHMARKS.md)
+        # at the a100 preset's widths on a GPU a few weights in a billion flip (2 of 475 M on an H100: BENCHMARKS.md)
         beyond = metrics.fp32_tolerance(args.lr / 10, rt.device)
         largest, flipped, total = 0.0, 0, 0
         with hybrid.quiet_redistribution():
