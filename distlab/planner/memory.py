@@ -14,9 +14,9 @@ from distlab.planner.spec import (Layout, ModelSpec, Options, bucket_params, che
 @functools.lru_cache(maxsize=8192)
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
     """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "experts",
-    "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/(ep x tp) of each MoE
-    block's: whole experts over its EP group's ep x tp ranks, or 1/tp of each expert's width without EP), and its largest FSDP unit (a block,
-    or the embedding/head)."""
+    "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/(ep x tp) of each
+    MoE block's: whole experts over its EP group's ep x tp ranks, or 1/tp of each expert's width without EP), and its
+    largest FSDP unit (a block, or the embedding/head)."""
     dense, moe = stage_layer_kinds(model, layout.pp, stage)
     blocks = [(dense, model.block_params()), (moe, model.block_params(moe=True))]
     sharded = sum(n * block["sharded"] for n, block in blocks)

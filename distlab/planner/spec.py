@@ -75,8 +75,8 @@ class ModelSpec:
     def block_params(self, moe: bool = False) -> dict:
         """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases),
         ``replicated`` (norms, the biases added after a row-parallel matrix, a MoE block's router) and ``experts``
-        (a MoE block's routed experts, all of them: whole experts over EP's ep x tp ranks, or each expert's width over TP
-        without EP)."""
+        (a MoE block's routed experts, all of them: whole experts over EP's ep x tp ranks, or each expert's width
+        over TP without EP)."""
         h, f = self.hidden, self.ffn
         if self.architecture == "gpt":
             attention = h * h + 2 * h * self.kv_dim + (h + 2 * self.kv_dim)  # q, k, v weights and biases
