@@ -118,7 +118,11 @@ def pages_to_open(html: Path) -> list[str]:
 
 
 def find_browser() -> str | None:
-    return next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
+    """Chromium's executable, or None after saying (one line, stderr) how to install it."""
+    found = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
+    if found is None:
+        print("config error: no Chromium here: install Debian's package (apt-get install chromium)", file=sys.stderr)
+    return found
 
 
 @contextlib.contextmanager
@@ -257,7 +261,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     executable = find_browser()
     if executable is None:
-        print("config error: no Chromium here: install Debian's package (apt-get install chromium)", file=sys.stderr)
         return 2
     if not (args.html / "index.html").exists():
         print(f"config error: no site in {args.html}: run make site first", file=sys.stderr)

@@ -59,6 +59,7 @@ TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-5}, "a100": {"loss": 1e-4, "grad"
 # router score within an ulp of the next one can fall either way when the two runs sum in other orders
 MOVED_ASSIGNMENTS = {"tiny": 0.0, "a100": 1e-3}
 DEFAULT_LAYERS = {"tiny": 2, "a100": 4}
+EXPERT_WIDTH = {"tiny": 64, "a100": models.preset("a100").ffn_hidden // 4}   # a100: 1,408, DeepSeekMoE-style
 FLIPPED_WEIGHTS = 1e-4   # the a100 preset: the share of weights Adam may carry off by a near-zero gradient's noise
 
 
@@ -68,8 +69,7 @@ def model_config(args) -> models.TransformerConfig:
 
 
 def moe_config(args) -> moe.MoEConfig:
-    width = args.expert_hidden or (64 if args.preset == "tiny" else models.preset(args.preset).ffn_hidden // 4)
-    return moe.MoEConfig(ffn_hidden=width, num_experts=args.experts, top_k=args.top_k,
+    return moe.MoEConfig(ffn_hidden=args.expert_hidden or EXPERT_WIDTH[args.preset], num_experts=args.experts, top_k=args.top_k,
                          scoring=args.scoring, shared_expert=args.shared_expert)
 
 
