@@ -38,7 +38,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then, alone, the
 ## tests marked `serial`: the timing-sensitive ones, and the learner's copies, which replay the script
 ## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases). Each test
-## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, distlab.forkserver):
+## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, coursetools.forkserver):
 ## a few hundred launches skip 2.4 s of imports each.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
@@ -58,10 +58,10 @@ pbs: $(STAMP)
 
 ## Regenerate the learner's notebooks from the full ones
 student: $(STAMP)
-	$(PY) -m distlab.student notebooks
+	$(PY) -m coursetools.student notebooks
 
 student-check: $(STAMP)
-	$(PY) -m distlab.student notebooks --check
+	$(PY) -m coursetools.student notebooks --check
 
 clean:
 	rm -rf $(VENV) .pytest_cache
@@ -70,19 +70,19 @@ clean:
 ## bandwidths; one JSON summary + a table in build/gpu_check/ (under 10 minutes; exit 2 without a GPU)
 .PHONY: gpu-check
 gpu-check: $(STAMP)
-	$(PY) -m distlab.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m coursetools.gpu_check $(GPU_CHECK_ARGS)
 
-## The chapters' pictures (chapters/figures/*.png), drawn by distlab.figures from the library's own functions
+## The chapters' pictures (chapters/figures/*.png), drawn by coursetools.figures from the library's own functions
 .PHONY: figures
 figures: $(STAMP)
-	$(PY) -m distlab.figures chapters/figures
+	$(PY) -m coursetools.figures chapters/figures
 
 ## The course as a website in build/site/html: chapters, labs run on the CPU (cached: an unchanged lab is not run
-## again; a failing cell fails the build), scripts and jobs as source (distlab.site, Sphinx + MyST-NB, book/conf.py).
+## again; a failing cell fails the build), scripts and jobs as source (coursetools.site, Sphinx + MyST-NB, book/conf.py).
 ## Offline: open build/site/html/index.html, or `python -m http.server -d build/site/html`.
 SITE := build/site
 site: $(STAMP)
-	$(PY) -m distlab.site --out $(SITE)
+	$(PY) -m coursetools.site --out $(SITE)
 	DISTLAB_STATIC_WIDGETS=1 DISTLAB_SITE_OUT=$(SITE) $(VENV)/bin/sphinx-build -W --keep-going -q -b html -c book \
 		$(SITE)/source $(SITE)/html -d $(SITE)/doctrees
 	@echo "the site: $(SITE)/html/index.html (or: python -m http.server -d $(SITE)/html)"
@@ -90,10 +90,10 @@ site: $(STAMP)
 ## The website as a reader meets it: headless Chromium (Debian's package) opens every page at desktop and phone
 ## widths; console errors, images that did not load, a search that finds nothing fail it; screenshots kept
 site-check: $(STAMP)
-	$(PY) -m distlab.site_check $(SITE)/html --screenshots $(SITE)/screenshots
+	$(PY) -m coursetools.site_check $(SITE)/html --screenshots $(SITE)/screenshots
 
 ## Every lab as a learner meets it: JupyterLab (make lab's) over a copy of notebooks/, headless Chromium runs each
 ## lab and each learner's copy with Run All; an error, a warning shown, a cell left unrun, a widget opened on other
-## values than its cell passed fail it (distlab.lab_check)
+## values than its cell passed fail it (coursetools.lab_check)
 lab-check: $(STAMP) $(LAB_OVERRIDES)
-	$(PY) -m distlab.lab_check $(LAB_CHECK_ARGS)
+	$(PY) -m coursetools.lab_check $(LAB_CHECK_ARGS)

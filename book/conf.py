@@ -1,4 +1,4 @@
-"""Sphinx's settings for the course's website (``make site``; the source folder is laid out by distlab.site).
+"""Sphinx's settings for the course's website (``make site``; the source folder is laid out by coursetools.site).
 
 MyST-NB reads the chapters (Markdown) and runs the labs (notebooks) on the CPU while it builds, with a cache: an
 unchanged lab is not run again, and a cell that raises fails the build. The theme is sphinx-book-theme; search is
@@ -32,7 +32,7 @@ nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
 # widgets would need their JavaScript from a CDN: the course's widgets show a static first view on the website
-# (distlab.widgets.static_pages, the Makefile sets DISTLAB_STATIC_WIDGETS=1), and no widget script is loaded
+# (labkit.widgets.static_pages, the Makefile sets DISTLAB_STATIC_WIDGETS=1), and no widget script is loaded
 nb_ipywidgets_js = {}
 
 html_theme = "sphinx_book_theme"

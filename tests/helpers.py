@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distlab import launch
+from labkit import launch
 
 
 def assert_all_checks_passed(result: launch.LaunchResult, min_checks: int = 1) -> dict:

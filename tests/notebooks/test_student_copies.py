@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from distlab import student
+from coursetools import student
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = student.full_notebooks(REPO / "notebooks")
@@ -38,7 +38,7 @@ def test_every_exercise_has_a_check(path):
     assert exercises, f"{path.name} has no exercise (### BEGIN SOLUTION)"
     assert len(checks) >= len(exercises), f"{path.name}: {len(exercises)} exercises but {len(checks)} check cells"
     for cell in checks:
-        assert "exercises.check" in cell.source, f"a check cell of {path.name} calls no distlab.exercises check"
+        assert "exercises.check" in cell.source, f"a check cell of {path.name} calls no labkit.exercises check"
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert not cell.outputs, f"{path.name} is stored with outputs: clear them"
@@ -81,7 +81,7 @@ def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path):
 
 def test_in_a_notebook_an_unwritten_exercise_runs_on_and_a_wrong_one_stops():
     nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("from distlab import exercises\nexercises.check_value('x', None, 3)"),
+        nbformat.v4.new_code_cell("from labkit.exercises import checks as exercises\nexercises.check_value('x', None, 3)"),
         nbformat.v4.new_code_cell("exercises.check_value('y', 4, 3)"),
         nbformat.v4.new_code_cell("print('after the wrong answer')"),
     ])

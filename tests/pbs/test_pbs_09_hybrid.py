@@ -24,7 +24,8 @@ import pytest
 from pbs_helpers import LEAKY_PREFIXES, PBS_DIR, ROOT, run_bash, tool, write_nodefile
 from test_pbs_job_files import accepted_flags, directives, dry_run, resources, script_of
 
-from distlab import demo_report, launch
+from labkit import launch
+from coursetools import demo_report
 from distlab.runtime import free_port
 
 JOB = PBS_DIR / "09_hybrid_parallel.pbs"
@@ -207,7 +208,7 @@ def test_instructor_summary_from_the_two_node_runs(hybrid_job):
     specs = [f"fsdp_tp_hybrid=0={run / 'fsdp_tp_hybrid_usual.json'}", f"hybrid_3d=0={run / 'hybrid_3d.json'}",
              f"pp_train=0={run / 'not_run.json'}", f"broken=1={run / 'not_run.json'}"]
     out = run / "instructor_demo.html"
-    summary = subprocess.run([sys.executable, "-m", "distlab.demo_report", "--out", str(out), "--title", "demo",
+    summary = subprocess.run([sys.executable, "-m", "coursetools.demo_report", "--out", str(out), "--title", "demo",
                               *specs], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0, summary.stderr
     page = out.read_text()

@@ -6,7 +6,7 @@ import sys
 
 from helpers import assert_all_checks_passed, assert_usage_error
 
-from distlab import launch
+from labkit import launch
 
 SCRIPT = "scripts/01_single_device_baseline/train_baseline.py"
 

@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 SCRIPT = "scripts/02_why_distributed/compute_and_memory_per_rank.py"
 

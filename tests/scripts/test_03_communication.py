@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 COLLECTIVES = "scripts/03_communication/collectives.py"
 BANDWIDTH = "scripts/03_communication/bandwidth.py"

@@ -3,7 +3,7 @@
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 SCRIPT = "scripts/03_communication/process_groups.py"
 

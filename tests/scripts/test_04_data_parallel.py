@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 FROM_SCRATCH = "scripts/04_data_parallel/ddp_from_scratch.py"
 TRAIN_DDP = "scripts/04_data_parallel/train_ddp.py"

@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 ZERO = "scripts/05_fully_sharded/zero_from_scratch.py"
 FSDP = "scripts/05_fully_sharded/train_fsdp.py"

@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 FROM_SCRATCH = "scripts/06_tensor_parallel/tp_from_scratch.py"
 TRANSFORMER = "scripts/06_tensor_parallel/tp_transformer.py"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch, schedules
+from distlab import schedules
+from labkit import launch
 
 MANUAL = "scripts/07_pipeline_parallel/pp_manual.py"
 SCHEDULES = "scripts/07_pipeline_parallel/pp_schedules.py"

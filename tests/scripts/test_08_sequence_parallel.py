@@ -2,7 +2,7 @@
 
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 SEQUENCE_PARALLEL = "scripts/08_sequence_parallel/sp_transformer.py"
 RING = "scripts/08_sequence_parallel/ring_attention.py"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import hybrid, launch, models
+from distlab import hybrid, models
+from labkit import launch
 
 GRID = "scripts/09_hybrid_parallel/rank_grid.py"
 HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"

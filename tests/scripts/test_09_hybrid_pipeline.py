@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import hybrid, launch
+from distlab import hybrid
+from labkit import launch
 
 PP_DP = "scripts/09_hybrid_parallel/pp_dp_hybrid.py"
 HYBRID_3D = "scripts/09_hybrid_parallel/hybrid_3d.py"

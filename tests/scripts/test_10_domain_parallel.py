@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 HALO_CONV = "scripts/10_domain_parallel/halo_conv.py"
 DOMAIN_TRAIN = "scripts/10_domain_parallel/domain_train.py"

@@ -20,7 +20,8 @@ from dataclasses import replace
 import pytest
 from helpers import assert_all_checks_passed
 
-from distlab import launch, models, planner
+from distlab import models, planner
+from labkit import launch
 
 HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"
 FSDP = "scripts/05_fully_sharded/train_fsdp.py"
@@ -288,7 +289,7 @@ def test_bad_model_file_and_the_real_process_exit_code(tmp_path):
 
 
 def test_the_notebooks_side_by_side_table_is_all_equal(hybrid_run):
-    from distlab import planner_widgets
+    from labkit import planner_widgets
 
     rows = planner_widgets.predicted_vs_measured(hybrid_run[0], dp=2, tp=2)
     assert len(rows) >= 6 and all(r["predicted"] == r["measured"] for r in rows)

@@ -3,7 +3,7 @@
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 DEADLOCKS = "scripts/12_hpc_operations/deadlocks.py"
 
@@ -78,7 +78,7 @@ def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path
 
 def test_sigterm_writes_a_checkpoint_and_a_second_job_finishes_like_one_device(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "distlab.forkrun", "--nproc=4", FAULT_DRILL, "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "labkit.forkrun", "--nproc=4", FAULT_DRILL, "--run-dir", str(run_dir),
                "--step-seconds", "0.3", "--metrics-out", str(tmp_path / "first.json")]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True, cwd=launch.REPO_ROOT)

@@ -3,7 +3,8 @@
 import pytest
 from helpers import assert_all_checks_passed, assert_usage_error
 
-from distlab import launch, profiling
+from distlab import profiling
+from labkit import launch
 
 SCRIPT = "scripts/12_hpc_operations/profile_step.py"
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import comm, launch, memory, models, schedules
+from distlab import comm, memory, models, schedules
+from labkit import launch
 
 SCRIPT = "scripts/12_hpc_operations/tuning.py"
 ORDERING_CHECK = "the measured bubble shrinks"  # the only check that reads a clock

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
-from distlab import launch
+from labkit import launch
 
 EP = "scripts/13_expert_parallel/ep_from_scratch.py"
 
@@ -113,7 +113,7 @@ def test_the_dispatch_picture_is_what_the_run_sent(dropless):
     diagonal, is the dispatch the 4-rank run measured at step 1, and the chapter's numbers are the picture's."""
     from pathlib import Path
 
-    from distlab import figures
+    from coursetools import figures
 
     matrix = figures.expert_dispatch_of_step()
     sent = int(matrix[0].sum() - matrix[0, 0])

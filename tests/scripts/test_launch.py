@@ -1,10 +1,10 @@
-"""distlab.launch: both launchers give scripts the same job, failures surface clearly, nothing hangs."""
+"""labkit.launch: both launchers give scripts the same job, failures surface clearly, nothing hangs."""
 
 from pathlib import Path
 
 import pytest
 
-from distlab import launch
+from labkit import launch
 from helpers import assert_all_checks_passed, assert_config_error, assert_usage_error
 
 PROBE = str(Path(__file__).with_name("probe_job.py"))

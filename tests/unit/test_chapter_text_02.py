@@ -1,10 +1,11 @@
-"""Chapter 02's tables, recomputed from distlab.widgets: the test fails when chapters/02_why_distributed.md drifts.
+"""Chapter 02's tables, recomputed from labkit.widgets: the test fails when chapters/02_why_distributed.md drifts.
 
 Memory is in GiB (an A100 "40GB" has 40 GiB), as chapters/00_conventions.md says."""
 
 from pathlib import Path
 
-from distlab import memory, metrics, widgets
+from distlab import memory, metrics
+from labkit import widgets
 
 TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "02_why_distributed.md").read_text()
 GIB, A100 = widgets.GIB, widgets.GPUS["A100-40GB"]

@@ -3,7 +3,8 @@
 import re
 from pathlib import Path
 
-from distlab import metrics, models, widgets
+from distlab import metrics, models
+from labkit import widgets
 from distlab import tensor_parallel as tp
 
 REPO = Path(__file__).resolve().parents[2]

@@ -86,7 +86,7 @@ def _notebook_cell(marker: str) -> str:
 
 
 def test_halo_exercise_rejects_plausible_slips():
-    from distlab import exercises
+    from labkit.exercises import ch10 as exercises
 
     check = _notebook_cell('exercises.check_value("halo"')
     for wrong in (4,    # forgot the dilation
@@ -98,7 +98,7 @@ def test_halo_exercise_rejects_plausible_slips():
 
 
 def test_halo_from_above_exercise_rejects_plausible_slips():
-    from distlab import exercises
+    from labkit.exercises import ch10 as exercises
 
     check = _notebook_cell('exercises.check_function("halo_from_above"')
 

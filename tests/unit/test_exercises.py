@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from distlab import exercises
+from labkit.exercises import checks as exercises
+from labkit.exercises import ch05, ch06, ch08
 
 
 def test_value_none_is_incomplete_and_wrong_is_wrong(capsys):
@@ -44,27 +45,27 @@ def _stub(*args):
 def test_exercise_checks_report_a_stub_as_not_written_yet():
     """The learner's copy calls each check with a stub: not written yet, never 'wrong' and never a traceback."""
     with pytest.raises(exercises.ExerciseIncomplete, match="zero1_adamw_step"):
-        exercises.check_zero1_adamw_step(_stub)
+        ch05.check_zero1_adamw_step(_stub)
     with pytest.raises(exercises.ExerciseIncomplete, match="column_parallel_linear"):
-        exercises.check_parallel_linears(_stub, _stub)
+        ch06.check_parallel_linears(_stub, _stub)
     with pytest.raises(exercises.ExerciseIncomplete, match="row_parallel_linear"):
-        exercises.check_parallel_linears(lambda x, shards: [x @ w.T for w in shards], _stub)
+        ch06.check_parallel_linears(lambda x, shards: [x @ w.T for w in shards], _stub)
     with pytest.raises(exercises.ExerciseIncomplete, match="merge_attention_blocks"):
-        exercises.check_merge_attention_blocks(_stub)
+        ch08.check_merge_attention_blocks(_stub)
     with pytest.raises(exercises.ExerciseIncomplete, match="min_gpus"):
-        exercises.check_min_gpus("min_gpus", None, num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
+        ch05.check_min_gpus("min_gpus", None, num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
 
 
 def test_block_attention_of_a_fully_masked_row_is_zero_with_lse_minus_infinity():
     q, k, v = torch.randn(4, 8), torch.randn(3, 8), torch.randn(3, 8)
-    out, lse = exercises._block_attention(q, k, v, torch.arange(4), torch.arange(2, 5), causal=True)
+    out, lse = ch08._block_attention(q, k, v, torch.arange(4), torch.arange(2, 5), causal=True)
     assert torch.isneginf(lse[:2]).all() and (out[:2] == 0).all()      # queries 0, 1 see none of keys 2-4
     assert torch.isfinite(lse[2:]).all()
     torch.testing.assert_close(out[3], torch.softmax(q[3] @ k[:2].T / 8**0.5, -1) @ v[:2])  # query 3: keys 2, 3
 
 
 def test_a_right_answer_says_why(capsys):
-    from distlab import exercises
+    from labkit.exercises import checks as exercises
 
     exercises.check_true("layout_70b", True, "does not fit", why="tp=4,pp=4,dp=4 fits; it reaches 100% of the best")
     assert capsys.readouterr().out.strip() == "Correct: layout_70b: tp=4,pp=4,dp=4 fits; it reaches 100% of the best"

@@ -20,7 +20,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab import exercises, student
+from coursetools import student
+from labkit.exercises import checks as exercises
+from labkit.exercises import ch05, ch06
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -378,12 +380,12 @@ def test_min_gpus_each_slip_gives_another_answer_than_the_right_one():
              "rounded down": math.floor(state_gib / (40 - 12)),     # 6
              "power of two": 2 ** math.ceil(math.log2(right)),      # 8
              "ZeRO-2 state": math.ceil(14 * 13e9 / ((40 - 12) * 2**30 - 2 * 13e9))}  # 45
-    assert right == 7 and exercises.smallest_world_size(13e9, 3, 40, 12) == right
+    assert right == 7 and ch05.smallest_world_size(13e9, 3, 40, 12) == right
     assert slips == {"no reserve": 5, "GB against GiB": 8, "both": 6, "rounded down": 6, "power of two": 8,
                      "ZeRO-2 state": 45}
     for slip, value in slips.items():
         with pytest.raises(exercises.ExerciseWrong):
-            exercises.check_min_gpus("min_gpus_zero3", value, num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
+            ch05.check_min_gpus("min_gpus_zero3", value, num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
     # The numbers the exercise had (10 GiB kept, powers of two): the right answer and both slips were all 8.
     old = lambda budget, unit: next(n for n in (1, 2, 4, 8, 16, 32) if 16 * 13e9 / n / unit <= budget)
     assert old(30, 2**30) == old(40, 2**30) == old(30, 1e9) == 8
@@ -392,21 +394,21 @@ def test_min_gpus_each_slip_gives_another_answer_than_the_right_one():
 def test_min_gpus_names_the_slip():
     kwargs = dict(num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
     with pytest.raises(exercises.ExerciseWrong, match="nothing for activations"):
-        exercises.check_min_gpus("m", 5, **kwargs)
+        ch05.check_min_gpus("m", 5, **kwargs)
     with pytest.raises(exercises.ExerciseWrong, match="GB .* GiB.* or .*power of two"):
-        exercises.check_min_gpus("m", 8, **kwargs)
+        ch05.check_min_gpus("m", 8, **kwargs)
     with pytest.raises(exercises.ExerciseIncomplete):
-        exercises.check_min_gpus("m", None, **kwargs)
+        ch05.check_min_gpus("m", None, **kwargs)
 
 
 def test_bytes_per_phase_a_swap_between_phases_keeps_the_total():
     """The slip the per-phase check exists for: the loss statistics counted in backward."""
     rows = [{"phase": "forward", "measured_bytes": 100}, {"phase": "forward", "measured_bytes": 12},
             {"phase": "backward", "measured_bytes": 100}]
-    exercises.check_bytes_per_phase("b", {"forward": 112, "backward": 100}, rows)
+    ch06.check_bytes_per_phase("b", {"forward": 112, "backward": 100}, rows)
     with pytest.raises(exercises.ExerciseWrong, match="forward: predicted 100 B, measured 112 B"):
-        exercises.check_bytes_per_phase("b", {"forward": 100, "backward": 112}, rows)
+        ch06.check_bytes_per_phase("b", {"forward": 100, "backward": 112}, rows)
     with pytest.raises(exercises.ExerciseWrong, match="one number per phase"):
-        exercises.check_bytes_per_phase("b", {"total": 212}, rows)
+        ch06.check_bytes_per_phase("b", {"total": 212}, rows)
     with pytest.raises(exercises.ExerciseIncomplete):
-        exercises.check_bytes_per_phase("b", {"forward": None, "backward": None}, rows)
+        ch06.check_bytes_per_phase("b", {"forward": None, "backward": None}, rows)

@@ -1,4 +1,4 @@
-"""The chapters' pictures: every figure a chapter references exists, and every generator in distlab.figures runs.
+"""The chapters' pictures: every figure a chapter references exists, and every generator in coursetools.figures runs.
 
 Also the data behind the ring picture: the chunk counts are chapter 03's algorithm, not a drawing."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import figures
+from coursetools import figures
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTERS = REPO / "chapters"
@@ -27,7 +27,7 @@ def test_every_referenced_figure_exists_and_comes_from_a_generator():
     assert len(refs) >= 6, "the chapters embed their mechanisms' figures"
     for target, chapters in refs.items():
         assert (CHAPTERS / target).is_file(), f"{chapters} reference {target}, which is missing: run `make figures`"
-        assert Path(target).name in figures.FIGURES, f"{target} has no generator in distlab.figures.FIGURES"
+        assert Path(target).name in figures.FIGURES, f"{target} has no generator in coursetools.figures.FIGURES"
 
 
 def test_every_generated_figure_is_used_and_committed():

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from distlab import forkserver, launch
+from labkit import launch
+from coursetools import forkserver
 
 BAD_MESH = ("scripts/09_hybrid_parallel/hybrid_3d.py", ["--pp", "2", "--dp", "2", "--tp", "2"])
 
@@ -45,7 +46,7 @@ def test_a_served_run_trains_reports_metrics_and_sees_its_environment(server, tm
 
 def test_a_served_run_past_its_timeout_is_killed_with_its_ranks(server, tmp_path):
     script = tmp_path / "sleeps.py"
-    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    script.write_text("import os, time\nos.write(1, b'started\\n')\ntime.sleep(60)\n")  # one write: no interleaving
     started = time.perf_counter()
     with pytest.raises(launch.LaunchError, match="did not finish within 2 s") as error:
         launch.run(str(script), nproc=2, stream=False, metrics=False, timeout=2, cwd=tmp_path)

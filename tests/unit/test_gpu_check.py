@@ -1,4 +1,4 @@
-"""make gpu-check (distlab.gpu_check) on a machine without a GPU: the refusal, the run table, the plan, and the
+"""make gpu-check (coursetools.gpu_check) on a machine without a GPU: the refusal, the run table, the plan, and the
 summary and table built from a recorded example.
 
 The example (tests/unit/data/gpu_check_example.json) is a SYNTHETIC fixture: invented numbers in the shape of a
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from distlab import gpu_check, runtime
-from distlab.gpu_check import NOT_ON_GPU, RUNS, Planned, Run, plan_runs, render_table, run_result, summarize
+from distlab import runtime
+from coursetools import gpu_check
+from coursetools.gpu_check import NOT_ON_GPU, RUNS, Planned, Run, plan_runs, render_table, run_result, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = Path(__file__).parent / "data" / "gpu_check_example.json"
@@ -32,7 +33,7 @@ GIB = 1024**3
 def test_refuses_without_a_gpu_in_one_line_with_exit_2():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU, even where the tests run on a GPU machine
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "distlab.gpu_check"], cwd=REPO, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "coursetools.gpu_check"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2, done
     lines = (done.stdout + done.stderr).splitlines()
@@ -45,7 +46,7 @@ def test_refuses_without_a_gpu_device_node():
     if any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")):
         pytest.skip("this machine has a GPU device node")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    done = subprocess.run([sys.executable, "-m", "distlab.gpu_check"], cwd=REPO, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "coursetools.gpu_check"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("config error: no NVIDIA GPU on this machine (no /dev/nvidia* device): make gpu-check "
@@ -56,7 +57,7 @@ def test_make_target_runs_the_module():
     done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "GPU_CHECK_ARGS=--plan-only"], cwd=REPO,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    assert re.search(r"python -m distlab\.gpu_check --plan-only$", done.stdout.strip()), done.stdout
+    assert re.search(r"python -m coursetools\.gpu_check --plan-only$", done.stdout.strip()), done.stdout
 
 
 def test_never_changes_gpu_settings():

@@ -1,6 +1,6 @@
-"""distlab.lab_check's verdict on a lab's cells (pure; the browser run itself is `make lab-check`, in .ci/run)."""
+"""coursetools.lab_check's verdict on a lab's cells (pure; the browser run itself is `make lab-check`, in .ci/run)."""
 
-from distlab import lab_check
+from coursetools import lab_check
 
 
 def cell(source="x = 1", count=1, *outputs):

@@ -1,8 +1,8 @@
-"""distlab.launch's replay cache: keyed on everything a run depends on, so an edit never replays a stale run."""
+"""labkit.launch's replay cache: keyed on everything a run depends on, so an edit never replays a stale run."""
 
 import textwrap
 
-from distlab import launch
+from labkit import launch
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -20,11 +20,12 @@ def _chapter(tmp_path, greeting):
     return folder / "hello.py"
 
 
-def test_the_key_covers_the_script_its_chapter_helpers_and_distlab():
+def test_the_key_covers_the_script_its_chapter_helpers_distlab_and_the_launcher():
     files = {f"{p.parent.name}/{p.name}" for p in launch.run_dependencies(
         launch.REPO_ROOT / "scripts/07_pipeline_parallel/pp_manual.py")}
     assert {"07_pipeline_parallel/pp_manual.py", "07_pipeline_parallel/common_pipeline.py",
-            "distlab/schedules.py", "distlab/models.py", "distlab/launch.py", "distlab/runtime.py"} <= files
+            "distlab/schedules.py", "distlab/models.py", "labkit/launch.py", "labkit/forkrun.py", "distlab/runtime.py",
+            "planner/spec.py"} <= files
 
 
 def test_an_edit_to_any_dependency_or_the_environment_changes_the_key(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""distlab.launch reads a run's output: the cause of a failure, each rank's exit code."""
+"""labkit.launch reads a run's output: the cause of a failure, each rank's exit code."""
 
-from distlab.launch import _rank_exit_codes, first_error
+from labkit.launch import _rank_exit_codes, first_error
 
 
 def test_first_error_finds_the_cause_before_the_peers_connection_resets():
@@ -19,7 +19,7 @@ def test_rank_exit_codes_are_read_from_the_fork_launcher():
 def test_the_profilers_trace_points_are_not_shown_to_the_learner(capsys, tmp_path):
     import sys
 
-    from distlab import launch
+    from labkit import launch
 
     script = tmp_path / "noisy.py"
     script.write_text("print('USDT:2026-11-25 02:42:11 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start')\n"
@@ -39,7 +39,7 @@ def test_the_ranks_import_the_library_that_launched_them(tmp_path):
     import sys
 
     import distlab
-    from distlab.launch import child_environment
+    from labkit.launch import child_environment
 
     env = child_environment({"DISTLAB_PG_TIMEOUT": "7"}, base={"PYTHONPATH": "/elsewhere", "PATH": "/usr/bin"})
     root = str(__import__("pathlib").Path(distlab.__file__).resolve().parent.parent)

@@ -1,4 +1,4 @@
-"""The mesh pictures of chapter 09 (distlab.mesh_view): placement and colours checked against a grid built here
+"""The mesh pictures of chapter 09 (labkit.mesh_view): placement and colours checked against a grid built here
 with torch.arange(...).view(...), the HTML and the widget without a browser, the matplotlib drawing headless."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from distlab import mesh_view
+from labkit import mesh_view
 
 
 def arange_groups(shape, order, dim):

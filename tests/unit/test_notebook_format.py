@@ -4,7 +4,7 @@ Why it did: on open, JupyterLab writes the kernel's ``language_info`` and ``kern
 metadata and keeps a value only when it deep-equals what is stored. Our notebooks stored
 ``language_info: {"name": "python"}``, so the kernel's full answer (codemirror_mode, mimetype, version, ...)
 changed the model and the notebook turned dirty the moment the kernel started. Saving then also rewrote nbformat
-4.4 as 4.5 with random cell ids. ``distlab.student.normalise_notebook`` stores what Jupyter would write: nbformat
+4.4 as 4.5 with random cell ids. ``coursetools.student.normalise_notebook`` stores what Jupyter would write: nbformat
 4.5, stable unique cell ids, the course kernel's spec (the Makefile's ``Python 3 (distlab)``) and the kernel's full
 ``language_info``; this test holds every notebook, full and learner's copy, to that form.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab import student
+from coursetools import student
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")) + \

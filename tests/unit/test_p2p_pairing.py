@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab import comm, launch
+from distlab import comm
+from labkit import launch
 
 SCRIPTS = sorted((launch.REPO_ROOT / "scripts").rglob("*.py"))
 UNPAIRED = {"send", "recv", "isend", "irecv"}

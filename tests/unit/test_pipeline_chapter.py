@@ -223,7 +223,7 @@ def notebook_check_cell(marker: str) -> str:
     ('check_value("microbatches_needed"', "microbatches_needed", 140, 133),
 ])
 def test_the_exercises_say_which_convention_and_reject_the_other(marker, name, wrong, right):
-    from distlab import exercises
+    from labkit.exercises import ch07 as exercises
 
     source = notebook_check_cell(marker)
     namespace = {"exercises": exercises, "schedules": schedules, "print": lambda *a, **k: None}

@@ -6,7 +6,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from distlab import planner, planner_widgets  # noqa: E402
+from distlab import planner  # noqa: E402
+from labkit import planner_widgets
 
 
 def test_explorer_shows_the_best_fitting_layouts_and_their_table():
@@ -56,7 +57,7 @@ def test_layout_verdicts():
 def test_the_notebooks_exercise_checks_reject_plausible_wrong_answers():
     import pytest
 
-    from distlab import exercises
+    from labkit.exercises import ch11 as exercises
 
     right = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
     exercises.check_value("nodes_13b", right, right)
@@ -78,7 +79,8 @@ def test_the_memory_legend_covers_no_bar():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from distlab import planner, planner_widgets
+    from distlab import planner
+    from labkit import planner_widgets
 
     plans = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[:8]
     ax = planner_widgets.draw_memory_bars(plans)

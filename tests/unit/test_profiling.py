@@ -91,7 +91,8 @@ def test_a_file_without_events_is_refused(tmp_path):
 
 # ---- chapter 12's exercises: the solutions pass, plausible wrong answers are rejected -----------------------
 
-from distlab import exercises, exercises_operations  # noqa: E402
+from labkit.exercises import ch12  # noqa: E402
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong  # noqa: E402
 
 
 def lanes(rows, name):
@@ -116,13 +117,13 @@ def wrong_any_compute(rows):
 
 
 def test_hidden_communication_check():
-    exercises_operations.check_hidden_communication(exercises_operations.hidden_seconds)
+    ch12.check_hidden_communication(ch12.hidden_seconds)
     for wrong in (wrong_all_communication, wrong_inside_backward_span, wrong_summed_per_collective,
                   wrong_any_compute):
-        with pytest.raises(exercises.ExerciseWrong):
-            exercises_operations.check_hidden_communication(wrong)
-    with pytest.raises(exercises.ExerciseIncomplete):
-        exercises_operations.check_hidden_communication(lambda rows: None)
+        with pytest.raises(ExerciseWrong):
+            ch12.check_hidden_communication(wrong)
+    with pytest.raises(ExerciseIncomplete):
+        ch12.check_hidden_communication(lambda rows: None)
 
 
 def wrong_stuck_ranks(journals, label):
@@ -139,9 +140,9 @@ def wrong_not_finished(journals, label):
 
 
 def test_missing_ranks_check():
-    exercises_operations.check_missing_ranks(exercises_operations.missing_ranks)
+    ch12.check_missing_ranks(ch12.missing_ranks)
     for wrong in (wrong_stuck_ranks, wrong_everyone_without_the_call, wrong_not_finished):
-        with pytest.raises(exercises.ExerciseWrong):
-            exercises_operations.check_missing_ranks(wrong)
-    with pytest.raises(exercises.ExerciseIncomplete):
-        exercises_operations.check_missing_ranks(lambda journals, label: None)
+        with pytest.raises(ExerciseWrong):
+            ch12.check_missing_ranks(wrong)
+    with pytest.raises(ExerciseIncomplete):
+        ch12.check_missing_ranks(lambda journals, label: None)

@@ -1,4 +1,4 @@
-"""The course as a website (distlab.site, book/conf.py): its source folder, and builds that fail as they should.
+"""The course as a website (coursetools.site, book/conf.py): its source folder, and builds that fail as they should.
 
 `make site` runs every lab (CI does it: .ci/run); here the site is built with the labs left unexecuted (nbval runs
 them in `make test`), which checks every link and image of every page in seconds, and three planted faults (a broken
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab import site, widgets
+from labkit import widgets
+from coursetools import site
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +135,7 @@ def test_a_cell_that_raises_fails_the_build(tmp_path):
 
 
 def test_widgets_show_their_first_view_on_the_website(monkeypatch):
-    from distlab import mesh_view
+    from labkit import mesh_view
 
     monkeypatch.setenv(widgets.STATIC_ENV, "1")
     fit = widgets.does_it_fit_explorer(num_params=13e9, gpus=8).data

@@ -1,6 +1,6 @@
 import pytest
 
-from distlab import student
+from coursetools import student
 
 FUNCTION_CELL = '''def ring(x):
     """docstring"""

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from distlab import memory, metrics, widgets
+from distlab import memory, metrics
+from labkit import widgets
 
 GB = widgets.GB
 GIB = widgets.GIB

@@ -2,7 +2,8 @@
 
 import pytest
 
-from distlab import schedules, widgets
+from distlab import schedules
+from labkit import widgets
 
 
 @pytest.mark.parametrize("name, chunks, expected", [

@@ -1,4 +1,4 @@
-"""Chapter 13's exercise checks (distlab.exercises_moe): a correct answer passes, a stub is "not written yet", and
+"""Chapter 13's exercise checks (labkit.exercises.ch13): a correct answer passes, a stub is "not written yet", and
 each plausible wrong answer is rejected with the hint that names it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab import exercises_moe as ex
-from distlab.exercises import ExerciseIncomplete, ExerciseWrong
+from labkit.exercises import ch13 as ex
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 
 
 @pytest.fixture(autouse=True)

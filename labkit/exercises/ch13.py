@@ -6,7 +6,7 @@
 * :func:`check_dropless_capacity`: the smallest capacity factor that drops no assignment of a given routing.
 
 Each says the answer is right and why, names the plausible wrong answer when it sees one, and (through
-:func:`distlab.exercises.learner_check`) lets an unwritten exercise pass over in a learner's notebook.
+:func:`labkit.exercises.checks.learner_check`) lets an unwritten exercise pass over in a learner's notebook.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from distlab import moe
-from distlab.exercises import ExerciseIncomplete, ExerciseWrong, learner_check
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, call_learner, learner_check
 
 NOT_WRITTEN = "is not written yet. Fill in its body, then run this cell again."
 
@@ -24,13 +24,6 @@ DISPATCH_CASES = [(4096, 2, 4096, 2, 8), (8192, 8, 7168, 2, 64), (1024, 1, 1024,
 # (experts, GiB per expert with its gradients and AdamW state, GiB free per GPU for experts, GPUs per node, nodes)
 EP_CASES = [(8, 4.0, 20.0, 4, 4), (64, 1.0, 10.0, 4, 8), (64, 3.0, 10.0, 4, 8), (16, 1.0, 30.0, 8, 2),
             (256, 0.5, 20.0, 8, 32), (8, 50.0, 20.0, 4, 2)]
-
-
-def _call(name, function, *args):
-    try:
-        return function(*args)
-    except NotImplementedError:
-        raise ExerciseIncomplete(f"`{name}` {NOT_WRITTEN}") from None
 
 
 def reference_ep(experts: int, expert_gib: float, free_gib: float, gpus_per_node: int, nodes: int):
@@ -48,7 +41,7 @@ def check_dispatch_bytes(dispatch_bytes) -> None:
     """``dispatch_bytes(tokens, top_k, hidden, bytes_per_element, ep)``: bytes a rank sends in one dispatch when
     routing is even (each assignment's expert on any of the ep ranks alike)."""
     for tokens, k, hidden, element, ep in DISPATCH_CASES:
-        got = _call("dispatch_bytes", dispatch_bytes, tokens, k, hidden, element, ep)
+        got = call_learner("dispatch_bytes", dispatch_bytes, tokens, k, hidden, element, ep)
         want = moe.dispatch_bytes(tokens, k, hidden, element, moe.uniform_leaving_share(ep))
         if got is None or not math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-9):
             everything = tokens * k * hidden * element
@@ -69,7 +62,7 @@ def check_dispatch_bytes(dispatch_bytes) -> None:
 def check_ep_choice(choose_ep) -> None:
     """``choose_ep(experts, expert_gib, free_gib, gpus_per_node, nodes) -> (ep, crosses_nodes)`` or None."""
     for case in EP_CASES:
-        got = _call("choose_ep", choose_ep, *case)
+        got = call_learner("choose_ep", choose_ep, *case)
         want = reference_ep(*case)
         if got is None and want is None:
             continue
@@ -97,7 +90,7 @@ def check_dropless_capacity(capacity_factor, routing) -> None:
     """``capacity_factor(chosen, num_experts) -> float``: the smallest factor with which
     ``ceil(factor x tokens x top_k / num_experts)`` is at least every expert's count in ``chosen`` ([T, k])."""
     for chosen, experts in routing:
-        got = _call("capacity_factor", capacity_factor, chosen, experts)
+        got = call_learner("capacity_factor", capacity_factor, chosen, experts)
         tokens, k = chosen.shape
         busiest = int(chosen.reshape(-1).bincount(minlength=experts).max())
         want = busiest * experts / (tokens * k)

@@ -1,12 +1,12 @@
-"""Chapter 09's exercise checks (distlab.exercises_hybrid): a correct answer passes, a stub is "not written yet",
+"""Chapter 09's exercise checks (labkit.exercises.ch09): a correct answer passes, a stub is "not written yet",
 and each plausible wrong answer is rejected with the hint that names it."""
 
 from __future__ import annotations
 
 import pytest
 
-from distlab import exercises_hybrid as ex
-from distlab.exercises import ExerciseIncomplete, ExerciseWrong
+from labkit.exercises import ch09 as ex
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 
 
 def coordinates_device_mesh(rank, pp, dp, tp):

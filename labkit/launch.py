@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distlab import forkserver
+from coursetools import forkserver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_LINES = 40
@@ -139,7 +139,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(script), *args]
     else:
-        command = [sys.executable, "-m", "distlab.forkrun", f"--nproc={nproc}", str(script), *args]
+        command = [sys.executable, "-m", "labkit.forkrun", f"--nproc={nproc}", str(script), *args]
 
     cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path, env)
     if cache_file is not None and cache_file.exists():
@@ -246,10 +246,12 @@ def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[s
 
 def run_dependencies(script: Path) -> list[Path]:
     """Every source file a run of ``script`` depends on: the script, the Python files of its folder (its
-    chapter's ``common_*.py`` helpers) and the whole ``distlab`` package. The replay cache keys on them all."""
+    chapter's ``common_*.py`` helpers), the whole ``distlab`` library (its sub-packages too) and the launcher
+    that starts the ranks (this module and ``forkrun``). The replay cache keys on them all."""
     script = Path(script).resolve()
-    package = Path(__file__).resolve().parent
-    files = {script, *script.parent.glob("*.py"), *package.glob("*.py")}
+    here = Path(__file__).resolve().parent
+    library = REPO_ROOT / "distlab"
+    files = {script, *script.parent.glob("*.py"), *library.rglob("*.py"), here / "launch.py", here / "forkrun.py"}
     return sorted(files)
 
 

@@ -7,14 +7,14 @@
   parameter: weights, gradients *and* AdamW's state) plus the activations on N nodes of 4 x A100-40GB, or None.
 * :func:`check_block_plan`: the tensor-parallel plan of one transformer block, ``{module: style}``.
 
-Each raises :class:`distlab.exercises.ExerciseIncomplete` while the exercise is a stub and
-:class:`distlab.exercises.ExerciseWrong` with a hint when the answer is wrong.
+Each raises :class:`labkit.exercises.checks.ExerciseIncomplete` while the exercise is a stub and
+:class:`labkit.exercises.checks.ExerciseWrong` with a hint when the answer is wrong.
 """
 
 from __future__ import annotations
 
 from distlab import hybrid, sizing
-from distlab.exercises import ExerciseIncomplete, ExerciseWrong, learner_check
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, call_learner, learner_check
 
 NOT_WRITTEN = "is not written yet."
 
@@ -30,13 +30,6 @@ GPU_GIB = sizing.A100_40GB_BYTES / sizing.GIB
 # those that split their input features and produce partial sums.
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")
-
-
-def _call(name, function, *args):
-    try:
-        return function(*args)
-    except NotImplementedError:
-        raise ExerciseIncomplete(f"`{name}` {NOT_WRITTEN} Fill in its body, then run this cell again.") from None
 
 
 def _expected_grid(shape, rank):
@@ -56,7 +49,7 @@ def check_rank_grid(coordinates, groups) -> None:
     {"pp": [...], "dp": [...], "tp": [...]}`` (members in order of their coordinate), DeviceMesh's order."""
     for shape, rank in GRID_CASES:
         want_coordinates, want_groups = _expected_grid(shape, rank)
-        got = _call("coordinates", coordinates, rank, *shape)
+        got = call_learner("coordinates", coordinates, rank, *shape)
         if got is None:
             raise ExerciseIncomplete(f"`coordinates` {NOT_WRITTEN} It returned None.")
         if tuple(got) != want_coordinates:
@@ -69,7 +62,7 @@ def check_rank_grid(coordinates, groups) -> None:
                                 f"{tuple(got)}, expected {want_coordinates}. {hint}")
     for shape, rank in GRID_CASES:
         _, want_groups = _expected_grid(shape, rank)
-        got = _call("groups", groups, rank, *shape)
+        got = call_learner("groups", groups, rank, *shape)
         if got is None:
             raise ExerciseIncomplete(f"`groups` {NOT_WRITTEN} It returned None.")
         for dim in ("pp", "dp", "tp"):
@@ -94,7 +87,7 @@ def check_layout_choice(choose_layout) -> None:
         fits = _fits(num_params, gpus, activation_gib)
         state = sizing.state_gib_per_gpu(num_params, gpus)
         where = f"`choose_layout({num_params:.0e}, nodes={nodes}, activation_gib={activation_gib})`"
-        got = _call("choose_layout", choose_layout, num_params, nodes, activation_gib)
+        got = call_learner("choose_layout", choose_layout, num_params, nodes, activation_gib)
         if not fits:
             if got is not None:
                 # weights and gradients only: 2 + 2 bytes in bf16, or 4 + 4 as FSDP2's fp32 shards

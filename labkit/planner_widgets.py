@@ -102,7 +102,7 @@ def planner_explorer(model: str = "70b", cluster: str = "h100-80gb", gpus: int =
             plt.show()
         display(Markdown(text))
 
-    from distlab import widgets as course_widgets
+    from labkit import widgets as course_widgets
 
     if course_widgets.static_pages():   # the website: the first view, no controls
         display(course_widgets.static_view(""))

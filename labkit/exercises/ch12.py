@@ -8,7 +8,7 @@ answers apart, and, when given, the notebook's own run) and compares with what `
 from __future__ import annotations
 
 from distlab import profiling
-from distlab.exercises import ExerciseWrong, _not_done, _ok, learner_check
+from labkit.exercises.checks import ExerciseWrong, _not_done, _ok, learner_check
 
 
 def hidden_seconds(rows: list[dict]) -> float:

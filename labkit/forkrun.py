@@ -1,4 +1,4 @@
-"""``python -m distlab.forkrun --nproc=4 script.py [args]``: torchrun's job, started by fork (CPU only).
+"""``python -m labkit.forkrun --nproc=4 script.py [args]``: torchrun's job, started by fork (CPU only).
 
 Importing torch costs each rank seconds; here the parent imports it once and forks the ranks, each with
 the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -6,7 +6,7 @@ MASTER_PORT). The script runs unchanged, as ``__main__``. When a rank fails, the
 to finish their own report and are then stopped, as torchrun does; the launcher exits with the first
 failing rank's code (so a configuration error exits 2) and prints every rank's exit code.
 
-CUDA does not survive fork: use torchrun for GPU runs (``distlab.launch`` does).
+CUDA does not survive fork: use torchrun for GPU runs (``labkit.launch`` does).
 
 ``DISTLAB_P2P_LOG=DIR`` (tests only) records every point-to-point operation each rank issues in
 ``DIR/rank{r}.jsonl`` (:class:`distlab.comm.P2PRecorder`), so a test can replay them under NCCL's rules.

@@ -158,7 +158,7 @@ def mesh_explorer(pp: int = 1, dp: int = 2, tp: int = 4, gpus_per_node: int = 4,
     """The interactive mesh (ipywidgets): pp, dp, tp, GPUs per node and the dimension to colour, over
     :func:`explorer_html`. Returns the widget box (``.controls``, ``.output``, ``.update``); on the website,
     ``widgets.static_view`` of its first view."""
-    from distlab import widgets
+    from labkit import widgets
 
     if widgets.static_pages():
         return widgets.static_view(explorer_html(pp=pp, dp=dp, tp=tp, gpus_per_node=gpus_per_node,

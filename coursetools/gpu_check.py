@@ -1,14 +1,14 @@
 """``make gpu-check``: the course's scripts on the GPUs of this machine, in one command, under 10 minutes.
 
-    make gpu-check                                  # = python -m distlab.gpu_check
-    python -m distlab.gpu_check --plan-only         # what it would run here, and why not the rest
-    python -m distlab.gpu_check --plan-only --gpus 4 --gpu-memory-gib 40     # ... on another machine
-    python -m distlab.gpu_check --render build/gpu_check/summary.json        # the table again
+    make gpu-check                                  # = python -m coursetools.gpu_check
+    python -m coursetools.gpu_check --plan-only         # what it would run here, and why not the rest
+    python -m coursetools.gpu_check --plan-only --gpus 4 --gpu-memory-gib 40     # ... on another machine
+    python -m coursetools.gpu_check --render build/gpu_check/summary.json        # the table again
 
 On a machine with one or more NVIDIA GPUs it
 
 1. finds the GPUs (name, memory) in a child process, so this process never holds a CUDA context;
-2. runs every chapter script of ``RUNS`` with ``--device cuda`` through ``distlab.launch`` (torchrun: CUDA
+2. runs every chapter script of ``RUNS`` with ``--device cuda`` through ``labkit.launch`` (torchrun: CUDA
    does not survive the fork launcher), each with a timeout, one rank per GPU (NCCL allows no more), bf16
    where the script offers it; the single-device baseline on the ``a100`` preset in bf16 comes first;
 3. times a large device-to-device copy (device memory bandwidth);
@@ -205,7 +205,7 @@ def plan_runs(gpu_count: int, gpu_memory_bytes: int, workdir: str | os.PathLike,
 
 
 # --------------------------------------------------------------------------------------------------
-# One run's outcome, from what distlab.launch returned (pure)
+# One run's outcome, from what labkit.launch returned (pure)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -244,7 +244,7 @@ def run_result(planned: Planned, returncode: int | None, output: str, seconds: f
     elif returncode == 1 and row["failed_checks"]:
         status, reason = "failed", f"{len(row['failed_checks'])} check(s) failed"
     else:
-        from distlab.launch import first_error
+        from labkit.launch import first_error
 
         status = "crashed"
         reason = first_error(output) or (f"exit code {returncode}" + ("" if metrics is not None else ", no metrics"))
@@ -568,7 +568,7 @@ def _compare_expert_paths(device: str = "cuda", dtype_name: str = "bf16", rows: 
 
 
 def _in_child(what: str, timeout: float = 120) -> dict:
-    done = subprocess.run([sys.executable, "-m", "distlab.gpu_check", "--child", what], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "coursetools.gpu_check", "--child", what], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed in a child process:\n{done.stderr[-2000:]}")
@@ -586,7 +586,7 @@ def _no_gpu_here() -> str | None:
 
 
 def _launch(planned: Planned, logs: Path, budget_left: float, budget_s: float = TIME_BUDGET_S) -> dict:
-    from distlab import launch
+    from labkit import launch
 
     if planned.skip is not None:
         return run_result(planned, None, "", 0.0, None)

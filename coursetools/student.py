@@ -1,4 +1,4 @@
-"""Write the learner's copies of the notebooks: ``python -m distlab.student`` (``make student``).
+"""Write the learner's copies of the notebooks: ``python -m coursetools.student`` (``make student``).
 
 For each ``notebooks/NN_name.ipynb`` it writes ``notebooks/student/NN_name.ipynb`` with every solution
 (``### BEGIN SOLUTION`` ... ``### END SOLUTION``) replaced by a stub:

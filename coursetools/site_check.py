@@ -104,7 +104,7 @@ def errors_in(events: list[dict]) -> list[str]:
 
 def pages_to_open(html: Path) -> list[str]:
     """The landing page, the conventions, every chapter and every lab, as paths under ``html``."""
-    from distlab import site
+    from coursetools import site
 
     pages = ["index.html", "chapters/00_conventions.html"]
     for chapter in site.chapter_links():

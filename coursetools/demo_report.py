@@ -2,7 +2,7 @@
 
 ``pbs/instructor_demo.pbs`` launches a chosen set of chapter scripts, each writing its metrics file, then::
 
-    python -m distlab.demo_report --out runs/<job>/instructor_demo.html --title "..." \\
+    python -m coursetools.demo_report --out runs/<job>/instructor_demo.html --title "..." \\
         LABEL=EXIT_CODE=METRICS.json [LABEL=EXIT_CODE=METRICS.json ...]
 
 The file is self-contained (plots embedded as PNG): a table (run, script, result, ranks, device, checks

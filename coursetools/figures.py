@@ -1,4 +1,4 @@
-"""The chapters' pictures, drawn from the library's own functions: ``python -m distlab.figures`` (``make figures``).
+"""The chapters' pictures, drawn from the library's own functions: ``python -m coursetools.figures`` (``make figures``).
 
 Each figure is one function ``draw_<name>(ax_or_fig)`` over the same code the scripts run (the ring all-reduce
 simulated chunk by chunk, ``memory.zero_state_bytes``, ``schedules.simulate``, ``tensor_parallel.ring_chunks``),
@@ -469,7 +469,7 @@ def measure_ddp_overlap(path=DDP_OVERLAP) -> Path:
 
     import torch
 
-    from distlab import launch
+    from labkit import launch
 
     run = launch.run("scripts/04_data_parallel/train_ddp.py", nproc=4, args=DDP_OVERLAP_ARGS, stream=False)
     extra = run.metrics["extra"]
@@ -522,7 +522,7 @@ def measure_hang(path=HANG) -> Path:
     diagnosis it printed (measured again by calling this function)."""
     import json
 
-    from distlab import launch
+    from labkit import launch
 
     run = launch.run("scripts/12_hpc_operations/deadlocks.py", nproc=4, args=HANG_ARGS, stream=False)
     extra = run.metrics["extra"]
@@ -575,7 +575,7 @@ def measure_fault_drill(path=FAULT_DRILL) -> Path:
     import subprocess
     import tempfile
 
-    from distlab import launch
+    from labkit import launch
 
     with tempfile.TemporaryDirectory() as folder:
         run_dir, metrics_file = Path(folder) / "run", Path(folder) / "metrics.json"
@@ -677,7 +677,8 @@ def draw_walls(fig) -> None:
     A100s), by model size, from ``widgets``' functions (the chapter's tables)."""
     import numpy as np
 
-    from distlab import memory, widgets
+    from distlab import memory
+    from labkit import widgets
 
     sizes = np.logspace(8, 11.5, 60)
     left, right = fig.subplots(1, 2)

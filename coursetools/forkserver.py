@@ -1,6 +1,6 @@
-"""A fork server for the test suite: torch imported once per test process, a ``distlab.forkrun`` forked per launch.
+"""A fork server for the test suite: torch imported once per test process, a ``labkit.forkrun`` forked per launch.
 
-Every fork launch (``launch.run`` on CPU) starts ``python -m distlab.forkrun``, whose first 2.4 s go to importing
+Every fork launch (``launch.run`` on CPU) starts ``python -m labkit.forkrun``, whose first 2.4 s go to importing
 torch before it forks the ranks: most of a config-error test, a third of a short run. ``make test`` launches a few
 hundred jobs, so it sets ``DISTLAB_FORK_SERVER=1``: then the first fork launch of a process starts this server, which
 imports what forkrun imports and waits on a Unix socket; each launch asks it to fork a child that *is* the
@@ -71,14 +71,14 @@ class ForkedRun:
         try:
             line = self._line()
         except (TimeoutError, socket.timeout):
-            raise subprocess.TimeoutExpired(["distlab.forkrun"], timeout) from None
+            raise subprocess.TimeoutExpired(["labkit.forkrun"], timeout) from None
         self.returncode = int(line) if line.strip() else -signal.SIGKILL   # no code: it was killed
         self._socket.close()
         return self.returncode
 
 
 def start(argv: list[str], cwd, env: dict) -> ForkedRun:
-    """Fork ``python -m distlab.forkrun *argv`` in ``cwd`` with ``env``, from this process's server."""
+    """Fork ``python -m labkit.forkrun *argv`` in ``cwd`` with ``env``, from this process's server."""
     return ForkedRun(_server_path(), argv, cwd, env)
 
 
@@ -90,7 +90,7 @@ def _server_path() -> str:
     folder = tempfile.mkdtemp(prefix="dlfs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "socket")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, "-m", "distlab.forkserver", path], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "coursetools.forkserver", path], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
@@ -117,7 +117,7 @@ def _receive(connection: socket.socket) -> tuple[dict, int]:
 
 
 def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) -> None:
-    """In the forked child: become ``python -m distlab.forkrun`` of the request, report the exit code, leave."""
+    """In the forked child: become ``python -m labkit.forkrun`` of the request, report the exit code, leave."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # forkrun waits for its ranks
@@ -130,8 +130,8 @@ def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) ->
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["distlab.forkrun", *request["argv"]]
-        from distlab import forkrun
+        sys.argv = ["labkit.forkrun", *request["argv"]]
+        from labkit import forkrun
 
         code = forkrun.main()
     except SystemExit as done:
@@ -147,7 +147,7 @@ def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) ->
 
 
 def serve(path: str) -> None:
-    from distlab import forkrun
+    from labkit import forkrun
 
     forkrun.preload()
     parent = os.getppid()

@@ -2,7 +2,7 @@
 
 JupyterLab (the course's, with its settings: ``make lab``'s) serves a copy of ``notebooks/`` (a run never writes into
 the course's own files: JupyterLab autosaves), and headless Chromium (Debian's package, over the DevTools protocol as
-``distlab.site_check`` drives it) opens each lab and runs it top to bottom with JupyterLab's own "Run All"
+``coursetools.site_check`` drives it) opens each lab and runs it top to bottom with JupyterLab's own "Run All"
 (``notebook:run-all-cells``). A full lab fails when
 
 * a cell ends in an error (a traceback) or stays unrun (Run All stops at an error);
@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from distlab.site_check import browser, find_browser, new_tab, stop
+from coursetools.site_check import browser, find_browser, new_tab, stop
 
 REPO = Path(__file__).resolve().parent.parent
 # a widget's controls must open on what its cell passed: each dropdown's selected option, in order, as the learner

@@ -1,0 +1,11 @@
+"""coursetools: what builds and checks the course, run from the Makefile; a learner never needs to read it.
+
+site             make site: the course laid out as a Sphinx source folder (chapters, labs, scripts, jobs)
+site_check       make site-check: the website read in headless Chromium (DevTools protocol)
+lab_check        make lab-check: every lab and learner's copy run in JupyterLab in headless Chromium
+student          make student: the learner's copies of the notebooks; the notebooks' normal form
+figures          make figures: the chapters' pictures, drawn from the library's own functions
+gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table
+demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
+forkserver       make test's fork server: torch imported once per test process, a forkrun forked per launch
+"""

@@ -1,0 +1,9 @@
+"""labkit: what the labs use beside the library: the launcher a notebook calls, the widgets, the exercises' checks.
+
+launch           run a script on N ranks from a notebook or a test, stream its output, return its metrics
+forkrun          torchrun's job started by fork on CPU: imports once, seconds instead of tens (launch's fast path)
+widgets          ipywidgets explorers over pure, tested functions (02, 07)
+planner_widgets  the planner's bars, tables and explorer (11)
+mesh_view        a rank grid drawn on nodes x GPUs, each group coloured (09)
+exercises        the checks each lab's exercises call: ``labkit.exercises.chNN`` for lab NN
+"""

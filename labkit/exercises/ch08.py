@@ -1,0 +1,76 @@
+"""Lab 08's exercise check (sequence and context parallelism): the online-softmax merge of two blocks of attention,
+the step ring attention repeats (:func:`check_merge_attention_blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check
+from labkit.exercises.checks import _not_done, _ok, _short  # the shared feedback helpers
+
+__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_merge_attention_blocks"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks of one exercise each: they look at more than the final number, so a plausible wrong answer that
+# happens to give it (an unsharded optimizer, loss statistics counted in the wrong phase) is still caught.
+# tests/unit/test_exercises_reject_wrong.py feeds each one the wrong answers it must reject.
+# --------------------------------------------------------------------------------------------------
+
+
+def _block_attention(q, k, v, query_positions, key_positions, causal: bool):
+    """Attention of q over one block of keys, and its log-sum-exp; a query that sees no key of the block
+    (causal, all its keys in the future) gets out = 0 and lse = -inf, as FlashAttention returns."""
+    import torch
+
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(key_positions[None, :] > query_positions[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+    return out, lse
+
+
+@learner_check
+def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
+    """Notebook 08: the online-softmax merge, block by block against full softmax attention.
+
+    Without a mask: keys split in two and three blocks. With a causal mask: a query sees no key of a block
+    in its future, so that block's lse is -inf for it, and merged in reverse order (a ring can deliver the
+    blocks in any order) a query can have seen no key on either side yet: its out must stay 0 and its lse
+    -inf, not nan. The merged lse is compared too: the next merge needs it.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, length, 8, generator=generator) for length in (24, 24, 24))
+    positions = torch.arange(24)
+    cases = [("no mask, keys cut at 10", [10], False, False), ("no mask, keys cut at 4 and 17", [4, 17], False, False),
+             ("causal, keys cut at 8 and 16", [8, 16], True, False),
+             ("causal, keys cut at 8 and 16, merged last block first", [8, 16], True, True)]
+    for label, cuts, causal, reverse in cases:
+        full_out, full_lse = _block_attention(q, k, v, positions, positions, causal)
+        edges = [0, *cuts, 24]
+        blocks = [_block_attention(q, k[..., a:b, :], v[..., a:b, :], positions, positions[a:b], causal)
+                  for a, b in zip(edges, edges[1:])]
+        blocks = blocks[::-1] if reverse else blocks
+        out, lse = blocks[0]
+        try:
+            for block_out, block_lse in blocks[1:]:
+                out, lse = merge(out, lse, block_out, block_lse)
+        except NotImplementedError:
+            raise _not_done("merge_attention_blocks", hint) from None
+        for what, got, expected in (("out", out, full_out), ("lse", lse, full_lse)):
+            if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} should be a tensor of shape "
+                                    f"{tuple(expected.shape)}, got {_short(got)}. {hint}".strip())
+            if torch.isnan(got).any():
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} has nan: a query that has seen no "
+                                    f"key yet has lse -inf on both sides, and exp(-inf - (-inf)) is nan; keep its "
+                                    f"out 0 and lse -inf. {hint}".strip())
+            if not torch.allclose(got.double(), expected.double(), atol=1e-5, rtol=1e-5):
+                worst = (got.double() - expected.double()).abs().nan_to_num(float("inf")).max().item()
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} differs from full attention by up "
+                                    f"to {worst:.3g}. {hint}".strip())
+    _ok(f"merge_attention_blocks passed {len(cases)} cases (causal ones with fully masked rows included)")
