@@ -29,17 +29,18 @@ def param_tolerance(lr: float) -> float:
 class Baseline:
     """The single-device run, in lockstep with the sharded one: same seed, same global batch, same AdamW."""
 
-    def __init__(self, cfg, seed: int, lr: float, device, model=None):
+    def __init__(self, cfg, seed: int, lr: float, device, model=None, groups=None):
         self.cfg, self.seed = cfg, seed
         self.model = model if model is not None else models.build_transformer(cfg, seed=seed, device=device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.optimizer = torch.optim.AdamW(groups(self.model) if groups else self.model.parameters(), lr=lr)
         self.losses: list[float] = []
 
     def step(self, tokens: torch.Tensor) -> float:
         inputs, targets = data.split_inputs_targets(tokens)
         loss = models.lm_loss(self.model(inputs), targets)
         loss.backward()
-        self.grads = [p.grad.detach().clone() for p in self.model.parameters()]  # this step's, for the checks
+        self.grads = [p.grad.detach().clone() if p.grad is not None else None  # this step's, for the checks
+                      for p in self.model.parameters()]                        # (None: a frozen parameter)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.item())
@@ -47,3 +48,30 @@ class Baseline:
 
     def state(self) -> dict:
         return {name: p.detach() for name, p in self.model.named_parameters()}
+
+
+def make_any_model(model):
+    """The transformer as a user's own model often is, for the hand-written ZeRO to prove it takes any model:
+
+    * the output head tied to the embedding (one weight under two names: one slice, one gradient);
+    * every norm frozen (``requires_grad=False``: never reduced, never stepped, left as it was);
+    * a bias on the head, sized by the vocabulary (127 with ``--any-model``): a size no rank count above 1 divides.
+    """
+    model.output.weight = model.tok_embeddings.weight
+    model.output.bias = torch.nn.Parameter(torch.zeros(model.output.out_features, device=model.output.weight.device))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.requires_grad_(False)
+    return model
+
+
+def parameter_groups(model, any_model: bool, lr: float) -> list[dict]:
+    """AdamW's parameter groups. The plain model: one group (AdamW's defaults). With ``--any-model``, two, as
+    training recipes set them: the matrices with weight decay 0.1; the embedding (tied head) and the bias
+    without weight decay, at half the learning rate. Frozen parameters are in no group."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # a tied weight once
+    if not any_model:
+        return [{"params": [p for _, p in trainable]}]
+    decayed = [p for n, p in trainable if p.dim() == 2 and "embeddings" not in n]
+    rest = [p for n, p in trainable if not (p.dim() == 2 and "embeddings" not in n)]
+    return [{"params": decayed, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2}]

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common_fully_sharded import GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, param_tolerance
+from common_fully_sharded import (GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, make_any_model, param_tolerance,
+                                  parameter_groups)
 from distlab import comm, data, memory, metrics, models, runtime
 
 
@@ -39,21 +40,29 @@ def check_config(args, world_size):
 
 
 class ZeroAdamW:
-    """AdamW whose state is sharded: rank r owns slice r of every (flattened) parameter.
+    """AdamW whose state is sharded: rank r owns slice r of every (flattened) trainable parameter.
 
     ``self.shards[i]`` is a view of this rank's slice of parameter i: the optimizer updates it in place, so
     the update lands in the model's own weight. Slices are ceil(numel / N) long; the last ones may be
     shorter or empty, and the collectives pad to N equal slices.
+
+    Any model: a frozen parameter (``requires_grad=False``) has no gradient, so it is left out (never reduced,
+    never stepped); a tied weight is one parameter (``model.parameters()`` lists it once): one slice, one
+    gradient; ``groups`` (AdamW's parameter groups, on the model's parameters) keep their learning rate and
+    weight decay, each parameter's slice in its own parameter's group.
     """
 
-    def __init__(self, model, stage: int, lr: float):
+    def __init__(self, model, stage: int, lr: float, groups: list[dict] | None = None):
         self.stage, self.rank, self.world = stage, dist.get_rank(), dist.get_world_size()
-        self.params = list(model.parameters())
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.slice_len = [math.ceil(p.numel() / self.world) for p in self.params]
         self.bounds = [(min(self.rank * k, p.numel()), min((self.rank + 1) * k, p.numel()))
                        for p, k in zip(self.params, self.slice_len)]
         self.shards = [torch.nn.Parameter(p.detach().view(-1)[lo:hi]) for p, (lo, hi) in zip(self.params, self.bounds)]
-        self.optimizer = torch.optim.AdamW(self.shards, lr=lr)  # moments exist for the own slices only
+        shard_of = {id(p): shard for p, shard in zip(self.params, self.shards)}
+        groups = groups or [{"params": self.params}]
+        self.optimizer = torch.optim.AdamW([{**g, "params": [shard_of[id(p)] for p in g["params"]]} for g in groups],
+                                           lr=lr)  # moments exist for the own slices only
         if stage == 2:
             for i, p in enumerate(self.params):
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self._reduce_scatter(i))
@@ -77,6 +86,8 @@ class ZeroAdamW:
         if self.stage != 1:
             return
         for p, shard, (lo, hi) in zip(self.params, self.shards, self.bounds):
+            if p.grad is None:      # not used this step: on every rank alike (the same model, the same graph)
+                continue
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad.div_(self.world)
             shard.grad = p.grad.view(-1)[lo:hi]  # this rank's slice (a view: no copy)
@@ -91,18 +102,18 @@ class ZeroAdamW:
             p.view(-1).copy_(gathered[:p.numel()])  # every rank now holds every updated slice
 
     def slices_of(self, tensors) -> list[torch.Tensor]:
-        """This rank's slice of each of ``tensors`` (one per parameter, full size): what its shards hold."""
+        """This rank's slice of each of ``tensors`` (one per trainable parameter, full size): what its shards hold."""
         return [t.reshape(-1)[lo:hi] for t, (lo, hi) in zip(tensors, self.bounds)]
 
     def zero_grad(self) -> None:
         for p, shard in zip(self.params, self.shards):
             p.grad, shard.grad = None, None
 
-    def state_bytes(self) -> memory.StateBytes:
+    def state_bytes(self, model) -> memory.StateBytes:
         """This rank's parameters, gradients (full or sharded) and optimizer moments, read off the tensors."""
         grads = [p.grad for p in self.params] + [s.grad for s in self.shards]
         moments = [v for state in self.optimizer.state.values() for v in state.values() if v.dim() > 0]
-        return memory.StateBytes(metrics.tensor_bytes(self.params), metrics.tensor_bytes(grads),
+        return memory.StateBytes(metrics.tensor_bytes(list(model.parameters())), metrics.tensor_bytes(grads),
                                  metrics.tensor_bytes(moments))
 
 
@@ -111,25 +122,36 @@ def main():
     p.add_argument("--stage", type=runtime.positive_int, choices=[1, 2], default=2,
                    help="1: shard the optimizer state; 2: also reduce-scatter and shard the gradients")
     p.add_argument("--batch", type=runtime.positive_int, default=None, help="global batch, sequences per step (default: 8; 16 for a100)")
+    p.add_argument("--any-model", action="store_true",
+                   help="head tied to the embedding, norms frozen, a head bias of 127 (no rank count but 1 "
+                        "divides it), two parameter groups (weight decay, learning rate)")
     runtime.add_lr_flag(p)
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg = models.preset(args.preset)
+        cfg = models.preset(args.preset, **({"vocab_size": 127} if args.any_model else {}))
         world = rt.world_size
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         compare = args.preset == "tiny"  # a100: neither DDP nor a single device fits beside the ZeRO model
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
-        num_params = cfg.num_params()
-        rt.print(f"ZeRO-{args.stage} by hand on {world} ranks: {args.preset} transformer, {num_params:,} parameters, "
-                 f"global batch {args.batch}, fp32")
+        def build():
+            model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+            return make_any_model(model) if args.any_model else model
 
-        model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
-        zero = ZeroAdamW(model, args.stage, args.lr)
+        def groups(model):
+            return parameter_groups(model, args.any_model, args.lr)
+
+        model = build()
+        num_params = sum(q.numel() for q in model.parameters())   # a tied weight once
+        trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        rt.print(f"ZeRO-{args.stage} by hand on {world} ranks: {args.preset} transformer, {num_params:,} parameters"
+                 + (f" ({trainable:,} trainable)" if trainable != num_params else "") + f", global batch {args.batch}, fp32")
+        zero = ZeroAdamW(model, args.stage, args.lr, groups(model))
         if compare:
-            ddp_model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+            ddp_model = build()
             ddp = DDP(ddp_model)
-            ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr)
-            baseline = Baseline(cfg, args.seed, args.lr, rt.device) if rt.rank == 0 else None
+            ddp_optimizer = torch.optim.AdamW(groups(ddp_model), lr=args.lr)
+            baseline = Baseline(cfg, args.seed, args.lr, rt.device, model=build(), groups=groups) \
+                if rt.rank == 0 else None
         diffs = {"ddp_loss": [], "ddp_param": [], "ddp_grad": [], "baseline_loss": [], "baseline_param": [],
                  "baseline_grad": []}
 
@@ -145,7 +167,7 @@ def main():
                 zero.reduce_gradients()   # stage 1: all-reduced here
                 zero.step()               # own slices updated, then all-gathered
             if step == 1:  # every kind of state exists now (AdamW creates its moments at the first step)
-                state = zero.state_bytes()
+                state = zero.state_bytes(model)
             grad_slices = [shard.grad.detach().clone() for shard in zero.shards]  # this rank's averaged slices
             zero.zero_grad()
             rt.sync()
@@ -161,7 +183,7 @@ def main():
                 ddp_loss.backward()
                 # Gradients, not only losses and parameters: AdamW would hide a missing division by N.
                 diffs["ddp_grad"].append(metrics.max_abs_diff(grad_slices, zero.slices_of(
-                    [q.grad for q in ddp_model.parameters()])))
+                    [q.grad for q in ddp_model.parameters() if q.requires_grad])))
                 ddp_optimizer.step()
                 ddp_optimizer.zero_grad(set_to_none=True)
                 ddp_loss = ddp_loss.detach()
@@ -171,7 +193,8 @@ def main():
                 line += f"  DDP {ddp_loss.item() / world:.6f}"
                 if baseline is not None:
                     baseline.step(tokens.to(rt.device))
-                    diffs["baseline_grad"].append(metrics.max_abs_diff(grad_slices, zero.slices_of(baseline.grads)))
+                    diffs["baseline_grad"].append(metrics.max_abs_diff(grad_slices, zero.slices_of(
+                        [g for g in baseline.grads if g is not None])))
                     diffs["baseline_loss"].append(abs(report.losses[-1] - baseline.losses[-1]))
                     diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
                                                                         list(baseline.model.parameters())))
@@ -179,9 +202,9 @@ def main():
             rt.print(line)
 
         # ---- communication: measured = formula ----
-        padded_params = sum(k * world for k in zero.slice_len)  # = num_params when every size divides by N
-        analytic = comm.zero_step_bytes(num_params, args.stage)
-        padding_bytes = 4 * (padded_params - num_params)       # what the sharded collectives add for padding
+        padded_params = sum(k * world for k in zero.slice_len)  # = trainable when every size divides by N
+        analytic = comm.zero_step_bytes(trainable, args.stage)  # a frozen parameter is never sent
+        padding_bytes = 4 * (padded_params - trainable)        # what the sharded collectives add for padding
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
             report.add_comm(collective, per_step[-1], expected,  # ring model x measured payload: derived
@@ -197,7 +220,9 @@ def main():
         report.extra["sent_bytes_per_rank_derived"] = {"zero": sent, "ddp": ddp_sent}
 
         # ---- memory: measured on this rank = the ZeRO table ----
-        table = memory.zero_state_bytes(num_params, world, args.stage, precision="fp32")
+        table = memory.zero_state_bytes(trainable, world, args.stage, precision="fp32")
+        frozen_bytes = 4 * (num_params - trainable)           # frozen weights: held whole, no gradient, no moments
+        table = memory.StateBytes(table.params + frozen_bytes, table.grads, table.optimizer)
         report.memory = {"measured": state.as_dict(), "analytic": table.as_dict(),
                          "ddp": memory.zero_state_bytes(num_params, world, 0, precision="fp32").as_dict(),
                          "device": metrics.memory_snapshot(rt.device)}

@@ -1,10 +1,12 @@
 """Chapter 05: ZeRO by hand, FSDP2, distributed checkpoints, on 4 CPU ranks."""
 
+import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
 from labkit import launch
 
 ZERO = "scripts/05_fully_sharded/zero_from_scratch.py"
+ZERO3 = "scripts/05_fully_sharded/zero3_from_scratch.py"
 FSDP = "scripts/05_fully_sharded/train_fsdp.py"
 CHECKPOINT = "scripts/05_fully_sharded/checkpoint_resume.py"
 P = 123_200  # parameters of the tiny transformer
@@ -106,3 +108,56 @@ def test_bad_batch_exits_2():
 
 def test_checkpoint_refuses_to_overwrite_or_to_resume_nothing(tmp_path):
     assert_config_error(CHECKPOINT, ["--save-dir", str(tmp_path), "--resume"], "no checkpoint in")
+
+
+# ---- any model: frozen norms, a head tied to the embedding, a bias no rank count divides, two parameter groups ----
+
+@pytest.mark.parametrize("stage, nproc", [(1, 2), (1, 4), (2, 2), (2, 4)])
+def test_zero_by_hand_trains_any_model_like_ddp_and_one_device(stage, nproc):
+    result = launch.run(ZERO, nproc=nproc, args=["--stage", str(stage), "--steps", "3", "--any-model"], stream=False)
+    metrics = assert_all_checks_passed(result, min_checks=11)
+    names = {c["name"] for c in metrics["checks"]}
+    assert "parameters = single-device parameters (every step)" in names
+    assert metrics["memory"]["measured"]["grads"] < metrics["memory"]["measured"]["params"]  # frozen: no gradient
+
+
+# ---- ZeRO-3 by hand ----
+
+BLOCK_BYTES = 4 * (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64)   # one block of the tiny transformer, fp32
+
+
+def test_zero3_by_hand_equals_one_device_and_fsdp2_and_keeps_one_unit_whole():
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, stream=False), min_checks=11)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == 2 * 4 * P == comm["all_gather"]["fsdp2_measured_bytes"]
+    assert comm["reduce_scatter"]["measured_bytes"] == 4 * P == comm["reduce_scatter"]["fsdp2_measured_bytes"]
+    memory = metrics["memory"]
+    assert memory["gathered_peak_bytes"] == BLOCK_BYTES < 4 * P      # one block whole at a time, not the model
+    timeline = [e["event"] for e in memory["timeline"]]
+    for unit in ("tok_embeddings", "layers.0", "layers.1", "head"):  # each unit: gathered twice, reduced once
+        assert timeline.count(f"{unit}: gathered for forward") == timeline.count(f"{unit}: gathered for backward") == 1
+        assert f"{unit}: gradient reduce-scattered, dropped" in timeline
+    assert max(e["bytes"] for e in memory["timeline"]) == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_zero3_by_hand_trains_any_model(nproc):
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=nproc, args=["--any-model", "--steps", "3"],
+                                                  stream=False), min_checks=9)
+    assert next(c for c in metrics["checks"] if c["name"] == "frozen parameters untouched")["value"] == "5 frozen"
+    assert metrics["memory"]["root_bytes"] == 4 * (127 * 64 + 127 + 64)  # tied embedding/head, its bias, the norm
+
+
+def test_zero3_planted_bugs_fail_their_checks():
+    freed = launch.run(ZERO3, nproc=4, args=["--planted-bug", "free-before-backward"], stream=False, check=False)
+    assert freed.returncode == 1
+    assert [c["name"] for c in freed.metrics["checks"] if not c["passed"]] == [
+        "backward ran: the weights it needed were there"]
+    kept = launch.run(ZERO3, nproc=4, args=["--planted-bug", "keep-saved-weights"], stream=False, check=False)
+    assert kept.returncode == 1 and kept.metrics["memory"]["gathered_peak_bytes"] > 4 * P  # every unit stayed whole
+    assert [c["name"] for c in kept.metrics["checks"] if not c["passed"]] == [
+        "gathered parameters alive at any moment <= root + largest unit (measured on the storages)"]
+
+
+def test_zero3_bad_batch_exits_2():
+    assert_config_error(ZERO3, ["--batch", "6"], "does not split over 4 ranks")

@@ -1,0 +1,418 @@
+"""ZeRO stage 3 by hand (FSDP from scratch): the parameters themselves sharded at rest, gathered unit by unit.
+
+Stages 1 and 2 (zero_from_scratch.py) shard the optimizer state and the gradients, but every rank still holds
+every parameter. Stage 3 shards those too. The model is cut into **units** (the embedding, each block, the
+final norm with the output head); rank r keeps slice r of each parameter, 1/N of the model, and:
+
+1. a forward **pre-hook** on a unit all-gathers its parameters into full tensors just before the unit runs;
+2. a forward **hook** drops them right after it ran: one unit is whole at a time (and the root, below);
+3. backward needs a unit's weights again (for y = x W^T, dx = dy W). Autograd would keep the full W alive
+   from forward to backward; a saved-tensor hook keeps a note instead (which unit, which parameter, which
+   view), and the first time autograd asks for one, the unit is **all-gathered again**;
+4. the gather is an autograd function: its backward runs once the unit's whole gradient is complete (autograd
+   waits for every use of the unit's weights) and **reduce-scatters** it, each rank keeping the mean of its own
+   slice; then the gathered weights are dropped;
+5. AdamW steps on the slices only.
+
+Any model: a frozen parameter (``requires_grad=False``) is sharded and gathered like the rest but never reduced
+or stepped (this sketch lets autograd compute its local gradient and throws it away; FSDP2 does not compute it);
+a weight that two units use (a head tied to the embedding) belongs to the root unit, the whole model, whole for
+the whole forward; every parameter is sliced on its own, so parameter groups keep their learning rate and weight
+decay; a size that does not divide by N is padded. ``--any-model`` trains such a model.
+
+Proof, as every chapter gives it: losses, step-0 gradients and parameters after training equal one device (rank
+0 trains the whole model alone) and FSDP2 ``fully_shard`` on the same units (every rank); the bytes of each
+collective equal the formula (per unit: all-gather twice, reduce-scatter once; distlab.comm.zero_step_bytes)
+and FSDP2's own, measured; the gathered parameters alive at any moment, read off their storages (a storage is
+gone only when no tensor, autograd's saved ones included, still points at it), never exceed the root plus the
+largest unit. ``--planted-bug`` shows two mistakes, both without the saved-tensor hook: free the full weights'
+memory after forward anyway (free-before-backward: backward reads freed memory and fails), or only drop the
+unit's own references (keep-saved-weights: every answer right, but autograd keeps every unit whole from its
+forward to its backward, so stage 3 saves no memory, and only the memory check sees it).
+
+    torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py
+    torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py --any-model
+"""
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from common_fully_sharded import (GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, make_any_model, param_tolerance,
+                                  parameter_groups)
+from distlab import comm, data, metrics, models, runtime
+
+# FSDP2 warns that the root's output (the head's addmm, viewed back to 3-D) is a view that an in-place op could
+# detach from its pre-backward hook; the loss reads it out of place, so the warning does not apply here.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+PLANTED_BUGS = ("free-before-backward", "keep-saved-weights")
+
+
+def check_config(args, world_size):
+    runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+
+
+class GatherUnit(torch.autograd.Function):
+    """Forward: all-gather a unit's slices into full parameters. Backward: reduce-scatter their gradients."""
+
+    @staticmethod
+    def forward(ctx, unit, *slices):
+        ctx.unit = unit
+        return tuple(unit.all_gather())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        slice_grads = ctx.unit.reduce_scatter(grads)  # autograd calls this once every use of the unit is done
+        ctx.unit.drop()                              # so the weights gathered again for backward can go
+        ctx.unit.on_event(f"{ctx.unit.name}: gradient reduce-scattered, dropped")
+        return (None, *slice_grads)
+
+
+@dataclass
+class SavedWeight:
+    """What autograd keeps in place of a unit's weight: which unit, which parameter, which view of it."""
+    unit: "ShardedUnit"
+    index: int
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+class ShardedUnit:
+    """Some of the model's parameters, 1/N of each on this rank (``slices``), whole only while in use.
+
+    ``params`` are the original parameters (their shapes and trainability); they are taken out of the modules,
+    which read plain attributes instead: the full tensors while the unit is whole, None at rest.
+    """
+
+    def __init__(self, name: str, params: list[nn.Parameter], names: dict, world: int, rank: int):
+        self.name, self.params, self.world = name, params, world
+        self.names = [names[id(p)] for p in params]          # each parameter's (module, attribute) pairs
+        self.slice_len = [math.ceil(p.numel() / world) for p in params]
+        self.slices = [nn.Parameter(F.pad(p.detach().reshape(-1), (0, k * world - p.numel()))[rank * k:(rank + 1) * k]
+                                    .clone(), requires_grad=p.requires_grad) for p, k in zip(params, self.slice_len)]
+        for pairs in self.names:
+            for module, attr in pairs:
+                del module._parameters[attr]
+                setattr(module, attr, None)
+        self.full: list[torch.Tensor] | None = None     # the gathered parameters, while the unit is whole
+        self.storage_index: dict[int, int] = {}          # storage address -> which parameter
+        self.on_event = lambda event: None               # the memory ledger's, set by Zero3
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    @torch.no_grad()
+    def all_gather(self) -> list[torch.Tensor]:
+        mine = torch.cat([s.detach() for s in self.slices])           # one collective for the whole unit
+        gathered = torch.empty(mine.numel() * self.world, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(gathered, mine)
+        by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
+        self.full = [part.reshape(-1)[:p.numel()].view_as(p).clone() for part, p in zip(by_rank, self.params)]
+        self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
+        return self.full
+
+    @torch.no_grad()
+    def reduce_scatter(self, grads) -> list[torch.Tensor | None]:
+        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        if not trainable:
+            return [None] * len(self.params)
+        padded = [F.pad((grads[i] if grads[i] is not None else torch.zeros_like(self.params[i])).reshape(-1),
+                        (0, self.slice_len[i] * self.world - self.params[i].numel())).view(self.world, -1)
+                  for i in trainable]                              # [rank, slice] for each trainable parameter
+        mine = torch.empty(sum(self.slice_len[i] for i in trainable), dtype=padded[0].dtype, device=padded[0].device)
+        dist.reduce_scatter_single(mine, torch.cat(padded, dim=1).reshape(-1), op=dist.ReduceOp.SUM)
+        parts = iter(mine.div_(self.world).split([self.slice_len[i] for i in trainable]))  # the mean over ranks
+        return [next(parts) if p.requires_grad else None for p in self.params]
+
+    def set_attributes(self, tensors) -> None:
+        for pairs, tensor in zip(self.names, tensors):
+            for module, attr in pairs:
+                setattr(module, attr, tensor)
+
+    def drop(self) -> None:
+        self.full, self.storage_index = None, {}
+
+    def saved(self, tensor: torch.Tensor) -> SavedWeight | None:
+        index = self.storage_index.get(tensor.untyped_storage().data_ptr()) if self.full is not None else None
+        return None if index is None else SavedWeight(self, index, tensor.size(), tensor.stride(),
+                                                      tensor.storage_offset())
+
+
+class Zero3:
+    """ZeRO-3 of ``model`` over ``units`` (``[(name, [modules])]``, in the order forward runs them).
+
+    A parameter used by one unit's modules belongs to it; one used by two units, or by none, to the root unit,
+    whole from the start of the model's forward to its end.
+    """
+
+    def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.planted_bug = planted_bug
+        names: dict[int, list] = {}                  # every (module, attribute) of a parameter: a tied one has two
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    names.setdefault(id(p), []).append((module, attr))
+        users: dict[int, set] = {}
+        for name, modules in units:
+            for module in modules:
+                for p in module.parameters():
+                    users.setdefault(id(p), set()).add(name)
+        owned: dict[str, list] = {"root": []} | {name: [] for name, _ in units}
+        for p in model.parameters():                 # each parameter once, tied ones included
+            who = users.get(id(p), set())
+            owned[next(iter(who)) if len(who) == 1 else "root"].append(p)
+        self.units = [ShardedUnit(n, owned[n], names, world, rank) for n in owned if owned[n]]
+        for unit in self.units:
+            unit.on_event = self._measure
+        by_name = {u.name: u for u in self.units}
+        for name, modules in units:
+            if name in by_name:
+                modules[0].register_forward_pre_hook(lambda *_, u=by_name[name]: self._gather(u))
+                modules[-1].register_forward_hook(lambda _m, _a, out, u=by_name[name]: self._release(u, out))
+        self.root = by_name.get("root")
+        model.register_forward_pre_hook(lambda *_: self._start())
+        model.register_forward_hook(lambda _m, _a, out: self._finish(out))
+        self.peak_bytes = 0                          # measured: the largest total of gathered storages alive
+        self.timeline: list[dict] = []               # measured: that total after each gather and each drop
+        self._alive: list[tuple[StorageWeakRef, int]] = []
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [s for unit in self.units for s in unit.slices if s.requires_grad]
+
+    def slice_of(self, param: nn.Parameter) -> nn.Parameter:
+        """This rank's slice of one of the model's original parameters."""
+        return next(s for unit in self.units for p, s in zip(unit.params, unit.slices) if p is param)
+
+    # ---- forward: whole just in time, dropped right after; autograd keeps notes, not weights ----
+    def _start(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        if self.planted_bug is None:  # both planted bugs leave autograd to keep the full weights it saved
+            self._hooks.__enter__()
+        if self.root:
+            self._gather(self.root)
+
+    def _finish(self, output):
+        if self.root:
+            self._release(self.root, output)
+        if self.planted_bug is None:
+            self._hooks.__exit__(None, None, None)
+
+    def _gather(self, unit: ShardedUnit):
+        unit.set_attributes(GatherUnit.apply(unit, *unit.slices))
+        self._measure(f"{unit.name}: gathered for forward", unit)
+
+    def _release(self, unit: ShardedUnit, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:  # backward reaches the unit here first:
+            output.register_hook(lambda grad: self._gather_for_backward(unit))  # whole again before it runs
+        unit.set_attributes([None] * len(unit.params))
+        if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet
+            for tensor in unit.full:
+                tensor.untyped_storage().resize_(0)
+        unit.drop()
+        self._measure(f"{unit.name}: dropped after forward")
+
+    def _pack(self, tensor):
+        for unit in self.units:
+            note = unit.saved(tensor)
+            if note is not None:
+                return note
+        return tensor
+
+    def _gather_for_backward(self, unit: ShardedUnit):
+        if unit.full is None:
+            unit.all_gather()
+            self._measure(f"{unit.name}: gathered for backward", unit)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, SavedWeight):
+            return saved
+        self._gather_for_backward(saved.unit)     # already whole (the hook on its output), unless planted
+        return saved.unit.full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---- measured: the gathered parameters still alive, each storage watched until it is really gone ----
+    def _measure(self, event: str, gathered: ShardedUnit | None = None):
+        """Right after every gather (the only moments the parameters' memory grows) and every drop."""
+        if gathered is not None:
+            self._alive += [(StorageWeakRef(f.untyped_storage()), f.untyped_storage().nbytes()) for f in gathered.full]
+        self._alive = [(ref, size) for ref, size in self._alive if not ref.expired()]
+        alive = sum(size for _, size in self._alive)
+        self.peak_bytes = max(self.peak_bytes, alive)
+        self.timeline.append({"event": event, "bytes": alive})
+
+
+def transformer_units(model, any_model: bool) -> list[tuple[str, list[nn.Module]]]:
+    """The units, as FSDP2 is applied to the same model: each block; the embedding and the head unless tied."""
+    blocks = [(f"layers.{i}", [block]) for i, block in model.layers.items()]
+    if any_model:  # the head shares the embedding's weight: both stay in the root unit
+        return blocks
+    return [("tok_embeddings", [model.tok_embeddings]), *blocks, ("head", [model.norm, model.output])]
+
+
+def apply_fsdp2(model, any_model: bool):
+    """FSDP2 on the same units: each one a ``fully_shard`` group, then the root."""
+    for _, modules in transformer_units(model, any_model):
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)    # the root: what no unit owns alone
+    return model
+
+
+def main():
+    p = runtime.parser(__doc__, presets=("tiny",), steps=4)
+    p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
+    p.add_argument("--any-model", action="store_true",
+                   help="head tied to the embedding, norms frozen, a head bias of 127 (no rank count but 1 "
+                        "divides it), two parameter groups (weight decay, learning rate)")
+    p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None, help="a mistake the checks must catch")
+    runtime.add_lr_flag(p)
+    args = p.parse_args()
+    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        cfg = models.preset(args.preset, **({"vocab_size": 127} if args.any_model else {}))
+        world = rt.world_size
+        report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
+
+        def build():
+            model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+            return make_any_model(model) if args.any_model else model
+
+        model = build()
+        names = {id(q): n for n, q in model.named_parameters()}  # a tied weight: its first name
+        num_params = sum(q.numel() for q in model.parameters())
+        trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        groups = parameter_groups(model, args.any_model, args.lr)          # on the whole parameters, before slicing
+        zero = Zero3(model, transformer_units(model, args.any_model), args.planted_bug)
+        optimizer = torch.optim.AdamW([{**g, "params": [zero.slice_of(q) for q in g["params"]]} for g in groups],
+                                      lr=args.lr)                 # AdamW on the slices: 1/N of the moments
+        rt.print(f"ZeRO-3 by hand on {world} ranks: {len(zero.units)} units ({', '.join(u.name for u in zero.units)}), "
+                 f"{num_params:,} parameters ({trainable:,} trainable); rank {rt.rank} keeps "
+                 f"{sum(s.numel() for u in zero.units for s in u.slices):,}")
+
+        fsdp_model = apply_fsdp2(build(), args.any_model)
+        fsdp_optimizer = torch.optim.AdamW(parameter_groups(fsdp_model, args.any_model, args.lr), lr=args.lr)
+        baseline = Baseline(cfg, args.seed, args.lr, rt.device, model=build(),
+                            groups=lambda m: parameter_groups(m, args.any_model, args.lr)) if rt.rank == 0 else None
+
+        losses_fsdp, diffs, comm_steps, fsdp_comm_steps, failure = [], {"loss": [], "fsdp_loss": []}, [], [], None
+        for step in range(args.steps):
+            zero.timeline.clear()                    # the last step's is kept for the chapter's figure
+            tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world).to(rt.device))
+            with comm.CommCounter() as counter:
+                loss = models.lm_loss(model(inputs), targets)
+                try:
+                    loss.backward()          # each unit gathered again, then its gradient reduce-scattered
+                except RuntimeError as error:
+                    failure = str(error).splitlines()[0]
+                    break
+                optimizer.step()
+            comm_steps.append(counter.by_collective())
+            if step == 0:  # this rank's slice of each step-0 gradient, the mean over ranks
+                grads0 = {names[id(q)]: s.grad.detach().clone() for u in zero.units
+                          for q, s in zip(u.params, u.slices) if s.grad is not None}
+            optimizer.zero_grad(set_to_none=True)
+            with comm.CommCounter() as fsdp_counter:
+                fsdp_loss = models.lm_loss(fsdp_model(inputs), targets)
+                fsdp_loss.backward()
+                fsdp_optimizer.step()
+            fsdp_optimizer.zero_grad(set_to_none=True)
+            fsdp_comm_steps.append(fsdp_counter.by_collective())
+            both = torch.stack([loss.detach(), fsdp_loss.detach()])
+            dist.all_reduce(both)
+            report.losses.append(both[0].item() / world)
+            losses_fsdp.append(both[1].item() / world)
+            diffs["fsdp_loss"].append(abs(report.losses[-1] - losses_fsdp[-1]))
+            line = f"step {step}  loss {report.losses[-1]:.6f}  FSDP2 {losses_fsdp[-1]:.6f}"
+            if baseline is not None:
+                baseline.step(tokens.to(rt.device))
+                if step == 0:
+                    baseline_grads0 = dict(zip([n for n, _ in baseline.model.named_parameters()], baseline.grads))
+                diffs["loss"].append(abs(report.losses[-1] - baseline.losses[-1]))
+                line += f"  single-device {baseline.losses[-1]:.6f}"
+            rt.print(line)
+
+        if failure is not None:
+            report.check("backward ran: the weights it needed were there", False, failure)
+            rt.print(f"backward failed on rank {rt.rank}: {failure}")
+            sys.exit(report.finish(args.metrics_out))
+
+        # ---- against one device and against FSDP2, parameter by parameter (by name) ----
+        whole = {names[id(q)]: _gathered(s)[:q.numel()].view_as(q) for u in zero.units for q, s in zip(u.params, u.slices)}
+        fsdp = {n: q.full_tensor() for n, q in fsdp_model.named_parameters()}
+        report.check_close("loss = FSDP2 fully_shard's (every step)", max(diffs["fsdp_loss"]), 0.0,
+                           metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
+        report.check_close("parameters after training = FSDP2 fully_shard's",
+                           metrics.max_abs_diff([whole[n] for n in fsdp], list(fsdp.values())), 0.0,
+                           param_tolerance(args.lr))
+        initial = dict(build().named_parameters())
+        frozen = [n for n, q in initial.items() if not q.requires_grad]
+        report.check("frozen parameters untouched", all(torch.equal(whole[n], initial[n].detach()) for n in frozen),
+                     f"{len(frozen)} frozen")
+        if baseline is not None:
+            base = dict(baseline.model.named_parameters())
+            report.check_close("loss = single-device loss (every step)", max(diffs["loss"]), 0.0,
+                               metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
+            step0 = [(grads0[n], _slice(baseline_grads0[n], grads0[n].numel(), rt.rank)) for n in grads0]
+            report.check_close("rank 0's step-0 gradient slices = the single-device gradients, sliced",
+                               metrics.max_abs_diff([a for a, _ in step0], [b for _, b in step0]), 0.0,
+                               metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
+            report.check_close("parameters after training = single-device parameters",
+                               metrics.max_abs_diff([whole[n] for n in base], list(base.values())), 0.0,
+                               param_tolerance(args.lr))
+
+        # ---- bytes: measured = formula, and = FSDP2's measured ----
+        padded = sum(k * world for u in zero.units for k in u.slice_len)
+        padded_trainable = sum(k * world for u in zero.units for k, q in zip(u.slice_len, u.params) if q.requires_grad)
+        formula = {"all_gather": comm.zero_step_bytes(padded, 3)["all_gather"],
+                   "reduce_scatter": comm.zero_step_bytes(padded_trainable, 3)["reduce_scatter"]}
+        for collective, expected in formula.items():
+            per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in comm_steps]
+            fsdp_bytes = fsdp_comm_steps[-1].get(collective, {}).get("payload_bytes", 0)
+            report.add_comm(collective, per_step[-1], expected, fsdp2_measured_bytes=fsdp_bytes,
+                            calls=comm_steps[-1].get(collective, {}).get("calls", 0))
+            report.check(f"{collective} bytes per step = formula (every step)",
+                         all(got == expected for got in per_step), per_step[-1], f"== {expected}")
+            if padded == num_params:  # FSDP2 pads rows, this sketch pads the flat slice: equal when nothing pads
+                report.check_equal(f"{collective} bytes per step = FSDP2's, measured", per_step[-1], fsdp_bytes)
+
+        # ---- memory: the gathered parameters alive at any moment, measured ----
+        root = zero.root.full_bytes if zero.root else 0
+        largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
+        report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "largest_unit_bytes": largest,
+                         "whole_model_bytes": 4 * num_params,
+                         "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
+                         "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}
+        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + largest unit "
+                 f"{largest:,} B; the whole model is {4 * num_params:,} B), beside this rank's slices "
+                 f"{report.memory['slices_bytes']:,} B")
+        report.check("gathered parameters alive at any moment <= root + largest unit (measured on the storages)",
+                     zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")
+        code = report.finish(args.metrics_out)
+    sys.exit(code)
+
+
+def _gathered(slice_: torch.Tensor) -> torch.Tensor:
+    """Every rank's slice of one parameter, end to end (padding included): for the checks, not for training."""
+    out = torch.empty(slice_.numel() * dist.get_world_size(), dtype=slice_.dtype, device=slice_.device)
+    dist.all_gather_single(out, slice_.detach().contiguous())
+    return out
+
+
+def _slice(tensor: torch.Tensor, length: int, rank: int) -> torch.Tensor:
+    """Slice ``rank`` (``length`` long, the last padded with zeros) of a whole tensor, as ZeRO-3 cuts it."""
+    flat = tensor.reshape(-1)
+    return F.pad(flat, (0, length * dist.get_world_size() - flat.numel()))[rank * length:(rank + 1) * length]
+
+
+if __name__ == "__main__":
+    main()
