@@ -464,7 +464,7 @@ DDP_OVERLAP_ARGS = ["--bucket-mb", "0.1", "--steps", "3"]
 def measure_ddp_overlap(path=DDP_OVERLAP) -> Path:
     """Run ``train_ddp.py --bucket-mb 0.1`` on 4 CPU ranks and keep rank 0's last step: each gradient's ready time
     and each bucket's all-reduce (its comm hook's stamps). A measurement, redrawn by ``make figures``; measured again
-    by calling this function (``python -c "from distlab import figures; figures.measure_ddp_overlap()"``)."""
+    by calling this function (``python -c "from coursetools import figures; figures.measure_ddp_overlap()"``)."""
     import json
 
     import torch
@@ -511,6 +511,65 @@ def draw_ddp_overlap(fig) -> None:
     ax.tick_params(labelsize=7)
     ax.set_title(f"DDP's buckets during one backward: train_ddp.py {' '.join(run['argv'])}, "
                  f"{run['world_size']} CPU ranks (gloo)", fontsize=8.5)
+
+
+ZERO3_MEMORY = FIGURE_DATA / "05_zero3_memory.json"
+ZERO3_MEMORY_ARGS = ["--steps", "2"]
+
+
+def measure_zero3_memory(path=ZERO3_MEMORY) -> Path:
+    """Run ``zero3_from_scratch.py`` on 4 CPU ranks and keep rank 0's last step: the bytes of gathered parameters
+    still alive after each gather and each drop, read off their storages. Measured again by calling this function
+    (``python -c "from coursetools import figures; figures.measure_zero3_memory()"``)."""
+    import json
+
+    import torch
+
+    from labkit import launch
+
+    run = launch.run("scripts/05_fully_sharded/zero3_from_scratch.py", nproc=4, args=ZERO3_MEMORY_ARGS, stream=False)
+    memory = run.metrics["memory"]
+    kept = {"script": "scripts/05_fully_sharded/zero3_from_scratch.py", "argv": ZERO3_MEMORY_ARGS,
+            "world_size": run.metrics["world_size"], "torch": torch.__version__,
+            **{key: memory[key] for key in ("timeline", "units", "whole_model_bytes", "slices_bytes",
+                                            "gathered_peak_bytes")}}
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def draw_zero3_memory(fig) -> None:
+    """Chapter 05: the weights one rank holds during a step of ZeRO-3 by hand (measured) against ZeRO-2's, which
+    keeps them all: the slices every rank keeps, and each unit whole from its gather to its drop."""
+    import json
+
+    run = json.loads(ZERO3_MEMORY.read_text())
+    kib = lambda b: b / 1024  # noqa: E731
+    events = run["timeline"]
+    ax = fig.subplots()
+    x = list(range(len(events) + 1))
+    held = [kib(run["slices_bytes"] + e["bytes"]) for e in events]
+    ax.step(x, [kib(run["slices_bytes"])] + held, where="post", color="#1f77b4", linewidth=1.6,
+            label="ZeRO-3: its slices + the gathered unit (measured on the storages)")
+    ax.axhline(kib(run["whole_model_bytes"]), color="#d62728", linestyle="--", linewidth=1.2,
+               label="ZeRO-1 and 2: every weight, all the time")
+    ax.axhline(kib(run["slices_bytes"]), color="#7f7f7f", linestyle=":", linewidth=1,
+               label="the slices alone (1/N of the weights)")
+    half = next(i for i, e in enumerate(events) if "backward" in e["event"])
+    ax.axvspan(half + 1, len(events) + 1, color="#f3eee0", zorder=0)
+    ax.text(0.2, kib(run["whole_model_bytes"]) * 1.03, "forward", fontsize=7)
+    ax.text(half + 1.2, kib(run["whole_model_bytes"]) * 1.03, "backward", fontsize=7)
+    for i, e in enumerate(events):
+        if "gathered" in e["event"]:
+            ax.text(i + 1.5, kib(run["slices_bytes"] + e["bytes"]) + 8, e["event"].split(":")[0], fontsize=6,
+                    ha="center", rotation=90, va="bottom")   # event i's level holds from x = i + 1 to i + 2
+    ax.set_xticks([])
+    ax.set_xlabel("events of one step, in order (each gather, each drop)", fontsize=7)
+    ax.set_ylabel("KiB of weights on rank 0", fontsize=7)
+    ax.set_ylim(0, kib(run["whole_model_bytes"]) * 1.15)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6.5, loc="lower center", ncol=2)
+    ax.set_title(f"ZeRO-3 by hand: zero3_from_scratch.py, {run['world_size']} CPU ranks, tiny model (fp32)",
+                 fontsize=8.5)
 
 
 HANG = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "12_hang_journals.json"
@@ -804,6 +863,7 @@ FIGURES = {
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
     "04_ddp_overlap.png": (draw_ddp_overlap, (9, 2.8)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
+    "05_zero3_memory.png": (draw_zero3_memory, (9, 3.2)),
     "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
     "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
     "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),

@@ -110,6 +110,8 @@ RUNS: tuple[Run, ...] = (
     Run("train_ddp_bf16", f"{CH04}/train_ddp.py", ("--precision", "bf16")),
     Run("zero_stage1", f"{CH05}/zero_from_scratch.py", ("--stage", "1")),
     Run("zero_stage2", f"{CH05}/zero_from_scratch.py", ("--stage", "2")),
+    Run("zero3_from_scratch", f"{CH05}/zero3_from_scratch.py"),                 # fp32: = one device and FSDP2
+    Run("zero3_from_scratch_bf16", f"{CH05}/zero3_from_scratch.py", ("--mixed-precision",)),
     Run("train_fsdp", f"{CH05}/train_fsdp.py"),
     Run("train_fsdp_bf16", f"{CH05}/train_fsdp.py", ("--mixed-precision",)),
     Run("checkpoint_interrupt", f"{CH05}/checkpoint_resume.py", ("--stop-after", "3", "--save-dir", "{workdir}/ckpt")),

@@ -1,5 +1,6 @@
 """Lab 05's exercise checks (fully sharded data parallelism): ZeRO-1 by hand (:func:`check_zero1_adamw_step`), the
-ZeRO-2 state on 8 GPUs (:func:`check_value`) and the fewest GPUs under ZeRO-3 (:func:`check_min_gpus`).
+ZeRO-2 state on 8 GPUs (:func:`check_value`), the fewest GPUs under ZeRO-3 (:func:`check_min_gpus`), and the weights
+ZeRO-3 by hand saves at the a100 preset (:func:`check_zero3_saving`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import math
 from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check, check_value
 from labkit.exercises.checks import _default_compare, _not_done, _ok, _short  # the shared feedback helpers
 
-__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_zero1_adamw_step", "check_min_gpus"]
+__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_zero1_adamw_step", "check_min_gpus",
+           "check_zero3_saving"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,3 +106,61 @@ def check_min_gpus(name: str, value, *, num_params: float, stage: int, gpu_gib: 
         f"under ZeRO-{stage} each GPU holds the sharded state, 16 / N bytes per parameter at stage 3; find the "
         f"smallest N whose state fits in {gpu_gib:g} - {reserve_gib:g} GiB")
     raise ExerciseWrong(f"`{name}` = {value}: {slip}. {hint}".strip())
+
+
+def zero3_weights_saved_gib(preset: str = "a100", world: int = 4, bytes_per_weight: int = 4,
+                            largest_unit: str = "largest") -> float:
+    """GiB of weights one GPU no longer holds at its peak under ZeRO-3 by hand, against ZeRO-2 (which keeps every
+    weight): ZeRO-2's whole model, less ZeRO-3's slices (1/N) and its largest unit whole. The units are
+    ``zero3_from_scratch.py``'s (the embedding, each block, the final norm with the head), counted on a model built
+    on the meta device. ``largest_unit="block"`` gives the answer of a learner who takes a block for the largest."""
+    import torch
+
+    from distlab import models
+
+    with torch.device("meta"):
+        model = models.Transformer(models.preset(preset))
+    count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    units = {"embedding": count(model.tok_embeddings), "block": count(model.layers["0"]),
+             "head": count(model.norm, model.output)}
+    whole = count(model)
+    peak_unit = max(units.values()) if largest_unit == "largest" else units[largest_unit]
+    return bytes_per_weight * (whole - whole / world - peak_unit) / 2**30
+
+
+@learner_check
+def check_zero3_saving(name: str, value, *, preset: str = "a100", world: int = 4, hint: str = "") -> None:
+    """Notebook 05, exercise 3: the GiB of weights ZeRO-3 by hand saves on one GPU at its peak, against ZeRO-2.
+
+    Names the usual slips: a block taken for the largest unit (at the a100 preset the head is larger), the
+    gathered unit forgotten, bf16 weights where the sketch keeps fp32, GB where the answer is in GiB."""
+    if value is None or value is Ellipsis:
+        raise _not_done(name, hint)
+    right = zero3_weights_saved_gib(preset, world)
+    close = lambda a, b: math.isclose(float(a), b, rel_tol=1e-3)  # noqa: E731
+    if close(value, right):
+        _ok(f"{name} = {float(value):.3f} GiB: ZeRO-2's whole model, less the slices and the largest unit, the head")
+        return
+    slips = [
+        (zero3_weights_saved_gib(preset, world, largest_unit="block"),
+         "that takes a block for the largest unit; at this preset the head (the norm and a vocabulary-wide output "
+         "layer) is larger"),
+        (zero3_weights_saved_gib(preset, world) + 4 * _head_weights(preset) / 2**30,
+         "that forgets the unit that is whole at the peak: a rank holds its slices and the unit being used"),
+        (zero3_weights_saved_gib(preset, world, bytes_per_weight=2),
+         "that counts 2 bytes a weight; zero3_from_scratch.py keeps fp32 weights, 4 bytes"),
+        (right * 2**30 / 1e9, "that is in GB (10^9 bytes); the answer is in GiB (2^30 bytes)"),
+    ]
+    slip = " or ".join(message for slip_value, message in slips if close(value, slip_value)) or (
+        "ZeRO-2 keeps every weight (4 B each); ZeRO-3's peak is its slices (1/N) plus the largest unit, whole")
+    raise ExerciseWrong(f"`{name}` = {value}: {slip}. {hint}".strip())
+
+
+def _head_weights(preset: str) -> int:
+    import torch
+
+    from distlab import models
+
+    with torch.device("meta"):
+        model = models.Transformer(models.preset(preset))
+    return sum(p.numel() for m in (model.norm, model.output) for p in m.parameters())

@@ -8,7 +8,9 @@ final norm with the output head); rank r keeps slice r of each parameter, 1/N of
 2. a forward **hook** drops them right after it ran: one unit is whole at a time (and the root, below);
 3. backward needs a unit's weights again (for y = x W^T, dx = dy W). Autograd would keep the full W alive
    from forward to backward; a saved-tensor hook keeps a note instead (which unit, which parameter, which
-   view), and the first time autograd asks for one, the unit is **all-gathered again**;
+   view). A hook on the unit's output fires when backward reaches the unit and **all-gathers it again**, as
+   FSDP2 does (``--backward-gather on-first-use`` waits until backward first reads one of its weights: a unit
+   whose backward reads none, the embedding, is not gathered again); the notes become views of the new tensors;
 4. the gather is an autograd function: its backward runs once the unit's whole gradient is complete (autograd
    waits for every use of the unit's weights) and **reduce-scatters** it, each rank keeping the mean of its own
    slice; then the gathered weights are dropped;
@@ -19,6 +21,10 @@ or stepped (this sketch lets autograd compute its local gradient and throws it a
 a weight that two units use (a head tied to the embedding) belongs to the root unit, the whole model, whole for
 the whole forward; every parameter is sliced on its own, so parameter groups keep their learning rate and weight
 decay; a size that does not divide by N is padded. ``--any-model`` trains such a model.
+
+``--mixed-precision``: the slices stay fp32 (the master weights), the gathers and the compute are bf16 (each unit's
+floating-point inputs cast too), the gradients are reduced in fp32: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, which it then equals step for step; against the fp32 device, the bf16 tolerances.
 
 Proof, as every chapter gives it: losses, step-0 gradients and parameters after training equal one device (rank
 0 trains the whole model alone) and FSDP2 ``fully_shard`` on the same units (every rank); the bytes of each
@@ -43,11 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from common_fully_sharded import (GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, make_any_model, param_tolerance,
+from common_fully_sharded import (BF16_LOSS_TOLERANCE, GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline,
+                                  bf16_param_mean_tolerance, make_any_model, mean_abs_diff, param_tolerance,
                                   parameter_groups)
+from distlab.metrics import BF16_GRAD_RELATIVE_TOLERANCE
 from distlab import comm, data, metrics, models, runtime
 
 # FSDP2 warns that the root's output (the head's addmm, viewed back to 3-D) is a view that an in-place op could
@@ -94,8 +102,9 @@ class ShardedUnit:
     which read plain attributes instead: the full tensors while the unit is whole, None at rest.
     """
 
-    def __init__(self, name: str, params: list[nn.Parameter], names: dict, world: int, rank: int):
-        self.name, self.params, self.world = name, params, world
+    def __init__(self, name: str, params: list[nn.Parameter], names: dict, world: int, rank: int,
+                 param_dtype: torch.dtype = torch.float32):
+        self.name, self.params, self.world, self.param_dtype = name, params, world, param_dtype
         self.names = [names[id(p)] for p in params]          # each parameter's (module, attribute) pairs
         self.slice_len = [math.ceil(p.numel() / world) for p in params]
         self.slices = [nn.Parameter(F.pad(p.detach().reshape(-1), (0, k * world - p.numel()))[rank * k:(rank + 1) * k]
@@ -110,11 +119,12 @@ class ShardedUnit:
 
     @property
     def full_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return sum(p.numel() for p in self.params) * self.param_dtype.itemsize
 
     @torch.no_grad()
     def all_gather(self) -> list[torch.Tensor]:
-        mine = torch.cat([s.detach() for s in self.slices])           # one collective for the whole unit
+        mine = torch.cat([s.detach().to(self.param_dtype) for s in self.slices])  # one collective a unit, in the
+        # compute dtype: bf16 mixed precision gathers half the bytes, the fp32 slices stay the master weights
         gathered = torch.empty(mine.numel() * self.world, dtype=mine.dtype, device=mine.device)
         dist.all_gather_single(gathered, mine)
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
@@ -127,9 +137,9 @@ class ShardedUnit:
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         if not trainable:
             return [None] * len(self.params)
-        padded = [F.pad((grads[i] if grads[i] is not None else torch.zeros_like(self.params[i])).reshape(-1),
+        padded = [F.pad((grads[i].float() if grads[i] is not None else torch.zeros_like(self.params[i])).reshape(-1),
                         (0, self.slice_len[i] * self.world - self.params[i].numel())).view(self.world, -1)
-                  for i in trainable]                              # [rank, slice] for each trainable parameter
+                  for i in trainable]   # [rank, slice] of each trainable parameter; reduced in fp32 whatever the compute
         mine = torch.empty(sum(self.slice_len[i] for i in trainable), dtype=padded[0].dtype, device=padded[0].device)
         dist.reduce_scatter_single(mine, torch.cat(padded, dim=1).reshape(-1), op=dist.ReduceOp.SUM)
         parts = iter(mine.div_(self.world).split([self.slice_len[i] for i in trainable]))  # the mean over ranks
@@ -156,9 +166,10 @@ class Zero3:
     whole from the start of the model's forward to its end.
     """
 
-    def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None):
+    def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None,
+                 backward_gather: str = "on-entry", param_dtype: torch.dtype = torch.float32):
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.planted_bug = planted_bug
+        self.planted_bug, self.backward_gather = planted_bug, backward_gather
         names: dict[int, list] = {}                  # every (module, attribute) of a parameter: a tied one has two
         for module in model.modules():
             for attr, p in module._parameters.items():
@@ -173,16 +184,16 @@ class Zero3:
         for p in model.parameters():                 # each parameter once, tied ones included
             who = users.get(id(p), set())
             owned[next(iter(who)) if len(who) == 1 else "root"].append(p)
-        self.units = [ShardedUnit(n, owned[n], names, world, rank) for n in owned if owned[n]]
+        self.units = [ShardedUnit(n, owned[n], names, world, rank, param_dtype) for n in owned if owned[n]]
         for unit in self.units:
             unit.on_event = self._measure
         by_name = {u.name: u for u in self.units}
         for name, modules in units:
             if name in by_name:
-                modules[0].register_forward_pre_hook(lambda *_, u=by_name[name]: self._gather(u))
+                modules[0].register_forward_pre_hook(lambda _m, args, u=by_name[name]: self._gather(u, args))
                 modules[-1].register_forward_hook(lambda _m, _a, out, u=by_name[name]: self._release(u, out))
         self.root = by_name.get("root")
-        model.register_forward_pre_hook(lambda *_: self._start())
+        model.register_forward_pre_hook(lambda _m, args: self._start(args))
         model.register_forward_hook(lambda _m, _a, out: self._finish(out))
         self.peak_bytes = 0                          # measured: the largest total of gathered storages alive
         self.timeline: list[dict] = []               # measured: that total after each gather and each drop
@@ -196,12 +207,11 @@ class Zero3:
         return next(s for unit in self.units for p, s in zip(unit.params, unit.slices) if p is param)
 
     # ---- forward: whole just in time, dropped right after; autograd keeps notes, not weights ----
-    def _start(self):
+    def _start(self, args):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         if self.planted_bug is None:  # both planted bugs leave autograd to keep the full weights it saved
             self._hooks.__enter__()
-        if self.root:
-            self._gather(self.root)
+        return self._gather(self.root, args) if self.root else None
 
     def _finish(self, output):
         if self.root:
@@ -209,13 +219,17 @@ class Zero3:
         if self.planted_bug is None:
             self._hooks.__exit__(None, None, None)
 
-    def _gather(self, unit: ShardedUnit):
+    def _gather(self, unit: ShardedUnit, args: tuple):
         unit.set_attributes(GatherUnit.apply(unit, *unit.slices))
         self._measure(f"{unit.name}: gathered for forward", unit)
+        if unit.param_dtype != torch.float32:  # as FSDP2's cast_forward_inputs: the unit's float inputs (the
+            return tuple(a.to(unit.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # hidden
+                         for a in args)       # states, RoPE's tables) in the compute dtype too
+        return None
 
     def _release(self, unit: ShardedUnit, output):
-        if isinstance(output, torch.Tensor) and output.requires_grad:  # backward reaches the unit here first:
-            output.register_hook(lambda grad: self._gather_for_backward(unit))  # whole again before it runs
+        if self.backward_gather == "on-entry" and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._gather_for_backward(unit))  # backward reaches the unit here
         unit.set_attributes([None] * len(unit.params))
         if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet
             for tensor in unit.full:
@@ -238,7 +252,7 @@ class Zero3:
     def _unpack(self, saved):
         if not isinstance(saved, SavedWeight):
             return saved
-        self._gather_for_backward(saved.unit)     # already whole (the hook on its output), unless planted
+        self._gather_for_backward(saved.unit)     # already whole (the hook on its output), unless on first use
         return saved.unit.full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     # ---- measured: the gathered parameters still alive, each storage watched until it is really gone ----
@@ -260,11 +274,13 @@ def transformer_units(model, any_model: bool) -> list[tuple[str, list[nn.Module]
     return [("tok_embeddings", [model.tok_embeddings]), *blocks, ("head", [model.norm, model.output])]
 
 
-def apply_fsdp2(model, any_model: bool):
+def apply_fsdp2(model, any_model: bool, param_dtype: torch.dtype):
     """FSDP2 on the same units: each one a ``fully_shard`` group, then the root."""
+    policy = dict(reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                             reduce_dtype=torch.float32))
     for _, modules in transformer_units(model, any_model):
-        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=True)    # the root: what no unit owns alone
+        fully_shard(modules if len(modules) > 1 else modules[0], **policy)
+    fully_shard(model, **policy)                      # the root: what no unit owns alone
     return model
 
 
@@ -274,6 +290,12 @@ def main():
     p.add_argument("--any-model", action="store_true",
                    help="head tied to the embedding, norms frozen, a head bias of 127 (no rank count but 1 "
                         "divides it), two parameter groups (weight decay, learning rate)")
+    p.add_argument("--backward-gather", choices=("on-entry", "on-first-use"), default="on-entry",
+                   help="gather a unit again when backward reaches it (as FSDP2 does), or when backward first reads "
+                        "one of its weights (a unit whose backward reads none is not gathered again)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="gather and compute in bf16, reduce gradients in fp32, keep fp32 slices (FSDP2's "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
     p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None, help="a mistake the checks must catch")
     runtime.add_lr_flag(p)
     args = p.parse_args()
@@ -291,14 +313,16 @@ def main():
         num_params = sum(q.numel() for q in model.parameters())
         trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
         groups = parameter_groups(model, args.any_model, args.lr)          # on the whole parameters, before slicing
-        zero = Zero3(model, transformer_units(model, args.any_model), args.planted_bug)
+        param_dtype = torch.bfloat16 if args.mixed_precision else torch.float32
+        zero = Zero3(model, transformer_units(model, args.any_model), args.planted_bug, args.backward_gather,
+                     param_dtype)
         optimizer = torch.optim.AdamW([{**g, "params": [zero.slice_of(q) for q in g["params"]]} for g in groups],
                                       lr=args.lr)                 # AdamW on the slices: 1/N of the moments
         rt.print(f"ZeRO-3 by hand on {world} ranks: {len(zero.units)} units ({', '.join(u.name for u in zero.units)}), "
                  f"{num_params:,} parameters ({trainable:,} trainable); rank {rt.rank} keeps "
                  f"{sum(s.numel() for u in zero.units for s in u.slices):,}")
 
-        fsdp_model = apply_fsdp2(build(), args.any_model)
+        fsdp_model = apply_fsdp2(build(), args.any_model, param_dtype)
         fsdp_optimizer = torch.optim.AdamW(parameter_groups(fsdp_model, args.any_model, args.lr), lr=args.lr)
         baseline = Baseline(cfg, args.seed, args.lr, rt.device, model=build(),
                             groups=lambda m: parameter_groups(m, args.any_model, args.lr)) if rt.rank == 0 else None
@@ -358,7 +382,7 @@ def main():
         frozen = [n for n, q in initial.items() if not q.requires_grad]
         report.check("frozen parameters untouched", all(torch.equal(whole[n], initial[n].detach()) for n in frozen),
                      f"{len(frozen)} frozen")
-        if baseline is not None:
+        if baseline is not None and not args.mixed_precision:
             base = dict(baseline.model.named_parameters())
             report.check_close("loss = single-device loss (every step)", max(diffs["loss"]), 0.0,
                                metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
@@ -369,12 +393,30 @@ def main():
             report.check_close("parameters after training = single-device parameters",
                                metrics.max_abs_diff([whole[n] for n in base], list(base.values())), 0.0,
                                param_tolerance(args.lr))
+        elif baseline is not None:  # bf16 against the fp32 device: the tolerances distlab.metrics explains
+            base = dict(baseline.model.named_parameters())
+            report.check_close("loss = single-device fp32 loss (every step, bf16 tolerance)", max(diffs["loss"]), 0.0,
+                               BF16_LOSS_TOLERANCE)
+            step0 = [(grads0[n], _slice(baseline_grads0[n], grads0[n].numel(), rt.rank)) for n in grads0]
+            largest = max(b.abs().max().item() for _, b in step0)
+            report.check_close("rank 0's step-0 gradient slices = the single-device gradients (largest difference "
+                               "/ largest gradient, bf16 tolerance)",
+                               metrics.max_abs_diff([a for a, _ in step0], [b for _, b in step0]) / largest, 0.0,
+                               BF16_GRAD_RELATIVE_TOLERANCE)
+            report.check_close("parameters after training = single-device (mean |difference|, bf16 tolerance)",
+                               mean_abs_diff([whole[n] for n in base], list(base.values())), 0.0,
+                               bf16_param_mean_tolerance(args.lr))
 
         # ---- bytes: measured = formula, and = FSDP2's measured ----
         padded = sum(k * world for u in zero.units for k in u.slice_len)
         padded_trainable = sum(k * world for u in zero.units for k, q in zip(u.slice_len, u.params) if q.requires_grad)
-        formula = {"all_gather": comm.zero_step_bytes(padded, 3)["all_gather"],
+        element = param_dtype.itemsize                # bytes of a gathered weight: 2 under bf16, 4 in fp32
+        formula = {"all_gather": comm.zero_step_bytes(padded, 3, param_bytes=element)["all_gather"],
                    "reduce_scatter": comm.zero_step_bytes(padded_trainable, 3)["reduce_scatter"]}
+        if args.backward_gather == "on-first-use" and not args.any_model:
+            # nn.Embedding's backward adds the output's gradient into the rows of the tokens seen: it reads no
+            # weight, so on first use the embedding unit is never gathered for backward
+            formula["all_gather"] -= element * model.tok_embeddings.num_embeddings * model.tok_embeddings.embedding_dim
         for collective, expected in formula.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in comm_steps]
             fsdp_bytes = fsdp_comm_steps[-1].get(collective, {}).get("payload_bytes", 0)
@@ -382,18 +424,19 @@ def main():
                             calls=comm_steps[-1].get(collective, {}).get("calls", 0))
             report.check(f"{collective} bytes per step = formula (every step)",
                          all(got == expected for got in per_step), per_step[-1], f"== {expected}")
-            if padded == num_params:  # FSDP2 pads rows, this sketch pads the flat slice: equal when nothing pads
+            if padded == num_params and args.backward_gather == "on-entry":  # FSDP2 pads rows, this sketch
+                # pads the flat slice: equal when nothing pads, and when both gather every unit for backward
                 report.check_equal(f"{collective} bytes per step = FSDP2's, measured", per_step[-1], fsdp_bytes)
 
         # ---- memory: the gathered parameters alive at any moment, measured ----
         root = zero.root.full_bytes if zero.root else 0
         largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
         report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "largest_unit_bytes": largest,
-                         "whole_model_bytes": 4 * num_params,
+                         "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
                          "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}
         rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + largest unit "
-                 f"{largest:,} B; the whole model is {4 * num_params:,} B), beside this rank's slices "
+                 f"{largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
                  f"{report.memory['slices_bytes']:,} B")
         report.check("gathered parameters alive at any moment <= root + largest unit (measured on the storages)",
                      zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")

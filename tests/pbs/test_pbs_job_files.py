@@ -16,7 +16,7 @@ CHAPTER_SCRIPTS = {
     "02_why_distributed": ["compute_and_memory_per_rank.py"],
     "03_communication": ["collectives.py", "ring_allreduce.py", "bandwidth.py"],
     "04_data_parallel": ["ddp_from_scratch.py", "train_ddp.py"],
-    "05_fully_sharded": ["zero_from_scratch.py", "train_fsdp.py", "checkpoint_resume.py"],
+    "05_fully_sharded": ["zero_from_scratch.py", "zero3_from_scratch.py", "train_fsdp.py", "checkpoint_resume.py"],
     "06_tensor_parallel": ["tp_from_scratch.py", "tp_transformer.py"],
     "07_pipeline_parallel": ["pp_manual.py", "pp_schedules.py", "pp_train.py"],
     "08_sequence_parallel": ["sp_transformer.py", "ring_attention.py"],

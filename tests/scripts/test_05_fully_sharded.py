@@ -140,6 +140,24 @@ def test_zero3_by_hand_equals_one_device_and_fsdp2_and_keeps_one_unit_whole():
     assert max(e["bytes"] for e in memory["timeline"]) == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
 
 
+def test_zero3_in_bf16_equals_fsdp2_mixed_precision_and_gathers_half_the_bytes():
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--mixed-precision", "--steps", "3"],
+                                                  stream=False), min_checks=11)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == 2 * 2 * P and comm["reduce_scatter"]["measured_bytes"] == 4 * P
+    fsdp = next(c for c in metrics["checks"] if c["name"] == "loss = FSDP2 fully_shard's (every step)")
+    assert fsdp["value"] == 0                          # the same bf16 arithmetic, step for step
+    assert metrics["memory"]["gathered_peak_bytes"] == BLOCK_BYTES // 2
+
+
+def test_zero3_gathering_on_first_use_skips_the_embeddings_second_gather():
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--backward-gather", "on-first-use",
+                                                                        "--steps", "2"], stream=False), min_checks=9)
+    assert comm_of(metrics)["all_gather"]["measured_bytes"] == 2 * 4 * P - 4 * 128 * 64   # the embedding once
+    timeline = [e["event"] for e in metrics["memory"]["timeline"]]
+    assert "tok_embeddings: gathered for backward" not in timeline and "layers.0: gathered for backward" in timeline
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_zero3_by_hand_trains_any_model(nproc):
     metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=nproc, args=["--any-model", "--steps", "3"],

@@ -117,3 +117,21 @@ def test_fsdp2_call_counts_forced_root_and_default_root(fsdp_all_gathers):
     says("all-gathered in 6 calls (3 units, twice each, the root included because we force it to reshard)")
     says("With the root left at its\ndefault the root would gather once: 5 calls.")
     says("Left to its default (`None`),\nFSDP2 reshards every unit but the root")
+
+
+def test_zero3_by_hand_numbers_are_the_tiny_models():
+    """Stage 3 by hand: the slices, the bytes and the one block alive, recomputed from the model (the script's
+    test, tests/scripts/test_05_fully_sharded.py, measures the same numbers on 4 ranks)."""
+    cfg = models.preset("tiny")
+    model = models.build_transformer(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    block = 4 * sum(p.numel() for p in model.layers["0"].parameters())
+    embedding = 4 * model.tok_embeddings.weight.numel()
+    units = cfg.n_layers + 2                     # the embedding, each block, the head
+    gathered = comm.zero_step_bytes(n, 3)["all_gather"]
+    says(f"slice r of every parameter: {n // 4:,} of the tiny model's {n:,} parameters on each of 4 ranks")
+    says(f"{gathered:,} all-gathered per step in {2 * units} calls ({units} units, twice each)")
+    says(f"{comm.zero_step_bytes(n, 3)['reduce_scatter']:,} reduce-scattered in {units}")
+    says(f"At most {block:,} bytes of gathered weights are alive at once: one block. The whole\nmodel is {4 * n:,} bytes")
+    says(f"sends {gathered - embedding:,} bytes instead of {gathered:,}: the embedding's {embedding:,}\nbytes once less")
+    says(f"(half the bytes: {comm.zero_step_bytes(n, 3, param_bytes=2)['all_gather']:,} per step instead of {gathered:,})")

@@ -54,6 +54,8 @@ def test_exercise_checks_report_a_stub_as_not_written_yet():
         ch08.check_merge_attention_blocks(_stub)
     with pytest.raises(exercises.ExerciseIncomplete, match="min_gpus"):
         ch05.check_min_gpus("min_gpus", None, num_params=13e9, stage=3, gpu_gib=40, reserve_gib=12)
+    with pytest.raises(exercises.ExerciseIncomplete, match="saved_gib"):
+        ch05.check_zero3_saving("saved_gib", None)
 
 
 def test_block_attention_of_a_fully_masked_row_is_zero_with_lse_minus_infinity():

@@ -212,6 +212,23 @@ for weight_slice, grad_slice in zip(weight.chunk(world_size), grad.chunk(world_s
 return torch.cat(new_slices)""",
     }),
     ("05_fully_sharded", 2): dict(wrong={
+        "a block taken for the largest unit (the head is larger)": """
+{solution}
+saved_gib = 4 * (whole - whole / 4 - block) / 2**30""",
+        "the unit whole at the peak forgotten": """
+{solution}
+saved_gib = 4 * (whole - whole / 4) / 2**30""",
+        "bf16 weights (2 B) where the sketch keeps fp32": """
+{solution}
+saved_gib = 2 * (whole - whole / 4 - max(embedding, block, head)) / 2**30""",
+        "GB, not GiB": """
+{solution}
+saved_gib = 4 * (whole - whole / 4 - max(embedding, block, head)) / 1e9""",
+        "the embedding without the norm taken for the head, and the slices forgotten": """
+{solution}
+saved_gib = 4 * (whole - embedding) / 2**30""",
+    }),
+    ("05_fully_sharded", 3): dict(wrong={
         "ZeRO-2 state: the weights sharded too (ZeRO-3)": """
 {solution}
 zero2_gib_on_8 = 16 / 8 * 13e9 / 2**30""",

@@ -123,6 +123,27 @@ def test_the_measured_ddp_overlap_is_the_tiny_models_and_obeys_ddps_rule():
     assert min(b["launch"] for b in run["overlap"]["buckets"]) < run["overlap"]["last_gradient"]
 
 
+def test_the_measured_zero3_memory_is_the_tiny_models_units_one_at_a_time():
+    """The committed measurement behind 05_zero3_memory.png against today's model, counted apart from the script:
+    each unit's bytes from the model's own modules, gathered twice and dropped twice, never two at once, and the
+    slices a quarter of the model. A stale file fails; measure again with figures.measure_zero3_memory()."""
+    import json
+
+    from distlab import models
+
+    run = json.loads(figures.ZERO3_MEMORY.read_text())
+    model = models.build_transformer("tiny")
+    bytes_of = lambda *modules: sum(4 * q.numel() for m in modules for q in m.parameters())  # noqa: E731
+    units = {"tok_embeddings": bytes_of(model.tok_embeddings), "head": bytes_of(model.norm, model.output),
+             **{f"layers.{i}": bytes_of(block) for i, block in model.layers.items()}}
+    assert run["units"] == units and run["whole_model_bytes"] == bytes_of(model) == sum(units.values())
+    assert run["slices_bytes"] == run["whole_model_bytes"] // run["world_size"]
+    gathers = [(e["event"].split(":")[0], e["bytes"]) for e in run["timeline"] if "gathered" in e["event"]]
+    assert sorted(gathers) == sorted([(u, b) for u, b in units.items()] * 2)   # each unit alone, twice
+    assert all(e["bytes"] == 0 for e in run["timeline"] if "dropped" in e["event"])
+    assert run["gathered_peak_bytes"] == max(units.values())
+
+
 def test_the_hang_picture_is_what_todays_diagnosis_reads_from_its_journals():
     import json
 
