@@ -204,6 +204,36 @@ def build_transformer(cfg: TransformerConfig | str = "tiny", seed: int = 0, devi
     return model.to(device=device, dtype=dtype)
 
 
+# ---- "any model": what a user's own model often has, for the hand-written DDP and ZeRO to prove they take it ----
+
+def make_any_model(model: Transformer) -> Transformer:
+    """The transformer as a user's own model often is (chapters 04 and 05 train it with ``--any-model``):
+
+    * the output head tied to the embedding: one weight under two names (one gradient, the two uses summed);
+    * frozen parameters (``requires_grad=False``): the whole first block, as when fine-tuning the top of a model,
+      and every norm: never reduced, never stepped, left as they were;
+    * a bias on the head, one per token of the vocabulary (127 with ``--any-model``: a size no rank count above 1
+      divides, so a sharded optimizer must pad it).
+    """
+    model.output.weight = model.tok_embeddings.weight
+    model.output.bias = nn.Parameter(torch.zeros(model.output.out_features, device=model.output.weight.device))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or name.startswith("layers.0."):
+            param.requires_grad_(False)
+    return model
+
+
+def parameter_groups(model: nn.Module, lr: float, *, any_model: bool = False) -> list[dict]:
+    """AdamW's parameter groups, frozen parameters left out. The plain model: one group (AdamW's defaults).
+    ``any_model``: two, as training recipes set them: the matrices with weight decay 0.1; the embedding (with its
+    tied head) and the bias without weight decay, at half the learning rate."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # a tied weight once
+    if not any_model:
+        return [{"params": [p for _, p in trainable]}]
+    decayed = lambda n, p: p.dim() == 2 and "embeddings" not in n  # noqa: E731
+    return [{"params": [p for n, p in trainable if decayed(n, p)], "weight_decay": 0.1},
+            {"params": [p for n, p in trainable if not decayed(n, p)], "weight_decay": 0.0, "lr": lr / 2}]
+
 class MLP(nn.Module):
     """``Linear -> GELU -> ... -> Linear``; layers named ``layers.0``, ``layers.2``, ... as in nn.Sequential."""
 

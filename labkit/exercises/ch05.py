@@ -82,7 +82,7 @@ def smallest_world_size(num_params: float, stage: int, gpu_gib: float, reserve_g
 @learner_check
 def check_min_gpus(name: str, value, *, num_params: float, stage: int, gpu_gib: float, reserve_gib: float,
                    hint: str = "") -> None:
-    """Notebook 05, exercise 2: the fewest GPUs for a model under ZeRO, with memory kept for activations.
+    """Notebook 05, exercise 3: the fewest GPUs for a model under ZeRO, with memory kept for activations.
 
     The exercise's numbers are chosen so that the usual slips give answers different from the right one
     (the test shows it); when the value is one of them, the message says which.
@@ -130,7 +130,7 @@ def zero3_weights_saved_gib(preset: str = "a100", world: int = 4, bytes_per_weig
 
 @learner_check
 def check_zero3_saving(name: str, value, *, preset: str = "a100", world: int = 4, hint: str = "") -> None:
-    """Notebook 05, exercise 3: the GiB of weights ZeRO-3 by hand saves on one GPU at its peak, against ZeRO-2.
+    """Notebook 05, exercise 2: the GiB of weights ZeRO-3 by hand saves on one GPU at its peak, against ZeRO-2.
 
     Names the usual slips: a block taken for the largest unit (at the a100 preset the head is larger), the
     gathered unit forgotten, bf16 weights where the sketch keeps fp32, GB where the answer is in GiB."""
@@ -145,7 +145,7 @@ def check_zero3_saving(name: str, value, *, preset: str = "a100", world: int = 4
         (zero3_weights_saved_gib(preset, world, largest_unit="block"),
          "that takes a block for the largest unit; at this preset the head (the norm and a vocabulary-wide output "
          "layer) is larger"),
-        (zero3_weights_saved_gib(preset, world) + 4 * _head_weights(preset) / 2**30,
+        (zero3_weights_saved_gib(preset, world) + 4 * _largest_unit_weights(preset) / 2**30,
          "that forgets the unit that is whole at the peak: a rank holds its slices and the unit being used"),
         (zero3_weights_saved_gib(preset, world, bytes_per_weight=2),
          "that counts 2 bytes a weight; zero3_from_scratch.py keeps fp32 weights, 4 bytes"),
@@ -156,11 +156,13 @@ def check_zero3_saving(name: str, value, *, preset: str = "a100", world: int = 4
     raise ExerciseWrong(f"`{name}` = {value}: {slip}. {hint}".strip())
 
 
-def _head_weights(preset: str) -> int:
+def _largest_unit_weights(preset: str) -> int:
+    """Weights of the largest of ``zero3_from_scratch.py``'s units (at a100 the head; at a100_large a block)."""
     import torch
 
     from distlab import models
 
     with torch.device("meta"):
         model = models.Transformer(models.preset(preset))
-    return sum(p.numel() for m in (model.norm, model.output) for p in m.parameters())
+    count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    return max(count(model.tok_embeddings), count(model.layers["0"]), count(model.norm, model.output))

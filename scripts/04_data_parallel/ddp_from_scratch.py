@@ -90,8 +90,14 @@ def replicas_identical(model) -> bool:
     return all(torch.equal(mine, other) for other in everyone)
 
 
-def make_optimizer(params, args):
-    return torch.optim.AdamW(params, lr=args.lr)
+def make_optimizer(model, args):
+    """AdamW over the trainable parameters: one group, or with --any-model two (distlab.models.parameter_groups)."""
+    return torch.optim.AdamW(models.parameter_groups(model, args.lr, any_model=args.any_model), lr=args.lr)
+
+
+def build(cfg, seed, args, device):
+    model = models.build_transformer(cfg, seed=seed, device=device)
+    return models.make_any_model(model) if args.any_model else model
 
 
 def main():
@@ -104,36 +110,41 @@ def main():
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="train a single-device reference on rank 0 in lockstep and compare every step "
                         "(default: on for tiny; off for a100, whose reference would not fit beside the replica)")
+    p.add_argument("--any-model", action="store_true",
+                   help="head tied to the embedding, the first block and every norm frozen, a head bias of 127, two "
+                        "parameter groups: a frozen parameter has no gradient to average, a tied one is averaged once")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        cfg = models.preset(args.preset)
+        cfg = models.preset(args.preset, **({"vocab_size": 127} if args.any_model else {}))
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         rt.require(args.batch % rt.world_size == 0, f"--batch {args.batch} does not split over {rt.world_size} ranks")
         with_reference = args.reference if args.reference is not None else args.preset == "tiny"
         precision = args.precision if args.precision != "auto" else (
             "bf16" if rt.device_type == "cuda" and not with_reference else "fp32")
         report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
-        num_params = cfg.num_params()
-        rt.print(f"{args.preset} transformer: {num_params:,} parameters; global batch {args.batch} = "
+        # Every rank builds its own weights (seed + rank: different on purpose), then takes rank 0's.
+        model = build(cfg, args.seed + rt.rank, args, rt.device)
+        num_params = models.count_params(model)  # a tied weight once
+        rt.print(f"{args.preset} transformer{' (any-model)' if args.any_model else ''}: {num_params:,} parameters; "
+                 f"global batch {args.batch} = "
                  f"{rt.world_size} ranks x {args.batch // rt.world_size} sequences of {cfg.seq_len} tokens; "
                  f"{precision}, {rt.device}")
 
-        # Every rank builds its own weights (seed + rank: different on purpose), then takes rank 0's.
-        model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
         differed = not replicas_identical(model)
         broadcast_parameters(model, src=0)
         report.check("replicas differed before the broadcast", differed or rt.world_size == 1)
         report.check("replicas identical after the broadcast", replicas_identical(model))
-        optimizer = make_optimizer(model.parameters(), args)
+        optimizer = make_optimizer(model, args)
         autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
         reference = ref_optimizer = None
         if with_reference and rt.rank == 0:
-            reference = models.build_transformer(cfg, seed=args.seed, device=rt.device)  # rank 0's seed
-            ref_optimizer = make_optimizer(reference.parameters(), args)
+            reference = build(cfg, args.seed, args, rt.device)  # rank 0's seed
+            ref_optimizer = make_optimizer(reference, args)
         loss_diffs, grad_diffs, param_diffs, ref_losses = [], [], [], []
 
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        trainable = [p for p in model.parameters() if p.requires_grad]   # a frozen parameter has no gradient
+        param_bytes = sum(p.numel() * p.element_size() for p in trainable)
         bytes_per_step, seconds = [], []
         for step in range(args.steps):
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
@@ -154,8 +165,8 @@ def main():
                 with autocast:
                     ref_loss = models.lm_loss(reference(ref_inputs), ref_targets)
                 ref_loss.backward()
-                grad_diffs.append(metrics.max_abs_diff([p.grad for p in model.parameters()],
-                                                       [p.grad for p in reference.parameters()]))
+                grad_diffs.append(metrics.max_abs_diff([p.grad for p in trainable],
+                                                       [p.grad for p in reference.parameters() if p.requires_grad]))
                 ref_optimizer.step()
                 ref_optimizer.zero_grad(set_to_none=True)
                 ref_losses.append(ref_loss.item())
@@ -183,10 +194,10 @@ def main():
         # ---- communication: measured = analytic ----
         sent = comm.bytes_sent_per_rank("all_reduce", bytes_per_step[-1], rt.world_size)  # ring model x measured
         report.add_comm("all_reduce", bytes_per_step[-1], param_bytes, sent_bytes_per_rank_derived=sent,
-                        calls=len(list(model.parameters())))
-        rt.print(f"all-reduced per step: {bytes_per_step[-1]:,} B (parameter bytes: {param_bytes:,} B); "
+                        calls=len(trainable))
+        rt.print(f"all-reduced per step: {bytes_per_step[-1]:,} B (trainable parameter bytes: {param_bytes:,} B); "
                  f"on a ring each rank sends 2(N-1)/N of it = {sent:,.0f} B (derived: the ring model)")
-        report.check("bytes all-reduced per step = parameter bytes (every step)",
+        report.check("bytes all-reduced per step = trainable parameter bytes (every step)",
                      all(b == param_bytes for b in bytes_per_step), bytes_per_step[-1], f"== {param_bytes}")
 
         if rt.rank == 0 and reference is not None:

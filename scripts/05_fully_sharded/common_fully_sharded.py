@@ -49,29 +49,3 @@ class Baseline:
     def state(self) -> dict:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
-
-def make_any_model(model):
-    """The transformer as a user's own model often is, for the hand-written ZeRO to prove it takes any model:
-
-    * the output head tied to the embedding (one weight under two names: one slice, one gradient);
-    * every norm frozen (``requires_grad=False``: never reduced, never stepped, left as it was);
-    * a bias on the head, sized by the vocabulary (127 with ``--any-model``): a size no rank count above 1 divides.
-    """
-    model.output.weight = model.tok_embeddings.weight
-    model.output.bias = torch.nn.Parameter(torch.zeros(model.output.out_features, device=model.output.weight.device))
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.requires_grad_(False)
-    return model
-
-
-def parameter_groups(model, any_model: bool, lr: float) -> list[dict]:
-    """AdamW's parameter groups. The plain model: one group (AdamW's defaults). With ``--any-model``, two, as
-    training recipes set them: the matrices with weight decay 0.1; the embedding (tied head) and the bias
-    without weight decay, at half the learning rate. Frozen parameters are in no group."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # a tied weight once
-    if not any_model:
-        return [{"params": [p for _, p in trainable]}]
-    decayed = [p for n, p in trainable if p.dim() == 2 and "embeddings" not in n]
-    rest = [p for n, p in trainable if not (p.dim() == 2 and "embeddings" not in n)]
-    return [{"params": decayed, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2}]

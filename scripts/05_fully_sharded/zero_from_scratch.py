@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common_fully_sharded import (GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, make_any_model, param_tolerance,
-                                  parameter_groups)
+from common_fully_sharded import GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline, param_tolerance
 from distlab import comm, data, memory, metrics, models, runtime
 
 
@@ -123,8 +122,8 @@ def main():
                    help="1: shard the optimizer state; 2: also reduce-scatter and shard the gradients")
     p.add_argument("--batch", type=runtime.positive_int, default=None, help="global batch, sequences per step (default: 8; 16 for a100)")
     p.add_argument("--any-model", action="store_true",
-                   help="head tied to the embedding, norms frozen, a head bias of 127 (no rank count but 1 "
-                        "divides it), two parameter groups (weight decay, learning rate)")
+                   help="head tied to the embedding, the first block and every norm frozen, a head bias of 127 "
+                        "(no rank count but 1 divides it), two parameter groups (weight decay, learning rate)")
     runtime.add_lr_flag(p)
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -135,10 +134,10 @@ def main():
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict()})
         def build():
             model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
-            return make_any_model(model) if args.any_model else model
+            return models.make_any_model(model) if args.any_model else model
 
         def groups(model):
-            return parameter_groups(model, args.any_model, args.lr)
+            return models.parameter_groups(model, args.lr, any_model=args.any_model)
 
         model = build()
         num_params = sum(q.numel() for q in model.parameters())   # a tied weight once

@@ -1,5 +1,6 @@
 """Chapter 04: data parallelism by hand and with DDP, on 4 CPU ranks."""
 
+import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
 from labkit import launch
@@ -21,6 +22,16 @@ def test_ddp_from_scratch_matches_single_device_under_torchrun():
     # MFU against the peak of the dtype the run used (fp32 on a CPU), the first step left out of the timing
     assert metrics["throughput"]["peak_dtype"] == metrics["config"]["precision"] == "fp32"
     assert metrics["throughput"]["timed_steps"] == 2
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_from_scratch_trains_any_model_like_one_device(nproc):
+    """A frozen first block and frozen norms (no gradient to average), a head tied to the embedding (averaged once),
+    a bias of 127 and two parameter groups: one device with the same groups gives the same weights."""
+    metrics = assert_all_checks_passed(launch.run(FROM_SCRATCH, nproc=nproc, args=["--steps", "3", "--any-model"],
+                                                  stream=False), min_checks=7)
+    trainable = 115_071 - (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64) - 3 * 64   # the first block and the 3 other norms
+    assert metrics["comm"][0]["measured_bytes"] == 4 * trainable
 
 
 def test_train_ddp_compare_buckets_and_no_sync():
