@@ -314,6 +314,10 @@ class Report:
             print(f"checks: {passed}/{len(self.checks)} passed", flush=True)
             if self.checks:
                 print(self.checks_table(), flush=True)
+        else:  # another rank's own checks (its memory, its shards) are not in rank 0's table: name its failures
+            for line in self.checks_table().splitlines():
+                if line.startswith("  [FAIL]"):
+                    print(f"rank {self.rank}:{line}", flush=True)
         self.write(path)
         sys.stdout.flush()
         code = 0 if self.all_passed else 1

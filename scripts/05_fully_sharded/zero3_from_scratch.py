@@ -22,6 +22,9 @@ a weight that two units use (a head tied to the embedding) belongs to the root u
 the whole forward; every parameter is sliced on its own, so parameter groups keep their learning rate and weight
 decay; a size that does not divide by N is padded. ``--any-model`` trains such a model.
 
+``--prefetch``: each unit issues the next unit's all-gather (``async_op=True``) before it computes, in forward and in
+backward, so the traffic can overlap compute; two units are whole at a time, and the bound says so.
+
 ``--mixed-precision``: the slices stay fp32 (the master weights), the gathers and the compute are bf16 (each unit's
 floating-point inputs cast too), the gradients are reduced in fp32: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, which it then equals step for step; against the fp32 device, the bf16 tolerances.
@@ -42,7 +45,9 @@ forward to its backward, so stage 3 saves no memory, and only the memory check s
 
 import math
 import sys
+import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +55,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from common_fully_sharded import (BF16_LOSS_TOLERANCE, GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline,
                                   bf16_param_mean_tolerance, mean_abs_diff, param_tolerance)
@@ -144,19 +148,42 @@ class ShardedUnit:
         self.full: list[torch.Tensor] | None = None     # the gathered parameters, while the unit is whole
         self.storage_index: dict[int, int] = {}          # storage address -> which parameter
         self.on_event = lambda event: None               # the memory ledger's, set by Zero3
+        self.pending = None                              # a prefetched all-gather: (buffer, work, its timing row)
+        self.gathers: list[dict] = []                    # measured: each all-gather's issue and completion
 
     @property
     def full_bytes(self) -> int:
         return sum(spec.numel for spec in self.specs) * self.param_dtype.itemsize
 
+    @property
+    def padded_bytes(self) -> int:
+        """The all-gather's buffer: every rank's slices, padding included (what a prefetch holds until used)."""
+        return sum(self.slice_len) * self.world * self.param_dtype.itemsize
+
     @torch.no_grad()
-    def all_gather(self) -> list[torch.Tensor]:
+    def start_gather(self, clock, phase: str = "", prefetched: bool = False) -> None:
+        """Issue this unit's all-gather without waiting for it (``async_op``): it runs while the caller computes."""
         mine = torch.cat([s.detach().to(self.param_dtype) for s in self.slices])  # one collective a unit, in the
         # compute dtype: bf16 mixed precision gathers half the bytes, the fp32 slices stay the master weights
         gathered = torch.empty(mine.numel() * self.world, dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(gathered, mine)
+        row = {"unit": self.name, "phase": phase, "prefetched": prefetched, "issued": clock()}
+        work = dist.all_gather_single(gathered, mine, async_op=True)
+        self.gathers.append(row)
+        self.pending = (gathered, work, row)
+
+    @torch.no_grad()
+    def all_gather(self, clock=time.perf_counter) -> list[torch.Tensor]:
+        if self.pending is None:
+            self.start_gather(clock)
+        gathered, work, row = self.pending
+        row["waited"], row["done_before_wait"] = clock(), work.is_completed()
+        work.wait()                                  # a prefetched gather may be done already: no wait at all
+        row["ready"] = clock()
+        self.pending = None
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
         self.full = [part.reshape(-1)[:spec.numel].view(spec.shape).clone() for part, spec in zip(by_rank, self.specs)]
+        gathered.untyped_storage().resize_(0)   # copied out: free the buffer now, as FSDP2 frees its all-gather
+        # output; the collective's own record of it (gloo's worker may hold it a moment longer) then costs nothing
         self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
         return self.full
 
@@ -200,9 +227,11 @@ class Zero3:
     """
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None,
-                 backward_gather: str = "on-entry", param_dtype: torch.dtype = torch.float32):
+                 backward_gather: str = "on-entry", param_dtype: torch.dtype = torch.float32, prefetch: bool = False,
+                 clock=time.perf_counter):
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.planted_bug, self.backward_gather = planted_bug, backward_gather
+        self.planted_bug, self.backward_gather, self.prefetch, self.clock = planted_bug, backward_gather, prefetch, clock
+        self.computes: list[dict] = []               # measured: each unit's forward, from gathered to done
         unit_of_module = {id(m): name for name, modules in units for top in modules for m in top.modules()}
         names: dict[int, list] = {}                  # every (module, attribute, name) of a parameter: a tied one
         users: dict[int, set] = {}                   # has two; and which units use it ("root": a module outside)
@@ -225,11 +254,13 @@ class Zero3:
                 modules[0].register_forward_pre_hook(lambda _m, args, u=by_name[name]: self._gather(u, args))
                 modules[-1].register_forward_hook(lambda _m, _a, out, u=by_name[name]: self._release(u, out))
         self.root = by_name.get("root")
+        self.order = [by_name[name] for name, _ in units if name in by_name]   # forward's order; backward's reversed
         model.register_forward_pre_hook(lambda _m, args: self._start(args))
         model.register_forward_hook(lambda _m, _a, out: self._finish(out))
         self.peak_bytes = 0                          # measured: the largest total of gathered storages alive
         self.timeline: list[dict] = []               # measured: that total after each gather and each drop
-        self._alive: list[tuple[StorageWeakRef, int]] = []
+        self._alive: list[weakref.ref] = []         # the storages' Python objects (one per storage, kept by torch as
+        # long as any tensor, autograd's saved ones included, points at the storage): dead means freed
         self._end_of_backward_queued = False
 
     def slices_by_name(self) -> dict[str, nn.Parameter]:
@@ -249,9 +280,23 @@ class Zero3:
         if self.planted_bug is None:
             self._hooks.__exit__(None, None, None)
 
+    def _prefetch_after(self, unit: ShardedUnit, step: int) -> None:
+        """Issue the all-gather of the unit that runs after ``unit`` (``step`` +1 in forward, -1 in backward), so it
+        travels while ``unit`` computes: two units' weights are then alive at once."""
+        if not self.prefetch or unit not in self.order:
+            return
+        index = self.order.index(unit) + step
+        if 0 <= index < len(self.order):
+            following = self.order[index]
+            if following.full is None and following.pending is None:
+                following.start_gather(self.clock, "forward" if step > 0 else "backward", prefetched=True)
+                self._measure(f"{following.name}: prefetch issued", following)
+
     def _gather(self, unit: ShardedUnit, args: tuple):
         unit.set_attributes(GatherUnit.apply(unit, *unit.slices))
         self._measure(f"{unit.name}: gathered for forward", unit)
+        self._prefetch_after(unit, +1)
+        self.computes.append({"unit": unit.name, "phase": "forward", "start": self.clock()})
         if unit.param_dtype != torch.float32:  # as FSDP2's cast_forward_inputs: the unit's floating-point
             args = tuple(a.to(unit.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # inputs
                          for a in args)       # (the hidden states, RoPE's tables) rounded to the compute dtype
@@ -264,6 +309,8 @@ class Zero3:
         return args
 
     def _release(self, unit: ShardedUnit, output):
+        if self.computes and self.computes[-1]["unit"] == unit.name and "end" not in self.computes[-1]:
+            self.computes[-1]["end"] = self.clock()
         if self.backward_gather == "on-entry" and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._gather_for_backward(unit))  # backward reaches the unit here
         unit.set_attributes([None] * len(unit.specs))
@@ -285,8 +332,9 @@ class Zero3:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._end_of_backward_queued = True
         if unit.full is None:
-            unit.all_gather()
+            unit.all_gather(self.clock)
             self._measure(f"{unit.name}: gathered for backward", unit)
+            self._prefetch_after(unit, -1)
 
     def _end_of_backward(self):
         """A unit whose parameters are all frozen has no gradient, so its gather's backward never runs and never
@@ -307,10 +355,11 @@ class Zero3:
     def _measure(self, event: str, gathered: ShardedUnit | None = None):
         """Right after every gather (the only moments the parameters' memory grows) and every drop. Not seen:
         inside ``all_gather`` the flat buffer and the full tensors copied out of it live together for a moment."""
-        if gathered is not None:
-            self._alive += [(StorageWeakRef(f.untyped_storage()), f.untyped_storage().nbytes()) for f in gathered.full]
-        self._alive = [(ref, size) for ref, size in self._alive if not ref.expired()]
-        alive = sum(size for _, size in self._alive)
+        if gathered is not None:   # the full tensors, or the buffer a prefetch is filling
+            tensors = gathered.full if gathered.full is not None else [gathered.pending[0]]
+            self._alive += [weakref.ref(f.untyped_storage()) for f in tensors]
+        self._alive = [ref for ref in self._alive if ref() is not None]
+        alive = sum(ref().nbytes() for ref in self._alive)     # each storage's bytes now (a freed one has 0)
         self.peak_bytes = max(self.peak_bytes, alive)
         self.timeline.append({"event": event, "bytes": alive})
 
@@ -346,6 +395,9 @@ def main():
     p.add_argument("--mixed-precision", action="store_true",
                    help="gather and compute in bf16, reduce gradients in fp32, keep fp32 slices (FSDP2's "
                         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
+    p.add_argument("--prefetch", action="store_true",
+                   help="issue the next unit's all-gather (async) before this unit computes, in forward and backward: "
+                        "the traffic overlaps compute, and two units are whole at a time")
     p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None, help="a mistake the checks must catch")
     runtime.add_lr_flag(p)
     args = p.parse_args()
@@ -364,11 +416,12 @@ def main():
         trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
         groups = [{**g, "params": [name_of[id(q)] for q in g["params"]]}  # by name: no whole parameter kept
                   for g in models.parameter_groups(model, args.lr, any_model=args.any_model)]
-        whole_storages = [StorageWeakRef(q.untyped_storage()) for q in model.parameters()]
+        whole_storages = [weakref.ref(q.untyped_storage()) for q in model.parameters()]
         param_dtype = torch.bfloat16 if args.mixed_precision else torch.float32
-        zero = Zero3(model, transformer_units(model), args.planted_bug, args.backward_gather, param_dtype)
+        zero = Zero3(model, transformer_units(model), args.planted_bug, args.backward_gather, param_dtype,
+                     prefetch=args.prefetch)
         report.check("the whole parameters are freed once sliced (each one's storage watched until it is gone)",
-                     all(ref.expired() for ref in whole_storages), sum(not ref.expired() for ref in whole_storages),
+                     all(ref() is None for ref in whole_storages), sum(ref() is not None for ref in whole_storages),
                      "0 left")
         slices = zero.slices_by_name()
         optimizer = torch.optim.AdamW([{**g, "params": [slices[n] for n in g["params"]]} for g in groups],
@@ -385,6 +438,9 @@ def main():
         losses_fsdp, diffs, comm_steps, fsdp_comm_steps, failure = [], {"loss": [], "fsdp_loss": []}, [], [], None
         for step in range(args.steps):
             zero.timeline.clear()                    # the last step's is kept for the chapter's figure
+            zero.computes.clear()
+            for unit in zero.units:
+                unit.gathers.clear()
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world).to(rt.device))
             with comm.CommCounter() as counter:
@@ -488,6 +544,9 @@ def main():
         # ---- memory: the gathered parameters alive at any moment, measured ----
         root = zero.root.full_bytes if zero.root else 0
         largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
+        if args.prefetch:  # a unit, and the next one's gather (its padded buffer, then its weights), side by side
+            largest = max((a.full_bytes + b.padded_bytes for a, b in
+                           [*zip(zero.order, zero.order[1:]), *zip(zero.order[1:], zero.order)]), default=largest)
         report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "largest_unit_bytes": largest,
                          "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
@@ -499,10 +558,41 @@ def main():
                      zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")
         # each drop frees what it drops: after it, at most the root is whole (in forward and backward), then nothing
         left = {e["bytes"] for e in zero.timeline if "dropped" in e["event"]}
-        report.check("after every drop, nothing but the root is still whole (measured on the storages)",
-                     left <= {0, root}, max(left), f"in {{0, {root}}}")
+        if not args.prefetch:
+            report.check("after every drop, nothing but the root is still whole (measured on the storages)",
+                         left <= {0, root}, max(left), f"in {{0, {root}}}")
+        else:  # the next unit may already be in flight or whole
+            most = root + max(u.padded_bytes for u in zero.order)
+            report.check("after every drop, at most the root and the next unit are whole (measured on the storages)",
+                         max(left) <= most, max(left), f"<= {most}")
+            _prefetch_report(zero, report, rt)
         code = report.finish(args.metrics_out)
     sys.exit(code)
+
+
+def _prefetch_report(zero, report, rt) -> None:
+    """The last step's forward on this rank's host clock: each unit's compute, each all-gather from its issue to the
+    moment its weights were ready. Checked: every prefetched gather was issued before the unit ahead of it began
+    computing (so it can overlap it). Reported, not checked: the time forward still waited for gathers (on 4 CPU ranks
+    sharing 2 cores it varies run to run; on a GPU these are host times, not the kernels')."""
+    computes = [c for c in zero.computes if "end" in c]
+    started = {c["unit"]: c["start"] for c in computes}
+    names = [u.name for u in zero.order]
+    gathers = [dict(g) for u in zero.units for g in u.gathers if "ready" in g]
+    ahead = [(g, names[names.index(g["unit"]) - 1]) for g in gathers if g["prefetched"] and g["phase"] == "forward"]
+    report.check("every prefetched all-gather issued before the unit ahead of it computed (forward)",
+                 bool(ahead) and all(g["issued"] <= started[before] for g, before in ahead), len(ahead))
+    forward = [g for g in gathers if g["phase"] in ("", "forward") and g["unit"] in started]
+    waited = sum(g["ready"] - g["waited"] for g in forward)
+    origin = min([c["start"] for c in computes] + [g["issued"] for g in gathers])
+    report.extra["prefetch_timeline"] = {
+        "computes": [{**c, "start": c["start"] - origin, "end": c["end"] - origin} for c in computes],
+        "gathers": [{**g, **{k: g[k] - origin for k in ("issued", "waited", "ready")}} for g in gathers],
+        "forward_wait_seconds_measured": waited,
+        "done_before_needed": sum(g["done_before_wait"] for g in forward)}
+    rt.print(f"prefetch: forward waited {waited * 1e3:.2f} ms in all for its all-gathers; "
+             f"{sum(g['done_before_wait'] for g in forward)} of {len(forward)} were done before they were needed "
+             f"(rank {rt.rank}'s host clock, last step)")
 
 
 def _gathered(slice_: torch.Tensor) -> torch.Tensor:

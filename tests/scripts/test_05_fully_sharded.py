@@ -150,6 +150,17 @@ def test_zero3_in_bf16_equals_fsdp2_mixed_precision_and_gathers_half_the_bytes()
     assert metrics["memory"]["gathered_peak_bytes"] == BLOCK_BYTES // 2
 
 
+def test_zero3_prefetch_gathers_the_next_unit_ahead_and_keeps_two_whole():
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--prefetch", "--steps", "2"], stream=False),
+                                       min_checks=13)
+    assert metrics["memory"]["gathered_peak_bytes"] == 2 * BLOCK_BYTES          # this block and the next
+    assert comm_of(metrics)["all_gather"]["measured_bytes"] == 2 * 4 * P         # the same traffic, earlier
+    timeline = metrics["extra"]["prefetch_timeline"]
+    assert {g["unit"] for g in timeline["gathers"] if g["prefetched"] and g["phase"] == "forward"} == {
+        "layers.0", "layers.1", "head"}
+    assert [c["unit"] for c in timeline["computes"]] == ["tok_embeddings", "layers.0", "layers.1", "head"]
+
+
 def test_zero3_gathering_on_first_use_skips_the_embeddings_second_gather():
     metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--backward-gather", "on-first-use",
                                                                         "--steps", "2"], stream=False), min_checks=9)

@@ -151,3 +151,16 @@ def test_a_check_line_stays_short_whatever_the_values():
     assert "(40 items: 4 entries: {rank, start, end, ...}" in lines[0] and "(300 items: 0, 1, ...," in lines[1]
     assert lines[2] == "  [PASS] loss  (0.123, tolerance 1e-05)"
     assert report.checks[0]["value"] == timeline  # the metrics file keeps every item
+
+
+def test_another_ranks_failed_checks_are_named_with_its_rank(capsys):
+    """Rank 0 prints the table; a check that failed on another rank only (its own memory, its shard) must not
+    leave the job failing with rank 0's table all green and nothing said."""
+    from distlab import metrics
+
+    report = metrics.Report("x.py", None)
+    report.rank = 3
+    report.check("memory of this rank", False, 640512, "<= 427008")
+    report.check("loss", True, 0.1, 1e-5)
+    assert report.finish() == 1
+    assert capsys.readouterr().out.strip() == "rank 3:  [FAIL] memory of this rank  (640512, tolerance <= 427008)"
