@@ -79,7 +79,7 @@ class GatherUnit(torch.autograd.Function):
     def forward(ctx, unit, *slices):
         ctx.unit = unit
         ctx.set_materialize_grads(False)  # a parameter this step did not use gets None, not zeros: no step
-        return tuple(unit.all_gather())
+        return tuple(unit.all_gather(phase="forward"))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -172,9 +172,9 @@ class ShardedUnit:
         self.pending = (gathered, work, row)
 
     @torch.no_grad()
-    def all_gather(self, clock=time.perf_counter) -> list[torch.Tensor]:
+    def all_gather(self, clock=time.perf_counter, phase: str = "") -> list[torch.Tensor]:
         if self.pending is None:
-            self.start_gather(clock)
+            self.start_gather(clock, phase)
         gathered, work, row = self.pending
         row["waited"], row["done_before_wait"] = clock(), work.is_completed()
         work.wait()                                  # a prefetched gather may be done already: no wait at all
@@ -182,8 +182,8 @@ class ShardedUnit:
         self.pending = None
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
         self.full = [part.reshape(-1)[:spec.numel].view(spec.shape).clone() for part, spec in zip(by_rank, self.specs)]
-        gathered.untyped_storage().resize_(0)   # copied out: free the buffer now, as FSDP2 frees its all-gather
-        # output; the collective's own record of it (gloo's worker may hold it a moment longer) then costs nothing
+        gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 too frees its
+        # all-gather output right after copy-out); a reference gloo's worker may keep a moment longer costs nothing
         self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
         return self.full
 
@@ -272,7 +272,13 @@ class Zero3:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         if self.planted_bug is None:  # both planted bugs leave autograd to keep the full weights it saved
             self._hooks.__enter__()
-        return self._gather(self.root, args) if self.root else None
+        if not self.root:
+            return None
+        args = self._gather(self.root, args)
+        if self.prefetch and self.order and self.order[0].pending is None:  # the first unit's gather, ahead too
+            self.order[0].start_gather(self.clock, "forward", prefetched=True)
+            self._measure(f"{self.order[0].name}: prefetch issued", self.order[0])
+        return args
 
     def _finish(self, output):
         if self.root:
@@ -332,9 +338,10 @@ class Zero3:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._end_of_backward_queued = True
         if unit.full is None:
-            unit.all_gather(self.clock)
+            unit.all_gather(self.clock, "backward")
             self._measure(f"{unit.name}: gathered for backward", unit)
-            self._prefetch_after(unit, -1)
+            if self.backward_gather == "on-entry":  # on first use, the unit ahead may never be read (the embedding):
+                self._prefetch_after(unit, -1)      # a gather issued for it would travel for nothing
 
     def _end_of_backward(self):
         """A unit whose parameters are all frozen has no gradient, so its gather's backward never runs and never
@@ -344,6 +351,11 @@ class Zero3:
             if unit.full is not None:
                 unit.drop()
                 self._measure(f"{unit.name}: dropped at the end of backward (no gradient to reduce)")
+            if unit.pending is not None:            # a prefetch nobody used: never carried into the next step,
+                unit.pending[1].wait()              # whose weights the optimizer is about to change
+                unit.pending[0].untyped_storage().resize_(0)
+                unit.pending = None
+                self._measure(f"{unit.name}: unused prefetch discarded")
 
     def _unpack(self, saved):
         if not isinstance(saved, SavedWeight):
@@ -361,7 +373,9 @@ class Zero3:
         self._alive = [ref for ref in self._alive if ref() is not None]
         alive = sum(ref().nbytes() for ref in self._alive)     # each storage's bytes now (a freed one has 0)
         self.peak_bytes = max(self.peak_bytes, alive)
-        self.timeline.append({"event": event, "bytes": alive})
+        held = sum(u.full_bytes for u in self.units if u.full is not None) + sum(   # what the units say they
+            u.padded_bytes for u in self.units if u.pending is not None)               # hold, by their own books
+        self.timeline.append({"event": event, "bytes": alive, "units_hold": held})
 
 
 def transformer_units(model) -> list[tuple[str, list[nn.Module]]]:
@@ -543,28 +557,30 @@ def main():
 
         # ---- memory: the gathered parameters alive at any moment, measured ----
         root = zero.root.full_bytes if zero.root else 0
-        largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
-        if args.prefetch:  # a unit, and the next one's gather (its padded buffer, then its weights), side by side
+        if args.prefetch:  # a unit whole, and the next one's gather in flight (its padded buffer), side by side
+            what = "largest unit with the next one's gather"
             largest = max((a.full_bytes + b.padded_bytes for a, b in
-                           [*zip(zero.order, zero.order[1:]), *zip(zero.order[1:], zero.order)]), default=largest)
-        report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "largest_unit_bytes": largest,
+                           [*zip(zero.order, zero.order[1:]), *zip(zero.order[1:], zero.order)]),
+                          default=max(u.full_bytes for u in zero.order))
+        else:
+            what = "largest unit"
+            largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
+        report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "bound_bytes": root + largest,
                          "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
                          "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}
-        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + largest unit "
+        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + {what} "
                  f"{largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
                  f"{report.memory['slices_bytes']:,} B")
-        report.check("gathered parameters alive at any moment <= root + largest unit (measured on the storages)",
+        report.check(f"gathered parameters alive at any moment <= root + {what} (measured on the storages)",
                      zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")
-        # each drop frees what it drops: after it, at most the root is whole (in forward and backward), then nothing
-        left = {e["bytes"] for e in zero.timeline if "dropped" in e["event"]}
-        if not args.prefetch:
-            report.check("after every drop, nothing but the root is still whole (measured on the storages)",
-                         left <= {0, root}, max(left), f"in {{0, {root}}}")
-        else:  # the next unit may already be in flight or whole
-            most = root + max(u.padded_bytes for u in zero.order)
-            report.check("after every drop, at most the root and the next unit are whole (measured on the storages)",
-                         max(left) <= most, max(left), f"<= {most}")
+        # nothing hides: at every gather and every drop, what is alive is exactly what the units say they hold
+        off = [e for e in zero.timeline if e["bytes"] != e["units_hold"]]
+        report.check("at every gather and drop, bytes alive = bytes the units hold (measured on the storages)",
+                     not off, f"{len(off)} of {len(zero.timeline)} events off" + (
+                         f", first: {off[0]['event']} {off[0]['bytes']:,} B against {off[0]['units_hold']:,} B"
+                         if off else ""))
+        if args.prefetch:
             _prefetch_report(zero, report, rt)
         code = report.finish(args.metrics_out)
     sys.exit(code)
@@ -572,17 +588,21 @@ def main():
 
 def _prefetch_report(zero, report, rt) -> None:
     """The last step's forward on this rank's host clock: each unit's compute, each all-gather from its issue to the
-    moment its weights were ready. Checked: every prefetched gather was issued before the unit ahead of it began
-    computing (so it can overlap it). Reported, not checked: the time forward still waited for gathers (on 4 CPU ranks
-    sharing 2 cores it varies run to run; on a GPU these are host times, not the kernels')."""
+    moment the host had its weights. Checked: every unit but the first had its gather issued before the unit ahead of
+    it began computing, and waited for only after that unit had computed (not issued and waited at once). Reported,
+    not checked: how long forward still waited (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these
+    are the host's times (NCCL's wait only orders the streams), not the kernels': the lab reads them on the CPU."""
     computes = [c for c in zero.computes if "end" in c]
-    started = {c["unit"]: c["start"] for c in computes}
+    started, ended = {c["unit"]: c["start"] for c in computes}, {c["unit"]: c["end"] for c in computes}
     names = [u.name for u in zero.order]
     gathers = [dict(g) for u in zero.units for g in u.gathers if "ready" in g]
-    ahead = [(g, names[names.index(g["unit"]) - 1]) for g in gathers if g["prefetched"] and g["phase"] == "forward"]
-    report.check("every prefetched all-gather issued before the unit ahead of it computed (forward)",
-                 bool(ahead) and all(g["issued"] <= started[before] for g, before in ahead), len(ahead))
-    forward = [g for g in gathers if g["phase"] in ("", "forward") and g["unit"] in started]
+    prefetched = [g for g in gathers if g["prefetched"] and g["phase"] == "forward"]
+    ahead = [(g, names[names.index(g["unit"]) - 1]) for g in prefetched if names.index(g["unit"]) > 0]
+    expected = len(names) - 1 + (1 if zero.root else 0)   # the root issues the first unit's too
+    report.check("forward: each unit's gather issued before the unit ahead computed, waited for after it",
+                 len(prefetched) == expected and all(g["issued"] <= started[before] and g["waited"] >= ended[before]
+                                                     for g, before in ahead), len(prefetched), f"{expected} prefetched")
+    forward = [g for g in gathers if g["phase"] == "forward" and g["unit"] in started]
     waited = sum(g["ready"] - g["waited"] for g in forward)
     origin = min([c["start"] for c in computes] + [g["issued"] for g in gathers])
     report.extra["prefetch_timeline"] = {
@@ -590,9 +610,10 @@ def _prefetch_report(zero, report, rt) -> None:
         "gathers": [{**g, **{k: g[k] - origin for k in ("issued", "waited", "ready")}} for g in gathers],
         "forward_wait_seconds_measured": waited,
         "done_before_needed": sum(g["done_before_wait"] for g in forward)}
+    clock = "host clock" + ("; on a GPU, host times, not the kernels'" if rt.device_type == "cuda" else "")
     rt.print(f"prefetch: forward waited {waited * 1e3:.2f} ms in all for its all-gathers; "
              f"{sum(g['done_before_wait'] for g in forward)} of {len(forward)} were done before they were needed "
-             f"(rank {rt.rank}'s host clock, last step)")
+             f"(rank {rt.rank}'s {clock}, last step)")
 
 
 def _gathered(slice_: torch.Tensor) -> torch.Tensor:

@@ -138,4 +138,4 @@ def test_zero3_by_hand_numbers_are_the_tiny_models():
     says(f"(half the bytes: {comm.zero_step_bytes(n, 3, param_bytes=2)['all_gather']:,} per step instead of {gathered:,})")
     says(f"backward gathers it again on top: {3 * block:,} bytes at the peak, three blocks' worth and\n  "
          f"{3 * block / (4 * n):.1f} times the whole model")
-    says(f"two units are whole at a time, {2 * block:,} bytes at most instead of {block:,} (measured)")
+    says(f"the next one's gather fills its buffer, {2 * block:,} bytes at most instead of\n{block:,} (measured)")
