@@ -572,6 +572,60 @@ def draw_zero3_memory(fig) -> None:
                  fontsize=8.5)
 
 
+ZERO3_PREFETCH = FIGURE_DATA / "05_zero3_prefetch.json"
+ZERO3_PREFETCH_ARGS = ["--steps", "2", "--prefetch"]
+
+
+def measure_zero3_prefetch(path=ZERO3_PREFETCH) -> Path:
+    """Run ``zero3_from_scratch.py --prefetch`` on 4 CPU ranks and keep rank 0's last forward: each unit's compute and
+    each all-gather from its issue to the moment the host had its weights. Measured again by calling this function
+    (``python -c "from coursetools import figures; figures.measure_zero3_prefetch()"``)."""
+    import json
+
+    import torch
+
+    from labkit import launch
+
+    run = launch.run("scripts/05_fully_sharded/zero3_from_scratch.py", nproc=4, args=ZERO3_PREFETCH_ARGS, stream=False)
+    kept = {"script": "scripts/05_fully_sharded/zero3_from_scratch.py", "argv": ZERO3_PREFETCH_ARGS,
+            "world_size": run.metrics["world_size"], "torch": torch.__version__,
+            "gathered_peak_bytes": run.metrics["memory"]["gathered_peak_bytes"],
+            "units": run.metrics["memory"]["units"], **run.metrics["extra"]["prefetch_timeline"]}
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def draw_zero3_prefetch(fig) -> None:
+    """Chapter 05: one forward of ZeRO-3 by hand with --prefetch on rank 0 (host clock, 4 CPU ranks): each unit's
+    compute, and each all-gather from its issue to the moment its weights were there, issued ahead or on demand."""
+    import json
+
+    run = json.loads(ZERO3_PREFETCH.read_text())
+    units = [c["unit"] for c in run["computes"]]
+    ax = fig.subplots()
+    for c in run["computes"]:
+        ax.barh(units.index(c["unit"]), 1e3 * (c["end"] - c["start"]), left=1e3 * c["start"], color="#1f77b4",
+                height=0.35)
+    for g in run["gathers"]:
+        if g["phase"] == "forward" and g["unit"] in units:
+            colour = "#ff7f0e" if g["prefetched"] else "#d62728"
+            ax.barh(units.index(g["unit"]) + 0.38, 1e3 * (g["ready"] - g["issued"]), left=1e3 * g["issued"],
+                    color=colour, height=0.3)
+            ax.plot([1e3 * g["waited"]] * 2, [units.index(g["unit"]) + 0.23, units.index(g["unit"]) + 0.53],
+                    color="black", linewidth=0.8)
+    ax.set_yticks(range(len(units)), units, fontsize=7)
+    ax.invert_yaxis()
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("ms since the first gather (rank 0's host clock); black tick: where the unit began to wait",
+                  fontsize=7)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color="#1f77b4", label="the unit's forward"),
+                       Patch(color="#ff7f0e", label="its all-gather, issued one unit ahead"),
+                       Patch(color="#d62728", label="its all-gather, on demand")], fontsize=6.5, loc="upper right")
+    ax.set_title(f"ZeRO-3 by hand with --prefetch: one forward, {run['world_size']} CPU ranks (gloo), tiny model",
+                 fontsize=8.5)
+
+
 HANG = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "12_hang_journals.json"
 HANG_ARGS = ["--hang", "skipped-barrier"]
 
@@ -864,6 +918,7 @@ FIGURES = {
     "04_ddp_overlap.png": (draw_ddp_overlap, (9, 2.8)),
     "05_zero_stages.png": (draw_zero_stages, (8, 3.2)),
     "05_zero3_memory.png": (draw_zero3_memory, (9, 3.2)),
+    "05_zero3_prefetch.png": (draw_zero3_prefetch, (9, 2.6)),
     "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
     "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
     "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),

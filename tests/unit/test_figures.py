@@ -144,6 +144,32 @@ def test_the_measured_zero3_memory_is_the_tiny_models_units_one_at_a_time():
     assert run["gathered_peak_bytes"] == max(units.values())
 
 
+def test_the_measured_prefetch_issues_each_gather_one_unit_ahead():
+    """The committed measurement behind 05_zero3_prefetch.png against today's model: the tiny model's units in
+    forward's order; every unit but the first gathered ahead, issued before the unit ahead of it began and waited
+    for after it ended; two units' weights at the peak, never more. Measure again with
+    figures.measure_zero3_prefetch()."""
+    import json
+
+    from distlab import models
+
+    run = json.loads(figures.ZERO3_PREFETCH.read_text())
+    model = models.build_transformer("tiny")
+    block = sum(4 * q.numel() for q in model.layers["0"].parameters())
+    units = [c["unit"] for c in run["computes"]]
+    assert units == ["tok_embeddings", *[f"layers.{i}" for i in model.layers], "head"]
+    forward = {g["unit"]: g for g in run["gathers"] if g["phase"] == "forward"}
+    assert [u for u in units if forward[u]["prefetched"]] == units[1:]
+    for before, unit in zip(run["computes"], run["computes"][1:]):
+        g = forward[unit["unit"]]
+        assert g["issued"] <= before["start"] and g["waited"] >= before["end"] and g["ready"] <= unit["start"]
+    assert run["gathered_peak_bytes"] == 2 * block
+    spans = {c["unit"]: (c["start"], c["end"]) for c in run["computes"]}
+    for unit, ahead in (("layers.1", "layers.0"), ("head", "layers.1")):   # what the chapter reads off the picture
+        g = forward[unit]
+        assert min(g["ready"], spans[ahead][1]) - max(g["issued"], spans[ahead][0]) > 0, f"{unit}: no overlap"
+
+
 def test_the_hang_picture_is_what_todays_diagnosis_reads_from_its_journals():
     import json
 
