@@ -48,7 +48,8 @@ def test_every_lab_has_its_exercise_module_and_imports_it_one_way():
             f"{lab.name} should import its checks as `from labkit.exercises import ch{number} as exercises`")
 
 
-def test_the_library_imports_neither_the_labs_kit_nor_the_course_tools():
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "distlab").rglob("*.py")
+def test_the_library_and_the_scripts_import_neither_the_labs_kit_nor_the_course_tools():
+    files = [*(ROOT / "distlab").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    offenders = [str(p.relative_to(ROOT)) for p in files
                  if re.search(r"^\s*(from|import)\s+(labkit|coursetools)\b", p.read_text(), flags=re.M)]
-    assert not offenders, f"distlab must stand alone (scripts import it on a cluster): {offenders}"
+    assert not offenders, f"distlab and the scripts must stand alone (a cluster job needs nothing else): {offenders}"
