@@ -16,10 +16,11 @@ gathers them again, and the gradients leave by reduce-scatter.
   group (one node: NVLink) and replicates the shards over the R groups (across nodes): all-gathers and
   reduce-scatters stay inside the shard group, and one all-reduce of each gradient shard crosses the nodes.
 
-Checks: same losses and parameters as the single-device baseline (fp32 tolerance, or the documented bf16
-one); per-rank bytes of parameters, gradients and optimizer state measured from the local shards
-(distlab.memory.ledger) = the ZeRO-3 table; all-gather and reduce-scatter bytes per step = the formula
-(distlab.comm.zero_step_bytes) for the chosen reshard setting.
+Checks: same step-0 gradients (gathered from the shards), losses and parameters as the single-device baseline
+(fp32 tolerance, or the documented bf16 one: the gradients are what catch a wrong scale under bf16); per-rank bytes
+of parameters, gradients and optimizer state measured from the local shards (distlab.memory.ledger) = the ZeRO-3
+table; all-gather and reduce-scatter bytes per step = the formula (distlab.comm.zero_step_bytes) for the chosen
+reshard setting, in one call a unit (``--planted-bug`` plants what these two catch: root-only, sum-gradients).
 
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py --no-reshard-after-forward
@@ -38,8 +39,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common_fully_sharded import (BF16_LOSS_TOLERANCE, LOSS_TOLERANCE, Baseline, bf16_param_mean_tolerance,
-                                  mean_abs_diff, param_tolerance)
+from common_fully_sharded import (BF16_LOSS_TOLERANCE, GRAD_TOLERANCE, LOSS_TOLERANCE, Baseline,
+                                  bf16_param_mean_tolerance, mean_abs_diff, param_tolerance)
+from distlab.metrics import BF16_GRAD_RELATIVE_TOLERANCE
 from distlab import comm, data, hybrid, memory, metrics, models, runtime
 
 PRESETS = {"tiny": "tiny", "a100": "a100_large"}  # a100: ~3.3 B parameters, too big for one A100-40GB with DDP
@@ -55,8 +57,11 @@ def check_config(args, world_size):
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
+PLANTED_BUGS = ("root-only", "sum-gradients")
+
+
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
-               activation_checkpointing=False, pin_memory=False, mesh=None):
+               activation_checkpointing=False, pin_memory=False, mesh=None, planted_bug=None):
     """Shard each transformer block, then the root (embeddings, final norm, output), in that order.
 
     Each ``fully_shard`` call makes one unit: its parameters are gathered and freed together. Blocks first,
@@ -70,7 +75,8 @@ def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_
     for block in model.layers.values():
         if activation_checkpointing:
             checkpoint(block)  # recompute the block in backward; parameter names unchanged
-        fully_shard(block, **policy)
+        if planted_bug != "root-only":   # the mistake: one unit, the whole model gathered at once
+            fully_shard(block, **policy)
     fully_shard(model, **policy)
     return model
 
@@ -145,6 +151,9 @@ def main():
     p.add_argument("--init", choices=["auto", "seed", "meta"], default="auto",
                    help="seed: build the whole model on every rank, then shard (tiny); meta: build on the meta "
                         "device and initialise the shards only (default for a100)")
+    p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None,
+                   help="a mistake the checks must catch: root-only (no unit per block), sum-gradients (the "
+                        "loss summed over the ranks, not averaged: gradients N times too large)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -175,7 +184,8 @@ def main():
                      f"{dist.get_process_group_ranks(mesh.get_group('replicate'))}")
         fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision, mesh=mesh,
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
-                            pin_memory=args.cpu_offload and rt.device_type == "cuda")  # pinning needs a GPU
+                            pin_memory=args.cpu_offload and rt.device_type == "cuda",  # pinning needs a GPU
+                            planted_bug=args.planted_bug)
         if args.init == "seed":
             model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
         else:
@@ -207,7 +217,12 @@ def main():
                     activations = saved.bytes
                 else:
                     loss = models.lm_loss(model(inputs), targets)
-                loss.backward()  # all-gathers again (if resharded) and reduce-scatters, unit by unit
+                # all-gathers again (if resharded) and reduce-scatters, unit by unit. The planted mistake: each
+                # rank's loss summed over the ranks where it should be averaged (gradients N times too large)
+                (loss * world if args.planted_bug == "sum-gradients" else loss).backward()
+            if step == 0 and compare:  # the averaged gradients, gathered whole (a collective: every rank)
+                grads0 = [q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+                          for q in model.parameters()]
             optimizer.step()     # on the local shards only: no communication
             if step == 1:        # parameters, gradients and AdamW moments all exist now
                 state = memory.ledger(model, optimizer)
@@ -223,6 +238,9 @@ def main():
                 params_now = full_parameters(model)
                 if baseline is not None:
                     baseline.step(tokens.to(rt.device))
+                    if step == 0:   # Adam hides a gradient's scale from losses and weights: look at the gradients
+                        grad_diff = metrics.max_abs_diff([g.float() for g in grads0], baseline.grads)
+                        largest_grad = max(g.abs().max().item() for g in baseline.grads)
                     loss_diffs.append(abs(report.losses[-1] - baseline.losses[-1]))
                     param_diffs.append(metrics.max_abs_diff(params_now, list(baseline.model.parameters())))
                     param_mean_diffs.append(mean_abs_diff(params_now, list(baseline.model.parameters())))
@@ -248,6 +266,14 @@ def main():
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]
             calls = measured_comm[-1].get(collective, {}).get("calls", 0)
+            # one collective a unit (each block and the root), all-gathered twice when it reshards after forward
+            units = cfg.n_layers + 1
+            expected_calls = units * (2 if collective == "all_gather" and args.reshard_after_forward else 1)
+            if shard == 1 and collective != "all_reduce":   # a shard group of one rank: FSDP skips them
+                expected_calls = 0
+            report.check_equal(f"{collective} calls per step = {expected_calls} ({units} units: each block and the "
+                               "root" + (", twice)" if expected_calls > units else ")"),
+                               [m.get(collective, {}).get("calls", 0) for m in measured_comm][-1], expected_calls)
             report.add_comm(collective, per_step[-1], expected, calls=calls,  # ring model x measured payload:
                             group_size=group_of[collective],
                             sent_bytes_per_rank_derived=comm.bytes_sent_per_rank(collective, per_step[-1],
@@ -288,11 +314,16 @@ def main():
 
         if compare and rt.rank == 0:
             if args.mixed_precision:  # bf16 against the fp32 baseline: see common_fully_sharded.py
+                report.check_close("step-0 gradients (gathered from the shards) = single-device fp32 gradients "
+                                   "(largest difference / largest gradient, bf16 tolerance)",
+                                   grad_diff / largest_grad, 0.0, BF16_GRAD_RELATIVE_TOLERANCE)
                 report.check_close("loss = single-device fp32 loss (every step, bf16 tolerance)", max(loss_diffs), 0.0,
                                    BF16_LOSS_TOLERANCE)
                 report.check_close("parameters = single-device fp32 parameters (mean |difference|, every step, "
                                    "bf16 tolerance)", max(param_mean_diffs), 0.0, bf16_param_mean_tolerance(args.lr))
             else:
+                report.check_close("step-0 gradients (gathered from the shards) = single-device gradients",
+                                   grad_diff, 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))
                 report.check_close("loss = single-device loss (every step)", max(loss_diffs), 0.0,
                                    metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
                 report.check_close("parameters = single-device parameters (every step)", max(param_diffs), 0.0,

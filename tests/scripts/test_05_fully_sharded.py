@@ -110,6 +110,22 @@ def test_checkpoint_refuses_to_overwrite_or_to_resume_nothing(tmp_path):
     assert_config_error(CHECKPOINT, ["--save-dir", str(tmp_path), "--resume"], "no checkpoint in")
 
 
+def test_fsdp_planted_bugs_fail_the_checks_that_name_them():
+    """A root-only fully_shard (one unit: the whole model gathered at once) and gradients N times too large pass
+    every loss and byte check; the call counts and the step-0 gradients catch them (under bf16 only the gradients)."""
+    failed = lambda result: [c["name"] for c in result.metrics["checks"] if not c["passed"]]  # noqa: E731
+    root_only = launch.run(FSDP, nproc=4, args=["--steps", "2", "--planted-bug", "root-only"], stream=False,
+                           check=False)
+    assert root_only.returncode == 1 and failed(root_only) == [
+        "all_gather calls per step = 6 (3 units: each block and the root, twice)",
+        "reduce_scatter calls per step = 3 (3 units: each block and the root)"]
+    summed = launch.run(FSDP, nproc=4, args=["--steps", "2", "--planted-bug", "sum-gradients", "--mixed-precision"],
+                        stream=False, check=False)
+    assert summed.returncode == 1 and failed(summed) == [
+        "step-0 gradients (gathered from the shards) = single-device fp32 gradients (largest difference / largest "
+        "gradient, bf16 tolerance)"]
+
+
 # ---- any model: frozen norms, a head tied to the embedding, a bias no rank count divides, two parameter groups ----
 
 @pytest.mark.parametrize("stage, nproc", [(1, 2), (1, 4), (2, 2), (2, 4)])

@@ -139,3 +139,9 @@ def test_zero3_by_hand_numbers_are_the_tiny_models():
     says(f"backward gathers it again on top: {3 * block:,} bytes at the peak, three blocks' worth and\n  "
          f"{3 * block / (4 * n):.1f} times the whole model")
     says(f"the next one's gather fills its buffer, {2 * block:,} bytes at most instead of\n{block:,} (measured)")
+
+
+def test_fsdp_call_counts_are_one_a_unit():
+    """train_fsdp.py's units: each block and the root; twice the all-gathers when they reshard after forward."""
+    units = models.preset("tiny").n_layers + 1
+    says(f"The script also counts the calls: {2 * units} all-gathers and {units} reduce-scatters a step, one a unit.")
