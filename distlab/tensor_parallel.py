@@ -161,11 +161,14 @@ TOLERANCE = {"tiny": {"loss": 1e-5, "grad": 1e-6}, "a100": {"loss": 1e-4, "grad"
 
 
 def add_model_flags(parser) -> None:
-    """--batch, --seq-len, --dim, --heads, --ffn-hidden, --lr: shapes to try a split with (preset's by default)."""
+    """--batch, --seq-len, --dim, --heads, --kv-heads, --ffn-hidden, --lr: shapes to try a split with (preset's by
+    default)."""
     parser.add_argument("--batch", type=runtime.positive_int, default=None, help="sequences per step (default: 4 tiny, 2 a100)")
     parser.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--dim", type=runtime.positive_int, default=None, help="hidden size H (default: the preset's)")
     parser.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
+    parser.add_argument("--kv-heads", type=runtime.positive_int, default=None,
+                        help="key/value heads, fewer than --heads for grouped-query attention (default: the preset's)")
     parser.add_argument("--ffn-hidden", type=runtime.positive_int, default=None, help="feed-forward hidden size (default: the preset's)")
     runtime.add_lr_flag(parser, 1e-3)
 
@@ -177,6 +180,7 @@ def model_from_args(args):
     args.batch = args.batch or DEFAULT_BATCH[args.preset]
     args.seq_len = args.seq_len or models.preset(args.preset).seq_len
     overrides = {name: value for name, value in (("dim", args.dim), ("n_heads", args.heads),
+                                                 ("n_kv_heads", getattr(args, "kv_heads", None)),
                                                  ("ffn_hidden", args.ffn_hidden)) if value is not None}
     return models.preset(args.preset, **overrides)
 
@@ -192,6 +196,11 @@ def tp_config_problems(cfg, tp: int, *, batch: int | None = None, seq_len: int |
         problems.append(f"hidden size {cfg.dim} is not a multiple of the {cfg.n_heads} heads")
     if cfg.n_heads % tp:
         problems.append(f"{cfg.n_heads} attention heads do not split over {tp} TP ranks")
+    if cfg.n_kv_heads is not None and cfg.n_heads % cfg.n_kv_heads:
+        problems.append(f"{cfg.n_heads} attention heads do not share {cfg.n_kv_heads} key/value heads evenly")
+    elif cfg.n_kv_heads is not None and cfg.n_kv_heads % tp:   # each rank needs whole key/value heads for its
+        problems.append(f"{cfg.n_kv_heads} key/value heads do not split over {tp} TP ranks (grouped-query "  # queries
+                        f"attention: with more TP ranks than key/value heads, each would have to be replicated)")
     if cfg.dim % tp:
         problems.append(f"hidden size {cfg.dim} does not split over {tp} TP ranks")
     if cfg.ffn_hidden % tp:

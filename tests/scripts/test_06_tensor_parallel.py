@@ -32,6 +32,11 @@ def test_dtensor_plan_trains_like_one_device_under_torchrun():
 
 def test_heads_that_do_not_split_exit_2():
     assert_config_error(TRANSFORMER, ["--heads", "2"], "2 attention heads do not split over 4 TP ranks")
+    # grouped-query attention: 8 query heads share 2 key/value heads, which 4 ranks cannot split (it crashed in a
+    # reshape before the check); 4 key/value heads split, and the run equals one device
+    assert_config_error(TRANSFORMER, ["--heads", "8", "--kv-heads", "2"], "2 key/value heads do not split over 4 TP")
+    assert_all_checks_passed(launch.run(TRANSFORMER, nproc=4, args=["--heads", "8", "--kv-heads", "4", "--steps", "2"],
+                                        stream=False), min_checks=4)
     # (the per-linear plan, 5 backward all-reduces per block, is run and checked by the chapter's notebook)
 
 

@@ -83,6 +83,13 @@ def test_config_problems_are_one_sentence_each():
     assert "sequence length 30 does not split over 4 ranks" in tp.tp_config_problems(cfg, 4, seq_len=30,
                                                                                       sequence_parallel=True)
     assert tp.tp_config_problems(cfg, 4, seq_len=30) == []  # plain TP does not split the sequence
+    gqa = models.preset("tiny", n_heads=8, n_kv_heads=2)           # grouped-query attention: 2 key/value heads
+    assert tp.tp_config_problems(gqa, 2) == []
+    assert tp.tp_config_problems(gqa, 4) == ["2 key/value heads do not split over 4 TP ranks (grouped-query "
+                                             "attention: with more TP ranks than key/value heads, each would have "
+                                             "to be replicated)"]
+    assert tp.tp_config_problems(models.preset("tiny", n_heads=4, n_kv_heads=3), 1) == [
+        "4 attention heads do not share 3 key/value heads evenly"]
 
 
 def test_why_tensor_parallelism_stays_inside_a_node():
