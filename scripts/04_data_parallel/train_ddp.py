@@ -62,9 +62,9 @@ class BucketLog:
     kernels ran, not when they were queued), the CPU clock otherwise.
     """
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, wait: bool = False):
         self.names = {id(p): name for name, p in model.named_parameters()}
-        self.device = device
+        self.device, self.wait = device, wait
         self.start_micro_step()
         for name, param in model.named_parameters():
             param.register_post_accumulate_grad_hook(
@@ -90,7 +90,10 @@ class BucketLog:
             entry["end"] = self.clock.mark()   # the averaged bucket is ready
             return future.value()
 
-        return allreduce_hook(state, bucket).then(finished)
+        future = allreduce_hook(state, bucket)
+        if self.wait:            # the planted mistake: wait for the all-reduce inside the hook, so backward stalls
+            future.wait()        # until each bucket is done and nothing overlaps (the bytes and results are right)
+        return future.then(finished)
 
     def bytes(self) -> int:
         return sum(b["bytes"] for b in self.buckets)
@@ -107,7 +110,10 @@ class BucketLog:
             buckets.append({"index": b["index"], "bytes": b["bytes"], "launch": launch, "end": end,
                             "hidden_seconds": max(0.0, min(end, last_gradient) - launch)})
         busy = sum(b["end"] - b["launch"] for b in buckets)
+        ready = [t(mark) for _, mark in self.grad_ready]
+        in_flight = sum(any(b["launch"] < r < b["end"] for b in buckets) for r in ready)
         return {"backward_start": t(self.backward_marks["start"]), "last_gradient": last_gradient,
+                "grads_ready_while_in_flight": in_flight,
                 "backward_end": t(self.backward_marks["end"]), "buckets": buckets,
                 "hidden_fraction": sum(b["hidden_seconds"] for b in buckets) / busy if busy > 0 else 0.0}
 
@@ -154,6 +160,8 @@ def main():
     runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
+    p.add_argument("--planted-bug", choices=["waiting-hook"], default=None,
+                   help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -194,7 +202,7 @@ def main():
                   bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
         report.check("replicas identical once DDP wrapped them (it broadcasts rank 0's weights)",
                      replicas_identical(model))
-        log = BucketLog(model, rt.device)
+        log = BucketLog(model, rt.device, wait=args.planted_bug == "waiting-hook")
         ddp.register_comm_hook(state=None, hook=log.hook)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -331,6 +339,11 @@ def main():
             report.check("communication began while backward was still computing (first bucket launched before "
                          "the last gradient was ready)", first_launch < overlap["last_gradient"],
                          overlap["last_gradient"] - first_launch, "> 0 s")
+            # Launching early is not overlapping: a hook that waits for its all-reduce launches early too. Overlap
+            # means backward went on computing while a bucket was on the wire: a gradient became ready meanwhile.
+            report.check("backward computed while a bucket was being all-reduced (a gradient became ready while "
+                         "one was in flight)", overlap["grads_ready_while_in_flight"] > 0,
+                         overlap["grads_ready_while_in_flight"], "> 0 gradients")
         rt.print(f"overlap (last step): {len(overlap['buckets'])} bucket(s); "
                  f"{100 * overlap['hidden_fraction']:.0f}% of the all-reduce time ran while backward computed")
         report.check(f"gradients {'are' if args.gradient_as_bucket_view else 'are not'} views of the bucket "

@@ -34,6 +34,17 @@ def test_ddp_from_scratch_trains_any_model_like_one_device(nproc):
     assert metrics["comm"][0]["measured_bytes"] == 4 * trainable
 
 
+def test_a_comm_hook_that_waits_fails_only_the_overlap_check():
+    """It launches every bucket as early as DDP does, so "launched before the last gradient" passes; only the check
+    that backward computed while a bucket was in flight sees that nothing overlapped."""
+    result = launch.run(TRAIN_DDP, nproc=4, args=["--steps", "3", "--bucket-mb", "0.1", "--planted-bug", "waiting-hook"],
+                        stream=False, check=False)
+    assert result.returncode == 1
+    assert [c["name"] for c in result.metrics["checks"] if not c["passed"]] == [
+        "backward computed while a bucket was being all-reduced (a gradient became ready while one was in flight)"]
+    assert result.metrics["extra"]["overlap"]["grads_ready_while_in_flight"] == 0
+
+
 def test_train_ddp_compare_buckets_and_no_sync():
     args = ["--steps", "3", "--compare", "--accumulation", "2", "--bucket-mb", "0.1", "--gradient-as-bucket-view"]
     result = launch.run(TRAIN_DDP, nproc=4, args=args, stream=False)
