@@ -160,8 +160,9 @@ def main():
     runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
-    p.add_argument("--planted-bug", choices=["waiting-hook"], default=None,
-                   help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap)")
+    p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch"], default=None,
+                   help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
+                        "a loop that never calls set_epoch (the same order every epoch)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -224,13 +225,16 @@ def main():
         views_ok = []
         batches = iter(())
         epoch = -1
+        epoch_orders = []   # the sample indices this rank's training sampler gave, epoch by epoch (measured)
         for step in range(args.steps):
             micro_batches = []
             for _ in range(accumulation):
                 tokens = next(batches, None)
                 if tokens is None:  # a new epoch: a new shuffle, the same on every rank
                     epoch += 1
-                    sampler.set_epoch(epoch)
+                    if args.planted_bug != "no-set-epoch":
+                        sampler.set_epoch(epoch)
+                    epoch_orders.append(list(sampler))   # what the loader is about to draw from
                     batches = iter(loader)
                     tokens = next(batches)
                 micro_batches.append(tokens)
@@ -328,6 +332,15 @@ def main():
             report.check("micro-steps inside no_sync() all-reduce nothing (every step)",
                          all(all(b == 0 for b in sent[:-1]) for sent in micro_step_bytes),
                          [sent[:-1] for sent in micro_step_bytes][-1], "== 0")
+        # The training sampler itself, not a copy: every rank's first epoch together is the dataset, each sample once;
+        # and with shuffling the order must change when the epoch does (a loop that never calls set_epoch repeats it).
+        firsts = [None] * world
+        dist.all_gather_object(firsts, epoch_orders[0])
+        report.check("the training samplers' first epoch: disjoint shards covering the dataset (gathered from every "
+                     "rank)", sorted(i for order in firsts for i in order) == list(range(args.samples)))
+        if args.shuffle and len(epoch_orders) > 1:
+            report.check("the training sampler's order changed with the epoch (set_epoch was called)",
+                         epoch_orders[0] != epoch_orders[1], len(epoch_orders), "2 epochs or more")
         # Overlap, measured on the last step (buckets rebuilt in gradient-ready order after step 0).
         overlap = overlaps[-1]
         within = all(overlap["backward_start"] <= b["launch"] <= b["end"] <= overlap["backward_end"]

@@ -45,6 +45,18 @@ def test_a_comm_hook_that_waits_fails_only_the_overlap_check():
     assert result.metrics["extra"]["overlap"]["grads_ready_while_in_flight"] == 0
 
 
+def test_the_training_sampler_reshuffles_each_epoch_and_a_loop_without_set_epoch_fails():
+    """Past an epoch (4 global batches a epoch by default): the sampler the loop trains from, gathered from every rank,
+    covers the dataset once, and its order changes with the epoch; a loop that never calls set_epoch fails only that."""
+    right = assert_all_checks_passed(launch.run(TRAIN_DDP, nproc=4, args=["--steps", "5"], stream=False), min_checks=8)
+    assert "the training sampler's order changed with the epoch (set_epoch was called)" in [
+        c["name"] for c in right["checks"]]
+    wrong = launch.run(TRAIN_DDP, nproc=4, args=["--steps", "5", "--planted-bug", "no-set-epoch"], stream=False,
+                       check=False)
+    assert wrong.returncode == 1 and [c["name"] for c in wrong.metrics["checks"] if not c["passed"]] == [
+        "the training sampler's order changed with the epoch (set_epoch was called)"]
+
+
 def test_train_ddp_compare_buckets_and_no_sync():
     args = ["--steps", "3", "--compare", "--accumulation", "2", "--bucket-mb", "0.1", "--gradient-as-bucket-view"]
     result = launch.run(TRAIN_DDP, nproc=4, args=args, stream=False)
