@@ -272,13 +272,15 @@ def main():
         by_dtensor = parallelize_module(copy.deepcopy(fresh), mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
                                                                      "w2": RowwiseParallel()})
         by_hand = TensorParallelBlock(fresh, ["w1", "w3"], ["w2"], rank, world)
-        y_dtensor, y_hand = by_dtensor(x), by_hand(x)
+        x_dtensor, x_hand = x.clone().requires_grad_(), x.clone().requires_grad_()   # the input's gradient too:
+        y_dtensor, y_hand = by_dtensor(x_dtensor), by_hand(x_hand)                   # f's all-reduce in backward
         y_dtensor.sum().backward()
         y_hand.sum().backward()
-        diff = max([relative_diff(y_hand, y_dtensor)] + [
+        diff = max([relative_diff(y_hand, y_dtensor), relative_diff(x_hand.grad, x_dtensor.grad)] + [
             relative_diff(getattr(by_hand.inner, n).weight.grad, getattr(by_dtensor, n).weight.grad.to_local())
             for n in ("w1", "w2", "w3")])
-        report.check("from scratch = DTensor ColwiseParallel/RowwiseParallel (output, weight-shard gradients)",
+        report.check("from scratch = DTensor ColwiseParallel/RowwiseParallel (output, input gradient, weight-shard "
+                     "gradients)",
                      diff <= metrics.fp32_tolerance(TOLERANCE, rt.device), diff, metrics.fp32_tolerance(TOLERANCE, rt.device))
         code = report.finish(args.metrics_out)
     sys.exit(code)
