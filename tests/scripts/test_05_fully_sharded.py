@@ -86,6 +86,20 @@ def test_checkpoint_interrupt_resume_and_reshard_4_to_2(tmp_path):
     assert entries == [21, 73]  # chapter 05: 21 model tensors, 73 optimizer entries
 
 
+def test_uneven_shards_train_and_reshard_on_3_ranks(tmp_path):
+    """3 ranks: no parameter of the tiny model has a row count 3 divides (128 rows: 43, 43, 42), so every shard is
+    uneven; FSDP2 still equals one device, its state sums to the model's within padding, and a checkpoint written by
+    4 ranks reads back on 3."""
+    uneven = assert_all_checks_passed(launch.run(FSDP, nproc=3, args=["--steps", "2", "--batch", "6"], stream=False),
+                                      min_checks=11)
+    assert any("within padding" in c["name"] for c in uneven["checks"])
+    save = ["--save-dir", str(tmp_path / "ckpt"), "--steps", "3", "--save-every", "2", "--batch", "12"]
+    assert_all_checks_passed(launch.run(CHECKPOINT, nproc=4, args=save, stream=False), min_checks=2)
+    resharded = assert_all_checks_passed(launch.run(CHECKPOINT, nproc=3, args=save + ["--world-size-check"],
+                                                    stream=False), min_checks=4)
+    assert (resharded["extra"]["written_by"], resharded["extra"]["read_by"]) == (4, 3)
+
+
 def test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas():
     # 2 replicas x shard groups of 2 (chapter 09): worked by hand from P, the tiny model's parameters
     metrics = assert_all_checks_passed(launch.run(FSDP, nproc=4, args=["--steps", "3", "--replicate", "2"],
