@@ -69,6 +69,15 @@ def test_uneven_and_periodic_fields_train_like_one_device(args):
 
 
 @pytest.mark.parametrize("exchange", ["once", "per-layer"])
+def test_a_periodic_field_with_three_tile_columns_equals_a_circular_convolution(exchange):
+    # 3 ranks, split hw: one row of 3 tile columns around the globe, so each tile's west and east neighbours are two
+    # different ranks and the last column's east neighbour is the first (with 2 columns one rank is both)
+    args = ["--split", "hw", "--periodic-width", "--height", "12", "--width", "17", "--exchange", exchange]
+    metrics = assert_all_checks_passed(launch.run(HALO_CONV, nproc=3, args=args, stream=False), min_checks=4)
+    assert metrics["world_size"] == 3
+
+
+@pytest.mark.parametrize("exchange", ["once", "per-layer"])
 def test_a_circular_halo_across_the_date_line_equals_a_circular_convolution(exchange):
     # 2 x 2 tiles of a 30 x 31 field wrapping east-west: forward and backward equal the one-device model, which
     # pads the width circularly and the height with zeros (halo_conv.py compares the outputs and input gradients)
