@@ -457,5 +457,8 @@ def merge_attention_blocks(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     of both, exp(lse_a) + exp(lse_b). So weight each output by its share of that sum, computed stably.
     """
     lse = torch.logaddexp(lse_a, lse_b)
-    out = torch.exp(lse_a - lse).unsqueeze(-1) * out_a + torch.exp(lse_b - lse).unsqueeze(-1) * out_b
+    # A query that has seen no key on either side yet (causal: every key of both blocks in its future) has
+    # lse = -inf on both sides, and exp(-inf - (-inf)) is nan: its weights are 0 instead, its output stays 0.
+    reference = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = torch.exp(lse_a - reference).unsqueeze(-1) * out_a + torch.exp(lse_b - reference).unsqueeze(-1) * out_b
     return out, lse

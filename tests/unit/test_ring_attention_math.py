@@ -76,3 +76,18 @@ def test_a_simulated_ring_equals_causal_attention(layout):
             outputs.append(out)
         positions = chunk_positions(mine, chunk)
         torch.testing.assert_close(torch.cat(outputs, dim=-2), expected[..., positions, :])
+
+
+def test_the_librarys_merge_keeps_a_row_that_has_seen_no_key_at_zero_and_passes_the_labs_check():
+    """Both log-sum-exps -inf (a causal query whose keys in both blocks lie in its future): out 0, lse -inf, no nan.
+    The lab's own check (causal blocks merged in reverse order) accepts the library's merge too."""
+    import torch
+
+    from distlab import tensor_parallel
+    from labkit.exercises import ch08
+
+    out = torch.zeros(2, 3, 4)
+    lse = torch.full((2, 3), float("-inf"))
+    merged, merged_lse = tensor_parallel.merge_attention_blocks(out, lse, out, lse)
+    assert not torch.isnan(merged).any() and (merged == 0).all() and torch.isneginf(merged_lse).all()
+    ch08.check_merge_attention_blocks(tensor_parallel.merge_attention_blocks)
