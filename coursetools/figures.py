@@ -517,24 +517,32 @@ ZERO3_MEMORY = FIGURE_DATA / "05_zero3_memory.json"
 ZERO3_MEMORY_ARGS = ["--steps", "2"]
 
 
-def measure_zero3_memory(path=ZERO3_MEMORY) -> Path:
-    """Run ``zero3_from_scratch.py`` on 4 CPU ranks and keep rank 0's last step: the bytes of gathered parameters
-    still alive after each gather and each drop, read off their storages. Measured again by calling this function
-    (``python -c "from coursetools import figures; figures.measure_zero3_memory()"``)."""
+ZERO3_SCRIPT = "scripts/05_fully_sharded/zero3_from_scratch.py"
+
+
+def _measure_zero3(path, argv: list[str], keep) -> Path:
+    """Run ``zero3_from_scratch.py argv`` on 4 CPU ranks and write what ``keep(metrics)`` picks of rank 0's
+    metrics to ``path``, with the run's script, flags, world size and torch version."""
     import json
 
     import torch
 
     from labkit import launch
 
-    run = launch.run("scripts/05_fully_sharded/zero3_from_scratch.py", nproc=4, args=ZERO3_MEMORY_ARGS, stream=False)
-    memory = run.metrics["memory"]
-    kept = {"script": "scripts/05_fully_sharded/zero3_from_scratch.py", "argv": ZERO3_MEMORY_ARGS,
-            "world_size": run.metrics["world_size"], "torch": torch.__version__,
-            **{key: memory[key] for key in ("timeline", "units", "whole_model_bytes", "slices_bytes",
-                                            "gathered_peak_bytes")}}
+    run = launch.run(ZERO3_SCRIPT, nproc=4, args=argv, stream=False)
+    kept = {"script": ZERO3_SCRIPT, "argv": argv, "world_size": run.metrics["world_size"], "torch": torch.__version__,
+            **keep(run.metrics)}
     Path(path).write_text(json.dumps(kept, indent=1) + "\n")
     return Path(path)
+
+
+def measure_zero3_memory(path=ZERO3_MEMORY) -> Path:
+    """Run ``zero3_from_scratch.py`` on 4 CPU ranks and keep rank 0's last step: the bytes of gathered parameters
+    still alive after each gather and each drop, read off their storages. Measured again by calling this function
+    (``python -c "from coursetools import figures; figures.measure_zero3_memory()"``)."""
+    return _measure_zero3(path, ZERO3_MEMORY_ARGS, lambda metrics: {
+        key: metrics["memory"][key] for key in ("timeline", "units", "whole_model_bytes", "slices_bytes",
+                                                "gathered_peak_bytes")})
 
 
 def draw_zero3_memory(fig) -> None:
@@ -580,19 +588,9 @@ def measure_zero3_prefetch(path=ZERO3_PREFETCH) -> Path:
     """Run ``zero3_from_scratch.py --prefetch`` on 4 CPU ranks and keep rank 0's last forward: each unit's compute and
     each all-gather from its issue to the moment the host had its weights. Measured again by calling this function
     (``python -c "from coursetools import figures; figures.measure_zero3_prefetch()"``)."""
-    import json
-
-    import torch
-
-    from labkit import launch
-
-    run = launch.run("scripts/05_fully_sharded/zero3_from_scratch.py", nproc=4, args=ZERO3_PREFETCH_ARGS, stream=False)
-    kept = {"script": "scripts/05_fully_sharded/zero3_from_scratch.py", "argv": ZERO3_PREFETCH_ARGS,
-            "world_size": run.metrics["world_size"], "torch": torch.__version__,
-            "gathered_peak_bytes": run.metrics["memory"]["gathered_peak_bytes"],
-            "units": run.metrics["memory"]["units"], **run.metrics["extra"]["prefetch_timeline"]}
-    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
-    return Path(path)
+    return _measure_zero3(path, ZERO3_PREFETCH_ARGS, lambda metrics: {
+        "gathered_peak_bytes": metrics["memory"]["gathered_peak_bytes"], "units": metrics["memory"]["units"],
+        **metrics["extra"]["prefetch_timeline"]})
 
 
 def draw_zero3_prefetch(fig) -> None:

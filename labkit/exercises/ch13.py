@@ -14,9 +14,7 @@ from __future__ import annotations
 import math
 
 from distlab import moe
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, call_learner, learner_check
-
-NOT_WRITTEN = "is not written yet. Fill in its body, then run this cell again."
+from labkit.exercises.checks import ExerciseWrong, call_learner, learner_check
 
 # (tokens, top_k, hidden, bytes per element, ep)
 DISPATCH_CASES = [(4096, 2, 4096, 2, 8), (8192, 8, 7168, 2, 64), (1024, 1, 1024, 4, 4), (512, 2, 256, 4, 1)]
