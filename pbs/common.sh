@@ -260,8 +260,10 @@ distlab_nccl_transport() {
 
 # distlab_nccl_details LOG...: whether the network channels use GPUDirect RDMA (NCCL's src/transport/net.cc logs
 # "Channel %02d/%d : ... [send] via NET/%s/%d%s..." with "/GDRDMA" when the NIC reads GPU memory directly), and
-# which net plugin NCCL loaded ("NET/Plugin: Loaded net plugin %s (v%d)"; "Failed to find ncclNetPlugin_v%d
-# symbol." for each plugin interface the library lacks).
+# which net plugin NCCL loaded ("NET/Plugin: Loaded net plugin %s (v%d)", src/plugin/net/net_v*.cc). A plugin
+# NCCL cannot use is said two ways: up to 2.28.2 one "NET/Plugin: Failed to find ncclNetPlugin_v%d symbol." for
+# each interface the library lacks (v2.27.3-1 src/plugin/net/net_v10.cc:20); from 2.28.3 one line
+# "External network plugin %s is unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised.
 distlab_nccl_details() {
     local sends gdr plugin missing
     sends=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/')
@@ -274,11 +276,11 @@ distlab_nccl_details() {
         echo "GPUDirect RDMA: no (0 of $sends network send channels: the NIC reaches GPU memory through host buffers)"
     fi
     plugin=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Loaded net plugin .*' | tail -n 1)
-    missing=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Failed to find ncclNetPlugin_v[0-9]* symbol' | head -n 1)
+    missing=$(cat "$@" 2>/dev/null | grep -o -E 'NET/Plugin: Failed to find ncclNetPlugin_v[0-9]+ symbol|External network plugin .* is unsupported' | head -n 1)
     if [[ -n $plugin ]]; then
         echo "net plugin: ${plugin#NET/Plugin: Loaded net plugin }"
     elif [[ -n $missing ]]; then
-        echo "net plugin: none loaded (${missing#NET/Plugin: }: a plugin older than this NCCL's interface; NCCL falls back to its own sockets)"
+        echo "net plugin: none loaded (${missing#NET/Plugin: }: a plugin older than this NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)"
     else
         echo "net plugin: none reported"
     fi

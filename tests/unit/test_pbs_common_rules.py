@@ -395,6 +395,9 @@ SEND_HOST = "dec0001:4128:4190 [0] NCCL INFO Channel 01/0 : 0[0] -> 4[0] [send] 
 LOADED = "dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v9)"
 TOO_OLD = ["dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPlugin_v10 symbol.",
            "dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPlugin_v9 symbol."]
+# NCCL >= 2.28.3 says it once, with the library's path (src/plugin/net.cc:100 at v2.28.3-1)
+UNSUPPORTED = ["dec0001:4128:4128 [0] NCCL INFO External network plugin /opt/ofi/lib/libnccl-net.so is unsupported"]
+NO_PLUGIN = "GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS without NET)"
 
 
 @pytest.mark.parametrize("lines, expected", [
@@ -402,9 +405,11 @@ TOO_OLD = ["dec0001:4128:4128 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPl
                                      "net plugin: Libfabric (v9)"]),
     ([LOADED, SEND_HOST], ["GPUDirect RDMA: no (0 of 1 network send channels: the NIC reaches GPU memory through "
                            "host buffers)", "net plugin: Libfabric (v9)"]),
-    (TOO_OLD, ["GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS "
-               "without NET)", "net plugin: none loaded (Failed to find ncclNetPlugin_v10 symbol: a plugin older "
-                                "than this NCCL's interface; NCCL falls back to its own sockets)"]),
+    (TOO_OLD, [NO_PLUGIN, "net plugin: none loaded (Failed to find ncclNetPlugin_v10 symbol: a plugin older than "
+                          "this NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)"]),
+    (UNSUPPORTED + ["x"], [NO_PLUGIN, "net plugin: none loaded (External network plugin /opt/ofi/lib/libnccl-net.so is "
+                                      "unsupported: a plugin older than this NCCL's interface, or not a net plugin; "
+                                      "NCCL falls back to its own sockets)"]),
 ])
 def test_gpudirect_rdma_and_the_net_plugin_from_ncclS_lines(tmp_path, lines, expected):
     # two ranks' files, as NCCL_DEBUG_FILE=.../nccl.%h.%p.log writes them
