@@ -374,7 +374,12 @@ distlab_chain_next() {
     local select walltime queue
     select=$(distlab_qstat_field Resource_List.select)
     walltime=$(distlab_qstat_field Resource_List.walltime)
-    queue=${PBS_QUEUE:-$(distlab_qstat_field queue)}
+    # The queue the user submitted to (PBS_O_QUEUE), not the one the job runs in (PBS_QUEUE): a routing queue
+    # (Derecho's main routes to gpu/cpu, develop to gpudev/cpudev) may be the only one that takes submissions,
+    # and a successor refused by qsub never runs. OpenPBS: the server sets PBS_O_QUEUE when the job is queued, to
+    # the queue it was submitted to (src/server/req_quejob.c:862); the MoM sets PBS_QUEUE to the queue the job
+    # is in when it starts (src/resmom/start_exec.c:3503). Without PBS_O_QUEUE, no -q: the server's default queue.
+    queue=${PBS_O_QUEUE:-}
     local -a args=(-W "depend=afterany:$PBS_JOBID")
     [[ -z ${PBS_ACCOUNT:-} ]] || args+=(-A "$PBS_ACCOUNT")
     [[ -z $queue ]] || args+=(-q "$queue")

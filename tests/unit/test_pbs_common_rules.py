@@ -332,9 +332,12 @@ def test_the_deadline_is_the_jobs_end_less_the_margin(tmp_path):
 
 
 def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
+    # submitted to the routing queue main, running in the execution queue gpu (qstat's queue = ... too): the
+    # successor goes to main, the queue that takes submissions
     tools = fake_pbs(tmp_path)
+    (tmp_path / "qstat.out").write_text(QSTAT_F.replace("queue = main", "queue = gpu"))
     job = out("distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1", PBS_JOBID="4242.desched1",
-              PBS_QUEUE="main", PBS_ACCOUNT="UABC0001", **tools)
+              PBS_QUEUE="gpu", PBS_O_QUEUE="main", PBS_ACCOUNT="UABC0001", **tools)
     assert job == "4243.desched1"
     assert (tmp_path / "qsub.args").read_text().splitlines() == [
         "-W", "depend=afterany:4242.desched1", "-A", "UABC0001", "-q", "main",
