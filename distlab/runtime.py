@@ -99,10 +99,17 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
+# Derived ports stay in 20000-31999, as pbs/common.sh's distlab_port_from_job_id: below Linux's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default), where the kernel picks the local ports of outgoing
+# connections, so a derived port is never already taken by some process's connection on that node.
+PORT_RANGE = (20000, 32000)
+
+
 def _port_from_job_id(job_id: str) -> int:
     # Every rank of one job derives the same port; two jobs sharing a node rarely collide.
     digest = int(hashlib.sha256(job_id.encode()).hexdigest(), 16)
-    return 20000 + digest % 20000
+    low, high = PORT_RANGE
+    return low + digest % (high - low)
 
 
 # Every launcher's name for "my rank on this node" and "ranks on this node". A launcher's own variable is read

@@ -29,7 +29,17 @@ def test_cray_pals_multi_node_reads_pbs_nodefile():
     again = launcher_env({"PALS_RANKID": "0", "PALS_LOCAL_RANKID": "0", "PMI_SIZE": "8", "PALS_LOCAL_SIZE": "4",
                           "PBS_NODEFILE": "x", "PBS_JOBID": "123.desched1"}, read_file=lambda path: nodefile)
     assert again.master_port == env.master_port, "every rank of one job must derive the same port"
-    assert 20000 <= env.master_port < 40000
+    assert 20000 <= env.master_port < 32000
+
+
+def test_derived_ports_stay_below_the_ephemeral_range_as_the_pbs_jobs_do():
+    # Linux hands out 32768-60999 to outgoing connections: a port derived there may already be taken on the node.
+    # The Python rule and pbs/common.sh's (cksum) keep to 20000-31999.
+    from distlab.runtime import _port_from_job_id
+
+    ports = [_port_from_job_id(f"{n}.desched1") for n in range(2000)]
+    assert min(ports) >= 20000 and max(ports) < 32768
+    assert max(ports) > 31000  # the whole range is used, not a corner of it
 
 
 def test_mpich_hydra():
