@@ -130,7 +130,7 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
     if layout.ep > 1 and moe_blocks:
         # per MoE block and microbatch: dispatch and combine forward, both again backward (and forward again when
         # fully recomputed); each rank sends the share of its tokens' copies whose expert is on another rank of
-        # its EP group (ep x tp ranks), uniform routing assumed. Under TP each rank routes 1/tp of the tokens
+        # its EP group (ep ranks), uniform routing assumed. Under TP each rank routes 1/tp of the tokens
         # (torchtitan), else every TP rank would send the same ones
         one = moe.dispatch_bytes(model.micro_batch * seq // layout.tp, model.top_k, model.hidden, number_bytes,
                                  moe.uniform_leaving_share(layout.ep_group))
@@ -162,10 +162,10 @@ def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
         inner = layout.cp * layout.tp
         size, stride = (layout.shard, inner) if dimension == "dp" else (layout.replicas, inner * layout.shard)
         return size > 1 and stride * size > cluster.gpus_per_node
-    if dimension in ("ep", "expert_dp"):   # dp = (expert_dp, ep): an EP group is ep consecutive dp ranks
-        inner = layout.cp * layout.tp
-        size, stride = (layout.ep, inner) if dimension == "ep" else (layout.dp // layout.ep, inner * layout.ep)
-        return size > 1 and stride * size > cluster.gpus_per_node
+    if dimension == "ep":   # an EP group is ep consecutive ranks (every cp and tp rank, ep_dp dp ranks)
+        return layout.ep > 1 and layout.ep > cluster.gpus_per_node
+    if dimension == "expert_dp":   # one rank of each EP group (or of each TP group without EP): the stage's span
+        return layout.expert_dp > 1 and layout.dp * layout.cp * layout.tp > cluster.gpus_per_node
     order = ("pp", "dp", "cp", "tp")
     sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
     stride = math.prod(sizes[d] for d in order[order.index(dimension) + 1:])
@@ -212,9 +212,8 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
 
 
 def ep_ranks_in_node(layout: Layout, cluster: Cluster) -> int:
-    """The ranks of one EP group (``Layout.ep_group``: ep dp ranks x their tp ranks) in one node: ``gpus_per_node
-    / (cp x tp)`` dp ranks (dp is outside cp and tp), each with its tp ranks."""
-    return min(layout.ep_group, layout.tp * max(1, cluster.gpus_per_node // (layout.cp * layout.tp)))
+    """The ranks of one EP group (``Layout.ep_group``: ep consecutive ranks) in one node."""
+    return min(layout.ep_group, cluster.gpus_per_node)
 
 
 def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving_bytes: float, calls: int) -> dict:

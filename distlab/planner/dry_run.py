@@ -261,16 +261,17 @@ def dry_run_published(run) -> dict:
 
 
 def expert_mesh_shape(layout: Layout) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The planner's order for a MoE layout: dp split into (expert_dp, ep), an EP group ep consecutive dp ranks."""
-    return (("pp", "expert_dp", "ep", "cp", "tp"),
-            (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp, layout.tp))
+    """The planner's order for a MoE layout: dp split into (expert_dp, ep_dp); an EP group is ep_dp consecutive dp
+    ranks with all their cp and tp ranks (torchtitan's ep = ep_dp x cp x tp)."""
+    return (("pp", "expert_dp", "ep_dp", "cp", "tp"),
+            (layout.pp, layout.dp // layout.ep_dp, layout.ep_dp, layout.cp, layout.tp))
 
 
 def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options = Options()) -> dict:
     """A MoE layout's expert parallelism built at its full world size on a fake process group, for a rank of the
     first stage that holds MoE blocks, of a middle one and of the last:
 
-    1. DeviceMesh (pp, expert_dp, ep, cp, tp): the rank's EP group read from the mesh (with TP, its ep and tp
+    1. DeviceMesh (pp, expert_dp, ep_dp, cp, tp): the rank's EP group read from the mesh (its ep_dp, cp and tp
        dimensions flattened into one group, as torchtitan's ``parallel_dims.py`` builds EP without expert TP), its
        nodes counted (``cluster.gpus_per_node`` ranks a node) against the planner's
        (``communication.ep_ranks_in_node``; whether it crosses nodes);
@@ -314,7 +315,7 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
         try:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            group = (mesh["ep", "tp"]._flatten("ep_tp") if layout.tp > 1 else mesh["ep"]).get_group()
+            group = mesh["ep_dp", "cp", "tp"]._flatten("ep").get_group()
             members = dist.get_process_group_ranks(group)
             per_node = {}
             for r in members:

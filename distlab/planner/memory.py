@@ -14,15 +14,15 @@ from distlab.planner.spec import (Layout, ModelSpec, Options, bucket_params, che
 @functools.lru_cache(maxsize=8192)
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
     """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "experts",
-    "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/(ep x tp) of each
-    MoE block's: whole experts over its EP group's ep x tp ranks, or 1/tp of each expert's width without EP), and its
+    "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/ep of each MoE
+    block's: whole experts over its EP group's ep ranks, or 1/tp of each expert's width without EP), and its
     largest FSDP unit (a block, or the embedding/head)."""
     dense, moe = stage_layer_kinds(model, layout.pp, stage)
     blocks = [(dense, model.block_params()), (moe, model.block_params(moe=True))]
     sharded = sum(n * block["sharded"] for n, block in blocks)
     replicated = sum(n * block["replicated"] for n, block in blocks)
-    experts = sum(n * block["experts"] for n, block in blocks) / (layout.ep * layout.tp)
-    units = [block["sharded"] / layout.tp + block["replicated"] + block["experts"] / (layout.ep * layout.tp)
+    experts = sum(n * block["experts"] for n, block in blocks) / layout.expert_shards
+    units = [block["sharded"] / layout.tp + block["replicated"] + block["experts"] / layout.expert_shards
              for n, block in blocks if n]
     root_sharded = root_replicated = 0
     if stage == 0:
@@ -118,7 +118,7 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
                                     options.precision)
     if not params["experts"]:
         return state
-    # the experts: ZeRO over the ranks that hold the same experts (dp x cp / ep), as torchtitan's FSDP over them
+    # the experts: ZeRO over the ranks that hold the same experts (dp x cp x tp / ep), as torchtitan's FSDP over them
     experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
     return memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
                              state.optimizer + experts.optimizer)

@@ -28,10 +28,12 @@ def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> lis
     return [c for c in divisors(ways) if c == 1 or model.seq_len // c >= options.cp_min_tokens]
 
 
-def expert_parallel_degrees(model: ModelSpec, dp: int, tp: int = 1) -> list[int]:
-    """The EP degrees (above 1) the search tries for a MoE model over ``dp`` data-parallel ranks of ``tp``
-    (the experts split over ep x tp ranks: :attr:`Layout.ep_group`)."""
-    return [ep for ep in divisors(dp) if ep > 1 and model.experts % (ep * tp) == 0] if model.is_moe else []
+def expert_parallel_degrees(model: ModelSpec, dp: int, tp: int = 1, cp: int = 1) -> list[int]:
+    """The EP degrees (above 1) the search tries for a MoE model over ``dp`` data-parallel ranks of ``cp x tp``:
+    torchtitan's, every cp and tp rank and a divisor of dp of the data-parallel ones, where the experts split."""
+    if not model.is_moe:
+        return []
+    return [k * cp * tp for k in divisors(dp) if k * cp * tp > 1 and model.experts % (k * cp * tp) == 0]
 
 
 def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Layout]:
@@ -53,7 +55,7 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, gpus: int, options: Op
                     layouts.append(Layout(tp, pp, rest // cp, cp, stage))
                     # a MoE model: every EP degree that divides dp and the experts
                     layouts += [Layout(tp, pp, rest // cp, cp, stage, ep=ep) for ep in expert_parallel_degrees(
-                        model, rest // cp, tp)]
+                        model, rest // cp, tp, cp)]
                 # HSDP: FSDP's shards inside a node (dp ranks of a node's tp groups), replicated across nodes
                 shard = cluster.gpus_per_node // tp
                 dp = rest // cp

@@ -348,8 +348,9 @@ class Layout:
     zero_stage: int = 0
     shard: int = 0   # HSDP (ZeRO-3 only): FSDP shards over groups of this many dp ranks and replicates across them;
     #                  0: FSDP over all of dp x cp
-    ep: int = 1      # expert parallelism (a MoE model): EP borrows ep consecutive dp ranks, as torchtitan does;
-    #                  with TP beside it each routed expert lives on one rank of their ep x tp (ep_group)
+    ep: int = 1      # expert parallelism (a MoE model): the ranks of one EP group, torchtitan's ``ep`` with expert TP
+    #                  off (``distributed/parallel_dims.py``: "EP would borrow all cp and tp and some dp_shard
+    #                  degree", ep % (cp x tp) == 0): every cp and tp rank and ep / (cp x tp) consecutive dp ranks
 
     @property
     def gpus(self) -> int:
@@ -367,18 +368,27 @@ class Layout:
 
     @property
     def ep_group(self) -> int:
-        """The ranks one all-to-all spans (1 without EP): ep dp ranks x their tp ranks. As torchtitan lays out EP
-        beside TP without expert TP (``distributed/parallel_dims.py``, etp = 1: "EP would borrow all cp and tp and
-        some dp_shard degree") and chapter 13's ``--tp`` script runs it: each TP rank routes 1/tp of the tokens to
-        whole experts spread over all of them. Without EP, TP splits each expert's width instead. CP's ranks, which
-        torchtitan's EP borrows too, stay outside the group here: each CP rank all-to-alls with its own group."""
-        return self.ep * self.tp if self.ep > 1 else 1
+        """The ranks one all-to-all spans (1 without EP): ``ep``, as torchtitan counts it. It borrows every cp and tp
+        rank and ``ep_dp`` consecutive dp ranks (``parallel_dims.py``, expert TP off), as chapter 13's ``--tp``
+        script runs it: each TP rank routes 1/tp of the tokens to whole experts spread over the group."""
+        return self.ep
+
+    @property
+    def ep_dp(self) -> int:
+        """The data-parallel ranks one EP group borrows: ep / (cp x tp)."""
+        return max(1, self.ep // (self.cp * self.tp))
+
+    @property
+    def expert_shards(self) -> int:
+        """The ranks a MoE block's routed experts are spread over: whole experts over the EP group, or, without
+        EP, each expert's width over TP."""
+        return self.ep if self.ep > 1 else self.tp
 
     @property
     def expert_dp(self) -> int:
-        """The ranks that hold the same experts (one per EP group), over which the experts' gradients are
-        reduced and their ZeRO state sharded: dp x cp / ep."""
-        return self.dp * self.cp // self.ep
+        """The ranks of a stage that hold the same experts (one per EP group), over which the experts' gradients
+        are reduced and their ZeRO state sharded: dp x cp x tp / ``expert_shards``."""
+        return self.dp * self.cp * self.tp // self.expert_shards
 
     def label(self) -> str:
         text = f"tp={self.tp},pp={self.pp},dp={self.dp}"
@@ -421,15 +431,15 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
             problems.append("a mixture of experts is modelled on the LLaMA-style block only")
         if not 1 <= model.top_k <= model.experts:
             problems.append(f"top-k {model.top_k} must be between 1 and the {model.experts} experts")
-        if model.experts % layout.ep_group:
-            problems.append(f"{model.experts} experts do not split over EP {layout.ep}"
-                            + (f" x TP {t} ranks" if layout.ep > 1 and t > 1 else ""))
+        if model.experts % layout.expert_shards and layout.ep > 1:
+            problems.append(f"{model.experts} experts do not split over EP {layout.ep}")
         if layout.ep == 1 and model.expert_ffn % t:
             problems.append(f"expert width {model.expert_ffn} does not split over TP {t}")
     elif layout.ep > 1:
         problems.append(f"EP {layout.ep} needs a mixture-of-experts model; {model.name} is dense")
-    if d % layout.ep:
-        problems.append(f"EP {layout.ep} must divide dp {d} (EP borrows the data-parallel ranks)")
+    if layout.ep > 1 and (layout.ep % (c * t) or d % layout.ep_dp):
+        problems.append(f"EP {layout.ep} must be a multiple of cp x tp = {c * t} that divides dp x cp x tp = "
+                        f"{d * c * t} (EP borrows every cp and tp rank and some data-parallel ones, as torchtitan)")
     if layout.ep > 1 and layout.shard:
         problems.append("EP beside HSDP is not modelled")
     if t > cluster.gpus_per_node:

@@ -112,22 +112,29 @@ def test_the_all_to_all_bytes_of_a_step():
     full = planner.Options(activation_checkpointing="full")
     assert comm_per_step(DEEPSEEK, LAYOUT, 1, full)["ep"]["all_to_all"] == pytest.approx(6 * 4 * micro * one)
     # under TP each rank routes 1/tp of the tokens (the bytes a rank sends halve with TP 2) to experts spread over
-    # the EP group's ep x tp = 64 ranks (torchtitan without expert TP; chapter 13's --tp script)
-    tp2 = replace(LAYOUT, tp=2, dp=64, ep=32)
-    assert tp2.ep_group == 64 and planner.stage_params(DEEPSEEK, tp2, 1)["experts"] == planner.stage_params(
+    # the EP group's 64 ranks, 32 dp ranks x their 2 tp ranks (torchtitan's ep = 64, expert TP off; chapter 13's
+    # --tp script)
+    tp2 = replace(LAYOUT, tp=2, dp=64, ep=64)
+    assert tp2.ep_group == 64 and tp2.ep_dp == 32 and planner.stage_params(DEEPSEEK, tp2, 1)["experts"] == planner.stage_params(
         DEEPSEEK, LAYOUT, 1)["experts"]
     assert comm_per_step(DEEPSEEK, tp2, 1, options)["ep"]["all_to_all"] == pytest.approx(
         4 * 4 * planner.microbatches(DEEPSEEK, tp2) * moe.dispatch_bytes(2048, 8, 7168, 2, 63 / 64))
 
 
-def test_experts_split_over_the_ep_groups_ep_x_tp_ranks_and_over_tp_alone_by_width():
+def test_experts_split_over_the_ep_groups_ranks_and_over_tp_alone_by_width():
     mixtral = planner.MODELS["mixtral-8x7b"]
-    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=4, dp=4, ep=4)) == \
-        ["8 experts do not split over EP 4 x TP 4 ranks"]
+    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=4, dp=4, ep=16)) == \
+        ["8 experts do not split over EP 16"]
+    assert planner.layout_problems(mixtral, H800, planner.Layout(tp=2, dp=4, ep=8)) == []
+    # torchtitan's rule: EP borrows every tp (and cp) rank, so ep is a multiple of cp x tp dividing dp x cp x tp
     assert planner.layout_problems(mixtral, H800, planner.Layout(tp=2, dp=4, ep=4)) == []
+    assert any("must be a multiple of cp x tp = 2" in p
+               for p in planner.layout_problems(mixtral, H800, planner.Layout(tp=2, dp=4, ep=3)))
+    assert any("divides dp x cp x tp = 6" in p
+               for p in planner.layout_problems(mixtral, H800, planner.Layout(tp=2, dp=3, ep=4)))
     assert planner.layout_problems(mixtral, H800, planner.Layout(tp=8, dp=1)) == []   # each expert's width / 8
     assert [layout.ep for layout in planner.candidate_layouts(mixtral, H800, 16, planner.Options(zero_stage=1))
-            if layout.tp == 2 and layout.pp == 1 and layout.cp == 1] == [1, 2, 4]
+            if layout.tp == 2 and layout.pp == 1 and layout.cp == 1] == [1, 2, 4, 8]
 
 
 def test_the_all_to_all_crosses_nvlink_and_the_network_by_where_the_ep_ranks_are():
@@ -139,9 +146,9 @@ def test_the_all_to_all_crosses_nvlink_and_the_network_by_where_the_ep_ranks_are
     eight = all_to_all_seconds(LAYOUT, H800, 63e9, 10)
     assert eight["inter_node_bytes"] == pytest.approx(56e9) and eight["intra_node_bytes"] == pytest.approx(7e9)
     assert eight["bandwidth"] == pytest.approx(56e9 / 50e9)   # the network is the slower of the two
-    # TP 2 beside EP 8: a group of 16 ranks, 8 of them (4 dp ranks x their 2 tp ranks) in each node of 8
-    tp2 = replace(LAYOUT, tp=2, dp=64, ep=8)
-    assert tp2.ep_group == 16 and crosses_nodes(tp2, "ep", H800)
+    # TP 2 beside EP 16: a group of 16 ranks, 8 of them (4 dp ranks x their 2 tp ranks) in each node of 8
+    tp2 = replace(LAYOUT, tp=2, dp=64, ep=16)
+    assert tp2.ep_group == 16 and tp2.ep_dp == 8 and crosses_nodes(tp2, "ep", H800)
     split = all_to_all_seconds(tp2, H800, 15e9, 10)
     assert split["intra_node_bytes"] == pytest.approx(7e9) and split["inter_node_bytes"] == pytest.approx(8e9)
 
@@ -159,7 +166,7 @@ def test_the_published_layout_fits_and_the_heaviest_moe_stage_sets_the_step():
 
 @pytest.mark.parametrize("layout,needle", [
     (planner.Layout(dp=128, pp=16, ep=48), "256 experts do not split over EP 48"),
-    (planner.Layout(dp=96, pp=16, ep=64, zero_stage=1), "EP 64 must divide dp 96"),
+    (planner.Layout(dp=96, pp=16, ep=64, zero_stage=1), "EP 64 must be a multiple of cp x tp = 1 that divides dp x cp x tp = 96"),
 ])
 def test_bad_ep_layouts_are_named(layout, needle):
     gpus = layout.gpus
@@ -186,8 +193,8 @@ def test_the_search_tries_ep_and_finds_it_worth_it_for_mixtral():
 @pytest.mark.parametrize("spec,layout,cluster", [
     (DEEPSEEK, LAYOUT, H800),
     (MIXTRAL, planner.Layout(tp=1, pp=2, dp=32, zero_stage=3, ep=8), H100),
-    # TP beside EP: the all-to-all over ep x tp = 16 ranks, 8 of them in each node of 8
-    (DEEPSEEK, planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=8), H800),
+    # TP beside EP: the all-to-all over ep = 16 ranks (8 dp ranks x their 2 tp ranks), 8 of them in each node of 8
+    (DEEPSEEK, planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=16), H800),
 ])
 def test_the_ep_layout_built_at_full_world_size_equals_the_planner(spec, layout, cluster):
     result = dry_run.dry_run_experts(spec, layout, cluster)
@@ -204,7 +211,7 @@ def test_the_dry_run_fails_a_planner_that_forgets_ep(monkeypatch):
 
     def experts_not_split(model, layout, stage):
         params = dict(real(model, layout, stage))
-        params["experts"] *= layout.ep
+        params["experts"] *= layout.expert_shards
         return params
 
     monkeypatch.setattr(planner_memory, "stage_params", experts_not_split)
@@ -213,8 +220,8 @@ def test_the_dry_run_fails_a_planner_that_forgets_ep(monkeypatch):
 
 def test_the_dry_run_fails_an_ep_group_strided_across_the_data_parallel_ranks(monkeypatch):
     def strided(layout):   # ep outermost: an EP group of ranks 16 apart, not the planner's consecutive ones
-        return ("ep", "pp", "expert_dp", "cp", "tp"), (layout.ep, layout.pp, layout.dp // layout.ep, layout.cp,
-                                                       layout.tp)
+        return ("ep_dp", "pp", "expert_dp", "cp", "tp"), (layout.ep_dp, layout.pp, layout.dp // layout.ep_dp,
+                                                          layout.cp, layout.tp)
 
     monkeypatch.setattr(dry_run, "expert_mesh_shape", strided)
     assert not dry_run.dry_run_experts(MIXTRAL, planner.Layout(tp=1, pp=2, dp=32, zero_stage=3, ep=8), H100)["equal"]
@@ -236,11 +243,12 @@ def test_chapter_13_pastes_the_planners_table_and_its_numbers():
 
 
 def test_the_dry_run_fails_a_planner_whose_ep_group_leaves_tp_out(monkeypatch):
-    """With TP beside EP the planner's all-to-all group is ep x tp ranks: a planner that left TP out would see a
-    group of 2 where the mesh builds one of 4 (all in one node), and send over the wrong share."""
-    layout = planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=2)
+    """With TP beside EP the all-to-all group is ep ranks, every tp rank in it (torchtitan's convention): a planner
+    that read ep as dp ranks and left TP out would see a group of 2 where the mesh builds one of 4 (all in one
+    node), and send over the wrong share."""
+    layout = planner.Layout(tp=2, pp=16, dp=64, zero_stage=1, ep=4)
     assert dry_run.dry_run_experts(DEEPSEEK, layout, H800)["equal"]
-    monkeypatch.setattr(planner.Layout, "ep_group", property(lambda self: self.ep))
+    monkeypatch.setattr(planner.Layout, "ep_group", property(lambda self: self.ep // self.tp))
     result = dry_run.dry_run_experts(DEEPSEEK, layout, H800)
     assert not result["equal"]
     assert {(r["ep_ranks_per_node"], r["planner_ep_ranks_per_node"]) for r in result["ranks"]} == {(4, 2)}
