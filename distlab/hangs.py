@@ -56,6 +56,13 @@ class CallJournal:
         self._save()
 
 
+# Two dumps of each rank, in two folders of the drill's trace folder, so that neither can overwrite the other: the
+# watchdog's own (ProcessGroupNCCL writes <TORCH_FR_DUMP_TEMP_FILE><rank> on a timeout) and the one the drill asks
+# for by hand once it has its diagnosis. Each folder is what torch's analyzer reads:
+#     python -m torch.distributed.flight_recorder.fr_trace <trace_dir>/manual      (or .../watchdog)
+WATCHDOG_DUMPS, MANUAL_DUMPS, DUMP_PREFIX = "watchdog", "manual", "trace_rank_"
+
+
 def debug_env(trace_dir: str) -> dict:
     """What a hang drill sets before its process group exists (ProcessGroupNCCL reads these in its constructor):
 
@@ -64,27 +71,42 @@ def debug_env(trace_dir: str) -> dict:
       (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down first; with it, torch turns async error
       handling off ("Only TORCH_NCCL_BLOCKING_WAIT is being used in this process", ProcessGroupNCCL.cpp);
     * ``TORCH_FR_BUFFER_SIZE``: PyTorch's flight recorder keeps each rank's last collectives, with their state;
-    * ``TORCH_FR_DUMP_TEMP_FILE``: where a dump goes, the run folder on scratch (its default is node-local /tmp,
-      gone with the job); ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's watchdog dumps when it sees a timeout.
-    Variables already set are kept."""
+    * ``TORCH_FR_DUMP_TEMP_FILE``: where the watchdog's dump goes, ``<trace_dir>/watchdog/trace_rank_<rank>`` in
+      the run folder on scratch. Left unset, torch 2.13 writes ``$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>``,
+      else ``~/.cache/torch/comm_lib_trace_rank_<rank>`` (DebugInfoWriter::getWriter in
+      torch/csrc/distributed/c10d/FlightRecorder.cpp; declared in the wheel's
+      include/torch/csrc/distributed/c10d/FlightRecorder.hpp:73, and libtorch_cpu.so carries the strings
+      XDG_CACHE_HOME, /.cache and comm_lib_trace_rank_): a home folder, small on a cluster and shared by every job;
+      ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's watchdog dumps when it sees a timeout.
+    Variables already set are kept. The watchdog does not create its folder: :func:`prepare_trace_dir` does."""
     wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-              "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, "trace_rank_")}
+              "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, WATCHDOG_DUMPS, DUMP_PREFIX)}
     return {name: os.environ.get(name, value) for name, value in wanted.items()}
 
 
-def dump_flight_recorder(trace_dir: str, rank: int) -> str | None:
-    """This rank's flight-recorder buffer, written as ``trace_rank_<rank>`` (what torch's analyzer reads:
-    ``python -m torch.distributed.flight_recorder.fr_trace <trace_dir>``); None when nothing was recorded."""
+def prepare_trace_dir(env: dict) -> None:
+    """Create the folder the watchdog's dump goes to (the file is opened as is, its folder must exist)."""
+    os.makedirs(os.path.dirname(env["TORCH_FR_DUMP_TEMP_FILE"]) or ".", exist_ok=True)
+
+
+def dump_flight_recorder(trace_dir: str, rank: int, backend: str = "gloo") -> str | None:
+    """This rank's flight-recorder buffer, written as ``<trace_dir>/manual/trace_rank_<rank>`` (what torch's analyzer
+    reads); None when nothing was recorded. Under NCCL the entries are in the CUDA recorder, which
+    ``_dump_nccl_trace`` dumps; every other backend's are in the generic one, ``_dump_fr_trace`` (both bound in
+    torch/csrc/distributed/c10d/init.cpp, same arguments; ``_dump_nccl_trace`` exists only in CUDA builds)."""
     import torch
 
+    c10d = torch._C._distributed_c10d
+    name = "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace"
     try:
-        data = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+        data = getattr(c10d, name)(includeCollectives=True, includeStackTraces=False, onlyActive=False)
     except Exception:  # noqa: BLE001 - a build without the recorder: the journal still tells
         return None
     if not data:
         return None
-    os.makedirs(trace_dir, exist_ok=True)
-    path = os.path.join(trace_dir, f"trace_rank_{rank}")
+    folder = os.path.join(trace_dir, MANUAL_DUMPS)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{DUMP_PREFIX}{rank}")
     with open(path, "wb") as f:
         f.write(data)
     return path
@@ -102,7 +124,7 @@ def flight_recorder_summary(trace_dir: str, world_size: int) -> dict[int, str]:
 
     lines = {}
     for rank in range(world_size):
-        path = os.path.join(trace_dir, f"trace_rank_{rank}")
+        path = os.path.join(trace_dir, MANUAL_DUMPS, f"{DUMP_PREFIX}{rank}")
         if not os.path.exists(path):
             lines[rank] = "no dump"
             continue

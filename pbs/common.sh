@@ -533,6 +533,11 @@ distlab_launch() {
         distlab_log "skip $name (DISTLAB_ONLY=$DISTLAB_ONLY)"
         return 0
     fi
+    if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
+        distlab_log "not launched $name: the job got SIGTERM"
+        DISTLAB_RESULTS+=("not-launched $name (SIGTERM)")
+        return 143
+    fi
     if [[ ${target[0]} != -m && ! -f $script ]]; then
         distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
         DISTLAB_RESULTS+=("missing $name")
@@ -580,9 +585,11 @@ distlab_launch() {
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
     local start=$SECONDS rc
+    DISTLAB_CURRENT=$name
     "${cmd[@]}" </dev/null 2>&1 | distlab_tee "$log"
     rc=${PIPESTATUS[0]}
     local seconds=$((SECONDS - start))
+    DISTLAB_CURRENT=
     if ((rc == 0)); then
         distlab_log "ok $name in ${seconds}s"
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
@@ -591,6 +598,21 @@ distlab_launch() {
         DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
     fi
     return "$rc"
+}
+
+# distlab_on_sigterm: the job shell's SIGTERM trap (qdel, the walltime). The shell survives to report; bash runs
+# the trap once the launch in progress has ended (the ranks got the signal too and stop at the end of their step).
+# Only a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the
+# way out, and only then does the line say so; no later launch starts: the job is being ended.
+distlab_on_sigterm() {
+    DISTLAB_TERMINATED=1
+    local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} "
+    saving=${saving//[,:]/ }
+    if [[ -n $current && $saving == *" $current "* ]]; then
+        distlab_log "SIGTERM: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
+    else
+        distlab_log "SIGTERM: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
+    fi
 }
 
 # distlab_rank_map [ARGS...]: every rank of the job prints its host, rank, local rank, CUDA_VISIBLE_DEVICES
@@ -632,7 +654,6 @@ distlab_network_env
 distlab_detect_mpiexec
 distlab_omp_threads
 distlab_deadline
-# the job's shell survives a SIGTERM (qdel, walltime) to report; the ranks stop at the end of their step
-trap 'distlab_log "SIGTERM: the ranks stop at the end of their step, checkpoint written"' TERM
+trap distlab_on_sigterm TERM
 distlab_log "job ${PBS_JOBID:-local}: $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER ($DISTLAB_MPIEXEC_FLAVOR mpiexec); MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
 distlab_log "run directory $DISTLAB_RUN_DIR"

@@ -15,8 +15,8 @@ means done on NCCL too, where a collective returns once queued; a call whose pee
 then reads all the journals and prints the same diagnosis. Under NCCL the script also sets, before its process
 group exists, ``TORCH_NCCL_BLOCKING_WAIT=1`` (the timeout raises in the rank's thread instead of the watchdog
 tearing the process down) and PyTorch's own flight recorder (``TORCH_FR_BUFFER_SIZE``), whose buffer each rank
-dumps into ``--trace-dir`` (the run folder, on scratch) when it gives up: read them with
-``python -m torch.distributed.flight_recorder.fr_trace <trace-dir>``. The checks: the hang ended within its time
+dumps into ``--trace-dir``/manual (the run folder, on scratch) when it gives up: read them with
+``python -m torch.distributed.flight_recorder.fr_trace <trace-dir>/manual``. The checks: the hang ended within its time
 bound (no silent hang) and the diagnosis names the cause the flag planted.
 
 No scenario pairs two different collectives on NCCL: a barrier is an all-reduce there, and a rank's barrier
@@ -109,18 +109,23 @@ def main():
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
     p.add_argument("--batch", type=runtime.positive_int, default=6, help="rows of the first stage's batch")
     p.add_argument("--microbatches", type=runtime.positive_int, default=4, help="microbatches the pipeline stages agree on")
-    p.add_argument("--trace-dir", default=os.path.join(os.environ.get("DISTLAB_RUN_DIR", "build"), "flight_recorder"),
-                   help="where each rank dumps PyTorch's flight recorder when it gives up (default: "
-                        "$DISTLAB_RUN_DIR/flight_recorder, else build/flight_recorder)")
+    p.add_argument("--trace-dir", default=None,
+                   help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
+                        "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
+                        "else build/flight_recorder/<hang>: two hangs of one job never share a folder)")
     p.add_argument("--debug-detail", action="store_true",
                    help="TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch checks every collective's type and shapes first")
     p.set_defaults(pg_timeout=4.0)
     args = p.parse_args()
     if args.debug_detail:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read when the process group is created
-    os.environ.update(hangs.debug_env(args.trace_dir))  # read when the process group is created, too
+    if args.trace_dir is None:
+        args.trace_dir = os.path.join(os.environ.get("DISTLAB_RUN_DIR", "build"), "flight_recorder", args.hang)
+    env = hangs.debug_env(args.trace_dir)
+    os.environ.update(env)  # read when the process group is created, too
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        hangs.prepare_trace_dir(env)  # NCCL's watchdog writes its own dump there on a timeout
         report = metrics.Report(__file__, rt, config=vars(args))
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store: it outlives a broken group
         journal = hangs.CallJournal(store, rt.rank, prefix=f"deadlocks/{args.hang}")
@@ -145,7 +150,7 @@ def main():
         elapsed = time.perf_counter() - started
         finding = hangs.diagnose(journals)
         if finding["cause"] != "none":  # every rank's buffer, the finished ones' too: the analyzer wants them all
-            dumped = hangs.dump_flight_recorder(args.trace_dir, rt.rank)
+            dumped = hangs.dump_flight_recorder(args.trace_dir, rt.rank, rt.backend)
             store.add(f"{prefix}/dumped", 1)
             while int(store.add(f"{prefix}/dumped", 0)) < rt.world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -158,8 +163,9 @@ def main():
             rt.print(f"  rank {r} [{j['state']}]: {calls}")
         rt.print(f"\ndiagnosis: {finding['cause']}: {finding['verdict']}")
         if recorded:
-            rt.print(f"\nPyTorch's flight recorder, each rank's buffer dumped into {args.trace_dir}/ (on NCCL, "
-                     f"python -m torch.distributed.flight_recorder.fr_trace {args.trace_dir} analyses them):")
+            manual = os.path.join(args.trace_dir, hangs.MANUAL_DUMPS)
+            rt.print(f"\nPyTorch's flight recorder, each rank's buffer dumped into {manual}/ (on NCCL, "
+                     f"python -m torch.distributed.flight_recorder.fr_trace {manual} analyses them):")
             for r, line in recorded.items():
                 rt.print(f"  rank {r}: {line}")
 

@@ -286,3 +286,50 @@ def test_only_and_missing_scripts(job_env, tmp_path):
     assert "missing no_such.py" in (tmp_path / "run" / "summary.txt").read_text()
     assert result.values()["rc"] == "2"
     assert result.returncode == 1  # distlab_finish: a launch failed
+
+
+# ---------------------------------------------------------------------------------------------------
+# SIGTERM (qdel, the walltime): the job shell reports, says "checkpoint" only for a script that writes one, and
+# launches nothing more
+# ---------------------------------------------------------------------------------------------------
+
+SIGTERM_JOB = """source pbs/common.sh || exit 2
+DISTLAB_CHECKPOINTING=${CHECKPOINTING:-} distlab_launch "$RANK_SCRIPT" --steps 3
+distlab_launch "$RANK_SCRIPT" --steps 3
+distlab_finish
+"""
+
+
+@pytest.mark.parametrize("checkpointing", ["rank.py", ""])
+def test_after_a_sigterm_the_job_launches_nothing_and_says_checkpoint_only_for_a_checkpointing_script(
+        checkpointing, job_env, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # one "rank": prints, then runs on 2 s after the job shell got its SIGTERM (bash runs the trap once it ends)
+    rank = tmp_path / "rank.py"
+    rank.write_text("import sys, time\nprint('started', flush=True)\ntime.sleep(2)\nprint('rank done', flush=True)\n")
+    launcher = tmp_path / "mpiexec"  # starts the command after the launcher's options, once
+    launcher.write_text('#!/bin/bash\nwhile [[ $1 != "$DISTLAB_PYTHON" ]]; do shift; done\nexec "$@"\n')
+    launcher.chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": str(launcher), "DISTLAB_MPIEXEC_FLAVOR": "pals", "DISTLAB_NPROCS": "1",
+                     "RANK_SCRIPT": str(rank), "CHECKPOINTING": checkpointing, "DISTLAB_PYTHON": sys.executable}
+    job = subprocess.Popen(["bash", "-c", SIGTERM_JOB], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not list((tmp_path / "run" / "logs").glob("01_*.log")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)  # the job's shell only: the rank goes on to its end
+    output, _ = job.communicate(timeout=30)
+    said = [line for line in output.splitlines() if "SIGTERM" in line]
+    if checkpointing:
+        assert "distlab: SIGTERM: rank.py's ranks stop at the end of their step and write a checkpoint; nothing more " \
+               "is launched" in said, output
+    else:
+        assert not any("checkpoint written" in s or "write a checkpoint" in s for s in said), output
+        assert any("no checkpoint is written" in s for s in said), output
+    assert "distlab: not launched rank.py: the job got SIGTERM" in output and output.count("rank done") == 1, output
+    assert "ok rank.py" in output and job.returncode == 1  # the first launch ended well; the job did not finish

@@ -256,3 +256,11 @@ def test_a_flag_the_script_does_not_define_is_caught():
     assert "--gpus-per-node" in flags_of(ROOT / "scripts/09_hybrid_parallel/hybrid_3d.py")
     assert "--gpus-per-node" not in flags_of(ROOT / "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py")
     assert "--preset" not in flags_of(ROOT / "scripts/03_communication/bandwidth.py")
+
+
+def test_the_two_hangs_of_chapter_12_dump_into_folders_of_their_own(job_env, fake_pals):
+    # the second hang's flight-recorder dumps must not write over the first's
+    commands = dry_run(PBS_DIR / "12_hpc_operations.pbs", job_env | {"DISTLAB_MPIEXEC": fake_pals})
+    folders = [args[args.index("--trace-dir") + 1] for script, args in map(script_of, commands)
+               if script.endswith("deadlocks.py")]
+    assert len(folders) == 2 and len(set(folders)) == 2 and all(f.startswith(job_env["DISTLAB_RUN_DIR"]) for f in folders)

@@ -24,7 +24,10 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause, tmp_path):
     assert bool(timed_out) == (hang != "none")
     # PyTorch's flight recorder, dumped by every rank of a hung run: the same story as the journal
     recorded = metrics["extra"]["flight_recorder"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if hang == "none" else [f"trace_rank_{r}" for r in range(4)])
+    # the drill's own dump in manual/, never where NCCL's watchdog writes its own (watchdog/, empty on gloo)
+    dumps = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert dumps == ([] if hang == "none" else [f"manual/trace_rank_{r}" for r in range(4)])
+    assert (tmp_path / "watchdog").is_dir()
     if hang == "skipped-barrier":  # ranks 0-2 enqueued the barrier as their 7th work item; rank 3 stopped at 6
         for r in range(3):
             assert recorded[str(r)].startswith("group 0: 7 enqueued, the last collective gloo:barrier"), recorded

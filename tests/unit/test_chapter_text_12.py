@@ -172,6 +172,9 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     assert set(hangs.debug_env("x")) <= {"TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                                          "TORCH_FR_DUMP_TEMP_FILE"}
     assert all(name in CHAPTER for name in hangs.debug_env("x"))
+    # where torch 2.13 writes the watchdog's dump when TORCH_FR_DUMP_TEMP_FILE is unset (not /tmp, as once)
+    assert "~/.cache/torch/comm_lib_trace_rank_<rank>" in flat and "`$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>`" in flat
+    assert "the default is node-local `/tmp`" not in flat
 
 
 def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():

@@ -69,7 +69,7 @@ def test_the_drills_nccl_settings_are_blocking_wait_and_the_flight_recorder(monk
         monkeypatch.delenv(name, raising=False)
     env = hangs.debug_env("/glade/derecho/scratch/me/run/flight_recorder")
     assert env == {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_FR_DUMP_TEMP_FILE": "/glade/derecho/scratch/me/run/flight_recorder/trace_rank_"}
+                   "TORCH_FR_DUMP_TEMP_FILE": "/glade/derecho/scratch/me/run/flight_recorder/watchdog/trace_rank_"}
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")  # the user's own setting is kept
     assert hangs.debug_env("x")["TORCH_FR_BUFFER_SIZE"] == "100"
 
@@ -89,3 +89,25 @@ def test_each_pair_on_its_own_group_is_not_a_wrong_group():
     journals[2]["calls"][0] = call("pair", "world", [0, 1, 2, 3])  # group= forgotten by one pair
     journals[3]["calls"][0] = call("pair", "world", [0, 1, 2, 3])
     assert hangs.diagnose(journals)["cause"] == "wrong group"
+
+
+@pytest.mark.parametrize("backend, used", [("nccl", "_dump_nccl_trace"), ("gloo", "_dump_fr_trace")])
+def test_the_manual_dump_reads_the_backends_recorder_and_never_overwrites_the_watchdogs(backend, used, tmp_path,
+                                                                                         monkeypatch):
+    # NCCL's entries are in the CUDA recorder (_dump_nccl_trace), gloo's in the generic one (_dump_fr_trace); a
+    # CPU build has no _dump_nccl_trace, so both are stood in for here
+    import torch
+
+    from distlab import hangs
+
+    c10d = torch._C._distributed_c10d
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        monkeypatch.setattr(c10d, name, lambda name=name, **kw: name.encode(), raising=False)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    env = hangs.debug_env(str(tmp_path))
+    hangs.prepare_trace_dir(env)
+    watchdog = env["TORCH_FR_DUMP_TEMP_FILE"] + "3"  # what ProcessGroupNCCL's watchdog writes for rank 3
+    open(watchdog, "w").write("the watchdog's own dump")
+    path = hangs.dump_flight_recorder(str(tmp_path), 3, backend)
+    assert open(path, "rb").read() == used.encode()
+    assert open(watchdog).read() == "the watchdog's own dump" and path != watchdog
