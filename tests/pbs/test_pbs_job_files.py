@@ -88,10 +88,15 @@ def test_pbs_directives_are_sane(path):
     assert len(names) == 1 and re.fullmatch(r"[A-Za-z][\w-]{0,14}", names[0]), f"job name: {names}"
     assert any(x.startswith("-q ") for x in d), "no queue (-q main)"
     assert "-j oe" in d, "stdout and stderr should go to one file (-j oe)"
+    # PBS Pro spools the job's output on the node until the job ends unless -k has d: "Output and/or error are
+    # written directly to their final destination" (OpenPBS doc/man1/qsub.1B, -k). With it, the .o file grows in
+    # the submit folder while the job runs (progress, the JupyterLab job's tunnel line).
+    keep = [x.split()[1] for x in d if x.startswith("-k ")]
+    assert len(keep) == 1 and "d" in keep[0], "output visible while the job runs: #PBS -k oed"
     assert not any(x.startswith("-A") for x in d), "no hard-coded account: qsub -A $PBS_ACCOUNT"
     assert not re.search(r"^\s*(export\s+)?PBS_ACCOUNT=", text, re.M), "no hard-coded account"
     assert "-S /bin/bash" in d, "run by bash whatever the user's login shell"
-    assert all(x.startswith(("-N ", "-S ", "-q ", "-l ", "-j ")) for x in d), d
+    assert all(x.startswith(("-N ", "-S ", "-q ", "-l ", "-j ", "-k ")) for x in d), d
 
     res = resources(path)
     h, m, s = (int(x) for x in res["walltime"].split(":"))
