@@ -140,6 +140,9 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.
 # already in the environment, so `qsub -v NCCL_DEBUG=INFO` or an export before sourcing wins.
 # ---------------------------------------------------------------------------------------------------
 distlab_network_env() {
+    # what the user asked of NCCL_DEBUG (qsub -v, or an export), before the WARN default below: distlab_nccl_info
+    # must tell the user's choice from that default
+    DISTLAB_NCCL_DEBUG_GIVEN=${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}}
     # NCCL's own lines, one file a rank (%h host, %p pid) in the run folder on scratch, not interleaved in the job's
     # output and not in node-local /tmp, which is gone with the job: distlab_report_transport reads them.
     if [[ -z ${NCCL_DEBUG_FILE:-} && -n ${DISTLAB_RUN_DIR:-} ]]; then
@@ -284,6 +287,24 @@ distlab_nccl_details() {
     else
         echo "net plugin: none reported"
     fi
+}
+
+# distlab_nccl_info COMMAND...: run COMMAND (a distlab_launch) with NCCL's INFO lines of initialisation and network,
+# which tell the transport NCCL chose (distlab_report_transport reads them), unless the user set NCCL_DEBUG.
+# Not NCCL_DEBUG=${NCCL_DEBUG:-INFO}: on Slingshot distlab_network_env has already exported WARN by then.
+distlab_nccl_info() {
+    NCCL_DEBUG=${DISTLAB_NCCL_DEBUG_GIVEN:-INFO} NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT,NET} "$@"
+}
+
+# distlab_nccl_warnings: NCCL's WARN lines of this job, which go only to the per-rank NCCL_DEBUG_FILE files in the
+# run folder (not the job's output): the first five, each with its file, and how many there are in all.
+distlab_nccl_warnings() {
+    local folder=${DISTLAB_RUN_DIR:-}/nccl count
+    compgen -G "$folder/*" >/dev/null || return 0
+    count=$(cat "$folder"/* 2>/dev/null | grep -c ' NCCL WARN ')
+    ((count > 0)) || return 0
+    echo "NCCL WARN lines: $count, in $folder/ (one file a rank); the first:"
+    grep -H ' NCCL WARN ' "$folder"/* 2>/dev/null | head -n 5 | sed "s|^$folder/|    |"
 }
 
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
@@ -630,6 +651,7 @@ distlab_finish() {
         if ((${#DISTLAB_RESULTS[@]} == 0)); then echo "  (nothing launched)"; fi
         printf '  %s\n' "${DISTLAB_RESULTS[@]}"
         if [[ -f $DISTLAB_RUN_DIR/nccl_transport.txt ]]; then sed 's/^distlab: /  /' "$DISTLAB_RUN_DIR/nccl_transport.txt"; fi
+        distlab_nccl_warnings | sed 's/^/  /'
     } | tee "$DISTLAB_RUN_DIR/summary.txt"
     for result in "${DISTLAB_RESULTS[@]}"; do
         [[ $result == ok* || $result == dry-run* ]] || failed=1

@@ -427,3 +427,27 @@ def test_ncclS_debug_file_is_one_a_rank_in_the_run_folder(tmp_path):
     assert got == f"{tmp_path}/nccl/nccl.%h.%p.log" and (tmp_path / "nccl").is_dir()
     assert out("distlab_network_env >/dev/null; echo $NCCL_DEBUG_FILE", NCCL_DEBUG_FILE="/mine/%h.log",
                DISTLAB_NETWORK="none") == "/mine/%h.log"
+
+
+def test_the_transport_launch_gets_ncclS_info_lines_on_a_slingshot_node_unless_the_user_set_nccl_debug(tmp_path):
+    # distlab_network_env exports NCCL_DEBUG=WARN on Slingshot before a job's launches: pbs/03's bandwidth launch
+    # must still run with INFO (its transport report reads those lines), and a user's own choice must win
+    (tmp_path / "net" / "hsn0").mkdir(parents=True)
+    env = {"DISTLAB_SYS_NET": str(tmp_path / "net"), "DISTLAB_NETWORK": "auto", "DISTLAB_NNODES": "2"}
+    show = "distlab_network_env >/dev/null; echo $NCCL_DEBUG; distlab_nccl_info printenv NCCL_DEBUG NCCL_DEBUG_SUBSYS"
+    assert out(show, **env).split() == ["WARN", "INFO", "INIT,NET"]
+    assert out(show, NCCL_DEBUG="TRACE", **env).split() == ["TRACE", "TRACE", "INIT,NET"]
+    job = (ROOT / "pbs" / "03_communication.pbs").read_text()
+    assert "distlab_nccl_info distlab_launch scripts/03_communication/bandwidth.py" in job
+
+
+def test_ncclS_warn_lines_are_named_in_the_summary(tmp_path):
+    (tmp_path / "nccl").mkdir()
+    warn = "dec0001:4128:4190 [0] NCCL WARN NET/OFI Unable to find a protocol that works"
+    (tmp_path / "nccl" / "nccl.dec0001.4128.log").write_text(f"x NCCL INFO fine\n{warn}\n")
+    (tmp_path / "nccl" / "nccl.dec0002.77.log").write_text("x NCCL INFO fine\n")
+    got = out("distlab_nccl_warnings", DISTLAB_RUN_DIR=str(tmp_path)).splitlines()
+    assert got == [f"NCCL WARN lines: 1, in {tmp_path}/nccl/ (one file a rank); the first:",
+                   f"    nccl.dec0001.4128.log:{warn}"]
+    (tmp_path / "nccl" / "nccl.dec0001.4128.log").write_text("x NCCL INFO fine\n")
+    assert out("distlab_nccl_warnings", DISTLAB_RUN_DIR=str(tmp_path)) == ""
