@@ -8,7 +8,7 @@ LAB_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 
-.PHONY: lab test venv student student-check unit scripts notebooks pbs clean site site-check lab-check
+.PHONY: lab test venv student student-check unit scripts notebooks pbs slurm clean site site-check lab-check
 
 # The virtualenv is rebuilt whenever the pins change.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
@@ -43,7 +43,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
-	$(PY) -m pytest tests/unit tests/scripts tests/pbs $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+	$(PY) -m pytest tests/unit tests/scripts tests/pbs tests/slurm $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts tests/notebooks -m serial $(PYTEST_ARGS)
 
@@ -55,6 +55,10 @@ notebooks: $(STAMP)
 	$(PY) -m pytest $(NOTEBOOKS) tests/notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
 pbs: $(STAMP)
 	$(PY) -m pytest tests/pbs $(PYTEST_ARGS)
+## The Slurm tier alone: a real two-node Slurm cluster on this machine (coursetools/slurm_cluster.py; installs
+## Debian's slurmctld, slurmd, slurm-client and munge when missing, as root)
+slurm: $(STAMP)
+	$(PY) -m pytest tests/slurm $(PYTEST_ARGS)
 
 ## Regenerate the learner's notebooks from the full ones
 student: $(STAMP)

@@ -35,7 +35,9 @@ def main():
             "master_addr": os.environ.get("MASTER_ADDR"),
             "master_port": os.environ.get("MASTER_PORT"),
             # the "node" Hydra placed this rank on (its hostfile entry); torchrun workers inherit their agent's
-            "node": os.environ.get("PMI_HOSTNAME") or os.environ.get("PALS_NODEID") or socket.gethostname(),
+            # (Slurm: the node daemon's name, SLURMD_NODENAME, which tells apart the test cluster's nodes on one host)
+            "node": (os.environ.get("PMI_HOSTNAME") or os.environ.get("PALS_NODEID") or os.environ.get("SLURMD_NODENAME")
+                     or socket.gethostname()),
         }
         everyone = [None] * rt.world_size
         dist.all_gather_object(everyone, mine)

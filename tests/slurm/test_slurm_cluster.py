@@ -1,0 +1,99 @@
+"""Jobs under a real Slurm cluster: two nodes (n1, n2) on this machine, submitted with sbatch -N 2 and read back.
+
+The jobs are submitted at once at the start (the cluster runs them side by side) and each test waits for its own.
+The node names do not resolve here, so each job is given MASTER_ADDR=127.0.0.1 (shared/SLURM_NOTES.md, gotchas).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coursetools.slurm_cluster import SlurmCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "tests" / "pbs" / "job_probe.py"
+
+
+def write_job(folder: Path, name: str, body: str) -> Path:
+    path = folder / f"{name}.sbatch"
+    path.write_text("#!/bin/bash\n" + textwrap.dedent(body))
+    return path
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Every job of this module, submitted before any test waits: {name: (job id, its folder)}."""
+    folder = tmp_path_factory.mktemp("slurm_jobs")
+    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PY": sys.executable}
+    submitted = {}
+    # one task a rank, two a node: distlab.runtime reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+    tasks = write_job(folder, "tasks", f"""\
+        srun "$PY" {PROBE} --device cpu --metrics-out "$OUT/probe.json"
+        """)
+    # one torchrun agent a node, c10d rendezvous on the first node, two workers each
+    agents = write_job(folder, "agents", f"""\
+        port=$((20000 + SLURM_JOB_ID % 12000))
+        srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c 'exec "$PY" -m torch.distributed.run --nnodes=2 --nproc-per-node=2 \\
+            --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:'$port' --rdzv-id=$SLURM_JOB_ID \\
+            --rdzv-conf=is_host=$((SLURM_NODEID == 0)) {PROBE} --device cpu --metrics-out "$OUT/probe.json"'
+        """)
+    # a job that never ends by itself: scancel must end it, and leave what it wrote
+    hung = write_job(folder, "hung", """\
+        mkdir -p "$OUT/journals" && echo "rank 0: waiting in barrier" > "$OUT/journals/rank_0"
+        srun sleep 300
+        """)
+    for name, script, args in (("tasks", tasks, ["--ntasks-per-node=2"]), ("agents", agents, ["--ntasks-per-node=2"]),
+                               ("hung", hung, ["--ntasks-per-node=1"])):
+        out = folder / name
+        out.mkdir()
+        job = cluster.sbatch("-N", "2", *args, "-o", str(out / "slurm-%j.out"), "-J", name, str(script),
+                             cwd=ROOT, OUT=str(out), **env)
+        submitted[name] = (job, out)
+    yield submitted
+
+
+def probe_ranks(cluster, job, out: Path) -> list[dict]:
+    fields = cluster.wait(job, timeout=120)
+    log = "".join(p.read_text() for p in out.glob("slurm-*.out"))
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    metrics = json.loads((out / "probe.json").read_text())
+    assert metrics["checks"] and all(c["passed"] for c in metrics["checks"]), metrics["checks"]
+    return metrics["extra"]["ranks"]
+
+
+def test_one_task_a_rank_reads_slurms_variables_on_both_nodes(cluster, jobs):
+    ranks = probe_ranks(cluster, *jobs["tasks"])
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["launcher"] for r in ranks} == {"slurm"}
+    assert sorted((r["node"], r["local_rank"]) for r in ranks) == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+
+
+def test_one_torchrun_agent_a_node_with_c10d_rendezvous(cluster, jobs):
+    ranks = probe_ranks(cluster, *jobs["agents"])
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["launcher"] for r in ranks} == {"torchrun"} and {r["local_world_size"] for r in ranks} == {2}
+
+
+def test_a_hung_job_cancelled_with_scancel_leaves_what_it_wrote(cluster, jobs):
+    job, out = jobs["hung"]
+    cluster.run(["scancel", job])
+    fields = cluster.wait(job, timeout=60)
+    assert fields["JobState"] == "CANCELLED"
+    assert (out / "journals" / "rank_0").read_text().startswith("rank 0: waiting")
+
+
+def test_the_cluster_stops_every_daemon_it_started():
+    with SlurmCluster() as own:
+        pids = [p.pid for p in own.processes.values()]
+        assert len(pids) == 4  # munged, slurmctld, two slurmd
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert signal  # (imported for readers who stop a cluster by hand: kill -TERM <pid>, never pkill)
