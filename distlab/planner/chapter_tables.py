@@ -135,16 +135,25 @@ def moe_at_scale() -> dict:
     best layout on 64 H100s."""
     from distlab.planner.communication import all_to_all_seconds, collective_calls, comm_per_step
     from distlab.planner.published import (DEEPSEEK_V3, DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS,
-                                           DEEPSEEK_V3_LAYOUT, DEEPSEEK_V3_PUBLISHED, H800)
+                                           DEEPSEEK_V3_LAYOUT, DEEPSEEK_V3_OPTIONS, DEEPSEEK_V3_PUBLISHED, H800)
+    from distlab.planner.step_time import stage_time
 
     layout = DEEPSEEK_V3_LAYOUT
-    exposed, hidden = (tune(DEEPSEEK_V3, H800, layout, Options(ep_overlap=overlap)) for overlap in (False, True))
-    stage = max(range(layout.pp), key=lambda s: (comm_per_step(DEEPSEEK_V3, layout, s, Options(
-        activation_checkpointing=hidden.settings["checkpointing"]))["ep"].get("all_to_all", 0), -s))
-    settings = Options(activation_checkpointing=hidden.settings["checkpointing"], chunks=hidden.settings["chunks"])
-    leaving = comm_per_step(DEEPSEEK_V3, layout, stage, settings)["ep"]["all_to_all"]
-    links = all_to_all_seconds(layout, H800, leaving, collective_calls(DEEPSEEK_V3, layout, stage, settings)["ep"]
-                               ["all_to_all"])
+    exposed, hidden = (tune(DEEPSEEK_V3, H800, layout, replace(DEEPSEEK_V3_OPTIONS, ep_overlap=overlap))
+                       for overlap in (False, True))
+    settings = replace(DEEPSEEK_V3_OPTIONS, activation_checkpointing=hidden.settings["checkpointing"],
+                       chunks=hidden.settings["chunks"])
+    gpn = H800.gpus_per_node
+
+    def leaving_bytes(s):
+        return sum(comm_per_step(DEEPSEEK_V3, layout, s, settings, gpn)["ep"].values())
+
+    stage = max(range(layout.pp), key=lambda s: (leaving_bytes(s), -s))
+    per_link = comm_per_step(DEEPSEEK_V3, layout, stage, settings, gpn)["ep"]
+    leaving = sum(per_link.values())
+    links = all_to_all_seconds(layout, H800, per_link,
+                               sum(collective_calls(DEEPSEEK_V3, layout, stage, settings, gpn)["ep"].values()))
+    timing = stage_time(DEEPSEEK_V3, H800, layout, stage, settings)
     mixtral = search(MODELS["mixtral-8x7b"], CLUSTERS["h100-80gb"], 64)
     best_mixtral = next(p for p in mixtral if p.fits)
     no_ep = next(p for p in mixtral if p.fits and p.layout.ep == 1)
@@ -152,6 +161,8 @@ def moe_at_scale() -> dict:
             "published": DEEPSEEK_V3_PUBLISHED, "layout": layout.label(), "fits": hidden.fits,
             "gib": hidden.memory_per_gpu_bytes["total"] / GIB, "settings": hidden.describe_settings(),
             "stage": stage, "all_to_all_gb": leaving / 1e9, "network_share": links["inter_node_bytes"] / leaving,
+            "network_gb": links["inter_node_bytes"] / 1e9, "all_to_all_s": links["total"],
+            "compute_s": timing["compute"], "compute_to_all_to_all": timing["compute"] / links["total"],
             "tokens_per_gpu_exposed": exposed.tokens_per_second / layout.gpus,
             "tokens_per_gpu_hidden": hidden.tokens_per_second / layout.gpus,
             "exposed_ep_s": exposed.exposed_seconds["ep"], "step_exposed_s": exposed.step_seconds,
@@ -169,8 +180,10 @@ def moe_at_scale_markdown(numbers: dict | None = None) -> str:
          f"{n['published']['total'] / 1e9:.0f} B / {n['published']['active'] / 1e9:.0f} B (its abstract)"),
         (f"its layout, {n['layout']}, on 2,048 H800", f"fits: {n['gib']:.1f} GiB a GPU ({n['settings']})",
          "trained (section 3.2)"),
-        (f"all-to-all bytes a GPU sends in a step (stage {n['stage']}, uniform routing)",
+        (f"all-to-all bytes a GPU sends in a step (stage {n['stage']}, node-limited routing, FP8 dispatch)",
          f"{n['all_to_all_gb']:,.0f} GB, {n['network_share']:.0%} of it over InfiniBand", "-"),
+        (f"that stage's compute : all-to-all time", f"{n['compute_to_all_to_all']:.1f} : 1 ({n['compute_s']:.1f} s : "
+         f"{n['all_to_all_s']:.1f} s)", "about 1 : 1 (section 3.2.1)"),
         ("tokens/s a GPU, all-to-alls on the critical path",
          f"{n['tokens_per_gpu_exposed']:,.0f} (step {n['step_exposed_s']:.1f} s)", "-"),
         ("tokens/s a GPU, all-to-alls hidden behind compute (DualPipe)",

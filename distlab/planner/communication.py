@@ -12,7 +12,8 @@ from distlab.planner.spec import (Cluster, Layout, ModelSpec, Options, bucket_pa
                                   stage_layers)
 
 
-def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options = Options(),
+                  gpus_per_node: int | None = None) -> dict:
     """Collectives of one step on one GPU of stage ``stage``, per mesh dimension: ``{dimension: {collective:
     payload bytes}}`` (payload: the whole tensor a collective is about, summed over calls; ring bytes sent
     follow from ``comm.bytes_sent_per_rank``).
@@ -41,21 +42,24 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
       selectively), and in backward with their gradients, blocks of b x s/cp x kv_dim.
     """
     return {dimension: {name: entry["payload"] for name, entry in collectives.items()}
-            for dimension, collectives in ledger(model, layout, stage, options).items()}
+            for dimension, collectives in ledger(model, layout, stage, options, gpus_per_node).items()}
 
 
-def collective_calls(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+def collective_calls(model: ModelSpec, layout: Layout, stage: int, options: Options = Options(),
+                     gpus_per_node: int | None = None) -> dict:
     """How many collectives (or messages) one GPU of stage ``stage`` issues per step, per mesh dimension,
     ``{dimension: {collective: calls}}``: the count each call's latency multiplies. dp: one call per gradient
     bucket (:func:`distlab.planner.spec.bucket_params`) for DDP and ZeRO-1/2, one per FSDP unit and gather."""
     return {dimension: {name: entry["calls"] for name, entry in collectives.items()}
-            for dimension, collectives in ledger(model, layout, stage, options).items()}
+            for dimension, collectives in ledger(model, layout, stage, options, gpus_per_node).items()}
 
 
 @functools.lru_cache(maxsize=8192)  # the search asks again for the same stage; every argument is frozen
-def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Options(),
+           gpus_per_node: int | None = None) -> dict:
     """``{dimension: {collective: {"payload": bytes, "calls": count}}}`` of one step: what
-    :func:`comm_per_step` and :func:`collective_calls` read."""
+    :func:`comm_per_step` and :func:`collective_calls` read. ``gpus_per_node``: where EP's node-limited dispatch
+    (``options.ep_node_limit``) needs to know how many nodes its group spans."""
     number_bytes = 4 if options.precision == "fp32" else 2
     layers = stage_layers(model.layers, layout.pp, stage)
     num_micro = microbatches(model, layout)
@@ -91,6 +95,10 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                 skipped = layers if options.recompute_early_stop and row["collective"] == block_output else 0
                 calls += row["calls"] - skipped
             add("tp", row["collective"], row["payload_bytes"] // row["calls"] * calls * times, calls * times)
+        if sp and not options.sp_saves_gathered_inputs:
+            # Megatron's SP saved each region's input as its shard: backward gathers it again, twice a block
+            one = model.micro_batch * seq * model.hidden * number_bytes
+            add("tp", "all_gather", 2 * layers * num_micro * one, 2 * layers * num_micro)
     dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
     if layout.dp * layout.cp > 1:
         params = stage_params(model, layout, stage)
@@ -128,21 +136,53 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                                              model.micro_batch, seq, model.hidden, number_bytes)
         add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
     if layout.ep > 1 and moe_blocks:
-        # per MoE block and microbatch: dispatch and combine forward, both again backward (and forward again when
-        # fully recomputed); each rank sends the share of its tokens' copies whose expert is on another rank of
-        # its EP group (ep ranks), uniform routing assumed. Under TP each rank routes 1/tp of the tokens
-        # (torchtitan), else every TP rank would send the same ones
-        one = moe.dispatch_bytes(model.micro_batch * seq // layout.tp, model.top_k, model.hidden, number_bytes,
-                                 moe.uniform_leaving_share(layout.ep_group))
-        per_block = 4 + 2 * (checkpointing(options) == "full")
-        add("ep", "all_to_all", one * per_block * moe_blocks * num_micro, per_block * moe_blocks * num_micro)
-    if layout.cp > 1:
+        # per MoE block and microbatch: dispatch and combine forward, both again backward (a gradient dispatch where
+        # forward combined, a gradient combine where it dispatched), and forward again when fully recomputed. Under
+        # TP each rank routes 1/tp of the tokens (torchtitan), else every TP rank would send the same ones
+        tokens = model.micro_batch * seq // layout.tp
+        dispatch = options.ep_dispatch_bytes or number_bytes
+        directions = 2 + (checkpointing(options) == "full")   # dispatch-like (and combine-like) calls a block
+        calls = 2 * directions * moe_blocks * num_micro
+        element_bytes = directions * (dispatch + number_bytes) * moe_blocks * num_micro
+        copies = ep_copies_per_token(model, layout, options, gpus_per_node)
+        for link, count in copies.items():
+            add("ep", f"all_to_all_{link}", tokens * count * model.hidden * element_bytes, calls / len(copies))
+    if layout.cp > 1 and options.cp_attention == "all_gather":
+        # Llama 3's CP: each layer all-gathers the sequence's keys and values (this TP rank's heads: kv_dim / tp),
+        # again when recomputed, and reduce-scatters their gradients in backward
+        kv = 2 * model.micro_batch * model.seq_len * model.kv_dim // layout.tp * number_bytes
+        again = 1 if checkpointing(options) == "none" else 2
+        add("cp", "all_gather", kv * again * layers * num_micro, again * layers * num_micro)
+        add("cp", "reduce_scatter", kv * layers * num_micro, layers * num_micro)
+    elif layout.cp > 1:
         ring = tensor_parallel.ring_comm_formula(model.micro_batch * seq * model.kv_dim * number_bytes, layout.cp)
         again = 1 if checkpointing(options) == "none" else 2
         hops = (layout.cp - 1) * again + layout.cp
         add("cp", "send", (ring["forward"] * again + ring["backward"]) * layers * num_micro,
             hops * layers * num_micro)
     return result
+
+
+def ep_copies_per_token(model: ModelSpec, layout: Layout, options: Options, gpus_per_node: int | None = None) -> dict:
+    """Copies of one token's hidden vector that leave its rank in one dispatch, by link, under uniform routing:
+    ``{"nvlink": ..., "network": ...}``, or ``{"any": ...}`` when the link is the group's geometry's to decide
+    (:func:`all_to_all_seconds`).
+
+    * Straight to the experts (``ep_node_limit`` 0): top-k copies, each to another rank with probability
+      (ep - 1) / ep: ``{"any": top_k (ep - 1) / ep}``.
+    * DeepSeek-V3's node-limited dispatch (``ep_node_limit`` M, over an EP group of n nodes of g GPUs): the token
+      goes to M of the n nodes, its own among them with probability M / n, so M (n - 1) / n copies cross the
+      network (one a node, however many of its experts are there); in each node the copy is forwarded over NVLink
+      to the GPUs of its experts there, all but those on the GPU that received it: top-k (g - 1) / g copies.
+      Two experts on one GPU are counted twice (an upper bound DeepSeek's kernels may beat)."""
+    if not options.ep_node_limit:
+        return {"any": model.top_k * moe.uniform_leaving_share(layout.ep_group)}
+    if gpus_per_node is None:
+        raise ValueError("node-limited routing (ep_node_limit) needs the cluster's GPUs per node")
+    g = min(layout.ep_group, gpus_per_node)
+    nodes = max(1, layout.ep_group // g)
+    chosen = min(options.ep_node_limit, nodes)
+    return {"network": chosen * (nodes - 1) / nodes, "nvlink": model.top_k * (g - 1) / g}
 
 
 def group_sizes(layout: Layout) -> dict:
@@ -174,6 +214,8 @@ def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
 
 def bytes_sent(dimension: str, collectives: dict, group: int) -> float:
     """Bytes one GPU sends for ``collectives`` on a ring of ``group`` ranks (point-to-point: the payload)."""
+    if dimension == "cp" and "send" not in collectives:   # all-gather CP: ring collectives
+        return float(sum(comm.bytes_sent_per_rank(name, payload, group) for name, payload in collectives.items()))
     if dimension in ("pp", "cp", "ep"):   # messages, and an all-to-all's bytes that leave the rank
         return float(sum(collectives.values()))
     return float(sum(comm.bytes_sent_per_rank(name, payload, group) for name, payload in collectives.items()))
@@ -194,13 +236,12 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
     "latency", "total"}}``: bytes sent / link bandwidth, plus calls x ring steps x the link's latency (a ring of
     1,024 ranks is not free even for small messages)."""
     sizes = group_sizes(layout)
-    payloads = comm_per_step(model, layout, stage, options)
-    calls = collective_calls(model, layout, stage, options)
+    payloads = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)
+    calls = collective_calls(model, layout, stage, options, cluster.gpus_per_node)
     result = {}
     for dimension, collectives in payloads.items():
         if dimension == "ep":
-            result["ep"] = all_to_all_seconds(layout, cluster, sum(collectives.values()),
-                                              calls["ep"].get("all_to_all", 0))
+            result["ep"] = all_to_all_seconds(layout, cluster, collectives, sum(calls["ep"].values()))
             continue
         across = crosses_nodes(layout, dimension, cluster)
         link = cluster.inter_node_bytes_per_s if across else cluster.intra_node_bytes_per_s
@@ -216,17 +257,25 @@ def ep_ranks_in_node(layout: Layout, cluster: Cluster) -> int:
     return min(layout.ep_group, cluster.gpus_per_node)
 
 
-def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving_bytes: float, calls: int) -> dict:
-    """The EP all-to-alls of a step on their links. Of the bytes that leave a rank (uniform routing), those for
-    the EP group's other ranks in the same node cross NVLink and the rest the network, both at once (NCCL sends to
-    every peer together), so the slower of the two sets the time; each call pays one latency of the farthest link.
-    The group's ranks in a node: :func:`ep_ranks_in_node`."""
+def all_to_all_seconds(layout: Layout, cluster: Cluster, leaving: dict | float, calls: int) -> dict:
+    """The EP all-to-alls of a step on their links. ``leaving``: bytes that leave a rank, ``{"all_to_all_any":
+    bytes}`` (or a number) when every copy goes straight to its expert's rank (uniform routing: those for the EP
+    group's other ranks in the same node cross NVLink, the rest the network), or ``{"all_to_all_nvlink": ...,
+    "all_to_all_network": ...}`` as DeepSeek-V3's node-limited dispatch splits them (:func:`ep_copies_per_token`).
+    Both links carry their share at once (NCCL and DeepSeek's kernels send to every peer together), so the slower
+    sets the time; each call pays one latency of the farthest link. The group's ranks in a node:
+    :func:`ep_ranks_in_node`."""
+    if not isinstance(leaving, dict):
+        leaving = {"all_to_all_any": leaving}
     group = layout.ep_group
     if group == 1 or not calls:
         return {"bandwidth": 0.0, "latency": 0.0, "total": 0.0, "intra_node_bytes": 0.0, "inter_node_bytes": 0.0}
-    in_node = ep_ranks_in_node(layout, cluster)
-    inside = leaving_bytes * (in_node - 1) / (group - 1)
-    outside = leaving_bytes - inside
+    if "all_to_all_any" in leaving:
+        in_node = ep_ranks_in_node(layout, cluster)
+        inside = leaving["all_to_all_any"] * (in_node - 1) / (group - 1)
+        outside = leaving["all_to_all_any"] - inside
+    else:
+        inside, outside = leaving.get("all_to_all_nvlink", 0.0), leaving.get("all_to_all_network", 0.0)
     bandwidth = max(inside / cluster.intra_node_bytes_per_s, outside / cluster.inter_node_bytes_per_s)
     latency = calls * (cluster.inter_node_latency_s if outside else cluster.intra_node_latency_s)
     return {"bandwidth": bandwidth, "latency": latency, "total": bandwidth + latency,

@@ -41,10 +41,13 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
 
 
 
-def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks: int = 1) -> float:
+def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks: int = 1,
+              per_round: int | None = None) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak, in whole-stage units (closed forms of
     ``schedules.peak_activations``, tested equal to it): GPipe M; 1F1B min(P - s, M); interleaved
-    min((V-1)P + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each."""
+    min((V-1)N + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each, N = ``per_round`` microbatches a
+    round (Megatron's and the simulator's N = P; torch's ``ScheduleInterleaved1F1B`` warms up the same
+    (V-1) N + 2 (P-1-s) ops)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
@@ -52,7 +55,8 @@ def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks:
     if schedule == "1f1b":
         return min(pp - stage, num_microbatches)
     if schedule == "interleaved_1f1b":
-        return min((chunks - 1) * pp + 2 * (pp - 1 - stage) + 1, chunks * num_microbatches) / chunks
+        n = per_round or pp
+        return min((chunks - 1) * n + 2 * (pp - 1 - stage) + 1, chunks * num_microbatches) / chunks
     raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, not {schedule!r}")
 
 
@@ -85,7 +89,9 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
     per_rank = tensor_parallel.activation_bytes(stage_config(model, layers, seq), b, seq, layout.tp,
                                                 sequence_parallel=sp, kv_dim=model.kv_dim)
     number_bytes = 4 if options.precision == "fp32" else 2
-    one_block = per_rank["per_layer"] * number_bytes / 4
+    # Megatron's SP saves a region's input as its shard, the norm's output already counted: no gathered copy
+    gathered = 0 if sp and not options.sp_saves_gathered_inputs else 1
+    one_block = (per_rank["per_layer"] - (1 - gathered) * per_rank["tp_inputs"] / max(layers, 1)) * number_bytes / 4
     blocks = [one_block] * dense
     if moe_blocks:
         # a MoE block: the block without its feed-forward, plus moe.saved_activation_bytes (measured on the
@@ -94,7 +100,8 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
                                                        layout.tp, sequence_parallel=sp, kv_dim=model.kv_dim)
         routed = moe.saved_activation_bytes(b * seq // layout.tp, model.hidden, model.expert_ffn, model.experts,
                                             model.top_k, model.shared_experts)
-        blocks += [(without_ffn["per_layer"] + routed) * number_bytes / 4] * moe_blocks
+        blocks += [(without_ffn["per_layer"] - (1 - gathered) * without_ffn["tp_inputs"] + routed)
+                   * number_bytes / 4] * moe_blocks
     mode = checkpointing(options)
     if mode == "full":
         block_input = b * seq * model.hidden * number_bytes / (layout.tp if sp else 1)
@@ -103,7 +110,8 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
         scores = 0 if options.flash_attention or mode == "selective" else \
             b * model.heads // layout.tp * seq * model.seq_len * number_bytes
         per_microbatch, live = sum(blocks) + layers * scores, 0
-    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
+    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options),
+                     options.microbatches_per_round)
     head = per_rank["head"] if stage == layout.pp - 1 else 0
     return held * per_microbatch + live + head
 

@@ -25,9 +25,10 @@ BAND = 0.15  # a published 41 % must be predicted between 35 % and 47 %
 
 
 def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, global_batch: int,
-        source: str) -> ModelSpec:
+        source: str, micro_batch: int = 1) -> ModelSpec:
     """A GPT-style model as Megatron trains it (LayerNorm, biases, 4h GELU MLP, learned positions, tied output)."""
-    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq_len, 1, global_batch, "gpt", source)
+    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq_len, micro_batch, global_batch, "gpt",
+                     source)
 
 
 def megatron_flops_per_token(model: ModelSpec) -> float:
@@ -76,26 +77,39 @@ def mfu_from_published(run: PublishedRun) -> float:
 H100, A100 = CLUSTERS["h100-80gb"], CLUSTERS["a100-80gb"]
 LLAMA3 = "Llama Team (2024), The Llama 3 Herd of Models, Table 4"
 MEGATRON = "Narayanan et al. (2021), Efficient Large-Scale Language Model Training on GPU Clusters, Table 1"
-KORTHIKANTI = "Korthikanti et al. (2022), Reducing Activation Recomputation in Large Transformer Models, Table 5"
-MTNLG = "Smith et al. (2022), Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, section 3"
-# Llama 3: an interleaved schedule of 8 chunks on 16 stages: 128 virtual stages, 126 layers, one layer fewer on
-# the first and the last (section 3.3.2); the paper does not say how it recomputes: the planner's choice
-LLAMA_PIPELINE = Options(zero_stage=1, schedule="interleaved_1f1b", chunks=8, sequence_parallel=True,
-                         search_micro_batch=False)
-# Megatron-LM (2020-2022): full recomputation of whole blocks, no flash attention; the micro-batch and the chunks
-# are not stated
+KORTHIKANTI = ("Korthikanti et al. (2022), Reducing Activation Recomputation in Large Transformer Models: its MFU as "
+               "NVIDIA/Megatron-LM's README states it")
+MTNLG = "Smith et al. (2022), Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, sections 2.4 and 3"
+# Llama 3 at its published settings (section 3.3.2, sources: llama3_*): no activation checkpointing at 8K tokens;
+# FSDP that shards gradients and optimizer states and keeps the weights gathered after forward (ZeRO-3 kept
+# gathered, what the planner's FSDP does under PP); CP that all-gathers keys and values; an interleaved schedule
+# whose microbatches a round, N, are flexible ("in this case N=5", its Figure 6: the only N it prints, used here).
+# Not stated, the planner's: V = 8 stages a rank (126 layers + the embedding and head chunks = 128 = 16 x 8), mb 1,
+# and Megatron's sequence parallelism (TP's region inputs saved as their shard, gathered again in backward)
+LLAMA_PIPELINE = Options(zero_stage=3, schedule="interleaved_1f1b", chunks=8, sequence_parallel=True,
+                         search_micro_batch=False, activation_checkpointing="none", microbatches_per_round=5,
+                         sp_saves_gathered_inputs=False, cp_attention="all_gather")
+# Megatron-LM (2020-2022): full recomputation of whole blocks, no flash attention, gradients all-reduced (its local
+# DDP; ZeRO-1's bytes are the same); the micro-batch and the chunks of each Table 1 row are fixed by NVIDIA's
+# examples/sc21/run_table_1.sh (source megatron_sc21_run_table_1_*)
 MEGATRON_FULL = Options(zero_stage=1, activation_checkpointing="full", flash_attention=False,
-                        sequence_parallel=False, recompute_early_stop=False)
+                        sequence_parallel=False, recompute_early_stop=False, search_micro_batch=False)
+
+
+def megatron_settings(micro_batch: int, chunks: int) -> Options:
+    """A Table 1 row's schedule as run_table_1.sh sets it (chunks 1: plain 1F1B)."""
+    return replace(MEGATRON_FULL, schedule="interleaved_1f1b" if chunks > 1 else "1f1b", chunks=chunks)
+
 
 RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun("Llama 3 405B, 8K tokens, 8,192 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 64, 1, 1),
+    PublishedRun("Llama 3 405B, 8K tokens, 8,192 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 64, 1, 3),
                  LLAMA_PIPELINE, ("mfu", 0.43), "8,192 GPUs, TP 8, CP 1, PP 16, DP 64, seq 8,192, batch/DP 32, "
                  "16M tokens, 430 TFLOPs/GPU, 43 % BF16 MFU"),
-    PublishedRun("Llama 3 405B, 8K tokens, 16,384 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 128, 1, 1),
+    PublishedRun("Llama 3 405B, 8K tokens, 16,384 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 128, 1, 3),
                  LLAMA_PIPELINE, ("mfu", 0.41), "16,384 GPUs, TP 8, CP 1, PP 16, DP 128, seq 8,192, batch/DP 16, "
                  "16M tokens, 400 TFLOPs/GPU, 41 % BF16 MFU"),
     PublishedRun("Llama 3 405B, 128K tokens, 16,384 H100", LLAMA3,
-                 replace(MODELS["405b"], seq_len=131072, global_batch=128), H100, Layout(8, 16, 8, 16, 1),
+                 replace(MODELS["405b"], seq_len=131072, global_batch=128), H100, Layout(8, 16, 8, 16, 3),
                  LLAMA_PIPELINE, ("mfu", 0.38), "16,384 GPUs, TP 8, CP 16, PP 16, DP 8, seq 131,072, batch/DP 16, "
                  "16M tokens, 380 TFLOPs/GPU, 38 % BF16 MFU"),
     PublishedRun("MT-NLG 530B, 2,240 A100", MTNLG, gpt("mt-nlg-530b", 105, 20480, 128, 51200, 2048, 1920, MTNLG),
@@ -103,31 +117,62 @@ RUNS: tuple[PublishedRun, ...] = (
                  ("iteration_seconds", 60.1), "280 DGX A100 nodes (2,240 GPUs), TP 8, PP 35, DP 8, batch 1920, "
                  "seq 2048: 60.1 s per iteration, 126 TFLOP/s per GPU"),
     PublishedRun("Megatron 145.6B, 1,536 A100", MEGATRON, gpt("gpt-145.6b", 80, 12288, 96, 51200, 2048, 2304,
-                                                              MEGATRON),
-                 A100, Layout(8, 8, 24, 1, 1), MEGATRON_FULL, ("megatron_tflops", 148),
+                                                              MEGATRON, micro_batch=2),
+                 A100, Layout(8, 8, 24, 1, 1), megatron_settings(2, 2), ("megatron_tflops", 148),
                  "145.6B: 96 heads, hidden 12288, 80 layers, TP 8, PP 8, 1536 GPUs, batch 2304, 148 TFLOP/s, 47 %"),
     PublishedRun("Megatron 310.1B, 1,920 A100", MEGATRON, gpt("gpt-310.1b", 96, 16384, 128, 51200, 2048, 2160,
-                                                              MEGATRON),
-                 A100, Layout(8, 16, 15, 1, 1), MEGATRON_FULL, ("megatron_tflops", 155),
+                                                              MEGATRON, micro_batch=1),
+                 A100, Layout(8, 16, 15, 1, 1), megatron_settings(1, 2), ("megatron_tflops", 155),
                  "310.1B: 128 heads, hidden 16384, 96 layers, TP 8, PP 16, 1920 GPUs, batch 2160, 155 TFLOP/s, 50 %"),
     PublishedRun("Megatron 529.6B, 2,520 A100", MEGATRON, gpt("gpt-529.6b", 105, 20480, 128, 51200, 2048, 2520,
-                                                              MEGATRON),
-                 A100, Layout(8, 35, 9, 1, 1), MEGATRON_FULL, ("megatron_tflops", 163),
+                                                              MEGATRON, micro_batch=1),
+                 A100, Layout(8, 35, 9, 1, 1), megatron_settings(1, 3), ("megatron_tflops", 163),
                  "529.6B: 128 heads, hidden 20480, 105 layers, TP 8, PP 35, 2520 GPUs, batch 2520, 163 TFLOP/s, 52 %"),
-    PublishedRun("Megatron 1T, 3,072 A100", MEGATRON, gpt("gpt-1t", 128, 25600, 160, 51200, 2048, 3072, MEGATRON),
-                 A100, Layout(8, 64, 6, 1, 1), MEGATRON_FULL, ("megatron_tflops", 163),
+    PublishedRun("Megatron 1T, 3,072 A100", MEGATRON, gpt("gpt-1t", 128, 25600, 160, 51200, 2048, 3072, MEGATRON, micro_batch=1),
+                 A100, Layout(8, 64, 6, 1, 1), megatron_settings(1, 1), ("megatron_tflops", 163),
                  "1008.0B: 160 heads, hidden 25600, 128 layers, TP 8, PP 64, 3072 GPUs, batch 3072, 163 TFLOP/s, 52 %"),
     PublishedRun("Megatron 175B, selective recomputation, 64 A100", KORTHIKANTI,
                  gpt("gpt-175b", 96, 12288, 96, 51200, 2048, 64, KORTHIKANTI), A100, Layout(8, 8, 1, 1, 1),
-                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True),
-                 ("mfu", 0.514), "175B, TP 8, PP 8, 64 GPUs, batch 64: selective recomputation + sequence "
-                 "parallelism, 13.75 s per iteration, MFU 51.4 %"),
+                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True,
+                         search_micro_batch=True),
+                 ("mfu", 0.514), "175B: MFU 51.4 %, HFU 52.8 %, selective recomputation and sequence parallelism, "
+                 "measured with a data-parallel size of one (Megatron-LM README); its layout and batch (TP 8, PP 8, "
+                 "batch 64 here) were not found in a source"),
     PublishedRun("Megatron 22B, selective recomputation, 8 A100", KORTHIKANTI,
                  gpt("gpt-22b", 48, 6144, 64, 51200, 2048, 4, KORTHIKANTI), A100, Layout(8, 1, 1, 1, 1),
-                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True),
-                 ("mfu", 0.415), "22B, TP 8, PP 1, 8 GPUs, batch 4: selective recomputation + sequence "
-                 "parallelism, 1.10 s per iteration, MFU 41.5 %"),
+                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True,
+                         search_micro_batch=True),
+                 ("mfu", 0.415), "22B: MFU 41.5 %, HFU 43.7 %, selective recomputation and sequence parallelism, "
+                 "measured with a data-parallel size of one (Megatron-LM README); its layout and batch (TP 8, PP 1, "
+                 "batch 4 here) were not found in a source"),
 )
+
+
+# Where each row was read (keys of distlab.planner.sources: SOURCES, read in the work itself, or SECONDARY, read in a
+# quotation of it): the figure first, then the settings fixed from the work. tests/unit/test_planner_sources.py
+# checks that every row has them and that the quoted words hold the row's figure and settings.
+RUN_SOURCES: dict[str, tuple[str, ...]] = {
+    "Llama 3 405B, 8K tokens, 8,192 H100": ("llama3_table4", "llama3_no_activation_checkpointing", "llama3_fsdp",
+                                            "llama3_pipeline_schedule", "llama3_table3_shape"),
+    "Llama 3 405B, 8K tokens, 16,384 H100": ("llama3_table4", "llama3_no_activation_checkpointing", "llama3_fsdp",
+                                             "llama3_pipeline_schedule", "llama3_table3_shape"),
+    "Llama 3 405B, 128K tokens, 16,384 H100": ("llama3_table4", "llama3_cp_all_gather", "llama3_fsdp",
+                                               "llama3_pipeline_schedule", "llama3_table3_shape"),
+    "MT-NLG 530B, 2,240 A100": ("mtnlg_iteration_times", "mtnlg_shape_and_layout"),
+    "Megatron 145.6B, 1,536 A100": ("megatron_sc21_table1", "megatron_sc21_run_table_1_145b"),
+    "Megatron 310.1B, 1,920 A100": ("megatron_sc21_table1", "megatron_sc21_run_table_1_310b"),
+    "Megatron 529.6B, 2,520 A100": ("megatron_sc21_table1", "megatron_sc21_run_table_1_530b"),
+    "Megatron 1T, 3,072 A100": ("megatron_sc21_table1", "megatron_sc21_run_table_1_1t"),
+    "Megatron 175B, selective recomputation, 64 A100": ("korthikanti_megatron_readme_mfu_hfu",),
+    "Megatron 22B, selective recomputation, 8 A100": ("korthikanti_megatron_readme_mfu_hfu",),
+}
+
+
+def source_of(key: str):
+    """The :class:`distlab.planner.sources.Source` of ``key``, read in the work or (SECONDARY) in a quotation."""
+    from distlab.planner.sources import SECONDARY, SOURCES
+
+    return SOURCES.get(key) or SECONDARY[key]
 
 
 def validate(run: PublishedRun) -> dict:
@@ -204,6 +249,10 @@ DEEPSEEK_V3, H800 = MODELS["deepseek-v3"], CLUSTERS["h800-80gb"]
 # Its layout (section 3.2): 16-way pipeline parallelism (DualPipe), 64-way expert parallelism across 8 nodes,
 # ZeRO-1 data parallelism, no tensor parallelism: dp = 2,048 / 16 = 128, EP groups of 64 dp ranks.
 DEEPSEEK_V3_LAYOUT = Layout(tp=1, pp=16, dp=128, zero_stage=1, ep=64)
+# How it moves tokens (section 3.2.2, 3.3.3): node-limited routing, at most 4 nodes a token, one copy a node over
+# InfiniBand forwarded over NVLink; the dispatch in FP8 (a scale per 128 values), the combine in bf16; DualPipe
+# overlaps the all-to-alls with another microbatch's compute
+DEEPSEEK_V3_OPTIONS = Options(ep_overlap=True, ep_node_limit=4, ep_dispatch_bytes=1 + 4 / 128)
 # "180K H800 GPU hours" per trillion training tokens (section 1): a measured throughput, 1e12 / (180e3 x 3600)
 # tokens a second per GPU, in FP8 mixed precision with DualPipe hiding the all-to-alls
 DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS = 180e3

@@ -51,6 +51,12 @@ class ModelSpec:
     # attention's parameters per block when they are not grouped-query attention's (DeepSeek's multi-head latent
     # attention: :func:`mla_attention_params`); 0: from the heads
     attention_params: int = 0
+    # the width of a head's queries and keys, and of its values, when they are not hidden / heads (0): DeepSeek's
+    # multi-head latent attention scores with 128 + 64 = 192 (the rotary part beside the rest) and mixes values
+    # of 128 per head (DeepSeek-V3 report, section 2.1.1; config.json qk_nope_head_dim, qk_rope_head_dim,
+    # v_head_dim). They set attention's FLOPs (:meth:`attention_flops_per_token`)
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -118,9 +124,19 @@ class ModelSpec:
         return self.active_params() - self.vocab * self.hidden * (self.architecture != "gpt") \
             - self.embedding_params()["replicated"]
 
+    def attention_flops_per_token(self) -> float:
+        """One block's attention core, training FLOPs per token over the full s x s square (as PaLM and Megatron
+        count it): forward q k^T (2 s d_qk a head) and the mix of values (2 s d_v a head), backward twice that:
+        6 s heads (d_qk + d_v). With d_qk = d_v = h / heads this is the familiar 12 h s; DeepSeek-V3's latent
+        attention (192 and 128 over 128 heads, hidden 7,168) does 2.9 times that."""
+        qk = self.qk_head_dim or self.head_dim
+        v = self.v_head_dim or self.head_dim
+        return 6 * self.seq_len * self.heads * (qk + v)
+
     def flops_per_token(self) -> float:
-        """Training FLOPs per token, 6 N + 12 L h s (``metrics.transformer_flops_per_token``'s accounting)."""
-        return 6 * self.matmul_params() + 12 * self.layers * self.hidden * self.seq_len
+        """Training FLOPs per token, 6 N + L x attention (12 L h s for standard heads:
+        ``metrics.transformer_flops_per_token``'s accounting)."""
+        return 6 * self.matmul_params() + self.layers * self.attention_flops_per_token()
 
     def config(self) -> models.TransformerConfig:
         """The course's TransformerConfig of the same sizes (what the activation and TP formulas take)."""
@@ -184,7 +200,8 @@ MODELS["mixtral-8x7b"] = mixtral_spec("mixtral-8x7b", MIXTRAL_8X7B)
 MODELS["deepseek-v3"] = ModelSpec("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 1, 15360, "llama",
                         "DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), section 4.2 and config.json",
                         experts=256, top_k=8, expert_ffn=2048, shared_experts=1, dense_layers=3,
-                        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128))
+                        attention_params=mla_attention_params(7168, 128, 1536, 512, 128, 64, 128),
+                        qk_head_dim=128 + 64, v_head_dim=128)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,8 +237,8 @@ class Cluster:
 # NCCL's own cost model for the Simple protocol of a ring step (src/graph/tuning.cc, hwLat: NVLink 3.4 us,
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
-    "A100": {"compute_efficiency": 0.54, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "H100": {"compute_efficiency": 0.66, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "A100": {"compute_efficiency": 0.56, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.50, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
     "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
 }
 
@@ -286,6 +303,17 @@ class Options:
     recompute_early_stop: bool = True
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
     sequence_parallel: bool | None = None  # Megatron SP with TP; it costs no extra bytes [on whenever tp > 1]
+    # under SP, what a TP region's first matmul saves of its input: True, the all-gathered input (DTensor's
+    # parallelize_module, measured in chapter 06); False, its sequence shard, gathered again in backward (Megatron,
+    # Korthikanti et al. 2022, section 4.2.2: one more all-gather a region, backward)
+    sp_saves_gathered_inputs: bool = True
+    # the interleaved schedule's microbatches a round, N (Megatron's: N = PP; Llama 3's schedule "allows setting N
+    # flexibly", section 3.3.2): the warm-up holds (V - 1) N + 2 (P - 1 - s) + 1 chunk-microbatches; None: PP
+    microbatches_per_round: int | None = None
+    # CP's attention: "ring" (keys and values passed around, hidden behind attention's blocks: chapter 08) or
+    # "all_gather" (Llama 3, section 3.3.2: keys and values all-gathered, their gradients reduce-scattered, on the
+    # critical path)
+    cp_attention: str = "ring"
     schedule: str = "interleaved_1f1b"     # with 1 chunk this is 1F1B
     chunks: int | None = None              # stages per rank (interleaved_1f1b) [1]
     search_micro_batch: bool = True        # the search tries micro-batches of 1, 2, 4, 8 sequences
@@ -293,6 +321,13 @@ class Options:
     # EP's all-to-alls overlapped with another microbatch's compute (DeepSeek-V3's DualPipe): hidden as far as the
     # stage's compute lasts; False: on the critical path, between the router, the experts and the next block
     ep_overlap: bool = False
+    # EP's all-to-all as DeepSeek-V3 runs it (its report, section 3.2.2): node-limited routing sends a token to at
+    # most this many nodes, one copy a node over the network, forwarded over NVLink to the GPUs of its experts
+    # there (and combined the reverse way); 0: every copy straight to its expert's rank (uniform over the group)
+    ep_node_limit: int = 0
+    # bytes per element of the dispatch (and of backward's gradient dispatch); 0: the compute dtype's. DeepSeek-V3
+    # dispatches in FP8 with a scale per 128 elements, 1 + 4/128, and combines in bf16 (section 3.3.3)
+    ep_dispatch_bytes: float = 0.0
     reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
     prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
     ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)

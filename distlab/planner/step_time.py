@@ -79,15 +79,15 @@ def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
 
 def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
     """FLOPs one GPU of stage ``stage`` computes in a step: ``model`` (what MFU counts: 6 per matmul parameter
-    and token, and attention's 12 h s per layer and token, the full s x s square as PaLM and Megatron count it),
-    ``recompute`` (full: the blocks' forward again, 2 per parameter + 4 h s; selective: attention's core forward,
-    4 h s; none: 0), ``forward`` and ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
+    and token, and attention's :meth:`ModelSpec.attention_flops_per_token` per layer, 12 h s for standard heads,
+    the full s x s square as PaLM and Megatron count it), ``recompute`` (full: the blocks' forward again, 2 per
+    parameter + a third of attention's; selective: attention's core forward, a third; none: 0), ``forward`` and ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
     layers = stage_layers(model.layers, layout.pp, stage)
     dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
     # the parameters a token uses in this stage's blocks (a MoE block: its top-k experts): with EP a rank computes
     # other ranks' tokens in its experts, as many as it sends away under uniform routing, so the FLOPs per rank hold
     active = dense * model.block_active_params() + moe_blocks * model.block_active_params(moe=True)
-    attention = 12 * model.hidden * model.seq_len
+    attention = model.attention_flops_per_token()   # 12 h s for standard heads
     head = sum(model.head_params(tied_copy=True).values()) if stage == layout.pp - 1 else 0
     mode = checkpointing(options)
     recompute = {"full": 2 * active + layers * attention / 3, "selective": layers * attention / 3, "none": 0}[mode]
@@ -119,7 +119,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     forward, backward = flops["forward"] / rate / m, compute / m - flops["forward"] / rate / m
     seconds = dimension_seconds(model, cluster, layout, stage, options)
     exposed = {"tp": seconds["tp"]["total"] if not options.async_tp else max(0.0, seconds["tp"]["total"] - compute)}
-    payload = comm_per_step(model, layout, stage, options)["dp"]
+    payload = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)["dp"]
     dp = seconds["dp"]["total"]
     if dp:
         gathered = payload.get("all_gather", 0)
@@ -142,7 +142,9 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
         exposed["replicate"] = m * max(0.0, replicate / m - backward)
     else:
         exposed["replicate"] = max(0.0, replicate - backward)
-    exposed["cp"] = max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)
+    # the ring hides behind attention's blocks; Llama 3's all-gathers sit on the critical path (its section 3.3.2)
+    exposed["cp"] = seconds["cp"]["total"] if options.cp_attention == "all_gather" else \
+        max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)
     # EP's all-to-alls sit between the router and the experts, and the experts and the next block: on the
     # critical path, unless ``ep_overlap`` (DeepSeek-V3's DualPipe) hides them behind another microbatch's compute. The
     # experts' gradient collectives hide behind backward like the replicas' all-reduces
@@ -195,7 +197,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     exposed["pp"] = 0.0
     if layout.pp > 1:
         pp = timing["seconds"]["pp"]
-        sends = sum(comm_per_step(model, layout, slowest, options)["pp"].values())
+        sends = sum(comm_per_step(model, layout, slowest, options, cluster.gpus_per_node)["pp"].values())
         calls = max(1, round(pp["latency"] / _link(cluster, layout, "pp")[1])) if pp["latency"] else 1
         exposed["pp"] = 2 * (layout.pp - 1) * pp["bandwidth"] / calls + pp["latency"] if sends else 0.0
     step = busy[slowest] + bubble_seconds + exposed["pp"]
@@ -203,7 +205,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     model_flops_per_gpu = model.flops_per_token() * tokens / layout.gpus
     mfu = model_flops_per_gpu / (step * cluster.peak_flops)
     comm_seconds = {d: t["total"] for d, t in timing["seconds"].items()}
-    comm = comm_per_step(model, layout, slowest, options)
+    comm = comm_per_step(model, layout, slowest, options, cluster.gpus_per_node)
     sizes = group_sizes(layout)
     comm_bytes = {d: {"payload": c, "sent": bytes_sent(d, c, sizes[d])} for d, c in comm.items()}
     bubble = {"of_step": share, "of_ideal": (layout.pp - 1) / (v * m), "seconds": bubble_seconds}

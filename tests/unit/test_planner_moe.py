@@ -91,6 +91,40 @@ def test_flops_follow_the_active_parameters():
     assert DEEPSEEK.matmul_params() == DEEPSEEK.active_params() - DEEPSEEK.vocab * DEEPSEEK.hidden
 
 
+def test_latent_attentions_flops_count_its_own_head_widths():
+    """DeepSeek-V3's attention scores with 192 numbers a head (128 + a rotary 64) and mixes values of 128, over 128
+    heads, while hidden / heads is 56: counted as a dense model's 12 h s it would be 2.9 times too few."""
+    s, heads, layers = DEEPSEEK.seq_len, 128, 61
+    by_hand = 3 * (2 * s * heads * 192 + 2 * s * heads * 128)   # forward q k^T and p v, backward twice that
+    assert DEEPSEEK.attention_flops_per_token() == by_hand
+    assert by_hand / (12 * 7168 * s) == pytest.approx(2.857, abs=1e-3)
+    assert DEEPSEEK.flops_per_token() == 6 * DEEPSEEK.matmul_params() + layers * by_hand
+    assert DEEPSEEK.flops_per_token() / 1e9 == pytest.approx(281.2, abs=0.1)   # the issue's "about 281 G"
+    llama = planner.MODELS["405b"]   # standard heads: the familiar 12 h s
+    assert llama.attention_flops_per_token() == 12 * llama.hidden * llama.seq_len
+
+
+def test_node_limited_dispatch_sends_one_copy_a_node_over_the_network_then_nvlink():
+    """DeepSeek-V3's dispatch (its report, section 3.2.2): EP 64 over 8 nodes of 8, a token to at most 4 nodes, its
+    own node among them half the time (4 of 8): 3.5 network copies, not the 8 x 56/64 = 7 of copies sent straight
+    to their experts; in the node, forwarded over NVLink to 8 x 7/8 GPUs. FP8 dispatch (a scale per 128 values),
+    bf16 combine, forward and backward (and forward again under full recomputation)."""
+    options = planner.DEEPSEEK_V3_OPTIONS
+    assert planner.ep_copies_per_token(DEEPSEEK, LAYOUT, options, 8) == {"network": 3.5, "nvlink": 7.0}
+    tokens, micro, blocks = 4096, planner.microbatches(DEEPSEEK, LAYOUT), 4
+    per_element = 2 * ((1 + 4 / 128) + 2)   # forward and backward, each a dispatch-like and a combine-like
+    sent = comm_per_step(DEEPSEEK, LAYOUT, 1, replace(options, activation_checkpointing="none"), 8)["ep"]
+    assert sent["all_to_all_network"] == pytest.approx(tokens * 3.5 * 7168 * per_element * blocks * micro)
+    assert sent["all_to_all_nvlink"] == pytest.approx(tokens * 7.0 * 7168 * per_element * blocks * micro)
+    # a limit above the group's nodes limits nothing: every other node of the group, (n - 1) copies
+    assert planner.ep_copies_per_token(DEEPSEEK, replace(LAYOUT, ep=16), options, 8)["network"] == pytest.approx(1)
+    with pytest.raises(ValueError, match="GPUs per node"):
+        planner.ep_copies_per_token(DEEPSEEK, LAYOUT, options)
+    # the time: both links at once, the slower sets it
+    links = all_to_all_seconds(LAYOUT, H800, sent, 10)
+    assert links["bandwidth"] == pytest.approx(max(sent["all_to_all_network"] / 50e9, sent["all_to_all_nvlink"] / 160e9))
+
+
 def test_experts_state_is_sharded_over_ep_and_their_zero_over_the_ranks_holding_them():
     stage = 1   # four MoE blocks
     params = planner.stage_params(DEEPSEEK, LAYOUT, stage)
@@ -108,16 +142,16 @@ def test_the_all_to_all_bytes_of_a_step():
     options = planner.Options(activation_checkpointing="none")
     micro = planner.microbatches(DEEPSEEK, LAYOUT)
     one = moe.dispatch_bytes(4096, 8, 7168, 2, 63 / 64)
-    assert comm_per_step(DEEPSEEK, LAYOUT, 1, options)["ep"]["all_to_all"] == pytest.approx(4 * 4 * micro * one)
+    assert comm_per_step(DEEPSEEK, LAYOUT, 1, options)["ep"]["all_to_all_any"] == pytest.approx(4 * 4 * micro * one)
     full = planner.Options(activation_checkpointing="full")
-    assert comm_per_step(DEEPSEEK, LAYOUT, 1, full)["ep"]["all_to_all"] == pytest.approx(6 * 4 * micro * one)
+    assert comm_per_step(DEEPSEEK, LAYOUT, 1, full)["ep"]["all_to_all_any"] == pytest.approx(6 * 4 * micro * one)
     # under TP each rank routes 1/tp of the tokens (the bytes a rank sends halve with TP 2) to experts spread over
     # the EP group's 64 ranks, 32 dp ranks x their 2 tp ranks (torchtitan's ep = 64, expert TP off; chapter 13's
     # --tp script)
     tp2 = replace(LAYOUT, tp=2, dp=64, ep=64)
     assert tp2.ep_group == 64 and tp2.ep_dp == 32 and planner.stage_params(DEEPSEEK, tp2, 1)["experts"] == planner.stage_params(
         DEEPSEEK, LAYOUT, 1)["experts"]
-    assert comm_per_step(DEEPSEEK, tp2, 1, options)["ep"]["all_to_all"] == pytest.approx(
+    assert comm_per_step(DEEPSEEK, tp2, 1, options)["ep"]["all_to_all_any"] == pytest.approx(
         4 * 4 * planner.microbatches(DEEPSEEK, tp2) * moe.dispatch_bytes(2048, 8, 7168, 2, 63 / 64))
 
 
