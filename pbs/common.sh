@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# pbs/common.sh: what every PBS job of the course shares. A job sources it, then launches scripts:
+# pbs/common.sh: the PBS part of the course's jobs; what every scheduler shares is jobs/common.sh, sourced first.
+# A job sources it, then launches scripts:
 #
 #     cd "${PBS_O_WORKDIR:-.}" && { [[ -f pbs/common.sh ]] || cd ..; } || exit 2
 #     source pbs/common.sh || exit 2
@@ -14,354 +15,41 @@
 # distlab_launch starts one script on every GPU of the job, with mpiexec (default) or with one torchrun
 # agent per node. Every setting is an environment variable with a default (qsub -v NAME=value);
 # pbs/README.md lists them. Anything wrong stops the job at once with one line "distlab: error: ...".
+# What differs from Slurm (slurm/common.sh): the node file, mpiexec (Cray PALS or MPICH Hydra), no warning before
+# the walltime (the scripts stop themselves at DISTLAB_DEADLINE), qsub/qdel for chains.
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     echo "pbs/common.sh is sourced by the jobs in pbs/, not run: see pbs/README.md" >&2
     exit 2
 fi
+# shellcheck source=jobs/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
-set -uo pipefail # no -e: one failing script must not stop the others; distlab_finish reports it
-
-distlab_log() { printf 'distlab: %s\n' "$*"; }
-distlab_die() {
-    printf 'distlab: error: %s\n' "$*" >&2
-    exit 2
-}
-
-# ---------------------------------------------------------------------------------------------------
-# Settings (defaults for Derecho: 4 x A100 per node, PBS Pro, Cray PALS mpiexec, conda)
-# ---------------------------------------------------------------------------------------------------
-DISTLAB_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || distlab_die "cannot find the repository root"
+DISTLAB_SCHEDULER=pbs
+DISTLAB_JOB_ID=${PBS_JOBID:-}
+DISTLAB_NODE_CORES=${NCPUS:-} # the chunk's ncpus
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-mpiexec}          # mpiexec | torchrun
 DISTLAB_MPIEXEC=${DISTLAB_MPIEXEC:-mpiexec}            # the mpiexec binary
 DISTLAB_MPIEXEC_FLAVOR=${DISTLAB_MPIEXEC_FLAVOR:-auto} # auto | pals (Cray) | hydra (MPICH, Intel MPI)
 DISTLAB_MPIEXEC_ARGS=${DISTLAB_MPIEXEC_ARGS:-}         # extra mpiexec flags, e.g. "-launcher fork"
 DISTLAB_CPU_BIND=${DISTLAB_CPU_BIND:-none}             # PALS --cpu-bind (none, depth, core, ...)
 DISTLAB_DEPTH=${DISTLAB_DEPTH:-}                       # PALS --depth (cores per rank); implies --cpu-bind depth
-DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-4}      # ranks per node: one per GPU
-DISTLAB_NPROCS=${DISTLAB_NPROCS:-}                     # ranks of one launch (default: every GPU of the job)
-DISTLAB_DEVICE=${DISTLAB_DEVICE:-cuda}                 # what the jobs pass to --device
-DISTLAB_PRESET=${DISTLAB_PRESET:-a100}                 # what the jobs pass to --preset
-DISTLAB_ONLY=${DISTLAB_ONLY:-}                         # run only these scripts (file names; , : or space between)
-DISTLAB_DRY_RUN=${DISTLAB_DRY_RUN:-0}                  # 1: print the launch commands, run nothing
-DISTLAB_LAUNCH_TIMEOUT=${DISTLAB_LAUNCH_TIMEOUT:-}     # seconds one launch may take (default: the walltime)
-DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python imports torch and distlab first
-# Not the cuda module: PyTorch's wheels and conda packages bring their own CUDA runtime and NCCL, and the module's
-# older libraries ahead on LD_LIBRARY_PATH give undefined-symbol errors at import (the rank map names the
-# libcudart and libnccl each rank loaded). Load cuda only to build something, such as the aws-ofi-nccl plugin.
-DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv conda}       # modules to load ("" for none)
-DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
-DISTLAB_NETWORK=${DISTLAB_NETWORK:-auto}               # slingshot: NCCL/libfabric settings below; none; auto: by hsn*
-DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
-DISTLAB_NCCL_PLUGIN_DIR=${DISTLAB_NCCL_PLUGIN_DIR:-}   # a folder holding libnccl-net*.so (aws-ofi-nccl), searched first
-DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (default: $SCRATCH, else the site's scratch)
-DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-/glade/derecho/scratch/${USER:-$(id -un)}} # Derecho's scratch
-DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
-DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
 DISTLAB_QSTAT=${DISTLAB_QSTAT:-qstat}                  # PBS's commands (the unit tests put stand-ins here)
 DISTLAB_QSUB=${DISTLAB_QSUB:-qsub}
 DISTLAB_QDEL=${DISTLAB_QDEL:-qdel}
-[[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
-[[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
-[[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 case $DISTLAB_LAUNCHER in
 mpiexec | torchrun) ;;
 *) distlab_die "DISTLAB_LAUNCHER=$DISTLAB_LAUNCHER: use mpiexec or torchrun" ;;
 esac
 
-# ---------------------------------------------------------------------------------------------------
-# Software: modules, conda, python
-# ---------------------------------------------------------------------------------------------------
-distlab_load_modules() {
-    [[ -n $DISTLAB_MODULES ]] || return 0
-    local init modules rc
-    if ! type module >/dev/null 2>&1; then
-        # A batch shell that is not a login shell may lack the module function: look for Lmod's set-up.
-        for init in ${DISTLAB_MODULE_INIT:-${MODULESHOME:+$MODULESHOME/init/bash} /etc/profile.d/z00_lmod.sh /etc/profile.d/lmod.sh /etc/profile.d/modules.sh}; do
-            if [[ -r $init ]]; then
-                set +u
-                # shellcheck disable=SC1090 # the site's own file
-                source "$init"
-                set -u
-                break
-            fi
-        done
-    fi
-    if ! type module >/dev/null 2>&1; then
-        distlab_log "no 'module' command here: not loading $DISTLAB_MODULES"
-        return 0
-    fi
-    read -ra modules <<<"$DISTLAB_MODULES"
-    set +u # module scripts read unset variables
-    module load "${modules[@]}"
-    rc=$?
-    set -u
-    ((rc == 0)) || distlab_die "module load $DISTLAB_MODULES failed: set DISTLAB_MODULES to your site's modules ('' for none)"
-}
+# distlab_job_file NAME: the job file of this scheduler for a job's name (a chain submits its own file again)
+distlab_job_file() { echo "$DISTLAB_ROOT/pbs/$1.pbs"; }
 
-distlab_activate_conda() {
-    [[ -n $DISTLAB_CONDA_ENV ]] || return 0
-    if [[ ${CONDA_DEFAULT_ENV:-} == "$DISTLAB_CONDA_ENV" ]]; then
-        return 0
-    fi
-    if ! type conda >/dev/null 2>&1; then
-        distlab_log "no conda here: not activating '$DISTLAB_CONDA_ENV', using $(command -v python3 || echo 'no python3')"
-        return 0
-    fi
-    local hook rc
-    set +u # conda's activation scripts read unset variables
-    hook=$(conda shell.bash hook 2>/dev/null) && eval "$hook"
-    conda activate "$DISTLAB_CONDA_ENV"
-    rc=$?
-    set -u
-    ((rc == 0)) || distlab_die "conda activate $DISTLAB_CONDA_ENV failed: create it once with 'conda env create -f environment.yml'"
-}
-
-distlab_check_python() {
-    DISTLAB_PYTHON=${DISTLAB_PYTHON:-python}
-    command -v "$DISTLAB_PYTHON" >/dev/null 2>&1 || distlab_die "DISTLAB_PYTHON=$DISTLAB_PYTHON: no such command"
-    # Every rank imports distlab from this checkout, whatever is installed in the environment.
-    export PYTHONPATH="$DISTLAB_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-    [[ $DISTLAB_PREFLIGHT == 1 ]] || return 0
-    local report
-    report=$("$DISTLAB_PYTHON" -c 'import sys, torch, distlab
-cuda = torch.cuda.is_available()
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
-      f"{torch.cuda.device_count() if cuda else 0} GPU(s) visible on this node")' 2>&1) ||
-        distlab_die "$DISTLAB_PYTHON cannot import torch and distlab: ${report##*$'\n'}"
-    distlab_log "$report"
-    if [[ $DISTLAB_DEVICE == cuda && $report == *" 0 GPU(s) "* ]]; then
-        distlab_die "no GPU is visible but DISTLAB_DEVICE=cuda: ask for GPUs (-l select=...:ngpus=4) or set DISTLAB_DEVICE=cpu"
-    fi
-}
-
-# ---------------------------------------------------------------------------------------------------
-# Network: NCCL over HPE Slingshot-11 (Derecho and other Cray EX systems). Each setting keeps a value
-# already in the environment, so `qsub -v NCCL_DEBUG=INFO` or an export before sourcing wins.
-# ---------------------------------------------------------------------------------------------------
-distlab_network_env() {
-    # what the user asked of NCCL_DEBUG (qsub -v, or an export), before the WARN default below: distlab_nccl_info
-    # must tell the user's choice from that default
-    DISTLAB_NCCL_DEBUG_GIVEN=${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}}
-    # NCCL's own lines, one file a rank (%h host, %p pid) in the run folder on scratch, not interleaved in the job's
-    # output and not in node-local /tmp, which is gone with the job: distlab_report_transport reads them.
-    if [[ -z ${NCCL_DEBUG_FILE:-} && -n ${DISTLAB_RUN_DIR:-} ]]; then
-        mkdir -p "$DISTLAB_RUN_DIR/nccl" && export NCCL_DEBUG_FILE=$DISTLAB_RUN_DIR/nccl/nccl.%h.%p.log
-    fi
-    if [[ $DISTLAB_NETWORK == auto ]]; then
-        # Slingshot NICs show up as hsn0, hsn1, ...; elsewhere NCCL_SOCKET_IFNAME=hsn would leave NCCL no interface.
-        if compgen -G "${DISTLAB_SYS_NET:-/sys/class/net}/hsn*" >/dev/null; then # (tests point DISTLAB_SYS_NET elsewhere)
-            DISTLAB_NETWORK=slingshot
-        else
-            DISTLAB_NETWORK=none
-            distlab_log "no Slingshot interface (hsn*) on this node: leaving NCCL's network settings alone"
-        fi
-    fi
-    case $DISTLAB_NETWORK in
-    slingshot) ;;
-    none) return 0 ;;
-    *) distlab_die "DISTLAB_NETWORK=$DISTLAB_NETWORK: use auto, slingshot or none" ;;
-    esac
-    # Bootstrap and socket traffic over the Slingshot interfaces hsn0..hsnN, not the management Ethernet
-    # (NCCL reads the value as a prefix of interface names).
-    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn}
-    # The scripts run CPU-side collectives (object collectives, CPU tensors) on gloo ("cuda:nccl,cpu:gloo").
-    # Gloo wants one exact interface name; left alone it binds to whatever the host name resolves to, and a
-    # two-node run can hang until the process-group timeout. Same network as NCCL: the first hsn interface.
-    if [[ -z ${GLOO_SOCKET_IFNAME:-} ]]; then
-        local first
-        first=$(compgen -G "${DISTLAB_SYS_NET:-/sys/class/net}/hsn*" | sort | head -n 1)
-        [[ -z $first ]] || export GLOO_SOCKET_IFNAME=${first##*/}
-    fi
-    # Let a ring or tree leave a node on a different NIC than it entered (4 NICs per node, not rail-wired).
-    export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-1}
-    # NCCL_NET_GDR_LEVEL is left to NCCL: NCAR's PyTorch jobs set it (PHB) and later dropped it, and we have
-    # not measured it stable on Derecho (pbs/README.md). Set it yourself to try: qsub -v NCCL_NET_GDR_LEVEL=PHB.
-    # Warnings only; NCCL_DEBUG=INFO shows the transport chosen (distlab_nccl_transport reads it).
-    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-    # libfabric's Slingshot provider. Without DISABLE_HOST_REGISTER CUDA allocations can deadlock with it;
-    # a larger completion queue avoids overruns at scale; userfaultfd is the memory-cache monitor HPE found
-    # NCCL not to deadlock with (HPE, "Running NCCL-Based Applications"; pbs/README.md lists the sources).
-    export FI_PROVIDER=${FI_PROVIDER:-cxi}
-    export FI_CXI_DISABLE_HOST_REGISTER=${FI_CXI_DISABLE_HOST_REGISTER:-1}
-    export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
-    export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
-    # PyTorch talks through NCCL, not GPU-aware MPI: asking Cray MPICH for GPU support without its GTL
-    # library linked aborts at start.
-    export MPICH_GPU_SUPPORT_ENABLED=${MPICH_GPU_SUPPORT_ENABLED:-0}
-    # NCCL's fast path over Slingshot is the aws-ofi-nccl plugin; neither conda-forge's nor pip's PyTorch
-    # ships it. NCCL_NET="AWS Libfabric" makes NCCL fail at start when the plugin is missing instead of
-    # silently falling back to TCP sockets, so "auto" sets it only when distlab_find_nccl_plugin finds one.
-    if [[ -z ${NCCL_NET:-} ]]; then
-        local use_ofi=$DISTLAB_NCCL_OFI plugin
-        plugin=$(distlab_find_nccl_plugin)
-        if [[ -n $plugin ]]; then
-            distlab_log "aws-ofi-nccl plugin: $plugin"
-            # NCCL dlopens libnccl-net.so (or libnccl-net-$NCCL_NET_PLUGIN.so) through the library path
-            case ":${LD_LIBRARY_PATH:-}:" in *":${plugin%/*}:"*) ;; *) export LD_LIBRARY_PATH=${plugin%/*}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;; esac
-            if [[ ${plugin##*/} == libnccl-net-ofi.so* && ! -e ${plugin%/*}/libnccl-net.so ]]; then
-                export NCCL_NET_PLUGIN=${NCCL_NET_PLUGIN:-ofi}
-            fi
-        fi
-        if [[ $use_ofi == auto ]]; then
-            use_ofi=0
-            [[ -z $plugin ]] || use_ofi=1
-        fi
-        if [[ $use_ofi == 1 ]]; then
-            export NCCL_NET="AWS Libfabric"
-        elif ((DISTLAB_NNODES > 1)); then
-            distlab_log "no aws-ofi-nccl plugin found: NCCL between nodes uses TCP sockets on $NCCL_SOCKET_IFNAME (slow; see pbs/README.md, 'NCCL on Slingshot')"
-        fi
-    fi
-}
-
-# distlab_find_nccl_plugin: the path of an aws-ofi-nccl plugin (libnccl-net*.so), or nothing. Looks in
-# DISTLAB_NCCL_PLUGIN_DIR, then every folder of LD_LIBRARY_PATH, then the conda environment's lib.
-distlab_find_nccl_plugin() {
-    local -a dirs
-    local dir found
-    IFS=: read -ra dirs <<<"${DISTLAB_NCCL_PLUGIN_DIR}:${LD_LIBRARY_PATH:-}:${CONDA_PREFIX:+$CONDA_PREFIX/lib}"
-    for dir in "${dirs[@]}"; do
-        [[ -n $dir && -d $dir ]] || continue
-        # libnccl-net.so first: the name NCCL opens without NCCL_NET_PLUGIN
-        for found in "$dir"/libnccl-net.so "$dir"/libnccl-net*.so*; do
-            if [[ -e $found ]]; then
-                echo "$found"
-                return 0
-            fi
-        done
-    done
-    return 1
-}
-
-# distlab_nccl_transport LOG...: the network NCCL chose, from its NCCL_DEBUG=INFO lines. One line:
-# "OFI (aws-ofi-nccl, provider cxi)", "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported".
-distlab_nccl_transport() {
-    local net provider sockets
-    net=$(grep -h -o 'NCCL INFO Using network .*' "$@" 2>/dev/null | tail -n 1)
-    net=${net#NCCL INFO Using network }
-    provider=$(grep -h -o -i 'NET/OFI Selected provider is [A-Za-z0-9_;+-]*' "$@" 2>/dev/null | tail -n 1)
-    provider=${provider##* }
-    sockets=$(grep -h -o 'NET/Socket : Using .*' "$@" 2>/dev/null | tail -n 1)
-    sockets=${sockets#NET/Socket : Using }
-    case $net in
-    *Libfabric* | OFI) echo "OFI (aws-ofi-nccl${provider:+, provider $provider})" ;;
-    Socket) echo "Socket (TCP${sockets:+ on ${sockets# }})" ;;
-    "")
-        # a log cut short before "Using network": the plugin's own lines still tell
-        if [[ -n $provider ]]; then
-            echo "OFI (aws-ofi-nccl, provider $provider)"
-        elif [[ -n $sockets ]]; then
-            echo "Socket (TCP on ${sockets# })"
-        else
-            echo "none reported (NCCL_DEBUG=INFO not set, or no NCCL communicator: CPU/gloo runs)"
-        fi
-        ;;
-    *) echo "$net" ;;
-    esac
-}
-
-# distlab_nccl_details LOG...: whether the network channels use GPUDirect RDMA (NCCL's src/transport/net.cc logs
-# "Channel %02d/%d : ... [send] via NET/%s/%d%s..." with "/GDRDMA" when the NIC reads GPU memory directly), and
-# which net plugin NCCL loaded ("NET/Plugin: Loaded net plugin %s (v%d)", src/plugin/net/net_v*.cc). A plugin
-# NCCL cannot use is said two ways: up to 2.28.2 one "NET/Plugin: Failed to find ncclNetPlugin_v%d symbol." for
-# each interface the library lacks (v2.27.3-1 src/plugin/net/net_v10.cc:20); from 2.28.3 one line
-# "External network plugin %s is unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised.
-distlab_nccl_details() {
-    local sends gdr plugin missing
-    sends=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/')
-    gdr=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/.*/GDRDMA')
-    if ((sends == 0)); then
-        echo "GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS without NET)"
-    elif ((gdr > 0)); then
-        echo "GPUDirect RDMA: yes ($gdr of $sends network send channels)"
-    else
-        echo "GPUDirect RDMA: no (0 of $sends network send channels: the NIC reaches GPU memory through host buffers)"
-    fi
-    plugin=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Loaded net plugin .*' | tail -n 1)
-    missing=$(cat "$@" 2>/dev/null | grep -o -E 'NET/Plugin: Failed to find ncclNetPlugin_v[0-9]+ symbol|External network plugin .* is unsupported' | head -n 1)
-    if [[ -n $plugin ]]; then
-        echo "net plugin: ${plugin#NET/Plugin: Loaded net plugin }"
-    elif [[ -n $missing ]]; then
-        echo "net plugin: none loaded (${missing#NET/Plugin: }: a plugin older than this NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)"
-    else
-        echo "net plugin: none reported"
-    fi
-}
-
-# distlab_nccl_info COMMAND...: run COMMAND (a distlab_launch) with NCCL's INFO lines of initialisation and network,
-# which tell the transport NCCL chose (distlab_report_transport reads them), unless the user set NCCL_DEBUG.
-# Not NCCL_DEBUG=${NCCL_DEBUG:-INFO}: on Slingshot distlab_network_env has already exported WARN by then.
-distlab_nccl_info() {
-    NCCL_DEBUG=${DISTLAB_NCCL_DEBUG_GIVEN:-INFO} NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT,NET} "$@"
-}
-
-# distlab_nccl_warnings: NCCL's WARN lines of this job, which go only to the per-rank NCCL_DEBUG_FILE files in the
-# run folder (not the job's output): the first five, each with its file, and how many there are in all.
-distlab_nccl_warnings() {
-    local folder=${DISTLAB_RUN_DIR:-}/nccl count
-    compgen -G "$folder/*" >/dev/null || return 0
-    count=$(cat "$folder"/* 2>/dev/null | grep -c ' NCCL WARN ')
-    ((count > 0)) || return 0
-    echo "NCCL WARN lines: $count, in $folder/ (one file a rank); the first:"
-    grep -H ' NCCL WARN ' "$folder"/* 2>/dev/null | head -n 5 | sed "s|^$folder/|    |"
-}
-
-# distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
-# The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
-distlab_report_transport() {
-    local transport
-    transport=$(distlab_nccl_transport "$@")
-    {
-        distlab_log "NCCL transport: $transport"
-        if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
-            distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
-        fi
-        local detail
-        while IFS= read -r detail; do distlab_log "NCCL $detail"; done < <(distlab_nccl_details "$@")
-    } | if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then tee -a "$DISTLAB_RUN_DIR/nccl_transport.txt"; else cat; fi
-}
-
-# ---------------------------------------------------------------------------------------------------
-# Nodes: PBS writes one line per MPI process (mpiprocs) per node into $PBS_NODEFILE, in node order.
-# ---------------------------------------------------------------------------------------------------
-distlab_omp_threads() {
-    # Always set, never "only when unset": PBS itself sets OMP_NUM_THREADS to the chunk's ncpus (64 on Derecho)
-    # when the select line has no ompthreads= (PBS Professional Reference Guide, "Environment variables"), so
-    # 4 ranks a node would each run 64 threads on 64 cores. Each rank gets its share of the node's cores
-    # (NCPUS: the chunk's ncpus, set by PBS); DISTLAB_OMP_THREADS=n asks for another number.
-    local cores=${NCPUS:-$(nproc 2>/dev/null || echo "$DISTLAB_GPUS_PER_NODE")} threads
-    threads=${DISTLAB_OMP_THREADS:-$((cores / DISTLAB_GPUS_PER_NODE))}
-    [[ $threads =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_OMP_THREADS=$threads is not a positive integer"
-    export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
-}
-
-distlab_tee() {
-    # tee that outlives a SIGTERM. qdel and the walltime signal every process of the job, tee too; a dead tee
-    # turns rank 0's next print into BrokenPipeError before its checkpoint is written. An ignored signal stays
-    # ignored across exec, so this tee ends only when the ranks close the pipe, and the log keeps their last line.
-    (
-        trap '' TERM
-        exec tee "$@"
-    )
-}
+distlab_cancel_job() { "$DISTLAB_QDEL" "$1"; }
 
 # ---------------------------------------------------------------------------------------------------
 # Walltime and chained jobs
 # ---------------------------------------------------------------------------------------------------
-distlab_seconds() {
-    # PBS's durations: [[HH:]MM:]SS -> seconds
-    local -a parts
-    IFS=: read -ra parts <<<"$1"
-    ((${#parts[@]} >= 1 && ${#parts[@]} <= 3)) || return 1
-    local part total=0
-    for part in "${parts[@]}"; do
-        [[ $part =~ ^[0-9]+$ ]] || return 1
-        total=$((total * 60 + 10#$part))
-    done
-    echo "$total"
-}
-
 distlab_qstat_field() {
     # NAME: its value in `qstat -f $PBS_JOBID`, whose long values PBS folds onto lines that begin with a tab
     [[ -n ${PBS_JOBID:-} ]] || return 0
@@ -409,29 +97,9 @@ distlab_chain_next() {
     "$DISTLAB_QSUB" "${args[@]}" -v "$2" "$1"
 }
 
-distlab_chain_done() {
-    # NEXT_JOB METRICS_FILE: the run is complete (its metrics say so: checks passed, not stopped early), so the
-    # chain's queued successor is cancelled and no finished run queues more jobs
-    local next=$1 metrics=$2
-    [[ -n $next && -f $metrics ]] || return 0
-    if "$DISTLAB_PYTHON" - "$metrics" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-done = not m.get("extra", {}).get("stopped_by") and m.get("checks") and all(c["passed"] for c in m["checks"])
-sys.exit(0 if done else 1)
-PY
-    then
-        "$DISTLAB_QDEL" "$next" && distlab_log "the run is complete: the chain's next job $next is cancelled"
-    fi
-}
-
-distlab_port_from_job_id() {
-    # The same job id gives the same port on every node; two jobs sharing a node rarely collide.
-    local sum
-    sum=$(printf '%s' "$1" | cksum) || return 1
-    echo $((20000 + ${sum%% *} % 12000))
-}
-
+# ---------------------------------------------------------------------------------------------------
+# Nodes: PBS writes one line per MPI process (mpiprocs) per node into $PBS_NODEFILE, in node order.
+# ---------------------------------------------------------------------------------------------------
 distlab_discover_nodes() {
     [[ -n ${PBS_NODEFILE:-} ]] || distlab_die "PBS_NODEFILE is not set: submit the job with qsub (see pbs/README.md), or export PBS_NODEFILE=<file with one host per line> to try it elsewhere"
     [[ -r $PBS_NODEFILE ]] || distlab_die "PBS_NODEFILE=$PBS_NODEFILE cannot be read"
@@ -442,45 +110,6 @@ distlab_discover_nodes() {
     # Rank 0 runs on the first node; every rank reads MASTER_ADDR/MASTER_PORT (distlab.runtime, torchrun).
     export MASTER_ADDR=${DISTLAB_MASTER_ADDR:-${hosts[0]}}
     export MASTER_PORT=${DISTLAB_MASTER_PORT:-$(distlab_port_from_job_id "${PBS_JOBID:-distlab}")}
-}
-
-# distlab_scratch: where this job's run folder goes. DISTLAB_SCRATCH, else $SCRATCH (set by many sites),
-# else the site's scratch (DISTLAB_SITE_SCRATCH: Derecho's /glade/derecho/scratch/$USER) when it exists;
-# nothing when there is none (then the repository's runs/ folder, which suits a laptop, not $HOME on a
-# cluster: Derecho's home has a 50 GB quota and the chapter 05 job's a100 checkpoints alone are larger).
-distlab_scratch() {
-    local candidate
-    for candidate in "$DISTLAB_SCRATCH" "${SCRATCH:-}" "$DISTLAB_SITE_SCRATCH"; do
-        if [[ -n $candidate && -d $candidate && -w $candidate ]]; then
-            echo "$candidate"
-            return 0
-        fi
-    done
-    return 1
-}
-
-distlab_make_run_dir() {
-    if [[ -z ${DISTLAB_RUN_DIR:-} ]]; then
-        local scratch
-        if scratch=$(distlab_scratch); then
-            DISTLAB_RUN_DIR=$scratch/distlab/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
-        elif [[ -n ${PBS_JOBID:-} && -n ${HOME:-} && $DISTLAB_ROOT/ == "${HOME%/}"/* ]]; then
-            # a batch job with the course in $HOME: its quota (50 GB on Derecho) is no place for checkpoints
-            distlab_die "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH) and the repository is in \$HOME: set DISTLAB_SCRATCH or DISTLAB_RUN_DIR"
-        else
-            DISTLAB_RUN_DIR=$DISTLAB_ROOT/runs/${PBS_JOBID:-local-$(date +%Y%m%d-%H%M%S)-$$}
-            distlab_log "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH): writing under the repository"
-        fi
-    fi
-    # Never write over an earlier run's metrics, logs or checkpoints: a folder that holds files is refused.
-    if [[ $DISTLAB_RUN_DIR_REUSE != 1 && -d $DISTLAB_RUN_DIR ]] && [[ -n $(ls -A "$DISTLAB_RUN_DIR" 2>/dev/null) ]]; then
-        distlab_die "DISTLAB_RUN_DIR=$DISTLAB_RUN_DIR already holds files: name a new folder (or DISTLAB_RUN_DIR_REUSE=1 to write over them)"
-    fi
-    mkdir -p "$DISTLAB_RUN_DIR/logs" || distlab_die "cannot create the run directory $DISTLAB_RUN_DIR"
-    export DISTLAB_RUN_DIR
-    distlab_log "this job writes to $DISTLAB_RUN_DIR: hosts.txt, commands.sh, logs/, summary.txt and each script's metrics (*.json)"
-    DISTLAB_HOSTFILE=$DISTLAB_RUN_DIR/hosts.txt # one line per node, for mpiexec -f (Hydra)
-    printf '%s\n' "${DISTLAB_NODES// /$'\n'}" >"$DISTLAB_HOSTFILE"
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -529,153 +158,14 @@ distlab_mpiexec_command() {
     printf '%s\n' "${cmd[@]}"
 }
 
-# ---------------------------------------------------------------------------------------------------
-# The one launch function
-# ---------------------------------------------------------------------------------------------------
-DISTLAB_RESULTS=()
-DISTLAB_LAUNCHES=0
-
-# distlab_launch SCRIPT [ARGS...]: run SCRIPT on DISTLAB_NPROCS ranks (default: every GPU of the job),
-# one per GPU, with DISTLAB_LAUNCHER. Returns the script's exit code; distlab_finish sums them up.
-distlab_launch() {
-    (($# >= 1)) || distlab_die "distlab_launch needs a script"
-    local script=$1
-    shift
-    local -a target=("$script")
-    if [[ $script == -m ]]; then # a module of this checkout: distlab_launch -m distlab.runtime ARGS
-        (($# >= 1)) || distlab_die "distlab_launch -m needs a module"
-        script=$1
-        target=(-m "$1")
-        shift
-    fi
-    local name=${script##*/}
-    local only=" ${DISTLAB_ONLY//[,:]/ } " # names separated by commas, colons or spaces
-    if [[ -n ${DISTLAB_ONLY// /} && $only != *" $name "* ]]; then
-        distlab_log "skip $name (DISTLAB_ONLY=$DISTLAB_ONLY)"
-        return 0
-    fi
-    if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
-        distlab_log "not launched $name: the job got SIGTERM"
-        DISTLAB_RESULTS+=("not-launched $name (SIGTERM)")
-        return 143
-    fi
-    if [[ ${target[0]} != -m && ! -f $script ]]; then
-        distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
-        DISTLAB_RESULTS+=("missing $name")
-        [[ $DISTLAB_DRY_RUN == 1 ]] || return 2 # a dry run still shows the command
-    fi
-
-    local nprocs=${DISTLAB_NPROCS:-$((DISTLAB_NNODES * DISTLAB_GPUS_PER_NODE))}
-    local ppn=$((nprocs < DISTLAB_GPUS_PER_NODE ? nprocs : DISTLAB_GPUS_PER_NODE))
-    local nodes=$(((nprocs + ppn - 1) / ppn))
-    if ((nprocs % ppn != 0 || nodes > DISTLAB_NNODES)); then
-        distlab_die "$nprocs ranks do not fit $DISTLAB_NNODES node(s) x $DISTLAB_GPUS_PER_NODE GPUs (DISTLAB_NPROCS, DISTLAB_GPUS_PER_NODE)"
-    fi
-    DISTLAB_LAUNCHES=$((DISTLAB_LAUNCHES + 1))
-
-    local -a cmd
-    if [[ $DISTLAB_LAUNCHER == mpiexec ]]; then
-        # One process per GPU; distlab.runtime reads rank and local rank from PALS_*/PMI_* variables.
-        mapfile -t cmd < <(distlab_mpiexec_command "$nprocs" "$ppn")
-        cmd+=("$DISTLAB_PYTHON" -u "${target[@]}" "$@")
-    else
-        # One torchrun agent per node; the agents meet at MASTER_ADDR:MASTER_PORT (c10d rendezvous) and
-        # each starts one worker per GPU. The agent of the first node (rank 0 of this mpiexec) hosts the
-        # rendezvous store: is_host, passed through torchrun's PET_RDZV_CONF variable, says so explicitly
-        # rather than leaving torch to guess from host names.
-        mapfile -t cmd < <(distlab_mpiexec_command "$nodes" 1)
-        # shellcheck disable=SC2016 # expanded by the agent's shell on its own node, not here
-        cmd+=(bash -c 'agent=${PALS_RANKID:-${PMI_RANK:-}}; [[ -z $agent ]] || export PET_RDZV_CONF=is_host=$((agent == 0)); exec "$@"' torchrun-agent
-            "$DISTLAB_PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc-per-node="$ppn"
-            --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-            --rdzv-id="${PBS_JOBID:-distlab}-$DISTLAB_LAUNCHES" --max-restarts="${DISTLAB_MAX_RESTARTS:-0}"
-            "${target[@]}" "$@")
-    fi
-    if [[ -n $DISTLAB_LAUNCH_TIMEOUT ]]; then
-        cmd=(timeout --kill-after=15 "$DISTLAB_LAUNCH_TIMEOUT" "${cmd[@]}")
-    fi
-
-    local line log
-    line=$(printf '%q ' "${cmd[@]}")
-    printf '%s\n' "$line" >>"$DISTLAB_RUN_DIR/commands.sh"
-    distlab_log "launch $name: $nprocs rank(s) on $nodes node(s) with $DISTLAB_LAUNCHER"
-    echo "+ $line"
-    if [[ $DISTLAB_DRY_RUN == 1 ]]; then
-        [[ ${target[0]} == -m || -f $script ]] && DISTLAB_RESULTS+=("dry-run $name")
-        return 0
-    fi
-    log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
-    local start=$SECONDS rc
-    DISTLAB_CURRENT=$name
-    "${cmd[@]}" </dev/null 2>&1 | distlab_tee "$log"
-    rc=${PIPESTATUS[0]}
-    local seconds=$((SECONDS - start))
-    DISTLAB_CURRENT=
-    if ((rc == 0)); then
-        distlab_log "ok $name in ${seconds}s"
-        DISTLAB_RESULTS+=("ok $name ${seconds}s")
-    else
-        distlab_log "FAILED $name: exit code $rc after ${seconds}s (log: $log)"
-        DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
-    fi
-    return "$rc"
+distlab_detect_launcher() {
+    distlab_detect_mpiexec
+    DISTLAB_LAUNCHER_DETAIL="$DISTLAB_MPIEXEC_FLAVOR mpiexec"
 }
+distlab_ranks_command() { distlab_mpiexec_command "$1" "$2"; } # NPROCS PPN: one process a rank
+distlab_agents_command() { distlab_mpiexec_command "$1" 1; }   # NODES: one torchrun agent a node
 
-# distlab_on_sigterm: the job shell's SIGTERM trap (qdel, the walltime). The shell survives to report; bash runs
-# the trap once the launch in progress has ended (the ranks got the signal too and stop at the end of their step).
-# Only a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the
-# way out, and only then does the line say so; no later launch starts: the job is being ended.
-distlab_on_sigterm() {
-    DISTLAB_TERMINATED=1
-    local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} "
-    saving=${saving//[,:]/ }
-    if [[ -n $current && $saving == *" $current "* ]]; then
-        distlab_log "SIGTERM: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
-    else
-        distlab_log "SIGTERM: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
-    fi
-}
-
-# distlab_rank_map [ARGS...]: every rank of the job prints its host, rank, local rank, CUDA_VISIBLE_DEVICES
-# and the GPU it uses (python -m distlab.runtime), started exactly as the chapter scripts are; it fails when
-# two ranks of a node share a GPU or the local ranks are wrong, before a chapter runs.
-distlab_rank_map() {
-    distlab_launch -m distlab.runtime --device "$DISTLAB_DEVICE" --metrics-out "$DISTLAB_RUN_DIR/rank_map.json" "$@"
-}
-
-# distlab_finish: print what ran, write it to the run directory, exit 1 if any launch failed.
-distlab_finish() {
-    local result failed=0
-    {
-        echo "job ${PBS_JOBID:-local} on $DISTLAB_NNODES node(s): $DISTLAB_NODES"
-        if ((${#DISTLAB_RESULTS[@]} == 0)); then echo "  (nothing launched)"; fi
-        printf '  %s\n' "${DISTLAB_RESULTS[@]}"
-        if [[ -f $DISTLAB_RUN_DIR/nccl_transport.txt ]]; then sed 's/^distlab: /  /' "$DISTLAB_RUN_DIR/nccl_transport.txt"; fi
-        distlab_nccl_warnings | sed 's/^/  /'
-    } | tee "$DISTLAB_RUN_DIR/summary.txt"
-    for result in "${DISTLAB_RESULTS[@]}"; do
-        [[ $result == ok* || $result == dry-run* ]] || failed=1
-    done
-    distlab_log "metrics and logs in $DISTLAB_RUN_DIR"
-    exit "$failed"
-}
-
-# ---------------------------------------------------------------------------------------------------
-# Set up the job now
-# ---------------------------------------------------------------------------------------------------
 if [[ ${DISTLAB_FUNCTIONS_ONLY:-0} == 1 ]]; then
     return 0 # the functions are defined; the tests call them one by one
 fi
-cd "$DISTLAB_ROOT" || distlab_die "cannot cd to $DISTLAB_ROOT"
-distlab_discover_nodes
-distlab_make_run_dir
-distlab_load_modules
-distlab_activate_conda
-distlab_check_python
-distlab_network_env
-distlab_detect_mpiexec
-distlab_omp_threads
-distlab_deadline
-trap distlab_on_sigterm TERM
-distlab_log "job ${PBS_JOBID:-local}: $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER ($DISTLAB_MPIEXEC_FLAVOR mpiexec); MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
-distlab_log "run directory $DISTLAB_RUN_DIR"
+distlab_setup
