@@ -20,6 +20,7 @@ hybrid           the (pp, dp, tp) rank grid in both rank orders; 2-D FSDP x TP f
 hybrid_pipeline  pipelines combined with DP/FSDP and TP: what must divide what, bytes per dimension (09)
 domain           tiles of a grid, halo exchange as an autograd function, halo formulas (10)
 moe              mixture of experts: router, experts, expert parallelism by all-to-all, capacity, balance (13)
+moe_reference    the same layer written apart, one token at a time: what chapter 13's scripts check moe against (13)
 
 Planning:
 sizing           chapter 09's sizing guide: LLaMA-style 1B-70B on 4 x A100-40GB nodes, derived (09)

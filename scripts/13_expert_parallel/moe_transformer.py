@@ -14,7 +14,8 @@ One gradient needs a hand: FSDP averages what it reduce-scatters over the N rank
 through the combine's backward as a *sum* over the ranks whose tokens visited it, each computed from that rank's
 own mean loss. Divided by N it is the gradient of the global mean loss, as one device computes it.
 
-The script proves it: a single-device model with the same weights, trained on the whole batch, gives the same losses
+The script proves it: a single-device model with the same weights, its MoE layers ``distlab.moe_reference``'s
+(written apart from the code it checks, one token at a time), trained on the whole batch, gives the same losses
 every step, the same step-0 gradients (every FSDP shard gathered; every rank's experts against their slice) and the
 same parameters after training; the expert load of every layer and step is the same; the all-to-alls per step are 5
 a layer (counts, dispatch and combine forward, both again backward), and FSDP's reduce-scatters carry the non-expert
@@ -49,7 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from distlab import comm, data, hybrid, memory, metrics, models, moe, runtime
+from distlab import comm, data, hybrid, memory, metrics, models, moe, moe_reference, runtime
 
 # fp32 tolerances: FSDP reduce-scatters and the experts see other batch shapes than one device (a few ulps);
 # measured on 4 CPU ranks (tiny): losses <= 1e-7, gradients <= 1e-8. The a100 preset's sums are 30x longer: chapter
@@ -91,8 +92,9 @@ def check_config(args, world_size):
 
 
 def single_device_name(name: str) -> str:
-    """The single-device model's name of a parameter (under TP, ``moe.TokensSplitOverTP`` wraps each layer)."""
-    return name.replace(".layer.layer.", ".layer.")
+    """The single-device model's name of a parameter (under TP, ``moe.TokensSplitOverTP`` wraps each layer; the
+    reference's MoE layers name their weights as ``moe_reference.reference_name`` says)."""
+    return moe_reference.reference_name(name.replace(".layer.layer.", ".layer."))
 
 
 def attention_tp_plan() -> dict:
@@ -157,8 +159,12 @@ def main():
         replicas = world // ep
         report = metrics.Report(__file__, rt, config={**vars(args), "model": cfg.to_dict(), "moe": moe_cfg.to_dict(),
                                                       "ep": ep, "dp": dp, "tp": tp})
-        reference = moe.moe_transformer(cfg, moe_cfg, seed=args.seed, device=rt.device)
-        model = copy.deepcopy(reference)
+        full = moe.moe_transformer(cfg, moe_cfg, seed=args.seed, device=rt.device)
+        non_expert = sum(p.numel() for name, p in full.named_parameters() if ".experts." not in name)
+        all_experts = sum(p.numel() for name, p in full.named_parameters() if ".experts." in name)
+        model = copy.deepcopy(full)
+        # the single-device reference: the same weights, every MoE layer the one written apart (moe_reference)
+        reference = moe_reference.replace_moe_layers(full)
         # FSDP over dp, TP (attention) over tp; the experts over groups of ep consecutive ranks, replicated across
         # the groups
         mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -285,7 +291,6 @@ def main():
                            expert_numel, layers * local * 3 * cfg.dim * moe_cfg.ffn_hidden)
         calls = counted.by_collective()
         a2a = calls.get("all_to_all", {}).get("calls", 0)
-        non_expert = [p for name, p in reference.named_parameters() if ".experts." not in name]
         report.check_equal("all-to-alls per step = 5 a block (counts; dispatch, combine; both backward)", a2a,
                            5 * layers)
         # on one rank FSDP2 calls no collective at all (torch's _fsdp_param_group.py: "if world_size == 1")
@@ -295,8 +300,8 @@ def main():
         report.check_equal("FSDP's reduce-scatter bytes = the non-expert parameters (FSDP's padding included; "
                            "none on one rank)", counted.total("reduce_scatter"), scattered)
         rt.print(f"\nper step: {a2a} all-to-alls; FSDP reduce-scattered {counted.total('reduce_scatter'):,} B, the "
-                 f"non-expert parameters ({sum(p.numel() for p in non_expert):,}); each rank keeps {expert_numel:,} "
-                 f"expert parameters of {sum(p.numel() for n, p in reference.named_parameters() if '.experts.' in n):,}"
+                 f"non-expert parameters ({non_expert:,}); each rank keeps {expert_numel:,} "
+                 f"expert parameters of {all_experts:,}"
                  f" ({local} of {moe_cfg.num_experts} experts a block), "
                  + (f"their gradients all-reduced with the {replicas - 1} other replica(s) of them"
                     if replicas > 1 else "with no gradient collective of their own"))
