@@ -141,11 +141,15 @@ def test_the_mixtral_row_is_what_the_planner_counts():
 
 def test_tp_for_attention_beside_ep_equals_one_device():
     """A (dp 2, tp 2) mesh: attention split over TP, each TP rank routing half of the tokens, the experts over all
-    4 ranks; losses, gradients, parameters and load = one device; the TP all-gathers and the router's reduction
-    over TP counted."""
-    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2"], stream=False),
-                                       min_checks=10)
+    4 ranks, a shared expert in every block (replicated like the router: its gradients summed over TP too);
+    losses, gradients, parameters and load = one device; the TP all-gathers and the reduction over TP counted."""
+    metrics = assert_all_checks_passed(launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2", "--shared-expert"],
+                                                  stream=False), min_checks=10)
     assert metrics["config"]["tp"] == 2 and metrics["config"]["dp"] == 2 and metrics["config"]["ep"] == 4
+    assert metrics["config"]["moe"]["shared_expert"]
+    # reduced over TP: each block's router (8 x 64) and shared expert (3 x 64 x 64), this rank's FSDP shard (1/2)
+    reduced = next(r for r in metrics["comm"] if r["collective"] == "all_reduce")["measured_bytes"]
+    assert reduced == 2 * (8 * 64 + 3 * 64 * 64) * 4 // 2
     names = [c["name"] for c in metrics["checks"]]
     assert any(n.startswith("TP all-gathers per block and step = 2") for n in names)
     # the chapter's picture: each data-parallel rank's tokens, halved over the TP pair
@@ -156,14 +160,21 @@ def test_tp_for_attention_beside_ep_equals_one_device():
 
 
 @pytest.mark.parametrize("bug,failing", [
-    ("router-not-reduced-over-tp", "step-0 gradients = single-device"),
-    ("experts-divided-by-world", "step-0 gradients = single-device"),
+    # the router's and shared expert's gradients left partial: every check that follows from them fails, and the
+    # bytes reduced over TP are none
+    ("router-not-reduced-over-tp", {"losses", "step-0 gradients", "parameters after training",
+                                    "expert load of every block and step", "all-reduced bytes"}),
+    # the experts' gradients halved: the gradients and (Adam's epsilon) the parameters; Adam hides it from the
+    # losses and the routing
+    ("experts-divided-by-world", {"step-0 gradients", "parameters after training"}),
 ])
 def test_tp_beside_ep_planted_bugs_fail_the_single_device_comparison(bug, failing):
-    result = launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2", "--planted-bug", bug], stream=False,
-                        check=False)
-    failed = [c["name"] for c in result.metrics["checks"] if not c["passed"]]
-    assert any(name.startswith(failing) for name in failed), failed
+    """Each planted bug fails exactly the checks it should, not only the first."""
+    result = launch.run(MOE_TRANSFORMER, nproc=4, args=["--tp", "2", "--shared-expert", "--planted-bug", bug],
+                        stream=False, check=False)
+    assert result.returncode == 1
+    failed = {c["name"].split(" = ")[0] for c in result.metrics["checks"] if not c["passed"]}
+    assert failed == failing, failed
 
 
 def test_a_tp_degree_that_does_not_fit_exits_2():
