@@ -135,7 +135,7 @@ def test_rendezvous_timeout_message_as_a_cpu_produces_it():
 
 
 def test_the_walltime_section_states_what_the_job_does():
-    common = (ROOT / "pbs" / "common.sh").read_text()
+    common = (ROOT / "pbs" / "common.sh").read_text() + (ROOT / "jobs" / "common.sh").read_text()  # PBS part + shared
     assert "DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120}" in common
     assert "`DISTLAB_WALLTIME_MARGIN` (120 s" in CHAPTER and "10 s unless the queue sets another" in CHAPTER
     assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
