@@ -8,8 +8,10 @@ variable-split all-to-all (the *dispatch*), and gets the outputs back with the r
 
 Single device (:class:`MoE`) and expert parallel (:class:`ExpertParallelMoE`) share every piece of routing:
 :func:`route`, :func:`capacity_mask` and :func:`sort_by_expert`, so the EP layer differs only by the two
-all-to-alls and which experts it holds. What the scripts check: outputs, gradients (the router's included) and
-training losses equal; the bytes each rank sends = :func:`dispatch_bytes`; the dropped assignments =
+all-to-alls and which experts it holds. That is also why the scripts do not check one against the other (a mistake
+in a shared function would be on both sides): they check the EP layer against ``distlab.moe_reference``, the same
+layer written apart, one token at a time. What they check: outputs, gradients (the router's included) and training
+losses equal; the bytes each rank sends = :func:`dispatch_bytes`; the dropped assignments =
 :func:`dropped_by_formula`.
 
 Capacity (GShard, Switch): with a capacity factor, each expert takes at most ``ceil(factor x tokens x top_k /
@@ -213,8 +215,8 @@ def update_bias(router: Router, load: torch.Tensor, rate: float) -> None:
 
 
 class MoE(nn.Module):
-    """The single-device MoE feed-forward layer: the reference every expert-parallel run is checked against.
-    ``groups``: how many groups capacity and the auxiliary loss are computed over (under EP, the ranks)."""
+    """The single-device MoE feed-forward layer, from which an expert-parallel one is built (the scripts check
+    that against ``distlab.moe_reference``, which shares none of this code). ``groups``: how many groups capacity and the auxiliary loss are computed over (under EP, the ranks)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
