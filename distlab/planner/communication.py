@@ -95,7 +95,7 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                 skipped = layers if options.recompute_early_stop and row["collective"] == block_output else 0
                 calls += row["calls"] - skipped
             add("tp", row["collective"], row["payload_bytes"] // row["calls"] * calls * times, calls * times)
-        if sp and not options.sp_saves_gathered_inputs:
+        if sp and not options.sp_saves_gathered_inputs and checkpointing(options) != "full":
             # Megatron's SP saved each region's input as its shard: backward gathers it again, twice a block
             one = model.micro_batch * seq * model.hidden * number_bytes
             add("tp", "all_gather", 2 * layers * num_micro * one, 2 * layers * num_micro)
@@ -179,6 +179,9 @@ def ep_copies_per_token(model: ModelSpec, layout: Layout, options: Options, gpus
         return {"any": model.top_k * moe.uniform_leaving_share(layout.ep_group)}
     if gpus_per_node is None:
         raise ValueError("node-limited routing (ep_node_limit) needs the cluster's GPUs per node")
+    if layout.ep_group > gpus_per_node and layout.ep_group % gpus_per_node:
+        raise ValueError(f"node-limited routing models EP groups of whole nodes, not {layout.ep_group} ranks on "
+                         f"nodes of {gpus_per_node}")
     g = min(layout.ep_group, gpus_per_node)
     nodes = max(1, layout.ep_group // g)
     chosen = min(options.ep_node_limit, nodes)

@@ -45,9 +45,10 @@ def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks:
               per_round: int | None = None) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak, in whole-stage units (closed forms of
     ``schedules.peak_activations``, tested equal to it): GPipe M; 1F1B min(P - s, M); interleaved
-    min((V-1)N + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each, N = ``per_round`` microbatches a
-    round (Megatron's and the simulator's N = P; torch's ``ScheduleInterleaved1F1B`` warms up the same
-    (V-1) N + 2 (P-1-s) ops)."""
+    min((V-1)N + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each, N the microbatches a round as
+    torch's ``ScheduleInterleaved1F1B`` sets it, M // max(1, M // P) (P when P divides M, Megatron's), which warms up
+    (V-1) N + 2 (P-1-s) ops (``_get_warmup_ops``). A smaller N would hold less but stalls the pipeline here: the
+    course's simulator deadlocks at P 16, V 8, N 5."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
@@ -55,7 +56,7 @@ def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks:
     if schedule == "1f1b":
         return min(pp - stage, num_microbatches)
     if schedule == "interleaved_1f1b":
-        n = per_round or pp
+        n = per_round or num_microbatches // max(1, num_microbatches // pp)
         return min((chunks - 1) * n + 2 * (pp - 1 - stage) + 1, chunks * num_microbatches) / chunks
     raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, not {schedule!r}")
 
@@ -110,8 +111,10 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
         scores = 0 if options.flash_attention or mode == "selective" else \
             b * model.heads // layout.tp * seq * model.seq_len * number_bytes
         per_microbatch, live = sum(blocks) + layers * scores, 0
-    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options),
-                     options.microbatches_per_round)
+    if layout.cp > 1 and options.cp_attention == "all_gather" and mode != "full":
+        # all-gather CP: backward needs the whole sequence's keys and values of this rank's heads; kept from forward
+        per_microbatch += layers * 2 * b * (model.seq_len - seq) * model.kv_dim // layout.tp * number_bytes
+    held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
     return held * per_microbatch + live + head
 

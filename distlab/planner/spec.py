@@ -238,7 +238,7 @@ class Cluster:
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
     "A100": {"compute_efficiency": 0.56, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "H100": {"compute_efficiency": 0.50, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.58, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
     "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
 }
 
@@ -305,11 +305,9 @@ class Options:
     sequence_parallel: bool | None = None  # Megatron SP with TP; it costs no extra bytes [on whenever tp > 1]
     # under SP, what a TP region's first matmul saves of its input: True, the all-gathered input (DTensor's
     # parallelize_module, measured in chapter 06); False, its sequence shard, gathered again in backward (Megatron,
-    # Korthikanti et al. 2022, section 4.2.2: one more all-gather a region, backward)
+    # Korthikanti et al. 2022: one more all-gather a region in backward, which Megatron overlaps with the input
+    # gradient's matmul and the planner counts as exposed)
     sp_saves_gathered_inputs: bool = True
-    # the interleaved schedule's microbatches a round, N (Megatron's: N = PP; Llama 3's schedule "allows setting N
-    # flexibly", section 3.3.2): the warm-up holds (V - 1) N + 2 (P - 1 - s) + 1 chunk-microbatches; None: PP
-    microbatches_per_round: int | None = None
     # CP's attention: "ring" (keys and values passed around, hidden behind attention's blocks: chapter 08) or
     # "all_gather" (Llama 3, section 3.3.2: keys and values all-gathered, their gradients reduce-scattered, on the
     # critical path)

@@ -80,10 +80,10 @@ def check_ep_choice(choose_ep) -> None:
             raise ExerciseWrong(f"choose_ep{case} = {got}, expected {want}.{hint}")
     print("Correct: the smallest EP degree whose share of the experts fits. It keeps the all-to-all inside a "
           "node where that is enough (NVLink), and goes across nodes only when the experts need more GPUs. That "
-          "rule is for all-to-alls on the critical path. DeepSeek-V3 did not follow it: it spread its 256 experts "
-          "over EP 64, 8 nodes of 8 H800 (its report, section 3.2), more than memory needed, because DualPipe hides "
-          "the all-to-alls behind compute and keeps two copies of the parameters, which 'does not significantly "
-          "increase the memory consumption since we use a large EP size' (section 3.2.1).")
+          "rule is for all-to-alls on the critical path. DeepSeek-V3 spread its 256 experts over EP 64, 8 nodes of 8 "
+          "H800 (its report, section 3.2), with DualPipe hiding the all-to-alls behind compute; the report gives no "
+          "rule for 64, and says its large EP is what keeps DualPipe's two copies of the parameters affordable "
+          "(section 3.2.1).")
 
 
 @learner_check

@@ -61,19 +61,20 @@ def test_stated_assumptions_are_the_planners(text):
 
 def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     rows = planner.validation_table()
-    assert len(rows) >= 6 and all(r["passes"] for r in rows), [(r["label"], r["error"]) for r in rows if not r["passes"]]
+    assert len(rows) >= 6 and all(r["passes"] or r["miss"] for r in rows), [(r["label"], r["error"]) for r in rows
+                                                                             if not r["passes"]]
     assert planner.published.BAND == 0.15 and "Every row is within 15 %" in text
-    assert f"**{sum(r['passes'] for r in rows)} published, measured training runs**".replace("**10", "**ten") in text \
-        or "**ten published, measured training runs**" in text
+    assert "except Llama 3's two 8K rows, which the planner misses" in text
+    assert [r["label"] for r in rows if not r["passes"]] == ["Llama 3 405B, 8K tokens, 8,192 H100",
+                                                            "Llama 3 405B, 8K tokens, 16,384 H100"]
+    assert "**ten published, measured training runs**" in text and len(rows) == 10
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
-    llama = [e for label, e in errors.items() if label.startswith("Llama 3")]
-    assert llama[0] < 0 and llama[1] < 0 and llama[2] > 0  # "at 8K under-predicted and the 128K row over-predicted"
     megatron = [errors[f"Megatron {size}"] for size in ("145.6B, 1,536 A100", "310.1B, 1,920 A100",
                                                           "529.6B, 2,520 A100", "1T, 3,072 A100")]
     assert megatron == sorted(megatron, reverse=True)   # "the largest under-predicted ... the 1T run most"
-    assert round(errors["Megatron 1T, 3,072 A100"], 2) == -0.14 and "the 1T run (-14 %)" in text
+    assert round(errors["Megatron 1T, 3,072 A100"], 2) == -0.15 and "the 1T run (-15 %)" in text
     assert round(errors["Megatron 22B, selective recomputation, 8 A100"], 2) == 0.15 and "the 22B run (+15 %" in text
     mtnlg = errors["MT-NLG 530B, 2,240 A100"]
     assert round(mtnlg, 2) == 0.09 and "lands at +9 %" in text
@@ -106,8 +107,10 @@ def test_ddp_is_as_fast_as_the_best_for_a_model_that_fits_one_gpu(text):
 
 def test_llamas_layouts_fit_near_the_top_and_the_gpt3_row_is_gone(text, raw):
     rows = planner.published_table()
-    assert all(r["fits"] and r["rank"] <= 10 for r in rows)
-    assert all(abs(r["mfu"] / r["best_mfu"] - 1) < 0.05 for r in rows)  # "by a few per cent of MFU"
+    assert [r["fits"] for r in rows] == [False, False, True]   # at their published settings (the 8K rows: a miss)
+    assert all(r["rank"] and r["rank"] <= 10 for r in rows)     # at the planner's settings, near the top
+    long = rows[2]
+    assert abs(long["mfu"] / long["best_mfu"] - 1) < 0.05  # "by a few per cent of MFU"
     assert "ranks near the top" in text and "differs by a few per cent of MFU" in text
     assert "GPT-3 175B on 1024 V100" not in planner.validation_markdown() + planner.published_table_markdown()
     assert "the GPT-3 paper gives neither a GPU count nor parallel degrees" in text
@@ -163,13 +166,18 @@ def test_the_cp_section_states_the_searchs_rule(text):
     assert "the search's choice: tp=1,pp=1,dp=8,cp=8,zero=3" in best and "nothing without CP fits" in best
 
 
-def test_the_long_context_layout_needs_what_the_8k_one_needs(text):
-    rows = planner.published_table()
-    short, long = rows[1], rows[2]
-    assert "128K" in long["claim"] and "cp=16" in long["layout"] and "cp" not in short["layout"].replace("dp", "")
-    assert long["gib_per_gpu"] == short["gib_per_gpu"]
-    assert (f"**{long['gib_per_gpu']:.1f} GiB** against **{short['gib_per_gpu']:.1f} GiB**" in text
-            and "exactly what its 8K layout needs" in text)
+def test_the_long_context_layout_needs_what_the_8k_one_needs_and_the_gathered_keys(text):
+    from dataclasses import replace
+    short, long = planner.published.RUNS[1], planner.published.RUNS[2]
+    assert "cp=16" in long.layout.label() and long.model.seq_len // long.layout.cp == short.model.seq_len
+    none = replace(long.options, activation_checkpointing="none")
+    m8 = planner.memory_per_gpu(short.model, short.layout, 0, short.options)
+    m128 = planner.memory_per_gpu(long.model, long.layout, 0, none)
+    gathered = m128["activations"] - m8["activations"]
+    # by hand: 8 layers x 16 in flight x keys and values of the other 15/16 of 131,072 positions, 1 head of 128, bf16
+    assert gathered == planner.in_flight("interleaved_1f1b", 16, 0, 16, 8) * 8 * 2 * (131072 - 8192) * 128 * 2
+    assert (f"**{m128['total'] / planner.GIB:.1f} GiB** against **{m8['total'] / planner.GIB:.1f} GiB**" in text
+            and f"({gathered / planner.GIB:.1f} GiB more on the first stage)" in text)
 
 
 def test_the_recomputed_forward_is_counted_as_pytorch_and_megatron_run_it(text):
@@ -226,17 +234,21 @@ def test_the_hsdp_section_is_what_the_search_finds(text):
     assert "of 4,096 fake ranks" in text   # tests/unit/test_planner_dry_run.py::test_hsdp_builds_at_the_full_world_size...
 
 
-def test_llama_fits_without_recomputation_only_with_its_flexible_round(text):
-    """Llama 3's 8K rows at the paper's settings: no checkpointing fits at N = 5 microbatches a round (its section
-    3.3.2), not at Megatron's N = PP, where the interleaved warm-up holds every chunk-microbatch it can."""
+def test_llama_at_8k_is_a_named_miss_at_its_published_settings(text):
+    """Llama 3's 8K rows at the paper's settings (no checkpointing) do not fit the planner: the row says so, with its
+    reason, and the chapter gives the terms. The warm-up is torch's (N = M // (M // P) microbatches a round)."""
     run = planner.published.RUNS[0]
-    assert run.options.activation_checkpointing == "none" and run.options.microbatches_per_round == 5
-    megatron = planner.replace(run.options, microbatches_per_round=None)
-    held = [planner.in_flight("interleaved_1f1b", 16, 0, m, 8, n) * 8 for m, n in ((32, None), (16, None), (32, 5))]
-    assert held == [143, 128, 66]
-    at_16 = planner.memory_per_gpu(run.model, run.layout, 0, megatron)
-    at_5 = planner.memory_per_gpu(run.model, run.layout, 0, run.options)
-    assert at_16["total"] > run.cluster.gpu_bytes >= at_5["total"]
-    assert (f"143 chunk-microbatches on the first stage (all 128 at 16,384 GPUs), {at_16['activations'] / planner.GIB:.1f}"
-            f" GiB of activations; at N = 5 it keeps 66, {at_5['activations'] / planner.GIB:.1f} GiB, and the layout "
-            f"fits in {at_5['total'] / planner.GIB:.1f} GiB") in text
+    assert run.options.activation_checkpointing == "none" and run.miss
+    held = [planner.in_flight("interleaved_1f1b", 16, 0, m, 8) * 8 for m in (32, 16)]
+    assert held == [143, 128]
+    mem = planner.memory_per_gpu(run.model, run.layout, 0, run.options)
+    assert mem["total"] > run.cluster.gpu_bytes
+    assert (f"143 chunk-microbatches on the first stage (all 128 at 16,384 GPUs), {mem['activations'] / planner.GIB:.1f}"
+            f" GiB of activations, and the layout needs {mem['total'] / planner.GIB:.1f} GiB") in text
+    rows = {r["label"]: r for r in planner.validation_table()}
+    assert not rows[run.label]["passes"] and run.miss in planner.validation_markdown()
+
+
+def test_every_row_passes_or_is_a_named_miss_and_a_named_miss_misses():
+    for r in planner.validation_table():
+        assert r["passes"] != bool(r["miss"]), (r["label"], r["error"], r["miss"])

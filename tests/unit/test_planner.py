@@ -253,11 +253,13 @@ def test_cp_divides_activations_and_shards_the_state_over_dp_x_cp():
     assert split["activations"] < plain["activations"] / 3
 
 
-def test_the_long_context_layout_of_llama3_needs_what_its_8k_layout_needs():
+def test_the_long_context_layout_of_llama3_fits_where_its_8k_layout_does_not():
+    """At the published settings the 8K layout (no recomputation) does not fit the planner; the 128K one, whose
+    recomputation the paper leaves unstated, fits with the planner's (full) and ranks near the top."""
     rows = {r["claim"]: r for r in planner.published_table()}
     short, long = rows["Llama 3 405B, 8K tokens, 16,384 H100"], rows["Llama 3 405B, 128K tokens, 16,384 H100"]
     assert long["fits"] and long["rank"] <= 10 and "cp=16" in long["layout"]
-    assert long["gib_per_gpu"] == pytest.approx(short["gib_per_gpu"], rel=1e-12)
+    assert not short["fits"] and short["gib_per_gpu"] > 80
 
 
 def test_grouped_query_attention_saves_k_and_v_at_their_own_width():

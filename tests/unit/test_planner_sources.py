@@ -56,7 +56,8 @@ def test_llamas_published_settings_are_the_papers():
         r.layout.zero_stage == 3 for r in RUNS[:3])   # FSDP; under PP the planner keeps a stage gathered
     assert "all-gather the key (K) and value (V)" in SOURCES["llama3_cp_all_gather"].quote
     assert options.cp_attention == "all_gather"
-    assert f"N={options.microbatches_per_round}" in SOURCES["llama3_pipeline_schedule"].quote
+    # "N=5" is the paper's Figure 6 (4 ranks), not a setting of the 405B run: the planner does not take it
+    assert "N=5" in SOURCES["llama3_pipeline_schedule"].quote and not hasattr(options, "microbatches_per_round")
 
 
 @pytest.mark.parametrize("key,label", [("megatron_sc21_run_table_1_145b", "Megatron 145.6B, 1,536 A100"),
