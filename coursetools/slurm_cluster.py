@@ -27,7 +27,9 @@ from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODES = ("n1", "n2")
-CPUS_PER_NODE = 8  # more than the machine has: slots for several small jobs at once (config_overrides below)
+CPUS_PER_NODE = 16  # more than the machine has: slots for several small jobs at once (config_overrides below)
+GPUS_PER_NODE = 4  # count-only GPUs (no device files): jobs ask --gpus-per-node as on a real partition of 4-GPU nodes
+PARTITION = "gpu"  # the partition the course's slurm/ jobs name
 
 SLURM_CONF = """\
 ClusterName=ci
@@ -55,6 +57,7 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
+GresTypes=gpu
 ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=30
@@ -63,10 +66,10 @@ MinJobAge=300
 KillWait={kill_wait}
 Waittime=0
 {nodes}
-PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
+PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
 """
 NODE_LINE = ("NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory=1000 "
-             "State=UNKNOWN")
+             "Gres=gpu:{gpus} State=UNKNOWN")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -112,9 +115,9 @@ class SlurmCluster:
     # ---- start and stop ---------------------------------------------------------------------------------------
     def __enter__(self) -> "SlurmCluster":
         try:
-            self.start()
+            self.start(timeout=20)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)
             raise
         return self
 
@@ -129,9 +132,17 @@ class SlurmCluster:
         for folder in (root, root / "munge"):  # munged refuses a socket path without execute for all on the way
             folder.chmod(0o755)
         ports = [_free_port() for _ in range(2 + len(NODES))]
-        nodes = "\n".join(NODE_LINE.format(name=n, port=p, cpus=CPUS_PER_NODE) for n, p in zip(NODES, ports[2:]))
+        nodes = "\n".join(NODE_LINE.format(name=n, port=p, cpus=CPUS_PER_NODE, gpus=GPUS_PER_NODE)
+                          for n, p in zip(NODES, ports[2:]))
+        # gres.conf beside slurm.conf: GPUs that Slurm counts and hands out. A GPU needs a File= (slurmd ignores a
+        # file-less one and the node turns INVAL); plain files stand in for /dev/nvidiaN, nothing is bound to them.
+        (root / "dev").mkdir(exist_ok=True)
+        for i in range(GPUS_PER_NODE):
+            (root / "dev" / f"nvidia{i}").touch()
+        (root / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
         self.conf.write_text(SLURM_CONF.format(root=root, ctld_port=ports[0], slurmd_port=ports[1],
-                                               kill_wait=self.kill_wait, nodes=nodes, node_list=",".join(NODES)))
+                                               kill_wait=self.kill_wait, nodes=nodes, node_list=",".join(NODES),
+                                               partition=PARTITION))
         key, socket_path = root / "munge" / "munge.key", root / "munge" / "munge.socket.2"
         subprocess.run(["mungekey", "-c", "-b", "1024", "-k", str(key)], check=True, capture_output=True)
         self._spawn("munged", ["munged", "-F", f"--key-file={key}", f"--socket={socket_path}",
@@ -142,8 +153,23 @@ class SlurmCluster:
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         for node in NODES:
             self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._start_reaper()
         self._wait("two idle nodes", lambda: self.run(["sinfo", "-h", "-t", "idle", "-o", "%D"],
                                                       check=False).stdout.strip() == str(len(NODES)), timeout)
+
+    def _start_reaper(self) -> None:
+        """A watcher that outlives this process: should it die without stop() (killed, a test run cut short), the
+        watcher sends SIGTERM to the daemons this object started, by their PIDs, and removes the folder."""
+        pids = " ".join(str(p.pid) for p in self.processes.values())
+        watch = (f"import os, shutil, signal, time\n"
+                 f"while True:\n"
+                 f"    time.sleep(0.5)\n"
+                 f"    try:\n        os.kill({os.getpid()}, 0)\n    except ProcessLookupError:\n        break\n"
+                 f"for pid in [{pids.replace(' ', ', ')}]:\n"
+                 f"    try:\n        os.kill(pid, signal.SIGTERM)\n    except ProcessLookupError:\n        pass\n"
+                 f"time.sleep(3)\nshutil.rmtree({str(self.root)!r}, ignore_errors=True)\n")
+        self.reaper = subprocess.Popen([sys.executable, "-c", watch], start_new_session=True,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "w")
@@ -161,11 +187,13 @@ class SlurmCluster:
                                    f"{self.root / 'log'}")
             time.sleep(0.1)
 
-    def stop(self) -> None:
+    reaper: subprocess.Popen | None = None
+
+    def stop(self, keep_logs: bool = False) -> None:
         """Stop the daemons this object started, by their PIDs, the node daemons first; KILL what outlives 10 s.
         Jobs still queued or running are cancelled first (scancel), so that their job steps end with them."""
         if self.processes.get("slurmctld") and self.processes["slurmctld"].poll() is None:
-            self.run(["scancel", "--full", "--partition", "debug"], check=False)
+            self.run(["scancel", "--full", "--partition", PARTITION], check=False)
             deadline = time.monotonic() + 10
             while self.run(["squeue", "-h"], check=False).stdout.strip() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -181,7 +209,11 @@ class SlurmCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.reaper is not None and self.reaper.poll() is None:  # stopped properly: the watcher is not needed
+            self.reaper.kill()
+            self.reaper.wait()
+        if not keep_logs:  # a cluster that failed to start keeps its logs, for the error's "logs in ..."
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- clients ----------------------------------------------------------------------------------------------
     def env(self, **extra: str) -> dict[str, str]:

@@ -97,3 +97,31 @@ def test_the_cluster_stops_every_daemon_it_started():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert signal  # (imported for readers who stop a cluster by hand: kill -TERM <pid>, never pkill)
+
+
+def test_a_killed_owner_leaves_no_daemon():
+    # a test run cut short (SIGKILL, a timeout): the watcher started with the cluster stops its daemons by PID
+    import subprocess
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", "from coursetools.slurm_cluster import SlurmCluster\n"
+                              "c = SlurmCluster(); c.start()\n"
+                              "print(' '.join(str(p.pid) for p in c.processes.values()), flush=True)\n"
+                              "import time; time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in owner.stdout.readline().split()]
+    assert len(pids) == 4
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive
