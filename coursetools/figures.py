@@ -397,7 +397,8 @@ def draw_sizing_chart(fig) -> None:
 # ---- chapter 11: the planner against published runs, and the decision path ---------------------------------
 
 def draw_predicted_vs_published(fig) -> None:
-    """Each row of the validation table: predicted MFU against published MFU, with y = x and the +-15 % band."""
+    """Each row of the validation table: predicted MFU against published MFU, with y = x and the +-15 % band; a
+    named miss (a row that does not fit at its published settings) hollow."""
     from distlab.planner import published
 
     ax = fig.subplots()
@@ -410,16 +411,28 @@ def draw_predicted_vs_published(fig) -> None:
     for i, (run, row) in enumerate(zip(published.RUNS, rows)):
         gpu = run.cluster.name.split("-")[0].upper()
         colour = {"A100": RANK_COLOURS[0], "H100": RANK_COLOURS[1]}[gpu]
-        ax.scatter(row["published_mfu"], row["predicted_mfu"], color=colour, s=28, zorder=3,
-                   label=gpu if gpu not in ax.get_legend_handles_labels()[1] else None)
-        ax.annotate(row["label"].split(",")[0] + f" ({row['gpus']:,})", (row["published_mfu"], row["predicted_mfu"]),
-                    fontsize=6, xytext=(5, (-3, 5, -11)[i % 3]), textcoords="offset points")  # staggered
+        # a named miss (the row does not fit at its published settings): hollow, and said in its label
+        ax.scatter(row["published_mfu"], row["predicted_mfu"], s=28, zorder=3,
+                   facecolors="none" if row["miss"] else colour, edgecolors=colour)
+        # points crowd near 35 %: a number beside each, its run in the key below right
+        ax.annotate(str(i + 1), (row["published_mfu"], row["predicted_mfu"]), fontsize=6,
+                    xytext=(4, (2, -8)[i % 2]), textcoords="offset points")
+    key = "\n".join(f"{i + 1}  {r['label'].split(',')[0]} ({r['gpus']:,} GPUs{', does not fit' if r['miss'] else ''})"
+                     for i, r in enumerate(rows))
+    ax.text(0.98, 0.02, key, transform=ax.transAxes, fontsize=6, ha="right", va="bottom", multialignment="left",
+            bbox={"facecolor": "white", "edgecolor": "#cccccc"})
     ax.set_xlim(0.2, top)
     ax.set_ylim(0.2, top)
     ax.set_xlabel("published MFU (converted to the chapter's definition)")
     ax.set_ylabel("planner's MFU (derived)")
     ax.set_title("The planner against ten measured training runs", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    from matplotlib.lines import Line2D
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], marker="o", linestyle="", color=RANK_COLOURS[0], label="A100"),
+                Line2D([], [], marker="o", linestyle="", color=RANK_COLOURS[1], label="H100"),
+                Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="grey",
+                       label="does not fit at its published settings")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left")
     fig.tight_layout()
 
 
