@@ -338,7 +338,8 @@ def placement(rank: int, local_rank: int, device, env: dict | None = None, host:
     """
     env = os.environ if env is None else env
     # MPICH's Hydra names the node from its host file (what tells two fake nodes on one machine apart)
-    host = host or env.get("PMI_HOSTNAME") or socket.gethostname()
+    # (Slurm: the node daemon's name, SLURMD_NODENAME: the Slurm test cluster's two nodes share one machine)
+    host = host or env.get("PMI_HOSTNAME") or env.get("SLURMD_NODENAME") or socket.gethostname()
     where = {"host": host, "rank": rank, "local_rank": local_rank,
              "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES", "(unset)"), "device": str(device),
              "gpu": "cpu", "gpu_index": None, "bus_id": None}

@@ -45,6 +45,8 @@ esac
 # distlab_job_file NAME: the job file of this scheduler for a job's name (a chain submits its own file again)
 distlab_job_file() { echo "$DISTLAB_ROOT/pbs/$1.pbs"; }
 
+export DISTLAB_CANCEL_COMMAND="qdel" # what cancels a job (the JupyterLab job says it)
+export DISTLAB_DEFAULT_LOGIN_HOST="derecho.hpc.ucar.edu" # where users ssh to (JupyterLab tunnel)
 distlab_cancel_job() { "$DISTLAB_QDEL" "$1"; }
 
 # ---------------------------------------------------------------------------------------------------

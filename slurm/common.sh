@@ -1,0 +1,161 @@
+# shellcheck shell=bash
+# slurm/common.sh: the Slurm part of the course's jobs; what every scheduler shares is jobs/common.sh, sourced
+# first. A job sources it, then launches scripts:
+#
+#     cd "${SLURM_SUBMIT_DIR:-.}" && { [[ -f slurm/common.sh ]] || cd ..; } || exit 2
+#     source slurm/common.sh || exit 2
+#     distlab_launch scripts/04_data_parallel/train_ddp.py --preset "$DISTLAB_PRESET" --device "$DISTLAB_DEVICE" \
+#         --metrics-out "$DISTLAB_RUN_DIR/train_ddp.json"
+#     distlab_finish
+#
+# What differs from PBS (pbs/common.sh): the nodes come from SLURM_JOB_NODELIST; srun starts the ranks (one task a
+# GPU, the default) or one torchrun agent a node (DISTLAB_LAUNCHER=torchrun); the walltime's end is read from the
+# job (EndTime), and Slurm can warn before it (#SBATCH --signal=B:USR1@N): the batch shell then launches nothing
+# more; chains use sbatch --dependency=afterany and scancel. Every setting is an environment variable with a
+# default (sbatch --export=ALL,NAME=value, or an export before sbatch); slurm/README.md lists them.
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    echo "slurm/common.sh is sourced by the jobs in slurm/, not run: see slurm/README.md" >&2
+    exit 2
+fi
+# one task a GPU: the GPUs Slurm gave each node, unless told otherwise
+DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
+# shellcheck source=jobs/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
+
+DISTLAB_SCHEDULER=slurm
+DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
+DISTLAB_NODE_CORES=${SLURM_CPUS_ON_NODE:-}
+DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-srun}     # srun (one task a rank) | torchrun (one agent a node, via srun)
+DISTLAB_SRUN=${DISTLAB_SRUN:-srun}             # Slurm's commands (the unit tests put stand-ins here)
+DISTLAB_SRUN_ARGS=${DISTLAB_SRUN_ARGS:-}       # extra srun flags, e.g. "--cpu-bind=cores"
+DISTLAB_SBATCH=${DISTLAB_SBATCH:-sbatch}
+DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}
+DISTLAB_SCONTROL=${DISTLAB_SCONTROL:-scontrol}
+DISTLAB_CHAIN_SBATCH_ARGS=${DISTLAB_CHAIN_SBATCH_ARGS:-} # more sbatch options for a chain's next jobs ("--qos=... --signal=...")
+case $DISTLAB_LAUNCHER in
+srun | torchrun) ;;
+*) distlab_die "DISTLAB_LAUNCHER=$DISTLAB_LAUNCHER: use srun or torchrun" ;;
+esac
+
+# distlab_job_file NAME: the job file of this scheduler for a job's name (a chain submits its own file again)
+distlab_job_file() { echo "$DISTLAB_ROOT/slurm/$1.sbatch"; }
+
+export DISTLAB_CANCEL_COMMAND="scancel" # what cancels a job (the JupyterLab job says it)
+export DISTLAB_DEFAULT_LOGIN_HOST=${DISTLAB_DEFAULT_LOGIN_HOST:-${SLURM_SUBMIT_HOST:-login}} # where sbatch ran (JupyterLab tunnel)
+distlab_cancel_job() { "$DISTLAB_SCANCEL" "$1"; }
+
+# distlab_job_field NAME: a field of `scontrol show job -o $SLURM_JOB_ID` (one line of NAME=value words)
+distlab_job_field() {
+    [[ -n ${SLURM_JOB_ID:-} ]] || return 0
+    "$DISTLAB_SCONTROL" show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p" | head -n 1
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Nodes and the allocation's shape
+# ---------------------------------------------------------------------------------------------------
+distlab_discover_nodes() {
+    [[ -n ${SLURM_JOB_NODELIST:-} ]] || distlab_die "SLURM_JOB_NODELIST is not set: submit the job with sbatch (see slurm/README.md)"
+    local -a hosts
+    mapfile -t hosts < <("$DISTLAB_SCONTROL" show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null)
+    ((${#hosts[@]} > 0)) || distlab_die "scontrol show hostnames '$SLURM_JOB_NODELIST' lists no hosts"
+    export DISTLAB_NODES="${hosts[*]}" DISTLAB_NNODES=${#hosts[@]}
+    # Rank 0 and the torchrun rendezvous run on the first node of the allocation.
+    export MASTER_ADDR=${DISTLAB_MASTER_ADDR:-${hosts[0]}}
+    export MASTER_PORT=${DISTLAB_MASTER_PORT:-$(distlab_port_from_job_id "${SLURM_JOB_ID:-distlab}")}
+    distlab_check_allocation
+}
+
+# distlab_check_allocation: the allocation fits one task a GPU, or the job stops with one line (exit 2) before it
+# launches or queues anything. SLURM_GPUS_ON_NODE: the GPUs this node was given; SLURM_NTASKS_PER_NODE: set when
+# the job asked --ntasks-per-node (Slurm's sbatch man page, "OUTPUT ENVIRONMENT VARIABLES").
+distlab_check_allocation() {
+    local gpus=${SLURM_GPUS_ON_NODE:-} tasks=${SLURM_NTASKS_PER_NODE:-}
+    if [[ -n $gpus && $gpus != "$DISTLAB_GPUS_PER_NODE" ]]; then
+        distlab_die "the job has $gpus GPU(s) a node but DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE: ask --gpus-per-node=$DISTLAB_GPUS_PER_NODE, or leave DISTLAB_GPUS_PER_NODE unset"
+    fi
+    if [[ $DISTLAB_LAUNCHER == srun && -n $tasks && $tasks != "$DISTLAB_GPUS_PER_NODE" ]]; then
+        distlab_die "--ntasks-per-node=$tasks but $DISTLAB_GPUS_PER_NODE GPU(s) a node: one task a GPU, ask --ntasks-per-node=$DISTLAB_GPUS_PER_NODE"
+    fi
+}
+
+distlab_detect_launcher() {
+    command -v "$DISTLAB_SRUN" >/dev/null 2>&1 || distlab_die "srun not found ($DISTLAB_SRUN): run the job with sbatch on a Slurm cluster"
+    DISTLAB_LAUNCHER_DETAIL=srun
+}
+
+# distlab_ranks_command NPROCS PPN: srun's words for NPROCS tasks, PPN a node. Each task sees every GPU of its node
+# and takes the one of its local rank (SLURM_LOCALID, read by distlab.runtime).
+distlab_ranks_command() {
+    local nprocs=$1 ppn=$2 nodes=$((($1 + $2 - 1) / $2))
+    local -a cmd extra
+    cmd=("$DISTLAB_SRUN" --nodes="$nodes" --ntasks="$nprocs" --ntasks-per-node="$ppn" --kill-on-bad-exit=1)
+    read -ra extra <<<"$DISTLAB_SRUN_ARGS"
+    cmd+=("${extra[@]}")
+    printf '%s\n' "${cmd[@]}"
+}
+
+# distlab_agents_command NODES: one task a node, for a torchrun agent that starts that node's workers
+distlab_agents_command() { distlab_ranks_command "$1" 1; }
+
+# ---------------------------------------------------------------------------------------------------
+# Walltime: its end, and Slurm's warning before it
+# ---------------------------------------------------------------------------------------------------
+distlab_deadline() {
+    # DISTLAB_DEADLINE (seconds since the epoch) = the job's EndTime less DISTLAB_WALLTIME_MARGIN, as under PBS:
+    # the scripts that checkpoint (fault_drill.py) stop themselves before it, write a checkpoint and exit 0.
+    # At the limit Slurm sends TERM (up to about 30 s late: it checks limits every 30 s) and KILL KillWait later.
+    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
+    local end limit
+    end=$(distlab_job_field EndTime)
+    limit=$(distlab_job_field TimeLimit)
+    [[ -n $end && $end != Unknown && $limit != UNLIMITED ]] || return 0 # not a Slurm job, or no limit
+    end=$(date -d "$end" +%s 2>/dev/null) || distlab_die "cannot read the job's EndTime '$end'"
+    (( end - $(date +%s) > DISTLAB_WALLTIME_MARGIN )) || distlab_die "the time limit ($limit) leaves less than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s): ask a longer --time or a smaller margin"
+    DISTLAB_DEADLINE=$((end - DISTLAB_WALLTIME_MARGIN))
+    export DISTLAB_DEADLINE
+    distlab_log "deadline: scripts that checkpoint stop by $(date -d "@$DISTLAB_DEADLINE" +%T) (time limit $limit less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"
+}
+
+# distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: Slurm signals the batch
+# shell N s, up to about N + 30 s, before the limit). Bash runs it once the launch in progress has ended: nothing
+# more is launched, so no script starts that the limit would cut short.
+distlab_on_walltime_warning() {
+    DISTLAB_TERMINATED=1
+    distlab_log "walltime warning from Slurm (USR1): nothing more is launched; a chained successor goes on from the checkpoint"
+}
+trap distlab_on_walltime_warning USR1
+
+distlab_chain_next() {
+    # JOB_FILE VARIABLES: submit the job that continues this one, starting when this one ends however it ends
+    # (afterany: a job stopped at its limit did not end "ok"), with this job's own shape: nodes, tasks a node, GPUs
+    # a node, time limit, partition and account. Prints its id.
+    local -a args=(--parsable --dependency="afterany:$SLURM_JOB_ID" --nodes="$DISTLAB_NNODES")
+    local partition account limit
+    partition=$(distlab_job_field Partition)
+    account=$(distlab_job_field Account)
+    limit=$(distlab_job_field TimeLimit)
+    [[ -z $partition ]] || args+=(--partition="$partition")
+    [[ -z $account || $account == "(null)" ]] || args+=(--account="$account")
+    [[ -z $limit ]] || args+=(--time="$limit")
+    [[ -z ${SLURM_NTASKS_PER_NODE:-} ]] || args+=(--ntasks-per-node="$SLURM_NTASKS_PER_NODE")
+    [[ -z ${SLURM_GPUS_ON_NODE:-} ]] || args+=(--gpus-per-node="$SLURM_GPUS_ON_NODE")
+    [[ -z ${SLURM_CPUS_PER_TASK:-} ]] || args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    # its output beside this job's (NAME.oJOBID, as #SBATCH --output=%x.o%j writes it)
+    local stdout
+    stdout=$(distlab_job_field StdOut)
+    [[ -z $stdout ]] || args+=(--output="${stdout%/*}/%x.o%j")
+    # what the first job was given on sbatch's command line beyond that (a --signal, a --qos): say it again here
+    local -a extra
+    read -ra extra <<<"${DISTLAB_CHAIN_SBATCH_ARGS:-}"
+    args+=("${extra[@]}")
+    # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
+    # run folder, deadline, NCCL log folder and rendezvous
+    env -u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES \
+        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$2" "$1" | cut -d';' -f1
+}
+
+if [[ ${DISTLAB_FUNCTIONS_ONLY:-0} == 1 ]]; then
+    return 0 # the functions are defined; the tests call them one by one
+fi
+distlab_setup

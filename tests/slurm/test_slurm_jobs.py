@@ -1,0 +1,154 @@
+"""The course's slurm/ jobs, unchanged, under a real two-node Slurm cluster (n1, n2 on this machine).
+
+Each job is submitted as a user would, `sbatch -N 2 slurm/NN_name.sbatch`, with only the shape of the test cluster
+said on the command line (two tasks and two GPUs a node: the GPUs are Slurm's count, the ranks run on the CPU with
+gloo) and the course's settings in the environment (sbatch hands the environment on). Every job is submitted at
+the start, so the cluster runs them side by side; each test waits for its own with scontrol and reads what the job
+wrote: every check passed, ranks on both nodes. The node names do not resolve here: DISTLAB_MASTER_ADDR=127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM_DIR = ROOT / "slurm"
+SHAPE = ["-N", "2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
+
+
+def settings(run_dir: Path, **extra: str) -> dict[str, str]:
+    return {"DISTLAB_RUN_DIR": str(run_dir), "DISTLAB_DEVICE": "cpu", "DISTLAB_PRESET": "tiny", "DISTLAB_MODULES": "",
+            "DISTLAB_CONDA_ENV": "", "DISTLAB_PYTHON": sys.executable, "DISTLAB_MASTER_ADDR": "127.0.0.1",
+            "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"), "DISTLAB_LAUNCH_TIMEOUT": "150", **extra}
+
+
+# name: (job file, extra sbatch options, extra settings)
+JOBS = {
+    # one script of each chapter job (the tier proves the path; tests/scripts proves every script): the job file,
+    # common.sh and srun are the same for every script of a job
+    "04": ("04_data_parallel", [], {"DISTLAB_ONLY": "ddp_from_scratch.py"}),
+    "05": ("05_fully_sharded", [], {"DISTLAB_ONLY": "zero_from_scratch.py"}),
+    "09": ("09_hybrid_parallel", [], {"DISTLAB_ONLY": "rank_grid.py"}),
+    "13": ("13_expert_parallel", [], {"DISTLAB_ONLY": "moe_transformer.py"}),
+    "preflight": ("preflight", [], {"DISTLAB_ONLY": "distlab.runtime:bandwidth.py", "PREFLIGHT_BW_MAX_BYTES": "64K"}),
+    # the walltime path: a 1-minute limit, a deadline 40 s before it; the drill (rank 1 dies at step 5, torchrun
+    # restarts it) stops at the deadline with a checkpoint, exit 0; its successor (sbatch --dependency) resumes
+    # and completes, and cancels the successor it queued in turn
+    # (the warning is asked 5 s ahead, not the job file's 180: a 1-minute limit; the chain says so again)
+    "walltime": ("12_hpc_operations", ["--time=1", "--signal=B:USR1@5"],
+                 {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "40",
+                  "DISTLAB_DRILL_STEPS": "8", "DISTLAB_DRILL_STEP_SECONDS": "1",
+                  "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5"}),
+    # bad input: one line, exit 2, nothing left queued
+    "tasks-not-gpus": ("04_data_parallel", ["--ntasks-per-node=1"], {}),
+    "ranks-do-not-fit": ("04_data_parallel", [], {"DISTLAB_NPROCS": "3"}),
+    "demo-one-node": ("instructor_demo", ["-N", "1"], {}),
+}
+
+
+@pytest.fixture(scope="module")
+def submitted(cluster, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slurm_course_jobs")
+    jobs = {}
+    for name, (job, options, extra) in JOBS.items():
+        out = folder / name
+        (out / "scratch").mkdir(parents=True)
+        env = settings(out / "run", DISTLAB_DRILL_DIR=str(out / "drill"), **extra)
+        job_id = cluster.sbatch(*SHAPE, *options, "-o", str(out / "slurm-%j.out"), str(SLURM_DIR / f"{job}.sbatch"),
+                                cwd=ROOT, **env)
+        jobs[name] = (job_id, out)
+    return jobs
+
+
+def finished(cluster, submitted, name, timeout=240):
+    job_id, out = submitted[name]
+    fields = cluster.wait(job_id, timeout=timeout)
+    log = "".join(p.read_text() for p in sorted(out.glob("slurm-*.out")))
+    return fields, log, out / "run"
+
+
+def metrics_of(run: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in run.glob("*.json")}
+
+
+@pytest.mark.parametrize("name, scripts", [("04", 1), ("05", 1), ("09", 1), ("13", 2)])
+def test_chapter_job_passes_every_check_with_ranks_on_both_nodes(cluster, submitted, name, scripts):
+    fields, log, run = finished(cluster, submitted, name)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    found = metrics_of(run)
+    assert len(found) >= scripts, sorted(found)
+    for script, metrics in found.items():
+        assert metrics["checks"] and all(c["passed"] for c in metrics["checks"]), (script, metrics["checks"])
+        assert metrics["world_size"] == 4, script
+    assert "job " in log and "(slurm): 2 node(s) [n1 n2]" in log
+    summary = (run / "summary.txt").read_text()
+    assert summary.startswith(f"job {submitted[name][0]} on 2 node(s): n1 n2") and "FAILED" not in summary
+
+
+def test_preflight_job_maps_ranks_on_both_nodes(cluster, submitted):
+    fields, log, run = finished(cluster, submitted, "preflight")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    rank_map = json.loads((run / "rank_map.json").read_text())
+    assert all(c["passed"] for c in rank_map["checks"])
+    hosts = {r.get("slurm_node") or r.get("host") for r in rank_map["extra"].get("ranks", [])}
+    assert "ok bandwidth.py" in (run / "summary.txt").read_text()
+    assert (run / "preflight.txt").exists() and hosts
+
+
+def chain_next(log: str) -> str | None:
+    return next((line.split("next job of the chain: ")[1].split()[0] for line in log.splitlines()
+                 if "next job of the chain: " in line), None)
+
+
+def test_walltime_deadline_checkpoint_and_the_chain_resume_to_the_uninterrupted_result(cluster, submitted):
+    fields, log, run = finished(cluster, submitted, "walltime")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    first = json.loads((run / "fault_drill.json").read_text())
+    assert first["extra"].get("stopped_by") == "deadline", first["extra"]  # stopped itself: checkpoint, exit 0
+    out = submitted["walltime"][1]
+    # follow the chain (sbatch --dependency=afterany): each job resumes from the checkpoint the one before left,
+    # in a run folder of its own on the scratch folder, until one completes the run
+    job, jobs_log = chain_next(log), log
+    for _ in range(3):
+        assert job, jobs_log[-3000:]
+        fields = cluster.wait(job, timeout=180)
+        jobs_log = (out / f"distlab-12-ops.o{job}").read_text()
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), jobs_log[-4000:]
+        assert fields["NumNodes"] == "2" and fields["Partition"] == "gpu" and fields["TimeLimit"] == "00:01:00"
+        job_run = Path(next(line.split("run directory ")[1] for line in jobs_log.splitlines() if "run directory " in line))
+        metrics = json.loads((job_run / "fault_drill.json").read_text())
+        if not metrics["extra"].get("stopped_by"):
+            break
+        job = chain_next(jobs_log)
+    assert "resuming from" in jobs_log and all(c["passed"] for c in metrics["checks"]), metrics["checks"]
+    assert any(c["name"] == "losses over all attempts = uninterrupted single device" for c in metrics["checks"])
+    # the run is complete: the successor this job had queued, if any, is cancelled
+    successor = chain_next(jobs_log)
+    if successor:
+        assert cluster.wait(successor, timeout=60)["JobState"] == "CANCELLED"
+        assert f"the chain's next job {successor} is cancelled" in jobs_log
+
+
+@pytest.mark.parametrize("name, line", [
+    ("tasks-not-gpus", "distlab: error: --ntasks-per-node=1 but 2 GPU(s) a node: one task a GPU, ask --ntasks-per-node=2"),
+    ("ranks-do-not-fit", "distlab: error: 3 ranks do not fit 2 node(s) x 2 GPUs"),
+    ("demo-one-node", "distlab: error: the demo shows 2 nodes; this job has 1"),
+])
+def test_bad_input_ends_the_job_with_one_line_exit_2_and_nothing_queued(cluster, submitted, name, line):
+    fields, log, _ = finished(cluster, submitted, name)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
+    errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith(line), log[-3000:]
+    assert "Traceback" not in log
+    assert cluster.run(["squeue", "-h", "-n", fields["JobName"]]).stdout.strip() == ""
+
+
+def test_an_unknown_partition_is_refused_at_submission_with_one_line(cluster, tmp_path):
+    with pytest.raises(RuntimeError, match=r"sbatch: error: invalid partition specified: nosuch"):
+        cluster.sbatch(*SHAPE, "-p", "nosuch", "-o", str(tmp_path / "x.out"), str(SLURM_DIR / "04_data_parallel.sbatch"),
+                       cwd=ROOT, **settings(tmp_path / "run"))
+    assert cluster.run(["squeue", "-h"]).stdout.count("nosuch") == 0
