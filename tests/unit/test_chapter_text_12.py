@@ -203,3 +203,14 @@ def test_the_drills_data_is_what_the_chapter_says():
     parser_default = "default=20,"  # --samples
     assert parser_default in (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert "a finite dataset (20 sequences)" in " ".join(CHAPTER.split())
+
+
+def test_the_chapter_sets_pbs_and_slurm_side_by_side():
+    # issue 30: one table, a row for each thing a user does under either scheduler, both commands in it
+    rows = {line.split("|")[1].strip(): line for line in CHAPTER.splitlines() if line.startswith("| ")}
+    for thing, pbs, slurm in [("submit", "qsub", "sbatch"), ("wait, look", "qstat", "squeue"),
+                              ("cancel", "qdel", "scancel"), ("walltime warning", "kill_delay", "--signal=B:USR1@N"),
+                              ("chaining", "depend=afterany", "--dependency=afterany"),
+                              ("node list", "$PBS_NODEFILE", "$SLURM_JOB_NODELIST"),
+                              ("rank variables", "PALS_RANKID", "SLURM_PROCID")]:
+        assert thing in rows and pbs in rows[thing] and slurm in rows[thing], thing
