@@ -16,6 +16,6 @@ def test_the_conda_environment_and_its_package_cache_go_to_the_work_space_before
 
 
 def test_the_aws_ofi_nccl_recipe_has_hwloc_a_cxx20_compiler_and_a_check():
-    recipe = README[README.index("## NCCL on Slingshot"):README.index("## What `common.sh` does")]
+    recipe = " ".join(README[README.index("## NCCL on Slingshot"):README.index("## What `common.sh` does")].split())
     assert "--with-hwloc=" in recipe and "C++20" in recipe and "module load cuda gcc" in recipe
     assert "ldd $DISTLAB_NCCL_PLUGIN_DIR/libnccl-net-ofi.so" in recipe and "grep ncclNetPlugin_v" in recipe
