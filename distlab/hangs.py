@@ -28,13 +28,25 @@ P2P = ("send", "recv")
 class CallJournal:
     """This rank's calls, mirrored into ``store`` under ``{prefix}/{rank}`` as JSON after every change."""
 
-    def __init__(self, store, rank: int, prefix: str = "journal"):
+    def __init__(self, store, rank: int, prefix: str = "journal", mirror: str | None = None):
         self.store, self.rank, self.key = store, rank, f"{prefix}/{rank}"
+        self.mirror = mirror  # a file that holds the same JSON: what is left when the job is cancelled mid-hang
         self.calls: list[dict] = []
         self.state = "running"
 
+    def as_json(self) -> str:
+        return json.dumps({"rank": self.rank, "state": self.state, "calls": self.calls})
+
     def _save(self) -> None:
-        self.store.set(self.key, json.dumps({"rank": self.rank, "state": self.state, "calls": self.calls}))
+        self.store.set(self.key, self.as_json())
+        self.save_file()
+
+    def save_file(self) -> None:
+        if self.mirror:
+            os.makedirs(os.path.dirname(self.mirror) or ".", exist_ok=True)
+            with open(self.mirror + ".tmp", "w") as f:
+                f.write(self.as_json())
+            os.replace(self.mirror + ".tmp", self.mirror)  # never a half-written journal
 
     @contextlib.contextmanager
     def call(self, label: str, op: str, group: str = "world", members=None, peer: int | None = None,
@@ -51,9 +63,30 @@ class CallJournal:
         self._save()
 
     def finish(self, state: str) -> None:
-        """``finished`` (the program ran to its end) or ``timed out`` (a call raised after the timeout)."""
+        """``finished`` (the program ran to its end), ``timed out`` (a call raised after the timeout) or
+        ``cancelled`` (the job was ended while the rank waited: only the file is written, the store may be gone)."""
         self.state = state
-        self._save()
+        if state == "cancelled":
+            self.save_file()
+        else:
+            self._save()
+
+
+def on_sigterm_leave_evidence(leave) -> None:
+    """Call ``leave()`` when the process gets SIGTERM (scancel, qdel, the walltime), even while the main thread
+    waits inside a collective, where no Python signal handler runs until the call returns: SIGTERM is blocked in
+    every thread (call this first, before the process group starts its threads, which inherit the mask) and one
+    helper thread waits for it with sigwait. ``leave`` writes what tells the hang apart and ends the process."""
+    import signal
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGTERM})
+        leave()
+
+    threading.Thread(target=wait, name="sigterm-evidence", daemon=True).start()
 
 
 # Two dumps of each rank, in two folders of the drill's trace folder, so that neither can overwrite the other: the

@@ -124,11 +124,27 @@ def main():
     env = hangs.debug_env(args.trace_dir)
     os.environ.update(env)  # read when the process group is created, too
 
+    # A job cancelled while its ranks hang (scancel, qdel) still leaves each rank's journal and flight recorder
+    # in --trace-dir: SIGTERM is taken by a helper thread (before the process group's threads exist)
+    ready = {}
+
+    def leave_evidence():
+        rt, journal = ready.get("rt"), ready.get("journal")
+        if journal is not None:
+            journal.finish("cancelled")
+            hangs.dump_flight_recorder(args.trace_dir, rt.rank, rt.backend)
+            print(f"[rank {rt.rank}] SIGTERM while waiting: journal and flight recorder written to {args.trace_dir}",
+                  flush=True)
+        os._exit(143)
+
+    hangs.on_sigterm_leave_evidence(leave_evidence)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         hangs.prepare_trace_dir(env)  # NCCL's watchdog writes its own dump there on a timeout
         report = metrics.Report(__file__, rt, config=vars(args))
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store: it outlives a broken group
-        journal = hangs.CallJournal(store, rt.rank, prefix=f"deadlocks/{args.hang}")
+        journal = hangs.CallJournal(store, rt.rank, prefix=f"deadlocks/{args.hang}",
+                                    mirror=os.path.join(args.trace_dir, "journals", f"rank_{rt.rank}.json"))
+        ready.update(rt=rt, journal=journal)
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
         rt.print(f"planting: {args.hang}; process-group timeout {rt.pg_timeout_s:g} s")
         started = time.perf_counter()

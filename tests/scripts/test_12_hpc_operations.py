@@ -1,5 +1,7 @@
 """Chapter 12: every planted hang ends by itself within seconds, with a diagnosis that names its cause."""
 
+import json
+
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
@@ -25,9 +27,14 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause, tmp_path):
     # PyTorch's flight recorder, dumped by every rank of a hung run: the same story as the journal
     recorded = metrics["extra"]["flight_recorder"]
     # the drill's own dump in manual/, never where NCCL's watchdog writes its own (watchdog/, empty on gloo)
-    dumps = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    dumps = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
+                   if p.is_file() and p.parent.name != "journals")
     assert dumps == ([] if hang == "none" else [f"manual/trace_rank_{r}" for r in range(4)])
     assert (tmp_path / "watchdog").is_dir()
+    # each rank's journal is mirrored into a file as it goes (what a cancelled job leaves behind)
+    files = {r: json.loads((tmp_path / "journals" / f"rank_{r}.json").read_text()) for r in range(4)}
+    assert {r: j["state"] for r, j in files.items()} == {r: j["state"] for r, j in metrics["extra"]["journals"].items()
+                                                         for r in [int(r)]}
     if hang == "skipped-barrier":  # ranks 0-2 enqueued the barrier as their 7th work item; rank 3 stopped at 6
         for r in range(3):
             assert recorded[str(r)].startswith("group 0: 7 enqueued, the last collective gloo:barrier"), recorded
@@ -40,7 +47,6 @@ def test_deadlocks_need_four_ranks():
 
 # ---- faults and walltime ------------------------------------------------------------------------------------
 
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402

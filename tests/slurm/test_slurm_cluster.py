@@ -19,6 +19,7 @@ from coursetools.slurm_cluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "pbs" / "job_probe.py"
+DEADLOCKS = ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py"
 
 
 def write_job(folder: Path, name: str, body: str) -> Path:
@@ -44,13 +45,13 @@ def jobs(cluster, tmp_path_factory):
             --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:'$port' --rdzv-id=$SLURM_JOB_ID \\
             --rdzv-conf=is_host=$((SLURM_NODEID == 0)) {PROBE} --device cpu --metrics-out "$OUT/probe.json"'
         """)
-    # a job that never ends by itself: scancel must end it, and leave what it wrote
-    hung = write_job(folder, "hung", """\
-        mkdir -p "$OUT/journals" && echo "rank 0: waiting in barrier" > "$OUT/journals/rank_0"
-        srun sleep 300
+    # a real hang (the last rank skips a barrier) with a process-group timeout far away: only scancel ends it,
+    # and each rank must leave its journal and its flight recorder in the run folder
+    hung = write_job(folder, "hung", f"""\
+        srun "$PY" {DEADLOCKS} --device cpu --hang skipped-barrier --pg-timeout 300 --trace-dir "$OUT/trace"
         """)
     for name, script, args in (("tasks", tasks, ["--ntasks-per-node=2"]), ("agents", agents, ["--ntasks-per-node=2"]),
-                               ("hung", hung, ["--ntasks-per-node=1"])):
+                               ("hung", hung, ["--ntasks-per-node=2"])):
         out = folder / name
         out.mkdir()
         job = cluster.sbatch("-N", "2", *args, "-o", str(out / "slurm-%j.out"), "-J", name, str(script),
@@ -81,12 +82,28 @@ def test_one_torchrun_agent_a_node_with_c10d_rendezvous(cluster, jobs):
     assert {r["launcher"] for r in ranks} == {"torchrun"} and {r["local_world_size"] for r in ranks} == {2}
 
 
-def test_a_hung_job_cancelled_with_scancel_leaves_what_it_wrote(cluster, jobs):
+def test_a_hung_job_cancelled_with_scancel_leaves_its_journals_and_flight_recorder(cluster, jobs):
+    import time
+
     job, out = jobs["hung"]
+    journals = out / "trace" / "journals"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # hung: every rank has a journal and one waits in a call
+        found = [json.loads(p.read_text()) for p in journals.glob("rank_*.json")] if journals.is_dir() else []
+        if len(found) == 4 and any(j["calls"] and not j["calls"][-1]["done"] for j in found):
+            break
+        time.sleep(0.5)
+    time.sleep(1)
     cluster.run(["scancel", job])
     fields = cluster.wait(job, timeout=60)
     assert fields["JobState"] == "CANCELLED"
-    assert (out / "journals" / "rank_0").read_text().startswith("rank 0: waiting")
+    left = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in journals.glob("rank_*.json")}
+    assert sorted(left) == [0, 1, 2, 3] and {j["state"] for j in left.values()} == {"cancelled"}
+    stuck = [r for r, j in left.items() if not j["calls"][-1]["done"]]
+    assert stuck, left  # the journals show the hang: ranks stuck in a call
+    from distlab import hangs
+    assert hangs.diagnose(left)["cause"] == "skipped collective"  # read from the files the job left
+    assert sorted(p.name for p in (out / "trace" / "manual").iterdir()) == [f"trace_rank_{r}" for r in range(4)]
 
 
 def test_the_cluster_stops_every_daemon_it_started():
