@@ -398,7 +398,7 @@ def draw_sizing_chart(fig) -> None:
 
 def draw_predicted_vs_published(fig) -> None:
     """Each row of the validation table: predicted MFU against published MFU, with y = x and the +-15 % band; a
-    named miss (a row that does not fit at its published settings) hollow."""
+    named miss (a row the planner misses at its published settings, with the reason in the table) hollow."""
     from distlab.planner import published
 
     ax = fig.subplots()
@@ -417,21 +417,21 @@ def draw_predicted_vs_published(fig) -> None:
         # points crowd near 35 %: a number beside each, its run in the key below right
         ax.annotate(str(i + 1), (row["published_mfu"], row["predicted_mfu"]), fontsize=6,
                     xytext=(4, (2, -8)[i % 2]), textcoords="offset points")
-    key = "\n".join(f"{i + 1}  {r['label'].split(',')[0]} ({r['gpus']:,} GPUs{', does not fit' if r['miss'] else ''})"
+    key = "\n".join(f"{i + 1}  {r['label'].split(',')[0]} ({r['gpus']:,} GPUs{', a named miss' if r['miss'] else ''})"
                      for i, r in enumerate(rows))
-    ax.text(0.98, 0.02, key, transform=ax.transAxes, fontsize=6, ha="right", va="bottom", multialignment="left",
+    ax.text(1.03, 0.0, key, transform=ax.transAxes, fontsize=7, ha="left", va="bottom", multialignment="left",
             bbox={"facecolor": "white", "edgecolor": "#cccccc"})
     ax.set_xlim(0.2, top)
     ax.set_ylim(0.2, top)
     ax.set_xlabel("published MFU (converted to the chapter's definition)")
     ax.set_ylabel("planner's MFU (derived)")
-    ax.set_title("The planner against ten measured training runs", fontsize=9)
+    ax.set_title(f"The planner against {len(rows)} measured training runs, at their published settings", fontsize=9)
     from matplotlib.lines import Line2D
     handles, _ = ax.get_legend_handles_labels()
     handles += [Line2D([], [], marker="o", linestyle="", color=RANK_COLOURS[0], label="A100"),
                 Line2D([], [], marker="o", linestyle="", color=RANK_COLOURS[1], label="H100"),
                 Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="grey",
-                       label="does not fit at its published settings")]
+                       label="a named miss (the table says why)")]
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     fig.tight_layout()
 
@@ -940,7 +940,7 @@ FIGURES = {
     "09_zero_with_pipeline.png": (draw_zero_with_pipeline, (9, 3.2)),
     "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
     "10_tiles_and_halos.png": (draw_tiles_and_halos, (9, 3.4)),
-    "11_predicted_vs_published.png": (draw_predicted_vs_published, (6.5, 5)),
+    "11_predicted_vs_published.png": (draw_predicted_vs_published, (9.5, 5)),
     "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
     "12_hang.png": (draw_hang, (9, 2.8)),
     "12_fault_drill.png": (draw_fault_drill, (8, 3.0)),

@@ -658,7 +658,14 @@ NOT_FOUND: dict[str, str] = {
 }
 
 
-# DISAGREEMENTS (file:line -- what it says -- what the source says)
+# DISAGREEMENTS (file:line -- what it says -- what the source says), as the source search found them before the
+# planner's correction. Since then (issue 29): 1 fixed (Llama 3 at 8K runs without recomputation, a named miss);
+# 2 fixed in part (FSDP kept gathered; the planner's unsharded fp32 gradients under PP said in chapter 11); 3 fixed
+# (V = 8 stated as the planner's); 4 fixed (all-gather CP modelled); 5 stated as the planner's assumption; 6 fixed
+# (run_table_1.sh's settings); 7 fixed (local DDP, zero 0); 8 said in chapter 11 (not found); 9 fixed (sections 2.4
+# and 3); 10 fixed (v100-32gb: four 100 Gb/s NICs for 8 GPUs); 12, 13 fixed (abstract and sections 3 / 4.2); 14 fixed
+# ("caches the experts' SwiGLU inputs"); 11, 15 and 16 stand as recorded (a rounding, a community config, a PDF/HTML
+# difference).
 #
 # 1. distlab/planner/published.py:81-84 (LLAMA_PIPELINE) and chapters/11_choosing_a_strategy.md:105-107 (Llama 3 rows
 #    "..., full ckpt, SP"): the comment says "the paper does not say how it recomputes: the planner's choice", and

@@ -238,7 +238,7 @@ class Cluster:
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
     "A100": {"compute_efficiency": 0.56, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "H100": {"compute_efficiency": 0.58, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.57, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
     "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
 }
 
@@ -256,9 +256,9 @@ CLUSTERS: dict[str, Cluster] = {
                          900e9 / 2, 400e9 / 8,
                          "DGX H100: 8 x H100-80GB SXM, NVLink 4 (900 GB/s both ways), one 400 Gb/s NDR NIC per GPU",
                          **GPU_CONSTANTS["H100"]),
-    "v100-32gb": Cluster("v100-32gb", 8, 32 * GIB, 125e12, "fp16", 300e9 / 2, 100e9 / 8,
-                         "8 x V100-32GB SXM2 (fp16 tensor cores 125 TFLOP/s dense; no bf16), NVLink 2, "
-                         "100 Gb/s per GPU",
+    "v100-32gb": Cluster("v100-32gb", 8, 32 * GIB, 125e12, "fp16", 300e9 / 2, 4 * 100e9 / 8 / 8,
+                         "DGX-1: 8 x V100-32GB SXM2 (fp16 tensor cores 125 TFLOP/s dense; no bf16), NVLink 2, "
+                         "four 100 Gb/s InfiniBand NICs for the eight GPUs (NVIDIA's DGX-1 white paper)",
                          **GPU_CONSTANTS["V100"]),
 }
 

@@ -64,10 +64,12 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     assert len(rows) >= 6 and all(r["passes"] or r["miss"] for r in rows), [(r["label"], r["error"]) for r in rows
                                                                              if not r["passes"]]
     assert planner.published.BAND == 0.15 and "Every row is within 15 %" in text
-    assert "except Llama 3's two 8K rows, which the planner misses" in text
+    assert "except three named misses, left out of the fit" in text
     assert [r["label"] for r in rows if not r["passes"]] == ["Llama 3 405B, 8K tokens, 8,192 H100",
-                                                            "Llama 3 405B, 8K tokens, 16,384 H100"]
-    assert "**ten published, measured training runs**" in text and len(rows) == 10
+                                                            "Llama 3 405B, 8K tokens, 16,384 H100",
+                                                            "Megatron-Core 462B, 6,144 H100"]
+    assert "**fourteen published, measured training runs**" in text and len(rows) == 14
+    assert f"(eleven within 15 %" in text and sum(r["passes"] for r in rows) == 11
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
@@ -78,6 +80,10 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     assert round(errors["Megatron 22B, selective recomputation, 8 A100"], 2) == 0.15 and "the 22B run (+15 %" in text
     mtnlg = errors["MT-NLG 530B, 2,240 A100"]
     assert round(mtnlg, 2) == 0.09 and "lands at +9 %" in text
+    more = [errors[f"MT-NLG 530B, {g} A100"] for g in ("2,800", "3,360")]
+    assert [round(e, 2) for e in more] == [0.10, 0.13] and "lost more than the planner sees (+10 %, +13 %)" in text
+    llama = [errors[f"Llama 3 405B, 8K tokens, {g} H100"] for g in ("8,192", "16,384")]
+    assert f"({llama[0]:+.0%}, {llama[1]:+.0%})".replace("%", " %") in text
 
 
 def test_the_published_mfu_conversions_reproduce_what_the_papers_print():
@@ -143,10 +149,11 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     plans = planner.search(planner.MODELS["405b"], planner.CLUSTERS["h100-80gb"], 16384)
     flat = next(p for p in plans if p.layout.pp == 1 and p.fits)
     assert plans[0].layout.pp > 1 and flat.layout.dp == planner.MODELS["405b"].global_batch
-    with_pp = [p for p in plans[:5]]
-    assert all(p.layout.pp > 1 and round(p.mfu, 2) == round(plans[0].mfu, 2) for p in with_pp)
+    with_pp = plans[:3]   # the search's first three: PP 2, 8 and 16 within a point of MFU
+    assert all(p.layout.pp > 1 and plans[0].mfu - p.mfu < 0.01 for p in with_pp)
     assert {p.layout.pp for p in with_pp} >= {2, 16} and "with 2 to 16 stages" in text
-    assert plans[0].mfu > 2 * flat.mfu and f"all reach {plans[0].mfu:.0%}".replace("%", " %") in text
+    low, high = with_pp[-1].mfu, plans[0].mfu
+    assert plans[0].mfu > 2 * flat.mfu and f"all reach {low:.0%} to {high:.0%}".replace("%", " %") in text
     assert f"(twice the {flat.mfu:.0%} without PP)".replace("%", " %") in text
 
 

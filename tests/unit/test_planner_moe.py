@@ -274,6 +274,12 @@ def test_chapter_13_pastes_the_planners_table_and_its_numbers():
     assert f"would run at {numbers['tokens_per_gpu_exposed']:,.0f}: hiding them is worth {worth:.0%}" in flat
     assert f"37.6 B against \"37 B\"" in flat and numbers["fits"]
     assert "EP groups span 8 nodes of 8 ranks" in flat and "(4 of 256 a block)" in flat
+    gap = numbers["tokens_per_gpu_hidden"] / numbers["tokens_per_gpu_published"] - 1
+    assert f"against the measured 1,543 ({gap:.0%})" in flat
+    assert f"{numbers['compute_to_all_to_all']:.1f} : 1 in the planner" in flat
+    assert f"the planner predicts {numbers['mixtral_mapping_mfu']:.1%}" in flat and numbers["mixtral_mapping_fits"]
+    assert f"(MCore v0.9, {numbers['mixtral_published_mfu']:.1%} of the H100's bf16 peak)" in flat
+    assert f"about {numbers['mixtral_mapping_mfu'] / numbers['mixtral_published_mfu'] - 1:+.0%}" in flat
 
 
 def test_the_dry_run_fails_a_planner_whose_ep_group_leaves_tp_out(monkeypatch):

@@ -90,3 +90,120 @@ def test_the_secondary_and_readme_rows_hold_their_figures():
         row = next(line for line in readme.splitlines() if line.startswith(f"| {size} "))
         mfu = float(row.split("|")[2].strip().rstrip("%")) / 100
         assert next(r for r in RUNS if r.label.startswith(label)).stated == ("mfu", mfu)
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def test_the_model_shapes_are_the_papers():
+    """Llama 3 405B (Table 3), Mixtral 8x7B (Table 1) and DeepSeek-V3 (section 4.2), read from the quoted words. The
+    405B's vocabulary is the released tokenizer's 128,256, the paper's "128,000" rounded (sources.py's DISAGREEMENTS
+    11): allowed within 0.5 %."""
+    llama = planner.MODELS["405b"]
+    cells = [c.strip() for c in SOURCES["llama3_table3_shape"].quote.split("|")]
+
+    def row(name):
+        return _number(cells[cells.index(name) + 3])   # columns 8B, 70B, 405B
+
+    assert (llama.layers, llama.hidden, llama.ffn, llama.heads, llama.kv_heads) == (
+        row("Layers"), row("Model Dimension"), row("FFN Dimension"), row("Attention Heads"), row("Key/Value Heads"))
+    assert abs(llama.vocab / _number(cells[cells.index("Vocabulary Size") + 1]) - 1) < 0.005
+    table = {c[0]: c[1] for c in (line.strip("| ").split(" | ") for line in
+                                  SOURCES["mixtral_8x7b_table1"].quote.splitlines()) if len(c) == 2}
+    mixtral = planner.MODELS["mixtral-8x7b"]
+    assert (mixtral.hidden, mixtral.layers, mixtral.ffn, mixtral.heads, mixtral.kv_heads, mixtral.vocab,
+            mixtral.experts, mixtral.top_k) == tuple(int(table[k]) for k in (
+                "dim", "n_layers", "hidden_dim", "n_heads", "n_kv_heads", "vocab_size", "num_experts",
+                "top_k_experts"))
+    deepseek, words = planner.DEEPSEEK_V3, SOURCES["deepseek_v3_model_hparams"].quote
+    for phrase in (f"layers to {deepseek.layers}", f"hidden dimension to {deepseek.hidden}",
+                   f"n_h to {deepseek.heads}", f"1 shared expert and {deepseek.experts} routed experts",
+                   f"dimension of each expert is {deepseek.expert_ffn}", f"Among the routed experts, {deepseek.top_k}",
+                   "except for the first three layers", f"at most {planner.DEEPSEEK_V3_OPTIONS.ep_node_limit} nodes",
+                   "671B total parameters, of which 37B"):
+        assert phrase in words, phrase
+    assert deepseek.dense_layers == 3 and deepseek.qk_head_dim == 128 + 64 and deepseek.v_head_dim == 128
+    assert "d_h + d^R_h" in SOURCES["deepseek_v3_mla_qk_head_dim"].quote
+
+
+def test_deepseeks_published_figures_are_quoted():
+    assert planner.DEEPSEEK_V3_PUBLISHED == {"total": 671e9, "active": 37e9}
+    assert "671B total parameters with 37B activated" in SOURCES["deepseek_v3_abstract"].quote
+    assert planner.DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS == 180e3
+    assert "each trillion tokens requires only 180K H800 GPU hours" in \
+        SOURCES["deepseek_v3_180k_gpu_hours_per_trillion"].quote
+    layout, words = planner.DEEPSEEK_V3_LAYOUT, SOURCES["deepseek_v3_parallel_layout"].quote
+    assert f"{layout.pp}-way Pipeline" in words and f"{layout.ep}-way Expert" in words and "ZeRO-1" in words
+    assert layout.tp == 1 and "without using costly Tensor Parallelism" in words and layout.zero_stage == 1
+    links = SOURCES["h800_links_deepseek"].quote
+    h800 = planner.H800
+    assert f"{h800.intra_node_bytes_per_s / 1e9:.0f} GB/s" in links and f"({h800.inter_node_bytes_per_s / 1e9:.0f} GB/s)" \
+        in links
+    assert "quantize the activation before MoE up-projections into FP8" in \
+        SOURCES["deepseek_v3_fp8_dispatch_bf16_combine"].quote and planner.DEEPSEEK_V3_OPTIONS.ep_dispatch_bytes > 1
+    assert "we retain them in BF16" in SOURCES["deepseek_v3_fp8_dispatch_bf16_combine"].quote
+
+
+def test_the_clusters_peaks_and_links_are_quoted_or_named_not_found():
+    assert "312 teraFLOP/s" in SOURCES["a100_bf16_peak_312"].quote
+    assert planner.CLUSTERS["a100-80gb"].peak_flops == 312e12
+    # the H100 SXM's bf16 "1,979 TFLOPS*", "* Shown with sparsity": dense is half (a reseller's copy of NVIDIA's table)
+    assert "1,979 TFLOPS*" in SECONDARY["h100_sxm_pcie_spec_table"].quote and \
+        abs(planner.CLUSTERS["h100-80gb"].peak_flops / (1979e12 / 2) - 1) < 0.001
+    assert "v100_fp16_125" in NOT_FOUND and "nvidia_h100_datasheet" in NOT_FOUND   # said so, not hidden
+    assert "four 100 Gb InfiniBand network interface cards" in SECONDARY["dgx1_v100_four_100g_ib"].quote
+    assert planner.CLUSTERS["v100-32gb"].inter_node_bytes_per_s == 4 * 100e9 / 8 / 8
+    assert "eight NVIDIA Mellanox 200Gbps HDR" in SOURCES["dgx_a100_8x200_hdr"].quote
+    assert planner.CLUSTERS["a100-80gb"].inter_node_bytes_per_s == 200e9 / 8
+    assert "InfiniBand 8x400 Gbit/s" in SOURCES["dgx_h100_8x400_ib"].quote
+    assert planner.CLUSTERS["h100-80gb"].inter_node_bytes_per_s == 400e9 / 8
+    ring = SOURCES["nccl_hwlat_ring_simple"].quote
+    assert "Ring (LL/LL128/Simple)*/ { .6, 1.9, 3.4 }" in ring and "Ring (LL/LL128/Simple)*/ { 2.7, 4.0, 14.0 }" in ring
+    assert {c["intra_node_latency_s"] for c in planner.GPU_CONSTANTS.values()} == {3.4e-6}
+    assert {c["inter_node_latency_s"] for c in planner.GPU_CONSTANTS.values()} == {14e-6}
+    assert "max(40000000, 1000000 * dp_size)" in SOURCES["megatron_core_ddp_bucket_size"].quote
+
+
+def test_the_new_measured_rows_hold_their_figures():
+    mtnlg = SECONDARY["mtnlg_iteration_times"].quote
+    assert "60.1, 50.2, and 44.4 seconds" in mtnlg and "280, 350, and 420 DGX A100 servers" in mtnlg
+    rows = {r.label: r for r in RUNS}
+    for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4)):
+        run = rows[f"MT-NLG 530B, {nodes * 8:,} A100"]
+        assert run.stated == ("iteration_seconds", seconds) and run.gpus == nodes * 8
+        assert run.layout.tp * run.layout.pp == 280 and run.model.global_batch == 1920   # replicas of 280 GPUs
+    table = SOURCES["megatron_readme_h100_weak_scaling_table"].quote
+    for size, label in (("177B", "Megatron-Core 177B, 2,304 H100"), ("462B", "Megatron-Core 462B, 6,144 H100")):
+        cells = _table_row(table, size)
+        heads, hidden, layers, tp, pp, dp, gpus, batch = (int(c) for c in cells[1:9])
+        run = rows[label]
+        assert (run.model.heads, run.model.hidden, run.model.layers) == (heads, hidden, layers)
+        assert (run.layout.tp, run.layout.pp, run.layout.dp, run.gpus, run.model.global_batch) == (tp, pp, dp, gpus,
+                                                                                                    batch)
+        assert run.stated == ("mfu", int(cells[10].rstrip("%")) / 100)
+        assert (run.model.seq_len, run.model.vocab) == (4096, 131072)
+    words = SOURCES["megatron_readme_h100_text"].quote
+    assert "Vocabulary size: 131,072" in words and "Sequence length: 4,096" in words and "--tp-comm-overlap" in words
+    assert all(rows[label].options.async_tp for label in ("Megatron-Core 177B, 2,304 H100",
+                                                          "Megatron-Core 462B, 6,144 H100"))
+    assert "468 TFLOPS" in SOURCES["megatron_moe_readme_468_tflops"].quote
+    assert planner.chapter_tables.MIXTRAL_MCORE_TFLOPS == 468
+
+
+def test_chapter_13s_account_of_deepseeks_routing_is_the_reports():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    train = SOURCES["deepseek_v3_train_hparams"].quote
+    config = SOURCES["deepseek_v3_config_671b"].quote
+    for claim, evidence in ((("γ of 0.001", "14.3T tokens and 0 after"), "bias update speed γ to 0.001 for the first "
+                             "14.3T tokens, and to 0.0"),
+                            (("α = 0.0001", "just to avoid extreme imbalance within any single sequence"),
+                             "we set α to 0.0001, just to avoid extreme imbalance within any single sequence"),
+                            (("at most 4 of the 8 nodes",), "each token will be sent to at most 4 nodes (i.e., M = 4)")):
+        assert evidence in train and all(c in text for c in claim), claim
+    assert '"route_scale": 2.5' in config and "scaled by 2.5 (`route_scale`" in text
+    assert '"score_func": "sigmoid"' in config and "sigmoid affinities" in text
+    assert "normalization among all selected affinity scores" in SOURCES["deepseek_v3_gating_and_bias"].quote
+    assert "sum of the highest K_r/M affinity scores" in SOURCES["deepseek_v3_node_limited_routing"].quote
