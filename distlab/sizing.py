@@ -374,28 +374,36 @@ def shapes_table_markdown() -> str:
 
 def hsdp_against_fsdp(model: str | LlamaShape, nodes: int, gpus_per_node: int = 4) -> dict:
     """Per GPU, for FSDP over all ``nodes x gpus_per_node`` GPUs against HSDP (shard inside a node, replicate
-    across): the training state (16 bytes a parameter, ``memory.zero_state_bytes``) and the bytes each GPU sends
-    in a step's collectives whose groups span nodes (ring model, ``comm.bytes_sent_per_rank``; bf16 all-gathers,
-    fp32 gradient reductions, weights re-gathered for backward). Derived, not measured: the ledger that
-    ``train_fsdp.py --replicate`` measures equal to the same formula on CPU ranks."""
+    across): the training state (16 bytes a parameter, ``memory.zero_state_bytes``) and the bytes that cross the
+    network a step, per NIC (one NIC a GPU, as on Derecho). Derived, not measured (``train_fsdp.py --replicate``
+    measures each group's ledger equal to the same formula on CPU ranks).
+
+    FSDP's ring over all W = nodes x g ranks, laid out node by node, leaves each node on one edge a ring: of the
+    (W - 1) / W x payload every rank sends, the rest stays on NVLink; NCCL spreads its rings over the node's g NICs,
+    so each NIC carries (W - 1) / W x payload / g (bf16 all-gathers, forward and backward, and the fp32
+    reduce-scatter: 8 bytes a parameter). HSDP's g replica groups each hold one rank a node, each on its own NIC:
+    an all-reduce of the fp32 gradient shard (params / g), 2 (n - 1) / n of it a NIC. The ratio of the two is
+    ((W - 1) / W) / ((n - 1) / n): never more than 2."""
     from distlab import comm
 
     params = _shape(model).num_params()
     world = nodes * gpus_per_node
     fsdp = comm.zero_step_bytes(params, 3, param_bytes=2, grad_bytes=4)
-    fsdp_sent = sum(comm.bytes_sent_per_rank(name, payload, world) for name, payload in fsdp.items())
-    hsdp_sent = comm.bytes_sent_per_rank("all_reduce", params * 4 // gpus_per_node, nodes) if nodes > 1 else 0
+    payload = sum(fsdp.values())   # every collective's whole tensor: 2 + 2 + 4 bytes a parameter
+    fsdp_nic = payload * (world - 1) / world / gpus_per_node if nodes > 1 else 0
+    hsdp_nic = comm.bytes_sent_per_rank("all_reduce", params * 4 // gpus_per_node, nodes) if nodes > 1 else 0
     return {"nodes": nodes, "params": params,
             "fsdp_state_gib": memory.zero_state_bytes(params, world, 3).total / GIB,
             "hsdp_state_gib": memory.zero_state_bytes(params, gpus_per_node, 3).total / GIB,
-            "fsdp_sent_gb": fsdp_sent / 1e9, "hsdp_sent_gb": hsdp_sent / 1e9}
+            "fsdp_nic_gb": fsdp_nic / 1e9, "hsdp_nic_gb": hsdp_nic / 1e9,
+            "saving": fsdp_nic / hsdp_nic if hsdp_nic else float("nan")}
 
 
 def hsdp_table_markdown(cases=(("7B", 2), ("7B", 8), ("70B", 8), ("70B", 32))) -> str:
-    lines = ["| model | nodes (4 GPUs each) | state per GPU: FSDP over all GPUs | HSDP, shard 4 | sent per GPU and step "
-             "in groups that span nodes: FSDP | HSDP |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | nodes (4 GPUs each) | state per GPU: FSDP over all GPUs | HSDP, shard 4 | bytes over each NIC a "
+             "step: FSDP | HSDP | FSDP / HSDP |", "|---|---:|---:|---:|---:|---:|---:|"]
     for model, nodes in cases:
         row = hsdp_against_fsdp(model, nodes)
         lines.append(f"| {model} | {nodes} | {row['fsdp_state_gib']:.1f} GiB | {row['hsdp_state_gib']:.1f} GiB | "
-                     f"{row['fsdp_sent_gb']:.1f} GB | {row['hsdp_sent_gb']:.1f} GB |")
+                     f"{row['fsdp_nic_gb']:.1f} GB | {row['hsdp_nic_gb']:.1f} GB | {row['saving']:.2f}x |")
     return "\n".join(lines)

@@ -195,7 +195,14 @@ def test_the_hsdp_table_is_what_sizing_computes(raw, text):
     assert f"70 B does not ({seventy['hsdp_state_gib']:.0f} GiB a GPU)" in text
     for model, nodes in (("7B", 2), ("7B", 8), ("70B", 8), ("70B", 32)):  # the section's claims, every row
         row = sizing.hsdp_against_fsdp(model, nodes)
-        assert row["hsdp_sent_gb"] < row["fsdp_sent_gb"] / 3 and row["hsdp_state_gib"] > row["fsdp_state_gib"]
+        world, n = nodes * 4, nodes
+        # by hand, per NIC: FSDP (W-1)/W x 8 bytes a parameter / 4 NICs; HSDP 2 (n-1)/n x 4 bytes / 4
+        fsdp = (world - 1) / world * 8 * row["params"] / 4 / 1e9
+        hsdp = 2 * (n - 1) / n * (4 * row["params"] // 4) / 1e9
+        assert row["fsdp_nic_gb"] == pytest.approx(fsdp) and row["hsdp_nic_gb"] == pytest.approx(hsdp)
+        assert 1 < row["saving"] <= 2 and row["hsdp_state_gib"] > row["fsdp_state_gib"]
+    assert round(seven["saving"], 2) == 1.75 and "1.75x on 2 nodes" in text and "never more than 2x" in text
+    assert "what most multi-node FSDP jobs run" not in text
     assert "`train_fsdp.py --replicate 2`" in text
 
 
