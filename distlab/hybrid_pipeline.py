@@ -176,10 +176,19 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float
     ``get_total_norm`` gives this rank's stages' norm, a DTensor reduced over dp and tp by ``full_tensor()``,
     one per mesh the gradients live on; the stages' norms, raised to ``norm_type``, are summed over the pp group;
     ``clip_grads_with_norm_`` then scales every gradient by ``max_norm / total`` (when that is below 1). The same
-    steps torchtitan takes. Returns the total norm (a plain tensor, the same on every rank)."""
+    steps torchtitan takes. Returns the total norm (a plain tensor, the same on every rank).
+
+    The infinity norm is the largest |gradient|: no power to sum (``norm ** inf`` is inf or 0, and its
+    ``1 / inf``-th root 1 whatever the gradients), but the largest over the meshes and a MAX all-reduce over pp,
+    as torch's own ``_get_total_norm`` takes the inf-norm (the max) of the per-device norms (torch 2.13,
+    ``nn/utils/clip_grad.py:105``) and DTensor reduces a partial inf-norm with "max"
+    (``distributed/tensor/_ops/_math_ops.py:590``)."""
+    import math
+
     import torch
     import torch.distributed as dist
 
+    infinite = math.isinf(norm_type)
     parameters = [p for p in parameters if p.grad is not None]
     by_mesh: dict = {}
     for p in parameters:  # DTensors of different meshes cannot share one foreach call: one group a mesh
@@ -188,12 +197,16 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        total = norm ** norm_type if total is None else total + norm ** norm_type
+        if infinite:
+            total = norm if total is None else torch.maximum(total, norm)
+        else:
+            total = norm ** norm_type if total is None else total + norm ** norm_type
     if total is None:
         total = torch.zeros(())
     if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    total = total ** (1.0 / norm_type)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=pp_group)
+    if not infinite:
+        total = total ** (1.0 / norm_type)
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -224,13 +224,18 @@ def gather_named(tensors: dict) -> dict:
 
 def full_named(module, *, grads: bool = False) -> dict:
     """A stage's parameters (or gradients) by the full model's names, whole: DTensors (FSDP, TP) gathered over
-    their mesh (a collective for every rank of the stage), DDP's ``module.`` prefix removed, on the CPU."""
+    their mesh (a collective for every rank of the stage), DDP's ``module.`` prefix removed, on the CPU.
+
+    Always a copy: ``Tensor.cpu()`` on a tensor already on the CPU returns the tensor itself (torch 2.13,
+    ``_tensor_docs.py:1281``: "no copy is performed"), and so may ``full_tensor()`` of a DTensor that is not
+    sharded; the step-0 gradients kept for the check would then be the live ones, which clipping scales in place
+    (``nn/utils/clip_grad.py:173``, ``_foreach_mul_``) before the check reads them."""
     result = {}
     for name, param in module.named_parameters():
         value = param.grad if grads else param.detach()
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
-        result[name.removeprefix("module.")] = value.detach().cpu()
+        result[name.removeprefix("module.")] = value.detach().to("cpu", copy=True)
     return result
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from distlab import hybrid, hybrid_pipeline, models, tensor_parallel
 from distlab.comm import CollectiveCall
@@ -157,3 +159,40 @@ def test_reference_layouts_fit_the_gpus_they_are_named_for(name, gpus):
                                                    microbatches=settings["microbatches"]) == []
     assert settings["microbatches"] >= pp * chunks
     assert tensor_parallel.tp_config_problems(cfg, tp) == []
+
+
+def _two_gradient_sets(seed=0):
+    """The same parameters twice, gradients planted: one set for torch, one for distlab."""
+    torch.manual_seed(seed)
+    shapes = [(4, 3), (7,), (2, 5)]
+    grads = [torch.randn(s) * (1 + i) for i, s in enumerate(shapes)]
+    sets = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        sets.append(params)
+    return sets
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_equals_torchs_on_one_device(norm_type):
+    # inf summed infinite powers before (issue 34): inf ** (1 / inf) = 1 for any gradients (seen failing)
+    ours, torchs = _two_gradient_sets()
+    expected = torch.nn.utils.clip_grad_norm_(torchs, max_norm=0.5, norm_type=norm_type)
+    total = hybrid_pipeline.clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert expected.item() > 0.5                      # it clipped
+    for a, b in zip(ours, torchs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("norm_type, op", [(2.0, "SUM"), (math.inf, "MAX")])
+def test_clip_grad_norm_reduces_over_pp_with_max_for_inf(norm_type, op, monkeypatch):
+    # the stages' norms meet in one all-reduce over pp: summed powers, or the largest for the inf-norm
+    import torch.distributed as dist
+    seen = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=dist.ReduceOp.SUM, group=None: seen.append((op, group)))
+    ours, _ = _two_gradient_sets()
+    hybrid_pipeline.clip_grad_norm_(ours, 0.5, pp_group="pp", norm_type=norm_type)
+    assert seen == [(getattr(dist.ReduceOp, op), "pp")]
