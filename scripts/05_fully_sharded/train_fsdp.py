@@ -259,9 +259,13 @@ def main():
         padded_params = sum(-(-p.shape[0] // shard) * shard * p[0].numel() for p in model.parameters())
         padded = comm.zero_step_bytes(padded_params, **formula)
         group_of = {"all_gather": shard, "reduce_scatter": shard}
-        if args.replicate > 1:  # HSDP: each rank's reduced gradient shard, all-reduced over the replicas
-            analytic["all_reduce"] = num_params * formula["grad_bytes"] // shard
-            padded["all_reduce"] = padded_params * formula["grad_bytes"] // shard
+        if args.replicate > 1:  # HSDP: each rank's reduced gradient shard, all-reduced over the replicas; with a
+            # shard group of one rank (--replicate N) the shard is the whole gradient, all-reduced as DDP would
+            # (FSDP skips only the reduce-scatter there: torch 2.13, fsdp/_fully_shard/_fsdp_collectives.py:618
+            # reduce-scatters if world_size > 1, :634 all-reduces over the replicate group whenever it has one)
+            grad_bytes = 4
+            analytic["all_reduce"] = num_params * grad_bytes // shard
+            padded["all_reduce"] = padded_params * grad_bytes // shard
             group_of["all_reduce"] = args.replicate
         for collective, expected in analytic.items():
             per_step = [m.get(collective, {}).get("payload_bytes", 0) for m in measured_comm]

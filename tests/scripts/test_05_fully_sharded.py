@@ -112,6 +112,17 @@ def test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas():
     assert metrics["memory"]["measured"]["total"] == 16 * P / 2  # divided by the shard group, not the world
 
 
+def test_hsdp_with_shard_groups_of_one_all_reduces_whole_gradients():
+    # --replicate 4 on 4 ranks: nothing sharded, nothing gathered or reduce-scattered, the whole gradient
+    # all-reduced over the 4 replicas (DDP's bytes). The formula said 0 and the check failed (issue 34; seen)
+    metrics = assert_all_checks_passed(launch.run(FSDP, nproc=4, args=["--steps", "2", "--replicate", "4"],
+                                                  stream=False), min_checks=14)
+    comm = comm_of(metrics)
+    assert comm["all_gather"]["measured_bytes"] == comm["reduce_scatter"]["measured_bytes"] == 0
+    assert comm["all_reduce"]["measured_bytes"] == comm["all_reduce"]["analytic_bytes"] == 4 * P
+    assert metrics["memory"]["measured"]["total"] == 16 * P
+
+
 def test_hsdp_that_does_not_divide_the_ranks_exits_2():
     assert_config_error(FSDP, ["--replicate", "3"], "--replicate 3 does not divide the 4 ranks")
 
