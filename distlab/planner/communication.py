@@ -249,10 +249,25 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
         across = crosses_nodes(layout, dimension, cluster)
         link = cluster.inter_node_bytes_per_s if across else cluster.intra_node_bytes_per_s
         latency = cluster.inter_node_latency_s if across else cluster.intra_node_latency_s
-        bandwidth = bytes_sent(dimension, collectives, sizes[dimension]) / link
+        # a ring over nodes leaves each node on one edge: of what its k ranks in the node send, one rank's share
+        # crosses the network, over the k NICs they share (one a GPU); pp and cp's messages go rank to rank
+        nics = ranks_in_node(layout, dimension, cluster) if across and dimension not in ("pp", "cp") else 1
+        bandwidth = bytes_sent(dimension, collectives, sizes[dimension]) / (link * nics)
         waits = sum(calls[dimension].get(name, 0) * ring_steps(name, sizes[dimension]) for name in collectives)
         result[dimension] = {"bandwidth": bandwidth, "latency": waits * latency, "total": bandwidth + waits * latency}
     return result
+
+
+def ranks_in_node(layout: Layout, dimension: str, cluster: Cluster) -> int:
+    """The ranks of one group of ``dimension`` that share a node (DeviceMesh's order (pp, dp, cp, tp), tp innermost;
+    under HSDP dp is (replicate, shard)): a group of size n whose members are ``stride`` ranks apart has
+    gpus_per_node / stride of them in a node, at least 1 and at most n."""
+    inner = {"tp": 1, "cp": layout.tp, "dp": layout.cp * layout.tp, "pp": layout.dp * layout.cp * layout.tp,
+             "replicate": layout.cp * layout.tp * (layout.shard or 1), "expert_dp": layout.expert_shards}
+    size = group_sizes(layout)[dimension]
+    if dimension == "ep":
+        return ep_ranks_in_node(layout, cluster)
+    return max(1, min(size, cluster.gpus_per_node // inner[dimension]))
 
 
 def ep_ranks_in_node(layout: Layout, cluster: Cluster) -> int:

@@ -141,11 +141,15 @@ def test_the_planner_needs_two_nodes_fewer_for_70b_and_says_why(text):
 def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     steps = planner.decision_path()
     assert "DDP: does not fit" in steps[1]["answer"] and "FSDP dp=8: fits" in steps[1]["answer"]
-    fsdp_alone = planner.evaluate(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"],
-                                  planner.Layout(dp=64, zero_stage=3))
-    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"], 64)[0]
-    assert fsdp_alone.fits and best.mfu > fsdp_alone.mfu and best.layout.tp > 1
-    assert f"lifts the MFU from {fsdp_alone.mfu:.0%} to {best.mfu:.0%}".replace("%", " %") in text
+    derecho = planner.CLUSTERS["a100-40gb"]
+    short = planner.search(planner.MODELS["70b"], derecho, 64)[0]
+    assert short.layout == planner.Layout(dp=64, zero_stage=3) and "FSDP alone is the search's first choice" in text
+    wide = planner.replace(planner.MODELS["70b"], seq_len=8192, global_batch=512)
+    fsdp_alone = planner.tune(wide, derecho, planner.Layout(dp=64, zero_stage=3))
+    best = planner.search(wide, derecho, 64)[0]
+    assert not fsdp_alone.fits and best.fits and best.layout.tp == 2 and best.settings["sequence_parallel"]
+    assert (f"FSDP alone needs {fsdp_alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB a GPU, and TP 2 with "
+            f"sequence parallelism fits, at {best.mfu:.0%}").replace("%", " %") in text
     plans = planner.search(planner.MODELS["405b"], planner.CLUSTERS["h100-80gb"], 16384)
     flat = next(p for p in plans if p.layout.pp == 1 and p.fits)
     assert plans[0].layout.pp > 1 and flat.layout.dp == planner.MODELS["405b"].global_batch

@@ -383,3 +383,24 @@ def test_the_validation_band_can_fail():
     overlapped = [planner.published.validate(replace(run, options=replace(run.options, async_tp=True)))
                   for run in runs]
     assert any(not r["passes"] for r in overlapped)
+
+
+def test_a_ring_over_nodes_is_charged_per_nic_not_per_gpu():
+    """FSDP over 64 GPUs of Derecho (4 a node, one NIC each): the ring leaves a node on one edge, so what each rank
+    sends crosses the network shared by the node's 4 ranks' NICs: the dimension's bandwidth time is a quarter of one
+    NIC's. TP 4 beside it leaves one dp rank a node: one NIC each, as before (chapter 09's per-NIC count)."""
+    from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, ranks_in_node
+
+    derecho = planner.CLUSTERS["a100-40gb"]
+    spec = planner.MODELS["7b"]
+    for layout, nics in ((planner.Layout(dp=64, zero_stage=3), 4), (planner.Layout(tp=4, dp=16, zero_stage=3), 1),
+                         (planner.Layout(tp=2, dp=32, zero_stage=3), 2)):
+        assert ranks_in_node(layout, "dp", derecho) == nics
+        sent = bytes_sent("dp", comm_per_step(spec, layout, 0, planner.Options())["dp"], layout.dp)
+        seconds = dimension_seconds(spec, derecho, layout, 0, planner.Options())["dp"]
+        assert seconds["bandwidth"] == pytest.approx(sent / (derecho.inter_node_bytes_per_s * nics))
+    # inside one node nothing crosses the network: NVLink, every rank its own link
+    one_node = planner.Layout(dp=4, zero_stage=3)
+    sent = bytes_sent("dp", comm_per_step(spec, one_node, 0, planner.Options())["dp"], 4)
+    assert dimension_seconds(spec, derecho, one_node, 0, planner.Options())["dp"]["bandwidth"] == pytest.approx(
+        sent / derecho.intra_node_bytes_per_s)
