@@ -142,15 +142,14 @@ def check_against_single_device(report, reference, all_params, all_first_grads, 
     if precision == "bf16":
         report.check_close("losses equal the single-device run's" + resumed[:-1] + "; bf16 tolerance)", report.losses,
                            reference["losses"][first_step:], metrics.BF16_LOSS_TOLERANCE)
-        largest = max(g.abs().max().item() for g in reference["first_grads"].values())
-        relative = metrics.max_abs_diff([all_first_grads[n] for n in names],
-                                        [reference["first_grads"][n] for n in names]) / largest
-        report.check(f"step-{first_step} gradients equal the single-device run's (every parameter; bf16: largest "
-                     f"difference / largest gradient)", relative <= metrics.BF16_GRAD_RELATIVE_TOLERANCE, relative,
-                     metrics.BF16_GRAD_RELATIVE_TOLERANCE)
-        mean = metrics.mean_abs_diff([all_params[n] for n in names], [reference["params"][n] for n in names])
-        report.check("parameters after training equal the single-device run's (mean |difference|, bf16 tolerance)",
-                     mean <= metrics.bf16_param_mean_tolerance(lr), mean, metrics.bf16_param_mean_tolerance(lr))
+        metrics.check_bf16_tensors(report, all_first_grads, reference["first_grads"], kind="grad",
+                                   tolerance=metrics.BF16_GRAD_RELATIVE_TOLERANCE,
+                                   label=f"step-{first_step} gradients equal the single-device run's (each parameter; "
+                                         f"bf16: its largest difference / its largest gradient)")
+        metrics.check_bf16_tensors(report, all_params, reference["params"], kind="param",
+                                   tolerance=metrics.bf16_param_mean_tolerance(lr),
+                                   label="parameters after training equal the single-device run's (each "
+                                         "parameter's mean |difference|, bf16 tolerance)")
         return
     report.check_close("losses equal the single-device run's" + resumed, report.losses,
                        reference["losses"][first_step:], LOSS_TOLERANCE)

@@ -46,7 +46,6 @@ another allocation (8 ranks, then 4):
 
 import json
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -196,28 +195,28 @@ def main():
                                        "layout": layout}
 
         # 4. Train; step 1 is measured (step 0 also infers the shapes passed between stages).
-        step_losses, first_grads, measured, seconds, state, grad_norms = [], {}, {}, [], None, []
+        step_losses, first_grads, measured, state, grad_norms = [], {}, {}, None, []
+        clock = metrics.StepClock(rt.sync)   # the whole step: schedule, clipping, optimizer (MFU's one definition)
         first = args.first_step
         for step in range(first, args.steps):
             inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
             events.clear()
             dist.barrier()
-            rt.sync()
-            t0 = time.perf_counter()
+            t0 = clock.start()
             losses = [] if last_here else None
             with comm.CommCounter() as counter:
                 schedule.step(*((inputs,) if first_here else ()),
                               **(dict(target=targets, losses=losses) if last_here else {}))
-            rt.sync()
-            seconds.append(time.perf_counter() - t0)
-            step_losses.append(torch.stack(losses).mean().item() if last_here else None)
-            if step == first and args.reference:
+            if step == first and args.reference:   # the first step is not timed: its gradients, gathered whole
                 first_grads = {n: g for m in modules.values() for n, g in full_named(m, grads=True).items()}
             if args.clip_grad_norm is not None:  # the total norm over pp x dp x tp, the same on every rank
-                grad_norms.append(hybrid_pipeline.clip_grad_norm_(
-                    [p for m in modules.values() for p in m.parameters()], args.clip_grad_norm,
-                    pp_group=mesh.get_group("pp")).item())
+                norm = hybrid_pipeline.clip_grad_norm_([p for m in modules.values() for p in m.parameters()],
+                                                       args.clip_grad_norm, pp_group=mesh.get_group("pp"))
             optimizer.step()
+            clock.stop()
+            step_losses.append(torch.stack(losses).mean().item() if last_here else None)
+            if args.clip_grad_norm is not None:
+                grad_norms.append(norm.item())
             if step == first + 1:
                 state = memory.ledger(torch.nn.ModuleList(modules.values()), optimizer)
                 measured = hybrid_pipeline.bytes_by_dimension(counter.calls)
@@ -311,9 +310,9 @@ def main():
         report.extra.update(schedule=args.schedule, coordinates={r["rank"]: r["coordinates"] for r in everything},
                             stages_of_pp_rank={r: stage_indices(args.schedule, r, pp, chunks) for r in range(pp)},
                             bytes_by_dimension={r["rank"]: r["measured"] for r in everything})
-        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1, cfg=cfg,
-                                               device=rt.device, num_devices=rt.world_size,
-                                               dtype=args.precision)   # MFU against the peak of the dtype used
+        report.throughput = clock.throughput(args.batch * cfg.seq_len, cfg=cfg, device=rt.device,
+                                             num_devices=rt.world_size,
+                                             dtype=args.precision)   # MFU against the peak of the dtype used
         if rt.is_main:
             print(gantt.ascii_gantt(report.timeline, title=f"measured {args.schedule}, pipeline dimension "
                                                            f"(ranks with dp = tp = 0), step 1", time_unit="s"))

@@ -40,7 +40,6 @@ point-to-point sends instead of RPC, and composition with DDP / FSDP2 / DTensor 
 
 import importlib.util
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -163,20 +162,19 @@ def main():
             return hybrid_pipeline.bytes_by_dimension(counter.calls).get("dp", {})
 
         # 4. Train; step 1 is measured (step 0 also infers shapes between stages).
-        step_losses, first_grads, measured, seconds, state = [], {}, {}, [], None
+        step_losses, first_grads, measured, state = [], {}, {}, None
+        clock = metrics.StepClock(rt.sync)   # the whole step: schedule and optimizer (MFU's one definition)
         for step in range(args.steps):
             events.clear()
             bucket_log.bytes = 0
             dist.barrier()
-            rt.sync()
-            t0 = time.perf_counter()
+            t0 = clock.start()
             with comm.CommCounter() as counter:
                 step_losses.append(run_step(step))
-            rt.sync()
-            seconds.append(time.perf_counter() - t0)
-            if step == 0 and args.reference:
+            if step == 0 and args.reference:   # the first step is not timed: its gradients, gathered whole
                 first_grads = {n: g for module in wrapped.values() for n, g in full_named(module, grads=True).items()}
             optimizer.step()
+            clock.stop()
             if step == 1:
                 state = memory.ledger(torch.nn.ModuleList(wrapped.values()), optimizer)
                 measured = {"dp": dp_bytes(counter),
@@ -292,9 +290,9 @@ def main():
         report.extra.update(schedule=args.schedule, stages_of_pp_rank={r: stage_indices(args.schedule, r, pp, chunks)
                                                                        for r in range(pp)},
                             coordinates={r["rank"]: {"pp": r["pp_rank"], "dp": r["dp_rank"]} for r in everything})
-        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1, cfg=cfg,
-                                               device=rt.device, num_devices=rt.world_size,
-                                               dtype=args.precision)   # MFU against the peak of the dtype used
+        report.throughput = clock.throughput(args.batch * cfg.seq_len, cfg=cfg,
+                                             device=rt.device, num_devices=rt.world_size,
+                                             dtype=args.precision)   # MFU against the peak of the dtype used
         code = report.finish(args.metrics_out)
     sys.exit(code)
 

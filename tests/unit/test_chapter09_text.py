@@ -214,7 +214,8 @@ def test_the_clipping_paragraph_names_what_the_code_does(text):
     source = inspect.getsource(hybrid_pipeline.clip_grad_norm_)
     for call in ("get_total_norm", "full_tensor", "clip_grads_with_norm_"):
         assert call in source and call in text, call
-    assert "dist.all_reduce(total, group=pp_group)" in source and "summed over the pp group (an all-reduce)" in text
+    assert "dist.all_reduce(total, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=pp_group)" in source
+    assert "summed over the pp group (an all-reduce; for the infinity norm, the largest, a MAX all-reduce)" in text
     tests = (REPO / "tests" / "scripts" / "test_09_hybrid_pipeline.py").read_text()
     assert '"--clip-grad-norm", "0.5"' in tests and "`hybrid_3d.py --clip-grad-norm 0.5` on 2 x 2 x 2 ranks" in text
 

@@ -1,6 +1,7 @@
 """FLOPs, MFU, peaks and the metrics report."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,32 @@ def test_another_ranks_failed_checks_are_named_with_its_rank(capsys):
     report.check("loss", True, 0.1, 1e-5)
     assert report.finish() == 1
     assert capsys.readouterr().out.strip() == "rank 3:  [FAIL] memory of this rank  (640512, tolerance <= 427008)"
+
+
+def test_step_clock_synchronises_before_each_reading_and_skips_the_first_steps(monkeypatch):
+    # MFU's one definition (issue 34): whole steps, the device synchronised before the clock is read
+    events, now = [], iter(range(100))
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: events.append("clock") or float(next(now)))
+    clock = metrics.StepClock(lambda: events.append("sync"), skip=1)
+    for _ in range(3):
+        clock.start()
+        clock.stop()
+    assert events == ["sync", "clock"] * 6
+    block = clock.throughput(100)
+    assert block["timed_steps"] == 2 and block["step_seconds"] == 1.0 and block["tokens_per_s"] == 100.0
+    assert "whole steps" in block["timed"]
+
+
+def test_every_hybrid_of_chapter_09_times_whole_steps_with_the_one_clock():
+    # pp_dp_hybrid.py and hybrid_3d.py timed the schedule alone, fsdp_tp_hybrid.py the whole step: now each
+    # times through StepClock, stopped after the optimizer step (and after clipping, where it clips)
+    import re
+    folder = Path(__file__).resolve().parents[2] / "scripts" / "09_hybrid_parallel"
+    for name in ("pp_dp_hybrid.py", "hybrid_3d.py", "fsdp_tp_hybrid.py"):
+        source = (folder / name).read_text()
+        assert "perf_counter" not in source and "metrics.throughput(" not in source, name
+        assert "metrics.StepClock(rt.sync" in source and "clock.throughput(" in source, name
+        body = source[source.index("clock.start()"):source.index("clock.stop()")]
+        assert re.search(r"optimizer\.step\(\)\s*$", body), name        # the optimizer step is inside the clock
+        if "clip_grad_norm_(" in source:
+            assert "clip_grad_norm_(" in body, name
