@@ -195,10 +195,12 @@ def _saved_checkpoints(run_3d):
     return str(Path(saved["to"]).parent)
 
 
-@pytest.mark.parametrize("pp, dp, tp", [(1, 2, 2), (2, 1, 2)])
+@pytest.mark.parametrize("pp, dp, tp", [(1, 2, 2), (1, 1, 4)])
 def test_3d_checkpoint_resumes_in_another_layout_equal_to_the_run_that_never_stopped(pp, dp, tp, run_3d):
     # steps 2 and 3 on 4 ranks, from what 8 ranks in another layout wrote: losses, the step-2 gradients and the
-    # final parameters equal the single-device run of steps 0-3 with no stop (and the 8-rank run's own losses)
+    # final parameters equal the single-device run of steps 0-3 with no stop (and the 8-rank run's own losses).
+    # 1x1x4 changes TP across the resume (2 -> 4: every matrix, the vocabulary-split embedding and head too,
+    # resharded into quarters), and pp and dp with it; 2x1x2 is resumed by the weights-only test below
     folder = _saved_checkpoints(run_3d)
     result = launch.run(HYBRID_3D, nproc=4, args=["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--schedule",
                                                   "GPipe", "--steps", "4", "--resume", folder], stream=False)
@@ -207,7 +209,7 @@ def test_3d_checkpoint_resumes_in_another_layout_equal_to_the_run_that_never_sto
                  "parameters after training equal"):
         assert _check(metrics, name)["passed"]
     resumed = metrics["extra"]["resumed"]
-    assert resumed["step"] == 2 and resumed["saved_by"]["world_size"] == 8
+    assert resumed["step"] == 2 and resumed["saved_by"]["world_size"] == 8 and resumed["saved_by"]["tp"] == 2
     assert (resumed["layout"]["pp"], resumed["layout"]["dp"], resumed["layout"]["tp"]) == (pp, dp, tp)
     assert metrics["losses"] == pytest.approx(run_3d("2x2x2").metrics["losses"][2:], abs=1e-5)
     assert "saved by (pp, dp, tp) = (2, 2, 2) on 8 ranks; now" in result.output
