@@ -250,7 +250,8 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job_id)
-            if fields.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+            if fields.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "SIGNALING",
+                                              "STAGE_OUT", "RESIZING", "REQUEUED"):
                 return fields
             if time.monotonic() > deadline:
                 self.run(["scancel", job_id], check=False)

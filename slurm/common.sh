@@ -33,6 +33,7 @@ DISTLAB_SBATCH=${DISTLAB_SBATCH:-sbatch}
 DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}
 DISTLAB_SCONTROL=${DISTLAB_SCONTROL:-scontrol}
 DISTLAB_CHAIN_SBATCH_ARGS=${DISTLAB_CHAIN_SBATCH_ARGS:-} # more sbatch options for a chain's next jobs ("--qos=... --signal=...")
+DISTLAB_CHAIN_EXPORT=${DISTLAB_CHAIN_EXPORT:-}           # more NAME=value settings for a chain's next jobs (, between)
 case $DISTLAB_LAUNCHER in
 srun | torchrun) ;;
 *) distlab_die "DISTLAB_LAUNCHER=$DISTLAB_LAUNCHER: use srun or torchrun" ;;
@@ -152,7 +153,8 @@ distlab_chain_next() {
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
     # run folder, deadline, NCCL log folder and rendezvous
     env -u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES \
-        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$2" "$1" | cut -d';' -f1
+        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$2${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
+        cut -d';' -f1
 }
 
 if [[ ${DISTLAB_FUNCTIONS_ONLY:-0} == 1 ]]; then
