@@ -411,7 +411,7 @@ def draw_predicted_vs_published(fig) -> None:
     for i, (run, row) in enumerate(zip(published.RUNS, rows)):
         gpu = run.cluster.name.split("-")[0].upper()
         colour = {"A100": RANK_COLOURS[0], "H100": RANK_COLOURS[1]}[gpu]
-        # a named miss (the row does not fit at its published settings): hollow, and said in its label
+        # a named miss (the planner misses the row at its published settings, the table says why): hollow
         ax.scatter(row["published_mfu"], row["predicted_mfu"], s=28, zorder=3,
                    facecolors="none" if row["miss"] else colour, edgecolors=colour)
         # points crowd near 35 %: a number beside each, its run in the key below right

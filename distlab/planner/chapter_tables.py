@@ -42,13 +42,13 @@ def decision_path() -> list[dict]:
                   "case": "7B on 2 nodes of 4 x A100-40GB",
                   "answer": f"DDP: {_verdict(ddp)}; FSDP dp=8: {_verdict(fsdp)}; best: "
                             f"{plans[0].layout.label()} ({plans[0].mfu:.0%})"})
-    # 8K-token sequences (4M tokens a step): FSDP's traffic hides on Derecho's four NICs a node, its activations do
+    # 16K-token sequences (4M tokens a step): FSDP's traffic hides on Derecho's four NICs a node, its activations do
     # not fit beside the state
-    wide = replace(MODELS["70b"], seq_len=8192, global_batch=512)
+    wide = replace(MODELS["70b"], seq_len=16384, global_batch=256)
     plans = search(wide, c["a100-40gb"], 64)
     fsdp = tune(wide, c["a100-40gb"], Layout(dp=64, zero_stage=3))
     steps.append({"question": "Layers too wide, activations too big? TP inside a node.",
-                  "case": "70B, 8K-token sequences, on 16 nodes of 4 x A100-40GB",
+                  "case": "70B, 16K-token sequences, on 16 nodes of 4 x A100-40GB",
                   "answer": f"FSDP alone (dp=64): {_verdict(fsdp)}; best: {plans[0].layout.label()}, "
                             f"{_verdict(plans[0])}"})
     plans = search(MODELS["405b"], c["h100-80gb"], 16384)

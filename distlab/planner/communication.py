@@ -209,6 +209,8 @@ def crosses_nodes(layout: Layout, dimension: str, cluster: Cluster) -> bool:
         return layout.ep > 1 and layout.ep > cluster.gpus_per_node
     if dimension == "expert_dp":   # one rank of each EP group (or of each TP group without EP): the stage's span
         return layout.expert_dp > 1 and layout.dp * layout.cp * layout.tp > cluster.gpus_per_node
+    if dimension == "dp":   # FSDP's group over dp x cp, members tp ranks apart
+        return layout.fsdp_ways > 1 and layout.tp * layout.fsdp_ways > cluster.gpus_per_node
     order = ("pp", "dp", "cp", "tp")
     sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
     stride = math.prod(sizes[d] for d in order[order.index(dimension) + 1:])
@@ -262,7 +264,8 @@ def ranks_in_node(layout: Layout, dimension: str, cluster: Cluster) -> int:
     """The ranks of one group of ``dimension`` that share a node (DeviceMesh's order (pp, dp, cp, tp), tp innermost;
     under HSDP dp is (replicate, shard)): a group of size n whose members are ``stride`` ranks apart has
     gpus_per_node / stride of them in a node, at least 1 and at most n."""
-    inner = {"tp": 1, "cp": layout.tp, "dp": layout.cp * layout.tp, "pp": layout.dp * layout.cp * layout.tp,
+    # dp's group is FSDP's over dp x cp (or HSDP's shard, without CP): its members are tp ranks apart
+    inner = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.dp * layout.cp * layout.tp,
              "replicate": layout.cp * layout.tp * (layout.shard or 1), "expert_dp": layout.expert_shards}
     size = group_sizes(layout)[dimension]
     if dimension == "ep":

@@ -111,8 +111,10 @@ def megatron_settings(micro_batch: int, chunks: int) -> Options:
 # Megatron-Core on H100 (NVIDIA/Megatron-LM README, weak scaling, its table an image: images/model_table.png): GPT
 # models of vocabulary 131,072 and 4,096-token sequences, TP/PP/DP and batch as the table prints them, DP, TP and PP
 # communication overlapped ("--overlap-grad-reduce, --overlap-param-gather", "--tp-comm-overlap"). Not stated, the
-# planner's: the micro-batch, the interleave, the recomputation, ZeRO-1 (its distributed optimizer)
-MEGATRON_CORE = Options(zero_stage=1, async_tp=True, chunks=None, activation_checkpointing=None)
+# planner's: the micro-batch, the interleave, the recomputation, ZeRO-1 (its distributed optimizer), and Megatron's
+# sequence parallelism saving each TP region's input as its shard
+MEGATRON_CORE = Options(zero_stage=1, async_tp=True, chunks=None, activation_checkpointing=None,
+                        sp_saves_gathered_inputs=False)   # Megatron's SP, as for Llama 3: the planner's reading
 MEGATRON_CORE_README = "NVIDIA/Megatron-LM README, weak scaling (its table is an image, read by eye)"
 MTNLG_SCALING = "Smith et al. (2022), MT-NLG 530B, section 2.4, as quoted by cli99/llm-analysis"
 

@@ -144,7 +144,7 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     derecho = planner.CLUSTERS["a100-40gb"]
     short = planner.search(planner.MODELS["70b"], derecho, 64)[0]
     assert short.layout == planner.Layout(dp=64, zero_stage=3) and "FSDP alone is the search's first choice" in text
-    wide = planner.replace(planner.MODELS["70b"], seq_len=8192, global_batch=512)
+    wide = planner.replace(planner.MODELS["70b"], seq_len=16384, global_batch=256)
     fsdp_alone = planner.tune(wide, derecho, planner.Layout(dp=64, zero_stage=3))
     best = planner.search(wide, derecho, 64)[0]
     assert not fsdp_alone.fits and best.fits and best.layout.tp == 2 and best.settings["sequence_parallel"]

@@ -404,3 +404,38 @@ def test_a_ring_over_nodes_is_charged_per_nic_not_per_gpu():
     sent = bytes_sent("dp", comm_per_step(spec, one_node, 0, planner.Options())["dp"], 4)
     assert dimension_seconds(spec, derecho, one_node, 0, planner.Options())["dp"]["bandwidth"] == pytest.approx(
         sent / derecho.intra_node_bytes_per_s)
+
+
+@pytest.mark.parametrize("layout", [planner.Layout(dp=64, zero_stage=3), planner.Layout(tp=2, dp=32, zero_stage=3),
+                                    planner.Layout(tp=1, dp=8, cp=8, zero_stage=3),
+                                    planner.Layout(tp=2, dp=1, cp=4, zero_stage=3),
+                                    planner.Layout(tp=2, pp=2, dp=4, cp=2, zero_stage=3),
+                                    planner.Layout(tp=2, dp=16, zero_stage=3, shard=2),
+                                    planner.Layout(tp=4, pp=4, dp=2, cp=2, zero_stage=1)],
+                         ids=lambda layout: layout.label())
+def test_ranks_in_a_node_and_crossing_counted_from_the_rank_grid(layout):
+    """Independent of the planner's strides: lay the ranks out as DeviceMesh (pp, dp, cp, tp) does (HSDP's dp as
+    (replicate, shard)), take the group of rank 0 in each dimension, and count its members in rank 0's node."""
+    import itertools
+
+    derecho = planner.CLUSTERS["a100-40gb"]
+    from distlab.planner.communication import crosses_nodes, ranks_in_node
+
+    shape = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+    coords = list(itertools.product(*(range(n) for n in shape.values())))   # rank = index, tp fastest
+
+    def group(varying):   # the ranks that share rank 0's coordinates except in ``varying``
+        keep = [k for k in shape if k not in varying]
+        return [r for r, c in enumerate(coords) if all(c[list(shape).index(k)] == 0 for k in keep)]
+
+    members = {"tp": group({"tp"}), "cp": group({"cp"}), "pp": group({"pp"}),
+               "dp": group({"dp", "cp"}) if not layout.shard else [r for r in group({"dp"})
+                                                                     if coords[r][1] < layout.shard]}
+    if layout.shard:
+        members["replicate"] = [r for r in group({"dp"}) if coords[r][1] % layout.shard == 0]
+    for dimension, ranks in members.items():
+        in_node = sum(r < derecho.gpus_per_node for r in ranks)
+        spans = len({r // derecho.gpus_per_node for r in ranks}) > 1
+        assert crosses_nodes(layout, dimension, derecho) == spans, dimension
+        if spans and dimension not in ("pp",):
+            assert ranks_in_node(layout, dimension, derecho) == in_node, dimension
