@@ -87,17 +87,25 @@ distlab_detect_launcher() {
 
 # distlab_ranks_command NPROCS PPN: srun's words for NPROCS tasks, PPN a node. Each task sees every GPU of its node
 # and takes the one of its local rank (SLURM_LOCALID, read by distlab.runtime).
+# Slurm 22.05 to 23.02's srun does not read SLURM_CPUS_PER_TASK (its release notes): without --cpus-per-task
+# each task would be bound to one CPU and run its 16 OpenMP threads there, so the step asks for the job's share.
 distlab_ranks_command() {
-    local nprocs=$1 ppn=$2 nodes=$((($1 + $2 - 1) / $2))
+    local nprocs=$1 ppn=$2 nodes=$((($1 + $2 - 1) / $2)) cpus=${3:-${SLURM_CPUS_PER_TASK:-}}
     local -a cmd extra
     cmd=("$DISTLAB_SRUN" --nodes="$nodes" --ntasks="$nprocs" --ntasks-per-node="$ppn" --kill-on-bad-exit=1)
+    [[ -n "$cpus" ]] && cmd+=(--cpus-per-task="$cpus")
     read -ra extra <<<"$DISTLAB_SRUN_ARGS"
     cmd+=("${extra[@]}")
     printf '%s\n' "${cmd[@]}"
 }
 
-# distlab_agents_command NODES: one task a node, for a torchrun agent that starts that node's workers
-distlab_agents_command() { distlab_ranks_command "$1" 1; }
+# distlab_agents_command NODES: one task a node, for a torchrun agent that starts that node's workers: it gets every
+# CPU the job has on the node (a task's share times the tasks a node), since its workers share them
+distlab_agents_command() {
+    local cpus=""
+    [[ -n "${SLURM_CPUS_PER_TASK:-}" ]] && cpus=$((SLURM_CPUS_PER_TASK * ${SLURM_NTASKS_PER_NODE:-1}))
+    distlab_ranks_command "$1" 1 "$cpus"
+}
 
 # ---------------------------------------------------------------------------------------------------
 # Walltime: its end, and Slurm's warning before it
