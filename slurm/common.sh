@@ -138,7 +138,7 @@ trap distlab_on_walltime_warning USR1
 distlab_chain_next() {
     # JOB_FILE VARIABLES: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its limit did not end "ok"), with this job's own shape: nodes, tasks a node, GPUs
-    # a node, time limit, partition and account. Prints its id.
+    # a node, time limit, partition, account and the node features asked for (--constraint). Prints its id.
     local -a args=(--parsable --dependency="afterany:$SLURM_JOB_ID" --nodes="$DISTLAB_NNODES")
     local partition account limit
     partition=$(distlab_job_field Partition)
@@ -147,6 +147,9 @@ distlab_chain_next() {
     [[ -z $partition ]] || args+=(--partition="$partition")
     [[ -z $account || $account == "(null)" ]] || args+=(--account="$account")
     [[ -z $limit ]] || args+=(--time="$limit")
+    local features
+    features=$(distlab_job_field Features)   # what -C asked for: the next job lands on the same kind of node
+    [[ -z $features || $features == "(null)" ]] || args+=(--constraint="$features")
     [[ -z ${SLURM_NTASKS_PER_NODE:-} ]] || args+=(--ntasks-per-node="$SLURM_NTASKS_PER_NODE")
     [[ -z ${SLURM_GPUS_ON_NODE:-} ]] || args+=(--gpus-per-node="$SLURM_GPUS_ON_NODE")
     [[ -z ${SLURM_CPUS_PER_TASK:-} ]] || args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")

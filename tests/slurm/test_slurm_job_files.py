@@ -63,3 +63,35 @@ def test_shellcheck_finds_no_warning():
     result = subprocess.run([shellcheck, "-x", "--severity=warning", *files], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)  # a guard against a hang: a loaded machine took over 60 s
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_chained_job_carries_the_shape_partition_account_and_constraint(tmp_path):
+    """distlab_chain_next, with stand-ins for scontrol (this job's fields, as `scontrol show job -o` prints them)
+    and sbatch (which prints the words it was given): the successor asks for what this job had, -C included, so on a
+    mixed partition it lands on the same kind of node; a job without features asks for none."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+
+    def chain(features: str) -> str:
+        scontrol = tmp_path / "scontrol"
+        scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu Account=proj1 TimeLimit=00:30:00 "
+                            f"Features={features} StdOut=/runs/x.o7'\n")
+        sbatch = tmp_path / "sbatch"
+        sbatch.write_text('#!/bin/bash\necho "$*"\n')
+        for stand_in in (scontrol, sbatch):
+            stand_in.chmod(0o755)
+        env = dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", SLURM_JOB_ID="7", DISTLAB_NNODES="2",
+                   SLURM_NTASKS_PER_NODE="4", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="16",
+                   DISTLAB_SCONTROL=str(scontrol), DISTLAB_SBATCH=str(sbatch), HOME=str(tmp_path))
+        done = subprocess.run(["bash", "-c", "source slurm/common.sh && distlab_chain_next job.sbatch DISTLAB_CHAIN=1"],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    words = chain("a100_80gb")
+    for expected in ("--dependency=afterany:7", "--nodes=2", "--partition=gpu", "--account=proj1", "--time=00:30:00",
+                     "--constraint=a100_80gb", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=16"):
+        assert expected in words, (expected, words)
+    assert "--constraint" not in chain("(null)")
