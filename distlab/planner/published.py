@@ -103,6 +103,11 @@ MEGATRON_FULL = Options(zero_stage=0, activation_checkpointing="full", flash_att
                         sequence_parallel=False, recompute_early_stop=False, search_micro_batch=False)
 
 
+# Korthikanti et al.'s runs: selective recomputation with sequence parallelism; their micro-batch not found, chosen
+KORTHIKANTI_SELECTIVE = replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True,
+                                search_micro_batch=True)
+
+
 def megatron_settings(micro_batch: int, chunks: int) -> Options:
     """A Table 1 row's schedule as run_table_1.sh sets it (chunks 1: plain 1F1B)."""
     return replace(MEGATRON_FULL, schedule="interleaved_1f1b" if chunks > 1 else "1f1b", chunks=chunks)
@@ -123,6 +128,10 @@ def megatron_core_gpt(name: str, layers: int, hidden: int, heads: int, global_ba
     return gpt(name, layers, hidden, heads, 131072, 4096, global_batch, MEGATRON_CORE_README)
 
 
+# MT-NLG 530B (sections 2.2 and 3, as quoted): 105 layers, hidden 20480, 128 heads, 2048 tokens, batch 1920; its
+# vocabulary was not found (Megatron's 51,200 here); 1F1B without interleaving (DeepSpeed's pipeline)
+MTNLG_530B = gpt("mt-nlg-530b", 105, 20480, 128, 51200, 2048, 1920, MTNLG)
+
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("Llama 3 405B, 8K tokens, 8,192 H100", LLAMA3, MODELS["405b"], H100, Layout(8, 16, 64, 1, 3),
                  LLAMA_PIPELINE, ("mfu", 0.43), "8,192 GPUs, TP 8, CP 1, PP 16, DP 64, seq 8,192, batch/DP 32, "
@@ -134,18 +143,18 @@ RUNS: tuple[PublishedRun, ...] = (
                  replace(MODELS["405b"], seq_len=131072, global_batch=128), H100, Layout(8, 16, 8, 16, 3),
                  LLAMA_LONG, ("mfu", 0.38), "16,384 GPUs, TP 8, CP 16, PP 16, DP 8, seq 131,072, batch/DP 16, "
                  "16M tokens, 380 TFLOPs/GPU, 38 % BF16 MFU"),
-    PublishedRun("MT-NLG 530B, 2,240 A100", MTNLG, gpt("mt-nlg-530b", 105, 20480, 128, 51200, 2048, 1920, MTNLG),
-                 A100, Layout(8, 35, 8, 1, 1), replace(MEGATRON_FULL, schedule="1f1b", chunks=1),
+    PublishedRun("MT-NLG 530B, 2,240 A100", MTNLG, MTNLG_530B,
+                 A100, Layout(8, 35, 8, 1, 1), megatron_settings(1, 1),
                  ("iteration_seconds", 60.1), "280 DGX A100 nodes (2,240 GPUs), TP 8, PP 35, DP 8, batch 1920, "
                  "seq 2048: 60.1 s per iteration, 126 TFLOP/s per GPU"),
     PublishedRun("MT-NLG 530B, 2,800 A100", MTNLG_SCALING,
-                 gpt("mt-nlg-530b", 105, 20480, 128, 51200, 2048, 1920, MTNLG), A100, Layout(8, 35, 10, 1, 1),
-                 replace(MEGATRON_FULL, zero_stage=1, schedule="1f1b", chunks=1), ("iteration_seconds", 50.2),
+                 MTNLG_530B, A100, Layout(8, 35, 10, 1, 1),
+                 megatron_settings(1, 1), ("iteration_seconds", 50.2),
                  "350 DGX A100 servers (2,800 GPUs), replicas of 280 GPUs (TP 8, PP 35), batch 1920, seq 2048: 50.2 s "
                  "per iteration, 121 TFLOP/s per GPU"),
     PublishedRun("MT-NLG 530B, 3,360 A100", MTNLG_SCALING,
-                 gpt("mt-nlg-530b", 105, 20480, 128, 51200, 2048, 1920, MTNLG), A100, Layout(8, 35, 12, 1, 1),
-                 replace(MEGATRON_FULL, zero_stage=1, schedule="1f1b", chunks=1), ("iteration_seconds", 44.4),
+                 MTNLG_530B, A100, Layout(8, 35, 12, 1, 1),
+                 megatron_settings(1, 1), ("iteration_seconds", 44.4),
                  "420 DGX A100 servers (3,360 GPUs), replicas of 280 GPUs (TP 8, PP 35), batch 1920, seq 2048: 44.4 s "
                  "per iteration, 113 TFLOP/s per GPU"),
     PublishedRun("Megatron 145.6B, 1,536 A100", MEGATRON, gpt("gpt-145.6b", 80, 12288, 96, 51200, 2048, 2304,
@@ -165,15 +174,13 @@ RUNS: tuple[PublishedRun, ...] = (
                  "1008.0B: 160 heads, hidden 25600, 128 layers, TP 8, PP 64, 3072 GPUs, batch 3072, 163 TFLOP/s, 52 %"),
     PublishedRun("Megatron 175B, selective recomputation, 64 A100", KORTHIKANTI,
                  gpt("gpt-175b", 96, 12288, 96, 51200, 2048, 64, KORTHIKANTI), A100, Layout(8, 8, 1, 1, 1),
-                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True,
-                         search_micro_batch=True),
+                 KORTHIKANTI_SELECTIVE,
                  ("mfu", 0.514), "175B: MFU 51.4 %, HFU 52.8 %, selective recomputation and sequence parallelism, "
                  "measured with a data-parallel size of one (Megatron-LM README); its layout and batch (TP 8, PP 8, "
                  "batch 64 here) were not found in a source"),
     PublishedRun("Megatron 22B, selective recomputation, 8 A100", KORTHIKANTI,
                  gpt("gpt-22b", 48, 6144, 64, 51200, 2048, 4, KORTHIKANTI), A100, Layout(8, 1, 1, 1, 1),
-                 replace(MEGATRON_FULL, activation_checkpointing="selective", sequence_parallel=True,
-                         search_micro_batch=True),
+                 KORTHIKANTI_SELECTIVE,
                  ("mfu", 0.415), "22B: MFU 41.5 %, HFU 43.7 %, selective recomputation and sequence parallelism, "
                  "measured with a data-parallel size of one (Megatron-LM README); its layout and batch (TP 8, PP 1, "
                  "batch 4 here) were not found in a source"),
