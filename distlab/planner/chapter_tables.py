@@ -197,7 +197,7 @@ def moe_at_scale_markdown(numbers: dict | None = None) -> str:
          "trained (section 3.2)"),
         (f"all-to-all bytes a GPU sends in a step (stage {n['stage']}, node-limited routing, FP8 dispatch)",
          f"{n['all_to_all_gb']:,.0f} GB, {n['network_share']:.0%} of it over InfiniBand", "-"),
-        (f"that stage's compute : all-to-all time", f"{n['compute_to_all_to_all']:.1f} : 1 ({n['compute_s']:.1f} s : "
+        ("that stage's compute : all-to-all time", f"{n['compute_to_all_to_all']:.1f} : 1 ({n['compute_s']:.1f} s : "
          f"{n['all_to_all_s']:.1f} s)", "about 1 : 1 (section 3.2.1)"),
         ("tokens/s a GPU, all-to-alls on the critical path",
          f"{n['tokens_per_gpu_exposed']:,.0f} (step {n['step_exposed_s']:.1f} s)", "-"),

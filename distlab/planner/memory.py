@@ -6,9 +6,8 @@ import functools
 from dataclasses import replace
 
 from distlab import memory, models, moe, tensor_parallel
-from distlab.planner.spec import (Layout, ModelSpec, Options, bucket_params, checkpointing, chunks, keeps_gathered,
-                                  microbatches,
-                                  sequence_parallel, stage_layer_kinds, stage_layers)
+from distlab.planner.spec import (PIPELINE_SCHEDULES, Layout, ModelSpec, Options, bucket_params, checkpointing, chunks,
+                                  keeps_gathered, microbatches, sequence_parallel, stage_layer_kinds, stage_layers)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -439,3 +439,8 @@ def test_ranks_in_a_node_and_crossing_counted_from_the_rank_grid(layout):
         assert crosses_nodes(layout, dimension, derecho) == spans, dimension
         if spans and dimension not in ("pp",):
             assert ranks_in_node(layout, dimension, derecho) == in_node, dimension
+
+
+def test_an_unknown_schedule_is_named_in_a_clear_error():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        planner.in_flight("zigzag", 4, 0, 8)
