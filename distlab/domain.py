@@ -12,6 +12,7 @@ This module holds the pieces the chapter-10 scripts share:
 * :func:`halo_exchange`: the exchange as an autograd function, so gradients flow back across tile edges
   (the halo's gradient is sent back to the rank that owns those cells and added there);
 * :func:`tile_conv_stack`: a stack of convolutions evaluated on tiles that equals the one-device stack;
+* :func:`pole_halo`: the rows beyond a pole, for a model that crosses it (the course's models pad it with zeros);
 * formulas, each tested equal to a measurement: bytes a rank sends per exchange (:func:`halo_send_bytes`) and
   the surface-over-volume ratio of halo to tile (:func:`halo_to_tile_ratio`).
 
@@ -226,7 +227,8 @@ def halo_exchange(tile: torch.Tensor, grid: TileGrid, rank: int, width: int, gro
     """``tile`` with a halo of ``width`` cells on all four sides, from the neighbours (zeros at the field's edge).
 
     Height first, then width on the height-padded tile, so the corner cells (needed by a 3 x 3 stencil at a
-    tile's corner) arrive too: they travel through the up/down neighbour's left/right exchange.
+    tile's corner) arrive too: the left/right neighbour received them from the diagonal tile in its own up/down
+    exchange, and its columns carry them on to me.
     ``rank`` and the neighbours are ranks of ``group`` (the domain group; the world when None).
     """
     if width == 0:
@@ -272,6 +274,23 @@ def _padding(kernel_size: int, periodic_width: bool):
 def _wrap_width(x: torch.Tensor, width: int) -> torch.Tensor:
     """The one-device model's periodic padding east-west: the other edge's columns (a circular pad of the width)."""
     return F.pad(x, (width, width, 0, 0), mode="circular")
+
+
+def pole_halo(rows: torch.Tensor, width: int, *, pole_row: bool = False) -> torch.Tensor:
+    """The ``width`` halo rows beyond the north pole of a latitude-longitude field, outermost first (ready to be
+    concatenated above row 0). The course's models pad the poles with zeros; this is what crossing the pole means.
+
+    Beyond the pole lie the near side's rows seen from 180 degrees of longitude away, mirrored in order: the halo row
+    next to the pole is the first row, the next one out the second, and so on, each shifted by half the longitudes.
+    ``pole_row``: row 0 sits on the pole itself (ERA5's 721 rows), so the mirror starts at row 1. For the south pole,
+    flip the field upside down first. (Vector fields, such as wind, also flip the sign of their components.)
+    """
+    longitudes = rows.size(WIDTH)
+    if longitudes % 2:
+        raise ValueError(f"a pole halo shifts by half the longitudes: {longitudes} do not halve")
+    first = 1 if pole_row else 0
+    near_side = rows[..., first:first + width, :]
+    return torch.roll(near_side.flip(HEIGHT), shifts=longitudes // 2, dims=WIDTH)
 
 
 def build_conv_stack(channels, kernel_size: int, seed: int, device="cpu", periodic_width: bool = False) -> ConvStack:
@@ -429,8 +448,8 @@ def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None, field_cells
 
     GroupNorm normalises each sample's channel group by the mean and variance over all its cells, the cells of
     every tile. Each tile sums its own cells; one all-reduce over the domain group gives the field's mean, a
-    second the variance around it (two passes, as GroupNorm does, rather than E[x^2] - E[x]^2, which cancels
-    badly). The all-reduce is the autograd-aware one, so the backward pass reduces the gradients of the
+    second the variance around it: two passes, where torch's GroupNorm kernel makes one, with Welford's algorithm
+    (ATen/native/cpu/moments_utils.h:113, RowwiseMoments); the one-pass E[x^2] - E[x]^2 would cancel badly. The all-reduce is the autograd-aware one, so the backward pass reduces the gradients of the
     statistics too. ``group=None``: no reduction, each tile normalised on its own (wrong; the script shows by
     how much).
     """
@@ -458,8 +477,9 @@ def tile_group_norm(x: torch.Tensor, norm: nn.GroupNorm, group=None, field_cells
 
 def tile_field_cnn(model: FieldCNN, tile: torch.Tensor, grid: TileGrid, rank: int, group=None,
                    reduce_statistics: bool = True) -> torch.Tensor:
-    """``model``'s output on this rank's tile: a halo of ``k // 2`` before each convolution (the norms between
-    them need every cell of the layer's output, so the halo cannot be taken once for the whole stack)."""
+    """``model``'s output on this rank's tile: a halo of ``k // 2`` before each convolution. (The simple form:
+    the norms between the convolutions would also allow one halo for the whole stack, their statistics summed over
+    the tile's own cells only, the halo ring being copies of the neighbours' cells.)"""
     x = tile
     for i, conv in enumerate(model.convs):
         x = F.conv2d(halo_exchange(x, grid, rank, conv.kernel_size[0] // 2, group), conv.weight, conv.bias)

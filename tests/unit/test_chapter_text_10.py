@@ -46,3 +46,23 @@ def test_real_grids_section_states_what_the_code_does():
     assert '"--height", "9", "--width", "11", "--split", "hw", "--periodic-width"' in tests and "on a 9 x 11 field" in flat
     import torch
     assert (Path(torch.__file__).parent / "distributed" / "tensor" / "_tp_conv.py").exists()
+
+
+def test_the_mechanisms_are_described_as_the_code_runs_them():
+    flat = " ".join(CHAPTER.split())
+    # corners: the left/right message carries the rows the up/down exchange just brought (halo_send_bytes counts
+    # tile height + 2 halo widths there), so the diagonal tile's corner arrives from the horizontal neighbour
+    tiles = domain.TileGrid(2, 2, 32, 32)
+    assert domain.halo_send_bytes(tiles, 0, 3, channels=1, batch=1) == (3 * 16 + 3 * (16 + 6)) * 4
+    assert "arrive from the left or right neighbour, which received them from *its* vertical neighbour" in flat
+    assert "travel through the vertical neighbour's horizontal exchange" not in flat
+    # GroupNorm: torch's kernel is one Welford pass; the tiles' reduction is two passes
+    import torch
+    moments = Path(torch.__file__).parent / "include" / "ATen" / "native" / "cpu" / "moments_utils.h"
+    assert "Compute rowwise moments by Welford algorithm" in moments.read_text()
+    assert "torch's own GroupNorm makes one" in flat and "as GroupNorm itself computes it" not in flat
+    # a norm does not force a halo before every layer
+    assert "A norm does not force it" in flat and "needs this form, because the norm needs every cell" not in flat
+    # the pole: the near side mirrored in order and turned half way round (tests/unit/test_domain.py checks it)
+    assert "mirrored in order" in flat and "`domain.pole_halo`" in flat
+    assert "a halo taken from the row itself shifted" not in flat

@@ -147,3 +147,75 @@ def test_periodic_width_wraps_the_neighbours_and_one_tile_wraps_onto_itself():
     # the check can fail: the same tile treated as a bounded field (zero padding east-west) is not the globe
     bounded = domain.TileGrid(1, 1, 7, 10)
     assert not torch.allclose(domain.tile_conv_stack(model, field, bounded, 0), reference, atol=1e-3)
+
+
+def _on_the_sphere(latitudes_deg, longitudes_deg):
+    """A smooth function of the point on the sphere, evaluated at any (latitude, longitude) angles, beyond 90 too."""
+    lat, lon = torch.deg2rad(latitudes_deg)[:, None], torch.deg2rad(longitudes_deg)[None, :]
+    x, y, z = torch.cos(lat) * torch.cos(lon), torch.cos(lat) * torch.sin(lon), torch.sin(lat)
+    return (x + 2 * y + 3 * z + x * z)[None, None].double()
+
+
+@pytest.mark.parametrize("pole_row", [False, True])
+def test_pole_halo_is_the_near_side_mirrored_and_turned_half_way_round(pole_row):
+    # 12 longitudes of 30 degrees; rows 10 degrees apart, either centred between the pole and 80 (85, 75, ...) or
+    # with row 0 on the pole itself (90, 80, ...), as ERA5's 721 rows. The halo rows lie at 95, 105, 115 (or 100,
+    # 110, 120) degrees "latitude": the same points as 85, 75, 65 (80, 70, 60) seen from the other side
+    step, width = 10.0, 3
+    longitudes = torch.arange(12, dtype=torch.float64) * 30
+    offset = 0.0 if pole_row else step / 2
+    rows = torch.arange(6, dtype=torch.float64)
+    field = _on_the_sphere(90 - offset - step * rows, longitudes)
+    outward = torch.arange(width, 0, -1, dtype=torch.float64) if pole_row else torch.arange(width - 1, -1, -1)
+    beyond = 90 + offset + step * outward  # outermost first
+    halo = domain.pole_halo(field, width, pole_row=pole_row)
+    assert torch.allclose(halo, _on_the_sphere(beyond, longitudes), atol=1e-12)
+    # the check can fail: the rows shifted but not mirrored (the outermost halo row taken from row 0), or mirrored
+    # but not shifted, are other points of the sphere
+    first = 1 if pole_row else 0
+    unmirrored = torch.roll(field[..., first:first + width, :], 6, dims=-1)
+    unshifted = field[..., first:first + width, :].flip(-2)
+    for wrong in (unmirrored, unshifted):
+        assert not torch.allclose(wrong, _on_the_sphere(beyond, longitudes), atol=1e-3)
+    with pytest.raises(ValueError, match="do not halve"):
+        domain.pole_halo(field[..., :11], 1)
+
+
+def test_a_corner_arrives_from_the_horizontal_neighbour_which_got_it_vertically(monkeypatch):
+    """Four threads stand in for the four ranks of a 2 x 2 grid; a stand-in for ``_swap`` delivers every message
+    and notes who sent it. Rank 0's bottom-right halo corner holds cells of rank 3 (the diagonal tile) and reached
+    rank 0 in a message from rank 1, its right neighbour, which had them from rank 3 in its up/down exchange."""
+    import queue
+    import threading
+
+    grid, width = domain.TileGrid(2, 2, 8, 8), 1
+    field = torch.arange(64.0).reshape(1, 1, 8, 8)
+    boxes = {(s, d): queue.Queue() for s in range(4) for d in range(4)}
+    seen, padded, local = [], {}, threading.local()
+
+    def swap(sends, recvs, group):
+        for tensor, peer in sends:
+            if peer is not None:
+                boxes[(local.rank, peer)].put(tensor.clone())
+        for buffer, peer in recvs:
+            if peer is not None:
+                message = boxes[(peer, local.rank)].get(timeout=10)
+                buffer.copy_(message)
+                seen.append((peer, local.rank, message))
+
+    def run(rank):
+        local.rank = rank
+        padded[rank] = domain.halo_exchange(grid.tile(field, rank), grid, rank, width)
+
+    monkeypatch.setattr(domain, "_swap", swap)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    corner = padded[0][0, 0, -1, -1].item()
+    assert corner == field[0, 0, 4, 4].item()  # the first cell of rank 3's tile
+    senders = {src for src, dst, message in seen if dst == 0 and (message == corner).any()}
+    assert senders == {1}, senders  # from the right neighbour only, never from rank 2 or the diagonal rank 3
+    assert all(not (src == 3 and dst == 0) for src, dst, _ in seen)  # no diagonal message at all
+    assert torch.equal(padded[0][..., 1:-1, 1:-1], grid.tile(field, 0))
