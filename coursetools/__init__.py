@@ -9,4 +9,5 @@ gpu_check        make gpu-check: every script on the GPUs present, one JSON summ
 demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
 forkserver       make test's fork server: torch imported once per test process, a forkrun forked per launch
 slurm_cluster    make test's Slurm tier: a real two-node Slurm cluster on this machine (munged, slurmctld, two slurmd)
+jobs             the batch jobs' rules (jobs/common.sh calls it) and `python -m coursetools.jobs submit`
 """

@@ -10,6 +10,7 @@ wrote: every check passed, ranks on both nodes. The node names do not resolve he
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,10 +63,19 @@ def submitted(cluster, tmp_path_factory):
         out = folder / name
         (out / "scratch").mkdir(parents=True)
         env = settings(out / "run", DISTLAB_DRILL_DIR=str(out / "drill"), **extra)
-        job_id = cluster.sbatch(*SHAPE, *options, "-o", str(out / "slurm-%j.out"), str(SLURM_DIR / f"{job}.sbatch"),
-                                cwd=ROOT, **env)
+        words = [*SHAPE, *options, "-o", str(out / "slurm-%j.out"), str(SLURM_DIR / f"{job}.sbatch")]
+        if name == "04":  # the course's checked way to submit (its partition is real), on the same job
+            job_id = submit(cluster, "--parsable", *words, **env).stdout.strip().split(";")[0]
+        else:
+            job_id = cluster.sbatch(*words, cwd=ROOT, **env)
         jobs[name] = (job_id, out)
     return jobs
+
+
+def submit(cluster, *words: str, **env: str):
+    """python -m coursetools.jobs submit WORDS, with this cluster's Slurm commands; the finished process."""
+    return subprocess.run([sys.executable, "-m", "coursetools.jobs", "submit", *words], cwd=ROOT,
+                          env=cluster.env(PYTHONPATH=str(ROOT), **env), capture_output=True, text=True, timeout=120)
 
 
 def finished(cluster, submitted, name, timeout=240):
@@ -153,7 +163,14 @@ def test_bad_input_ends_the_job_with_one_line_exit_2_and_nothing_queued(cluster,
 
 
 def test_an_unknown_partition_is_refused_at_submission_with_one_line(cluster, tmp_path):
+    words = [*SHAPE, "-p", "nosuch", "-o", str(tmp_path / "x.out"), str(SLURM_DIR / "04_data_parallel.sbatch")]
+    # the course's submission checks the partition with sinfo first: one line that says what to change, exit 2
+    checked = submit(cluster, *words, **settings(tmp_path / "run"))
+    assert checked.returncode == 2 and checked.stdout == "", checked.stderr
+    assert checked.stderr.splitlines() == ["distlab: error: partition 'nosuch' does not exist on this cluster "
+                                           "(sinfo -s lists them): pass -p <partition>, or export "
+                                           "SBATCH_PARTITION=<partition>"]
+    # plain sbatch refuses it too, with its own line and exit 1
     with pytest.raises(RuntimeError, match=r"sbatch: error: invalid partition specified: nosuch"):
-        cluster.sbatch(*SHAPE, "-p", "nosuch", "-o", str(tmp_path / "x.out"), str(SLURM_DIR / "04_data_parallel.sbatch"),
-                       cwd=ROOT, **settings(tmp_path / "run"))
+        cluster.sbatch(*words, cwd=ROOT, **settings(tmp_path / "run"))
     assert cluster.run(["squeue", "-h"]).stdout.count("nosuch") == 0

@@ -1,0 +1,361 @@
+"""The logic of the course's batch jobs (pbs/, slurm/, jobs/common.sh), in Python where a test can reach it.
+
+The jobs' bash keeps what sets up the environment (modules, conda, NCCL's variables, the launch); what is a rule
+lives here, one subcommand each, called by jobs/common.sh as ``"$DISTLAB_PYTHON" -m coursetools.jobs NAME ...``.
+Standard library only: a job may call it before its own environment is ready.
+
+    submit [OPTIONS] JOB [ARGS]      check a submission, then sbatch or qsub it (the course's way to submit)
+    seconds DURATION                 PBS's [[HH:]MM:]SS -> seconds
+    transport LOG...                 the network NCCL chose, from its NCCL_DEBUG=INFO lines
+    details LOG...                   GPUDirect RDMA and the net plugin, from the same lines
+    warnings FOLDER                  NCCL's WARN lines of the job's per-rank files
+    complete METRICS                 exit 0 when a run is complete (its checks passed, not stopped early)
+    chain-vars NAME=VALUE...         one -v / --export list for a chain's next job, lists carried with ':'
+
+``submit`` refuses, with one line ``distlab: error: ...`` and exit 2, before anything is queued: an unknown
+partition (``sinfo -h -p NAME``) or queue (``qstat -Q NAME``); no account where the site needs one (Slurm:
+``scontrol show config``'s AccountingStorageEnforce, then ``sacctmgr``'s associations; PBS has no such query:
+always, unless DISTLAB_REQUIRE_ACCOUNT=0); an account not yours (``sacctmgr``, where accounting exists); tasks a node that
+do not match its GPUs (one task, or one MPI rank, a GPU; a torchrun agent a node is exempt).
+
+    python -m coursetools.jobs submit -A proj1 -N 2 slurm/04_data_parallel.sbatch
+    python -m coursetools.jobs submit -A UABC0001 pbs/04_data_parallel.pbs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+class BadInput(Exception):
+    """What the user must change: one line, exit 2."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Submission: read what the job asks for, as the scheduler will (header, then environment, then command line)
+# ---------------------------------------------------------------------------------------------------------------
+# the options whose value the checks need, by every spelling: (short, long)
+SLURM_OPTIONS = {"partition": ("-p", "--partition"), "account": ("-A", "--account"),
+                 "gpus-per-node": (None, "--gpus-per-node"), "ntasks-per-node": (None, "--ntasks-per-node"),
+                 "nodes": ("-N", "--nodes")}
+# sbatch's input environment (its manual, "INPUT ENVIRONMENT VARIABLES": they override the script's #SBATCH
+# lines, and the command line overrides them)
+SLURM_ENV = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "gpus-per-node": "SBATCH_GPUS_PER_NODE"}
+PBS_OPTIONS = {"queue": ("-q", None), "account": ("-A", None), "select": ("-l", None)}
+
+
+def header_words(job: Path, prefix: str) -> list[str]:
+    """The directives before the job's first command (sbatch and qsub stop reading there), split into words."""
+    words: list[str] = []
+    for line in job.read_text().splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith(prefix):
+            words += stripped[len(prefix):].split("#")[0].split()
+        elif stripped and not stripped.startswith("#"):
+            break
+    return words
+
+
+def read_options(words: list[str], spellings: dict[str, tuple[str | None, str | None]]) -> dict[str, list[str]]:
+    """Every value given to the options named in ``spellings``, in order (the last one wins)."""
+    found: dict[str, list[str]] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        for name, (short, long) in spellings.items():
+            value = None
+            if long and word.startswith(long + "="):
+                value = word[len(long) + 1:]
+            elif word in (short, long) and i + 1 < len(words):
+                value = words[i + 1]
+                i += 1
+            elif short and word.startswith(short) and len(word) > len(short) and not word.startswith("--"):
+                value = word[len(short):]
+            if value is not None:
+                found.setdefault(name, []).append(value)
+                break
+        i += 1
+    return found
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], Path, list[str]]:
+    """(scheduler options, the job file, the job's own arguments): the job file is the first .sbatch or .pbs word."""
+    for i, word in enumerate(argv):
+        if word.endswith((".sbatch", ".pbs")) and not word.startswith("-"):
+            return argv[:i], Path(word), argv[i + 1:]
+    raise BadInput("name a job file: python -m coursetools.jobs submit [options] slurm/NN_name.sbatch (or pbs/NN_name.pbs)")
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise BadInput(f"{argv[0]} not found: submit from a login node of the cluster, where {argv[0]} is on PATH") from None
+
+
+def count(value: str | None) -> int | None:
+    """A per-node count as the scheduler spells it: "4", "gpu:4", "a100:4" -> 4; None when not a count."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"(?:[\w-]+:)*(\d+)", value)
+    return int(match.group(1)) if match else None
+
+
+def slurm_config() -> dict[str, str]:
+    """``scontrol show config``'s "Name = value" lines."""
+    done = run(["scontrol", "show", "config"])
+    config = {}
+    for line in done.stdout.splitlines():
+        name, sep, value = line.partition("=")
+        if sep:
+            config[name.strip()] = value.strip()
+    return config
+
+
+def enforces_associations(enforce: str) -> bool:
+    # slurm.conf(5), AccountingStorageEnforce: limits, qos and wckeys set associations; safe sets limits and
+    # associations; all is every one of them. With associations, "no new job is allowed to run unless a
+    # corresponding association exists"
+    words = {w.strip().lower() for w in enforce.split(",")}
+    return bool(words & {"associations", "limits", "qos", "wckeys", "safe", "all"})
+
+
+def check_slurm(options: list[str], job: Path, env: dict[str, str]) -> None:
+    given: dict[str, list[str]] = read_options(header_words(job, "#SBATCH"), SLURM_OPTIONS)
+    for name, variable in SLURM_ENV.items():  # the environment overrides the header
+        if env.get(variable):
+            given[name] = [env[variable]]
+    for name, values in read_options(options, SLURM_OPTIONS).items():  # the command line overrides both
+        given[name] = values
+    last = {name: values[-1] for name, values in given.items()}
+
+    partition = last.get("partition")
+    if partition:
+        for name in partition.split(","):  # sbatch takes a list: the job runs in whichever starts it first
+            done = run(["sinfo", "-h", "-p", name, "-o", "%P"])
+            if done.returncode != 0 or not done.stdout.strip():
+                raise BadInput(f"partition '{name}' does not exist on this cluster (sinfo -s lists them): "
+                               f"pass -p <partition>, or export SBATCH_PARTITION=<partition>")
+
+    user = env.get("USER") or env.get("LOGNAME") or ""
+    account = last.get("account")
+    config = slurm_config()
+    has_accounting = config.get("AccountingStorageType", "accounting_storage/none") != "accounting_storage/none"
+    if account and has_accounting:
+        done = run(["sacctmgr", "-n", "-P", "show", "assoc", f"user={user}", f"account={account}", "format=Account"])
+        if done.returncode == 0 and not done.stdout.strip():
+            raise BadInput(f"account '{account}' is not one of yours here (sacctmgr -n show assoc user={user} "
+                           f"format=account lists them): pass -A <account>, or export SBATCH_ACCOUNT=<account>")
+    if not account and enforces_associations(config.get("AccountingStorageEnforce", "none")):
+        done = run(["sacctmgr", "-n", "-P", "show", "user", user, "format=DefaultAccount"])
+        if not done.stdout.strip():
+            raise BadInput(f"this cluster charges every job to an account and {user or 'you'} has no default one: "
+                           f"pass -A <account>, or export SBATCH_ACCOUNT=<account> (sacctmgr -n show assoc "
+                           f"user={user} format=account lists yours)")
+
+    gpus, tasks = count(last.get("gpus-per-node")), count(last.get("ntasks-per-node"))
+    if env.get("DISTLAB_LAUNCHER", "srun") == "srun" and gpus and tasks and gpus != tasks:
+        raise BadInput(f"--ntasks-per-node={tasks} but --gpus-per-node={gpus}: one task a GPU, ask "
+                       f"--ntasks-per-node={gpus} (or DISTLAB_LAUNCHER=torchrun: one agent a node)")
+
+
+def select_fields(select: str) -> dict[str, str]:
+    """``-l select=2:ncpus=64:ngpus=4:mpiprocs=4``'s first chunk, as name -> value (the count as "count")."""
+    chunk = select.split("+")[0].split(":")
+    fields = {"count": chunk[0]} if chunk and chunk[0].isdigit() else {}
+    fields.update(part.split("=", 1) for part in chunk if "=" in part)
+    return fields
+
+
+def check_pbs(options: list[str], job: Path, env: dict[str, str]) -> None:
+    given = read_options(header_words(job, "#PBS"), PBS_OPTIONS)
+    for name, values in read_options(options, PBS_OPTIONS).items():
+        given[name] = given.get(name, []) + values  # -l adds resources: the command line's come last and win
+    queue = (given.get("queue") or [None])[-1]
+    if queue:
+        name = queue.split("@")[0]
+        if name:
+            done = run(["qstat", "-Q", name])
+            if done.returncode != 0:
+                raise BadInput(f"queue '{name}' does not exist here (qstat -Q lists them): pass -q <queue>")
+    if not given.get("account") and env.get("DISTLAB_REQUIRE_ACCOUNT", "1") != "0":
+        raise BadInput("no account: pass -A <project> (qsub -A $PBS_ACCOUNT; the jobs carry none), or "
+                       "DISTLAB_REQUIRE_ACCOUNT=0 where your site charges no project")
+    selects = [v[len("select="):] for v in given.get("select", []) if v.startswith("select=")]
+    if selects and env.get("DISTLAB_LAUNCHER", "mpiexec") == "mpiexec":
+        fields = select_fields(selects[-1])
+        gpus, ranks = count(fields.get("ngpus")), count(fields.get("mpiprocs"))
+        if gpus and ranks and gpus != ranks:
+            raise BadInput(f"select={selects[-1]}: mpiprocs={ranks} but ngpus={gpus}: one rank a GPU, ask "
+                           f"mpiprocs={gpus} (or DISTLAB_LAUNCHER=torchrun: one agent a node)")
+
+
+def submit(argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Check the submission; then sbatch or qsub it with the same words. The scheduler's exit code."""
+    env = dict(os.environ if env is None else env)
+    options, job, _ = split_command_line(argv)
+    if not job.is_file():
+        raise BadInput(f"{job}: no such job file (run from the repository's root: slurm/NN_name.sbatch, pbs/NN_name.pbs)")
+    if job.suffix == ".sbatch":
+        check_slurm(options, job, env)
+        command = "sbatch"
+    else:
+        check_pbs(options, job, env)
+        command = "qsub"
+    return subprocess.run([command, *argv]).returncode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a job reads after its launches: walltimes, NCCL's lines, a run's metrics
+# ---------------------------------------------------------------------------------------------------------------
+def seconds(duration: str) -> int:
+    """PBS's durations, [[HH:]MM:]SS -> seconds; ValueError for anything else."""
+    parts = duration.split(":")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() and p.isascii() for p in parts):
+        raise ValueError(f"not a duration: {duration!r}")
+    total = 0
+    for part in parts:
+        total = total * 60 + int(part)
+    return total
+
+
+def read_lines(paths: list[str]) -> list[str]:
+    lines: list[str] = []
+    for path in paths:
+        try:
+            lines += Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            pass  # a rank that wrote no file
+    return lines
+
+
+def last_match(pattern: str, lines: list[str], flags: int = 0) -> str:
+    found = ""
+    for line in lines:
+        for match in re.finditer(pattern, line, flags):
+            found = match.group(1)
+    return found
+
+
+def nccl_transport(lines: list[str]) -> str:
+    """The network NCCL chose, from its NCCL_DEBUG=INFO lines: "OFI (aws-ofi-nccl, provider cxi)",
+    "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported"."""
+    net = last_match(r"NCCL INFO Using network (.*)", lines)
+    provider = last_match(r"NET/OFI Selected provider is ([A-Za-z0-9_;+-]*)", lines, re.I)
+    sockets = last_match(r"NET/Socket : Using (.*)", lines).lstrip()
+    if "Libfabric" in net or net == "OFI":
+        return f"OFI (aws-ofi-nccl{', provider ' + provider if provider else ''})"
+    if net == "Socket":
+        return f"Socket (TCP{' on ' + sockets if sockets else ''})"
+    if net:
+        return net
+    # a log cut short before "Using network": the plugin's own lines still tell
+    if provider:
+        return f"OFI (aws-ofi-nccl, provider {provider})"
+    if sockets:
+        return f"Socket (TCP on {sockets})"
+    return "none reported (NCCL_DEBUG=INFO not set, or no NCCL communicator: CPU/gloo runs)"
+
+
+def nccl_details(lines: list[str]) -> list[str]:
+    """Whether the network channels use GPUDirect RDMA (NCCL's src/transport/net.cc logs "Channel %02d/%d : ...
+    [send] via NET/%s/%d%s..." with "/GDRDMA" when the NIC reads GPU memory directly), and which net plugin NCCL
+    loaded ("NET/Plugin: Loaded net plugin %s (v%d)", src/plugin/net/net_v*.cc). A plugin NCCL cannot use is said
+    two ways: up to 2.28.2 one "NET/Plugin: Failed to find ncclNetPlugin_v%d symbol." for each interface the
+    library lacks (v2.27.3-1 src/plugin/net/net_v10.cc:20); from 2.28.3 one line "External network plugin %s is
+    unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised."""
+    sends = sum(1 for ln in lines if re.search(r"\[send\] via NET/", ln))
+    gdr = sum(1 for ln in lines if re.search(r"\[send\] via NET/.*/GDRDMA", ln))
+    if sends == 0:
+        out = ["GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS without NET)"]
+    elif gdr:
+        out = [f"GPUDirect RDMA: yes ({gdr} of {sends} network send channels)"]
+    else:
+        out = [f"GPUDirect RDMA: no (0 of {sends} network send channels: the NIC reaches GPU memory through host buffers)"]
+    plugin = last_match(r"NET/Plugin: Loaded net plugin (.*)", lines)
+    missing = next((m.group(0) for ln in lines for m in [re.search(
+        r"NET/Plugin: Failed to find ncclNetPlugin_v[0-9]+ symbol|External network plugin .* is unsupported", ln)] if m), "")
+    if plugin:
+        out.append(f"net plugin: {plugin}")
+    elif missing:
+        out.append(f"net plugin: none loaded ({missing.removeprefix('NET/Plugin: ')}: a plugin older than this "
+                   "NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)")
+    else:
+        out.append("net plugin: none reported")
+    return out
+
+
+def nccl_warnings(folder: str) -> list[str]:
+    """NCCL's WARN lines of the job, which go only to the per-rank NCCL_DEBUG_FILE files in the run folder (not the
+    job's output): the first five, each with its file, and how many there are in all. Nothing when there are none."""
+    files = sorted(p for p in Path(folder).glob("*")) if Path(folder).is_dir() else []
+    found = [(p.name, ln) for p in files for ln in read_lines([str(p)]) if " NCCL WARN " in ln]
+    if not found:
+        return []
+    return [f"NCCL WARN lines: {len(found)}, in {folder}/ (one file a rank); the first:",
+            *(f"    {name}:{line}" for name, line in found[:5])]
+
+
+def run_complete(metrics: str) -> bool:
+    """A run is complete when its metrics say so: checks, all passed, and not stopped early (deadline, signal)."""
+    try:
+        m = json.loads(Path(metrics).read_text())
+    except (OSError, ValueError):
+        return False
+    checks = m.get("checks")
+    return not m.get("extra", {}).get("stopped_by") and bool(checks) and all(c["passed"] for c in checks)
+
+
+def chain_vars(pairs: list[str]) -> str:
+    """NAME=VALUE words -> one list for ``qsub -v`` or ``sbatch --export``, which both split at every comma: a
+    value's commas (a list, such as DISTLAB_ONLY=a.py,b.py) become colons, which the jobs read as the same list."""
+    out = []
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise BadInput(f"chain-vars: {pair!r} is not NAME=VALUE")
+        out.append(f"{name}={value.replace(',', ':')}")
+    return ",".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "submit":
+            return submit(rest)
+        if command == "seconds":
+            try:
+                print(seconds(rest[0] if rest else ""))
+            except ValueError:
+                return 1
+        elif command == "transport":
+            print(nccl_transport(read_lines(rest)))
+        elif command == "details":
+            print("\n".join(nccl_details(read_lines(rest))))
+        elif command == "warnings":
+            lines = nccl_warnings(rest[0] if rest else "")
+            if lines:
+                print("\n".join(lines))
+        elif command == "complete":
+            return 0 if rest and run_complete(rest[0]) else 1
+        elif command == "chain-vars":
+            print(chain_vars(rest))
+        else:
+            raise BadInput(f"unknown subcommand {command!r}: python -m coursetools.jobs --help lists them")
+    except BadInput as exc:
+        print(f"distlab: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
