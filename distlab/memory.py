@@ -191,3 +191,170 @@ def transformer_activation_bytes(cfg, batch: int, seq_len: int | None = None, dt
     """Total of :func:`transformer_activation_breakdown`: equals ``saved_activation_bytes`` (fp32, CPU)."""
     return int(sum(transformer_activation_breakdown(cfg, batch, seq_len, dtype_bytes, include_loss,
                                                     checkpointed).values()))
+
+
+# --------------------------------------------------------------------------------------------------
+# The peak, phase by phase: what is alive together
+# --------------------------------------------------------------------------------------------------
+#
+# Adding every consumer up overstates the peak: with ``zero_grad(set_to_none=True)`` the gradients are created in
+# backward while the activations are freed, and the optimizer step runs after both phases are over. A step has
+# two phases, and the peak is the larger of the two:
+#
+# * **forward/backward**, at the top of backward: the weights and the optimizer state (no gradient yet), every
+#   saved activation, and the loss's two fp32 gradients of B x T x V numbers (:func:`loss_gradient_bytes`);
+# * **optimizer step**: weights, gradients, optimizer state, and what the optimizer allocates while it runs.
+
+# torch 2.13, torch/optim/adam.py:790 (``_multi_tensor_adam``, the foreach AdamW that CUDA takes by default:
+# optim/optimizer.py:178-183 picks it when every parameter is a CUDA tensor, DTensors included,
+# distributed/tensor/__init__.py:74): ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` is a new fp32
+# tensor per parameter, alive until :797's ``_foreach_addcdiv_``; every other update is in place. The for-loop
+# AdamW (the CPU's default) allocates its temporaries one parameter at a time.
+FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM = 4
+
+
+def loss_gradient_bytes(batch: int, seq_len: int, vocab_size: int) -> int:
+    """The fp32 gradients that backward holds at once while it differentiates ``lm_loss``: ``nll_loss``'s
+    gradient with respect to the log-probabilities and ``log_softmax``'s with respect to the logits, B x T x V
+    numbers each, 4 bytes a number (``lm_loss`` computes in fp32 under autocast too)."""
+    return 2 * batch * seq_len * vocab_size * 4
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Predicted bytes alive at the peak of each phase of a training step, term by term."""
+
+    phases: dict
+
+    def total(self, phase: str) -> int:
+        return int(sum(self.phases[phase].values()))
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase that holds the step's peak."""
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase)
+
+    def as_dict(self) -> dict:
+        return {"phases": {name: {"terms": dict(terms), "total": self.total(name)} for name, terms in self.phases.items()},
+                "peak_phase": self.peak_phase, "peak_bytes": self.peak}
+
+
+FORWARD_BACKWARD, OPTIMIZER_STEP = "forward/backward", "optimizer step"
+
+
+def peak_by_phase(state: StateBytes, activations: int, loss_gradients: int, optimizer_temporary: int = 0,
+                  forward_backward_extra: dict | None = None) -> PhasePeaks:
+    """The two phases of a step (after the first, once the optimizer state exists). Forward/backward peaks at the top
+    of backward (the terms listed above) or, when the activations are few, at its end (weights, optimizer state and
+    every gradient): whichever is larger, with its terms.
+
+    ``state``: this device's weights, gradients and optimizer state (``ledger`` after a step, or the formulas);
+    ``activations``: the bytes saved for backward (``saved_activation_bytes`` or the formula); ``loss_gradients``:
+    :func:`loss_gradient_bytes`; ``optimizer_temporary``: what the optimizer step allocates
+    (``FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM`` x parameters for foreach AdamW); ``forward_backward_extra``: more
+    terms alive at the top of backward (FSDP's gathered units, say).
+    """
+    top_of_backward = {"weights": state.params, "optimizer state": state.optimizer, "saved activations": activations,
+                       "loss gradients (fp32, 2 x B x T x V)": loss_gradients, **(forward_backward_extra or {})}
+    # with few activations the phase peaks at its end instead: every gradient made, every activation freed
+    end_of_backward = {"weights": state.params, "optimizer state": state.optimizer, "gradients": state.grads}
+    forward_backward = max(top_of_backward, end_of_backward, key=lambda terms: sum(terms.values()))
+    step = {"weights": state.params, "gradients": state.grads, "optimizer state": state.optimizer,
+            "optimizer temporaries": optimizer_temporary}
+    return PhasePeaks({FORWARD_BACKWARD: forward_backward, OPTIMIZER_STEP: step})
+
+
+# A measured peak (the CUDA allocator's max_memory_allocated) = the predicted peak within 2%, either way. On one H200
+# (torch 2.11) the phase model was 0.2% and 0.1% off (BENCHMARKS.md: 29.72 against 29.78 GiB, 62.73 against 62.80);
+# allocator rounding and kernel workspaces are tens of MiB. The smallest term at the a100 preset, the loss gradients
+# (0.98 GiB, 3.3% of the baseline's peak), is over the margin: a term left out fails the check.
+PEAK_MARGIN = 0.02
+# On a CPU, against the profiler's allocation events (tests/unit/test_memory.py): measured 0.04% to 0.3% off in both
+# phases of its two runs (what the model leaves out: a loss, a step counter, small buffers), where the smallest term
+# it checks is 6% of its phase.
+CPU_PEAK_MARGIN = 0.01
+
+
+def within_margin(predicted: int, measured: int, margin: float = PEAK_MARGIN) -> bool:
+    """Measured = predicted within a relative ``margin`` (0.02: 2% of the prediction), either way."""
+    return abs(measured - predicted) <= margin * predicted
+
+
+@contextmanager
+def cpu_allocation_peaks():
+    """Measure the peak of the bytes allocated on the CPU inside each named phase, from the profiler's allocation
+    events (``torch.profiler`` with ``profile_memory=True``): ``with cpu_allocation_peaks() as peaks:`` then
+    ``with peaks.phase("optimizer step"): ...``. After the block, ``peaks.by_phase[name]`` is the most bytes
+    alive at once inside that phase (the largest over its repetitions), counting every allocation made since the
+    block began; build the model inside it, so its weights are counted too.
+    """
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler import profile, record_function
+
+    class Peaks:
+        by_phase: dict = {}
+        overall = 0
+
+        @staticmethod
+        def phase(name):
+            return record_function(f"phase: {name}")
+
+    result = Peaks()
+    result.by_phase = {}
+    # torch.autograd.profiler.profile, which torch.profiler.profile wraps: the wrapper's start imports torch._inductor
+    # (torch/profiler/profiler.py:295, 3 s on a loaded 2-core machine) for a CUDA-graph setting a CPU run never reads
+    with profile(profile_memory=True, record_shapes=False) as prof:
+        yield result
+    # the events torch's own profiler tables read (torch 2.13, autograd/profiler.py:624-637: "[memory]" records,
+    # nbytes() > 0 an allocation, < 0 a free, CPU memory when device_type() is CPU, MKLDNN or IDEEP)
+    events = prof.kineto_results.events()
+    ranges = [(e.name()[len("phase: "):], e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+              if e.name().startswith("phase: ")]
+    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+    allocations = sorted((e.start_ns(), e.nbytes()) for e in events
+                         if e.name() == "[memory]" and e.device_type() in cpu)
+    alive = 0
+    for when, nbytes in allocations:
+        alive += nbytes
+        result.overall = max(result.overall, alive)
+        for name, start, end in ranges:
+            if start <= when <= end:
+                result.by_phase[name] = max(result.by_phase.get(name, 0), alive)
+
+
+def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, param_bytes: int,
+                    reduce_bytes: int = 4) -> dict:
+    """What FSDP2 holds at the top of backward beyond the shards, for ``distlab.models.Transformer`` sharded a unit
+    per block plus the root (``train_fsdp.apply_fsdp``), from torch 2.13's code (fsdp/_fully_shard/):
+
+    * the root unit (embedding, final norm, output) stays gathered from forward to backward
+      (_fsdp_state.py:203-207: the root is not resharded after forward);
+    * the block whose backward runs: its gathered weights, its unsharded gradients (``param_bytes`` each) and the
+      reduce-scatter input they are copied into, in ``reduce_bytes`` (fp32 under mixed precision:
+      _fsdp_collectives.py:597-606, the gradients freed only after the copy-in);
+    * the next block's all-gather output (_fsdp_collectives.py:351), prefetched while this one computes.
+
+    About 10 bytes a parameter of a block under bf16 mixed precision (2 + 2 + 2 + 4), 16 in fp32. An estimate:
+    the course has measured FSDP's peak on one GPU only, where the optimizer step holds it.
+    """
+    root = 2 * vocab_size * dim + dim
+    block = (num_params - root) // n_layers
+    return {"root unit, gathered from forward to backward": root * param_bytes,
+            "a block's gathered weights": block * param_bytes,
+            "the next block's all-gather output (prefetched)": block * param_bytes,
+            "the block's unsharded gradients": block * param_bytes,
+            "the block's reduce-scatter input": block * reduce_bytes}
+
+
+def predict_step_peak(state: StateBytes, activations: int, rows: int, seq_len: int, vocab_size: int,
+                      foreach: bool = True, fsdp_units: dict | None = None) -> PhasePeaks:
+    """The peak of a training step of the course's transformer, by phase, on one device: ``state`` (this device's
+    fp32 weights, gradients and AdamW moments), ``activations`` (saved for backward), ``rows`` sequences of
+    ``seq_len`` tokens on this device; ``foreach``: AdamW's foreach path (CUDA's default; the CPU's is the for-loop,
+    whose temporaries are one parameter's and left out); ``fsdp_units``: :func:`fsdp_unit_bytes` under FSDP2."""
+    temporary = FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM * (state.params // 4) if foreach else 0  # fp32 weights
+    return peak_by_phase(state, activations, loss_gradient_bytes(rows, seq_len, vocab_size), temporary, fsdp_units)

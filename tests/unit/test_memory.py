@@ -111,3 +111,59 @@ def test_chapter_01_numbers():
     assert round(memory.transformer_activation_bytes(a100, 1) / 1e9, 2) == 4.39  # per 1024-token sequence, fp32
     small = models.preset("small")
     assert small.num_params() == 984_192 and 16 * small.num_params() == 15_747_072  # the exercise's answer
+
+
+# ---- the peak, phase by phase, against the profiler's allocation events ----------------------------------------
+
+PEAK_CFG = models.TransformerConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_hidden=192, seq_len=64)
+# (batch, sequence length, the phase that holds the peak): many tokens put it at the top of backward, few in the step
+PEAK_RUNS = [(8, 64, memory.FORWARD_BACKWARD), (1, 16, memory.OPTIMIZER_STEP)]
+
+
+def _measured_peaks(cfg, batch, seq_len):
+    """Two training steps with AdamW's foreach path (CUDA's default, chosen here on the CPU), each phase marked; the
+    most bytes alive inside each, from the profiler's allocation events, the model's weights included."""
+    with memory.cpu_allocation_peaks() as peaks:
+        model = models.build_transformer(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        for step in range(2):   # the second: the AdamW moments exist through forward/backward
+            inputs, targets = data.split_inputs_targets(data.token_batch(step, batch, seq_len, cfg.vocab_size))
+            with peaks.phase(memory.FORWARD_BACKWARD):
+                models.lm_loss(model(inputs), targets).backward()
+            with peaks.phase(memory.OPTIMIZER_STEP):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return peaks.by_phase
+
+
+def _predicted_peaks(cfg, batch, seq_len):
+    return memory.predict_step_peak(memory.training_state_bytes(cfg.num_params()),
+                                    memory.transformer_activation_bytes(cfg, batch, seq_len), batch, seq_len,
+                                    cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def measured_peaks():
+    return {(batch, seq_len): _measured_peaks(PEAK_CFG, batch, seq_len) for batch, seq_len, _ in PEAK_RUNS}
+
+
+@pytest.mark.parametrize("batch, seq_len, peak_phase", PEAK_RUNS)
+def test_the_peak_by_phase_equals_the_profilers_allocation_peaks(measured_peaks, batch, seq_len, peak_phase):
+    measured = measured_peaks[(batch, seq_len)]
+    predicted = _predicted_peaks(PEAK_CFG, batch, seq_len)
+    for phase in (memory.FORWARD_BACKWARD, memory.OPTIMIZER_STEP):
+        assert memory.within_margin(predicted.total(phase), measured[phase], memory.CPU_PEAK_MARGIN), (
+            phase, predicted.total(phase), measured[phase])
+    assert predicted.peak_phase == peak_phase == max(measured, key=measured.get)
+
+
+@pytest.mark.parametrize("batch, seq_len, peak_phase", PEAK_RUNS)
+def test_a_term_left_out_misses_the_measured_peak(measured_peaks, batch, seq_len, peak_phase):
+    """Every term of both phases counts: a prediction without any one of them is off by more than the margin."""
+    measured = measured_peaks[(batch, seq_len)]
+    predicted = _predicted_peaks(PEAK_CFG, batch, seq_len)
+    for phase, terms in predicted.phases.items():
+        for term, nbytes in terms.items():
+            assert not memory.within_margin(predicted.total(phase) - nbytes, measured[phase], memory.CPU_PEAK_MARGIN), (
+                phase, term)
+
