@@ -24,12 +24,13 @@ do not match its GPUs (one task, or one MPI rank, a GPU; a torchrun agent a node
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+# json and subprocess are imported where they are used: a job calls this module several times, and most calls
+# (the NCCL reports, a duration) need neither, so each starts sooner
 
 
 class BadInput(Exception):
@@ -91,7 +92,10 @@ def split_command_line(argv: list[str]) -> tuple[list[str], Path, list[str]]:
     raise BadInput("name a job file: python -m coursetools.jobs submit [options] slurm/NN_name.sbatch (or pbs/NN_name.pbs)")
 
 
-def run(argv: list[str]) -> subprocess.CompletedProcess:
+def run(argv: list[str]):
+    """argv's finished process (output captured); BadInput when the command is not there."""
+    import subprocess
+
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
@@ -207,6 +211,8 @@ def submit(argv: list[str], env: dict[str, str] | None = None) -> int:
     else:
         check_pbs(options, job, env)
         command = "qsub"
+    import subprocess
+
     return subprocess.run([command, *argv]).returncode
 
 
@@ -303,6 +309,8 @@ def nccl_warnings(folder: str) -> list[str]:
 
 def run_complete(metrics: str) -> bool:
     """A run is complete when its metrics say so: checks, all passed, and not stopped early (deadline, signal)."""
+    import json
+
     try:
         m = json.loads(Path(metrics).read_text())
     except (OSError, ValueError):

@@ -221,60 +221,20 @@ distlab_find_nccl_plugin() {
     return 1
 }
 
-# distlab_nccl_transport LOG...: the network NCCL chose, from its NCCL_DEBUG=INFO lines. One line:
-# "OFI (aws-ofi-nccl, provider cxi)", "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported".
-distlab_nccl_transport() {
-    local net provider sockets
-    net=$(grep -h -o 'NCCL INFO Using network .*' "$@" 2>/dev/null | tail -n 1)
-    net=${net#NCCL INFO Using network }
-    provider=$(grep -h -o -i 'NET/OFI Selected provider is [A-Za-z0-9_;+-]*' "$@" 2>/dev/null | tail -n 1)
-    provider=${provider##* }
-    sockets=$(grep -h -o 'NET/Socket : Using .*' "$@" 2>/dev/null | tail -n 1)
-    sockets=${sockets#NET/Socket : Using }
-    case $net in
-    *Libfabric* | OFI) echo "OFI (aws-ofi-nccl${provider:+, provider $provider})" ;;
-    Socket) echo "Socket (TCP${sockets:+ on ${sockets# }})" ;;
-    "")
-        # a log cut short before "Using network": the plugin's own lines still tell
-        if [[ -n $provider ]]; then
-            echo "OFI (aws-ofi-nccl, provider $provider)"
-        elif [[ -n $sockets ]]; then
-            echo "Socket (TCP on ${sockets# })"
-        else
-            echo "none reported (NCCL_DEBUG=INFO not set, or no NCCL communicator: CPU/gloo runs)"
-        fi
-        ;;
-    *) echo "$net" ;;
-    esac
+# distlab_jobs SUBCOMMAND ARGS...: the job rules written in Python (coursetools/jobs.py, standard library only), run
+# with the job's python once it is known, else python3; the checkout's own copy, whatever is installed. -S: no
+# site-packages to set up (the module needs none), a quicker start for the few calls a job makes.
+distlab_jobs() {
+    PYTHONPATH="$DISTLAB_ROOT${PYTHONPATH:+:$PYTHONPATH}" "${DISTLAB_PYTHON:-python3}" -S -m coursetools.jobs "$@"
 }
 
-# distlab_nccl_details LOG...: whether the network channels use GPUDirect RDMA (NCCL's src/transport/net.cc logs
-# "Channel %02d/%d : ... [send] via NET/%s/%d%s..." with "/GDRDMA" when the NIC reads GPU memory directly), and
-# which net plugin NCCL loaded ("NET/Plugin: Loaded net plugin %s (v%d)", src/plugin/net/net_v*.cc). A plugin
-# NCCL cannot use is said two ways: up to 2.28.2 one "NET/Plugin: Failed to find ncclNetPlugin_v%d symbol." for
-# each interface the library lacks (v2.27.3-1 src/plugin/net/net_v10.cc:20); from 2.28.3 one line
-# "External network plugin %s is unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised.
-distlab_nccl_details() {
-    local sends gdr plugin missing
-    sends=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/')
-    gdr=$(cat "$@" 2>/dev/null | grep -c -E '\[send\] via NET/.*/GDRDMA')
-    if ((sends == 0)); then
-        echo "GPUDirect RDMA: not reported (no network channel in the logs: one node, or NCCL_DEBUG_SUBSYS without NET)"
-    elif ((gdr > 0)); then
-        echo "GPUDirect RDMA: yes ($gdr of $sends network send channels)"
-    else
-        echo "GPUDirect RDMA: no (0 of $sends network send channels: the NIC reaches GPU memory through host buffers)"
-    fi
-    plugin=$(cat "$@" 2>/dev/null | grep -o 'NET/Plugin: Loaded net plugin .*' | tail -n 1)
-    missing=$(cat "$@" 2>/dev/null | grep -o -E 'NET/Plugin: Failed to find ncclNetPlugin_v[0-9]+ symbol|External network plugin .* is unsupported' | head -n 1)
-    if [[ -n $plugin ]]; then
-        echo "net plugin: ${plugin#NET/Plugin: Loaded net plugin }"
-    elif [[ -n $missing ]]; then
-        echo "net plugin: none loaded (${missing#NET/Plugin: }: a plugin older than this NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)"
-    else
-        echo "net plugin: none reported"
-    fi
-}
+# distlab_nccl_transport LOG...: the network NCCL chose, from its NCCL_DEBUG=INFO lines. One line:
+# "OFI (aws-ofi-nccl, provider cxi)", "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported".
+distlab_nccl_transport() { distlab_jobs transport "$@"; }
+
+# distlab_nccl_details LOG...: whether the network channels use GPUDirect RDMA, and which net plugin NCCL loaded
+# (or why none: both ways NCCL says a plugin is unusable, before and from 2.28.3; coursetools/jobs.py cites them)
+distlab_nccl_details() { distlab_jobs details "$@"; }
 
 # distlab_nccl_info COMMAND...: run COMMAND (a distlab_launch) with NCCL's INFO lines of initialisation and network,
 # which tell the transport NCCL chose (distlab_report_transport reads them), unless the user set NCCL_DEBUG.
@@ -285,14 +245,7 @@ distlab_nccl_info() {
 
 # distlab_nccl_warnings: NCCL's WARN lines of this job, which go only to the per-rank NCCL_DEBUG_FILE files in the
 # run folder (not the job's output): the first five, each with its file, and how many there are in all.
-distlab_nccl_warnings() {
-    local folder=${DISTLAB_RUN_DIR:-}/nccl count
-    compgen -G "$folder/*" >/dev/null || return 0
-    count=$(cat "$folder"/* 2>/dev/null | grep -c ' NCCL WARN ')
-    ((count > 0)) || return 0
-    echo "NCCL WARN lines: $count, in $folder/ (one file a rank); the first:"
-    grep -H ' NCCL WARN ' "$folder"/* 2>/dev/null | head -n 5 | sed "s|^$folder/|    |"
-}
+distlab_nccl_warnings() { distlab_jobs warnings "${DISTLAB_RUN_DIR:-}/nccl"; }
 
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
 # The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
@@ -334,31 +287,14 @@ distlab_tee() {
     )
 }
 
-distlab_seconds() {
-    # PBS's durations: [[HH:]MM:]SS -> seconds
-    local -a parts
-    IFS=: read -ra parts <<<"$1"
-    ((${#parts[@]} >= 1 && ${#parts[@]} <= 3)) || return 1
-    local part total=0
-    for part in "${parts[@]}"; do
-        [[ $part =~ ^[0-9]+$ ]] || return 1
-        total=$((total * 60 + 10#$part))
-    done
-    echo "$total"
-}
+distlab_seconds() { distlab_jobs seconds "$1"; } # PBS's durations: [[HH:]MM:]SS -> seconds
 
 distlab_chain_done() {
     # NEXT_JOB METRICS_FILE: the run is complete (its metrics say so: checks passed, not stopped early), so the
     # chain's queued successor is cancelled and no finished run queues more jobs
     local next=$1 metrics=$2
     [[ -n $next && -f $metrics ]] || return 0
-    if "$DISTLAB_PYTHON" - "$metrics" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-done = not m.get("extra", {}).get("stopped_by") and m.get("checks") and all(c["passed"] for c in m["checks"])
-sys.exit(0 if done else 1)
-PY
-    then
+    if distlab_jobs complete "$metrics"; then
         distlab_cancel_job "$next" && distlab_log "the run is complete: the chain's next job $next is cancelled"
     fi
 }

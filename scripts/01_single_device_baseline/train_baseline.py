@@ -7,7 +7,8 @@ trains (tokens/s, model FLOPs per token, and MFU on a GPU), and proves itself:
 
 * the loss falls (the model learns the synthetic rule);
 * the same seed gives the same losses (the first steps are trained a second time, from scratch);
-* measured training state = 16 bytes/parameter, measured saved activations = the formula (fp32).
+* measured training state = 16 bytes/parameter, measured saved activations = the formula (fp32);
+* on a GPU, the allocator's peak = the peak predicted phase by phase (``memory.predict_step_peak``) within 2%.
 
     python scripts/01_single_device_baseline/train_baseline.py
     torchrun --standalone --nproc_per_node=4 scripts/01_single_device_baseline/train_baseline.py
@@ -117,12 +118,19 @@ def main():
         state = measured["state"]
         predicted_state = memory.training_state_bytes(num_params, "fp32")  # autocast keeps fp32 weights
         predicted_activations = memory.transformer_activation_bytes(cfg, args.batch)
+        # the peak, by phase: not everything is alive at once (distlab.memory.predict_step_peak). AdamW takes its
+        # foreach path on a GPU (4 B a parameter more in the step), its for-loop on a CPU
+        phases = memory.predict_step_peak(state, measured["activations"], args.batch, cfg.seq_len, cfg.vocab_size,
+                                          foreach=rt.device_type == "cuda")
+        device_memory = metrics.memory_snapshot(rt.device)
         report.memory = {"measured_state": state.as_dict(), "predicted_state": predicted_state.as_dict(),
                          "measured_activations": measured["activations"],
-                         "predicted_activations": predicted_activations,
-                         "device": metrics.memory_snapshot(rt.device)}
+                         "predicted_activations": predicted_activations, "predicted_peak": phases.as_dict(),
+                         "device": device_memory}
         rt.print(f"memory: params {state.params:,} B, grads {state.grads:,} B, AdamW {state.optimizer:,} B, "
                  f"saved activations {measured['activations']:,} B")
+        rt.print(f"predicted peak {phases.peak:,} B, in the {phases.peak_phase} phase ("
+                 + ", ".join(f"{name} {phases.total(name):,} B" for name in phases.phases) + ")")
 
         # ---- the checks ----
         exact = 0.0 if rt.device_type == "cpu" else 2e-2  # GPU kernels (and bf16) need not be bitwise repeatable
@@ -148,6 +156,11 @@ def main():
         else:
             rt.print("saved activations: the formula is the fp32 one; under bf16 autocast only the measurement "
                      "is reported")
+        if rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py)
+            measured_peak = device_memory["peak_allocated_bytes"]
+            report.check(f"peak memory (max_memory_allocated) = predicted by phase within {memory.PEAK_MARGIN:.0%}",
+                         memory.within_margin(phases.peak, measured_peak), round(measured_peak / phases.peak, 4),
+                         f"1 +- {memory.PEAK_MARGIN}")
         if rt.world_size > 1:
             every_rank = [None] * rt.world_size
             dist.all_gather_object(every_rank, losses)

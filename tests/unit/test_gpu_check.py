@@ -144,13 +144,14 @@ def test_plan_four_gpus(tmp_path):
 
 
 def test_plan_fsdp_memory_run_only_where_it_fits(tmp_path):
-    # a100_large: 3,367,676,928 parameters x 16 B = 53.9 GB of state: 50.2 GiB on one GPU, 12.5 GiB on 4
-    assert "does not fit: predicted 53.7 GiB per rank on 1 GPU(s) > 85% of 40.0 GiB" == \
+    # a100_large: 3,367,676,928 parameters; the foreach AdamW step holds 20 B each (shards: 20/N), the peak on 1, 2
+    # and 4 GPUs: 62.7 GiB on one GPU (BENCHMARKS.md's H200 measured 62.80), 31.4 on 2, 15.7 on 4
+    assert "does not fit: predicted 62.7 GiB per rank on 1 GPU(s) > 85% of 40.0 GiB" == \
         by_name(plan_runs(1, 40 * GIB, tmp_path))["fsdp_a100_memory"].skip
-    assert by_name(plan_runs(2, 40 * GIB, tmp_path))["fsdp_a100_memory"].skip is None   # 28.6 GiB
-    assert by_name(plan_runs(1, 80 * GIB, tmp_path))["fsdp_a100_memory"].skip is None   # 53.7 < 68 GiB
-    state_per_rank_4 = 3_367_676_928 * 16 / 4
-    assert state_per_rank_4 < gpu_check.fsdp_a100_peak_bytes(4, 4) < state_per_rank_4 + 4 * GIB
+    assert by_name(plan_runs(2, 40 * GIB, tmp_path))["fsdp_a100_memory"].skip is None   # 31.4 < 34 GiB
+    assert by_name(plan_runs(1, 80 * GIB, tmp_path))["fsdp_a100_memory"].skip is None   # 62.7 < 68 GiB
+    for gpus in (1, 2, 4):
+        assert gpu_check.fsdp_a100_peak_bytes(gpus, gpus) == 3_367_676_928 * 20 // gpus
 
 
 # ---- one run's status ----------------------------------------------------------------------------------
@@ -247,18 +248,47 @@ def test_summary_mfu_uses_the_gpu_found_not_the_script(example, summary):
 
 
 def test_summary_memory_model_against_allocator(summary):
+    """The peak predicted by phase from the fixture's own figures, term by term (written out by hand here)."""
     baseline, fsdp = summary["memory"]
-    # 16 B x 1,364,297,728 parameters + 8,000,000,000 B of saved activations (bf16: read off the tensors)
-    assert baseline["predicted_bytes"] == 21_828_763_648 + 8_000_000_000
+    N = 1_364_297_728                                  # the a100 preset; fp32 weights, gradients, AdamW moments
+    loss_gradients = 2 * 4 * 1024 * 32000 * 4          # two fp32 B x T x V tensors, batch 4
+    assert baseline["phases"]["forward/backward"]["total"] == 4 * N + 8 * N + 8_000_000_000 + loss_gradients
+    assert baseline["phases"]["optimizer step"]["total"] == 20 * N        # + foreach AdamW's 4 B a parameter
+    assert baseline["peak_phase"] == "optimizer step" and baseline["predicted_bytes"] == 20 * N
     assert baseline["peak_allocated_bytes"] == 33_000_000_000
-    assert baseline["difference_bytes"] == 33_000_000_000 - 29_828_763_648
-    assert baseline["ratio"] == pytest.approx(33_000_000_000 / 29_828_763_648)
-    assert "saved activations (read off the tensors; bf16 autocast)" in baseline["terms"]
-    # ZeRO-3 on 4 ranks: 16 B x 3,367,676,928 / 4 = 13,470,707,712 B, + 3,000,000,000 B of activations
+    assert baseline["ratio"] == pytest.approx(33_000_000_000 / (20 * N)) and not baseline["passed"]  # 21% off
+    # FSDP on 4 ranks: a quarter of the state; the root unit and ~10 B a parameter of one block under bf16
+    n, root = 3_367_676_928, 2 * 32000 * 3072 + 3072
+    block = (n - root) // 28
+    forward_backward = 12 * n // 4 + 3_000_000_000 + 2 * 1 * 1024 * 32000 * 4 + 2 * root + (2 + 2 + 2 + 4) * block
     assert fsdp["run"] == "fsdp_a100_memory" and fsdp["world_size"] == 4
-    assert fsdp["predicted_bytes"] == 16_470_707_712 and fsdp["difference_bytes"] == 1_529_292_288
-    for cause in ("rounding", "workspace", "save extra tensors"):
+    assert fsdp["phases"]["forward/backward"]["total"] == forward_backward
+    assert fsdp["predicted_bytes"] == fsdp["phases"]["optimizer step"]["total"] == 20 * n // 4
+    assert fsdp["difference_bytes"] == 18_000_000_000 - 20 * n // 4 and not fsdp["passed"]
+    assert not summary["ok"]
+    for cause in ("rounding", "workspace", "set_to_none", "_foreach_sqrt"):
         assert cause in summary["memory_explanation"]
+
+
+@pytest.mark.parametrize("measured_over_predicted, passes", [(1.0, True), (1.019, True), (0.981, True),
+                                                             (1.021, False), (0.979, False)])
+def test_memory_check_passes_within_its_margin_only(summary, measured_over_predicted, passes):
+    """The comparison itself: a run's allocator peak within 2% of the phase model's, either way, passes."""
+    row = next(r for r in summary["runs"] if r["name"] == "baseline_a100_bf16")
+    predicted = summary["memory"][0]["predicted_bytes"]
+    metrics = json.loads(json.dumps(row["metrics"]))
+    metrics["memory"]["device"]["peak_allocated_bytes"] = round(measured_over_predicted * predicted)
+    memory_row = gpu_check._memory_row({**row, "metrics": metrics})
+    assert memory_row["passed"] is passes and memory_row["margin"] == gpu_check.MEMORY_MARGIN == 0.02
+
+
+def test_the_smallest_term_of_the_h200_baseline_is_over_the_margin():
+    """The a100 preset at batch 4 (BENCHMARKS.md's H200 run, 29.78 GiB measured): its smallest term, the loss
+    gradients, is 3.3% of the peak, so a model that left it out would fail the 2% margin."""
+    from distlab import memory
+
+    assert memory.loss_gradient_bytes(4, 1024, 32000) / (29.78 * GIB) == pytest.approx(0.0328, abs=1e-4)
+    assert memory.loss_gradient_bytes(4, 1024, 32000) / (29.78 * GIB) > gpu_check.MEMORY_MARGIN
 
 
 def test_summary_bandwidths_and_native_cp(summary):
@@ -286,8 +316,10 @@ def test_table(summary):
     assert "overall: FAIL (1 failed, 26 passed)" in lines
     assert ("baseline (a100 preset, bf16, 1 GPU): 10,000 tokens/s (measured); 84.0 TFLOP/s achieved, MFU 26.9% of "
             "312 TFLOP/s (dense bf16 peak of NVIDIA A100-SXM4-40GB (synthetic fixture)) (derived)") in lines
-    assert any(ln.startswith("memory, baseline_a100_bf16 (rank 0 of 1): predicted 27.78 GiB, max_memory_allocated "
-                             "30.73 GiB (ratio 1.11") for ln in lines)
+    assert any(ln.startswith("memory, baseline_a100_bf16 (rank 0 of 1): FAIL, predicted peak 25.41 GiB (optimizer "
+                             "step), max_memory_allocated 30.73 GiB (ratio 1.209") for ln in lines)
+    assert any(ln.startswith("    forward/backward: 23.67 GiB = weights 5.08 GiB + optimizer state 10.16 GiB + saved "
+                             "activations 7.45 GiB + loss gradients") for ln in lines)
     assert "native context parallelism (ring_attention.py --native): passed, largest relative difference 9.0e-06" in lines
     assert any(ln.startswith("device memory bandwidth: 1300 GB/s (a copy of S bytes moves 2S") for ln in lines)
     assert ("NCCL bus bandwidth, 4 GPUs: all_reduce 200.0 GB/s at 1024 MiB, all_gather 140.0 GB/s at 32 MiB, "
