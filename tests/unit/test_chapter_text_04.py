@@ -45,3 +45,126 @@ def test_the_sampler_pads_so_every_rank_runs_the_same_number_of_steps():
     assert set(served) == set(range(10)) and len(served) == 12  # two repeats
     says("so that every rank runs the same number of steps and therefore the same collectives")
     assert "pads the dataset for the same reason" not in TEXT
+
+
+# ---- DDP's buckets and unused parameters, on one rank (gloo, in this process: well under a second) ----------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+TORCH = Path(torch.__file__).parent
+
+
+@pytest.fixture
+def world_of_one():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def bucket_bytes_per_step(steps=3, **ddp_options):
+    """The bytes of every bucket DDP all-reduces, step by step, for 6 linears of 263,168 bytes (1.5 MiB)."""
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), **ddp_options)
+    seen = []
+
+    def note(state, bucket):  # a comm hook that records and returns the bucket as it is (one rank: the sum)
+        seen[-1].append(bucket.buffer().numel() * bucket.buffer().element_size())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, note)
+    for _ in range(steps):
+        seen.append([])
+        ddp(torch.randn(1, 256)).sum().backward()
+    return seen
+
+
+def test_one_bucket_then_a_rebuild_only_without_find_unused_parameters(world_of_one):
+    layer = 263_168
+    total, first_cap = 6 * layer, dist._DEFAULT_FIRST_BUCKET_BYTES
+    default = bucket_bytes_per_step()
+    assert default[0] == [total]                                   # step 0: one bucket holding everything
+    # rebuilt after it, once: the first bucket takes gradients until it holds 1 MiB (the one that crosses the
+    # limit joins it: 4 layers), the rest (under 25 MiB) the second
+    assert first_cap == 2**20 and default[1] == default[2] == [4 * layer, 2 * layer]
+    assert default[1][0] - 256 * 256 * 4 < first_cap <= default[1][0]
+    assert bucket_bytes_per_step(static_graph=True) == [[total], [total], [4 * layer, 2 * layer]]  # a step later
+    # find_unused_parameters: cut by size from the first step in registration order (the bucket that reaches 1 MiB
+    # holds the first-registered layers: 4 weights and 3 biases), launched in reverse, and never rebuilt
+    first_registered = 4 * 256 * 256 * 4 + 3 * 256 * 4
+    assert bucket_bytes_per_step(find_unused_parameters=True) == [[total - first_registered, first_registered]] * 3
+    source = (TORCH / "nn" / "parallel" / "distributed.py").read_text().splitlines()
+    assert source[152].strip() == "if static_graph or not find_unused_parameters:"
+    assert "dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap" in source[108]
+    assert "bucketing could insert ALL-REDUCE comm op too early" in "\n".join(source[1390:1407])
+    reducer = (TORCH / "include" / "torch" / "csrc" / "distributed" / "c10d" / "reducer.hpp").read_text().splitlines()
+    assert "(static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_" in reducer[150]
+    assert "reduced in a predetermined order consistent across" in reducer[353]
+    says("the first bucket (the gradients ready first, from\nthe output layer) takes gradients until it holds 1 MiB")
+    says("So **without**\n`find_unused_parameters` (or with `static_graph=True`) the first step runs with a single bucket")
+    assert "DDP cannot know the order before it has seen one backward pass" not in TEXT
+
+
+class OneBranchUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_an_unused_parameter_fails_at_the_next_iteration_and_find_unused_parameters_fixes_it(world_of_one):
+    torch.manual_seed(0)
+    ddp = DDP(OneBranchUnused())
+    ddp(torch.randn(2, 4)).sum().backward()                        # the step that skips a parameter: no error
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction in the prior iteration") as error:
+        ddp(torch.randn(2, 4))                                      # the next forward
+    assert "Parameter indices which did not receive grad for rank 0: 2 3" in str(error.value)  # unused's weight, bias
+    fixed = DDP(OneBranchUnused(), find_unused_parameters=True)
+    for _ in range(2):
+        fixed(torch.randn(2, 4)).sum().backward()
+    assert fixed.module.unused.weight.grad is None and fixed.module.used.weight.grad is not None
+    says("`Expected to have finished reduction in the prior iteration before starting a new one`")
+    says("It hangs only when\n  the ranks differ in what they use")
+
+
+def test_gloo_runs_two_worker_threads_and_ddp_syncs_buffers_by_default(world_of_one):
+    header = (TORCH / "include" / "torch" / "csrc" / "distributed" / "c10d" / "ProcessGroupGloo.hpp").read_text()
+    assert header.splitlines()[263].strip() == "int threads{2};"
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).options._threads == 2  # the group this test made
+    says("a\nGloo process group runs two worker threads")
+    assert "run one after the\nother in Gloo's thread" not in TEXT
+    assert DDP(nn.Linear(2, 2)).forward_sync_buffers is True
+    says("(`forward_sync_buffers=True`, the\n  default in torch 2.13")
+
+
+def test_ddp_broadcasts_the_course_models_buffers_at_every_forward(world_of_one, monkeypatch):
+    tiny = models.preset("tiny")
+    model = models.build_transformer(tiny, seed=0)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    says(f"RoPE's cos and sin tables ({buffer_bytes:,} bytes for the tiny preset)")
+    calls, original = [], dist._broadcast_coalesced
+
+    def counting(group, tensors, buffer_size, src):
+        calls.append(sum(t.numel() * t.element_size() for t in tensors))
+        return original(group, tensors, buffer_size, src)
+
+    monkeypatch.setattr(dist, "_broadcast_coalesced", counting)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    for sync, expected in ((None, [buffer_bytes] * 2), (False, [])):
+        options = {} if sync is None else {"forward_sync_buffers": sync}
+        ddp = DDP(models.build_transformer(tiny, seed=0), **options)   # wrapping broadcasts weights and buffers
+        calls.clear()
+        for _ in range(2):
+            ddp(tokens)
+        assert calls == expected, (sync, calls)
+    says("`forward_sync_buffers=False` skips it (the broadcast when wrapping stays)")
