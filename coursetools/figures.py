@@ -335,33 +335,44 @@ def draw_hybrid_step_timeline(fig) -> None:
 
 
 def draw_zero_with_pipeline(fig) -> None:
-    """One stage's backward passes under 1F1B (``schedules.simulate``), with the reduce-scatter of its gradients
-    after every microbatch (the naive ZeRO-2/3) or once after the last (what torch's stage does), and the bytes
-    each way (``hybrid_pipeline.dp_gradient_sync_bytes``)."""
+    """One stage's passes under 1F1B (``schedules.simulate``) and where its data-parallel gradient sync runs: a
+    reduce-scatter after every microbatch (the naive ZeRO-2/3); torch's DDP stage, whose once-per-step all-reduce
+    starts inside the last backward (``stage.py``, ``backward_maybe_with_nosync``); torch's FSDP stage, whose
+    once-per-step reduce-scatter runs in REDUCE_GRAD after the last backward (``perform_reduce_grad``), exposed.
+    The bytes each way from ``hybrid_pipeline.dp_gradient_sync_bytes``; the sync drawn as long as one backward."""
     from distlab import hybrid_pipeline, schedules
 
     ranks, microbatches, stage = 4, 8, 1
     events = [e for e in schedules.simulate(schedules.one_f_one_b(ranks, microbatches)) if e.stage == stage]
     backwards = [e for e in events if e.kind == "B"]
-    axes = fig.subplots(2, 1, sharex=True)
+    last = backwards[-1]
+    sync_length = last.end - last.start
+    axes = fig.subplots(3, 1, sharex=True)
     params = 1_000_000
-    for ax, every in zip(axes, (True, False)):
+    once = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, "fsdp", False)["reduce_scatter"]
+    panels = [("naive ZeRO-2/3: a reduce-scatter after every microbatch", "fsdp", True,
+               [(e.end, 0.5) for e in backwards]),
+              ("torch's DDP stage: no_sync() but the last backward; its all-reduce starts inside it, overlapped",
+               "ddp", False, [(last.start + 0.25 * sync_length, sync_length)]),
+              ("torch's FSDP stage: REDUCE_GRAD after the last backward; the reduce-scatter is exposed",
+               "fsdp", False, [(last.end, sync_length)])]
+    for ax, (title, mode, every, syncs) in zip(axes, panels):
         for e in events:
             colour = RANK_COLOURS[0] if e.kind == "F" else RANK_COLOURS[1]
             ax.barh(1, e.end - e.start, left=e.start, color=colour, edgecolor="white", height=0.6)
             ax.text((e.start + e.end) / 2, 1, f"{e.kind}{e.microbatch}", ha="center", va="center", fontsize=6,
                     color="white")
-        syncs = backwards if every else backwards[-1:]
-        for e in syncs:
-            ax.barh(0, 0.5, left=e.end, color=LINK_COLOURS["dp"], height=0.6)
-        sent = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, "fsdp", every)["reduce_scatter"]
-        once = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, "fsdp", False)["reduce_scatter"]
+        for start, length in syncs:
+            ax.barh(0, length, left=start, color=LINK_COLOURS["dp"], height=0.6)
+        step_end = max([last.end] + [start + length for start, length in syncs])
+        ax.axvline(step_end, color="#444444", linestyle=":", linewidth=1)
+        collective = "all_reduce" if mode == "ddp" else "reduce_scatter"
+        sent = hybrid_pipeline.dp_gradient_sync_bytes(params, microbatches, mode, every)[collective]
         ax.set_yticks([0, 1], ["dp link", f"stage {stage}"], fontsize=7)
-        ax.set_title(("naive ZeRO-2/3: a reduce-scatter after every microbatch" if every else
-                      "torch's pipeline stage: gradients accumulated, one reduce-scatter after the last microbatch")
-                     + f": {sent // once} x the gradients' bytes", fontsize=8)
+        ax.set_title(f"{title}: {sent // once} x the gradients' bytes", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-    axes[1].set_xlabel("time (units of one forward; 1F1B, P = 4, M = 8, simulated)", fontsize=7)
+    axes[-1].set_xlabel("time (units of one forward; 1F1B, P = 4, M = 8, simulated; dotted: the optimizer step "
+                        "may start)", fontsize=7)
     fig.tight_layout()
 
 
@@ -937,7 +948,7 @@ FIGURES = {
     "09_mesh_two_nodes.png": (draw_mesh_two_nodes, (9, 2.6)),
     "09_mesh_3d.png": (draw_mesh_3d, (9, 3.4)),
     "09_hybrid_step_timeline.png": (draw_hybrid_step_timeline, (9, 2.8)),
-    "09_zero_with_pipeline.png": (draw_zero_with_pipeline, (9, 3.2)),
+    "09_zero_with_pipeline.png": (draw_zero_with_pipeline, (9, 4.6)),
     "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
     "10_tiles_and_halos.png": (draw_tiles_and_halos, (9, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (9.5, 5)),

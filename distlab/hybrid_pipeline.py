@@ -75,6 +75,56 @@ def dp_gradient_sync_bytes(stage_params: int, microbatches: int, dp_mode: str, e
     raise ValueError(f"dp_mode must be 'ddp' or 'fsdp', not {dp_mode!r}")
 
 
+def gradient_sync_timing_problems(dp_mode: str, backwards: list[tuple], reduce_grads: list[tuple],
+                                  bucket_launches: list[tuple], gradient_collectives: int) -> list[str]:
+    """Where in a pipeline step each stage's data-parallel gradient sync ran, against torch 2.13's rule
+    (``torch/distributed/pipelining/stage.py``: ``backward_maybe_with_nosync``, ``perform_reduce_grad``):
+
+    * DDP: every backward but the stage's last runs under ``no_sync()``; the last runs with the reducer armed, so
+      every bucket's all-reduce is launched *during* the stage's last backward (overlapped with it);
+    * FSDP2: every backward runs with ``set_requires_gradient_sync(False)``; the reduce-scatters are issued in
+      the schedule's REDUCE_GRAD action, which starts *after* the stage's last backward (nothing of the stage's
+      backward is left to hide them behind).
+
+    ``backwards``: (stage, start, end) of each backward pass (B, or W where the backward is split);
+    ``reduce_grads``: (stage, start, end, [collectives issued]) of each REDUCE_GRAD; ``bucket_launches``:
+    (stage, time) of each DDP bucket; ``gradient_collectives``: the step's all-reduces (DDP) or reduce-scatters
+    (FSDP), all of which must be accounted for. Returns what disagrees (empty: as torch runs it).
+    """
+    problems = []
+    last = {}
+    for stage, start, end in backwards:
+        if stage not in last or end > last[stage][1]:
+            last[stage] = (start, end)
+    if dp_mode == "ddp":
+        for stage, at in bucket_launches:
+            if stage not in last:
+                problems.append(f"stage {stage}: a bucket launched, but the stage ran no backward")
+            elif not last[stage][0] <= at <= last[stage][1]:
+                problems.append(f"stage {stage}: a bucket launched at {at:.6f} s, outside its last backward "
+                                f"[{last[stage][0]:.6f}, {last[stage][1]:.6f}]")
+        missing = sorted(set(last) - {stage for stage, _ in bucket_launches})
+        if missing:
+            problems.append(f"stages {missing}: no bucket launched in the step")
+        if len(bucket_launches) != gradient_collectives:
+            problems.append(f"{len(bucket_launches)} bucket launches timed, {gradient_collectives} all-reduces issued")
+    elif dp_mode == "fsdp":
+        seen = {}
+        for stage, start, end, issued in reduce_grads:
+            seen[stage] = seen.get(stage, 0) + 1
+            if stage in last and start < last[stage][1]:
+                problems.append(f"stage {stage}: REDUCE_GRAD started at {start:.6f} s, before its last backward "
+                                f"ended ({last[stage][1]:.6f})")
+        if sorted(seen) != sorted(last) or any(n != 1 for n in seen.values()):
+            problems.append(f"REDUCE_GRAD per stage {seen}, backwards on stages {sorted(last)}: one each expected")
+        inside = sum(c == "reduce_scatter" for *_, issued in reduce_grads for c in issued)
+        if inside != gradient_collectives:
+            problems.append(f"{inside} of the step's {gradient_collectives} reduce-scatters issued inside REDUCE_GRAD")
+    else:
+        raise ValueError(f"dp_mode must be 'ddp' or 'fsdp', not {dp_mode!r}")
+    return problems
+
+
 def pp_send_bytes(stages_of_rank: list[int], num_stages: int, microbatches: int, microbatch_rows: int,
                   seq_len: int, dim: int, bytes_per_element: int = 4) -> int:
     """Bytes one rank sends to its pipeline neighbours in a step: for each of its stages, the activations of

@@ -8,8 +8,8 @@ from distlab import schedules
 from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, group_sizes
 from distlab.planner.memory import memory_per_gpu, stage_params
 from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
-                                  layout_problems, microbatches, sequence_parallel, stage_layer_kinds,
-                                  stage_layers)
+                                  layout_problems, microbatches, reduces_after_backward, sequence_parallel,
+                                  stage_layer_kinds, stage_layers)
 
 
 @dataclass
@@ -105,10 +105,12 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
     * dp hides as far as the schedule lets it: DDP and ZeRO-1/2 reduce the gradients during the last
       microbatch's backward and gather ZeRO's updated parameters during the next step's first forward (Megatron's
-      overlap of both); FSDP kept gathered likewise; FSDP resharding every microbatch hides each microbatch's
-      gathers and reduce-scatters behind that microbatch's compute, except the first unit's gather, which
-      nothing precedes;
-    * replicate (HSDP) hides behind backward, like the reduce-scatters it follows;
+      overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
+      and, as torch's pipeline stage runs it, reduce-scatters after the stage's last backward
+      (``Options.pp_fsdp_grad_sync``): exposed; FSDP resharding every microbatch hides each microbatch's gathers
+      and reduce-scatters behind that microbatch's compute, except the first unit's gather, which nothing
+      precedes;
+    * replicate (HSDP) hides behind backward, like the reduce-scatters it follows (under PP: exposed with them);
     * cp hides behind attention's compute;
     * pp is counted by :func:`evaluate` (the fill and the drain).
     """
@@ -120,6 +122,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     seconds = dimension_seconds(model, cluster, layout, stage, options)
     exposed = {"tp": seconds["tp"]["total"] if not options.async_tp else max(0.0, seconds["tp"]["total"] - compute)}
     payload = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)["dp"]
+    after = reduces_after_backward(options, layout)
     dp = seconds["dp"]["total"]
     if dp:
         gathered = payload.get("all_gather", 0)
@@ -132,16 +135,16 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
                 cluster, layout, "dp")[1]
             exposed["dp"] = m * (max(0.0, dp / m - (forward + backward)) + first)
         else:
-            exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - backward)
+            exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - (0.0 if after else backward))
     else:
         exposed["dp"] = 0.0
-    # HSDP's all-reduces over the replicas follow each unit's reduce-scatter inside backward: hidden as far as
-    # the backward of the step (kept gathered: of the last microbatch) or of each microbatch lasts
+    # HSDP's all-reduces over the replicas follow each unit's reduce-scatter: hidden as far as the backward of
+    # each microbatch lasts, or (kept gathered) of the last microbatch; under PP, after it, with the reduce-scatters
     replicate = seconds["replicate"]["total"]
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
         exposed["replicate"] = m * max(0.0, replicate / m - backward)
     else:
-        exposed["replicate"] = max(0.0, replicate - backward)
+        exposed["replicate"] = max(0.0, replicate - (0.0 if after else backward))
     # the ring hides behind attention's blocks; Llama 3's all-gathers sit on the critical path (its section 3.3.2)
     exposed["cp"] = seconds["cp"]["total"] if options.cp_attention == "all_gather" else \
         max(0.0, seconds["cp"]["total"] - flops["attention"] / rate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -186,6 +187,18 @@ def pipeline_stage_class():
 
     class SwitchableSyncStage(PipelineStage):
         sync_every_microbatch = False
+        # when the stage's REDUCE_GRAD ran and which collectives it issued: (stage, start, end, [collective, ...]),
+        # read from ``call_log`` (a CommCounter's live ``calls`` list, set by the script for the step it measures)
+        reduce_grad_log: list | None = None
+        call_log: list | None = None
+
+        def perform_reduce_grad(self, grad_scale_factor):
+            before = len(self.call_log) if self.call_log is not None else 0
+            start = time.perf_counter()
+            super().perform_reduce_grad(grad_scale_factor)
+            if self.reduce_grad_log is not None:
+                issued = [c.collective for c in self.call_log[before:]] if self.call_log is not None else []
+                self.reduce_grad_log.append((self.stage_index, start, time.perf_counter(), issued))
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
             if not self.sync_every_microbatch:

@@ -14,6 +14,11 @@ it (``stage.py``, ``backward_maybe_with_nosync``): a DDP stage runs every backwa
 microbatch. Done naively (sync in every backward), ZeRO-2/FSDP with PP pays a reduce-scatter per microbatch,
 DDP an all-reduce per microbatch: M times the bytes, for the same gradients. The script runs one extra
 step each way and measures both, in bytes, against ``distlab.hybrid_pipeline.dp_gradient_sync_bytes``.
+
+**When that sync runs differs.** DDP's buckets all-reduce *during* the stage's last backward (overlapped with
+it); FSDP's reduce-scatters wait for REDUCE_GRAD, *after* the stage's last backward (exposed: the optimizer
+step waits for them). The measured step times each bucket's launch and each REDUCE_GRAD against the stage's
+backward bars and checks both rules on every rank (``hybrid_pipeline.gradient_sync_timing_problems``).
 (FSDP keeps each stage's parameters gathered from the first forward to REDUCE_GRAD,
 ``reshard_after_forward=False``, as torchtitan does under PP: resharding would all-gather them again for
 every microbatch.)
@@ -40,6 +45,7 @@ point-to-point sends instead of RPC, and composition with DDP / FSDP2 / DTensor 
 
 import importlib.util
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,14 +68,16 @@ class BucketLog:
 
     def __init__(self, dp_group):
         self.dp_group, self.bytes = dp_group, 0
+        self.launches = []   # (stage, time) of each bucket's all-reduce: when in the pipeline's step it started
 
-    def hook(self, state, bucket):
+    def hook(self, stage_index, bucket):
         buffer = bucket.buffer()
         self.bytes += buffer.numel() * buffer.element_size()
+        self.launches.append((stage_index, time.perf_counter()))
         return allreduce_hook(self.dp_group, bucket)   # average over dp, not over the whole world
 
 
-def make_data_parallel(module, args, mesh, bucket_log, last: bool):
+def make_data_parallel(module, args, mesh, bucket_log, stage_index: int, last: bool):
     """The stage, data parallel over the ranks that hold the same stage (alone on its stage: left as it is,
     except that FSDP over one rank still gives a bf16 run its mixed-precision policy)."""
     if args.dp == 1 and (args.dp_mode == "ddp" or args.precision == "fp32"):
@@ -83,7 +91,7 @@ def make_data_parallel(module, args, mesh, bucket_log, last: bool):
         device = next(module.parameters()).device
         wrapped = DistributedDataParallel(module, process_group=mesh.get_group("dp"), find_unused_parameters=True,
                                           device_ids=[device] if device.type == "cuda" else None)
-        wrapped.register_comm_hook(state=None, hook=bucket_log.hook)
+        wrapped.register_comm_hook(state=stage_index, hook=bucket_log.hook)
         return wrapped
     # FSDP2: each block one unit, then the stage's root (embeddings or head). Gathered for the whole step.
     # Under bf16, stages pass bf16 activations; the last hands fp32 logits to the loss.
@@ -125,14 +133,15 @@ def main():
         full = models.build_transformer(cfg, seed=args.seed)
         bucket_log = BucketLog(mesh.get_group("dp"))
         wrapped = {s: make_data_parallel(transformer_stage(full, s, num_stages).to(rt.device), args, mesh, bucket_log,
-                                         last=s == num_stages - 1)
+                                         s, last=s == num_stages - 1)
                    for s in mine}
         del full
         Stage = pipeline_stage_class()
         stages = [Stage(wrapped[s], s, num_stages, rt.device, group=mesh.get_group("pp")) for s in mine]
-        events = []
+        events, reduce_grads = [], []
         for stage in stages:
             record_actions(stage, events, rt.sync)
+            stage.reduce_grad_log = reduce_grads   # when each stage's REDUCE_GRAD ran, and what it issued
         schedule = torch_schedule(args.schedule, stages, microbatches, loss_fn=models.lm_loss)
         parameters = [p for module in wrapped.values() for p in module.parameters()]
         optimizer = torch.optim.AdamW(parameters, lr=args.lr)
@@ -163,14 +172,20 @@ def main():
 
         # 4. Train; step 1 is measured (step 0 also infers shapes between stages).
         step_losses, first_grads, measured, state = [], {}, {}, None
+        sync_timing, sync_seen = ["step 1 was not run (--steps < 2)"], {}
         clock = metrics.StepClock(rt.sync)   # the whole step: schedule and optimizer (MFU's one definition)
         for step in range(args.steps):
             events.clear()
-            bucket_log.bytes = 0
+            reduce_grads.clear()
+            bucket_log.bytes, bucket_log.launches = 0, []
             dist.barrier()
             t0 = clock.start()
             with comm.CommCounter() as counter:
+                for stage in stages:
+                    stage.call_log = counter.calls
                 step_losses.append(run_step(step))
+            for stage in stages:
+                stage.call_log = None
             if step == 0 and args.reference:   # the first step is not timed: its gradients, gathered whole
                 first_grads = {n: g for module in wrapped.values() for n, g in full_named(module, grads=True).items()}
             optimizer.step()
@@ -180,6 +195,17 @@ def main():
                 measured = {"dp": dp_bytes(counter),
                             "pp": hybrid_pipeline.bytes_by_dimension(counter.calls).get("pp", {}).get("send", 0)}
                 report.timeline = gather_timeline(events if dp_rank == 0 else [], t0, pp_rank)
+                # where the dp gradient sync ran in this step, on this rank's clock (torch's rule: DDP inside the
+                # stage's last backward, FSDP in REDUCE_GRAD after it)
+                backwards = [(stage, start, end) for stage, _, kind, start, end, *_ in events if kind in ("B", "W")]
+                issued = sum(c.collective == "reduce_scatter" for c in counter.calls)
+                sync_timing = (hybrid_pipeline.gradient_sync_timing_problems(
+                    args.dp_mode, backwards, reduce_grads, bucket_log.launches,
+                    issued if args.dp_mode == "fsdp" else len(bucket_log.launches)) if dp > 1 else [])
+                last_backward_end = {s: max(end for stage, _, end in backwards if stage == s) - t0 for s in mine}
+                sync_seen = {"last_backward_end": last_backward_end,
+                             "reduce_grad": [(s, start - t0, end - t0) for s, start, end, _ in reduce_grads],
+                             "bucket_launches": [(s, at - t0) for s, at in bucket_log.launches]}
             optimizer.zero_grad(set_to_none=True)
         report.losses = replica_losses(step_losses, last_here, True)
         rt.print("losses: " + " ".join(f"{x:.5f}" for x in report.losses))
@@ -206,6 +232,7 @@ def main():
         everything = [None] * rt.world_size
         dist.all_gather_object(everything, {
             "rank": rt.rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": mine, "measured": measured,
+            "sync_timing": sync_timing, "sync_seen": sync_seen,
             "state": state.as_dict(),
             "sync_bytes": {mode: v["bytes"] for mode, v in sync_modes.items()},
             "sync_grad_diff": metrics.max_abs_diff(*([modes["grads"][n] for n in sorted(modes["grads"])]
@@ -254,6 +281,14 @@ def main():
                      not dp_wrong, dp_wrong or "all ranks", "== dp_gradient_sync_bytes(once)")
         report.check("pp bytes sent per step = formula (activations forward, gradients back; every rank)",
                      not pp_wrong, pp_wrong or "all ranks", "== pp_send_bytes")
+        late = [(r["rank"], problem) for r in everything for problem in r["sync_timing"]]
+        where = ("every bucket's all-reduce launched during the stage's last backward (overlapped with it)"
+                 if args.dp_mode == "ddp" else
+                 "every reduce-scatter issued in REDUCE_GRAD, after the stage's last backward (not overlapped)")
+        report.check(f"dp gradient sync where torch 2.13's stage runs it, measured on the step's clock: {where} "
+                     f"(every rank)", not late, late[:3] or "all ranks", "stage.py: backward_maybe_with_nosync, "
+                     "perform_reduce_grad")
+        report.extra["gradient_sync_timing"] = {r["rank"]: r["sync_seen"] for r in everything if r["dp_rank"] == 0}
         report.check(f"parameters, gradients, AdamW state per rank = the stage's "
                      f"{'/ dp (FSDP)' if args.dp_mode == 'fsdp' else '(DDP: replicated)'} (every rank)",
                      not memory_wrong, memory_wrong or "all ranks", "== 4 / 4 / 8 bytes per parameter")

@@ -59,6 +59,18 @@ def test_pp_dp_equals_one_device_and_syncs_gradients_once_per_step(run, collecti
     assert naive[0]["measured_bytes"] == naive[0]["analytic_bytes"] == sync["every_microbatch"]
     assert metrics["config"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1}
     assert len(metrics["losses"]) == 2 and metrics["losses"][1] < metrics["losses"][0]
+    # where the once-per-step sync ran (torch 2.13's stage.py): DDP's buckets inside each stage's last backward,
+    # FSDP's REDUCE_GRAD after it; read from the measured step's clock on each stage's reporting rank
+    assert _check(metrics, "dp gradient sync where torch 2.13's stage runs it")["passed"]
+    for rank, seen in metrics["extra"]["gradient_sync_timing"].items():
+        ends = {int(s): t for s, t in seen["last_backward_end"].items()}
+        if collective == "all_reduce":
+            # (torch's REDUCE_GRAD runs for a DDP stage too, and only scales: the buckets went before it)
+            assert seen["bucket_launches"], (rank, seen)
+            assert all(at <= ends[s] for s, at in seen["bucket_launches"]), (rank, seen)
+        else:
+            assert sorted(s for s, *_ in seen["reduce_grad"]) == sorted(ends), (rank, seen)
+            assert all(start >= ends[s] for s, start, _ in seen["reduce_grad"]), (rank, seen)
 
 
 def test_fsdp_pp_interleaves_two_stages_per_rank(fsdp_pp):

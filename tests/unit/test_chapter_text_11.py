@@ -153,9 +153,13 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     plans = planner.search(planner.MODELS["405b"], planner.CLUSTERS["h100-80gb"], 16384)
     flat = next(p for p in plans if p.layout.pp == 1 and p.fits)
     assert plans[0].layout.pp > 1 and flat.layout.dp == planner.MODELS["405b"].global_batch
-    with_pp = plans[:3]   # the search's first three: PP 2, 8 and 16 within a point of MFU
+    with_pp = plans[:3]   # the search's first three: PP 8 and 16 within a point of MFU, with ZeRO-1
     assert all(p.layout.pp > 1 and plans[0].mfu - p.mfu < 0.01 for p in with_pp)
-    assert {p.layout.pp for p in with_pp} >= {2, 16} and "with 2 to 16 stages" in text
+    assert {p.layout.pp for p in with_pp} == {8, 16} and "with 8 to 16 stages" in text
+    # FSDP under PP pays its reduce-scatter after the last backward (torch's REDUCE_GRAD); ZeRO-1 overlaps it
+    assert all(p.layout.zero_stage == 1 for p in with_pp) and "They shard the optimizer's state with ZeRO-1" in text
+    fsdp = next(p for p in plans if p.layout == planner.replace(plans[0].layout, zero_stage=3))
+    assert 0.01 < plans[0].mfu - fsdp.mfu < 0.025 and "worth one to two points here" in text
     low, high = with_pp[-1].mfu, plans[0].mfu
     assert plans[0].mfu > 2 * flat.mfu and f"all reach {low:.0%} to {high:.0%}".replace("%", " %") in text
     assert f"(twice the {flat.mfu:.0%} without PP)".replace("%", " %") in text

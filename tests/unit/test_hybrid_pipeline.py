@@ -196,3 +196,42 @@ def test_clip_grad_norm_reduces_over_pp_with_max_for_inf(norm_type, op, monkeypa
     ours, _ = _two_gradient_sets()
     hybrid_pipeline.clip_grad_norm_(ours, 0.5, pp_group="pp", norm_type=norm_type)
     assert seen == [(getattr(dist.ReduceOp, op), "pp")]
+
+
+# ---- where the data-parallel gradient sync runs in a pipeline step (torch 2.13's stage.py) -------------------
+
+# two stages on one rank (interleaved), two microbatches each: (stage, start, end) of every backward
+BACKWARDS = [(1, 1.0, 2.0), (0, 2.0, 3.0), (1, 3.0, 4.0), (0, 4.0, 5.0)]
+
+
+def test_ddp_buckets_inside_each_stages_last_backward_pass():
+    launches = [(1, 3.5), (1, 3.9), (0, 4.2)]
+    assert hybrid_pipeline.gradient_sync_timing_problems("ddp", BACKWARDS, [], launches, 3) == []
+
+
+@pytest.mark.parametrize("launches, why", [
+    ([(1, 1.5), (1, 3.9), (0, 4.2)], "outside its last backward"),      # synced in an earlier backward too
+    ([(1, 3.9), (0, 5.5)], "outside its last backward"),               # after the backward: not overlapped
+    ([(1, 3.9)], "no bucket launched"),                                 # a stage that never synced
+])
+def test_ddp_buckets_elsewhere_fail(launches, why):
+    problems = hybrid_pipeline.gradient_sync_timing_problems("ddp", BACKWARDS, [], launches, len(launches))
+    assert any(why in p for p in problems), problems
+
+
+def test_fsdp_reduce_grad_after_each_stages_last_backward_passes():
+    reduce_grads = [(1, 4.0, 4.1, ["reduce_scatter"] * 3), (0, 5.0, 5.2, ["reduce_scatter"] * 4)]
+    assert hybrid_pipeline.gradient_sync_timing_problems("fsdp", BACKWARDS, reduce_grads, [], 7) == []
+
+
+@pytest.mark.parametrize("reduce_grads, issued, why", [
+    # REDUCE_GRAD of stage 0 before its last backward ended (a sync overlapped with backward, not torch's rule)
+    ([(1, 4.0, 4.1, ["reduce_scatter"] * 3), (0, 4.5, 4.6, ["reduce_scatter"] * 4)], 7, "before its last backward"),
+    # reduce-scatters issued outside REDUCE_GRAD (per microbatch, say)
+    ([(1, 4.0, 4.1, ["reduce_scatter"] * 3), (0, 5.0, 5.2, ["reduce_scatter"] * 4)], 14, "issued inside"),
+    # one stage without its REDUCE_GRAD
+    ([(1, 4.0, 4.1, ["reduce_scatter"] * 3)], 3, "one each expected"),
+])
+def test_fsdp_sync_elsewhere_fails(reduce_grads, issued, why):
+    problems = hybrid_pipeline.gradient_sync_timing_problems("fsdp", BACKWARDS, reduce_grads, [], issued)
+    assert any(why in p for p in problems), problems

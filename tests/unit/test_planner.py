@@ -444,3 +444,38 @@ def test_ranks_in_a_node_and_crossing_counted_from_the_rank_grid(layout):
 def test_an_unknown_schedule_is_named_in_a_clear_error():
     with pytest.raises(ValueError, match="schedule must be one of"):
         planner.in_flight("zigzag", 4, 0, 8)
+
+
+@pytest.mark.parametrize("zero, shard", [(3, 0), (3, 2), (0, 0), (1, 0)], ids=["fsdp", "hsdp", "ddp", "zero1"])
+def test_fsdp_under_pp_reduces_after_the_last_backward(zero, shard):
+    """torch 2.13's pipeline stage reduces an FSDP stage's gradients in REDUCE_GRAD, after its last backward
+    (stage.py, perform_reduce_grad): nothing hides them. DDP (and ZeRO-1, Megatron's overlapped reduction) reduce
+    during the last backward. Without PP the rule does not apply. Independent of the formula: compare the two
+    settings of ``pp_fsdp_grad_sync`` and the pp = 1 layout."""
+    spec = planner.MODELS["7b"]
+    cluster = planner.CLUSTERS["a100-40gb"]
+    layout = planner.Layout(tp=2, pp=2, dp=16, zero_stage=zero, shard=shard)
+    after, during = (planner.stage_time(spec, cluster, layout, 1, planner.Options(
+        zero_stage=zero, activation_checkpointing="full", pp_fsdp_grad_sync=mode)) for mode in
+        ("after_backward", "last_backward"))
+    dimension = "replicate" if shard else "dp"
+    if zero == 3:
+        # the reduction's seconds are all exposed after; during, at least part hides behind the last backward
+        assert after["exposed"][dimension] > during["exposed"][dimension]
+        total = after["seconds"][dimension]["total"]
+        if shard:
+            assert after["exposed"]["replicate"] == pytest.approx(total)
+        else:
+            assert after["exposed"]["dp"] >= total * 0.5   # the reduce-scatter's share of dp's bytes: half
+    else:
+        assert after["exposed"] == during["exposed"]
+    flat = planner.Layout(tp=2, pp=1, dp=32, zero_stage=zero, shard=shard)
+    a, d = (planner.stage_time(spec, cluster, flat, 0, planner.Options(zero_stage=zero, pp_fsdp_grad_sync=mode))
+            for mode in ("after_backward", "last_backward"))
+    assert a["exposed"] == d["exposed"]
+
+
+def test_pp_fsdp_grad_sync_names_its_choices():
+    with pytest.raises(ValueError, match="pp_fsdp_grad_sync"):
+        planner.reduces_after_backward(planner.Options(pp_fsdp_grad_sync="overlapped"),
+                                       planner.Layout(pp=2, dp=2, zero_stage=3))
