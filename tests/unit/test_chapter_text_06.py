@@ -1,6 +1,7 @@
 """Chapter 06's numbers, recomputed: the test fails when chapters/06_tensor_parallel.md drifts from the code."""
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from distlab import metrics, models
@@ -56,3 +57,35 @@ def test_h_is_the_width_and_a_the_heads():
     # issue 9 item 10: one letter, one meaning. Upper-case H is no longer used at all.
     assert not re.search(r"\bH\b", TEXT)
     says("a/n of its a heads on a TP rank")
+
+
+def test_grouped_query_attention_under_tp_is_taught_as_the_code_checks_it():
+    flat = " ".join(TEXT.split())
+    gqa = replace(models.preset("tiny"), n_heads=8, n_kv_heads=2)
+    problems = tp.tp_config_problems(gqa, 4)
+    assert problems and "2 key/value heads do not split over 4 TP ranks" in problems[0]
+    says("`2 key/value heads do not split over 4 TP ranks`")
+    assert not tp.tp_config_problems(replace(models.preset("tiny"), n_heads=8, n_kv_heads=4), 4)
+    assert "(`--heads 8 --kv-heads 4` on 4 ranks equals one device; a test runs it)" in flat
+    tests = (Path(__file__).resolve().parents[1] / "scripts" / "test_06_tensor_parallel.py").read_text()
+    assert '"--heads", "8", "--kv-heads", "4"' in tests
+    assert "Inference engines then **replicate** them" in flat
+
+
+def test_dropout_streams_and_dtensors_cuda_only_tracker():
+    import torch
+    import torch.nn as nn
+    model = models.build_transformer(models.preset("tiny"), seed=0)
+    assert not any(isinstance(m, nn.Dropout) for m in model.modules())  # "the course model has no dropout"
+    says("**Random numbers: the course model has no dropout.**")
+    random_py = (Path(torch.__file__).parent / "distributed" / "tensor" / "_random.py").read_text().splitlines()
+    assert random_py[202].strip() == 'if self._device.type == "cpu":' and "raise RuntimeError" in random_py[203]
+    says("constructing it raises (`_random.py:203`)")
+    dispatch = (Path(torch.__file__).parent / "distributed" / "tensor" / "_dispatch.py").read_text()
+    assert "if not random._rng_tracker and is_rng_supported_mesh(mesh):" in dispatch
+
+
+def test_the_losses_are_equal_to_a_tolerance_not_identical():
+    assert tp.TOLERANCE["tiny"]["loss"] == 1e-5  # the tolerance tp_transformer.py checks the losses with
+    says("(4.8e-7\nmeasured, tolerance 1e-5)")
+    assert "the losses of the run are identical" not in TEXT
