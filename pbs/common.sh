@@ -79,7 +79,7 @@ distlab_deadline() {
 }
 
 distlab_chain_next() {
-    # JOB_FILE VARIABLES: submit the job that continues this one, starting when this one ends however it ends
+    # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its walltime did not end "ok"), with this job's own resources: the same
     # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one. Prints its id.
     local select walltime queue
@@ -96,7 +96,10 @@ distlab_chain_next() {
     [[ -z $queue ]] || args+=(-q "$queue")
     [[ -z $select ]] || args+=(-l "select=$select")
     [[ -z $walltime ]] || args+=(-l "walltime=$walltime")
-    "$DISTLAB_QSUB" "${args[@]}" -v "$2" "$1"
+    # qsub -v splits its list at every comma: a value's commas become colons (distlab_jobs chain-vars)
+    local variables
+    variables=$(distlab_jobs chain-vars "${@:2}") || return 2
+    "$DISTLAB_QSUB" "${args[@]}" -v "$variables" "$1"
 }
 
 # ---------------------------------------------------------------------------------------------------

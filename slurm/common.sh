@@ -136,7 +136,7 @@ distlab_on_walltime_warning() {
 trap distlab_on_walltime_warning USR1
 
 distlab_chain_next() {
-    # JOB_FILE VARIABLES: submit the job that continues this one, starting when this one ends however it ends
+    # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its limit did not end "ok"), with this job's own shape: nodes, tasks a node, GPUs
     # a node, time limit, partition, account and the node features asked for (--constraint). Prints its id.
     local -a args=(--parsable --dependency="afterany:$SLURM_JOB_ID" --nodes="$DISTLAB_NNODES")
@@ -161,10 +161,13 @@ distlab_chain_next() {
     local -a extra
     read -ra extra <<<"${DISTLAB_CHAIN_SBATCH_ARGS:-}"
     args+=("${extra[@]}")
+    # sbatch --export splits its list at every comma: a value's commas become colons (distlab_jobs chain-vars)
+    local variables
+    variables=$(distlab_jobs chain-vars "${@:2}") || return 2
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
     # run folder, deadline, NCCL log folder and rendezvous
     env -u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES \
-        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$2${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
+        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$variables${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
         cut -d';' -f1
 }
 

@@ -269,3 +269,22 @@ def test_the_two_hangs_of_chapter_12_dump_into_folders_of_their_own(job_env, fak
     folders = [args[args.index("--trace-dir") + 1] for script, args in map(script_of, commands)
                if script.endswith("deadlocks.py")]
     assert len(folders) == 2 and len(set(folders)) == 2 and all(f.startswith(job_env["DISTLAB_RUN_DIR"]) for f in folders)
+
+
+def test_the_chain_carries_a_list_of_scripts_to_the_next_job(job_env, fake_pals, tmp_path):
+    """pbs/12 with DISTLAB_CHAIN=1 and DISTLAB_ONLY=a list with commas, under stand-ins for qstat and qsub: qsub -v
+    splits its list at commas, so the next job must get the list with colons (it read DISTLAB_ONLY=tuning.py and
+    would run the wrong script). Launches are the fake PALS mpiexec's echo: nothing runs."""
+    (tmp_path / "qstat").write_text("#!/bin/bash\nprintf '    Resource_List.walltime = 00:20:00\\n'\n")
+    (tmp_path / "qsub").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/qsub.args; echo 4243.desched1\n')
+    for name in ("qstat", "qsub"):
+        (tmp_path / name).chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_QSTAT": str(tmp_path / "qstat"),
+                     "DISTLAB_QSUB": str(tmp_path / "qsub"), "DISTLAB_QDEL": "true", "DISTLAB_CHAIN": "1",
+                     "DISTLAB_ONLY": "tuning.py,fault_drill.py", "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+    result = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env, timeout=120)
+    assert result.returncode == 0, result.output[-3000:]
+    args = (tmp_path / "qsub.args").read_text().splitlines()
+    assert args[args.index("-v") + 1] == (f"DISTLAB_CHAIN=0,DISTLAB_DRILL_DIR={tmp_path / 'drill'},"
+                                          "DISTLAB_ONLY=tuning.py:fault_drill.py")
+    assert "next job of the chain: 4243.desched1" in result.output

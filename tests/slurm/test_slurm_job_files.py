@@ -85,13 +85,15 @@ def test_the_chained_job_carries_the_shape_partition_account_and_constraint(tmp_
         env = dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", SLURM_JOB_ID="7", DISTLAB_NNODES="2",
                    SLURM_NTASKS_PER_NODE="4", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="16",
                    DISTLAB_SCONTROL=str(scontrol), DISTLAB_SBATCH=str(sbatch), HOME=str(tmp_path))
-        done = subprocess.run(["bash", "-c", "source slurm/common.sh && distlab_chain_next job.sbatch DISTLAB_CHAIN=1"],
+        done = subprocess.run(["bash", "-c", "source slurm/common.sh && "
+                               "distlab_chain_next job.sbatch DISTLAB_CHAIN=1 DISTLAB_ONLY=a.py,b.py"],
                               cwd=root, env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
     words = chain("a100_80gb")
     for expected in ("--dependency=afterany:7", "--nodes=2", "--partition=gpu", "--account=proj1", "--time=00:30:00",
-                     "--constraint=a100_80gb", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=16"):
+                     "--constraint=a100_80gb", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=16",
+                     "--export=ALL,DISTLAB_CHAIN=1,DISTLAB_ONLY=a.py:b.py"):  # sbatch splits --export at commas
         assert expected in words, (expected, words)
     assert "--constraint" not in chain("(null)")

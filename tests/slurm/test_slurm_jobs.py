@@ -42,9 +42,10 @@ JOBS = {
     # torchrun restarts it) stops at the deadline with a checkpoint and exits 0; the chain's next jobs
     # (sbatch --dependency=afterany) are given a deadline 5 s before their limit (DISTLAB_CHAIN_EXPORT), resume,
     # complete, and cancel the successor they queued in turn. The warning is asked 5 s ahead (a 2-minute limit; the
-    # job file's 180 s is for its 20 minutes), and the chain says so again.
+    # job file's 180 s is for its 20 minutes), and the chain says so again. DISTLAB_ONLY is a list with a comma, whose
+    # first name matches no script: a chain that let sbatch --export split it would run nothing in the next job.
     "walltime": ("12_hpc_operations", ["--time=2", "--signal=B:USR1@5"],
-                 {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "105",
+                 {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "105",
                   "DISTLAB_DRILL_STEPS": "8", "DISTLAB_DRILL_STEP_SECONDS": "1",
                   "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5",
                   "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5"}),

@@ -341,13 +341,14 @@ def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
     # successor goes to main, the queue that takes submissions
     tools = fake_pbs(tmp_path)
     (tmp_path / "qstat.out").write_text(QSTAT_F.replace("queue = main", "queue = gpu"))
-    job = out("distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1", PBS_JOBID="4242.desched1",
+    job = out("distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1 DISTLAB_ONLY=a.py,b.py", PBS_JOBID="4242.desched1",
               PBS_QUEUE="gpu", PBS_O_QUEUE="main", PBS_ACCOUNT="UABC0001", **tools)
     assert job == "4243.desched1"
     assert (tmp_path / "qsub.args").read_text().splitlines() == [
         "-W", "depend=afterany:4242.desched1", "-A", "UABC0001", "-q", "main",
         "-l", "select=2:ncpus=64:ngpus=4:mpiprocs=4:ompthreads=16:mem=480GB:cpu_type=milan",
-        "-l", "walltime=00:20:00", "-v", "DISTLAB_CHAIN=1", "pbs/12_hpc_operations.pbs"]
+        "-l", "walltime=00:20:00", "-v", "DISTLAB_CHAIN=1,DISTLAB_ONLY=a.py:b.py",  # qsub -v splits at commas
+        "pbs/12_hpc_operations.pbs"]
 
 
 @pytest.mark.parametrize("extra, checks, cancelled", [
