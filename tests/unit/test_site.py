@@ -2,7 +2,8 @@
 
 `make site` runs every lab (CI does it: .ci/run); here the site is built with the labs left unexecuted (nbval runs
 them in `make test`), which checks every link and image of every page in seconds, and three planted faults (a broken
-link, a missing image, a cell that raises while the lab runs) show that the build fails on each."""
+link, a missing image, a cell that raises while the lab runs) show that the build fails on each. The first two are
+planted in the built site's source and rebuilt incrementally (Sphinx re-reads only the changed page)."""
 
 from __future__ import annotations
 
@@ -96,25 +97,30 @@ def test_nothing_is_fetched_from_the_network(built):
         assert "https://cdn" not in text and "unpkg.com" not in text and "mathjax" not in text.lower(), page
 
 
-def _planted(tmp_path, built, change) -> subprocess.CompletedProcess:
-    _, source, _ = built
-    copy = tmp_path / "source"
-    shutil.copytree(source, copy)
-    change(copy)
-    return sphinx(copy, tmp_path)
+def _planted(built, path: str, change) -> subprocess.CompletedProcess:
+    """Plant a fault in the built site's own source and rebuild it incrementally: Sphinx re-reads only the pages
+    whose file or dependencies changed (seconds, where a copy of the source is a new source folder and a full
+    build), then put the file back. The fault's warning must fail the build."""
+    out, source, _ = built
+    target = source / path
+    saved = target.read_bytes()
+    try:
+        change(target)
+        return sphinx(source, out)
+    finally:
+        target.write_bytes(saved)   # newer than the failed build's read: the next build reads it again
 
 
-def test_a_broken_link_fails_the_build(tmp_path, built):
-    def break_link(source):
-        page = source / "chapters" / "05_fully_sharded.md"
+def test_a_broken_link_fails_the_build(built):
+    def break_link(page):
         page.write_text(page.read_text() + "\n\nSee [the missing page](06_no_such_chapter.md).\n")
 
-    result = _planted(tmp_path, built, break_link)
+    result = _planted(built, "chapters/05_fully_sharded.md", break_link)
     assert result.returncode != 0 and "06_no_such_chapter" in result.stderr
 
 
-def test_a_missing_image_fails_the_build(tmp_path, built):
-    result = _planted(tmp_path, built, lambda source: (source / "chapters" / "figures" / "05_zero_stages.png").unlink())
+def test_a_missing_image_fails_the_build(built):
+    result = _planted(built, "chapters/figures/05_zero_stages.png", lambda image: image.unlink())
     assert result.returncode != 0 and "05_zero_stages.png" in result.stderr
 
 
