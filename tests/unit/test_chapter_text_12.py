@@ -214,3 +214,20 @@ def test_the_chapter_sets_pbs_and_slurm_side_by_side():
                               ("node list", "$PBS_NODEFILE", "$SLURM_JOB_NODELIST"),
                               ("rank variables", "PALS_RANKID", "SLURM_PROCID")]:
         assert thing in rows and pbs in rows[thing] and slurm in rows[thing], thing
+
+
+def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoint():
+    import re
+
+    import torch
+
+    job = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
+    warning = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", job, flags=re.M).group(1))
+    common = (ROOT / "jobs" / "common.sh").read_text()
+    margin = int(re.search(r"DISTLAB_WALLTIME_MARGIN=\$\{DISTLAB_WALLTIME_MARGIN:-(\d+)\}", common).group(1))
+    assert warning > margin
+    assert f"the warning ({warning} s ahead) comes before the deadline ({margin} s ahead)" in flat(CHAPTER)
+    # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
+    source = Path(torch.__file__).parent / "distributed" / "elastic"
+    assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
+    assert "except SignalException" in (source / "agent" / "server" / "api.py").read_text().splitlines()[751]
