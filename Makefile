@@ -35,9 +35,9 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
 ## Every test, in two phases. First unit, scripts (4 CPU ranks), PBS jobs and notebooks (nbval) on two
 ## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
-## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then, alone, the
-## tests marked `serial`: the timing-sensitive ones, and the learner's copies, which replay the script
-## runs their full notebooks made in the first phase (DISTLAB_LAUNCH_CACHE, shared by both phases). Each test
+## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
+## copies, on two workers: they replay the script runs their full notebooks made in the first phase
+## (DISTLAB_LAUNCH_CACHE, shared by every phase). Last, alone, the timing-sensitive tests. Each test
 ## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, coursetools.forkserver):
 ## a few hundred launches skip 2.4 s of imports each.
 PYTEST_WORKERS ?= 2
@@ -45,7 +45,8 @@ test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/unit tests/scripts tests/pbs tests/slurm $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
-	$(PY) -m pytest tests/scripts tests/notebooks -m serial $(PYTEST_ARGS)
+	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS) && \
+	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
