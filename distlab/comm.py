@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from dataclasses import dataclass
 
 # ring factor: bytes each rank sends = factor(n) * payload bytes
@@ -49,11 +50,48 @@ def bytes_sent_per_rank(collective: str, payload_bytes: int, world_size: int) ->
     return ring_factor(collective, world_size) * payload_bytes
 
 
-def ring_time(collective: str, payload_bytes: int, world_size: int, bandwidth: float, latency: float) -> float:
-    """The alpha-beta ring model: steps x latency + bytes sent per rank / link bandwidth (bytes/s)."""
-    steps = {"all_reduce": 2 * (world_size - 1), "broadcast": world_size - 1, "send": 1}.get(
+# NCCL's own latency model for a ring (NVIDIA/nccl src/graph/tuning.cc, NCCL 2.30.7 at commit 5067397c): the
+# latency of one ring step, "hwLatencies" (line 159 over NVLink, line 171 over the network), and the fixed latency of
+# one ring call whatever its steps, "baseLatencies" (line 151), per protocol, in seconds. NCCL's tuner uses them to
+# choose an algorithm and a protocol for each call; they are its model of the hardware, not a measurement.
+NCCL_RING_STEP_LATENCY_S = {"nvlink": {"LL": 0.6e-6, "LL128": 1.9e-6, "Simple": 3.4e-6},
+                            "network": {"LL": 2.7e-6, "LL128": 4.0e-6, "Simple": 14.0e-6}}
+NCCL_RING_CALL_LATENCY_S = {"LL": 6.6e-6, "LL128": 14.0e-6, "Simple": 8.4e-6}
+
+
+def ring_steps(collective: str, world_size: int) -> int:
+    return {"all_reduce": 2 * (world_size - 1), "broadcast": world_size - 1, "send": 1}.get(
         collective, world_size - 1)
-    return steps * latency + bytes_sent_per_rank(collective, payload_bytes, world_size) / bandwidth
+
+
+def ring_time(collective: str, payload_bytes: int, world_size: int, bandwidth: float, latency: float,
+              call_latency: float = 0.0) -> float:
+    """The alpha-beta ring model: a fixed cost per call + steps x latency per step + bytes sent per rank / link
+    bandwidth (bytes/s)."""
+    return (call_latency + ring_steps(collective, world_size) * latency
+            + bytes_sent_per_rank(collective, payload_bytes, world_size) / bandwidth)
+
+
+def latency_bound_below(collective: str, world_size: int, bandwidth: float, latency: float,
+                        call_latency: float = 0.0) -> float:
+    """The payload at which the ring model's latency terms equal its bandwidth term: smaller messages are
+    latency-bound. Without a fixed cost per call, for an all-reduce: n x latency x bandwidth."""
+    return ((call_latency + ring_steps(collective, world_size) * latency) * bandwidth
+            / ring_factor(collective, world_size))
+
+
+_NCCL_CHOICE = re.compile(r"(\w+): (\d+) Bytes -> Algo (\w+) proto (\w+)")
+
+
+def nccl_tuning_choices(log_text: str) -> list[tuple[str, int, str, str]]:
+    """(NCCL's collective name, bytes, algorithm, protocol) of every call in NCCL's debug output, in order.
+
+    With ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING`` (NCCL 2.24 and later), rank 0 of a communicator logs each
+    collective as it enqueues it: ``INFO(NCCL_TUNING, "%s: %ld Bytes -> Algo %s proto %s channel{Lo..Hi}={%d..%d}",
+    ...)`` (NVIDIA/nccl src/enqueue.cc). Its bytes are NCCL's count times the type size: the whole buffer for an
+    all-reduce, one rank's share for an all-gather or a reduce-scatter.
+    """
+    return [(m[1], int(m[2]), m[3], m[4]) for m in _NCCL_CHOICE.finditer(log_text)]
 
 
 def bus_bandwidth(collective: str, payload_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:

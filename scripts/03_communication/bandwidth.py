@@ -12,14 +12,28 @@ per call in the fastest block as t, and reports
   are ``distlab.comm.bus_bandwidth``'s, pinned by a unit test (tests/unit/test_comm.py) to nccl-tests' values;
   the ring all-reduce script (ring_allreduce.py) measures the 2(n-1)/n by counting the bytes it sends.
 
+Only the calls are timed. The byte counter (``CommCounter``) sees one untimed call per size, never the timed
+ones. On a GPU the clock is a pair of CUDA events on the stream, and the stream is held by a spin kernel
+(``torch.cuda._sleep``) while Python enqueues the block, so the events time the collectives and not Python's
+dispatch, which would dominate at small sizes; a check fails if the hold ended before the last call was enqueued.
+On NCCL the script also asks NCCL which algorithm and protocol it chose for every call (``NCCL_DEBUG=INFO``,
+``NCCL_DEBUG_SUBSYS=TUNING``, into a file, unless you set ``NCCL_DEBUG`` yourself) and stores them with each row.
+
+nccl-tests (src/common.cu) averages differently: it times one loop of back-to-back calls (20 by default) with a host
+clock, synchronises once, and averages that time over the ranks (its ``-a``: 1, the mean, by default; 3, the
+slowest). Here t is the slowest rank's, as a collective ends when its last rank does, and the best of several blocks.
+
 Defaults are small so a laptop CPU finishes in seconds; on GPUs ask for big messages:
 
     torchrun --standalone --nproc_per_node=4 scripts/03_communication/bandwidth.py
     torchrun --standalone --nproc_per_node=4 scripts/03_communication/bandwidth.py --max-bytes 1G --iters 20
 """
 
+import os
 import sys
+import tempfile
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -28,6 +42,8 @@ from distlab import comm, metrics, runtime
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 FLOAT_BYTES = 4
+HOLD_CYCLES_PER_CALL = 400_000  # GPU clock cycles the stream waits per call enqueued: ~0.2 ms at 2 GHz, far more
+                                # than Python takes to issue one collective
 
 
 def parse_size(text: str) -> int:
@@ -98,6 +114,51 @@ def make_call(collective: str, payload_bytes: int, world: int, rank: int, device
     return call, check
 
 
+def timed_block(call, iters: int, device) -> tuple[float, bool]:
+    """(mean seconds per call over ``iters`` back-to-back calls, whether only the calls were timed).
+
+    On a GPU: CUDA events around the calls, with the stream held by a spin kernel while Python enqueues them, so
+    the events see the collectives run back to back and none of Python's dispatch. The start event must still be
+    pending once the last call is enqueued, or dispatch leaked into the time (the second value says so). On a CPU
+    the calls run as they are issued: a host clock, dispatch included (gloo's calls take milliseconds anyway).
+    """
+    if device.type != "cuda":
+        started = time.perf_counter()
+        for _ in range(iters):
+            call()
+        return (time.perf_counter() - started) / iters, True
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES_PER_CALL * iters)
+    start.record()
+    for _ in range(iters):
+        call()
+    held = not start.query()  # the spin still running: every call was queued before the first one ran
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters, held
+
+
+def ask_nccl_for_its_choices() -> str | None:
+    """Make NCCL log the algorithm and protocol of every collective (rank 0 of a communicator logs them:
+    src/enqueue.cc, "%s: %ld Bytes -> Algo %s proto %s") into a file of this process. Must run before NCCL starts.
+    Returns the file, or None when the user set NCCL_DEBUG (their settings win) or there is no GPU."""
+    if not torch.cuda.is_available() or "NCCL_DEBUG" in os.environ:
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"distlab_nccl_tuning.{os.getpid()}.log")
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="TUNING", NCCL_DEBUG_FILE=path)
+    return path
+
+
+def read_new_lines(path: str | None, offset: int) -> tuple[str, int]:
+    """What NCCL has written to ``path`` since ``offset`` (line-buffered), and the new offset."""
+    if path is None or not os.path.exists(path):
+        return "", offset
+    with open(path) as log:
+        log.seek(offset)
+        text = log.read()
+        return text, log.tell()
+
+
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--min-bytes", default="4K", help="smallest payload (bytes, or 4K, 1M, 1G)")
@@ -109,10 +170,11 @@ def main():
                    help="timed blocks of --iters calls; the fastest block counts (the least disturbed)")
     p.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), help="which collectives to time")
     args = p.parse_args()
+    nccl_log = ask_nccl_for_its_choices()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         report = metrics.Report(__file__, rt, config=vars(args))
         world = rt.world_size
-        rows = []
+        rows, log_offset, all_held = [], 0, True
         rt.print(f"{world} ranks on {rt.device} ({rt.backend}); t = slowest rank's mean of {args.iters} calls, "
                  f"best of {args.repeats} blocks")
         rt.print(f"{'collective':>14} {'payload':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
@@ -120,34 +182,41 @@ def main():
             correct, counted_ok = True, True
             for size in sizes(args.min_bytes, args.max_bytes, args.step, world):
                 call, check = make_call(collective, size, world, rt.rank, rt.device)
+                with comm.CommCounter() as counter:  # one untimed call counted: the counter stays out of the clock
+                    call()
                 for _ in range(args.warmup):
                     call()
+                _, log_offset = read_new_lines(nccl_log, log_offset)  # skip the lines of the calls above
                 blocks = []
-                with comm.CommCounter() as counter:
-                    for _ in range(args.repeats):
-                        rt.sync()
-                        dist.barrier()
-                        started = time.perf_counter()
-                        for _ in range(args.iters):
-                            call()
-                        rt.sync()
-                        blocks.append((time.perf_counter() - started) / args.iters)
+                for _ in range(args.repeats):
+                    rt.sync()
+                    dist.barrier()
+                    rt.sync()
+                    per_call, held = timed_block(call, args.iters, rt.device)
+                    blocks.append(per_call)
+                    all_held &= held
+                nccl_lines, log_offset = read_new_lines(nccl_log, log_offset)
+                chosen = Counter(f"{algorithm}/{protocol}" for _, _, algorithm, protocol
+                                 in comm.nccl_tuning_choices(nccl_lines))
                 seconds = torch.tensor(blocks)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
                 seconds = seconds.min().item()  # the best block: the least disturbed by other processes
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
                 sent = comm.bytes_sent_per_rank(collective, size, world)  # the ring model's, not measured
+                # NCCL's choice for the timed calls (rank 0 logs them; None on gloo or when NCCL_DEBUG was yours)
+                nccl_choice = chosen.most_common(1)[0][0] if chosen else None
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
-                             "busbw": busbw, "sent_bytes_per_rank_derived": sent})
+                             "busbw": busbw, "sent_bytes_per_rank_derived": sent, "nccl_algorithm": nccl_choice})
                 rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} "
-                         f"{algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}")
-                calls = args.iters * args.repeats
-                per_call = counter.total(collective) // calls
-                report.add_comm(collective, per_call, size)
-                counted_ok &= per_call == size and counter.count() == calls
+                         f"{algbw / 1e9:>11.4g} {busbw / 1e9:>11.4g}" + (f"  {nccl_choice}" if nccl_choice else ""))
+                report.add_comm(collective, counter.total(collective), size)
+                counted_ok &= counter.total(collective) == size and counter.count() == 1
                 correct &= bool(check())  # the benchmark's own sanity: one more call, its result checked
             report.check(f"{collective}: results correct at every size", correct)
             report.check(f"{collective}: bytes counted per call = payload at every size", counted_ok)
+        if rt.device.type == "cuda":
+            report.check("GPU clock: every block was enqueued while the stream was held (no dispatch timed)",
+                         all_held)
         report.extra["bandwidth"] = rows
         code = report.finish(args.metrics_out)
     sys.exit(code)

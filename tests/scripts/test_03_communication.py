@@ -31,6 +31,9 @@ def test_bandwidth_table_uses_the_bus_factors():
         assert abs(row["busbw"] - factor * row["algbw"]) <= 1e-9 * row["busbw"]
         assert abs(row["algbw"] - row["bytes"] / row["seconds"]) <= 1e-9 * row["algbw"]
     assert sorted({r["bytes"] for r in rows}) == [4096, 16384, 65536]
+    # NCCL's algorithm and protocol are recorded on NCCL only (gloo here); the counter saw one untimed call a size
+    assert all(r["nccl_algorithm"] is None for r in rows)
+    assert all(c["measured_bytes"] == c["analytic_bytes"] for c in metrics["comm"]) and len(metrics["comm"]) == 9
 
 
 def test_ring_all_reduce_on_four_ranks_sends_the_formula_bytes():

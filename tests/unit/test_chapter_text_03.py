@@ -9,7 +9,7 @@ from distlab import comm
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = (REPO / "chapters" / "03_communication.md").read_text()
-NVLINK, SLINGSHOT = (300e9, 5e-6), (25e9, 10e-6)  # the chapter's assumed (bandwidth B/s, latency s) per link
+NVLINK, SLINGSHOT = (300e9, 0.6e-6), (25e9, 2.7e-6)  # the chapter's (bandwidth B/s, NCCL's LL step s)
 
 
 def says(phrase: str) -> None:
@@ -23,17 +23,41 @@ def test_ring_factors_quoted():
 
 
 def test_alpha_beta_examples():
-    says(f"Take\n{NVLINK[0] / 1e9:.0f} GB/s and {NVLINK[1] * 1e6:.0f} microseconds per step")
-    says(f"a 1 GB all-reduce then takes {comm.ring_time('all_reduce', 1e9, 4, *NVLINK) * 1e3:.1f} ms over NVLink "
-         f"and {comm.ring_time('all_reduce', 1e9, 4, *SLINGSHOT) * 1e3:.1f} ms")
-    crossover = []
-    for bandwidth, latency in (NVLINK, SLINGSHOT):
-        # where 2(n-1) alpha = 2(n-1)/n S / beta: S = n alpha beta, and the ring time is twice the latency term
-        size = 4 * latency * bandwidth
-        assert comm.ring_time("all_reduce", size, 4, bandwidth, latency) == pytest.approx(2 * 6 * latency)
-        crossover.append(size / 1e6)
-    says(f"messages below about {crossover[0]:.1f} MB (NVLink) or {crossover[1]:.1f} MB (network) are latency-bound")
-    says("The crossover, where the\ntwo terms are equal, is at S = n alpha beta")
+    step, call = comm.NCCL_RING_STEP_LATENCY_S, comm.NCCL_RING_CALL_LATENCY_S
+    says(f"A ring step costs {step['nvlink']['LL'] * 1e6:g}, {step['nvlink']['LL128'] * 1e6:g} or "
+         f"{step['nvlink']['Simple'] * 1e6:g} microseconds\nover NVLink")
+    says(f"and {step['network']['LL'] * 1e6:g}, {step['network']['LL128'] * 1e6:g} or "
+         f"{step['network']['Simple'] * 1e6:g} across the network; every ring call\nadds {call['LL'] * 1e6:g}, "
+         f"{call['LL128'] * 1e6:g} or {call['Simple'] * 1e6:g} microseconds")
+    says(f"Take {NVLINK[0] / 1e9:.0f} GB/s in each direction")
+    says(f"NCCL's LL step over NVLink, {step['nvlink']['LL'] * 1e6:g} microseconds")
+    says(f"{SLINGSHOT[0] / 1e9:.0f} GB/s for one Slingshot-11 network card with NCCL's LL step\nacross the network, "
+         f"{step['network']['LL'] * 1e6:g} microseconds")
+    big = [comm.ring_time("all_reduce", 1e9, 4, bandwidth, step[link]["Simple"], call["Simple"])
+           for bandwidth, link in ((NVLINK[0], "nvlink"), (SLINGSHOT[0], "network"))]
+    says(f"takes {big[0] * 1e3:.1f} ms over NVLink and {big[1] * 1e3:.1f} ms over the network")
+    steps_only = [comm.latency_bound_below("all_reduce", 4, bandwidth, step[link]["LL"]) / 1e6
+                  for bandwidth, link in ((NVLINK[0], "nvlink"), (SLINGSHOT[0], "network"))]
+    with_call = [comm.latency_bound_below("all_reduce", 4, bandwidth, step[link]["LL"], call["LL"]) / 1e6
+                 for bandwidth, link in ((NVLINK[0], "nvlink"), (SLINGSHOT[0], "network"))]
+    says(f"messages below about {steps_only[0]:.2f} MB (NVLink) or {steps_only[1]:.2f} MB (network) are\n"
+         f"latency-bound by the steps alone, and below about {with_call[0]:.1f} MB and {with_call[1]:.2f} MB once the "
+         f"{call['LL'] * 1e6:g} microseconds of a call are\ncounted too")
+    guessed = comm.latency_bound_below("all_reduce", 4, NVLINK[0], 5e-6) / 1e6
+    says(f"(An assumed 5 microseconds a step would put NVLink's crossover at {guessed:.1f} MB, "
+         f"{round(guessed / steps_only[0])} times too large.)")
+    # where 2(n-1) alpha = 2(n-1)/n S / beta: S = n alpha beta
+    assert comm.latency_bound_below("all_reduce", 4, *NVLINK) == pytest.approx(4 * NVLINK[1] * NVLINK[0])
+    says("latency terms equal the bandwidth term, is at S = n alpha beta for the steps alone")
+
+
+def test_bus_bandwidth_caveats():
+    flat = " ".join(TEXT.split())
+    says("data sheets quote NVLink's both ways")
+    assert "with in-network reduction (NVLS, SHARP, CollNet)" in flat
+    assert "NCCL's tree runs" not in flat and "a tree only between nodes" in flat
+    assert "NCCL switches to tree algorithms, which need only about 2 log2(n) steps" not in flat
+    assert "host clock with one synchronisation at the end, and that time *averaged* over the ranks" in flat
 
 
 def test_beta_is_stated_as_a_bandwidth():

@@ -74,17 +74,59 @@ def test_comm_counter_records_payloads(world_of_one):
 
 
 def test_chapter_03_ring_model_numbers():
-    """The alpha-beta examples chapter 03 quotes (link figures are the chapter's stated assumptions)."""
-    nvlink, slingshot = (300e9, 5e-6), (25e9, 10e-6)
-    assert comm.ring_time("all_reduce", 1e9, 4, *nvlink) * 1e3 == pytest.approx(5.03, abs=0.005)
-    assert comm.ring_time("all_reduce", 1e9, 4, *slingshot) * 1e3 == pytest.approx(60.06, abs=0.005)
-    # crossover where the 2(n-1) latencies cost as much as the bytes: 2(n-1) alpha beta / (2(n-1)/n)
-    for (bandwidth, latency), crossover_mb in ((nvlink, 6.0), (slingshot, 1.0)):
-        crossover = 6 * latency * bandwidth / 1.5
-        assert crossover / 1e6 == pytest.approx(crossover_mb)
+    """The alpha-beta examples chapter 03 quotes, with NCCL's own latencies (its tuning.cc constants)."""
+    step, call = comm.NCCL_RING_STEP_LATENCY_S, comm.NCCL_RING_CALL_LATENCY_S
+    nvlink, network = 300e9, 25e9
+    # 1 GB on the Simple protocol: the latencies are 28.8 us (NVLink) and 92.4 us (network) of 5 and 60 ms
+    assert comm.ring_time("all_reduce", 1e9, 4, nvlink, step["nvlink"]["Simple"], call["Simple"]) * 1e3 == \
+        pytest.approx(5.0288)
+    assert comm.ring_time("all_reduce", 1e9, 4, network, step["network"]["Simple"], call["Simple"]) * 1e3 == \
+        pytest.approx(60.0924)
+    # crossover where the latencies cost as much as the bytes: n alpha beta for the steps alone
+    for bandwidth, latency, crossover in ((nvlink, step["nvlink"]["LL"], 0.72e6), (network, step["network"]["LL"], 0.27e6)):
+        assert comm.latency_bound_below("all_reduce", 4, bandwidth, latency) == pytest.approx(crossover)
+        assert comm.latency_bound_below("all_reduce", 4, bandwidth, latency) == pytest.approx(4 * latency * bandwidth)
         assert comm.ring_time("all_reduce", crossover, 4, bandwidth, latency) == pytest.approx(12 * latency)
+    # with the fixed cost of a call, (a0 + 2(n-1) alpha) beta / (2(n-1)/n)
+    with_call = comm.latency_bound_below("all_reduce", 4, nvlink, step["nvlink"]["LL"], call["LL"])
+    assert with_call == pytest.approx((6.6e-6 + 6 * 0.6e-6) * nvlink / 1.5)
+    assert comm.ring_time("all_reduce", with_call, 4, nvlink, step["nvlink"]["LL"], call["LL"]) == \
+        pytest.approx(2 * (6.6e-6 + 6 * 0.6e-6))
+    # an assumed 5 us a step puts NVLink's crossover 8 times too far out
+    assert comm.latency_bound_below("all_reduce", 4, nvlink, 5e-6) / 1e6 == pytest.approx(6.0)
+    assert round(5e-6 / step["nvlink"]["LL"]) == 8
     assert [round(comm.ring_factor("all_reduce", n), 3) for n in (2, 4, 8, 64)] == [1.0, 1.5, 1.75, 1.969]
 
+
+# NVIDIA/nccl src/graph/tuning.cc at 5067397c (NCCL 2.30.7), lines 151, 159 and 171, as read there
+NCCL_TUNING_LINES = (
+    "{  6.8, 14.0,  8.4 }, {  6.6, 14.0,  8.4 },  // Tree, Ring",
+    "{ { 0.6, 1.25, 4.0 }, { 0.6, 1.9, 3.4 }, /* Tree (LL/LL128/Simple), Ring (LL/LL128/Simple)*/",
+    "{ { 5.0, 8.5, 14 }, { 2.7, 4.0, 14.0 }, /* Tree (LL/LL128/Simple), Ring (LL/LL128/Simple)*/",
+)
+
+
+def _ring_triple(line: str) -> list[float]:
+    """The second {a, b, c} of a tuning.cc line: the ring's LL, LL128, Simple."""
+    import re
+    return [float(x) for x in re.findall(r"\{\s*([\d.]+),\s*([\d.]+),\s*([\d.]+)\s*\}", line)[1]]
+
+
+def test_nccl_latencies_are_the_ones_in_nccls_source():
+    protocols = ("LL", "LL128", "Simple")
+    base, nvlink, network = (_ring_triple(line) for line in NCCL_TUNING_LINES)
+    assert [comm.NCCL_RING_CALL_LATENCY_S[p] * 1e6 for p in protocols] == pytest.approx(base)
+    assert [comm.NCCL_RING_STEP_LATENCY_S["nvlink"][p] * 1e6 for p in protocols] == pytest.approx(nvlink)
+    assert [comm.NCCL_RING_STEP_LATENCY_S["network"][p] * 1e6 for p in protocols] == pytest.approx(network)
+
+
+def test_nccls_tuning_lines_are_parsed():
+    log = ("gpu1:4242:4242 [0] NCCL INFO AllReduce: 4096 Bytes -> Algo RING proto LL channel{Lo..Hi}={0..1}\n"
+           "gpu1:4242:4242 [0] NCCL INFO Latency/AlgBw | Tree/LL | ...\n"
+           "gpu1:4242:4242 [0] NCCL INFO AllGather: 1048576 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..15}\n")
+    assert comm.nccl_tuning_choices(log) == [("AllReduce", 4096, "RING", "LL"),
+                                             ("AllGather", 1048576, "RING", "SIMPLE")]
+    assert comm.nccl_tuning_choices("") == []
 
 
 @pytest.mark.parametrize("cap_mb", [25, 0.1, 0.025, 0.04, 1e-6])
