@@ -14,6 +14,7 @@ comm             ring cost model, bus bandwidth, measured bytes per collective, 
 
 Model parallelism:
 tensor_parallel  the TP/SP plan of the shared transformer, its formulas, ring-attention maths (06, 08)
+context_parallel all-gather CP, Ulysses and torch's own context-parallel attention; bytes and ring timing (08)
 schedules        pipeline schedules as data, the simulator, bubble maths (07)
 gantt            ASCII and matplotlib Gantt charts of any timeline, simulated or measured (07, 09, 12)
 hybrid           the (pp, dp, tp) rank grid in both rank orders; 2-D FSDP x TP formulas (09)

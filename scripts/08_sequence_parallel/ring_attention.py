@@ -5,15 +5,26 @@ against every (earlier) key, so the key/value blocks travel: at step s, rank r w
 rank r - s owns, while sending the block it holds to rank r + 1. Each query keeps a running output and
 log-sum-exp, and every new block is folded in with the online-softmax merge
 (`distlab.tensor_parallel.merge_attention_blocks`): after P steps each query has seen every key, and no
-rank ever held the S x S score matrix or the whole K and V.
+rank ever held the S x S score matrix or more than two blocks of K and V at once.
 
 Backward runs the same ring: the key/value blocks travel again, this time with their gradients, which
-every rank adds to on the way; one last hop brings each block's finished dK, dV home.
+every rank adds to on the way; one last hop brings each block's finished dK, dV home. The forward posts each hop
+before computing, so on a GPU the transfer can run behind the attention; the backward computes, then sends and
+waits (dK, dV must be finished before they move), so as written it does not overlap. On a CPU, with 4 ranks on 2
+cores, neither is measured to overlap.
 
 The causal mask makes the work uneven: with contiguous shards rank 0 (the start of the sequence) attends to
 almost nothing and the last rank to everything. Zig-zag sharding gives each rank one early and one late
 chunk of 2P, and the same work. The script counts the attention blocks each rank computes for both layouts
 and proves that outputs and gradients equal full causal attention.
+
+Then it runs the other ways to split attention by sequence (``--methods``; `distlab.context_parallel`) on the same
+q, k, v and checks each against full attention, and torch's against this ring, counting what each sends:
+
+* all-gather CP (Llama 3's; torch's default): gather the whole sequence's K and V once, reduce-scatter dK, dV;
+* Ulysses: an all-to-all swaps the sequence shard for a head shard, attention runs whole, a second swaps back;
+* torch: PyTorch 2.13's own context-parallel attention with each rotate method, "allgather" (its default: every
+  rank ends up holding all of K and V) and "alltoall" (a ring, like this one).
 
     torchrun --standalone --nproc_per_node=4 scripts/08_sequence_parallel/ring_attention.py
     torchrun --standalone --nproc_per_node=4 scripts/08_sequence_parallel/ring_attention.py --native   # CUDA only
@@ -26,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import comm, metrics, runtime
+from distlab import comm, context_parallel, metrics, runtime
 from distlab.tensor_parallel import (attention_with_lse, block_kind, chunk_positions,
                                      merge_attention_blocks, ring_chunks, ring_comm_formula)
 
@@ -35,6 +46,7 @@ SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
 # Largest difference relative to the largest value: fp32 softmax sums in another order (~1e-7 relative).
 TOLERANCE = 1e-5
 # On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
+METHODS = ("ring", "all-gather", "ulysses", "torch")
 
 
 def ring_pass(tensor, rank, world_size):
@@ -133,6 +145,10 @@ def check_config(args, world_size):
     runtime.require(args.seq_len % chunks == 0,
                     f"sequence length {args.seq_len} does not split into {chunks} chunks (2 per rank, "
                     f"{world_size} ranks)")
+    if "ulysses" in args.methods:
+        runtime.require(args.heads % world_size == 0,
+                        f"Ulysses gives each rank whole heads: --heads {args.heads} does not split over {world_size} "
+                        f"ranks (or leave ulysses out of --methods)")
     if args.native:
         cuda = torch.cuda.is_available() and args.device != "cpu"
         runtime.require(cuda, "--native runs PyTorch's context_parallel, whose ring covers only the CUDA "
@@ -147,24 +163,87 @@ def expected_blocks_per_rank(world_size: int, layout: str) -> list[int]:
 
 
 def run_native(args, rt, q, k, v, grad_out, reference, report):
-    """PyTorch's own context parallelism: SDPA patched to run a ring, buffers sharded head-and-tail (zig-zag)."""
+    """PyTorch's own context parallelism: SDPA patched to run its ring attention, buffers sharded head-and-tail
+    (zig-zag), once with each rotate method: "allgather" (torch 2.13's default) and "alltoall" (a ring)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
 
     mesh = init_device_mesh("cuda", (rt.world_size,), mesh_dim_names=("cp",))
-    q_, k_, v_, grad_ = (t.detach().clone() for t in (q, k, v, grad_out))
-    with context_parallel(mesh, buffers=[q_, k_, v_, grad_], buffer_seq_dims=[2, 2, 2, 2],
-                          no_restore_buffers={q_, k_, v_, grad_}):
-        for t in (q_, k_, v_):
-            t.requires_grad_()  # now this rank's shard: a leaf of its own
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
-        out.backward(grad_)
-    gathered = context_parallel_unshard(mesh, [out.detach(), q_.grad, k_.grad, v_.grad], [2, 2, 2, 2])
-    for name, got, want in zip(("output", "dQ", "dK", "dV"), gathered, reference):
-        diff = metrics.max_abs_diff(got, want) / want.abs().max().item()
-        # 1e-4: the CUDA kernels (memory-efficient attention) sum in their own order and precision.
-        report.check(f"native context_parallel: {name} equals full attention (relative)", diff <= 1e-4, diff, 1e-4)
+    for rotate_method in context_parallel.ROTATE_METHODS:
+        set_rotate_method(rotate_method)
+        q_, k_, v_, grad_ = (t.detach().clone() for t in (q, k, v, grad_out))
+        with torch_context_parallel(mesh, buffers=[q_, k_, v_, grad_], buffer_seq_dims=[2, 2, 2, 2],
+                              no_restore_buffers={q_, k_, v_, grad_}):
+            for t in (q_, k_, v_):
+                t.requires_grad_()  # now this rank's shard: a leaf of its own
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+            out.backward(grad_)
+        gathered = context_parallel_unshard(mesh, [out.detach(), q_.grad, k_.grad, v_.grad], [2, 2, 2, 2])
+        for name, got, want in zip(("output", "dQ", "dK", "dV"), gathered, reference):
+            diff = metrics.max_abs_diff(got, want) / want.abs().max().item()
+            # 1e-4: the CUDA kernels (memory-efficient attention) sum in their own order and precision.
+            report.check(f"native context_parallel ({rotate_method}): {name} equals full attention (relative)",
+                         diff <= 1e-4, diff, 1e-4)
+    set_rotate_method("allgather")  # back to torch 2.13's default (_context_parallel/_attention.py:77)
+
+
+def run_other_methods(args, rt, q, k, v, grad_out, reference, ring_result, report):
+    """All-gather CP, Ulysses and torch's own, on the same q, k, v: each against full attention, torch's against
+    this script's ring (zig-zag), and the payloads each hands to its collectives against the formula."""
+    rank, world = rt.rank, rt.world_size
+    chunk = args.seq_len // (2 * world)
+    zigzag = chunk_positions(ring_chunks(rank, world, "zigzag"), chunk).to(rt.device)
+    every_rank = torch.cat([chunk_positions(ring_chunks(r, world, "zigzag"), chunk) for r in range(world)]).to(rt.device)
+    contiguous = torch.arange(rank * 2 * chunk, (rank + 1) * 2 * chunk, device=rt.device)  # Ulysses: no zig-zag
+
+    def autograd_run(positions, attend):
+        mine = [t[..., positions, :].clone().requires_grad_() for t in (q, k, v)]
+        with comm.CommCounter() as forward_comm:
+            out = attend(*mine)
+        with comm.CommCounter() as backward_comm:
+            out.backward(grad_out[..., positions, :])
+        return [out.detach()] + [t.grad for t in mine], {"forward": forward_comm, "backward": backward_comm}
+
+    runs = {}
+    if "all-gather" in args.methods:
+        runs["all-gather"] = zigzag, *autograd_run(
+            zigzag, lambda q_, k_, v_: context_parallel.all_gather_attention(q_, k_, v_, zigzag, every_rank))
+    if "ulysses" in args.methods:
+        runs["ulysses"] = contiguous, *autograd_run(contiguous, context_parallel.ulysses_attention)
+    if "torch" in args.methods and rt.device.type == "cpu":  # on GPUs: --native runs context_parallel itself
+        for rotate_method in context_parallel.ROTATE_METHODS:
+            counters = {"forward": comm.CommCounter(), "backward": comm.CommCounter()}
+            mine = [t[..., zigzag, :].contiguous() for t in (q, k, v, grad_out)]
+            result = context_parallel.torch_ring_attention(*mine, rotate_method, phase_counters=counters)
+            runs[f"torch {rotate_method}"] = zigzag, list(result), counters
+    elif "torch" in args.methods:
+        rt.print("torch's own: on GPUs --native runs context_parallel itself (this route uses torch's CPU kernel)")
+
+    shard_bytes = q[..., zigzag, :].numel() * q.element_size()  # K (or V) of one rank; Q the same size here
+    report.extra["methods"] = {}
+    for method, (positions, results, counters) in runs.items():
+        tolerance = metrics.fp32_tolerance(TOLERANCE, rt.device)
+        for name, got, want in zip(("output", "dQ", "dK", "dV"), results, reference):
+            diff = metrics.max_abs_diff(got, want[..., positions, :]) / want.abs().max().item()
+            report.check(f"{method}: {name} of my positions equals full attention (relative)", diff <= tolerance,
+                         diff, tolerance)
+        if method.startswith("torch") and ring_result is not None:
+            diff = max(metrics.max_abs_diff(got, want) / want.abs().max().item()
+                       for got, want in zip(results, ring_result))
+            report.check(f"{method}: output, dQ, dK, dV equal this script's ring (zig-zag, relative)",
+                         diff <= tolerance, diff, tolerance)
+        formula = context_parallel.cp_comm_payloads(method, shard_bytes, world)
+        measured = {phase: {name: entry["payload_bytes"] for name, entry in counter.by_collective().items()}
+                    for phase, counter in counters.items()}
+        for phase in ("forward", "backward"):
+            report.check_equal(f"{method}: payload bytes per collective in {phase} = formula", measured[phase],
+                               formula[phase])
+        report.extra["methods"][method] = {
+            "payload_bytes": measured, "formula": formula,
+            "sent_bytes_per_rank_derived": context_parallel.cp_bytes_sent_per_rank(method, shard_bytes, world),
+            "calls": {phase: counter.count() for phase, counter in counters.items()}}
+        rt.print(f"{method:16s}: payloads {measured}")
 
 
 def main():
@@ -175,6 +254,9 @@ def main():
     p.add_argument("--heads", type=runtime.positive_int, default=None, help="attention heads (default: the preset's)")
     p.add_argument("--seq-len", type=runtime.positive_int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--head-dim", type=runtime.positive_int, default=None, help="dimension of each head (default: the preset's)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="what to run: this script's ring, all-gather CP, Ulysses, torch's own with both rotate "
+                        "methods (on a CPU; on GPUs --native runs context_parallel itself); default: all")
     p.add_argument("--native", action="store_true",
                    help="also run PyTorch's context_parallel (CUDA only; a config error on a CPU)")
     args = p.parse_args()
@@ -197,7 +279,10 @@ def main():
         reference = [reference_out.detach()] + [t.grad for t in full]
 
         layouts = ["zigzag", "contiguous"] if args.layout == "both" else [args.layout]
+        if "ring" not in args.methods:
+            layouts = []
         report.extra["ring"] = {}
+        ring_result = None  # the zig-zag ring's output and gradients, torch's own is checked against them
         for layout in layouts:
             positions = chunk_positions(ring_chunks(rank, world, layout), chunk).to(rt.device)
             mine = [t[..., positions, :].clone().requires_grad_() for t in (q, k, v)]
@@ -207,6 +292,8 @@ def main():
             with comm.CommCounter() as backward_comm:
                 out.backward(grad_out[..., positions, :])
 
+            if layout == "zigzag":
+                ring_result = [out.detach()] + [t.grad for t in mine]
             for name, got, want in zip(("output", "dQ", "dK", "dV"), [out] + [t.grad for t in mine], reference):
                 diff = metrics.max_abs_diff(got, want[..., positions, :]) / want.abs().max().item()
                 report.check(f"{layout}: {name} of my positions equals full attention (relative)",
@@ -245,6 +332,7 @@ def main():
             report.check("zig-zag balances the causal work (every rank the same), contiguous does not",
                          len(set(zigzag)) == 1 and len(set(contiguous)) > 1, {"zigzag": zigzag,
                                                                                "contiguous": contiguous})
+        run_other_methods(args, rt, q, k, v, grad_out, reference, ring_result, report)
         if args.native:
             run_native(args, rt, q, k, v, grad_out, reference, report)
         code = report.finish(args.metrics_out)

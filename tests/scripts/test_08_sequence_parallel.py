@@ -22,7 +22,9 @@ def test_sequence_parallel_equals_one_device_and_saves_activation_memory():
 
 
 def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun():
-    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, launcher="torchrun", stream=False), min_checks=15)
+    """The ring by hand (both layouts), then in the same launch all-gather CP and Ulysses by hand and torch 2.13's own
+    context-parallel attention with each rotate method: each equals full attention, torch's equals this ring."""
+    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, launcher="torchrun", stream=False), min_checks=43)
     ring = metrics["extra"]["ring"]
     assert ring["zigzag"]["blocks_per_rank"] == [9, 9, 9, 9]
     assert ring["contiguous"]["blocks_per_rank"] == [3, 7, 11, 15]
@@ -35,6 +37,21 @@ def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun
     assert sent[("zigzag", "forward")] == sent[("contiguous", "forward")] == 3 * 2 * 8192
     assert sent[("zigzag", "backward")] == sent[("contiguous", "backward")] == (3 * 4 + 2) * 8192
 
+    # the other ways, measured: what each rank handed its collectives (payloads), forward and backward
+    methods = {name: entry["payload_bytes"] for name, entry in metrics["extra"]["methods"].items()}
+    whole_kv = 4 * 2 * 8192                                               # K and V of the whole sequence
+    assert methods["all-gather"] == {"forward": {"all_gather": whole_kv}, "backward": {"reduce_scatter": whole_kv}}
+    assert methods["ulysses"] == {"forward": {"all_to_all": 4 * 8192}, "backward": {"all_to_all": 4 * 8192}}
+    # torch's default gathers K and V (every rank holds all of them); "alltoall" is a ring of P - 1 hops;
+    # dK, dV go around by all-to-all (P hops) under either
+    assert methods["torch allgather"] == {"forward": {"all_gather": whole_kv},
+                                          "backward": {"all_gather": whole_kv, "all_to_all": 4 * 2 * 8192}}
+    assert methods["torch alltoall"] == {"forward": {"all_to_all": 3 * 2 * 8192},
+                                         "backward": {"all_to_all": (3 + 4) * 2 * 8192}}
+    assert sum("equal this script's ring" in n for n in names) == 2
+    for method in ("all-gather", "ulysses", "torch allgather", "torch alltoall"):
+        assert sum(n.startswith(f"{method}: ") and "equals full attention" in n for n in names) == 4
+
 
 def test_sequence_that_does_not_split_over_ranks_exits_2():
     assert_config_error(SEQUENCE_PARALLEL, ["--seq-len", "30"], "sequence length 30 does not split over 4 ranks")
@@ -43,6 +60,5 @@ def test_sequence_that_does_not_split_over_ranks_exits_2():
 def test_ring_sequence_that_does_not_split_into_chunks_exits_2():
     assert_config_error(RING, ["--seq-len", "60"], "does not split into 8 chunks")
 
-
-def test_native_context_parallel_on_a_cpu_exits_2():
-    assert_config_error(RING, ["--native", "--device", "cpu"], "--native runs PyTorch's context_parallel")
+# --native on a CPU, and heads that Ulysses cannot split: check_config refuses both, tested in-process
+# (tests/unit/test_ring_attention_math.py); the launch above proves that a refusal ends every rank with exit 2.

@@ -4,7 +4,10 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
 from distlab import comm, models
+from distlab import context_parallel as cpm
 from distlab import tensor_parallel as tp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,3 +60,123 @@ def test_ring_attention_bytes_and_blocks():
 
 def test_h_is_the_width():
     assert not re.search(r"\bH\b", TEXT)
+
+
+# ---- context parallelism besides the ring (issue 36) ------------------------------------------------------------
+
+FLAT = " ".join(TEXT.split())
+
+
+def says_flat(phrase: str) -> None:
+    """``says``, line breaks and runs of spaces counting as one space (the text is rewrapped freely)."""
+    assert " ".join(phrase.split()) in FLAT, f"chapter 08 no longer says {phrase!r}: the code computes it"
+
+
+TORCH_CP = (Path(torch.__file__).parent / "distributed" / "tensor" / "experimental" / "_context_parallel"
+            / "_attention.py")
+# What the chapter cites, line by line, in torch 2.13's source: the line must still say it.
+TORCH_CP_LINES = {
+    77: "rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER",        # the default rotate method
+    253: "class _AllToAllRotater(_RingRotater):",
+    273: "class _AllGatherRotater(_RingRotater):",
+    520: "dkv_rotater = _create_rotater(group, 2, method=_RotateMethod.ALL_TO_ALL)",  # dK, dV: always all-to-all
+    917: "call_maps: dict[torch._ops.OpOverload, Callable] = {",             # the CUDA kernels it handles
+    1693: "def set_rotate_method(rotate_method: str) -> None:",
+}
+
+
+def test_torch_context_parallel_is_cited_where_torch_says_it():
+    lines = TORCH_CP.read_text().splitlines()
+    for number, text in TORCH_CP_LINES.items():
+        assert text in lines[number - 1], f"_attention.py:{number} no longer says {text!r}: torch changed"
+        says_flat(f"`_attention.py:{number}`")
+    cited = {int(n) for n in re.findall(r"`_attention\.py:(\d+)`", TEXT)}
+    assert cited == set(TORCH_CP_LINES), cited
+    says_flat("`rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER`")
+    # the default, as torch runs it: all-gather; the CUDA kernels are the only ones handled (no CPU one)
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    assert cp._ContextParallelOptions().rotate_method == cp._RotateMethod.ALL_GATHER
+    handled = " ".join(lines[916:925])
+    assert "_scaled_dot_product_flash_attention.default" in handled and "for_cpu" not in handled
+
+
+def test_the_table_of_what_each_way_sends():
+    sys.path.insert(0, str(REPO / "scripts" / "08_sequence_parallel"))
+    try:
+        import ring_attention
+    finally:
+        sys.path.pop(0)
+    shape = ring_attention.SHAPES["tiny"]
+    shard = shape["batch"] * shape["heads"] * (shape["seq_len"] // 4) * shape["head_dim"] * 4
+    says_flat(f"(B = {shape['batch']}, {shape['heads']} heads of {shape['head_dim']} dimensions, S = {shape['seq_len']}, "
+         f"P = 4)")
+    rows = {"ring (`ring_attention.py`)": "ring", "all-gather (by hand)": "all-gather",
+            'torch, "allgather" (its default)': "torch allgather", 'torch, "alltoall"': "torch alltoall",
+            "Ulysses (below)": "ulysses"}
+    sent = {}
+    for label, method in rows.items():
+        sent[method] = cpm.cp_bytes_sent_per_rank(method, shard, 4)
+        says_flat(f"| {label} | {sent[method]['forward']:,.0f} | {sent[method]['backward']:,.0f} |")
+    assert sent["ring"] == tp.ring_comm_formula(shard, 4)  # the ring's row is the formula chapter 11 uses
+    assert sent["all-gather"]["forward"] == sent["ring"]["forward"]               # "sends what the ring sends"
+    assert sent["all-gather"]["backward"] < sent["ring"]["backward"] / 2           # "less than half"
+    assert sent["ulysses"]["forward"] == sent["ring"]["forward"] / 2               # "half of the ring's forward"
+    # torch's two rotate methods send what the ring sends: (2P - 1) x (dK, dV)-sized messages backward either way
+    assert sent["torch alltoall"] == sent["torch allgather"] == sent["ring"]
+
+
+def test_causal_imbalance_and_what_zigzag_saves():
+    blocks = tp.causal_blocks_per_rank(4, "contiguous")
+    halves = [sum(row[r] for row in cpm.ring_step_work(4, "contiguous", 0.5)) for r in range(4)]
+    assert blocks[-1] / blocks[0] == 5 and halves[-1] / halves[0] == 7
+    says_flat("Counted in blocks the last rank does five times the first one's work")
+    says_flat(f"{halves[-1]:.0f} blocks against {halves[0]:.0f}: seven times")
+    contiguous, zigzag = (cpm.ring_time_in_blocks(4, layout, 1.0) for layout in ("contiguous", "zigzag"))
+    steps = [max(row) for row in cpm.ring_step_work(4, "contiguous", 1.0)]
+    says_flat(f"{contiguous:.0f} blocks in all ({' + '.join(f'{s:.0f}' for s in steps)}), where zig-zag takes {zigzag:.0f}")
+    half_c, half_z = (cpm.ring_time_in_blocks(4, layout, 0.5) for layout in ("contiguous", "zigzag"))
+    says_flat(f"{contiguous / zigzag:.2f} times faster counted in blocks, {half_c / half_z:.2f} times ({half_c:.0f} against "
+         f"{half_z:.0f})")
+    assert contiguous == max(blocks)  # the ring's time is the busiest rank's total here
+
+
+def test_all_gather_memory_in_llama3_405b_and_its_source():
+    from distlab.planner import MODELS
+    from distlab.planner.sources import SOURCES
+
+    quote = " ".join(SOURCES["llama3_cp_all_gather"].quote.split())
+    chapter_quote = re.search(r'"(our CP implementation adopts.*?we still adopt this\s+approach)"', TEXT, re.S)
+    assert chapter_quote and " ".join(chapter_quote.group(1).split()) in quote
+    assert "16,384 8 16 16 8 131,072" in SOURCES["llama3_table4"].quote  # GPUs TP CP PP DP Seq. Len.
+    says_flat("405B at 131,072 tokens with CP 16")
+    model, tp_degree, cp_degree, seq, mib = MODELS["405b"], 8, 16, 131072, 2**20
+    head_dim = model.hidden // model.heads
+    says_flat(f"({model.heads} query heads, {model.kv_heads} key/value heads of {head_dim} dimensions)")
+    kv = 2 * seq * model.kv_dim // tp_degree * 2                              # whole sequence, this TP rank's heads
+    queries = seq // cp_degree * model.hidden // tp_degree * 2
+    mha = 2 * seq * model.hidden // tp_degree * 2
+    says_flat(f"take {kv / mib:,.0f} MiB a layer in bf16, {kv / queries:.0f} times its own queries ({queries / mib:,.0f} MiB)")
+    says_flat(f"they would take {mha / mib:,.0f} MiB, {mha / queries:.0f} times")
+
+
+def test_when_a_ring_step_hides_its_transfer():
+    from distlab import metrics
+
+    peak = metrics.PEAK_FLOPS[("A100", "bf16")]
+    says_flat(f"A100 at its {peak / 1e12:.0f} TFLOP/s peak")
+    links = (tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, tp.SLINGSHOT11_NIC_BYTES_PER_S)
+    says_flat(f"NVLink ({links[0] / 1e9:.0f} GB/s each way)")
+    says_flat(f"one Slingshot NIC ({links[1] / 1e9:.0f} GB/s)")
+    mha = [cpm.ring_break_even_tokens_per_rank(8, 8, peak, link) for link in links]
+    gqa = [cpm.ring_break_even_tokens_per_rank(8, 1, peak, link) for link in links]
+    says_flat(f"that is {mha[0]:,.0f} tokens per rank over NVLink")
+    says_flat(f"and {mha[1]:,.0f} over one Slingshot NIC")
+    says_flat(f"with 8 times fewer key/value heads, {gqa[0]:,.0f} and {gqa[1]:,.0f}")
+    # the break-even is where a step's compute equals its transfer, and it does not move with S
+    step = cpm.ring_step_seconds(round(mha[0]), 16, 16, 128, peak, links[0])
+    assert abs(step["compute"] / step["transfer"] - 1) < 1e-3
+
+
+def test_ulysses_is_taught_since_chapter_10_refers_to_it():
+    says_flat("## Ulysses: all-to-all over heads")
+    assert "chapter 08's Ulysses" in (REPO / "chapters" / "10_domain_parallel.md").read_text()

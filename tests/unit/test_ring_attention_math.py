@@ -91,3 +91,65 @@ def test_the_librarys_merge_keeps_a_row_that_has_seen_no_key_at_zero_and_passes_
     merged, merged_lse = tensor_parallel.merge_attention_blocks(out, lse, out, lse)
     assert not torch.isnan(merged).any() and (merged == 0).all() and torch.isneginf(merged_lse).all()
     ch08.check_merge_attention_blocks(tensor_parallel.merge_attention_blocks)
+
+
+# ---- the other ways (distlab.context_parallel): work per ring step, bytes per method, the Ulysses head check ----
+
+
+def test_ring_step_work_adds_up_to_the_blocks_per_rank_and_times_the_ring_by_its_slowest_rank():
+    from distlab import context_parallel as cpm
+
+    for layout in ("zigzag", "contiguous"):
+        work = cpm.ring_step_work(4, layout, diagonal=1.0)
+        assert [sum(row[r] for row in work) for r in range(4)] == causal_blocks_per_rank(4, layout)
+    assert cpm.ring_step_work(4, "zigzag", 0.5) == [[2.0] * 4] * 4            # balanced at every step
+    assert cpm.ring_step_work(4, "contiguous", 0.5)[1] == [0.0, 4.0, 4.0, 4.0]  # rank 0 idles, keys from its future
+    assert (cpm.ring_time_in_blocks(4, "contiguous", 1.0), cpm.ring_time_in_blocks(4, "zigzag", 1.0)) == (15, 9)
+    assert (cpm.ring_time_in_blocks(4, "contiguous", 0.5), cpm.ring_time_in_blocks(4, "zigzag", 0.5)) == (14, 8)
+
+
+def test_what_each_way_hands_its_collectives():
+    from distlab import context_parallel as cpm
+    from distlab.tensor_parallel import ring_comm_formula
+
+    shard, world = 8192, 4
+    ring = cpm.cp_comm_payloads("ring", shard, world)
+    assert {phase: ring[phase]["send"] for phase in ring} == ring_comm_formula(shard, world)
+    assert cpm.cp_comm_payloads("all-gather", shard, world) == {"forward": {"all_gather": 65536},
+                                                                "backward": {"reduce_scatter": 65536}}
+    assert cpm.cp_comm_payloads("torch alltoall", shard, world)["backward"] == {"all_to_all": 7 * 2 * shard}
+    ulysses = cpm.cp_bytes_sent_per_rank("ulysses", shard, world, q_shard_bytes=4 * shard)  # GQA: Q 4x K
+    assert ulysses["forward"] == 3 / 4 * (2 * 4 * shard + 2 * shard)
+    with pytest.raises(ValueError):
+        cpm.cp_comm_payloads("striped", shard, world)
+
+
+def test_a_ring_step_hides_its_transfer_above_the_same_chunk_whatever_the_sequence():
+    from distlab import context_parallel as cpm
+
+    n = cpm.ring_break_even_tokens_per_rank(32, 4, 312e12, 300e9)
+    assert n == pytest.approx(312e12 * 4 * 2 / (32 * 300e9))
+    below, above = (cpm.ring_step_seconds(round(n * f), 32, 4, 128, 312e12, 300e9) for f in (0.5, 2))
+    assert below["compute"] < below["transfer"] and above["compute"] > above["transfer"]
+    assert cpm.ring_break_even_tokens_per_rank(32, 32, 312e12, 300e9) == pytest.approx(8 * n)  # no GQA: 8x longer
+
+
+def test_ulysses_heads_that_do_not_split_and_native_on_a_cpu_are_refused_before_any_collective():
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from distlab import runtime
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "08_sequence_parallel"))
+    try:
+        import ring_attention
+    finally:
+        sys.path.pop(0)
+    args = argparse.Namespace(seq_len=64, heads=6, native=False, device="cpu", methods=list(ring_attention.METHODS))
+    with pytest.raises(runtime.ConfigError, match="--heads 6 does not split over 4 ranks"):
+        ring_attention.check_config(args, 4)
+    ring_attention.check_config(argparse.Namespace(**{**vars(args), "methods": ["ring"]}), 4)  # the ring does not care
+    # PyTorch's context_parallel covers only CUDA kernels: --native on a CPU is refused the same way
+    with pytest.raises(runtime.ConfigError, match="--native runs PyTorch's context_parallel"):
+        ring_attention.check_config(argparse.Namespace(**{**vars(args), "heads": 4, "native": True}), 4)
