@@ -4,12 +4,15 @@ A pipeline cuts the model into *stages*. Each rank holds one stage (or, interlea
 runs an ordered list of :class:`Action` s, each one microbatch through one stage:
 
 - ``F``: forward.
-- ``B``: backward. In a schedule that does not split the backward (``split_backward=False``: naive, GPipe,
-  1F1B, interleaved 1F1B) it is the *full* backward: input gradient and weight gradient together. In a
-  schedule that splits it (zero bubble) it is only the *input* gradient, the part the previous stage waits
-  for (torch calls it ``I``).
-- ``W``: the weight gradient, present only when the backward is split. Nobody waits for it, so a schedule
-  may run it late, in time the rank would otherwise sit idle.
+- ``B``: the *full* backward, input gradient and weight gradient together (naive, GPipe, 1F1B, interleaved
+  1F1B, and the middle of DualPipeV).
+- ``I``: the *input* gradient alone, the part the previous stage waits for (zero-bubble schedules).
+- ``W``: the weight gradient alone, after its ``I``. Nobody waits for it, so a schedule may run it late, in
+  time the rank would otherwise sit idle.
+
+The letters are torch's (``_ComputationType`` in torch/distributed/pipelining/schedules.py:54-66: F, I, W,
+and B for FULL_BACKWARD), and an action prints as torch prints it: ``0I0`` is stage 0's input gradient of
+microbatch 0.
 
 :func:`simulate` turns the per-rank lists into a timeline under simple :class:`Costs`, and the bubble (the
 idle share of ranks x time) falls out of it. The closed form :func:`bubble_fraction` says the same thing::
@@ -18,25 +21,26 @@ idle share of ranks x time) falls out of it. The closed form :func:`bubble_fract
     bubble(interleaved, V chunks) = (P - 1) / (V*M + P - 1)
     bubble(zero bubble H1, F = B = W) = (P - 1) / (3*M + P - 1), about a third of 1F1B's
 
-The builders follow Megatron-LM and ``torch.distributed.pipelining``; :func:`from_torch_pipeline_order`
-reads torch's own schedules into the same form, so both can be simulated and drawn (see ``distlab.gantt``).
+The builders follow Megatron-LM and ``torch.distributed.pipelining``, the V schedules (:func:`zbv`,
+:func:`dual_pipe_v`) included; :func:`from_torch_pipeline_order` reads torch's own schedules into the same
+form, so both can be compared, simulated and drawn (see ``distlab.gantt``).
 """
 
 from __future__ import annotations
 
 import gc
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+KINDS = ("F", "B", "I", "W")        # forward, full backward, input gradient, weight gradient (torch's letters)
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One microbatch through one stage: ``kind`` is "F" (forward), "B" (backward) or "W" (weight gradient).
-
-    "B" is the full backward unless the schedule splits the backward, where it is the input gradient only
-    and "W" is the rest. Printed like torch prints its actions: stage, kind, microbatch (``4B1``).
+    """One microbatch through one stage: ``kind`` is "F" (forward), "B" (full backward), "I" (input gradient
+    alone) or "W" (weight gradient alone). Printed like torch prints its actions: stage, kind, microbatch
+    (``4B1``, ``0I0``).
     """
 
     stage: int
@@ -52,7 +56,12 @@ class Schedule:
     """A complete pipeline schedule: for every rank, the actions it runs, in order.
 
     ``chunks`` is the number of stages per rank (V); there are ``num_ranks * chunks`` stages and stage s
-    lives on rank ``stage_to_rank[s]``. ``split_backward`` says whether backward is split into B and W.
+    lives on rank ``stage_to_rank[s]``. ``split_backward`` says whether backwards may be split into I and
+    W; each (stage, microbatch) then has F, I and W, or (DualPipeV mixes both) F and a full B.
+    ``overlap_f_b[rank]`` holds the positions i where torch's OVERLAP_F_B pairs action i (a forward) with
+    action i + 1 (a backward of another stage): torch runs the two one after the other and sends both
+    results after the second (torch/distributed/pipelining/schedules.py:1502-1509 put the sends behind the
+    pair, 2632-2636 run its halves in turn), so the forward's output leaves only when the backward is done.
     """
 
     name: str
@@ -62,6 +71,7 @@ class Schedule:
     stage_to_rank: dict[int, int]
     actions: dict[int, list[Action]]
     split_backward: bool = False
+    overlap_f_b: dict[int, set[int]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -71,10 +81,10 @@ class Schedule:
         return sorted(s for s, r in self.stage_to_rank.items() if r == rank)
 
     def validate(self) -> None:
-        """Raise ValueError unless every (stage, microbatch) has exactly one F and one B (and one W when the
-        backward is split), each on the rank that holds the stage."""
-        kinds = ("F", "B", "W") if self.split_backward else ("F", "B")
-        seen: set[tuple[str, int, int]] = set()
+        """Raise ValueError unless every (stage, microbatch) has exactly one F and one full backward B, or (when
+        the backward is split) one F, one I and one W, each on the rank that holds the stage."""
+        kinds = KINDS if self.split_backward else ("F", "B")
+        seen: dict[tuple[int, int], set[str]] = defaultdict(set)
         for rank, rank_actions in self.actions.items():
             for action in rank_actions:
                 if action.kind not in kinds:
@@ -86,15 +96,21 @@ class Schedule:
                 if not 0 <= action.microbatch < self.num_microbatches:
                     raise ValueError(f"{self.name}: rank {rank} runs {action}, but microbatches are "
                                      f"0..{self.num_microbatches - 1}.")
-                key = (action.kind, action.stage, action.microbatch)
-                if key in seen:
+                held = seen[action.stage, action.microbatch]
+                if action.kind in held:
                     raise ValueError(f"{self.name}: {action} appears twice.")
-                seen.add(key)
-        expected = len(kinds) * self.num_stages * self.num_microbatches
-        if len(seen) != expected:
-            missing = next(f"{s}{k}{m}" for k in kinds for s in range(self.num_stages)
-                           for m in range(self.num_microbatches) if (k, s, m) not in seen)
-            raise ValueError(f"{self.name}: {expected - len(seen)} actions are missing, for example {missing}.")
+                held.add(action.kind)
+        for stage in range(self.num_stages):
+            for microbatch in range(self.num_microbatches):
+                held = seen.get((stage, microbatch), set())
+                if held in ({"F", "B"}, {"F", "I", "W"}):
+                    continue
+                wanted = {"F", "I", "W"} if held & {"I", "W"} else {"F", "B"}
+                missing = sorted(wanted - held, key=KINDS.index)
+                if missing:
+                    raise ValueError(f"{self.name}: {Action(stage, microbatch, missing[0])} is missing.")
+                raise ValueError(f"{self.name}: stage {stage}, microbatch {microbatch} has a full backward B "
+                                 f"and a split one (I and W).")
 
     def format(self) -> str:
         """The per-rank order as text, one line per rank: ``rank 0: 0F0 0F1 0B0 ...``."""
@@ -207,12 +223,12 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
 def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """Zero bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
 
-    The backward is split: B (input gradient) is what the previous stage waits for, W (weight gradient)
-    waits for nobody. The order is 1F1B's with B in place of the full backward, and rank r keeps up to r
+    The backward is split: I (input gradient) is what the previous stage waits for, W (weight gradient)
+    waits for nobody. The order is 1F1B's with I in place of the full backward, and rank r keeps up to r
     W's pending, running each later, where 1F1B's rank r would wait. Warm-up is 1F1B's (P - 1 - r
-    forwards), so at most P microbatches are held on any rank, like 1F1B's rank 0. With F = B = W the
-    bubble is (P - 1) / (3M + P - 1), about a third of 1F1B's. torch's ``ScheduleInterleavedZeroBubble``
-    with one stage per rank produces this exact order.
+    forwards), so at most P microbatches are held on any rank: 1F1B's rank 0 peak, which later ranks now
+    reach too. With F = I = W the bubble is (P - 1) / (3M + P - 1), about a third of 1F1B's. torch's
+    ``ScheduleInterleavedZeroBubble`` with one stage per rank produces this exact order.
     """
     _check_sizes(num_ranks, num_microbatches)
     actions = {}
@@ -224,7 +240,7 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 
         def backward_then_maybe_weight() -> None:
             nonlocal next_backward, next_weight
-            order.append(Action(rank, next_backward, "B"))
+            order.append(Action(rank, next_backward, "I"))
             next_backward += 1
             if next_backward - next_weight > pending_weight_limit:
                 order.append(Action(rank, next_weight, "W"))
@@ -238,6 +254,154 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
         order += [Action(rank, m, "W") for m in range(next_weight, num_microbatches)]
         actions[rank] = order
     return _one_stage_per_rank("zero_bubble", num_ranks, num_microbatches, actions, split_backward=True)
+
+
+def _v_stages(num_ranks: int, rank: int) -> tuple[int, int]:
+    """The two stages rank ``rank`` holds in a V: r on the way down, 2P - 1 - r on the way back up."""
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZBV (Qi et al., "Zero Bubble Pipeline Parallelism", section 6; torch's ``ScheduleZBVZeroBubble``).
+
+    Two stages per rank in a V (rank r holds stages r and 2P - 1 - r), every backward split into I and W.
+    Rank r warms up with 2(P - r) - 1 forwards down the V, then r forwards alternating up and down, then
+    P - r rounds of F, I, W on its up stage; the steady state runs F, I, W on the down stage and then on the
+    up stage; the cool-down runs the last I's and, after them, the W's still owed. With F = I = W and
+    M >= 2P - 1 a rank idles only at the start and the end of the V.
+
+    Any M works, as in torch: the order is planned for max(2P - 1, M) microbatches and the actions of the
+    padding microbatches are dropped (torch/distributed/pipelining/schedules.py:3269-3271 and 3378-3389;
+    torch checks no minimum for ZBV, only for DualPipeV).
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    planned = max(2 * num_ranks - 1, num_microbatches)
+    actions = {}
+    for rank in range(num_ranks):
+        down, up = _v_stages(num_ranks, rank)
+        order: list[Action] = []
+        forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}
+
+        def forward(stage: int) -> None:
+            order.append(Action(stage, forwards[stage], "F"))
+            forwards[stage] += 1
+
+        def input_grad(stage: int, with_weight: bool) -> None:
+            order.append(Action(stage, backwards[stage], "I"))
+            if with_weight:                                  # W right behind its I
+                order.append(Action(stage, backwards[stage], "W"))
+            backwards[stage] += 1
+
+        for _ in range(2 * (num_ranks - rank) - 1):          # warm-up: down the V
+            forward(down)
+        for _ in range(rank):
+            forward(up)
+            forward(down)
+        for _ in range(num_ranks - rank):
+            forward(up)
+            input_grad(up, with_weight=True)
+        while forwards[up] < forwards[down] or forwards[down] < planned:    # steady state
+            if forwards[down] < planned:
+                forward(down)
+            input_grad(down, with_weight=True)
+            forward(up)
+            input_grad(up, with_weight=True)
+        weights_done = dict(backwards)                       # cool-down: the last I's first, W's after
+        for _ in range(rank):
+            input_grad(down, with_weight=False)
+            input_grad(up, with_weight=False)
+        for _ in range(num_ranks - rank):
+            input_grad(down, with_weight=False)
+            order.append(Action(down, weights_done[down], "W"))
+            weights_done[down] += 1
+        order += [Action(up, m, "W") for m in range(weights_done[up], backwards[up])]
+        order += [Action(down, m, "W") for m in range(weights_done[down], backwards[down])]
+        actions[rank] = [a for a in order if a.microbatch < num_microbatches]   # drop the padding
+    return Schedule("zbv", num_ranks, num_microbatches, 2,
+                    {s: r for r in range(num_ranks) for s in _v_stages(num_ranks, r)}, actions,
+                    split_backward=True)
+
+
+def dual_pipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe folded into a V; torch's ``ScheduleDualPipeV``), as torch runs it.
+
+    Two stages per rank in a V, like ZBV. Its middle pairs a forward of one stage with a *full* backward
+    (B) of the other: torch lists each pair as one OVERLAP_F_B action and, unless the user registers a
+    function for it, runs its two halves one after the other (schedules.py:2632-2636) and sends the
+    forward's output only after the backward (1502-1509): the pair is F then B here, its position kept in
+    ``overlap_f_b`` so that :func:`simulate` holds the forward's output back as torch does. Only the ends split backwards into I and W, to fill the warm-up and the drain.
+    Needs M >= 2P, as torch does (schedules.py:3439-3443).
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    if num_microbatches < 2 * num_ranks:
+        raise ValueError(f"dual_pipe_v needs at least as many microbatches as stages: {num_microbatches} < "
+                         f"{2 * num_ranks}.")
+    actions, overlap_f_b = {}, {}
+    for rank in range(num_ranks):
+        down, up = _v_stages(num_ranks, rank)
+        order: list[Action] = []
+        forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}
+        pending_weights: list[Action] = []                   # W's owed by split backwards, oldest first
+        pairs: set[int] = set()                              # positions of the paired forwards
+
+        def forward(stage: int) -> None:
+            order.append(Action(stage, forwards[stage], "F"))
+            forwards[stage] += 1
+
+        def backward(stage: int, split: bool) -> None:
+            microbatch = backwards[stage]
+            backwards[stage] += 1
+            if split:
+                order.append(Action(stage, microbatch, "I"))
+                pending_weights.append(Action(stage, microbatch, "W"))
+            else:
+                order.append(Action(stage, microbatch, "B"))
+
+        def weight_if_pending() -> None:
+            if pending_weights:
+                order.append(pending_weights.pop(0))
+
+        def pair(forward_stage: int, backward_stage: int) -> None:     # torch's OVERLAP_F_B
+            pairs.add(len(order))
+            forward(forward_stage)
+            backward(backward_stage, split=False)
+
+        for _ in range(2 * (num_ranks - rank - 1)):          # 1: forwards down the V
+            forward(down)
+        for _ in range(rank + 1):                            # 2: down and up
+            forward(down)
+            forward(up)
+        for _ in range(num_ranks - rank - 1):                # 3: zero bubble on the up stage
+            backward(up, split=True)
+            weight_if_pending()
+            forward(up)
+        for i in range(num_microbatches - 2 * num_ranks + rank + 1):   # 4: the pairs (F, then a full B)
+            if i == 0 and rank == num_ranks - 1:             # torch leaves this one pair apart
+                forward(down)
+                backward(up, split=False)
+            else:
+                pair(down, up)
+            pair(up, down)
+        for _ in range(num_ranks - rank - 1):                # 5
+            backward(up, split=False)
+            pair(up, down)
+        split = False                                        # 6: halfway through, backwards split again
+        for i in range(rank + 1):
+            if i == (rank + 1) // 2 and rank % 2 == 1:
+                split = True
+            backward(up, split)
+            if i == (rank + 1) // 2 and rank % 2 == 0:
+                split = True
+            backward(down, split)
+        for _ in range(num_ranks - rank - 1):                # 7
+            weight_if_pending()
+            backward(down, split)
+        for _ in range(rank + 1):                            # 8: the W's still owed
+            weight_if_pending()
+        actions[rank], overlap_f_b[rank] = order, pairs
+    return Schedule("dual_pipe_v", num_ranks, num_microbatches, 2,
+                    {s: r for r in range(num_ranks) for s in _v_stages(num_ranks, r)}, actions,
+                    split_backward=True, overlap_f_b=overlap_f_b)
 
 
 def build(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
@@ -265,8 +429,8 @@ class Costs:
 
     With V chunks per rank each action does 1/V of that work, so it takes 1/V of the time; the same Costs
     compare schedules fairly. ``backward`` is the full backward (about twice the forward in a transformer).
-    A schedule that splits it gives ``weight_fraction`` of it to W and the rest to B: by default
-    F = 1, B = 2 (full backward), or F = 1, B = 1, W = 1 when split, the zero-bubble paper's setting.
+    A split backward gives ``weight_fraction`` of it to W and the rest to I: by default F = 1, B = 2 (full
+    backward), and split F = 1, I = 1, W = 1, the zero-bubble paper's setting.
     ``send`` is the latency of one activation or gradient message between two ranks (not scaled by V).
     """
 
@@ -281,13 +445,10 @@ class Costs:
         if not 0.0 <= self.weight_fraction <= 1.0:
             raise ValueError(f"weight_fraction must be between 0 and 1, got {self.weight_fraction}.")
 
-    def durations(self, split_backward: bool, chunks: int = 1) -> dict[str, float]:
-        """Duration of one F, B and W action for a schedule of this kind."""
-        if split_backward:
-            weight = self.backward * self.weight_fraction
-            durations = {"F": self.forward, "B": self.backward - weight, "W": weight}
-        else:
-            durations = {"F": self.forward, "B": self.backward, "W": 0.0}
+    def durations(self, chunks: int = 1) -> dict[str, float]:
+        """Duration of one F, B (full backward), I and W action on one of ``chunks`` stages per rank."""
+        weight = self.backward * self.weight_fraction
+        durations = {"F": self.forward, "B": self.backward, "I": self.backward - weight, "W": weight}
         return {kind: value / chunks for kind, value in durations.items()}
 
 
@@ -331,8 +492,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> list[TimelineEve
     have arrived. Returns the events sorted by rank, then time.
 
     Dependencies (a message from another rank adds ``costs.send``):
-    F(s, m) needs F(s-1, m); B(s, m) needs its own F(s, m) and B(s+1, m) (the last stage needs only its F);
-    W(s, m) needs B(s, m). An order that can never finish raises ValueError naming the stuck ranks, and so
+    F(s, m) needs F(s-1, m); a backward B(s, m) or I(s, m) needs its own F(s, m) and the input gradient of
+    stage s+1, sent when B(s+1, m) or I(s+1, m) ends (the last stage needs only its F); W(s, m) needs I(s, m).
+    A full B sends its gradient only when all of it, weight gradient included, is done: that is what a
+    split I saves. An order that can never finish raises ValueError naming the stuck ranks, and so
     does a malformed one (an action twice, on the wrong rank, or missing).
 
     Event driven, no clock: a rank advances until its next action needs a result not computed yet, then
@@ -350,15 +513,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> list[TimelineEve
 
 
 def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
-    durations = costs.durations(schedule.split_backward, schedule.chunks)
-    forward_time, backward_time, weight_time = durations["F"], durations["B"], durations["W"]
+    durations = costs.durations(schedule.chunks)
     send = costs.send
     num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
     last_stage = num_stages - 1
     rank_of_stage = [schedule.stage_to_rank[s] for s in range(num_stages)]
 
     # finish_time[slot]: when action (kind, stage, microbatch) ended, -1 until it has run. One flat list,
-    # F slots first, then B, then W: slot = kind_offset + stage * M + microbatch.
+    # F slots first, then the input gradient (made by B or I), then W: slot = kind_offset + stage * M + m.
     slots_per_kind = num_stages * num_microbatches
     backward_offset, weight_offset = slots_per_kind, 2 * slots_per_kind
     finish_time = [-1.0] * (3 * slots_per_kind)
@@ -368,6 +530,9 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
     timeline: dict[int, list[TimelineEvent]] = {rank: [] for rank in schedule.actions}
     runnable = list(schedule.actions)
     waiting_on: dict[int, int] = {}                                      # rank -> slot it last parked on
+    # A forward paired with the next action (torch's OVERLAP_F_B) publishes its output when that one ends.
+    paired = {rank: schedule.overlap_f_b.get(rank, ()) for rank in schedule.actions}
+    held_back: dict[int, int] = {}                                       # rank -> slot of its paired forward
 
     def malformed(rank: int, action: Action, why: str) -> ValueError:
         return ValueError(f"{schedule.name}: rank {rank} runs {action}, {why}.")
@@ -394,8 +559,8 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
                         if rank_of_stage[stage - 1] != rank:
                             ready += send
                         start = ready if ready > start else start
-                slot, duration = own_forward, forward_time
-            elif kind == "B":
+                slot, duration = own_forward, durations["F"]
+            elif kind == "B" or (kind == "I" and schedule.split_backward):
                 ready = finish_time[own_forward]                # its own forward (same rank, no message)
                 if ready < 0:
                     waiting_for = own_forward
@@ -410,17 +575,17 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
                             if rank_of_stage[stage + 1] != rank:
                                 ready += send
                             start = ready if ready > start else start
-                slot, duration = backward_offset + own_forward, backward_time
+                slot, duration = backward_offset + own_forward, durations[kind]
             elif kind == "W" and schedule.split_backward:
                 ready = finish_time[backward_offset + own_forward]
                 if ready < 0:
                     waiting_for = backward_offset + own_forward
                 else:
                     start = ready if ready > start else start
-                slot, duration = weight_offset + own_forward, weight_time
+                slot, duration = weight_offset + own_forward, durations["W"]
             else:
                 raise malformed(rank, action, f"but kind {kind!r} is not one of this schedule's "
-                                              f"{'F, B, W' if schedule.split_backward else 'F, B'}")
+                                              f"{'F, B, I, W' if schedule.split_backward else 'F, B'}")
             if waiting_for >= 0:
                 waiting_on[rank] = waiting_for
                 if parked[waiting_for] is None:
@@ -430,11 +595,17 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
             if finish_time[slot] >= 0:
                 raise malformed(rank, action, "but that action has already run")
             now = start + duration
-            finish_time[slot] = now
             events.append(TimelineEvent(rank, stage, microbatch, kind, start, now))
-            if parked[slot] is not None:
-                runnable.extend(parked[slot])
-                parked[slot] = None
+            published = [slot]
+            if i in paired[rank]:                       # its output leaves with the next action's
+                published, held_back[rank] = [], slot   # (a duplicate of it is left to validate())
+            elif rank in held_back:
+                published.append(held_back.pop(rank))
+            for done in published:
+                finish_time[done] = now
+                if parked[done] is not None:
+                    runnable.extend(parked[done])
+                    parked[done] = None
             i += 1
         position[rank], rank_free_at[rank] = i, now
 
@@ -444,14 +615,18 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
 
         def action_in(slot: int) -> Action:
             kind, rest = divmod(slot, slots_per_kind)
-            return Action(rest // num_microbatches, rest % num_microbatches, "FBW"[kind])
+            stage, microbatch = divmod(rest, num_microbatches)
+            if kind == 1:           # the input gradient: the B or the I that the stage's rank lists
+                listed = {a.kind for a in schedule.actions[rank_of_stage[stage]]
+                          if (a.stage, a.microbatch) == (stage, microbatch)}
+                return Action(stage, microbatch, "I" if "I" in listed else "B")
+            return Action(stage, microbatch, "FBW"[kind])
 
         details = "; ".join(f"rank {r} at {schedule.actions[r][position[r]]} (its action {position[r]}) "
                             f"waits for {action_in(waiting_on[r])}" for r in stuck)
         raise ValueError(f"{schedule.name} deadlocks: {details}.")
-    kinds_per_pair = 3 if schedule.split_backward else 2
-    if sum(position.values()) != kinds_per_pair * slots_per_kind:
-        schedule.validate()     # some action was never listed: let validate() name one
+    if schedule.split_backward or sum(position.values()) != 2 * slots_per_kind:
+        schedule.validate()     # each ran once; is every (stage, microbatch) there, and not B and I at once?
     return [event for rank in sorted(timeline) for event in timeline[rank]]
 
 
@@ -512,14 +687,15 @@ def bubble_fraction_from_timeline(events, num_ranks: int | None = None) -> float
 def peak_activations(schedule: Schedule, release_on_input_grad: bool = False) -> dict[int, int]:
     """Per rank, the most (stage, microbatch) activations held at once, walking the rank's order.
 
-    An activation is held from its F until its backward is done: until B when the schedule does not split
-    the backward; until W when it does (W still needs the saved inputs), or until B with
-    ``release_on_input_grad=True``. Results: GPipe M; 1F1B min(P - r, M); zero bubble H1 min(P, M) on every
-    rank (its warm-up is 1F1B's, the deferred W's make up the rest). Interleaved counts (chunk, microbatch)
+    An activation is held from its F until its backward is done: until the full backward B, or, when the
+    backward is split, until W (W still needs the saved inputs; torch keeps the graph alive from I to W), or
+    until I with ``release_on_input_grad=True``. Results: GPipe M; 1F1B min(P - r, M); zero bubble H1
+    min(P, M) on every rank (its warm-up is 1F1B's, the deferred W's make up the rest): 1F1B's peak, which
+    only rank 0 reached, now on every rank. Interleaved counts (chunk, microbatch)
     pairs, each 1/V of a rank's layers: min((V-1)P + 2(P-1-r) + 1, V*M), i.e. P + (P-1)/V stage-equivalents
     on rank 0, a little more than 1F1B's P.
     """
-    release_kind = "W" if schedule.split_backward and not release_on_input_grad else "B"
+    release_kinds = ("B", "I") if release_on_input_grad else ("B", "W")
     peaks = {}
     for rank, rank_actions in schedule.actions.items():
         held = peak = 0
@@ -527,7 +703,7 @@ def peak_activations(schedule: Schedule, release_on_input_grad: bool = False) ->
             if action.kind == "F":
                 held += 1
                 peak = max(peak, held)
-            elif action.kind == release_kind:
+            elif action.kind in release_kinds:
                 held -= 1
         peaks[rank] = peak
     return peaks
@@ -542,18 +718,17 @@ def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None
     """Read ``schedule.pipeline_order`` of a ``torch.distributed.pipelining`` schedule as a :class:`Schedule`.
 
     ``pipeline_order`` is ``{rank: [action or None]}``; None (a bubble in torch's time grid) and non-compute
-    actions (sends, receives, REDUCE_GRAD, ...) are dropped, and an overlapped F/B pair is expanded. torch's
-    F becomes "F"; its full backward B and its input backward I both become "B"; W stays "W". A schedule that
-    mixes both kinds of backward (DualPipeV: full B in its middle, I and W at its ends) is read as a split
-    one, each full backward becoming "B" then "W" of the same microbatch back to back: the same work in
-    the same place. Stage to rank placement is read off the order. This reads a private torch API, so tests
-    pin what it returns: e.g. torch 2.13's Schedule1F1B lists the last rank's forwards off by one, and
-    validate() then fails.
+    actions (sends, receives, REDUCE_GRAD, ...) are dropped, and an overlapped F/B pair (OVERLAP_F_B) becomes
+    its two sub-actions in order, as torch runs them when no overlap function is registered
+    (torch/distributed/pipelining/schedules.py:2632-2636). F, B (full backward), I and W keep torch's letters.
+    Stage to rank placement is read off the order. This reads a private torch API, so tests pin what it
+    returns: e.g. torch 2.13's Schedule1F1B lists the last rank's forwards off by one, and validate() then
+    fails.
     """
     from torch.distributed.pipelining.schedules import _ComputationType   # lazy: the module is torch-free
 
     kind_of = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
-               _ComputationType.BACKWARD_INPUT: "B", _ComputationType.BACKWARD_WEIGHT: "W"}
+               _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
 
     def compute_actions(torch_action):
         if torch_action is None:
@@ -564,21 +739,15 @@ def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None
         elif torch_action.computation_type in kind_of:
             yield Action(torch_action.stage_index, torch_action.microbatch_index,
                          kind_of[torch_action.computation_type])
-            if torch_action.computation_type == _ComputationType.FULL_BACKWARD:
-                yield None                                  # marks a full backward: see split_backward below
 
-    listed = {rank: [a for item in order for a in compute_actions(item)]
-              for rank, order in sorted(pipeline_order.items())}
-    splits = any(a is not None and a.kind == "W" for acts in listed.values() for a in acts)
     actions: dict[int, list[Action]] = {}
-    for rank, acts in listed.items():
-        actions[rank] = []
-        for action in acts:
-            if action is not None:
-                actions[rank].append(action)
-            elif splits:    # where other backwards are split, a full one is B then its W, back to back
-                full = actions[rank][-1]
-                actions[rank].append(Action(full.stage, full.microbatch, "W"))
+    overlap_f_b: dict[int, set[int]] = {}
+    for rank, order in sorted(pipeline_order.items()):
+        actions[rank], overlap_f_b[rank] = [], set()
+        for item in order:
+            if getattr(item, "computation_type", None) == _ComputationType.OVERLAP_F_B:
+                overlap_f_b[rank].add(len(actions[rank]))
+            actions[rank].extend(compute_actions(item))
     stage_to_rank: dict[int, int] = {}
     for rank, rank_actions in actions.items():
         for action in rank_actions:
@@ -587,6 +756,7 @@ def from_torch_pipeline_order(pipeline_order: dict, num_microbatches: int | None
     num_ranks = len(actions)
     if num_microbatches is None:
         num_microbatches = 1 + max(a.microbatch for acts in actions.values() for a in acts)
-    split_backward = any(a.kind == "W" for acts in actions.values() for a in acts)
+    split_backward = any(a.kind in ("I", "W") for acts in actions.values() for a in acts)
     return Schedule(name, num_ranks, num_microbatches, max(1, len(stage_to_rank) // num_ranks),
-                    stage_to_rank, actions, split_backward)
+                    stage_to_rank, actions, split_backward,
+                    {rank: pairs for rank, pairs in overlap_f_b.items() if pairs})

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass
+
+import torch
 
 import torch.distributed as dist
 
@@ -35,8 +38,10 @@ CHOICES = {c.name: c for c in (
     PipelineChoice("1F1B", False, False, 1, True, "1f1b", "M >= P"),
     PipelineChoice("Interleaved1F1B", True, False, 2, False, "interleaved_1f1b", "M a multiple of P"),
     PipelineChoice("InterleavedZeroBubble", True, False, 1, False, "zero_bubble", "M a multiple of P"),
-    PipelineChoice("ZBVZeroBubble", True, True, 2, True, None, "M >= 2P"),
-    PipelineChoice("DualPipeV", True, True, 2, True, None, "M >= 2P"),
+    # torch plans ZBV for max(2P - 1, M) microbatches and drops the padding: it refuses no M
+    # (torch/distributed/pipelining/schedules.py:3269-3271, 3378-3389); DualPipeV refuses M < 2P (3439-3443).
+    PipelineChoice("ZBVZeroBubble", True, True, 2, True, "zbv", "any M"),
+    PipelineChoice("DualPipeV", True, True, 2, True, "dual_pipe_v", "M >= 2P"),
 )}
 
 
@@ -93,11 +98,17 @@ def torch_schedule(schedule: str, stages: list, microbatches: int, loss_fn):
 
 
 def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int, torch_object) -> schedules.Schedule:
-    """What each rank should run, as distlab data: our own builder where there is one; for the V
-    schedules (no builder of ours) torch's listed order read with ``from_torch_pipeline_order``."""
+    """What each rank should run, as distlab data: our own builder, written apart from torch, so that the
+    order check can fail (torch executes its own ``pipeline_order`` by construction: comparing what ran with
+    it would prove nothing). Only InterleavedZeroBubble with several stages per rank has no builder of ours:
+    there torch's listed order is all we have."""
     ours = CHOICES[schedule].ours
     if ours == "zero_bubble" and chunks == 1:
         return schedules.zero_bubble_h1(ranks, microbatches)
+    if ours == "zbv":
+        return schedules.zbv(ranks, microbatches)
+    if ours == "dual_pipe_v":
+        return schedules.dual_pipe_v(ranks, microbatches)
     if ours in ("gpipe", "1f1b", "interleaved_1f1b"):
         return schedules.build(ours, ranks, microbatches, chunks if ours == "interleaved_1f1b" else 1)
     return schedules.from_torch_pipeline_order(torch_object.pipeline_order, microbatches, name=schedule)
@@ -105,24 +116,32 @@ def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int,
 
 # ---- the stopwatch: one event per forward, backward and weight-gradient pass ----------------------------------
 
-def record_actions(stage, events: list, sync=None) -> None:
+def record_actions(stage, events: list, sync=None, clock=time.perf_counter) -> None:
     """Wrap the stage's three compute entry points so each call appends (stage, microbatch, kind, start, end,
     full backward?) to ``events``.
 
     The schedule waits for incoming activations and gradients *before* it calls these, so waiting is not
     counted as work: it shows up as idle time, which is what the bubble is. In a schedule that splits the
-    backward, ``backward_one_chunk(full_backward=False)`` is the input gradient (torch's I, our B) and
-    ``backward_weight_one_chunk`` the weight gradient (W). ``sync`` (``rt.sync`` on a GPU) runs before each
-    stop of the clock.
+    backward, ``backward_one_chunk(full_backward=False)`` is the input gradient (torch's I) and
+    ``backward_weight_one_chunk`` the weight gradient (W).
+
+    ``sync`` (``rt.sync`` on a GPU) runs before the clock starts *and* before it stops. Before it stops, so
+    that the pass is timed, not its launch. Before it starts, because on NCCL the schedule's
+    ``work.wait()`` for this pass's input makes the GPU stream wait, not the host
+    (torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:286-312, 350-355): the host reaches
+    this wrapper before the input has arrived, and without the sync the wait would be timed as work and the
+    bubble would come out low. ``clock`` is for tests.
     """
     def timed(method, kind):
         def wrapper(chunk_id, *args, **kwargs):
-            start = time.perf_counter()
+            if sync is not None:
+                sync()          # on a GPU, let the input arrive (and earlier work finish) first
+            start = clock()
             result = method(chunk_id, *args, **kwargs)
             if sync is not None:
                 sync()          # on a GPU, wait for the kernels: time the work, not its launch
             full = kind == "B" and kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            events.append((stage.stage_index, chunk_id, kind, start, time.perf_counter(), bool(full)))
+            events.append((stage.stage_index, chunk_id, kind, start, clock(), bool(full)))
             return result
         return wrapper
 
@@ -131,19 +150,18 @@ def record_actions(stage, events: list, sync=None) -> None:
     stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "W")
 
 
-def gather_timeline(events: list, t0: float, rank: int, split_backward: bool = False) -> list[dict]:
+def gather_timeline(events: list, t0: float, rank: int, torch_kinds: bool = False) -> list[dict]:
     """Every rank's events on one clock, on every rank: each rank subtracts its own t0, read just after a
     common barrier (so clocks of different nodes need not agree), then all_gather_object.
 
-    With ``split_backward`` (a schedule that splits some backwards), a full backward is followed by a
-    zero-length W at its end: its weight gradient was computed inside it, as ``from_torch_pipeline_order``
-    reads such a schedule (DualPipeV runs full backwards in its middle and split ones at its ends).
+    With ``torch_kinds`` each backward is named as torch names it: B for a full backward, I for the input
+    gradient alone (``distlab.schedules``' letters). Without, every backward is a B (chapter 09's scripts).
     """
     mine = []
     for stage, microbatch, kind, start, end, *full in events:
+        if torch_kinds and kind == "B" and full and not full[0]:
+            kind = "I"
         mine.append(schedules.TimelineEvent(rank, stage, microbatch, kind, start - t0, end - t0).to_dict())
-        if split_backward and full and full[0]:
-            mine.append(schedules.TimelineEvent(rank, stage, microbatch, "W", end - t0, end - t0).to_dict())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return sorted((e for rank_events in everyone for e in rank_events), key=lambda e: (e["rank"], e["start"]))
@@ -155,7 +173,7 @@ def handoff_latency(timeline: list[dict]) -> float:
     Only hand-offs the receiver actually waited for count (it was idle when the sender finished): that is the
     cost of one message plus waking the receiver, which the bubble formula does not charge. 0 if none waited.
     """
-    by_key = {(e["stage"], e["microbatch"], e["kind"]): e for e in timeline}
+    by_key = {(e["stage"], e["microbatch"], "B" if e["kind"] == "I" else e["kind"]): e for e in timeline}
     last_stage = max(e["stage"] for e in timeline)
     previous_end = {}
     for rank in {e["rank"] for e in timeline}:
@@ -165,7 +183,7 @@ def handoff_latency(timeline: list[dict]) -> float:
     for e in timeline:
         if e["kind"] == "F" and e["stage"] > 0:
             source = by_key.get((e["stage"] - 1, e["microbatch"], "F"))
-        elif e["kind"] == "B" and e["stage"] < last_stage:
+        elif e["kind"] in ("B", "I") and e["stage"] < last_stage:    # the gradient: the next stage's B or I
             source = by_key.get((e["stage"] + 1, e["microbatch"], "B"))
         else:
             continue
@@ -177,17 +195,63 @@ def handoff_latency(timeline: list[dict]) -> float:
     return waits[len(waits) // 2] if waits else 0.0
 
 
-def measured_costs(timeline: list[dict], chunks: int, split_backward: bool) -> schedules.Costs:
+def measured_costs(timeline: list[dict], chunks: int) -> schedules.Costs:
     """Costs for the simulator from a measured run: median pass times (per rank's layers, so x V) and the
-    median hand-off latency as the send cost."""
+    median hand-off latency as the send cost. The full backward is the median B, or I + W where every
+    backward was split."""
     def median(kind):
         values = sorted(e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["end"] > e["start"])
         return values[len(values) // 2] if values else 0.0
 
-    forward, backward, weight = median("F"), median("B"), median("W") if split_backward else 0.0
-    return schedules.Costs(forward=forward * chunks, backward=(backward + weight) * chunks,
-                           weight_fraction=weight / (backward + weight) if split_backward else 0.5,
-                           send=handoff_latency(timeline))
+    forward, full, input_grad, weight = median("F"), median("B"), median("I"), median("W")
+    split = input_grad + weight
+    return schedules.Costs(forward=forward * chunks, backward=(full or split) * chunks,
+                           weight_fraction=weight / split if split > 0 else 0.5, send=handoff_latency(timeline))
+
+
+class HeldActivations:
+    """Measured: the (stage, microbatch) pairs whose activations autograd still holds on this rank, and the
+    most held at once. A pair is held from the forward that saves tensors for backward until autograd frees
+    the last of them: after the full backward, or, when the backward is split, after W (torch keeps the
+    graph from I to W). Counted with saved-tensor hooks around each forward, not read off the schedule, so a
+    release at the wrong step (at I instead of W) shows."""
+
+    def __init__(self):
+        self.alive: Counter = Counter()         # (stage, microbatch) -> saved tensors still alive
+        self.peak = 0
+
+    def watch(self, stage) -> None:
+        """Count what autograd saves during each of the stage's forwards."""
+        forward = stage.forward_one_chunk
+
+        def counted(chunk_id, *args, **kwargs):
+            key = (stage.stage_index, chunk_id)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, key, self), _Saved.unpack):
+                return forward(chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = counted
+
+    def reset(self) -> None:
+        self.peak = len(self.alive)
+
+
+class _Saved:
+    def __init__(self, tensor, key, ledger: HeldActivations):
+        # detach(): the same storage, without the tensor's grad_fn. A tensor saved as its own node's output
+        # (tanh saves its result) would otherwise hold that node, which holds this object: a cycle that only
+        # the garbage collector frees, so the hook itself would keep activations alive.
+        self.tensor, self.key, self.ledger = tensor.detach(), key, ledger
+        ledger.alive[key] += 1
+        ledger.peak = max(ledger.peak, len(ledger.alive))
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor
+
+    def __del__(self):                          # autograd let go of it
+        self.ledger.alive[self.key] -= 1
+        if self.ledger.alive[self.key] == 0:
+            del self.ledger.alive[self.key]
 
 
 def executed_order(timeline: list[dict], rank: int) -> list[schedules.Action]:

@@ -208,12 +208,14 @@ def main():
                 m = action.microbatch
                 if action.kind == "F":
                     x = runner.receive_input(m, input_mbs)  # waiting here is the bubble: not timed as work
+                    rt.sync()                           # on NCCL the wait held the stream, not us: let it land
                     start = time.perf_counter()
                     runner.forward(m, x, target_mbs)
                     if bytes_per_microbatch is None:    # the first forward, alone in the stage
                         bytes_per_microbatch = runner.saved.alive
                 else:
                     grad = runner.receive_output_grad(m)
+                    rt.sync()
                     start = time.perf_counter()
                     runner.backward(m, grad)
                 rt.sync()                               # on a GPU, wait for the kernels: time the work, not its launch

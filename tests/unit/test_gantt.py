@@ -55,8 +55,8 @@ def test_gpipe_chart_shows_every_forward_before_any_backward():
 
 def test_zero_bubble_chart_shows_weight_gradients():
     chart = gantt.ascii_gantt(simulated("zero_bubble", 4, 8))
-    assert rows(chart)[0].startswith("F0F1F2F3......B0W0F4B1W1")
-    assert "Wn weight gradient" in chart
+    assert rows(chart)[0].startswith("F0F1F2F3......I0W0F4I1W1")           # torch's letters: I, then W
+    assert "Wn weight gradient" in chart and "In input gradient" in chart
     assert bubble_percent(chart) == pytest.approx(100 * 3 / 27, abs=0.005)
 
 
@@ -125,7 +125,7 @@ def test_plot_gantt_draws_one_row_per_rank_under_agg(tmp_path):
     ax = gantt.plot_gantt(events, title="ZB-H1")
     try:
         by_label = bar_rows(ax)
-        assert set(by_label) == {"forward (F)", "backward (B)", "weight gradient (W)"}
+        assert set(by_label) == {"forward (F)", "input gradient (I)", "weight gradient (W)"}
         assert set().union(*by_label.values()) == {0, 1, 2, 3}
         bars = sum(len(c) for c in ax.containers if c.get_label() != "idle")
         assert bars == len(events)
@@ -134,7 +134,7 @@ def test_plot_gantt_draws_one_row_per_rank_under_agg(tmp_path):
         assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}" for r in range(4)]
         assert "11.1%" in ax.get_title() and "ZB-H1" in ax.get_title()
         legend = {t.get_text() for t in ax.get_legend().get_texts()}
-        assert {"idle", "forward (F)", "backward (B)", "weight gradient (W)"} <= legend
+        assert {"idle", "forward (F)", "input gradient (I)", "weight gradient (W)"} <= legend
         assert any(t.get_text() == "7" for t in ax.texts)             # microbatch labels in the bars
     finally:
         plt.close(ax.figure)

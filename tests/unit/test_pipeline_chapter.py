@@ -109,6 +109,9 @@ def test_bad_pipeline_configurations_are_refused_with_one_line(schedule, ranks, 
 
 
 def test_good_configurations_give_the_stages_per_rank():
+    # ZBV: torch refuses no microbatch count (it pads its plan to 2P - 1 and drops the padding), nor do we
+    for microbatches in (1, 4, 7, 8):
+        assert common_pipeline.check_pipeline_config("ZBVZeroBubble", 4, microbatches, None) == 2
     assert common_pipeline.check_pipeline_config("1F1B", 4, 4, None) == 1
     assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, None) == 2
     assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, 3) == 3
@@ -151,14 +154,86 @@ def v_schedule_order():
 
 @pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
 def test_v_schedules_read_as_valid_split_schedules_in_a_v(name, v_schedule_order):
-    ours = schedules.from_torch_pipeline_order(v_schedule_order(name, 4, 8), 8, name=name)
-    ours.validate()                      # DualPipeV's full backwards became B then W
-    assert ours.split_backward and ours.chunks == 2
-    assert {r: ours.stages_of_rank(r) for r in range(4)} == {0: [0, 7], 1: [1, 6], 2: [2, 5], 3: [3, 4]}
+    theirs = schedules.from_torch_pipeline_order(v_schedule_order(name, 4, 8), 8, name=name)
+    theirs.validate()                    # DualPipeV mixes full backwards B with split ones (I, W)
+    assert theirs.split_backward and theirs.chunks == 2
+    assert {r: theirs.stages_of_rank(r) for r in range(4)} == {0: [0, 7], 1: [1, 6], 2: [2, 5], 3: [3, 4]}
+    ours = schedules.zbv(4, 8) if name == "ZBVZeroBubble" else schedules.dual_pipe_v(4, 8)
     bubble = schedules.bubble_fraction_from_timeline(schedules.simulate(ours), 4)
-    assert bubble == pytest.approx(1 / 17)    # 5.9%: below ZB-H1's 11.1% with the same F = B = W
+    assert bubble == pytest.approx(schedules.bubble_fraction_from_timeline(schedules.simulate(theirs), 4))
+    text = CHAPTER.read_text()
     if name == "ZBVZeroBubble":
-        assert f"torch's ZBV order, with F = B = W, gives {percent(bubble)}" in CHAPTER.read_text()
+        assert bubble == pytest.approx(1 / 17)    # 5.9%: below ZB-H1's 11.1% with the same F = I = W
+        assert f"with F = I = W, gives {percent(bubble)} for P = 4 and M = 8" in text
+    else:
+        # its paired forwards send their output only after the paired full backward: 11.1%, not ZBV's 5.9%
+        assert bubble == pytest.approx(1 / 9)
+        assert f"DualPipeV as torch runs it simulates to {percent(bubble)}" in text
+
+
+def test_record_actions_starts_the_clock_once_the_device_has_the_input():
+    # A fake device: the schedule's NCCL wait for the input only queued a wait on the stream, so the input
+    # lands 5 units after the host calls the pass; sync() is when the host waits for it. Starting the clock
+    # before the sync would time the wait as work (start 0, not 5) and make the bubble come out low.
+    now, in_flight = [0.0], [5.0]
+
+    def sync():
+        now[0] += in_flight[0]
+        in_flight[0] = 0.0
+
+    class FakeStage:
+        stage_index = 2
+
+        def forward_one_chunk(self, chunk_id, *args, **kwargs):
+            now[0] += 1.0
+
+        def backward_one_chunk(self, chunk_id, *args, **kwargs):
+            now[0] += 2.0
+
+        def backward_weight_one_chunk(self, chunk_id, *args, **kwargs):
+            now[0] += 1.0
+
+    stage, events = FakeStage(), []
+    common_pipeline.record_actions(stage, events, sync=sync, clock=lambda: now[0])
+    stage.forward_one_chunk(0)
+    in_flight[0] = 3.0
+    stage.backward_one_chunk(0, full_backward=False)
+    stage.backward_weight_one_chunk(0)
+    assert events == [(2, 0, "F", 5.0, 6.0, False), (2, 0, "B", 9.0, 11.0, False), (2, 0, "W", 11.0, 12.0, False)]
+
+
+def test_held_activations_are_counted_until_autograd_frees_them():
+    torch = pytest.importorskip("torch")
+
+    class FakeStage:        # forward_one_chunk(chunk_id, x) as torch's PipelineStage calls it
+        stage_index = 3
+
+        def __init__(self):
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.outputs = {}
+
+        def forward_one_chunk(self, chunk_id, x):
+            self.outputs[chunk_id] = torch.tanh(x * self.weight)
+            return self.outputs[chunk_id]
+
+    stage, held = FakeStage(), common_pipeline.HeldActivations()
+    held.watch(stage)
+    inputs = {m: torch.ones(4, requires_grad=True) for m in range(3)}
+    for m in range(3):
+        stage.forward_one_chunk(m, inputs[m])
+    assert held.peak == 3 and set(held.alive) == {(3, 0), (3, 1), (3, 2)}
+    stage.outputs.pop(0).sum().backward()                 # a full backward frees microbatch 0's activations
+    assert set(held.alive) == {(3, 1), (3, 2)}
+    # an input gradient alone (torch's I) keeps the graph for W: microbatch 1 stays held ...
+    output = stage.outputs.pop(1).sum()
+    torch.autograd.grad(output, inputs[1], retain_graph=True)
+    assert (3, 1) in held.alive
+    torch.autograd.grad(output, stage.weight, retain_graph=True)    # ... until W, and until the graph goes
+    assert (3, 1) in held.alive
+    del output                       # (freed at once: the hooks save without a cycle through tanh's output)
+    assert set(held.alive) == {(3, 2)}
+    held.reset()
+    assert held.peak == 1
 
 
 # ---- the two bubble conventions, and ZB-H1's closed form (issue 9, items 3 and 11) ---------------------------
@@ -230,3 +305,52 @@ def test_the_exercises_say_which_convention_and_reject_the_other(marker, name, w
     with pytest.raises(exercises.ExerciseWrong):
         exec(source, {**namespace, name: wrong})
     exec(source, {**namespace, name: right})  # the right convention passes
+
+
+def test_the_ends_of_the_a100_pipeline_are_heavier_than_its_middle():
+    torch = pytest.importorskip("torch")
+    from distlab import models
+
+    config = models.preset("a100")
+    with torch.device("meta"):                      # shapes only: no memory, no time
+        model = models.Transformer(models.preset("a100", n_layers=1))
+    output = sum(p.numel() for p in model.output.parameters())
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    embedding = model.tok_embeddings.weight.numel()
+    text = CHAPTER.read_text()
+    assert f"{config.vocab_size:,} x {config.dim:,} = {output / 1e6:.1f} M parameters" in text
+    assert f"a transformer block {block / 1e6:.1f} M" in text and output > block
+    assert f"carries {output / block:.1f} blocks' worth" in text
+    assert f"another {embedding / 1e6:.1f} M in its embedding table" in text
+    assert f"with {config.n_layers // 4} blocks on each of 4 stages" in text
+
+
+def test_zero_bubble_memory_as_the_chapter_states_it():
+    text = CHAPTER.read_text()
+    zb_h1, one_f_one_b = (schedules.peak_activations(s) for s in (schedules.zero_bubble_h1(4, 8),
+                                                                  schedules.one_f_one_b(4, 8)))
+    assert max(zb_h1.values()) == max(one_f_one_b.values())        # 1F1B's highest peak, not more
+    assert zb_h1 == {r: 4 for r in range(4)} and "4, 4, 4 and 4 on four ranks" in text
+    zbv = schedules.peak_activations(schedules.zbv(4, 8))
+    assert zbv == {r: 8 for r in range(4)} and "holds\n8 (stage, microbatch) pairs on every rank" in text
+    assert "ZB-H1 costs no memory where it counts." in text and "for more memory" not in text
+
+
+def test_each_bubble_tolerance_tells_its_schedule_from_the_nearest_other():
+    import pp_schedules     # the script's constants (its main() runs only as a script)
+
+    simulated = {name: schedules.bubble_fraction_from_timeline(schedules.simulate(schedule), 4) for name, schedule in {
+        "GPipe": schedules.gpipe(4, 8), "1F1B": schedules.one_f_one_b(4, 8),
+        "Interleaved1F1B": schedules.interleaved_1f1b(4, 8, 2), "InterleavedZeroBubble": schedules.zero_bubble_h1(4, 8),
+        "ZBVZeroBubble": schedules.zbv(4, 8), "DualPipeV": schedules.dual_pipe_v(4, 8)}.items()}
+    for name, bubble in simulated.items():
+        tolerance = pp_schedules.BUBBLE_TOLERANCE.get(name, pp_schedules.DEFAULT_BUBBLE_TOLERANCE)
+        nearest = min(abs(bubble - other) for other in simulated.values() if abs(bubble - other) > 1e-9)
+        assert tolerance < nearest / 2, f"{name}: {tolerance} does not tell it from a bubble {nearest:.3f} away"
+    text = CHAPTER.read_text()
+    tolerance = {name: f"{100 * pp_schedules.BUBBLE_TOLERANCE.get(name, pp_schedules.DEFAULT_BUBBLE_TOLERANCE):g}"
+                 for name in simulated}
+    assert f"{tolerance['GPipe']} points for GPipe and 1F1B" in text and tolerance["GPipe"] == tolerance["1F1B"]
+    assert f"{tolerance['DualPipeV']} for interleaved and DualPipeV" in text
+    assert tolerance["DualPipeV"] == tolerance["Interleaved1F1B"]
+    assert f"{tolerance['ZBVZeroBubble']} for ZBV" in text
