@@ -29,16 +29,25 @@ PEAK_FLOPS = {
     ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "tf32"): 494e12, ("H100", "fp32"): 67e12,
     ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "tf32"): 494e12, ("H200", "fp32"): 67e12,
 }
+# The NVL boards (H100 NVL, H200 NVL: PCIe cards, up to 400 W and 600 W) run slower than the SXM modules. NVIDIA's
+# tables, as read (the H100 NVL datasheet, PNY's copy; the H200 product page's NVL column, quoted in public notes):
+# "FP32 60 TFLOPS", "TF32 Tensor Core 835 TFLOPS*", "BFLOAT16 Tensor Core 1,671 TFLOPS*", "FP16 Tensor Core 1,671
+# TFLOPS*", * "With sparsity": the dense figures are half, 835.5 (bf16, fp16) and 417.5 (tf32); FP32 is not a
+# sparse figure. The same for both boards.
+NVL_PEAK_FLOPS = {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}
 
 
 def peak_flops(device_name: str | None, dtype: str = "bf16") -> float | None:
     """Peak FLOP/s of a GPU named like ``torch.cuda.get_device_name()``; None for a CPU or an unknown GPU.
 
-    H100 PCIe is slower than SXM (756 vs 989 TFLOP/s bf16): the name tells them apart.
+    H100 PCIe is slower than SXM (756 vs 989 TFLOP/s bf16), and the H100 and H200 NVL boards slower still
+    (835.5: ``NVL_PEAK_FLOPS``): the name tells them apart (``NVIDIA H100 NVL``, ``NVIDIA H200 NVL``).
     """
     if not device_name:
         return None
     name = device_name.upper()
+    if "NVL" in name.split() and ("H100" in name or "H200" in name):
+        return NVL_PEAK_FLOPS.get(dtype)
     for (gpu, kind), flops in PEAK_FLOPS.items():
         if gpu in name and kind == dtype:
             return flops * (756 / 989 if gpu == "H100" and "PCIE" in name else 1.0)

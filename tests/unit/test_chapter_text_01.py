@@ -26,10 +26,53 @@ def test_activation_predictions():
     says(f"`tiny` preset at batch 8, it predicts {memory.transformer_activation_bytes(tiny, 8):,} bytes")
     per_sequence = memory.transformer_activation_bytes(a100, 1)
     says(f"it predicts {per_sequence / GIB:.2f} GiB per sequence")
-    state = memory.training_state_bytes(a100.num_params()).total
-    at_batch_4 = state + 4 * per_sequence
-    says(f"together take {at_batch_4 / GIB:.1f} GiB")
-    assert 0.9 < at_batch_4 / (40 * GIB) < 1.0  # "fills an A100-40GB (40 GiB) to the brim"
+    state = memory.training_state_bytes(a100.num_params())
+    at_batch_4 = state.total + 4 * per_sequence
+    says(f"add up to {at_batch_4 / GIB:.1f} GiB")
+    peak = memory.predict_step_peak(state, 4 * per_sequence, 4, a100.seq_len, a100.vocab_size)
+    assert peak.peak_phase == "forward/backward"
+    says(f"the peak (below, phase by phase) is {peak.peak / GIB:.1f} GiB")
+    assert 0.75 < peak.peak / (40 * GIB) < 0.9  # "most of an A100-40GB"
+
+
+# Measured on one H200, torch 2.11 (BENCHMARKS.md, 2026-11-26): the baseline (a100 preset, bf16 autocast, batch 4)
+# predicted 33.82 GiB when every consumer was added up, of which 20.33 GiB training state, so its saved activations
+# (read off the tensors) were 13.49 GiB; max_memory_allocated 29.78 GiB. train_fsdp.py --preset a100 on one rank
+# (a100_large, bf16 mixed precision, one sequence): 54.74 GiB added up, 62.80 GiB measured. Throughput: 27,758 to
+# 28,434 tokens/s; 137 to 148 ms a step; 1 GiB copies at 4,229 to 4,266 GB/s.
+H200_BF16_ACTIVATIONS_GIB, H200_BASELINE_PEAK_GIB, H200_FSDP_PEAK_GIB = 13.49, 29.78, 62.80
+H200_TOKENS_PER_S, H200_COPY_GB_PER_S = (27_758, 28_434), (4_229, 4_266)
+
+
+def test_bf16_autocast_saves_17_percent_not_half():
+    fp32 = memory.transformer_activation_bytes(models.preset("a100"), 4) / GIB
+    says(f"13.49 GiB under bf16 autocast against the {fp32:.2f} GiB of the fp32 formula, "
+         f"{1 - H200_BF16_ACTIVATIONS_GIB / fp32:.0%} less")
+
+
+def test_the_peak_by_phase_against_the_h200():
+    a100, large = models.preset("a100"), models.preset("a100_large")
+    n = a100.num_params()
+    baseline = memory.predict_step_peak(memory.training_state_bytes(n), round(H200_BF16_ACTIVATIONS_GIB * GIB), 4,
+                                        a100.seq_len, a100.vocab_size)
+    fb, step = (baseline.phases[p] for p in ("forward/backward", "optimizer step"))
+    says(f"forward/backward holds {(fb['weights'] + fb['optimizer state']) / GIB:.2f} GiB of weights\nand moments, "
+         f"{H200_BF16_ACTIVATIONS_GIB:.2f} GiB of saved activations (read off the tensors) and "
+         f"{fb['loss gradients (fp32, 2 x B x T x V)'] / GIB:.2f} GiB of loss gradients, "
+         f"{baseline.total('forward/backward') / GIB:.2f} GiB;\nthe optimizer step "
+         f"{baseline.total('optimizer step') / GIB:.2f} GiB")
+    assert baseline.peak_phase == "forward/backward" and step["optimizer temporaries"] == 4 * n
+    assert memory.within_margin(baseline.peak, H200_BASELINE_PEAK_GIB * GIB)
+    says(f"`torch.cuda.max_memory_allocated` measured\n{H200_BASELINE_PEAK_GIB:.2f} GiB")
+    m = large.num_params()
+    fsdp = memory.predict_step_peak(memory.training_state_bytes(m), 0, 1, large.seq_len, large.vocab_size)
+    says(f"its optimizer step, {fsdp.total('optimizer step') / GIB:.2f} GiB at 20 bytes per parameter")
+    says(f"{H200_FSDP_PEAK_GIB:.2f} GiB measured")
+    assert memory.within_margin(20 * m, H200_FSDP_PEAK_GIB * GIB)
+    says(f"{m / 1e9:.2f} B-parameter `a100_large` preset")
+    says(f"each equal the prediction within {memory.CPU_PEAK_MARGIN:.0%} in both phases")
+    says(f"within {memory.PEAK_MARGIN:.0%} (`memory.PEAK_MARGIN`)")
+
 
 
 def test_flops_per_token_and_mfu():
@@ -37,8 +80,15 @@ def test_flops_per_token_and_mfu():
     says(f"For the `tiny` preset that is {metrics.transformer_flops_per_token(tiny):,.0f} FLOPs per token")
     per_token = metrics.transformer_flops_per_token(a100)
     says(f"for the `a100` preset {per_token / 1e9:.2f} GFLOPs per token")
-    says(f"40% MFU on one A100 in bf16 means\n{0.4 * metrics.peak_flops('A100', 'bf16') / per_token:,.0f} tokens")
-    says(f"on an H100, {0.4 * metrics.peak_flops('H100', 'bf16') / per_token:,.0f}")
+    low, high = (t * per_token for t in H200_TOKENS_PER_S)
+    says(f"{H200_TOKENS_PER_S[0]:,} to {H200_TOKENS_PER_S[1]:,} tokens per second: times {per_token / 1e9:.2f} GFLOPs "
+         f"per token, {low / 1e12:.0f} to {high / 1e12:.0f} TFLOP/s, **{high / metrics.peak_flops('H200', 'bf16'):.0%} "
+         f"MFU** ({100 * low / metrics.peak_flops('H200', 'bf16'):.1f} to {high / metrics.peak_flops('H200', 'bf16'):.1%})")
+    # foreach AdamW's eight passes (torch/optim/adam.py): decay 8, lerp 12, mul 8, addcmul 12, sqrt 8, div 8, add 8,
+    # addcdiv 16 bytes a parameter
+    adamw_bytes = (8 + 12 + 8 + 12 + 8 + 8 + 8 + 16) * models.preset("a100").num_params()
+    assert adamw_bytes // models.preset("a100").num_params() == 80
+    says(f"{adamw_bytes / 1e9:.0f} GB for the `a100` preset: at\nleast {adamw_bytes / (H200_COPY_GB_PER_S[1] * 1e9) * 1e3:.1f} ms")
     says(f"A run at 5,000 tokens per second on an A100 is at {100 * metrics.mfu(5000, per_token, 'A100', 'bf16'):.1f}%")
 
 
@@ -47,10 +97,27 @@ def test_the_peak_table_is_the_library_table():
         return f"{metrics.peak_flops(gpu, dtype) / 1e12:g} TFLOP/s"
 
     says(f"| A100 | {tflops('A100', 'bf16')} | {tflops('A100', 'tf32')} | {tflops('A100', 'fp32')} |")
-    says(f"| H100 (SXM) | {tflops('H100 SXM', 'bf16')} | {tflops('H100 SXM', 'tf32')} | {tflops('H100 SXM', 'fp32')} |")
+    says(f"| H100 (SXM), H200 (SXM) | {tflops('H100 SXM', 'bf16')} | {tflops('H100 SXM', 'tf32')} | "
+         f"{tflops('H100 SXM', 'fp32')} |")
+    for name in ("NVIDIA H100 NVL", "NVIDIA H200 NVL"):   # torch.cuda.get_device_name's spelling
+        says(f"| H100 NVL, H200 NVL | {tflops(name, 'bf16')} | {tflops(name, 'tf32')} | {tflops(name, 'fp32')} |")
+    assert metrics.peak_flops("NVIDIA H200", "bf16") == metrics.peak_flops("H100 SXM", "bf16")  # the SXM module
+    says(f'"BFLOAT16 Tensor Core {2 * metrics.peak_flops("H100 NVL", "bf16") / 1e12:,.0f} TFLOPS" and "TF32 Tensor\n'
+         f'Core {2 * metrics.peak_flops("H100 NVL", "tf32") / 1e12:.0f} TFLOPS"')
 
 
 def test_the_activation_count_uses_the_conventions_symbols():
     # width d (chapter 01's name for h), a heads: upper-case H never names the heads
     says("**10d + 2 + a + 4F numbers per token**")
     assert " H heads" not in TEXT
+
+
+def test_the_tuned_runs_mfu_is_quoted_from_the_stored_sources():
+    from distlab.planner.sources import SOURCES
+
+    h100 = SOURCES["torchtitan_h100_hardware_and_mfu"].quote
+    a100 = SOURCES["torchtitan_llama3_a100"].quote
+    assert "achieves 33% to 39% MFU" in h100 and "8 or 128 H100 GPUs" in h100
+    assert all(f"| {mfu}% |" in a100 for mfu in ("56.8", "58.2", "51.7")) and "64 A100" in a100
+    says("torchtitan's published runs report 33% to 39% MFU for Llama 3.1 8B on 8 and 128\nH100s, and 51.7% to 58.2% "
+         "for Llama 3 8B and 70B on 64 A100s")
