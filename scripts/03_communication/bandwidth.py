@@ -41,6 +41,7 @@ import torch.distributed as dist
 from distlab import comm, metrics, runtime
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+NCCL_NAMES = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter"}
 FLOAT_BYTES = 4
 HOLD_CYCLES_PER_CALL = 400_000  # GPU clock cycles the stream waits per call enqueued: ~0.2 ms at 2 GHz, far more
                                 # than Python takes to issue one collective
@@ -196,8 +197,11 @@ def main():
                     blocks.append(per_call)
                     all_held &= held
                 nccl_lines, log_offset = read_new_lines(nccl_log, log_offset)
-                chosen = Counter(f"{algorithm}/{protocol}" for _, _, algorithm, protocol
-                                 in comm.nccl_tuning_choices(nccl_lines))
+                # the timed calls' lines only (not the barriers'): NCCL names the collective and counts the whole
+                # buffer for an all-reduce, one rank's share for an all-gather or a reduce-scatter
+                chosen = Counter(f"{algorithm}/{protocol}" for name, nbytes, algorithm, protocol
+                                 in comm.nccl_tuning_choices(nccl_lines)
+                                 if name == NCCL_NAMES[collective] and nbytes in (size, size // world))
                 seconds = torch.tensor(blocks)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
                 seconds = seconds.min().item()  # the best block: the least disturbed by other processes
