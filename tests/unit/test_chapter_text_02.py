@@ -61,3 +61,26 @@ def test_the_exercise_answer_and_the_explorer_start():
     box = widgets.does_it_fit_explorer()
     assert box.controls["params"].value * 1e9 == 7e9 and box.controls["gpus"].value == 4
     says("The explorer starts at the 7B model on 4 A100-40GB of the tables above")
+
+
+def test_attention_is_a_few_percent_only_at_short_sequences():
+    # LLaMA-2-7B's shape (distlab.sizing.LLAMA_SHAPES["7B"]; written out here: importing sizing imports torch)
+    vocab, d, layers, ffn = 32000, 4096, 32, 11008
+    weights_that_multiply = vocab * d + layers * (4 * d * d + 3 * d * ffn + 2 * d) + d   # all but the embedding
+    shares = [12 * layers * d * tokens / (6 * weights_that_multiply) for tokens in (512, 4096)]  # 12 L d T over 6 N
+    says(f"it adds {shares[0]:.1%} at 512 tokens and {shares[1]:.1%} at 4,096")
+
+
+def test_the_flop_counter_ignores_causal_masking():
+    """The line chapter 02 cites, read from torch's source (found without importing torch): the sdpa FLOP count
+    takes the three shapes only, never is_causal."""
+    import importlib.util
+
+    source = (Path(importlib.util.find_spec("torch").origin).parent / "utils" / "flop_counter.py").read_text()
+    lines = source.splitlines()
+    assert lines[284] == "def sdpa_flop_count(query_shape, key_shape, value_shape):"
+    body = source[source.index(lines[284]):source.index("\ndef ", source.index(lines[284]) + 1)]
+    assert "is_causal" not in body and "causal" not in body
+    assert lines[317].strip() == "# NB: We aren't accounting for causal attention here"
+    says("(\"NB: We aren't accounting for causal attention here\", line 318)")
+    says("`torch/utils/flop_counter.py:285`, `sdpa_flop_count(query_shape, key_shape, value_shape)`")
