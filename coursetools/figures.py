@@ -843,8 +843,8 @@ def draw_walls(fig) -> None:
 
 def draw_tiles_and_halos(fig) -> None:
     """Chapter 10: a 16 x 16 field on a 2 x 2 grid of tiles (``domain.TileGrid``), rank 0's tile with the halo of
-    radius 2 it receives from its neighbours (the corner through the vertical neighbour); and halo cells per tile
-    cell as the ranks grow (``domain.surface_to_volume_rows``), bands against tiles."""
+    radius 2 it receives from its neighbours (the diagonal tile's corner through the horizontal neighbour); and
+    halo cells per tile cell as the ranks grow (``domain.surface_to_volume_rows``), bands against tiles."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
@@ -867,7 +867,7 @@ def draw_tiles_and_halos(fig) -> None:
     for rank, (x, y) in {1: (11.5, 3.5), 2: (3.5, 11.5), 3: (11.5, 11.5)}.items():
         left.text(x, y, f"rank {rank}", ha="center", va="center", fontsize=8)
     left.text(3.5, 3.5, "rank 0", ha="center", va="center", fontsize=8, fontweight="bold")
-    left.annotate(f"rank 0's halo ({radius} cells): from rank 1 (right),\nrank 2 (below), the corner through them",
+    left.annotate(f"rank 0's halo ({radius} cells): from rank 1 (right),\nrank 2 (below), rank 3's corner through rank 1",
                   xy=(8.5, 8.5), xytext=(0, 19.5), fontsize=7, annotation_clip=False,
                   arrowprops={"arrowstyle": "->", "linewidth": 0.8})
     left.set_xticks([]), left.set_yticks([])
