@@ -168,3 +168,14 @@ def test_ddp_broadcasts_the_course_models_buffers_at_every_forward(world_of_one,
             ddp(tokens)
         assert calls == expected, (sync, calls)
     says("`forward_sync_buffers=False` skips it (the broadcast when wrapping stays)")
+
+
+def test_the_overlap_figures_bars_overlap_each_other_as_the_text_says():
+    # the committed measurement behind 04_ddp_overlap.png (4 CPU ranks, gloo): with two worker threads a bucket's
+    # all-reduce starts before the previous one has finished
+    import json
+
+    from coursetools import figures
+    bars = sorted(json.loads(figures.DDP_OVERLAP.read_text())["overlap"]["buckets"], key=lambda b: b["launch"])
+    assert any(later["launch"] < earlier["end"] for earlier, later in zip(bars, bars[1:]))
+    says("the bars of the four small buckets overlap each other")
