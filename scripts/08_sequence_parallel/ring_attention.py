@@ -228,11 +228,13 @@ def run_other_methods(args, rt, q, k, v, grad_out, reference, ring_result, repor
             diff = metrics.max_abs_diff(got, want[..., positions, :]) / want.abs().max().item()
             report.check(f"{method}: {name} of my positions equals full attention (relative)", diff <= tolerance,
                          diff, tolerance)
-        if method.startswith("torch") and ring_result is not None:
-            diff = max(metrics.max_abs_diff(got, want) / want.abs().max().item()
-                       for got, want in zip(results, ring_result))
-            report.check(f"{method}: output, dQ, dK, dV equal this script's ring (zig-zag, relative)",
-                         diff <= tolerance, diff, tolerance)
+        if method.startswith("torch"):  # torch's own against the ring and the all-gather by hand (same positions)
+            by_hand = {"ring": ring_result, "all-gather": runs.get("all-gather", (None, None))[1]}
+            for other, theirs in ((name, found) for name, found in by_hand.items() if found is not None):
+                diff = max(metrics.max_abs_diff(got, want) / want.abs().max().item()
+                           for got, want in zip(results, theirs))
+                report.check(f"{method}: output, dQ, dK, dV equal this script's {other} (zig-zag, relative)",
+                             diff <= tolerance, diff, tolerance)
         formula = context_parallel.cp_comm_payloads(method, shard_bytes, world)
         measured = {phase: {name: entry["payload_bytes"] for name, entry in counter.by_collective().items()}
                     for phase, counter in counters.items()}

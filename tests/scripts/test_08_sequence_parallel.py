@@ -24,7 +24,7 @@ def test_sequence_parallel_equals_one_device_and_saves_activation_memory():
 def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun():
     """The ring by hand (both layouts), then in the same launch all-gather CP and Ulysses by hand and torch 2.13's own
     context-parallel attention with each rotate method: each equals full attention, torch's equals this ring."""
-    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, launcher="torchrun", stream=False), min_checks=43)
+    metrics = assert_all_checks_passed(launch.run(RING, nproc=4, launcher="torchrun", stream=False), min_checks=45)
     ring = metrics["extra"]["ring"]
     assert ring["zigzag"]["blocks_per_rank"] == [9, 9, 9, 9]
     assert ring["contiguous"]["blocks_per_rank"] == [3, 7, 11, 15]
@@ -49,6 +49,7 @@ def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun
     assert methods["torch alltoall"] == {"forward": {"all_to_all": 3 * 2 * 8192},
                                          "backward": {"all_to_all": (3 + 4) * 2 * 8192}}
     assert sum("equal this script's ring" in n for n in names) == 2
+    assert sum("equal this script's all-gather" in n for n in names) == 2
     for method in ("all-gather", "ulysses", "torch allgather", "torch alltoall"):
         assert sum(n.startswith(f"{method}: ") and "equals full attention" in n for n in names) == 4
 
