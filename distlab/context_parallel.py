@@ -3,16 +3,17 @@
 Chapter 08's ``ring_attention.py`` writes the ring itself, where each rank's keys and values travel rank to rank
 with send/recv. It runs the other ways next to it, from here, and checks every one against full causal attention:
 
-* :func:`all_gather_attention`, **all-gather CP** (what Llama 3 ran, and what torch 2.13's ``context_parallel``
-  does by default): every rank all-gathers the whole sequence's K and V once, attends its own queries to them under
+* :func:`all_gather_attention`, **all-gather CP** (what Llama 3 ran; torch 2.13's ``context_parallel`` gathers K and
+  V this way by default, though it merges block by block and gathers again in backward): every rank all-gathers the whole sequence's K and V once, attends its own queries to them under
   the causal mask of its positions, and in backward reduce-scatters dK and dV home. One collective each way instead
   of P - 1 hops, but the latency is not hidden behind attention and each rank holds K and V of the whole sequence.
 * :func:`ulysses_attention`, **Ulysses** (DeepSpeed-Ulysses): an all-to-all swaps the sequence shard for a head
   shard, so each rank holds the whole sequence for H/P heads and runs ordinary causal attention; a second
   all-to-all swaps back. P cannot exceed the number of (key/value) heads.
 * :func:`torch_ring_attention`, **PyTorch's own** context-parallel attention (``_templated_ring_attention`` and its
-  backward, the functions ``context_parallel`` runs for each attention call), with either rotate method, on any
-  device: the block attention is handed in (on a CPU, torch's CPU flash-attention kernel).
+  backward, the functions ``context_parallel`` runs for each attention call), with either rotate method, on a CPU:
+  they take the block attention as an argument, and this hands them torch's CPU flash-attention kernel
+  (``context_parallel`` itself covers only CUDA kernels).
 
 Formulas for what each sends (:func:`cp_comm_payloads`, :func:`cp_bytes_sent_per_rank`), the causal work of each ring
 step (:func:`ring_step_work`), and when a ring step's transfer hides behind its attention
