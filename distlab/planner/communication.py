@@ -150,12 +150,14 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
     if layout.cp > 1 and options.cp_attention == "all_gather":
         # Llama 3's CP: each layer all-gathers the sequence's keys and values (this TP rank's heads: kv_dim / tp),
         # again when recomputed, and reduce-scatters their gradients in backward
-        kv = 2 * model.micro_batch * model.seq_len * model.kv_dim // layout.tp * number_bytes
+        kv = 2 * model.micro_batch * model.seq_len * model.kv_dim_per_tp_rank(layout.tp) * number_bytes
         again = 1 if checkpointing(options) == "none" else 2
         add("cp", "all_gather", kv * again * layers * num_micro, again * layers * num_micro)
         add("cp", "reduce_scatter", kv * layers * num_micro, layers * num_micro)
     elif layout.cp > 1:
-        ring = tensor_parallel.ring_comm_formula(model.micro_batch * seq * model.kv_dim * number_bytes, layout.cp)
+        # this TP rank's key/value heads only, as in the all-gather above
+        ring = tensor_parallel.ring_comm_formula(
+            model.micro_batch * seq * model.kv_dim_per_tp_rank(layout.tp) * number_bytes, layout.cp)
         again = 1 if checkpointing(options) == "none" else 2
         hops = (layout.cp - 1) * again + layout.cp
         add("cp", "send", (ring["forward"] * again + ring["backward"]) * layers * num_micro,

@@ -112,7 +112,7 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
         per_microbatch, live = sum(blocks) + layers * scores, 0
     if layout.cp > 1 and options.cp_attention == "all_gather" and mode != "full":
         # all-gather CP: backward needs the whole sequence's keys and values of this rank's heads; kept from forward
-        per_microbatch += layers * 2 * b * (model.seq_len - seq) * model.kv_dim // layout.tp * number_bytes
+        per_microbatch += layers * 2 * b * (model.seq_len - seq) * model.kv_dim_per_tp_rank(layout.tp) * number_bytes
     held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
     return held * per_microbatch + live + head

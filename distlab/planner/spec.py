@@ -78,6 +78,11 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def kv_dim_per_tp_rank(self, tp: int) -> int:
+        """Keys' (or values') width on one TP rank: its share of the key/value heads, one whole head where TP
+        exceeds them (each rank keeps a replica of the head its query heads share)."""
+        return max(self.kv_heads // tp, 1) * self.head_dim
+
     def block_params(self, moe: bool = False) -> dict:
         """One block's parameters: ``sharded`` (split by TP: the matrices and column-parallel biases),
         ``replicated`` (norms, the biases added after a row-parallel matrix, a MoE block's router) and ``experts``

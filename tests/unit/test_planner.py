@@ -479,3 +479,21 @@ def test_pp_fsdp_grad_sync_names_its_choices():
     with pytest.raises(ValueError, match="pp_fsdp_grad_sync"):
         planner.reduces_after_backward(planner.Options(pp_fsdp_grad_sync="overlapped"),
                                        planner.Layout(pp=2, dp=2, zero_stage=3))
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_gather"])
+def test_cp_moves_only_this_tp_ranks_key_value_heads(attention):
+    """Under TP each rank holds heads / tp of the keys and values: CP passes (or gathers) only those, one whole head
+    where TP exceeds the key/value heads (GQA's replicated head). Counted from the shapes, not the planner's helper."""
+    from distlab.planner.communication import comm_per_step
+
+    mha = planner.replace(planner.MODELS["7b"], seq_len=32768)
+    options = planner.Options(zero_stage=3, cp_attention=attention, activation_checkpointing="none")
+
+    def cp_bytes(spec, tp):
+        return sum(comm_per_step(spec, planner.Layout(tp=tp, dp=1, cp=4, zero_stage=3), 0, options)["cp"].values())
+
+    assert cp_bytes(mha, 2) * 2 == cp_bytes(mha, 1)
+    gqa = planner.replace(mha, kv_heads=2)             # 2 key/value heads of 128 wide
+    assert cp_bytes(gqa, 2) * 2 == cp_bytes(gqa, 1)    # one head a rank
+    assert cp_bytes(gqa, 4) == cp_bytes(gqa, 2)        # still one head a rank: replicated, not split
