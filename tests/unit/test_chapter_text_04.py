@@ -2,12 +2,18 @@
 
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from distlab import comm, memory, models
 
 TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "04_data_parallel.md").read_text()
 GIB = 2**30
+TORCH = Path(torch.__file__).parent
 
 
 def says(phrase: str) -> None:
@@ -47,15 +53,8 @@ def test_the_sampler_pads_so_every_rank_runs_the_same_number_of_steps():
     assert "pads the dataset for the same reason" not in TEXT
 
 
-# ---- DDP's buckets and unused parameters, on one rank (gloo, in this process: well under a second) ----------------
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-TORCH = Path(torch.__file__).parent
+# ---- DDP's buckets and unused parameters, on one rank (gloo, in this process). DDP's constructor imports
+# torch._dynamo, once per test process: a few seconds on a loaded machine, paid by the first of these tests
 
 
 @pytest.fixture
