@@ -329,7 +329,8 @@ def dual_pipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     (B) of the other: torch lists each pair as one OVERLAP_F_B action and, unless the user registers a
     function for it, runs its two halves one after the other (schedules.py:2632-2636) and sends the
     forward's output only after the backward (1502-1509): the pair is F then B here, its position kept in
-    ``overlap_f_b`` so that :func:`simulate` holds the forward's output back as torch does. Only the ends split backwards into I and W, to fill the warm-up and the drain.
+    ``overlap_f_b`` so that :func:`simulate` holds the forward's output back as torch does. Only the ends
+    split backwards into I and W, to fill the warm-up and the drain.
     Needs M >= 2P, as torch does (schedules.py:3439-3443).
     """
     _check_sizes(num_ranks, num_microbatches)
@@ -432,15 +433,18 @@ class Costs:
     A split backward gives ``weight_fraction`` of it to W and the rest to I: by default F = 1, B = 2 (full
     backward), and split F = 1, I = 1, W = 1, the zero-bubble paper's setting.
     ``send`` is the latency of one activation or gradient message between two ranks (not scaled by V).
+    ``dispatch`` is the time a rank spends between two of its own actions even when their inputs are there
+    (a real runtime posts messages and keeps its books): idle time, not work.
     """
 
     forward: float = 1.0
     backward: float = 2.0
     weight_fraction: float = 0.5
     send: float = 0.0
+    dispatch: float = 0.0
 
     def __post_init__(self):
-        if min(self.forward, self.backward, self.send) < 0:
+        if min(self.forward, self.backward, self.send, self.dispatch) < 0:
             raise ValueError(f"costs must not be negative, got {self}.")
         if not 0.0 <= self.weight_fraction <= 1.0:
             raise ValueError(f"weight_fraction must be between 0 and 1, got {self.weight_fraction}.")
@@ -514,7 +518,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> list[TimelineEve
 
 def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
     durations = costs.durations(schedule.chunks)
-    send = costs.send
+    send, dispatch = costs.send, costs.dispatch
     num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
     last_stage = num_stages - 1
     rank_of_stage = [schedule.stage_to_rank[s] for s in range(num_stages)]
@@ -549,7 +553,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> list[TimelineEvent]:
             if not 0 <= microbatch < num_microbatches:
                 raise malformed(rank, action, f"but microbatches are 0..{num_microbatches - 1}")
             own_forward = stage * num_microbatches + microbatch
-            start, waiting_for = now, -1
+            start, waiting_for = (now + dispatch if i else now), -1
             if kind == "F":
                 if stage > 0:                                   # input from the previous stage
                     ready = finish_time[own_forward - num_microbatches]

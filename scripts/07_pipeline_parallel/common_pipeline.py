@@ -195,10 +195,31 @@ def handoff_latency(timeline: list[dict]) -> float:
     return waits[len(waits) // 2] if waits else 0.0
 
 
+def dispatch_time(timeline: list[dict]) -> float:
+    """Median gap between two consecutive passes of one rank when the second did not wait for a message (its
+    input from another rank had arrived before the first ended): the runtime's own time per action, idle."""
+    by_key = {(e["stage"], e["microbatch"], "B" if e["kind"] == "I" else e["kind"]): e for e in timeline}
+    last_stage = max(e["stage"] for e in timeline)
+    gaps = []
+    for rank in {e["rank"] for e in timeline}:
+        ordered = sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])
+        for before, after in zip(ordered, ordered[1:]):
+            if after["kind"] == "F" and after["stage"] > 0:
+                source = by_key.get((after["stage"] - 1, after["microbatch"], "F"))
+            elif after["kind"] in ("B", "I") and after["stage"] < last_stage:
+                source = by_key.get((after["stage"] + 1, after["microbatch"], "B"))
+            else:
+                source = None
+            if source is None or source["rank"] == rank or source["end"] <= before["end"]:
+                gaps.append(after["start"] - before["end"])
+    gaps.sort()
+    return max(0.0, gaps[len(gaps) // 2]) if gaps else 0.0
+
+
 def measured_costs(timeline: list[dict], chunks: int) -> schedules.Costs:
-    """Costs for the simulator from a measured run: median pass times (per rank's layers, so x V) and the
-    median hand-off latency as the send cost. The full backward is the median B, or I + W where every
-    backward was split."""
+    """Costs for the simulator from a measured run: median pass times (per rank's layers, so x V), the
+    median hand-off latency as the send cost and the median gap between passes that waited for nothing as
+    the dispatch cost. The full backward is the median B, or I + W where every backward was split."""
     def median(kind):
         values = sorted(e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["end"] > e["start"])
         return values[len(values) // 2] if values else 0.0
@@ -206,7 +227,8 @@ def measured_costs(timeline: list[dict], chunks: int) -> schedules.Costs:
     forward, full, input_grad, weight = median("F"), median("B"), median("I"), median("W")
     split = input_grad + weight
     return schedules.Costs(forward=forward * chunks, backward=(full or split) * chunks,
-                           weight_fraction=weight / split if split > 0 else 0.5, send=handoff_latency(timeline))
+                           weight_fraction=weight / split if split > 0 else 0.5, send=handoff_latency(timeline),
+                           dispatch=dispatch_time(timeline))
 
 
 class HeldActivations:

@@ -16,8 +16,8 @@ and the pipeline behaves like the textbook one, so the script proves:
   interleaved_1f1b, zero_bubble, zbv, dual_pipe_v), built apart from torch's own list;
 * the activations each rank held at once, measured with saved-tensor hooks, peak where our schedule says
   (a zero-bubble pass keeps them until W, not I);
-* the measured bubble equals our simulation of the same order with the pass times and hand-off latency
-  this run measured, within BUBBLE_TOLERANCE; the simulation with F = 1, B = 2 equals the formula
+* the measured bubble equals our simulation of the same order with the pass times, hand-off latency and
+  dispatch time this run measured, within BUBBLE_TOLERANCE; the simulation with F = 1, B = 2 equals the formula
   (P-1)/(V*M+P-1) where there is one.
 
 ``--steps`` counts a first step that sets torch up, without pauses, and is not timed; of the others the
@@ -44,13 +44,15 @@ from common_pipeline import (CHOICES, HeldActivations, check_pipeline_config, ex
 from distlab import gantt, metrics, runtime, schedules
 
 # Measured vs simulated bubble, absolute. The reference is our simulation of the same order with this run's
-# own pass times and hand-off latency: every hand-off costs a message and a wake-up (0.5-2 ms with 4 ranks on
-# 2 cores), which F = 1, B = 2 does not charge (measured runs sit 2-4 points above that plain simulation,
-# which is reported too). Each tolerance is below half the gap, at P = 4 and M = 8, between the schedule's
-# simulated bubble and the nearest other one (27.3% GPipe and 1F1B, 15.8% interleaved, 11.1% ZB-H1 and
-# DualPipeV, 5.9% ZBV), so that a schedule run, or modelled, as another fails: ZBV is 5.2 points from ZB-H1,
-# DualPipeV 5.2 from the 5.9% it would simulate to if its paired forwards sent at once. (DualPipeV and ZB-H1
-# tie; the order check tells them apart.) Seen on 2 busy cores: within 1.6 points for the V schedules.
+# own pass times, hand-off latency and dispatch time (the gaps between passes that waited for nothing): every
+# hand-off costs a message and a wake-up (0.5-2 ms with 4 ranks on 2 cores), which F = 1, B = 2 does not
+# charge (measured runs sit 2-4 points above that plain simulation, which is reported too). Each tolerance is
+# below half the gap, at P = 4 and M = 8, between the schedule's simulated bubble and the nearest other one
+# (27.3% GPipe and 1F1B, 15.8% interleaved, 11.1% ZB-H1 and DualPipeV, 5.9% ZBV), so that a schedule run, or
+# modelled, as another fails: ZBV is 5.2 points from ZB-H1, DualPipeV 5.2 from the 5.9% it would simulate to
+# if its paired forwards sent at once. (DualPipeV and ZB-H1 tie; the order check tells them apart.) On 2
+# quiet cores the V schedules measured within 1.6 points; on cores shared with other jobs (load 7) ZBV drifts
+# 3-4 points above: a timing test wants the machine to itself.
 BUBBLE_TOLERANCE = {"Interleaved1F1B": 0.02, "InterleavedZeroBubble": 0.02, "ZBVZeroBubble": 0.025,
                     "DualPipeV": 0.02}
 DEFAULT_BUBBLE_TOLERANCE = 0.05
@@ -250,8 +252,8 @@ def main():
             print(f"bubble: measured {100 * measured_bubble:.1f}% (steps: "
                   + ", ".join(f"{100 * b:.1f}%" for b in step_bubbles) + f"), simulated {100 * simulated_bubble:.1f}%"
                   + (f", formula {100 * formula:.1f}%" if formula is not None else ""))
-            print(f"simulated with this run's pass times and a hand-off latency of "
-                  f"{1000 * costs_measured.send:.2f} ms: {100 * with_latency_bubble:.1f}%")
+            print(f"simulated with this run's pass times, a hand-off latency of {1000 * costs_measured.send:.2f} ms "
+                  f"and a dispatch time of {1000 * costs_measured.dispatch:.2f} ms: {100 * with_latency_bubble:.1f}%")
             if not all(listed_ok.values()):
                 print("note: torch's pipeline_order differs from what ran on rank(s) "
                       f"{[r for r, ok in listed_ok.items() if not ok]} (it is a description; execution is right)")

@@ -354,3 +354,16 @@ def test_each_bubble_tolerance_tells_its_schedule_from_the_nearest_other():
     assert f"{tolerance['DualPipeV']} for interleaved and DualPipeV" in text
     assert tolerance["DualPipeV"] == tolerance["Interleaved1F1B"]
     assert f"{tolerance['ZBVZeroBubble']} for ZBV" in text
+
+
+def test_measured_costs_read_pass_times_hand_offs_and_dispatch_from_a_timeline():
+    def event(rank, stage, microbatch, kind, start, end):
+        return {"rank": rank, "stage": stage, "microbatch": microbatch, "kind": kind, "start": start, "end": end}
+
+    # Two ranks, 1F1B-like: rank 0's second forward waited for nothing (gap 0.25 = dispatch); rank 1's
+    # forward waited for rank 0's (hand-off 0.5 after it ended); rank 0's I waited for rank 1's B.
+    timeline = [event(0, 0, 0, "F", 0.0, 1.0), event(0, 0, 1, "F", 1.25, 2.25), event(1, 1, 0, "F", 1.5, 2.5),
+                event(1, 1, 0, "B", 2.75, 4.75), event(0, 0, 0, "I", 5.25, 6.25), event(0, 0, 0, "W", 6.5, 7.5)]
+    costs = common_pipeline.measured_costs(timeline, chunks=1)
+    assert costs.forward == 1.0 and costs.backward == 2.0 and costs.send == 0.5
+    assert costs.dispatch == 0.25

@@ -206,6 +206,15 @@ def test_zbv_takes_any_microbatch_count_and_drops_the_padding():
         schedules.dual_pipe_v(4, 7)
 
 
+def test_dispatch_time_separates_a_ranks_own_actions_as_idle_time():
+    # One rank, naive order: 2M actions back to back, each gap one dispatch; the gaps are idle, not work.
+    events = schedules.simulate(schedules.naive(1, 4), Costs(dispatch=0.5))
+    assert max(e.end for e in events) == pytest.approx(4 * 3 + 7 * 0.5)
+    assert schedules.bubble_fraction_from_timeline(events) == pytest.approx(3.5 / 15.5)
+    with pytest.raises(ValueError):
+        Costs(dispatch=-1.0)
+
+
 def test_send_latency_adds_two_pipeline_crossings_to_gpipe():
     ranks, microbatches, send = 4, 8, 0.5
     events = schedules.simulate(schedules.gpipe(ranks, microbatches), Costs(send=send))
