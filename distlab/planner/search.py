@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 
@@ -117,14 +118,22 @@ def tune(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = 
 
 def search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> list[Plan]:
     """Every layout of ``gpus`` GPUs evaluated: those that fit first, by estimated tokens/s, then the others
-    with their reasons (invalid ones, and those the search's CP rule leaves out, last)."""
+    with their reasons (invalid ones, and those the search's CP rule leaves out, last).
+
+    The same question asked twice in one process is answered once (a chapter's tables and their tests ask
+    the same searches again): the arguments are frozen dataclasses, and the plans are read, never changed."""
+    return list(_search(model, cluster, gpus, options))
+
+
+@functools.lru_cache(maxsize=64)
+def _search(model: ModelSpec, cluster: Cluster, gpus: int, options: Options) -> tuple[Plan, ...]:
     plans = []
     for layout in candidate_layouts(model, cluster, gpus, options):
         rule = search_rule_problems(model, layout, options)
         plans.append(rejected(layout, cluster, layout_problems(model, cluster, layout, gpus, options) + rule)
                      if rule else tune(model, cluster, layout, options, gpus))
-    return sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
-                                        p.memory_per_gpu_bytes.get("total", 0)))
+    return tuple(sorted(plans, key=lambda p: (not p.fits, bool(p.problems), -p.tokens_per_second,
+                                              p.memory_per_gpu_bytes.get("total", 0))))
 
 
 def best(model: ModelSpec, cluster: Cluster, gpus: int, options: Options = Options()) -> Plan | None:
