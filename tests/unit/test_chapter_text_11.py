@@ -69,7 +69,7 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
                                                             "Llama 3 405B, 8K tokens, 16,384 H100",
                                                             "Megatron-Core 462B, 6,144 H100"]
     assert "**fourteen published, measured training runs**" in text and len(rows) == 14
-    assert f"(eleven within 15 %" in text and sum(r["passes"] for r in rows) == 11
+    assert "(eleven within 15 %" in text and sum(r["passes"] for r in rows) == 11
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
