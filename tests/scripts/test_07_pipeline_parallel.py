@@ -14,7 +14,7 @@ SCHEDULES = "scripts/07_pipeline_parallel/pp_schedules.py"
 TRAIN = "scripts/07_pipeline_parallel/pp_train.py"
 BUBBLE_CHECK = "measured bubble equals the simulated one (this run's pass times and latency)"
 # Below half the gap to the nearest other schedule's bubble (see pp_schedules.BUBBLE_TOLERANCE)
-TOLERANCE = {"GPipe": 0.05, "1F1B": 0.05, "Interleaved1F1B": 0.02, "ZBVZeroBubble": 0.025, "DualPipeV": 0.02}
+TOLERANCE = {"1F1B": 0.05, "Interleaved1F1B": 0.02, "ZBVZeroBubble": 0.025, "DualPipeV": 0.02}
 
 
 def _check(metrics, name_start):
@@ -48,8 +48,9 @@ def _run_schedule(schedule, args):
 
 
 @pytest.mark.serial  # measures seconds: run with the machine to itself (see the Makefile)
+# GPipe's timed run is the lab's (nbval runs it in make test, every check but the timing one enforced): its
+# bubble is 1F1B's, checked here, and its slot in the serial phase went to DualPipeV, whose bubble was unchecked.
 @pytest.mark.parametrize("schedule, formula, kinds, peaks", [
-    ("GPipe", schedules.bubble_fraction(4, 8), "FB", [8, 8, 8, 8]),
     ("1F1B", schedules.bubble_fraction(4, 8), "FB", [4, 3, 2, 1]),           # the same bubble as GPipe
     ("Interleaved1F1B", schedules.bubble_fraction(4, 8, 2), "FB", [11, 9, 7, 5]),   # (chunk, microbatch) pairs
     ("ZBVZeroBubble", None, "FIW", [8, 8, 8, 8]),       # no closed form: our builder's order, simulated
