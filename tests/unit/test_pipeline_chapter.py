@@ -333,6 +333,8 @@ def test_zero_bubble_memory_as_the_chapter_states_it():
     assert zb_h1 == {r: 4 for r in range(4)} and "4, 4, 4 and 4 on four ranks" in text
     zbv = schedules.peak_activations(schedules.zbv(4, 8))
     assert zbv == {r: 8 for r in range(4)} and "holds\n8 (stage, microbatch) pairs on every rank" in text
+    short = schedules.peak_activations(schedules.zbv(4, 4))      # M = 4 < 2P: the padding's actions dropped
+    assert short == {0: 5, 1: 6, 2: 7, 3: 8} and "holding 5, 6, 7 and 8 pairs\n(measured)" in text
     assert "ZB-H1 costs no memory where it counts." in text and "for more memory" not in text
 
 
