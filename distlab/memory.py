@@ -8,6 +8,10 @@ Four consumers of memory in a training step:
 
 Measured means read off real tensors (``ledger``; ``saved_activation_bytes``), so prediction = measurement
 is a test, on a CPU as on a GPU.
+
+They are not all alive at once: the peak comes in one of two phases of a step, forward/backward or the optimizer
+step (``predict_step_peak``), checked against the allocator's peak on a GPU and against the profiler's allocation
+events on a CPU (``cpu_allocation_peaks``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ Checks: same step-0 gradients (gathered from the shards), losses and parameters 
 (fp32 tolerance, or the documented bf16 one: the gradients are what catch a wrong scale under bf16); per-rank bytes
 of parameters, gradients and optimizer state measured from the local shards (distlab.memory.ledger) = the ZeRO-3
 table; all-gather and reduce-scatter bytes per step = the formula (distlab.comm.zero_step_bytes) for the chosen
-reshard setting, in one call a unit (``--planted-bug`` plants what these two catch: root-only, sum-gradients).
+reshard setting, in one call a unit (``--planted-bug`` plants what these two catch: root-only, sum-gradients). Under
+bf16 each gradient and parameter is held to its own scale (``metrics.check_bf16_tensors``). The peak is predicted by
+phase (``memory.predict_step_peak`` with FSDP2's gathered units) and, on a GPU, checked against the allocator's;
+``--preset a100`` (no single-device run to compare with) must train: finite losses, the last below the first.
 
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/train_fsdp.py --no-reshard-after-forward
@@ -28,6 +31,7 @@ reshard setting, in one call a unit (``--planted-bug`` plants what these two cat
 """
 
 import argparse
+import math
 import sys
 import time
 import types
@@ -203,7 +207,9 @@ def main():
         rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
                  f"{tuple(local.shape)} on {local.device}")
 
+        names = [n for n, _ in model.named_parameters()]  # fully_shard keeps the names: the baseline's, by name
         loss_diffs, param_diffs, param_mean_diffs, measured_comm, seconds = [], [], [], [], []
+        param_errors = {}   # bf16: each parameter's mean |difference| from the baseline, the largest over the steps
         state = activations = None
         for step in range(args.steps):
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
@@ -240,10 +246,14 @@ def main():
                     baseline.step(tokens.to(rt.device))
                     if step == 0:   # Adam hides a gradient's scale from losses and weights: look at the gradients
                         grad_diff = metrics.max_abs_diff([g.float() for g in grads0], baseline.grads)
-                        largest_grad = max(g.abs().max().item() for g in baseline.grads)
+                        grad_errors = metrics.bf16_tensor_errors(dict(zip(names, grads0)), dict(zip(names, baseline.grads)),
+                                                                 kind="grad")
                     loss_diffs.append(abs(report.losses[-1] - baseline.losses[-1]))
                     param_diffs.append(metrics.max_abs_diff(params_now, list(baseline.model.parameters())))
                     param_mean_diffs.append(mean_abs_diff(params_now, list(baseline.model.parameters())))
+                    for name, error in metrics.bf16_tensor_errors(dict(zip(names, params_now)), baseline.state(),
+                                                                  kind="param").items():
+                        param_errors[name] = max(error, param_errors.get(name, 0.0))
                     line += f"  single-device {baseline.losses[-1]:.6f}"
             rt.print(line)
 
@@ -296,10 +306,30 @@ def main():
         table = memory.zero_state_bytes(num_params, shard, 3, precision="fp32")  # HSDP: over the shard group
         totals = torch.tensor([state.params, state.grads, state.optimizer], dtype=torch.float64)
         dist.all_reduce(totals)  # summed over ranks: the full model's state, exactly, even with uneven shards
+        # The ledger reads the shards FSDP made; the peak is more: forward/backward adds the activations, the loss
+        # gradients and FSDP's gathered units, the foreach AdamW step 4 B a parameter of the shards
+        # (distlab.memory.predict_step_peak, fsdp_unit_bytes)
+        units = memory.fsdp_unit_bytes(cfg.vocab_size, cfg.dim, cfg.n_layers, num_params,
+                                       param_bytes=2 if args.mixed_precision else 4)
+        phases = memory.predict_step_peak(state, activations, args.batch // world, cfg.seq_len, cfg.vocab_size,
+                                          foreach=rt.device_type == "cuda" and not args.cpu_offload,
+                                          fsdp_units=units)
+        device_memory = metrics.memory_snapshot(rt.device)
         report.memory = {"measured": state.as_dict(), "analytic": table.as_dict(),
                          "ddp": memory.zero_state_bytes(num_params, world, 0, precision="fp32").as_dict(),
                          "saved_activation_bytes": activations, "shard_device": str(local.device),
-                         "device": metrics.memory_snapshot(rt.device)}
+                         "predicted_peak": phases.as_dict(), "device": device_memory}
+        rt.print(f"rank {rt.rank} predicted peak {phases.peak:,} B, in the {phases.peak_phase} phase ("
+                 + ", ".join(f"{name} {phases.total(name):,} B" for name in phases.phases) + ")")
+        if rt.device_type == "cuda" and not args.cpu_offload:  # the allocator's peak against the phase model
+            measured_peak = device_memory["peak_allocated_bytes"]
+            report.check(f"peak memory (max_memory_allocated) = predicted by phase within {memory.PEAK_MARGIN:.0%}",
+                         memory.within_margin(phases.peak, measured_peak), round(measured_peak / phases.peak, 4),
+                         f"1 +- {memory.PEAK_MARGIN}")
+        if not compare:   # a100: no single device to compare with; the run must still train
+            report.check("every loss is finite and the last below the first",
+                         all(map(math.isfinite, report.losses)) and report.losses[-1] < report.losses[0],
+                         [round(x, 4) for x in report.losses], "finite, falling")
         rt.print(f"rank {rt.rank} state: params {state.params:,} B, grads {state.grads:,} B, AdamW "
                  f"{state.optimizer:,} B = {state.total / num_params:.2f} bytes/param (DDP: 16); saved activations "
                  f"{activations:,} B")
@@ -318,13 +348,18 @@ def main():
 
         if compare and rt.rank == 0:
             if args.mixed_precision:  # bf16 against the fp32 baseline: see common_fully_sharded.py
-                report.check_close("step-0 gradients (gathered from the shards) = single-device fp32 gradients "
-                                   "(largest difference / largest gradient, bf16 tolerance)",
-                                   grad_diff / largest_grad, 0.0, BF16_GRAD_RELATIVE_TOLERANCE)
+                # each tensor against its own scale (distlab.metrics.bf16_tensor_errors): halved q/k gradients or
+                # norm weights that lost their AdamW state hide under the whole model's largest gradient or mean
+                metrics.check_bf16_errors(report, grad_errors, kind="grad", tolerance=BF16_GRAD_RELATIVE_TOLERANCE,
+                                          label="step-0 gradients (gathered from the shards) = single-device fp32 "
+                                                "gradients (each tensor's largest difference / its own largest "
+                                                "gradient, bf16 tolerance)")
                 report.check_close("loss = single-device fp32 loss (every step, bf16 tolerance)", max(loss_diffs), 0.0,
                                    BF16_LOSS_TOLERANCE)
-                report.check_close("parameters = single-device fp32 parameters (mean |difference|, every step, "
-                                   "bf16 tolerance)", max(param_mean_diffs), 0.0, bf16_param_mean_tolerance(args.lr))
+                metrics.check_bf16_errors(report, param_errors, kind="param",
+                                          tolerance=bf16_param_mean_tolerance(args.lr),
+                                          label="parameters = single-device fp32 parameters (each parameter's mean "
+                                                "|difference|, every step, bf16 tolerance)")
             else:
                 report.check_close("step-0 gradients (gathered from the shards) = single-device gradients",
                                    grad_diff, 0.0, metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device))

@@ -147,8 +147,8 @@ def test_fsdp_planted_bugs_fail_the_checks_that_name_them():
     summed = launch.run(FSDP, nproc=4, args=["--steps", "2", "--planted-bug", "sum-gradients", "--mixed-precision"],
                         stream=False, check=False)
     assert summed.returncode == 1 and failed(summed) == [
-        "step-0 gradients (gathered from the shards) = single-device fp32 gradients (largest difference / largest "
-        "gradient, bf16 tolerance)"]
+        "step-0 gradients (gathered from the shards) = single-device fp32 gradients (each tensor's largest "
+        "difference / its own largest gradient, bf16 tolerance)"]
 
 
 # ---- any model: frozen norms, a head tied to the embedding, a bias no rank count divides, two parameter groups ----

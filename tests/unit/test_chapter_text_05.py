@@ -145,3 +145,34 @@ def test_fsdp_call_counts_are_one_a_unit():
     """train_fsdp.py's units: each block and the root; twice the all-gathers when they reshard after forward."""
     units = models.preset("tiny").n_layers + 1
     says(f"The script also counts the calls: {2 * units} all-gathers and {units} reduce-scatters a step, one a unit.")
+
+
+def test_fsdp_peak_by_phase_terms_and_the_h200_run():
+    """The terms of FSDP2's peak (distlab.memory.fsdp_unit_bytes), the torch lines the chapter cites, and the one-GPU
+    run of BENCHMARKS.md (one H200, a100_large on one rank: 62.80 GiB max_memory_allocated)."""
+    from pathlib import Path as _Path
+
+    import torch
+
+    large = models.preset("a100_large")
+    n = large.num_params()
+    units = memory.fsdp_unit_bytes(large.vocab_size, large.dim, large.n_layers, n, param_bytes=2)
+    block = (n - 2 * large.vocab_size * large.dim - large.dim) // large.n_layers
+    assert sum(v for k, v in units.items() if "root" not in k) == 10 * block          # 2 + 2 + 2 + 4
+    says("about 10 bytes per parameter of a block (2 + 2 + 2 + 4)")
+    fp32 = memory.fsdp_unit_bytes(large.vocab_size, large.dim, large.n_layers, n, param_bytes=4)
+    assert sum(v for k, v in fp32.items() if "root" not in k) == 16 * block
+    one_rank = memory.predict_step_peak(memory.zero_state_bytes(n, 1, 3, precision="fp32"), 0, 1, large.seq_len,
+                                        large.vocab_size, fsdp_units=units)
+    assert one_rank.peak_phase == "optimizer step"
+    says(f"the optimizer step held the peak, {one_rank.peak / GIB:.2f}\nGiB predicted against 62.80 GiB measured")
+    assert memory.within_margin(one_rank.peak, 62.80 * GIB)
+    fsdp = _Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard"
+    state = (fsdp / "_fsdp_state.py").read_text().splitlines()
+    assert "For the root, do not reshard after forward" in state[202] and "post_forward_mesh_info = None" in state[206]
+    collectives = (fsdp / "_fsdp_collectives.py").read_text().splitlines()
+    assert "all_gather_output = all_gather_comm.allocate(" in collectives[350]
+    assert "reduce_scatter_input = reduce_scatter_comm.allocate(" in collectives[596]
+    says("`_fsdp_state.py:203-207`")
+    says("`_fsdp_collectives.py:597`")
+    says("`_fsdp_collectives.py:351`")
