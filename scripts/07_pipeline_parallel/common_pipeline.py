@@ -36,8 +36,11 @@ class PipelineChoice:
 CHOICES = {c.name: c for c in (
     PipelineChoice("GPipe", False, False, 1, True, "gpipe", "any M"),
     PipelineChoice("1F1B", False, False, 1, True, "1f1b", "M >= P"),
+    # torch asks the interleaved schedules for M a multiple of its rounds, max(1, M // P) (schedules.py:2935-2942,
+    # 3046-3053). Interleaved1F1B keeps Megatron's stricter rule, M a multiple of P: our builder walks groups
+    # of P microbatches, and the bubble formula assumes them.
     PipelineChoice("Interleaved1F1B", True, False, 2, False, "interleaved_1f1b", "M a multiple of P"),
-    PipelineChoice("InterleavedZeroBubble", True, False, 1, False, "zero_bubble", "M a multiple of P"),
+    PipelineChoice("InterleavedZeroBubble", True, False, 1, False, "zero_bubble", "M a multiple of max(1, M // P)"),
     # torch plans ZBV for max(2P - 1, M) microbatches and drops the padding: it refuses no M
     # (torch/distributed/pipelining/schedules.py:3269-3271, 3378-3389); DualPipeV refuses M < 2P (3439-3443).
     PipelineChoice("ZBVZeroBubble", True, True, 2, True, "zbv", "any M"),
@@ -74,6 +77,11 @@ def check_pipeline_config(schedule: str, ranks: int, microbatches: int, stages_p
     elif choice.needs == "M >= 2P":
         runtime.require(microbatches >= stages, f"{schedule} needs at least as many microbatches as stages: "
                                                 f"--microbatches {microbatches} < {stages} stages")
+    elif choice.needs == "M a multiple of max(1, M // P)":
+        rounds = max(1, microbatches // ranks)
+        runtime.require(microbatches % rounds == 0, f"{schedule} walks the microbatches in {rounds} rounds "
+                                                    f"(max(1, M // P), as torch does): --microbatches {microbatches} "
+                                                    f"is not a multiple of {rounds}")
     elif choice.needs == "M a multiple of P":
         runtime.require(microbatches % ranks == 0, f"{schedule} walks the microbatches in rounds of P = {ranks}: "
                                                    f"--microbatches {microbatches} is not a multiple of {ranks}")

@@ -102,6 +102,7 @@ def test_stage_placement_loop_and_v():
     ("ZBVZeroBubble", 4, 8, 3, "does not fit"),
     ("GPipe", 4, 8, 2, "holds one stage per rank"),
     ("Interleaved1F1B", 4, 6, None, "not a multiple of 4"),
+    ("InterleavedZeroBubble", 4, 9, None, "is not a multiple of 2"),     # torch refuses it too (2 rounds)
 ])
 def test_bad_pipeline_configurations_are_refused_with_one_line(schedule, ranks, microbatches, per_rank, message):
     with pytest.raises(runtime.ConfigError, match=re.escape(message)):
@@ -112,6 +113,9 @@ def test_good_configurations_give_the_stages_per_rank():
     # ZBV: torch refuses no microbatch count (it pads its plan to 2P - 1 and drops the padding), nor do we
     for microbatches in (1, 4, 7, 8):
         assert common_pipeline.check_pipeline_config("ZBVZeroBubble", 4, microbatches, None) == 2
+    # InterleavedZeroBubble: torch's rule, M a multiple of max(1, M // P); ZB-H1 is built for any M
+    for microbatches in (2, 6, 10):
+        assert common_pipeline.check_pipeline_config("InterleavedZeroBubble", 4, microbatches, None) == 1
     assert common_pipeline.check_pipeline_config("1F1B", 4, 4, None) == 1
     assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, None) == 2
     assert common_pipeline.check_pipeline_config("Interleaved1F1B", 4, 8, 3) == 3
