@@ -43,11 +43,14 @@ class BadInput(Exception):
 # the options whose value the checks need, by every spelling: (short, long)
 SLURM_OPTIONS = {"partition": ("-p", "--partition"), "account": ("-A", "--account"),
                  "gpus-per-node": (None, "--gpus-per-node"), "ntasks-per-node": (None, "--ntasks-per-node"),
-                 "nodes": ("-N", "--nodes")}
+                 "nodes": ("-N", "--nodes"), "export": (None, "--export")}
 # sbatch's input environment (its manual, "INPUT ENVIRONMENT VARIABLES": they override the script's #SBATCH
 # lines, and the command line overrides them)
-SLURM_ENV = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "gpus-per-node": "SBATCH_GPUS_PER_NODE"}
-PBS_OPTIONS = {"queue": ("-q", None), "account": ("-A", None), "select": ("-l", None)}
+SLURM_ENV = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "gpus-per-node": "SBATCH_GPUS_PER_NODE",
+             "export": "SBATCH_EXPORT"}
+PBS_OPTIONS = {"queue": ("-q", None), "account": ("-A", None), "select": ("-l", None), "variables": ("-v", None)}
+# how long a scheduler's query may take before the submission is refused (a controller that does not answer)
+COMMAND_TIMEOUT_S = 60
 
 
 def header_words(job: Path, prefix: str) -> list[str]:
@@ -97,9 +100,25 @@ def run(argv: list[str]):
     import subprocess
 
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     except FileNotFoundError:
         raise BadInput(f"{argv[0]} not found: submit from a login node of the cluster, where {argv[0]} is on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise BadInput(f"{argv[0]} did not answer in {COMMAND_TIMEOUT_S} s (is the scheduler's controller up?): "
+                       f"nothing was submitted; try again, or submit with plain {'sbatch' if argv[0] in SLURM_QUERIES else 'qsub'}") from None
+
+
+SLURM_QUERIES = ("sinfo", "scontrol", "sacctmgr")
+
+
+def exported(lists: list[str]) -> dict[str, str]:
+    """NAME=value items of comma lists (qsub -v, sbatch --export), the last one of a name winning."""
+    values: dict[str, str] = {}
+    for item in ",".join(lists).split(","):
+        name, sep, value = item.strip().strip("'\"").partition("=")
+        if sep:
+            values[name] = value.strip("'\"")
+    return values
 
 
 def count(value: str | None) -> int | None:
@@ -162,8 +181,14 @@ def check_slurm(options: list[str], job: Path, env: dict[str, str]) -> None:
                            f"pass -A <account>, or export SBATCH_ACCOUNT=<account> (sacctmgr -n show assoc "
                            f"user={user} format=account lists yours)")
 
+    # the launcher the job will see: --export's values, and the submitting shell's unless --export leaves out ALL
+    # (sbatch's default is ALL; NONE or a list without ALL hands on only what it names)
+    export = last.get("export")
+    items = [w.strip().upper() for w in export.split(",")] if export else ["ALL"]
+    launcher = exported([export or ""]).get("DISTLAB_LAUNCHER") or (
+        env.get("DISTLAB_LAUNCHER") if "ALL" in items else None) or "srun"
     gpus, tasks = count(last.get("gpus-per-node")), count(last.get("ntasks-per-node"))
-    if env.get("DISTLAB_LAUNCHER", "srun") == "srun" and gpus and tasks and gpus != tasks:
+    if launcher == "srun" and gpus and tasks and gpus != tasks:
         raise BadInput(f"--ntasks-per-node={tasks} but --gpus-per-node={gpus}: one task a GPU, ask "
                        f"--ntasks-per-node={gpus} (or DISTLAB_LAUNCHER=torchrun: one agent a node)")
 
@@ -177,9 +202,12 @@ def select_fields(select: str) -> dict[str, str]:
 
 
 def check_pbs(options: list[str], job: Path, env: dict[str, str]) -> None:
-    given = read_options(header_words(job, "#PBS"), PBS_OPTIONS)
+    header = header_words(job, "#PBS")
+    given = read_options(header, PBS_OPTIONS)
     for name, values in read_options(options, PBS_OPTIONS).items():
         given[name] = given.get(name, []) + values  # -l adds resources: the command line's come last and win
+    # -l takes a comma list of resources (select=...,place=scatter): each one on its own
+    given["select"] = [r for value in given.get("select", []) for r in value.split(",")]
     queue = (given.get("queue") or [None])[-1]
     if queue:
         name = queue.split("@")[0]
@@ -191,12 +219,15 @@ def check_pbs(options: list[str], job: Path, env: dict[str, str]) -> None:
         raise BadInput("no account: pass -A <project> (qsub -A $PBS_ACCOUNT; the jobs carry none), or "
                        "DISTLAB_REQUIRE_ACCOUNT=0 where your site charges no project")
     selects = [v[len("select="):] for v in given.get("select", []) if v.startswith("select=")]
-    if selects and env.get("DISTLAB_LAUNCHER", "mpiexec") == "mpiexec":
+    # the launcher the job will see: qsub hands the job -v's variables, and the submitting shell's only with -V
+    launcher = exported(given.get("variables", [])).get("DISTLAB_LAUNCHER") or (
+        env.get("DISTLAB_LAUNCHER") if "-V" in header + options else None) or "mpiexec"
+    if selects and launcher == "mpiexec":
         fields = select_fields(selects[-1])
         gpus, ranks = count(fields.get("ngpus")), count(fields.get("mpiprocs"))
         if gpus and ranks and gpus != ranks:
             raise BadInput(f"select={selects[-1]}: mpiprocs={ranks} but ngpus={gpus}: one rank a GPU, ask "
-                           f"mpiprocs={gpus} (or DISTLAB_LAUNCHER=torchrun: one agent a node)")
+                           f"mpiprocs={gpus} (or -v DISTLAB_LAUNCHER=torchrun: one agent a node)")
 
 
 def submit(argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -213,7 +244,10 @@ def submit(argv: list[str], env: dict[str, str] | None = None) -> int:
         command = "qsub"
     import subprocess
 
-    return subprocess.run([command, *argv]).returncode
+    try:
+        return subprocess.run([command, *argv]).returncode
+    except FileNotFoundError:
+        raise BadInput(f"{command} not found: submit from a login node of the cluster, where {command} is on PATH") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

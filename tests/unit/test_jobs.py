@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -223,3 +224,37 @@ def test_both_readmes_teach_the_checked_submission_with_the_lines_it_prints(site
     flat = " ".join(slurm_readme.split())
     assert refused(capsys, "-p", "gpu2", JOB).removeprefix("distlab: error: ") in flat
     assert refused(capsys, "-A", "x", "-q", "mian", PBS_JOB).removeprefix("distlab: error: ") in " ".join(pbs_readme.split())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Review of issue 30's submission path: what the job will see, -l lists, commands that hang or are missing
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_select_inside_a_comma_list_of_resources_is_checked(site, capsys):
+    # qsub -l takes a comma list (select=...,place=scatter): the select is read wherever it stands in it
+    for resources in ("select=1:ncpus=64:ngpus=4:mpiprocs=1,place=scatter",
+                      "place=scatter,select=1:ncpus=64:ngpus=4:mpiprocs=1"):
+        assert "mpiprocs=1 but ngpus=4" in refused(capsys, "-A", "X", "-l", resources, PBS_JOB)
+    assert submit("-A", "X", "-l", "select=1:ncpus=64:ngpus=4:mpiprocs=4,place=scatter", PBS_JOB) == 0
+
+
+def test_the_launcher_exemption_is_read_where_the_job_will_see_it(site, capsys):
+    one_rank = ["-A", "X", "-l", "select=1:ncpus=64:ngpus=4:mpiprocs=1"]
+    # qsub hands the job only -v's variables (all of them with -V): the submitting shell's are not the job's
+    assert submit(*one_rank, "-v", "DISTLAB_ONLY=a.py,DISTLAB_LAUNCHER=torchrun", PBS_JOB) == 0
+    assert "ask mpiprocs=4 (or -v DISTLAB_LAUNCHER=torchrun" in refused(capsys, *one_rank, PBS_JOB,
+                                                                       DISTLAB_LAUNCHER="torchrun")
+    assert _main_env([*one_rank, "-V", PBS_JOB], {"DISTLAB_LAUNCHER": "torchrun"}) == 0
+    # sbatch hands on the shell's environment (ALL, the default) and --export's values; NONE hands on neither
+    assert submit("--export=ALL,DISTLAB_LAUNCHER=torchrun", "--ntasks-per-node=1", JOB) == 0
+    refused(capsys, "--export=NONE", "--ntasks-per-node=1", JOB, DISTLAB_LAUNCHER="torchrun")
+    refused(capsys, "--export=ALL,DISTLAB_LAUNCHER=srun", "--ntasks-per-node=1", JOB, DISTLAB_LAUNCHER="torchrun")
+
+
+def test_a_command_that_hangs_or_is_missing_is_one_line(site, capsys, monkeypatch, tmp_path):
+    sinfo = tmp_path / "bin" / "sinfo"
+    sinfo.write_text("#!/bin/bash\nexec sleep 5\n")
+    monkeypatch.setattr(jobs, "COMMAND_TIMEOUT_S", 0.2)
+    assert "sinfo did not answer" in refused(capsys, "-p", "gpu", JOB)
+    (tmp_path / "bin" / "qsub").unlink()
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(shutil.which('grep')).parent}")  # the stand-ins' grep
+    assert "qsub not found" in refused(capsys, "-A", "X", PBS_JOB)
