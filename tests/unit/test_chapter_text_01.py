@@ -121,3 +121,14 @@ def test_the_tuned_runs_mfu_is_quoted_from_the_stored_sources():
     assert all(f"| {mfu}% |" in a100 for mfu in ("56.8", "58.2", "51.7")) and "64 A100" in a100
     says("torchtitan's published runs report 33% to 39% MFU for Llama 3.1 8B on 8 and 128\nH100s, and 51.7% to 58.2% "
          "for Llama 3 8B and 70B on 64 A100s")
+
+
+def test_the_foreach_adamw_line_cited():
+    """torch 2.13's foreach AdamW allocates one fp32 tensor a parameter at the line the chapter cites."""
+    import importlib.util
+
+    adam = (Path(importlib.util.find_spec("torch").origin).parent / "optim" / "adam.py").read_text().splitlines()
+    assert adam[789].strip() == "exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)"
+    says("`torch._foreach_sqrt(exp_avg_sq)` into a new fp32\n  tensor for every parameter (torch 2.13, "
+         "`torch/optim/adam.py:790`)")
+    assert memory.FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM == 4
