@@ -327,6 +327,16 @@ def test_the_ends_of_the_a100_pipeline_are_heavier_than_its_middle():
     assert f"carries {output / block:.1f} blocks' worth" in text
     assert f"another {embedding / 1e6:.1f} M in its embedding table" in text
     assert f"with {config.n_layers // 4} blocks on each of 4 stages" in text
+    # Llama 3's words, as the course's source registry holds them (section 3.3.2, looked up once, quoted there)
+    from distlab.planner.sources import SOURCES
+
+    for key, words in [("llama3_pipeline_imbalance", "The first stage consumes more memory due to the embedding "
+                                                     "and the warm-up micro-batches"),
+                       ("llama3_pipeline_imbalance", "the execution latency bottleneck"),
+                       ("llama3_pipeline_schedule", "To balance the pipeline, we reduce one Transformer layer each "
+                                                    "from the first and the last stages, respectively")]:
+        assert words in SOURCES[key].quote and SOURCES[key].where.startswith("section 3.3.2")
+        assert words in " ".join(text.split()), words
 
 
 def test_zero_bubble_memory_as_the_chapter_states_it():
