@@ -54,8 +54,13 @@ def bytes_sent_per_rank(collective: str, payload_bytes: int, world_size: int) ->
 # latency of one ring step, "hwLatencies" (line 159 over NVLink, line 171 over the network), and the fixed latency of
 # one ring call whatever its steps, "baseLatencies" (line 151), per protocol, in seconds. NCCL's tuner uses them to
 # choose an algorithm and a protocol for each call; they are its model of the hardware, not a measurement.
+# "network" is a ring whose every step crosses the network (one GPU a node, as the alpha-beta model's 2(n-1) equal
+# steps assume): NCCL then charges each step line 171's *tree* figures (5.0/8.5/14; tuning.cc:386-387, "With ppn=1
+# latencies are fully exposed, use the Tree network latency"), plus the network plugin's own latency (0 for NCCL's
+# IB and socket transports). Its ring figures on line 171 (2.7/4.0/14) serve the inter-node steps of nodes with
+# several GPUs, 2(nodes-1) of an all-reduce's 2(n-1).
 NCCL_RING_STEP_LATENCY_S = {"nvlink": {"LL": 0.6e-6, "LL128": 1.9e-6, "Simple": 3.4e-6},
-                            "network": {"LL": 2.7e-6, "LL128": 4.0e-6, "Simple": 14.0e-6}}
+                            "network": {"LL": 5.0e-6, "LL128": 8.5e-6, "Simple": 14.0e-6}}
 NCCL_RING_CALL_LATENCY_S = {"LL": 6.6e-6, "LL128": 14.0e-6, "Simple": 8.4e-6}
 
 

@@ -9,7 +9,7 @@ from distlab import comm
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = (REPO / "chapters" / "03_communication.md").read_text()
-NVLINK, SLINGSHOT = (300e9, 0.6e-6), (25e9, 2.7e-6)  # the chapter's (bandwidth B/s, NCCL's LL step s)
+NVLINK, SLINGSHOT = (300e9, 0.6e-6), (25e9, 5.0e-6)  # the chapter's (bandwidth B/s, NCCL's LL step s)
 
 
 def says(phrase: str) -> None:
@@ -27,8 +27,9 @@ def test_alpha_beta_examples():
     says(f"A ring step costs {step['nvlink']['LL'] * 1e6:g}, {step['nvlink']['LL128'] * 1e6:g} or "
          f"{step['nvlink']['Simple'] * 1e6:g} microseconds\nover NVLink")
     says(f"and {step['network']['LL'] * 1e6:g}, {step['network']['LL128'] * 1e6:g} or "
-         f"{step['network']['Simple'] * 1e6:g} across the network; every ring call\nadds {call['LL'] * 1e6:g}, "
-         f"{call['LL128'] * 1e6:g} or {call['Simple'] * 1e6:g} microseconds")
+         f"{step['network']['Simple'] * 1e6:g} across the network when every step\ncrosses it (one GPU a node")
+    says(f"every ring call adds {call['LL'] * 1e6:g}, {call['LL128'] * 1e6:g} or {call['Simple'] * 1e6:g} microseconds")
+    assert step["network"]["LL"] == SLINGSHOT[1]
     says(f"Take {NVLINK[0] / 1e9:.0f} GB/s in each direction")
     says(f"NCCL's LL step over NVLink, {step['nvlink']['LL'] * 1e6:g} microseconds")
     says(f"{SLINGSHOT[0] / 1e9:.0f} GB/s for one Slingshot-11 network card with NCCL's LL step\nacross the network, "
