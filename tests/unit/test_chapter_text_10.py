@@ -61,6 +61,15 @@ def test_the_mechanisms_are_described_as_the_code_runs_them():
     moments = Path(torch.__file__).parent / "include" / "ATen" / "native" / "cpu" / "moments_utils.h"
     assert "Compute rowwise moments by Welford algorithm" in moments.read_text()
     assert "torch's own GroupNorm makes one" in flat and "as GroupNorm itself computes it" not in flat
+    # Chan's combination needs every tile's (count, mean, M2): summing them (an all-reduce) loses the spread of the
+    # tiles' means, so the text says all-gather
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0, 11.0, 12.0])
+    tiles = [x[:3], x[3:]]
+    summed_m2 = sum(((t - t.mean()) ** 2).sum() for t in tiles)
+    chan_m2 = summed_m2 + sum(len(t) * (t.mean() - x.mean()) ** 2 for t in tiles)
+    assert torch.isclose(chan_m2, ((x - x.mean()) ** 2).sum()) and not torch.isclose(summed_m2, chan_m2)
+    assert "all-gather each tile's count, mean and sum of squared deviations" in flat
+    assert "one all-reduce instead of two" not in flat
     # a norm does not force a halo before every layer
     assert "A norm does not force it" in flat and "needs this form, because the norm needs every cell" not in flat
     # the pole: the near side mirrored in order and turned half way round (tests/unit/test_domain.py checks it)
