@@ -9,7 +9,7 @@ measured them (seconds, uneven): TimelineEvents or the ``timeline`` dicts of a m
       rank 3 |......F0B0<<F1B1<<F2B2<<F3B3<<...
 
   ``F3`` is the forward of microbatch 3, ``B0<<`` a backward (longer, so it continues with ``<``),
-  ``W`` a weight-gradient pass, ``.`` idle.
+  ``I`` an input gradient alone and ``W`` a weight-gradient pass (zero bubble: torch's letters), ``.`` idle.
 - :func:`plot_gantt` draws it with matplotlib; :func:`save_gantt_png` writes a PNG.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from distlab.schedules import TimelineEvent, bubble_fraction_from_timeline, from_dicts
 
-# What continues a pass too long for its label; torch's "I" (input gradient) is drawn as the B it is here.
+# What continues a pass too long for its label; an input gradient "I" is half a backward, drawn like one.
 FILL_CHARACTER = {"F": ">", "B": "<", "I": "<", "W": "="}
 IDLE_CHARACTER = "."
 KIND_NAMES = {"F": "forward (F)", "B": "backward (B)", "I": "input gradient (I)", "W": "weight gradient (W)"}
