@@ -354,8 +354,10 @@ def run_complete(metrics: str) -> bool:
 
 
 def chain_vars(pairs: list[str]) -> str:
-    """NAME=VALUE words -> one list for ``qsub -v`` or ``sbatch --export``, which both split at every comma: a
-    value's commas (a list, such as DISTLAB_ONLY=a.py,b.py) become colons, which the jobs read as the same list."""
+    """NAME=VALUE words -> one list for ``qsub -v`` or ``sbatch --export``, which both split at every comma outside
+    quotes (qsub(1B), -v: "the value must be enclosed in single or double quotes"; Slurm's env.c find_quote_token): a
+    value's commas (a list, such as DISTLAB_ONLY=a.py,b.py) become colons, which the jobs read as the same list, and
+    no quoting has to survive the shell."""
     out = []
     for pair in pairs:
         name, sep, value = pair.partition("=")

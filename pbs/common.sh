@@ -96,7 +96,7 @@ distlab_chain_next() {
     [[ -z $queue ]] || args+=(-q "$queue")
     [[ -z $select ]] || args+=(-l "select=$select")
     [[ -z $walltime ]] || args+=(-l "walltime=$walltime")
-    # qsub -v splits its list at every comma: a value's commas become colons (distlab_jobs chain-vars)
+    # qsub -v splits its list at every comma outside quotes: a value's commas become colons (distlab_jobs chain-vars)
     local variables
     variables=$(distlab_jobs chain-vars "${@:2}") || return 2
     "$DISTLAB_QSUB" "${args[@]}" -v "$variables" "$1"

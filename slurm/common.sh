@@ -161,7 +161,7 @@ distlab_chain_next() {
     local -a extra
     read -ra extra <<<"${DISTLAB_CHAIN_SBATCH_ARGS:-}"
     args+=("${extra[@]}")
-    # sbatch --export splits its list at every comma: a value's commas become colons (distlab_jobs chain-vars)
+    # sbatch --export splits its list at every comma outside quotes: a value's commas become colons (chain-vars)
     local variables
     variables=$(distlab_jobs chain-vars "${@:2}") || return 2
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
