@@ -117,7 +117,7 @@ def test_chapter_01_numbers():
 
 PEAK_CFG = models.TransformerConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_hidden=192, seq_len=64)
 # (batch, sequence length, the phase that holds the peak): many tokens put it at the top of backward, few in the step
-PEAK_RUNS = [(8, 64, memory.FORWARD_BACKWARD), (1, 16, memory.OPTIMIZER_STEP)]
+PEAK_RUNS = [(4, 32, memory.FORWARD_BACKWARD), (1, 16, memory.OPTIMIZER_STEP)]
 
 
 def _measured_peaks(cfg, batch, seq_len):
