@@ -15,7 +15,7 @@ Standard library only: a job may call it before its own environment is ready.
 ``submit`` refuses, with one line ``distlab: error: ...`` and exit 2, before anything is queued: an unknown
 partition (``sinfo -h -p NAME``) or queue (``qstat -Q NAME``); no account where the site needs one (Slurm:
 ``scontrol show config``'s AccountingStorageEnforce, then ``sacctmgr``'s associations; PBS has no such query:
-always, unless DISTLAB_REQUIRE_ACCOUNT=0); an account not yours (``sacctmgr``, where accounting exists); tasks a node that
+always, unless DISTLAB_REQUIRE_ACCOUNT=0); an account not yours (``sacctmgr``, where associations are enforced); tasks a node that
 do not match its GPUs (one task, or one MPI rank, a GPU; a torchrun agent a node is exempt).
 
     python -m coursetools.jobs submit -A proj1 -N 2 slurm/04_data_parallel.sbatch
@@ -169,12 +169,16 @@ def check_slurm(options: list[str], job: Path, env: dict[str, str]) -> None:
     account = last.get("account")
     config = slurm_config()
     has_accounting = config.get("AccountingStorageType", "accounting_storage/none") != "accounting_storage/none"
-    if account and has_accounting:
+    enforced = enforces_associations(config.get("AccountingStorageEnforce", "none"))
+    # an account without an association is refused only where associations are enforced: elsewhere slurmctld takes
+    # the job and charges the user's default account (src/slurmctld/job_mgr.c, "has no association ... using
+    # default account")
+    if account and has_accounting and enforced:
         done = run(["sacctmgr", "-n", "-P", "show", "assoc", f"user={user}", f"account={account}", "format=Account"])
         if done.returncode == 0 and not done.stdout.strip():
             raise BadInput(f"account '{account}' is not one of yours here (sacctmgr -n show assoc user={user} "
                            f"format=account lists them): pass -A <account>, or export SBATCH_ACCOUNT=<account>")
-    if not account and enforces_associations(config.get("AccountingStorageEnforce", "none")):
+    if not account and enforced:
         done = run(["sacctmgr", "-n", "-P", "show", "user", user, "format=DefaultAccount"])
         if not done.stdout.strip():
             raise BadInput(f"this cluster charges every job to an account and {user or 'you'} has no default one: "

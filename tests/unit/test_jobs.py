@@ -258,3 +258,11 @@ def test_a_command_that_hangs_or_is_missing_is_one_line(site, capsys, monkeypatc
     (tmp_path / "bin" / "qsub").unlink()
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(shutil.which('grep')).parent}")  # the stand-ins' grep
     assert "qsub not found" in refused(capsys, "-A", "X", PBS_JOB)
+
+
+def test_an_account_without_association_is_accepted_where_associations_are_not_enforced(site, capsys):
+    # slurmctld's job_mgr.c: without ACCOUNTING_ENFORCE_ASSOCS it takes the job and charges the default account
+    site.set(enforce="nojobs", accounting="accounting_storage/slurmdbd", assoc=["proj1"], default="proj1")
+    assert submit("-A", "proj2", JOB) == 0
+    site.set(enforce="qos", accounting="accounting_storage/slurmdbd", assoc=["proj1"], default="proj1")
+    assert "account 'proj2' is not one of yours" in refused(capsys, "-A", "proj2", JOB)
