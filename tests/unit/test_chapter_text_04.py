@@ -178,3 +178,14 @@ def test_the_overlap_figures_bars_overlap_each_other_as_the_text_says():
     bars = sorted(json.loads(figures.DDP_OVERLAP.read_text())["overlap"]["buckets"], key=lambda b: b["launch"])
     assert any(later["launch"] < earlier["end"] for earlier, later in zip(bars, bars[1:]))
     says("the bars of the four small buckets overlap each other")
+
+
+def test_a_gpu_bar_ends_on_the_callbacks_stream_not_the_compute_stream():
+    # BucketLog stamps the finish inside future.then(...): torch runs such a callback with a pool stream made
+    # current after it waited for the future's (NCCL's) events, so the end event is recorded there
+    future = (TORCH / "include" / "ATen" / "core" / "ivalue_inl.h").read_text().splitlines()
+    assert "getStreamFromGlobalPool(device)" in future[1193] and "synchronizeWithCurrentStreams();" in future[1196]
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    assert 'entry["end"] = self.clock.mark()' in script and "return future.then(finished)" in script
+    says("ends with one the future's callback records, on a stream torch takes from\nits pool")
+    assert "(`metrics.DeviceClock`) recorded on the compute stream" not in TEXT
