@@ -160,6 +160,20 @@ def read_new_lines(path: str | None, offset: int) -> tuple[str, int]:
         return text, log.tell()
 
 
+def nccl_choice_for(collective: str, size: int, world: int, nccl_lines: str) -> str | None:
+    """"ALGORITHM/PROTOCOL" NCCL chose most often for the timed calls of ``size`` bytes in its log lines, or None.
+
+    Only the timed calls' lines count, not the barriers' between blocks (a 4-byte AllReduce): NCCL names the
+    collective and counts the whole buffer for an all-reduce, one rank's share for an all-gather or a
+    reduce-scatter, so each collective is matched on its own byte count alone.
+    """
+    nbytes_logged = size if collective == "all_reduce" else size // world
+    chosen = Counter(f"{algorithm}/{protocol}" for name, nbytes, algorithm, protocol
+                     in comm.nccl_tuning_choices(nccl_lines)
+                     if name == NCCL_NAMES[collective] and nbytes == nbytes_logged)
+    return chosen.most_common(1)[0][0] if chosen else None
+
+
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--min-bytes", default="4K", help="smallest payload (bytes, or 4K, 1M, 1G)")
@@ -197,18 +211,13 @@ def main():
                     blocks.append(per_call)
                     all_held &= held
                 nccl_lines, log_offset = read_new_lines(nccl_log, log_offset)
-                # the timed calls' lines only (not the barriers'): NCCL names the collective and counts the whole
-                # buffer for an all-reduce, one rank's share for an all-gather or a reduce-scatter
-                chosen = Counter(f"{algorithm}/{protocol}" for name, nbytes, algorithm, protocol
-                                 in comm.nccl_tuning_choices(nccl_lines)
-                                 if name == NCCL_NAMES[collective] and nbytes in (size, size // world))
                 seconds = torch.tensor(blocks)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
                 seconds = seconds.min().item()  # the best block: the least disturbed by other processes
                 algbw, busbw = comm.bus_bandwidth(collective, size, seconds, world)
                 sent = comm.bytes_sent_per_rank(collective, size, world)  # the ring model's, not measured
                 # NCCL's choice for the timed calls (rank 0 logs them; None on gloo or when NCCL_DEBUG was yours)
-                nccl_choice = chosen.most_common(1)[0][0] if chosen else None
+                nccl_choice = nccl_choice_for(collective, size, world, nccl_lines)
                 rows.append({"collective": collective, "bytes": size, "seconds": seconds, "algbw": algbw,
                              "busbw": busbw, "sent_bytes_per_rank_derived": sent, "nccl_algorithm": nccl_choice})
                 rt.print(f"{collective:>14} {size:>10,} {seconds * 1e6:>10.1f} "

@@ -132,6 +132,24 @@ def test_nccls_tuning_lines_are_parsed():
     assert comm.nccl_tuning_choices("") == []
 
 
+def test_bandwidth_py_reads_only_the_timed_calls_choice():
+    # 16 bytes on 4 ranks, one timed call per block, three blocks: each block's barrier is a 4-byte AllReduce
+    # (16 // 4), which must not count for the all-reduce (it did when any of size, size // world matched)
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "03_communication"))
+    try:
+        import bandwidth
+    finally:
+        sys.path.pop(0)
+    line = "h:1:1 [0] NCCL INFO {}: {} Bytes -> Algo {} proto {} channel{{Lo..Hi}}={{0..0}}\n"
+    blocks = (line.format("AllReduce", 4, "TREE", "LL") + line.format("AllReduce", 16, "RING", "LL")) * 3
+    assert bandwidth.nccl_choice_for("all_reduce", 16, 4, blocks) == "RING/LL"
+    gathers = line.format("AllReduce", 4, "TREE", "LL") + line.format("AllGather", 4, "RING", "SIMPLE")
+    assert bandwidth.nccl_choice_for("all_gather", 16, 4, gathers) == "RING/SIMPLE"
+    assert bandwidth.nccl_choice_for("reduce_scatter", 16, 4, gathers) is None
+
+
 @pytest.mark.parametrize("cap_mb", [25, 0.1, 0.025, 0.04, 1e-6])
 def test_ddp_bucket_sizes_is_ddps_own_assignment(cap_mb):
     """Our rule against the one DDP calls (torch's private _compute_bucket_assignment_by_size), on the tiny
