@@ -33,10 +33,12 @@ def site(tmp_path, monkeypatch):
     state = tmp_path / "state"
     state.mkdir()
     scripts = {
-        "sinfo": 'while [[ $# -gt 0 ]]; do [[ $1 == -p ]] && p=$2; shift; done\n'
-                 f'grep -qx "$p" {state}/partitions && echo "$p"; exit 0',
+        # a hidden partition (Hidden=YES, or AllowGroups without the user) is listed only with -a (sinfo(1))
+        "sinfo": 'while [[ $# -gt 0 ]]; do [[ $1 == -p ]] && p=$2; [[ $1 == -a ]] && a=1; shift; done\n'
+                 f'{{ grep -qx "$p" {state}/partitions || {{ [[ -n ${{a:-}} && $p == hidden ]]; }}; }} && echo "$p"; exit 0',
         "scontrol": f'cat {state}/config',
-        "sacctmgr": 'for w in "$@"; do case $w in account=*) a=${w#account=} ;; format=DefaultAccount) d=1 ;; esac; done\n'
+        "sacctmgr": f'[[ -e {state}/dbd_down ]] && {{ echo "sacctmgr: error: Problem talking to the database" >&2; exit 1; }}\n'
+                    'for w in "$@"; do case $w in account=*) a=${w#account=} ;; format=DefaultAccount) d=1 ;; esac; done\n'
                     f'if [[ -n ${{d:-}} ]]; then cat {state}/default; else grep -x "$a" {state}/assoc; fi; exit 0',
         "qstat": f'[[ $1 == -Q ]] && grep -qx "$2" {state}/queues || {{ echo "qstat: Unknown queue $2" >&2; exit 170; }}',
         "sbatch": f'printf "%s\\n" "$@" > {state}/sbatch.args; echo 4242',
@@ -266,3 +268,12 @@ def test_an_account_without_association_is_accepted_where_associations_are_not_e
     assert submit("-A", "proj2", JOB) == 0
     site.set(enforce="qos", accounting="accounting_storage/slurmdbd", assoc=["proj1"], default="proj1")
     assert "account 'proj2' is not one of yours" in refused(capsys, "-A", "proj2", JOB)
+
+
+def test_a_hidden_partition_exists_and_an_unanswered_sacctmgr_refuses_nothing(site, tmp_path):
+    # sinfo -a lists hidden partitions and those of other groups: "does not exist" is said only of what does not
+    assert submit("-p", "hidden", JOB) == 0
+    # slurmdbd down: sacctmgr fails; sbatch decides (slurmctld keeps its own copy of the associations)
+    site.set(enforce="associations", accounting="accounting_storage/slurmdbd")
+    (tmp_path / "state" / "dbd_down").write_text("")
+    assert submit(JOB) == 0 and submit("-A", "proj1", JOB) == 0
