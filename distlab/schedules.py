@@ -21,8 +21,8 @@ idle share of ranks x time) falls out of it. The closed form :func:`bubble_fract
     bubble(interleaved, V chunks) = (P - 1) / (V*M + P - 1)
     bubble(zero bubble H1, F = B = W) = (P - 1) / (3*M + P - 1), about a third of 1F1B's
 
-The builders follow Megatron-LM and ``torch.distributed.pipelining``, the V schedules (:func:`zbv`,
-:func:`dual_pipe_v`) included; :func:`from_torch_pipeline_order` reads torch's own schedules into the same
+The builders follow Megatron-LM and ``torch.distributed.pipelining``, one for each of torch's schedules
+(:func:`interleaved_zero_bubble`, :func:`zbv` and :func:`dual_pipe_v` included); :func:`from_torch_pipeline_order` reads torch's own schedules into the same
 form, so both can be compared, simulated and drawn (see ``distlab.gantt``).
 """
 
@@ -254,6 +254,56 @@ def zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
         order += [Action(rank, m, "W") for m in range(next_weight, num_microbatches)]
         actions[rank] = order
     return _one_stage_per_rank("zero_bubble", num_ranks, num_microbatches, actions, split_backward=True)
+
+
+def interleaved_zero_bubble(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """torch's ``ScheduleInterleavedZeroBubble``: interleaved 1F1B's walk over V chunks per rank (stage s on
+    rank s % P), with the backward split into I and W and rank r deferring r weight gradients, as ZB-H1 does.
+
+    Its warm-up is (V - 1) G + (P - 1 - r) forwards, one per hop from the last rank instead of interleaved
+    1F1B's two, where G = M / max(1, M // P) is torch's microbatches per round (M a multiple of
+    max(1, M // P), as torch asks: schedules.py:3046-3053). With V = 1 it is :func:`zero_bubble_h1`.
+    """
+    _check_sizes(num_ranks, num_microbatches, chunks)
+    rounds = max(1, num_microbatches // num_ranks)
+    if num_microbatches % rounds != 0:
+        raise ValueError(f"interleaved_zero_bubble needs num_microbatches ({num_microbatches}) to be a multiple of "
+                         f"its {rounds} rounds (max(1, M // P)).")
+    group = num_microbatches // rounds                   # microbatches per round
+    total = chunks * num_microbatches                    # (chunk, microbatch) pairs per rank
+    actions = {}
+    for rank in range(num_ranks):
+        warmup = min((chunks - 1) * group + (num_ranks - 1 - rank), total)
+
+        def forward_stage(step: int) -> int:
+            return (step // group) % chunks * num_ranks + rank
+
+        def backward_stage(step: int) -> int:
+            return (chunks - 1 - (step - warmup) // group % chunks) * num_ranks + rank
+
+        order: list[Action] = []
+        counters: dict[tuple[str, int], int] = defaultdict(int)     # (kind, stage) -> next microbatch
+        backward_steps: list[int] = []
+
+        def add(kind: str, stage: int) -> None:
+            order.append(Action(stage, counters[kind, stage], kind))
+            counters[kind, stage] += 1
+
+        for step in range(total + warmup):
+            if step < total:
+                add("F", forward_stage(step))
+            if step >= warmup:
+                add("I", backward_stage(step))
+                backward_steps.append(step)
+                if step - warmup >= rank:                # rank r keeps r weight gradients pending
+                    add("W", backward_stage(backward_steps[counters["W", -1]]))
+                    counters["W", -1] += 1
+        for step in backward_steps[counters["W", -1]:]:
+            add("W", backward_stage(step))
+        actions[rank] = order
+    stage_to_rank = {s: s % num_ranks for s in range(num_ranks * chunks)}
+    return Schedule("interleaved_zero_bubble", num_ranks, num_microbatches, chunks, stage_to_rank, actions,
+                    split_backward=True)
 
 
 def _v_stages(num_ranks: int, rank: int) -> tuple[int, int]:

@@ -105,21 +105,19 @@ def torch_schedule(schedule: str, stages: list, microbatches: int, loss_fn):
     return cls(stages[0], microbatches, loss_fn=loss_fn)
 
 
-def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int, torch_object) -> schedules.Schedule:
+def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int) -> schedules.Schedule:
     """What each rank should run, as distlab data: our own builder, written apart from torch, so that the
     order check can fail (torch executes its own ``pipeline_order`` by construction: comparing what ran with
-    it would prove nothing). Only InterleavedZeroBubble with several stages per rank has no builder of ours:
-    there torch's listed order is all we have."""
+    it would prove nothing)."""
     ours = CHOICES[schedule].ours
-    if ours == "zero_bubble" and chunks == 1:
-        return schedules.zero_bubble_h1(ranks, microbatches)
+    if ours == "zero_bubble":
+        return (schedules.zero_bubble_h1(ranks, microbatches) if chunks == 1
+                else schedules.interleaved_zero_bubble(ranks, microbatches, chunks))
     if ours == "zbv":
         return schedules.zbv(ranks, microbatches)
     if ours == "dual_pipe_v":
         return schedules.dual_pipe_v(ranks, microbatches)
-    if ours in ("gpipe", "1f1b", "interleaved_1f1b"):
-        return schedules.build(ours, ranks, microbatches, chunks if ours == "interleaved_1f1b" else 1)
-    return schedules.from_torch_pipeline_order(torch_object.pipeline_order, microbatches, name=schedule)
+    return schedules.build(ours, ranks, microbatches, chunks if ours == "interleaved_1f1b" else 1)
 
 
 # ---- the stopwatch: one event per forward, backward and weight-gradient pass ----------------------------------

@@ -423,6 +423,24 @@ def test_torch_zero_bubble_with_one_stage_per_rank_is_zb_h1(torch_schedule, rank
     assert theirs.actions == schedules.zero_bubble_h1(ranks, microbatches).actions
 
 
+@pytest.mark.parametrize("ranks, microbatches, chunks", [(2, 4, 2), (2, 3, 3), (3, 6, 2), (4, 4, 2), (4, 6, 2),
+                                                         (4, 8, 2), (4, 8, 3), (4, 10, 2), (5, 3, 2), (5, 10, 3)])
+def test_torch_interleaved_zero_bubble_runs_our_order(torch_schedule, ranks, microbatches, chunks):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    theirs = schedules.from_torch_pipeline_order(
+        torch_schedule(ScheduleInterleavedZeroBubble, ranks, microbatches, chunks), microbatches)
+    ours = schedules.interleaved_zero_bubble(ranks, microbatches, chunks)
+    ours.validate()
+    assert theirs.stage_to_rank == ours.stage_to_rank and theirs.actions == ours.actions
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(1, 3), (2, 4), (3, 3), (4, 8), (4, 6), (6, 12)])
+def test_interleaved_zero_bubble_with_one_chunk_is_zb_h1(ranks, microbatches):
+    assert (schedules.interleaved_zero_bubble(ranks, microbatches, 1).actions
+            == schedules.zero_bubble_h1(ranks, microbatches).actions)
+
+
 # ZBV takes any M (torch pads its plan to 2P - 1 microbatches); DualPipeV refuses M < 2P, as torch does.
 V_SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in range(1, 2 * p + 4)]
 
