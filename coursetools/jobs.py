@@ -54,12 +54,21 @@ COMMAND_TIMEOUT_S = 60
 
 
 def header_words(job: Path, prefix: str) -> list[str]:
-    """The directives before the job's first command (sbatch and qsub stop reading there), split into words."""
+    """The directives before the job's first command (sbatch and qsub stop reading there), split into words as
+    the scheduler splits them: quotes group words and are removed, an unquoted # ends the line (sbatch's
+    get_argument, src/sbatch/opt.c). sbatch reads "#SBATCH" only at a line's start (an indented one is a comment);
+    qsub also after blanks (OpenPBS pbs_ispbsdir, src/lib/Libcmds/check_job_script.c)."""
+    import shlex
+
     words: list[str] = []
-    for line in job.read_text().splitlines()[1:]:
+    for line in job.read_text().splitlines():
         stripped = line.strip()
-        if stripped.startswith(prefix):
-            words += stripped[len(prefix):].split("#")[0].split()
+        directive = line if prefix == "#SBATCH" else stripped
+        if directive.startswith(prefix):
+            try:
+                words += shlex.split(directive[len(prefix):], comments=True)
+            except ValueError:
+                raise BadInput(f"{job}: an unmatched quote in its header line '{stripped}'") from None
         elif stripped and not stripped.startswith("#"):
             break
     return words

@@ -277,3 +277,13 @@ def test_a_hidden_partition_exists_and_an_unanswered_sacctmgr_refuses_nothing(si
     site.set(enforce="associations", accounting="accounting_storage/slurmdbd")
     (tmp_path / "state" / "dbd_down").write_text("")
     assert submit(JOB) == 0 and submit("-A", "proj1", JOB) == 0
+
+
+def test_the_header_is_read_as_sbatch_reads_it(site, capsys, tmp_path):
+    # src/sbatch/opt.c: "#SBATCH" at the line's start only, quotes group and are removed, an unquoted # ends it
+    job = tmp_path / "edited.sbatch"
+    job.write_text('#!/bin/bash\n#SBATCH --partition="gpu" # the course\'s\n  #SBATCH -p nosuch\n'
+                   '#SBATCH --ntasks-per-node=4 --gpus-per-node=4#x\nsrun hostname\n#SBATCH -p nosuch\n')
+    assert submit(str(job)) == 0
+    job.write_text('#!/bin/bash\n#SBATCH -p "gpu\n')
+    assert "unmatched quote" in refused(capsys, str(job))
