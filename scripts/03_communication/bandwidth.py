@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
     text = text.strip().upper().removesuffix("B")
     try:
         return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "infK", "1e400K" (int of an infinite float)
         raise runtime.ConfigError(f"cannot read size {text!r}: use bytes or 4K, 16M, 1G") from None
 
 

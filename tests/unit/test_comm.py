@@ -148,6 +148,12 @@ def test_bandwidth_py_reads_only_the_timed_calls_choice():
     gathers = line.format("AllReduce", 4, "TREE", "LL") + line.format("AllGather", 4, "RING", "SIMPLE")
     assert bandwidth.nccl_choice_for("all_gather", 16, 4, gathers) == "RING/SIMPLE"
     assert bandwidth.nccl_choice_for("reduce_scatter", 16, 4, gathers) is None
+    # a size it cannot read is a configuration error (one line, exit 2), an infinite one included
+    from distlab import runtime
+    assert bandwidth.parse_size("64K") == 65536
+    for text in ("lots", "infK", "1e400M", "nanK", ""):
+        with pytest.raises(runtime.ConfigError, match="cannot read size"):
+            bandwidth.parse_size(text)
 
 
 @pytest.mark.parametrize("cap_mb", [25, 0.1, 0.025, 0.04, 1e-6])
