@@ -78,7 +78,7 @@ def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_
                   offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
     for block in model.layers.values():
         if activation_checkpointing:
-            checkpoint(block)  # recompute the block in backward; parameter names unchanged
+            checkpoint(block)  # recompute the block in backward; no wrapper module: paths and names unchanged
         if planted_bug != "root-only":   # the mistake: one unit, the whole model gathered at once
             fully_shard(block, **policy)
     fully_shard(model, **policy)

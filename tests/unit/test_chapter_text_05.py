@@ -176,3 +176,32 @@ def test_fsdp_peak_by_phase_terms_and_the_h200_run():
     says("`_fsdp_state.py:203-207`")
     says("`_fsdp_collectives.py:597`")
     says("`_fsdp_collectives.py:351`")
+
+
+def test_what_the_chapter_says_of_bf16_sums_checkpoint_names_and_tolerances():
+    """Issue 37's four claims, against the code they describe: the resume checks parameters at lr / 10
+    (common_fully_sharded.param_tolerance), the snippet is distlab.checkpointing's (LAYOUT_FREE), torch strips
+    checkpoint_wrapper's prefix at the lines cited, and bf16 gradients are rounded before the fp32 sum."""
+    import inspect
+
+    sys.path.insert(0, str(REPO / "scripts" / "05_fully_sharded"))
+    from common_fully_sharded import LOSS_TOLERANCE, param_tolerance
+
+    from distlab import checkpointing
+
+    flat = " ".join(TEXT.split())
+    assert LOSS_TOLERANCE == 1e-5 and param_tolerance(1.0) == 1.0 / 10
+    says("single-device run's within 1e-5, and the parameters at the end within lr / 10")
+    source = inspect.getsource(checkpointing.TrainingState)
+    assert "get_state_dict(self.model, self.optimizer, options=LAYOUT_FREE)" in source and \
+        "get_state_dict(self.model, self.optimizer, options=LAYOUT_FREE)" in TEXT
+    assert checkpointing.LAYOUT_FREE.flatten_optimizer_state_dict and \
+        "LAYOUT_FREE = StateDictOptions(flatten_optimizer_state_dict=True)" in TEXT
+    torch_dir = Path(torch.__file__).parent / "distributed"
+    wrapper = (torch_dir / "algorithms" / "_checkpoint" / "checkpoint_wrapper.py").read_text().splitlines()
+    assert "param_name.replace(_CHECKPOINT_PREFIX" in "".join(wrapper[56:86])
+    assert "_replace_by_prefix(state_dict" in "".join(wrapper[56:86])
+    dcp = (torch_dir / "checkpoint" / "state_dict.py").read_text().splitlines()
+    assert 'name.replace(_CHECKPOINT_PREFIX, "")' in dcp[180]
+    assert "checkpoint_wrapper.py` lines 57-86" in flat and "`torch/distributed/checkpoint/state_dict.py` line 181" in flat
+    assert "summing over many ranks loses nothing" not in flat and "already rounded to 8 significant bits" in flat
