@@ -5,7 +5,8 @@ against every (earlier) key, so the key/value blocks travel: at step s, rank r w
 rank r - s owns, while sending the block it holds to rank r + 1. Each query keeps a running output and
 log-sum-exp, and every new block is folded in with the online-softmax merge
 (`distlab.tensor_parallel.merge_attention_blocks`): after P steps each query has seen every key, and no
-rank ever held the S x S score matrix or more than two blocks of K and V at once.
+rank ever held the S x S score matrix or more than three blocks of K and V at once (its own, kept for backward,
+the one it computes with and the one arriving).
 
 Backward runs the same ring: the key/value blocks travel again, this time with their gradients, which
 every rank adds to on the way; one last hop brings each block's finished dK, dV home. The forward posts each hop

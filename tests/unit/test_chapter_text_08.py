@@ -79,6 +79,7 @@ TORCH_CP_LINES = {
     77: "rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER",        # the default rotate method
     253: "class _AllToAllRotater(_RingRotater):",
     273: "class _AllGatherRotater(_RingRotater):",
+    438: "next_kv = torch.cat([key.flatten(), value.flatten()])",          # the copy each hop sends
     520: "dkv_rotater = _create_rotater(group, 2, method=_RotateMethod.ALL_TO_ALL)",  # dK, dV: always all-to-all
     917: "call_maps: dict[torch._ops.OpOverload, Callable] = {",             # the CUDA kernels it handles
     1693: "def set_rotate_method(rotate_method: str) -> None:",
@@ -179,3 +180,55 @@ def test_when_a_ring_step_hides_its_transfer():
 def test_ulysses_is_taught_since_chapter_10_refers_to_it():
     says_flat("## Ulysses: all-to-all over heads")
     assert "chapter 08's Ulysses" in (REPO / "chapters" / "10_domain_parallel.md").read_text()
+
+
+def test_what_a_ring_rank_holds_of_k_and_v():
+    """The ring keeps its own K, V for backward besides the block it computes with and the one arriving (three), and
+    torch's "alltoall" ring also holds the copy it sends (torch.cat, in flight while the step computes): four."""
+    script = (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
+    assert "ctx.save_for_backward(q, k, v, out, lse)" in script  # its own K, V kept for backward
+    lines = TORCH_CP.read_text().splitlines()
+    assert "next_kv = torch.cat([key.flatten(), value.flatten()])" in lines[438 - 1]
+    assert "next_kv = rotater.exchange_buffers(next_kv)" in lines[439 - 1]  # the copy goes out while the step computes
+    says_flat("no rank of this ring ever held the S x S scores or more than three blocks of K and V at once: its own "
+              "(kept for backward), the one it computes with and the one arriving")
+    says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one |")
+    says_flat("| four blocks: also the copy it sends (`_attention.py:438`) |")
+    assert "more than two blocks" not in FLAT and "two blocks at a time" not in FLAT
+    assert "more than two blocks" not in (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
+
+
+def test_the_hybrids_placement_across_nodes_is_llama_3s():
+    """Across nodes a ring hides its hops; an all-gather does not hide, and Llama 3 ran it there: CP next to TP in
+    its order, TP 8 filling a server of eight GPUs."""
+    from distlab.planner.sources import SOURCES
+
+    assert "[TP, CP, PP, DP]" in SOURCES["llama3_parallelism_order"].quote
+    assert "Each server is equipped with eight GPUs" in " ".join(SOURCES["llama3_compute"].quote.split())
+    assert "16,384 8 16 16 8 131,072" in SOURCES["llama3_table4"].quote  # TP 8, CP 16
+    says_flat("and a ring across nodes, where only neighbours talk and the hops can hide behind attention (or an "
+              "all-gather, exposed but small under GQA: Llama 3's CP groups span servers, its TP filling each one)")
+
+
+def test_the_labs_balance_and_summary_say_what_the_code_computes():
+    """Lab 08's prose: the causal-balance figures computed here, and its summary tells torch's default all-gather
+    (the ring's bytes both ways) from the all-gather by hand (less backward)."""
+    import json
+
+    cells = json.loads((REPO / "notebooks" / "08_sequence_parallel.ipynb").read_text())["cells"]
+    lab = " ".join(" ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown").split())
+    blocks = tp.causal_blocks_per_rank(4, "contiguous")
+    halves = [sum(row[r] for row in cpm.ring_step_work(4, "contiguous", 0.5)) for r in range(4)]
+    full = [cpm.ring_time_in_blocks(4, layout, 1.0) for layout in ("contiguous", "zigzag")]
+    half = [cpm.ring_time_in_blocks(4, layout, 0.5) for layout in ("contiguous", "zigzag")]
+    zigzag = tp.causal_blocks_per_rank(4, "zigzag")
+    for phrase in (f"rank 3 computes {blocks[3]} blocks and rank 0 computes {blocks[0]}",
+                   f"seven times ({halves[3]:.0f} against {halves[0]:.0f})", f"zig-zag ({zigzag[0]} blocks on every rank)",
+                   f"{full[0]:.0f} blocks against {full[1]:.0f}, {full[0] / full[1]:.2f} times faster "
+                   f"({half[0] / half[1]:.2f} counting halves)",
+                   f"runs {full[0] / full[1]:.2f} to {half[0] / half[1]:.2f} times faster"):
+        assert phrase in lab, f"lab 08 no longer says {phrase!r}"
+    sent = {m: cpm.cp_bytes_sent_per_rank(m, 8192, 4) for m in ("ring", "all-gather", "torch allgather")}
+    assert sent["torch allgather"] == sent["ring"] and sent["all-gather"]["backward"] < sent["ring"]["backward"]
+    assert "The all-gather by hand (Llama 3's) sends the ring's forward bytes and less backward" in lab
+    assert "torch's sends the ring's bytes both ways" in lab
