@@ -8,9 +8,10 @@ per call in the fastest block as t, and reports
 * **algorithm bandwidth** ``S / t``: how fast the collective finishes for its payload;
 * **bus bandwidth** ``S / t x factor``, with factor = 2(n-1)/n for all-reduce and (n-1)/n for all-gather and
   reduce-scatter: the bytes each rank actually pushes through its link on a ring, per second. It is
-  comparable across collectives and rank counts, and with a link's peak (NVLink, Slingshot). The factors
-  are ``distlab.comm.bus_bandwidth``'s, pinned by a unit test (tests/unit/test_comm.py) to nccl-tests' values;
-  the ring all-reduce script (ring_allreduce.py) measures the 2(n-1)/n by counting the bytes it sends.
+  comparable across collectives and rank counts, and with a link's peak in one direction (NVLink's data sheets
+  count both). The factors are ``distlab.comm.bus_bandwidth``'s, pinned by a unit test (tests/unit/test_comm.py)
+  to nccl-tests' values; the ring all-reduce script (ring_allreduce.py) measures the 2(n-1)/n by counting the
+  bytes it sends.
 
 Only the calls are timed. The byte counter (``CommCounter``) sees one untimed call per size, never the timed
 ones. On a GPU the clock is a pair of CUDA events on the stream, and the stream is held by a spin kernel
