@@ -22,6 +22,9 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     echo "pbs/common.sh is sourced by the jobs in pbs/, not run: see pbs/README.md" >&2
     exit 2
 fi
+# the settings this job was given (qsub -v), named before any default is filled in: a chain hands them on to its next
+# job, since qsub hands a job only its -v variables (Slurm's chains hand on the environment, --export=ALL)
+DISTLAB_GIVEN=$(compgen -e DISTLAB_ | tr '\n' ' ')
 # shellcheck source=jobs/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
@@ -81,7 +84,8 @@ distlab_deadline() {
 distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its walltime did not end "ok"), with this job's own resources: the same
-    # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one. Prints its id.
+    # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one, and the settings it was
+    # given (-v). Prints its id.
     local select walltime queue
     select=$(distlab_qstat_field Resource_List.select)
     walltime=$(distlab_qstat_field Resource_List.walltime)
@@ -96,9 +100,21 @@ distlab_chain_next() {
     [[ -z $queue ]] || args+=(-q "$queue")
     [[ -z $select ]] || args+=(-l "select=$select")
     [[ -z $walltime ]] || args+=(-l "walltime=$walltime")
+    # the settings this job was given, as this job read them (a chain with -v DISTLAB_CONDA_ENV=... or
+    # DISTLAB_DRILL_STEPS=... must not go on with the defaults), less what is this job's own (its run folder,
+    # deadline, nodes, rendezvous) and what the caller names
+    local -a carried=()
+    local name
+    for name in $DISTLAB_GIVEN; do
+        case $name in
+        DISTLAB_RUN_DIR | DISTLAB_DEADLINE | DISTLAB_NODES | DISTLAB_NNODES | DISTLAB_MASTER_ADDR | DISTLAB_MASTER_PORT | \
+            DISTLAB_FUNCTIONS_ONLY | DISTLAB_GIVEN | DISTLAB_NCCL_DEBUG_GIVEN) continue ;;
+        esac
+        [[ " ${*:2} " == *" $name="* ]] || carried+=("$name=${!name-}")
+    done
     # qsub -v splits its list at every comma outside quotes: a value's commas become colons (distlab_jobs chain-vars)
     local variables
-    variables=$(distlab_jobs chain-vars "${@:2}") || return 2
+    variables=$(distlab_jobs chain-vars "${carried[@]}" "${@:2}") || return 2
     "$DISTLAB_QSUB" "${args[@]}" -v "$variables" "$1"
 }
 

@@ -285,6 +285,10 @@ def test_the_chain_carries_a_list_of_scripts_to_the_next_job(job_env, fake_pals,
     result = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env, timeout=120)
     assert result.returncode == 0, result.output[-3000:]
     args = (tmp_path / "qsub.args").read_text().splitlines()
-    assert args[args.index("-v") + 1] == (f"DISTLAB_CHAIN=0,DISTLAB_DRILL_DIR={tmp_path / 'drill'},"
-                                          "DISTLAB_ONLY=tuning.py:fault_drill.py")
+    # the job's own settings first (qsub hands a job only its -v variables), then the chain's
+    variables = args[args.index("-v") + 1].split(",")
+    assert variables[-3:] == ["DISTLAB_CHAIN=0", f"DISTLAB_DRILL_DIR={tmp_path / 'drill'}",
+                              "DISTLAB_ONLY=tuning.py:fault_drill.py"]
+    assert {"DISTLAB_DEVICE=cpu", "DISTLAB_CONDA_ENV="} <= set(variables)  # not cuda, not the default environment
+    assert not any(v.startswith("DISTLAB_RUN_DIR=") for v in variables)
     assert "next job of the chain: 4243.desched1" in result.output

@@ -341,14 +341,21 @@ def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
     # successor goes to main, the queue that takes submissions
     tools = fake_pbs(tmp_path)
     (tmp_path / "qstat.out").write_text(QSTAT_F.replace("queue = main", "queue = gpu"))
+    # the settings the job was given (qsub -v) go on too: qsub hands the next job only its -v variables; not this
+    # job's own run folder, nor the chain's count, which the caller names
     job = out("distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1 DISTLAB_ONLY=a.py,b.py", PBS_JOBID="4242.desched1",
-              PBS_QUEUE="gpu", PBS_O_QUEUE="main", PBS_ACCOUNT="UABC0001", **tools)
+              PBS_QUEUE="gpu", PBS_O_QUEUE="main", PBS_ACCOUNT="UABC0001", DISTLAB_CONDA_ENV="mine",
+              DISTLAB_DRILL_STEPS="1000", DISTLAB_RUN_DIR="/scratch/run1", DISTLAB_CHAIN="2", **tools)
     assert job == "4243.desched1"
-    assert (tmp_path / "qsub.args").read_text().splitlines() == [
+    args = (tmp_path / "qsub.args").read_text().splitlines()
+    assert args[:-2] == [
         "-W", "depend=afterany:4242.desched1", "-A", "UABC0001", "-q", "main",
         "-l", "select=2:ncpus=64:ngpus=4:mpiprocs=4:ompthreads=16:mem=480GB:cpu_type=milan",
-        "-l", "walltime=00:20:00", "-v", "DISTLAB_CHAIN=1,DISTLAB_ONLY=a.py:b.py",  # qsub -v splits at commas
-        "pbs/12_hpc_operations.pbs"]
+        "-l", "walltime=00:20:00", "-v"] and args[-1] == "pbs/12_hpc_operations.pbs"
+    variables = args[-2].split(",")  # qsub -v splits at commas: a list goes on with colons
+    assert variables[-2:] == ["DISTLAB_CHAIN=1", "DISTLAB_ONLY=a.py:b.py"]
+    assert {"DISTLAB_CONDA_ENV=mine", "DISTLAB_DRILL_STEPS=1000"} <= set(variables)
+    assert not any(v.startswith(("DISTLAB_RUN_DIR=", "DISTLAB_FUNCTIONS_ONLY=", "DISTLAB_CHAIN=2")) for v in variables)
 
 
 @pytest.mark.parametrize("extra, checks, cancelled", [
