@@ -36,7 +36,8 @@ def _block_attention(q, k, v, query_positions, key_positions, causal: bool):
 def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
     """Notebook 08: the online-softmax merge, block by block against full softmax attention.
 
-    Without a mask: keys split in two and three blocks. With a causal mask: a query sees no key of a block
+    Without a mask: keys split in two and three blocks, and once with scores large enough that exp(lse)
+    overflows fp32 (lse above 88), which a merge through exp(lse_a) + exp(lse_b) cannot survive. With a causal mask: a query sees no key of a block
     in its future, so that block's lse is -inf for it, and merged in reverse order (a ring can deliver the
     blocks in any order) a query can have seen no key on either side yet: its out must stay 0 and its lse
     -inf, not nan. The merged lse is compared too: the next merge needs it.
@@ -46,13 +47,18 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, length, 8, generator=generator) for length in (24, 24, 24))
     positions = torch.arange(24)
-    cases = [("no mask, keys cut at 10", [10], False, False), ("no mask, keys cut at 4 and 17", [4, 17], False, False),
-             ("causal, keys cut at 8 and 16", [8, 16], True, False),
-             ("causal, keys cut at 8 and 16, merged last block first", [8, 16], True, True)]
-    for label, cuts, causal, reverse in cases:
-        full_out, full_lse = _block_attention(q, k, v, positions, positions, causal)
+    # (label, cuts, causal, merged last block first, scale of the queries: at 60 two thirds of the rows have lse
+    # past 88.7, where fp32's exp overflows; up to 311)
+    cases = [("no mask, keys cut at 10", [10], False, False, 1.0),
+             ("no mask, keys cut at 4 and 17", [4, 17], False, False, 1.0),
+             ("no mask, keys cut at 10, scores large enough that exp(lse) overflows fp32", [10], False, False, 60.0),
+             ("causal, keys cut at 8 and 16", [8, 16], True, False, 1.0),
+             ("causal, keys cut at 8 and 16, merged last block first", [8, 16], True, True, 1.0)]
+    for label, cuts, causal, reverse, scale in cases:
+        queries = q * scale
+        full_out, full_lse = _block_attention(queries, k, v, positions, positions, causal)
         edges = [0, *cuts, 24]
-        blocks = [_block_attention(q, k[..., a:b, :], v[..., a:b, :], positions, positions[a:b], causal)
+        blocks = [_block_attention(queries, k[..., a:b, :], v[..., a:b, :], positions, positions[a:b], causal)
                   for a, b in zip(edges, edges[1:])]
         blocks = blocks[::-1] if reverse else blocks
         out, lse = blocks[0]
@@ -65,6 +71,10 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
             if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
                 raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} should be a tensor of shape "
                                     f"{tuple(expected.shape)}, got {_short(got)}. {hint}".strip())
+            if torch.isinf(got).any() and not torch.isinf(expected).any():
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} has inf where full attention has none: "
+                                    f"exp of a large lse overflows; combine the lses with logaddexp and weight each "
+                                    f"output by exp(its lse - lse), which is at most 1. {hint}".strip())
             if torch.isnan(got).any():
                 raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} has nan: a query that has seen no "
                                     f"key yet has lse -inf on both sides, and exp(-inf - (-inf)) is nan; keep its "

@@ -153,3 +153,19 @@ def test_ulysses_heads_that_do_not_split_and_native_on_a_cpu_are_refused_before_
     # PyTorch's context_parallel covers only CUDA kernels: --native on a CPU is refused the same way
     with pytest.raises(runtime.ConfigError, match="--native runs PyTorch's context_parallel"):
         ring_attention.check_config(argparse.Namespace(**{**vars(args), "heads": 4, "native": True}), 4)
+
+
+def test_the_labs_check_rejects_a_merge_through_exp_that_overflows():
+    """exp(lse_a) + exp(lse_b) is the same sum as logaddexp until an lse passes 88 (fp32's exp overflows): the lab's
+    check has a case with lse up to 311, so a merge that overflows there is wrong, not merely unstable."""
+    import torch
+
+    from labkit.exercises import ch08
+
+    def through_exp(out_a, lse_a, out_b, lse_b):
+        lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
+        out = torch.exp(lse_a - lse).unsqueeze(-1) * out_a + torch.exp(lse_b - lse).unsqueeze(-1) * out_b
+        return out.nan_to_num(0.0), lse
+
+    with pytest.raises(ch08.ExerciseWrong, match="overflows"):
+        ch08.check_merge_attention_blocks(through_exp)
