@@ -165,9 +165,12 @@ distlab_chain_next() {
     local variables
     variables=$(distlab_jobs chain-vars "${@:2}") || return 2
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
-    # run folder, deadline, NCCL log folder and rendezvous
-    env -u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES \
-        -u DISTLAB_NNODES "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$variables${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
+    # run folder, deadline, NCCL log folder and rendezvous, and NCCL_DEBUG unless the user set it (this job's default
+    # WARN, handed on, would read as the user's choice there, and its transport report would get no INFO lines)
+    local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES
+        -u DISTLAB_NNODES)
+    [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
+    env "${own[@]}" "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$variables${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
         cut -d';' -f1
 }
 
