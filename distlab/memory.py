@@ -288,6 +288,28 @@ def within_margin(predicted: int, measured: int, margin: float = PEAK_MARGIN) ->
     return abs(measured - predicted) <= margin * predicted
 
 
+# max_memory_allocated also counts what no tensor of the model holds, and it does not shrink with the model: cuBLAS's
+# workspaces come from the caching allocator (8,519,680 B still allocated after one 1 x 1 Linear on an A10G,
+# pytorch/pytorch#95668; 32 MiB a workspace on Hopper, pytorch/pytorch#120925), and kernels' scratch. Both H200 runs
+# measured 68 and 74 MiB over the prediction, at 30 GiB as at 63 (tests/unit/test_memory.py recomputes them): a fixed
+# cost, over the 2% of any peak under 3.6 GiB (the tiny preset predicts 4.7 MiB). So the GPU check holds a prediction
+# of PEAK_CHECK_MIN_BYTES or more, where that cost is 1.2% at most; a smaller run reports both figures, checks nothing.
+PEAK_CHECK_MIN_BYTES = 6 * GIB
+
+
+def check_allocator_peak(report, predicted: int, measured: int, say=print) -> bool | None:
+    """A script's GPU check: ``measured`` (max_memory_allocated) = ``predicted`` (the phase model's peak) within
+    ``PEAK_MARGIN``, recorded in ``report``, where the prediction is ``PEAK_CHECK_MIN_BYTES`` or more. Below it,
+    one line (``say``) gives both figures and why nothing is checked, and the answer is None."""
+    if predicted < PEAK_CHECK_MIN_BYTES:
+        say(f"peak memory: max_memory_allocated {measured / GIB:.3f} GiB, predicted {predicted / GIB:.3f} GiB; not "
+            f"checked under {PEAK_CHECK_MIN_BYTES / GIB:.0f} GiB, where the allocator's fixed costs (cuBLAS "
+            f"workspaces: about 70 MiB on an H200) exceed the {PEAK_MARGIN:.0%} margin")
+        return None
+    return report.check(f"peak memory (max_memory_allocated) = predicted by phase within {PEAK_MARGIN:.0%}",
+                        within_margin(predicted, measured), round(measured / predicted, 4), f"1 +- {PEAK_MARGIN}")
+
+
 @contextmanager
 def cpu_allocation_peaks():
     """Measure the peak of the bytes allocated on the CPU inside each named phase, from the profiler's allocation

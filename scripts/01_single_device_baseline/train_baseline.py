@@ -8,7 +8,8 @@ trains (tokens/s, model FLOPs per token, and MFU on a GPU), and proves itself:
 * the loss falls (the model learns the synthetic rule);
 * the same seed gives the same losses (the first steps are trained a second time, from scratch);
 * measured training state = 16 bytes/parameter, measured saved activations = the formula (fp32);
-* on a GPU, the allocator's peak = the peak predicted phase by phase (``memory.predict_step_peak``) within 2%.
+* on a GPU, the allocator's peak = the peak predicted phase by phase (``memory.predict_step_peak``) within 2%,
+  where it is 6 GiB or more (``memory.PEAK_CHECK_MIN_BYTES``; the ``a100`` preset).
 
     python scripts/01_single_device_baseline/train_baseline.py
     torchrun --standalone --nproc_per_node=4 scripts/01_single_device_baseline/train_baseline.py
@@ -156,11 +157,9 @@ def main():
         else:
             rt.print("saved activations: the formula is the fp32 one; under bf16 autocast only the measurement "
                      "is reported")
-        if rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py)
-            measured_peak = device_memory["peak_allocated_bytes"]
-            report.check(f"peak memory (max_memory_allocated) = predicted by phase within {memory.PEAK_MARGIN:.0%}",
-                         memory.within_margin(phases.peak, measured_peak), round(measured_peak / phases.peak, 4),
-                         f"1 +- {memory.PEAK_MARGIN}")
+        if rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py),
+            # from memory.PEAK_CHECK_MIN_BYTES predicted: below, cuBLAS's workspaces alone exceed the margin
+            memory.check_allocator_peak(report, phases.peak, device_memory["peak_allocated_bytes"], say=rt.print)
         if rt.world_size > 1:
             every_rank = [None] * rt.world_size
             dist.all_gather_object(every_rank, losses)

@@ -132,3 +132,18 @@ def test_the_foreach_adamw_line_cited():
     says("`torch._foreach_sqrt(exp_avg_sq)` into a new fp32\n  tensor for every parameter (torch 2.13, "
          "`torch/optim/adam.py:790`)")
     assert memory.FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM == 4
+
+
+def test_the_gpu_peak_check_applies_from_6_gib():
+    """The fixed costs the allocator counts (the H200 runs' excess over the prediction) and the size from which the
+    scripts check the peak (memory.PEAK_CHECK_MIN_BYTES), recomputed."""
+    a100, large, tiny = models.preset("a100"), models.preset("a100_large"), models.preset("tiny")
+    baseline = memory.predict_step_peak(memory.training_state_bytes(a100.num_params()),
+                                        round(H200_BF16_ACTIVATIONS_GIB * GIB), 4, a100.seq_len, a100.vocab_size).peak
+    fixed = [H200_BASELINE_PEAK_GIB * GIB - baseline, H200_FSDP_PEAK_GIB * GIB - 20 * large.num_params()]
+    small = memory.predict_step_peak(memory.training_state_bytes(tiny.num_params()),
+                                     memory.transformer_activation_bytes(tiny, 8), 8, tiny.seq_len, tiny.vocab_size).peak
+    says(f"where the prediction is {memory.PEAK_CHECK_MIN_BYTES / GIB:.0f} GiB or more (`memory.PEAK_CHECK_MIN_BYTES`)")
+    says(f"both H200 runs measured {fixed[0] / 2**20:.0f} and {fixed[1] / 2**20:.0f} MiB over the prediction")
+    says(f"over 2% of any peak under {max(fixed) / memory.PEAK_MARGIN / GIB:.1f} GiB")
+    says(f"For the `tiny` preset's {small / 2**20:.1f} MiB the script prints both\nfigures and checks nothing")
