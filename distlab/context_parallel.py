@@ -4,8 +4,9 @@ Chapter 08's ``ring_attention.py`` writes the ring itself, where each rank's key
 with send/recv. It runs the other ways next to it, from here, and checks every one against full causal attention:
 
 * :func:`all_gather_attention`, **all-gather CP** (what Llama 3 ran; torch 2.13's ``context_parallel`` gathers K and
-  V this way by default, though it merges block by block and gathers again in backward): every rank all-gathers the whole sequence's K and V once, attends its own queries to them under
-  the causal mask of its positions, and in backward reduce-scatters dK and dV home. One collective each way instead
+  V this way by default, though it merges block by block and gathers again in backward): every rank all-gathers
+  the whole sequence's K and V once, attends its own queries to them under the causal mask of its positions, and
+  in backward reduce-scatters dK and dV home. One collective each way instead
   of P - 1 hops, but the latency is not hidden behind attention and each rank holds K and V of the whole sequence.
 * :func:`ulysses_attention`, **Ulysses** (DeepSpeed-Ulysses): an all-to-all swaps the sequence shard for a head
   shard, so each rank holds the whole sequence for H/P heads and runs ordinary causal attention; a second
@@ -26,12 +27,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.tensor_parallel import block_kind, ring_chunks
+from distlab.tensor_parallel import NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, block_kind, ring_chunks
 
 # torch 2.13's context parallelism lives here (torch/distributed/tensor/experimental/_context_parallel/_attention.py;
 # the public module torch.distributed.tensor.experimental._attention re-exports part of it).
 TORCH_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
 ROTATE_METHODS = ("allgather", "alltoall")
+
+# A ring hop goes to one neighbour, over the links between those two GPUs only. In a node of 4 A100s wired to each
+# other without an NVSwitch (the course's 4 x A100 nodes; NVIDIA's HGX A100 4-GPU board) each GPU's 12 NVLink 3 links
+# are split 4 to each of the 3 others (nvidia-smi topo -m prints NV4 between each pair): 100 GB/s a direction to a
+# neighbour, the 200 GB/s both ways together that NVIDIA's "Introducing NVIDIA HGX A100" blog gives as the 4-GPU
+# board's A100-to-A100 peer bandwidth; a third of the 300 that an NVSwitch gives any pair on 8-GPU boards.
+NVLINK3_A100_4GPU_PEER_BYTES_PER_S = NVLINK3_A100_PER_DIRECTION_BYTES_PER_S * 4 / 12
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,10 +37,10 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
     """Notebook 08: the online-softmax merge, block by block against full softmax attention.
 
     Without a mask: keys split in two and three blocks, and once with scores large enough that exp(lse)
-    overflows fp32 (lse above 88), which a merge through exp(lse_a) + exp(lse_b) cannot survive. With a causal mask: a query sees no key of a block
-    in its future, so that block's lse is -inf for it, and merged in reverse order (a ring can deliver the
-    blocks in any order) a query can have seen no key on either side yet: its out must stay 0 and its lse
-    -inf, not nan. The merged lse is compared too: the next merge needs it.
+    overflows fp32 (lse above 88), which a merge through exp(lse_a) + exp(lse_b) cannot survive. With a causal
+    mask: a query sees no key of a block in its future, so that block's lse is -inf for it, and merged in reverse
+    order (a ring can deliver the blocks in any order) a query can have seen no key on either side yet: its out
+    must stay 0 and its lse -inf, not nan. The merged lse is compared too: the next merge needs it.
     """
     import torch
 

@@ -165,13 +165,19 @@ def test_when_a_ring_step_hides_its_transfer():
     peak = metrics.PEAK_FLOPS[("A100", "bf16")]
     says_flat(f"A100 at its {peak / 1e12:.0f} TFLOP/s peak")
     links = (tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, tp.SLINGSHOT11_NIC_BYTES_PER_S)
-    says_flat(f"NVLink ({links[0] / 1e9:.0f} GB/s each way)")
     says_flat(f"one Slingshot NIC ({links[1] / 1e9:.0f} GB/s)")
     mha = [cpm.ring_break_even_tokens_per_rank(8, 8, peak, link) for link in links]
     gqa = [cpm.ring_break_even_tokens_per_rank(8, 1, peak, link) for link in links]
-    says_flat(f"that is {mha[0]:,.0f} tokens per rank over NVLink")
+    # a ring hop goes to one neighbour: in a 4 x A100 node (no NVSwitch) only the four links between the two GPUs
+    peer = cpm.NVLINK3_A100_4GPU_PEER_BYTES_PER_S
+    assert peer == links[0] * 4 / 12 == 100e9
+    node = [cpm.ring_break_even_tokens_per_rank(8, kv, peak, peer) for kv in (8, 1)]
+    says_flat(f"that is {node[0]:,.0f} tokens per rank between neighbours in a 4 x A100 node")
+    says_flat(f"({peer / 1e9:.0f} GB/s each way: four of each GPU's twelve NVLinks go to each other GPU")
+    says_flat(f"{mha[0]:,.0f} where an NVSwitch gives any peer all {links[0] / 1e9:.0f} GB/s")
     says_flat(f"and {mha[1]:,.0f} over one Slingshot NIC")
-    says_flat(f"with 8 times fewer key/value heads, {gqa[0]:,.0f} and {gqa[1]:,.0f}")
+    says_flat(f"with 8 times fewer key/value heads, {node[1]:,.0f}, {gqa[0]:,.0f} and {gqa[1]:,.0f}")
+    assert "NVLink (300 GB/s each way)" not in FLAT  # a ring hop does not get a GPU's every link
     # the break-even is where a step's compute equals its transfer, and it does not move with S
     step = cpm.ring_step_seconds(round(mha[0]), 16, 16, 128, peak, links[0])
     assert abs(step["compute"] / step["transfer"] - 1) < 1e-3
