@@ -334,8 +334,9 @@ def _memory_row(row: dict, margin: float = MEMORY_MARGIN) -> dict:
     else:                            # train_fsdp.py: this rank's shards, its rows, FSDP2's gathered units
         state, activations = state_of(memory["measured"]), memory["saved_activation_bytes"]
         rows = config["batch"] // row["world_size"]
-        num_params = round(sum(memory["analytic"][k] for k in ("params", "grads", "optimizer")) * row["world_size"]
-                           / 16)    # the ZeRO-3 table: 16 B a parameter over N ranks
+        shard = row["world_size"] // config.get("replicate", 1)   # HSDP: the table is over the shard group
+        num_params = round(sum(memory["analytic"][k] for k in ("params", "grads", "optimizer")) * shard
+                           / 16)    # the ZeRO-3 table: 16 B a parameter over the shard group's ranks
         units = memory_model.fsdp_unit_bytes(model["vocab_size"], model["dim"], model["n_layers"], num_params,
                                              param_bytes=2 if config.get("mixed_precision") else 4)
     phases = memory_model.predict_step_peak(state, activations, rows, model["seq_len"], model["vocab_size"],

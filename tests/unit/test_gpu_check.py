@@ -282,6 +282,17 @@ def test_memory_check_passes_within_its_margin_only(summary, measured_over_predi
     assert memory_row["passed"] is passes and memory_row["margin"] == gpu_check.MEMORY_MARGIN == 0.02
 
 
+def test_an_hsdp_run_counts_the_model_once(summary):
+    """train_fsdp --replicate 2 on 4 ranks writes the ZeRO-3 table over its shard group of 2: the same model, the
+    same gathered units as the plain FSDP run's."""
+    row = next(r for r in summary["runs"] if r["name"] == "fsdp_a100_memory")
+    metrics = json.loads(json.dumps(row["metrics"]))
+    metrics["config"]["replicate"] = 2
+    metrics["memory"]["analytic"] = {k: 2 * v for k, v in metrics["memory"]["analytic"].items()}
+    hsdp = gpu_check._memory_row({**row, "metrics": metrics})
+    assert hsdp["phases"]["forward/backward"] == summary["memory"][1]["phases"]["forward/backward"]
+
+
 def test_a_small_predicted_peak_is_reported_not_checked(summary):
     """Under memory.PEAK_CHECK_MIN_BYTES (cuBLAS's workspaces alone are over 2% there) the row says so, as the
     scripts do, and neither passes nor fails the summary: the fixture's baseline shrunk to the tiny preset's size."""
