@@ -260,6 +260,8 @@ def measure(args) -> int:
     say(f"planner: {plan.layout.label()} for the {args.preset} transformer on {where.world_size} ranks; "
         f"running it with {HYBRID}")
     measured_file = Path(tempfile.gettempdir()) / f"distlab-plan-measure-{where.master_port}.json"
+    if where.rank == 0:
+        measured_file.unlink(missing_ok=True)   # a stale file of an earlier run on this port must not be read
     saved_argv = sys.argv
     sys.argv = [HYBRID, "--dp", str(plan.layout.dp), "--tp", str(plan.layout.tp), "--preset", args.preset,
                 "--device", args.device, "--steps", str(args.steps), "--metrics-out", str(measured_file)]
@@ -272,7 +274,11 @@ def measure(args) -> int:
         sys.argv = saved_argv
     if where.rank != 0:
         return code
+    if not measured_file.exists():
+        sys.stderr.write(f"{HYBRID} wrote no metrics (exit {code}): nothing to compare\n")
+        return code or runtime.CHECK_FAILED_EXIT_CODE
     run = json.loads(measured_file.read_text())
+    measured_file.unlink()   # read once; leave nothing behind in the temporary folder
     state, predicted = run["memory"]["measured"], plan.memory_per_gpu_bytes
     device = run["memory"].get("device", {})
     peak = device.get("peak_allocated_bytes")
