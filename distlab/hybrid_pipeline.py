@@ -89,9 +89,13 @@ def gradient_sync_timing_problems(dp_mode: str, backwards: list[tuple], reduce_g
     ``backwards``: (stage, start, end) of each backward pass (B, or W where the backward is split);
     ``reduce_grads``: (stage, start, end, [collectives issued]) of each REDUCE_GRAD; ``bucket_launches``:
     (stage, time) of each DDP bucket; ``gradient_collectives``: the step's all-reduces (DDP) or reduce-scatters
-    (FSDP), all of which must be accounted for. Returns what disagrees (empty: as torch runs it).
+    (FSDP), counted at the calls (not from ``bucket_launches``), all of which must be accounted for; none at
+    all is a problem too. Returns what disagrees (empty: as torch runs it).
     """
     problems = []
+    if gradient_collectives == 0 and dp_mode in ("ddp", "fsdp"):
+        problems.append(f"no {'all-reduce' if dp_mode == 'ddp' else 'reduce-scatter'} of the gradients issued in "
+                        f"the step")
     last = {}
     for stage, start, end in backwards:
         if stage not in last or end > last[stage][1]:

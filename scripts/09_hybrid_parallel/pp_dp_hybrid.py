@@ -198,10 +198,12 @@ def main():
                 # where the dp gradient sync ran in this step, on this rank's clock (torch's rule: DDP inside the
                 # stage's last backward, FSDP in REDUCE_GRAD after it)
                 backwards = [(stage, start, end) for stage, _, kind, start, end, *_ in events if kind in ("B", "W")]
-                issued = sum(c.collective == "reduce_scatter" for c in counter.calls)
+                # the step's gradient collectives as the counter saw them at the calls, independent of the
+                # hook's own list (DDP: the hook's all-reduces over dp; FSDP: its reduce-scatters)
+                issued = sum(c.collective == ("reduce_scatter" if args.dp_mode == "fsdp" else "all_reduce")
+                             and c.group_size > 1 for c in counter.calls)
                 sync_timing = (hybrid_pipeline.gradient_sync_timing_problems(
-                    args.dp_mode, backwards, reduce_grads, bucket_log.launches,
-                    issued if args.dp_mode == "fsdp" else len(bucket_log.launches)) if dp > 1 else [])
+                    args.dp_mode, backwards, reduce_grads, bucket_log.launches, issued) if dp > 1 else [])
                 last_backward_end = {s: max(end for stage, _, end in backwards if stage == s) - t0 for s in mine}
                 sync_seen = {"last_backward_end": last_backward_end,
                              "reduce_grad": [(s, start - t0, end - t0) for s, start, end, _ in reduce_grads],

@@ -244,6 +244,11 @@ def test_the_hsdp_section_is_what_the_search_finds(text):
     assert (f"ranks {fitting.index(best) + 1}th at {best.mfu:.1%} MFU" in text and f"ranks ({twin.mfu:.1%})" in text
             and f"below the first choice's {fitting[0].mfu:.1%}" in text)
     assert not fitting[0].layout.shard and best.mfu < fitting[0].mfu   # "it wins nothing here"
+    # the pair runs PP 2: both reduce their gradients in REDUCE_GRAD, exposed; HSDP's all-reduce costs more
+    hsdp_exposed = best.exposed_seconds["dp"] + best.exposed_seconds["replicate"]
+    assert best.layout.pp > 1 and hsdp_exposed > twin.exposed_seconds["dp"] > 0
+    assert f"({hsdp_exposed:.2f} s a step against {twin.exposed_seconds['dp']:.2f} s)" in text
+    assert "already hides FSDP's traffic behind the compute in these layouts" not in text
     big = [p for p in planner.search(planner.MODELS["70b"], cluster, 256) if p.layout.shard]
     assert f"For 70B on 256 GPUs {sum(p.fits for p in big)} of the {len(big)} HSDP layouts fit" in text
     assert "of 4,096 fake ranks" in text   # tests/unit/test_planner_dry_run.py::test_hsdp_builds_at_the_full_world_size...
@@ -267,3 +272,17 @@ def test_llama_at_8k_is_a_named_miss_at_its_published_settings(text):
 def test_every_row_passes_or_is_a_named_miss_and_a_named_miss_misses():
     for r in planner.validation_table():
         assert r["passes"] != bool(r["miss"]), (r["label"], r["error"], r["miss"])
+
+
+def test_zero1s_overlap_is_said_to_be_megatrons_not_torchs(text):
+    """The 405B case's ZeRO-1 hides its reduction and its gather as Megatron-Core's distributed optimizer does;
+    torch's ZeroRedundancyOptimizer broadcasts the updated weights inside step() (read in torch's source)."""
+    import importlib.util
+
+    source = (Path(importlib.util.find_spec("torch").origin).parent / "distributed" / "optim"
+              / "zero_redundancy_optimizer.py").read_text()
+    step = source[source.index("    def step("):]
+    step = step[:step.index("\n    def ", 1)]
+    assert "self._sync_params()" in step and "self._overlap_with_ddp" in step
+    assert ("torch's `ZeroRedundancyOptimizer` broadcasts them inside its `step()` (`_sync_params`, unless "
+            "`overlap_with_ddp`), exposed") in text and "Megatron-Core's distributed optimizer's" in text

@@ -235,3 +235,12 @@ def test_fsdp_reduce_grad_after_each_stages_last_backward_passes():
 def test_fsdp_sync_elsewhere_fails(reduce_grads, issued, why):
     problems = hybrid_pipeline.gradient_sync_timing_problems("fsdp", BACKWARDS, reduce_grads, [], issued)
     assert any(why in p for p in problems), problems
+
+
+def test_a_step_that_issued_no_gradient_collective_fails():
+    """Every REDUCE_GRAD in its place but nothing reduced (or the counter saw nothing): not torch's rule either."""
+    silent = [(1, 4.0, 4.1, []), (0, 5.0, 5.2, [])]
+    assert any("no reduce-scatter" in p for p in hybrid_pipeline.gradient_sync_timing_problems(
+        "fsdp", BACKWARDS, silent, [], 0))
+    assert any("no all-reduce" in p for p in hybrid_pipeline.gradient_sync_timing_problems(
+        "ddp", BACKWARDS, [], [], 0))

@@ -497,3 +497,15 @@ def test_cp_moves_only_this_tp_ranks_key_value_heads(attention):
     gqa = planner.replace(mha, kv_heads=2)             # 2 key/value heads of 128 wide
     assert cp_bytes(gqa, 2) * 2 == cp_bytes(gqa, 1)    # one head a rank
     assert cp_bytes(gqa, 4) == cp_bytes(gqa, 2)        # still one head a rank: replicated, not split
+
+
+def test_a_plan_changed_by_its_caller_does_not_change_the_next_search():
+    """search answers a repeated question from its cache: each caller gets plans of its own, so one that edits
+    what it got (a notebook, a table builder) cannot change the next caller's answer."""
+    question = (planner.MODELS["1b"], planner.CLUSTERS["a100-80gb"], 8)
+    first = planner.search(*question)
+    assert first[0].fits
+    first[0].problems.append("edited by the caller")
+    first[0].exposed_seconds["dp"] = 99.0
+    again = planner.search(*question)
+    assert again[0].fits and again[0].exposed_seconds.get("dp") != 99.0
