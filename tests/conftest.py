@@ -4,9 +4,14 @@ from pathlib import Path
 # tests/helpers.py is importable as `helpers` from every test tier
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # The learner's notebook copies (tests/notebooks) replay the script runs their full notebooks made earlier
 # in this session (nbval runs first: see the Makefile's order). Kernels inherit this variable.
-os.environ.setdefault("DISTLAB_LAUNCH_CACHE", tempfile.mkdtemp(prefix="distlab-replay-"))
+# `make test` makes it (and removes it); a pytest run without it makes its own and removes it at exit.
+if "DISTLAB_LAUNCH_CACHE" not in os.environ:
+    os.environ["DISTLAB_LAUNCH_CACHE"] = tempfile.mkdtemp(prefix="distlab-replay-")
+    atexit.register(shutil.rmtree, os.environ["DISTLAB_LAUNCH_CACHE"], ignore_errors=True)
