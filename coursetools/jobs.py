@@ -13,7 +13,7 @@ Standard library only: a job may call it before its own environment is ready.
     chain-vars NAME=VALUE...         one -v / --export list for a chain's next job, lists carried with ':'
 
 ``submit`` refuses, with one line ``distlab: error: ...`` and exit 2, before anything is queued: an unknown
-partition (``sinfo -a -h -p NAME``) or queue (``qstat -Q NAME``); no account where the site needs one (Slurm:
+partition (``sinfo -h -p NAME``) or queue (``qstat -Q NAME``); no account where the site needs one (Slurm:
 ``scontrol show config``'s AccountingStorageEnforce, then ``sacctmgr``'s associations; PBS has no such query:
 always, unless DISTLAB_REQUIRE_ACCOUNT=0); an account not yours (``sacctmgr``, where associations are enforced); tasks a node that
 do not match its GPUs (one task, or one MPI rank, a GPU; a torchrun agent a node is exempt).
@@ -169,8 +169,9 @@ def check_slurm(options: list[str], job: Path, env: dict[str, str]) -> None:
     partition = last.get("partition")
     if partition:
         for name in partition.split(","):  # sbatch takes a list: the job runs in whichever starts it first
-            # -a: hidden partitions too, and those of other groups (sinfo(1)): "does not exist" only when it does not
-            done = run(["sinfo", "-a", "-h", "-p", name, "-o", "%P"])
+            # -p lists a hidden partition too (src/sinfo/opts.c: -p sets all_flag; -a with -p is refused as
+            # "Conflicting options")
+            done = run(["sinfo", "-h", "-p", name, "-o", "%P"])
             if done.returncode != 0 or not done.stdout.strip():
                 raise BadInput(f"partition '{name}' does not exist on this cluster (sinfo -s lists them): "
                                f"pass -p <partition>, or export SBATCH_PARTITION=<partition>")

@@ -33,9 +33,10 @@ def site(tmp_path, monkeypatch):
     state = tmp_path / "state"
     state.mkdir()
     scripts = {
-        # a hidden partition (Hidden=YES, or AllowGroups without the user) is listed only with -a (sinfo(1))
+        # as Slurm's sinfo: -p names a partition, hidden ones included (-p sets all_flag), and refuses -a beside it
         "sinfo": 'while [[ $# -gt 0 ]]; do [[ $1 == -p ]] && p=$2; [[ $1 == -a ]] && a=1; shift; done\n'
-                 f'{{ grep -qx "$p" {state}/partitions || {{ [[ -n ${{a:-}} && $p == hidden ]]; }}; }} && echo "$p"; exit 0',
+                 '[[ -n ${a:-} && -n ${p:-} ]] && { echo "sinfo: error: Conflicting options, -a and -p, specified." >&2; exit 1; }\n'
+                 f'{{ grep -qx "$p" {state}/partitions || [[ $p == hidden ]]; }} && echo "$p"; exit 0',
         "scontrol": f'cat {state}/config',
         "sacctmgr": f'[[ -e {state}/dbd_down ]] && {{ echo "sacctmgr: error: Problem talking to the database" >&2; exit 1; }}\n'
                     'for w in "$@"; do case $w in account=*) a=${w#account=} ;; format=DefaultAccount) d=1 ;; esac; done\n'
@@ -271,7 +272,7 @@ def test_an_account_without_association_is_accepted_where_associations_are_not_e
 
 
 def test_a_hidden_partition_exists_and_an_unanswered_sacctmgr_refuses_nothing(site, tmp_path):
-    # sinfo -a lists hidden partitions and those of other groups: "does not exist" is said only of what does not
+    # sinfo -p NAME lists a hidden partition too; sinfo -a -p is refused (the Slurm tier's sinfo said so)
     assert submit("-p", "hidden", JOB) == 0
     # slurmdbd down: sacctmgr fails; sbatch decides (slurmctld keeps its own copy of the associations)
     site.set(enforce="associations", accounting="accounting_storage/slurmdbd")
