@@ -212,7 +212,7 @@ def transformer_activation_bytes(cfg, batch: int, seq_len: int | None = None, dt
 # torch 2.13, torch/optim/adam.py:790 (``_multi_tensor_adam``, the foreach AdamW that CUDA takes by default:
 # optim/optimizer.py:178-183 picks it when every parameter is a CUDA tensor, DTensors included,
 # distributed/tensor/__init__.py:74): ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` is a new fp32
-# tensor per parameter, alive until :797's ``_foreach_addcdiv_``; every other update is in place. The for-loop
+# tensor per parameter, alive until :794-799's ``_foreach_addcdiv_``; every other update is in place. The for-loop
 # AdamW (the CPU's default) allocates its temporaries one parameter at a time.
 FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM = 4
 
@@ -251,22 +251,28 @@ FORWARD_BACKWARD, OPTIMIZER_STEP = "forward/backward", "optimizer step"
 
 
 def peak_by_phase(state: StateBytes, activations: int, loss_gradients: int, optimizer_temporary: int = 0,
-                  forward_backward_extra: dict | None = None) -> PhasePeaks:
+                  forward_backward_extra: dict | None = None, during_backward: dict | None = None) -> PhasePeaks:
     """The two phases of a step (after the first, once the optimizer state exists). Forward/backward peaks at the top
-    of backward (the terms listed above) or, when the activations are few, at its end (weights, optimizer state and
-    every gradient): whichever is larger, with its terms.
+    of backward (the terms listed above), or, when the activations are few, at its end (weights, optimizer state and
+    every gradient), or, given ``during_backward``, while a later part of backward runs (weights, optimizer state,
+    the saved activations, counted whole, and those terms): whichever is largest, with its terms.
 
     ``state``: this device's weights, gradients and optimizer state (``ledger`` after a step, or the formulas);
     ``activations``: the bytes saved for backward (``saved_activation_bytes`` or the formula); ``loss_gradients``:
     :func:`loss_gradient_bytes`; ``optimizer_temporary``: what the optimizer step allocates
     (``FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM`` x parameters for foreach AdamW); ``forward_backward_extra``: more
-    terms alive at the top of backward (FSDP's gathered units, say).
+    terms alive at the top of backward (FSDP's root unit, gathered); ``during_backward``: what is alive while a block's
+    backward runs, after the loss gradients are freed (FSDP's units: :func:`fsdp_unit_bytes`).
     """
     top_of_backward = {"weights": state.params, "optimizer state": state.optimizer, "saved activations": activations,
                        "loss gradients (fp32, 2 x B x T x V)": loss_gradients, **(forward_backward_extra or {})}
     # with few activations the phase peaks at its end instead: every gradient made, every activation freed
     end_of_backward = {"weights": state.params, "optimizer state": state.optimizer, "gradients": state.grads}
-    forward_backward = max(top_of_backward, end_of_backward, key=lambda terms: sum(terms.values()))
+    candidates = [top_of_backward, end_of_backward]
+    if during_backward:
+        candidates.append({"weights": state.params, "optimizer state": state.optimizer, "saved activations": activations,
+                           **during_backward})
+    forward_backward = max(candidates, key=lambda terms: sum(terms.values()))
     step = {"weights": state.params, "gradients": state.grads, "optimizer state": state.optimizer,
             "optimizer temporaries": optimizer_temporary}
     return PhasePeaks({FORWARD_BACKWARD: forward_backward, OPTIMIZER_STEP: step})
@@ -352,28 +358,38 @@ def cpu_allocation_peaks():
                 result.by_phase[name] = max(result.by_phase.get(name, 0), alive)
 
 
+ROOT_GATHERED = "root unit, gathered from forward to backward"
+
+
 def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, param_bytes: int,
                     reduce_bytes: int = 4) -> dict:
-    """What FSDP2 holds at the top of backward beyond the shards, for ``distlab.models.Transformer`` sharded a unit
-    per block plus the root (``train_fsdp.apply_fsdp``), from torch 2.13's code (fsdp/_fully_shard/):
+    """What FSDP2 holds beyond the shards while a block's backward runs, for ``distlab.models.Transformer`` sharded a
+    unit per block plus the root (``train_fsdp.apply_fsdp``), from torch 2.13's code (fsdp/_fully_shard/):
 
     * the root unit (embedding, final norm, output) stays gathered from forward to backward
       (_fsdp_state.py:203-207: the root is not resharded after forward);
-    * the block whose backward runs: its gathered weights, its unsharded gradients (``param_bytes`` each) and the
-      reduce-scatter input they are copied into, in ``reduce_bytes`` (fp32 under mixed precision:
-      _fsdp_collectives.py:597-606, the gradients freed only after the copy-in);
-    * the next block's all-gather output (_fsdp_collectives.py:351), prefetched while this one computes.
+    * the root's unsharded gradients (the output layer's and the final norm's, ``param_bytes`` each), made at the top
+      of backward and reduce-scattered only at its end: the root's inputs, token ids, need no gradient, so its
+      post-backward runs in the final callback (_fsdp_state.py:411-415);
+    * the block whose backward runs: its gathered weights and its unsharded gradients (``param_bytes`` each);
+    * the next block's all-gather output (_fsdp_collectives.py:351), prefetched while this one computes;
+    * the previous block's reduce-scatter input, in ``reduce_bytes`` (fp32 under mixed precision:
+      _fsdp_collectives.py:597), kept until this block's post-backward (_fsdp_param_group.py:647-658: one input
+      buffer in flight by default); each block copies its gradients in only after resharding its weights (:637-638).
 
-    About 10 bytes a parameter of a block under bf16 mixed precision (2 + 2 + 2 + 4), 16 in fp32. An estimate:
-    the course has measured FSDP's peak on one GPU only, where the optimizer step holds it.
+    About 10 bytes a parameter of a block under bf16 mixed precision (2 + 2 + 2 + 4), 16 in fp32, besides the root's.
+    The root's gathered weights are also alive at the top of backward (``ROOT_GATHERED``); the rest comes after the
+    loss gradients are freed. An estimate: the course has measured FSDP's peak on one GPU only, where the optimizer
+    step holds it.
     """
     root = 2 * vocab_size * dim + dim
     block = (num_params - root) // n_layers
-    return {"root unit, gathered from forward to backward": root * param_bytes,
+    return {ROOT_GATHERED: root * param_bytes,
+            "the root's unsharded gradients (output, final norm)": (vocab_size * dim + dim) * param_bytes,
             "a block's gathered weights": block * param_bytes,
             "the next block's all-gather output (prefetched)": block * param_bytes,
             "the block's unsharded gradients": block * param_bytes,
-            "the block's reduce-scatter input": block * reduce_bytes}
+            "the previous block's reduce-scatter input": block * reduce_bytes}
 
 
 def predict_step_peak(state: StateBytes, activations: int, rows: int, seq_len: int, vocab_size: int,
@@ -383,4 +399,6 @@ def predict_step_peak(state: StateBytes, activations: int, rows: int, seq_len: i
     ``seq_len`` tokens on this device; ``foreach``: AdamW's foreach path (CUDA's default; the CPU's is the for-loop,
     whose temporaries are one parameter's and left out); ``fsdp_units``: :func:`fsdp_unit_bytes` under FSDP2."""
     temporary = FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM * (state.params // 4) if foreach else 0  # fp32 weights
-    return peak_by_phase(state, activations, loss_gradient_bytes(rows, seq_len, vocab_size), temporary, fsdp_units)
+    top_extra = {ROOT_GATHERED: fsdp_units[ROOT_GATHERED]} if fsdp_units else None
+    return peak_by_phase(state, activations, loss_gradient_bytes(rows, seq_len, vocab_size), temporary, top_extra,
+                         fsdp_units)

@@ -176,6 +176,18 @@ def test_fsdp_peak_by_phase_terms_and_the_h200_run():
     says("`_fsdp_state.py:203-207`")
     says("`_fsdp_collectives.py:597`")
     says("`_fsdp_collectives.py:351`")
+    # the root's gradients wait for the final callback; the previous block's reduce-scatter input is kept until this
+    # block's post-backward, which reshards its weights first
+    assert "fsdp_param_group.post_backward()" in state[414] and "_root_post_backward_final_callback" in state[394]
+    group = (fsdp / "_fsdp_param_group.py").read_text().splitlines()
+    assert "self.reshard()" in group[637] and "if self.reshard_after_backward:" in group[636]
+    assert "reduce_scatter_max_input_buffers" in group[646] and "oldest = states.pop(0)" in group[654]
+    assert "del oldest" in group[657]
+    says("(`_fsdp_state.py:411-415`)")
+    says("(`_fsdp_param_group.py:647-658`, one buffer in flight by default)")
+    says("(`:637-638`)")
+    says("the root's unsharded gradients (the output layer's and the final norm's)")
+    assert units["the root's unsharded gradients (output, final norm)"] == 2 * (large.vocab_size * large.dim + large.dim)
 
 
 def test_what_the_chapter_says_of_bf16_sums_checkpoint_names_and_tolerances():
