@@ -307,6 +307,8 @@ def test_a_small_predicted_peak_is_reported_not_checked(summary):
     memory_row = gpu_check._memory_row({**row, "metrics": metrics})
     assert memory_row["predicted_bytes"] < 2**30 and memory_row["passed"] is None
     assert "not checked" in gpu_check.render_table({**summary, "memory": [memory_row]})
+    from distlab import memory
+    assert f"a prediction under {memory.PEAK_CHECK_MIN_BYTES // 2**30} GiB is not checked" in gpu_check.MEMORY_EXPLANATION
 
 
 def test_the_smallest_term_of_the_h200_baseline_is_over_the_margin():
