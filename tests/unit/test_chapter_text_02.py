@@ -84,3 +84,8 @@ def test_the_flop_counter_ignores_causal_masking():
     assert lines[317].strip() == "# NB: We aren't accounting for causal attention here"
     says("(\"NB: We aren't accounting for causal attention here\", line 318)")
     says("`torch/utils/flop_counter.py:285`, `sdpa_flop_count(query_shape, key_shape, value_shape)`")
+    assert lines[504] == "def sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape):"
+    backward = source[source.index(lines[504]):source.index("\ndef ", source.index(lines[504]) + 1)]
+    assert "causal" not in backward
+    says("about half of the attention FLOPs that the counter and 12 L d T record (the backward's\n   count, "
+         "`sdpa_backward_flop_count` at line 505, takes only the shapes too)")
