@@ -279,7 +279,7 @@ def peak_by_phase(state: StateBytes, activations: int, loss_gradients: int, opti
 
 
 # A measured peak (the CUDA allocator's max_memory_allocated) = the predicted peak within 2%, either way. On one H200
-# (torch 2.11) the phase model was 0.2% and 0.1% off (BENCHMARKS.md: 29.72 against 29.78 GiB, 62.73 against 62.80);
+# (torch 2.11) the phase model was 0.2% and 0.1% off (BENCHMARKS.md: 29.71 against 29.78 GiB, 62.73 against 62.80);
 # allocator rounding and kernel workspaces are tens of MiB. The smallest term at the a100 preset, the loss gradients
 # (0.98 GiB, 3.3% of the baseline's peak), is over the margin: a term left out fails the check.
 PEAK_MARGIN = 0.02
