@@ -264,3 +264,31 @@ def test_3d_checkpoint_flags_refuse_bad_input(run_3d, tmp_path):
 ])
 def test_bad_configurations_exit_2_on_every_rank(script, args, message):
     assert_config_error(script, args, message)
+
+
+def test_ddp_under_a_schedule_that_splits_the_backward_is_refused(monkeypatch):
+    """--dp-mode ddp under ZBVZeroBubble, InterleavedZeroBubble or DualPipeV ran and failed its own checks (losses and
+    gradients off one device's, half the dp bytes; DualPipeV stopped): refused in one line now, in-process (the
+    check runs before the process group forms); FSDP under them, and DDP under the others, still accepted."""
+    import argparse
+    import importlib
+    import sys
+
+    from distlab import runtime
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts" / "09_hybrid_parallel"))
+    common = importlib.import_module("common_hybrid_pipeline")
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+    def args(mode, schedule):
+        return argparse.Namespace(config_problem=None, tp=1, pp=2, dp=2, dp_mode=mode, schedule=schedule,
+                                  microbatches=4, stages_per_rank=None, steps=2, layers=8, batch=8)
+
+    assert getattr(common, "SPLIT_BACKWARD", None) == ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    for schedule in common.SPLIT_BACKWARD:
+        with pytest.raises(runtime.ConfigError, match=f"--dp-mode ddp with --schedule {schedule}: ") as refused:
+            common.check_hybrid_config(args("ddp", schedule), None, 4)
+        assert "\n" not in str(refused.value)
+        common.check_hybrid_config(args("fsdp", schedule), None, 4)
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        common.check_hybrid_config(args("ddp", schedule), None, 4)
