@@ -106,9 +106,11 @@ def torch_schedule(schedule: str, stages: list, microbatches: int, loss_fn):
 
 
 def expected_schedule(schedule: str, ranks: int, microbatches: int, chunks: int) -> schedules.Schedule:
-    """What each rank should run, as distlab data: our own builder, written apart from torch, so that the
-    order check can fail (torch executes its own ``pipeline_order`` by construction: comparing what ran with
-    it would prove nothing)."""
+    """What each rank should run, as distlab data: our own builder, not torch's ``pipeline_order`` (which torch
+    executes by construction: comparing what ran with it would prove nothing). gpipe, 1f1b, interleaved_1f1b
+    and zero_bubble_h1 follow Megatron and the papers; interleaved_zero_bubble, zbv and dual_pipe_v restate
+    torch's own planners (``_calculate_single_rank_operations``), so for those the check shows only that torch
+    ran what it plans."""
     ours = CHOICES[schedule].ours
     if ours == "zero_bubble":
         return (schedules.zero_bubble_h1(ranks, microbatches) if chunks == 1

@@ -13,9 +13,11 @@ and the pipeline behaves like the textbook one, so the script proves:
 
 * the losses and gradients equal the single-device model's (the pauses are identities);
 * each rank ran exactly the order of our own schedule (``distlab.schedules``: gpipe, 1f1b,
-  interleaved_1f1b, zero_bubble, interleaved_zero_bubble, zbv, dual_pipe_v), built apart from torch's own list;
+  interleaved_1f1b, zero_bubble, interleaved_zero_bubble, zbv, dual_pipe_v), not read from torch's own list
+  (the last three restate torch's planners: for them this shows that torch ran what it plans);
 * the activations each rank held at once, measured with saved-tensor hooks, peak where our schedule says
-  (a zero-bubble pass keeps them until W, not I);
+  (a zero-bubble pass keeps them until W, not I: ZB-H1's peaks tell the two apart, ZBV's and DualPipeV's
+  do not);
 * the measured bubble equals our simulation of the same order with the pass times, hand-off latency and
   dispatch time this run measured, within BUBBLE_TOLERANCE; the simulation with F = 1, B = 2 equals the formula
   (P-1)/(V*M+P-1) where there is one.
@@ -147,7 +149,7 @@ def main():
             record_actions(stage, events, rt.sync)
             held.watch(stage)
         schedule = torch_schedule(args.schedule, stages, microbatches, loss_fn=F.mse_loss)
-        # What each rank should run: our own schedule, built apart from torch's list.
+        # What each rank should run: our own schedule, not torch's list (see expected_schedule).
         expected = expected_schedule(args.schedule, ranks, microbatches, chunks)
         first_here, last_here = 0 in mine, num_stages - 1 in mine
 

@@ -65,7 +65,8 @@ def test_measured_bubble_and_memory_match_the_simulation(schedule, formula, kind
         assert bubble["simulated"] == pytest.approx(formula)
         assert _check(metrics, "simulated bubble equals the formula")["passed"]
     assert _check(metrics, "every rank ran the order of distlab.schedules")["passed"]
-    # measured with saved-tensor hooks: a zero-bubble pass holds its activations until W, not I
+    # measured with saved-tensor hooks; these four would peak the same released at I (full backwards; the V's
+    # W's come right behind their I's): the InterleavedZeroBubble run below, ZB-H1, tells W from I
     assert metrics["extra"]["measured_peak_activations"] == {str(r): p for r, p in enumerate(peaks)}
     assert {e["kind"] for e in metrics["timeline"]} == set(kinds)
     if schedule == "ZBVZeroBubble":

@@ -383,3 +383,43 @@ def test_measured_costs_read_pass_times_hand_offs_and_dispatch_from_a_timeline()
     costs = common_pipeline.measured_costs(timeline, chunks=1)
     assert costs.forward == 1.0 and costs.backward == 2.0 and costs.send == 0.5
     assert costs.dispatch == 0.25
+
+
+# ---- review of issue 36's pipeline half: what the V schedules' checks can and cannot show -------------------
+
+def test_v_schedule_peaks_do_not_tell_w_release_from_i_release_and_the_chapter_says_so():
+    # ZBV runs each W right behind its I until its cool-down, DualPipeV mostly full backwards: their peaks come
+    # out the same whether a pair is released at W or at I, so only ZB-H1's run (4,4,4,4 against 4,3,2,1)
+    # tests the release point.
+    for schedule, peak in ((schedules.zbv(4, 8), 8), (schedules.zbv(4, 4), None), (schedules.dual_pipe_v(4, 8), 9)):
+        at_w = schedules.peak_activations(schedule)
+        assert at_w == schedules.peak_activations(schedule, release_on_input_grad=True), schedule.name
+        assert peak is None or set(at_w.values()) == {peak}
+    zb_h1 = schedules.zero_bubble_h1(4, 8)
+    assert schedules.peak_activations(zb_h1) != schedules.peak_activations(zb_h1, release_on_input_grad=True)
+    text = " ".join(CHAPTER.read_text().split())
+    assert ("ZBV's and DualPipeV's peaks are the same either way (8 and 9 on every rank at M = 8:" in text
+            and "only the ZB-H1 run tells the release points apart" in text)
+
+
+def test_the_chapter_says_which_builders_restate_torchs_planner():
+    # schedules.interleaved_zero_bubble, zbv and dual_pipe_v follow torch's _calculate_single_rank_operations
+    # step for step (same phases, counts and special cases), so they are not "written apart from torch".
+    import inspect
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    for cls in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        assert "_calculate_single_rank_operations" in vars(getattr(torch_schedules, cls)), cls
+    # the marks of the restatement: torch's ZBV loop condition and DualPipeV's lone first pair on the last rank
+    assert "while forwards[up] < forwards[down] or forwards[down] < planned" in inspect.getsource(schedules.zbv)
+    assert "while f1_cnt < f0_cnt or f0_cnt < n_micro" in inspect.getsource(torch_schedules.ScheduleZBVZeroBubble)
+    assert "if i == 0 and rank == num_ranks - 1" in inspect.getsource(schedules.dual_pipe_v)
+    assert "if i == 0 and rank == num_ranks - 1" in inspect.getsource(torch_schedules.ScheduleDualPipeV)
+    text = " ".join(CHAPTER.read_text().split())
+    assert "apart from torch" not in text
+    assert ("`interleaved_zero_bubble`, `zbv` and `dual_pipe_v`, restate torch's own planners (each class's "
+            "`_calculate_single_rank_operations`" in text)
+    for path in ("scripts/07_pipeline_parallel/common_pipeline.py", "scripts/07_pipeline_parallel/pp_schedules.py",
+                 "notebooks/07_pipeline_parallel.ipynb"):
+        assert "apart from torch" not in (REPO / path).read_text(), path
