@@ -57,8 +57,13 @@ def test_the_block_communication_table_for_7b_on_two_nodes(text):
     assert tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S == 12
     assert round(block["dp"]["seconds"] / block["tp"]["seconds"]) == 12 and "difference of twelve times" in text
     assert round(block["dp"]["sent_bytes"] / block["tp"]["sent_bytes"], 2) == pytest.approx(1.0, abs=0.02)
-    # the TP group across the nodes: its all-reduces on the NIC cost more than the compute
-    assert block["tp"]["sent_bytes"] / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S > block["compute"]["seconds"]
+    # the TP group across the nodes, 2 of its ranks a node: counted per NIC, its bytes leave over 2 NICs, six times
+    # NVLink's time and just under the compute's (one NIC a rank would have claimed more than the compute)
+    crossing = block["tp"]["sent_bytes"] / (2 * tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S)
+    assert round(crossing / block["tp"]["seconds"]) == 6 and crossing < block["compute"]["seconds"]
+    assert (f"over 2 NICs of 25 GB/s: {crossing * 1e3:.1f} ms, six times NVLink's and nearly the "
+            f"{block['compute']['seconds'] * 1e3:.2f} ms of compute") in text
+    assert "would have run on the 25 GB/s NIC and cost more than the compute" not in text
     # "with 2 sequences per micro-batch the compute doubles and covers them"
     assert sizing.micro_batch_to_hide_fsdp("7B", 2) == 2 and "with 2 sequences per micro-batch" in text
     # the alternative head all-reduces B x S x V logits: V is nearly eight times h
@@ -99,6 +104,14 @@ def test_the_rank_order_table(text):
         row = (f"| {label} | {' '.join(str(g) for g in tp_groups)} | "
                f"{len(crossing[order]['tp'])} of {len(tp_groups)} |")
         assert row in text, row
+    # the copied order's TP groups hold 2 ranks a node: a ring leaves each node once, over those ranks' 2 NICs
+    # (per NIC, as the HSDP section counts), against NVLink: six times slower, not the links' twelve
+    per_node = {sum(hybrid.node_of(r, gpus_per_node) == node for r in group)
+                for group in hybrid.grid_groups(shape, "hybrid_context")["tp"]
+                for node in {hybrid.node_of(r, gpus_per_node) for r in group}}
+    slower = tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / (
+        tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S * min(per_node))
+    assert per_node == {2} and slower == 6 and "six times slower" in text and "twelve times slower" not in text
     # the two formulas as the chapter writes them
     assert hybrid.grid_coordinates(6, shape, "hybrid_context") == {"pp": 0, "dp": 0, "tp": 3}
     assert hybrid.grid_coordinates(6, shape, "device_mesh") == {"pp": 0, "dp": 1, "tp": 2}
