@@ -175,14 +175,35 @@ def gather_timeline(events: list, t0: float, rank: int, torch_kinds: bool = Fals
     return sorted((e for rank_events in everyone for e in rank_events), key=lambda e: (e["rank"], e["start"]))
 
 
-def handoff_latency(timeline: list[dict]) -> float:
-    """Median time from a pass ending on one rank to the pass that waited for its output starting on another.
+def _sent_at(timeline: list[dict], held: frozenset) -> dict[int, float]:
+    """When each pass's output left its rank: at its end, or, for a forward in ``held`` ((stage, microbatch)
+    of DualPipeV's paired forwards: torch sends their output behind the pair, schedules.py:1502-1509), at the
+    end of the next pass on its rank, the pair's backward."""
+    sent = {id(e): e["end"] for e in timeline}
+    for rank in {e["rank"] for e in timeline}:
+        ordered = sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])
+        for a, b in zip(ordered, ordered[1:]):
+            if a["kind"] == "F" and (a["stage"], a["microbatch"]) in held:
+                sent[id(a)] = b["end"]
+    return sent
 
-    Only hand-offs the receiver actually waited for count (it was idle when the sender finished): that is the
+
+def paired_forwards(schedule: schedules.Schedule) -> frozenset:
+    """(stage, microbatch) of every forward that torch's OVERLAP_F_B pairs with the backward after it."""
+    return frozenset((schedule.actions[rank][i].stage, schedule.actions[rank][i].microbatch)
+                     for rank, positions in schedule.overlap_f_b.items() for i in positions)
+
+
+def handoff_latency(timeline: list[dict], held: frozenset = frozenset()) -> float:
+    """Median time from a pass's output leaving one rank to the pass that waited for it starting on another.
+
+    Only hand-offs the receiver actually waited for count (it was idle when the output left): that is the
     cost of one message plus waking the receiver, which the bubble formula does not charge. 0 if none waited.
+    A paired forward's output leaves when its pair ends (``held``: see :func:`paired_forwards`).
     """
     by_key = {(e["stage"], e["microbatch"], "B" if e["kind"] == "I" else e["kind"]): e for e in timeline}
     last_stage = max(e["stage"] for e in timeline)
+    sent = _sent_at(timeline, held)
     previous_end = {}
     for rank in {e["rank"] for e in timeline}:
         ordered = sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])
@@ -197,17 +218,18 @@ def handoff_latency(timeline: list[dict]) -> float:
             continue
         if source is None or source["rank"] == e["rank"]:
             continue
-        if previous_end.get(id(e), float("-inf")) <= source["end"] <= e["start"]:   # the receiver was waiting
-            waits.append(e["start"] - source["end"])
+        if previous_end.get(id(e), float("-inf")) <= sent[id(source)] <= e["start"]:   # the receiver was waiting
+            waits.append(e["start"] - sent[id(source)])
     waits.sort()
     return waits[len(waits) // 2] if waits else 0.0
 
 
-def dispatch_time(timeline: list[dict]) -> float:
+def dispatch_time(timeline: list[dict], held: frozenset = frozenset()) -> float:
     """Median gap between two consecutive passes of one rank when the second did not wait for a message (its
-    input from another rank had arrived before the first ended): the runtime's own time per action, idle."""
+    input from another rank had left before the first ended): the runtime's own time per action, idle."""
     by_key = {(e["stage"], e["microbatch"], "B" if e["kind"] == "I" else e["kind"]): e for e in timeline}
     last_stage = max(e["stage"] for e in timeline)
+    sent = _sent_at(timeline, held)
     gaps = []
     for rank in {e["rank"] for e in timeline}:
         ordered = sorted((e for e in timeline if e["rank"] == rank), key=lambda e: e["start"])
@@ -218,16 +240,17 @@ def dispatch_time(timeline: list[dict]) -> float:
                 source = by_key.get((after["stage"] + 1, after["microbatch"], "B"))
             else:
                 source = None
-            if source is None or source["rank"] == rank or source["end"] <= before["end"]:
+            if source is None or source["rank"] == rank or sent[id(source)] <= before["end"]:
                 gaps.append(after["start"] - before["end"])
     gaps.sort()
     return max(0.0, gaps[len(gaps) // 2]) if gaps else 0.0
 
 
-def measured_costs(timeline: list[dict], chunks: int) -> schedules.Costs:
+def measured_costs(timeline: list[dict], chunks: int, held: frozenset = frozenset()) -> schedules.Costs:
     """Costs for the simulator from a measured run: median pass times (per rank's layers, so x V), the
     median hand-off latency as the send cost and the median gap between passes that waited for nothing as
-    the dispatch cost. The full backward is the median B, or I + W where every backward was split."""
+    the dispatch cost. The full backward is the median B, or I + W where every backward was split. ``held``:
+    the paired forwards, whose output leaves with their pair (:func:`paired_forwards`)."""
     def median(kind):
         values = sorted(e["end"] - e["start"] for e in timeline if e["kind"] == kind and e["end"] > e["start"])
         return values[len(values) // 2] if values else 0.0
@@ -235,8 +258,8 @@ def measured_costs(timeline: list[dict], chunks: int) -> schedules.Costs:
     forward, full, input_grad, weight = median("F"), median("B"), median("I"), median("W")
     split = input_grad + weight
     return schedules.Costs(forward=forward * chunks, backward=(full or split) * chunks,
-                           weight_fraction=weight / split if split > 0 else 0.5, send=handoff_latency(timeline),
-                           dispatch=dispatch_time(timeline))
+                           weight_fraction=weight / split if split > 0 else 0.5, send=handoff_latency(timeline, held),
+                           dispatch=dispatch_time(timeline, held))
 
 
 class HeldActivations:

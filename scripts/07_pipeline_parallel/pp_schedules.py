@@ -41,8 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common_pipeline import (CHOICES, HeldActivations, check_pipeline_config, executed_order, expected_schedule,
-                             gather_timeline, measured_costs, record_actions, schedule_help, stage_indices,
-                             torch_schedule)
+                             gather_timeline, measured_costs, paired_forwards, record_actions, schedule_help,
+                             stage_indices, torch_schedule)
 from distlab import gantt, metrics, runtime, schedules
 
 # Measured vs simulated bubble, absolute. The reference is our simulation of the same order with this run's
@@ -225,7 +225,7 @@ def main():
         simulated = schedules.simulate(expected, schedules.Costs(forward=1.0, backward=2.0, weight_fraction=0.5))
         simulated_bubble = schedules.bubble_fraction_from_timeline(simulated, ranks)
         # The same order simulated with what this run measured: pass times and the cost of a hand-off.
-        costs_measured = measured_costs(timeline, chunks)
+        costs_measured = measured_costs(timeline, chunks, paired_forwards(expected))   # DualPipeV's pairs
         with_latency_bubble = schedules.bubble_fraction_from_timeline(schedules.simulate(expected, costs_measured),
                                                                       ranks)
         formula = schedules.bubble_fraction(ranks, microbatches, chunks) \

@@ -385,6 +385,23 @@ def test_measured_costs_read_pass_times_hand_offs_and_dispatch_from_a_timeline()
     assert costs.dispatch == 0.25
 
 
+def test_a_paired_forwards_output_is_taken_to_leave_when_its_pair_ends():
+    # DualPipeV: torch sends a paired forward's output behind the pair (OVERLAP_F_B's sends follow both halves),
+    # so rank 1, waiting for it, waits 0.5 after the pair's backward ends, not 2.5 after the forward did.
+    def event(rank, stage, microbatch, kind, start, end):
+        return {"rank": rank, "stage": stage, "microbatch": microbatch, "kind": kind, "start": start, "end": end}
+
+    timeline = [event(0, 0, 1, "F", 0.0, 1.0), event(0, 3, 0, "B", 1.0, 3.0), event(1, 1, 1, "F", 3.5, 4.5)]
+    assert common_pipeline.handoff_latency(timeline) == 2.5                         # the forward's end
+    assert common_pipeline.measured_costs(timeline, 1, frozenset({(0, 1)})).send == 0.5   # the pair's end
+    dual = schedules.dual_pipe_v(4, 8)
+    held = common_pipeline.paired_forwards(dual)
+    assert len(held) == sum(len(p) for p in dual.overlap_f_b.values()) > 0
+    assert all(dual.actions[r][i].kind == "F" and dual.actions[r][i + 1].kind == "B"
+               for r, positions in dual.overlap_f_b.items() for i in positions)
+    assert common_pipeline.paired_forwards(schedules.zbv(4, 8)) == frozenset()
+
+
 # ---- review of issue 36's pipeline half: what the V schedules' checks can and cannot show -------------------
 
 def test_v_schedule_peaks_do_not_tell_w_release_from_i_release_and_the_chapter_says_so():
