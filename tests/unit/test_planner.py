@@ -509,3 +509,16 @@ def test_a_plan_changed_by_its_caller_does_not_change_the_next_search():
     first[0].exposed_seconds["dp"] = 99.0
     again = planner.search(*question)
     assert again[0].fits and again[0].exposed_seconds.get("dp") != 99.0
+
+
+def test_the_experts_fsdp_reduction_under_pp_is_exposed_too():
+    """torch runs an expert's reduce-scatters in the same REDUCE_GRAD as the other parameters (the experts are
+    parameters of the stage's FSDP units): under PP nothing hides them either."""
+    spec = planner.MODELS["mixtral-8x7b"]
+    cluster = planner.CLUSTERS["h100-80gb"]
+    layout = planner.Layout(tp=2, pp=4, dp=8, zero_stage=3, ep=2)
+    after, during = (planner.stage_time(spec, cluster, layout, 1, planner.Options(
+        zero_stage=3, pp_fsdp_grad_sync=mode)) for mode in ("after_backward", "last_backward"))
+    total = after["seconds"]["expert_dp"]["total"]
+    assert total > 0 and after["exposed"]["expert_dp"] == pytest.approx(total)
+    assert during["exposed"]["expert_dp"] < total
