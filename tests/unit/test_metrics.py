@@ -188,7 +188,10 @@ def test_every_hybrid_of_chapter_09_times_whole_steps_with_the_one_clock():
     folder = Path(__file__).resolve().parents[2] / "scripts" / "09_hybrid_parallel"
     for name in ("pp_dp_hybrid.py", "hybrid_3d.py", "fsdp_tp_hybrid.py"):
         source = (folder / name).read_text()
-        assert "perf_counter" not in source and "metrics.throughput(" not in source, name
+        # no stopwatch of its own: the one perf_counter allowed stamps when a DDP bucket was launched (where in the
+        # step the gradient sync ran, pp_dp_hybrid.py), on the clock the timeline's bars use, not a step time
+        stamps = [line for line in source.splitlines() if "perf_counter" in line]
+        assert all("launches.append" in line for line in stamps) and "metrics.throughput(" not in source, name
         assert "metrics.StepClock(rt.sync" in source and "clock.throughput(" in source, name
         body = source[source.index("clock.start()"):source.index("clock.stop()")]
         assert re.search(r"optimizer\.step\(\)\s*$", body), name        # the optimizer step is inside the clock
