@@ -57,16 +57,6 @@ def test_the_sampler_pads_so_every_rank_runs_the_same_number_of_steps():
 # torch._dynamo, once per test process: a few seconds on a loaded machine, paid by the first of these tests
 
 
-@pytest.fixture
-def world_of_one():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def bucket_bytes_per_step(steps=3, **ddp_options):
     """The bytes of every bucket DDP all-reduces, step by step, for 6 linears of 263,168 bytes (1.5 MiB)."""
     torch.manual_seed(0)

@@ -39,14 +39,19 @@ def test_tp_and_sp_send_the_same_activation_bytes():
     says(f"the activation bytes each rank sends in one tiny step are {sent[0]:,.0f}\nunder TP and {sent[1]:,.0f}")
 
 
-def test_ring_attention_bytes_and_blocks():
+def _tiny_ring_shape():
+    """ring_attention.py, its tiny shape, and one rank's K (or V) block of it in bytes (fp32, 4 ranks)."""
     sys.path.insert(0, str(REPO / "scripts" / "08_sequence_parallel"))
     try:
         import ring_attention
     finally:
         sys.path.pop(0)
     shape = ring_attention.SHAPES["tiny"]
-    shard = shape["batch"] * shape["heads"] * (shape["seq_len"] // 4) * shape["head_dim"] * 4
+    return ring_attention, shape, shape["batch"] * shape["heads"] * (shape["seq_len"] // 4) * shape["head_dim"] * 4
+
+
+def test_ring_attention_bytes_and_blocks():
+    ring_attention, shape, shard = _tiny_ring_shape()
     sent = tp.ring_comm_formula(shard, 4)
     says(f"forward\n({sent['forward']:,} bytes)")
     says(f"backward ({sent['backward']:,} bytes)")
@@ -101,13 +106,7 @@ def test_torch_context_parallel_is_cited_where_torch_says_it():
 
 
 def test_the_table_of_what_each_way_sends():
-    sys.path.insert(0, str(REPO / "scripts" / "08_sequence_parallel"))
-    try:
-        import ring_attention
-    finally:
-        sys.path.pop(0)
-    shape = ring_attention.SHAPES["tiny"]
-    shard = shape["batch"] * shape["heads"] * (shape["seq_len"] // 4) * shape["head_dim"] * 4
+    ring_attention, shape, shard = _tiny_ring_shape()
     says_flat(f"(B = {shape['batch']}, {shape['heads']} heads of {shape['head_dim']} dimensions, S = {shape['seq_len']}, "
          f"P = 4)")
     rows = {"ring (`ring_attention.py`)": "ring", "all-gather (by hand)": "all-gather",

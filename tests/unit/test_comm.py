@@ -48,16 +48,6 @@ def test_ring_time_is_latency_bound_small_and_bandwidth_bound_large():
     assert comm.ring_time("all_gather", 4e6, 4, bandwidth, latency) == pytest.approx(3 * latency + 3e6 / bandwidth)
 
 
-@pytest.fixture
-def world_of_one():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def test_comm_counter_records_payloads(world_of_one):
     x, original = torch.ones(16), dist.all_reduce
     with comm.CommCounter() as counter:
