@@ -1,0 +1,261 @@
+"""Where each of chapter 14's broken runs comes from: the public bug reports, forum threads and documentation pages
+that show real users meeting the same mistake.
+
+Every entry was found with the course's search tool (its corpora of GitHub issues, stored web pages and
+documentation pages, November 2026). Its ``quote`` is copied verbatim from what the search returned, with its line
+breaks kept or folded into spaces (web pages come back with layout breaks). None is written from memory.
+``SOURCES`` maps a case name of ``labkit.broken_runs.BROKEN_RUNS`` to its list of sources;
+tests/unit/test_diagnosis_sources.py checks that every case has at least one, and that each entry is complete.
+"""
+
+from __future__ import annotations
+
+SOURCES: dict[str, list[dict[str, str]]] = {
+    # ---- data
+    "same-samples-every-rank": [
+        {"url": "https://github.com/PatrickHua/SimSiam/issues/16",
+         "title": "Is \"DistributedSampler\" necessary? (PatrickHua/SimSiam #16)",
+         "quote": "I find that there is no \"DistributedSampler\" in the code. Is it a normal setting? I think this "
+                  "setting would make the model run the same data twice (or the number of GPU) in a single epoch"},
+        {"url": "https://github.com/karpathy/llama2.c/issues/522",
+         "title": "Missing Sampler when running on multiple GPUs using DDP (karpathy/llama2.c #522)",
+         "quote": "Based on my understanding we need a sampler that will make sure a batch is not assigned to other "
+                  "GPU so that we dont duplicate the training of the same batch."},
+        {"url": "https://github.com/clovaai/voxceleb_trainer/issues/98",
+         "title": "distribute training doesn't seems to split dataset between GPUs (clovaai/voxceleb_trainer #98)",
+         "quote": "But the readme file mentioned each GPU will use the whole dataset in each epoch. So in each epoch, "
+                  "dataset * 4 (if using 4 gpus) will go through GPUs, right?"},
+    ],
+    "no-set-epoch": [
+        {"url": "https://discuss.pytorch.org/t/distributedsampler/90205",
+         "title": "DistributedSampler (PyTorch Forums)",
+         "quote": "If shuffle is turned on, it performs random permutation before subsampling.\n"
+                  "You should use set_epoch function to modify the random seed for that."},
+        {"url": "https://github.com/cszn/KAIR/issues/106",
+         "title": "Bug fix in dist sampler that caused same data order in each epoch (cszn/KAIR #106)",
+         "quote": "Please see the warning at the bottom of this page: "
+                  "https://pytorch.org/docs/stable/data.html?highlight=set_epoch . For more details, you may refer "
+                  "to this issue: pytorch/pytorch#31771"},
+        {"url": "https://huggingface.co/spaces/rockeycoss/Prompt-Segment-Anything-Demo/blob/"
+                "c7e195940b58e0e02788d81a3d4077c275de392e/mmdet/datasets/samplers/distributed_sampler.py",
+         "title": "OpenMMLab's DistributedSampler, copying torch's comment on the epoch seed",
+         "quote": "# When :attr:`shuffle=True`, this ensures all replicas | |\n"
+                  "# use a different random ordering for each epoch. | |\n"
+                  "# Otherwise, the next iteration of this sampler will | |\n"
+                  "# yield the same ordering. | |"},
+    ],
+    # ---- data parallelism
+    "accumulation-never-syncs": [
+        {"url": "https://github.com/modelscope/FunASR/pull/3472",
+         "title": "fix(train): align DDP no_sync with gradient accumulation (modelscope/FunASR #3472)",
+         "quote": "The old batch_idx % accum_grad condition synchronizes the first microbatch and suppresses "
+                  "synchronization on the optimizer-step microbatch, leaving rank-local accumulated gradients (4.0 "
+                  "vs 7.0 in the reproduction)."},
+        {"url": "https://github.com/karpathy/build-nanogpt/pull/30",
+         "title": "fix sync issue that results in incorrect gradient accumulation and incorrect loss "
+                  "(karpathy/build-nanogpt #30)",
+         "quote": "This should have been a purely mechanical change that doesn't affect loss (1 -> 4 grad accum "
+                  "steps), but comparing to @karpathy's run, the loss is clearly worse."},
+        {"url": "https://github.com/pytorch/pytorch/issues/53443",
+         "title": "DDP.no_sync() function + torch.cuda.synchronize(device=rank) (pytorch/pytorch #53443)",
+         "quote": "For DDP, each process is accumulating grads locally in the `no_sync` mode and as a result have "
+                  "different grads. Once, you run without no_sync, it will synchronize (allreduce) grads across all "
+                  "processes to ensure all processes have the same grads."},
+    ],
+    "loss-averaged-twice": [
+        {"url": "https://github.com/sanderwood/bgpt/issues/5",
+         "title": "Loss Calucation (sanderwood/bgpt #5)",
+         "quote": "the gradients will automatically be unscaled(divided) by world_size while doing loss.backword() "
+                  "w.r.t. a model using DDP. So if we do one another time here at line 200, the gradient would be "
+                  "world_size times smaller than the value it should have."},
+        {"url": "https://github.com/neuralmagic/sparseml/pull/135",
+         "title": "Fix incorrect loss scaling in DDP setup (neuralmagic/sparseml #135)",
+         "quote": "According to the PyTorch documentation, DDP syncs models by calculating mean of gradients across "
+                  "all processes.\nSince the default reduction used by almost all PyTorch loss functions is `mean`, "
+                  "this loss scaling would result with `world_size` times larger gradients and the DDP experiment "
+                  "won't be mathematically equivalent to the corresponding one-process experiment."},
+        {"url": "https://github.com/NVIDIA/apex/issues/696",
+         "title": "Questions about how DDP handles gradients (NVIDIA/apex #696)",
+         "quote": "No need to divide by world_size."},
+    ],
+    "uneven-inputs": [
+        {"url": "https://docs.pytorch.org/tutorials/advanced/generic_join.html",
+         "title": "Distributed Training with Uneven Inputs Using the Join Context Manager (PyTorch tutorials)",
+         "quote": "Such collective communications require participation from all ranks in the process group, so if a "
+                  "rank has fewer inputs, then the other ranks will hang or error (depending on the backend)."},
+        {"url": "https://github.com/k2-fsa/snowfall/issues/152",
+         "title": "DDP address in use (k2-fsa/snowfall #152)",
+         "quote": "I confirm that if different nodes have a different number of utterances in its dataloader, the "
+                  "node with most utterances will hang in the end."},
+        {"url": "https://github.com/microsoft/PyMarlin/issues/80",
+         "title": "DDP Hangs with uneven batches (microsoft/PyMarlin #80)",
+         "quote": "If you run training with an uneven number of batches on different GPUs, a hang will occur. Since "
+                  "PyTorch 1.8.1, the join context manager on DDP exists to help with this situation."},
+    ],
+    # ---- FSDP
+    "checkpoint-one-shard": [
+        {"url": "https://pytorch.org/docs/stable/distributed.checkpoint",
+         "title": "Distributed Checkpoint - torch.distributed.checkpoint (PyTorch docs)",
+         "quote": "This function is different from torch.save() as it handles ShardedTensor , and DTensor by having "
+                  "each rank only save their local shards."},
+        {"url": "https://github.com/pytorch/pytorch/issues/64625",
+         "title": "[Beta] FSDP checkpoint APIs (pytorch/pytorch #64625)",
+         "quote": "call local_state_dict() to checkpoint/save local shard in each rank in parallel, right now it "
+                  "checkpoints a flat_parameter with local shard data;  then call load_local_state_dict() to load "
+                  "the local shard into each rank"},
+        {"url": "https://github.com/Lightning-AI/pytorch-lightning/issues/17702",
+         "title": "Cannot save and load checkpoints with FSDPStrategy (Lightning-AI/pytorch-lightning #17702)",
+         "quote": "- only rank 0 saves model\n- parameters not mapped correctly in state dict"},
+    ],
+    "bf16-gradient-reduction": [
+        {"url": "https://github.com/pytorch/pytorch/issues/106395",
+         "title": "FP32 accumulation of bf16 gradients in FSDP (pytorch/pytorch #106395)",
+         "quote": "I was training a model (1B and 7B param llama-like architecture) using FSDP in bf16, and found "
+                  "that it trained well on 12x8 GPUs, but the training would become unstable on 48x8 GPUs. After a "
+                  "good deal of debugging, we found that changing `reduce_dtype` to `None` instead of `bf16` "
+                  "resolved the issue."},
+        {"url": "https://github.com/NVIDIA/Megatron-LM/issues/6199",
+         "title": "[feat] GTP + grad-reduce-in-fp32 (NVIDIA/Megatron-LM #6199)",
+         "quote": "A ring reduce-scatter rounds the partial sum at every one of its N-1 hops, so BF16 gradient error "
+                  "grows as √N with the axis size"},
+    ],
+    # ---- tensor parallelism
+    "tp-dropout-same-seed": [
+        {"url": "https://github.com/awslabs/slapo/issues/21",
+         "title": "[Feature] Random seed management for dropout layers in distributed environment "
+                  "(awslabs/slapo #21)",
+         "quote": "Specifically, the activation dropout needs to use the same random seed, while attention weight "
+                  "dropout requires to use different random seeds since the weight is partitioned in the tensor "
+                  "parallelism case."},
+        {"url": "https://github.com/PaddlePaddle/PaddleFleetX/pull/1005",
+         "title": "Fix dropout random seed for sequence parallel. (PaddlePaddle/PaddleFleetX #1005)",
+         "quote": "Fix bug of GPT sequence_parallel. Different input partition in Dropout should use different "
+                  "random seed if sequence_parallel is True."},
+        {"url": "https://github.com/NVIDIA/Fuser/issues/3123",
+         "title": "Sharded dropout. (NVIDIA/Fuser #3123)",
+         "quote": "To ensure dropout works correctly, the dropout in different shards needs to be randomized in "
+                  "different patterns."},
+        {"url": "https://github.com/ecmwf/anemoi-core/issues/595",
+         "title": "Caution - Using dropout with model sharding - Revisit random seed generation "
+                  "(ecmwf/anemoi-core #595)",
+         "quote": "current implementation for random seed generation implies that every rank in the model group gets "
+                  "the same random seed. While each rank gets different inputs,  if dropout is activated the "
+                  "elements dropped would the \"same\" which can lead to unexpected behaviour or patterns in the "
+                  "model between ranks."},
+    ],
+    "tp-on-dp-group": [
+        {"url": "https://github.com/pytorch/pytorch/issues/67600",
+         "title": "`torch.distributed.broadcast` silently fails if incorrect group is given (pytorch/pytorch #67600)",
+         "quote": "As this code snippet shows, `torch.distributed.broadcast` silently fails when given"},
+        {"url": "https://github.com/NVIDIA/Megatron-LM/issues/7452",
+         "title": "Silent numerical-correctness bugs in Megatron Core parallelism composition "
+                  "(NVIDIA/Megatron-LM #7452)",
+         "quote": "LLaVAModel._process_embedding_token_parallel scatters the combined embeddings to the\n"
+                  "sequence-parallel region without passing the language model's explicit tp group, so the shard\n"
+                  "each rank keeps comes from the global MPU tensor-parallel layout."},
+    ],
+    # ---- pipelines
+    "loss-on-wrong-stage": [
+        {"url": "https://github.com/pytorch/torchtitan/issues/550",
+         "title": "PP UX/training confusion re: loss = -1. (pytorch/torchtitan #550)",
+         "quote": "For PP, only the last rank reports the loss. \nHowever, in titan, by default we only log the first "
+                  "rank, rank 0.\nThis results in UX and user confusion in that doing a simple run with PP will "
+                  "report an ongoing loss of -1...."},
+        {"url": "https://github.com/pytorch/torchtitan/issues/547",
+         "title": "[Bug] Loss=-1.0 and GPU memory keeps increasing in pipeline parallel (pytorch/torchtitan #547)",
+         "quote": "Re: -1 for loss - when using Pipeline Parallel, only the last stage computes an actual loss.  "
+                  "Thus, you will need to adjust your logging filter to include the final rank."},
+        {"url": "https://github.com/huggingface/nanotron/pull/422",
+         "title": "fix(trainer): guard loss_avg computation when pipeline parallelism is active "
+                  "(huggingface/nanotron #422)",
+         "quote": "With pipeline parallelism enabled (pp>1), only the last pipeline stage holds the loss tensor; "
+                  "non-final ranks hold `None` or a zero tensor."},
+    ],
+    "few-microbatches": [
+        {"url": "https://github.com/pytorch/pytorch/pull/144702",
+         "title": "[PP] Don't allow for num_microbatches > num_stages for single stage schedules "
+                  "(pytorch/pytorch #144702)",
+         "quote": "For validation it makes sense to check that the number of stages should be >= number of "
+                  "microbatches otherwise there will be an even larger bubble."},
+        {"url": "https://github.com/NVIDIA/Megatron-LM/issues/1829",
+         "title": "[QUESTION] VPP argument setting (NVIDIA/Megatron-LM #1829)",
+         "quote": "According to the current code logic ,If `microbatch_group_size_per_vp_stage` is smaller than "
+                  "`pipeline_parallel_size`, there should be a large number of bubbles."},
+        {"url": "https://huggingface.co/spaces/nanotron/ultrascale-playbook/discussions/24/files",
+         "title": "The Ultra-Scale Playbook (nanotron), pipeline parallelism section",
+         "quote": "On the left, with microbatches equal to PP degree minus one (m=pp-1), we see how detrimental the "
+                  "pipeline bubble can be - performance drops significantly as we scale PP."},
+    ],
+    # ---- composition
+    "fsdp-before-tp": [
+        {"url": "https://github.com/pytorch/pytorch/issues/89884",
+         "title": "[RFC] PyTorch Tensor Parallel(TP) User API for Distributed Training (pytorch/pytorch #89884)",
+         "quote": "We will first parallelize modules within 8 GPUs on each host and then wrap the module with FSDP. "
+                  "Basically TP first shards the weight of a module and then FSDP shards the local tensor of "
+                  "TP-sharded weights."},
+        {"url": "https://github.com/meta-pytorch/tnt/pull/1002",
+         "title": "add TPStrategy + 1d/2d parallel dispatcher (meta-pytorch/tnt #1002)",
+         "quote": "TP, AC, FSDP2, and torch compile require a specific order (TP -> AC -> compile -> fsdp2). The "
+                  "current order in `prepare_module` is incompatible with this."},
+        {"url": "https://github.com/pytorch/tutorials/pull/3465.patch",
+         "title": "TP tutorial: fsdp1 -> fsdp2 (pytorch/tutorials #3465)",
+         "quote": "# apply Tensor Parallel intra-host on tp_mesh model_tp = parallelize_module(model, tp_mesh, "
+                  "tp_plan) # apply FSDP inter-host on dp_mesh"},
+    ],
+    # ---- operations
+    "collectives-out-of-order": [
+        {"url": "https://github.com/pytorch/pytorch/issues/118369",
+         "title": "NCCL watchdog thread terminated with exception: [Rank 7] Watchdog caught collective operation "
+                  "timeout (pytorch/pytorch #118369)",
+         "quote": "At a high level a collective timeout can be caused by 2 things\n1) all the ranks called the right "
+                  "API but somehow the network or NCCL layer broke down and didn't complete it\n2) *probably more "
+                  "likely* for some reason, one or more ranks did not call the right API at the right time"},
+        {"url": "https://github.com/dylanyunlon/Neuron_SP/issues/589",
+         "title": "[ARCH] CollectiveContract — enforce NCCL collective symmetry across all ranks "
+                  "(dylanyunlon/Neuron_SP #589)",
+         "quote": "NCCL requires ALL ranks in a process group to call the same collective in the same order. Any "
+                  "divergence = 30-minute timeout → hang."},
+        {"url": "https://pytorch.org/docs/stable/torch_nccl_environment_variables.html",
+         "title": "PYTORCH ProcessGroupNCCL Environment Variables (PyTorch docs)",
+         "quote": "Control whether Desync Debug is enabled. This is helpful in figuring out the culprit rank of "
+                  "collective desync."},
+    ],
+    "resume-without-rng": [
+        {"url": "https://github.com/pytorch/torchtitan/issues/1213",
+         "title": "[Flux] Incorrect loss after loading from checkpoint (pytorch/torchtitan #1213)",
+         "quote": "After loading from checkpoint, the loss spikes and then returns to expected values after a few "
+                  "steps."},
+        {"url": "https://github.com/KempnerInstitute/KempnerForge/issues/51",
+         "title": "Dataloader state not persisted across checkpoints (KempnerInstitute/KempnerForge #51)",
+         "quote": "Every resume replays the first epoch from scratch:\n`StatefulDataLoader.batches_yielded` resets to "
+                  "zero, `MixtureSampler`\nre-weighting state is lost, and `DistributedSampler` per-epoch shuffle\n"
+                  "position is lost. Repeated or skipped examples result."},
+        {"url": "https://github.com/ai2cm/ace/issues/690",
+         "title": "RNG state resets after resuming training from a checkpoint (ai2cm/ace #690)",
+         "quote": "RNG state as set by for data loading and certain config objects (e.g., `TimeLengthProbabilities`) "
+                  "as set by `set_seed` at the beginning of training is reset to its initial value when resuming "
+                  "training after preemption."},
+    ],
+    "straggler": [
+        {"url": "https://github.com/pytorch/pytorch/issues/71303",
+         "title": "[RFC] Cross-Process Performance Analysis: Straggler Detection (pytorch/pytorch #71303)",
+         "quote": "DDP is highly sensitive to stragglers -- the allreduce-based gradient synchronization has to wait "
+                  "for the slowest process at every iteration."},
+        {"url": "https://github.com/traceopt-ai/traceml/issues/252",
+         "title": "Backward-origin compute straggler is undetectable: DDP all-reduce equalizes per-rank backward "
+                  "wall time (traceopt-ai/traceml #252)",
+         "quote": "The DDP gradient all-reduce acts as a barrier inside backward: rank 1's backward is grad compute "
+                  "plus the injected delay, while every other rank's backward is grad compute plus an equal "
+                  "all-reduce wait."},
+        {"url": "https://github.com/intelligent-machine-learning/dlrover/issues/678",
+         "title": "Automatically detect the straggler. (intelligent-machine-learning/dlrover #678)",
+         "quote": "In the collective communication job, the straggler will significantly affect the performance of "
+                  "training. If there are many nodes in a cluster, it is difficult to detect which node is the "
+                  "straggler."},
+    ],
+}
+
+
+def sources_for(case: str) -> list[dict[str, str]]:
+    """The public reports a broken run comes from (an empty list for a case that has none recorded)."""
+    return SOURCES.get(case, [])
