@@ -110,6 +110,9 @@ def main():
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                    help="train a single-device reference on rank 0 in lockstep and compare every step "
                         "(default: on for tiny; off for a100, whose reference would not fit beside the replica)")
+    p.add_argument("--planted-bug", choices=["loss-averaged-twice"], default=None,
+                   help="a mistake the checks must catch: each rank divides its loss by the world size before "
+                        "backward, and average_gradients divides again (gradients 1/N of the right ones)")
     p.add_argument("--any-model", action="store_true",
                    help="head tied to the embedding, the first block and every norm frozen, a head bias of 127, two "
                         "parameter groups: a frozen parameter has no gradient to average, a tied one is averaged once")
@@ -153,7 +156,10 @@ def main():
             started = time.perf_counter()
             with autocast:
                 loss = models.lm_loss(model(inputs), targets)
-            loss.backward()
+            if args.planted_bug == "loss-averaged-twice":   # the mistake: a mean over the ranks here, and
+                (loss / rt.world_size).backward()            # average_gradients divides by N again
+            else:
+                loss.backward()
             with comm.CommCounter() as counter:
                 average_gradients(model)  # the whole of data parallelism, after backward
             bytes_per_step.append(counter.total("all_reduce"))

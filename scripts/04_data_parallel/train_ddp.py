@@ -160,9 +160,12 @@ def main():
     runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
-    p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch"], default=None,
+    p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
+                                             "accumulation-never-syncs"], default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
-                        "a loop that never calls set_epoch (the same order every epoch)")
+                        "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
+                        "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
+                        "the last too (the gradients are never all-reduced)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -183,7 +186,11 @@ def main():
 
         # ---- data: each rank its own shard of the dataset, through DistributedSampler ----
         dataset = data.SyntheticTokens(args.samples, cfg.seq_len, cfg.vocab_size, seed=args.seed)
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rt.rank, shuffle=args.shuffle, seed=args.seed)
+        sampler_rank = rt.rank
+        if args.planted_bug == "same-samples-every-rank":   # the mistake: every rank asks for rank 0's share, as a
+            sampler_rank = 0                                 # loader with no sampler and one seed everywhere does
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
+                                     seed=args.seed)
         loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
         steps_per_epoch = args.samples // args.batch
         all_samplers = samplers_for(dataset, world, args)
@@ -225,6 +232,7 @@ def main():
         views_ok = []
         batches = iter(())
         epoch = -1
+        rank_losses = []    # per step, each rank's loss on its own micro-batches
         epoch_orders = []   # the sample indices this rank's training sampler gave, epoch by epoch (measured)
         for step in range(args.steps):
             micro_batches = []
@@ -246,6 +254,8 @@ def main():
             for i, tokens in enumerate(micro_batches):
                 inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                 last = i == accumulation - 1
+                if args.planted_bug == "accumulation-never-syncs":   # the mistake: the last micro-batch under
+                    last = False                                    # no_sync() too, so nothing is ever all-reduced
                 log.start_micro_step()
                 # Not the last micro-batch: accumulate locally, all-reduce nothing.
                 with contextlib.nullcontext() if last else ddp.no_sync():
@@ -297,8 +307,10 @@ def main():
             rt.sync()
             seconds[-1] += time.perf_counter() - started
 
-            dist.all_reduce(step_loss)
-            global_loss = step_loss.item() / world
+            each_rank = [torch.zeros_like(step_loss) for _ in range(world)]
+            dist.all_gather(each_rank, step_loss)      # every rank's own loss: what a user can print per rank
+            rank_losses.append([loss.item() for loss in each_rank])
+            global_loss = sum(rank_losses[-1]) / world
             report.losses.append(global_loss)
             line = f"step {step:3d}  loss {global_loss:.6f}  all-reduced {sent} B in {len(log.buckets)} bucket(s)"
             if args.compare:
@@ -388,6 +400,7 @@ def main():
             "micro_step_bytes": micro_step_bytes,
             "backward_timeline": log.timeline(),
             "param_bytes": param_bytes,
+            "rank_losses": rank_losses,
         })
         timed = seconds[1:] or seconds   # the first step pays one-off costs (buckets, allocator): left out
         report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(timed), len(timed), cfg=cfg,

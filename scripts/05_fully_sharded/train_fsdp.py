@@ -61,7 +61,7 @@ def check_config(args, world_size):
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
-PLANTED_BUGS = ("root-only", "sum-gradients")
+PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
@@ -72,9 +72,11 @@ def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_
     so the root's unit holds only what no block holds. ``mesh``: None shards over every rank; a 2-D
     ``(replicate, shard)`` DeviceMesh makes it HSDP.
     """
-    policy = dict(reshard_after_forward=reshard_after_forward, mesh=mesh,
-                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if mixed_precision else MixedPrecisionPolicy(),
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+                 else MixedPrecisionPolicy())
+    if planted_bug == "bf16-gradient-reduction":  # the mistake: gradients summed over the ranks in bf16 (to halve
+        mp_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=torch.bfloat16)  # bytes)
+    policy = dict(reshard_after_forward=reshard_after_forward, mesh=mesh, mp_policy=mp_policy,
                   offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
     for block in model.layers.values():
         if activation_checkpointing:
@@ -157,7 +159,8 @@ def main():
                         "device and initialise the shards only (default for a100)")
     p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None,
                    help="a mistake the checks must catch: root-only (no unit per block), sum-gradients (the "
-                        "loss summed over the ranks, not averaged: gradients N times too large)")
+                        "loss summed over the ranks, not averaged: gradients N times too large), "
+                        "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
