@@ -121,6 +121,8 @@ def main():
     p.add_argument("--stage-compute-ms", type=runtime.nonnegative_float, default=20.0,
                    help="pause per stage: T ms forward, 2T backward (0: only the real, tiny compute; "
                         "the measured bubble is then not checked). --steps counts a first, untimed step")
+    p.add_argument("--max-bubble", type=runtime.positive_float, default=None, metavar="FRACTION",
+                   help="a throughput target: fail if the measured bubble (idle share of the timeline) is above it")
     p.add_argument("--plot", metavar="FILE", default=None, help="write the measured Gantt chart as a PNG")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -246,6 +248,9 @@ def main():
             report.check_close("measured bubble equals the simulated one (this run's pass times and latency)",
                                measured_bubble, with_latency_bubble,
                                BUBBLE_TOLERANCE.get(args.schedule, DEFAULT_BUBBLE_TOLERANCE))
+        if args.max_bubble is not None:   # too few microbatches for the stages: a correct run, a slow one
+            report.check("measured bubble within the throughput target (--max-bubble)",
+                         measured_bubble <= args.max_bubble, round(measured_bubble, 3), f"<= {args.max_bubble}")
 
         if rt.is_main:
             print(gantt.ascii_gantt(timeline, title=f"measured, {args.schedule} (median of {len(step_bubbles)} "

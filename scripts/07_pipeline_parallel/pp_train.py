@@ -55,6 +55,8 @@ def main():
     p.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                    help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(p)  # --batch --layers --lr --reference
+    p.add_argument("--planted-bug", choices=["loss-on-wrong-stage"], default=None,
+                   help="a mistake the checks must catch: the loss read on rank 0, whose first stage computes none")
     args = p.parse_args()
     cfg = resolve_training_flags(args)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -105,6 +107,8 @@ def main():
             rt.sync()                       # on a GPU, wait for the step's kernels before reading the clock
             step_seconds.append(time.perf_counter() - t0)
             losses.append(torch.stack(step_losses).mean().item() if last_here else None)
+            if args.planted_bug == "loss-on-wrong-stage" and rt.rank == 0:  # the mistake: the loss read on rank 0,
+                losses[-1] = torch.tensor(step_losses or []).mean().item()  # the first stage: no loss there, nan
             if reference is not None:
                 loss = models.lm_loss(reference(inputs), targets)
                 loss.backward()
