@@ -69,7 +69,7 @@ def check_config(args, world_size):
     runtime.require(args.batch % (args.replicate * dp) == 0,
                     f"--batch {args.batch} does not split over {args.replicate * dp} data-parallel ranks")
     runtime.require(args.steps >= 2, f"--steps {args.steps}: need at least 2 (step 1's communication is measured)")
-    runtime.require(args.planted_bug is None or (dp == tp and args.replicate == 1),
+    runtime.require(args.planted_bug != "tp-on-dp-group" or (dp == tp and args.replicate == 1),
                     f"--planted-bug {args.planted_bug} needs --dp = --tp and no --replicate (the wrong group must "
                     f"have the size of the right one), not dp {dp} x tp {tp}")
     runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
@@ -105,13 +105,17 @@ def build_hybrid_model(cfg, args, mesh, device):
     # alternative head's all-reduced logits are one, and nothing here modifies them in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = models.build_transformer(cfg, args.seed, device)  # same seed: the full weights of one device
-    parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
+    fsdp_first = getattr(args, "planted_bug", None) == "fsdp-before-tp"   # the mistake: the wrappers' order reversed
+    if not fsdp_first:
+        parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
     policy = hybrid.mixed_precision_policy(args.precision)
     fsdp_mesh = mesh["replicate", "dp"] if getattr(args, "replicate", 1) > 1 else mesh["dp"]   # 2-D: HSDP
     for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward,
                 mp_policy=hybrid.mixed_precision_policy(args.precision, root=True))
+    if fsdp_first:
+        parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
     return model
 
 
@@ -175,10 +179,11 @@ def main():
     p.add_argument("--timeline-out", metavar="FILE.json", default=None,
                    help="profile step 2 and write rank 0's measured timeline (compute, tp link, dp link) as JSON: "
                         "the data of chapter 09's figure")
-    p.add_argument("--planted-bug", choices=["tp-on-dp-group"], default=None,
+    p.add_argument("--planted-bug", choices=["tp-on-dp-group", "fsdp-before-tp"], default=None,
                    help="a mistake to find (lab 09): the model's mesh built with its dimension names swapped, so "
                         "TP's all-reduces run on the dp group (ranks that read other rows) and FSDP on the tp group; "
-                        "the data still follows the grid. Needs --dp = --tp")
+                        "the data still follows the grid. Needs --dp = --tp; fsdp-before-tp: fully_shard applied "
+                        "before the TP plan (torch refuses: the weights are already DTensors on the dp mesh)")
     hybrid.add_precision_flag(p)
     tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
@@ -221,7 +226,13 @@ def main():
             model_mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("tp", "dp"))
         else:
             model_mesh = mesh
-        model = build_hybrid_model(cfg, args, model_mesh, rt.device)
+        try:
+            model = build_hybrid_model(cfg, args, model_mesh, rt.device)
+        except ValueError as error:   # fsdp-before-tp: torch 2.13 refuses to re-distribute a DTensor FSDP made on
+            # another mesh (distribute_tensor, torch/distributed/tensor/_api.py:953-957); every rank stops here
+            report.check("the TP plan was applied before FSDP (parallelize_module, then fully_shard)", False,
+                         str(error).splitlines()[0][:200], "a model built")
+            sys.exit(report.finish(args.metrics_out))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         # the groups as the model's mesh made them (not as arithmetic says they should be), checked on every rank
         mine = {dim: dist.get_process_group_ranks(model_mesh.get_group(dim)) for dim in model_mesh.mesh_dim_names}
