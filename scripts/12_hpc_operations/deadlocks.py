@@ -6,6 +6,9 @@
     --hang few-microbatches        the first stage splits its batch with torch.chunk, which returns fewer pieces
                                    than asked when the batch does not split evenly; the last stage waits for more
     --hang unpaired-p2p            two ranks both receive first: each waits for the other's send
+    --hang uneven-inputs           data parallelism over shards of unequal length: the last rank runs out of batches
+                                   first and leaves while the others wait in the next gradient all-reduce
+                                   (--stop-at-fewest-batches: the ranks agree first on the shortest shard, the fix)
     --hang none                    the same program, correct: it finishes
 
 Each rank records every call it makes (what, on which group, to or from whom) in the job's key-value store,
@@ -42,9 +45,10 @@ from distlab import hangs, metrics, runtime
 
 EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-barrier": "skipped collective",
                   "wrong-group": "wrong group", "few-microbatches": "too few messages",
-                  "unpaired-p2p": "unpaired point-to-point", "none": "none"}
+                  "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "none": "none"}
 # the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
-ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5}
+ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5,
+         "count batches": 6, "gradient all-reduce": 7}
 
 
 def check_config(args, world_size):
@@ -76,6 +80,16 @@ def program(args, rt, journal, pairs):
         with journal.call("microbatch", op, peer=peer, order=ORDER["microbatch"]):
             (dist.isend if op == "send" else dist.irecv)(tensor, peer).wait(wait)
 
+    if bug == "uneven-inputs":
+        # an epoch of data parallelism, one gradient all-reduce a batch, each rank over its own shard; the shards
+        # are unequal (a dataset split by hand, not by DistributedSampler): the last rank's is one batch short
+        batches = torch.full((1,), float(args.batches - (rank == rt.world_size - 1)), device=rt.device)
+        if args.stop_at_fewest_batches:   # the fix: agree on the shortest shard, every rank trains that many
+            with journal.call("count batches", "all_reduce", order=ORDER["count batches"]):
+                dist.all_reduce(batches, op=dist.ReduceOp.MIN, async_op=True).wait(wait)
+        for _ in range(int(batches.item())):
+            collective("gradient all-reduce", "all_reduce")
+        return
     # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
     collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
     # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
@@ -109,6 +123,9 @@ def main():
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
     p.add_argument("--batch", type=runtime.positive_int, default=6, help="rows of the first stage's batch")
     p.add_argument("--microbatches", type=runtime.positive_int, default=4, help="microbatches the pipeline stages agree on")
+    p.add_argument("--batches", type=runtime.positive_int, default=3, help="batches in a rank's shard (uneven-inputs)")
+    p.add_argument("--stop-at-fewest-batches", action="store_true",
+                   help="uneven-inputs' fix: the ranks all-reduce (MIN) their batch counts first and all train that many")
     p.add_argument("--trace-dir", default=None,
                    help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
                         "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
@@ -187,8 +204,8 @@ def main():
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
-        report.check("the diagnosis names the planted cause", finding["cause"] == EXPECTED_CAUSE[args.hang],
-                     finding["cause"], EXPECTED_CAUSE[args.hang])
+        expected = "none" if args.stop_at_fewest_batches and args.hang == "uneven-inputs" else EXPECTED_CAUSE[args.hang]
+        report.check("the diagnosis names the planted cause", finding["cause"] == expected, finding["cause"], expected)
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
                         "error": error, "journals": journals, "flight_recorder": recorded}
         code = report.finish(args.metrics_out)
