@@ -33,6 +33,7 @@ from distlab.checkpointing import TrainingState  # model and optimizer shards, a
 from train_fsdp import PRESETS, apply_fsdp, full_parameters, materialize_on_meta
 
 DEFAULT_SAVE_DIR = "runs/05_fully_sharded/checkpoints"
+ONE_RANKS_MODEL = "model_from_rank0.pt"   # --planted-bug checkpoint-one-shard's file
 
 
 def checkpoints(save_dir) -> list[Path]:
@@ -105,6 +106,9 @@ def main():
                    help="load the latest checkpoint on this number of ranks and compare with the full copy")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
     runtime.add_lr_flag(p)
+    p.add_argument("--planted-bug", choices=["checkpoint-one-shard"], default=None,
+                   help="a mistake the checks must catch: rank 0 saves the model it holds (one shard of each weight) "
+                        "with torch.save beside the checkpoint, and --resume loads that file on every rank as if whole")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(PRESETS[args.preset])
@@ -124,6 +128,11 @@ def main():
             step_dir = latest_checkpoint(save_dir)
             written_by = json.loads(step_dir.with_suffix(".json").read_text())["world_size"]
             dcp.load({"training": training}, checkpoint_id=step_dir)
+            if args.planted_bug == "checkpoint-one-shard":   # the mistake, its second half: every rank loads rank 0's
+                saved = torch.load(step_dir / ONE_RANKS_MODEL)    # file as if it were the whole model, so each
+                with torch.no_grad():                             # rank's shard becomes rank 0's
+                    for name, param in model.named_parameters():
+                        param.to_local().copy_(saved[name])
             rt.print(f"loaded {step_dir} (written by {written_by} ranks) on {world} ranks: {training.step} steps done")
             if tiny:
                 saved = torch.load(step_dir.with_suffix(".full.pt"), weights_only=False) if rt.rank == 0 else None
@@ -176,6 +185,9 @@ def train(args, rt, cfg, model, optimizer, training, report, earlier_losses):
         if training.step % args.save_every == 0:
             step_dir = save_dir / f"step_{training.step:06d}"
             dcp.save({"training": training}, checkpoint_id=step_dir)  # every rank writes its own shards
+            if args.planted_bug == "checkpoint-one-shard" and rt.rank == 0:   # the mistake (DDP's habit): rank 0
+                torch.save({name: param.to_local() for name, param in model.named_parameters()},   # saves the
+                           step_dir / ONE_RANKS_MODEL)   # model it holds, under FSDP its own shard of each weight
             full = full_state(model, optimizer) if tiny else None     # a full copy, to check reloads against
             if rt.rank == 0:
                 step_dir.with_suffix(".json").write_text(json.dumps({"world_size": world, "step": training.step}))
