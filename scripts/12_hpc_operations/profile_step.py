@@ -47,6 +47,11 @@ from distlab import comm, data, metrics, models, profiling, runtime  # noqa: E40
 # on a loaded machine where another process may run in between).
 KINDS_TOLERANCE_FRACTION = 0.10
 KINDS_TOLERANCE_SECONDS = 0.010
+# A straggler: under DDP nothing makes the ranks wait for each other before backward's first all-reduce, so each
+# rank's data + forward time is its own; one rank later than the rest by more than this, step after step, holds
+# every other rank in that all-reduce. --planted-bug slow-rank delays rank SLOW_RANK by SLOW_RANK_SECONDS a step.
+STRAGGLER_TOLERANCE_S = 0.1
+SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
 
 
 def check_config(args, world_size):
@@ -90,6 +95,9 @@ def main():
                         "DDP's own 25 on a100, whose buckets are then the ones a real job has)")
     runtime.add_lr_flag(p)
     p.add_argument("--trace-dir", default="build/profile_step", help="where each rank writes its Chrome trace")
+    p.add_argument("--planted-bug", choices=["slow-rank"], default=None,
+                   help=f"a fault the checks must catch: rank {SLOW_RANK} sleeps {SLOW_RANK_SECONDS} s before each "
+                        "step's forward (a straggler: the job runs, every other rank waits for it)")
     args = p.parse_args()
     if args.bucket_mb is None:  # a 0.1 MB bucket on the a100 model would be one bucket a parameter: pathological
         args.bucket_mb = 0.1 if args.preset == "tiny" else 25.0
@@ -106,10 +114,16 @@ def main():
         # an a100-sized copy would not fit beside the replica)
         baseline = Baseline(cfg, args.seed, args.lr, rt.device) if args.preset == "tiny" else None
 
+        before_sync = []   # per step, this rank's data + forward seconds (before any collective, under DDP)
+
         def train_step(step):
+            started = time.perf_counter()
+            if args.planted_bug == "slow-rank" and rt.rank == SLOW_RANK:   # the planted fault: one rank slower
+                time.sleep(SLOW_RANK_SECONDS)   # every step (a slow disk, a busy node): late to every all-reduce
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, rt.world_size))
             loss = models.lm_loss(model(inputs), targets)
+            before_sync.append(time.perf_counter() - started)
             with record_function(profiling.BACKWARD_LABEL):  # labels backward's span in the trace
                 loss.backward()
             optimizer.step()
@@ -146,7 +160,7 @@ def main():
         per_step = [Counter(c["collective"] for c in in_trace if start <= c["start"] < end) for start, end in steps]
         mine = {"rank": rt.rank, "trace": str(trace_path), "events": len(trace["traceEvents"]), "kinds": kinds,
                 "wall_seconds": wall_seconds, "overlap": overlap, "trace_collectives_per_step": per_step,
-                "issued": issued}
+                "issued": issued, "before_sync_seconds": sorted(before_sync)[len(before_sync) // 2]}
         everyone = [None] * rt.world_size
         dist.all_gather_object(everyone, mine)
 
@@ -205,6 +219,12 @@ def main():
         elif args.strategy == "ddp" and sum(issued.values()) > 1:
             report.check("some communication ran while backward computed (trace intervals), on some rank",
                          max(hidden) > 0, max(hidden), "> 0")
+        if args.strategy == "ddp" and rt.world_size > 1:   # FSDP's forward gathers: its ranks wait there already
+            arrivals = [row["before_sync_seconds"] for row in everyone]
+            rt.print("data + forward per rank (median step): " + ", ".join(f"{1e3 * a:.0f} ms" for a in arrivals))
+            report.check("no straggler: every rank reaches backward's all-reduces with the others (median data + "
+                         "forward time, slowest - fastest rank)", max(arrivals) - min(arrivals) <= STRAGGLER_TOLERANCE_S,
+                         round(max(arrivals) - min(arrivals), 3), f"<= {STRAGGLER_TOLERANCE_S} s")
         if baseline is not None:
             report.check_close("losses = single-device baseline (every step)", report.losses, baseline.losses,
                                metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device))
