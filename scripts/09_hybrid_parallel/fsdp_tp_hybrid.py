@@ -226,12 +226,14 @@ def main():
             model_mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("tp", "dp"))
         else:
             model_mesh = mesh
+        refused = None
         try:
             model = build_hybrid_model(cfg, args, model_mesh, rt.device)
         except ValueError as error:   # fsdp-before-tp: torch 2.13 refuses to re-distribute a DTensor FSDP made on
-            # another mesh (distribute_tensor, torch/distributed/tensor/_api.py:953-957); every rank stops here
-            report.check("the TP plan was applied before FSDP (parallelize_module, then fully_shard)", False,
-                         str(error).splitlines()[0][:200], "a model built")
+            refused = str(error).splitlines()[0][:200]   # another mesh (tensor/_api.py:953-957), on every rank
+        report.check("the TP plan was applied before FSDP (parallelize_module, then fully_shard)", refused is None,
+                     refused or "built", "a model built")
+        if refused is not None:
             sys.exit(report.finish(args.metrics_out))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         # the groups as the model's mesh made them (not as arithmetic says they should be), checked on every rank

@@ -1,0 +1,395 @@
+"""Chapter 14's broken runs: a plausible mistake planted in one of the course's scripts, what a user sees, the fix.
+
+Each :class:`BrokenRun` names a script of an earlier chapter and the arguments that plant the mistake (``args``:
+``--planted-bug NAME`` where the mistake is in the code; a setting where it is a setting, such as too few
+microbatches; ``--hang NAME`` for chapter 12's hangs), the arguments of the fixed run (``fixed_args``: the bug
+gone, or the corrective setting), what a user sees (``symptom``, never the cause) and where in the run's metrics
+(``evidence``), the cause, the one check that tells it from its look-alikes, and the checks of the script that
+fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``).
+
+    from labkit import broken_runs
+    result = broken_runs.run_case("accumulation-never-syncs")            # the broken run (fork launcher on CPU)
+    broken_runs.symptom_seen(broken_runs.case("accumulation-never-syncs"), result.metrics)   # -> [] (nothing missing)
+    fixed = broken_runs.run_case("accumulation-never-syncs", fixed=True)  # every check passes, = one device
+
+Every run takes seconds on 4 CPU ranks; a hang ends by a 2 s process-group timeout, with each rank's journal of
+calls and a diagnosis (chapter 12's ``distlab.hangs``). A case that resumes (``prepare_args``) first runs the
+interrupted job, then the resume, in one folder: ``{run_dir}`` in the arguments.
+
+Left out: dropout with the same random stream on every tensor-parallel rank where it must differ (or the reverse).
+Not a limit of torch 2.13: the course's models have no dropout (``distlab.models``: the transformer every chapter
+checks against one device is deterministic), so no script has a random stream to get wrong; adding dropout to the
+shared model would change every chapter's single-device reference. The issue's other fourteen mistakes are here.
+
+From a job (``pbs/14_when_it_goes_wrong.pbs``): ``python -m labkit.broken_runs check NAME METRICS.json [--fixed]``
+says whether a run's metrics show the case's symptom (or, with ``--fixed``, that it is gone), exit 0 or 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit import launch
+
+FAMILIES = ("data", "data parallelism", "FSDP", "tensor parallelism", "pipelines", "composition", "operations")
+HANG_TIMEOUT = ("--pg-timeout", "2")   # seconds a hang waits before the process group gives up
+
+TRAIN_DDP = "scripts/04_data_parallel/train_ddp.py"
+DDP_FROM_SCRATCH = "scripts/04_data_parallel/ddp_from_scratch.py"
+TRAIN_FSDP = "scripts/05_fully_sharded/train_fsdp.py"
+CHECKPOINT_RESUME = "scripts/05_fully_sharded/checkpoint_resume.py"
+PP_TRAIN = "scripts/07_pipeline_parallel/pp_train.py"
+PP_SCHEDULES = "scripts/07_pipeline_parallel/pp_schedules.py"
+FSDP_TP_HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"
+DEADLOCKS = "scripts/12_hpc_operations/deadlocks.py"
+FAULT_DRILL = "scripts/12_hpc_operations/fault_drill.py"
+PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
+
+# Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
+DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
+HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
+PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
+
+
+@dataclass(frozen=True)
+class BrokenRun:
+    name: str                   # kebab-case; the --planted-bug (or --hang) value where the mistake is in the code
+    family: str                 # one of FAMILIES
+    script: str                 # path from the repository's root
+    args: tuple[str, ...]       # the broken run, on ``nproc`` CPU ranks
+    fixed_args: tuple[str, ...]  # the same script, the mistake gone or the corrective setting given
+    symptom: str                # what a user sees, never the cause
+    evidence: tuple[str, ...]   # where in the metrics JSON: keys ("extra.rank_losses") or "checks"
+    cause: str
+    tell_apart: str             # the one check that tells it from its look-alikes
+    look_alikes: tuple[str, ...]  # other cases' names, or a plausible wrong cause in a few words
+    fix: str                    # the fix, in a sentence
+    fix_kind: str               # "setting" (a flag of the script: in fixed_args) or "function" (code the learner writes)
+    failing_checks: tuple[str, ...] = ()  # beginnings of check names that fail with the bug, pass with the fix
+    hang_cause: str | None = None       # a hang: the diagnosis its journal must give (the fixed run's: "none")
+    prepare_args: tuple[str, ...] = ()  # a run before ``args`` in the same {run_dir}: the interrupted job
+    fixed_prepare_args: tuple[str, ...] = ()
+    wrong_fixes: tuple[tuple[tuple[str, ...], str], ...] = ()  # (args, why it is wrong): still broken
+    nproc: int = 4
+    gpu_note: str | None = None   # why the GPU job leaves it out (None: it runs there)
+
+    @property
+    def hang(self) -> bool:
+        return self.hang_cause is not None
+
+    def command(self, fixed: bool = False, run_dir: str = "RUN_DIR") -> list[str]:
+        """The command a person types for the broken (or fixed) run."""
+        return launch.torchrun_command(self.script, self.nproc, fill(self.fixed_args if fixed else self.args, run_dir))
+
+
+def fill(args, run_dir) -> list[str]:
+    return [str(a).replace("{run_dir}", str(run_dir)) for a in args]
+
+
+BROKEN_RUNS: tuple[BrokenRun, ...] = (
+    # ---- data ------------------------------------------------------------------------------------------------
+    BrokenRun(
+        name="same-samples-every-rank", family="data", script=TRAIN_DDP,
+        args=DDP_RUN + ("--planted-bug", "same-samples-every-rank"), fixed_args=DDP_RUN,
+        symptom="Every rank prints the same loss at every step, and the global loss departs from one device's "
+                "trained on the same global batch.",
+        evidence=("extra.rank_losses", "extra.diffs.baseline_loss", "checks"),
+        cause="Each rank's DistributedSampler was built with rank 0's index (what a loader with no sampler and one "
+              "seed on every rank does): all ranks read the same quarter of the data.",
+        tell_apart="The losses per rank: equal to the last digit at every step (same weights, same samples); with "
+                   "each rank on its own samples they differ.",
+        look_alikes=("no-set-epoch", "loss-averaged-twice", "a learning rate too low"),
+        fix="Give each rank its own share: DistributedSampler(dataset, num_replicas=world_size, rank=rank).",
+        fix_kind="function",
+        failing_checks=("the training samplers' first epoch: disjoint shards covering the dataset",
+                        "DDP loss = single-device loss")),
+    BrokenRun(
+        name="no-set-epoch", family="data", script=TRAIN_DDP,
+        args=DDP_RUN + ("--planted-bug", "no-set-epoch"), fixed_args=DDP_RUN,
+        symptom="The loss equals one device's for the whole first epoch, then departs from it at the first step "
+                "of the second (step 4 of 5).",
+        evidence=("extra.diffs.baseline_loss", "losses", "checks"),
+        cause="The loop never calls sampler.set_epoch(epoch): DistributedSampler shuffles with seed + epoch, so "
+              "every epoch repeats the first one's order.",
+        tell_apart="When the difference from one device starts: exactly at the epoch's turn, not at step 0.",
+        look_alikes=("same-samples-every-rank", "resume-without-rng"),
+        fix="Call sampler.set_epoch(epoch) before each epoch's first batch.",
+        fix_kind="function",
+        failing_checks=("the training sampler's order changed with the epoch", "DDP loss = single-device loss")),
+    # ---- data parallelism ----------------------------------------------------------------------------------------
+    BrokenRun(
+        name="accumulation-never-syncs", family="data parallelism", script=TRAIN_DDP,
+        args=DDP_RUN + ("--planted-bug", "accumulation-never-syncs"), fixed_args=DDP_RUN,
+        symptom="The ranks' losses differ more every step and their weights no longer agree after training; the "
+                "comm hook saw 0 bytes all-reduced per step.",
+        evidence=("extra.rank_losses", "extra.micro_step_bytes", "comm", "checks"),
+        cause="Every micro-batch, the last one too, ran under no_sync(): DDP never all-reduced a gradient, so each "
+              "replica trained on its own data alone.",
+        tell_apart="The bytes all-reduced per optimizer step: 0, where they should equal the parameter bytes.",
+        look_alikes=("same-samples-every-rank", "bf16-gradient-reduction"),
+        fix="Run the last micro-batch of each step outside no_sync() (the others inside).",
+        fix_kind="function",
+        failing_checks=("bytes all-reduced per optimizer step = parameter bytes", "replicas identical after training",
+                        "DDP gradients = single-device gradients")),
+    BrokenRun(
+        name="loss-averaged-twice", family="data parallelism", script=DDP_FROM_SCRATCH,
+        args=("--steps", "3", "--planted-bug", "loss-averaged-twice"), fixed_args=("--steps", "3"),
+        symptom="The losses track one device's to 1e-5 (AdamW hides a gradient's scale), but the averaged "
+                "gradients are not one device's: a quarter of them on 4 ranks.",
+        evidence=("extra.grad_diffs", "extra.loss_diffs", "checks"),
+        cause="Each rank divides its loss by the world size before backward, and average_gradients divides the "
+              "summed gradients by it again: gradients 1/N of the right ones.",
+        tell_apart="The gradient check against one device (the loss check passes): the ratio is exactly 1/N.",
+        look_alikes=("sum-gradients (N times too large, train_fsdp.py)", "a learning rate too low"),
+        fix="Divide once: each rank's mean loss, then the sum of the gradients over the ranks divided by N.",
+        fix_kind="function",
+        failing_checks=("averaged gradients = single-device gradients",)),
+    BrokenRun(
+        name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
+        args=("--hang", "uneven-inputs", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "uneven-inputs", "--stop-at-fewest-batches", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        symptom="The job stops progressing at the end of an epoch: three ranks wait in a gradient all-reduce until "
+                "the process group's timeout (2 s) while the last rank has already finished.",
+        evidence=("extra.journals", "extra.cause", "extra.verdict"),
+        cause="The ranks' shards of the data are unequal: the last rank has one batch fewer, leaves the loop, and "
+              "its peers wait for its all-reduce.",
+        tell_apart="The journal: one rank 'finished' with one all-reduce fewer than the others, which are stuck in "
+                   "the same call (a straggler's peers would finish the call, late).",
+        look_alikes=("mismatched-collectives", "slow-rank", "a network failure"),
+        fix="Agree on the shortest shard first (all-reduce MIN of the batch counts) and all train that many "
+            "(DistributedSampler's drop_last, or DDP's join() context, do the same).",
+        fix_kind="setting", hang_cause="skipped collective",
+        wrong_fixes=()),
+    # ---- FSDP --------------------------------------------------------------------------------------------------
+    BrokenRun(
+        name="checkpoint-one-shard", family="FSDP", script=CHECKPOINT_RESUME,
+        prepare_args=("--save-dir", "{run_dir}", "--stop-after", "3", "--planted-bug", "checkpoint-one-shard"),
+        args=("--save-dir", "{run_dir}", "--resume", "--planted-bug", "checkpoint-one-shard"),
+        fixed_prepare_args=("--save-dir", "{run_dir}", "--stop-after", "3"),
+        fixed_args=("--save-dir", "{run_dir}", "--resume"),
+        symptom="Training resumes without an error, but the loss jumps up at the first step after the resume "
+                "(0.4 above the interrupted run's loss at that step) and never rejoins one device's.",
+        evidence=("extra.losses_by_step", "extra.earlier_losses", "extra.uninterrupted_losses", "checks"),
+        cause="Rank 0 saved the model it holds with torch.save (DDP's habit): under FSDP that is one shard of each "
+              "weight; every rank loaded it as if it were the model, so all took rank 0's shard.",
+        tell_apart="The reloaded state against the full copy saved beside the checkpoint: unequal at once, before "
+                   "any training step.",
+        look_alikes=("resume-without-rng", "a learning-rate schedule restarted"),
+        fix="Save and load with torch.distributed.checkpoint (every rank writes and reads its own shards), or "
+            "gather the full state dict first.",
+        fix_kind="function",
+        failing_checks=("model written by 4 ranks, read by 4: every value equal",
+                        "losses = uninterrupted single-device run",
+                        "steps trained again after the resume repeat the interrupted run's losses")),
+    BrokenRun(
+        name="bf16-gradient-reduction", family="FSDP", script=TRAIN_FSDP,
+        args=("--steps", "3", "--planted-bug", "bf16-gradient-reduction"), fixed_args=("--steps", "3"),
+        symptom="Gradients differ from one device's by ~3e-4 where fp32 rounding gives ~1e-8, more on more ranks "
+                "(1.8e-4 on 2 ranks, 2.7e-4 on 4); the reduce-scatter moves half the bytes the formula says.",
+        evidence=("extra.param_diffs", "comm", "checks"),
+        cause="MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): the gradients are summed over the ranks in bf16, "
+              "every partial sum rounded to 8 bits of mantissa.",
+        tell_apart="The reduce-scatter bytes per step: half the fp32 formula's (a wrong data split or a missing "
+                   "sync would leave them right).",
+        look_alikes=("accumulation-never-syncs", "nondeterministic kernels"),
+        fix="Reduce in fp32: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32).",
+        fix_kind="setting",
+        failing_checks=("step-0 gradients (gathered from the shards) = single-device gradients",
+                        "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
+    # ---- tensor parallelism ------------------------------------------------------------------------------------
+    BrokenRun(
+        name="tp-on-dp-group", family="tensor parallelism", script=FSDP_TP_HYBRID,
+        args=HYBRID_RUN + ("--planted-bug", "tp-on-dp-group"), fixed_args=HYBRID_RUN,
+        symptom="No error and no hang: the losses are off one device's from the first step, while every "
+                "collective moves exactly the bytes its formula says.",
+        evidence=("losses", "comm", "checks"),
+        cause="The mesh's dimension names were swapped: TP's all-reduces run on the data-parallel group, whose "
+              "ranks hold other rows of the batch.",
+        tell_apart="The groups read back from the mesh (dist.get_process_group_ranks) against the rank grid: "
+                   "the TP group is [0, 2] where it should be [0, 1].",
+        look_alikes=("same-samples-every-rank", "fsdp-before-tp"),
+        fix="Build the mesh with TP innermost: init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')).",
+        fix_kind="setting",
+        failing_checks=("every rank's TP and FSDP groups", "losses equal single-device")),
+    # ---- pipelines -----------------------------------------------------------------------------------------------
+    BrokenRun(
+        name="loss-on-wrong-stage", family="pipelines", script=PP_TRAIN,
+        args=("--planted-bug", "loss-on-wrong-stage"), fixed_args=(),
+        symptom="The loss printed at every step is nan, yet the weights after training equal one device's.",
+        evidence=("losses", "checks"),
+        cause="The loss is read on rank 0, which holds the first stage: the schedule computes the loss on the "
+              "last stage only, so rank 0's list of losses is empty and its mean is nan.",
+        tell_apart="The parameter check against one device passes: training is right, only the reading is wrong.",
+        look_alikes=("a diverging run (a learning rate too high)", "bf16 overflow"),
+        fix="Read the losses on the rank that holds the last stage (or send them from there).",
+        fix_kind="function",
+        failing_checks=("losses equal the single-device run's", "the loss fell")),
+    BrokenRun(
+        name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
+        args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
+        symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
+                "and the end), the step a third busier than it could be.",
+        evidence=("extra.bubble", "throughput", "timeline"),
+        cause="2 microbatches for 4 stages: the fill and drain, (P - 1) / (M + P - 1) of the step, dominate.",
+        tell_apart="The measured bubble equals the formula (P - 1) / (M + P - 1): the idle time is the schedule's, "
+                   "not a slow rank's (which would leave the others idle at random places).",
+        look_alikes=("slow-rank", "a slow network"),
+        fix="More microbatches than stages: --microbatches 8 (M >= 2P).",
+        fix_kind="setting",
+        failing_checks=("measured bubble within the throughput target",),
+        wrong_fixes=((PIPELINE_TIMING + ("--microbatches", "4"),
+                      "as many microbatches as stages still leaves (P-1)/(M+P-1) = 43% idle"),)),
+    # ---- composition ---------------------------------------------------------------------------------------------
+    BrokenRun(
+        name="fsdp-before-tp", family="composition", script=FSDP_TP_HYBRID,
+        args=HYBRID_RUN + ("--planted-bug", "fsdp-before-tp"), fixed_args=HYBRID_RUN,
+        symptom="Every rank stops before the first step with ValueError: 'Cannot distribute a DTensor with device "
+                "mesh (dp) to a different device mesh (tp)'.",
+        evidence=("checks",),
+        cause="fully_shard ran before parallelize_module: the weights are already DTensors on the dp mesh, and "
+              "torch 2.13 refuses to distribute a DTensor onto another mesh (torch/distributed/tensor/_api.py:"
+              "953-957).",
+        tell_apart="The error comes from parallelize_module, before any collective: a configuration, not a hang "
+                   "or a wrong number.",
+        look_alikes=("tp-on-dp-group", "a mesh that does not divide the world"),
+        fix="Apply the TP plan first, then fully_shard each block and the root (torchtitan's order).",
+        fix_kind="setting",
+        failing_checks=("the TP plan was applied before FSDP",)),
+    # ---- operations ------------------------------------------------------------------------------------------------
+    BrokenRun(
+        name="mismatched-collectives", family="operations", script=DEADLOCKS,
+        args=("--hang", "mismatched-collectives", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "none", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        symptom="The job hangs at its first collective until the process group's timeout; every rank is stuck, "
+                "none has finished.",
+        evidence=("extra.journals", "extra.cause", "extra.verdict", "extra.flight_recorder"),
+        cause="Rank 0 broadcasts where the others all-reduce: the collectives at one position of the program "
+              "differ between ranks.",
+        tell_apart="The journal: all ranks stuck at the same position on the same group, in different operations.",
+        look_alikes=("uneven-inputs", "slow-rank"),
+        fix="Every rank issues the same collectives on a group in the same order (no rank-dependent branch around "
+            "them).",
+        fix_kind="function", hang_cause="mismatched collectives",
+        gpu_note="two different collectives paired on NCCL are undefined behaviour, not a clean hang (chapter 12)"),
+    BrokenRun(
+        name="resume-without-rng", family="operations", script=FAULT_DRILL,
+        prepare_args=("--run-dir", "{run_dir}", "--kill-rank", "1", "--kill-at-step", "5", "--resume-without-rng"),
+        args=("--run-dir", "{run_dir}", "--resume-without-rng"),
+        fixed_prepare_args=("--run-dir", "{run_dir}", "--kill-rank", "1", "--kill-at-step", "5"),
+        fixed_args=("--run-dir", "{run_dir}"),
+        symptom="After the restart the loss of a step trained twice is not what it was the first time (0.1 apart), "
+                "and the run no longer follows one device's.",
+        evidence=("losses", "extra", "checks"),
+        cause="The checkpoint held the model and the optimizer only: the resumed run reads the data from the "
+              "start of the epoch's order and draws other random masks.",
+        tell_apart="The step trained twice: same weights, same step, another loss, so the inputs changed, not the "
+                   "model.",
+        look_alikes=("checkpoint-one-shard", "no-set-epoch"),
+        fix="Checkpoint the data position and every random number generator with the model and the optimizer "
+            "(distlab.checkpointing.TrainingState with the loader and the rank).",
+        fix_kind="function",
+        failing_checks=("losses over all attempts = uninterrupted single device",
+                        "a step trained twice gives the same loss both times")),
+    BrokenRun(
+        name="slow-rank", family="operations", script=PROFILE_STEP,
+        args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
+        symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank is idle for that "
+                "time while the three others spend it in communication.",
+        evidence=("extra.ranks", "extra.timeline", "throughput", "checks"),
+        cause="One rank is slower than the rest every step (here it sleeps 0.3 s: a slow disk, a busy node), and "
+              "every collective waits for it.",
+        tell_apart="The timeline per rank: the steps complete (a hang's do not), and the same rank reaches each "
+                   "all-reduce last while the others wait in it.",
+        look_alikes=("uneven-inputs", "too-few-microbatches", "a slow network"),
+        fix="Find what slows that rank (its node, its data) and remove it; the run without the fault equals one "
+            "device and has no straggler.",
+        fix_kind="function",
+        failing_checks=("no straggler",)),
+)
+
+
+def case(name: str) -> BrokenRun:
+    for run in BROKEN_RUNS:
+        if run.name == name:
+            return run
+    raise KeyError(f"no broken run named {name!r}; there are: {', '.join(r.name for r in BROKEN_RUNS)}")
+
+
+def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = None, args_override=None,
+             **launch_kwargs) -> launch.LaunchResult:
+    """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
+    the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
+    runs its interrupted job in ``run_dir`` (default: a new temporary folder). ``args_override``: other
+    arguments for the same script (a wrong fix, say). A broken run fails its checks: ``check`` defaults to False."""
+    run = case(name)
+    folder = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix=f"distlab-{name}-"))
+    launch_kwargs.setdefault("check", False)
+    launch_kwargs.setdefault("timeout", 120)
+    prepare = run.fixed_prepare_args if fixed else run.prepare_args
+    if prepare:
+        shutil.rmtree(folder, ignore_errors=True)   # the interrupted job starts from nothing
+        launch.run(run.script, nproc=run.nproc, args=fill(prepare, folder), metrics=False,
+                   **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
+    args = args_override if args_override is not None else (run.fixed_args if fixed else run.args)
+    return launch.run(run.script, nproc=run.nproc, args=fill(args, folder), **launch_kwargs)
+
+
+def _failed_checks(metrics: dict) -> set[str]:
+    return {c["name"] for c in metrics.get("checks", []) if not c["passed"]}
+
+
+def symptom_seen(run: BrokenRun, metrics: dict | None) -> list[str]:
+    """What is missing for the broken run's metrics to show the case's symptom: [] when it is all there."""
+    if metrics is None:
+        return ["the run wrote no metrics"]
+    if run.hang:
+        cause = (metrics.get("extra") or {}).get("cause")
+        return [] if cause == run.hang_cause else [f"the journal's diagnosis is {cause!r}, not {run.hang_cause!r}"]
+    failed = _failed_checks(metrics)
+    return [f"check '{prefix}...' did not fail" for prefix in run.failing_checks
+            if not any(name.startswith(prefix) for name in failed)]
+
+
+def fix_holds(run: BrokenRun, metrics: dict | None) -> list[str]:
+    """What is wrong with a fixed run's metrics: [] when every check passed (the symptom's checks among them,
+    against one device where the script compares) and, for a hang, the journal finds none."""
+    if metrics is None:
+        return ["the run wrote no metrics"]
+    problems = [f"check failed: {name}" for name in sorted(_failed_checks(metrics))]
+    names = [c["name"] for c in metrics.get("checks", [])]
+    problems += [f"check '{prefix}...' did not run" for prefix in run.failing_checks
+                 if not any(name.startswith(prefix) for name in names)]
+    if run.hang and (metrics.get("extra") or {}).get("cause") != "none":
+        problems.append(f"the journal still finds a hang: {(metrics.get('extra') or {}).get('cause')!r}")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.broken_runs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the cases, one a line: name, family, script")
+    check = sub.add_parser("check", help="does a run's metrics file show the case's symptom (or, --fixed, not)?")
+    check.add_argument("name")
+    check.add_argument("metrics", type=Path)
+    check.add_argument("--fixed", action="store_true", help="the fixed run: every check passes")
+    options = parser.parse_args(argv)
+    if options.command == "list":
+        for run in BROKEN_RUNS:
+            print(f"{run.name:26} {run.family:20} {run.script}")
+        return 0
+    run = case(options.name)
+    metrics = json.loads(options.metrics.read_text()) if options.metrics.exists() else None
+    problems = fix_holds(run, metrics) if options.fixed else symptom_seen(run, metrics)
+    what = "fixed: every check passes" if options.fixed else "broken as planted: the symptom is there"
+    print(f"{run.name}: {what}" if not problems else f"{run.name}: NOT {what}: {'; '.join(problems)}")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Chapter 14: every broken run shows its symptom, caught by its script's own checks (a hang: ended by the
+process-group timeout, named by its journal), and the fix makes the symptom go away with the run equal to one device.
+
+One launch per distinct command: cases that share a fixed run (three of train_ddp's, two of fsdp_tp_hybrid's)
+launch it once. A run an earlier chapter's test already makes with the same arguments is not launched again:
+COVERED_ELSEWHERE names that test (tests/unit/test_broken_runs.py checks it exists and runs those arguments).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labkit import broken_runs
+
+# (case, fixed) -> the test of an earlier chapter that launches the same command and asserts the same outcome
+COVERED_ELSEWHERE = {
+    ("tp-on-dp-group", False): ("tests/scripts/test_09_hybrid_2d.py",
+                                "test_the_planted_wrong_group_fails_the_group_and_single_device_checks_not_the_byte_counts"),
+    ("mismatched-collectives", False): ("tests/scripts/test_12_hpc_operations.py",
+                                        "test_every_hang_ends_with_its_diagnosis"),
+    ("mismatched-collectives", True): ("tests/scripts/test_12_hpc_operations.py",
+                                       "test_every_hang_ends_with_its_diagnosis"),
+    ("resume-without-rng", False): ("tests/scripts/test_12_hpc_operations.py",
+                                    "test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data"),
+}
+CASES = [run for run in broken_runs.BROKEN_RUNS]
+BROKEN = [pytest.param(run, id=run.name) for run in CASES if (run.name, False) not in COVERED_ELSEWHERE]
+FIXED = [pytest.param(run, id=run.name) for run in CASES if (run.name, True) not in COVERED_ELSEWHERE]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(case, fixed)``: the run's LaunchResult, launched once per distinct command in this module."""
+    results = {}
+
+    def get(run: broken_runs.BrokenRun, fixed: bool, args=None):
+        prepare = run.fixed_prepare_args if fixed else run.prepare_args
+        args = tuple(args) if args is not None else (run.fixed_args if fixed else run.args)
+        key = (run.script, prepare, args)
+        if key not in results:
+            folder = tmp_path_factory.mktemp(run.name)
+            results[key] = broken_runs.run_case(run.name, fixed=fixed, run_dir=folder, args_override=args,
+                                                stream=False, timeout=90)
+        return results[key]
+
+    return get
+
+
+@pytest.mark.parametrize("run", BROKEN)
+def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, launched):
+    result = launched(run, fixed=False)
+    assert not broken_runs.symptom_seen(run, result.metrics), (broken_runs.symptom_seen(run, result.metrics),
+                                                                result.tail())
+    assert not [line for line in result.lines if line.startswith("Traceback")], result.tail()
+    if run.hang:    # ended by the 2 s process-group timeout, with the journal, not by the test's timeout
+        assert result.returncode == 0 and result.metrics["extra"]["seconds_to_diagnosis"] < 9, result.tail()
+        assert f"diagnosis: {run.hang_cause}" in result.output
+    else:           # exit 1 (on every rank that checks: some comparisons run on rank 0 alone), not a crash
+        codes = result.rank_exit_codes
+        assert result.returncode == 1 and codes[0] == 1 and set(codes.values()) <= {0, 1}, result.tail()
+        assert any(line.lstrip().startswith("[FAIL]") for line in result.lines), result.tail()
+    SYMPTOMS.get(run.name, lambda metrics, result: None)(result.metrics, result)
+
+
+@pytest.mark.parametrize("run", FIXED)
+def test_the_fix_removes_the_symptom_and_the_run_equals_one_device(run, launched):
+    result = launched(run, fixed=True)
+    assert result.returncode == 0, result.tail()
+    assert not broken_runs.fix_holds(run, result.metrics), broken_runs.fix_holds(run, result.metrics)
+    GONE.get(run.name, lambda metrics, result: None)(result.metrics, result)
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, id=r.name) for r in CASES if r.wrong_fixes])
+def test_a_plausible_wrong_fix_leaves_the_symptom(run, launched):
+    for args, why in run.wrong_fixes:
+        result = launched(run, fixed=False, args=args)
+        assert not broken_runs.symptom_seen(run, result.metrics), f"{args} ({why}) passed: {result.tail()}"
+
+
+# ---- what a user sees, case by case (beyond the checks): the symptom with the bug, its absence with the fix ----
+
+def _rank_losses_equal(metrics):
+    return [len(set(step)) == 1 for step in metrics["extra"]["rank_losses"]]
+
+
+def _same_samples(metrics, result):
+    assert all(_rank_losses_equal(metrics)), metrics["extra"]["rank_losses"]  # identical losses on every rank
+
+
+def _no_set_epoch(metrics, result):
+    diffs = metrics["extra"]["diffs"]["baseline_loss"]   # one device's loss, step by step: right for epoch 0 only
+    assert max(diffs[:4]) < 1e-5 and diffs[4] > 1e-3, diffs
+
+
+def _never_syncs(metrics, result):
+    assert metrics["extra"]["micro_step_bytes"][-1] == [0, 0]
+    assert not any(_rank_losses_equal(metrics)[1:]), metrics["extra"]["rank_losses"]
+
+
+def _averaged_twice(metrics, result):
+    assert max(metrics["extra"]["loss_diffs"]) < 1e-4   # AdamW hides the gradients' scale from the loss
+
+
+def _uneven(metrics, result):
+    states = {int(r): j["state"] for r, j in metrics["extra"]["journals"].items()}
+    assert states == {0: "timed out", 1: "timed out", 2: "timed out", 3: "finished"}, states
+
+
+def _one_shard(metrics, result):
+    earlier, now = metrics["extra"]["earlier_losses"], metrics["extra"]["losses_by_step"]
+    first = str(metrics["extra"]["first_step"])
+    assert abs(now[first] - earlier[first]) > 0.1, (now, earlier)   # the loss jumps at the resume
+
+
+def _bf16_reduction(metrics, result):
+    scatter = next(c for c in metrics["comm"] if c["collective"] == "reduce_scatter")
+    assert scatter["measured_bytes"] * 2 == scatter["analytic_bytes"], scatter
+
+
+def _loss_on_wrong_stage(metrics, result):
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}
+    assert all(math.isnan(x) for x in metrics["losses"]), metrics["losses"]
+    assert passed["parameters after training equal the single-device run's"]   # the training itself is right
+
+
+def _too_few_microbatches(metrics, result):
+    bubble = metrics["extra"]["bubble"]
+    assert bubble["formula"] == pytest.approx(0.6) and bubble["measured"] > 0.5, bubble
+
+
+def _fsdp_before_tp(metrics, result):
+    assert any("Cannot distribute a DTensor" in line for line in result.lines)   # torch's refusal, in the check
+    assert set(result.rank_exit_codes.values()) == {1}, result.rank_exit_codes     # every rank stops at once
+
+
+def _slow_rank(metrics, result):
+    kinds = {row["rank"]: row["kinds"] for row in metrics["extra"]["ranks"]}
+    assert kinds[1]["idle"] > 0.4 and all(kinds[r]["communication"] > 0.4 for r in (0, 2, 3)), kinds
+
+
+SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
+            "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
+            "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
+            "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
+            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank}
+
+
+def _distinct_losses(metrics, result):
+    assert not any(_rank_losses_equal(metrics)), metrics["extra"]["rank_losses"]
+
+
+def _no_hang(metrics, result):
+    states = {j["state"] for j in metrics["extra"]["journals"].values()}
+    assert states == {"finished"}, states
+
+
+GONE = {"same-samples-every-rank": _distinct_losses, "uneven-inputs": _no_hang}
