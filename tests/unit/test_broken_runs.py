@@ -1,0 +1,143 @@
+"""Chapter 14's registry (labkit.broken_runs): every entry well formed, every script accepts its arguments (parsed
+in this process by the script's own parser, no launch), and the runs tests/scripts/test_14 leaves to an earlier
+chapter's test are really run there."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit import broken_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = broken_runs.BROKEN_RUNS
+
+
+class _Parsed(Exception):
+    """Raised by the patched parse_args once the script's parser has accepted its arguments."""
+
+    def __init__(self, namespace):
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
+def parse_with_the_scripts_parser(script: str, args: list[str], monkeypatch) -> argparse.Namespace:
+    """Run ``script`` as __main__ up to its ``parse_args()`` and return what that parsed: argparse's own refusal
+    (an unknown flag, a choice it does not have) is a SystemExit, as on the command line."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.syspath_prepend(str((ROOT / script).parent))   # the script's sibling imports
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(_Parsed) as parsed:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    return parsed.value.namespace
+
+
+def every_command():
+    for run in RUNS:
+        for role, args in (("broken", run.args), ("fixed", run.fixed_args), ("prepare", run.prepare_args),
+                           ("fixed-prepare", run.fixed_prepare_args),
+                           *((f"wrong-fix-{i}", a) for i, (a, _) in enumerate(run.wrong_fixes))):
+            if args or role in ("broken", "fixed"):
+                yield pytest.param(run, list(args), id=f"{run.name}-{role}")
+
+
+@pytest.mark.parametrize("run, args", list(every_command()))
+def test_every_script_accepts_its_arguments(run, args, monkeypatch, tmp_path):
+    namespace = parse_with_the_scripts_parser(run.script, broken_runs.fill(args, tmp_path), monkeypatch)
+    if "--planted-bug" in args:
+        assert namespace.planted_bug == run.name   # the case's name is the script's --planted-bug value
+    if "--hang" in args and args[args.index("--hang") + 1] != "none":
+        assert namespace.hang == run.name
+
+
+def test_an_argument_the_script_does_not_have_is_refused(monkeypatch):
+    """The check above can fail: a planted bug the script does not define stops argparse."""
+    with pytest.raises(SystemExit):
+        parse_with_the_scripts_parser(broken_runs.TRAIN_DDP, ["--planted-bug", "not-a-bug"], monkeypatch)
+
+
+def test_the_registry_is_well_formed():
+    names = [run.name for run in RUNS]
+    assert len(names) == len(set(names)) and len(names) >= 12
+    assert [run.family for run in RUNS] == sorted((run.family for run in RUNS), key=broken_runs.FAMILIES.index)
+    assert set(broken_runs.FAMILIES) == {run.family for run in RUNS}   # every family has a case
+    for run in RUNS:
+        assert run.name.islower() and " " not in run.name and (ROOT / run.script).exists(), run.name
+        assert run.args != run.fixed_args and run.fix_kind in ("setting", "function"), run.name
+        assert bool(run.failing_checks) != run.hang, run.name   # a check that fails, or a journal's diagnosis
+        assert all(look != run.name for look in run.look_alikes) and run.look_alikes, run.name
+        for look in run.look_alikes:   # another case, or a plausible wrong cause in words
+            assert look in names or " " in look, (run.name, look)
+        for text in (run.symptom, run.cause, run.tell_apart, run.fix):
+            assert text.endswith((".", ")")) and len(text) > 30, (run.name, text)
+        assert "{run_dir}" in " ".join(run.args) or not run.prepare_args, run.name
+        assert all(key.split(".")[0] in ("checks", "losses", "comm", "extra", "throughput", "timeline")
+                   for key in run.evidence), run.name
+
+
+def test_the_dropped_dropout_case_says_why():
+    assert "dropout" in broken_runs.__doc__ and "no dropout" in broken_runs.__doc__
+
+
+def test_symptom_and_fix_checks_read_the_metrics():
+    run = broken_runs.case("loss-on-wrong-stage")
+    broken = {"checks": [{"name": "losses equal the single-device run's", "passed": False},
+                         {"name": "the loss fell", "passed": False},
+                         {"name": "parameters after training equal the single-device run's", "passed": True}]}
+    assert broken_runs.symptom_seen(run, broken) == []
+    assert broken_runs.fix_holds(run, broken)   # a fixed run may not fail them
+    fixed = {"checks": [dict(c, passed=True) for c in broken["checks"]]}
+    assert broken_runs.fix_holds(run, fixed) == [] and broken_runs.symptom_seen(run, fixed)
+    assert broken_runs.fix_holds(run, {"checks": fixed["checks"][2:]}) == [
+        "check 'losses equal the single-device run's...' did not run", "check 'the loss fell...' did not run"]
+    hang = broken_runs.case("uneven-inputs")
+    assert broken_runs.symptom_seen(hang, {"checks": [], "extra": {"cause": "skipped collective"}}) == []
+    assert broken_runs.symptom_seen(hang, {"checks": [], "extra": {"cause": "none"}})
+    assert broken_runs.fix_holds(hang, {"checks": [], "extra": {"cause": "skipped collective"}})
+    assert broken_runs.symptom_seen(hang, None) == ["the run wrote no metrics"]
+
+
+def test_the_command_line_check_exits_1_unless_the_symptom_is_there(tmp_path, capsys):
+    metrics = tmp_path / "m.json"
+    metrics.write_text(json.dumps({"checks": [{"name": "no straggler: every rank ...", "passed": False}]}))
+    assert broken_runs.main(["check", "slow-rank", str(metrics)]) == 0
+    assert broken_runs.main(["check", "slow-rank", str(metrics), "--fixed"]) == 1
+    assert broken_runs.main(["check", "slow-rank", str(tmp_path / "absent.json")]) == 1
+    out = capsys.readouterr().out
+    assert "slow-rank: broken as planted" in out and "NOT fixed" in out and "wrote no metrics" in out
+
+
+def test_runs_left_to_an_earlier_chapters_test_are_run_there_with_the_same_arguments():
+    """tests/scripts/test_14 does not launch these again: the named test must exist and launch the same script
+    with every one of the case's arguments (a run folder aside)."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    try:
+        from test_14_when_it_goes_wrong import COVERED_ELSEWHERE
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "scripts"))
+    assert COVERED_ELSEWHERE
+    for (name, fixed), (path, test_name) in COVERED_ELSEWHERE.items():
+        run = broken_runs.case(name)
+        tree = ast.parse((ROOT / path).read_text())
+        test = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == test_name), None)
+        assert test is not None, f"{path} has no {test_name}"
+        source = ast.get_source_segment((ROOT / path).read_text(), test)
+        decorators = "".join(ast.get_source_segment((ROOT / path).read_text(), d) for d in test.decorator_list)
+        constants = {node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Constant) and node.value.value == run.script}
+        assert run.script in source or any(constant in source for constant in constants), (name, path)
+        for arg in (run.fixed_args if fixed else run.args):
+            if arg not in ("{run_dir}",) and not arg.startswith("{"):
+                assert f'"{arg}"' in source + decorators, f"{name}: {arg} not in {path}::{test_name}"
