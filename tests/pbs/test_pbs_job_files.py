@@ -25,7 +25,12 @@ CHAPTER_SCRIPTS = {
     "11_choosing_a_strategy": ["plan.py"],
     "12_hpc_operations": ["fault_drill.py", "deadlocks.py", "profile_step.py", "tuning.py"],
     "13_expert_parallel": ["ep_from_scratch.py", "moe_transformer.py"],
+    # chapter 14 breaks the earlier chapters' scripts on purpose (labkit/broken_runs.py): it has none of its own
+    "14_when_it_goes_wrong": ["train_ddp.py", "ddp_from_scratch.py", "deadlocks.py", "checkpoint_resume.py",
+                              "train_fsdp.py", "fsdp_tp_hybrid.py", "pp_train.py", "pp_schedules.py", "fault_drill.py",
+                              "profile_step.py"],
 }
+BORROWS_SCRIPTS = {"14_when_it_goes_wrong"}
 MAX_WALLTIME_H = 12
 MAX_CHAPTER_WALLTIME_H = 0.5
 
@@ -155,7 +160,7 @@ def test_job_launches_its_chapter_scripts_with_flags_they_accept(path, job_env, 
     assert list(dict.fromkeys(Path(s).name for s, _ in launched)) == CHAPTER_SCRIPTS[chapter]
     missing = []
     for script, args in launched:
-        assert script.startswith(f"scripts/{chapter}/")
+        assert script.startswith(f"scripts/{chapter}/") or chapter in BORROWS_SCRIPTS
         assert "--metrics-out" in args and args[args.index("--metrics-out") + 1].startswith(env["DISTLAB_RUN_DIR"])
         assert "--device" in args and args[args.index("--device") + 1] == "cuda"
         if not (ROOT / script).exists():
@@ -292,3 +297,34 @@ def test_the_chain_carries_a_list_of_scripts_to_the_next_job(job_env, fake_pals,
     assert {"DISTLAB_DEVICE=cpu", "DISTLAB_CONDA_ENV="} <= set(variables)  # not cuda, not the default environment
     assert not any(v.startswith("DISTLAB_RUN_DIR=") for v in variables)
     assert "next job of the chain: 4243.desched1" in result.output
+
+
+def test_chapter_14s_job_runs_every_broken_run_of_the_registry_broken_and_fixed(job_env, fake_pals):
+    """Each case of labkit/broken_runs.py that runs on GPUs: its broken run (metrics <name>_broken.json) with the
+    registry's arguments, and a fixed run of the same script with the fixed arguments. Run folders and the
+    process-group timeout (longer under NCCL, whose first collective sets up its communicators) may differ."""
+    from labkit import broken_runs
+
+    launched = [script_of(c) for c in dry_run(PBS_DIR / "14_when_it_goes_wrong.pbs",
+                                              job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_DEVICE": "cuda"})]
+    folder_flags = {"--trace-dir", "--save-dir", "--run-dir", "--metrics-out", "--pg-timeout", "--device"}
+
+    def essential(args) -> list[str]:
+        args, kept = list(args), []
+        for i, a in enumerate(args):
+            if a not in folder_flags and (i == 0 or args[i - 1] not in folder_flags):
+                kept.append(a)
+        return kept
+
+    def metrics_name(args) -> str:
+        return Path(args[args.index("--metrics-out") + 1]).name
+
+    for run in broken_runs.BROKEN_RUNS:
+        if run.gpu_note is not None:
+            assert not any(metrics_name(a) == f"{run.name}_broken.json" for _, a in launched), run.name
+            continue
+        broken = [(s, a) for s, a in launched if metrics_name(a) == f"{run.name}_broken.json"]
+        assert [(s, essential(a)) for s, a in broken] == [(run.script, essential(run.args))], run.name
+        fixed = [s for s, a in launched if metrics_name(a).endswith("_fixed.json") and s == run.script
+                 and essential(a) == essential(run.fixed_args)]
+        assert fixed, f"{run.name}: no fixed run {essential(run.fixed_args)}"
