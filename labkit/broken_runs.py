@@ -31,7 +31,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from labkit import launch
 
 FAMILIES = ("data", "data parallelism", "FSDP", "tensor parallelism", "pipelines", "composition", "operations")
 HANG_TIMEOUT = ("--pg-timeout", "2")   # seconds a hang waits before the process group gives up
+DEFAULT_RUN_DIR = launch.REPO_ROOT / "build" / "broken_runs"   # {run_dir}'s parent unless the caller gives one
 
 TRAIN_DDP = "scripts/04_data_parallel/train_ddp.py"
 DDP_FROM_SCRATCH = "scripts/04_data_parallel/ddp_from_scratch.py"
@@ -325,10 +325,12 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
              **launch_kwargs) -> launch.LaunchResult:
     """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
-    runs its interrupted job in ``run_dir`` (default: a new temporary folder). ``args_override``: other
-    arguments for the same script (a wrong fix, say). A broken run fails its checks: ``check`` defaults to False."""
+    runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/NAME-broken`` or ``-fixed``, the same
+    folder every time, so that a learner's copy of the lab replays the full lab's launch: its arguments, the
+    folder among them, are the cache's key). ``args_override``: other arguments for the same script (a wrong
+    fix, say). A broken run fails its checks: ``check`` defaults to False."""
     run = case(name)
-    folder = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix=f"distlab-{name}-"))
+    folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{name}-{'fixed' if fixed else 'broken'}"
     launch_kwargs.setdefault("check", False)
     launch_kwargs.setdefault("timeout", 120)
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
