@@ -959,6 +959,228 @@ FIGURES = {
 }
 
 
+# ---- chapter 14: broken runs, as a user sees them (measured by labkit.broken_runs, kept in chapters/figures/data) --
+
+BROKEN_DATA_PARALLEL = FIGURE_DATA / "14_data_parallel_losses.json"
+BROKEN_BF16 = FIGURE_DATA / "14_bf16_reduction.json"
+BROKEN_BUBBLE = FIGURE_DATA / "14_pipeline_bubble.json"
+BROKEN_STRAGGLER = FIGURE_DATA / "14_straggler_vs_hang.json"
+DATA_PARALLEL_CASES = ("same-samples-every-rank", "no-set-epoch", "accumulation-never-syncs")
+BF16_WORLD_SIZES = (2, 4, 8)
+
+
+def _write_measurement(path, kept: dict) -> Path:
+    import json
+
+    Path(path).write_text(json.dumps(kept, indent=1) + "\n")
+    return Path(path)
+
+
+def measure_data_parallel_losses(path=BROKEN_DATA_PARALLEL) -> Path:
+    """Run train_ddp.py as chapter 14's registry does: the correct run, then each of the data and DDP cases; keep
+    every rank's loss per step, the global loss and its distance from the single device trained beside it."""
+    from labkit import broken_runs
+
+    runs = {}
+    for name in (None, *DATA_PARALLEL_CASES):
+        run = broken_runs.case(name or DATA_PARALLEL_CASES[0])
+        metrics = broken_runs.run_case(run.name, fixed=name is None, stream=False).metrics
+        runs[name or "correct"] = {"argv": list(run.fixed_args if name is None else run.args),
+                                   "rank_losses": metrics["extra"]["rank_losses"], "losses": metrics["losses"],
+                                   "from_one_device": metrics["extra"]["diffs"]["baseline_loss"]}
+    return _write_measurement(path, {"script": broken_runs.TRAIN_DDP, "runs": runs})
+
+
+def draw_data_parallel_losses(fig) -> None:
+    """Chapter 14: what the data and DDP cases look like in the losses per rank: the correct run, every rank on the
+    same samples, accumulation that never synchronises, and a sampler whose epoch is never set."""
+    import json
+
+    runs = json.loads(BROKEN_DATA_PARALLEL.read_text())["runs"]
+    one_device = runs["correct"]["losses"]   # the correct run equals one device (tested)
+    axes = fig.subplots(1, 4, sharey=False)
+    titles = {"correct": "correct: four ranks, four losses",
+              "same-samples-every-rank": "same-samples-every-rank:\nfour ranks, one loss",
+              "accumulation-never-syncs": "accumulation-never-syncs:\nthe ranks drift apart"}
+    for ax, name in zip(axes[:3], ("correct", "same-samples-every-rank", "accumulation-never-syncs")):
+        per_rank = list(zip(*runs[name]["rank_losses"]))
+        steps = range(len(per_rank[0]))
+        for rank, losses in enumerate(per_rank):
+            ax.plot(steps, losses, marker="o", markersize=3, linewidth=1, color=RANK_COLOURS[rank],
+                    label=f"rank {rank}")
+        ax.plot(steps, one_device, color="black", linestyle="--", linewidth=1, label="one device")
+        ax.set_title(titles[name], fontsize=7.5)
+        ax.set_xlabel("step", fontsize=7)
+        ax.tick_params(labelsize=6.5)
+    axes[0].set_ylabel("loss", fontsize=7)
+    axes[0].legend(fontsize=6, frameon=False)
+    low = min(min(min(r) for r in runs[n]["rank_losses"]) for n in titles)
+    high = max(max(max(r) for r in runs[n]["rank_losses"]) for n in titles)
+    for ax in axes[:3]:
+        ax.set_ylim(min(low, min(one_device)) - 0.05, high + 0.05)
+    ax = axes[3]
+    floor = 1e-8   # a distance of exactly 0 drawn at the floor (a log scale has no 0)
+    for name, style in (("correct", dict(color="grey", linewidth=3, alpha=0.6)),
+                        ("no-set-epoch", dict(color="#d62728", linewidth=1, linestyle="--"))):
+        gaps = [max(gap, floor) for gap in runs[name]["from_one_device"]]
+        ax.semilogy(range(len(gaps)), gaps, marker="o", markersize=3, label=name, **style)
+    ax.axvline(3.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.text(3.45, 3e-3, "epoch 2 ", fontsize=6.5, color="grey", ha="right")
+    ax.set_ylim(floor / 2, 1)
+    ax.set_title("no-set-epoch: |loss - one device's|,\nfp32 rounding until the epoch turns", fontsize=7.5)
+    ax.set_xlabel("step", fontsize=7)
+    ax.tick_params(labelsize=6.5)
+    ax.legend(fontsize=6, frameon=False, loc="upper left")
+    fig.tight_layout()
+
+
+def measure_bf16_reduction(path=BROKEN_BF16) -> Path:
+    """Run train_fsdp.py with the gradients reduced in fp32 (the fix) and in bf16 (the case) on 2, 4 and 8 CPU
+    ranks; keep each run's step-0 gradient distance from one device and its reduce-scatter bytes per step."""
+    from labkit import broken_runs, launch
+
+    run = broken_runs.case("bf16-gradient-reduction")
+    rows = []
+    for world in BF16_WORLD_SIZES:
+        for reduce_dtype, args in (("fp32", run.fixed_args), ("bf16", run.args)):
+            metrics = launch.run(run.script, nproc=world, args=list(args), stream=False, check=False).metrics
+            checks = {c["name"]: c for c in metrics["checks"]}
+            gradient = next(c for name, c in checks.items() if name.startswith("step-0 gradients"))
+            scatter = next(c for name, c in checks.items() if name.startswith("reduce_scatter bytes per step"))
+            rows.append({"world_size": world, "reduce_dtype": reduce_dtype, "argv": list(args),
+                         "gradient_diff": gradient["value"], "gradient_passed": gradient["passed"],
+                         "reduce_scatter_bytes": scatter["value"]})
+    return _write_measurement(path, {"script": run.script, "rows": rows})
+
+
+def draw_bf16_reduction(fig) -> None:
+    """Chapter 14: the step-0 gradients' largest distance from one device, gradients reduced in fp32 or in bf16,
+    on 2, 4 and 8 ranks (``BROKEN_BF16``'s data)."""
+    import json
+
+    rows = json.loads(BROKEN_BF16.read_text())["rows"]
+    ax = fig.subplots()
+    worlds = sorted({r["world_size"] for r in rows})
+    for offset, (dtype, colour) in zip((-0.2, 0.2), (("fp32", "#1f77b4"), ("bf16", "#d62728"))):
+        values = [next(r["gradient_diff"] for r in rows if r["world_size"] == w and r["reduce_dtype"] == dtype)
+                  for w in worlds]
+        bars = ax.bar([i + offset for i in range(len(worlds))], values, width=0.38, color=colour,
+                      label=f"gradients reduced in {dtype}")
+        for bar, value in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, value * 1.3, f"{value:.1e}", ha="center", fontsize=6.5)
+    ax.set_yscale("log")
+    ax.set_ylim(1e-9, 3e-2)
+    ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds], fontsize=7)
+    ax.set_ylabel("largest |gradient - one device's|, step 0", fontsize=7)
+    ax.tick_params(axis="y", labelsize=6.5)
+    ax.legend(fontsize=6.5, frameon=False, loc="upper left", ncol=2)
+    ax.set_title("train_fsdp.py, tiny model: a bf16 reduction sits four orders of magnitude above fp32 rounding",
+                 fontsize=8)
+
+
+def measure_pipeline_bubble(path=BROKEN_BUBBLE) -> Path:
+    """Run pp_schedules.py as the registry's too-few-microbatches case does, broken (2 microbatches on 4 stages)
+    and fixed (8); keep the measured timeline of the median step and the bubble, measured and by formula."""
+    from labkit import broken_runs
+
+    run = broken_runs.case("too-few-microbatches")
+    runs = []
+    for fixed in (False, True):
+        metrics = broken_runs.run_case(run.name, fixed=fixed, stream=False).metrics
+        runs.append({"argv": list(run.fixed_args if fixed else run.args),
+                     "microbatches": metrics["extra"]["microbatches"], "stages": metrics["extra"]["ranks"],
+                     "bubble": {k: metrics["extra"]["bubble"][k] for k in ("measured", "formula")},
+                     "timeline": metrics["timeline"]})
+    return _write_measurement(path, {"script": run.script, "runs": runs})
+
+
+def draw_pipeline_bubble(fig) -> None:
+    """Chapter 14: GPipe on 4 stages with 2 microbatches, then 8: the measured timelines on one time axis."""
+    import json
+
+    from distlab import gantt
+
+    runs = json.loads(BROKEN_BUBBLE.read_text())["runs"]
+    axes = fig.subplots(len(runs), 1)
+    longest = max(max(e["end"] for e in r["timeline"]) - min(e["start"] for e in r["timeline"]) for r in runs)
+    for ax, run in zip(axes, runs):
+        gantt.plot_gantt(run["timeline"], ax=ax, time_unit="s",
+                         title=f"M = {run['microbatches']} microbatches on {run['stages']} stages (formula "
+                               f"{100 * run['bubble']['formula']:.0f}%), measured")
+        ax.set_xlim(0, longest)
+        ax.title.set_fontsize(8)
+        ax.tick_params(labelsize=6.5)
+        ax.xaxis.label.set_fontsize(7)
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+
+
+def measure_straggler_vs_hang(path=BROKEN_STRAGGLER) -> Path:
+    """Run the registry's slow-rank case (profile_step.py, one rank late every step) and its uneven-inputs hang
+    (deadlocks.py); keep each rank's profiled time by kind, and the hang's journals and diagnosis."""
+    from labkit import broken_runs
+
+    slow = broken_runs.case("slow-rank")
+    metrics = broken_runs.run_case(slow.name, stream=False).metrics
+    ranks = [{"rank": r["rank"], "before_sync_seconds": r["before_sync_seconds"],
+              **{k: r["kinds"][k] for k in ("compute", "communication", "overlapped", "idle", "window_seconds",
+                                            "steps")}} for r in metrics["extra"]["ranks"]]
+    hang = broken_runs.case("uneven-inputs")
+    extra = broken_runs.run_case(hang.name, stream=False).metrics["extra"]
+    kept = {"slow": {"script": slow.script, "argv": list(slow.args), "ranks": ranks},
+            "hang": {"script": hang.script, "argv": list(hang.args), "cause": extra["cause"],
+                     "verdict": extra["verdict"], "journals": extra["journals"]}}
+    return _write_measurement(path, kept)
+
+
+def draw_straggler_vs_hang(fig) -> None:
+    """Chapter 14: a straggler (every rank's profiled steps by kind: the slow rank idle, the others waiting in
+    communication, every step done) beside a hang (each rank's journal: three stuck, one finished)."""
+    import json
+
+    run = json.loads(BROKEN_STRAGGLER.read_text())
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.2]})
+    ranks = run["slow"]["ranks"]
+    bottom = [0.0] * len(ranks)
+    for kind, colour in (("compute", "#4C72B0"), ("overlapped", "#8172B3"), ("communication", "#DD8452"),
+                         ("idle", "#cccccc")):
+        values = [1e3 * r[kind] / r["steps"] for r in ranks]
+        left.bar([r["rank"] for r in ranks], values, bottom=bottom, color=colour, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    left.set_xticks([r["rank"] for r in ranks], [f"rank {r['rank']}" for r in ranks], fontsize=7)
+    left.set_ylabel("ms a step, profiled", fontsize=7)
+    left.tick_params(axis="y", labelsize=6.5)
+    left.set_ylim(0, 1.3 * max(bottom))
+    left.legend(fontsize=6, frameon=False, loc="upper center", ncol=4)
+    left.set_title("slow-rank: every step completes, late;\nthe others wait in communication", fontsize=7.5)
+    journals = {int(r): j for r, j in run["hang"]["journals"].items()}
+    longest = max(len(j["calls"]) for j in journals.values())
+    for rank, journal in sorted(journals.items()):
+        for i, call in enumerate(journal["calls"]):
+            waiting = not call["done"]
+            right.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
+                       edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
+            right.text(i + 0.46, rank, f"{call['op']}\n#{i + 1}", ha="center", va="center", fontsize=5.5)
+        if journal["state"] == "finished":
+            right.text(len(journal["calls"]) + 0.05, rank, "  finished: no batch left", va="center", fontsize=6.5,
+                       color="#c0392b")
+    right.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)
+    right.invert_yaxis()
+    right.set_xlim(0, longest + 2.4)
+    right.set_xticks([])
+    right.set_xlabel("each rank's calls (grey: completed; red: waiting at the timeout)", fontsize=7)
+    right.set_title("uneven-inputs: a hang; three ranks wait until the timeout,\none has left the loop", fontsize=7.5)
+    fig.tight_layout()
+
+
+FIGURES.update({
+    "14_data_parallel_losses.png": (draw_data_parallel_losses, (11, 2.8)),
+    "14_bf16_reduction.png": (draw_bf16_reduction, (7, 2.8)),
+    "14_pipeline_bubble.png": (draw_pipeline_bubble, (9, 3.6)),
+    "14_straggler_vs_hang.png": (draw_straggler_vs_hang, (9, 2.8)),
+})
+
+
 def render(name: str, folder) -> Path:
     """Draw one figure of ``FIGURES`` into ``folder``; returns the file written."""
     from matplotlib.figure import Figure  # no pyplot: no backend is chosen, nothing global changes

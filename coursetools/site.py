@@ -55,10 +55,17 @@ def chapter_links(repo: Path = REPO) -> list[Chapter]:
         lab = next((f"notebooks/{p.name}" for p in sorted((repo / "notebooks").glob(f"{number}_*.ipynb"))), None)
         folder = next(iter(sorted((repo / "scripts").glob(f"{number}_*"))), None)
         scripts = ([f"scripts/{folder.name}/{p.name}" for p in sorted(folder.glob("*.py"))
-                    if not p.name.startswith("common_")] if folder else [])
+                    if not p.name.startswith("common_")] if folder else
+                   _scripts_named(path.read_text(), repo))   # chapter 14 breaks the other chapters' scripts
         job = next((f"pbs/{p.name}" for p in sorted((repo / "pbs").glob(f"{number}_*.pbs"))), None)
         chapters.append(Chapter(number, path.stem, _title(path.read_text(), path.stem), lab, scripts, job))
     return chapters
+
+
+def _scripts_named(markdown: str, repo: Path) -> list[str]:
+    """The scripts a chapter without a folder of its own names in backticks (``scripts/NN_*/NAME.py``), in order."""
+    named = re.findall(r"`(scripts/[0-9][0-9]_[^`/\s]+/[^`/\s]+\.py)`", markdown)
+    return [p for p in dict.fromkeys(named) if (repo / p).is_file()]
 
 
 def page_of(path: str) -> str:
@@ -157,7 +164,10 @@ def _lay_out(source: Path, repo: Path) -> None:
     known = {p.relative_to(repo).as_posix() for folder in ("scripts", "notebooks", "pbs", "chapters")
              for p in (repo / folder).rglob("*") if p.is_file() and "student" not in p.parts
              and p.suffix in (".py", ".ipynb", ".pbs", ".sh", ".md")}
-    by_script = {s: c for c in chapters for s in c.scripts + ([c.job] if c.job else [])}
+    by_script = {}   # a script's page links back to the chapter that wrote it (the first to list it)
+    for chapter in chapters:
+        for path in chapter.scripts + ([chapter.job] if chapter.job else []):
+            by_script.setdefault(path, chapter)
 
     # chapters, with their figures
     (source / "chapters").mkdir()

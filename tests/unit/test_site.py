@@ -39,7 +39,7 @@ def built(tmp_path_factory):
 
 def test_every_chapter_has_its_four_faces():
     chapters = site.chapter_links()
-    assert [c.number for c in chapters] == [f"{n:02d}" for n in range(1, 14)]
+    assert [c.number for c in chapters] == [f"{n:02d}" for n in range(1, 15)]
     for chapter in chapters:
         assert chapter.lab == f"notebooks/{chapter.stem}.ipynb", chapter
         assert chapter.scripts and all((REPO / s).exists() for s in chapter.scripts), chapter

@@ -1,0 +1,67 @@
+"""Chapter 14's diagnosis table and its list of sources, written from the registry of broken runs.
+
+The chapter shows both as this module renders them, and tests/unit/test_chapter_text_14.py keeps the two equal: a
+case added to ``labkit.broken_runs.BROKEN_RUNS``, or a symptom reworded there, changes the chapter's table.
+"""
+
+from __future__ import annotations
+
+from labkit import diagnosis_sources
+
+HEADER = ("what you see", "what it usually is", "the one check that tells them apart")
+
+
+def _cell(text: str) -> str:
+    """One table cell: a single line, with the pipe that would end the cell escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _link_text(text: str) -> str:
+    """A title as a link's text: brackets escaped, or markdown would end the link there."""
+    return _cell(text).replace("[", "\\[").replace("]", "\\]")
+
+
+def _registry(cases):
+    if cases is not None:
+        return tuple(cases)
+    from labkit import broken_runs
+
+    return broken_runs.BROKEN_RUNS
+
+
+def diagnosis_rows(cases=None) -> list[tuple[str, str, str]]:
+    """(what you see, what it usually is, the one check that tells them apart) for each broken run, in the
+    registry's order (the chapter's)."""
+    return [(case.symptom, case.cause, case.tell_apart) for case in _registry(cases)]
+
+
+def diagnosis_markdown(cases=None) -> str:
+    """The diagnosis table as the chapter prints it: one row a broken run, grouped by family as the registry
+    orders them, the family named in the first column."""
+    lines = ["| family | " + " | ".join(HEADER) + " |", "|---|---|---|---|"]
+    previous = None
+    for case in _registry(cases):
+        family = case.family if case.family != previous else ""
+        previous = case.family
+        lines.append("| " + " | ".join(_cell(c) for c in (family, case.symptom, case.cause, case.tell_apart)) + " |")
+    return "\n".join(lines)
+
+
+def scripts_markdown(cases=None) -> str:
+    """The scripts the broken runs live in, in the registry's order, each once: "`a.py`, `b.py` and `c.py`"."""
+    scripts = [f"`{path}`" for path in dict.fromkeys(case.script for case in _registry(cases))]
+    return ", ".join(scripts[:-1]) + f" and {scripts[-1]}" if len(scripts) > 1 else "".join(scripts)
+
+
+def sources_markdown(cases=None) -> str:
+    """The chapter's list of sources: for each broken run, then for the case left out, links to the public reports
+    it comes from (their quotes are in labkit/diagnosis_sources.py)."""
+    lines = []
+    for case in _registry(cases):
+        found = diagnosis_sources.sources_for(case.name)
+        links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in found)
+        lines.append(f"- `{case.name}`: {links or 'none found'}.")
+    for name in diagnosis_sources.LEFT_OUT:
+        links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in diagnosis_sources.sources_for(name))
+        lines.append(f"- left out, `{name}`: {links}.")
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""Chapter 14's page against the code: its diagnosis table and list of sources are what labkit.diagnosis_table
+renders from the registry of broken runs, every broken run has its section, the numbers it states come from the
+committed runs, and its prose keeps issue 33's style (one idea a sentence: a mean of 20 words or fewer, none over 40).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit import diagnosis_table
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTER_PATH = ROOT / "chapters" / "14_when_it_goes_wrong.md"
+CHAPTER = CHAPTER_PATH.read_text()
+FLAT = " ".join(CHAPTER.split())
+MEAN_WORDS, MOST_WORDS = 20, 40
+NUMBER_WORDS = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+
+
+def registry():
+    return pytest.importorskip("labkit.broken_runs", reason="helper A's registry of broken runs is not here yet")
+
+
+# ---- the style of issue 33, measured the same way for every sentence of prose
+
+
+def prose(markdown: str) -> str:
+    """The page's prose: code blocks, tables and headings out; inline code as one word; links and figures as their
+    text; list markers out."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    kept = [line for line in text.splitlines() if not line.lstrip().startswith(("|", "#"))]
+    text = "\n".join(kept)
+    text = re.sub(r"`[^`]*`", "CODE", text)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"^\s*(?:[-*]|\d+\.)\s+", "", text, flags=re.M)
+    return text
+
+
+def sentences(markdown: str) -> list[str]:
+    """Sentences end at '.', '!' or '?' before a space or the end of a paragraph (a decimal point never does)."""
+    found = []
+    for paragraph in re.split(r"\n\s*\n", prose(markdown)):
+        flat = " ".join(paragraph.replace("**", "").split())
+        found += [s for s in re.split(r"(?<=[.!?])\s+", flat) if re.search(r"\w", s)]
+    return found
+
+
+def test_the_prose_keeps_one_idea_a_sentence():
+    found = sentences(CHAPTER)
+    lengths = [len(s.split()) for s in found]
+    too_long = [s for s, n in zip(found, lengths) if n > MOST_WORDS]
+    assert not too_long, f"sentences over {MOST_WORDS} words:\n" + "\n".join(too_long)
+    mean = sum(lengths) / len(lengths)
+    assert mean <= MEAN_WORDS, f"a mean of {mean:.1f} words a sentence (at most {MEAN_WORDS})"
+
+
+def test_the_style_measure_counts_what_a_reader_reads():
+    page = ("# A heading of many words that is not a sentence at all\n\nOne short sentence. Another one, with "
+            "`labkit.broken_runs.run_case(name)` in it.\n\n```\ncode. is. not. prose.\n```\n\n| a | table. |\n\n"
+            "- a list item of 2.5 words.\n")
+    assert sentences(page) == ["One short sentence.", "Another one, with CODE in it.", "a list item of 2.5 words."]
+
+
+# ---- the table and the sources, rendered from the registry
+
+
+def test_the_diagnosis_table_is_the_registrys():
+    cases = registry().BROKEN_RUNS
+    table = diagnosis_table.diagnosis_markdown(cases)
+    assert table in CHAPTER, f"chapter 14's diagnosis table is stale; the registry gives:\n{table}"
+    assert len(cases) >= 12
+
+
+def test_the_sources_list_is_the_sources_module():
+    listing = diagnosis_table.sources_markdown(registry().BROKEN_RUNS)
+    assert listing in CHAPTER, f"chapter 14's list of sources is stale; labkit.diagnosis_sources gives:\n{listing}"
+    assert "none found" not in listing
+
+
+def test_every_broken_run_has_its_section_under_its_family():
+    headings = re.findall(r"^(##+) (.+)$", CHAPTER, flags=re.M)
+    family = None
+    for case in registry().BROKEN_RUNS:
+        titles = [(level, title) for level, title in headings if f"(`{case.name}`)" in title]
+        assert len(titles) == 1 and titles[0][0] == "###", f"{case.name}: no section of its own"
+        above = [title for level, title in headings[:headings.index(titles[0])] if level == "##"][-1]
+        assert above.lower() == case.family.lower(), (case.name, above, case.family)
+        family = case.family
+    assert family == "operations"
+    for name in registry_left_out():
+        assert f"Left out: dropout" in CHAPTER and name.startswith("tp-dropout")
+
+
+def registry_left_out():
+    from labkit import diagnosis_sources
+
+    return list(diagnosis_sources.LEFT_OUT)
+
+
+def test_the_scripts_and_the_example_commands_are_the_registrys():
+    broken_runs = registry()
+    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in FLAT
+    scripts = len({c.script for c in broken_runs.BROKEN_RUNS})
+    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in FLAT
+    case = broken_runs.case("accumulation-never-syncs")
+    for fixed in (False, True):
+        assert " ".join(case.command(fixed=fixed)) in CHAPTER.splitlines(), fixed
+
+
+# ---- the numbers of the prose, from the committed runs behind the figures and from torch's source
+
+
+def sci(value: float) -> str:
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def measured(name: str) -> dict:
+    import json
+
+    return json.loads((ROOT / "chapters" / "figures" / "data" / name).read_text())
+
+
+def test_the_bf16_numbers_are_the_measured_ones():
+    import torch
+
+    rows = measured("14_bf16_reduction.json")["rows"]
+    at = {(r["world_size"], r["reduce_dtype"]): r["gradient_diff"] for r in rows}
+    fp32 = max(v for (_, dtype), v in at.items() if dtype == "fp32")
+    assert f"within {sci(fp32)} of one device's" in FLAT
+    assert f"{sci(at[2, 'bf16'])} away on 2 ranks and {sci(at[4, 'bf16'])} on 4" in FLAT
+    assert f"On 8 ranks the largest error is {sci(at[8, 'bf16'])} again" in FLAT and at[8, "bf16"] == at[4, "bf16"]
+    assert at[2, "bf16"] < at[4, "bf16"] and "more on 4 ranks than on 2" in FLAT
+    assert torch.finfo(torch.bfloat16).eps == 2 ** -7 and "keeps 8 significant bits" in FLAT   # 7 stored + 1
+
+
+def test_the_bubble_numbers_are_the_measured_ones_and_the_formulas():
+    from distlab import schedules
+
+    for run in measured("14_pipeline_bubble.json")["runs"]:
+        m, p = run["microbatches"], run["stages"]
+        assert run["bubble"]["formula"] == pytest.approx(schedules.bubble_fraction(p, m))
+        formula, seen = f"{100 * schedules.bubble_fraction(p, m):.0f}%", f"{100 * run['bubble']['measured']:.0f}%"
+        assert seen in FLAT and formula in FLAT, (m, seen, formula)
+    assert "With 2 microbatches on 4 stages that is 60%. With 8 it is 27%." in FLAT
+
+
+def test_the_straggler_numbers_are_the_measured_ones():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "12_hpc_operations" /
+                                                  "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    ranks = measured("14_straggler_vs_hang.json")["slow"]["ranks"]
+    others = [1e3 * r["communication"] / r["steps"] for r in ranks if r["rank"] != profile_step.SLOW_RANK]
+    assert f"rank {profile_step.SLOW_RANK} sleeps {profile_step.SLOW_RANK_SECONDS:g} s a step before its forward" in FLAT
+    assert f"about as long, {round(sum(others) / len(others), -1):.0f} ms a step" in FLAT
+
+
+def test_the_torch_lines_the_chapter_cites():
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    sampler = (torch_dir / "utils" / "data" / "distributed.py").read_text().splitlines()
+    assert sampler[110].strip() == "g.manual_seed(self.seed + self.epoch)"
+    assert "the same ordering will be always used" in " ".join(sampler[47:52])
+    assert "(torch/utils/data/distributed.py:111)" in FLAT and "(lines 48-52)" in FLAT
+    ddp = (torch_dir / "nn" / "parallel" / "distributed.py").read_text()
+    no_sync = ddp[ddp.index("    def no_sync(self):"):][:600]
+    assert "synchronized in the first\n        forward-backward pass exiting the context" in no_sync
+    assert '"the first forward-backward pass exiting the context"' in FLAT
+    api = (torch_dir / "distributed" / "tensor" / "_api.py").read_text().splitlines()
+    assert "if tensor.device_mesh != device_mesh:" in api[952] and "Cannot distribute a DTensor with device mesh" in \
+        api[954] and "to a different device mesh" in api[955]
+    assert "(torch/distributed/tensor/_api.py:953-957)" in FLAT
+
+
+def test_a_table_cell_cannot_break_the_table():
+    class Case:
+        name, family, symptom, cause, tell_apart = "x", "data", "a | b", "one\nline", "c"
+
+    assert diagnosis_table.diagnosis_markdown([Case()]).splitlines()[-1] == "| data | a \\| b | one line | c |"

@@ -1,0 +1,84 @@
+"""The committed runs behind chapter 14's figures (chapters/figures/data/14_*.json) against today's registry and code.
+
+Each file was written by a ``coursetools.figures.measure_*`` function from the registry's own runs. A file made with
+other arguments than the registry's, or one today's code would read differently, fails here: measure it again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coursetools import figures
+
+
+def registry():
+    return pytest.importorskip("labkit.broken_runs", reason="helper A's registry of broken runs is not here yet")
+
+
+def test_the_data_parallel_runs_show_what_the_chapter_says():
+    broken_runs = registry()
+    runs = json.loads(figures.BROKEN_DATA_PARALLEL.read_text())["runs"]
+    assert runs["correct"]["argv"] == list(broken_runs.case("same-samples-every-rank").fixed_args)
+    for name in figures.DATA_PARALLEL_CASES:
+        assert runs[name]["argv"] == list(broken_runs.case(name).args), f"{name}: measure again"
+    assert max(runs["correct"]["from_one_device"]) < 1e-5                   # the dashed line is one device's
+    assert all(len(set(step)) == 1 for step in runs["same-samples-every-rank"]["rank_losses"])   # one loss a step
+    assert all(len(set(step)) == 4 for step in runs["correct"]["rank_losses"][1:])
+    spread = [max(step) - min(step) for step in runs["accumulation-never-syncs"]["rank_losses"]]
+    assert spread[-1] > 5 * spread[0]                                        # the ranks drift apart
+    gaps = runs["no-set-epoch"]["from_one_device"]
+    epoch_turn = 4                                                          # 8 samples a step, 32 samples: 4 steps
+    assert max(gaps[:epoch_turn]) < 1e-5 < 1e-3 < gaps[epoch_turn]
+
+
+def test_the_bf16_runs_reduce_half_the_bytes_and_leave_fp32_rounding():
+    from distlab import comm, models
+
+    broken_runs = registry()
+    case = broken_runs.case("bf16-gradient-reduction")
+    full = comm.zero_step_bytes(models.preset("tiny").num_params(), 3)["reduce_scatter"]
+    rows = json.loads(figures.BROKEN_BF16.read_text())["rows"]
+    assert sorted({r["world_size"] for r in rows}) == list(figures.BF16_WORLD_SIZES)
+    for row in rows:
+        bf16 = row["reduce_dtype"] == "bf16"
+        assert row["argv"] == list(case.args if bf16 else case.fixed_args)
+        assert row["reduce_scatter_bytes"] == (full // 2 if bf16 else full)
+        assert row["gradient_passed"] is not bf16
+        assert (row["gradient_diff"] > 1e-5) is bf16
+
+
+def test_the_pipeline_timelines_are_the_registrys_runs_and_hold_their_bubble():
+    from distlab import schedules
+
+    broken_runs = registry()
+    case = broken_runs.case("too-few-microbatches")
+    runs = json.loads(figures.BROKEN_BUBBLE.read_text())["runs"]
+    assert [r["argv"] for r in runs] == [list(case.args), list(case.fixed_args)]
+    for run in runs:
+        events = schedules.from_dicts(run["timeline"])
+        assert len(events) == 2 * run["microbatches"] * run["stages"]     # one F and one B a microbatch a stage
+        assert schedules.bubble_fraction_from_timeline(events, run["stages"]) == pytest.approx(
+            run["bubble"]["measured"])
+        assert run["bubble"]["formula"] == pytest.approx(schedules.bubble_fraction(run["stages"], run["microbatches"]))
+    assert runs[0]["bubble"]["measured"] > 0.4 >= runs[1]["bubble"]["measured"]   # the --max-bubble target
+
+
+def test_the_straggler_and_the_hang_are_what_the_registry_and_the_diagnosis_say():
+    from distlab import hangs
+
+    broken_runs = registry()
+    run = json.loads(figures.BROKEN_STRAGGLER.read_text())
+    assert run["slow"]["argv"] == list(broken_runs.case("slow-rank").args)
+    idle = {r["rank"]: r["idle"] / r["steps"] for r in run["slow"]["ranks"]}
+    waiting = {r["rank"]: r["communication"] / r["steps"] for r in run["slow"]["ranks"]}
+    slow = max(idle, key=idle.get)
+    assert slow == 1 and all(waiting[r] > 0.2 > waiting[slow] for r in waiting if r != slow)
+    hang = broken_runs.case("uneven-inputs")
+    assert run["hang"]["argv"] == list(hang.args)
+    found = hangs.diagnose({int(r): j for r, j in run["hang"]["journals"].items()})
+    assert (found["cause"], found["verdict"]) == (run["hang"]["cause"], run["hang"]["verdict"]) and \
+        found["cause"] == hang.hang_cause
+    states = sorted(j["state"] for j in run["hang"]["journals"].values())
+    assert states == ["finished", "timed out", "timed out", "timed out"]
