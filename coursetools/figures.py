@@ -668,6 +668,22 @@ def measure_hang(path=HANG) -> Path:
     return Path(path)
 
 
+def draw_journals(ax, journals: dict, second_line, note) -> None:
+    """Each rank's journal of calls as a row of boxes (grey: completed; red, hatched: waiting when the timeout
+    struck), each box its operation over ``second_line(i, call)``, and ``note(journal)`` after the row when it is
+    not None. Chapters 12 and 14 draw their hangs with it."""
+    for rank, journal in sorted(journals.items()):
+        for i, call in enumerate(journal["calls"]):
+            waiting = not call["done"]
+            ax.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
+                    edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
+            ax.text(i + 0.46, rank, f"{call['op']}\n{second_line(i, call)}", ha="center", va="center", fontsize=5.5)
+        if note(journal):
+            ax.text(len(journal["calls"]) + 0.05, rank, note(journal), va="center", fontsize=6.5, color="#c0392b")
+    ax.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)
+    ax.invert_yaxis()
+
+
 def draw_hang(fig) -> None:
     """Chapter 12: a planted hang as every rank's journal shows it: the calls each rank completed, the one it waits
     in, and the one a rank never made (``HANG``'s data, read by ``hangs.diagnose``)."""
@@ -678,18 +694,9 @@ def draw_hang(fig) -> None:
     journals = {int(r): j for r, j in run["journals"].items()}
     ax = fig.subplots()
     longest = max(len(j["calls"]) for j in journals.values())
-    for rank, journal in sorted(journals.items()):
-        for i, call in enumerate(journal["calls"]):
-            waiting = not call["done"]
-            ax.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
-                    edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
-            where = f"to {call['peer']}" if call["op"] in ("send", "recv") else call["group"]
-            ax.text(i + 0.46, rank, f"{call['op']}\n{where}", ha="center", va="center", fontsize=5.5)
-        if len(journal["calls"]) < longest:
-            ax.text(len(journal["calls"]) + 0.05, rank, "  never calls the barrier", va="center",
-                    fontsize=6.5, color="#c0392b")
-    ax.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)
-    ax.invert_yaxis()
+    draw_journals(ax, journals,
+                  lambda i, call: f"to {call['peer']}" if call["op"] in ("send", "recv") else call["group"],
+                  lambda journal: "  never calls the barrier" if len(journal["calls"]) < longest else None)
     ax.set_xlim(0, longest + 2.2)
     ax.set_xticks([])
     ax.set_xlabel("each rank's calls in its journal, in order (grey: completed; red: waiting when the timeout "
@@ -1155,17 +1162,8 @@ def draw_straggler_vs_hang(fig) -> None:
     left.set_title("slow-rank: every step completes, late;\nthe others wait in communication", fontsize=7.5)
     journals = {int(r): j for r, j in run["hang"]["journals"].items()}
     longest = max(len(j["calls"]) for j in journals.values())
-    for rank, journal in sorted(journals.items()):
-        for i, call in enumerate(journal["calls"]):
-            waiting = not call["done"]
-            right.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
-                       edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
-            right.text(i + 0.46, rank, f"{call['op']}\n#{i + 1}", ha="center", va="center", fontsize=5.5)
-        if journal["state"] == "finished":
-            right.text(len(journal["calls"]) + 0.05, rank, "  finished: no batch left", va="center", fontsize=6.5,
-                       color="#c0392b")
-    right.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)
-    right.invert_yaxis()
+    draw_journals(right, journals, lambda i, call: f"#{i + 1}",
+                  lambda journal: "  finished: no batch left" if journal["state"] == "finished" else None)
     right.set_xlim(0, longest + 2.4)
     right.set_xticks([])
     right.set_xlabel("each rank's calls (grey: completed; red: waiting at the timeout)", fontsize=7)
