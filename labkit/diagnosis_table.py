@@ -53,15 +53,9 @@ def scripts_markdown(cases=None) -> str:
     return ", ".join(scripts[:-1]) + f" and {scripts[-1]}" if len(scripts) > 1 else "".join(scripts)
 
 
-def sources_markdown(cases=None) -> str:
-    """The chapter's list of sources: for each broken run, then for the case left out, links to the public reports
-    it comes from (their quotes are in labkit/diagnosis_sources.py)."""
-    lines = []
-    for case in _registry(cases):
-        found = diagnosis_sources.sources_for(case.name)
-        links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in found)
-        lines.append(f"- `{case.name}`: {links or 'none found'}.")
-    for name in diagnosis_sources.LEFT_OUT:
-        links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in diagnosis_sources.sources_for(name))
-        lines.append(f"- left out, `{name}`: {links}.")
-    return "\n".join(lines)
+def sources_line(name: str) -> str:
+    """The line of a case's section that names the public reports it comes from, as links (their quotes are in
+    labkit/diagnosis_sources.py)."""
+    found = diagnosis_sources.sources_for(name)
+    links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in found)
+    return f"**Reported.** {links or 'none found'}."

@@ -28,10 +28,10 @@ def registry():
 
 
 def prose(markdown: str) -> str:
-    """The page's prose: code blocks, tables and headings out; inline code as one word; links and figures as their
-    text; list markers out."""
+    """The page's prose: code blocks, tables, headings and the lines of links to the reports out; inline code as one
+    word; links and figures as their text; list markers out."""
     text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
-    kept = [line for line in text.splitlines() if not line.lstrip().startswith(("|", "#"))]
+    kept = [line for line in text.splitlines() if not line.lstrip().startswith(("|", "#", "**Reported.**"))]
     text = "\n".join(kept)
     text = re.sub(r"`[^`]*`", "CODE", text)
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
@@ -74,10 +74,17 @@ def test_the_diagnosis_table_is_the_registrys():
     assert len(cases) >= 12
 
 
-def test_the_sources_list_is_the_sources_module():
-    listing = diagnosis_table.sources_markdown(registry().BROKEN_RUNS)
-    assert listing in CHAPTER, f"chapter 14's list of sources is stale; labkit.diagnosis_sources gives:\n{listing}"
-    assert "none found" not in listing
+def test_every_section_names_its_reports_as_the_sources_module_has_them():
+    from labkit import diagnosis_sources
+
+    sections = re.split(r"^### ", CHAPTER, flags=re.M)
+    for case in registry().BROKEN_RUNS:
+        section = next(part for part in sections if part.split("\n", 1)[0].endswith(f"(`{case.name}`)"))
+        line = diagnosis_table.sources_line(case.name)
+        assert line in section.splitlines(), f"{case.name}: its reports are stale; the sources module gives:\n{line}"
+    left_out = next(part for part in sections if part.startswith("Left out"))
+    assert all(diagnosis_table.sources_line(name) in left_out for name in diagnosis_sources.LEFT_OUT)
+    assert "none found" not in CHAPTER
 
 
 def test_every_broken_run_has_its_section_under_its_family():
