@@ -82,3 +82,20 @@ def test_the_straggler_and_the_hang_are_what_the_registry_and_the_diagnosis_say(
         found["cause"] == hang.hang_cause
     states = sorted(j["state"] for j in run["hang"]["journals"].values())
     assert states == ["finished", "timed out", "timed out", "timed out"]
+
+
+def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
+    """The diagnosis table prints the registry's symptoms: the numbers they state that these runs measured."""
+    from distlab import schedules
+
+    broken_runs = registry()
+    rows = json.loads(figures.BROKEN_BF16.read_text())["rows"]
+    at = {(r["world_size"], r["reduce_dtype"]): r["gradient_diff"] for r in rows}
+    symptom = broken_runs.case("bf16-gradient-reduction").symptom
+    assert f"({at[2, 'bf16']:.1e} on 2 ranks, {at[4, 'bf16']:.1e} on 4)".replace("e-0", "e-") in symptom
+    assert "~3e-4" in symptom and round(at[4, "bf16"], 4) == 3e-4 and "~1e-8" in symptom and at[4, "fp32"] < 2e-8
+    bubble = broken_runs.case("too-few-microbatches")
+    assert f"idle {100 * schedules.bubble_fraction(4, 2):.0f}% of the step" in bubble.symptom
+    source = (figures.FIGURE_DATA.parents[2] / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    assert "SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3" in source and "0.3 s" in broken_runs.case("slow-rank").symptom
+    assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "(2 s)" in broken_runs.case("uneven-inputs").symptom
