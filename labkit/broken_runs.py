@@ -54,6 +54,7 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 # Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
+CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
 
@@ -107,6 +108,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         look_alikes=("no-set-epoch", "loss-averaged-twice", "a learning rate too low"),
         fix="Give each rank its own share: DistributedSampler(dataset, num_replicas=world_size, rank=rank).",
         fix_kind="function",
+        wrong_fixes=((DDP_RUN + ("--planted-bug", "same-samples-every-rank", "--no-shuffle"),
+                      "the order is not the problem: without shuffling every rank still reads rank 0's share"),),
         failing_checks=("the training samplers' first epoch: disjoint shards covering the dataset",
                         "DDP loss = single-device loss")),
     BrokenRun(
@@ -163,16 +166,15 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                    "the same call (a straggler's peers would finish the call, late).",
         look_alikes=("mismatched-collectives", "slow-rank", "a network failure"),
         fix="Agree on the shortest shard first (all-reduce MIN of the batch counts) and all train that many "
-            "(DistributedSampler's drop_last, or DDP's join() context, do the same).",
-        fix_kind="setting", hang_cause="skipped collective",
-        wrong_fixes=()),
+            "(DistributedSampler's drop_last, or DDP's join() context, do the same); a longer timeout only waits "
+            "longer.",
+        fix_kind="setting", hang_cause="skipped collective"),
     # ---- FSDP --------------------------------------------------------------------------------------------------
     BrokenRun(
         name="checkpoint-one-shard", family="FSDP", script=CHECKPOINT_RESUME,
-        prepare_args=("--save-dir", "{run_dir}", "--stop-after", "3", "--planted-bug", "checkpoint-one-shard"),
-        args=("--save-dir", "{run_dir}", "--resume", "--planted-bug", "checkpoint-one-shard"),
-        fixed_prepare_args=("--save-dir", "{run_dir}", "--stop-after", "3"),
-        fixed_args=("--save-dir", "{run_dir}", "--resume"),
+        prepare_args=CHECKPOINTS + ("--stop-after", "3", "--planted-bug", "checkpoint-one-shard"),
+        args=CHECKPOINTS + ("--resume", "--planted-bug", "checkpoint-one-shard"),
+        fixed_prepare_args=CHECKPOINTS + ("--stop-after", "3"), fixed_args=CHECKPOINTS + ("--resume",),
         symptom="Training resumes without an error, but the loss jumps up at the first step after the resume "
                 "(0.4 above the interrupted run's loss at that step) and never rejoins one device's.",
         evidence=("extra.losses_by_step", "extra.earlier_losses", "extra.uninterrupted_losses", "checks"),
@@ -310,6 +312,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Find what slows that rank (its node, its data) and remove it; the run without the fault equals one "
             "device and has no straggler.",
         fix_kind="function",
+        wrong_fixes=((("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank", "--bucket-mb", "25"),
+                      "the time in communication is waiting for the late rank: other buckets do not shorten it"),),
         failing_checks=("no straggler",)),
 )
 

@@ -22,6 +22,12 @@ COVERED_ELSEWHERE = {
                                         "test_every_hang_ends_with_its_diagnosis"),
     ("mismatched-collectives", True): ("tests/scripts/test_12_hpc_operations.py",
                                        "test_every_hang_ends_with_its_diagnosis"),
+    ("loss-averaged-twice", True): ("tests/scripts/test_04_data_parallel.py",
+                                    "test_ddp_from_scratch_matches_single_device_under_torchrun"),
+    ("bf16-gradient-reduction", True): ("tests/scripts/test_05_fully_sharded.py",
+                                        "test_fsdp_reshard_after_forward_gathers_twice"),
+    ("checkpoint-one-shard", True): ("tests/scripts/test_05_fully_sharded.py",
+                                     "test_checkpoint_interrupt_resume_and_reshard_4_to_2"),
     ("resume-without-rng", False): ("tests/scripts/test_12_hpc_operations.py",
                                     "test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data"),
 }

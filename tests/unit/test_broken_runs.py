@@ -138,6 +138,7 @@ def test_runs_left_to_an_earlier_chapters_test_are_run_there_with_the_same_argum
         constants = {node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
                      and isinstance(node.value, ast.Constant) and node.value.value == run.script}
         assert run.script in source or any(constant in source for constant in constants), (name, path)
-        for arg in (run.fixed_args if fixed else run.args):
+        prepare, args = (run.fixed_prepare_args, run.fixed_args) if fixed else (run.prepare_args, run.args)
+        for arg in (*prepare, *args):
             if arg not in ("{run_dir}",) and not arg.startswith("{"):
                 assert f'"{arg}"' in source + decorators, f"{name}: {arg} not in {path}::{test_name}"
