@@ -77,6 +77,11 @@ clean:
 gpu-check: $(STAMP)
 	$(PY) -m coursetools.gpu_check $(GPU_CHECK_ARGS)
 
+## chapter 01's ladder on one GPU, rung by rung (fp32 ... compiled, batch 16), the best rung profiled; build/gpu_ladder/
+.PHONY: gpu-ladder
+gpu-ladder: $(STAMP)
+	$(PY) -m coursetools.gpu_ladder $(GPU_LADDER_ARGS)
+
 ## The chapters' pictures (chapters/figures/*.png), drawn by coursetools.figures from the library's own functions
 .PHONY: figures
 figures: $(STAMP)

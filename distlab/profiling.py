@@ -282,3 +282,50 @@ def trace_of(prof) -> dict:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         return load_trace(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a GPU step's time goes (chapter 01's ladder): the device's kernels by kind, and the time it sat idle
+# --------------------------------------------------------------------------------------------------
+
+# In order: the first pattern a kernel's name matches names its kind. Attention first: the memory-efficient kernel's
+# name carries "cutlass" too (fmha_cutlassF_...), which would read as a matrix multiply.
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "sm90_", "sm80_")),
+)
+OTHER_KERNELS = "other kernels (norms, RoPE, SwiGLU, loss, casts)"
+DEVICE_IDLE = "device idle (launch gaps, host work)"
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, from its name (``KERNEL_KINDS``); anything else is ``OTHER_KERNELS``."""
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return OTHER_KERNELS
+
+
+def device_time_by_kind(trace: dict) -> dict:
+    """Seconds of one profiled GPU step by kind of kernel, and the time the device ran nothing.
+
+    The window runs from the first kernel or copy to the last one's end. Kernels on one stream do not overlap, so
+    their sum per kind is the device's busy time (``busy_seconds``); ``DEVICE_IDLE`` is the window less the union
+    of every kernel and copy: where the device waited for the host (launches, Python, the allocator).
+    ``kernels`` counts the launches: a step of hundreds of small kernels is what ``torch.compile`` fuses."""
+    events = [e for e in complete_events(trace) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        raise ValueError("no GPU kernel in the trace: profile with ProfilerActivity.CUDA on a GPU")
+    seconds: dict[str, float] = {}
+    for e in events:
+        kind = kernel_kind(e["name"]) if e["cat"] == "kernel" else "memory copies and sets"
+        seconds[kind] = seconds.get(kind, 0.0) + e["dur"] / 1e6
+    spans = [span(e) for e in events]
+    window = (min(s for s, _ in spans), max(e for _, e in spans))
+    busy = length(merge(spans))
+    seconds[DEVICE_IDLE] = (window[1] - window[0] - busy) / 1e6
+    return {"seconds": seconds, "window_seconds": (window[1] - window[0]) / 1e6, "busy_seconds": busy / 1e6,
+            "kernels": sum(e["cat"] == "kernel" for e in events),
+            "attention_kernels": sorted({e["name"] for e in events if kernel_kind(e["name"]) == "attention"})}

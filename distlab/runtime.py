@@ -263,7 +263,7 @@ NUMBER_TYPES = (positive_int, nonnegative_int, positive_float, nonnegative_float
 # BENCHMARKS.md), mean loss of the last 3 steps / first step: 1.01 at 3e-3 (diverged), 0.705 at 3e-4 (spiking),
 # 0.416 at 1e-4 (smooth). So the GPU presets default to LARGE_MODEL_LR.
 LARGE_MODEL_LR = 1e-4
-LARGE_PRESETS = ("a100", "a100_large")
+LARGE_PRESETS = ("a100", "a100_large", "llama3_8b_slice")
 
 
 def default_lr(preset: str | None, small_model_lr: float) -> float:

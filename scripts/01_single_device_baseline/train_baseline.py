@@ -19,13 +19,16 @@ script checks that all replicas agree: four devices doing one device's work, whi
 data parallelism fixes.
 """
 
+import contextlib
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from distlab import data, memory, metrics, models, runtime
+from distlab import data, memory, metrics, models, profiling, runtime, speed
 
 REPRODUCE_STEPS = 3  # steps trained a second time, from scratch, to prove the run is reproducible
 # On a GPU the saved-activation formula (counted on a CPU) is checked within 1%: see the check. One d-sized tensor
@@ -39,53 +42,94 @@ def check_config(args, world_size):
     runtime.require(args.lr > 0, f"--lr {args.lr}: the learning rate must be positive")
 
 
+def apply_speed_switches(model, args):
+    """The single-GPU ladder's switches (chapter 01, "From 24% to ..."): each changes how the step runs, none what
+    it computes. Activation checkpointing wraps each block (recompute its forward in backward); --compile compiles
+    each block, as torchtitan does (one compiled graph serves all blocks: they share their code)."""
+    for name, block in list(model.layers.items()):
+        if args.activation_checkpointing:
+            block = speed.CheckpointedBlock(block)
+        if args.compile:
+            block.compile()
+        model.layers[name] = block
+    return model
+
+
 def train(cfg, args, rt, precision, steps, measure=None):
-    """The whole loop: build, then per step forward, loss, backward, AdamW. Returns losses and step times."""
-    model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    """The whole loop: build, then per step forward, loss, backward, AdamW. Returns losses and step times.
+
+    With ``measure`` (a dict), step 0 also reads the saved activations and the training state into it, and with
+    ``--profile-out`` one more step, not timed, runs under the profiler (its trace: ``measure["trace"]``)."""
+    model = apply_speed_switches(models.build_transformer(cfg, seed=args.seed, device=rt.device), args)
+    # fused: one kernel updates every parameter (no foreach temporaries); the default is foreach on a GPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.fused_adamw or None)
     autocast = torch.autocast(rt.device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    losses, seconds = [], []
-    for step in range(steps):
+
+    def train_step(step, record=False):
+        """One training step; with ``record``, what autograd saves for backward (read off the tensors in the
+        forward) and the training state (after the optimizer's step: parameters, gradients, moments) go to
+        ``measure``."""
         tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
         inputs, targets = data.split_inputs_targets(tokens)
-        rt.sync()
-        started = time.perf_counter()
-        if measure is not None and step == 0:  # what autograd saves for backward, read off the tensors
-            with memory.saved_activation_bytes(exclude=model.parameters()) as saved, autocast:
-                loss = models.lm_loss(model(inputs), targets)
-            measure["activations"] = saved.bytes
-        else:
-            with autocast:
-                loss = models.lm_loss(model(inputs), targets)
+        saving = memory.saved_activation_bytes(exclude=model.parameters()) if record else contextlib.nullcontext()
+        with saving as saved, autocast, speed.attention_backend(args.attention):
+            loss = models.lm_loss(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        if measure is not None and step == 0:  # parameters, gradients and AdamW moments all exist now
-            measure["state"] = memory.ledger(model, optimizer)
-            measure["num_params"] = models.count_params(model)
+        if record:
+            measure.update(activations=saved.bytes, state=memory.ledger(model, optimizer),
+                           num_params=models.count_params(model))
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses, seconds = [], []
+    for step in range(steps):
+        rt.sync()
+        started = time.perf_counter()
+        loss = train_step(step, record=measure is not None and step == 0)
         losses.append(loss.item())  # .item() waits for the device: the step time below is real
         seconds.append(time.perf_counter() - started)
+    if measure is not None and args.profile_out:
+        with profiling.one_step(rt.device) as prof:
+            train_step(steps).item()
+            prof.step()
+        measure["trace"] = profiling.trace_of(prof)
     del model, optimizer
     return losses, seconds
 
 
 def main():
-    p = runtime.parser(__doc__, presets=("tiny", "small", "a100"), steps=20)
+    p = runtime.parser(__doc__, presets=("tiny", "small", "a100", "llama3_8b_slice"), steps=20)
     p.add_argument("--batch", type=runtime.positive_int, default=None,
-                   help="sequences per step (default: 8 for tiny and small, 4 for a100)")
+                   help="sequences per step (default: 8 for tiny and small, 4 for a100, 1 for llama3_8b_slice)")
     runtime.add_lr_flag(p)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 autocast on a GPU, fp32 on a CPU")
+    ladder = p.add_argument_group("the ladder's switches (chapter 01: how a step runs, not what it computes)")
+    ladder.add_argument("--attention", choices=sorted(speed.ATTENTION_BACKENDS), default="auto",
+                        help="the kernel scaled_dot_product_attention may use (auto: PyTorch's choice; math: the "
+                             "unfused one; flash and cudnn need a GPU and bf16)")
+    ladder.add_argument("--fused-adamw", action="store_true", help="AdamW in one fused kernel (fused=True)")
+    ladder.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    ladder.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep only each block's input; recompute its forward in backward")
+    ladder.add_argument("--profile-out", metavar="FILE", default=None,
+                        help="profile one more step (not timed) and write where the GPU's time went (JSON)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(args.preset)
-        args.batch = args.batch or (4 if args.preset == "a100" else 8)
+        args.batch = args.batch or {"a100": 4, "llama3_8b_slice": 1}.get(args.preset, 8)
         precision = args.precision if args.precision != "auto" else ("bf16" if rt.device_type == "cuda" else "fp32")
+        problem = speed.attention_backend_problem(args.attention, rt.device_type, precision)
+        runtime.require(problem is None, problem)
         report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision,
                                                       "model": cfg.to_dict()})
         num_params = cfg.num_params()
+        switches = [name for name, on in (("attention " + args.attention, args.attention != "auto"),
+                                          ("fused AdamW", args.fused_adamw), ("compiled blocks", args.compile),
+                                          ("activation checkpointing", args.activation_checkpointing)) if on]
         rt.print(f"{args.preset} transformer: {num_params:,} parameters, batch {args.batch} x {cfg.seq_len} tokens, "
-                 f"{precision}, {rt.device}")
+                 f"{precision}, {rt.device}" + "".join(f", {s}" for s in switches))
         if rt.world_size > 1:
             rt.print(f"{rt.world_size} ranks: every rank trains the same full replica on the same batch "
                      f"(nothing is split yet: that is chapter 04)")
@@ -96,6 +140,10 @@ def main():
             if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
                 rt.print(f"step {step:4d}  loss {loss:.4f}  ({seconds[step] * 1e3:.1f} ms)")
         report.losses = losses
+        # the allocator's figures of the run the phase model predicts, read before the second run: on an H100 (torch
+        # 2.11) each compiled run left about 5 GB allocated after its model was deleted (cause not established), and
+        # the second run's peak sat that much above the first's (BENCHMARKS.md, the ladder)
+        device_memory = metrics.memory_snapshot(rt.device)
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
         again, _ = train(cfg, args, rt, precision, min(REPRODUCE_STEPS, args.steps))
@@ -115,6 +163,19 @@ def main():
             rt.print(f"MFU: {mfu:.1%} of {name}'s {metrics.peak_flops(name, peak_dtype) / 1e12:.0f} TFLOP/s "
                      f"({peak_dtype} peak)")
 
+        if args.profile_out and rt.device_type == "cuda":   # where one step's device time went, kernel by kind
+            breakdown = profiling.device_time_by_kind(measured.pop("trace"))
+            report.extra["device_time_by_kind"] = breakdown
+            Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.profile_out).write_text(json.dumps(breakdown, indent=1))
+            rt.print(f"one profiled step: {breakdown['window_seconds'] * 1e3:.1f} ms on the device, "
+                     f"{breakdown['kernels']} kernels; " + ", ".join(
+                         f"{kind} {sec * 1e3:.1f} ms" for kind, sec in sorted(breakdown["seconds"].items(),
+                                                                             key=lambda kv: -kv[1])))
+            rt.print("attention ran in: " + (", ".join(breakdown["attention_kernels"]) or "no attention kernel"))
+        elif args.profile_out:
+            rt.print("--profile-out: the breakdown is of GPU kernels; a CPU run has none (nothing written)")
+
         # ---- memory: measured from the tensors, predicted from the formulas ----
         state = measured["state"]
         predicted_state = memory.training_state_bytes(num_params, "fp32")  # autocast keeps fp32 weights
@@ -122,8 +183,7 @@ def main():
         # the peak, by phase: not everything is alive at once (distlab.memory.predict_step_peak). AdamW takes its
         # foreach path on a GPU (4 B a parameter more in the step), its for-loop on a CPU
         phases = memory.predict_step_peak(state, measured["activations"], args.batch, cfg.seq_len, cfg.vocab_size,
-                                          foreach=rt.device_type == "cuda")
-        device_memory = metrics.memory_snapshot(rt.device)
+                                          foreach=rt.device_type == "cuda" and not args.fused_adamw)
         report.memory = {"measured_state": state.as_dict(), "predicted_state": predicted_state.as_dict(),
                          "measured_activations": measured["activations"],
                          "predicted_activations": predicted_activations, "predicted_peak": phases.as_dict(),
@@ -144,7 +204,10 @@ def main():
                            measured["num_params"], num_params)
         report.check_equal("training state measured = 16 bytes/param (fp32 weights, grads, AdamW moments)",
                            state.total, predicted_state.total)
-        if precision == "fp32" and rt.device_type == "cpu":
+        if args.activation_checkpointing or args.compile:
+            rt.print("saved activations: the formula counts what eager PyTorch saves; checkpointed or compiled "
+                     "blocks save less (measured above), so it is not checked")
+        elif precision == "fp32" and rt.device_type == "cpu":
             report.check_equal("saved activations measured = formula (memory.transformer_activation_bytes)",
                                measured["activations"], predicted_activations)
         elif precision == "fp32":
@@ -157,7 +220,11 @@ def main():
         else:
             rt.print("saved activations: the formula is the fp32 one; under bf16 autocast only the measurement "
                      "is reported")
-        if rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py),
+        if rt.device_type == "cuda" and args.activation_checkpointing:
+            rt.print(f"peak memory: max_memory_allocated {device_memory['peak_allocated_bytes']:,} B; not checked "
+                     f"under activation checkpointing (backward rebuilds one block's activations: the phase model "
+                     f"does not count them)")
+        elif rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py),
             # from memory.PEAK_CHECK_MIN_BYTES predicted: below, cuBLAS's workspaces alone exceed the margin
             memory.check_allocator_peak(report, phases.peak, device_memory["peak_allocated_bytes"], say=rt.print)
         if rt.world_size > 1:

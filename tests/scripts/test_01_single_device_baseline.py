@@ -41,3 +41,31 @@ def test_four_ranks_under_torchrun_train_identical_replicas():
 
 def test_zero_steps_is_a_usage_error():
     assert_usage_error(SCRIPT, ["--steps", "0"], "--steps")
+
+
+def test_the_ladders_switches_change_how_not_what(tmp_path):
+    """Chapter 01's ladder: compiled blocks (inductor's C++ on the CPU), fused AdamW, activation checkpointing and the
+    unfused math attention (the CPU's default is its flash kernel) together train the plain run's losses. Tolerance
+    1e-5: fp32, only the order of sums may differ (measured: equal to the last digit here). The GPU measures them."""
+    plain, switched = tmp_path / "plain.json", tmp_path / "switched.json"
+    common = [sys.executable, SCRIPT, "--steps", "4"]
+    for out, extra in ((plain, []), (switched, ["--compile", "--fused-adamw", "--activation-checkpointing",
+                                                  "--attention", "math", "--profile-out", str(tmp_path / "p.json")])):
+        done = subprocess.run([*common, *extra, "--metrics-out", str(out)], cwd=launch.REPO_ROOT,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+    plain, switched = (json.loads(p.read_text()) for p in (plain, switched))
+    assert switched["config"]["compile"] and switched["config"]["activation_checkpointing"]
+    assert max(abs(a - b) for a, b in zip(switched["losses"], plain["losses"])) <= 1e-5
+    assert len(switched["losses"]) == len(plain["losses"]) == 4
+    # checkpointed blocks keep only their inputs: far fewer saved bytes, and the formula's check is not claimed
+    assert switched["memory"]["measured_activations"] < plain["memory"]["measured_activations"] / 2
+    assert not any("saved activations measured" in c["name"] for c in switched["checks"])
+    assert not (tmp_path / "p.json").exists()  # the device-time breakdown is of GPU kernels: none on a CPU
+
+
+def test_a_gpu_attention_kernel_on_the_cpu_is_a_config_error():
+    from helpers import assert_config_error
+
+    assert_config_error(SCRIPT, ["--attention", "cudnn", "--steps", "2"], "--attention cudnn is a CUDA kernel",
+                        nproc=1)

@@ -47,7 +47,7 @@ def test_unidirectional_bandwidths_are_the_librarys():
 
 
 def test_the_presets_described_are_the_code_presets():
-    named = set(re.findall(r"`(tiny|small|a100|a100_large)`", TEXT.split("## Presets")[1]))
+    named = set(re.findall(r"`(tiny|small|a100|a100_large|llama3_8b_slice)`", TEXT.split("## Presets")[1]))
     assert named == set(models.PRESETS), "the presets page must name exactly distlab.models.PRESETS"
     a100, large = models.preset("a100"), models.preset("a100_large")
     says(f"(L = {a100.n_layers}, h = {a100.dim}, a = {a100.n_heads}, S = {a100.seq_len}, "
