@@ -83,11 +83,13 @@ def program(args, rt, journal, pairs):
     if bug == "uneven-inputs":
         # an epoch of data parallelism, one gradient all-reduce a batch, each rank over its own shard; the shards
         # are unequal (a dataset split by hand, not by DistributedSampler): the last rank's is one batch short
-        batches = torch.full((1,), float(args.batches - (rank == rt.world_size - 1)), device=rt.device)
+        shard = [10 * rank + b for b in range(args.batches - (rank == rt.world_size - 1))]   # its batches' ids
+        batches = torch.full((1,), float(len(shard)), device=rt.device)
         if args.stop_at_fewest_batches:   # the fix: agree on the shortest shard, every rank trains that many
             with journal.call("count batches", "all_reduce", order=ORDER["count batches"]):
                 dist.all_reduce(batches, op=dist.ReduceOp.MIN, async_op=True).wait(wait)
-        for _ in range(int(batches.item())):
+        for i in range(int(batches.item())):
+            t.fill_(shard[i])   # stands for batch i's gradient (a rank never trains a batch it does not have)
             collective("gradient all-reduce", "all_reduce")
         return
     # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
