@@ -326,13 +326,14 @@ def case(name: str) -> BrokenRun:
 
 
 def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = None, args_override=None,
-             **launch_kwargs) -> launch.LaunchResult:
+             nproc: int | None = None, **launch_kwargs) -> launch.LaunchResult:
     """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
     runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/NAME-broken`` or ``-fixed``, the same
     folder every time, so that a learner's copy of the lab replays the full lab's launch: its arguments, the
     folder among them, are the cache's key). ``args_override``: other arguments for the same script (a wrong
-    fix, say). A broken run fails its checks: ``check`` defaults to False."""
+    fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its checks: ``check``
+    defaults to False."""
     run = case(name)
     folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{name}-{'fixed' if fixed else 'broken'}"
     launch_kwargs.setdefault("check", False)
@@ -340,10 +341,10 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
     if prepare:
         shutil.rmtree(folder, ignore_errors=True)   # the interrupted job starts from nothing
-        launch.run(run.script, nproc=run.nproc, args=fill(prepare, folder), metrics=False,
+        launch.run(run.script, nproc=nproc or run.nproc, args=fill(prepare, folder), metrics=False,
                    **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
     args = args_override if args_override is not None else (run.fixed_args if fixed else run.args)
-    return launch.run(run.script, nproc=run.nproc, args=fill(args, folder), **launch_kwargs)
+    return launch.run(run.script, nproc=nproc or run.nproc, args=fill(args, folder), **launch_kwargs)
 
 
 def _failed_checks(metrics: dict) -> set[str]:

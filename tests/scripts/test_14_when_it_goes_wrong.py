@@ -85,6 +85,18 @@ def test_a_plausible_wrong_fix_leaves_the_symptom(run, launched):
         assert not broken_runs.symptom_seen(run, result.metrics), f"{args} ({why}) passed: {result.tail()}"
 
 
+def test_bf16_reduction_drifts_further_from_one_device_on_more_ranks(launched, tmp_path):
+    """The symptom's second half: each rank's bf16 partial sum rounds once more, so 4 ranks drift more than 2."""
+    run = broken_runs.case("bf16-gradient-reduction")
+    two = broken_runs.run_case(run.name, nproc=2, run_dir=tmp_path, stream=False, timeout=90)
+    assert not broken_runs.symptom_seen(run, two.metrics)
+
+    def gradient_error(metrics):
+        return next(c["value"] for c in metrics["checks"] if c["name"].startswith(run.failing_checks[0]))
+
+    assert gradient_error(two.metrics) < gradient_error(launched(run, fixed=False).metrics)
+
+
 # ---- what a user sees, case by case (beyond the checks): the symptom with the bug, its absence with the fix ----
 
 def _rank_losses_equal(metrics):
