@@ -813,6 +813,41 @@ def draw_training_memory(fig) -> None:
     axes[0].legend(fontsize=6.5, frameon=False, loc="upper center", bbox_to_anchor=(1.0, -0.25), ncol=4)
 
 
+GPU_LADDER = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "01_gpu_ladder.json"
+
+
+def draw_gpu_ladder(fig) -> None:
+    """Chapter 01: the ladder measured on one GPU (``make gpu-ladder``, kept in chapters/figures/data): each rung's MFU
+    against the dense bf16 peak, and where the profiled rung's step went, kernel by kind."""
+    import json
+
+    ladder = json.loads(GPU_LADDER.read_text())
+    rungs = [r for r in ladder["rungs"] if r.get("tokens_per_s")]
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.35, 1], "wspace": 0.9})
+    names = [r["name"] for r in rungs][::-1]
+    values = [100 * r["mfu_bf16_peak"] for r in rungs][::-1]
+    colours = ["#4C72B0" if r["preset"] == "a100" else "#8172B3" for r in rungs][::-1]
+    left.barh(names, values, color=colours)
+    for y, (value, r) in enumerate(zip(values, rungs[::-1])):
+        left.text(value, y, f" {value:.1f}%  {r['tokens_per_s']:,.0f} tok/s", va="center", fontsize=6.5)
+    left.axvline(50, color="#999999", linestyle="--", linewidth=0.8)
+    left.set_xlim(0, 75)
+    left.set_xlabel("MFU, % of the dense bf16 peak (989 TFLOP/s)", fontsize=7)
+    left.tick_params(labelsize=6.5)
+    left.set_title(f"the ladder on one {ladder['machine']['gpus'][0]['name']} (torch {ladder['machine']['torch']})",
+                   fontsize=7.5)
+    kinds = ladder["profile"]["device_time_by_kind"]
+    parts = sorted(kinds["seconds"].items(), key=lambda kv: -kv[1])
+    right.barh([k.split(" (")[0] for k, _ in parts][::-1], [1e3 * v for _, v in parts][::-1], color="#DD8452")
+    for y, (_, v) in enumerate(parts[::-1]):
+        right.text(1e3 * v, y, f" {1e3 * v:.1f} ms", va="center", fontsize=6.5)
+    right.set_xlim(0, 1e3 * parts[0][1] * 1.35)
+    right.set_xlabel("ms of one step on the device", fontsize=7)
+    right.tick_params(labelsize=6.5)
+    right.set_title(f"where {ladder['profile']['name']}'s step goes ({1e3 * kinds['window_seconds']:.0f} ms, "
+                    f"{kinds['kernels']:,} kernels)", fontsize=7.5)
+
+
 def draw_walls(fig) -> None:
     """Chapter 02: the memory wall (16 bytes a parameter of training state against a GPU's memory, on one GPU and
     sharded over more) and the compute wall (days to train on 20 tokens a parameter at 40% MFU, on 1, 4 and 512
@@ -942,6 +977,7 @@ def draw_expert_dispatch(fig) -> None:
 
 FIGURES = {
     "01_training_memory.png": (draw_training_memory, (9, 2.6)),
+    "01_gpu_ladder.png": (draw_gpu_ladder, (10, 2.8)),
     "02_walls.png": (draw_walls, (9, 3.2)),
     "03_ring_allreduce.png": (draw_ring_allreduce, (10, 2.3)),
     "04_ddp_overlap.png": (draw_ddp_overlap, (9, 2.8)),

@@ -132,6 +132,30 @@ def render_table(ladder: dict) -> str:
     return "\n".join(lines)
 
 
+def ladder_markdown(ladder: dict) -> str:
+    """Chapter 01's table of a measured ladder: each rung's change, tokens/s, MFU against the bf16 peak, peak memory,
+    and the checks that failed (kept in step with the chapter by tests/unit/test_chapter_text_01.py)."""
+    lines = ["| rung | what changed | tokens/s | MFU (bf16 peak) | peak memory | checks |", "|---|---|---|---|---|---|"]
+    for r in ladder["rungs"]:
+        if not r.get("tokens_per_s"):
+            continue
+        checks = "all passed" if not r["failed_checks"] else "failed: " + "; ".join(
+            name.split(" (")[0] for name in r["failed_checks"])
+        lines.append(f"| `{r['name']}` | {r['what']} | {r['tokens_per_s']:,.0f} | {r['mfu_bf16_peak']:.1%} | "
+                     f"{r['peak_allocated_bytes'] / GIB:.1f} GiB | {checks} |")
+    return "\n".join(lines)
+
+
+def device_time_markdown(ladder: dict) -> str:
+    """The profiled rung's step by kind of kernel, as a table."""
+    kinds = ladder["profile"]["device_time_by_kind"]
+    lines = ["| where the device's time went | ms | share |", "|---|---|---|"]
+    for kind, seconds in sorted(kinds["seconds"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {seconds * 1e3:.1f} | {seconds / kinds['window_seconds']:.1%} |")
+    lines.append(f"| one step, {kinds['kernels']:,} kernels | {kinds['window_seconds'] * 1e3:.1f} | 100% |")
+    return "\n".join(lines)
+
+
 def _run(rung: Rung, out: Path, timeout: float, extra=(), device: str = "cuda") -> dict:
     """One rung, in a process of its own (a fresh CUDA context and allocator: each rung's peak is its own).
     ``device="cpu"`` lets a test run this code without a GPU."""

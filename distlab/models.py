@@ -63,11 +63,12 @@ PRESETS: dict[str, TransformerConfig] = {
     # sharded over 4 GPUs (FSDP) it does.
     "a100_large": TransformerConfig(vocab_size=32000, dim=3072, n_layers=28, n_heads=24, ffn_hidden=8192,
                                     seq_len=1024),
-    # 8 of Llama 3 8B's 32 layers at its own widths, vocabulary and sequence length (the Llama-3.1-8B config.json:
-    # hidden_size 4096, num_attention_heads 32, num_key_value_heads 8, intermediate_size 14336, vocab_size 128256,
-    # rope_theta 500000; torchtitan's llama3_8b.toml: seq_len 8192; distlab/planner/sources.py quotes them): each
-    # layer's matrix multiplies are the 8B model's, and the whole (2.8 B parameters, 45 GB of fp32 AdamW training
-    # state) fits one 80 GB GPU. Chapter 01 compares its single-GPU throughput with torchtitan's published 8B runs.
+    # 8 of Llama 3 8B's 32 layers at its own widths, vocabulary and sequence length: Llama 3's Table 3 (dim 4,096,
+    # FFN 14,336, 32 heads, 8 key/value heads, RoPE theta 500,000; distlab.planner.sources 'llama3_table3_shape'),
+    # the released tokenizer's 128,256 words (as the planner's 405B), torchtitan's llama3_8b.toml seq_len 8192
+    # ('torchtitan_llama3_8b_toml'). Each layer's matrix multiplies are the 8B model's, and the whole (2.8 B
+    # parameters, 45 GB of fp32 AdamW training state) fits one 80 GB GPU. Chapter 01 compares its single-GPU
+    # throughput with torchtitan's published 8B runs.
     "llama3_8b_slice": TransformerConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32, n_kv_heads=8,
                                          ffn_hidden=14336, seq_len=8192, rope_theta=500000.0),
 }

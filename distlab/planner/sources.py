@@ -318,6 +318,11 @@ SOURCES: dict[str, Source] = {
         "with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value. So "
         "this MFU number is lower than actual MFU because we use the peak number of SXM directly.",
         TORCHTITAN_BENCH_URL),
+    "torchtitan_llama3_8b_toml": Source(
+        "pytorch/torchtitan", "train_configs/llama3_8b.toml at 0011fb905e9561a51af0f265e35d989f7448b1d8",
+        '[model]\nname = "llama3"\nflavor = "8B"\n... [training]\nseed=2020\nbatch_size = 1\nseq_len = 8192  '
+        "[the 8B runs' training config at that commit; the H100 benchmark file does not state its sequence length]",
+        "https://github.com/pytorch/torchtitan/blob/0011fb905e9561a51af0f265e35d989f7448b1d8/train_configs/llama3_8b.toml"),
     "torchtitan_llama3_a100": Source(
         "pytorch/torchtitan", f"docs/performance.md at {TORCHTITAN_PERF_DOC_COMMIT}",
         "Below are the WPS (word per second, or more accurately, token per second) and MFU (model FLOPS utilization) "

@@ -1,6 +1,9 @@
 """Chapter 01's numbers, recomputed: the test fails when chapters/01_single_device_baseline.md drifts from the code."""
 
+import json
 from pathlib import Path
+
+from coursetools import gpu_ladder
 
 from distlab import memory, metrics, models
 
@@ -147,3 +150,48 @@ def test_the_gpu_peak_check_applies_from_6_gib():
     says(f"both H200 runs measured {fixed[0] / 2**20:.0f} and {fixed[1] / 2**20:.0f} MiB over the prediction")
     says(f"over 2% of any peak under {max(fixed) / memory.PEAK_MARGIN / GIB:.1f} GiB")
     says(f"For the `tiny` preset's {small / 2**20:.1f} MiB the script prints both\nfigures and checks nothing")
+
+
+# ---- the ladder on one GPU (measured: chapters/figures/data/01_gpu_ladder.json; derived figures computed here) ----
+LADDER = json.loads((Path(__file__).resolve().parents[2] / "chapters/figures/data/01_gpu_ladder.json").read_text())
+RUNG = {r["name"]: r for r in LADDER["rungs"]}
+H100_COPY_GB_PER_S = 2990  # the device-to-device copy gpu-check measured on the same H100 (BENCHMARKS.md)
+
+
+def ladder_figures() -> dict:
+    """Every derived figure of the ladder section, from the measured rungs and the course's formulas."""
+    full_8b = models.preset("llama3_8b_slice", n_layers=32)
+    a100 = models.preset("a100")
+    per_token_8b = metrics.transformer_flops_per_token(full_8b)
+    best, kinds = RUNG["compiled_batch16"], LADDER["profile"]["device_time_by_kind"]
+    gemm_flops_per_token = best["flops_per_token"] - 12 * a100.n_layers * a100.dim * a100.seq_len
+    adam_bytes = 28 * a100.num_params()   # fused AdamW: reads p, g, m, v (16 B), writes p, m, v (12 B)
+    return {
+        "FP32_OWN": f"{RUNG['fp32']['mfu_own_dtype']:.1%}",
+        "MATH_SLOWER": f"{1 - RUNG['bf16_math_attention']['tokens_per_s'] / RUNG['bf16']['tokens_per_s']:.0%}",
+        "MATH_GIB": f"{(RUNG['bf16_math_attention']['peak_allocated_bytes'] - RUNG['bf16']['peak_allocated_bytes']) / GIB:.1f}",
+        "ADAM_GB": f"{adam_bytes / 1e9:.1f}",
+        "ADAM_MS": f"{adam_bytes / (H100_COPY_GB_PER_S * 1e9) * 1e3:.1f}",
+        "COMPILE_GAIN": f"{RUNG['compiled']['tokens_per_s'] / RUNG['fused_adamw']['tokens_per_s'] - 1:.0%}",
+        "CKPT_COST": f"{1 - RUNG['checkpointed_batch16']['tokens_per_s'] / best['tokens_per_s']:.0%}",
+        "GEMM_RATE": f"{gemm_flops_per_token * best['batch'] * a100.seq_len / kinds['seconds']['matrix multiplies'] / 1e12:.0f}",
+        "TT_FLOPS": f"{per_token_8b / 1e9:.2f}",
+        "TT_MFU_EAGER": f"{5762 * per_token_8b / metrics.peak_flops('H100', 'bf16'):.1%}",
+        "TT_MFU_COMPILED": f"{6667 * per_token_8b / metrics.peak_flops('H100', 'bf16'):.1%}",
+        "SLICE_MFU": f"{RUNG['llama3_8b_slice']['mfu_bf16_peak']:.1%}",
+        "SLICE_EQUIV": f"{RUNG['llama3_8b_slice']['achieved_flops_per_s'] / per_token_8b:,.0f}",
+        "LADDER_TABLE": gpu_ladder.ladder_markdown(LADDER),
+        "DEVICE_TIME_TABLE": gpu_ladder.device_time_markdown(LADDER),
+    }
+
+
+def test_the_ladder_section_states_the_measured_and_derived_figures():
+    from distlab.planner.sources import SOURCES
+
+    table1 = SOURCES["torchtitan_llama31_8b_h100_8gpu"].quote
+    assert "| FSDP | 5,762 |" in table1 and "| FSDP + torch.compile | 6,667 |" in table1
+    assert models.preset("llama3_8b_slice", n_layers=32).num_params() == 8_030_261_248  # Llama 3 8B's count
+    section = TEXT.split("### The ladder")[1].split("\n## ")[0]
+    for key, value in ladder_figures().items():
+        assert value in section, f"{key}: the ladder section no longer says {value!r}; update the text"
+    assert "47.8% MFU" in section and f"{RUNG['compiled_batch16']['mfu_bf16_peak']:.1%}" == "47.8%"
