@@ -33,7 +33,12 @@ COVERED_ELSEWHERE = {
 }
 CASES = [run for run in broken_runs.BROKEN_RUNS]
 BROKEN = [pytest.param(run, id=run.name) for run in CASES if (run.name, False) not in COVERED_ELSEWHERE]
-FIXED = [pytest.param(run, id=run.name) for run in CASES if (run.name, True) not in COVERED_ELSEWHERE]
+# A fixed run whose check is a time (the bubble against its target, the ranks' arrival spread) passes by a margin
+# a loaded machine can eat: run with the machine to itself (make test's serial phase). Their broken runs fail by
+# far more than any load adds (a 0.3 s sleep; a bubble that only latency can raise above its formula).
+TIMED = {"too-few-microbatches", "slow-rank"}
+FIXED = [pytest.param(run, id=run.name, marks=[pytest.mark.serial] if run.name in TIMED else [])
+         for run in CASES if (run.name, True) not in COVERED_ELSEWHERE]
 
 
 @pytest.fixture(scope="module")
