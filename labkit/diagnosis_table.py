@@ -53,6 +53,30 @@ def scripts_markdown(cases=None) -> str:
     return ", ".join(scripts[:-1]) + f" and {scripts[-1]}" if len(scripts) > 1 else "".join(scripts)
 
 
+def _flags(args) -> dict[str, tuple[str, ...]]:
+    """Command-line arguments as {flag: its values}: ("--a", "1", "--b") -> {"--a": ("1",), "--b": ()}."""
+    flags: dict[str, tuple[str, ...]] = {}
+    flag = None
+    for arg in args:
+        if arg.startswith("--"):
+            flag = arg
+            flags[flag] = ()
+        elif flag is not None:
+            flags[flag] += (arg,)
+    return flags
+
+
+def wrong_fix_lines(case) -> list[str]:
+    """The lines of a case's section for its plausible wrong fixes (the registry's ``wrong_fixes``): the flags the
+    wrong fix changes in the broken run, and why the symptom stays."""
+    broken = _flags(case.args)
+    lines = []
+    for args, why in case.wrong_fixes:
+        changed = [" ".join((flag, *values)) for flag, values in _flags(args).items() if broken.get(flag) != values]
+        lines.append(f"**Not a fix.** `{' '.join(changed)}`: {_cell(why)}.")
+    return lines
+
+
 def sources_line(name: str) -> str:
     """The line of a case's section that names the public reports it comes from, as links (their quotes are in
     labkit/diagnosis_sources.py)."""

@@ -74,7 +74,7 @@ def test_the_diagnosis_table_is_the_registrys():
     assert len(cases) >= 12
 
 
-def test_every_section_names_its_reports_as_the_sources_module_has_them():
+def test_every_section_names_its_wrong_fixes_and_reports_as_the_registry_and_sources_have_them():
     from labkit import diagnosis_sources
 
     sections = re.split(r"^### ", CHAPTER, flags=re.M)
@@ -82,6 +82,10 @@ def test_every_section_names_its_reports_as_the_sources_module_has_them():
         section = next(part for part in sections if part.split("\n", 1)[0].endswith(f"(`{case.name}`)"))
         line = diagnosis_table.sources_line(case.name)
         assert line in section.splitlines(), f"{case.name}: its reports are stale; the sources module gives:\n{line}"
+        wrong = [line for line in section.splitlines() if line.startswith("**Not a fix.**")]
+        assert wrong == diagnosis_table.wrong_fix_lines(case), (
+            f"{case.name}: the wrong fixes are stale; the registry gives:\n" + "\n".join(
+                diagnosis_table.wrong_fix_lines(case)))
     left_out = next(part for part in sections if part.startswith("Left out"))
     assert all(diagnosis_table.sources_line(name) in left_out for name in diagnosis_sources.LEFT_OUT)
     assert "none found" not in CHAPTER
@@ -189,6 +193,14 @@ def test_the_torch_lines_the_chapter_cites():
     assert "if tensor.device_mesh != device_mesh:" in api[952] and "Cannot distribute a DTensor with device mesh" in \
         api[954] and "to a different device mesh" in api[955]
     assert "(torch/distributed/tensor/_api.py:953-957)" in FLAT
+
+
+def test_a_wrong_fix_is_named_by_the_flags_it_changes():
+    class Case:
+        args = ("--steps", "3", "--microbatches", "2", "--planted-bug", "x")
+        wrong_fixes = ((("--steps", "3", "--microbatches", "4", "--planted-bug", "x", "--no-shuffle"), "still | slow"),)
+
+    assert diagnosis_table.wrong_fix_lines(Case()) == ["**Not a fix.** `--microbatches 4 --no-shuffle`: still \\| slow."]
 
 
 def test_a_table_cell_cannot_break_the_table():

@@ -96,6 +96,7 @@ def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     assert "~3e-4" in symptom and round(at[4, "bf16"], 4) == 3e-4 and "~1e-8" in symptom and at[4, "fp32"] < 2e-8
     bubble = broken_runs.case("too-few-microbatches")
     assert f"idle {100 * schedules.bubble_fraction(4, 2):.0f}% of the step" in bubble.symptom
+    assert [f"= {100 * schedules.bubble_fraction(4, 4):.0f}% idle" in why for _, why in bubble.wrong_fixes] == [True]
     source = (figures.FIGURE_DATA.parents[2] / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert "SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3" in source and "0.3 s" in broken_runs.case("slow-rank").symptom
     assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "(2 s)" in broken_runs.case("uneven-inputs").symptom
