@@ -1,10 +1,16 @@
 """Chapter 14's diagnosis table and its list of sources, written from the registry of broken runs.
 
-The chapter shows both as this module renders them, and tests/unit/test_chapter_text_14.py keeps the two equal: a
+The chapter shows them as this module renders them, and tests/unit/test_chapter_text_14.py keeps the two equal: a
 case added to ``labkit.broken_runs.BROKEN_RUNS``, or a symptom reworded there, changes the chapter's table.
+``python -m labkit.diagnosis_table --write`` writes the generated parts of the chapter again (the table, each
+section's wrong fixes and reports); the prose around them stays as it is.
 """
 
 from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
 
 from labkit import diagnosis_sources
 
@@ -83,3 +89,50 @@ def sources_line(name: str) -> str:
     found = diagnosis_sources.sources_for(name)
     links = "; ".join(f"[{_link_text(s['title'])}]({s['url']})" for s in found)
     return f"**Reported.** {links or 'none found'}."
+
+
+CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "14_when_it_goes_wrong.md"
+
+
+def update_chapter(text: str, cases=None) -> str:
+    """Chapter 14's text with its generated parts written again from the registry and the sources: the diagnosis
+    table, and in each case's section its '**Not a fix.**' and '**Reported.**' lines (after its '**The fix.**'
+    paragraph). The prose around them is left as it is."""
+    cases = _registry(cases)
+    lines = text.split("\n")
+    start = lines.index(next(line for line in lines if line.startswith("| family | ")))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    lines[start:end] = diagnosis_markdown(cases).split("\n")
+    text = "\n".join(lines)
+    sections = re.split(r"(?m)^(?=##+ )", text)
+    for i, section in enumerate(sections):
+        heading = section.split("\n", 1)[0]
+        case = next((c for c in cases if heading.endswith(f"(`{c.name}`)")), None)
+        names = [case.name] if case else [n for n in diagnosis_sources.LEFT_OUT if heading.startswith("### Left out")]
+        if not names:
+            continue
+        body = section.rstrip("\n")
+        kept = [p for p in body.split("\n\n") if p.strip() and not p.startswith(("**Not a fix.**", "**Reported.**"))]
+        fix = next((j for j, p in enumerate(kept) if p.startswith("**The fix.**")), len(kept) - 1)
+        kept[fix + 1:fix + 1] = (wrong_fix_lines(case) if case else []) + [sources_line(names[0])]
+        sections[i] = "\n\n".join(kept) + ("\n\n" if i + 1 < len(sections) else "\n")   # one blank line
+    return "".join(sections)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m labkit.diagnosis_table", description=update_chapter.__doc__)
+    parser.add_argument("--write", action="store_true", help=f"rewrite {CHAPTER.name} in place (else: print it)")
+    options = parser.parse_args(argv)
+    text = update_chapter(CHAPTER.read_text())
+    if options.write:
+        CHAPTER.write_text(text)
+        print(f"wrote {CHAPTER}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
