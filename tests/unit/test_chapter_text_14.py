@@ -208,7 +208,8 @@ def test_a_wrong_fix_is_named_by_the_flags_it_changes():
         args = ("--steps", "3", "--microbatches", "2", "--planted-bug", "x")
         wrong_fixes = ((("--steps", "3", "--microbatches", "4", "--planted-bug", "x", "--no-shuffle"), "still | slow"),)
 
-    assert diagnosis_table.wrong_fix_lines(Case()) == ["**Not a fix.** `--microbatches 4 --no-shuffle`: still \\| slow."]
+    expected = "**Not a fix.** `--microbatches 4 --no-shuffle`: still \\| slow."
+    assert diagnosis_table.wrong_fix_lines(Case()) == [expected]
 
 
 def test_a_table_cell_cannot_break_the_table():
