@@ -35,6 +35,8 @@ JOBS = {
     "05": ("05_fully_sharded", [], {"DISTLAB_ONLY": "zero_from_scratch.py"}),
     "09": ("09_hybrid_parallel", [], {"DISTLAB_ONLY": "rank_grid.py"}),
     "13": ("13_expert_parallel", [], {"DISTLAB_ONLY": "moe_transformer.py"}),
+    # a broken run and its fix: the job must call the planted failure ok, and the job ok
+    "14": ("14_when_it_goes_wrong", [], {"DISTLAB_ONLY": "ddp_from_scratch.py"}),
     # the rank map only (the PBS tier runs its bandwidth row): where every rank runs, under the jobs' own srun
     "preflight": ("preflight", [], {"DISTLAB_ONLY": "distlab.runtime"}),
     # the walltime path, made to hold on a loaded machine: a 2-minute limit; the first job's deadline 105 s before it
@@ -102,6 +104,17 @@ def test_chapter_job_passes_every_check_with_ranks_on_both_nodes(cluster, submit
     assert "job " in log and "(slurm): 2 node(s) [n1 n2]" in log
     summary = (run / "summary.txt").read_text()
     assert summary.startswith(f"job {submitted[name][0]} on 2 node(s): n1 n2") and "FAILED" not in summary
+
+
+def test_chapter_14s_broken_run_fails_as_planted_and_its_fix_passes_so_the_job_passes(cluster, submitted):
+    fields, log, run = finished(cluster, submitted, "14")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    broken, fixed = (json.loads((run / f"loss-averaged-twice_{kind}.json").read_text()) for kind in ("broken", "fixed"))
+    assert [c["name"] for c in broken["checks"] if not c["passed"]][:1] == [
+        "averaged gradients = single-device gradients (every step)"] and broken["world_size"] == 4
+    assert all(c["passed"] for c in fixed["checks"]) and fixed["world_size"] == 4
+    summary = (run / "summary.txt").read_text()
+    assert "(broken as planted: loss-averaged-twice)" in summary and "FAILED" not in summary, summary
 
 
 def test_preflight_job_maps_ranks_on_both_nodes(cluster, submitted):
