@@ -1215,6 +1215,84 @@ FIGURES.update({
 })
 
 
+BROKEN_RESUMES = FIGURE_DATA / "14_resumes.json"
+
+
+def measure_resumes(path=BROKEN_RESUMES) -> Path:
+    """Run the registry's two resumes gone wrong, broken and fixed: checkpoint_resume.py's checkpoint of one shard
+    (FSDP) and fault_drill.py's resume without the random state and the data position; keep each run's losses by
+    step, where it resumed, and the failing check's value (the jump)."""
+    from labkit import broken_runs
+
+    def jump(metrics, prefix):
+        return next(c["value"] for c in metrics["checks"] if c["name"].startswith(prefix))
+
+    one_shard = broken_runs.case("checkpoint-one-shard")
+    shard = {}
+    for fixed in (False, True):
+        metrics = broken_runs.run_case(one_shard.name, fixed=fixed, stream=False).metrics
+        extra = metrics["extra"]
+        shard["fixed" if fixed else "broken"] = {"argv": list(one_shard.fixed_args if fixed else one_shard.args),
+                                                 "losses_by_step": extra["losses_by_step"]}
+        shard.update(uninterrupted=extra["uninterrupted_losses"], earlier=extra["earlier_losses"],
+                     first_step=extra["first_step"])
+        if not fixed:
+            shard["jump"] = jump(metrics, "losses = uninterrupted single-device run")
+    rng_case = broken_runs.case("resume-without-rng")
+    rng = {}
+    for fixed in (False, True):
+        metrics = broken_runs.run_case(rng_case.name, fixed=fixed, stream=False).metrics
+        rng["fixed" if fixed else "broken"] = {"argv": list(rng_case.fixed_args if fixed else rng_case.args),
+                                               "losses": metrics["losses"]}
+        rng.update(died_at_step=metrics["extra"]["died_at_step"],
+                   steps_trained_twice=metrics["extra"]["steps_trained_twice"])
+        if not fixed:
+            rng["jump"] = jump(metrics, "a step trained twice gives the same loss both times")
+    return _write_measurement(path, {"checkpoint-one-shard": shard, "resume-without-rng": rng})
+
+
+def draw_resumes(fig) -> None:
+    """Chapter 14: two resumes gone wrong as their losses show them, beside the right resume: a checkpoint of one
+    FSDP shard (the loss jumps at the resume) and a checkpoint without the random state and the data position
+    (the losses leave one device's at the resume)."""
+    import json
+
+    run = json.loads(BROKEN_RESUMES.read_text())
+    left, right = fig.subplots(1, 2)
+    shard = run["checkpoint-one-shard"]
+    steps = range(len(shard["uninterrupted"]))
+    left.plot(steps, shard["uninterrupted"], color="grey", linewidth=3, alpha=0.6, label="one device, uninterrupted")
+    left.plot([int(k) for k in shard["earlier"]], list(shard["earlier"].values()), marker="o", markersize=3,
+              color="#1f77b4", label="before the interruption")
+    for name, colour, style in (("fixed", "#2ca02c", "-"), ("broken", "#d62728", "--")):
+        by_step = shard[name]["losses_by_step"]
+        left.plot([int(k) for k in by_step], list(by_step.values()), marker="o", markersize=3, color=colour,
+                  linestyle=style, label="resumed from DCP" if name == "fixed" else "resumed from rank 0's shard")
+    left.axvline(shard["first_step"] - 0.5, color="grey", linewidth=0.8, linestyle=":")
+    left.set_title(f"checkpoint-one-shard: the loss jumps by {shard['jump']:.2f} at the resume", fontsize=7.5)
+    rng = run["resume-without-rng"]
+    for name, colour, style, label in (("fixed", "grey", "-", "resumed with the full state (= one device)"),
+                                       ("broken", "#d62728", "--", "resumed without the RNG and data position")):
+        losses = rng[name]["losses"]
+        right.plot(range(len(losses)), losses, marker="o", markersize=3, color=colour, linestyle=style, label=label,
+                   linewidth=3 if name == "fixed" else 1, alpha=0.6 if name == "fixed" else 1)
+    resumed = min(rng["steps_trained_twice"])
+    right.axvline(resumed - 0.5, color="grey", linewidth=0.8, linestyle=":")
+    right.set_title(f"resume-without-rng: a step trained twice, {rng['jump']:.2f} apart", fontsize=7.5)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step (dotted: the resume)", fontsize=7)
+        ax.tick_params(labelsize=6.5)
+        ax.legend(fontsize=6, frameon=False)
+    left.set_ylabel("loss", fontsize=7)
+    fig.tight_layout()
+
+
+FIGURES["14_resumes.png"] = (draw_resumes, (9, 2.8))
+
+
 def render(name: str, folder) -> Path:
     """Draw one figure of ``FIGURES`` into ``folder``; returns the file written."""
     from matplotlib.figure import Figure  # no pyplot: no backend is chosen, nothing global changes

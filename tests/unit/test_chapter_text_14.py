@@ -176,6 +176,14 @@ def test_the_straggler_numbers_are_the_measured_ones():
     assert f"about as long, {round(sum(others) / len(others), -1):.0f} ms a step" in FLAT
 
 
+def test_the_resume_numbers_are_the_measured_ones():
+    run = measured("14_resumes.json")
+    assert f"the loss jumps by {run['checkpoint-one-shard']['jump']:.2f} at the resume" in FLAT
+    rng = run["resume-without-rng"]
+    assert f"trains step {rng['steps_trained_twice'][0]} a second time, and gets another loss, {rng['jump']:.2f} away" \
+        in FLAT
+
+
 def test_the_torch_lines_the_chapter_cites():
     import torch
 

@@ -84,6 +84,23 @@ def test_the_straggler_and_the_hang_are_what_the_registry_and_the_diagnosis_say(
     assert states == ["finished", "timed out", "timed out", "timed out"]
 
 
+def test_the_resumes_jump_where_the_chapter_says_and_the_fixed_ones_do_not():
+    broken_runs = registry()
+    run = json.loads(figures.BROKEN_RESUMES.read_text())
+    shard, one_shard = run["checkpoint-one-shard"], broken_runs.case("checkpoint-one-shard")
+    assert (shard["broken"]["argv"], shard["fixed"]["argv"]) == (list(one_shard.args), list(one_shard.fixed_args))
+    uninterrupted = shard["uninterrupted"]
+    for step, loss in shard["fixed"]["losses_by_step"].items():
+        assert abs(loss - uninterrupted[int(step)]) < 1e-5                       # DCP's resume: one device's curve
+    gaps = {int(s): abs(loss - uninterrupted[int(s)]) for s, loss in shard["broken"]["losses_by_step"].items()}
+    assert max(gaps.values()) == pytest.approx(shard["jump"]) == pytest.approx(gaps[shard["first_step"]])
+    rng, case = run["resume-without-rng"], broken_runs.case("resume-without-rng")
+    assert (rng["broken"]["argv"], rng["fixed"]["argv"]) == (list(case.args), list(case.fixed_args))
+    resumed = min(rng["steps_trained_twice"])
+    assert rng["broken"]["losses"][:resumed] == rng["fixed"]["losses"][:resumed]   # the same until the resume
+    assert abs(rng["broken"]["losses"][resumed] - rng["fixed"]["losses"][resumed]) > 0.05
+
+
 def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     """The diagnosis table prints the registry's symptoms: the numbers they state that these runs measured."""
     from distlab import schedules
@@ -100,3 +117,7 @@ def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     source = (figures.FIGURE_DATA.parents[2] / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert "SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3" in source and "0.3 s" in broken_runs.case("slow-rank").symptom
     assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "(2 s)" in broken_runs.case("uneven-inputs").symptom
+    resumes = json.loads(figures.BROKEN_RESUMES.read_text())
+    assert f"({round(resumes['checkpoint-one-shard']['jump'], 1):g} above" in \
+        broken_runs.case("checkpoint-one-shard").symptom
+    assert f"({round(resumes['resume-without-rng']['jump'], 1):g} apart)" in broken_runs.case("resume-without-rng").symptom
