@@ -31,6 +31,7 @@ def test_the_data_parallel_runs_show_what_the_chapter_says():
     gaps = runs["no-set-epoch"]["from_one_device"]
     epoch_turn = 4                                                          # 8 samples a step, 32 samples: 4 steps
     assert max(gaps[:epoch_turn]) < 1e-5 < 1e-3 < gaps[epoch_turn]
+    assert f"(step {epoch_turn} of {len(gaps)})" in broken_runs.case("no-set-epoch").symptom   # the table's words
 
 
 def test_the_bf16_runs_reduce_half_the_bytes_and_leave_fp32_rounding():
