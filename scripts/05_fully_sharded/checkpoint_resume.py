@@ -129,8 +129,8 @@ def main():
             written_by = json.loads(step_dir.with_suffix(".json").read_text())["world_size"]
             dcp.load({"training": training}, checkpoint_id=step_dir)
             if args.planted_bug == "checkpoint-one-shard":   # the mistake, its second half: every rank loads rank 0's
-                saved = torch.load(step_dir / ONE_RANKS_MODEL)    # file as if it were the whole model, so each
-                with torch.no_grad():                             # rank's shard becomes rank 0's
+                saved = torch.load(step_dir / ONE_RANKS_MODEL, map_location=rt.device)   # file as if whole: each
+                with torch.no_grad():                             # rank's shard becomes rank 0's shard
                     for name, param in model.named_parameters():
                         param.to_local().copy_(saved[name])
             rt.print(f"loaded {step_dir} (written by {written_by} ranks) on {world} ranks: {training.step} steps done")
