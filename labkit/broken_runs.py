@@ -129,7 +129,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="accumulation-never-syncs", family="data parallelism", script=TRAIN_DDP,
         args=DDP_RUN + ("--planted-bug", "accumulation-never-syncs"), fixed_args=DDP_RUN,
-        symptom="The replicas' weights no longer agree after training, the loss drifts from one device's, and the "
+        symptom="The ranks' losses differ more every step and their weights no longer agree after training; the "
                 "comm hook saw 0 bytes all-reduced per step.",
         evidence=("extra.rank_losses", "extra.micro_step_bytes", "comm", "checks"),
         cause="Every micro-batch, the last one too, ran under no_sync(): DDP never all-reduced a gradient, so each "
@@ -143,13 +143,12 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="loss-averaged-twice", family="data parallelism", script=DDP_FROM_SCRATCH,
         args=("--steps", "3", "--planted-bug", "loss-averaged-twice"), fixed_args=("--steps", "3"),
-        symptom="The losses track one device's within 1e-5 (AdamW hides a gradient's scale), but the averaged "
-                "gradients are not one device's.",
+        symptom="The losses track one device's to 1e-5 (AdamW hides a gradient's scale), but the averaged "
+                "gradients are not one device's: a quarter of them on 4 ranks.",
         evidence=("extra.grad_diffs", "extra.loss_diffs", "checks"),
         cause="Each rank divides its loss by the world size before backward, and average_gradients divides the "
               "summed gradients by it again: gradients 1/N of the right ones.",
-        tell_apart="The gradient check against one device fails while the loss check passes: a gradient's scale "
-                   "is wrong, not its direction.",
+        tell_apart="The gradient check against one device (the loss check passes): the ratio is exactly 1/N.",
         look_alikes=("sum-gradients (N times too large, train_fsdp.py)", "a learning rate too low"),
         fix="Divide once: each rank's mean loss, then the sum of the gradients over the ranks divided by N.",
         fix_kind="function",
@@ -176,8 +175,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         prepare_args=CHECKPOINTS + ("--stop-after", "3", "--planted-bug", "checkpoint-one-shard"),
         args=CHECKPOINTS + ("--resume", "--planted-bug", "checkpoint-one-shard"),
         fixed_prepare_args=CHECKPOINTS + ("--stop-after", "3"), fixed_args=CHECKPOINTS + ("--resume",),
-        symptom="Training resumes without an error, but the loss jumps at the first step after the resume "
-                "(about 0.4 away from the interrupted run's loss at that step) and never rejoins one device's.",
+        symptom="Training resumes without an error, but the loss jumps up at the first step after the resume "
+                "(0.4 above the interrupted run's loss at that step) and never rejoins one device's.",
         evidence=("extra.losses_by_step", "extra.earlier_losses", "extra.uninterrupted_losses", "checks"),
         cause="Rank 0 saved the model it holds with torch.save (DDP's habit): under FSDP that is one shard of each "
               "weight; every rank loaded it as if it were the model, so all took rank 0's shard.",
@@ -237,7 +236,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
         symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
-                "and the end), where 8 microbatches leave it idle 27%.",
+                "and the end), the step a third busier than it could be.",
         evidence=("extra.bubble", "throughput", "timeline"),
         cause="2 microbatches for 4 stages: the fill and drain, (P - 1) / (M + P - 1) of the step, dominate.",
         tell_apart="The measured bubble equals the formula (P - 1) / (M + P - 1): the idle time is the schedule's, "
