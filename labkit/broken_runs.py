@@ -71,7 +71,9 @@ class BrokenRun:
     tell_apart: str             # the one check that tells it from its look-alikes
     look_alikes: tuple[str, ...]  # other cases' names, or a plausible wrong cause in a few words
     fix: str                    # the fix, in a sentence
-    fix_kind: str               # "setting" (a flag of the script: in fixed_args) or "function" (code the learner writes)
+    fix_kind: str               # "setting": a flag in fixed_args (--microbatches 8, --stop-at-fewest-batches) or one
+    #                             value in the code (a reduce dtype, a mesh's names, the wrappers' order); "function":
+    #                             code the learner writes
     failing_checks: tuple[str, ...] = ()  # beginnings of check names that fail with the bug, pass with the fix
     hang_cause: str | None = None       # a hang: the diagnosis its journal must give (the fixed run's: "none")
     prepare_args: tuple[str, ...] = ()  # a run before ``args`` in the same {run_dir}: the interrupted job
