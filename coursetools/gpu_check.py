@@ -116,6 +116,7 @@ RUNS: tuple[Run, ...] = (
     Run("zero3_from_scratch_bf16", f"{CH05}/zero3_from_scratch.py", ("--mixed-precision",)),
     Run("train_fsdp", f"{CH05}/train_fsdp.py"),
     Run("train_fsdp_bf16", f"{CH05}/train_fsdp.py", ("--mixed-precision",)),
+    Run("train_fsdp_compiled", f"{CH05}/train_fsdp.py", ("--mixed-precision", "--compile")),   # torchtitan's order
     Run("checkpoint_interrupt", f"{CH05}/checkpoint_resume.py", ("--stop-after", "3", "--save-dir", "{workdir}/ckpt")),
     Run("checkpoint_resume", f"{CH05}/checkpoint_resume.py", ("--resume", "--save-dir", "{workdir}/ckpt")),
     Run("checkpoint_reshard", f"{CH05}/checkpoint_resume.py", ("--world-size-check", "--save-dir", "{workdir}/ckpt"),

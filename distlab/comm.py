@@ -183,12 +183,18 @@ class CommCounter(contextlib.AbstractContextManager):
     ``counter.calls`` lists them; ``counter.total(collective)`` sums payload bytes. Both routes are seen:
     ``torch.distributed.<collective>`` calls (patched for the duration) and functional collectives
     (a TorchDispatchMode). Collectives called from inside another recorded one are not counted twice.
+
+    ``functional=False`` leaves the dispatch mode out: ``torch.compile`` runs nothing compiled while a Python
+    dispatch mode is on the stack (dynamo skips the frame: torch 2.13, ``_dynamo/convert_frame.py`` 2538-2557,
+    ``should_skip_for_dispatch_mode``), so a compiled model whose collectives are all ``torch.distributed`` calls
+    (FSDP2's) is counted that way.
     """
 
-    def __init__(self):
+    def __init__(self, functional: bool = True):
         self.calls: list[CollectiveCall] = []
         self._saved = {}
         self._mode = None
+        self._functional = functional
         self._depth = 0
 
     # -- torch.distributed functions -------------------------------------------------------------
@@ -222,8 +228,9 @@ class CommCounter(contextlib.AbstractContextManager):
         # distributed_c10d's own global: it must be the same wrapper, or a P2POp(dist.isend, ...) is refused.
         self._saved_c10d_isend = distributed_c10d.isend
         distributed_c10d.isend = dist.isend
-        self._mode = _functional_mode(self)
-        self._mode.__enter__()
+        if self._functional:
+            self._mode = _functional_mode(self)
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -231,7 +238,9 @@ class CommCounter(contextlib.AbstractContextManager):
 
         from torch.distributed import distributed_c10d
 
-        self._mode.__exit__(*exc)
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
         distributed_c10d.isend = self._saved_c10d_isend
         for name, fn in self._saved.items():
             setattr(dist, name, fn)

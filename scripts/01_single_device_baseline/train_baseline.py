@@ -72,9 +72,12 @@ def train(cfg, args, rt, precision, steps, measure=None):
         tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
         inputs, targets = data.split_inputs_targets(tokens)
         saving = memory.saved_activation_bytes(exclude=model.parameters()) if record else contextlib.nullcontext()
-        with saving as saved, autocast, speed.attention_backend(args.attention):
-            loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
+        # the attention kernel's choice holds through backward too: a checkpointed block runs its forward again
+        # there, and a recompute on another kernel saves other tensors (torch.utils.checkpoint refuses it)
+        with speed.attention_backend(args.attention):
+            with saving as saved, autocast:
+                loss = models.lm_loss(model(inputs), targets)
+            loss.backward()
         optimizer.step()
         if record:
             measure.update(activations=saved.bytes, state=memory.ledger(model, optimizer),
@@ -227,6 +230,10 @@ def main():
         elif rt.device_type == "cuda":   # the allocator's peak against the phase model (CPU: tests/unit/test_memory.py),
             # from memory.PEAK_CHECK_MIN_BYTES predicted: below, cuBLAS's workspaces alone exceed the margin
             memory.check_allocator_peak(report, phases.peak, device_memory["peak_allocated_bytes"], say=rt.print)
+        if args.compile:   # compiled code runs silently eager when something disables dynamo: count its graphs
+            from torch._dynamo.utils import counters
+            graphs = counters["stats"]["unique_graphs"]
+            report.check("the blocks ran compiled (torch.compile captured a graph)", graphs >= 1, graphs, ">= 1")
         if rt.world_size > 1:
             every_rank = [None] * rt.world_size
             dist.all_gather_object(every_rank, losses)

@@ -65,12 +65,13 @@ PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
-               activation_checkpointing=False, pin_memory=False, mesh=None, planted_bug=None):
+               activation_checkpointing=False, pin_memory=False, mesh=None, planted_bug=None, compile_blocks=False):
     """Shard each transformer block, then the root (embeddings, final norm, output), in that order.
 
     Each ``fully_shard`` call makes one unit: its parameters are gathered and freed together. Blocks first,
     so the root's unit holds only what no block holds. ``mesh``: None shards over every rank; a 2-D
-    ``(replicate, shard)`` DeviceMesh makes it HSDP.
+    ``(replicate, shard)`` DeviceMesh makes it HSDP. ``compile_blocks``: ``torch.compile`` each block before it is
+    sharded, as torchtitan does (FSDP's gathers and reductions run in its hooks, outside the compiled code).
     """
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
                  else MixedPrecisionPolicy())
@@ -81,6 +82,8 @@ def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_
     for block in model.layers.values():
         if activation_checkpointing:
             checkpoint(block)  # recompute the block in backward; no wrapper module: paths and names unchanged
+        if compile_blocks:
+            block.compile()
         if planted_bug != "root-only":   # the mistake: one unit, the whole model gathered at once
             fully_shard(block, **policy)
     fully_shard(model, **policy)
@@ -152,6 +155,8 @@ def main():
                    help="bf16 parameters for compute and all-gather, fp32 gradient reduction (on for a100)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--cpu-offload", action="store_true", help="shards, gradients and AdamW state in host memory")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block before sharding it, as torchtitan does (chapter 01's ladder)")
     p.add_argument("--replicate", type=runtime.positive_int, default=1,
                    help="HSDP: shard over N / R ranks (a node), replicate over R groups (default 1: plain FSDP)")
     p.add_argument("--init", choices=["auto", "seed", "meta"], default="auto",
@@ -175,7 +180,8 @@ def main():
         rt.print(f"FSDP2 on {world} ranks: {PRESETS[args.preset]} transformer, {num_params:,} parameters, global batch "
                  f"{args.batch}; reshard_after_forward={args.reshard_after_forward}, mixed precision="
                  f"{'bf16/fp32' if args.mixed_precision else 'off'}, activation checkpointing="
-                 f"{args.activation_checkpointing}, CPU offload={args.cpu_offload}, init={args.init}")
+                 f"{args.activation_checkpointing}, CPU offload={args.cpu_offload}, init={args.init}"
+                 + (", compiled blocks" if args.compile else ""))
 
         # HSDP's mesh: shard groups of N / R consecutive ranks (inside a node), replicas across (chapter 09)
         shard = world // args.replicate
@@ -192,7 +198,7 @@ def main():
         fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision, mesh=mesh,
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                             pin_memory=args.cpu_offload and rt.device_type == "cuda",  # pinning needs a GPU
-                            planted_bug=args.planted_bug)
+                            planted_bug=args.planted_bug, compile_blocks=args.compile)
         if args.init == "seed":
             model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
         else:
@@ -219,7 +225,8 @@ def main():
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, world).to(rt.device))
             rt.sync()
             started = time.perf_counter()
-            with comm.CommCounter() as counter:
+            # compiled blocks: no dispatch mode (dynamo would skip them); FSDP2's collectives are c10d calls
+            with comm.CommCounter(functional=not args.compile) as counter:
                 if step == 0:
                     with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
                         loss = models.lm_loss(model(inputs), targets)
@@ -375,6 +382,10 @@ def main():
         report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(seconds[1:]), len(seconds) - 1,
                                                cfg=cfg, device=rt.device, num_devices=rt.world_size,
                                                dtype="bf16" if args.mixed_precision else "fp32")
+        if args.compile:   # compiled code runs silently eager when something disables dynamo: count its graphs
+            from torch._dynamo.utils import counters
+            graphs = counters["stats"]["unique_graphs"]
+            report.check("the blocks ran compiled (torch.compile captured a graph)", graphs >= 1, graphs, ">= 1")
         code = report.finish(args.metrics_out)
     sys.exit(code)
 
