@@ -1,0 +1,472 @@
+"""The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
+
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 14``: a case's
+name is its diagnosis), shows what a user would see, and asks two things of each:
+
+* **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key that is one of the
+  case's look-alikes (the registry's ``look_alikes``) is rejected with what that look-alike would have shown and the
+  one check that tells them apart (the registry's ``tell_apart``);
+* **the fix** (``check_fix_*``): a small function or setting, checked on its own against hand-made cases and the
+  plausible wrong fixes (each rejected with why it is wrong), then the case's run is launched again (the script's
+  fixed run, or the learner's setting as its flags) and must pass :func:`labkit.broken_runs.fix_holds`: the symptom
+  gone, every check against one device passing.
+
+Runs are launched once per kernel (:func:`run`): the three train_ddp cases share their fixed run, and the launch
+cache of the test suite replays what tests/scripts/test_14 and the full lab already ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+from labkit import broken_runs
+from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
+
+# The lab's order, by the chapter's three questions: stuck or slow? stops or prints nonsense? do the ranks agree?
+# does the run agree with one device? A label hides the case's name, which is its diagnosis.
+LAB_ORDER = ("mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches",
+             "fsdp-before-tp", "loss-on-wrong-stage",
+             "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
+             "loss-averaged-twice", "bf16-gradient-reduction", "tp-on-dp-group", "checkpoint-one-shard",
+             "resume-without-rng")
+LABELS = {f"run {i}": name for i, name in enumerate(LAB_ORDER, start=1)}
+PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
+         "stops or prints nonsense": ("run 5", "run 6"),
+         "ranks that disagree": ("run 7", "run 8", "run 9"),
+         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14")}
+
+# Plausible wrong causes that are not cases of the registry: (key, the registry's words, what it would show).
+DISTRACTORS = (
+    ("learning-rate-too-low", "a learning rate too low",
+     "every rank and one device alike learning slowly: the run would still equal one device trained at that rate"),
+    ("learning-rate-too-high", "a diverging run (a learning rate too high)",
+     "losses that grow, then inf or nan, and weights that leave one device's as they blow up"),
+    ("bf16-overflow", "bf16 overflow",
+     "inf or nan in the weights too, not only in what is printed (bf16 has fp32's range: it rarely overflows)"),
+    ("sum-gradients", "sum-gradients (N times too large, train_fsdp.py)",
+     "gradients N times one device's (summed where they should be averaged), not 1/N of them"),
+    ("network-failure", "a network failure",
+     "a connection error (reset by peer, a closed socket) on the ranks that lost their peer, not a clean wait"),
+    ("slow-network", "a slow network",
+     "every rank slow in its collectives alike, none of them idle while the others wait"),
+    ("nondeterministic-kernels", "nondeterministic kernels",
+     "differences at fp32 rounding's size (1e-7), the same on any number of ranks, and the right byte counts"),
+    ("lr-schedule-restarted", "a learning-rate schedule restarted",
+     "a resumed run whose first steps move differently, while the reloaded weights equal the saved ones"),
+    ("mesh-does-not-divide-world", "a mesh that does not divide the world",
+     "a configuration error at init_device_mesh naming the world size, before any module is touched"),
+)
+_DISTRACTOR_BY_WORDS = {words: key for key, words, _ in DISTRACTORS}
+_DISTRACTOR_SHOWS = {key: shows for key, _, shows in DISTRACTORS}
+
+# The menu a learner picks from: every case's name and every distractor's key, with a line saying what it means.
+CAUSES = {
+    "same-samples-every-rank": "every rank reads the same samples (no sampler, or one seed for all)",
+    "no-set-epoch": "the sampler's epoch is never set: every epoch repeats the first one's order",
+    "accumulation-never-syncs": "gradient accumulation that never synchronises, the last micro-batch too",
+    "loss-averaged-twice": "the loss divided by the world size, and the gradients averaged over the ranks again",
+    "uneven-inputs": "the ranks' shards of data of unequal length: one runs out first",
+    "checkpoint-one-shard": "a checkpoint saved from one rank's shard and loaded as if it were the whole model",
+    "bf16-gradient-reduction": "gradients summed over the ranks in bf16",
+    "tp-on-dp-group": "tensor parallelism's collectives on the data-parallel group",
+    "loss-on-wrong-stage": "the loss read on a pipeline stage that does not compute it",
+    "too-few-microbatches": "fewer microbatches than pipeline stages",
+    "fsdp-before-tp": "FSDP applied before the tensor-parallel plan",
+    "mismatched-collectives": "ranks that call different collectives at the same point of the program",
+    "resume-without-rng": "a resume without the random number generators and the data position",
+    "slow-rank": "one rank slower than the others every step",
+    "learning-rate-too-low": "a learning rate too low",
+    "learning-rate-too-high": "a learning rate too high: the run diverges",
+    "bf16-overflow": "bf16 overflowing to inf",
+    "sum-gradients": "gradients summed over the ranks where they should be averaged",
+    "network-failure": "a network failure between nodes",
+    "slow-network": "a slow network",
+    "nondeterministic-kernels": "nondeterministic kernels (atomics, reduction order)",
+    "lr-schedule-restarted": "a learning-rate schedule restarted from its first step on resume",
+    "mesh-does-not-divide-world": "a device mesh whose shape does not divide the world size",
+}
+
+
+def look_alike_key(words: str) -> str:
+    """The menu key of a registry look-alike: a case's name, or a distractor's key from the registry's words."""
+    return words if words in CAUSES and words not in _DISTRACTOR_SHOWS else _DISTRACTOR_BY_WORDS[words]
+
+
+def _would_show(key: str) -> str:
+    if key in _DISTRACTOR_SHOWS:
+        return _DISTRACTOR_SHOWS[key] + "."
+    return broken_runs.case(key).symptom
+
+
+def diagnosis_feedback(label: str, answer: str) -> str | None:
+    """None when ``answer`` names run ``label``'s cause, else why not: for a look-alike, what it would have shown
+    and the one check that tells them apart."""
+    run = broken_runs.case(LABELS[label])
+    if answer == run.name:
+        return None
+    if answer not in CAUSES:
+        return f"{label}: {answer!r} is not a key of exercises.CAUSES (print it for the menu)."
+    tell = f"What tells them apart: {run.tell_apart}"
+    if answer in {look_alike_key(w) for w in run.look_alikes}:
+        return f"{label} is not {answer}, a look-alike: {answer} would show: {_would_show(answer)} {tell}"
+    return (f"{label} is not {answer}: {answer} would show: {_would_show(answer)} That is not what {label} "
+            f"shows: ask the chapter's three questions again (stuck or slow? do the ranks agree? does the run "
+            f"agree with one device?).")
+
+
+@learner_check
+def check_diagnoses(diagnoses, part: str) -> None:
+    """``diagnoses``: {"run N": a key of CAUSES} for every run of ``part`` (a key of PARTS)."""
+    if diagnoses is None:
+        raise _not_done("diagnoses", "Name a cause (a key of exercises.CAUSES) for each run of this part.")
+    labels = PARTS[part]
+    missing = [label for label in labels if diagnoses.get(label) in (None, ...)]
+    if missing:
+        raise _not_done("diagnoses", f"Still to name: {', '.join(missing)}.")
+    for label in labels:
+        reason = diagnosis_feedback(label, diagnoses[label])
+        if reason:
+            raise ExerciseWrong(reason)
+    print("Correct:")
+    for label in labels:
+        run = broken_runs.case(LABELS[label])
+        print(f"  {label} is {run.name}: {run.cause}")
+
+
+# ---- running the cases -----------------------------------------------------------------------------------------
+
+_RUNS: dict = {}   # (script, prepare args, args) -> LaunchResult: each distinct command launched once per kernel
+
+
+def run(label_or_name: str, fixed: bool = False, args=None):
+    """The run of a case (by its lab label or its name), broken or ``fixed`` or with ``args`` instead of the
+    case's, launched once per kernel through :func:`labkit.broken_runs.run_case` without its output (which names
+    the planted mistake): the lab shows what a user would see from the metrics."""
+    case = broken_runs.case(LABELS.get(label_or_name, label_or_name))
+    prepare = case.fixed_prepare_args if fixed else case.prepare_args
+    chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
+    key = (case.script, prepare, chosen)
+    if key not in _RUNS:
+        _RUNS[key] = broken_runs.run_case(case.name, fixed=fixed, args_override=args, stream=False)
+    return _RUNS[key]
+
+
+def _fixed_run_holds(name: str, args=None, why: str = "") -> None:
+    """Launch the case's fixed run (or ``args``) and require that the symptom is gone and it equals one device."""
+    case = broken_runs.case(name)
+    result = run(name, fixed=args is None, args=args)
+    problems = broken_runs.fix_holds(case, result.metrics)
+    if problems:
+        raise ExerciseWrong(f"the run with this fix still fails: {'; '.join(problems[:3])}. {why}".strip())
+    checks = len((result.metrics or {}).get("checks", []))
+    print(f"Correct: {why} The run again: {checks} checks passed, the symptom is gone"
+          + (" and the journal finds no hang." if case.hang else ", and it equals one device where it compares."))
+
+
+def _reference_shards(size: int, world: int, epoch: int = 0, seed: int = 0) -> list[list[int]]:
+    from torch.utils.data import DistributedSampler
+
+    shards = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
+# ---- the fixes, family by family ------------------------------------------------------------------------------
+
+@learner_check
+def check_fix_sampler(rank_sampler) -> None:
+    """``rank_sampler(dataset, rank, world_size)``: the sampler a rank draws its samples from."""
+    for size, world in ((32, 4), (24, 2), (40, 8)):
+        dataset = list(range(size))
+        shards = []
+        for rank in range(world):
+            sampler = call_learner("rank_sampler", rank_sampler, dataset, rank, world)
+            if sampler is None:
+                raise _not_done("rank_sampler", "Return a sampler.")
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(0)
+            shards.append(list(sampler))
+        together = [i for shard in shards for i in shard]
+        if all(shard == shards[0] for shard in shards):
+            raise ExerciseWrong(f"on {world} ranks every rank's sampler gives the same {len(shards[0])} samples: "
+                                "that is the bug (every rank built as rank 0). Pass each rank its own index.")
+        if len(together) > size or len(set(together)) < len(together):
+            raise ExerciseWrong(f"on {world} ranks the samplers give {len(together)} indices for {size} samples, "
+                                f"{len(together) - len(set(together))} of them twice: each rank must get its own "
+                                "share (num_replicas=world_size), and every rank must shuffle with the same seed so "
+                                "the shares are cut from one permutation.")
+        if set(together) != set(range(size)):
+            raise ExerciseWrong(f"on {world} ranks {size - len(set(together))} samples are read by no rank.")
+    _fixed_run_holds("same-samples-every-rank", why="each rank reads its own quarter of one shared permutation.")
+
+
+@learner_check
+def check_fix_set_epoch(epoch_indices) -> None:
+    """``epoch_indices(sampler, epoch)``: the indices the sampler hands out in ``epoch``."""
+    from torch.utils.data import DistributedSampler
+
+    for world in (4, 2):
+        for rank in range(world):
+            sampler = DistributedSampler(range(32), num_replicas=world, rank=rank, shuffle=True, seed=0)
+            got = [list(call_learner("epoch_indices", epoch_indices, sampler, epoch) or []) for epoch in range(3)]
+            want = [_reference_shards(32, world, epoch)[rank] for epoch in range(3)]
+            if got[1] == got[0]:
+                raise ExerciseWrong("epoch 1 repeats epoch 0's order: DistributedSampler shuffles with "
+                                    "seed + epoch, and the epoch changes only when you call sampler.set_epoch().")
+            if got != want:
+                raise ExerciseWrong(f"rank {rank} of {world}: the order differs from DistributedSampler's own for "
+                                    "epochs 0-2. Every rank must draw the same permutation (seed + epoch) so the "
+                                    "shares stay disjoint: set the sampler's epoch, do not shuffle yourself.")
+    _fixed_run_holds("no-set-epoch", why="a new order every epoch, the same on every rank.")
+
+
+@learner_check
+def check_fix_accumulation(synchronises) -> None:
+    """``synchronises(micro_step, accumulation)``: whether this micro-batch runs outside no_sync()."""
+    for accumulation in (1, 2, 4):
+        got = [bool(call_learner("synchronises", synchronises, i, accumulation)) for i in range(accumulation)]
+        want = [i == accumulation - 1 for i in range(accumulation)]
+        if got == want:
+            continue
+        if not any(got):
+            raise ExerciseWrong(f"with {accumulation} micro-batches none synchronises: DDP never all-reduces, and "
+                                "each replica trains on its own data (the bug).")
+        if all(got):
+            raise ExerciseWrong(f"with {accumulation} micro-batches every one all-reduces: the gradients are "
+                                f"right, but the step moves {accumulation}x the bytes. no_sync() exists to skip "
+                                "all but the last.")
+        raise ExerciseWrong(f"with {accumulation} micro-batches you synchronise {got}: the all-reduce sums the "
+                            "gradients accumulated so far, so the micro-batches after it stay local and the "
+                            "replicas drift. Only the last one, when every micro-batch is in.")
+    _fixed_run_holds("accumulation-never-syncs", why="one all-reduce a step, on the last micro-batch.")
+
+
+@learner_check
+def check_fix_loss_scale(gradient_scales) -> None:
+    """``gradient_scales(world_size) -> (loss_scale, reduce_scale)``: each rank's mean loss is multiplied by
+    ``loss_scale`` before backward, the gradients summed over the ranks by ``reduce_scale``."""
+    for world in (1, 2, 4, 8):
+        got = call_learner("gradient_scales", gradient_scales, world)
+        if got is None:
+            raise _not_done("gradient_scales", "Return (loss_scale, reduce_scale).")
+        product = float(got[0]) * float(got[1])
+        if math.isclose(product, 1 / world):
+            continue
+        if math.isclose(product, 1 / world ** 2):
+            raise ExerciseWrong(f"on {world} ranks the gradients come out 1/{world} of one device's: divided by N "
+                                "twice, once in the loss and once in the average (the bug).")
+        if math.isclose(product, 1.0):
+            raise ExerciseWrong(f"on {world} ranks the gradients come out {world}x one device's: the sum over the "
+                                "ranks of per-rank means needs one division by N.")
+        raise ExerciseWrong(f"on {world} ranks the gradients are scaled by {product:g} in all; one device's mean "
+                            f"over the global batch needs 1/{world}.")
+    _fixed_run_holds("loss-averaged-twice", why="one division by N: a mean of per-rank means.")
+
+
+@learner_check
+def check_fix_uneven(agreed_batches) -> None:
+    """``agreed_batches(batch_counts)``: how many batches every rank trains, given each rank's shard length."""
+    for counts in ([3, 3, 3, 2], [5, 4, 5, 5], [2, 2], [7, 6, 7, 5, 7, 7, 7, 7]):
+        got = call_learner("agreed_batches", agreed_batches, list(counts))
+        if got == min(counts):
+            continue
+        if got == max(counts):
+            raise ExerciseWrong(f"{counts}: {got} batches is more than the shortest shard holds: that rank runs "
+                                "out (an IndexError) and its peers wait in the all-reduce until the timeout.")
+        raise ExerciseWrong(f"{counts}: {got} batches; every rank must make the same number of gradient "
+                            "all-reduces, and none can make more than its shard holds.")
+    _fixed_run_holds("uneven-inputs", why="the ranks agree on the shortest shard (an all-reduce MIN of the counts "
+                                          "first), so every rank makes the same collectives.")
+
+
+@learner_check
+def check_fix_full_state(full_from_shards) -> None:
+    """``full_from_shards(shards)``: a parameter whole again from its FSDP shards, one per rank in rank order."""
+    import torch
+
+    for shape, world in (((8, 3), 4), ((6,), 2), ((4, 2, 2), 4)):
+        full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        shards = [s.clone() for s in torch.chunk(full, world, dim=0)]   # FSDP2 shards dim 0 (fully_shard)
+        got = call_learner("full_from_shards", full_from_shards, shards)
+        if not isinstance(got, torch.Tensor):
+            raise ExerciseWrong(f"return a tensor, not {type(got).__name__}.")
+        if got.shape == shards[0].shape and torch.equal(got, shards[0]):
+            raise ExerciseWrong("that is rank 0's shard alone (the bug): under FSDP each rank holds a slice of "
+                                "every parameter along dim 0.")
+        if got.shape != full.shape:
+            raise ExerciseWrong(f"shape {tuple(got.shape)} from shards of {tuple(shards[0].shape)} on {world} "
+                                f"ranks; the parameter is {tuple(full.shape)}: FSDP2 shards along dim 0.")
+        if not torch.equal(got, full):
+            raise ExerciseWrong("the right shape, the wrong values: the shards go back in rank order, along dim 0.")
+    _fixed_run_holds("checkpoint-one-shard", why="every rank's shard in the checkpoint (torch.distributed.checkpoint "
+                                                 "writes each rank's own), the model whole again on resume.")
+
+
+@learner_check
+def check_fix_reduce_dtype(reduce_dtype) -> None:
+    """``reduce_dtype``: the dtype FSDP2's MixedPrecisionPolicy sums the gradients in over the ranks."""
+    import torch
+
+    if reduce_dtype is None:
+        raise _not_done("reduce_dtype", "Set it to a torch dtype.")
+    if reduce_dtype == torch.bfloat16:
+        raise ExerciseWrong("bf16 is the bug: every partial sum over the ranks rounded to 8 bits of mantissa.")
+    if reduce_dtype == torch.float16:
+        raise ExerciseWrong("fp16 still rounds every partial sum (11 bits of mantissa) and overflows above 65504.")
+    if reduce_dtype != torch.float32:
+        raise ExerciseWrong(f"{reduce_dtype}: the run computes in fp32; reduce in the same precision.")
+    _fixed_run_holds("bf16-gradient-reduction", why="gradients summed in fp32: the reduce-scatter moves the "
+                                                    "formula's bytes and the gradients equal one device's.")
+
+
+@learner_check
+def check_fix_tp_group(tp_group) -> None:
+    """``tp_group(rank, dp, tp)``: the ranks of ``rank``'s tensor-parallel group on a (dp, tp) mesh, TP innermost."""
+    for dp, tp in ((2, 2), (2, 4), (4, 2)):
+        for rank in range(dp * tp):
+            got = call_learner("tp_group", tp_group, rank, dp, tp)
+            want = [rank // tp * tp + i for i in range(tp)]
+            if got is not None and sorted(got) == want:
+                continue
+            if got is not None and sorted(got) == [rank % tp + i * tp for i in range(dp)]:
+                raise ExerciseWrong(f"rank {rank} on ({dp}, {tp}): {sorted(got)} is its data-parallel group (the "
+                                    "bug): ranks that hold other rows of the batch. TP, innermost, pairs "
+                                    "neighbours (one node's fast links on a GPU cluster).")
+            raise ExerciseWrong(f"rank {rank} on a ({dp}, {tp}) mesh: {got}, expected {want}.")
+    _fixed_run_holds("tp-on-dp-group", why="TP on neighbouring ranks: init_device_mesh(..., (dp, tp), "
+                                           "mesh_dim_names=('dp', 'tp')).")
+
+
+@learner_check
+def check_fix_loss_rank(loss_rank) -> None:
+    """``loss_rank(stages, world_size)``: the rank whose losses to read, stage s on rank s % world_size."""
+    for stages, world in ((4, 4), (2, 2), (8, 4), (6, 2)):
+        got = call_learner("loss_rank", loss_rank, stages, world)
+        want = (stages - 1) % world
+        if got == want:
+            continue
+        if got == 0:
+            raise ExerciseWrong(f"{stages} stages on {world} ranks: rank 0 holds the first stage; the schedule "
+                                "computes the loss on the last stage only, so rank 0 has no loss to read (nan).")
+        raise ExerciseWrong(f"{stages} stages on {world} ranks: rank {got}; the last stage, {stages - 1}, is on "
+                            f"rank {want}.")
+    _fixed_run_holds("loss-on-wrong-stage", why="the loss read where the last stage computed it.")
+
+
+@learner_check
+def check_fix_microbatches(microbatches) -> None:
+    """``microbatches``: the number of microbatches for the 4-stage GPipe run, which must keep its bubble under the
+    run's target (--max-bubble 0.4); it is run again with that setting."""
+    if microbatches is None:
+        raise _not_done("microbatches", "Set it to a whole number.")
+    stages = 4
+    formula = (stages - 1) / (microbatches + stages - 1)
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ExerciseWrong(f"microbatches = {microbatches!r}: a whole number of microbatches, at least 1.")
+    if formula > 0.4:
+        raise ExerciseWrong(f"{microbatches} microbatches on {stages} stages: (P - 1) / (M + P - 1) = "
+                            f"{formula:.0%} of the step idle before any latency, above the 40% target. As many "
+                            "microbatches as stages is not enough; M >= 2P is the rule of thumb.")
+    if microbatches > 16:
+        raise ExerciseWrong(f"{microbatches} microbatches: the run's batch is 16 sequences, at least one a "
+                            "microbatch.")
+    args = broken_runs.PIPELINE_TIMING + ("--microbatches", str(microbatches))
+    _fixed_run_holds("too-few-microbatches", args=args,
+                     why=f"{microbatches} microbatches: (P - 1) / (M + P - 1) = {formula:.0%} idle by the formula.")
+
+
+@learner_check
+def check_fix_wrapper_order(wrapper_order) -> None:
+    """``wrapper_order``: the order in which the model is wrapped, a list of "tp" and "fsdp"."""
+    if wrapper_order is None:
+        raise _not_done("wrapper_order", 'Set it to a list such as ["...", "..."].')
+    order = [str(w).lower() for w in wrapper_order]
+    if sorted(order) != ["fsdp", "tp"]:
+        raise ExerciseWrong(f"{wrapper_order}: both wrappers, each once: 'tp' and 'fsdp'.")
+    if order == ["fsdp", "tp"]:
+        raise ExerciseWrong("FSDP first is the bug: fully_shard turns the weights into DTensors on the dp mesh, "
+                            "and parallelize_module refuses to distribute a DTensor onto another mesh "
+                            "(torch/distributed/tensor/_api.py:953-957).")
+    _fixed_run_holds("fsdp-before-tp", why="the TP plan first, then fully_shard on the dp mesh (torchtitan's order).")
+
+
+class _Recorder:
+    """What a learner's ``sync`` may call: each rank's collectives, recorded in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, tensor):
+        self.calls.append("all_reduce")
+
+    def broadcast(self, tensor, src=0):
+        self.calls.append(f"broadcast from {src}")
+
+
+@learner_check
+def check_fix_collectives(sync) -> None:
+    """``sync(rank, tensor, collectives)``: the step's synchronisation, calling ``collectives.all_reduce(tensor)``
+    or ``collectives.broadcast(tensor, src)``; every rank must make the same calls in the same order."""
+    import torch
+
+    calls = {}
+    for rank in range(4):
+        recorder = _Recorder()
+        call_learner("sync", sync, rank, torch.zeros(2), recorder)
+        calls[rank] = recorder.calls
+    if not any(calls.values()):
+        raise ExerciseWrong("no collective at all: the ranks' values are never combined.")
+    if len({tuple(c) for c in calls.values()}) > 1:
+        raise ExerciseWrong(f"the ranks call {calls}: the collectives at one position must be the same on every "
+                            "rank, or each waits for a partner that is in another call (the hang).")
+    _fixed_run_holds("mismatched-collectives", why="the same collectives on every rank, in the same order.")
+
+
+@learner_check
+def check_fix_resume_state(checkpoint_contents) -> None:
+    """``checkpoint_contents``: what a checkpoint must hold for a resume to repeat the uninterrupted run, a set of
+    names among "model", "optimizer", "rng", "data_position", "step", "loss_history"."""
+    if checkpoint_contents is None:
+        raise _not_done("checkpoint_contents", 'Set it to a set of names, e.g. {"model", ...}.')
+    known = {"model", "optimizer", "rng", "data_position", "step", "loss_history"}
+    chosen = set(checkpoint_contents)
+    if chosen - known:
+        raise ExerciseWrong(f"unknown names {sorted(chosen - known)}: pick among {sorted(known)}.")
+    for name, why in (("model", "the weights"), ("optimizer", "AdamW's moments: without them the first steps "
+                      "after a resume move differently"), ("step", "where to start again"),
+                      ("data_position", "without it the resumed run reads the epoch from its start: other "
+                      "samples"), ("rng", "without it the resumed run draws other random numbers (the shuffle, "
+                      "masks) than the uninterrupted one")):
+        if name not in chosen:
+            raise ExerciseWrong(f"{name!r} is missing: {why}.")
+    _fixed_run_holds("resume-without-rng", why="model, optimizer, step, data position and every generator: "
+                                               "a step trained twice gives the same loss both times.")
+
+
+@learner_check
+def check_fix_straggler(straggler, ranks: list[dict]) -> None:
+    """``straggler(ranks)``: the rank that holds the others back, from each rank's time per kind (the profile's
+    ``extra.ranks`` rows: {"rank", "kinds": {"compute", "communication", "overlapped", "idle"}})."""
+    def rows(idle, communication):
+        return [{"rank": r, "kinds": {"compute": 1.0, "communication": c, "overlapped": 0.0, "idle": i}}
+                for r, (i, c) in enumerate(zip(idle, communication))]
+
+    cases = [(rows([0.0, 0.0, 0.9, 0.0], [1.0, 1.0, 0.1, 1.0]), 2),
+             (rows([0.5, 0.0, 0.0, 0.0], [0.1, 0.6, 0.6, 0.6]), 0),
+             (ranks, max(ranks, key=lambda r: r["kinds"]["idle"] - r["kinds"]["communication"])["rank"])]
+    for index, (case_rows, want) in enumerate(cases):
+        got = call_learner("straggler", straggler, case_rows)
+        if got == want:
+            continue
+        which = "the lab's run" if index == len(cases) - 1 else f"hand-made profile #{index + 1}"
+        waited = max(case_rows, key=lambda r: r["kinds"]["communication"])["rank"]
+        if got == waited:
+            raise ExerciseWrong(f"{which}: rank {got} spent the most time in communication, waiting: a victim. "
+                                "The straggler arrives last, so it waits least; its extra time is its own "
+                                "(idle here: a sleep, a slow disk).")
+        raise ExerciseWrong(f"{which}: rank {got}, expected rank {want}.")
+    _fixed_run_holds("slow-rank", why="without what slowed that rank, no straggler: every rank reaches the "
+                                      "all-reduce together, and the run equals one device.")
