@@ -103,8 +103,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="Every rank prints the same loss at every step, and the global loss departs from one device's "
                 "trained on the same global batch.",
         evidence=("extra.rank_losses", "extra.diffs.baseline_loss", "checks"),
-        cause="Each rank's DistributedSampler was built with rank 0's index (what a loader with no sampler and one "
-              "seed on every rank does): all ranks read the same quarter of the data.",
+        cause="Each rank's DistributedSampler was built with rank 0's index: all ranks read the same quarter of the "
+              "data (a loader with no sampler, shuffled with one seed on every rank, also gives all ranks the same "
+              "samples).",
         tell_apart="The losses per rank: equal to the last digit at every step (same weights, same samples); with "
                    "each rank on its own samples they differ.",
         look_alikes=("no-set-epoch", "loss-averaged-twice", "a learning rate too low"),
@@ -168,8 +169,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                    "the same call (a straggler's peers would finish the call, late).",
         look_alikes=("mismatched-collectives", "slow-rank", "a network failure"),
         fix="Agree on the shortest shard first (all-reduce MIN of the batch counts) and all train that many "
-            "(DistributedSampler's drop_last, or DDP's join() context, do the same); a longer timeout only waits "
-            "longer.",
+            "(DistributedSampler's equal shards, or DDP's join() context, whose finished ranks shadow the others' "
+            "all-reduces, also end the hang); a longer timeout only waits longer.",
         fix_kind="setting", hang_cause="skipped collective"),
     # ---- FSDP --------------------------------------------------------------------------------------------------
     BrokenRun(
@@ -194,13 +195,13 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="bf16-gradient-reduction", family="FSDP", script=TRAIN_FSDP,
         args=("--steps", "3", "--planted-bug", "bf16-gradient-reduction"), fixed_args=("--steps", "3"),
-        symptom="Gradients differ from one device's by ~3e-4 where fp32 rounding gives ~1e-8, more on more ranks "
-                "(1.8e-4 on 2 ranks, 2.7e-4 on 4); the reduce-scatter moves half the bytes the formula says.",
+        symptom="Gradients differ from one device's by ~3e-4 where fp32 rounding gives ~1e-8, more on 4 ranks than "
+                "on 2 (1.8e-4 on 2 ranks, 2.7e-4 on 4); the reduce-scatter moves half the bytes the formula says.",
         evidence=("extra.param_diffs", "comm", "checks"),
         cause="MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): the gradients are summed over the ranks in bf16, "
-              "every partial sum rounded to 8 bits of mantissa.",
-        tell_apart="The reduce-scatter bytes per step: half the fp32 formula's (a wrong data split or a missing "
-                   "sync would leave them right).",
+              "every partial sum rounded to 8 significant bits.",
+        tell_apart="The reduce-scatter bytes per step: half the fp32 formula's (a wrong data split would leave them "
+                   "right, a skipped synchronisation would move none).",
         look_alikes=("accumulation-never-syncs", "nondeterministic kernels"),
         fix="Reduce in fp32: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32).",
         fix_kind="setting",
@@ -229,7 +230,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         evidence=("losses", "checks"),
         cause="The loss is read on rank 0, which holds the first stage: the schedule computes the loss on the "
               "last stage only, so rank 0's list of losses is empty and its mean is nan.",
-        tell_apart="The parameter check against one device passes: training is right, only the reading is wrong.",
+        tell_apart="The last stage's own losses: finite and equal to one device's, while rank 0 reads nan from "
+                   "the first step (a diverging run's loss would be wrong on the last stage too).",
         look_alikes=("a diverging run (a learning rate too high)", "bf16 overflow"),
         fix="Read the losses on the rank that holds the last stage (or send them from there).",
         fix_kind="function",
@@ -238,11 +240,11 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
         symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
-                "and the end), the step a third busier than it could be.",
+                "and the end).",
         evidence=("extra.bubble", "throughput", "timeline"),
         cause="2 microbatches for 4 stages: the fill and drain, (P - 1) / (M + P - 1) of the step, dominate.",
         tell_apart="The measured bubble equals the formula (P - 1) / (M + P - 1): the idle time is the schedule's, "
-                   "not a slow rank's (which would leave the others idle at random places).",
+                   "not a slow stage's (which would push it above the formula).",
         look_alikes=("slow-rank", "a slow network"),
         fix="More microbatches than stages: --microbatches 8 (M >= 2P).",
         fix_kind="setting",
@@ -254,7 +256,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         name="fsdp-before-tp", family="composition", script=FSDP_TP_HYBRID,
         args=HYBRID_RUN + ("--planted-bug", "fsdp-before-tp"), fixed_args=HYBRID_RUN,
         symptom="Every rank stops before the first step with ValueError: 'Cannot distribute a DTensor with device "
-                "mesh (dp) to a different device mesh (tp)'.",
+                "mesh DeviceMesh((dp=2), ...) to a different device mesh DeviceMesh((tp=2), ...)'.",
         evidence=("checks",),
         cause="fully_shard ran before parallelize_module: the weights are already DTensors on the dp mesh, and "
               "torch 2.13 refuses to distribute a DTensor onto another mesh (torch/distributed/tensor/_api.py:"

@@ -123,8 +123,10 @@ def main():
         mine_state = {name: p.detach().cpu() for m in modules.values() for name, p in m.named_parameters()} \
             if with_reference else {}
         gathered = [None] * ranks
-        dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads})
+        dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads,
+                                          "last": last_here})
         losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
+        report.extra["last_stage_losses"] = next(g["losses"] for g in gathered if g["last"])   # where they are made
         report.losses = losses
         timed = step_seconds[1:] or step_seconds   # the first step pays one-off costs: left out
         report.throughput = {**metrics.throughput(args.batch * cfg.seq_len, sum(timed), len(timed), cfg=cfg,

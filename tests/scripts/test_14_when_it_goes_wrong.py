@@ -73,6 +73,9 @@ def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, la
         assert result.returncode == 1 and codes[0] == 1 and set(codes.values()) <= {0, 1}, result.tail()
         assert any(line.lstrip().startswith("[FAIL]") for line in result.lines), result.tail()
     SYMPTOMS.get(run.name, lambda metrics, result: None)(result.metrics, result)
+    if run.name == "loss-on-wrong-stage":   # the last stage's own losses are the fixed run's (one launch, cached)
+        fixed = launched(run, fixed=True).metrics["losses"]
+        assert result.metrics["extra"]["last_stage_losses"] == pytest.approx(fixed, abs=1e-6), fixed
 
 
 @pytest.mark.parametrize("run", FIXED)
@@ -146,6 +149,7 @@ def _loss_on_wrong_stage(metrics, result):
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}
     assert all(math.isnan(x) for x in metrics["losses"]), metrics["losses"]
     assert passed["parameters after training equal the single-device run's"]   # the training itself is right
+    assert all(math.isfinite(x) for x in metrics["extra"]["last_stage_losses"])    # the tell-apart: read there
 
 
 def _too_few_microbatches(metrics, result):
@@ -155,6 +159,8 @@ def _too_few_microbatches(metrics, result):
 
 def _fsdp_before_tp(metrics, result):
     assert any("Cannot distribute a DTensor" in line for line in result.lines)   # torch's refusal, in the check
+    quoted = broken_runs.case("fsdp-before-tp").symptom.split("'")[1]           # the registry quotes torch's words
+    assert all(part.strip() in metrics["checks"][0]["value"] for part in quoted.split("...")), quoted
     assert set(result.rank_exit_codes.values()) == {1}, result.rank_exit_codes     # every rank stops at once
 
 

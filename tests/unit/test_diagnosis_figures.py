@@ -112,6 +112,9 @@ def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     symptom = broken_runs.case("bf16-gradient-reduction").symptom
     assert f"({at[2, 'bf16']:.1e} on 2 ranks, {at[4, 'bf16']:.1e} on 4)".replace("e-0", "e-") in symptom
     assert "~3e-4" in symptom and round(at[4, "bf16"], 4) == 3e-4 and "~1e-8" in symptom and at[4, "fp32"] < 2e-8
+    # 8 ranks measure no more than 4: the symptom claims growth from 2 to 4 only; bf16 stores 7 bits, keeps 8
+    assert "more on 4 ranks than on 2" in symptom and at[2, "bf16"] < at[4, "bf16"] and at[8, "bf16"] <= at[4, "bf16"]
+    assert "8 significant bits" in broken_runs.case("bf16-gradient-reduction").cause
     bubble = broken_runs.case("too-few-microbatches")
     assert f"idle {100 * schedules.bubble_fraction(4, 2):.0f}% of the step" in bubble.symptom
     assert [f"= {100 * schedules.bubble_fraction(4, 4):.0f}% idle" in why for _, why in bubble.wrong_fixes] == [True]
