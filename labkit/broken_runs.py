@@ -294,8 +294,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         evidence=("losses", "extra", "checks"),
         cause="The checkpoint held the model and the optimizer only: the resumed run reads the data from the "
               "start of the epoch's order and draws other random masks.",
-        tell_apart="The step trained twice: same weights, same step, another loss, so the inputs changed, not the "
-                   "model.",
+        tell_apart="The step trained twice: the weights reloaded are the ones saved (checkpoint-one-shard's are "
+                   "not), yet the loss differs, so the inputs changed, not the model.",
         look_alikes=("checkpoint-one-shard", "no-set-epoch"),
         fix="Checkpoint the data position and every random number generator with the model and the optimizer "
             "(distlab.checkpointing.TrainingState with the loader and the rank).",
