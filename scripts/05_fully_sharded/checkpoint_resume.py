@@ -55,6 +55,12 @@ def check_config(args, world_size):
         runtime.require(not found, f"{args.save_dir} already holds checkpoints "
                                    f"({', '.join(f.parent.name for f in found)}): pass --resume to continue, "
                                    "or a fresh --save-dir")
+    if args.planted_bug == "checkpoint-one-shard" and (args.resume or args.world_size_check):
+        one = latest_checkpoint(args.save_dir) / ONE_RANKS_MODEL   # rank 0's shards, shaped for its world size
+        runtime.require(one.exists(), f"{one} is missing: train with --planted-bug checkpoint-one-shard first")
+        written_by = json.loads(one.parent.with_suffix(".json").read_text())["world_size"]
+        runtime.require(written_by == world_size, f"--planted-bug checkpoint-one-shard: rank 0's shards of a "
+                                                  f"{written_by}-rank run fit {written_by} ranks, not {world_size}")
     if args.world_size_check:
         full = latest_checkpoint(args.save_dir).with_suffix(".full.pt")
         runtime.require(full.exists(), f"{full} is missing: the full copy is written with tiny models only")

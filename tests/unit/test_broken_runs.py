@@ -142,3 +142,24 @@ def test_runs_left_to_an_earlier_chapters_test_are_run_there_with_the_same_argum
         for arg in (*prepare, *args):
             if arg not in ("{run_dir}",) and not arg.startswith("{"):
                 assert f'"{arg}"' in source + decorators, f"{name}: {arg} not in {path}::{test_name}"
+
+
+def test_a_one_shard_resume_without_its_file_or_on_other_ranks_stops_with_one_line(tmp_path, monkeypatch):
+    """checkpoint-one-shard's resume loads rank 0's file: absent (a clean run's checkpoint) or shaped for another
+    world size, it is a config error (one line, exit 2) before any rank loads, not a traceback on every rank."""
+    from distlab import runtime
+
+    run = broken_runs.case("checkpoint-one-shard")
+    args = parse_with_the_scripts_parser(run.script, broken_runs.fill(run.args, tmp_path), monkeypatch)
+    import checkpoint_resume   # on sys.path: the parse above put the script's folder there
+
+    step = tmp_path / "step_000002"
+    step.mkdir()
+    (step / ".metadata").touch()
+    step.with_suffix(".json").write_text(json.dumps({"world_size": 4, "step": 2}))
+    with pytest.raises(runtime.ConfigError, match="is missing"):
+        checkpoint_resume.check_config(args, 4)
+    (step / checkpoint_resume.ONE_RANKS_MODEL).touch()
+    checkpoint_resume.check_config(args, 4)
+    with pytest.raises(runtime.ConfigError, match="fit 4 ranks, not 2"):
+        checkpoint_resume.check_config(args, 2)
