@@ -60,6 +60,9 @@ def check_config(args, world_size):
     runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
     runtime.require(args.bucket_mb is None or args.bucket_mb > 0,
                     f"--bucket-mb {args.bucket_mb}: a bucket must hold something")
+    runtime.require(args.planted_bug != "slow-rank" or (args.strategy == "ddp" and world_size > SLOW_RANK),
+                    f"--planted-bug slow-rank: rank {SLOW_RANK} is slowed and the straggler check runs under "
+                    f"--strategy ddp, on {SLOW_RANK + 1} ranks or more (not {args.strategy} on {world_size})")
 
 
 def parallelize(model, args, rt):

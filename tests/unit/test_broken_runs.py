@@ -163,3 +163,18 @@ def test_a_one_shard_resume_without_its_file_or_on_other_ranks_stops_with_one_li
     checkpoint_resume.check_config(args, 4)
     with pytest.raises(runtime.ConfigError, match="fit 4 ranks, not 2"):
         checkpoint_resume.check_config(args, 2)
+
+
+def test_a_slow_rank_the_straggler_check_cannot_see_is_a_config_error(monkeypatch, tmp_path):
+    """profile_step checks stragglers under DDP only, and slows rank 1: under FSDP or on one rank the planted
+    fault would pass unnoticed, so it stops with one line instead."""
+    from distlab import runtime
+
+    run = broken_runs.case("slow-rank")
+    args = parse_with_the_scripts_parser(run.script, broken_runs.fill(run.args, tmp_path), monkeypatch)
+    import profile_step   # on sys.path: the parse above put the script's folder there
+
+    profile_step.check_config(args, 4)
+    for strategy, world in (("fsdp", 4), ("ddp", 1)):
+        with pytest.raises(runtime.ConfigError, match="slow-rank"):
+            profile_step.check_config(argparse.Namespace(**{**vars(args), "strategy": strategy}), world)
