@@ -46,6 +46,10 @@ def check_config(args, world_size):
     stages = world_size * args.chunks
     runtime.require(args.layers >= stages, f"{stages} stages ({world_size} ranks x {args.chunks}) but only "
                                            f"{args.layers} layers: every stage needs at least one layer (--layers)")
+    runtime.require(args.planted_bug != "loss-on-wrong-stage"
+                    or stages - 1 not in stage_indices(args.schedule, 0, world_size, args.chunks),
+                    f"--planted-bug loss-on-wrong-stage: under {args.schedule} rank 0 holds the last stage too, "
+                    "so the loss it reads is right: plant it under a schedule whose last stage is elsewhere")
 
 
 def main():

@@ -178,3 +178,19 @@ def test_a_slow_rank_the_straggler_check_cannot_see_is_a_config_error(monkeypatc
     for strategy, world in (("fsdp", 4), ("ddp", 1)):
         with pytest.raises(runtime.ConfigError, match="slow-rank"):
             profile_step.check_config(argparse.Namespace(**{**vars(args), "strategy": strategy}), world)
+
+
+def test_a_loss_read_on_rank_0_under_a_v_schedule_is_a_config_error(monkeypatch, tmp_path):
+    """Under a V schedule rank 0 holds the first and the last stage: loss-on-wrong-stage would read the right
+    loss there and pass every check, so it stops with one line instead."""
+    from distlab import runtime
+
+    run = broken_runs.case("loss-on-wrong-stage")
+    args = parse_with_the_scripts_parser(run.script, broken_runs.fill(run.args, tmp_path), monkeypatch)
+    import pp_train   # on sys.path: the parse above put the script's folder there
+
+    pp_train.resolve_training_flags(args)   # the script's own defaults (--layers), as main() fills them
+    pp_train.check_config(args, 4)
+    v_shaped = argparse.Namespace(**{**vars(args), "schedule": "ZBVZeroBubble", "stages_per_rank": None})
+    with pytest.raises(runtime.ConfigError, match="rank 0 holds the last stage"):
+        pp_train.check_config(v_shaped, 4)
