@@ -55,6 +55,8 @@ def check_config(args, world_size):
     runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
                                      "with torchrun --standalone --nproc_per_node=4")
     runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
+    runtime.require(not args.stop_at_fewest_batches or args.hang == "uneven-inputs",
+                    f"--stop-at-fewest-batches is uneven-inputs' fix; it changes nothing under --hang {args.hang}")
 
 
 def program(args, rt, journal, pairs):

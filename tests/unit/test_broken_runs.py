@@ -194,3 +194,15 @@ def test_a_loss_read_on_rank_0_under_a_v_schedule_is_a_config_error(monkeypatch,
     v_shaped = argparse.Namespace(**{**vars(args), "schedule": "ZBVZeroBubble", "stages_per_rank": None})
     with pytest.raises(runtime.ConfigError, match="rank 0 holds the last stage"):
         pp_train.check_config(v_shaped, 4)
+
+
+def test_the_uneven_inputs_fix_given_to_another_hang_is_a_config_error(monkeypatch, tmp_path):
+    from distlab import runtime
+
+    run = broken_runs.case("uneven-inputs")
+    args = parse_with_the_scripts_parser(run.script, broken_runs.fill(run.fixed_args, tmp_path), monkeypatch)
+    import deadlocks   # on sys.path: the parse above put the script's folder there
+
+    deadlocks.check_config(args, 4)
+    with pytest.raises(runtime.ConfigError, match="changes nothing under --hang mismatched-collectives"):
+        deadlocks.check_config(argparse.Namespace(**{**vars(args), "hang": "mismatched-collectives"}), 4)
