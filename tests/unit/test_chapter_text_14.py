@@ -174,6 +174,9 @@ def test_the_straggler_numbers_are_the_measured_ones():
     others = [1e3 * r["communication"] / r["steps"] for r in ranks if r["rank"] != int(slow_rank)]
     assert f"rank {slow_rank} sleeps {float(seconds):g} s a step before its forward" in FLAT
     assert f"about as long, {round(sum(others) / len(others), -1):.0f} ms a step" in FLAT
+    journals = measured("14_straggler_vs_hang.json")["hang"]["journals"].values()   # the hang's earlier batches
+    assert min(sum(c["done"] for c in j["calls"]) for j in journals) >= 1             # completed on every rank
+    assert "The last step never completes." in FLAT and "No step completes" not in FLAT
 
 
 def test_the_resume_numbers_are_the_measured_ones():
