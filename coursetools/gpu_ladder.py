@@ -49,7 +49,8 @@ class Rung:
 A100 = ("--preset", "a100", "--steps", str(STEPS))
 BEST_FLAGS = ("--precision", "bf16", "--fused-adamw", "--compile")
 RUNGS: tuple[Rung, ...] = (
-    Rung("fp32", "fp32, eager (TF32 off, PyTorch's default: no tensor cores)", (*A100, "--precision", "fp32")),
+    Rung("fp32", "fp32, eager (TF32 off, PyTorch's default: matrix multiplies without tensor cores)",
+         (*A100, "--precision", "fp32")),
     Rung("bf16", "bf16 autocast (the course's default on a GPU)", (*A100, "--precision", "bf16")),
     Rung("bf16_math_attention", "attention on the unfused math kernel (what SDPA's fused kernels spare)",
          (*A100, "--precision", "bf16", "--attention", "math")),

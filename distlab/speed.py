@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 ATTENTION_BACKENDS = {
-    "auto": None,   # PyTorch's own choice, in its order of preference (torch/nn/attention/__init__.py)
+    "auto": None,   # PyTorch's own choice, in its order of preference (aten's cuda/sdp_utils.cpp, priority_order:
+    # cuDNN first on sm90/sm100 with cuDNN above 9.15, then flash, efficient, math; torch._C._get_sdp_priority_order())
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,

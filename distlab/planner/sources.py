@@ -45,6 +45,8 @@ DSV3_REPO_HEAD = "9b4e9788e4a3a731f7567338ed15d3ec549ce03b"  # deepseek-ai/DeepS
 DSV3_CONFIG_COMMIT = "4c2fdb8f55e049553b9f4f1a3241f86d739c8cf8"  # last commit touching config_671B.json
 TORCHTITAN_BENCH_COMMIT = "31a17bfdb70bab6f62a13d21816a5339b911d6e3"
 TORCHTITAN_PERF_DOC_COMMIT = "041336434916bdc0f88c1f89fda176fd3c2092e4"
+# the torchtitan commit the H100 benchmark ran (its "Versions and Dates" table: 9dec370, 2024/12/26)
+TORCHTITAN_BENCH_RUN_COMMIT = "9dec370ad26b5f8e9a7333a0e36165018262644b"
 NCCL_COMMIT = "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2"
 TORCHTITAN_BENCH_URL = ("https://github.com/pytorch/torchtitan/blob/" + TORCHTITAN_BENCH_COMMIT
                         + "/benchmarks/llama3_h100_202412_torchtitan.md")
@@ -319,10 +321,19 @@ SOURCES: dict[str, Source] = {
         "this MFU number is lower than actual MFU because we use the peak number of SXM directly.",
         TORCHTITAN_BENCH_URL),
     "torchtitan_llama3_8b_toml": Source(
-        "pytorch/torchtitan", "train_configs/llama3_8b.toml at 0011fb905e9561a51af0f265e35d989f7448b1d8",
-        '[model]\nname = "llama3"\nflavor = "8B"\n... [training]\nseed=2020\nbatch_size = 1\nseq_len = 8192  '
-        "[the 8B runs' training config at that commit; the H100 benchmark file does not state its sequence length]",
-        "https://github.com/pytorch/torchtitan/blob/0011fb905e9561a51af0f265e35d989f7448b1d8/train_configs/llama3_8b.toml"),
+        "pytorch/torchtitan", f"train_configs/llama3_8b.toml at {TORCHTITAN_BENCH_RUN_COMMIT}",
+        '[model]\nname = "llama3"\nflavor = "8B"\n... [training]\nbatch_size = 1\nseq_len = 8192  '
+        "[the 8B training config at the torchtitan commit the H100 benchmark's 'Versions and Dates' table names "
+        "(9dec370, 2024/12/26); the benchmark file does not state its sequence length]",
+        f"https://github.com/pytorch/torchtitan/blob/{TORCHTITAN_BENCH_RUN_COMMIT}/train_configs/llama3_8b.toml"),
+    "torchtitan_bf16_weights_and_compile_order": Source(
+        "pytorch/torchtitan", f"torchtitan/config_manager.py and torchtitan/parallelisms/parallelize_llama.py at "
+        f"{TORCHTITAN_BENCH_RUN_COMMIT}",
+        '"--training.mixed_precision_param", type=str, default="bfloat16", ... torch dtype to use for parameters when '
+        "applying mixed precision via FSDP. ... # turn on per-TransformerBlock compile after AC wrapping and before "
+        "FSDP ... Apply torch.compile to each TransformerBlock, which makes compilation efficient due to repeated "
+        "structure.",
+        f"https://github.com/pytorch/torchtitan/blob/{TORCHTITAN_BENCH_RUN_COMMIT}/torchtitan/config_manager.py"),
     "torchtitan_llama3_a100": Source(
         "pytorch/torchtitan", f"docs/performance.md at {TORCHTITAN_PERF_DOC_COMMIT}",
         "Below are the WPS (word per second, or more accurately, token per second) and MFU (model FLOPS utilization) "

@@ -76,6 +76,40 @@ def test_device_time_by_kind_sorts_kernels_and_finds_the_idle_gaps():
         profiling.device_time_by_kind({"traceEvents": trace["traceEvents"][-1:]})
 
 
+# Kernel names as an H100 profile prints them (torch 2.11-2.13, CUDA 12-13): cuBLAS (nvjet, sm90 xmma, split-K),
+# cuDNN's and flash's attention, inductor's fused Triton kernels, fused AdamW, ATen's elementwise and loss kernels
+H100_KERNELS = [
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "matrix multiplies"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas",
+     "matrix multiplies"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>",
+     "matrix multiplies"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "matrix multiplies"),
+    *((name, "attention") for name in MEASURED["profile"]["device_time_by_kind"]["attention_kernels"]),   # cuDNN's
+    ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false>>",
+     "attention"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<float, cutlass::arch::Sm80>)",
+     "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", profiling.OTHER_KERNELS),
+    ("triton_poi_fused_mul_silu_1", profiling.OTHER_KERNELS),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4, true>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double, double, double, double, double, bool, bool, float*, float*>",
+     "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul>>",
+     profiling.OTHER_KERNELS),
+    ("void (anonymous namespace)::cunn_SoftMaxForward<8, float, float, float, (anonymous namespace)::"
+     "LogSoftMaxForwardEpilogue>", profiling.OTHER_KERNELS),
+    ("void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>",
+     profiling.OTHER_KERNELS),
+]
+
+
+@pytest.mark.parametrize("name, kind", H100_KERNELS, ids=[n[:32] for n, _ in H100_KERNELS])
+def test_h100_kernel_names_are_filed_under_their_kind(name, kind):
+    assert profiling.kernel_kind(name) == kind
+
+
 def test_the_measured_ladder_reads_back_and_its_best_rung_is_the_fastest_that_trained():
     rows = MEASURED["rungs"]
     best = gpu_ladder.best_rung(rows)
