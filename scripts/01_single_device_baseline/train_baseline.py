@@ -169,8 +169,9 @@ def main():
         if args.profile_out and rt.device_type == "cuda":   # where one step's device time went, kernel by kind
             breakdown = profiling.device_time_by_kind(measured.pop("trace"))
             report.extra["device_time_by_kind"] = breakdown
-            Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.profile_out).write_text(json.dumps(breakdown, indent=1))
+            if rt.rank == 0:   # one writer: under torchrun every rank profiles its own replica, to the same path
+                Path(args.profile_out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.profile_out).write_text(json.dumps(breakdown, indent=1))
             rt.print(f"one profiled step: {breakdown['window_seconds'] * 1e3:.1f} ms on the device, "
                      f"{breakdown['kernels']} kernels; " + ", ".join(
                          f"{kind} {sec * 1e3:.1f} ms" for kind, sec in sorted(breakdown["seconds"].items(),
