@@ -18,7 +18,9 @@ cache of the test suite replays what tests/scripts/test_14 and the full lab alre
 from __future__ import annotations
 
 import math
+import os
 
+from coursetools import forkserver
 from labkit import broken_runs
 from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
 
@@ -147,15 +149,26 @@ def run(label_or_name: str, fixed: bool = False, args=None):
     chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
     key = (case.script, prepare, chosen)
     if key not in _RUNS:
+        # About thirty launches: each forked from one process that imported torch once (what make test does),
+        # not a new interpreter importing it again (2.4 s a launch), so the lab stays within its two minutes.
+        os.environ.setdefault(forkserver.ENABLE_ENV, "1")
         _RUNS[key] = broken_runs.run_case(case.name, fixed=fixed, args_override=args, stream=False)
     return _RUNS[key]
 
 
+# A script's check of its own timing model, neither the symptom nor the comparison with one device, that a loaded
+# machine can fail (pp_schedules' measured bubble against its simulation from this run's pass times): the lab does
+# not judge a learner's fix by it. tests/scripts/test_14 runs the timed fixed runs with the machine to itself.
+TIMING_MODEL_CHECKS = ("measured bubble equals the simulated one",)
+
+
 def _fixed_run_holds(name: str, args=None, why: str = "") -> None:
-    """Launch the case's fixed run (or ``args``) and require that the symptom is gone and it equals one device."""
+    """Launch the case's fixed run (or ``args``) and require that the symptom is gone and it equals one device
+    (:func:`labkit.broken_runs.fix_holds`, less :data:`TIMING_MODEL_CHECKS`)."""
     case = broken_runs.case(name)
     result = run(name, fixed=args is None, args=args)
-    problems = broken_runs.fix_holds(case, result.metrics)
+    problems = [problem for problem in broken_runs.fix_holds(case, result.metrics)
+                if not any(timing in problem for timing in TIMING_MODEL_CHECKS)]
     if problems:
         raise ExerciseWrong(f"the run with this fix still fails: {'; '.join(problems[:3])}. {why}".strip())
     checks = len((result.metrics or {}).get("checks", []))

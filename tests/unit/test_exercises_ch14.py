@@ -140,12 +140,14 @@ def _metrics(run, fixed: bool) -> dict:
 @pytest.fixture
 def launched(monkeypatch):
     """Replace the launch: ``launched.fixed`` decides what the run shows; ``launched.calls`` records each launch."""
-    state = SimpleNamespace(fixed=True, calls=[])
+    state = SimpleNamespace(fixed=True, calls=[], also_failed=[])
 
     def run(name, fixed=False, args=None):
         case = broken_runs.case(ch14.LABELS.get(name, name))
         state.calls.append((case.name, fixed, args))
-        return SimpleNamespace(metrics=_metrics(case, state.fixed))
+        metrics = _metrics(case, state.fixed)
+        metrics["checks"] += [{"name": failed, "passed": False} for failed in state.also_failed]
+        return SimpleNamespace(metrics=metrics)
 
     monkeypatch.setattr(ch14, "run", run)
     return state
@@ -170,6 +172,16 @@ def test_the_right_fix_passes_only_when_the_run_again_has_lost_its_symptom(name,
     launched.fixed = False   # the same answer, but the run still shows the symptom: the check must fail
     with pytest.raises(ExerciseWrong, match="still fails"):
         check(right)
+
+
+def test_only_the_timing_models_own_check_is_not_judged(launched, capsys):
+    """A loaded machine can fail pp_schedules' measured-against-simulated bubble: not the symptom, not one device."""
+    launched.also_failed = ["measured bubble equals the simulated one (this run's pass times and latency)"]
+    ch14.check_fix_microbatches(8)
+    assert capsys.readouterr().out.startswith("Correct:")
+    launched.also_failed = ["losses equal the single-device model's"]
+    with pytest.raises(ExerciseWrong, match="single-device"):
+        ch14.check_fix_microbatches(8)
 
 
 def test_the_microbatches_setting_is_what_runs_again(launched):
