@@ -28,6 +28,7 @@ says whether a run's metrics show the case's symptom (or, with ``--fixed``, that
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import sys
@@ -338,18 +339,22 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     folder every time, so that a learner's copy of the lab replays the full lab's launch: its arguments, the
     folder among them, are the cache's key). ``args_override``: other arguments for the same script (a wrong
     fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its checks: ``check``
-    defaults to False."""
+    defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14 and the lab, run
+    side by side by make test, use the same folders, and the second replays the first from the launch cache."""
     run = case(name)
     folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{name}-{'fixed' if fixed else 'broken'}"
     launch_kwargs.setdefault("check", False)
     launch_kwargs.setdefault("timeout", 120)
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
-    if prepare:
-        shutil.rmtree(folder, ignore_errors=True)   # the interrupted job starts from nothing
-        launch.run(run.script, nproc=nproc or run.nproc, args=fill(prepare, folder), metrics=False,
-                   **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
     args = args_override if args_override is not None else (run.fixed_args if fixed else run.args)
-    return launch.run(run.script, nproc=nproc or run.nproc, args=fill(args, folder), **launch_kwargs)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if prepare:
+            shutil.rmtree(folder, ignore_errors=True)   # the interrupted job starts from nothing
+            launch.run(run.script, nproc=nproc or run.nproc, args=fill(prepare, folder), metrics=False,
+                       **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
+        return launch.run(run.script, nproc=nproc or run.nproc, args=fill(args, folder), **launch_kwargs)
 
 
 def _failed_checks(metrics: dict) -> set[str]:

@@ -42,8 +42,9 @@ FIXED = [pytest.param(run, id=run.name, marks=[pytest.mark.serial] if run.name i
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """``launched(case, fixed)``: the run's LaunchResult, launched once per distinct command in this module."""
+def launched():
+    """``launched(case, fixed)``: the run's LaunchResult, launched once per distinct command in this module, in
+    run_case's own folder (build/broken_runs/NAME-broken|fixed) as the lab's are: the lab replays these runs."""
     results = {}
 
     def get(run: broken_runs.BrokenRun, fixed: bool, args=None):
@@ -51,9 +52,7 @@ def launched(tmp_path_factory):
         args = tuple(args) if args is not None else (run.fixed_args if fixed else run.args)
         key = (run.script, prepare, args)
         if key not in results:
-            folder = tmp_path_factory.mktemp(run.name)
-            results[key] = broken_runs.run_case(run.name, fixed=fixed, run_dir=folder, args_override=args,
-                                                stream=False, timeout=90)
+            results[key] = broken_runs.run_case(run.name, fixed=fixed, args_override=args, stream=False, timeout=90)
         return results[key]
 
     return get
