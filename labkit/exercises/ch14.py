@@ -375,10 +375,10 @@ def check_fix_microbatches(microbatches) -> None:
     run's target (--max-bubble 0.4); it is run again with that setting."""
     if microbatches is None:
         raise _not_done("microbatches", "Set it to a whole number.")
-    stages = 4
-    formula = (stages - 1) / (microbatches + stages - 1)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ExerciseWrong(f"microbatches = {microbatches!r}: a whole number of microbatches, at least 1.")
+    stages = 4
+    formula = (stages - 1) / (microbatches + stages - 1)
     if formula > 0.4:
         raise ExerciseWrong(f"{microbatches} microbatches on {stages} stages: (P - 1) / (M + P - 1) = "
                             f"{formula:.0%} of the step idle before any latency, above the 40% target. As many "

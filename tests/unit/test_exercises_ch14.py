@@ -99,7 +99,7 @@ FIXES = {
                   lambda rows: max(rows, key=lambda r: r["kinds"]["idle"])["rank"],
                   [lambda rows: max(rows, key=lambda r: r["kinds"]["communication"])["rank"]]),
     "uneven-inputs": (ch14.check_fix_uneven, min, [max, lambda counts: sum(counts) // len(counts)]),
-    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5]),
+    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5, "8"]),
     "fsdp-before-tp": (ch14.check_fix_wrapper_order, ["tp", "fsdp"], [["fsdp", "tp"], ["tp"]]),
     "loss-on-wrong-stage": (ch14.check_fix_loss_rank, lambda stages, world: (stages - 1) % world,
                             [lambda stages, world: 0, lambda stages, world: stages - 1]),
