@@ -184,6 +184,29 @@ def test_only_the_timing_models_own_check_is_not_judged(launched, capsys):
         ch14.check_fix_microbatches(8)
 
 
+def test_the_timed_fixes_are_test_14s(monkeypatch):
+    """The fixes judged by a time stay out of make test's launch cache: test_14 runs them with the machine to itself."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "scripts"))
+    from test_14_when_it_goes_wrong import TIMED
+
+    assert set(ch14.TIMED) == set(TIMED)
+
+
+def test_a_timed_fix_runs_outside_the_launch_cache(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setenv(ch14.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(ch14.forkserver.ENABLE_ENV, ch14.os.environ.get(ch14.forkserver.ENABLE_ENV, "0"))
+    monkeypatch.setattr(ch14.broken_runs, "run_case",
+                        lambda name, **kwargs: seen.append((name, ch14.os.environ.get(ch14.CACHE_ENV))))
+    monkeypatch.setattr(ch14, "_RUNS", {})
+    ch14.run("too-few-microbatches")                 # the broken run: replayed as usual
+    ch14.run("too-few-microbatches", fixed=True)     # its fix: judged by a time, never cached
+    ch14.run("no-set-epoch", fixed=True)
+    assert seen == [("too-few-microbatches", str(tmp_path)), ("too-few-microbatches", None),
+                    ("no-set-epoch", str(tmp_path))]
+    assert ch14.os.environ[ch14.CACHE_ENV] == str(tmp_path)
+
+
 def test_the_microbatches_setting_is_what_runs_again(launched):
     ch14.check_fix_microbatches(8)
     (name, fixed, args), = launched.calls
