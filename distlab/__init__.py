@@ -8,6 +8,7 @@ models           the MLP and the LLaMA-style transformer, presets tiny .. a100 (
 data             deterministic synthetic data: the same global batch whatever the world size (01, 04)
 metrics          the metrics file, checks, throughput, FLOPs, MFU, tolerances on CPU and GPU (01)
 memory           training-state and activation memory: formulas, and measured from the tensors (01, 02, 05)
+speed            the single-GPU ladder's switches: attention kernel, activation checkpointing of a block (01)
 
 Communication and data parallelism:
 comm             ring cost model, bus bandwidth, measured bytes per collective, point-to-point pairing rules (03-06)

@@ -5,5 +5,8 @@ forkrun          torchrun's job started by fork on CPU: imports once, seconds in
 widgets          ipywidgets explorers over pure, tested functions (02, 07)
 planner_widgets  the planner's bars, tables and explorer (11)
 mesh_view        a rank grid drawn on nodes x GPUs, each group coloured (09)
+broken_runs      chapter 14's broken runs: each case's script, flags, symptom, cause and fix; run one, judge it (14)
+diagnosis_table  chapter 14's diagnosis table and its generated lines, rendered from broken_runs (14)
+diagnosis_sources the public reports each broken run comes from, quoted (14)
 exercises        the checks each lab's exercises call: ``labkit.exercises.chNN`` for lab NN
 """
