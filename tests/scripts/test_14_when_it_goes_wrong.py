@@ -31,6 +31,9 @@ COVERED_ELSEWHERE = {
     ("resume-without-rng", False): ("tests/scripts/test_12_hpc_operations.py",
                                     "test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data"),
 }
+# The lab (notebooks/14_when_it_goes_wrong.ipynb) launches these same commands in the same folders: under make test
+# the launch cache lets each run once, by whichever comes first (tests/scripts/conftest.py); the serial ones run anew.
+SHARES_RUNS_WITH_THE_LAB = True
 CASES = [run for run in broken_runs.BROKEN_RUNS]
 BROKEN = [pytest.param(run, id=run.name) for run in CASES if (run.name, False) not in COVERED_ELSEWHERE]
 # A fixed run whose check is a time (the bubble against its target, the ranks' arrival spread) passes by a margin
