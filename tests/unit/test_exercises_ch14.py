@@ -89,7 +89,8 @@ def _own_permutation(sampler, epoch):   # shuffles by itself: ranks no longer cu
     return [list(sampler)[i] for i in order]
 
 
-PROFILE = [{"rank": r, "kinds": {"compute": 0.01, "communication": c, "overlapped": 0.0, "idle": i}}
+PROFILE = [{"rank": r, "kinds": {"compute": 0.01, "communication": c, "overlapped": 0.0, "idle": i},
+            "before_sync_seconds": 0.31 if r == 1 else 0.01}   # rank 1 reaches backward's all-reduces last
            for r, (i, c) in enumerate(((0.0, 0.6), (0.6, 0.05), (0.01, 0.6), (0.0, 0.6)))]
 
 FIXES = {
@@ -99,7 +100,7 @@ FIXES = {
                   lambda rows: max(rows, key=lambda r: r["kinds"]["idle"])["rank"],
                   [lambda rows: max(rows, key=lambda r: r["kinds"]["communication"])["rank"]]),
     "uneven-inputs": (ch14.check_fix_uneven, min, [max, lambda counts: sum(counts) // len(counts)]),
-    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5, "8"]),
+    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5, "8", 6, 32]),
     "fsdp-before-tp": (ch14.check_fix_wrapper_order, ["tp", "fsdp"], [["fsdp", "tp"], ["tp"]]),
     "loss-on-wrong-stage": (ch14.check_fix_loss_rank, lambda stages, world: (stages - 1) % world,
                             [lambda stages, world: 0, lambda stages, world: stages - 1]),
@@ -113,10 +114,10 @@ FIXES = {
     "no-set-epoch": (ch14.check_fix_set_epoch, lambda s, e: (s.set_epoch(e), list(s))[1],
                      [_epoch_without_set_epoch, _own_permutation]),
     "loss-averaged-twice": (ch14.check_fix_loss_scale, lambda n: (1.0, 1.0 / n),
-                            [lambda n: (1.0 / n, 1.0 / n), lambda n: (1.0, 1.0)]),
+                            [lambda n: (1.0 / n, 1.0 / n), lambda n: (1.0, 1.0), lambda n: 1.0 / n]),
     "bf16-gradient-reduction": (ch14.check_fix_reduce_dtype, torch.float32, [torch.bfloat16, torch.float16]),
     "tp-on-dp-group": (ch14.check_fix_tp_group, lambda rank, dp, tp: list(range(rank // tp * tp, rank // tp * tp + tp)),
-                       [lambda rank, dp, tp: [rank % tp + i * tp for i in range(dp)]]),
+                       [lambda rank, dp, tp: [rank % tp + i * tp for i in range(dp)], lambda rank, dp, tp: rank]),
     "checkpoint-one-shard": (ch14.check_fix_full_state, lambda shards: torch.cat(shards, dim=0),
                              [lambda shards: shards[0], lambda shards: torch.cat(shards, dim=-1),
                               lambda shards: torch.stack(shards)]),
@@ -174,6 +175,17 @@ def test_the_right_fix_passes_only_when_the_run_again_has_lost_its_symptom(name,
         check(right)
 
 
+def test_the_lab_runs_straggler_is_the_rank_measured_last_not_the_answers_own_formula(launched):
+    """The lab's run is judged by the rank that reached backward's all-reduces last (profile_step's measure), not by
+    the model answer's formula over the kinds: a formula that names another rank fails."""
+    def by_kinds(rows):
+        return max(rows, key=lambda r: r["kinds"]["idle"] - r["kinds"]["communication"])["rank"]
+
+    measured = [dict(row, before_sync_seconds=0.31 if row["rank"] == 3 else 0.01) for row in PROFILE]
+    with pytest.raises(ExerciseWrong, match="the lab's run: rank 1, expected rank 3"):
+        ch14.check_fix_straggler(by_kinds, measured)
+
+
 def test_only_the_timing_models_own_check_is_not_judged(launched, capsys):
     """A loaded machine can fail pp_schedules' measured-against-simulated bubble: not the symptom, not one device."""
     launched.also_failed = ["measured bubble equals the simulated one (this run's pass times and latency)"]
@@ -227,3 +239,11 @@ def test_the_learners_copy_does_not_name_the_cases():
     copy = json.loads((ROOT / "notebooks" / "student" / "14_when_it_goes_wrong.ipynb").read_text())
     text = "\n".join("".join(cell["source"]) for cell in copy["cells"])
     assert not [name for name in NAMES if name in text]
+
+
+def test_the_lab_says_the_job_run_again_is_the_scripts_fix():
+    """A fix the learner writes as a function is judged on hand-made cases; the job launched again is the script's
+    own fixed run (only the microbatches go in as a flag): the lab must not let a learner think their code ran."""
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    opening = "".join(lab["cells"][0]["source"]).replace("\n", " ")
+    assert "fixed in the script" in opening and "not inside the job" in opening
