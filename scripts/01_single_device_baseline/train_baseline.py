@@ -97,7 +97,6 @@ def train(cfg, args, rt, precision, steps, measure=None):
             train_step(steps).item()
             prof.step()
         measure["trace"] = profiling.trace_of(prof)
-    del model, optimizer
     return losses, seconds
 
 
