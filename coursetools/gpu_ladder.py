@@ -76,7 +76,9 @@ def rung_row(rung: Rung, returncode: int | None, seconds: float, metrics: dict |
         row.update(status="failed", reason=(lines[-1] if lines else "no output")[:300])
         return row
     throughput, device = metrics["throughput"], metrics["memory"].get("device", {})
-    peak_bf16 = gpu_check_peak(throughput.get("device_name"))
+    from distlab import metrics as course_metrics   # here, not at the top: this process never imports torch
+
+    peak_bf16 = course_metrics.peak_flops(throughput.get("device_name"), "bf16")
     achieved = throughput.get("achieved_flops_per_s")
     failed = [c["name"] for c in metrics["checks"] if not c["passed"]]
     row.update(status="passed" if not failed else "checks failed", failed_checks=failed,
@@ -90,12 +92,6 @@ def rung_row(rung: Rung, returncode: int | None, seconds: float, metrics: dict |
                last_loss=metrics["losses"][-1] if metrics["losses"] else None,
                device_time_by_kind=metrics.get("extra", {}).get("device_time_by_kind"))
     return row
-
-
-def gpu_check_peak(device_name: str | None) -> float | None:
-    from distlab import metrics
-
-    return metrics.peak_flops(device_name, "bf16")
 
 
 TRAINING_CHECKS = ("loss falls", "same seed")   # a rung is usable only if it trained, and repeatably

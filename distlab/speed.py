@@ -61,3 +61,13 @@ class CheckpointedBlock(nn.Module):
 
     def forward(self, *inputs):
         return checkpoint(self.block, *inputs, use_reentrant=False)
+
+
+def check_blocks_compiled(report) -> bool:
+    """A script's check that ``torch.compile`` really compiled: compiled code runs eager, silently, when something
+    turns dynamo off (a Python dispatch mode on the stack does: torch 2.13 ``_dynamo/convert_frame.py`` 2538-2557).
+    Counts the graphs dynamo captured in this process; one serves every block that shares its code."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    return report.check("the blocks ran compiled (torch.compile captured a graph)", graphs >= 1, graphs, ">= 1")
