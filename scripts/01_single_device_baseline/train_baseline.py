@@ -14,6 +14,10 @@ trains (tokens/s, model FLOPs per token, and MFU on a GPU), and proves itself:
     python scripts/01_single_device_baseline/train_baseline.py
     torchrun --standalone --nproc_per_node=4 scripts/01_single_device_baseline/train_baseline.py
 
+The single-GPU ladder's switches change how a step runs, never what it computes (chapter 01, ``make gpu-ladder``):
+``--attention`` (which SDPA kernel), ``--fused-adamw``, ``--compile`` (each block; the script checks a graph was
+captured), ``--activation-checkpointing``, and ``--profile-out FILE`` (where one more step's GPU time went).
+
 Under torchrun every rank trains the same full replica on the same full batch (nothing is split) and the
 script checks that all replicas agree: four devices doing one device's work, which is what chapter 04's
 data parallelism fixes.
