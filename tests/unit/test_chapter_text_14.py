@@ -1,6 +1,6 @@
 """Chapter 14's page against the code: its diagnosis table and list of sources are what labkit.diagnosis_table
 renders from the registry of broken runs, every broken run has its section, the numbers it states come from the
-committed runs, and its prose keeps issue 33's style (one idea a sentence: a mean of 20 words or fewer, none over 40).
+committed runs, and its prose keeps issue 33's style (measured for every text in tests/unit/test_prose_style.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CHAPTER_PATH = ROOT / "chapters" / "14_when_it_goes_wrong.md"
 CHAPTER = CHAPTER_PATH.read_text()
 FLAT = " ".join(CHAPTER.split())
-MEAN_WORDS, MOST_WORDS = 20, 40
 NUMBER_WORDS = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
 REGENERATE = "run `python -m labkit.diagnosis_table --write` (it rewrites the generated parts only)"
 
@@ -25,44 +24,7 @@ def registry():
     return pytest.importorskip("labkit.broken_runs", reason="helper A's registry of broken runs is not here yet")
 
 
-# ---- the style of issue 33, measured the same way for every sentence of prose
-
-
-def prose(markdown: str) -> str:
-    """The page's prose: code blocks, tables, headings and the lines of links to the reports out; inline code as one
-    word; links and figures as their text; list markers out."""
-    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
-    kept = [line for line in text.splitlines() if not line.lstrip().startswith(("|", "#", "**Reported.**"))]
-    text = "\n".join(kept)
-    text = re.sub(r"`[^`]*`", "CODE", text)
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = re.sub(r"^\s*(?:[-*]|\d+\.)\s+", "", text, flags=re.M)
-    return text
-
-
-def sentences(markdown: str) -> list[str]:
-    """Sentences end at '.', '!' or '?' before a space or the end of a paragraph (a decimal point never does)."""
-    found = []
-    for paragraph in re.split(r"\n\s*\n", prose(markdown)):
-        flat = " ".join(paragraph.replace("**", "").split())
-        found += [s for s in re.split(r"(?<=[.!?])\s+", flat) if re.search(r"\w", s)]
-    return found
-
-
-def test_the_prose_keeps_one_idea_a_sentence():
-    found = sentences(CHAPTER)
-    lengths = [len(s.split()) for s in found]
-    too_long = [s for s, n in zip(found, lengths) if n > MOST_WORDS]
-    assert not too_long, f"sentences over {MOST_WORDS} words:\n" + "\n".join(too_long)
-    mean = sum(lengths) / len(lengths)
-    assert mean <= MEAN_WORDS, f"a mean of {mean:.1f} words a sentence (at most {MEAN_WORDS})"
-
-
-def test_the_style_measure_counts_what_a_reader_reads():
-    page = ("# A heading of many words that is not a sentence at all\n\nOne short sentence. Another one, with "
-            "`labkit.broken_runs.run_case(name)` in it.\n\n```\ncode. is. not. prose.\n```\n\n| a | table. |\n\n"
-            "- a list item of 2.5 words.\n")
-    assert sentences(page) == ["One short sentence.", "Another one, with CODE in it.", "a list item of 2.5 words."]
+# ---- the style of issue 33 is measured for every text at once: tests/unit/test_prose_style.py
 
 
 # ---- the table and the sources, rendered from the registry
@@ -101,7 +63,7 @@ def test_every_broken_run_has_its_section_under_its_family():
         family = case.family
     assert family == "operations"
     for name in registry_left_out():
-        assert f"Left out: dropout" in CHAPTER and name.startswith("tp-dropout")
+        assert "Left out: dropout" in CHAPTER and name.startswith("tp-dropout")
 
 
 def registry_left_out():
