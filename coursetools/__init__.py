@@ -4,6 +4,7 @@ site             make site: the course laid out as a Sphinx source folder (chapt
 site_check       make site-check: the website read in headless Chromium (DevTools protocol)
 lab_check        make lab-check: every lab and learner's copy run in JupyterLab in headless Chromium
 student          make student: the learner's copies of the notebooks; the notebooks' normal form
+prose            make prose: how long the course's sentences are (the one measure the style test uses)
 figures          make figures: the chapters' pictures, drawn from the library's own functions
 gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table
 gpu_ladder       make gpu-ladder: chapter 01's ladder on one GPU, rung by rung, and where the best step's time goes
