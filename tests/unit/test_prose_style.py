@@ -43,3 +43,19 @@ def test_one_idea_a_sentence(name):
     assert not measured.over_40, f"{name}: sentences over {prose.MOST_WORDS} words:\n{too_long}"
     assert measured.mean <= prose.MEAN_WORDS, (
         f"{name}: a mean of {measured.mean:.1f} words a sentence (at most {prose.MEAN_WORDS})")
+
+
+def test_contributing_example_is_true():
+    """CONTRIBUTING's before-and-after example: the "before" (chapter 11's opening as it was) has a sentence as long as
+    the note says, over the limit; each piece of the "after" is in chapter 11 now (so the example drifts with the chapter)."""
+    import re
+    from pathlib import Path
+    note = TEXTS["CONTRIBUTING.md"]
+    before = re.search(r"Before:.*?already runs (\d+) words.*?```text\n(.*?)```", note, flags=re.S)
+    longest = max(prose.words(s) for s in prose.sentences(before.group(2).replace("[...]", "")))
+    assert longest == int(before.group(1)) > prose.MOST_WORDS, (longest, before.group(1))
+    after = note[note.index("After:"):note.index("## A script")]
+    quoted = " ".join(line[1:].strip() for line in after.splitlines() if line.startswith(">"))
+    chapter = " ".join((Path(prose.ROOT) / "chapters" / "11_choosing_a_strategy.md").read_text().split())
+    pieces = [p.strip(" -") for p in re.split(r"\[\.\.\.\]|\*\(.*?\)\*|- ", quoted) if len(p.strip(" -")) > 20]
+    assert len(pieces) >= 3 and all(piece in chapter for piece in pieces), [p for p in pieces if p not in chapter]
