@@ -677,7 +677,8 @@ NOT_FOUND: dict[str, str] = {
 
 
 # DISAGREEMENTS (file:line -- what it says -- what the source says), as the source search found them before the
-# planner's correction. Since then (issue 29): 1 fixed (Llama 3 at 8K runs without recomputation, a named miss);
+# planner's correction. Chapter 11 is cited by its section heading: "then" quotes its words when this was found,
+# "now" its words today. Since then (issue 29): 1 fixed (Llama 3 at 8K runs without recomputation, a named miss);
 # 2 fixed in part (FSDP kept gathered; the planner's unsharded fp32 gradients under PP said in chapter 11); 3 fixed
 # (V = 8 stated as the planner's); 4 fixed (all-gather CP modelled); 5 stated as the planner's assumption; 6 fixed
 # (run_table_1.sh's settings); 7 fixed (local DDP, zero 0); 8 said in chapter 11 (not found); 9 fixed (sections 2.4
@@ -685,39 +686,54 @@ NOT_FOUND: dict[str, str] = {
 # ("caches the experts' SwiGLU inputs"); 11, 15 and 16 stand as recorded (a rounding, a community config, a PDF/HTML
 # difference).
 #
-# 1. distlab/planner/published.py:81-84 (LLAMA_PIPELINE) and chapters/11_choosing_a_strategy.md:105-107 (Llama 3 rows
-#    "..., full ckpt, SP"): the comment says "the paper does not say how it recomputes: the planner's choice", and
-#    every Llama 3 row runs full checkpointing. Llama 3 section 3.3.2: "With these optimizations, we could pre-train
-#    Llama 3 on sequences of 8K tokens without activation checkpointing."
-#    (SOURCES['llama3_no_activation_checkpointing']; for the 128K row the paper says nothing about recomputation.)
-# 2. distlab/planner/published.py:83 (zero_stage=1) and chapters/11_choosing_a_strategy.md:105-107 ("zero=1"): Llama 3
-#    shards more than the optimizer state: "Our use of FSDP for Llama 3 shards optimizer states and gradients, but for
-#    model shards we do not reshard after forward computation" (SOURCES['llama3_fsdp']): gradients sharded (ZeRO-2
-#    like), weights kept gathered between forward and backward.
-# 3. distlab/planner/published.py:81-82 and chapters/11_choosing_a_strategy.md:225-227: "an interleaved schedule of 8
-#    chunks on 16 stages: 128 virtual stages" / "with 8 chunks a rank there are 128 virtual stages": the paper never
-#    gives V (the stages a rank holds): "we use an interleaved schedule ... with V pipeline stages on one pipeline
-#    rank" (SOURCES['llama3_pipeline_schedule']). What it states is one layer fewer on the first and last stage so
-#    that "the first model chunk on the first stage has only the embedding, and the last model chunk on the last
-#    stage has only output projection and loss calculation"; V = 8 is an inference (126 + 2 = 128 = 16 x 8 if each
-#    chunk holds one layer), not a published figure.
-# 4. chapters/11_choosing_a_strategy.md:121 ("a causal ring attention over 128K tokens") and :232 ("attention over 128K
-#    positions and the ring's traffic"): Llama 3's CP is not a ring: "Different from existing CP implementations that
-#    overlap communication and computation in a ring-like structure ..., our CP implementation adopts an all-gather
-#    based method where we first all-gather the key (K) and value (V) tensors" (SOURCES['llama3_cp_all_gather']).
-# 5. distlab/planner/published.py:83 (sequence_parallel=True) and chapter 11:105-107 ("SP"): Llama 3 does not say it
-#    uses sequence parallelism (it cites Korthikanti et al. among TP references only). Not stated, not contradicted.
-# 6. distlab/planner/published.py:85-86 ("the micro-batch and the chunks are not stated") and
-#    chapters/11_choosing_a_strategy.md:99-100 ("What a paper does not state (the micro-batch, the interleaved chunks)
+# 1. distlab/planner/published.py:81-84 (LLAMA_PIPELINE) and chapter 11, "The planner against published runs" (the
+#    Llama 3 rows; then "..., full ckpt, SP", now "mb 1, interleaved x8, no ckpt, SP" at 8K): the comment said "the
+#    paper does not say how it recomputes: the planner's choice", and every Llama 3 row ran full checkpointing.
+#    Llama 3 section 3.3.2: "With these optimizations, we could pre-train Llama 3 on sequences of 8K tokens without
+#    activation checkpointing." (SOURCES['llama3_no_activation_checkpointing']; for the 128K row the paper says
+#    nothing about recomputation.) Chapter 11 now: "It runs no activation checkpointing at 8K tokens".
+# 2. distlab/planner/published.py:83 (zero_stage=1) and chapter 11, "The planner against published runs" (the Llama 3
+#    rows; then "zero=1", now "tp=8,pp=16,dp=64,zero=3"): Llama 3 shards more than the optimizer state: "Our use of
+#    FSDP for Llama 3 shards optimizer states and gradients, but for model shards we do not reshard after forward
+#    computation" (SOURCES['llama3_fsdp']): gradients sharded (ZeRO-2 like), weights kept gathered between forward
+#    and backward. Chapter 11 now: "Its FSDP shards gradients and optimizer states and keeps the weights gathered
+#    after forward."
+# 3. distlab/planner/published.py:81-82 and chapter 11, "Llama 3's layouts in the search" (then "an interleaved
+#    schedule of 8 chunks on 16 stages: 128 virtual stages" / "with 8 chunks a rank there are 128 virtual stages"):
+#    the paper never gives V (the stages a rank holds): "we use an interleaved schedule ... with V pipeline stages on
+#    one pipeline rank" (SOURCES['llama3_pipeline_schedule']). What it states is one layer fewer on the first and
+#    last stage so that "the first model chunk on the first stage has only the embedding, and the last model chunk
+#    on the last stage has only output projection and loss calculation"; V = 8 is an inference (126 + 2 = 128 =
+#    16 x 8 if each chunk holds one layer), not a published figure. Chapter 11 now: "The paper does not say how many
+#    chunks a rank holds; 8 would make 128 slots of one layer" ("Llama 3's layouts in the search") and "the chunks
+#    a rank: 8, for 126 layers and the embedding and head chunks in 128 slots" ("The planner against published
+#    runs", among what the planner chooses).
+# 4. chapter 11, "The planner against published runs" (then "a causal ring attention over 128K tokens") and "Llama
+#    3's layouts in the search" (then "attention over 128K positions and the ring's traffic"): Llama 3's CP is not a
+#    ring: "Different from existing CP implementations that overlap communication and computation in a ring-like
+#    structure ..., our CP implementation adopts an all-gather based method where we first all-gather the key (K)
+#    and value (V) tensors" (SOURCES['llama3_cp_all_gather']). Chapter 11 now: "Its context parallelism all-gathers
+#    keys and values (on the critical path, as the paper says)" and "attention over 128K positions and CP's
+#    all-gathers on the critical path, as the paper says they are".
+# 5. distlab/planner/published.py:83 (sequence_parallel=True) and chapter 11, "The planner against published runs"
+#    (the Llama 3 rows' "SP"): Llama 3 does not say it uses sequence parallelism (it cites Korthikanti et al. among
+#    TP references only). Not stated, not contradicted. Chapter 11 now, among what the planner chooses: "sequence
+#    parallelism as Megatron runs it, which the paper does not mention".
+# 6. distlab/planner/published.py:85-86 ("the micro-batch and the chunks are not stated") and chapter 11, "The
+#    planner against published runs" (then "What a paper does not state (the micro-batch, the interleaved chunks)
 #    the planner chooses"): NVIDIA's own script for Table 1 states both (examples/sc21/run_table_1.sh at
-#    de7dc40f883ceed06344051c3c7ebd57da59cc53). Row by row, chapter 11 vs the script:
-#      - chapters/11_choosing_a_strategy.md:109, 145.6B: "mb 2, interleaved x8" -- script: MBS=2,
+#    de7dc40f883ceed06344051c3c7ebd57da59cc53). Chapter 11 now: "Megatron's micro-batch and interleave come from
+#    NVIDIA's `examples/sc21/run_table_1.sh`". Row by row, that section's table, then and now, vs the script:
+#      - 145.6B: then "mb 2, interleaved x8", now "mb 2, interleaved x2, full ckpt" -- script: MBS=2,
 #        --num-layers-per-virtual-pipeline-stage 5 with 80 layers on PP 8 = 2 chunks a rank (interleaved x2).
-#      - :110, 310.1B: "mb 1, interleaved x4" -- script: MBS=1, 3 layers per virtual stage of 6 a rank = x2.
-#      - :111, 529.6B: "mb 1, interleaved x2" -- script: MBS=1, 1 layer per virtual stage of 3 a rank = x3.
-#      - :112, 1T: "mb 1, interleaved x2" -- script: MBS=1 and no virtual-pipeline flag: the non-interleaved 1F1B
-#        schedule (while the paper's section 5.1 says "we use the interleaved pipeline schedule with the
-#        scatter/gather optimization enabled" for Table 1: the paper and its script disagree for 1T).
+#      - 310.1B: then "mb 1, interleaved x4", now "mb 1, interleaved x2, full ckpt" -- script: MBS=1, 3 layers per
+#        virtual stage of 6 a rank = x2.
+#      - 529.6B: then "mb 1, interleaved x2", now "mb 1, interleaved x3, full ckpt" -- script: MBS=1, 1 layer per
+#        virtual stage of 3 a rank = x3.
+#      - 1T: then "mb 1, interleaved x2", now "mb 1, 1F1B, full ckpt" -- script: MBS=1 and no virtual-pipeline flag:
+#        the non-interleaved 1F1B schedule (while the paper's section 5.1 says "we use the interleaved pipeline
+#        schedule with the scatter/gather optimization enabled" for Table 1: the paper and its script disagree for
+#        1T; chapter 11 now: "Part of the 1T row's miss is the schedule").
 # 7. distlab/planner/published.py:87 (MEGATRON_FULL zero_stage=1): the SC21 runs used Megatron's local DDP
 #    (`DDP=local` / `--DDP-impl local`) with fp16; no distributed (ZeRO-1) optimizer appears in the script or the
 #    paper. Not a number the paper prints, but the planner fixes it as if stated.
@@ -749,8 +765,9 @@ NOT_FOUND: dict[str, str] = {
 #    (mistral-community/Mixtral-8x22B-v0.1) has vocab_size 32000; the Instruct model's config (via derived copies)
 #    has 32768; mistralai's own base config was NOT FOUND. Other shape fields (56, 6144, 48, 8, 16384, 8, top-2) agree.
 # 16. Llama 3 Table 4, 128K row: the arXiv HTML rendering prints DP 4, the PDF prints DP 8. published.py:97-100 and
-#    chapter 11:107 use DP 8, which agrees with the PDF and with 8 x 16 x 16 x 8 = 16,384 GPUs; recorded so that no
-#    one "corrects" it from the HTML page (SOURCES['llama3_table4_html_128k_row']).
+#    chapter 11's 128K row ("The planner against published runs": "tp=8,pp=16,dp=8,cp=16,zero=3") use DP 8, which
+#    agrees with the PDF and with 8 x 16 x 16 x 8 = 16,384 GPUs; recorded so that no one "corrects" it from the HTML
+#    page (SOURCES['llama3_table4_html_128k_row']).
 # Figures checked and found to agree (no disagreement): Llama 3 Table 4 (all three rows: GPUs, TP, CP, PP, DP 64/128/8,
 # seq, batch/DP 32/16/16, 16M tokens, 430/400/380 TFLOPs, 43/41/38 %), Table 3 (126, 16384, 53248, 128 heads, 8 KV),
 # H100 80GB HBM3 700 W, 8 GPUs/server on NVLink, 400 Gbps; Megatron Table 1 rows 145.6B/310.1B/529.6B/1008.0B
