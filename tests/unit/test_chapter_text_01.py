@@ -18,6 +18,8 @@ def flat(text: str) -> str:
 
 def says(phrase: str) -> None:
     assert flat(phrase) in flat(TEXT), f"chapter 01 no longer says {phrase!r}: the code computes it; update the text"
+    if phrase.startswith("|"):   # a table row renders only on one line: verbatim, not just its words
+        assert phrase in TEXT, f"chapter 01's table row {phrase!r} is no longer one line of its table"
 
 
 def test_training_state_of_the_tiny_and_a100_presets():
@@ -212,9 +214,12 @@ def test_the_ladder_section_states_the_measured_and_derived_figures():
     assert "seq_len = 8192" in SOURCES["torchtitan_llama3_8b_toml"].quote
     assert 'mixed_precision_param", type=str, default="bfloat16"' in SOURCES["torchtitan_bf16_weights_and_compile_order"].quote
     assert models.preset("llama3_8b_slice", n_layers=32).num_params() == 8_030_261_248  # Llama 3 8B's count
-    section = flat(TEXT.split("### The ladder")[1].split("\n## ")[0])
+    raw = TEXT.split("### The ladder")[1].split("\n## ")[0]
+    section = flat(raw)
     for key, value in ladder_figures().items():
         assert flat(value) in section, f"{key}: the ladder section no longer says {value!r}; update the text"
+        if key.endswith("_TABLE"):   # a table renders only row by row: its lines verbatim, not just its words
+            assert value in raw, f"{key}: the ladder section's table is no longer {value!r} line for line"
     assert "47.8% MFU" in section and f"{RUNG['compiled_batch16']['mfu_bf16_peak']:.1%}" == "47.8%"
     # the compiled rung's failed peak check is not explained away: the batch-16 compiled rung passed the same check
     assert any(c.startswith("peak memory") for c in RUNG["compiled"]["failed_checks"])

@@ -18,6 +18,8 @@ def flat(text: str) -> str:
 
 def says(phrase: str) -> None:
     assert flat(phrase) in flat(TEXT), f"chapter 02 no longer says {phrase!r}: the code computes it; update the text"
+    if phrase.startswith("|"):   # a table row renders only on one line: verbatim, not just its words
+        assert phrase in TEXT, f"chapter 02's table row {phrase!r} is no longer one line of its table"
 
 
 def test_the_memory_wall_table():
