@@ -183,6 +183,40 @@ def communication_events(trace: dict, device_type: str = "cpu") -> list[dict]:
     return sorted(out, key=lambda c: c["start"])
 
 
+# What the process group records for each collective it runs ("gloo:all_reduce", "nccl:all_reduce"): a CPU-side
+# event with the collective's input tensors, whatever called it (eager c10d, DTensor, compiled code).
+BACKEND_PREFIXES = ("gloo:", "nccl:")
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}
+
+
+def collective_calls(trace: dict, collectives: tuple = ("all_reduce", "broadcast")) -> list[dict]:
+    """The collectives a profiled step ran, each ``{collective, payload_bytes}`` (its input's bytes: distlab.comm's
+    payload for an all-reduce or a broadcast) inside the profiled steps, read off the process group's own events; the
+    profiler must record shapes (``one_step`` does).
+
+    Unlike :class:`distlab.comm.CommCounter` it needs no Python dispatch mode, so it also counts what compiled code
+    issues (a dispatch mode turns dynamo off: torch 2.13 ``_dynamo/convert_frame.py`` 2538-2557). It knows nothing
+    of modules or phases: a step's totals only. Read on gloo; NCCL names its events the same way ("nccl:")."""
+    import math
+
+    events = complete_events(trace)
+    steps = merge(step_spans(events))
+    calls = []
+    for event in sorted(events, key=lambda e: e["ts"]):
+        name = event["name"]
+        if not name.startswith(BACKEND_PREFIXES) or name.split(":", 1)[1] not in collectives:
+            continue
+        if not any(s <= span(event)[0] < t for s, t in steps):      # only inside the profiled steps
+            continue
+        args = event.get("args", {})
+        dims, types = args.get("Input Dims"), args.get("Input type")
+        if not dims or not types:
+            raise ValueError(f"{name} has no input shapes: profile with record_shapes=True")
+        calls.append({"collective": name.split(":", 1)[1],
+                      "payload_bytes": math.prod(dims[0]) * ELEMENT_BYTES[types[0]]})
+    return calls
+
+
 def time_per_kind(trace: dict, device_type: str = "cpu") -> dict:
     """Seconds of the profiled steps spent computing only, communicating only, both, or neither.
 

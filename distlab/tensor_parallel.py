@@ -296,6 +296,19 @@ def measured_comm_rows(calls, *, phase: str | None = None, where: str | None = N
     return list(rows.values())
 
 
+def step_totals(rows: list[dict]) -> list[dict]:
+    """Rows of calls and payload bytes summed per collective over every phase and place: one step's totals, as
+    ``{"phase": "step", "where": "all", collective, calls, payload_bytes}`` (for what only a step's totals can be
+    measured of: compiled code, counted off the profiler)."""
+    totals: dict[str, dict] = {}
+    for row in rows:
+        total = totals.setdefault(row["collective"], {"phase": "step", "where": "all", "collective": row["collective"],
+                                                      "calls": 0, "payload_bytes": 0})
+        total["calls"] += row["calls"]
+        total["payload_bytes"] += row["payload_bytes"]
+    return list(totals.values())
+
+
 def join_comm_rows(measured: list[dict], formula: list[dict], world_size, *,
                    keys: tuple = ("phase", "where", "collective")) -> list[dict]:
     """One row per ``keys`` (by default (phase, where, collective)) present in either list: measured and formula

@@ -10,8 +10,13 @@ that stay split over the vocabulary. The script proves that
 * the collectives of one training step, measured, equal the formula: 2 all-reduces of B x S x H per block
   forward and 2 backward, one for the embedding, one for the output projection, three small ones for the loss.
 
+``--compile`` compiles each block after the plan is applied, as torchtitan does (chapter 01's ladder switch), and
+proves the same: its collectives are read off the profiler (a step's totals), since the per-module counter's
+dispatch mode would turn the compiler off.
+
     torchrun --standalone --nproc_per_node=4 scripts/06_tensor_parallel/tp_transformer.py
     torchrun --standalone --nproc_per_node=4 scripts/06_tensor_parallel/tp_transformer.py --preset a100
+    torchrun --standalone --nproc_per_node=4 scripts/06_tensor_parallel/tp_transformer.py --compile
 """
 
 import contextlib
@@ -23,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from distlab import comm, data, memory, metrics, models, runtime, tensor_parallel
+from distlab import comm, data, memory, metrics, models, profiling, runtime, speed, tensor_parallel
 
 
 def check_config(args, world_size):
@@ -43,6 +48,8 @@ def main():
     p.add_argument("--plan", choices=["regions", "per-linear"], default="regions",
                    help="regions: one DTensor input per attention/feed-forward region (2 backward all-reduces per "
                         "block); per-linear: without PrepareModuleInput (5)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block after the plan is applied, as torchtitan does (chapter 01's ladder)")
     tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
     cfg = tensor_parallel.model_from_args(args)
@@ -68,10 +75,20 @@ def main():
         mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
         model = models.build_transformer(cfg, args.seed, rt.device)
         tensor_parallel.parallelize_transformer(model, mesh, region_inputs=args.plan == "regions")
+        if args.compile:
+            # The first block's input is the embedding's to_local() output: a view made inside a custom autograd
+            # Function (torch 2.13 distributed/tensor/_api.py:112). As a compiled block's input, backward skipped
+            # that Function: the embedding's Redistribute.backward got a plain tensor and failed ("'Tensor' object
+            # has no attribute '_local_tensor'"; measured with aot_eager and inductor, the eager backend passes).
+            # A copy of the embedding's output is an ordinary tensor, and the step equals one device again.
+            model.tok_embeddings.register_forward_hook(lambda module, inputs, output: output.clone())
+            for block in model.layers.values():
+                block.compile()
         optimizer = models.adamw_for_mixed_parameters(model.parameters(), args.lr)  # sharded weights, plain norms
 
         # 3. Train. Every TP rank sees the whole batch: TP splits the model, not the data.
         counter = comm.ModuleCommCounter()
+        watcher = profiling.one_step(rt.device)   # under --compile: no dispatch mode, so dynamo still compiles
         started = None
         for step in range(args.steps):
             if step == 1:
@@ -79,10 +96,13 @@ def main():
                 started = time.perf_counter()  # step 0 pays one-off costs (DTensor's sharding caches)
             inputs, targets = data.split_inputs_targets(
                 data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed).to(rt.device))
-            with counter if step == 0 else contextlib.nullcontext(), loss_parallel():
+            counting = (watcher if args.compile else counter) if step == 0 else contextlib.nullcontext()
+            with counting, loss_parallel():
                 logits = model(inputs)  # a DTensor, split over the vocabulary
                 loss = models.lm_loss(logits, targets)
                 loss.backward()
+                if step == 0 and args.compile:
+                    watcher.step()
             if step == 0:
                 difference = tensor_parallel.max_gradient_difference(model, reference_grads)
                 report.check("step-0 gradients equal single-device (every parameter)",
@@ -105,11 +125,19 @@ def main():
                          "param_bytes_single_device": cfg.num_params() * 4,
                          **metrics.memory_snapshot(rt.device)}
 
-        # 5. The communication ledger of step 0: measured, against the formula.
+        # 5. The communication ledger of step 0: measured, against the formula. Compiled blocks: the step's totals
+        #    per collective, read off the profiler (it does not know modules or phases).
         formula = tensor_parallel.tp_comm_formula(cfg, args.batch, args.seq_len, rt.world_size,
                                                   region_inputs=args.plan == "regions")
-        ledger = tensor_parallel.join_comm_rows(tensor_parallel.measured_comm_rows(counter.calls), formula,
-                                                rt.world_size)
+        if args.compile:
+            speed.check_blocks_compiled(report)
+            measured = [{"collective": c["collective"], "calls": 1, "payload_bytes": c["payload_bytes"]}
+                        for c in profiling.collective_calls(profiling.trace_of(watcher))]
+            ledger = tensor_parallel.join_comm_rows(tensor_parallel.step_totals(measured),
+                                                    tensor_parallel.step_totals(formula), rt.world_size)
+        else:
+            ledger = tensor_parallel.join_comm_rows(tensor_parallel.measured_comm_rows(counter.calls), formula,
+                                                    rt.world_size)
         rt.print(f"\ncommunication of one training step (B x S x H = {args.batch} x {args.seq_len} x {cfg.dim}):")
         rt.print(f"  {'phase':9s} {'where':10s} {'collective':12s} {'calls':>5s} {'measured':>12s} "
                  f"{'formula':>12s}   sent per rank (derived: ring model x measured)")

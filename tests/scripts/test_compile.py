@@ -1,5 +1,5 @@
 """torch.compile across the course, on the CPU (inductor builds C++ here): chapter 01's ladder switches change how a
-step runs, not what it computes; chapter 05's FSDP2 with compiled blocks equals one device. One file, so one pytest
+step runs, not what it computes; chapter 05's FSDP2 and chapter 06's DTensor TP with compiled blocks equal one device. One file, so one pytest
 worker runs both in this order: the FSDP ranks compile chapter 01's graph (8 rows of 32 tokens), and inductor's cache
 on disk serves it (make test compiles in the test's own process: TORCHINDUCTOR_COMPILE_THREADS=1)."""
 
@@ -13,6 +13,7 @@ from labkit import launch
 
 SCRIPT = "scripts/01_single_device_baseline/train_baseline.py"
 FSDP = "scripts/05_fully_sharded/train_fsdp.py"
+TP = "scripts/06_tensor_parallel/tp_transformer.py"
 P = 123_200  # parameters of the tiny transformer
 
 
@@ -53,3 +54,17 @@ def test_fsdp_with_compiled_blocks_equals_one_device_and_gathers_as_before():
     assert any(c["name"].startswith("the blocks ran compiled") for c in metrics["checks"])
     comm = {c["collective"]: c for c in metrics["comm"]}
     assert comm["all_gather"]["measured_bytes"] == 2 * 4 * P
+
+
+def test_tensor_parallel_with_compiled_blocks_equals_one_device_and_sends_the_formulas_bytes():
+    """torchtitan's order (the TP plan, then compile each block) on 2 CPU ranks: DTensor's collectives inside the
+    compiled graphs. The script's checks: step-0 gradients and losses equal one device (1e-6, 1e-5), a graph was
+    captured, and the step's all-reduces, read off the profiler (a dispatch mode would turn compile off), equal the
+    formula's totals. Seen failing: without the copy of the embedding's output the first backward raises; a payload
+    counted at half its bytes fails the ledger check."""
+    metrics = assert_all_checks_passed(launch.run(TP, nproc=2, args=["--compile", "--steps", "3"], stream=False),
+                                       min_checks=5)
+    assert any(c["name"].startswith("the blocks ran compiled") for c in metrics["checks"])
+    (row,) = metrics["comm"]
+    assert (row["collective"], row["phase"], row["measured_calls"]) == ("all_reduce", "step", 13)
+    assert row["measured_bytes"] == row["analytic_bytes"] == 10 * 4 * 32 * 64 * 4 + 3 * 4 * 32 * 4

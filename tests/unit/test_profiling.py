@@ -146,3 +146,31 @@ def test_missing_ranks_check():
             ch12.check_missing_ranks(wrong)
     with pytest.raises(ExerciseIncomplete):
         ch12.check_missing_ranks(lambda journals, label: None)
+
+
+def shaped(name, ts, dims, dtype="float", tid=GLOO):
+    return {**event(name, ts, 5, tid=tid), "args": {"Input Dims": [dims], "Input type": [dtype]}}
+
+
+def test_collective_calls_reads_the_process_groups_own_events():
+    """What compiled code issues is counted off the profiler (no dispatch mode): the process group's events with
+    their input's shape and type; the dispatcher's and the functional layer's events of the same call are not
+    counted again, nor what ran outside the profiled step."""
+    trace = {"traceEvents": [
+        event("ProfilerStep#0", 0, 100, cat="user_annotation"),
+        shaped("gloo:all_reduce", 10, [4, 32, 64]),                        # 4*32*64 fp32: 32,768 bytes
+        shaped("nccl:all_reduce", 20, [4, 32, 64], "c10::BFloat16"),       # half of it
+        shaped("gloo:broadcast", 30, [10]),
+        shaped("gloo:all_gather", 40, [8]),                                # not asked for
+        shaped("_c10d_functional::all_reduce", 50, [4, 32, 64], tid=MAIN),  # the same call, one layer up
+        {**event("c10d::allreduce_", 50, 1), "args": {"Input Dims": [[[4, 32, 64]]], "Input type": ["TensorList"]}},
+        shaped("gloo:all_reduce", 150, [4, 32, 64]),                       # after the step
+    ]}
+    assert profiling.collective_calls(trace) == [
+        {"collective": "all_reduce", "payload_bytes": 32_768}, {"collective": "all_reduce", "payload_bytes": 16_384},
+        {"collective": "broadcast", "payload_bytes": 40}]
+    assert [c["collective"] for c in profiling.collective_calls(trace, ("all_gather",))] == ["all_gather"]
+    unshaped = {"traceEvents": [event("ProfilerStep#0", 0, 100, cat="user_annotation"),
+                                event("gloo:all_reduce", 10, 5, tid=GLOO)]}
+    with pytest.raises(ValueError, match="record_shapes"):
+        profiling.collective_calls(unshaped)

@@ -146,3 +146,14 @@ def test_model_flags_fill_defaults_and_override_shapes():
     args = parser.parse_args(["--preset", "a100", "--batch", "6", "--dim", "512"])
     assert tensor_parallel.model_from_args(args).dim == 512 and args.batch == 6
     assert args.lr == runtime.LARGE_MODEL_LR  # the a100 preset's learning rate
+
+
+def test_step_totals_sum_every_phase_and_place_per_collective():
+    """What compiled TP is held to (its collectives counted off the profiler, a step's totals): the formula's rows
+    summed per collective. For the tiny model on 2 ranks: 10 all-reduces of B x S x h (2 blocks x 2 regions x 2
+    directions, the embedding, the output projection's input gradient) and the loss's 3 of B x S."""
+    formula = tp.tp_comm_formula(models.preset("tiny"), 4, 32, 2)
+    totals = tp.step_totals(formula)
+    assert totals == [{"phase": "step", "where": "all", "collective": "all_reduce", "calls": 13,
+                       "payload_bytes": 10 * 4 * 32 * 64 * 4 + 3 * 4 * 32 * 4}]
+    assert tp.step_totals([{"collective": "all_gather", "calls": 1, "payload_bytes": 8}] * 2)[0]["calls"] == 2
