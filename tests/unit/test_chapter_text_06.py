@@ -89,3 +89,27 @@ def test_the_losses_are_equal_to_a_tolerance_not_identical():
     assert tp.TOLERANCE["tiny"]["loss"] == 1e-5  # the tolerance tp_transformer.py checks the losses with
     says("(4.8e-7\nmeasured, tolerance 1e-5)")
     assert "the losses of the run are identical" not in TEXT
+
+
+def test_the_compiled_blocks_section_names_what_the_code_does():
+    """The section's claims, each against its source: the flag and the copy in the script, the profiler's count
+    in distlab, the planted failures in the test that runs it, and the torch line that makes the view."""
+    import torch
+
+    from distlab import profiling
+
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "scripts" / "06_tensor_parallel" / "tp_transformer.py").read_text()
+    test = (root / "tests" / "scripts" / "test_compile.py").read_text()
+    section = TEXT[TEXT.index("## Compiled blocks"):TEXT.index("## What TP does not split")]
+    assert '"--compile"' in script and "block.compile()" in script
+    assert "tok_embeddings.register_forward_hook(lambda module, inputs, output: output.clone())" in script
+    assert "profiling.collective_calls" in section and callable(profiling.collective_calls)
+    assert "profiling.collective_calls" in script and "step_totals" in script
+    for planted in ("Without the copy", "half their bytes"):
+        assert planted in section
+    assert "without the copy of the embedding's output the first backward raises" in test
+    assert "a payload\n    counted at half its bytes fails the ledger check" in test
+    assert "'Tensor' object has no attribute '_local_tensor'" in section
+    line = (Path(torch.__file__).parent / "distributed" / "tensor" / "_api.py").read_text().splitlines()[111]
+    assert "`distributed/tensor/_api.py:112`" in section and "view_as" in line, line
