@@ -123,6 +123,7 @@ RUNS: tuple[Run, ...] = (
         world="half"),
     Run("tp_from_scratch", f"{CH06}/tp_from_scratch.py", min_gpus=2),
     Run("tp_transformer", f"{CH06}/tp_transformer.py", min_gpus=2),
+    Run("tp_transformer_compiled", f"{CH06}/tp_transformer.py", ("--compile",), min_gpus=2),   # NCCL's events: "nccl:"
     Run("pp_manual", f"{CH07}/pp_manual.py", min_gpus=2),
     Run("pp_schedules", f"{CH07}/pp_schedules.py", ("--schedule", "1F1B"), min_gpus=2),
     Run("pp_train_1f1b", f"{CH07}/pp_train.py", ("--schedule", "1F1B"), min_gpus=2),
