@@ -59,3 +59,82 @@ def test_contributing_example_is_true():
     chapter = " ".join((Path(prose.ROOT) / "chapters" / "11_choosing_a_strategy.md").read_text().split())
     pieces = [p.strip(" -") for p in re.split(r"\[\.\.\.\]|\*\(.*?\)\*|- ", quoted) if len(p.strip(" -")) > 20]
     assert len(pieces) >= 3 and all(piece in chapter for piece in pieces), [p for p in pieces if p not in chapter]
+
+
+# ---- where the measure split or dropped what a reader reads (issue 33's review); each seen failing before its fix
+
+
+def test_an_ellipsis_does_not_end_a_sentence():
+    page = ("Rank r takes the indices r, r + N, r + 2N, ... of a permutation. Every rank ends with x_0 + ... + x_3. "
+            'gloo says "Timed out waiting ... for recv operation". Then it stops.')
+    assert prose.sentences(page) == ["Rank r takes the indices r, r + N, r + 2N, ... of a permutation.",
+                                     "Every rank ends with x_0 + ... + x_3.",
+                                     'gloo says "Timed out waiting ... for recv operation".', "Then it stops."]
+
+
+def test_a_quoted_question_inside_a_sentence_does_not_end_it():
+    page = 'Every "does it fit?" in the course compares GiB. Does it fit? Yes. Ask "why?" Then answer.'
+    assert prose.sentences(page) == ['Every "does it fit?" in the course compares GiB.', "Does it fit?", "Yes.",
+                                     'Ask "why?"', "Then answer."]
+
+
+def test_an_emphasised_sentence_ends_at_its_period():
+    assert prose.sentences("*The halo does not shrink.* One more. _Another one._ Last.") == [
+        "*The halo does not shrink.*", "One more.", "_Another one._", "Last."]
+
+
+def test_an_indented_code_block_is_not_prose():
+    page = ("For P = 4 rank 0 runs\n\n    rank 0: 0F0 0F1 0B0. 0B1 0F2 0B2\n    rank 1: 1F0\n\nHere it ends.\n\n"
+            "- an item\n\n  its second paragraph, indented as the item is.\n\n    Four spaces in: still the item.\n"
+            "\nA paragraph\n    continued by an indented line.\n")
+    assert prose.sentences(page) == ["For P = 4 rank 0 runs", "Here it ends.", "an item",
+                                     "its second paragraph, indented as the item is.",
+                                     "Four spaces in: still the item.", "A paragraph continued by an indented line."]
+
+
+def test_a_link_counts_as_its_text_even_with_brackets_in_it():
+    page = "[\\[Bug\\] Loss=-1.0 in pipeline parallel (pytorch/torchtitan #547)](https://github.com/x/y/issues/547)."
+    assert prose.sentences(page) == ["[Bug] Loss=-1.0 in pipeline parallel (pytorch/torchtitan #547)."]
+
+
+def test_a_title_inside_a_link_does_not_end_the_sentence():
+    page = ('Reported by [Is "DistributedSampler" necessary? (a/b #16)](https://x/16) and [Sharded dropout. '
+            "(c/d #3)](https://x/3). [A guide.](https://x/g) Next.")
+    assert prose.sentences(page) == ['Reported by Is "DistributedSampler" necessary? (a/b #16) and Sharded dropout. '
+                                     "(c/d #3).", "A guide.", "Next."]
+
+
+def test_html_inside_inline_code_hides_no_words():
+    assert prose.sentences("Compare `a<b` with these five words here `c>d`. Next.") == [
+        "Compare CODE with these five words here CODE.", "Next."]
+    assert prose.sentences("When M < P and P > 1 the bubble <b>grows</b>.") == [
+        "When M < P and P > 1 the bubble grows."]
+
+
+def test_a_myst_directive_counts_its_text_not_its_options():
+    page = ("```{note}\nA note the reader reads. It has two sentences.\n```\n\n"
+            "```{figure} figures/06_split.png\n:alt: the split\n:width: 80%\n\nThe caption, which is read.\n```\n\n"
+            ":::{warning}\nA colon fence is read too.\n:::\n\n"
+            "```{code-cell} python\nx. y. z.\n```\n\n```{math}\na. b.\n```\n")
+    assert prose.sentences(page) == ["A note the reader reads.", "It has two sentences.", "The caption, which is read.",
+                                     "A colon fence is read too."]
+
+
+def test_what_the_measure_already_read_right_stays_right():
+    """A guard, not a fix (these passed before issue 33's review): numbered lists with ')', 'Fig.' and 'et al.',
+    HTML blocks' text, tables left out."""
+    page = ("See Fig. 3 of Narayanan et al. for it. Then:\n\n1) first item. Two.\n2) second item\n\n"
+            "| a | b. c. |\n|---|---|\n\n<details><summary>Show the answer.</summary>\n\nThe answer is 4.\n\n</details>\n")
+    assert prose.sentences(page) == ["See Fig. 3 of Narayanan et al. for it.", "Then:", "first item.", "Two.",
+                                     "second item", "Show the answer.", "The answer is 4."]
+
+
+def test_a_notebook_cell_ends_its_own_fence_and_comment(tmp_path):
+    import json
+    cells = [{"cell_type": "markdown", "source": ["A cell.\n", "```python\n", "x = 1"]},
+             {"cell_type": "code", "source": "y = 2", "outputs": [], "metadata": {}, "execution_count": None},
+             {"cell_type": "markdown", "source": "<!-- a note left open\n\nHidden by the open comment."},
+             {"cell_type": "markdown", "source": "So is this one. -->"}]
+    lab = tmp_path / "lab.ipynb"
+    lab.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert prose.sentences(prose.notebook_markdown(lab)) == ["A cell.", "So is this one."]
