@@ -333,7 +333,7 @@ def main():
                         buckets=buckets_per_step[-1])
         rt.print(f"all-reduced per optimizer step: {step_bytes[-1]:,} B = parameter bytes {param_bytes:,} B; on a "
                  f"ring each rank sends 2(N-1)/N of it = {ring_sent:,.0f} B (derived: the ring model)")
-        rt.print(f"buckets (last step, in the order they were all-reduced): "
+        rt.print("buckets (last step, in the order they were all-reduced): "
                  + ", ".join(f"#{b['index']}: {b['bytes']:,} B, {len(b['params'])} params" for b in log.buckets))
         report.check("bytes all-reduced per optimizer step = parameter bytes (comm hook, every step)",
                      all(b == param_bytes for b in step_bytes), step_bytes[-1], f"== {param_bytes}")
