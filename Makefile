@@ -64,7 +64,7 @@ pbs: $(STAMP)
 slurm: $(STAMP)
 	$(PY) -m pytest tests/slurm $(PYTEST_ARGS)
 
-## How long the course's sentences are (chapters, labs' markdown, README, CONTRIBUTING): mean <= 20 words, none over 40
+## How long the course's sentences are (chapters, labs' markdown, READMEs, CONTRIBUTING): mean <= 20 words, none over 40
 .PHONY: prose
 prose: $(STAMP)
 	$(PY) -m coursetools.prose $(PROSE_ARGS)

@@ -2,7 +2,7 @@
 
 The course writes one idea a sentence: a mean of 20 words or fewer, none over 40 (CONTRIBUTING.md, "How the
 course writes"). This module is the one measurement (the style test, tests/unit/test_prose_style.py, and ``make
-prose`` use it), so a chapter, a lab's markdown, the README and CONTRIBUTING are all counted the same way:
+prose`` use it), so a chapter, a lab's markdown, the READMEs and CONTRIBUTING are all counted the same way:
 
 * prose only: fenced code, indented code blocks, tables, headings, HTML comments and display maths are left out
   (a table's cells are not measured: keep sentences out of them);
@@ -18,7 +18,7 @@ prose`` use it), so a chapter, a lab's markdown, the README and CONTRIBUTING are
   the abbreviations of ``ABBREVIATIONS``; a quoted question followed by a lower-case word (every "does it fit?" in
   the course) is inside its sentence.
 
-A word is what whitespace separates. ``python -m coursetools.prose`` prints the table for every chapter, lab and the
+A word is what whitespace separates. ``python -m coursetools.prose`` prints the table for every chapter, lab and
 README; ``--long`` lists each sentence over 40 words with its file.
 """
 
@@ -200,11 +200,11 @@ def notebook_markdown(path: Path) -> str:
 
 def course_texts(root: Path = ROOT) -> dict[str, str]:
     """Every text a learner reads: the chapters, the labs' markdown (the full copies: the learner's copies are
-    generated from them), the README and CONTRIBUTING."""
+    generated from them), the README, the two cluster guides (PBS and Slurm) and CONTRIBUTING."""
     texts = {str(p.relative_to(root)): p.read_text() for p in sorted((root / "chapters").glob("[0-9][0-9]_*.md"))}
     texts.update({str(p.relative_to(root)): notebook_markdown(p)
                   for p in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))})
-    for name in ("README.md", "CONTRIBUTING.md"):
+    for name in ("README.md", "pbs/README.md", "slurm/README.md", "CONTRIBUTING.md"):
         texts[name] = (root / name).read_text()
     return texts
 

@@ -1,4 +1,4 @@
-"""Issue 33's style over every text a learner reads (the chapters, the labs' markdown, the README, CONTRIBUTING): one
+"""Issue 33's style over every text a learner reads (the chapters, the labs' markdown, the READMEs, CONTRIBUTING): one
 idea a sentence, a mean of 20 words or fewer, none over 40, measured by ``coursetools.prose`` (the one measurement:
 ``make prose`` prints it). The first tests hold the measurement itself to what a reader reads."""
 
@@ -33,7 +33,7 @@ def test_every_text_is_measured():
     names = set(TEXTS)
     assert {f"chapters/{n:02d}" for n in range(15)} <= {name[:11] for name in names}
     assert sum(name.startswith("notebooks/") for name in names) == 14
-    assert {"README.md", "CONTRIBUTING.md"} <= names
+    assert {"README.md", "pbs/README.md", "slurm/README.md", "CONTRIBUTING.md"} <= names
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))
