@@ -44,13 +44,11 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took
 ## 39; the tests check what is computed, not how fast). Each test process and notebook kernel computes on one thread
 ## (OMP_NUM_THREADS=1, as every rank already does): two workers on two cores, each with torch's default of a thread a
-## core, fought over them (a unit test's 30 tiny steps took 1.5 s alone and 15 s inside make test). The first phase
-## collects the slowest files first (the Slurm and PBS tiers' jobs, the labs), so no long file starts last and leaves
-## one worker running alone at the end.
+## core, fought over them (a unit test's 30 tiny steps took 1.5 s alone and 15 s inside make test).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
-	$(PY) -m pytest tests/slurm tests/pbs $(NOTEBOOKS) tests/scripts tests/unit --nbval-lax --nbval-current-env \
+	$(PY) -m pytest tests/unit tests/scripts tests/pbs tests/slurm $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
