@@ -170,17 +170,21 @@ def labelled_spans(events: list[dict], label: str, device_type: str = "cpu") -> 
 
 def communication_events(trace: dict, device_type: str = "cpu") -> list[dict]:
     """Every collective that ran inside the profiled steps: ``{collective, start, end}`` in microseconds."""
-    events = complete_events(trace)
-    steps = merge(step_spans(events))
     out = []
-    for e in events:
+    for e in events_in_steps(trace):
         if is_communication(e, device_type):
             start, end = span(e)
-            if any(s <= start < t for s, t in steps):
-                # the shapes of its inputs (recorded with record_shapes=True): a flat buffer (FSDP's) or not
-                out.append({"collective": collective_name(e), "start": start, "end": end,
-                            "input_dims": e.get("args", {}).get("Input Dims")})
+            # the shapes of its inputs (recorded with record_shapes=True): a flat buffer (FSDP's) or not
+            out.append({"collective": collective_name(e), "start": start, "end": end,
+                        "input_dims": e.get("args", {}).get("Input Dims")})
     return sorted(out, key=lambda c: c["start"])
+
+
+def events_in_steps(trace: dict) -> list[dict]:
+    """The events with a duration that start inside the profiled steps (``ProfilerStep#`` spans)."""
+    events = complete_events(trace)
+    steps = merge(step_spans(events))
+    return [e for e in events if any(s <= span(e)[0] < t for s, t in steps)]
 
 
 # What the process group records for each collective it runs ("gloo:all_reduce", "nccl:all_reduce"): a CPU-side
@@ -196,17 +200,14 @@ def collective_calls(trace: dict, collectives: tuple = ("all_reduce", "broadcast
 
     Unlike :class:`distlab.comm.CommCounter` it needs no Python dispatch mode, so it also counts what compiled code
     issues (a dispatch mode turns dynamo off: torch 2.13 ``_dynamo/convert_frame.py`` 2538-2557). It knows nothing
-    of modules or phases: a step's totals only. Read on gloo; NCCL names its events the same way ("nccl:")."""
+    of modules or phases: a step's totals only. Read on gloo; NCCL names its events the same way (torch's
+    ProcessGroupNCCL.hpp: ``allreduce_impl``'s ``profilingTitle = "nccl:all_reduce"``), not yet read on a GPU."""
     import math
 
-    events = complete_events(trace)
-    steps = merge(step_spans(events))
     calls = []
-    for event in sorted(events, key=lambda e: e["ts"]):
+    for event in sorted(events_in_steps(trace), key=lambda e: e["ts"]):
         name = event["name"]
         if not name.startswith(BACKEND_PREFIXES) or name.split(":", 1)[1] not in collectives:
-            continue
-        if not any(s <= span(event)[0] < t for s, t in steps):      # only inside the profiled steps
             continue
         args = event.get("args", {})
         dims, types = args.get("Input Dims"), args.get("Input type")
