@@ -88,7 +88,7 @@ def main():
 
         # 3. Train. Every TP rank sees the whole batch: TP splits the model, not the data.
         counter = comm.ModuleCommCounter()
-        watcher = profiling.one_step(rt.device)   # under --compile: no dispatch mode, so dynamo still compiles
+        watcher = profiling.one_step(rt.device) if args.compile else None   # no dispatch mode: dynamo still compiles
         started = None
         for step in range(args.steps):
             if step == 1:
