@@ -38,7 +38,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
 ## copies, on two workers: they replay the script runs their full notebooks made in the first phase
 ## (DISTLAB_LAUNCH_CACHE, shared by every phase). Last, alone, the timing-sensitive tests. Each test
-## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, coursetools.forkserver):
+## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, labkit.forkserver):
 ## a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
 ## inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on 2 busy cores its pool of workers cost
 ## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took

@@ -9,7 +9,6 @@ figures          make figures: the chapters' pictures, drawn from the library's 
 gpu_check        make gpu-check: every script on the GPUs present, one JSON summary and a table
 gpu_ladder       make gpu-ladder: chapter 01's ladder on one GPU, rung by rung, and where the best step's time goes
 demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
-forkserver       make test's fork server: torch imported once per test process, a forkrun forked per launch
 slurm_cluster    make test's Slurm tier: a real two-node Slurm cluster on this machine (munged, slurmctld, two slurmd)
 jobs             the batch jobs' rules (jobs/common.sh calls it) and `python -m coursetools.jobs submit`
 """

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coursetools import forkserver
+from labkit import forkserver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_LINES = 40

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 
-from coursetools import forkserver
+from labkit import forkserver
 from labkit import broken_runs
 from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
 

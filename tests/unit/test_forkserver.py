@@ -4,8 +4,7 @@ import time
 
 import pytest
 
-from labkit import launch
-from coursetools import forkserver
+from labkit import forkserver, launch
 
 BAD_MESH = ("scripts/09_hybrid_parallel/hybrid_3d.py", ["--pp", "2", "--dp", "2", "--tp", "2"])
 

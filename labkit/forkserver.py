@@ -90,7 +90,7 @@ def _server_path() -> str:
     folder = tempfile.mkdtemp(prefix="dlfs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "socket")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, "-m", "coursetools.forkserver", path], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "labkit.forkserver", path], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
