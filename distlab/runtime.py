@@ -58,7 +58,7 @@ class ConfigError(Exception):
 class LauncherEnv:
     """Where this process sits in the job, as its launcher described it."""
 
-    launcher: str  # "torchrun", "pals", "mpich", "openmpi", "slurm" or "single"
+    launcher: str  # "torchrun", "pals", "mpich", "openmpi", "slurm", "env" (RANK/WORLD_SIZE alone) or "single"
     rank: int
     world_size: int
     local_rank: int
@@ -130,41 +130,102 @@ def _first_set(env: dict, own: tuple[str, ...], everyone: tuple[str, ...]) -> tu
     return None, None
 
 
+def _slurm_tasks_on_node(tasks_per_node: str, node_id: int | None) -> int | None:
+    """This node's task count from Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``"4(x2),3"``: 4, 4, 3)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ConfigError(f"cannot read Slurm's tasks per node {tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if node_id is not None and 0 <= node_id < len(counts):
+        return counts[node_id]
+    return counts[0] if len(set(counts)) == 1 else None
+
+
+# Which MPI layer set the rank, in order: Cray PALS also sets PMI_RANK, so PALS is tested before MPICH.
+# (name, rank variable, world-size variables, its own local rank variables, its own local size variables)
+MPI_LAYERS = (
+    ("pals", "PALS_RANKID", ("PMI_SIZE", "PALS_SIZE"), ("PALS_LOCAL_RANKID",), ("PALS_LOCAL_SIZE", "PALS_PPN")),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",),
+     ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("mpich", "PMI_RANK", ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+)
+
+
 def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
     """Work out rank, world size, local rank and the rendezvous address from ``env`` (default os.environ).
 
-    Order matters: torchrun sets RANK; Cray PALS sets PALS_RANKID (and PMI_RANK); MPICH's Hydra sets
-    PMI_RANK; OpenMPI sets OMPI_COMM_WORLD_RANK; Slurm's srun sets SLURM_PROCID. Nothing set: a world of one.
+    * torchrun is known by ``TORCHELASTIC_RUN_ID``, which its agent gives every worker (torch's own test,
+      ``torch.distributed.is_torchelastic_launched``): its RANK/WORLD_SIZE win over the agent's inherited MPI
+      or Slurm variables.
+    * An MPI layer (Cray PALS ``PALS_RANKID``, OpenMPI ``OMPI_COMM_WORLD_RANK``, MPICH ``PMI_RANK``) or Slurm's
+      srun (``SLURM_PROCID``). When srun started the task itself (``srun --mpi=pmi2`` or ``--mpi=cray_shasta``
+      set the MPI rank, equal to ``SLURM_PROCID``), the world size, the tasks on this node and rank 0's host
+      come from Slurm's own variables: the MPI plugin may set only the rank (Slurm 22.05's cray_shasta).
+    * ``RANK``/``WORLD_SIZE`` without ``TORCHELASTIC_RUN_ID`` (labkit.forkrun, a hand-made wrapper) are used
+      when no launcher of several ranks says otherwise; a stale ``RANK=0 WORLD_SIZE=1`` beside an MPI or
+      srun rank of a larger world is a configuration error, not every rank training alone.
+    * Nothing set: a world of one.
     """
     env = dict(os.environ if env is None else env)
     read_file = read_file or (lambda path: open(path).read())
     notes: list[str] = []
 
-    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+    # What each layer says: (launcher, rank, world, its own local rank variables, its own local size variables)
+    mpi = next(((name, _int(env, rank_var), _int(env, *world_vars), own_local, own_size, rank_var)
+                for name, rank_var, world_vars, own_local, own_size in MPI_LAYERS if env.get(rank_var) is not None),
+               None)
+    # srun's task variables. A batch script's shell has SLURM_PROCID=0 and SLURM_NTASKS too, which whatever it
+    # starts inherits; SLURM_STEP_NUM_TASKS is set only in the tasks of an srun step (Slurm's env.c).
+    srun_rank = _int(env, "SLURM_PROCID")
+    step_world = _int(env, "SLURM_STEP_NUM_TASKS")
+    srun_world = step_world if step_world is not None else _int(env, "SLURM_NTASKS")
+    slurm_local_world = None
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if tasks_per_node:
+        slurm_local_world = _slurm_tasks_on_node(tasks_per_node, _int(env, "SLURM_NODEID"))
+
+    if env.get("TORCHELASTIC_RUN_ID") is not None:
         launcher = "torchrun"
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         own_local, own_size = ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)
-    elif env.get("PALS_RANKID") is not None:
-        launcher = "pals"
-        rank = _int(env, "PALS_RANKID")
-        world = _int(env, "PMI_SIZE", "PALS_SIZE")
-        own_local, own_size = ("PALS_LOCAL_RANKID",), ("PALS_LOCAL_SIZE", "PALS_PPN")
-    elif env.get("OMPI_COMM_WORLD_RANK") is not None:
-        launcher = "openmpi"
-        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        own_local, own_size = ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)
-    elif env.get("PMI_RANK") is not None:
-        launcher = "mpich"
-        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-        own_local, own_size = ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
-    elif env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
-        launcher = "slurm"
-        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-        own_local, own_size = ("SLURM_LOCALID",), ()
+        slurm_local_world = None  # the agent's srun step, not the workers'
+        if rank is None or world is None:
+            raise ConfigError("TORCHELASTIC_RUN_ID is set but RANK or WORLD_SIZE is not: start the script with "
+                              "torchrun itself, not from inside one of its workers")
     else:
-        launcher = "single"
-        rank, world = 0, 1
-        own_local, own_size = (), ()
+        # srun started this task itself, an MPI plugin (--mpi=pmi2, cray_shasta) adding its rank variables
+        started_by_srun = srun_rank is not None and (
+            (mpi is None and srun_world is not None)
+            or (mpi is not None and step_world is not None and mpi[1] == srun_rank and mpi[2] in (None, step_world)))
+        if started_by_srun:
+            launcher, rank, world = "slurm", srun_rank, srun_world
+            own_local, own_size = ("SLURM_LOCALID",), ()
+            if mpi is not None:
+                notes.append(f"srun's MPI plugin set {mpi[5]}; world, tasks per node and rank 0 from Slurm")
+        elif mpi is not None:
+            launcher, rank, world, own_local, own_size = mpi[:5]
+            slurm_local_world = None
+        else:
+            launcher, rank, world = "single", 0, 1
+            own_local, own_size = (), ()
+            slurm_local_world = None
+
+        explicit_rank, explicit_world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        if explicit_rank is not None and explicit_world is not None:
+            one_rank_launcher = launcher == "single" or (world is not None and world <= 1) or (
+                launcher == "slurm" and step_world is None)  # a batch script's shell, not an srun step
+            if one_rank_launcher:
+                # labkit.forkrun, or a wrapper's variables: a launcher of one rank started this world
+                launcher, rank, world = "env", explicit_rank, explicit_world
+                own_local, own_size = ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)
+                slurm_local_world = None
+            elif (explicit_rank, explicit_world) != (rank, world):
+                said = f"rank {rank} of {world}" if world is not None else f"rank {rank}"
+                raise ConfigError(
+                    f"RANK={explicit_rank} WORLD_SIZE={explicit_world} contradict {launcher}'s {said}, and no "
+                    "TORCHELASTIC_RUN_ID says torchrun set them: unset RANK and WORLD_SIZE (a stale export?)")
 
     if world is None or rank is None:
         raise ConfigError(f"launcher {launcher!r} set a rank but no world size; check the launch command")
@@ -173,9 +234,9 @@ def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
     if launcher == "single":
         local_rank, local_world = 0, 1
     else:
-        local_world, _ = _first_set(env, own_size, LOCAL_SIZE_VARIABLES)
-        if local_world is None and launcher == "slurm" and env.get("SLURM_TASKS_PER_NODE"):
-            local_world = int(env["SLURM_TASKS_PER_NODE"].split("(")[0].split(",")[0])  # e.g. "4(x2)" or "4,3"
+        local_world = slurm_local_world
+        if local_world is None:
+            local_world, _ = _first_set(env, own_size, LOCAL_SIZE_VARIABLES)
         if local_world is None:
             local_world = world
         local_rank, found = _first_set(env, own_local, LOCAL_RANK_VARIABLES)
@@ -196,9 +257,10 @@ def launcher_env(env: dict | None = None, read_file=None) -> LauncherEnv:
     master_addr = env.get("MASTER_ADDR")
     if master_addr:
         notes.append("MASTER_ADDR from the environment")
-    elif launcher == "slurm" and env.get("SLURM_JOB_NODELIST"):
-        master_addr = expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
-        notes.append("MASTER_ADDR = first host of SLURM_JOB_NODELIST")
+    elif launcher == "slurm" and (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")):
+        nodelist = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        master_addr = expand_hostlist(env[nodelist])[0]
+        notes.append(f"MASTER_ADDR = first host of {nodelist}")
     elif env.get("PBS_NODEFILE") and world > local_world:
         lines = [ln.strip() for ln in read_file(env["PBS_NODEFILE"]).splitlines() if ln.strip()]
         master_addr = lines[0]

@@ -13,7 +13,8 @@ def test_alone_is_a_world_of_one():
 
 
 def test_torchrun():
-    env = launcher_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+    env = launcher_env({"TORCHELASTIC_RUN_ID": "none", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "4",
                         "MASTER_ADDR": "dec0001", "MASTER_PORT": "29400"})
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("torchrun", 5, 8, 1, 4)
     assert (env.master_addr, env.master_port) == ("dec0001", 29400)
@@ -115,7 +116,8 @@ def test_the_launchers_own_local_rank_wins_over_the_others():
     env = launcher_env(PALS_WITHOUT_LOCAL_RANK | {"PALS_LOCAL_RANKID": "2", "MPI_LOCALRANKID": "3", "LOCAL_RANK": "0"})
     assert env.local_rank == 2 and not any("local rank from" in note for note in env.notes)
     # torchrun's workers started by mpiexec inherit the agent's PALS variables: LOCAL_RANK still decides
-    worker = launcher_env({"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+    worker = launcher_env({"TORCHELASTIC_RUN_ID": "none", "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2",
+                           "LOCAL_WORLD_SIZE": "4",
                            "PALS_RANKID": "1", "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "1",
                            "MASTER_ADDR": "dec0001"})
     assert (worker.launcher, worker.local_rank, worker.local_world_size) == ("torchrun", 2, 4)
@@ -175,3 +177,76 @@ def test_two_ranks_on_one_gpu_of_a_node_are_found():
     assert shared_gpus(masked) == []
     cpus = [dict(where("h", r, r), gpu="cpu") for r in range(2)] + [dict(where("h", 2, 2), gpu="cpu", gpu_index=0)]
     assert shared_gpus(cpus) == []  # CPU ranks share no GPU
+
+
+# ---------------------------------------------------------------------------------------------------
+# Probes of real launches (issue 45, item 10): each environment as that launcher sets it
+# ---------------------------------------------------------------------------------------------------
+
+# `srun -N 2 -n 8 --ntasks-per-node=4 --mpi=pmi2 python x.py`, task 5: Slurm's pmi2 plugin adds PMI_RANK (the
+# global task id) and PMI_SIZE (the step's tasks) to srun's own variables (slurm src/plugins/mpi/pmi2/mpi_pmi2.c,
+# mpi_p_slurmstepd_task; srun's step variables: src/common/env.c, env_array_for_step).
+SRUN_PMI2_TASK_5 = {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_FD": "11", "PMI_JOBID": "4242.0",
+                    "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+                    "SLURM_STEP_NUM_TASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)",
+                    "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[012-013]",
+                    "SLURM_STEP_NODELIST": "gpu[012-013]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+
+
+def test_srun_with_the_pmi2_plugin_is_slurms_world_and_node_list():
+    env = launcher_env(SRUN_PMI2_TASK_5)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 5, 8, 1, 4)
+    assert env.master_addr == "gpu012"  # not 127.0.0.1: two nodes must not rendezvous on localhost
+
+
+def test_slurm_22_05_cray_shasta_sets_a_rank_and_no_world_size():
+    # Slurm 22.05's mpi/cray_shasta sets PALS_RANKID, PALS_NODEID, PALS_APID, PALS_APINFO, PALS_SPOOL_DIR and no
+    # size (slurm-22-05-11-1 mpi_cray_shasta.c:202-207; PMI_SIZE and PALS_LOCAL_RANKID came in 23.02, 0dbdbf9399)
+    shasta = {k: v for k, v in SRUN_PMI2_TASK_5.items() if not k.startswith("PMI_")} | {
+        "PALS_RANKID": "5", "PALS_NODEID": "1", "PALS_APID": "4242.0", "PALS_SPOOL_DIR": "/tmp/x"}
+    env = launcher_env(shasta)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 5, 8, 1, 4)
+    assert env.master_addr == "gpu012"
+    # uneven nodes: "4,3" tasks, this task on the second node
+    uneven = launcher_env(shasta | {"SLURM_STEP_NUM_TASKS": "7", "SLURM_NTASKS": "7",
+                                    "SLURM_STEP_TASKS_PER_NODE": "4,3", "SLURM_TASKS_PER_NODE": "4,3"})
+    assert (uneven.world_size, uneven.local_world_size) == (7, 3)
+    # Slurm 23.02 on: PMI_SIZE and PALS_LOCAL_RANKID too; the same answer
+    newer = launcher_env(shasta | {"PMI_RANK": "5", "PMI_SIZE": "8", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_SIZE": "4"})
+    assert (newer.launcher, newer.rank, newer.world_size, newer.local_world_size) == ("slurm", 5, 8, 4)
+
+
+def test_a_stale_rank_and_world_of_one_beside_an_mpi_rank_is_refused():
+    # `export RANK=0 WORLD_SIZE=1` left in the shell, then mpiexec: every rank would train alone, silently
+    pals = {"PALS_RANKID": "3", "PALS_LOCAL_RANKID": "3", "PMI_RANK": "3", "PMI_SIZE": "4", "PALS_LOCAL_SIZE": "4"}
+    with pytest.raises(ConfigError, match="RANK=0 WORLD_SIZE=1 contradict pals's rank 3 of 4") as error:
+        launcher_env(pals | {"RANK": "0", "WORLD_SIZE": "1"})
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="contradict slurm's rank 5 of 8"):
+        launcher_env(SRUN_PMI2_TASK_5 | {"RANK": "0", "WORLD_SIZE": "1"})
+    # the same variables agreeing (a wrapper that copied PMI_RANK to RANK) are no contradiction
+    assert launcher_env(pals | {"RANK": "3", "WORLD_SIZE": "4"}).launcher == "pals"
+
+
+def test_torchrun_is_known_by_its_run_id_and_wins_over_the_agents_variables():
+    # torchrun's workers get TORCHELASTIC_RUN_ID (torch local_elastic_agent.py:428); torch itself tests for it
+    # (distributed_c10d.py:1403-1409, is_torchelastic_launched). Under mpiexec or srun, one agent a node: the
+    # worker inherits the agent's PALS_RANKID=1 of 2, and its own RANK 6 of 8 is right.
+    worker = {"TORCHELASTIC_RUN_ID": "job7", "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2",
+              "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "dec0001", "MASTER_PORT": "29400",
+              "PALS_RANKID": "1", "PMI_RANK": "1", "PMI_SIZE": "2", "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "1"}
+    env = launcher_env(worker)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("torchrun", 6, 8, 2, 4)
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RUN_ID is set but RANK"):
+        launcher_env({"TORCHELASTIC_RUN_ID": "job7"})
+
+
+def test_rank_and_world_size_alone_are_labkits_fork_launcher():
+    # labkit.forkrun sets RANK/WORLD_SIZE/LOCAL_RANK without a run id: that is the world, even inside a batch
+    # script's shell (SLURM_PROCID=0 and SLURM_NTASKS, no srun step) or an `srun -n 1` step
+    forked = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+    for around in ({}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
+                   {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}):
+        env = launcher_env(forked | around)
+        assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("env", 2, 4, 2), around
+
