@@ -87,7 +87,8 @@ def test_every_launcher_variable_in_the_table_is_read_by_runtime():
                  "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         assert f"`{name}`" in CHAPTER and f'"{name}"' in source, name
     # and each row's variables give that launcher's answer
-    for env, launcher in (({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, "torchrun"),
+    for env, launcher in (({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, "torchrun"),
+                          ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, "env"),
                           ({"PALS_RANKID": "1", "PMI_RANK": "1", "PMI_SIZE": "4", "PALS_LOCAL_RANKID": "1"}, "pals"),
                           ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
                             "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "openmpi"),
@@ -95,6 +96,21 @@ def test_every_launcher_variable_in_the_table_is_read_by_runtime():
                           ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}, "slurm")):
         where = runtime.launcher_env(env)
         assert (where.launcher, where.rank, where.world_size, where.local_rank) == (launcher, 1, 4, 1)
+
+    # the paragraphs under the table: torchrun by its run id, srun's MPI plugins, a stale export
+    text = flat(CHAPTER)
+    assert "torchrun is recognised by `TORCHELASTIC_RUN_ID`" in text and '"TORCHELASTIC_RUN_ID"' in source
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+            "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "n[1-2]"}
+    for plugin, variables in (("`--mpi=pmi2` sets `PMI_RANK` and `PMI_SIZE`", {"PMI_RANK": "5", "PMI_SIZE": "8"}),
+                              ("`--mpi=cray_shasta` sets `PALS_RANKID` but no world size", {"PALS_RANKID": "5"})):
+        assert plugin in text
+        where = runtime.launcher_env(srun | variables)
+        assert (where.launcher, where.world_size, where.local_world_size, where.master_addr) == ("slurm", 8, 4, "n1")
+    assert "they contradict it: the run stops with one line" in text
+    with pytest.raises(runtime.ConfigError, match="contradict"):
+        runtime.launcher_env({"RANK": "0", "WORLD_SIZE": "1", "PALS_RANKID": "3", "PMI_SIZE": "4",
+                              "PALS_LOCAL_RANKID": "3", "PALS_LOCAL_SIZE": "4"})
 
 
 def test_troubleshooting_messages_as_a_cpu_produces_them():
