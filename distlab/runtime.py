@@ -553,6 +553,7 @@ class Runtime:
     launcher: str
     pg_timeout_s: float
     exit_code: int | None = None  # set by metrics.Report.finish: how the run ended
+    attempt: int = 0  # under torchrun: which start of the job this is (0 first), the same on every rank
 
     @property
     def is_main(self) -> bool:
@@ -625,6 +626,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         os.environ.get("DISTLAB_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
 
     rank = None
+    attempt = 0
     try:
         where = launcher_env()
         rank = where.rank
@@ -650,10 +652,13 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
                 # Under torchrun the agent serves the store on MASTER_PORT and keeps it across restarts
                 # (--max-restarts): gloo would read the dead attempt's addresses from it and fail to connect
                 # ("connectFullMesh failed ... Connection refused"; torch 2.13). One prefix per attempt.
+                # TORCHELASTIC_RESTART_COUNT cannot name the attempt: each agent counts its own restarts, and one
+                # restarted because another node rejoined does not count (torch elastic/agent/server/api.py:
+                # 940-968; pytorch#108158, #135712). The attempt's rank 0 numbers it for everyone instead.
                 agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                             where.world_size, is_master=False,
                                             timeout=datetime.timedelta(seconds=timeout))
-                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                attempt = agree_on_attempt(agent_store, where.rank, where.world_size, timeout)
                 kwargs["store"] = dist.PrefixStore(f"distlab/attempt_{attempt}", agent_store)
             else:
                 # env:// and not tcp://: under torchrun the agent already serves the store on MASTER_PORT
@@ -665,7 +670,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         _subgroups_inherit_timeout(timeout)
         seed_everything(seed)
         rt = Runtime(where.rank, where.world_size, where.local_rank, where.local_world_size, torch_device,
-                     backend, where.launcher, timeout)
+                     backend, where.launcher, timeout, attempt=attempt)
         if getattr(args, "verbose", False) or os.environ.get("DISTLAB_VERBOSE") == "1":
             notes = f"  [{where.launcher}; {'; '.join(where.notes)}]" if where.notes else f"  [{where.launcher}]"
             # one write per rank, so the lines of several ranks do not interleave
@@ -695,6 +700,41 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
                 _GROUPS_KEPT_UNTIL_EXIT.extend(dist.distributed_c10d._world.pg_map)
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def agree_on_attempt(store, rank: int, world_size: int, timeout_s: float, retry_s: float = 1.0) -> int:
+    """Number this start of the job the same on every rank, through torchrun's agent store (0 the first).
+
+    The agent's store outlives the workers, so it still holds the keys of a failed attempt, and a worker must
+    not read them as its peers'. Rank 0 draws a new number from a counter and announces it. Every other rank
+    answers the announcement with a token of its own and waits for rank 0 to echo that token: an announcement
+    left by a dead attempt's rank 0 is never answered, so after ``retry_s`` the rank reads it again.
+    """
+    import uuid
+
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        attempt = store.add("distlab/attempts", 1) - 1
+        store.set("distlab/announced", str(attempt))
+        hello = [f"distlab/attempt_{attempt}/hello/{r}" for r in range(1, world_size)]
+        if hello:
+            store.wait(hello, wait)
+        for key in hello:
+            store.set(f"distlab/attempt_{attempt}/ack/{store.get(key).decode()}", "1")
+        return attempt
+    token = uuid.uuid4().hex
+    give_up = datetime.datetime.now() + wait
+    while True:
+        attempt = int(store.get("distlab/announced"))  # waits for the first announcement
+        store.set(f"distlab/attempt_{attempt}/hello/{rank}", token)
+        try:
+            store.wait([f"distlab/attempt_{attempt}/ack/{token}"], datetime.timedelta(seconds=retry_s))
+            return attempt
+        except dist.DistStoreError:
+            if datetime.datetime.now() > give_up:
+                raise
 
 
 def _subgroups_inherit_timeout(seconds: float) -> None:

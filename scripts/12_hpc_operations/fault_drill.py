@@ -130,7 +130,8 @@ def main():
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
 
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # which start of the job this is, the same on every node (each torchrun agent counts only its own restarts)
+        attempt = rt.attempt
         started_at = time.time()
         run_dir = Path(args.run_dir)
         report = metrics.Report(__file__, rt, config={**vars(args), "attempt": attempt})

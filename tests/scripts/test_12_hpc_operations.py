@@ -145,3 +145,52 @@ def test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_
     assert resumed.returncode != 0
     assert checks["losses over all attempts = uninterrupted single device"] is False
     assert checks["every step trained, over all attempts"] is True
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers under their agent), read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_two_nodes_restart_together_when_one_nodes_worker_dies(tmp_path):
+    # Two torchrun agents meet by the c10d rendezvous, as two nodes do; one worker each (a world of 2). A worker is
+    # killed while every rank sleeps between steps, so its peer does not fail: only the dead worker's agent counts a
+    # restart (TORCHELASTIC_RESTART_COUNT 1); the other restarts its worker because a node waits to rejoin, and its
+    # count stays 0 (torch elastic/agent/server/api.py:940-968). The restarted workers must still meet.
+    from distlab import runtime
+
+    run_dir, metrics_file = tmp_path / "run", tmp_path / "metrics.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{runtime.free_port()}", "--rdzv-id=two_nodes",
+               FAULT_DRILL, "--run-dir", str(run_dir), "--steps", "3", "--save-every", "1", "--step-seconds", "1.5",
+               "--pg-timeout", "20", "--metrics-out", str(metrics_file)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in range(2)]
+    agents = [subprocess.Popen(command, stdout=logs[n], stderr=subprocess.STDOUT, cwd=launch.REPO_ROOT, env=env)
+              for n in range(2)]
+    try:
+        losses, deadline = run_dir / "losses.jsonl", time.monotonic() + 90
+        while not (losses.exists() and '"step": 1' in losses.read_text()):  # step 1 done: the ranks sleep 1.5 s
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
+            time.sleep(0.05)
+        (victim,) = _children(agents[1].pid)
+        os.kill(victim, signal.SIGKILL)  # the node's worker dies
+        codes = [a.wait(timeout=120) for a in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    output = "".join((tmp_path / f"node{n}.log").read_text() for n in range(2))
+    assert codes == [0, 0], output[-4000:]
+    metrics = json.loads(metrics_file.read_text())
+    assert all(c["passed"] for c in metrics["checks"]), metrics["checks"]
+    assert metrics["extra"]["attempts"] == 2 and len(metrics["losses"]) == 3

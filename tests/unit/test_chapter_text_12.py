@@ -207,6 +207,29 @@ def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
     assert timeout < 30 and f"`--pg-timeout {timeout}`" in CHAPTER
     assert 'os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")' in (
         ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    # the 30 s is the agent's grace after SIGTERM, which the drill's own handler turns into a note
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill and 'STOP_REQUESTED["signal"] = signum' in drill
+    text = " ".join(CHAPTER.split())
+    assert "The drill installs one, to save a checkpoint at the walltime, and it only notes the signal." in text
+    assert "not from NCCL" in text
+
+
+def test_the_multi_node_restart_is_what_the_chapter_says():
+    import inspect
+
+    from torch.distributed.elastic.agent.server import api
+
+    source = inspect.getsource(api.SimpleElasticAgent._invoke_run)
+    # a failed group spends a restart; a healthy one restarted for a waiting node does not
+    assert "self._remaining_restarts -= 1" in source and "membership changes do not count as retries" in source
+    text = " ".join(CHAPTER.split())
+    assert "So `TORCHELASTIC_RESTART_COUNT` differs between nodes, and it cannot name the attempt." in text
+    assert "`distlab.runtime.agree_on_attempt`" in text and hasattr(runtime, "agree_on_attempt")
+    runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
+    assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
+    tests = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
+    assert "def test_two_nodes_restart_together_when_one_nodes_worker_dies" in tests and "--nnodes=2" in tests
 
 
 def test_the_drills_data_is_what_the_chapter_says():
