@@ -20,7 +20,10 @@ What is what (measured with torch 2.13):
 * **backward**: the spans a script labels ``record_function("backward")``.
 
 Time per kind partitions the steps' wall time: at each instant the rank computes only, communicates only,
-does both (overlapped), or neither (idle: Python between operators, waiting on a peer, the data loader).
+does both (overlapped), or neither (idle: Python between operators, the data loader, a sleep). Waiting for a
+late peer counts as communication, not idle: a gloo event lasts until the slowest rank has arrived, and an
+NCCL kernel spins on the GPU until then. So a straggler's peers show its delay as communication, and the
+straggler itself shows it wherever it spent it.
 """
 
 from __future__ import annotations

@@ -392,6 +392,18 @@ def pick_device(requested: str, local_rank: int, cuda_available: bool, cuda_coun
     return f"cuda:{local_rank % max(cuda_count, 1)}", "cuda:nccl,cpu:gloo"
 
 
+def auto_device_note(requested: str, cuda_built: bool, cuda_available: bool, warning: str | None) -> str | None:
+    """The one line ``--device auto`` prints when this torch is built for CUDA and CUDA is not usable.
+
+    ``torch.cuda.is_available()`` never raises: a driver too old for the wheel's CUDA, or no GPU, makes it return
+    False with at most a warning ("CUDA initialization: The NVIDIA driver on your system is too old ..."), and
+    ``auto`` would then train on the CPU with gloo, silently. A CPU-only build says nothing (it is meant)."""
+    if requested != "auto" or cuda_available or not cuda_built:
+        return None
+    why = warning.strip().splitlines()[0] if warning and warning.strip() else "no GPU is visible on this node"
+    return f"--device auto: this torch is built for CUDA but CUDA is not usable ({why}); running on cpu with gloo"
+
+
 def placement(rank: int, local_rank: int, device, env: dict | None = None, host: str | None = None) -> dict:
     """Where this rank runs: host, rank, local rank, CUDA_VISIBLE_DEVICES and the GPU it uses ("cpu" if none).
 
@@ -632,8 +644,18 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         rank = where.rank
         if validate is not None:
             validate(where.world_size)
-        device_name, backend = pick_device(device, where.local_rank, torch.cuda.is_available(),
-                                           torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cuda_available = torch.cuda.is_available()
+        warning = next((str(w.message) for w in caught if "CUDA" in str(w.message)), None)
+        note = auto_device_note(device, torch.backends.cuda.is_built(), cuda_available, warning)
+        if note and where.rank == 0:
+            sys.stderr.write(note + "\n")  # one write: one line
+            sys.stderr.flush()
+        device_name, backend = pick_device(device, where.local_rank, cuda_available,
+                                           torch.cuda.device_count() if cuda_available else 0)
         torch_device = torch.device(device_name)
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)

@@ -12,7 +12,9 @@ SCRIPT = "scripts/12_hpc_operations/profile_step.py"
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def profiled(request, tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp(f"traces_{request.param}")
-    result = launch.run(SCRIPT, nproc=4, args=["--strategy", request.param, "--trace-dir", trace_dir],
+    # DDP with --warmup 0: its first active step is step 1, whose forward rebuilds the buckets (two broadcasts)
+    schedule = ["--warmup", "0"] if request.param == "ddp" else []
+    result = launch.run(SCRIPT, nproc=4, args=["--strategy", request.param, "--trace-dir", trace_dir, *schedule],
                         stream=False, timeout=120)
     return request.param, trace_dir, assert_all_checks_passed(result, min_checks=5)
 
@@ -31,6 +33,8 @@ def test_the_trace_counts_what_the_strategy_issues(profiled):
     issued = metrics["extra"]["ranks"][0]["issued"]
     if strategy == "ddp":  # 4 buckets of at most 0.1 MB for 123,200 fp32 parameters
         assert issued == {"all_reduce": 4}
+        rank0 = metrics["extra"]["ranks"][0]["trace_collectives_per_step"]
+        assert rank0 == [{"all_reduce": 4, "broadcast": 2}, {"all_reduce": 4}]  # steps 1 and 2
     else:  # two blocks and the root, each gathered in forward and again in backward: 6 all-gathers, 3 reduce-scatters
         assert issued == {"all_gather": 6, "reduce_scatter": 3}
         assert metrics["extra"]["ranks"][0]["trace_collectives_per_step"][-1] == {"all_gather": 6, "all_reduce": 3}
@@ -53,7 +57,14 @@ def test_inactive_profiler_is_a_usage_error():
 
 def test_the_a100_preset_profiles_ddps_default_buckets(monkeypatch):
     # the tiny preset's 0.1 MB buckets show overlap on a small model; on the a100 model they would make one bucket
-    # a parameter, a pathological trace: there DDP's own 25 MB is the default (read back from the parsed flags)
+    # a parameter, a pathological trace: there DDP's own default is kept (read back from the parsed flags). Only
+    # bucket_cap_mb=None gives DDP's 1 MiB first bucket: an explicit 25 makes the first bucket 25 MiB too.
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    default = _BucketCapacityConfig.create(None, None, False)
+    explicit = _BucketCapacityConfig.create(25, None, False)
+    assert (default.first_bucket_bytes_cap, default.bucket_bytes_cap) == (1024 * 1024, 25 * 1024 * 1024)
+    assert explicit.first_bucket_bytes_cap == 25 * 1024 * 1024
     import runpy
     import sys
 
@@ -65,7 +76,7 @@ def test_the_a100_preset_profiles_ddps_default_buckets(monkeypatch):
 
     from distlab import runtime
     monkeypatch.setattr(runtime, "start", stop)
-    for preset, expected in (("tiny", 0.1), ("a100", 25.0)):
+    for preset, expected in (("tiny", 0.1), ("a100", None)):
         monkeypatch.setattr(sys, "argv", [SCRIPT, "--preset", preset])
         try:
             runpy.run_path(SCRIPT, run_name="__main__")

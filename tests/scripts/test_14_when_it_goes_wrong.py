@@ -169,6 +169,8 @@ def _fsdp_before_tp(metrics, result):
 def _slow_rank(metrics, result):
     kinds = {row["rank"]: row["kinds"] for row in metrics["extra"]["ranks"]}
     assert kinds[1]["idle"] > 0.4 and all(kinds[r]["communication"] > 0.4 for r in (0, 2, 3)), kinds
+    # waiting for the late rank is its peers' communication, not the late rank's own (ch12, issue 45 item 8)
+    assert kinds[1]["communication"] < min(kinds[r]["communication"] for r in (0, 2, 3)) / 3, kinds
 
 
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,

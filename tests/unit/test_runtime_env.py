@@ -250,3 +250,19 @@ def test_rank_and_world_size_alone_are_labkits_fork_launcher():
         env = launcher_env(forked | around)
         assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("env", 2, 4, 2), around
 
+
+
+def test_device_auto_says_in_one_line_when_a_cuda_build_finds_no_usable_cuda():
+    from distlab.runtime import auto_device_note
+
+    too_old = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 12040). Please "
+               "update your GPU driver\n(more text)")
+    note = auto_device_note("auto", True, False, too_old)
+    assert note == ("--device auto: this torch is built for CUDA but CUDA is not usable (CUDA initialization: The "
+                    "NVIDIA driver on your system is too old (found version 12040). Please update your GPU driver); "
+                    "running on cpu with gloo")
+    assert "no GPU is visible" in auto_device_note("auto", True, False, None)
+    # a CPU-only build, a usable GPU, or a device asked for by name: nothing to say
+    assert auto_device_note("auto", False, False, None) is None
+    assert auto_device_note("auto", True, True, None) is None
+    assert auto_device_note("cpu", True, False, too_old) is None
