@@ -16,7 +16,8 @@ What is what (measured with torch 2.13):
 * **communication on a GPU (NCCL)**: the NCCL kernels (``ncclDevKernel_AllReduce...``, category ``kernel``)
   on the GPU's streams; ``nccl:all_reduce`` on the CPU is only the launch;
 * **compute on a CPU**: the ``aten::`` operators of the main thread (backward's too: the autograd engine runs
-  CPU work on the thread that called ``backward()``); on a GPU: every kernel that is not NCCL's;
+  CPU work on the thread that called ``backward()``); on a GPU: every kernel that is not NCCL's, and the
+  memory copies and memsets (``gpu_memcpy``, ``gpu_memset``): the GPU is busy, not idle;
 * **backward**: the spans a script labels ``record_function("backward")``.
 
 Time per kind partitions the steps' wall time: at each instant the rank computes only, communicates only,
@@ -150,9 +151,14 @@ def main_thread(events: list[dict]) -> object:
     raise ValueError("no ProfilerStep# event: was prof.step() called inside the profiler's active steps?")
 
 
+# What keeps a GPU busy besides kernels: Kineto's copies (host-device, device-device) and memsets. Left out, a
+# step's cudaMemcpy would count as idle GPU time.
+GPU_BUSY_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def is_compute(event: dict, device_type: str, thread) -> bool:
     if device_type == "cuda":
-        return event.get("cat") == "kernel" and not is_communication(event, "cuda")
+        return event.get("cat") in GPU_BUSY_CATEGORIES and not is_communication(event, "cuda")
     return event["tid"] == thread and event["name"].startswith("aten::")
 
 

@@ -324,3 +324,19 @@ def test_the_operations_corrections_of_issue_45_item_13():
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous)
     # NCCL_ALGO / NCCL_PROTO are debugging variables
     assert "NCCL's documentation lists them under debugging" in text and "NVIDIA/nccl#1246" in text
+
+
+def test_the_weak_proofs_of_item_14_are_named_for_what_they_are():
+    text = flat(CHAPTER)
+    # the kinds partition the steps by construction; the check is about the clock
+    assert "so they add up to those spans by construction" in text
+    # GPU copies and memsets are busy time (distlab.profiling.GPU_BUSY_CATEGORIES)
+    from distlab import profiling
+
+    assert {"gpu_memcpy", "gpu_memset"} <= set(profiling.GPU_BUSY_CATEGORIES)
+    assert "compute is every other kernel, memory copy and memset" in text
+    # the pipeline table: 2 rows a microbatch, so the global batch grows with M
+    tuning = (ROOT / "scripts" / "12_hpc_operations" / "tuning.py").read_text()
+    assert "x = torch.randn(2 * microbatches, args.dim" in tuning and 'default="4,8,16"' in tuning
+    assert "Here every microbatch holds 2 rows, so the global batch grows with M: 8 rows at 4 microbatches, 32 at 16." in text
+    assert "gradient_as_bucket_view saves 4 bytes x parameters (fp32), counted from the storages" in tuning

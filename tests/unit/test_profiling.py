@@ -73,6 +73,18 @@ def test_gpu_trace_uses_kernels():
     assert profiling.backward_overlap(trace, "cuda")["hidden_fraction"] == pytest.approx(0.5)
 
 
+def test_gpu_copies_and_memsets_keep_the_gpu_busy():
+    # Kineto's categories for cudaMemcpy and cudaMemset on the GPU: busy time, not idle
+    trace = {"traceEvents": [
+        event("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        event("Memcpy HtoD (Pageable -> Device)", 0, 20, tid=7, cat="gpu_memcpy"),
+        event("Memset (Device)", 20, 10, tid=7, cat="gpu_memset"),
+        event("ampere_sgemm_128x64", 30, 30, tid=7, cat="kernel"),
+    ]}
+    kinds = profiling.time_per_kind(trace, "cuda")
+    assert kinds["compute"] == pytest.approx(60e-6) and kinds["idle"] == pytest.approx(40e-6)
+
+
 def test_timeline_rows_start_at_the_step():
     rows = profiling.timeline(hand_made_trace())
     lanes = {(r["lane"], r["kind"]) for r in rows}
