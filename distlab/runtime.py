@@ -9,8 +9,11 @@ Every script of the course starts the same way::
 
 What this module decides, once, for every script:
 
-* **Who am I?** ``launcher_env()`` reads the variables that torchrun, mpiexec (Cray PALS, MPICH/PMI,
-  OpenMPI) or Slurm's srun set, and falls back to a world of one.
+* **Who am I?** ``launcher_env()`` reads the variables that torchrun (known by ``TORCHELASTIC_RUN_ID``),
+  mpiexec (Cray PALS, MPICH/PMI, OpenMPI) or Slurm's srun (with or without an MPI plugin) set, refuses a
+  ``RANK``/``WORLD_SIZE`` that contradicts them, and falls back to a world of one.
+* **Which attempt?** Under torchrun the ranks agree on it through the agent's store (``agree_on_attempt``),
+  so the keys of a failed attempt are never read by the next one, on one node or several.
 * **Where is rank 0?** ``MASTER_ADDR``/``MASTER_PORT`` when the launcher (or our PBS job) sets them;
   otherwise the first host of the Slurm or PBS node list, and a port derived from the job id.
 * **Which device and backend?** cuda+nccl when a GPU is present, else cpu+gloo; ``--device`` overrides,

@@ -301,7 +301,7 @@ def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default(
     assert 'DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}' in source
     assert "25.0" not in source  # the a100 preset keeps DDP's default (1 MiB first bucket), not an explicit 25
     profiling_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
-    assert '[{"all_reduce": 4, "broadcast": 2}, {"all_reduce": 4}]' in profiling_test
+    assert '[{"all_reduce": 4, "broadcast": 2}, {"all_reduce": 4}, {"all_reduce": 4}]' in profiling_test
 
 
 def test_the_operations_corrections_of_issue_45_item_13():
@@ -340,3 +340,8 @@ def test_the_weak_proofs_of_item_14_are_named_for_what_they_are():
     assert "x = torch.randn(2 * microbatches, args.dim" in tuning and 'default="4,8,16"' in tuning
     assert "Here every microbatch holds 2 rows, so the global batch grows with M: 8 rows at 4 microbatches, 32 at 16." in text
     assert "gradient_as_bucket_view saves 4 bytes x parameters (fp32), counted from the storages" in tuning
+    # the overlap check: every rank on a GPU, some rank on a CPU, as the text says
+    profile = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    assert "(trace intervals), every rank\",\n                         min(hidden) > 0" in profile
+    assert "(trace intervals), on some rank\",\n                         max(hidden) > 0" in profile
+    assert "The script checks it on every rank on a GPU. On a CPU it checks only that some rank overlapped" in text
