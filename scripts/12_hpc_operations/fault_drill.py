@@ -10,8 +10,10 @@ one. Two things end real jobs early, and the script handles both:
   collective, where neither a Python signal handler nor an ``except`` runs until the call returns
   (``TORCH_NCCL_BLOCKING_WAIT=1``, set below, makes it return with an error at the timeout rather than the
   watchdog killing the process). torchrun's agent meanwhile sends the survivors SIGTERM and, 30 s later, SIGKILL
-  (``torch.distributed.elastic``: ``LocalElasticAgent._shutdown``, ``PContext.close(timeout=30)``): so on NCCL a
-  process-group timeout under 30 s lets them leave with their line, a longer one ends them by SIGKILL. Under
+  (``torch.distributed.elastic``: ``LocalElasticAgent._shutdown``, ``PContext.close(timeout=30)``). This script's
+  own SIGTERM handler (for the walltime, below) only notes the signal, so SIGTERM does not end a survivor stuck in
+  an NCCL collective: a process-group timeout under 30 s lets it leave with its line, a longer one ends it by
+  SIGKILL. The 30 s wait comes from that handler and the agent, not from NCCL. Under
   ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
