@@ -14,8 +14,12 @@ PYTEST_ARGS ?=
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=23"
-	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt -c constraints.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
+	@# The bytecode pip would compile one package after another (30 s of CPU), compiled on every core at once;
+	@# without it four ranks starting together would each compile torch's modules themselves. A file of a package
+	@# that does not compile under this Python (pip skips those too) stops nothing.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
 	touch $(STAMP)
 
