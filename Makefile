@@ -41,9 +41,10 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
 ## copies, on two workers: they replay the script runs their full notebooks made in the first phase
-## (DISTLAB_LAUNCH_CACHE, shared by every phase). Last, alone, the timing-sensitive tests. Each test
-## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, labkit.forkserver):
-## a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
+## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
+## them, and restoring the files it left). Last, alone, the timing-sensitive tests. Every worker, notebook kernel and
+## subprocess of a phase forks its CPU launches from one server that imported torch once (DISTLAB_FORK_SERVER,
+## labkit.forkserver, started by tests/conftest.py): a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
 ## inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on 2 busy cores its pool of workers cost
 ## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took
 ## 39; the tests check what is computed, not how fast). Each test process and notebook kernel computes on one thread
