@@ -25,6 +25,8 @@ def test_zero1_under_torchrun_matches_ddp_and_costs_one_and_a_half_ddp():
     # measures that payload = 4 P): 1.5 x
     derived = sum(c["sent_bytes_per_rank_derived"] for c in metrics["comm"])
     assert derived == 1.5 * (2 * 3 / 4 * 4 * P) == metrics["extra"]["sent_bytes_per_rank_derived"]["zero"]
+    # measured, as opposed to derived: the payloads handed to the collectives, twice DDP's all-reduce
+    assert metrics["extra"]["payload_bytes_per_step"] == {"zero_measured": 2 * 4 * P, "ddp_formula": 4 * P}
     assert any(c["name"].startswith("gradient shards = DDP") for c in metrics["checks"])
     assert metrics["memory"]["measured"] == {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P / 4,
                                              "total": 4 * P + 4 * P + 2 * P}
