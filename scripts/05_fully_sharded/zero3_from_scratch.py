@@ -148,6 +148,7 @@ class ShardedUnit:
         self.full: list[torch.Tensor] | None = None     # the gathered parameters, while the unit is whole
         self.storage_index: dict[int, int] = {}          # storage address -> which parameter
         self.on_event = lambda event: None               # the memory ledger's, set by Zero3
+        self.on_copy_out = lambda buffer: None           # the ledger's look inside the gather, set by Zero3
         self.pending = None                              # a prefetched all-gather: (buffer, work, its timing row)
         self.gathers: list[dict] = []                    # measured: each all-gather's issue and completion
 
@@ -182,6 +183,7 @@ class ShardedUnit:
         self.pending = None
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
         self.full = [part.reshape(-1)[:spec.numel].view(spec.shape).clone() for part, spec in zip(by_rank, self.specs)]
+        self.on_copy_out(gathered)              # the moment the buffer and the copies out of it are both alive
         gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 too frees its
         # all-gather output right after copy-out); a reference gloo's worker may keep a moment longer costs nothing
         self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
@@ -248,6 +250,7 @@ class Zero3:
         del owned, names                             # nothing here keeps a whole parameter alive
         for unit in self.units:
             unit.on_event = self._measure
+            unit.on_copy_out = lambda buffer, u=unit: self._measure_copy_out(u, buffer)
         by_name = {u.name: u for u in self.units}
         for name, modules in units:
             if name in by_name:
@@ -258,6 +261,7 @@ class Zero3:
         model.register_forward_pre_hook(lambda _m, args: self._start(args))
         model.register_forward_hook(lambda _m, _a, out: self._finish(out))
         self.peak_bytes = 0                          # measured: the largest total of gathered storages alive
+        self.copy_out_peak_bytes = 0                 # measured: the same, inside a gather, buffer and copies alive
         self.timeline: list[dict] = []               # measured: that total after each gather and each drop
         self._alive: list[weakref.ref] = []         # the storages' Python objects (one per storage, kept by torch as
         # long as any tensor, autograd's saved ones included, points at the storage): dead means freed
@@ -364,9 +368,19 @@ class Zero3:
         return saved.unit.full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     # ---- measured: the gathered parameters still alive, each storage watched until it is really gone ----
+    def _measure_copy_out(self, unit: ShardedUnit, buffer: torch.Tensor) -> None:
+        """Inside ``all_gather``, after the copy-out and before the buffer is freed: the storages alive then, the
+        buffer and the new full tensors included (each storage once). The events below never see this moment."""
+        storages = [ref() for ref in self._alive] + [buffer.untyped_storage()] + [f.untyped_storage()
+                                                                                   for f in unit.full]
+        alive = {s.data_ptr(): s.nbytes() for s in storages if s is not None and s.nbytes()}
+        self.copy_out_peak_bytes = max(self.copy_out_peak_bytes, sum(alive.values()))
+
     def _measure(self, event: str, gathered: ShardedUnit | None = None):
-        """Right after every gather (the only moments the parameters' memory grows) and every drop. Not seen:
-        inside ``all_gather`` the flat buffer and the full tensors copied out of it live together for a moment."""
+        """Right after every gather and every drop. Not seen here: inside ``all_gather`` the flat buffer and the full
+        tensors copied out of it live together for a moment (:meth:`_measure_copy_out` measures that), and a copy
+        of a weight made inside a module (a cast, a transposed copy) is on no unit's books: only the gathered
+        storages are watched."""
         if gathered is not None:   # the full tensors, or the buffer a prefetch is filling
             tensors = gathered.full if gathered.full is not None else [gathered.pending[0]]
             self._alive += [weakref.ref(f.untyped_storage()) for f in tensors]
@@ -568,14 +582,20 @@ def main():
             what = "largest unit"
             largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
         report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "bound_bytes": root + largest,
+                         "copy_out_peak_bytes": zero.copy_out_peak_bytes,
                          "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
                          "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}
-        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + {what} "
-                 f"{largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
-                 f"{report.memory['slices_bytes']:,} B")
+        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B at the measured events (root {root:,} B "
+                 f"+ {what} {largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
+                 f"{report.memory['slices_bytes']:,} B; {zero.copy_out_peak_bytes:,} B inside a gather's copy-out, "
+                 f"buffer and copies together")
         report.check(f"gathered parameters alive at any moment <= root + {what} (measured on the storages)",
                      zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")
+        buffer = max(u.padded_bytes for u in zero.units)   # inside a gather: its buffer beside the copies out of it
+        report.check(f"inside a gather's copy-out, gathered parameters alive <= root + {what} + one gather's buffer "
+                     f"(measured on the storages)", zero.copy_out_peak_bytes <= root + largest + buffer,
+                     zero.copy_out_peak_bytes, f"<= {root + largest + buffer}")
         # nothing hides: at every gather and every drop, what is alive is exactly what the units say they hold
         off = [e for e in zero.timeline if e["bytes"] != e["units_hold"]]
         report.check("at every gather and drop, bytes alive = bytes the units hold (measured on the storages)",

@@ -176,6 +176,7 @@ def test_zero3_by_hand_equals_one_device_and_fsdp2_and_keeps_one_unit_whole():
     assert comm["reduce_scatter"]["measured_bytes"] == 4 * P == comm["reduce_scatter"]["fsdp2_measured_bytes"]
     memory = metrics["memory"]
     assert memory["gathered_peak_bytes"] == BLOCK_BYTES < 4 * P      # one block whole at a time, not the model
+    assert memory["copy_out_peak_bytes"] == 2 * BLOCK_BYTES          # inside a gather: its buffer and the copies
     timeline = [e["event"] for e in memory["timeline"]]
     for unit in ("tok_embeddings", "layers.0", "layers.1", "head"):  # each unit: gathered twice, reduced once
         assert timeline.count(f"{unit}: gathered for forward") == timeline.count(f"{unit}: gathered for backward") == 1

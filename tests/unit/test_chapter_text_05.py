@@ -142,7 +142,9 @@ def test_zero3_by_hand_numbers_are_the_tiny_models():
     says(f"slice r of every parameter: {n // 4:,} of the tiny model's {n:,} parameters on each of 4 ranks")
     says(f"{gathered:,} all-gathered per step in {2 * units} calls ({units} units, twice each)")
     says(f"{comm.zero_step_bytes(n, 3)['reduce_scatter']:,} reduce-scattered in {units}")
-    says(f"At most {block:,} bytes of gathered weights are alive at once: one block.")
+    says(f"At every measured event, at most {block:,} bytes of gathered weights are alive: one block.")
+    says(f"The script measures that moment too: {2 * block:,} bytes, two blocks' worth.")   # buffer + copies
+    says("A copy of a weight made inside a module")
     says(f"The whole model is {4 * n:,} bytes, which ZeRO-1 and ZeRO-2")
     says(f"sends {gathered - embedding:,} bytes instead of {gathered:,}: the embedding's {embedding:,}\nbytes once less")
     says(f"(half the bytes: {comm.zero_step_bytes(n, 3, param_bytes=2)['all_gather']:,} per step instead of {gathered:,})")
