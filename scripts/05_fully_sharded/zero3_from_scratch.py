@@ -37,7 +37,16 @@ gone only when no tensor, autograd's saved ones included, still points at it), n
 largest unit. ``--planted-bug`` shows two mistakes, both without the saved-tensor hook: free the full weights'
 memory after forward anyway (free-before-backward: backward reads freed memory and fails), or only drop the
 unit's own references (keep-saved-weights: every answer right, but autograd keeps every unit whole from its
-forward to its backward, so stage 3 saves no memory, and only the memory check sees it).
+forward to its backward, so stage 3 saves no memory, and only the memory check sees it). A third, late-prefetch,
+issues each prefetch only once the unit ahead has computed: only the prefetch's timing checks see it.
+
+FSDP2 keeps the weights out of autograd otherwise (torch 2.13, distributed/fsdp/_fully_shard/): no saved-tensor hook,
+no function around the gather. Each full parameter is a view of one all-gather output kept for the whole run; after
+forward its storage is freed with ``resize_(0)`` (_fsdp_param.py:827-831, 1072-1074) and grown back before the next
+all-gather writes into it (:823-825, 1066-1069), so what autograd saved is refilled in time. That is
+free-before-backward plus the refill. Its reduce-scatter runs from an identity on each unit's inputs
+(RegisterPostBackwardFunction, _fsdp_param_group.py:891-903, 1110-1127), as this sketch's AfterBackward does for
+frozen units, on the gradients autograd accumulated in the full parameters' ``.grad``.
 
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py --any-model
@@ -65,11 +74,14 @@ from distlab import comm, data, metrics, models, runtime
 # detach from its pre-backward hook; the loss reads it out of place, so the warning does not apply here.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-PLANTED_BUGS = ("free-before-backward", "keep-saved-weights")
+PLANTED_BUGS = ("free-before-backward", "keep-saved-weights", "late-prefetch")
+KEEPS_SAVED_WEIGHTS = ("free-before-backward", "keep-saved-weights")   # these two leave out the saved-tensor hook
 
 
 def check_config(args, world_size):
     runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(args.planted_bug != "late-prefetch" or args.prefetch,
+                    "--planted-bug late-prefetch plants its bug in the prefetch: add --prefetch")
 
 
 class GatherUnit(torch.autograd.Function):
@@ -86,6 +98,7 @@ class GatherUnit(torch.autograd.Function):
         slice_grads = ctx.unit.reduce_scatter(grads)  # autograd calls this once every use of the unit is done
         ctx.unit.drop()                              # so the weights gathered again for backward can go
         ctx.unit.on_event(f"{ctx.unit.name}: gradient reduce-scattered, dropped")
+        ctx.unit.after_backward()
         return (None, *slice_grads)
 
 
@@ -149,8 +162,10 @@ class ShardedUnit:
         self.storage_index: dict[int, int] = {}          # storage address -> which parameter
         self.on_event = lambda event: None               # the memory ledger's, set by Zero3
         self.on_copy_out = lambda buffer: None           # the ledger's look inside the gather, set by Zero3
+        self.after_backward = lambda: None               # late-prefetch's late issue in backward, set by Zero3
         self.pending = None                              # a prefetched all-gather: (buffer, work, its timing row)
         self.gathers: list[dict] = []                    # measured: each all-gather's issue and completion
+        self.prefetch_done_before_wait: list[bool] = []  # measured: was each prefetched gather done when needed
 
     @property
     def full_bytes(self) -> int:
@@ -178,6 +193,8 @@ class ShardedUnit:
             self.start_gather(clock, phase)
         gathered, work, row = self.pending
         row["waited"], row["done_before_wait"] = clock(), work.is_completed()
+        if row["prefetched"]:                        # every step's, forward and backward (gathers keeps the last's)
+            self.prefetch_done_before_wait.append(row["done_before_wait"])
         work.wait()                                  # a prefetched gather may be done already: no wait at all
         row["ready"] = clock()
         self.pending = None
@@ -234,6 +251,7 @@ class Zero3:
         world, rank = dist.get_world_size(), dist.get_rank()
         self.planted_bug, self.backward_gather, self.prefetch, self.clock = planted_bug, backward_gather, prefetch, clock
         self.computes: list[dict] = []               # measured: each unit's forward, from gathered to done
+        self.backward_starts: dict[str, float] = {}  # measured: when each unit's backward began (weights there)
         unit_of_module = {id(m): name for name, modules in units for top in modules for m in top.modules()}
         names: dict[int, list] = {}                  # every (module, attribute, name) of a parameter: a tied one
         users: dict[int, set] = {}                   # has two; and which units use it ("root": a module outside)
@@ -251,6 +269,8 @@ class Zero3:
         for unit in self.units:
             unit.on_event = self._measure
             unit.on_copy_out = lambda buffer, u=unit: self._measure_copy_out(u, buffer)
+            if planted_bug == "late-prefetch":       # the next unit's gather issued once this one is done: too late
+                unit.after_backward = lambda u=unit: self._prefetch_after(u, -1)
         by_name = {u.name: u for u in self.units}
         for name, modules in units:
             if name in by_name:
@@ -274,7 +294,7 @@ class Zero3:
     # ---- forward: whole just in time, dropped right after; autograd keeps notes, not weights ----
     def _start(self, args):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        if self.planted_bug is None:  # both planted bugs leave autograd to keep the full weights it saved
+        if self.planted_bug not in KEEPS_SAVED_WEIGHTS:  # these two leave autograd the full weights it saved
             self._hooks.__enter__()
         if not self.root:
             return None
@@ -287,7 +307,7 @@ class Zero3:
     def _finish(self, output):
         if self.root:
             self._release(self.root, output)
-        if self.planted_bug is None:
+        if self.planted_bug not in KEEPS_SAVED_WEIGHTS:
             self._hooks.__exit__(None, None, None)
 
     def _prefetch_after(self, unit: ShardedUnit, step: int) -> None:
@@ -305,7 +325,8 @@ class Zero3:
     def _gather(self, unit: ShardedUnit, args: tuple):
         unit.set_attributes(GatherUnit.apply(unit, *unit.slices))
         self._measure(f"{unit.name}: gathered for forward", unit)
-        self._prefetch_after(unit, +1)
+        if self.planted_bug != "late-prefetch":
+            self._prefetch_after(unit, +1)
         self.computes.append({"unit": unit.name, "phase": "forward", "start": self.clock()})
         if unit.param_dtype != torch.float32:  # as FSDP2's cast_forward_inputs: the unit's floating-point
             args = tuple(a.to(unit.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # inputs
@@ -321,10 +342,13 @@ class Zero3:
     def _release(self, unit: ShardedUnit, output):
         if self.computes and self.computes[-1]["unit"] == unit.name and "end" not in self.computes[-1]:
             self.computes[-1]["end"] = self.clock()
+        if self.planted_bug == "late-prefetch":   # the next unit's gather issued only now, once this one computed
+            self._prefetch_after(unit, +1)
         if self.backward_gather == "on-entry" and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._gather_for_backward(unit))  # backward reaches the unit here
         unit.set_attributes([None] * len(unit.specs))
-        if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet
+        if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet: FSDP2's own
+            # resize_(0), but nothing refills these storages before backward reads them (FSDP2 gathers into them)
             for tensor in unit.full:
                 tensor.untyped_storage().resize_(0)
         unit.drop()
@@ -344,8 +368,9 @@ class Zero3:
         if unit.full is None:
             unit.all_gather(self.clock, "backward")
             self._measure(f"{unit.name}: gathered for backward", unit)
-            if self.backward_gather == "on-entry":  # on first use, the unit ahead may never be read (the embedding):
-                self._prefetch_after(unit, -1)      # a gather issued for it would travel for nothing
+            if self.backward_gather == "on-entry" and self.planted_bug != "late-prefetch":  # on first use, the unit
+                self._prefetch_after(unit, -1)  # ahead may never be read (the embedding): its gather would be wasted
+            self.backward_starts[unit.name] = self.clock()
 
     def _end_of_backward(self):
         """A unit whose parameters are all frozen has no gradient, so its gather's backward never runs and never
@@ -467,6 +492,7 @@ def main():
         for step in range(args.steps):
             zero.timeline.clear()                    # the last step's is kept for the chapter's figure
             zero.computes.clear()
+            zero.backward_starts.clear()
             for unit in zero.units:
                 unit.gathers.clear()
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
@@ -609,11 +635,15 @@ def main():
 
 
 def _prefetch_report(zero, report, rt) -> None:
-    """The last step's forward on this rank's host clock: each unit's compute, each all-gather from its issue to the
-    moment the host had its weights. Checked: every unit but the first had its gather issued before the unit ahead of
-    it began computing, and waited for only after that unit had computed (not issued and waited at once). Reported,
-    not checked: how long forward still waited (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these
-    are the host's times (NCCL's wait only orders the streams), not the kernels': the lab reads them on the CPU."""
+    """The last step on this rank's host clock: each unit's compute, each all-gather from its issue to the moment the
+    host had its weights. Checked, from the timestamps (a gather issued late, after the unit ahead, fails them):
+    in forward every unit but the first had its gather issued before the unit ahead began computing, and waited for
+    only after that unit had computed; in backward every unit but the last had its gather issued before the unit
+    ahead (the one after it in forward) began its backward, and waited for after that; and over the whole run at
+    least one prefetched gather was already done when it was needed (work.is_completed() at the wait: a gather
+    issued and waited for at once is never done). Reported, not checked: how long forward still waited and how many
+    were done (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these are the host's times (NCCL's
+    wait only orders the streams), not the kernels': the lab reads them on the CPU."""
     computes = [c for c in zero.computes if "end" in c]
     started, ended = {c["unit"]: c["start"] for c in computes}, {c["unit"]: c["end"] for c in computes}
     names = [u.name for u in zero.order]
@@ -621,21 +651,36 @@ def _prefetch_report(zero, report, rt) -> None:
     prefetched = [g for g in gathers if g["prefetched"] and g["phase"] == "forward"]
     ahead = [(g, names[names.index(g["unit"]) - 1]) for g in prefetched if names.index(g["unit"]) > 0]
     expected = len(names) - 1 + (1 if zero.root else 0)   # the root issues the first unit's too
+    late = [g["unit"] for g, before in ahead if not (g["issued"] <= started[before] and g["waited"] >= ended[before])]
     report.check("forward: each unit's gather issued before the unit ahead computed, waited for after it",
-                 len(prefetched) == expected and all(g["issued"] <= started[before] and g["waited"] >= ended[before]
-                                                     for g, before in ahead), len(prefetched), f"{expected} prefetched")
+                 len(prefetched) == expected and not late and len(ahead) == len(names) - 1,
+                 {"prefetched": len(prefetched), "late": late}, f"{expected} prefetched, none late")
+    if zero.backward_gather == "on-entry":   # on first use backward prefetches nothing (see _gather_for_backward)
+        back = [g for g in gathers if g["prefetched"] and g["phase"] == "backward"]
+        behind = [(g, names[names.index(g["unit"]) + 1]) for g in back if names.index(g["unit"]) + 1 < len(names)]
+        late_back = [g["unit"] for g, after in behind if not (after in zero.backward_starts and
+                     g["issued"] <= zero.backward_starts[after] <= g["waited"])]
+        report.check("backward: each unit's gather issued before the unit ahead began its backward, waited for after",
+                     len(back) == len(names) - 1 == len(behind) and not late_back,
+                     {"prefetched": len(back), "late": late_back}, f"{len(names) - 1} prefetched, none late")
+    history = [done for u in zero.units for done in u.prefetch_done_before_wait]
+    report.check("some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)",
+                 any(history), f"{sum(history)} of {len(history)}", ">= 1")
     forward = [g for g in gathers if g["phase"] == "forward" and g["unit"] in started]
     waited = sum(g["ready"] - g["waited"] for g in forward)
     origin = min([c["start"] for c in computes] + [g["issued"] for g in gathers])
     report.extra["prefetch_timeline"] = {
         "computes": [{**c, "start": c["start"] - origin, "end": c["end"] - origin} for c in computes],
         "gathers": [{**g, **{k: g[k] - origin for k in ("issued", "waited", "ready")}} for g in gathers],
+        "backward_starts": {u: t - origin for u, t in zero.backward_starts.items()},
         "forward_wait_seconds_measured": waited,
-        "done_before_needed": sum(g["done_before_wait"] for g in forward)}
+        "done_before_needed": sum(g["done_before_wait"] for g in forward),
+        "prefetched_done_before_needed_every_step": [sum(history), len(history)]}
     clock = "host clock" + ("; on a GPU, host times, not the kernels'" if rt.device_type == "cuda" else "")
     rt.print(f"prefetch: forward waited {waited * 1e3:.2f} ms in all for its all-gathers; "
              f"{sum(g['done_before_wait'] for g in forward)} of {len(forward)} were done before they were needed "
-             f"(rank {rt.rank}'s {clock}, last step)")
+             f"(rank {rt.rank}'s {clock}, last step); {sum(history)} of {len(history)} prefetched gathers, "
+             f"every step and both phases")
 
 
 def _gathered(slice_: torch.Tensor) -> torch.Tensor:

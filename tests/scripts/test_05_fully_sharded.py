@@ -203,6 +203,12 @@ def test_zero3_prefetch_gathers_the_next_unit_ahead_and_keeps_two_whole():
     assert {g["unit"] for g in timeline["gathers"] if g["prefetched"] and g["phase"] == "forward"} == {
         "layers.0", "layers.1", "head"}
     assert [c["unit"] for c in timeline["computes"]] == ["tok_embeddings", "layers.0", "layers.1", "head"]
+    passed = {c["name"] for c in metrics["checks"] if c["passed"]}   # the timing checks a late issue fails (below)
+    assert {"forward: each unit's gather issued before the unit ahead computed, waited for after it",
+            "backward: each unit's gather issued before the unit ahead began its backward, waited for after",
+            "some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)"} <= passed
+    assert {g["unit"] for g in timeline["gathers"] if g["prefetched"] and g["phase"] == "backward"} == {
+        "tok_embeddings", "layers.0", "layers.1"}
 
 
 def test_zero3_gathering_on_first_use_skips_the_embeddings_second_gather():
@@ -232,7 +238,16 @@ def test_zero3_planted_bugs_fail_their_checks():
     assert kept.returncode == 1 and kept.metrics["memory"]["gathered_peak_bytes"] == 3 * BLOCK_BYTES  # two blocks
     assert [c["name"] for c in kept.metrics["checks"] if not c["passed"]] == [   # kept by autograd, one gathered again
         "gathered parameters alive at any moment <= root + largest unit (measured on the storages)",
+        "inside a gather's copy-out, gathered parameters alive <= root + largest unit + one gather's buffer "
+        "(measured on the storages)",
         "at every gather and drop, bytes alive = bytes the units hold (measured on the storages)"]
+    # each next unit's gather issued only once the unit ahead has computed: the same bytes, the same memory, every
+    # answer right, and only the timestamps of issue against compute show it (forward and backward)
+    late = launch.run(ZERO3, nproc=4, args=["--prefetch", "--planted-bug", "late-prefetch", "--steps", "1"],
+                      stream=False, check=False)
+    assert late.returncode == 1 and [c["name"] for c in late.metrics["checks"] if not c["passed"]] == [
+        "forward: each unit's gather issued before the unit ahead computed, waited for after it",
+        "backward: each unit's gather issued before the unit ahead began its backward, waited for after"]
 
 
 def test_zero3_bad_batch_exits_2():

@@ -229,3 +229,51 @@ def test_what_the_chapter_says_of_bf16_sums_checkpoint_names_and_tolerances():
     assert 'name.replace(_CHECKPOINT_PREFIX, "")' in dcp[180]
     assert "checkpoint_wrapper.py` lines 57-86" in flat and "`torch/distributed/checkpoint/state_dict.py` line 181" in flat
     assert "summing over many ranks loses nothing" not in flat and "already rounded to 8 significant bits" in flat
+
+
+FSDP2_SOURCE = Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard"
+
+
+def torch_lines(name: str, first: int, last: int) -> str:
+    """Lines first..last (1-based, inclusive) of an FSDP2 source file of the installed torch."""
+    return "".join((FSDP2_SOURCE / name).read_text().splitlines(keepends=True)[first - 1:last])
+
+
+def test_how_fsdp2_keeps_the_weights_out_of_autograd_is_what_torch_does():
+    """The chapter's contrast between the sketch and FSDP2, held to torch 2.13's source at the lines it cites."""
+    assert "free_storage(tensor)" in torch_lines("_fsdp_param.py", 827, 831)
+    assert "storage.resize_(0)" in torch_lines("_fsdp_param.py", 1072, 1074)
+    assert "alloc_storage(tensor)" in torch_lines("_fsdp_param.py", 823, 825)
+    assert "storage.resize_(size)" in torch_lines("_fsdp_param.py", 1066, 1069)
+    assert "fsdp_param.alloc_all_gather_outputs()" in torch_lines("_fsdp_collectives.py", 463, 463)
+    assert "torch.as_strided(" in torch_lines("_fsdp_param.py", 665, 679)
+    assert not any("saved_tensors_hooks" in f.read_text() for f in FSDP2_SOURCE.glob("*.py"))
+    assert "RegisterPostBackwardFunction.apply(self, *inp_tensors)" in torch_lines("_fsdp_param_group.py", 891, 903)
+    post = torch_lines("_fsdp_param_group.py", 1110, 1127)
+    assert "class RegisterPostBackwardFunction" in post and "ctx.param_group.post_backward()" in post
+    assert "RegisterPreBackwardFunction.apply(self, t)" in torch_lines("_fsdp_state.py", 434, 458)
+    assert "ctx.state._pre_backward(grad)" in torch_lines("_fsdp_state.py", 514, 530)
+    says("It has no saved-tensor\nhook and no autograd function around its gather.")
+    says("After forward it frees that tensor's memory with `storage.resize_(0)`.")
+    says("That is the planted bug `free-before-backward` plus one step: the refill.")
+    says("(`_fsdp_param.py:827-831`)")
+    says("(`_fsdp_param_group.py:891-903, 1110-1127`)")
+    assert "FSDP2 is the same mechanism, engineered" not in FLAT
+
+
+def test_fsdp2_prefetches_forward_only_when_told_and_backward_by_default():
+    """Forward: explicit prefetch only for the modules given to set_modules_to_forward_prefetch (the default overlap
+    is implicit: the CPU runs ahead); backward: a default prefetch unless set_modules_to_backward_prefetch is used."""
+    assert "self._states_to_forward_prefetch: list[FSDPState] = []" in torch_lines("_fsdp_state.py", 72, 72)
+    assert "for fsdp_state in self._states_to_forward_prefetch:" in torch_lines("_fsdp_state.py", 315, 320)
+    assert "implicit forward prefetching" in torch_lines("_fsdp_param_group.py", 60, 68)
+    assert "# implicit prefetch" in torch_lines("_fsdp_param_group.py", 417, 432)
+    assert "default_prefetch = len(self._states_to_backward_prefetch) == 0" in torch_lines("_fsdp_state.py", 384, 391)
+    assert "self._backward_prefetch()" in torch_lines("_fsdp_param_group.py", 576, 585)
+    assert "def _backward_prefetch(self)" in torch_lines("_fsdp_param_group.py", 795, 831)
+    assert "with no option set. So most of the traffic hides" not in FLAT   # the old claim: forward prefetched too
+    says("with no option set, nothing is prefetched")
+    says("happens\nonly for the modules passed to `set_modules_to_forward_prefetch`")
+    says("by default each unit's pre-backward hook issues the all-gather of the unit that runs backward next")
+    says("(`_fsdp_state.py:72, 315-320`)")
+    says("`--planted-bug late-prefetch` issues each gather once the\nunit ahead has computed.")
