@@ -117,6 +117,40 @@ def _storage_key(tensor) -> tuple:
     return (local.untyped_storage().data_ptr(), local.device)
 
 
+class StorageLedger:
+    """The bytes of watched tensors' storages still alive, read off the storages themselves.
+
+    ``watch(tensor)`` keeps a weak reference to the tensor's storage: torch keeps one Python object per storage for
+    as long as any tensor (a view, a tensor autograd saved, a request in flight) points at it, so a storage counts
+    until it is really freed, or resized to 0. ``measure(event)`` sums the storages alive, each once, and records
+    it; ``peak`` is the largest sum. Chapter 05 measures ZeRO-3's gathered weights this way, chapter 08 the K and V
+    blocks a ring holds. What is never watched (a copy made inside a function) is not counted.
+    """
+
+    def __init__(self):
+        import weakref
+
+        self._ref = weakref.ref
+        self._alive: dict[int, object] = {}   # id of the storage object -> its weak reference
+        self.events: list[dict] = []
+        self.peak = 0
+
+    def watch(self, *tensors) -> None:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self._alive[id(storage)] = self._ref(storage)
+
+    def alive_bytes(self) -> int:
+        self._alive = {key: ref for key, ref in self._alive.items() if ref() is not None}
+        return sum(ref().nbytes() for ref in self._alive.values())
+
+    def measure(self, event: str, **details) -> int:
+        alive = self.alive_bytes()
+        self.peak = max(self.peak, alive)
+        self.events.append({"event": event, "bytes": alive, **details})
+        return alive
+
+
 @contextmanager
 def saved_activation_bytes(exclude=()):
     """Measure the bytes autograd saves for backward inside the block: ``with ... as saved: loss = f(x)``.
