@@ -106,7 +106,7 @@ class RingAttention(torch.autograd.Function):
                 kinds.append(kind)
                 # what was computed: my query chunk, and the first key row of the block that really arrived (the
                 # caller finds which chunk of the sequence it is): not the chunk the ring meant to send
-                computed.append([my_chunks[i], keys[j][0, 0, 0].tolist()])
+                computed.append([my_chunks[i], keys[j][0, 0, 0].clone()])   # read after the loop: no sync here
             log.append({"step": step, "owner": owner, "blocks": kinds, "computed": computed, "kv_bytes_held": held})
             del keys, values                  # done with this block: no view of it may outlive the step
             if step < world - 1:
@@ -116,6 +116,8 @@ class RingAttention(torch.autograd.Function):
                 if planted_bug != "keep-own-block":
                     travelling = arriving
                 del arriving
+        for entry in log:                     # the first key rows, as numbers, once the ring is done
+            entry["computed"] = [[query_chunk, row.tolist()] for query_chunk, row in entry["computed"]]
         out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.log = layout, log

@@ -269,7 +269,7 @@ def test_torch_sends_dk_and_dv_in_fp32_and_the_chapter_says_so():
 def test_the_coverage_check_counts_what_arrived_and_ulysses_runs_with_several_heads_a_rank():
     script = (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
     assert "computed.append([my_chunks[i], key_chunks[j]])" not in script   # the plan, not what arrived
-    assert "keys[j][0, 0, 0].tolist()" in script
+    assert "keys[j][0, 0, 0].clone()" in script
     says_flat("The key chunk is the one that really arrived: the script finds it by its first key row")
     says_flat("`--planted-bug keep-own-block` makes every rank compute with its own block at every step.")
     says_flat("Its tests run Ulysses with one head a rank and with two (8 heads on 4 ranks)")
