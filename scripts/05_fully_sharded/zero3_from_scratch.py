@@ -641,7 +641,7 @@ def _prefetch_report(zero, report, rt) -> None:
     only after that unit had computed; in backward every unit but the last had its gather issued before the unit
     ahead (the one after it in forward) began its backward, and waited for after that; and over the whole run at
     least one prefetched gather was already done when it was needed (work.is_completed() at the wait: a gather
-    issued and waited for at once is never done). Reported, not checked: how long forward still waited and how many
+    issued and waited for at once is never done; on the CPU only). Reported, not checked: how long forward still waited and how many
     were done (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these are the host's times (NCCL's
     wait only orders the streams), not the kernels': the lab reads them on the CPU."""
     computes = [c for c in zero.computes if "end" in c]
@@ -664,8 +664,10 @@ def _prefetch_report(zero, report, rt) -> None:
                      len(back) == len(names) - 1 == len(behind) and not late_back,
                      {"prefetched": len(back), "late": late_back}, f"{len(names) - 1} prefetched, none late")
     history = [done for u in zero.units for done in u.prefetch_done_before_wait]
-    report.check("some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)",
-                 any(history), f"{sum(history)} of {len(history)}", ">= 1")
+    if rt.device_type != "cuda":  # on a GPU the host runs ahead of the kernels: is_completed() at the host's wait
+        # says whether the kernel has run yet, which it need not have for the streams to overlap (reported only)
+        report.check("some prefetched gather was done before it was needed (work.is_completed() at the wait, every "
+                     "step)", any(history), f"{sum(history)} of {len(history)}", ">= 1")
     forward = [g for g in gathers if g["phase"] == "forward" and g["unit"] in started]
     waited = sum(g["ready"] - g["waited"] for g in forward)
     origin = min([c["start"] for c in computes] + [g["issued"] for g in gathers])
