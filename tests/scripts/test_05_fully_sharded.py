@@ -245,9 +245,12 @@ def test_zero3_planted_bugs_fail_their_checks():
     # answer right, and only the timestamps of issue against compute show it (forward and backward)
     late = launch.run(ZERO3, nproc=4, args=["--prefetch", "--planted-bug", "late-prefetch", "--steps", "1"],
                       stream=False, check=False)
-    assert late.returncode == 1 and [c["name"] for c in late.metrics["checks"] if not c["passed"]] == [
-        "forward: each unit's gather issued before the unit ahead computed, waited for after it",
-        "backward: each unit's gather issued before the unit ahead began its backward, waited for after"]
+    timing = ["forward: each unit's gather issued before the unit ahead computed, waited for after it",
+              "backward: each unit's gather issued before the unit ahead began its backward, waited for after"]
+    late_failed = [c["name"] for c in late.metrics["checks"] if not c["passed"]]
+    assert late.returncode == 1 and late_failed[:2] == timing and late_failed[2:] in (  # issued late, a gather is seldom
+        [], ["some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)"])
+    # (done by its wait either: the third check may fail too)
 
 
 def test_zero3_bad_batch_exits_2():
