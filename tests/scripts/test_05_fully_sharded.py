@@ -248,9 +248,9 @@ def test_zero3_planted_bugs_fail_their_checks():
     timing = ["forward: each unit's gather issued before the unit ahead computed, waited for after it",
               "backward: each unit's gather issued before the unit ahead began its backward, waited for after"]
     late_failed = [c["name"] for c in late.metrics["checks"] if not c["passed"]]
-    assert late.returncode == 1 and late_failed[:2] == timing and late_failed[2:] in (  # issued late, a gather is seldom
+    assert late.returncode == 1 and late_failed[:2] == timing and late_failed[2:] in (
         [], ["some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)"])
-    # (done by its wait either: the third check may fail too)
+    # (a gather issued late is seldom done by its wait: the third check may fail as well)
 
 
 def test_zero3_bad_batch_exits_2():
