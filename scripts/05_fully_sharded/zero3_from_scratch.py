@@ -46,7 +46,9 @@ forward its storage is freed with ``resize_(0)`` (_fsdp_param.py:827-831, 1072-1
 all-gather writes into it (:823-825, 1066-1069), so what autograd saved is refilled in time. That is
 free-before-backward plus the refill. Its reduce-scatter runs from an identity on each unit's inputs
 (RegisterPostBackwardFunction, _fsdp_param_group.py:891-903, 1110-1127), as this sketch's AfterBackward does for
-frozen units, on the gradients autograd accumulated in the full parameters' ``.grad``.
+frozen units, on the gradients autograd accumulated in the full parameters' ``.grad``. ``--backward-weights refill``
+runs that way here: no notes; the storages of the tensors autograd saved are freed after forward and refilled in
+place before backward.
 
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py --any-model
@@ -82,6 +84,11 @@ def check_config(args, world_size):
     runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
     runtime.require(args.planted_bug != "late-prefetch" or args.prefetch,
                     "--planted-bug late-prefetch plants its bug in the prefetch: add --prefetch")
+    if args.backward_weights == "refill":
+        runtime.require(args.backward_gather == "on-entry", "--backward-weights refill gathers each unit when backward "
+                                                            "reaches it: it needs --backward-gather on-entry")
+        runtime.require(args.planted_bug in (None, "late-prefetch"),
+                        f"--planted-bug {args.planted_bug} plants its bug in the notes: drop --backward-weights refill")
 
 
 class GatherUnit(torch.autograd.Function):
@@ -164,6 +171,9 @@ class ShardedUnit:
         self.on_copy_out = lambda buffer: None           # the ledger's look inside the gather, set by Zero3
         self.after_backward = lambda: None               # late-prefetch's late issue in backward, set by Zero3
         self.pending = None                              # a prefetched all-gather: (buffer, work, its timing row)
+        self.refill = False                              # FSDP2's way (set by Zero3): free the storages, refill them
+        self.freed: list[torch.Tensor] | None = None     # the full tensors autograd saved, storages freed, to refill
+        self.refilled = 0                                # measured: storages refilled in place, the whole run
         self.gathers: list[dict] = []                    # measured: each all-gather's issue and completion
         self.prefetch_done_before_wait: list[bool] = []  # measured: was each prefetched gather done when needed
 
@@ -199,7 +209,19 @@ class ShardedUnit:
         row["ready"] = clock()
         self.pending = None
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
-        self.full = [part.reshape(-1)[:spec.numel].view(spec.shape).clone() for part, spec in zip(by_rank, self.specs)]
+        parts = [part.reshape(-1)[:spec.numel].view(spec.shape) for part, spec in zip(by_rank, self.specs)]
+        if phase == "backward" and self.freed is not None:   # FSDP2's way: the very storages autograd saved in
+            for tensor, part in zip(self.freed, parts):      # forward, grown back and filled in place
+                storage = tensor.untyped_storage()
+                storage.resize_(tensor.numel() * tensor.element_size())
+                # written through a new alias: the saved tensor's version counter does not move, so autograd
+                # accepts it (a resize is no write to a tensor at all)
+                torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+                    storage, tensor.storage_offset(), tensor.size(), tensor.stride()).copy_(part)
+            self.full, self.freed = self.freed, None
+            self.refilled += len(self.full)
+        else:
+            self.full = [part.clone() for part in parts]
         self.on_copy_out(gathered)              # the moment the buffer and the copies out of it are both alive
         gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 too frees its
         # all-gather output right after copy-out); a reference gloo's worker may keep a moment longer costs nothing
@@ -224,7 +246,11 @@ class ShardedUnit:
             for module, attr, _ in pairs:
                 setattr(module, attr, tensor)
 
-    def drop(self) -> None:
+    def drop(self, keep_for_refill: bool = False) -> None:
+        if self.refill and self.full is not None:   # free the memory itself: autograd may still hold the tensors
+            for tensor in self.full:
+                tensor.untyped_storage().resize_(0)
+        self.freed = self.full if self.refill and keep_for_refill else None
         self.full, self.storage_index = None, {}
 
     def drop_if_frozen(self) -> None:
@@ -247,7 +273,7 @@ class Zero3:
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None,
                  backward_gather: str = "on-entry", param_dtype: torch.dtype = torch.float32, prefetch: bool = False,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, backward_weights: str = "notes"):
         world, rank = dist.get_world_size(), dist.get_rank()
         self.planted_bug, self.backward_gather, self.prefetch, self.clock = planted_bug, backward_gather, prefetch, clock
         self.computes: list[dict] = []               # measured: each unit's forward, from gathered to done
@@ -265,6 +291,9 @@ class Zero3:
             who = users[id(p)]
             owned[next(iter(who)) if len(who) == 1 else "root"].append(p)
         self.units = [ShardedUnit(n, owned[n], names, world, rank, param_dtype) for n in owned if owned[n]]
+        self.notes = backward_weights == "notes"     # notes for autograd (this sketch), or FSDP2's free and refill
+        for unit in self.units:
+            unit.refill = not self.notes
         del owned, names                             # nothing here keeps a whole parameter alive
         for unit in self.units:
             unit.on_event = self._measure
@@ -294,7 +323,7 @@ class Zero3:
     # ---- forward: whole just in time, dropped right after; autograd keeps notes, not weights ----
     def _start(self, args):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        if self.planted_bug not in KEEPS_SAVED_WEIGHTS:  # these two leave autograd the full weights it saved
+        if self.notes and self.planted_bug not in KEEPS_SAVED_WEIGHTS:  # the two bugs (and refill) take no notes
             self._hooks.__enter__()
         if not self.root:
             return None
@@ -307,7 +336,7 @@ class Zero3:
     def _finish(self, output):
         if self.root:
             self._release(self.root, output)
-        if self.planted_bug not in KEEPS_SAVED_WEIGHTS:
+        if self.notes and self.planted_bug not in KEEPS_SAVED_WEIGHTS:
             self._hooks.__exit__(None, None, None)
 
     def _prefetch_after(self, unit: ShardedUnit, step: int) -> None:
@@ -351,7 +380,7 @@ class Zero3:
             # resize_(0), but nothing refills these storages before backward reads them (FSDP2 gathers into them)
             for tensor in unit.full:
                 tensor.untyped_storage().resize_(0)
-        unit.drop()
+        unit.drop(keep_for_refill=True)           # refill: the storages freed, the tensors kept to refill
         self._measure(f"{unit.name}: dropped after forward")
 
     def _pack(self, tensor):
@@ -409,8 +438,8 @@ class Zero3:
         if gathered is not None:   # the full tensors, or the buffer a prefetch is filling
             tensors = gathered.full if gathered.full is not None else [gathered.pending[0]]
             self._alive += [weakref.ref(f.untyped_storage()) for f in tensors]
-        self._alive = [ref for ref in self._alive if ref() is not None]
-        alive = sum(ref().nbytes() for ref in self._alive)     # each storage's bytes now (a freed one has 0)
+        self._alive = list({id(ref()): ref for ref in self._alive if ref() is not None}.values())  # each once (a
+        alive = sum(ref().nbytes() for ref in self._alive)     # refilled storage is watched again); a freed one: 0
         self.peak_bytes = max(self.peak_bytes, alive)
         held = sum(u.full_bytes for u in self.units if u.full is not None) + sum(   # what the units say they
             u.padded_bytes for u in self.units if u.pending is not None)               # hold, by their own books
@@ -445,6 +474,10 @@ def main():
     p.add_argument("--backward-gather", choices=("on-entry", "on-first-use"), default="on-entry",
                    help="gather a unit again when backward reaches it (as FSDP2 does), or when backward first reads "
                         "one of its weights (a unit whose backward reads none is not gathered again)")
+    p.add_argument("--backward-weights", choices=("notes", "refill"), default="notes",
+                   help="how autograd finds the weights in backward: notes (a saved-tensor hook; the gather makes new "
+                        "tensors), or refill (FSDP2's way: free the saved tensors' storages after forward with "
+                        "resize_(0), and gather into the same storages before backward)")
     p.add_argument("--mixed-precision", action="store_true",
                    help="gather and compute in bf16, reduce gradients in fp32, keep fp32 slices (FSDP2's "
                         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
@@ -472,7 +505,7 @@ def main():
         whole_storages = [weakref.ref(q.untyped_storage()) for q in model.parameters()]
         param_dtype = torch.bfloat16 if args.mixed_precision else torch.float32
         zero = Zero3(model, transformer_units(model), args.planted_bug, args.backward_gather, param_dtype,
-                     prefetch=args.prefetch)
+                     prefetch=args.prefetch, backward_weights=args.backward_weights)
         report.check("the whole parameters are freed once sliced (each one's storage watched until it is gone)",
                      all(ref() is None for ref in whole_storages), sum(ref() is not None for ref in whole_storages),
                      "0 left")
@@ -609,6 +642,7 @@ def main():
             largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
         report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "bound_bytes": root + largest,
                          "copy_out_peak_bytes": zero.copy_out_peak_bytes,
+                         "storages_refilled_in_place": sum(u.refilled for u in zero.units),
                          "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
                          "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}

@@ -184,6 +184,18 @@ def test_zero3_by_hand_equals_one_device_and_fsdp2_and_keeps_one_unit_whole():
     assert max(e["bytes"] for e in memory["timeline"]) == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
 
 
+def test_zero3_with_fsdp2s_free_and_refill_equals_fsdp2_and_keeps_one_unit_whole():
+    """FSDP2's way instead of notes: the tensors autograd saved have their storages freed after forward (resize_(0))
+    and refilled in place before backward. free-before-backward is this minus the refill (it fails, above)."""
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--backward-weights", "refill", "--steps", "2"],
+                                                  stream=False), min_checks=12)
+    memory = metrics["memory"]
+    assert memory["gathered_peak_bytes"] == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
+    assert memory["storages_refilled_in_place"] == 2 * 21              # every parameter's, both steps
+    assert comm_of(metrics)["all_gather"]["measured_bytes"] == 2 * 4 * P == comm_of(metrics)["all_gather"][
+        "fsdp2_measured_bytes"]
+
+
 def test_zero3_in_bf16_equals_fsdp2_mixed_precision_and_gathers_half_the_bytes():
     metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--mixed-precision", "--steps", "3"],
                                                   stream=False), min_checks=11)

@@ -256,6 +256,9 @@ def test_how_fsdp2_keeps_the_weights_out_of_autograd_is_what_torch_does():
     says("It has no saved-tensor\nhook and no autograd function around its gather.")
     says("After forward it frees that tensor's memory with `storage.resize_(0)`.")
     says("That is the planted bug `free-before-backward` plus one step: the refill.")
+    says("`--backward-weights refill` runs FSDP2's way in the sketch, with no notes.")   # tests/scripts runs it
+    script = (REPO / "scripts" / "05_fully_sharded" / "zero3_from_scratch.py").read_text()
+    assert 'choices=("notes", "refill")' in script and "storage.resize_(tensor.numel() * tensor.element_size())" in script
     says("(`_fsdp_param.py:827-831`)")
     says("(`_fsdp_param_group.py:891-903, 1110-1127`)")
     assert "FSDP2 is the same mechanism, engineered" not in FLAT
