@@ -246,6 +246,8 @@ def test_how_fsdp2_keeps_the_weights_out_of_autograd_is_what_torch_does():
     assert "alloc_storage(tensor)" in torch_lines("_fsdp_param.py", 823, 825)
     assert "storage.resize_(size)" in torch_lines("_fsdp_param.py", 1066, 1069)
     assert "fsdp_param.alloc_all_gather_outputs()" in torch_lines("_fsdp_collectives.py", 463, 463)
+    assert "def foreach_all_gather_copy_out(" in torch_lines("_fsdp_collectives.py", 431, 431)
+    assert "_unsafe_preserve_version_counter" in torch_lines("_fsdp_collectives.py", 484, 487)
     assert "torch.as_strided(" in torch_lines("_fsdp_param.py", 665, 679)
     assert not any("saved_tensors_hooks" in f.read_text() for f in FSDP2_SOURCE.glob("*.py"))
     assert "RegisterPostBackwardFunction.apply(self, *inp_tensors)" in torch_lines("_fsdp_param_group.py", 891, 903)
