@@ -392,7 +392,7 @@ def cpu_allocation_peaks():
                 result.by_phase[name] = max(result.by_phase.get(name, 0), alive)
 
 
-ROOT_GATHERED = "root unit, gathered from forward to backward"
+ROOT_GATHERED = "root unit, gathered for backward"
 
 
 def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, param_bytes: int,
@@ -400,8 +400,10 @@ def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, p
     """What FSDP2 holds beyond the shards while a block's backward runs, for ``distlab.models.Transformer`` sharded a
     unit per block plus the root (``train_fsdp.apply_fsdp``), from torch 2.13's code (fsdp/_fully_shard/):
 
-    * the root unit (embedding, final norm, output) stays gathered from forward to backward
-      (_fsdp_state.py:203-207: the root is not resharded after forward);
+    * the root unit (embedding, final norm, output), gathered through backward: its output's hook gathers it at
+      the top of backward (_fsdp_state.py:452) and its post-backward reshards it only in the final callback. Left to
+      its default the root is not even resharded after forward (_fsdp_state.py:203-207); train_fsdp's explicit
+      ``reshard_after_forward=True`` reshards it there, which changes the bytes sent, not this peak;
     * the root's unsharded gradients (the output layer's and the final norm's, ``param_bytes`` each), made at the top
       of backward and reduce-scattered only at its end: the root's inputs, token ids, need no gradient, so its
       post-backward runs in the final callback (_fsdp_state.py:411-415);

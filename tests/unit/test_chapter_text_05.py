@@ -129,6 +129,46 @@ def test_fsdp2_call_counts_forced_root_and_default_root(fsdp_all_gathers):
     says("Left to its default (`None`),\nFSDP2 reshards every unit but the root")
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_gathers_for_backward_from_a_hook_on_the_outputs_and_reshards_a_forced_root(fsdp_all_gathers):
+    """In eager mode FSDP2 registers a tensor hook on each unit's outputs (_fsdp_state.py:452); its
+    RegisterPreBackwardFunction is applied only under functorch transforms (:453-463). So the root's output keeps
+    the model's own grad_fn and carries FSDP2's _pre_backward as a hook. And the root forced to reshard
+    (train_fsdp.apply_fsdp) has freed its gathered storages once forward is done (6 all-gathers, not 5), so the
+    chapter may not say that FSDP2 keeps it gathered from forward to backward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (registers FSDP2)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, str(REPO / "scripts" / "05_fully_sharded"))
+    import train_fsdp  # noqa: E402
+
+    sys.path.pop(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = models.build_transformer(models.preset("tiny"), seed=0)
+        train_fsdp.apply_fsdp(model)
+        logits = model(torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0)))
+        hooks = [getattr(h, "__name__", "") for h in (logits._backward_hooks or {}).values()]
+        root_group = model._get_fsdp_state()._fsdp_param_group
+        root_bytes = [t.untyped_storage().size() for p in root_group.fsdp_params for t in p.all_gather_outputs]
+    finally:
+        dist.destroy_process_group()
+    assert "RegisterPreBackward" not in type(logits.grad_fn).__name__ and hooks == ["_pre_backward"]
+    assert root_bytes and set(root_bytes) == {0}
+    pre = torch_lines("_fsdp_state.py", 434, 452)
+    assert "t.register_hook(self._pre_backward)" in pre and "RegisterPreBackwardFunction" not in pre
+    functorch = torch_lines("_fsdp_state.py", 453, 463)
+    assert "_are_functorch_transforms_active()" in functorch and "RegisterPreBackwardFunction.apply(self, t)" in functorch
+    assert "Another identity on each unit's output" not in FLAT and "runs from `RegisterPreBackwardFunction`" not in FLAT
+    says("A hook on each unit's output tensors fires FSDP2's gather for backward")
+    says("(`_fsdp_state.py:434-452`)")
+    says("only under functorch transforms (`:453-463`)")
+    assert fsdp_all_gathers["forced"][0] == 6
+    assert "FSDP2 does not reshard the root after forward" not in FLAT
+    says("Left to its default, FSDP2 would not reshard the root after forward")
+
+
 def test_zero3_by_hand_numbers_are_the_tiny_models():
     """Stage 3 by hand: the slices, the bytes and the one block alive, recomputed from the model (the script's
     test, tests/scripts/test_05_fully_sharded.py, measures the same numbers on 4 ranks)."""
@@ -253,7 +293,6 @@ def test_how_fsdp2_keeps_the_weights_out_of_autograd_is_what_torch_does():
     assert "RegisterPostBackwardFunction.apply(self, *inp_tensors)" in torch_lines("_fsdp_param_group.py", 891, 903)
     post = torch_lines("_fsdp_param_group.py", 1110, 1127)
     assert "class RegisterPostBackwardFunction" in post and "ctx.param_group.post_backward()" in post
-    assert "RegisterPreBackwardFunction.apply(self, t)" in torch_lines("_fsdp_state.py", 434, 458)
     assert "ctx.state._pre_backward(grad)" in torch_lines("_fsdp_state.py", 514, 530)
     says("It has no saved-tensor\nhook and no autograd function around its gather.")
     says("After forward it frees that tensor's memory with `storage.resize_(0)`.")
