@@ -276,3 +276,12 @@ def test_the_coverage_check_counts_what_arrived_and_ulysses_runs_with_several_he
     test = (REPO / "tests" / "scripts" / "test_08_sequence_parallel.py").read_text()
     assert '"--heads", "8"' in test and '"--planted-bug", "keep-own-block"' in test
 
+
+
+def test_what_megatron_saves_of_the_gathered_matmul_input():
+    """Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (megatron/core/tensor_parallel/layers.py, forward:
+    ``ctx.save_for_backward(input, weight)`` before the sequence-parallel all-gather; backward: all-gathers ``input``
+    again) keeps the sequence shard: the 2bsh term becomes 2bsh / t, a saving of 2bsh (t - 1) / t, not 2bsh."""
+    flat = " ".join(TEXT.split())
+    assert "That saves another 2bsh per layer" not in flat
+    says("That cuts this term from 2bsh to 2bsh / t per layer, for one extra all-gather per region.")
