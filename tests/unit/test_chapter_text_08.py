@@ -205,7 +205,8 @@ def test_what_a_ring_rank_holds_of_k_and_v():
     says_flat("In forward it is three at every step but the last: its own (kept for backward), the one it computes "
               "with and the one arriving.")
     says_flat("would make it four at steps 1 to P - 2")
-    says_flat("Backward holds five: its own K and V, and two messages of K, V, dK and dV")
+    # backward measures [5, 5, 5, 4] (tests/scripts/test_08_sequence_parallel.py): the last message is dK, dV only
+    says_flat("Backward holds five at every step but the last: its own K and V, and two messages of K, V, dK and dV")
     says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one "
               "(measured) |")
     says_flat("| four blocks: also the copy it sends (`_attention.py:438`) |")
