@@ -223,8 +223,9 @@ class ShardedUnit:
         else:
             self.full = [part.clone() for part in parts]
         self.on_copy_out(gathered)              # the moment the buffer and the copies out of it are both alive
-        gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 too frees its
-        # all-gather output right after copy-out); a reference gloo's worker may keep a moment longer costs nothing
+        gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 does so in backward
+        # and under explicit prefetch; in forward with implicit prefetch it frees it only after the next unit's
+        # copy-out, _fsdp_param_group.py:417-432); a reference gloo's worker may keep a moment longer costs nothing
         self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
         return self.full
 
