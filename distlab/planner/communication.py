@@ -240,8 +240,11 @@ def ring_steps(collective: str, group: int) -> int:
 def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int,
                       options: Options = Options()) -> dict:
     """Seconds each mesh dimension's traffic of one step takes on its link, ``{dimension: {"bandwidth",
-    "latency", "total"}}``: bytes sent / link bandwidth, plus calls x ring steps x the link's latency (a ring of
-    1,024 ranks is not free even for small messages)."""
+    "latency", "total"}}``: bytes sent / link bandwidth, plus each call's step latencies (a ring of 1,024 ranks is
+    not free even for small messages). A ring call over several nodes pays the network's latency on the steps that
+    leave a node and NVLink's on the rest (``comm.ring_latency``, NCCL's split); an all-reduce over nodes takes
+    NCCL's tree instead where the tree is faster (``Options.nccl_algorithm``): log2(nodes) network steps, at a
+    little less bandwidth (``comm.tree_all_reduce_latency``)."""
     sizes = group_sizes(layout)
     payloads = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)
     calls = collective_calls(model, layout, stage, options, cluster.gpus_per_node)
@@ -256,9 +259,26 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
         # a ring over nodes leaves each node on one edge: of what its k ranks in the node send, one rank's share
         # crosses the network, over the k NICs they share (one a GPU); pp and cp's messages go rank to rank
         nics = ranks_in_node(layout, dimension, cluster) if across and dimension not in ("pp", "cp") else 1
-        bandwidth = bytes_sent(dimension, collectives, sizes[dimension]) / (link * nics)
-        waits = sum(calls[dimension].get(name, 0) * ring_steps(name, sizes[dimension]) for name in collectives)
-        result[dimension] = {"bandwidth": bandwidth, "latency": waits * latency, "total": bandwidth + waits * latency}
+        size = sizes[dimension]
+        bandwidth = bytes_sent(dimension, collectives, size) / (link * nics)
+        waits = 0.0
+        for name, payload in collectives.items():
+            n_calls = calls[dimension].get(name, 0)
+            if ring_steps(name, size) == 1 or dimension in ("pp", "cp"):   # messages: one step on their link
+                waits += n_calls * ring_steps(name, size) * latency
+                continue
+            nodes = -(-size // ranks_in_node(layout, dimension, cluster)) if across else 1
+            ring = n_calls * comm.ring_latency(name, size, nodes, cluster.intra_node_latency_s,
+                                               cluster.inter_node_latency_s)
+            if name == "all_reduce" and nodes > 1 and options.nccl_algorithm == "auto":
+                # NCCL picks the faster of ring and tree for each call (tuning.cc's ncclTopoGetAlgoTime)
+                ring_bandwidth = comm.bytes_sent_per_rank(name, payload, size) / (link * nics)
+                slower = ring_bandwidth * (comm.tree_all_reduce_bandwidth_ratio(size) - 1)
+                tree = n_calls * comm.tree_all_reduce_latency(size, nodes) + slower
+                if tree < ring:
+                    bandwidth, ring = bandwidth + slower, tree - slower
+            waits += ring
+        result[dimension] = {"bandwidth": bandwidth, "latency": waits, "total": bandwidth + waits}
     return result
 
 

@@ -344,6 +344,9 @@ class Options:
     # gradient buckets of DDP and ZeRO, in parameters; None: Megatron-Core's rule, max(40M, 1M x dp): larger
     # buckets on larger rings, since every bucket's collective pays the ring's 2 (n - 1) latencies
     bucket_params: int | None = None
+    # NCCL's all-reduce algorithm over nodes: "auto", the faster of ring and tree for each call (NCCL's tuner,
+    # src/graph/tuning.cc); "ring", as NCCL_ALGO=Ring forces it
+    nccl_algorithm: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -350,17 +350,33 @@ def test_model_flops_summed_over_stages_are_the_models_flops_per_token():
     assert total == pytest.approx(expected, rel=2e-3)  # the final norm counted as a matmul by one, not the other
 
 
-def test_every_collective_pays_its_ring_latency():
-    spec = replace(planner.MODELS["70b"], global_batch=1024)
+def test_a_ring_over_nodes_pays_the_network_latency_only_where_it_leaves_a_node():
+    """1B under DDP on 1,024 H100s, 8 a node (128 nodes), counted by hand from NCCL's tuning.cc: a ring all-reduce
+    has 2 x 1,023 = 2,046 steps, of which 2 x 127 = 254 leave a node (14 us each) and 1,792 stay on NVLink (3.4 us):
+    9.6488 ms a call. NCCL's tree: 2 x (7 NVLink steps x 4.0 us + log2(128) = 7 network steps x 14 us) = 252 us."""
+    spec = replace(planner.MODELS["1b"], global_batch=1024)
     cluster = planner.CLUSTERS["h100-80gb"]
     layout = planner.Layout(tp=1, dp=1024, zero_stage=0)
-    seconds = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
     buckets = planner.collective_calls(spec, layout, 0, planner.Options())["dp"]["all_reduce"]
-    assert buckets == -(-planner.stage_params(spec, layout, 0)["total"] // 1_024_000_000)  # max(40M, 1M x dp)
-    assert seconds["latency"] == pytest.approx(buckets * 2 * 1023 * cluster.inter_node_latency_s)
+    assert buckets == 2   # 1.1 B parameters in buckets of max(40M, 1M x dp) = 1,024 M
+    ring = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(nccl_algorithm="ring"))["dp"]
+    assert ring["latency"] == pytest.approx(2 * 9.6488e-3)
+    tree = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
+    assert tree["latency"] == pytest.approx(2 * 252e-6)
+    assert tree["total"] < ring["total"] and tree["bandwidth"] > ring["bandwidth"]
     # with PyTorch DDP's 25 MiB buckets (6.5M fp32 numbers) the same ring waits far longer
-    small = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(bucket_params=25 * 2**20 // 4))["dp"]
-    assert small["latency"] > 100 * seconds["latency"] and small["bandwidth"] == seconds["bandwidth"]
+    small = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(bucket_params=25 * 2**20 // 4,
+                                                                                nccl_algorithm="ring"))["dp"]
+    assert small["latency"] > 50 * ring["latency"] and small["bandwidth"] == ring["bandwidth"]
+
+
+def test_a_ring_inside_one_node_pays_nvlink_latency_only():
+    """DDP over the 8 GPUs of one H100 node: 14 steps of 3.4 us, no tree (NCCL's tree is for crossing nodes)."""
+    spec = replace(planner.MODELS["1b"], global_batch=64)
+    layout = planner.Layout(tp=1, dp=8, zero_stage=0)
+    seconds = planner.dimension_seconds(spec, planner.CLUSTERS["h100-80gb"], layout, 0, planner.Options())["dp"]
+    calls = planner.collective_calls(spec, layout, 0, planner.Options())["dp"]["all_reduce"]
+    assert seconds["latency"] == pytest.approx(calls * 14 * 3.4e-6)
 
 
 def test_tune_picks_the_fastest_fitting_variant_and_the_search_uses_it():
