@@ -25,15 +25,19 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
       non-reentrant checkpoint, which stops before the block's last collective (both measured in chapter
       08's sp_transformer.py); selective checkpointing recomputes only attention's core, no TP collective;
     * dp: ``comm.zero_step_bytes`` of this stage's TP share (all-gathers in the compute dtype, gradients
-      reduced in fp32). ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters, as
-      ZeRO (Rajbhandari et al. 2020) and Megatron's distributed optimizer do: the bytes of ZeRO-2 and of
-      DDP's all-reduce (chapter 05's from-scratch ZeRO-1 all-reduces instead, to keep it short). FSDP
+      reduced in fp32). ZeRO-1 reduce-scatters the fp32 gradients and all-gathers the updated parameters in the
+      compute dtype, as Megatron's distributed optimizer does: in mixed precision 4 + 2 bytes a parameter where
+      DDP's fp32 all-reduce moves 4 + 4, 0.75 of DDP's bytes (chapter 05's from-scratch ZeRO-1 all-reduces
+      instead, to keep it short). ZeRO-2 reduce-scatters after every microbatch's backward (DeepSpeed's
+      stage_1_and_2.py:1767-1768 reduces each micro-step when it partitions gradients; ZeRO-1 at the last). FSDP
       without PP repeats its collectives for every accumulated microbatch, unless it keeps the weights
       gathered (``fsdp_keep_gathered``); under PP it keeps a stage gathered for the whole step and reduces
       once (torch's pipeline stage);
     * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch
-      and chunk); under SP a rank sends its sequence shard (1/tp of the activation): the boundary tensor is
-      already split over TP, as in Megatron's scatter-gather optimisation (Narayanan et al. 2021);
+      and chunk); under SP a rank sends its sequence shard (1/tp of the activation), as Megatron-Core does
+      (``schedules.py``: the shape's sequence divided by TP only under SP); without SP the whole tensor, unless
+      Megatron-LM's 2021 scatter/gather optimisation (Narayanan et al. 2021, on by default since Megatron-LM
+      commit 72e4230b) sends 1/tp from each TP rank;
     * replicate (HSDP, ``layout.shard``): FSDP's all-gathers and reduce-scatters run in the shard group (dp);
       after each reduce-scatter, the rank's gradient shard (1/shard of the unit's) is all-reduced with its peers
       of the other replicas (measured in chapter 09's ``fsdp_tp_hybrid.py --replicate``);
@@ -116,7 +120,10 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                 return per_step["reduce_scatter"] * times, units * times
             buckets = math.ceil(count / bucket_params(options, layout))
             for name, payload in per_step.items():
-                add(dimension, name, payload, buckets)
+                # ZeRO-2 reduces its gradients into their shards after every microbatch's backward (DeepSpeed:
+                # reduce_ready_partitions_and_remove_grads); DDP and ZeRO-1 once, at the last
+                times = num_micro if layout.zero_stage == 2 and name == "reduce_scatter" else 1
+                add(dimension, name, payload * times, buckets * times)
             return 0, 0
 
         # one call per FSDP unit and gather: the blocks, and the stage's root (chapter 09's parallelize_stage),
@@ -134,7 +141,10 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         one = model.micro_batch * seq * model.hidden * number_bytes
         sent = hybrid_pipeline.pp_send_bytes([stage + k * layout.pp for k in range(v)], layout.pp * v, num_micro,
                                              model.micro_batch, seq, model.hidden, number_bytes)
-        add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
+        # each TP rank sends 1/tp of the boundary tensor: its sequence shard under SP, or a slice with Megatron's
+        # scatter/gather (all-gathered over NVLink on arrival; Options.pp_scatter_gather); else the whole tensor
+        split = layout.tp if sp or options.pp_scatter_gather else 1
+        add("pp", "send", sent / split, round(sent / one))
     if layout.ep > 1 and moe_blocks:
         # per MoE block and microbatch: dispatch and combine forward, both again backward (a gradient dispatch where
         # forward combined, a gradient combine where it dispatched), and forward again when fully recomputed. Under

@@ -101,7 +101,8 @@ LLAMA_MISS = ("does not fit without recomputation: the interleaved warm-up keeps
 # examples/sc21/run_table_1.sh (source megatron_sc21_run_table_1_*)
 MEGATRON_FULL = Options(zero_stage=0, activation_checkpointing="full", flash_attention=False,
                         sequence_parallel=False, recompute_early_stop=False, search_micro_batch=False,
-                        sp_saves_gathered_inputs=False)  # Megatron's own layers (planner.memory.megatron_layers)
+                        sp_saves_gathered_inputs=False,  # Megatron's own layers (planner.memory.megatron_layers)
+                        pp_scatter_gather=True)          # on by default in Megatron-LM since February 2021
 
 
 # Korthikanti et al.'s runs: selective recomputation with sequence parallelism; their micro-batch not found, chosen
