@@ -164,12 +164,16 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
     params = stage_params(model, layout, stage)
     state = memory.zero_state_bytes(params["total"] - params["experts"], layout.fsdp_ways, layout.zero_stage,
                                     options.precision)
-    if not params["experts"]:
-        return state
-    # the experts: ZeRO over the ranks that hold the same experts (dp x cp x tp / ep), as torchtitan's FSDP over them
-    experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
-    return memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
-                             state.optimizer + experts.optimizer)
+    if params["experts"]:
+        # the experts: ZeRO over the ranks that hold the same experts (dp x cp x tp / ep), as torchtitan's FSDP
+        experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
+        state = memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
+                                  state.optimizer + experts.optimizer)
+    if megatron_layers(options) and options.precision == "mixed" and layout.zero_stage < 3:
+        # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 (megatron/training/arguments.py:1214-1216,
+        # accumulate_allreduce_grads_in_fp32): 4 bytes a parameter, not the ZeRO paper's 2
+        state = memory.StateBytes(state.params, 2 * state.grads, state.optimizer)
+    return state
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
@@ -195,7 +199,8 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
     if layout.zero_stage == 2:
         return 2 * 4 * min(params["total"], bucket_params(options, layout))
     grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
-    return 0.0 if options.ddp_bucket_view else grads
+    # Megatron's buckets are views of its one gradient buffer
+    return 0.0 if options.ddp_bucket_view or megatron_layers(options) else grads
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:

@@ -67,3 +67,15 @@ def test_a_llama_layer_under_megatron_sp_saves_three_ffn_wide_tensors():
     options = replace(published.LLAMA_PIPELINE, schedule="1f1b", chunks=1)
     planned = planner_memory.activation_bytes(model, planner.Layout(8, 16, 1, 1, 3), 0, options)
     assert planned / 16 / spec.seq_len == pytest.approx(by_hand, rel=0.001)
+
+
+def test_megatrons_gradients_are_held_in_fp32_as_they_are_reduced():
+    """Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 (training/arguments.py sets
+    accumulate_allreduce_grads_in_fp32): 4 bytes a parameter in memory, the 4 its reduce-scatter sends, in one
+    contiguous buffer whose buckets are views (no second copy)."""
+    run = next(r for r in published.RUNS if r.label.startswith("Megatron 175B, selective"))
+    params = planner.stage_params(run.model, run.layout, 0)["total"]
+    assert planner_memory.state_bytes(run.model, run.layout, 0, run.options).grads == 4 * params
+    assert planner_memory.temporary_bytes(run.model, replace(run.layout, dp=2), 0, run.options) == 0
+    torch_modules = replace(run.options, sp_saves_gathered_inputs=True)   # the ZeRO paper's 2 bytes, as before
+    assert planner_memory.state_bytes(run.model, run.layout, 0, torch_modules).grads == 2 * params
