@@ -121,7 +121,8 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
             buckets = math.ceil(count / bucket_params(options, layout))
             for name, payload in per_step.items():
                 # ZeRO-2 reduces its gradients into their shards after every microbatch's backward (DeepSpeed:
-                # reduce_ready_partitions_and_remove_grads); DDP and ZeRO-1 once, at the last
+                # reduce_ready_partitions_and_remove_grads; FSDP2 too, unless set_requires_gradient_sync(False)
+                # keeps whole gradients: torch fsdp/_fully_shard/_fully_shard.py:413-420); DDP and ZeRO-1 once
                 times = num_micro if layout.zero_stage == 2 and name == "reduce_scatter" else 1
                 add(dimension, name, payload * times, buckets * times)
             return 0, 0
