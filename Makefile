@@ -14,8 +14,12 @@ PYTEST_ARGS ?=
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=23"
-	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt -c constraints.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
+	@# The bytecode pip would compile one package after another (30 s of CPU), compiled on every core at once;
+	@# without it four ranks starting together would each compile torch's modules themselves. A file of a package
+	@# that does not compile under this Python (pip skips those too) stops nothing.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
 	touch $(STAMP)
 
@@ -37,9 +41,10 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
 ## copies, on two workers: they replay the script runs their full notebooks made in the first phase
-## (DISTLAB_LAUNCH_CACHE, shared by every phase). Last, alone, the timing-sensitive tests. Each test
-## process forks its CPU launches from a server that imported torch once (DISTLAB_FORK_SERVER, labkit.forkserver):
-## a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
+## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
+## them, and restoring the files it left). Last, alone, the timing-sensitive tests. Every worker, notebook kernel and
+## subprocess of a phase forks its CPU launches from one server that imported torch once (DISTLAB_FORK_SERVER,
+## labkit.forkserver, started by tests/conftest.py): a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
 ## inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on 2 busy cores its pool of workers cost
 ## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took
 ## 39; the tests check what is computed, not how fast). Each test process and notebook kernel computes on one thread

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -67,6 +68,38 @@ NCCL_RING_CALL_LATENCY_S = {"LL": 6.6e-6, "LL128": 14.0e-6, "Simple": 8.4e-6}
 def ring_steps(collective: str, world_size: int) -> int:
     return {"all_reduce": 2 * (world_size - 1), "broadcast": world_size - 1, "send": 1}.get(
         collective, world_size - 1)
+
+
+def ring_latency(collective: str, world_size: int, nodes: int, intra_node_latency: float,
+                 inter_node_latency: float) -> float:
+    """The step latencies of one ring call over ``nodes`` nodes, as NCCL's tuner splits them (tuning.cc:411-412):
+    the steps that leave a node, 2 (nodes - 1) for an all-reduce and nodes - 1 otherwise, pay the network's latency;
+    the other steps pay NVLink's."""
+    steps = ring_steps(collective, world_size)
+    crossing = 0 if nodes <= 1 else (2 if collective == "all_reduce" else 1) * (nodes - 1)
+    return (steps - crossing) * intra_node_latency + crossing * inter_node_latency
+
+
+# NCCL's tree all-reduce (tuning.cc:414-416): latency 2 ((ranks a node - 1) x NVLink's + log2(nodes) x the network's),
+# with the tree's own step latencies (tuning.cc:159 and 171, Simple: 4.0 us over NVLink, 14 us across nodes); its
+# algorithm bandwidth is 0.92 (tuning.cc:331) x 0.5 (tuning.cc:380) of the bus bandwidth, where a ring's is
+# n / (2 (n - 1)) of it (tuning.cc:379): a tree sends 2 / (0.92 x 2 (n - 1) / n) times a ring's bytes' time.
+NCCL_TREE_STEP_LATENCY_S = {"nvlink": {"LL": 0.6e-6, "LL128": 1.25e-6, "Simple": 4.0e-6},
+                            "network": {"LL": 5.0e-6, "LL128": 8.5e-6, "Simple": 14.0e-6}}
+NCCL_TREE_BANDWIDTH_SHARE = 0.92 * 0.5
+
+
+def tree_all_reduce_latency(world_size: int, nodes: int, protocol: str = "Simple") -> float:
+    """NCCL's latency of one tree all-reduce over ``nodes`` nodes of ``world_size / nodes`` ranks each
+    (log2 rounded down, as NCCL's log2i)."""
+    per_node = world_size // max(nodes, 1)
+    return 2 * ((per_node - 1) * NCCL_TREE_STEP_LATENCY_S["nvlink"][protocol]
+                + int(math.log2(max(nodes, 1))) * NCCL_TREE_STEP_LATENCY_S["network"][protocol])
+
+
+def tree_all_reduce_bandwidth_ratio(world_size: int) -> float:
+    """A tree all-reduce's bandwidth time over a ring's for the same payload and links (NCCL's model)."""
+    return (world_size / (2 * (world_size - 1))) / NCCL_TREE_BANDWIDTH_SHARE
 
 
 def ring_time(collective: str, payload_bytes: int, world_size: int, bandwidth: float, latency: float,

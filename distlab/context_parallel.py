@@ -178,24 +178,32 @@ def torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad
 CP_METHODS = ("ring", "all-gather", "ulysses", "torch allgather", "torch alltoall")
 
 
+# torch 2.13 accumulates dK and dV in fp32 whatever the inputs' dtype (_ContextParallelOptions.convert_to_f32 = True,
+# _context_parallel/_attention.py:75, 512-515) and sends those accumulators round the ring (:625-627): under bf16 its
+# dK, dV hops move twice the bytes of a bf16 dK, dV.
+TORCH_CP_GRAD_BYTES = 4
+
+
 def cp_comm_payloads(method: str, kv_shard_bytes: int, world_size: int,
-                     q_shard_bytes: int | None = None) -> dict[str, dict[str, int]]:
+                     q_shard_bytes: int | None = None, dtype_bytes: int = 4) -> dict[str, dict[str, int]]:
     """Payload bytes one rank hands to each kind of collective in one attention, {phase: {collective: bytes}}
     (payloads as :class:`distlab.comm.CommCounter` measures them: a send's message, an all-gather's gathered output,
     a reduce-scatter's and an all-to-all's input). ``kv_shard_bytes``: this rank's K (or V); ``q_shard_bytes``: its
-    Q (or output), K's size unless given (GQA makes K and V smaller than Q).
+    Q (or output), K's size unless given (GQA makes K and V smaller than Q); ``dtype_bytes``: bytes of one of their
+    numbers (2 under bf16). torch's own sends dK and dV in fp32 whatever that is (:data:`TORCH_CP_GRAD_BYTES`).
 
     * ``ring`` (ring_attention.py): forward P - 1 sends of (K, V); backward P - 1 of (K, V, dK, dV), 1 of (dK, dV).
     * ``all-gather`` (by hand): forward one all-gather of the whole sequence's (K, V), kept for backward; backward
       one reduce-scatter of (dK, dV).
     * ``ulysses``: forward all-to-alls of q, k, v and of the output; backward the same four, reversed.
     * ``torch allgather``: forward one all-gather of (K, V); backward another (nothing was kept) and P permuting
-      all-to-alls of (dK, dV), the ring's dK, dV hops.
+      all-to-alls of (dK, dV), the ring's dK, dV hops, in fp32.
     * ``torch alltoall``: the ring with each hop a permuting all-to-all: forward P - 1 of (K, V), backward P - 1 of
-      (K, V) and P of (dK, dV).
+      (K, V) and P of (dK, dV), in fp32.
     """
     q_shard_bytes = kv_shard_bytes if q_shard_bytes is None else q_shard_bytes
     kv, p = 2 * kv_shard_bytes, world_size
+    dkv = kv * TORCH_CP_GRAD_BYTES // dtype_bytes       # torch's dK, dV: fp32 accumulators (bf16: twice K, V)
     if method == "ring":
         return {"forward": {"send": (p - 1) * kv}, "backward": {"send": (p - 1) * 2 * kv + kv}}
     if method == "all-gather":
@@ -204,21 +212,21 @@ def cp_comm_payloads(method: str, kv_shard_bytes: int, world_size: int,
         both = 2 * q_shard_bytes + kv
         return {"forward": {"all_to_all": both}, "backward": {"all_to_all": both}}
     if method == "torch allgather":
-        return {"forward": {"all_gather": p * kv}, "backward": {"all_gather": p * kv, "all_to_all": p * kv}}
+        return {"forward": {"all_gather": p * kv}, "backward": {"all_gather": p * kv, "all_to_all": p * dkv}}
     if method == "torch alltoall":
-        return {"forward": {"all_to_all": (p - 1) * kv}, "backward": {"all_to_all": (p - 1) * kv + p * kv}}
+        return {"forward": {"all_to_all": (p - 1) * kv}, "backward": {"all_to_all": (p - 1) * kv + p * dkv}}
     raise ValueError(f"method must be one of {CP_METHODS}, not {method!r}")
 
 
 def cp_bytes_sent_per_rank(method: str, kv_shard_bytes: int, world_size: int,
-                           q_shard_bytes: int | None = None) -> dict[str, float]:
+                           q_shard_bytes: int | None = None, dtype_bytes: int = 4) -> dict[str, float]:
     """Bytes one rank puts on the wire, {phase: bytes}, from :func:`cp_comm_payloads`: a send and torch's permuting
     all-to-all send their whole payload (to one rank); an all-gather, a reduce-scatter and Ulysses' even all-to-all
     send (P-1)/P of it (the rest stays home)."""
     p = world_size
     whole = method in ("ring", "torch alltoall")
     sent = {}
-    for phase, payloads in cp_comm_payloads(method, kv_shard_bytes, world_size, q_shard_bytes).items():
+    for phase, payloads in cp_comm_payloads(method, kv_shard_bytes, world_size, q_shard_bytes, dtype_bytes).items():
         total = 0.0
         for collective, payload in payloads.items():
             permutes = collective == "send" or whole or (method == "torch allgather" and collective == "all_to_all")

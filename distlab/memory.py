@@ -117,6 +117,40 @@ def _storage_key(tensor) -> tuple:
     return (local.untyped_storage().data_ptr(), local.device)
 
 
+class StorageLedger:
+    """The bytes of watched tensors' storages still alive, read off the storages themselves.
+
+    ``watch(tensor)`` keeps a weak reference to the tensor's storage: torch keeps one Python object per storage for
+    as long as any tensor (a view, a tensor autograd saved, a request in flight) points at it, so a storage counts
+    until it is really freed, or resized to 0. ``measure(event)`` sums the storages alive, each once, and records
+    it; ``peak`` is the largest sum. Chapter 05 measures ZeRO-3's gathered weights this way, chapter 08 the K and V
+    blocks a ring holds. What is never watched (a copy made inside a function) is not counted.
+    """
+
+    def __init__(self):
+        import weakref
+
+        self._ref = weakref.ref
+        self._alive: dict[int, object] = {}   # id of the storage object -> its weak reference
+        self.events: list[dict] = []
+        self.peak = 0
+
+    def watch(self, *tensors) -> None:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self._alive[id(storage)] = self._ref(storage)
+
+    def alive_bytes(self) -> int:
+        self._alive = {key: ref for key, ref in self._alive.items() if ref() is not None}
+        return sum(ref().nbytes() for ref in self._alive.values())
+
+    def measure(self, event: str, **details) -> int:
+        alive = self.alive_bytes()
+        self.peak = max(self.peak, alive)
+        self.events.append({"event": event, "bytes": alive, **details})
+        return alive
+
+
 @contextmanager
 def saved_activation_bytes(exclude=()):
     """Measure the bytes autograd saves for backward inside the block: ``with ... as saved: loss = f(x)``.
@@ -358,7 +392,7 @@ def cpu_allocation_peaks():
                 result.by_phase[name] = max(result.by_phase.get(name, 0), alive)
 
 
-ROOT_GATHERED = "root unit, gathered from forward to backward"
+ROOT_GATHERED = "root unit, gathered for backward"
 
 
 def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, param_bytes: int,
@@ -366,8 +400,10 @@ def fsdp_unit_bytes(vocab_size: int, dim: int, n_layers: int, num_params: int, p
     """What FSDP2 holds beyond the shards while a block's backward runs, for ``distlab.models.Transformer`` sharded a
     unit per block plus the root (``train_fsdp.apply_fsdp``), from torch 2.13's code (fsdp/_fully_shard/):
 
-    * the root unit (embedding, final norm, output) stays gathered from forward to backward
-      (_fsdp_state.py:203-207: the root is not resharded after forward);
+    * the root unit (embedding, final norm, output), gathered through backward: its output's hook gathers it at
+      the top of backward (_fsdp_state.py:452) and its post-backward reshards it only in the final callback. Left to
+      its default the root is not even resharded after forward (_fsdp_state.py:203-207); train_fsdp's explicit
+      ``reshard_after_forward=True`` reshards it there, which changes the bytes sent, not this peak;
     * the root's unsharded gradients (the output layer's and the final norm's, ``param_bytes`` each), made at the top
       of backward and reduce-scattered only at its end: the root's inputs, token ids, need no gradient, so its
       post-backward runs in the final callback (_fsdp_state.py:411-415);

@@ -41,6 +41,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CONFIG_ERROR_EXIT_CODE = 2
 CHECK_FAILED_EXIT_CODE = 1
@@ -811,7 +812,24 @@ def _exit_without_teardown_at_interpreter_exit(rt: Runtime) -> None:
 
 
 def free_port() -> int:
-    """A TCP port free right now on this machine (for launching jobs from notebooks and tests)."""
+    """A TCP port free right now on this machine, for a job launched from a notebook or a test. Rank 0 binds it
+    seconds later, so it is drawn at random below the kernel's ephemeral range (Linux's ip_local_port_range,
+    32768-60999 by default), where no outgoing connection and no bind to port 0 can take it meanwhile: gloo opens
+    dozens of those a job, and two test workers launch side by side. The kernel's own choice where that range
+    leaves no room below it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw = random.SystemRandom()
+    for _ in range(50 if low > 12000 else 0):
+        port = draw.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,13 +1,17 @@
-"""A fork server for the test suite: torch imported once per test process, a ``labkit.forkrun`` forked per launch.
+"""A fork server: torch imported once, a ``labkit.forkrun`` forked per launch.
 
-Every fork launch (``launch.run`` on CPU) starts ``python -m labkit.forkrun``, whose first 2.4 s go to importing
-torch before it forks the ranks: most of a config-error test, a third of a short run. ``make test`` launches a few
-hundred jobs, so it sets ``DISTLAB_FORK_SERVER=1``: then the first fork launch of a process starts this server, which
-imports what forkrun imports and waits on a Unix socket; each launch asks it to fork a child that *is* the
-forkrun of that launch (the same ``forkrun.main``, the launch's arguments, working directory and environment, its
-output on a pipe the caller reads), so the caller sees what ``subprocess.Popen`` would give it: the output, a process
-group to kill on a timeout, the exit code. Learners and instructors never set it: a launch from a notebook or a
-shell starts its own forkrun as before.
+Every fork launch (``launch.run`` on CPU) would start ``python -m labkit.forkrun``, whose first 2.4 s go to importing
+torch before it forks the ranks: most of a configuration-error test, a third of a short run, and a lab launches ten
+to thirty runs. So the first fork launch of a process starts this server, which imports what forkrun imports and
+waits on a Unix socket; each launch asks it to fork a child that *is* the forkrun of that launch (the same
+``forkrun.main``, the launch's arguments, working directory and environment, its output on a pipe the caller
+reads), so the caller sees what ``subprocess.Popen`` would give it: the output, a process group to kill on a
+timeout, the exit code. ``DISTLAB_FORK_SERVER=0`` turns it off: each launch then starts its own forkrun.
+
+The server's socket is exported to the processes its starter starts afterwards (``DISTLAB_FORK_SERVER_SOCKET``):
+make test starts one server per pytest worker as the worker starts (tests/conftest.py), and the notebook kernels
+and subprocesses that worker starts fork their launches from it instead of importing torch in a server of their
+own. A process that finds no server answering there starts its own.
 
 Fork is safe here for the reason it is safe in forkrun: the server imports, never computes, so no thread pool has
 started when it forks. The server leaves when the process that started it does.
@@ -27,11 +31,12 @@ import time
 import traceback
 
 ENABLE_ENV = "DISTLAB_FORK_SERVER"
+SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # a server started by this process or its parent, for its children
 _started: dict = {}   # this process's server: {"process": Popen, "path": socket path}
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV) == "1"
+    return os.environ.get(ENABLE_ENV, "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,11 +83,20 @@ class ForkedRun:
 
 
 def start(argv: list[str], cwd, env: dict) -> ForkedRun:
-    """Fork ``python -m labkit.forkrun *argv`` in ``cwd`` with ``env``, from this process's server."""
-    return ForkedRun(_server_path(), argv, cwd, env)
+    """Fork ``python -m labkit.forkrun *argv`` in ``cwd`` with ``env``, from this process's server (or the one its
+    parent exported: see :data:`SOCKET_ENV`)."""
+    shared = os.environ.get(SOCKET_ENV)
+    if shared and _started.get("path") != shared:
+        try:
+            return ForkedRun(shared, argv, cwd, env)
+        except OSError:                 # that server has gone (its starter exited): start one of this process's
+            os.environ.pop(SOCKET_ENV, None)
+    return ForkedRun(start_server(), argv, cwd, env)
 
 
-def _server_path() -> str:
+def start_server() -> str:
+    """This process's server, started if it is not running: its socket's path, also exported to the processes
+    this one starts from now on."""
     process = _started.get("process")
     if process is not None and process.poll() is None:
         return _started["path"]
@@ -90,6 +104,7 @@ def _server_path() -> str:
     folder = tempfile.mkdtemp(prefix="dlfs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "socket")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop(SOCKET_ENV, None)
     process = subprocess.Popen([sys.executable, "-m", "labkit.forkserver", path], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -98,6 +113,7 @@ def _server_path() -> str:
             raise RuntimeError(f"the fork server did not start (exit code {process.poll()})")
         time.sleep(0.05)
     _started.update(process=process, path=path)
+    os.environ[SOCKET_ENV] = path
     atexit.register(process.kill)
     return path
 

@@ -15,11 +15,15 @@ or torchrun) overrides it. (The PBS jobs' ``DISTLAB_LAUNCHER`` is another thing:
 A failing run raises :class:`LaunchError` with the tail of its output (unless ``check=False``).
 
 ``DISTLAB_LAUNCH_CACHE=DIR`` (set by the test suite only) replays a run already made in the same test
-session with the same script contents, arguments and ranks: the learner's copy of a notebook launches
-exactly what the full notebook launched a minute earlier, so the suite does not pay for it twice. The key
-is every file the run depends on (the script, its folder's helpers, the ``distlab`` package: see
-:func:`run_dependencies`), the arguments, the ranks, the launcher and the extra environment: an edit
-anywhere in them can never replay a stale result.
+session with the same inputs: the learner's copy of a notebook launches exactly what the full notebook
+launched a minute earlier, so the suite does not pay for it twice. A run is a function of its inputs only if
+the key holds all of them, and a replay is the run only if it leaves what the run left. So the key is every
+source file the run depends on (the script, its folder's helpers, the ``distlab`` package: see
+:func:`run_dependencies`), the arguments, the ranks, the launcher, the environment the ranks get (see
+:data:`KEYED_ENVIRONMENT`), and the contents of every file or folder an argument names (a checkpoint to resume
+from: :func:`file_arguments`); and a replay restores the files and folders those arguments name as the run
+left them (the checkpoint an interrupted run wrote, which the resumed run reads next). An edit anywhere in
+them can never replay a stale result.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,13 +146,13 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     else:
         command = [sys.executable, "-m", "labkit.forkrun", f"--nproc={nproc}", str(script), *args]
 
-    cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path, env)
+    child_env = child_environment(env)
+    cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path, env, child_env)
     if cache_file is not None and cache_file.exists():
-        result = _replay(cache_file, script, check, stream, metrics_path)
+        result = _replay(cache_file, script, check, stream, metrics_path, file_arguments(args, cwd, metrics_path))
         tmpdir.cleanup()
         return result
 
-    child_env = child_environment(env)
     shown = torchrun_command(script, nproc, [a for a in args if a != str(metrics_path)
                                                and a != "--metrics-out"] if metrics_path else args)
     if stream:
@@ -192,9 +197,9 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
         result.metrics = json.loads(metrics_path.read_text())
     tmpdir.cleanup()
     if cache_file is not None:
-        cache_file.write_text(json.dumps({"command": command, "returncode": result.returncode, "output": output,
-                                          "seconds": result.seconds, "metrics": result.metrics,
-                                          "rank_exit_codes": result.rank_exit_codes}))
+        _store(cache_file, {"command": command, "returncode": result.returncode, "output": output,
+                            "seconds": result.seconds, "metrics": result.metrics,
+                            "rank_exit_codes": result.rank_exit_codes}, file_arguments(args, cwd, metrics_path))
     if check and result.returncode != 0:
         raise LaunchError(_failure_message(script, result), result)
     return result
@@ -228,18 +233,60 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
     return codes
 
 
+# The variables of the ranks' environment that can change what a run computes or prints, and so belong in the
+# cache's key. The rest (PATH, a kernel's JPY_* or pytest's PYTEST_CURRENT_TEST, which differ between two callers
+# launching the same run) do not. DISTLAB_LAUNCH_CACHE and DISTLAB_FORK_SERVER choose how a run is started, not what
+# it does.
+KEYED_ENVIRONMENT = ("DISTLAB_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "CUDA_", "MASTER_",
+                     "PYTHONHASHSEED", "PYTHONPATH")
+NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER")
+
+
+def file_arguments(args: list[str], cwd: Path, metrics_path=None) -> list[Path]:
+    """The files and folders a run's arguments name, its metrics file aside: what a script may read (a checkpoint
+    to resume from) or write (a checkpoint, a trace) besides its metrics. An argument names a path when it holds a
+    path separator or names something that exists (``--save-dir build/x``, ``--trace-dir=/tmp/t``)."""
+    paths = []
+    for arg in args:
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+        if value.startswith("-") or not value:
+            continue
+        path = Path(value) if Path(value).is_absolute() else cwd / value
+        if metrics_path is not None and path == Path(metrics_path):
+            continue
+        if os.sep in value or path.exists():
+            paths.append(path)
+    return paths
+
+
+def _state_of(path: Path) -> list:
+    """What is at ``path``: nothing, a file's bytes, or a folder's files and their bytes (as hashes)."""
+    def digest(file: Path) -> str:
+        return hashlib.sha256(file.read_bytes()).hexdigest()
+
+    if path.is_file():
+        return ["file", digest(path)]
+    if path.is_dir():
+        return ["folder", [[str(f.relative_to(path)), digest(f)] for f in sorted(path.rglob("*")) if f.is_file()]]
+    return ["nothing"]
+
+
 def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[str], metrics_path,
-                env: dict | None = None) -> Path | None:
+                env: dict | None = None, child_env: dict | None = None) -> Path | None:
     folder = os.environ.get("DISTLAB_LAUNCH_CACHE")
     path = script if script.is_absolute() else cwd / script
     if not folder or not path.exists():
         return None
     key = hashlib.sha256(f"{path.parent.name}/{path.name}".encode())  # which script: its folder's other
-    for source in run_dependencies(path):                              # scripts are among its dependencies  # an edit to any of them is a new key: never a stale replay
-        key.update(f"{source.parent.name}/{source.name}".encode())
-        key.update(source.read_bytes())
+    for source in run_dependencies(path):                              # scripts are among its dependencies
+        key.update(f"{source.parent.name}/{source.name}".encode())     # an edit to any of them is a new key:
+        key.update(source.read_bytes())                                # never a stale replay
+    ranks_environment = child_env if child_env is not None else child_environment(env)
+    keyed = sorted((name, value) for name, value in ranks_environment.items()
+                   if name.startswith(KEYED_ENVIRONMENT) and name not in NOT_KEYED)
+    files = [[str(p), _state_of(p)] for p in file_arguments(args, cwd, metrics_path)]  # what the run will read
     key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)],
-                           sorted((env or {}).items())]).encode())
+                           sorted((env or {}).items()), keyed, files]).encode())
     Path(folder).mkdir(parents=True, exist_ok=True)
     return Path(folder) / f"{key.hexdigest()[:24]}.json"
 
@@ -255,11 +302,48 @@ def run_dependencies(script: Path) -> list[Path]:
     return sorted(files)
 
 
-def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_path) -> LaunchResult:
+def _store(cache_file: Path, saved: dict, paths: list[Path]) -> None:
+    """Keep a run for replay: its files first (each named path as the run left it, or a note that it left
+    nothing there), then its record, each moved into place whole, so that a reader in another process finds
+    either no entry or a complete one. Two processes storing the same run store the same thing: the first wins."""
+    if paths:
+        files = cache_file.with_suffix(".files")
+        staging = Path(tempfile.mkdtemp(prefix=files.name + "-", dir=cache_file.parent))
+        for index, path in enumerate(paths):
+            if path.is_dir():
+                shutil.copytree(path, staging / str(index))
+            elif path.is_file():
+                shutil.copy2(path, staging / str(index))
+        try:
+            os.rename(staging, files)
+        except OSError:         # another process stored this run first
+            shutil.rmtree(staging, ignore_errors=True)
+    record = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    record.write_text(json.dumps({**saved, "files": [str(p) for p in paths]}))
+    os.replace(record, cache_file)
+
+
+def _replay(cache_file: Path, script: Path, check: bool, stream: bool, metrics_path,
+            paths: list[Path]) -> LaunchResult:
     saved = json.loads(cache_file.read_text())
     if metrics_path is not None and saved["metrics"] is not None:  # a caller may read the file itself
         Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
         Path(metrics_path).write_text(json.dumps(saved["metrics"]))
+    # The named paths held what they held before the run (their contents are in the key): leave them as it did.
+    files = cache_file.with_suffix(".files")
+    for index, path in enumerate(paths):
+        kept = files / str(index)
+        if _state_of(path) == _state_of(kept):
+            continue            # an input the run only read, or an output already there: left untouched
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        if kept.is_dir():
+            shutil.copytree(kept, path)
+        elif kept.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(kept, path)
     result = LaunchResult(saved["command"], saved["returncode"], saved["output"], saved["seconds"],
                           saved["metrics"], {int(k): v for k, v in saved["rank_exit_codes"].items()})
     if stream:

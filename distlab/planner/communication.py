@@ -25,15 +25,19 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
       non-reentrant checkpoint, which stops before the block's last collective (both measured in chapter
       08's sp_transformer.py); selective checkpointing recomputes only attention's core, no TP collective;
     * dp: ``comm.zero_step_bytes`` of this stage's TP share (all-gathers in the compute dtype, gradients
-      reduced in fp32). ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters, as
-      ZeRO (Rajbhandari et al. 2020) and Megatron's distributed optimizer do: the bytes of ZeRO-2 and of
-      DDP's all-reduce (chapter 05's from-scratch ZeRO-1 all-reduces instead, to keep it short). FSDP
+      reduced in fp32). ZeRO-1 reduce-scatters the fp32 gradients and all-gathers the updated parameters in the
+      compute dtype, as Megatron's distributed optimizer does: in mixed precision 4 + 2 bytes a parameter where
+      DDP's fp32 all-reduce moves 4 + 4, 0.75 of DDP's bytes (chapter 05's from-scratch ZeRO-1 all-reduces
+      instead, to keep it short). ZeRO-2 reduce-scatters after every microbatch's backward (DeepSpeed's
+      stage_1_and_2.py:1767-1768 reduces each micro-step when it partitions gradients; ZeRO-1 at the last). FSDP
       without PP repeats its collectives for every accumulated microbatch, unless it keeps the weights
       gathered (``fsdp_keep_gathered``); under PP it keeps a stage gathered for the whole step and reduces
       once (torch's pipeline stage);
     * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch
-      and chunk); under SP a rank sends its sequence shard (1/tp of the activation): the boundary tensor is
-      already split over TP, as in Megatron's scatter-gather optimisation (Narayanan et al. 2021);
+      and chunk); under SP a rank sends its sequence shard (1/tp of the activation), as Megatron-Core does
+      (``schedules.py``: the shape's sequence divided by TP only under SP); without SP the whole tensor, unless
+      Megatron-LM's 2021 scatter/gather optimisation (Narayanan et al. 2021, on by default since Megatron-LM
+      commit 72e4230b) sends 1/tp from each TP rank;
     * replicate (HSDP, ``layout.shard``): FSDP's all-gathers and reduce-scatters run in the shard group (dp);
       after each reduce-scatter, the rank's gradient shard (1/shard of the unit's) is all-reduced with its peers
       of the other replicas (measured in chapter 09's ``fsdp_tp_hybrid.py --replicate``);
@@ -116,7 +120,11 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
                 return per_step["reduce_scatter"] * times, units * times
             buckets = math.ceil(count / bucket_params(options, layout))
             for name, payload in per_step.items():
-                add(dimension, name, payload, buckets)
+                # ZeRO-2 reduces its gradients into their shards after every microbatch's backward (DeepSpeed:
+                # reduce_ready_partitions_and_remove_grads; FSDP2 too, unless set_requires_gradient_sync(False)
+                # keeps whole gradients: torch fsdp/_fully_shard/_fully_shard.py:413-420); DDP and ZeRO-1 once
+                times = num_micro if layout.zero_stage == 2 and name == "reduce_scatter" else 1
+                add(dimension, name, payload * times, buckets * times)
             return 0, 0
 
         # one call per FSDP unit and gather: the blocks, and the stage's root (chapter 09's parallelize_stage),
@@ -134,7 +142,10 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         one = model.micro_batch * seq * model.hidden * number_bytes
         sent = hybrid_pipeline.pp_send_bytes([stage + k * layout.pp for k in range(v)], layout.pp * v, num_micro,
                                              model.micro_batch, seq, model.hidden, number_bytes)
-        add("pp", "send", sent / (layout.tp if sp else 1), round(sent / one))
+        # each TP rank sends 1/tp of the boundary tensor: its sequence shard under SP, or a slice with Megatron's
+        # scatter/gather (all-gathered over NVLink on arrival; Options.pp_scatter_gather); else the whole tensor
+        split = layout.tp if sp or options.pp_scatter_gather else 1
+        add("pp", "send", sent / split, round(sent / one))
     if layout.ep > 1 and moe_blocks:
         # per MoE block and microbatch: dispatch and combine forward, both again backward (a gradient dispatch where
         # forward combined, a gradient combine where it dispatched), and forward again when fully recomputed. Under
@@ -240,8 +251,11 @@ def ring_steps(collective: str, group: int) -> int:
 def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int,
                       options: Options = Options()) -> dict:
     """Seconds each mesh dimension's traffic of one step takes on its link, ``{dimension: {"bandwidth",
-    "latency", "total"}}``: bytes sent / link bandwidth, plus calls x ring steps x the link's latency (a ring of
-    1,024 ranks is not free even for small messages)."""
+    "latency", "total"}}``: bytes sent / link bandwidth, plus each call's step latencies (a ring of 1,024 ranks is
+    not free even for small messages). A ring call over several nodes pays the network's latency on the steps that
+    leave a node and NVLink's on the rest (``comm.ring_latency``, NCCL's split); an all-reduce over nodes takes
+    NCCL's tree instead where the tree is faster (``Options.nccl_algorithm``): log2(nodes) network steps, at a
+    little less bandwidth (``comm.tree_all_reduce_latency``)."""
     sizes = group_sizes(layout)
     payloads = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)
     calls = collective_calls(model, layout, stage, options, cluster.gpus_per_node)
@@ -256,9 +270,26 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
         # a ring over nodes leaves each node on one edge: of what its k ranks in the node send, one rank's share
         # crosses the network, over the k NICs they share (one a GPU); pp and cp's messages go rank to rank
         nics = ranks_in_node(layout, dimension, cluster) if across and dimension not in ("pp", "cp") else 1
-        bandwidth = bytes_sent(dimension, collectives, sizes[dimension]) / (link * nics)
-        waits = sum(calls[dimension].get(name, 0) * ring_steps(name, sizes[dimension]) for name in collectives)
-        result[dimension] = {"bandwidth": bandwidth, "latency": waits * latency, "total": bandwidth + waits * latency}
+        size = sizes[dimension]
+        bandwidth = bytes_sent(dimension, collectives, size) / (link * nics)
+        waits = 0.0
+        for name, payload in collectives.items():
+            n_calls = calls[dimension].get(name, 0)
+            if ring_steps(name, size) == 1 or dimension in ("pp", "cp"):   # messages: one step on their link
+                waits += n_calls * ring_steps(name, size) * latency
+                continue
+            nodes = -(-size // ranks_in_node(layout, dimension, cluster)) if across else 1
+            ring = n_calls * comm.ring_latency(name, size, nodes, cluster.intra_node_latency_s,
+                                               cluster.inter_node_latency_s)
+            if name == "all_reduce" and nodes > 1 and options.nccl_algorithm == "auto":
+                # NCCL picks the faster of ring and tree for each call (tuning.cc's ncclTopoGetAlgoTime)
+                ring_bandwidth = comm.bytes_sent_per_rank(name, payload, size) / (link * nics)
+                slower = ring_bandwidth * (comm.tree_all_reduce_bandwidth_ratio(size) - 1)
+                tree = n_calls * comm.tree_all_reduce_latency(size, nodes) + slower
+                if tree < ring:
+                    bandwidth, ring = bandwidth + slower, tree - slower
+            waits += ring
+        result[dimension] = {"bandwidth": bandwidth, "latency": waits, "total": bandwidth + waits}
     return result
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from distlab import hybrid, memory, models
-from distlab.planner.memory import state_bytes
+from distlab.planner.memory import megatron_layers, state_bytes
 from distlab.planner.spec import Layout, ModelSpec, Options
 
 GIB = memory.GIB
@@ -128,11 +128,13 @@ def _shard_bytes(module) -> int:
     return sum(_shard_bytes_of(p) for p in module.parameters())
 
 
-def _measured_state(unsharded, sharded, zero_stage: int, precision: str) -> tuple[dict, dict]:
+def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_grads: bool = False
+                    ) -> tuple[dict, dict]:
     """The training state one rank holds under ZeRO stage ``zero_stage``, read off two builds of the same modules
     (the module docstring says how): parameters, gradients and master weights from the unsharded or the sharded
     build, AdamW's moments from a real step on the meta shards. Returns the bytes by part and the fp32 bytes of
-    each build (``{"tp", "sharded"}``)."""
+    each build (``{"tp", "sharded"}``). In mixed precision the bf16 parts are half the fp32 shards read, the
+    gradients too unless ``fp32_grads`` (Megatron's fp32 gradient buffer)."""
     import torch
 
     built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(sharded)}
@@ -149,7 +151,8 @@ def _measured_state(unsharded, sharded, zero_stage: int, precision: str) -> tupl
     master32 = built["sharded"] if zero_stage >= 1 else built["tp"]
     if precision == "fp32":
         return {"params": params32, "grads": grads32, "optimizer": moments}, built
-    return {"params": params32 / 2, "grads": grads32 / 2, "optimizer": moments + master32}, built
+    return {"params": params32 / 2, "grads": grads32 if fp32_grads else grads32 / 2,
+            "optimizer": moments + master32}, built
 
 
 def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, full_model=None) -> dict:
@@ -181,7 +184,8 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
                                         SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
                                         SimpleNamespace(tp=layout.tp, dp=data_parallel, precision="fp32"), mesh)
-        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision)
+        fp32_grads = megatron_layers(options) and layout.zero_stage < 3
+        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision, fp32_grads)
     finally:
         dist.destroy_process_group()
     planned = state_bytes(spec, layout, stage, options)
@@ -190,7 +194,7 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
     # ranks, which hold fewer rows), per part (in the part's bytes per fp32 byte)
     pad32 = built["sharded"] - built["tp"] / ways
     scale = {"params": (0.5 if options.precision != "fp32" else 1) * (layout.zero_stage >= 3),
-             "grads": (0.5 if options.precision != "fp32" else 1) * (layout.zero_stage >= 2),
+             "grads": (0.5 if options.precision != "fp32" and not fp32_grads else 1) * (layout.zero_stage >= 2),
              "optimizer": (2 + (options.precision != "fp32")) * (layout.zero_stage >= 1)}
     padding = {part: pad32 * scale[part] for part in measured}
     equal = all(math.isclose(measured[part], planner_bytes[part] + padding[part], rel_tol=1e-9, abs_tol=1)
@@ -227,8 +231,10 @@ def dry_run(spec: ModelSpec, layout: Layout, options: Options = Options(), gpus:
 
 
 def dry_run_markdown(result: dict) -> str:
-    """The ranks' bytes, read from their shards, beside the planner's (GiB), one row a rank."""
-    lines = [f"| rank of {result['world']:,} | stage | read from its shards: params + grads + optimizer (GiB) | "
+    """The ranks' bytes, read from their fp32 shards (bf16 parts halved), beside the planner's (GiB), one row a
+    rank."""
+    lines = [f"| rank of {result['world']:,} | stage | from its fp32 shards (bf16 parts halved): params + grads + "
+             "optimizer (GiB) | "
              "the planner's (GiB) | FSDP padding (bytes) | equal |", "|---:|---:|---|---|---:|---|"]
     for r in result["ranks"]:
         seen = " + ".join(f"{r['measured'][p] / GIB:.3f}" for p in ("params", "grads", "optimizer"))

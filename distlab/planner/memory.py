@@ -64,6 +64,48 @@ def stage_config(model: ModelSpec, layers: int, seq_len: int) -> models.Transfor
     return replace(model.config(), n_layers=max(layers, 1), seq_len=seq_len)
 
 
+def megatron_layers(options: Options) -> bool:
+    """Whether the blocks are Megatron's own layers (``Options.sp_saves_gathered_inputs`` False): fused kernels that
+    save less than torch's modules (:func:`block_activation_bytes`)."""
+    return not options.sp_saves_gathered_inputs
+
+
+def block_activation_bytes(model: ModelSpec, b: int, seq: int, tp: int, sp: bool, options: Options = Options()
+                           ) -> float:
+    """What one block saves for backward on one TP rank, for ``b`` sequences of ``seq`` tokens, without attention's
+    s x s probabilities (:func:`activation_bytes` adds them where they are kept).
+
+    Torch's modules (DTensor's ``parallelize_module``, the course's layers): ``tensor_parallel.activation_bytes``,
+    the fp32 formula measured on CPU ranks, scaled to 2-byte numbers in mixed precision; a GPT block's GELU MLP
+    saves two f-wide tensors (fc2's input and GELU's input) where the course's unfused SwiGLU saves four.
+
+    Megatron's layers (:func:`megatron_layers`), counted as Korthikanti et al. (2022, section 4.1) count them: each
+    LayerNorm or RMSNorm saves its input; each TP region's first matmul its input, as its sequence shard under SP
+    (``ColumnParallelLinear`` saves its input and all-gathers it again in backward: Megatron-LM
+    ``megatron/core/tensor_parallel/layers.py:604,667-680``); attention its q, k, v and output; a GPT block's
+    MLP GELU's input and fc2's input (4h each) and two 1-byte dropout masks; a Llama block's fused SwiGLU its input
+    (fc1's output, 2f wide: ``megatron/core/fusions/fused_bias_swiglu.py:235``) and fc2's input (f wide). A GPT
+    block is then sbh (10 + 24/t) bytes, and 34 sbh / t under SP (the paper's equations 2 and 6). Flash attention
+    adds its fp32 log-sum-exp per head."""
+    if not megatron_layers(options):
+        per_rank = tensor_parallel.activation_bytes(stage_config(model, 1, seq), b, seq, tp, sequence_parallel=sp,
+                                                    kv_dim=model.kv_dim)
+        per_layer = per_rank["per_layer"]
+        if model.architecture == "gpt":
+            per_layer -= 2 * b * seq * model.ffn // tp * 4   # GELU: 2 of the formula's 4 f-wide tensors
+        return per_layer * (4 if options.precision == "fp32" else 2) / 4
+    number_bytes = 4 if options.precision == "fp32" else 2
+    tokens, h = b * seq, model.hidden
+    kv = model.kv_dim_per_tp_rank(tp) * tp
+    gpt = model.architecture == "gpt"
+    # the sequence-parallel region: two norm inputs, the two regions' inputs; GPT's two dropout masks (1 byte)
+    region = (4 * h * number_bytes + (2 * h if gpt else 0)) * tokens
+    ffn = (2 if gpt else 3) * model.ffn
+    split = (2 * h + 2 * kv + ffn) * number_bytes * tokens
+    log_sum_exp = 4 * tokens * model.heads if options.flash_attention else 0
+    return region / (tp if sp else 1) + (split + log_sum_exp) / tp
+
+
 def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
     """Saved activations on one GPU of stage ``stage`` at its peak (the start of backward).
 
@@ -89,19 +131,15 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
     per_rank = tensor_parallel.activation_bytes(stage_config(model, layers, seq), b, seq, layout.tp,
                                                 sequence_parallel=sp, kv_dim=model.kv_dim)
     number_bytes = 4 if options.precision == "fp32" else 2
-    # Megatron's SP saves a region's input as its shard, the norm's output already counted: no gathered copy
-    gathered = 0 if sp and not options.sp_saves_gathered_inputs else 1
-    one_block = (per_rank["per_layer"] - (1 - gathered) * per_rank["tp_inputs"] / max(layers, 1)) * number_bytes / 4
+    one_block = block_activation_bytes(model, b, seq, layout.tp, sp, options)
     blocks = [one_block] * dense
     if moe_blocks:
         # a MoE block: the block without its feed-forward, plus moe.saved_activation_bytes (measured on the
         # course's layer) for this rank's tokens: under TP each rank routes 1/tp of them (torchtitan)
-        without_ffn = tensor_parallel.activation_bytes(replace(stage_config(model, 1, seq), ffn_hidden=0), b, seq,
-                                                       layout.tp, sequence_parallel=sp, kv_dim=model.kv_dim)
         routed = moe.saved_activation_bytes(b * seq // layout.tp, model.hidden, model.expert_ffn, model.experts,
                                             model.top_k, model.shared_experts)
-        blocks += [(without_ffn["per_layer"] - (1 - gathered) * without_ffn["tp_inputs"] + routed)
-                   * number_bytes / 4] * moe_blocks
+        blocks += [block_activation_bytes(replace(model, ffn=0), b, seq, layout.tp, sp, options)
+                   + routed * number_bytes / 4] * moe_blocks
     mode = checkpointing(options)
     if mode == "full":
         block_input = b * seq * model.hidden * number_bytes / (layout.tp if sp else 1)
@@ -126,12 +164,16 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
     params = stage_params(model, layout, stage)
     state = memory.zero_state_bytes(params["total"] - params["experts"], layout.fsdp_ways, layout.zero_stage,
                                     options.precision)
-    if not params["experts"]:
-        return state
-    # the experts: ZeRO over the ranks that hold the same experts (dp x cp x tp / ep), as torchtitan's FSDP over them
-    experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
-    return memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
-                             state.optimizer + experts.optimizer)
+    if params["experts"]:
+        # the experts: ZeRO over the ranks that hold the same experts (dp x cp x tp / ep), as torchtitan's FSDP
+        experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
+        state = memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
+                                  state.optimizer + experts.optimizer)
+    if megatron_layers(options) and options.precision == "mixed" and layout.zero_stage < 3:
+        # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 (megatron/training/arguments.py:1214-1216,
+        # accumulate_allreduce_grads_in_fp32): 4 bytes a parameter, not the ZeRO paper's 2
+        state = memory.StateBytes(state.params, 2 * state.grads, state.optimizer)
+    return state
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
@@ -157,7 +199,8 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
     if layout.zero_stage == 2:
         return 2 * 4 * min(params["total"], bucket_params(options, layout))
     grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
-    return 0.0 if options.ddp_bucket_view else grads
+    # Megatron's buckets are views of its one gradient buffer
+    return 0.0 if options.ddp_bucket_view or megatron_layers(options) else grads
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:

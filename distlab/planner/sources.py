@@ -48,6 +48,8 @@ TORCHTITAN_PERF_DOC_COMMIT = "041336434916bdc0f88c1f89fda176fd3c2092e4"
 # the torchtitan commit the H100 benchmark ran (its "Versions and Dates" table: 9dec370, 2024/12/26)
 TORCHTITAN_BENCH_RUN_COMMIT = "9dec370ad26b5f8e9a7333a0e36165018262644b"
 NCCL_COMMIT = "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2"
+NCCL_HEAD = "5067397c2676d5aed50042fc39e5c8ee96eb0027"  # NVIDIA/nccl snapshot read (2026-06-11), tuning.cc
+DEEPSPEED_HEAD = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"  # deepspeedai/DeepSpeed snapshot read
 TORCHTITAN_BENCH_URL = ("https://github.com/pytorch/torchtitan/blob/" + TORCHTITAN_BENCH_COMMIT
                         + "/benchmarks/llama3_h100_202412_torchtitan.md")
 MEGATRON_MOE_README_URL = ("https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_MOE_README_COMMIT
@@ -567,10 +569,66 @@ SOURCES: dict[str, Source] = {
         "ensure collectives do not become latency-bound).\"\"\"",
         "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_HEAD
         + "/megatron/core/distributed/distributed_data_parallel_config.py"),
+    # what Megatron's own layers save and send (planner.memory.block_activation_bytes, communication.ledger)
+    "megatron_column_parallel_saves_input_shard": Source(
+        "NVIDIA/Megatron-LM", f"megatron/core/tensor_parallel/layers.py:604 and 667-680 at {MEGATRON_HEAD}",
+        "ctx.save_for_backward(input, weight) ... if ctx.sequence_parallel: dim_size = list(input.size()) "
+        "dim_size[0] = dim_size[0] * tp_group.size() ... handle = dist_all_gather_func( all_gather_buffer, input, "
+        "group=tp_group, async_op=True )",
+        "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_HEAD + "/megatron/core/tensor_parallel/layers.py"),
+    "megatron_fused_swiglu_saves_its_input": Source(
+        "NVIDIA/Megatron-LM", f"megatron/core/fusions/fused_bias_swiglu.py:221-235 (SwiGLUFunction) at {MEGATRON_HEAD}",
+        "def forward(ctx, input, fp8_input_store, cpu_offload_input, clamp_value): ... input_for_backward = "
+        "input.to(torch.float8_e4m3fn) if fp8_input_store else input ... ctx.save_for_backward(input_for_backward)",
+        "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_HEAD + "/megatron/core/fusions/fused_bias_swiglu.py"),
+    "megatron_fp32_gradients_for_bf16": Source(
+        "NVIDIA/Megatron-LM", f"megatron/training/arguments.py:1213-1217 at {MEGATRON_HEAD}",
+        "elif not args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype == torch.float32: "
+        "args.accumulate_allreduce_grads_in_fp32 = True print_rank_0('accumulate and all-reduce gradients in fp32 "
+        "for bfloat16 data type.')",
+        "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_HEAD + "/megatron/training/arguments.py"),
+    "megatron_scatter_gather_on_by_default": Source(
+        "NVIDIA/Megatron-LM", "commit 72e4230bb5cf7afbc46ca9ddf166fef9b5d7a6d6 (2021-02-16), megatron/arguments.py",
+        "Turn scatter-gather optimization on by default ... group.add_argument('--no-scatter-gather-tensors-in-"
+        "pipeline', action='store_false', help='Use scatter/gather to optimize communication of tensors in pipeline', "
+        "dest='scatter_gather_tensors_in_pipeline')",
+        "https://github.com/NVIDIA/Megatron-LM/commit/72e4230bb5cf7afbc46ca9ddf166fef9b5d7a6d6"),
+    "megatron_core_pp_sends_split_only_under_sp": Source(
+        "NVIDIA/Megatron-LM", f"megatron/core/pipeline_parallel/schedules.py:1184-1187 at {MEGATRON_HEAD}",
+        "tensor_shape = [seq_length, micro_batch_size, config.hidden_size] tensor_shape[0] = tensor_shape[0] // "
+        "cp_group.size() if config.sequence_parallel: tensor_shape[0] = tensor_shape[0] // tp_group.size()",
+        "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_HEAD + "/megatron/core/pipeline_parallel/schedules.py"),
+    # NCCL's latency model (distlab.comm.ring_latency, tree_all_reduce_latency)
+    "nccl_ring_latency_split": Source(
+        "NVIDIA/nccl", f"src/graph/tuning.cc:411-412 at {NCCL_HEAD}",
+        "int nInterSteps = nNodes == 1 ? 0 : coll == ncclFuncAllReduce ? 2 * (nNodes - 1) : nNodes - 1; "
+        "comm->latencies[coll][a][p] += (nsteps - nInterSteps) * intraLat + nInterSteps * interLat;",
+        "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
+    "nccl_tree_all_reduce": Source(
+        "NVIDIA/nccl", f"src/graph/tuning.cc:331, 379-380 and 414-416 at {NCCL_HEAD}",
+        "if (a == NCCL_ALGO_TREE && coll == ncclFuncAllReduce) busBw = std::min(busBw * .92, graphs[a]->nChannels * "
+        "perChMaxTreeBw); ... if (a == NCCL_ALGO_RING || a == NCCL_ALGO_NVLS || a == NCCL_ALGO_NVLS_TREE) ratio *= "
+        "(1.0 * nRanks) / nsteps; else ratio *= .5; ... } else if (a == NCCL_ALGO_TREE) { if (coll == "
+        "ncclFuncAllReduce) { comm->latencies[coll][a][p] += 2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) "
+        "* interLat);",
+        "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
+    "deepspeed_zero2_reduces_every_micro_step": Source(
+        "deepspeedai/DeepSpeed", f"deepspeed/runtime/zero/stage_1_and_2.py:1767-1768 at {DEEPSPEED_HEAD}",
+        "def reduce_ready_partitions_and_remove_grads(self, param, i): if self.partition_gradients or "
+        "self.is_gradient_accumulation_boundary() or self.zenflow:",
+        "https://github.com/deepspeedai/DeepSpeed/blob/" + DEEPSPEED_HEAD + "/deepspeed/runtime/zero/stage_1_and_2.py"),
 }
 
 # Figures read only in a third party's copy or quotation of the primary source.
 SECONDARY: dict[str, Source] = {
+    "korthikanti_activation_formula": Source(
+        "Korthikanti et al. (2022), Reducing Activation Recomputation in Large Transformer Models, arXiv:2205.05198 "
+        "-- its equation 1 as AWS's Neuron documentation quotes it",
+        "awsdocs-neuron, libraries/neuronx-distributed/activation_memory_reduction (v2.28.1)",
+        "The total activation memory without any parallelism comes to about: .. math:: \\text{Activations memory "
+        "per layer} = \\text{sbh} \\left(34 + \\frac{5as}{h}\\right)",
+        "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/libraries/neuronx-distributed/"
+        "activation_memory_reduction.html"),
     "korthikanti_530b_54_2_vs_42_1": Source(
         "Korthikanti et al. (2022), Reducing Activation Recomputation in Large Transformer Models, arXiv:2205.05198 "
         "-- as quoted in a public study note (search-index file id 58839454230; repository not named by the index)",
@@ -634,6 +692,13 @@ SECONDARY: dict[str, Source] = {
 }
 
 NOT_FOUND: dict[str, str] = {
+    "korthikanti_primary_text": (
+        "NOT FOUND in the primary text: Korthikanti et al.'s equations (1: sbh (34 + 5as/h); 2: sbh (10 + 24/t + "
+        "5as/(ht)) under TP; 6: 34 sbh/t under TP, SP and selective recomputation) and any table of activation GiB "
+        "for its 175B, 530B and 1T models (the '10.6 GiB' for 175B an issue cites). Equation 1 was read in AWS's "
+        "quotation (SECONDARY['korthikanti_activation_formula']); 2 and 6 in two public codes that implement the paper "
+        "(shivam-raval96/idyll-js python/memory/formulas/utils.py, comment '# eq (6)'). The planner's 175B row plans "
+        "34 sbhL/t = 9.56 GiB (10.27 GB) for its first stage."),
     "korthikanti_table_configs_and_iteration_times": (
         "NOT FOUND: Korthikanti et al. 2022 Table 3 (model configs, GPUs per row) and the end-to-end iteration times "
         "(full recompute vs present work: published.py's 13.75 s for 175B and 1.10 s for 22B, its 'Table 5' label, "

@@ -314,12 +314,17 @@ class Options:
     # 08's sp_transformer.py); False: the whole block re-runs (Megatron's recompute), every forward collective again
     recompute_early_stop: bool = True
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
-    sequence_parallel: bool | None = None  # Megatron SP with TP; it costs no extra bytes [on whenever tp > 1]
-    # under SP, what a TP region's first matmul saves of its input: True, the all-gathered input (DTensor's
-    # parallelize_module, measured in chapter 06); False, its sequence shard, gathered again in backward (Megatron,
-    # Korthikanti et al. 2022: one more all-gather a region in backward, which Megatron overlaps with the input
-    # gradient's matmul and the planner counts as exposed)
+    # SP with TP [on whenever tp > 1]: DTensor's costs no extra bytes (its all-gathers and reduce-scatters replace
+    # TP's all-reduces); Megatron's gathers each region's input again in backward (below)
+    sequence_parallel: bool | None = None
+    # the layers' kind. True: torch's modules (DTensor's parallelize_module, measured in chapter 06), whose TP
+    # regions save their all-gathered input under SP. False: Megatron's own layers (planner.memory.megatron_layers):
+    # a region saves its input's sequence shard and gathers it again in backward (Korthikanti et al. 2022: one more
+    # all-gather a region in backward, which Megatron overlaps with the input gradient's matmul and the planner
+    # counts as exposed), fused kernels save less (planner.memory.block_activation_bytes)
     sp_saves_gathered_inputs: bool = True
+    # Megatron-LM's scatter/gather of pipeline sends without SP (Narayanan et al. 2021): each TP rank sends 1/tp
+    pp_scatter_gather: bool = False
     # CP's attention: "ring" (keys and values passed around, hidden behind attention's blocks: chapter 08) or
     # "all_gather" (Llama 3, section 3.3.2: keys and values all-gathered, their gradients reduce-scattered, on the
     # critical path)
@@ -344,6 +349,9 @@ class Options:
     # gradient buckets of DDP and ZeRO, in parameters; None: Megatron-Core's rule, max(40M, 1M x dp): larger
     # buckets on larger rings, since every bucket's collective pays the ring's 2 (n - 1) latencies
     bucket_params: int | None = None
+    # NCCL's all-reduce algorithm over nodes: "auto", the faster of ring and tree for each call (NCCL's tuner,
+    # src/graph/tuning.cc); "ring", as NCCL_ALGO=Ring forces it
+    nccl_algorithm: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -37,7 +37,18 @@ gone only when no tensor, autograd's saved ones included, still points at it), n
 largest unit. ``--planted-bug`` shows two mistakes, both without the saved-tensor hook: free the full weights'
 memory after forward anyway (free-before-backward: backward reads freed memory and fails), or only drop the
 unit's own references (keep-saved-weights: every answer right, but autograd keeps every unit whole from its
-forward to its backward, so stage 3 saves no memory, and only the memory check sees it).
+forward to its backward, so stage 3 saves no memory, and only the memory check sees it). A third, late-prefetch,
+issues each prefetch only once the unit ahead has computed: only the prefetch's timing checks see it.
+
+FSDP2 keeps the weights out of autograd otherwise (torch 2.13, distributed/fsdp/_fully_shard/): no saved-tensor hook,
+no function around the gather. Each full parameter is a view of one all-gather output kept for the whole run; after
+forward its storage is freed with ``resize_(0)`` (_fsdp_param.py:827-831, 1072-1074) and grown back before the next
+all-gather writes into it (:823-825, 1066-1069), so what autograd saved is refilled in time. That is
+free-before-backward plus the refill. Its reduce-scatter runs from an identity on each unit's inputs
+(RegisterPostBackwardFunction, _fsdp_param_group.py:891-903, 1110-1127), as this sketch's AfterBackward does for
+frozen units, on the gradients autograd accumulated in the full parameters' ``.grad``. ``--backward-weights refill``
+runs that way here: no notes; the storages of the tensors autograd saved are freed after forward and refilled in
+place before backward.
 
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py
     torchrun --standalone --nproc_per_node=4 scripts/05_fully_sharded/zero3_from_scratch.py --any-model
@@ -65,11 +76,19 @@ from distlab import comm, data, metrics, models, runtime
 # detach from its pre-backward hook; the loss reads it out of place, so the warning does not apply here.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-PLANTED_BUGS = ("free-before-backward", "keep-saved-weights")
+PLANTED_BUGS = ("free-before-backward", "keep-saved-weights", "late-prefetch")
+KEEPS_SAVED_WEIGHTS = ("free-before-backward", "keep-saved-weights")   # these two leave out the saved-tensor hook
 
 
 def check_config(args, world_size):
     runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
+    runtime.require(args.planted_bug != "late-prefetch" or args.prefetch,
+                    "--planted-bug late-prefetch plants its bug in the prefetch: add --prefetch")
+    if args.backward_weights == "refill":
+        runtime.require(args.backward_gather == "on-entry", "--backward-weights refill gathers each unit when backward "
+                                                            "reaches it: it needs --backward-gather on-entry")
+        runtime.require(args.planted_bug in (None, "late-prefetch"),
+                        f"--planted-bug {args.planted_bug} plants its bug in the notes: drop --backward-weights refill")
 
 
 class GatherUnit(torch.autograd.Function):
@@ -86,6 +105,7 @@ class GatherUnit(torch.autograd.Function):
         slice_grads = ctx.unit.reduce_scatter(grads)  # autograd calls this once every use of the unit is done
         ctx.unit.drop()                              # so the weights gathered again for backward can go
         ctx.unit.on_event(f"{ctx.unit.name}: gradient reduce-scattered, dropped")
+        ctx.unit.after_backward()
         return (None, *slice_grads)
 
 
@@ -148,8 +168,14 @@ class ShardedUnit:
         self.full: list[torch.Tensor] | None = None     # the gathered parameters, while the unit is whole
         self.storage_index: dict[int, int] = {}          # storage address -> which parameter
         self.on_event = lambda event: None               # the memory ledger's, set by Zero3
+        self.on_copy_out = lambda buffer: None           # the ledger's look inside the gather, set by Zero3
+        self.after_backward = lambda: None               # late-prefetch's late issue in backward, set by Zero3
         self.pending = None                              # a prefetched all-gather: (buffer, work, its timing row)
+        self.refill = False                              # FSDP2's way (set by Zero3): free the storages, refill them
+        self.freed: list[torch.Tensor] | None = None     # the full tensors autograd saved, storages freed, to refill
+        self.refilled = 0                                # measured: storages refilled in place, the whole run
         self.gathers: list[dict] = []                    # measured: each all-gather's issue and completion
+        self.prefetch_done_before_wait: list[bool] = []  # measured: was each prefetched gather done when needed
 
     @property
     def full_bytes(self) -> int:
@@ -177,13 +203,29 @@ class ShardedUnit:
             self.start_gather(clock, phase)
         gathered, work, row = self.pending
         row["waited"], row["done_before_wait"] = clock(), work.is_completed()
+        if row["prefetched"]:                        # every step's, forward and backward (gathers keeps the last's)
+            self.prefetch_done_before_wait.append(row["done_before_wait"])
         work.wait()                                  # a prefetched gather may be done already: no wait at all
         row["ready"] = clock()
         self.pending = None
         by_rank = gathered.view(self.world, -1).split(self.slice_len, dim=1)   # [rank, this parameter's slice]
-        self.full = [part.reshape(-1)[:spec.numel].view(spec.shape).clone() for part, spec in zip(by_rank, self.specs)]
-        gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 too frees its
-        # all-gather output right after copy-out); a reference gloo's worker may keep a moment longer costs nothing
+        parts = [part.reshape(-1)[:spec.numel].view(spec.shape) for part, spec in zip(by_rank, self.specs)]
+        if phase == "backward" and self.freed is not None:   # FSDP2's way: the very storages autograd saved in
+            for tensor, part in zip(self.freed, parts):      # forward, grown back and filled in place
+                storage = tensor.untyped_storage()
+                storage.resize_(tensor.numel() * tensor.element_size())
+                # written through a new alias: the saved tensor's version counter does not move, so autograd
+                # accepts it (a resize is no write to a tensor at all)
+                torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+                    storage, tensor.storage_offset(), tensor.size(), tensor.stride()).copy_(part)
+            self.full, self.freed = self.freed, None
+            self.refilled += len(self.full)
+        else:
+            self.full = [part.clone() for part in parts]
+        self.on_copy_out(gathered)              # the moment the buffer and the copies out of it are both alive
+        gathered.untyped_storage().resize_(0)   # copied out: free the buffer at once (FSDP2 does so in backward
+        # and under explicit prefetch; in forward with implicit prefetch it frees it only after the next unit's
+        # copy-out, _fsdp_param_group.py:417-432); a reference gloo's worker may keep a moment longer costs nothing
         self.storage_index = {f.untyped_storage().data_ptr(): i for i, f in enumerate(self.full)}
         return self.full
 
@@ -205,7 +247,11 @@ class ShardedUnit:
             for module, attr, _ in pairs:
                 setattr(module, attr, tensor)
 
-    def drop(self) -> None:
+    def drop(self, keep_for_refill: bool = False) -> None:
+        if self.refill and self.full is not None:   # free the memory itself: autograd may still hold the tensors
+            for tensor in self.full:
+                tensor.untyped_storage().resize_(0)
+        self.freed = self.full if self.refill and keep_for_refill else None
         self.full, self.storage_index = None, {}
 
     def drop_if_frozen(self) -> None:
@@ -228,10 +274,11 @@ class Zero3:
 
     def __init__(self, model: nn.Module, units: list[tuple[str, list[nn.Module]]], planted_bug: str | None = None,
                  backward_gather: str = "on-entry", param_dtype: torch.dtype = torch.float32, prefetch: bool = False,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, backward_weights: str = "notes"):
         world, rank = dist.get_world_size(), dist.get_rank()
         self.planted_bug, self.backward_gather, self.prefetch, self.clock = planted_bug, backward_gather, prefetch, clock
         self.computes: list[dict] = []               # measured: each unit's forward, from gathered to done
+        self.backward_starts: dict[str, float] = {}  # measured: when each unit's backward began (weights there)
         unit_of_module = {id(m): name for name, modules in units for top in modules for m in top.modules()}
         names: dict[int, list] = {}                  # every (module, attribute, name) of a parameter: a tied one
         users: dict[int, set] = {}                   # has two; and which units use it ("root": a module outside)
@@ -245,9 +292,15 @@ class Zero3:
             who = users[id(p)]
             owned[next(iter(who)) if len(who) == 1 else "root"].append(p)
         self.units = [ShardedUnit(n, owned[n], names, world, rank, param_dtype) for n in owned if owned[n]]
+        self.notes = backward_weights == "notes"     # notes for autograd (this sketch), or FSDP2's free and refill
+        for unit in self.units:
+            unit.refill = not self.notes
         del owned, names                             # nothing here keeps a whole parameter alive
         for unit in self.units:
             unit.on_event = self._measure
+            unit.on_copy_out = lambda buffer, u=unit: self._measure_copy_out(u, buffer)
+            if planted_bug == "late-prefetch":       # the next unit's gather issued once this one is done: too late
+                unit.after_backward = lambda u=unit: self._prefetch_after(u, -1)
         by_name = {u.name: u for u in self.units}
         for name, modules in units:
             if name in by_name:
@@ -258,6 +311,7 @@ class Zero3:
         model.register_forward_pre_hook(lambda _m, args: self._start(args))
         model.register_forward_hook(lambda _m, _a, out: self._finish(out))
         self.peak_bytes = 0                          # measured: the largest total of gathered storages alive
+        self.copy_out_peak_bytes = 0                 # measured: the same, inside a gather, buffer and copies alive
         self.timeline: list[dict] = []               # measured: that total after each gather and each drop
         self._alive: list[weakref.ref] = []         # the storages' Python objects (one per storage, kept by torch as
         # long as any tensor, autograd's saved ones included, points at the storage): dead means freed
@@ -270,7 +324,7 @@ class Zero3:
     # ---- forward: whole just in time, dropped right after; autograd keeps notes, not weights ----
     def _start(self, args):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        if self.planted_bug is None:  # both planted bugs leave autograd to keep the full weights it saved
+        if self.notes and self.planted_bug not in KEEPS_SAVED_WEIGHTS:  # the two bugs (and refill) take no notes
             self._hooks.__enter__()
         if not self.root:
             return None
@@ -283,7 +337,7 @@ class Zero3:
     def _finish(self, output):
         if self.root:
             self._release(self.root, output)
-        if self.planted_bug is None:
+        if self.notes and self.planted_bug not in KEEPS_SAVED_WEIGHTS:
             self._hooks.__exit__(None, None, None)
 
     def _prefetch_after(self, unit: ShardedUnit, step: int) -> None:
@@ -301,7 +355,8 @@ class Zero3:
     def _gather(self, unit: ShardedUnit, args: tuple):
         unit.set_attributes(GatherUnit.apply(unit, *unit.slices))
         self._measure(f"{unit.name}: gathered for forward", unit)
-        self._prefetch_after(unit, +1)
+        if self.planted_bug != "late-prefetch":
+            self._prefetch_after(unit, +1)
         self.computes.append({"unit": unit.name, "phase": "forward", "start": self.clock()})
         if unit.param_dtype != torch.float32:  # as FSDP2's cast_forward_inputs: the unit's floating-point
             args = tuple(a.to(unit.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a  # inputs
@@ -317,13 +372,16 @@ class Zero3:
     def _release(self, unit: ShardedUnit, output):
         if self.computes and self.computes[-1]["unit"] == unit.name and "end" not in self.computes[-1]:
             self.computes[-1]["end"] = self.clock()
+        if self.planted_bug == "late-prefetch":   # the next unit's gather issued only now, once this one computed
+            self._prefetch_after(unit, +1)
         if self.backward_gather == "on-entry" and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._gather_for_backward(unit))  # backward reaches the unit here
         unit.set_attributes([None] * len(unit.specs))
-        if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet
+        if self.planted_bug == "free-before-backward":  # and free their memory under autograd's feet: FSDP2's own
+            # resize_(0), but nothing refills these storages before backward reads them (FSDP2 gathers into them)
             for tensor in unit.full:
                 tensor.untyped_storage().resize_(0)
-        unit.drop()
+        unit.drop(keep_for_refill=True)           # refill: the storages freed, the tensors kept to refill
         self._measure(f"{unit.name}: dropped after forward")
 
     def _pack(self, tensor):
@@ -340,8 +398,9 @@ class Zero3:
         if unit.full is None:
             unit.all_gather(self.clock, "backward")
             self._measure(f"{unit.name}: gathered for backward", unit)
-            if self.backward_gather == "on-entry":  # on first use, the unit ahead may never be read (the embedding):
-                self._prefetch_after(unit, -1)      # a gather issued for it would travel for nothing
+            if self.backward_gather == "on-entry" and self.planted_bug != "late-prefetch":  # on first use, the unit
+                self._prefetch_after(unit, -1)  # ahead may never be read (the embedding): its gather would be wasted
+            self.backward_starts[unit.name] = self.clock()
 
     def _end_of_backward(self):
         """A unit whose parameters are all frozen has no gradient, so its gather's backward never runs and never
@@ -364,14 +423,24 @@ class Zero3:
         return saved.unit.full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     # ---- measured: the gathered parameters still alive, each storage watched until it is really gone ----
+    def _measure_copy_out(self, unit: ShardedUnit, buffer: torch.Tensor) -> None:
+        """Inside ``all_gather``, after the copy-out and before the buffer is freed: the storages alive then, the
+        buffer and the new full tensors included (each storage once). The events below never see this moment."""
+        storages = [ref() for ref in self._alive] + [buffer.untyped_storage()] + [f.untyped_storage()
+                                                                                   for f in unit.full]
+        alive = {s.data_ptr(): s.nbytes() for s in storages if s is not None and s.nbytes()}
+        self.copy_out_peak_bytes = max(self.copy_out_peak_bytes, sum(alive.values()))
+
     def _measure(self, event: str, gathered: ShardedUnit | None = None):
-        """Right after every gather (the only moments the parameters' memory grows) and every drop. Not seen:
-        inside ``all_gather`` the flat buffer and the full tensors copied out of it live together for a moment."""
+        """Right after every gather and every drop. Not seen here: inside ``all_gather`` the flat buffer and the full
+        tensors copied out of it live together for a moment (:meth:`_measure_copy_out` measures that), and a copy
+        of a weight made inside a module (a cast, a transposed copy) is on no unit's books: only the gathered
+        storages are watched."""
         if gathered is not None:   # the full tensors, or the buffer a prefetch is filling
             tensors = gathered.full if gathered.full is not None else [gathered.pending[0]]
             self._alive += [weakref.ref(f.untyped_storage()) for f in tensors]
-        self._alive = [ref for ref in self._alive if ref() is not None]
-        alive = sum(ref().nbytes() for ref in self._alive)     # each storage's bytes now (a freed one has 0)
+        self._alive = list({id(ref()): ref for ref in self._alive if ref() is not None}.values())  # each once (a
+        alive = sum(ref().nbytes() for ref in self._alive)     # refilled storage is watched again); a freed one: 0
         self.peak_bytes = max(self.peak_bytes, alive)
         held = sum(u.full_bytes for u in self.units if u.full is not None) + sum(   # what the units say they
             u.padded_bytes for u in self.units if u.pending is not None)               # hold, by their own books
@@ -406,6 +475,10 @@ def main():
     p.add_argument("--backward-gather", choices=("on-entry", "on-first-use"), default="on-entry",
                    help="gather a unit again when backward reaches it (as FSDP2 does), or when backward first reads "
                         "one of its weights (a unit whose backward reads none is not gathered again)")
+    p.add_argument("--backward-weights", choices=("notes", "refill"), default="notes",
+                   help="how autograd finds the weights in backward: notes (a saved-tensor hook; the gather makes new "
+                        "tensors), or refill (FSDP2's way: free the saved tensors' storages after forward with "
+                        "resize_(0), and gather into the same storages before backward)")
     p.add_argument("--mixed-precision", action="store_true",
                    help="gather and compute in bf16, reduce gradients in fp32, keep fp32 slices (FSDP2's "
                         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
@@ -433,7 +506,7 @@ def main():
         whole_storages = [weakref.ref(q.untyped_storage()) for q in model.parameters()]
         param_dtype = torch.bfloat16 if args.mixed_precision else torch.float32
         zero = Zero3(model, transformer_units(model), args.planted_bug, args.backward_gather, param_dtype,
-                     prefetch=args.prefetch)
+                     prefetch=args.prefetch, backward_weights=args.backward_weights)
         report.check("the whole parameters are freed once sliced (each one's storage watched until it is gone)",
                      all(ref() is None for ref in whole_storages), sum(ref() is not None for ref in whole_storages),
                      "0 left")
@@ -453,6 +526,7 @@ def main():
         for step in range(args.steps):
             zero.timeline.clear()                    # the last step's is kept for the chapter's figure
             zero.computes.clear()
+            zero.backward_starts.clear()
             for unit in zero.units:
                 unit.gathers.clear()
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
@@ -568,14 +642,21 @@ def main():
             what = "largest unit"
             largest = max((u.full_bytes for u in zero.units if u is not zero.root), default=0)
         report.memory = {"gathered_peak_bytes": zero.peak_bytes, "root_bytes": root, "bound_bytes": root + largest,
+                         "copy_out_peak_bytes": zero.copy_out_peak_bytes,
+                         "storages_refilled_in_place": sum(u.refilled for u in zero.units),
                          "whole_model_bytes": element * num_params,
                          "slices_bytes": sum(metrics.tensor_bytes(u.slices) for u in zero.units),
                          "units": {u.name: u.full_bytes for u in zero.units}, "timeline": zero.timeline}
-        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B (root {root:,} B + {what} "
-                 f"{largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
-                 f"{report.memory['slices_bytes']:,} B")
+        rt.print(f"gathered parameters alive at most: {zero.peak_bytes:,} B at the measured events (root {root:,} B "
+                 f"+ {what} {largest:,} B; the whole model is {element * num_params:,} B), beside this rank's slices "
+                 f"{report.memory['slices_bytes']:,} B; {zero.copy_out_peak_bytes:,} B inside a gather's copy-out, "
+                 f"buffer and copies together")
         report.check(f"gathered parameters alive at any moment <= root + {what} (measured on the storages)",
                      zero.peak_bytes <= root + largest, zero.peak_bytes, f"<= {root + largest}")
+        buffer = max(u.padded_bytes for u in zero.units)   # inside a gather: its buffer beside the copies out of it
+        report.check(f"inside a gather's copy-out, gathered parameters alive <= root + {what} + one gather's buffer "
+                     f"(measured on the storages)", zero.copy_out_peak_bytes <= root + largest + buffer,
+                     zero.copy_out_peak_bytes, f"<= {root + largest + buffer}")
         # nothing hides: at every gather and every drop, what is alive is exactly what the units say they hold
         off = [e for e in zero.timeline if e["bytes"] != e["units_hold"]]
         report.check("at every gather and drop, bytes alive = bytes the units hold (measured on the storages)",
@@ -589,11 +670,15 @@ def main():
 
 
 def _prefetch_report(zero, report, rt) -> None:
-    """The last step's forward on this rank's host clock: each unit's compute, each all-gather from its issue to the
-    moment the host had its weights. Checked: every unit but the first had its gather issued before the unit ahead of
-    it began computing, and waited for only after that unit had computed (not issued and waited at once). Reported,
-    not checked: how long forward still waited (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these
-    are the host's times (NCCL's wait only orders the streams), not the kernels': the lab reads them on the CPU."""
+    """The last step on this rank's host clock: each unit's compute, each all-gather from its issue to the moment the
+    host had its weights. Checked, from the timestamps (a gather issued late, after the unit ahead, fails them):
+    in forward every unit but the first had its gather issued before the unit ahead began computing, and waited for
+    only after that unit had computed; in backward every unit but the last had its gather issued before the unit
+    ahead (the one after it in forward) began its backward, and waited for after that; and over the whole run at
+    least one prefetched gather was already done when it was needed (work.is_completed() at the wait: a gather
+    issued and waited for at once is never done; on the CPU only). Reported, not checked: how long forward still waited and how many
+    were done (on 4 CPU ranks sharing 2 cores it varies run to run). On a GPU these are the host's times (NCCL's
+    wait only orders the streams), not the kernels': the lab reads them on the CPU."""
     computes = [c for c in zero.computes if "end" in c]
     started, ended = {c["unit"]: c["start"] for c in computes}, {c["unit"]: c["end"] for c in computes}
     names = [u.name for u in zero.order]
@@ -601,21 +686,38 @@ def _prefetch_report(zero, report, rt) -> None:
     prefetched = [g for g in gathers if g["prefetched"] and g["phase"] == "forward"]
     ahead = [(g, names[names.index(g["unit"]) - 1]) for g in prefetched if names.index(g["unit"]) > 0]
     expected = len(names) - 1 + (1 if zero.root else 0)   # the root issues the first unit's too
+    late = [g["unit"] for g, before in ahead if not (g["issued"] <= started[before] and g["waited"] >= ended[before])]
     report.check("forward: each unit's gather issued before the unit ahead computed, waited for after it",
-                 len(prefetched) == expected and all(g["issued"] <= started[before] and g["waited"] >= ended[before]
-                                                     for g, before in ahead), len(prefetched), f"{expected} prefetched")
+                 len(prefetched) == expected and not late and len(ahead) == len(names) - 1,
+                 {"prefetched": len(prefetched), "late": late}, f"{expected} prefetched, none late")
+    if zero.backward_gather == "on-entry":   # on first use backward prefetches nothing (see _gather_for_backward)
+        back = [g for g in gathers if g["prefetched"] and g["phase"] == "backward"]
+        behind = [(g, names[names.index(g["unit"]) + 1]) for g in back if names.index(g["unit"]) + 1 < len(names)]
+        late_back = [g["unit"] for g, after in behind if not (after in zero.backward_starts and
+                     g["issued"] <= zero.backward_starts[after] <= g["waited"])]
+        report.check("backward: each unit's gather issued before the unit ahead began its backward, waited for after",
+                     len(back) == len(names) - 1 == len(behind) and not late_back,
+                     {"prefetched": len(back), "late": late_back}, f"{len(names) - 1} prefetched, none late")
+    history = [done for u in zero.units for done in u.prefetch_done_before_wait]
+    if rt.device_type != "cuda":  # on a GPU the host runs ahead of the kernels: is_completed() at the host's wait
+        # says whether the kernel has run yet, which it need not have for the streams to overlap (reported only)
+        report.check("some prefetched gather was done before it was needed (work.is_completed() at the wait, every "
+                     "step)", any(history), f"{sum(history)} of {len(history)}", ">= 1")
     forward = [g for g in gathers if g["phase"] == "forward" and g["unit"] in started]
     waited = sum(g["ready"] - g["waited"] for g in forward)
     origin = min([c["start"] for c in computes] + [g["issued"] for g in gathers])
     report.extra["prefetch_timeline"] = {
         "computes": [{**c, "start": c["start"] - origin, "end": c["end"] - origin} for c in computes],
         "gathers": [{**g, **{k: g[k] - origin for k in ("issued", "waited", "ready")}} for g in gathers],
+        "backward_starts": {u: t - origin for u, t in zero.backward_starts.items()},
         "forward_wait_seconds_measured": waited,
-        "done_before_needed": sum(g["done_before_wait"] for g in forward)}
+        "done_before_needed": sum(g["done_before_wait"] for g in forward),
+        "prefetched_done_before_needed_every_step": [sum(history), len(history)]}
     clock = "host clock" + ("; on a GPU, host times, not the kernels'" if rt.device_type == "cuda" else "")
     rt.print(f"prefetch: forward waited {waited * 1e3:.2f} ms in all for its all-gathers; "
              f"{sum(g['done_before_wait'] for g in forward)} of {len(forward)} were done before they were needed "
-             f"(rank {rt.rank}'s {clock}, last step)")
+             f"(rank {rt.rank}'s {clock}, last step); {sum(history)} of {len(history)} prefetched gathers, "
+             f"every step and both phases")
 
 
 def _gathered(slice_: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,13 @@ def main():
             report.check(f"{collective} bytes per step = formula (every step)",
                          all(0 <= got - expected <= padding_bytes for got in per_step), per_step[-1],
                          f"== {expected}" + (f" + padding <= {padding_bytes}" if padding_bytes else ""))
+        # Measured: the payloads this run handed to its collectives, against DDP's all-reduce of every gradient
+        # (its formula; chapter 04 measures it). Stage 1 hands over twice DDP's bytes: an all-reduce and an all-gather.
+        payload = sum(row["measured_bytes"] for row in report.comm)
+        ddp_payload = sum(comm.zero_step_bytes(num_params, 0).values())
+        rt.print(f"payload bytes per step (measured): ZeRO-{args.stage} {payload:,}, DDP's all-reduce {ddp_payload:,} "
+                 f"({payload / ddp_payload:.2f}x)")
+        report.extra["payload_bytes_per_step"] = {"zero_measured": payload, "ddp_formula": ddp_payload}
         # Derived, not measured: the ring model applied to the payloads measured above (ZeRO) and to DDP's formula.
         sent = sum(row["sent_bytes_per_rank_derived"] for row in report.comm)
         ddp_sent = comm.step_bytes_sent_per_rank(comm.zero_step_bytes(num_params, 0), world)

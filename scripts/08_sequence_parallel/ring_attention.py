@@ -5,8 +5,11 @@ against every (earlier) key, so the key/value blocks travel: at step s, rank r w
 rank r - s owns, while sending the block it holds to rank r + 1. Each query keeps a running output and
 log-sum-exp, and every new block is folded in with the online-softmax merge
 (`distlab.tensor_parallel.merge_attention_blocks`): after P steps each query has seen every key, and no
-rank ever held the S x S score matrix or more than three blocks of K and V at once (its own, kept for backward,
-the one it computes with and the one arriving).
+rank ever held the S x S score matrix. The blocks of K and V a rank holds are measured on their storages
+(`distlab.memory.StorageLedger`) once the next block's buffer exists: three in forward (its own, kept for backward,
+the one it computes with and the one arriving), because each step lets go of the block it is done with (a view or
+a finished request kept one step longer would make it four), and five in backward (its own K, V, and two messages
+of K, V, dK, dV). The blocks logged as computed are identified by what arrived (their first key row), not by plan.
 
 Backward runs the same ring: the key/value blocks travel again, this time with their gradients, which
 every rank adds to on the way; one last hop brings each block's finished dK, dV home. The forward posts each hop
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import comm, context_parallel, metrics, runtime
+from distlab import comm, context_parallel, memory, metrics, runtime
 from distlab.tensor_parallel import (attention_with_lse, block_kind, chunk_positions,
                                      merge_attention_blocks, ring_chunks, ring_comm_formula)
 
@@ -48,6 +51,9 @@ SHAPES = {"tiny": {"batch": 2, "heads": 4, "seq_len": 64, "head_dim": 16},
 TOLERANCE = 1e-5
 # On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 METHODS = ("ring", "all-gather", "ulysses", "torch")
+# keep-own-block: the ring forgets to take the block that arrived and computes with its own at every step. The
+# outputs are wrong, and the blocks logged as computed (what really arrived) no longer cover the causal triangle.
+PLANTED_BUGS = ("keep-own-block",)
 
 
 def ring_pass(tensor, rank, world_size):
@@ -73,20 +79,24 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries (its two chunks) against the whole sequence's keys."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, log):
+    def forward(ctx, q, k, v, layout, log, planted_bug=None):
         rank, world = dist.get_rank(), dist.get_world_size()
         my_chunks = ring_chunks(rank, world, layout)
         chunk = q.shape[-2] // 2
         queries = q.split(chunk, dim=-2)
         out, lse = [None, None], [None, None]
+        ledger = memory.StorageLedger()    # the K and V blocks this rank holds, read off their storages
+        ledger.watch(k, v)                 # its own, kept for backward
         travelling = torch.stack([k, v])  # one message per hop
+        ledger.watch(travelling)
         for step in range(world):
             owner = (rank - step) % world
             if step < world - 1:  # start the next hop first: it runs while this block computes
                 arriving, requests = ring_pass(travelling, rank, world)
+                ledger.watch(arriving)
+            held = ledger.measure(f"step {step}: the next block's buffer allocated")   # the most this step holds
             keys, values = travelling[0].split(chunk, dim=-2), travelling[1].split(chunk, dim=-2)
             kinds, computed = [], []
-            key_chunks = ring_chunks(owner, world, layout)
             for i, j, kind in block_pairs(my_chunks, owner, world, layout):
                 block_out, block_lse = attention_with_lse(queries[i], keys[j], values[j], causal=kind == "diagonal")
                 if out[i] is None:
@@ -94,15 +104,23 @@ class RingAttention(torch.autograd.Function):
                 else:
                     out[i], lse[i] = merge_attention_blocks(out[i], lse[i], block_out, block_lse)
                 kinds.append(kind)
-                computed.append([my_chunks[i], key_chunks[j]])   # what was computed: (query, key) chunks
-            log.append({"step": step, "owner": owner, "blocks": kinds, "computed": computed})
+                # what was computed: my query chunk, and the first key row of the block that really arrived (the
+                # caller finds which chunk of the sequence it is): not the chunk the ring meant to send
+                computed.append([my_chunks[i], keys[j][0, 0, 0].clone()])   # read after the loop: no sync here
+            log.append({"step": step, "owner": owner, "blocks": kinds, "computed": computed, "kv_bytes_held": held})
+            del keys, values                  # done with this block: no view of it may outlive the step
             if step < world - 1:
                 for request in requests:
                     request.wait()
-                travelling = arriving
+                del requests                  # a finished request still points at the block it sent
+                if planted_bug != "keep-own-block":
+                    travelling = arriving
+                del arriving
+        for entry in log:                     # the first key rows, as numbers, once the ring is done
+            entry["computed"] = [[query_chunk, row.tolist()] for query_chunk, row in entry["computed"]]
         out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout = layout
+        ctx.layout, ctx.log = layout, log
         return out
 
     @staticmethod
@@ -115,7 +133,10 @@ class RingAttention(torch.autograd.Function):
         # softmax backward needs, per query, sum_j P_ij dP_ij = sum_d dO_id O_id: the final output's.
         delta = (grad_out * out).sum(-1, keepdim=True)
         grad_q = torch.zeros_like(q)
+        ledger = memory.StorageLedger()
+        ledger.watch(k, v)
         travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # K, V and their gradients
+        ledger.watch(travelling)
         for step in range(world):
             owner = (rank - step) % world
             keys, values, grad_keys, grad_values = (t.split(chunk, dim=-2) for t in travelling)
@@ -130,13 +151,18 @@ class RingAttention(torch.autograd.Function):
                 grad_scores = probs * (grad_out[..., rows, :] @ values[j].transpose(-1, -2) - delta[..., rows, :])
                 grad_q[..., rows, :] += grad_scores @ keys[j] * scale
                 grad_keys[j].add_(grad_scores.transpose(-1, -2) @ q[..., rows, :] * scale)
+            del keys, values, grad_keys, grad_values   # views of the block about to leave: none outlives the step
             # Pass the block on with the gradients added so far; after the last step only dK, dV travel,
             # one hop further: home to their owner.
             arriving, requests = ring_pass(travelling if step < world - 1 else travelling[2:].contiguous(), rank, world)
+            ledger.watch(arriving)
+            ctx.log[step]["kv_bytes_held_backward"] = ledger.measure(f"backward step {step}: buffer allocated")
             for request in requests:
                 request.wait()
+            del requests
             travelling = arriving
-        return grad_q, travelling[0], travelling[1], None, None
+            del arriving
+        return grad_q, travelling[0], travelling[1], None, None, None
 
 
 def check_config(args, world_size):
@@ -236,7 +262,7 @@ def run_other_methods(args, rt, q, k, v, grad_out, reference, ring_result, repor
                            for got, want in zip(results, theirs))
                 report.check(f"{method}: output, dQ, dK, dV equal this script's {other} (zig-zag, relative)",
                              diff <= tolerance, diff, tolerance)
-        formula = context_parallel.cp_comm_payloads(method, shard_bytes, world)
+        formula = context_parallel.cp_comm_payloads(method, shard_bytes, world, dtype_bytes=q.element_size())
         measured = {phase: {name: entry["payload_bytes"] for name, entry in counter.by_collective().items()}
                     for phase, counter in counters.items()}
         for phase in ("forward", "backward"):
@@ -244,7 +270,8 @@ def run_other_methods(args, rt, q, k, v, grad_out, reference, ring_result, repor
                                formula[phase])
         report.extra["methods"][method] = {
             "payload_bytes": measured, "formula": formula,
-            "sent_bytes_per_rank_derived": context_parallel.cp_bytes_sent_per_rank(method, shard_bytes, world),
+            "sent_bytes_per_rank_derived": context_parallel.cp_bytes_sent_per_rank(method, shard_bytes, world,
+                                                                                   dtype_bytes=q.element_size()),
             "calls": {phase: counter.count() for phase, counter in counters.items()}}
         rt.print(f"{method:16s}: payloads {measured}")
 
@@ -262,6 +289,7 @@ def main():
                         "methods (on a CPU; on GPUs --native runs context_parallel itself); default: all")
     p.add_argument("--native", action="store_true",
                    help="also run PyTorch's context_parallel (CUDA only; a config error on a CPU)")
+    p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None, help="a mistake the checks must catch")
     args = p.parse_args()
     for key, value in SHAPES[args.preset].items():
         if getattr(args, key) is None:
@@ -291,7 +319,7 @@ def main():
             mine = [t[..., positions, :].clone().requires_grad_() for t in (q, k, v)]
             log = []
             with comm.CommCounter() as forward_comm:
-                out = RingAttention.apply(*mine, layout, log)
+                out = RingAttention.apply(*mine, layout, log, args.planted_bug)
             with comm.CommCounter() as backward_comm:
                 out.backward(grad_out[..., positions, :])
 
@@ -307,6 +335,13 @@ def main():
             logs = [None] * world
             dist.all_gather_object(logs, log)
             blocks = [sum(len(entry["blocks"]) for entry in rank_log) for rank_log in logs]
+            # which chunk of the sequence each block that was computed with really was: its first key row, found
+            # among the whole sequence's chunks (-1: a block that is no chunk of K at all)
+            first_rows = {c: k[0, 0, c * chunk].tolist() for c in range(2 * world)}
+            for rank_log in logs:
+                for entry in rank_log:
+                    entry["computed"] = [[q_chunk, next((c for c, row in first_rows.items() if row == key_row), -1)]
+                                         for q_chunk, key_row in entry["computed"]]
             computed = sorted((q_chunk, k_chunk) for rank_log in logs for entry in rank_log
                               for q_chunk, k_chunk in entry["computed"])
             causal_triangle = [(q_chunk, k_chunk) for q_chunk in range(2 * world) for k_chunk in range(q_chunk + 1)]
@@ -315,11 +350,20 @@ def main():
             report.check_equal(f"{layout}: attention blocks per rank (counted as computed) = "
                                + ("2P + 1 on every rank" if layout == "zigzag" else "4r + 3 on rank r"),
                                blocks, expected_blocks_per_rank(world, layout))
+            # Memory: the K and V blocks alive at each step, read off their storages (one block = one rank's K and V)
+            block_bytes = 2 * mine[1].numel() * mine[1].element_size()
+            held = [[entry["kv_bytes_held"] / block_bytes for entry in rank_log] for rank_log in logs]
+            held_backward = [[entry["kv_bytes_held_backward"] / block_bytes for entry in rank_log] for rank_log in logs]
+            report.check(f"{layout}: forward holds at most three blocks of K and V at once: its own, the one it "
+                         f"computes with, the one arriving (measured on the storages, every rank, every step)",
+                         max(map(max, held)) <= 3, max(map(max, held)), "<= 3")
+            report.memory[layout] = {"kv_blocks_held_forward": held, "kv_blocks_held_backward": held_backward}
             report.extra["ring"][layout] = {"blocks_per_rank": blocks, "steps": logs,
                                             "chunks": [ring_chunks(r, world, layout) for r in range(world)]}
             rt.print(f"{layout:10s}: chunks per rank {[ring_chunks(r, world, layout) for r in range(world)]}, "
                      f"attention blocks per rank {blocks} (busiest / average "
-                     f"{max(blocks) / (sum(blocks) / world):.2f})")
+                     f"{max(blocks) / (sum(blocks) / world):.2f}); K, V blocks held at most: forward "
+                     f"{max(map(max, held)):g}, backward {max(map(max, held_backward)):g} (measured)")
 
             # Communication: every rank sends the same, whatever the layout.
             shard_bytes = mine[1].numel() * mine[1].element_size()

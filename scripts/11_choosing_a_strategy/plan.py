@@ -169,9 +169,9 @@ def print_table(plans, top: int) -> None:
 
 def dry_run(plan: planner.Plan, model, options, cluster) -> int:
     """--dry-run: the plan's layout at its full world size on a fake process group (``distlab.planner.dry_run``):
-    the mesh's groups against the grid, and each sampled rank's state bytes read from its shards against the
-    planner's (a MoE layout: its EP groups and its experts, chapter 13's layer). 0 when everything agrees, 1
-    otherwise."""
+    the mesh's groups against the grid, and each sampled rank's state bytes read from its fp32 shards (bf16 parts
+    halved) against the planner's (a MoE layout: its EP groups and its experts, chapter 13's layer). 0 when everything
+    agrees, 1 otherwise."""
     from distlab.planner import dry_run as full_world
 
     if model.is_moe:

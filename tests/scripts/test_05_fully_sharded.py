@@ -25,6 +25,8 @@ def test_zero1_under_torchrun_matches_ddp_and_costs_one_and_a_half_ddp():
     # measures that payload = 4 P): 1.5 x
     derived = sum(c["sent_bytes_per_rank_derived"] for c in metrics["comm"])
     assert derived == 1.5 * (2 * 3 / 4 * 4 * P) == metrics["extra"]["sent_bytes_per_rank_derived"]["zero"]
+    # measured, as opposed to derived: the payloads handed to the collectives, twice DDP's all-reduce
+    assert metrics["extra"]["payload_bytes_per_step"] == {"zero_measured": 2 * 4 * P, "ddp_formula": 4 * P}
     assert any(c["name"].startswith("gradient shards = DDP") for c in metrics["checks"])
     assert metrics["memory"]["measured"] == {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P / 4,
                                              "total": 4 * P + 4 * P + 2 * P}
@@ -174,11 +176,24 @@ def test_zero3_by_hand_equals_one_device_and_fsdp2_and_keeps_one_unit_whole():
     assert comm["reduce_scatter"]["measured_bytes"] == 4 * P == comm["reduce_scatter"]["fsdp2_measured_bytes"]
     memory = metrics["memory"]
     assert memory["gathered_peak_bytes"] == BLOCK_BYTES < 4 * P      # one block whole at a time, not the model
+    assert memory["copy_out_peak_bytes"] == 2 * BLOCK_BYTES          # inside a gather: its buffer and the copies
     timeline = [e["event"] for e in memory["timeline"]]
     for unit in ("tok_embeddings", "layers.0", "layers.1", "head"):  # each unit: gathered twice, reduced once
         assert timeline.count(f"{unit}: gathered for forward") == timeline.count(f"{unit}: gathered for backward") == 1
         assert f"{unit}: gradient reduce-scattered, dropped" in timeline
     assert max(e["bytes"] for e in memory["timeline"]) == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
+
+
+def test_zero3_with_fsdp2s_free_and_refill_equals_fsdp2_and_keeps_one_unit_whole():
+    """FSDP2's way instead of notes: the tensors autograd saved have their storages freed after forward (resize_(0))
+    and refilled in place before backward. free-before-backward is this minus the refill (it fails, above)."""
+    metrics = assert_all_checks_passed(launch.run(ZERO3, nproc=4, args=["--backward-weights", "refill", "--steps", "2"],
+                                                  stream=False), min_checks=12)
+    memory = metrics["memory"]
+    assert memory["gathered_peak_bytes"] == BLOCK_BYTES and memory["timeline"][-1]["bytes"] == 0
+    assert memory["storages_refilled_in_place"] == 2 * 21              # every parameter's, both steps
+    assert comm_of(metrics)["all_gather"]["measured_bytes"] == 2 * 4 * P == comm_of(metrics)["all_gather"][
+        "fsdp2_measured_bytes"]
 
 
 def test_zero3_in_bf16_equals_fsdp2_mixed_precision_and_gathers_half_the_bytes():
@@ -200,6 +215,12 @@ def test_zero3_prefetch_gathers_the_next_unit_ahead_and_keeps_two_whole():
     assert {g["unit"] for g in timeline["gathers"] if g["prefetched"] and g["phase"] == "forward"} == {
         "layers.0", "layers.1", "head"}
     assert [c["unit"] for c in timeline["computes"]] == ["tok_embeddings", "layers.0", "layers.1", "head"]
+    passed = {c["name"] for c in metrics["checks"] if c["passed"]}   # the timing checks a late issue fails (below)
+    assert {"forward: each unit's gather issued before the unit ahead computed, waited for after it",
+            "backward: each unit's gather issued before the unit ahead began its backward, waited for after",
+            "some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)"} <= passed
+    assert {g["unit"] for g in timeline["gathers"] if g["prefetched"] and g["phase"] == "backward"} == {
+        "tok_embeddings", "layers.0", "layers.1"}
 
 
 def test_zero3_gathering_on_first_use_skips_the_embeddings_second_gather():
@@ -229,7 +250,19 @@ def test_zero3_planted_bugs_fail_their_checks():
     assert kept.returncode == 1 and kept.metrics["memory"]["gathered_peak_bytes"] == 3 * BLOCK_BYTES  # two blocks
     assert [c["name"] for c in kept.metrics["checks"] if not c["passed"]] == [   # kept by autograd, one gathered again
         "gathered parameters alive at any moment <= root + largest unit (measured on the storages)",
+        "inside a gather's copy-out, gathered parameters alive <= root + largest unit + one gather's buffer "
+        "(measured on the storages)",
         "at every gather and drop, bytes alive = bytes the units hold (measured on the storages)"]
+    # each next unit's gather issued only once the unit ahead has computed: the same bytes, the same memory, every
+    # answer right, and only the timestamps of issue against compute show it (forward and backward)
+    late = launch.run(ZERO3, nproc=4, args=["--prefetch", "--planted-bug", "late-prefetch", "--steps", "1"],
+                      stream=False, check=False)
+    timing = ["forward: each unit's gather issued before the unit ahead computed, waited for after it",
+              "backward: each unit's gather issued before the unit ahead began its backward, waited for after"]
+    late_failed = [c["name"] for c in late.metrics["checks"] if not c["passed"]]
+    assert late.returncode == 1 and late_failed[:2] == timing and late_failed[2:] in (
+        [], ["some prefetched gather was done before it was needed (work.is_completed() at the wait, every step)"])
+    # (a gather issued late is seldom done by its wait: the third check may fail as well)
 
 
 def test_zero3_bad_batch_exits_2():

@@ -31,7 +31,12 @@ def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun
     names = [c["name"] for c in metrics["checks"]]
     assert sum("cover the causal triangle" in n for n in names) == 2          # counted from what was computed
     computed = [pair for rank_log in ring["zigzag"]["steps"] for entry in rank_log for pair in entry["computed"]]
-    assert len(computed) == 36 and all(k <= q for q, k in computed)
+    assert len(computed) == 36 and all(0 <= k <= q for q, k in computed)   # the key chunks that really arrived
+    # K and V blocks alive, read off the storages: forward 3 at every step but the last (own, computing, arriving),
+    # backward 5 ((K, V) own, then two messages of K, V, dK, dV: the one added to and the one arriving)
+    for layout in ("zigzag", "contiguous"):
+        assert metrics["memory"][layout]["kv_blocks_held_forward"] == [[3, 3, 3, 2]] * 4
+        assert metrics["memory"][layout]["kv_blocks_held_backward"] == [[5, 5, 5, 4]] * 4
     # each rank sends 3 hops of (K, V) forward; 3 of (K, V, dK, dV) and 1 of (dK, dV) backward; 8 KiB per shard
     sent = {(r["layout"], r["phase"]): r["measured_bytes"] for r in metrics["comm"]}
     assert sent[("zigzag", "forward")] == sent[("contiguous", "forward")] == 3 * 2 * 8192
@@ -52,6 +57,22 @@ def test_ring_attention_equals_full_attention_and_zigzag_balances_under_torchrun
     assert sum("equal this script's all-gather" in n for n in names) == 2
     for method in ("all-gather", "ulysses", "torch allgather", "torch alltoall"):
         assert sum(n.startswith(f"{method}: ") and "equals full attention" in n for n in names) == 4
+
+
+def test_a_ring_that_computes_with_the_wrong_block_fails_the_coverage_check_and_ulysses_groups_several_heads():
+    """The coverage check counts the key chunks that really arrived (found by their first key row), not the ones the
+    ring meant to send: a ring that keeps computing with its own block fails it. In the same launch Ulysses runs with
+    two heads a rank (8 heads on 4 ranks), where a slip in grouping the heads would show."""
+    result = launch.run(RING, nproc=4, args=["--methods", "ring", "ulysses", "--layout", "zigzag", "--heads", "8",
+                                             "--planted-bug", "keep-own-block"], stream=False, check=False)
+    assert result.returncode == 1
+    failed = {c["name"] for c in result.metrics["checks"] if not c["passed"]}
+    assert "zigzag: the blocks computed cover the causal triangle, each block once" in failed
+    assert not any(name.startswith("ulysses") for name in failed)
+    ulysses = [c for c in result.metrics["checks"] if c["name"].startswith("ulysses")]
+    assert len(ulysses) == 6 and result.metrics["config"]["heads"] == 8   # 4 tensors, 2 payload checks
+    steps = result.metrics["extra"]["ring"]["zigzag"]["steps"]
+    assert {k for rank_log in steps for entry in rank_log for _, k in entry["computed"]} == {0, 1, 2, 3, 4, 5, 6, 7}
 
 
 def test_sequence_that_does_not_split_over_ranks_exits_2():

@@ -70,3 +70,37 @@ def test_exit_code_is_honest_under_torchrun(flag, cause):
     result = launch.run(PROBE, nproc=2, args=[flag], launcher="torchrun", stream=False, check=False)
     assert result.returncode == 1 and "exitcode  : 1" in result.output, result.tail()
     assert cause in result.output
+
+
+TWO_RESUMES = """
+import dataclasses, sys
+from labkit import broken_runs
+case = broken_runs.case("checkpoint-one-shard")   # on 2 ranks here: its check names say 2 ranks, not 4
+case = dataclasses.replace(case, failing_checks=tuple(c.replace("4 ranks", "2 ranks").replace("read by 4", "read by 2") for c in case.failing_checks))
+variants = {"as the case": None, "another key": case.args + ("--batch", "8")}   # 8 is the default: the same run
+order = list(variants) if sys.argv[2] == "forward" else list(variants)[::-1]
+for name in order:
+    result = broken_runs.run_case(case.name, run_dir=sys.argv[1], nproc=2, args_override=variants[name],
+                                  stream=False, timeout=90)
+    missing = broken_runs.symptom_seen(case, result.metrics)
+    print(f"{name}: {missing or 'the symptom'}", flush=True)
+    assert not missing, result.tail()
+"""
+
+
+def test_two_workers_resume_in_one_folder_on_one_cache(tmp_path):
+    """make test runs chapter 14's lab and its script tests side by side on one launch cache, in the same run
+    folders: each worker runs a checkpoint case's interrupted job, then resumes it, in opposite orders of two resumes
+    that share the interrupted job. With a cache that replayed a run's output but not the checkpoint it wrote, the
+    worker that came second found an empty folder to resume from ("the run wrote no metrics")."""
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, DISTLAB_LAUNCH_CACHE=str(tmp_path / "cache"), DISTLAB_FORK_SERVER="1")
+    workers = [subprocess.Popen([sys.executable, "-c", TWO_RESUMES, str(tmp_path / "run"), order],
+                                cwd=launch.REPO_ROOT, env=environment, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for order in ("forward", "backward")]
+    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], "\n\n".join(outputs)
+    assert all(output.count(": the symptom") == 2 for output in outputs), outputs

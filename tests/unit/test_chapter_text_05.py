@@ -45,8 +45,16 @@ def test_the_tiny_measurements_table_is_the_formula():
     says(f"stage 1 all-reduces {step1['all_reduce']:,} bytes\nand all-gathers {step1['all_gather']:,}")
     ratio = comm.step_bytes_sent_per_rank(step1, 4) / comm.step_bytes_sent_per_rank(comm.zero_step_bytes(n, 0), 4)
     assert ratio == 1.5
-    says(f"so each rank sends {ratio:g} times what DDP sends")
-    says(f"Our stage 1, which\n  all-reduces and then all-gathers, measured {ratio:g} times DDP")
+    # measured: the payloads the run hands its collectives; derived: the ring model's bytes on the wire
+    payload = sum(step1.values()) / sum(comm.zero_step_bytes(n, 0).values())
+    assert payload == 2.0
+    says(f"It hands its collectives {sum(step1.values()):,} bytes a step,\n  {payload:.1f} times DDP's all-reduce "
+         f"of {comm.zero_step_bytes(n, 0)['all_reduce']:,}: that is measured")
+    says(f"So each rank puts {ratio:g} times DDP's bytes on the wire: that is derived from the payloads, not measured")
+    says(f"it hands its collectives {payload:.1f} times DDP's bytes (measured), and each rank sends\n  {ratio:g} "
+         f"times DDP's (derived by the ring model)")
+    assert "measured 1.5 times DDP" not in FLAT and "Every claim here is a measurement" not in FLAT
+    says("Two kinds are derived, and said so")
     says(f"{step3['all_gather']:,} bytes all-gathered in 6 calls")
     says(f"- {step3['reduce_scatter']:,} bytes reduce-scattered in 3 calls.")
 
@@ -121,6 +129,46 @@ def test_fsdp2_call_counts_forced_root_and_default_root(fsdp_all_gathers):
     says("Left to its default (`None`),\nFSDP2 reshards every unit but the root")
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_gathers_for_backward_from_a_hook_on_the_outputs_and_reshards_a_forced_root(fsdp_all_gathers):
+    """In eager mode FSDP2 registers a tensor hook on each unit's outputs (_fsdp_state.py:452); its
+    RegisterPreBackwardFunction is applied only under functorch transforms (:453-463). So the root's output keeps
+    the model's own grad_fn and carries FSDP2's _pre_backward as a hook. And the root forced to reshard
+    (train_fsdp.apply_fsdp) has freed its gathered storages once forward is done (6 all-gathers, not 5), so the
+    chapter may not say that FSDP2 keeps it gathered from forward to backward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (registers FSDP2)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, str(REPO / "scripts" / "05_fully_sharded"))
+    import train_fsdp  # noqa: E402
+
+    sys.path.pop(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = models.build_transformer(models.preset("tiny"), seed=0)
+        train_fsdp.apply_fsdp(model)
+        logits = model(torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0)))
+        hooks = [getattr(h, "__name__", "") for h in (logits._backward_hooks or {}).values()]
+        root_group = model._get_fsdp_state()._fsdp_param_group
+        root_bytes = [t.untyped_storage().size() for p in root_group.fsdp_params for t in p.all_gather_outputs]
+    finally:
+        dist.destroy_process_group()
+    assert "RegisterPreBackward" not in type(logits.grad_fn).__name__ and hooks == ["_pre_backward"]
+    assert root_bytes and set(root_bytes) == {0}
+    pre = torch_lines("_fsdp_state.py", 434, 452)
+    assert "t.register_hook(self._pre_backward)" in pre and "RegisterPreBackwardFunction" not in pre
+    functorch = torch_lines("_fsdp_state.py", 453, 463)
+    assert "_are_functorch_transforms_active()" in functorch and "RegisterPreBackwardFunction.apply(self, t)" in functorch
+    assert "Another identity on each unit's output" not in FLAT and "runs from `RegisterPreBackwardFunction`" not in FLAT
+    says("A hook on each unit's output tensors fires FSDP2's gather for backward")
+    says("(`_fsdp_state.py:434-452`)")
+    says("only under functorch transforms (`:453-463`)")
+    assert fsdp_all_gathers["forced"][0] == 6
+    assert "FSDP2 does not reshard the root after forward" not in FLAT
+    says("Left to its default, FSDP2 would not reshard the root after forward")
+
+
 def test_zero3_by_hand_numbers_are_the_tiny_models():
     """Stage 3 by hand: the slices, the bytes and the one block alive, recomputed from the model (the script's
     test, tests/scripts/test_05_fully_sharded.py, measures the same numbers on 4 ranks)."""
@@ -134,7 +182,9 @@ def test_zero3_by_hand_numbers_are_the_tiny_models():
     says(f"slice r of every parameter: {n // 4:,} of the tiny model's {n:,} parameters on each of 4 ranks")
     says(f"{gathered:,} all-gathered per step in {2 * units} calls ({units} units, twice each)")
     says(f"{comm.zero_step_bytes(n, 3)['reduce_scatter']:,} reduce-scattered in {units}")
-    says(f"At most {block:,} bytes of gathered weights are alive at once: one block.")
+    says(f"At every measured event, at most {block:,} bytes of gathered weights are alive: one block.")
+    says(f"The script measures that moment too: {2 * block:,} bytes, two blocks' worth.")   # buffer + copies
+    says("A copy of a weight made inside a module")
     says(f"The whole model is {4 * n:,} bytes, which ZeRO-1 and ZeRO-2")
     says(f"sends {gathered - embedding:,} bytes instead of {gathered:,}: the embedding's {embedding:,}\nbytes once less")
     says(f"(half the bytes: {comm.zero_step_bytes(n, 3, param_bytes=2)['all_gather']:,} per step instead of {gathered:,})")
@@ -219,3 +269,55 @@ def test_what_the_chapter_says_of_bf16_sums_checkpoint_names_and_tolerances():
     assert 'name.replace(_CHECKPOINT_PREFIX, "")' in dcp[180]
     assert "checkpoint_wrapper.py` lines 57-86" in flat and "`torch/distributed/checkpoint/state_dict.py` line 181" in flat
     assert "summing over many ranks loses nothing" not in flat and "already rounded to 8 significant bits" in flat
+
+
+FSDP2_SOURCE = Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard"
+
+
+def torch_lines(name: str, first: int, last: int) -> str:
+    """Lines first..last (1-based, inclusive) of an FSDP2 source file of the installed torch."""
+    return "".join((FSDP2_SOURCE / name).read_text().splitlines(keepends=True)[first - 1:last])
+
+
+def test_how_fsdp2_keeps_the_weights_out_of_autograd_is_what_torch_does():
+    """The chapter's contrast between the sketch and FSDP2, held to torch 2.13's source at the lines it cites."""
+    assert "free_storage(tensor)" in torch_lines("_fsdp_param.py", 827, 831)
+    assert "storage.resize_(0)" in torch_lines("_fsdp_param.py", 1072, 1074)
+    assert "alloc_storage(tensor)" in torch_lines("_fsdp_param.py", 823, 825)
+    assert "storage.resize_(size)" in torch_lines("_fsdp_param.py", 1066, 1069)
+    assert "fsdp_param.alloc_all_gather_outputs()" in torch_lines("_fsdp_collectives.py", 463, 463)
+    assert "def foreach_all_gather_copy_out(" in torch_lines("_fsdp_collectives.py", 431, 431)
+    assert "_unsafe_preserve_version_counter" in torch_lines("_fsdp_collectives.py", 484, 487)
+    assert "torch.as_strided(" in torch_lines("_fsdp_param.py", 665, 679)
+    assert not any("saved_tensors_hooks" in f.read_text() for f in FSDP2_SOURCE.glob("*.py"))
+    assert "RegisterPostBackwardFunction.apply(self, *inp_tensors)" in torch_lines("_fsdp_param_group.py", 891, 903)
+    post = torch_lines("_fsdp_param_group.py", 1110, 1127)
+    assert "class RegisterPostBackwardFunction" in post and "ctx.param_group.post_backward()" in post
+    assert "ctx.state._pre_backward(grad)" in torch_lines("_fsdp_state.py", 514, 530)
+    says("It has no saved-tensor\nhook and no autograd function around its gather.")
+    says("After forward it frees that tensor's memory with `storage.resize_(0)`.")
+    says("That is the planted bug `free-before-backward` plus one step: the refill.")
+    says("`--backward-weights refill` runs FSDP2's way in the sketch, with no notes.")   # tests/scripts runs it
+    script = (REPO / "scripts" / "05_fully_sharded" / "zero3_from_scratch.py").read_text()
+    assert 'choices=("notes", "refill")' in script and "storage.resize_(tensor.numel() * tensor.element_size())" in script
+    says("(`_fsdp_param.py:827-831`)")
+    says("(`_fsdp_param_group.py:891-903, 1110-1127`)")
+    assert "FSDP2 is the same mechanism, engineered" not in FLAT
+
+
+def test_fsdp2_prefetches_forward_only_when_told_and_backward_by_default():
+    """Forward: explicit prefetch only for the modules given to set_modules_to_forward_prefetch (the default overlap
+    is implicit: the CPU runs ahead); backward: a default prefetch unless set_modules_to_backward_prefetch is used."""
+    assert "self._states_to_forward_prefetch: list[FSDPState] = []" in torch_lines("_fsdp_state.py", 72, 72)
+    assert "for fsdp_state in self._states_to_forward_prefetch:" in torch_lines("_fsdp_state.py", 315, 320)
+    assert "implicit forward prefetching" in torch_lines("_fsdp_param_group.py", 60, 68)
+    assert "# implicit prefetch" in torch_lines("_fsdp_param_group.py", 417, 432)
+    assert "default_prefetch = len(self._states_to_backward_prefetch) == 0" in torch_lines("_fsdp_state.py", 384, 391)
+    assert "self._backward_prefetch()" in torch_lines("_fsdp_param_group.py", 576, 585)
+    assert "def _backward_prefetch(self)" in torch_lines("_fsdp_param_group.py", 795, 831)
+    assert "with no option set. So most of the traffic hides" not in FLAT   # the old claim: forward prefetched too
+    says("with no option set, nothing is prefetched")
+    says("happens\nonly for the modules passed to `set_modules_to_forward_prefetch`")
+    says("by default each unit's pre-backward hook issues the all-gather of the unit that runs backward next")
+    says("(`_fsdp_state.py:72, 315-320`)")
+    says("`--planted-bug late-prefetch` issues each gather once the\nunit ahead has computed.")

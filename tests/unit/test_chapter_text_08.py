@@ -83,6 +83,7 @@ TORCH_CP = (Path(torch.__file__).parent / "distributed" / "tensor" / "experiment
             / "_attention.py")
 # What the chapter cites, line by line, in torch 2.13's source: the line must still say it.
 TORCH_CP_LINES = {
+    75: "convert_to_f32: bool = True",                                    # dK, dV accumulated (and sent) in fp32
     77: "rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER",        # the default rotate method
     253: "class _AllToAllRotater(_RingRotater):",
     273: "class _AllGatherRotater(_RingRotater):",
@@ -197,9 +198,17 @@ def test_what_a_ring_rank_holds_of_k_and_v():
     lines = TORCH_CP.read_text().splitlines()
     assert "next_kv = torch.cat([key.flatten(), value.flatten()])" in lines[438 - 1]
     assert "next_kv = rotater.exchange_buffers(next_kv)" in lines[439 - 1]  # the copy goes out while the step computes
-    says_flat("no rank of this ring ever held the S x S scores or more than three blocks of K and V at once: its own "
-              "(kept for backward), the one it computes with and the one arriving")
-    says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one |")
+    # measured on the storages by the script (tests/scripts/test_08_sequence_parallel.py holds the numbers): three
+    # in forward because each step frees the block it is done with; four without that
+    assert "del keys, values" in script and "memory.StorageLedger()" in script
+    assert "more than three blocks of K and V at once" not in FLAT
+    says_flat("In forward it is three at every step but the last: its own (kept for backward), the one it computes "
+              "with and the one arriving.")
+    says_flat("would make it four at steps 1 to P - 2")
+    # backward measures [5, 5, 5, 4] (tests/scripts/test_08_sequence_parallel.py): the last message is dK, dV only
+    says_flat("Backward holds five at every step but the last: its own K and V, and two messages of K, V, dK and dV")
+    says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one "
+              "(measured) |")
     says_flat("| four blocks: also the copy it sends (`_attention.py:438`) |")
     assert "more than two blocks" not in FLAT and "two blocks at a time" not in FLAT
     assert "more than two blocks" not in (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
@@ -240,3 +249,40 @@ def test_the_labs_balance_and_summary_say_what_the_code_computes():
     assert sent["torch allgather"] == sent["ring"] and sent["all-gather"]["backward"] < sent["ring"]["backward"]
     assert "The all-gather by hand (Llama 3's) sends the ring's forward bytes and less backward" in lab
     assert "torch's sends the ring's bytes both ways" in lab
+
+
+def test_torch_sends_dk_and_dv_in_fp32_and_the_chapter_says_so():
+    """torch 2.13 accumulates dK, dV in fp32 by default and sends the accumulators: under bf16, twice the bytes of a
+    bf16 dK, dV (measured in tests/unit/test_ring_attention_math.py)."""
+    lines = TORCH_CP.read_text().splitlines()
+    assert "accum_dtype = torch.float32 if _cp_options.convert_to_f32 else query.dtype" in lines[512 - 1]
+    assert "grad_key = torch.zeros_like(key, dtype=accum_dtype)" in lines[514 - 1]
+    assert "next_grad_kv = torch.cat([grad_key.flatten(), grad_value.flatten()])" in lines[625 - 1]
+    assert "dkv_rotater.exchange_buffers(next_grad_kv)" in lines[627 - 1]
+    assert cpm.TORCH_CP_GRAD_BYTES == 4
+    bf16 = cpm.cp_comm_payloads("torch allgather", 4096, 4, dtype_bytes=2)["backward"]["all_to_all"]
+    assert bf16 == 4 * 2 * 4096 * 2                      # P hops of (dK, dV), each number 4 bytes where K is 2
+    says_flat("Those dK and dV hops are fp32 whatever the inputs' dtype.")
+    says_flat("(`convert_to_f32 = True`, `_attention.py:75` and `512-515`) and sends the accumulators (`:625-627`)")
+    says_flat("So under bf16 its backward moves twice the bytes of a bf16 dK and dV.")
+
+
+def test_the_coverage_check_counts_what_arrived_and_ulysses_runs_with_several_heads_a_rank():
+    script = (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
+    assert "computed.append([my_chunks[i], key_chunks[j]])" not in script   # the plan, not what arrived
+    assert "keys[j][0, 0, 0].clone()" in script
+    says_flat("The key chunk is the one that really arrived: the script finds it by its first key row")
+    says_flat("`--planted-bug keep-own-block` makes every rank compute with its own block at every step.")
+    says_flat("Its tests run Ulysses with one head a rank and with two (8 heads on 4 ranks)")
+    test = (REPO / "tests" / "scripts" / "test_08_sequence_parallel.py").read_text()
+    assert '"--heads", "8"' in test and '"--planted-bug", "keep-own-block"' in test
+
+
+
+def test_what_megatron_saves_of_the_gathered_matmul_input():
+    """Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication (megatron/core/tensor_parallel/layers.py, forward:
+    ``ctx.save_for_backward(input, weight)`` before the sequence-parallel all-gather; backward: all-gathers ``input``
+    again) keeps the sequence shard: the 2bsh term becomes 2bsh / t, a saving of 2bsh (t - 1) / t, not 2bsh."""
+    flat = " ".join(TEXT.split())
+    assert "That saves another 2bsh per layer" not in flat
+    says("That cuts this term from 2bsh to 2bsh / t per layer, for one extra all-gather per region.")

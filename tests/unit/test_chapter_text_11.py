@@ -64,20 +64,20 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     assert len(rows) >= 6 and all(r["passes"] or r["miss"] for r in rows), [(r["label"], r["error"]) for r in rows
                                                                              if not r["passes"]]
     assert planner.published.BAND == 0.15 and "Every row is within 15 %" in text
-    assert "except three named misses, left out of the fit" in text
+    assert "except two named misses, left out of the fit" in text
     assert [r["label"] for r in rows if not r["passes"]] == ["Llama 3 405B, 8K tokens, 8,192 H100",
-                                                            "Llama 3 405B, 8K tokens, 16,384 H100",
-                                                            "Megatron-Core 462B, 6,144 H100"]
+                                                            "Llama 3 405B, 8K tokens, 16,384 H100"]
     assert "**fourteen published, measured training runs**" in text and len(rows) == 14
-    assert "(eleven within 15 %" in text and sum(r["passes"] for r in rows) == 11
+    assert "(twelve within 15 %" in text and sum(r["passes"] for r in rows) == 12
+    assert "twelve within 15 %, two named misses |" in text
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
     megatron = [errors[f"Megatron {size}"] for size in ("145.6B, 1,536 A100", "310.1B, 1,920 A100",
                                                           "529.6B, 2,520 A100", "1T, 3,072 A100")]
     assert megatron == sorted(megatron, reverse=True)   # "the largest under-predicted ... the 1T run most"
-    assert round(errors["Megatron 1T, 3,072 A100"], 2) == -0.15 and "the 1T run (-15 %)" in text
-    assert round(errors["Megatron 22B, selective recomputation, 8 A100"], 2) == 0.15 and "the 22B run (+15 %" in text
+    assert round(errors["Megatron 1T, 3,072 A100"], 2) == -0.14 and "the 1T run (-14 %)" in text
+    assert round(errors["Megatron 22B, selective recomputation, 8 A100"], 2) == 0.11 and "the 22B run (+11 %)" in text
     mtnlg = errors["MT-NLG 530B, 2,240 A100"]
     assert round(mtnlg, 2) == 0.09 and "lands at +9 %" in text
     more = [errors[f"MT-NLG 530B, {g} A100"] for g in ("2,800", "3,360")]
@@ -286,3 +286,36 @@ def test_zero1s_overlap_is_said_to_be_megatrons_not_torchs(text):
     assert "self._sync_params()" in step and "self._overlap_with_ddp" in step
     assert ("torch's `ZeroRedundancyOptimizer` broadcasts them inside its `step()` (`_sync_params`, unless "
             "`overlap_with_ddp`), exposed") in text and "Megatron-Core's distributed optimizer's" in text
+
+
+def test_the_megatron_rows_save_what_korthikanti_counts(text):
+    """34 s b h / t bytes a GPT layer under TP, SP and selective recomputation (Korthikanti et al. 2022, computed here
+    from the paper's expression), 96 layer-microbatches on the 175B row's first stage under 1F1B."""
+    from dataclasses import replace
+    import importlib
+
+    planner_memory = importlib.import_module("distlab.planner.memory")
+    run = next(r for r in planner.published.RUNS if r.label.startswith("Megatron 175B, selective"))
+    paper = 34 * 2048 * 1 * 12288 / 8 * 96
+    planned = planner_memory.activation_bytes(replace(run.model, micro_batch=1), run.layout, 0,
+                                              replace(run.options, schedule="1f1b", chunks=1))
+    assert planned == pytest.approx(paper, rel=0.01)
+    assert f"96 such layer-microbatches: {paper / planner.GIB:.2f} GiB, what the" in text
+    assert planner.published.MEGATRON_FULL.sp_saves_gathered_inputs is False
+    assert "two all-gathers a block more, which the planner counts for the" in text
+
+
+def test_the_latency_paragraph_counts_what_the_planner_charges(text):
+    """1B under DDP on 1,024 H100s: by hand, 254 network steps and 1,792 NVLink steps a ring all-reduce, a tree of
+    7 + 7 steps a side; the planner's ring (NCCL_ALGO=Ring) and its choice, the tree, per call."""
+    from dataclasses import replace
+
+    spec = replace(planner.MODELS["1b"], global_batch=1024)
+    cluster, layout = planner.CLUSTERS["h100-80gb"], planner.Layout(dp=1024)
+    calls = planner.collective_calls(spec, layout, 0, planner.Options())["dp"]["all_reduce"]
+    ring = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(nccl_algorithm="ring"))["dp"]
+    tree = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
+    by_hand = 254 * 14e-6 + 1792 * 3.4e-6
+    assert ring["latency"] / calls == pytest.approx(by_hand) and round(by_hand * 1e3, 1) == 9.6
+    assert tree["latency"] / calls == pytest.approx(2 * (7 * 4e-6 + 7 * 14e-6))
+    assert "254 x 14 us + 1,792 x 3.4 us = 9.6 ms" in text and "0.25 ms there" in text

@@ -57,7 +57,38 @@ def test_without_a_server_a_launch_starts_its_own_forkrun(server, monkeypatch, c
     def no_server():
         raise OSError("AF_UNIX path too long")
 
-    monkeypatch.setattr(forkserver, "_server_path", no_server)
+    monkeypatch.setattr(forkserver, "start_server", no_server)
+    monkeypatch.delenv(forkserver.SOCKET_ENV, raising=False)
     result = launch.run(BAD_MESH[0], nproc=4, args=BAD_MESH[1], stream=False, check=False, metrics=False)
     assert result.returncode == 2 and result.rank_exit_codes == {0: 2, 1: 2, 2: 2, 3: 2}
     assert "fork server unavailable (AF_UNIX path too long)" in capsys.readouterr().err
+
+
+CHILD = """
+from labkit import forkserver, launch
+result = launch.run({script!r}, nproc=4, args={args!r}, stream=False, check=False, metrics=False)
+print(result.returncode, "own server" if forkserver._started else "parent's server")
+"""
+
+
+def test_a_child_process_forks_from_its_parents_server_or_else_its_own(server, tmp_path):
+    """A notebook kernel or a subprocess of a test worker launches from the worker's server (no torch imported
+    again); where that server is gone, from one of its own."""
+    import os
+    import subprocess
+    import sys
+
+    code = CHILD.format(script=BAD_MESH[0], args=BAD_MESH[1])
+    shared = forkserver.start_server()
+    for socket_path, expected in ((shared, "2 parent's server"), (str(tmp_path / "gone"), "2 own server")):
+        child = subprocess.run([sys.executable, "-c", code], cwd=launch.REPO_ROOT, capture_output=True, text=True,
+                               env=dict(os.environ, **{forkserver.SOCKET_ENV: socket_path}), timeout=120)
+        assert child.stdout.strip().splitlines()[-1] == expected, child.stdout + child.stderr
+    assert os.environ[forkserver.SOCKET_ENV] == shared      # what this process's children will use
+
+
+def test_on_by_default_off_when_told(monkeypatch):
+    monkeypatch.delenv(forkserver.ENABLE_ENV, raising=False)
+    assert forkserver.enabled()                     # a lab's launches: torch imported once, not once a launch
+    monkeypatch.setenv(forkserver.ENABLE_ENV, "0")
+    assert not forkserver.enabled()

@@ -1,6 +1,8 @@
 """labkit.launch's replay cache: keyed on everything a run depends on, so an edit never replays a stale run."""
 
+import shutil
 import textwrap
+from pathlib import Path
 
 from labkit import launch
 
@@ -59,3 +61,57 @@ def test_a_run_is_replayed_until_a_helper_changes(tmp_path, monkeypatch):
     assert "second version" in run().output, "a stale run was replayed"
     assert "second version" in run().output
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+WRITER = textwrap.dedent("""
+    import argparse, os, pathlib
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save-dir")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--note", default="")
+    options = parser.parse_args()
+    folder = pathlib.Path(options.save_dir)
+    if os.environ["RANK"] == "0":
+        if options.resume:
+            print("resumed from", (folder / "state.txt").read_text(), flush=True)
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "state.txt").write_text("step 3" + options.note)
+""")
+
+
+def test_a_replay_leaves_the_files_the_run_left_and_the_key_holds_the_files_it_reads(tmp_path, monkeypatch):
+    """A resumed run is a function of the checkpoint it reads: the first run's replay must write that checkpoint
+    (the cache of before this test replayed the output only, and the resume that followed found nothing), and a
+    resume from another checkpoint is another run."""
+    monkeypatch.setenv("DISTLAB_LAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "run_dependencies", lambda script: [script])
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    saved = tmp_path / "run" / "checkpoint"
+    run = lambda *args: launch.run(script, nproc=1, args=["--save-dir", saved, *args], stream=False,  # noqa: E731
+                                   metrics=False, launcher="fork")
+    run()
+    assert (saved / "state.txt").read_text() == "step 3"
+    shutil.rmtree(saved)                           # what run_case does before an interrupted job
+    run()                                          # replayed: it must leave its checkpoint as the real run did
+    assert (saved / "state.txt").read_text() == "step 3"
+    assert "resumed from step 3" in run("--resume").output
+    (saved / "state.txt").write_text("step 5")     # another checkpoint in the same folder: another run
+    assert "resumed from step 5" in run("--resume").output
+    assert (saved / "state.txt").read_text() == "step 5"   # a run that only read its folder leaves it alone
+    assert launch.file_arguments(["--save-dir", "a/b", "--steps", "3", "--out=/x/y", "--metrics-out", "m/n.json"],
+                                 tmp_path, tmp_path / "m/n.json") == [tmp_path / "a/b", Path("/x/y")]
+
+
+def test_the_ranks_environment_is_part_of_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLAB_LAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "run_dependencies", lambda script: sorted(script.parent.glob("*.py")))
+    script = _chapter(tmp_path, "hello")
+    first = launch._cache_file(script, tmp_path, 2, "fork", [], None)
+    monkeypatch.setenv("DISTLAB_PG_TIMEOUT", "7")            # a test's own timeout changes what the run does
+    assert launch._cache_file(script, tmp_path, 2, "fork", [], None) != first
+    monkeypatch.delenv("DISTLAB_PG_TIMEOUT")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")   # which caller launches it does not
+    monkeypatch.setenv("DISTLAB_FORK_SERVER", "0")
+    assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first

@@ -192,3 +192,25 @@ def test_the_gpu_peak_check_holds_large_predictions_only():
     assert memory.check_allocator_peak(report, baseline, round(29.78 * gib), say=said.append) is True
     assert memory.check_allocator_peak(report, baseline, round(1.03 * baseline), say=said.append) is False
     assert [c["passed"] for c in report.checks] == [True, False] and len(said) == 1
+
+
+def test_the_storage_ledger_counts_a_storage_while_any_view_holds_it_and_each_once():
+    """What chapters 05 and 08 measure with: a storage counts until no tensor points at it (or it is resized to 0),
+    however many views of it were watched."""
+    import torch
+
+    from distlab.memory import StorageLedger
+
+    ledger = StorageLedger()
+    block = torch.zeros(4, 8)                     # 128 bytes
+    view = block[1:]
+    other = torch.zeros(2, 8)                     # 64 bytes
+    ledger.watch(block, view, other)
+    assert ledger.measure("both") == 128 + 64     # the view shares the block's storage: counted once
+    del block
+    assert ledger.measure("the view keeps it") == 128 + 64
+    del view
+    assert ledger.measure("the block is gone") == 64
+    other.untyped_storage().resize_(0)
+    assert ledger.measure("resized to 0") == 0 and ledger.peak == 192
+    assert [e["bytes"] for e in ledger.events] == [192, 192, 64, 0]

@@ -207,3 +207,21 @@ def test_chapter_13s_account_of_deepseeks_routing_is_the_reports():
     assert '"score_func": "sigmoid"' in config and "sigmoid affinities" in text
     assert "normalization among all selected affinity scores" in SOURCES["deepseek_v3_gating_and_bias"].quote
     assert "sum of the highest K_r/M affinity scores" in SOURCES["deepseek_v3_node_limited_routing"].quote
+
+
+def test_the_mechanisms_read_in_megatron_nccl_and_deepspeed_are_quoted():
+    """What planner.memory and planner.communication take from the frameworks' code, in the quoted words."""
+    from distlab import comm
+
+    assert "ctx.save_for_backward(input, weight)" in SOURCES["megatron_column_parallel_saves_input_shard"].quote
+    assert "ctx.save_for_backward(input_for_backward)" in SOURCES["megatron_fused_swiglu_saves_its_input"].quote
+    assert "accumulate and all-reduce gradients in fp32" in SOURCES["megatron_fp32_gradients_for_bf16"].quote
+    assert planner.published.MEGATRON_FULL.pp_scatter_gather and "on by default" in \
+        SOURCES["megatron_scatter_gather_on_by_default"].quote
+    assert "if config.sequence_parallel" in SOURCES["megatron_core_pp_sends_split_only_under_sp"].quote
+    assert "2 * (nNodes - 1)" in SOURCES["nccl_ring_latency_split"].quote
+    tree = SOURCES["nccl_tree_all_reduce"].quote
+    assert "busBw * .92" in tree and "ratio *= .5" in tree and "log2i(nNodes) * interLat" in tree
+    assert comm.NCCL_TREE_BANDWIDTH_SHARE == 0.92 * 0.5
+    assert "self.partition_gradients or" in SOURCES["deepspeed_zero2_reduces_every_micro_step"].quote
+    assert "34 +" in SECONDARY["korthikanti_activation_formula"].quote

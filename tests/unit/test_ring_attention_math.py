@@ -169,3 +169,32 @@ def test_the_labs_check_rejects_a_merge_through_exp_that_overflows():
 
     with pytest.raises(ch08.ExerciseWrong, match="overflows"):
         ch08.check_merge_attention_blocks(through_exp)
+
+
+def test_torch_sends_dk_dv_in_fp32_under_bf16_twice_the_bf16_bytes():
+    """torch 2.13's context-parallel backward accumulates dK, dV in fp32 (convert_to_f32) and sends the accumulators:
+    measured on its own functions in bf16, on one gloo rank in this process (its dK, dV hop still runs: one
+    all-to-all of P = 1), against the formula, which says twice a bf16 (dK, dV)."""
+    import torch.distributed as dist
+
+    from distlab import comm
+    from distlab import context_parallel as cpm
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(2, 4, 16, 16, generator=generator).bfloat16() for _ in range(4))
+    shard = k.numel() * k.element_size()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for rotate_method in cpm.ROTATE_METHODS:
+            counters = {"forward": comm.CommCounter(), "backward": comm.CommCounter()}
+            out = cpm.torch_ring_attention(q, k, v, grad_out, rotate_method, phase_counters=counters)
+            assert all(t.dtype == torch.bfloat16 for t in out)          # what the caller gets back is bf16
+            measured = counters["backward"].by_collective()["all_to_all"]["payload_bytes"]
+            formula = cpm.cp_comm_payloads(f"torch {rotate_method}", shard, 1, dtype_bytes=2)["backward"]["all_to_all"]
+            assert measured == formula == 2 * (2 * shard)               # dK and dV, fp32: twice their bf16 bytes
+    finally:
+        dist.destroy_process_group()
+    # at P = 4 the backward's dK, dV hops: 4 of them, fp32, beside K and V's bf16 ones
+    assert cpm.cp_comm_payloads("torch alltoall", shard, 4, dtype_bytes=2)["backward"] == {
+        "all_to_all": 3 * 2 * shard + 4 * 2 * 2 * shard}
+    assert cpm.cp_comm_payloads("ring", shard, 4, dtype_bytes=2) == cpm.cp_comm_payloads("ring", shard, 4)
