@@ -2,7 +2,7 @@
 # sites/amd-rocm-slurm.sh: AMD Instinct nodes under Slurm on Slingshot-11 (Frontier, LUMI-G, Setonix-class: 4 x MI250X,
 # each two GCDs that PyTorch sees as two GPUs, so 8 a node; 56 cores a node left to jobs where the site keeps one
 # core a CCD for the system). PyTorch's ROCm wheels (pip install torch --index-url
-# https://download.pytorch.org/whl/rocm6.4) talk through RCCL, which loads aws-ofi-rccl's librccl-net.so from
+# https://download.pytorch.org/whl/rocm<X.Y>, the version pytorch.org's selector names) talk through RCCL, which loads aws-ofi-rccl's librccl-net.so from
 # LD_LIBRARY_PATH (RCCL's src/net.cc): put it there or set DISTLAB_NCCL_PLUGIN_DIR. Untested by the course: it has no
 # AMD GPU (sites/README.md).
 DISTLAB_SITE=${DISTLAB_SITE:-amd-rocm-slurm}
