@@ -442,8 +442,9 @@ distlab_launch() {
     fi
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
         # the reason: SIGTERM (scancel, qdel, the limit) or the walltime warning (Slurm's USR1), which is no failure
-        local why=${DISTLAB_TERMINATED_BY:-SIGTERM}
-        distlab_log "not launched $name: the job got $why"
+        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line="the job got SIGTERM"
+        [[ $why == SIGTERM ]] || line="Slurm's walltime warning (USR1) came"
+        distlab_log "not launched $name: $line"
         DISTLAB_RESULTS+=("not-launched $name ($why)")
         return 143
     fi

@@ -72,15 +72,21 @@ distlab_deadline() {
     # PBS gives no warning before the walltime: once it has passed, the MoM sends SIGTERM at its next poll and
     # SIGKILL the queue's kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
     # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
-    # since the epoch) = now - the walltime used so far + the job's walltime - DISTLAB_WALLTIME_MARGIN.
+    # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set
+    # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
+    # far, which the MoM samples only every 10-120 s (OpenPBS src/resmom/mom_func.h) and so runs behind.
     [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
-    local walltime used
+    local walltime used start
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
     walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"
-    used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
     ((walltime > DISTLAB_WALLTIME_MARGIN)) || distlab_die "the walltime (${walltime}s) is not longer than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s)"
-    DISTLAB_DEADLINE=$(($(date +%s) - used + walltime - DISTLAB_WALLTIME_MARGIN))
+    start=$(distlab_qstat_field stime)
+    if [[ -z $start ]] || ! start=$(date -d "$start" +%s 2>/dev/null); then
+        used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
+        start=$(($(date +%s) - used))
+    fi
+    DISTLAB_DEADLINE=$((start + walltime - DISTLAB_WALLTIME_MARGIN))
     export DISTLAB_DEADLINE
     distlab_log "deadline: scripts stop, checkpoint written, by $(date -d "@$DISTLAB_DEADLINE" +%T 2>/dev/null || echo "$DISTLAB_DEADLINE") (walltime ${walltime}s less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"
 }

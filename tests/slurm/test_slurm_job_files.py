@@ -232,3 +232,26 @@ def test_a_requeued_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp
     # a job that was not requeued still refuses a folder with files in it
     fresh = functions(snippet, tmp_path, DISTLAB_RUN_DIR=str(run), SLURM_JOB_ID="8")
     assert fresh.returncode == 2 and "already holds files" in fresh.stderr
+
+
+def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_no_failure(tmp_path):
+    """USR1 (#SBATCH --signal=B:USR1@N) stops the job launching: the lines say "walltime warning", not SIGTERM, and
+    distlab_finish does not count what it held back as failed (the job stopped in time); a SIGTERM still fails."""
+    (tmp_path / "run").mkdir()
+    snippet = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; distlab_on_walltime_warning; '
+               'distlab_launch scripts/04_data_parallel/train_ddp.py; distlab_finish')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in done.stdout, done.stdout + done.stderr
+    assert "SIGTERM" not in done.stdout and done.returncode == 0, done.stdout + done.stderr
+    on_term = snippet.replace("distlab_on_walltime_warning", "distlab_on_sigterm")
+    term = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{on_term}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "the job got SIGTERM" in term.stdout and term.returncode == 1, term.stdout + term.stderr
+
+
+def functions_env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLAB_", "SLURM_", "SBATCH_", "NCCL_"))}
+    return clean | {"DISTLAB_FUNCTIONS_ONLY": "1", "HOME": str(tmp_path), "DISTLAB_PYTHON": sys.executable}
