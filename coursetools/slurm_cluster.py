@@ -28,7 +28,13 @@ from pathlib import Path
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 16  # more than the machine has: slots for several small jobs at once (config_overrides below)
-GPUS_PER_NODE = 4  # count-only GPUs (no device files): jobs ask --gpus-per-node as on a real partition of 4-GPU nodes
+GPUS_PER_NODE = 8  # count-only GPUs (no device files): each test job asks 2 a node, so four jobs run side by side
+# A site's MpiDefault: pmi2, as many sites set it, so srun sets PMI_RANK/PMI_SIZE unless told --mpi=none (the course's
+# jobs must still see Slurm's own ranks: tests/slurm asserts the launcher distlab.runtime read)
+MPI_DEFAULT = "pmi2"
+# AuthInfo's cred_expire (Slurm's default 120 s, at least 5: src/interfaces/cred.c) is also how long a requeued job
+# waits before it may start again (src/slurmctld/job_mgr.c, _requeue_delay): 10 s keeps the requeue test short
+CRED_EXPIRE = 10
 PARTITION = "gpu"  # the partition the course's slurm/ jobs name
 
 SLURM_CONF = """\
@@ -38,7 +44,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket.2
+AuthInfo=socket={root}/munge/munge.socket.2,cred_expire={cred_expire}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
@@ -47,7 +53,7 @@ SlurmctldPidFile={root}/run/slurmctld.pid
 SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
-MpiDefault=none
+MpiDefault={mpi_default}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -105,10 +111,11 @@ def _free_port() -> int:
 class SlurmCluster:
     """``with SlurmCluster() as cluster: cluster.sbatch(...)``: two idle nodes inside, every daemon gone after."""
 
-    def __init__(self, kill_wait: int = 5):
+    def __init__(self, kill_wait: int = 5, mpi_default: str = MPI_DEFAULT):
         # a folder of its own under /tmp, not pytest's (mode 700): munged wants execute for all on its socket's path
         self.root = Path(tempfile.mkdtemp(prefix="distlab-slurm-"))
         self.kill_wait = kill_wait
+        self.mpi_default = mpi_default
         self.processes: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "slurm.conf"
 
@@ -142,6 +149,7 @@ class SlurmCluster:
         (root / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
         self.conf.write_text(SLURM_CONF.format(root=root, ctld_port=ports[0], slurmd_port=ports[1],
                                                kill_wait=self.kill_wait, nodes=nodes, node_list=",".join(NODES),
+                                               mpi_default=self.mpi_default, cred_expire=CRED_EXPIRE,
                                                partition=PARTITION))
         key, socket_path = root / "munge" / "munge.key", root / "munge" / "munge.socket.2"
         subprocess.run(["mungekey", "-c", "-b", "1024", "-k", str(key)], check=True, capture_output=True)

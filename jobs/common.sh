@@ -32,6 +32,23 @@ distlab_die() {
 # a default: qsub -v NAME=value, sbatch --export=ALL,NAME=value, or an export before submitting.
 # ---------------------------------------------------------------------------------------------------
 DISTLAB_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || distlab_die "cannot find the repository root"
+# The site profile first (sites/README.md): its values are defaults for the settings below, and a value already in
+# the environment wins over it. The scheduler's part names the default profile: generic-slurm under Slurm, derecho
+# under PBS. DISTLAB_SITE is a profile's name (sites/NAME.sh) or a file's path.
+distlab_site_file() {
+    case $1 in
+    */*) echo "$1" ;;
+    *) echo "$DISTLAB_ROOT/sites/$1.sh" ;;
+    esac
+}
+DISTLAB_SITE=${DISTLAB_SITE:-${DISTLAB_DEFAULT_SITE:-generic-slurm}}
+DISTLAB_SITE_FILE=$(distlab_site_file "$DISTLAB_SITE")
+if [[ ! -r $DISTLAB_SITE_FILE ]]; then
+    DISTLAB_SITES=$(for f in "$DISTLAB_ROOT"/sites/*.sh; do f=${f##*/}; [[ $f == common.sh ]] || printf '%s ' "${f%.sh}"; done)
+    distlab_die "DISTLAB_SITE=$DISTLAB_SITE: no profile $DISTLAB_SITE_FILE (the profiles: ${DISTLAB_SITES% })"
+fi
+# shellcheck source=sites/generic-slurm.sh
+source "$DISTLAB_SITE_FILE" || distlab_die "the site profile $DISTLAB_SITE_FILE failed"
 DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-4}      # ranks per node: one per GPU
 DISTLAB_NPROCS=${DISTLAB_NPROCS:-}                     # ranks of one launch (default: every GPU of the job)
 DISTLAB_DEVICE=${DISTLAB_DEVICE:-cuda}                 # what the jobs pass to --device
@@ -43,13 +60,14 @@ DISTLAB_PREFLIGHT=${DISTLAB_PREFLIGHT:-1}              # 1: check that python im
 # Not the cuda module: PyTorch's wheels and conda packages bring their own CUDA runtime and NCCL, and the module's
 # older libraries ahead on LD_LIBRARY_PATH give undefined-symbol errors at import (the rank map names the
 # libcudart and libnccl each rank loaded). Load cuda only to build something, such as the aws-ofi-nccl plugin.
-DISTLAB_MODULES=${DISTLAB_MODULES-ncarenv conda}       # modules to load ("" for none)
+DISTLAB_MODULES=${DISTLAB_MODULES-}                    # modules to load ("" for none; the site profile's)
 DISTLAB_CONDA_ENV=${DISTLAB_CONDA_ENV-distlab}         # conda environment to activate ("" for none)
 DISTLAB_NETWORK=${DISTLAB_NETWORK:-auto}               # slingshot: NCCL/libfabric settings below; none; auto: by hsn*
 DISTLAB_NCCL_OFI=${DISTLAB_NCCL_OFI:-auto}             # auto | 1 | 0: force NCCL onto the aws-ofi-nccl plugin
 DISTLAB_NCCL_PLUGIN_DIR=${DISTLAB_NCCL_PLUGIN_DIR:-}   # a folder holding libnccl-net*.so (aws-ofi-nccl), searched first
 DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (default: $SCRATCH, else the site's scratch)
-DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-/glade/derecho/scratch/${USER:-$(id -un)}} # Derecho's scratch
+DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-}         # the site's scratch (the profile's: Derecho's /glade/...)
+DISTLAB_GPU_VENDOR=${DISTLAB_GPU_VENDOR:-nvidia}       # nvidia (NCCL) | amd (RCCL): which net plugin is looked for
 DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
 DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
 [[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
@@ -111,15 +129,34 @@ distlab_check_python() {
     export PYTHONPATH="$DISTLAB_ROOT${PYTHONPATH:+:$PYTHONPATH}"
     [[ $DISTLAB_PREFLIGHT == 1 ]] || return 0
     local report
+    # a ROCm build of torch answers torch.cuda too (HIP), with torch.version.hip set and torch.version.cuda None
     report=$("$DISTLAB_PYTHON" -c 'import sys, torch, distlab
 cuda = torch.cuda.is_available()
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+hip = getattr(torch.version, "hip", None)
+runtime = f"rocm {hip}" if hip else f"cuda {torch.version.cuda}"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {runtime}, "
       f"{torch.cuda.device_count() if cuda else 0} GPU(s) visible on this node")' 2>&1) ||
         distlab_die "$DISTLAB_PYTHON cannot import torch and distlab: ${report##*$'\n'}"
     distlab_log "$report"
     if [[ $DISTLAB_DEVICE == cuda && $report == *" 0 GPU(s) "* ]]; then
         distlab_die "no GPU is visible but DISTLAB_DEVICE=cuda: ask for GPUs (-l select=...:ngpus=4) or set DISTLAB_DEVICE=cpu"
     fi
+}
+
+# distlab_site_report: what the site profile chose, one line each, in every job's first lines (and the preflight's
+# preflight.txt): a first job on a new site shows which defaults it ran with.
+distlab_site_report() {
+    local none="(none)"
+    distlab_log "site profile $DISTLAB_SITE ($DISTLAB_SITE_FILE): ${DISTLAB_SITE_DESCRIPTION:-}"
+    distlab_log "  modules: ${DISTLAB_MODULES:-$none}; scratch: $(distlab_scratch || echo "none (DISTLAB_SCRATCH, \$SCRATCH${DISTLAB_SITE_SCRATCH:+, $DISTLAB_SITE_SCRATCH})")"
+    distlab_log "  partition: ${SLURM_JOB_PARTITION:-${PBS_QUEUE:-${DISTLAB_SITE_PARTITION:-$none}}}; QOS: ${SLURM_JOB_QOS:-${DISTLAB_SITE_QOS:-$none}}; constraint: ${DISTLAB_SITE_CONSTRAINT:-$none}${SLURM_JOB_RESERVATION:+; reservation: $SLURM_JOB_RESERVATION}"
+    distlab_log "  network: $DISTLAB_NETWORK; GPUs: $DISTLAB_GPU_VENDOR ($([[ $DISTLAB_GPU_VENDOR == amd ]] && echo RCCL || echo NCCL)), $DISTLAB_GPUS_PER_NODE a node; cores a node: ${DISTLAB_NODE_CORES:-${DISTLAB_SITE_CORES_PER_NODE:-unknown}}"
+    local gpu_bind="$none (each rank takes the GPU of its local rank)"
+    distlab_log "  binding: cpu ${DISTLAB_SRUN_CPU_BIND:-${DISTLAB_CPU_BIND:-$none}}, gpu ${DISTLAB_SRUN_GPU_BIND:-$gpu_bind}${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${ROCR_VISIBLE_DEVICES:+; ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES}"
+    local variable
+    for variable in NCCL_SOCKET_IFNAME NCCL_NET NCCL_NET_PLUGIN FI_PROVIDER NCCL_CROSS_NIC; do
+        [[ -z ${!variable:-} ]] || distlab_log "  $variable=${!variable}"
+    done
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -183,14 +220,20 @@ distlab_network_env() {
         local use_ofi=$DISTLAB_NCCL_OFI plugin
         plugin=$(distlab_find_nccl_plugin)
         if [[ -n $plugin ]]; then
-            distlab_log "aws-ofi-nccl plugin: $plugin"
-            # NCCL dlopens libnccl-net.so (or libnccl-net-$NCCL_NET_PLUGIN.so) through the library path
+            distlab_log "$(distlab_plugin_name "$plugin"): $plugin"
+            # NCCL dlopens libnccl-net.so (or libnccl-net-$NCCL_NET_PLUGIN.so), RCCL librccl-net.so (or
+            # librccl-net-$NCCL_NET_PLUGIN.so: RCCL's src/net.cc:398-407), through the library path
             case ":${LD_LIBRARY_PATH:-}:" in *":${plugin%/*}:"*) ;; *) export LD_LIBRARY_PATH=${plugin%/*}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;; esac
-            if [[ ${plugin##*/} == libnccl-net-ofi.so* && ! -e ${plugin%/*}/libnccl-net.so ]]; then
+            local base=${plugin##*/}
+            if [[ $base == lib?ccl-net-ofi.so* && ! -e ${plugin%/*}/${base%%-ofi.so*}.so ]]; then
                 export NCCL_NET_PLUGIN=${NCCL_NET_PLUGIN:-ofi}
             fi
         fi
-        if [[ $use_ofi == auto ]]; then
+        if [[ $DISTLAB_GPU_VENDOR == amd && $use_ofi == auto ]]; then
+            # RCCL uses the plugin it loaded without being told; NCCL_NET="AWS Libfabric" is NCCL's name for it and is
+            # left unset here, as the course has not run RCCL (sites/README.md)
+            use_ofi=0
+        elif [[ $use_ofi == auto ]]; then
             use_ofi=0
             [[ -z $plugin ]] || use_ofi=1
         fi
@@ -202,23 +245,36 @@ distlab_network_env() {
     fi
 }
 
-# distlab_find_nccl_plugin: the path of an aws-ofi-nccl plugin (libnccl-net*.so), or nothing. Looks in
-# DISTLAB_NCCL_PLUGIN_DIR, then every folder of LD_LIBRARY_PATH, then the conda environment's lib.
+# distlab_find_nccl_plugin: the path of an aws-ofi-nccl plugin (libnccl-net*.so), or on AMD nodes
+# (DISTLAB_GPU_VENDOR=amd) of aws-ofi-rccl's (librccl-net*.so, the name RCCL opens: RCCL's src/net.cc:407), or
+# nothing. Looks in DISTLAB_NCCL_PLUGIN_DIR, then every folder of LD_LIBRARY_PATH, then the conda environment's lib.
 distlab_find_nccl_plugin() {
-    local -a dirs
-    local dir found
+    local -a dirs names=(libnccl-net.so "libnccl-net*.so*")
+    local dir found name
+    [[ $DISTLAB_GPU_VENDOR != amd ]] || names=(librccl-net.so "librccl-net*.so*" "${names[@]}")
     IFS=: read -ra dirs <<<"${DISTLAB_NCCL_PLUGIN_DIR}:${LD_LIBRARY_PATH:-}:${CONDA_PREFIX:+$CONDA_PREFIX/lib}"
     for dir in "${dirs[@]}"; do
         [[ -n $dir && -d $dir ]] || continue
-        # libnccl-net.so first: the name NCCL opens without NCCL_NET_PLUGIN
-        for found in "$dir"/libnccl-net.so "$dir"/libnccl-net*.so*; do
-            if [[ -e $found ]]; then
-                echo "$found"
-                return 0
-            fi
+        # lib?ccl-net.so first: the name NCCL (RCCL) opens without NCCL_NET_PLUGIN
+        for name in "${names[@]}"; do
+            # shellcheck disable=SC2086 # the name is a pattern
+            for found in "$dir"/$name; do
+                if [[ -e $found ]]; then
+                    echo "$found"
+                    return 0
+                fi
+            done
         done
     done
     return 1
+}
+
+# distlab_plugin_name PATH: what the preflight calls the plugin: RCCL's (aws-ofi-rccl, librccl-net.so) or NCCL's
+distlab_plugin_name() {
+    case ${1##*/} in
+    librccl-net*) echo "RCCL net plugin (aws-ofi-rccl, librccl-net.so)" ;;
+    *) echo "aws-ofi-nccl plugin" ;;
+    esac
 }
 
 # distlab_jobs SUBCOMMAND ARGS...: the job rules written in Python (coursetools/jobs.py, standard library only), run
@@ -321,7 +377,15 @@ distlab_scratch() {
     return 1
 }
 
+# distlab_make_run_dir: this job's run folder. A job that Slurm requeued (node failure, preemption: the same job id,
+# SLURM_RESTART_COUNT set, Slurm's sbatch manual) or that PBS reran (qrerun: the same PBS_JOBID, run_count in
+# qstat -f; PBS sets no variable for it, OpenPBS src/resmom/start_exec.c:161-174) is the same run, not another one: its
+# folder carries the restart count (<folder>.restart<N>), never over the first attempt's files, and
+# DISTLAB_JOB_RUN_DIR names the first attempt's folder, where the job's checkpoints are, so that the job resumes
+# from them (12_hpc_operations: the fault drill's default folder).
 distlab_make_run_dir() {
+    local restarts=${DISTLAB_RESTART_COUNT:-0}
+    [[ $restarts =~ ^[0-9]+$ ]] || restarts=0
     if [[ -z ${DISTLAB_RUN_DIR:-} ]]; then
         local scratch
         if scratch=$(distlab_scratch); then
@@ -333,6 +397,12 @@ distlab_make_run_dir() {
             DISTLAB_RUN_DIR=$DISTLAB_ROOT/runs/${DISTLAB_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)-$$}
             distlab_log "no scratch folder (DISTLAB_SCRATCH, \$SCRATCH, $DISTLAB_SITE_SCRATCH): writing under the repository"
         fi
+    fi
+    DISTLAB_JOB_RUN_DIR=${DISTLAB_JOB_RUN_DIR:-$DISTLAB_RUN_DIR}
+    export DISTLAB_JOB_RUN_DIR
+    if ((restarts > 0)); then
+        DISTLAB_RUN_DIR=$DISTLAB_JOB_RUN_DIR.restart$restarts
+        distlab_log "this job was restarted $restarts time(s) (requeued or rerun, the same job id): this attempt writes to its own folder; the job's checkpoints stay in $DISTLAB_JOB_RUN_DIR"
     fi
     # Never write over an earlier run's metrics, logs or checkpoints: a folder that holds files is refused.
     if [[ $DISTLAB_RUN_DIR_REUSE != 1 && -d $DISTLAB_RUN_DIR ]] && [[ -n $(ls -A "$DISTLAB_RUN_DIR" 2>/dev/null) ]]; then
@@ -371,8 +441,11 @@ distlab_launch() {
         return 0
     fi
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
-        distlab_log "not launched $name: the job got SIGTERM"
-        DISTLAB_RESULTS+=("not-launched $name (SIGTERM)")
+        # the reason: SIGTERM (scancel, qdel, the limit) or the walltime warning (Slurm's USR1), which is no failure
+        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line="the job got SIGTERM"
+        [[ $why == SIGTERM ]] || line="Slurm's walltime warning (USR1) came"
+        distlab_log "not launched $name: $line"
+        DISTLAB_RESULTS+=("not-launched $name ($why)")
         return 143
     fi
     if [[ ${target[0]} != -m && ! -f $script ]]; then
@@ -444,6 +517,7 @@ distlab_launch() {
 # way out, and only then does the line say so; no later launch starts: the job is being ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
+    DISTLAB_TERMINATED_BY=SIGTERM
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} "
     saving=${saving//[,:]/ }
     if [[ -n $current && $saving == *" $current "* ]]; then
@@ -471,7 +545,8 @@ distlab_finish() {
         distlab_nccl_warnings | sed 's/^/  /'
     } | tee "$DISTLAB_RUN_DIR/summary.txt"
     for result in "${DISTLAB_RESULTS[@]}"; do
-        [[ $result == ok* || $result == dry-run* ]] || failed=1
+        # a launch held back by the walltime warning is the job stopping in time, not a failure
+        [[ $result == ok* || $result == dry-run* || $result == *"(walltime warning)" ]] || failed=1
     done
     distlab_log "metrics and logs in $DISTLAB_RUN_DIR"
     exit "$failed"
@@ -495,6 +570,7 @@ distlab_setup() {
     distlab_omp_threads
     distlab_deadline
     trap distlab_on_sigterm TERM
+    distlab_site_report
     distlab_log "job ${DISTLAB_JOB_ID:-local} ($DISTLAB_SCHEDULER): $DISTLAB_NNODES node(s) [$DISTLAB_NODES] x $DISTLAB_GPUS_PER_NODE GPU(s); launcher $DISTLAB_LAUNCHER${DISTLAB_LAUNCHER_DETAIL:+ ($DISTLAB_LAUNCHER_DETAIL)}; MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
     distlab_log "run directory $DISTLAB_RUN_DIR"
 }

@@ -25,11 +25,15 @@ fi
 # the settings this job was given (qsub -v), named before any default is filled in: a chain hands them on to its next
 # job, since qsub hands a job only its -v variables (Slurm's chains hand on the environment, --export=ALL)
 DISTLAB_GIVEN=$(compgen -e DISTLAB_ | tr '\n' ' ')
+# the site profile when none is named (sites/README.md): the course's own cluster, Derecho (generic-pbs elsewhere)
+DISTLAB_DEFAULT_SITE=derecho
 # shellcheck source=jobs/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
 DISTLAB_SCHEDULER=pbs
 DISTLAB_JOB_ID=${PBS_JOBID:-}
+# a rerun job (qrerun, a node lost): PBS sets no variable with its run count (OpenPBS src/resmom/start_exec.c:161-174
+# lists what it sets), so it is read from qstat -f (run_count: OpenPBS src/include/pbs_ifl.h:183) at setup
 DISTLAB_NODE_CORES=${NCPUS:-} # the chunk's ncpus
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-mpiexec}          # mpiexec | torchrun
 DISTLAB_MPIEXEC=${DISTLAB_MPIEXEC:-mpiexec}            # the mpiexec binary
@@ -68,15 +72,21 @@ distlab_deadline() {
     # PBS gives no warning before the walltime: once it has passed, the MoM sends SIGTERM at its next poll and
     # SIGKILL the queue's kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
     # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
-    # since the epoch) = now - the walltime used so far + the job's walltime - DISTLAB_WALLTIME_MARGIN.
+    # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set
+    # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
+    # far, which the MoM samples only every 10-120 s (OpenPBS src/resmom/mom_func.h) and so runs behind.
     [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
-    local walltime used
+    local walltime used start
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
     walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"
-    used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
     ((walltime > DISTLAB_WALLTIME_MARGIN)) || distlab_die "the walltime (${walltime}s) is not longer than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s)"
-    DISTLAB_DEADLINE=$(($(date +%s) - used + walltime - DISTLAB_WALLTIME_MARGIN))
+    start=$(distlab_qstat_field stime)
+    if [[ -z $start ]] || ! start=$(date -d "$start" +%s 2>/dev/null); then
+        used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
+        start=$(($(date +%s) - used))
+    fi
+    DISTLAB_DEADLINE=$((start + walltime - DISTLAB_WALLTIME_MARGIN))
     export DISTLAB_DEADLINE
     distlab_log "deadline: scripts stop, checkpoint written, by $(date -d "@$DISTLAB_DEADLINE" +%T 2>/dev/null || echo "$DISTLAB_DEADLINE") (walltime ${walltime}s less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"
 }
@@ -107,7 +117,7 @@ distlab_chain_next() {
     local name
     for name in $DISTLAB_GIVEN; do
         case $name in
-        DISTLAB_RUN_DIR | DISTLAB_DEADLINE | DISTLAB_NODES | DISTLAB_NNODES | DISTLAB_MASTER_ADDR | DISTLAB_MASTER_PORT | \
+        DISTLAB_RUN_DIR | DISTLAB_JOB_RUN_DIR | DISTLAB_DEADLINE | DISTLAB_NODES | DISTLAB_NNODES | DISTLAB_MASTER_ADDR | DISTLAB_MASTER_PORT | \
             DISTLAB_FUNCTIONS_ONLY | DISTLAB_GIVEN | DISTLAB_NCCL_DEBUG_GIVEN) continue ;;
         esac
         [[ " ${*:2} " == *" $name="* ]] || carried+=("$name=${!name-}")
@@ -131,6 +141,17 @@ distlab_discover_nodes() {
     # Rank 0 runs on the first node; every rank reads MASTER_ADDR/MASTER_PORT (distlab.runtime, torchrun).
     export MASTER_ADDR=${DISTLAB_MASTER_ADDR:-${hosts[0]}}
     export MASTER_PORT=${DISTLAB_MASTER_PORT:-$(distlab_port_from_job_id "${PBS_JOBID:-distlab}")}
+    distlab_restart_count
+}
+
+# distlab_restart_count: DISTLAB_RESTART_COUNT, the times this job was rerun: run_count less one, as the server adds one
+# each time it sends the job to run (OpenPBS src/server/req_runjob.c:1065)
+distlab_restart_count() {
+    [[ -z ${DISTLAB_RESTART_COUNT:-} ]] || return 0
+    local runs
+    runs=$(distlab_qstat_field run_count)
+    DISTLAB_RESTART_COUNT=0
+    [[ ! $runs =~ ^[0-9]+$ ]] || ((runs <= 1)) || DISTLAB_RESTART_COUNT=$((runs - 1))
 }
 
 # ---------------------------------------------------------------------------------------------------

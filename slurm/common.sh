@@ -18,13 +18,16 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     echo "slurm/common.sh is sourced by the jobs in slurm/, not run: see slurm/README.md" >&2
     exit 2
 fi
-# one task a GPU: the GPUs Slurm gave each node, unless told otherwise
-DISTLAB_GPUS_PER_NODE=${DISTLAB_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
+# one task a GPU: the GPUs Slurm gave each node, unless told otherwise (else the site profile's, else 4)
+[[ -z ${SLURM_GPUS_ON_NODE:-} || -n ${DISTLAB_GPUS_PER_NODE:-} ]] || DISTLAB_GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+# the site profile when none is named (sites/README.md): nothing of Derecho's (ncarenv, /glade) in a Slurm job
+DISTLAB_DEFAULT_SITE=generic-slurm
 # shellcheck source=jobs/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
 DISTLAB_SCHEDULER=slurm
 DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
+DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
 DISTLAB_NODE_CORES=${SLURM_CPUS_ON_NODE:-}
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-srun}     # srun (one task a rank) | torchrun (one agent a node, via srun)
 DISTLAB_SRUN=${DISTLAB_SRUN:-srun}             # Slurm's commands (the unit tests put stand-ins here)
@@ -86,14 +89,30 @@ distlab_detect_launcher() {
 }
 
 # distlab_ranks_command NPROCS PPN: srun's words for NPROCS tasks, PPN a node. Each task sees every GPU of its node
-# and takes the one of its local rank (SLURM_LOCALID, read by distlab.runtime).
+# and takes the one of its local rank (SLURM_LOCALID, read by distlab.runtime), unless the site profile binds GPUs.
 # Slurm 22.05 to 23.02's srun does not read SLURM_CPUS_PER_TASK (its release notes): without --cpus-per-task
 # each task would be bound to one CPU and run its 16 OpenMP threads there, so the step asks for the job's share.
+# What sites set that would change the ranks, each overridden here (doc/man/man1/srun.1 of Slurm at 284c3b95):
+# - --mpi=none: a site's MpiDefault=pmi2 (or cray_shasta) makes srun set PMI_RANK/PMI_SIZE (or PALS_RANKID without a
+#   world size before Slurm 23.02) for the tasks, which distlab.runtime then reads as MPICH's (or PALS's) ranks; the
+#   course's tasks use no MPI, so none (srun.1:2107, "--mpi ... Identify the type of MPI to be used").
+# - --export=ALL: under a site's SBATCH_EXPORT=NONE (or sbatch --export=NONE) sbatch sets SLURM_EXPORT_ENV=NONE in
+#   the job, which srun reads as its --export, and the tasks would lose PATH, the conda environment, the plugin's
+#   LD_LIBRARY_PATH, NCCL_*/FI_*, MASTER_* and DISTLAB_DEADLINE: "To avoid steps inheriting environment export
+#   settings (e.g. "NONE") from sbatch command, either set --export=ALL or the environment variable SLURM_EXPORT_ENV
+#   should be set to "ALL"" (srun.1:1255-1262; sbatch.1:993-996).
+# - --cpu-bind (DISTLAB_SRUN_CPU_BIND, the profile's: cores): each task's threads on its own cores; "Used only when
+#   the task/affinity plugin is enabled" (srun.1:488-490), so harmless where it is not.
+# - --gpu-bind (DISTLAB_SRUN_GPU_BIND, none by default): "closest" may give a task every GPU of its NUMA domain
+#   (srun.1:3166-3170), so a site that binds GPUs says so in its profile and the rank map checks the result.
 distlab_ranks_command() {
     local nprocs=$1 ppn=$2 nodes=$((($1 + $2 - 1) / $2)) cpus=${3:-${SLURM_CPUS_PER_TASK:-}}
     local -a cmd extra
-    cmd=("$DISTLAB_SRUN" --nodes="$nodes" --ntasks="$nprocs" --ntasks-per-node="$ppn" --kill-on-bad-exit=1)
+    cmd=("$DISTLAB_SRUN" --nodes="$nodes" --ntasks="$nprocs" --ntasks-per-node="$ppn" --kill-on-bad-exit=1
+        --mpi=none --export=ALL)
     [[ -n "$cpus" ]] && cmd+=(--cpus-per-task="$cpus")
+    [[ -z ${DISTLAB_SRUN_CPU_BIND:-} ]] || cmd+=(--cpu-bind="$DISTLAB_SRUN_CPU_BIND")
+    [[ -z ${DISTLAB_SRUN_GPU_BIND:-} ]] || cmd+=(--gpu-bind="$DISTLAB_SRUN_GPU_BIND")
     read -ra extra <<<"$DISTLAB_SRUN_ARGS"
     cmd+=("${extra[@]}")
     printf '%s\n' "${cmd[@]}"
@@ -131,6 +150,7 @@ distlab_deadline() {
 # more is launched, so no script starts that the limit would cut short.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
+    DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-walltime warning} # a SIGTERM before it keeps its name
     distlab_log "walltime warning from Slurm (USR1): nothing more is launched; a chained successor goes on from the checkpoint"
 }
 trap distlab_on_walltime_warning USR1
@@ -140,13 +160,19 @@ distlab_chain_next() {
     # (afterany: a job stopped at its limit did not end "ok"), with this job's own shape: nodes, tasks a node, GPUs
     # a node, time limit, partition, account and the node features asked for (--constraint). Prints its id.
     local -a args=(--parsable --dependency="afterany:$SLURM_JOB_ID" --nodes="$DISTLAB_NNODES")
-    local partition account limit
+    local partition account limit qos reservation
     partition=$(distlab_job_field Partition)
     account=$(distlab_job_field Account)
     limit=$(distlab_job_field TimeLimit)
+    qos=$(distlab_job_field QOS)
+    reservation=$(distlab_job_field Reservation)
     [[ -z $partition ]] || args+=(--partition="$partition")
     [[ -z $account || $account == "(null)" ]] || args+=(--account="$account")
     [[ -z $limit ]] || args+=(--time="$limit")
+    # the QOS and the reservation: a workshop's jobs run in its reservation, and a successor outside it would wait
+    # in the general queue (scontrol prints "(null)" for none; a QOS given by the site's default is said again)
+    [[ -z $qos || $qos == "(null)" ]] || args+=(--qos="$qos")
+    [[ -z $reservation || $reservation == "(null)" ]] || args+=(--reservation="$reservation")
     local features
     features=$(distlab_job_field Features)   # what -C asked for: the next job lands on the same kind of node
     [[ -z $features || $features == "(null)" ]] || args+=(--constraint="$features")
@@ -167,9 +193,15 @@ distlab_chain_next() {
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
     # run folder, deadline, NCCL log folder and rendezvous, and NCCL_DEBUG unless the user set it (this job's default
     # WARN, handed on, would read as the user's choice there, and its transport report would get no INFO lines)
-    local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR -u MASTER_PORT -u DISTLAB_NODES
-        -u DISTLAB_NNODES)
+    local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR
+        -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
+    # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU
+    # job's SLURM_MEM_PER_GPU beside the site's SLURM_MEM_PER_NODE: "mutually exclusive"); SLURM_CONF names the cluster
+    local variable
+    for variable in $(compgen -e SLURM_) $(compgen -e SBATCH_); do
+        [[ $variable == SLURM_CONF ]] || own+=(-u "$variable")
+    done
     env "${own[@]}" "$DISTLAB_SBATCH" "${args[@]}" --export="ALL,$variables${DISTLAB_CHAIN_EXPORT:+,$DISTLAB_CHAIN_EXPORT}" "$1" |
         cut -d';' -f1
 }

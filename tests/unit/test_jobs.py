@@ -21,7 +21,7 @@ import pytest
 from coursetools import jobs
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = "slurm/04_data_parallel.sbatch"  # its header: --partition=gpu, --ntasks-per-node=4, --gpus-per-node=4
+JOB = "slurm/04_data_parallel.sbatch"  # its header: --ntasks-per-node=4, --gpus-per-node=4, no partition (sites/)
 PBS_JOB = "pbs/04_data_parallel.pbs"  # its header: -q main, select=1:ncpus=64:ngpus=4:mpiprocs=4, no -A
 
 
@@ -106,10 +106,14 @@ def test_an_unknown_partition_is_refused_before_sbatch(site, capsys):
     assert submit("-p", "debug", JOB) == 0
 
 
-def test_the_partition_is_read_as_sbatch_reads_it(site, capsys):
-    # the environment overrides the header's --partition=gpu, the command line overrides both
+def test_the_partition_is_read_as_sbatch_reads_it(site, capsys, tmp_path):
+    # the environment overrides a header's --partition (the course's headers name none), the command line both
     refused(capsys, JOB, SBATCH_PARTITION="nosuch")
     assert _main_env(["-p", "gpu", JOB], {"SBATCH_PARTITION": "nosuch"}) == 0
+    headed = tmp_path / "headed.sbatch"
+    headed.write_text((ROOT / JOB).read_text().replace("#SBATCH --nodes=1", "#SBATCH --partition=nosuch\n#SBATCH --nodes=1"))
+    refused(capsys, str(headed))
+    assert _main_env([str(headed)], {"SBATCH_PARTITION": "gpu"}) == 0
 
 
 def test_an_account_is_required_where_the_site_enforces_associations(site, capsys):

@@ -336,6 +336,33 @@ def test_the_deadline_is_the_jobs_end_less_the_margin(tmp_path):
     assert short.returncode == 2 and "is not longer than DISTLAB_WALLTIME_MARGIN" in short.stderr
 
 
+def test_the_deadline_counts_from_the_jobs_start_time_not_the_sampled_walltime_used(tmp_path):
+    # stime is set when the job starts (OpenPBS req_runjob.c); resources_used.walltime is the MoM's last sample,
+    # up to 120 s old: here it says 10 s, but the job started 100 s ago, and the deadline counts from the start
+    import time
+
+    tools = fake_pbs(tmp_path)
+    started = time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(time.time() - 100))
+    (tmp_path / "qstat.out").write_text(QSTAT_F.replace("00:01:40", "00:00:10") + f"    stime = {started}\n")
+    got = out('now=$(date +%s); distlab_deadline >/dev/null; echo $((DISTLAB_DEADLINE - now))',
+              PBS_JOBID="4242.desched1", **tools)
+    assert 1200 - 100 - 120 - 2 <= int(got) <= 1200 - 100 - 120 + 1
+
+
+def test_a_rerun_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
+    # qrerun (or a lost node) runs the job again with the same PBS_JOBID; PBS sets no variable for it, but qstat -f's
+    # run_count counts the runs (OpenPBS req_runjob.c adds one each time the job is sent to run)
+    tools = fake_pbs(tmp_path)
+    run = tmp_path / "run"
+    (run / "fault_drill").mkdir(parents=True)
+    snippet = 'distlab_restart_count; DISTLAB_NODES=n1 distlab_make_run_dir >/dev/null && echo "$DISTLAB_RUN_DIR|$DISTLAB_JOB_RUN_DIR"'
+    (tmp_path / "qstat.out").write_text(QSTAT_F + "    run_count = 2\n")
+    assert out(snippet, PBS_JOBID="4242.desched1", DISTLAB_RUN_DIR=str(run), **tools) == f"{run}.restart1|{run}"
+    (tmp_path / "qstat.out").write_text(QSTAT_F + "    run_count = 1\n")  # the first run: the folder is refused
+    first = bash(snippet, PBS_JOBID="4242.desched1", DISTLAB_RUN_DIR=str(run), **tools)
+    assert first.returncode == 2 and "already holds files" in first.stderr
+
+
 def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
     # submitted to the routing queue main, running in the execution queue gpu (qstat's queue = ... too): the
     # successor goes to main, the queue that takes submissions
