@@ -9,6 +9,7 @@ COVERED_ELSEWHERE names that test (tests/unit/test_broken_runs.py checks it exis
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -16,8 +17,6 @@ from labkit import broken_runs
 
 # (case, fixed) -> the test of an earlier chapter that launches the same command and asserts the same outcome
 COVERED_ELSEWHERE = {
-    ("tp-on-dp-group", False): ("tests/scripts/test_09_hybrid_2d.py",
-                                "test_the_planted_wrong_group_fails_the_group_and_single_device_checks_not_the_byte_counts"),
     ("mismatched-collectives", False): ("tests/scripts/test_12_hpc_operations.py",
                                         "test_every_hang_ends_with_its_diagnosis"),
     ("mismatched-collectives", True): ("tests/scripts/test_12_hpc_operations.py",
@@ -47,7 +46,7 @@ FIXED = [pytest.param(run, id=run.name, marks=[pytest.mark.serial] if run.name i
 @pytest.fixture(scope="module")
 def launched():
     """``launched(case, fixed)``: the run's LaunchResult, launched once per distinct command in this module, in
-    run_case's own folder (build/broken_runs/NAME-broken|fixed) as the lab's are: the lab replays these runs."""
+    run_case's own folder (build/broken_runs/KEY-broken|fixed) as the lab's are: the lab replays these runs."""
     results = {}
 
     def get(run: broken_runs.BrokenRun, fixed: bool, args=None):
@@ -125,10 +124,13 @@ def _no_set_epoch(metrics, result):
 def _never_syncs(metrics, result):
     assert metrics["extra"]["micro_step_bytes"][-1] == [0, 0]
     assert not any(_rank_losses_equal(metrics)[1:]), metrics["extra"]["rank_losses"]
+    gaps = metrics["extra"]["diffs"]["baseline_loss"]   # the symptom: off one device after the first update, more
+    assert gaps[0] < 1e-5 and all(b > a for a, b in zip(gaps[1:], gaps[2:])) and gaps[1] > 1e-2, gaps  # every step
 
 
-def _averaged_twice(metrics, result):
-    assert max(metrics["extra"]["loss_diffs"]) < 1e-4   # AdamW hides the gradients' scale from the loss
+def _averaged_twice(metrics, result):   # AdamW hides the gradients' scale from the loss: the symptom's own bound
+    bound = float(re.search(r"within (\S+) of one device's", broken_runs.case("loss-averaged-twice").symptom)[1])
+    assert max(metrics["extra"]["loss_diffs"]) < bound, (metrics["extra"]["loss_diffs"], bound)
 
 
 def _uneven(metrics, result):
@@ -140,6 +142,17 @@ def _one_shard(metrics, result):
     earlier, now = metrics["extra"]["earlier_losses"], metrics["extra"]["losses_by_step"]
     first = str(metrics["extra"]["first_step"])
     assert abs(now[first] - earlier[first]) > 0.1, (now, earlier)   # the loss jumps at the resume
+    one_device = metrics["extra"]["uninterrupted_losses"]           # and stays above one device's, the gap shrinking
+    gaps = [now[step] - one_device[int(step)] for step in sorted(now, key=int)]
+    assert all(gap > 0.1 for gap in gaps) and all(b < a for a, b in zip(gaps, gaps[1:])), gaps
+
+
+def _data_by_global_rank(metrics, result):
+    """Off one device from step 0, yet the model's mesh and every byte count are right: the data, not the groups."""
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}
+    assert passed["every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid"], passed
+    assert all(passed[name] for name in passed if "communication of one step = formula" in name), passed
+    assert not passed["losses equal single-device (every step)"], passed
 
 
 def _bf16_reduction(metrics, result):
@@ -175,7 +188,7 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
-            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank}
+            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank}
 
 
 def _distinct_losses(metrics, result):
