@@ -224,6 +224,8 @@ def _launch(label_or_name: str, fixed: bool = False, args=None):
     prepare = case.fixed_prepare_args if fixed else case.prepare_args
     chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
     key = (case.script, prepare, chosen)
+    if key in _PENDING:   # started by prefetch(): wait for it
+        _RUNS[key] = _PENDING.pop(key).result()
     if key not in _RUNS:
         # About thirty launches: each forked from one process that imported torch once (what make test does),
         # not a new interpreter importing it again (2.4 s a launch).
@@ -236,6 +238,28 @@ def _launch(label_or_name: str, fixed: bool = False, args=None):
             if cache is not None:
                 os.environ[CACHE_ENV] = cache
     return _RUNS[key]
+
+
+_PENDING: dict = {}   # key -> Future: the broken runs prefetch() started
+PREFETCH_WORKERS = 3
+
+
+def prefetch(labels=None, workers: int = PREFETCH_WORKERS) -> None:
+    """Start the lab's broken runs (``labels``, default all) in the background, ``workers`` at a time, so that
+    :func:`run` finds each done or under way. Much of a broken run is waiting (a hang's timeout, a slow rank's
+    sleep, the ranks' start), which another run can use. Broken runs only: a fix is judged by its own run, alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ.setdefault(forkserver.ENABLE_ENV, "1")
+    if forkserver.enabled():
+        forkserver._server_path()   # started once, here, not by several threads at once
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ch14-prefetch")
+    for label in labels or LABELS:
+        case = _case(label)
+        key = (case.script, case.prepare_args, case.args)
+        if key not in _RUNS and key not in _PENDING:
+            _PENDING[key] = pool.submit(broken_runs.run_case, case.name, stream=False)
+    pool.shutdown(wait=False)
 
 
 # ---- what the lab shows of a run: what a user's own tools would show, never the case or its cause -----------------

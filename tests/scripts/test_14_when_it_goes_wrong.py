@@ -8,12 +8,15 @@ COVERED_ELSEWHERE names that test (tests/unit/test_broken_runs.py checks it exis
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
+import torch.distributed as dist
 
 from labkit import broken_runs
+from labkit.exercises import ch14
 
 # (case, fixed) -> the test of an earlier chapter that launches the same command and asserts the same outcome
 COVERED_ELSEWHERE = {
@@ -74,9 +77,47 @@ def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, la
         assert result.returncode == 1 and codes[0] == 1 and set(codes.values()) <= {0, 1}, result.tail()
         assert any(line.lstrip().startswith("[FAIL]") for line in result.lines), result.tail()
     SYMPTOMS.get(run.name, lambda metrics, result: None)(result.metrics, result)
+    view = ch14.shown(result)   # what the lab shows of it: never its case's name, nor words that say the cause
+    seen = (view.output + json.dumps(view.metrics)).lower()
+    assert run.name not in seen and not [w for w in CAUSE_WORDS[run.name] if w in seen], \
+        [w for w in (run.name, *CAUSE_WORDS[run.name]) if w in seen]
+    assert view.metrics["checks"] and [c["passed"] for c in view.metrics["checks"]].count(False) >= (not run.hang)
     if run.name == "loss-on-wrong-stage":   # the last stage's own losses are the fixed run's (one launch, cached)
         fixed = launched(run, fixed=True).metrics["losses"]
         assert result.metrics["extra"]["last_stage_losses"] == pytest.approx(fixed, abs=1e-6), fixed
+
+
+# Words that would name each case's cause in what the lab shows (lower case).
+CAUSE_WORDS = {
+    "same-samples-every-rank": ("same samples", "samplers' first epoch"), "no-set-epoch": ("set_epoch",),
+    "accumulation-never-syncs": ("no_sync",), "loss-averaged-twice": ("averaged twice", "divided twice"),
+    "uneven-inputs": ("skipped collective", "uneven", "fewest"), "checkpoint-one-shard": ("one shard", "rank 0's shard"),
+    "bf16-gradient-reduction": ("bfloat16", "reduce_dtype", "bf16"), "data-by-global-rank": ("global rank",),
+    "loss-on-wrong-stage": ("wrong stage",), "too-few-microbatches": ("too few",),
+    "fsdp-before-tp": ("before fsdp", "tp plan was applied"), "mismatched-collectives": ("mismatched", "different collectives"),
+    "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
+}
+
+
+def data_shard(mesh):   # a wrong fix of data-by-global-rank, as a learner would write it: the global rank again
+    return dist.get_rank(), dist.get_world_size()
+
+
+def apply_wrappers(tp, fsdp):   # a wrong fix of fsdp-before-tp: the order unchanged
+    fsdp("dp")
+    tp("tp")
+
+
+@pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
+                                                  ("fsdp-before-tp", apply_wrappers, "--wrappers-from")])
+def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
+    """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
+    the job's own checks there (the right one is the lab's, under nbval)."""
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    path = ch14.learner_file(function, function.__name__)
+    result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  args_override=broken_runs.HYBRID_RUN + (flag, path))
+    assert result.returncode == 1 and broken_runs.fix_holds(broken_runs.case(name), result.metrics), result.tail()
 
 
 @pytest.mark.parametrize("run", FIXED)
