@@ -346,10 +346,11 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
     runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/KEY-broken`` or ``-fixed``, KEY a hash
     of the name: the same folder every time, so that a learner's copy of the lab replays the full lab's launch:
-    its arguments, the folder among them, are the cache's key). ``args_override``: other arguments for the same script (a wrong
-    fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its checks: ``check``
-    defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14 and the lab, run
-    side by side by make test, use the same folders, and the second replays the first from the launch cache."""
+    its arguments, the folder among them, are the cache's key). ``args_override``: other arguments for the same
+    script (a wrong fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its
+    checks: ``check`` defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14
+    and the lab, run side by side by make test, use the same folders, and the second replays the first from the
+    launch cache."""
     run = case(name)
     kind = "fixed" if fixed else "broken"
     folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{folder_key(name)}-{kind}"

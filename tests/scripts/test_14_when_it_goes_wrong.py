@@ -91,10 +91,12 @@ def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, la
 CAUSE_WORDS = {
     "same-samples-every-rank": ("same samples", "samplers' first epoch"), "no-set-epoch": ("set_epoch",),
     "accumulation-never-syncs": ("no_sync",), "loss-averaged-twice": ("averaged twice", "divided twice"),
-    "uneven-inputs": ("skipped collective", "uneven", "fewest"), "checkpoint-one-shard": ("one shard", "rank 0's shard"),
+    "uneven-inputs": ("skipped collective", "uneven", "fewest"),
+    "checkpoint-one-shard": ("one shard", "rank 0's shard"),
     "bf16-gradient-reduction": ("bfloat16", "reduce_dtype", "bf16"), "data-by-global-rank": ("global rank",),
     "loss-on-wrong-stage": ("wrong stage",), "too-few-microbatches": ("too few",),
-    "fsdp-before-tp": ("before fsdp", "tp plan was applied"), "mismatched-collectives": ("mismatched", "different collectives"),
+    "fsdp-before-tp": ("before fsdp", "tp plan was applied"),
+    "mismatched-collectives": ("mismatched", "different collectives"),
     "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
 }
 
