@@ -213,6 +213,22 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="setting",
         failing_checks=("step-0 gradients (gathered from the shards) = single-device gradients",
                         "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
+    BrokenRun(
+        name="optimizer-before-sharding", family="FSDP", script=TRAIN_FSDP,
+        args=("--steps", "3", "--planted-bug", "optimizer-before-sharding"), fixed_args=("--steps", "3"),
+        symptom="No error, and the step-0 gradients equal one device's, but the loss does not fall while one "
+                "device's does, and AdamW holds no state: 0 bytes of moments on every rank.",
+        evidence=("losses", "extra.loss_diffs", "checks"),
+        cause="AdamW was built on model.parameters() before fully_shard, which replaces every parameter with a "
+              "new sharded one (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331): the optimizer holds "
+              "the old tensors, which no gradient reaches, so no weight ever moves.",
+        tell_apart="AdamW's state after a step: 0 bytes, while the gradients equal one device's (a learning rate "
+                   "too low would still fill the moments and move every weight a little).",
+        look_alikes=("a learning rate too low", "bf16-gradient-reduction"),
+        fix="Build the optimizer after fully_shard, on the sharded model's parameters: fully_shard(model), then "
+            "AdamW(model.parameters()).",
+        fix_kind="function",
+        failing_checks=("optimizer bytes on this rank = ZeRO-3 table", "loss = single-device loss")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,

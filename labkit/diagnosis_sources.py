@@ -101,6 +101,21 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "A ring reduce-scatter rounds the partial sum at every one of its N-1 hops, so BF16 gradient error "
                   "grows as √N with the axis size"},
     ],
+    "optimizer-before-sharding": [
+        {"url": "https://github.com/huggingface/accelerate/pull/3394",
+         "title": "Initial FSDP2 support (huggingface/accelerate #3394)",
+         "quote": "highlight a \"broken\" part in PyTorch that creating an optimizer before applying `FSDP2` "
+                  "**doesn't result in a working training loop**."},
+        {"url": "https://github.com/intelligent-machine-learning/dlrover/issues/584",
+         "title": "When using FSDP on the nanoGPT model, the loss does not decrease. "
+                  "(intelligent-machine-learning/dlrover #584)",
+         "quote": "When using FSDP on the nanoGPT model, the loss does not decrease but rather bounces around the "
+                  "initial value.It is possible that the parameters are not being updated."},
+        {"url": "https://github.com/huggingface/accelerate/issues/3209",
+         "title": "The optimizer is not receiving the FSDP model parameters. (huggingface/accelerate #3209)",
+         "quote": "does it mean that the optimizer actually does not take any parameters to update? So the model "
+                  "parameters won't be updated in the training loop?"},
+    ],
     # ---- tensor parallelism
     "data-by-global-rank": [
         {"url": "https://github.com/deepspeedai/DeepSpeed/issues/99",

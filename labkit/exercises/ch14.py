@@ -52,12 +52,13 @@ _TOKENS = {
     "run 12": "a58ac0b3dd5e8f68",
     "run 13": "e7572dc9d519b3e4",
     "run 14": "f1f28a0108253ac8",
+    "run 15": "8390c774cbfb6e23",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "stops or prints nonsense": ("run 5", "run 6"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
-         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14")}
+         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15")}
 
 
 def _token(name: str) -> str:
@@ -109,6 +110,7 @@ CAUSES = {
     "uneven-inputs": "the ranks' shards of data of unequal length: one runs out first",
     "checkpoint-one-shard": "a checkpoint saved from one rank's shard and loaded as if it were the whole model",
     "bf16-gradient-reduction": "gradients summed over the ranks in bf16",
+    "optimizer-before-sharding": "the optimizer built before the model was sharded",
     "data-by-global-rank": "each rank's data chosen by its global rank, not by its place on the model's mesh",
     "loss-on-wrong-stage": "the loss read on a pipeline stage that does not compute it",
     "too-few-microbatches": "fewer microbatches than pipeline stages",
@@ -284,7 +286,8 @@ RENAMED_CHECKS = {
 }
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
-HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches")
+HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
+                 "data_shard_from", "wrappers_from")   # the flags that load a learner's fix name what it fixes
 
 
 def shown_check_name(name: str) -> str | None:
@@ -640,6 +643,16 @@ def check_fix_microbatches(microbatches) -> None:
     args = broken_runs.PIPELINE_TIMING + ("--microbatches", str(microbatches))
     _fixed_run_holds("too-few-microbatches", args=args,
                      why=f"{microbatches} microbatches: (P - 1) / (M + P - 1) = {formula:.0%} idle by the formula.")
+
+
+@learner_check
+def check_fix_optimizer_order(shard_and_optimizer) -> None:
+    """``shard_and_optimizer(model, shard, adamw)``: call ``shard(model)`` (fully_shard on each block and the root)
+    and return ``adamw(parameters)``, in the order you choose. Run inside the job: train_fsdp.py loads it from a
+    file (--optimizer-from) on every rank."""
+    path = learner_file(shard_and_optimizer, "shard_and_optimizer")
+    _fixed_run_holds("optimizer-before-sharding", args=("--steps", "3", "--optimizer-from", path),
+                     why="AdamW built on the sharded parameters, the ones backward fills.")
 
 
 @learner_check

@@ -98,6 +98,7 @@ CAUSE_WORDS = {
     "fsdp-before-tp": ("before fsdp", "tp plan was applied"),
     "mismatched-collectives": ("mismatched", "different collectives"),
     "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
+    "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
 }
 
 
@@ -110,15 +111,23 @@ def apply_wrappers(tp, fsdp):   # a wrong fix of fsdp-before-tp: the order uncha
     tp("tp")
 
 
+def shard_and_optimizer(model, shard, adamw):   # a wrong fix of optimizer-before-sharding: the order unchanged
+    optimizer = adamw(model.parameters())
+    shard(model)
+    return optimizer
+
+
 @pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
-                                                  ("fsdp-before-tp", apply_wrappers, "--wrappers-from")])
+                                                  ("fsdp-before-tp", apply_wrappers, "--wrappers-from"),
+                                                  ("optimizer-before-sharding", shard_and_optimizer,
+                                                   "--optimizer-from")])
 def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
     """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
     the job's own checks there (the right one is the lab's, under nbval)."""
     monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
     path = ch14.learner_file(function, function.__name__)
     result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
-                                  args_override=broken_runs.HYBRID_RUN + (flag, path))
+                                  args_override=broken_runs.case(name).fixed_args + (flag, path))
     assert result.returncode == 1 and broken_runs.fix_holds(broken_runs.case(name), result.metrics), result.tail()
 
 
@@ -190,6 +199,15 @@ def _one_shard(metrics, result):
     assert all(gap > 0.1 for gap in gaps) and all(b < a for a, b in zip(gaps, gaps[1:])), gaps
 
 
+def _optimizer_before_sharding(metrics, result):
+    """The gradients are right, yet AdamW holds nothing and the loss does not fall (one device's does)."""
+    checks = {c["name"]: c for c in metrics["checks"]}
+    assert checks["step-0 gradients (gathered from the shards) = single-device gradients"]["passed"], checks
+    assert checks["optimizer bytes on this rank = ZeRO-3 table (16/N bytes per parameter in all)"]["value"] == 0
+    losses, one_device = metrics["losses"], metrics["extra"]["baseline_losses"]
+    assert losses[-1] > losses[0] - 0.05 and one_device[-1] < one_device[0] - 0.3, (losses, one_device)
+
+
 def _data_by_global_rank(metrics, result):
     """Off one device from step 0, yet the model's mesh and every byte count are right: the data, not the groups."""
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}
@@ -231,7 +249,8 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
-            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank}
+            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
+            "optimizer-before-sharding": _optimizer_before_sharding}
 
 
 def _distinct_losses(metrics, result):

@@ -258,3 +258,14 @@ def test_the_sources_that_do_not_show_their_symptom_are_gone():
     pr = next(s for s in diagnosis_sources.SOURCES["too-few-microbatches"] if s["url"].endswith("/pull/144702"))
     assert "GPipe worked with MB < PP" in pr["quote"]
     assert "Pull request #144702 added that refusal" in FLAT
+
+
+def test_the_fsdp_param_lines_the_optimizer_case_cites():
+    import torch
+
+    lines = (Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_param.py").read_text() \
+        .splitlines()
+    assert lines[324].strip() == "self.sharded_param = nn.Parameter(" and \
+        lines[330].strip() == "self._setattr_on_modules(self.sharded_param)"
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331)" in FLAT
+    assert "_fsdp_param.py:325-331" in registry().case("optimizer-before-sharding").cause

@@ -21,11 +21,11 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 15)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 16)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
-    "resume-without-rng")))
+    "resume-without-rng", "optimizer-before-sharding")))
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,21 @@ class _Wrappers:   # apply_wrappers(tp, fsdp), run inside the job (fsdp_tp_hybri
         tp("tp")
 
 
-IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from"}
+class _Optimizer:   # shard_and_optimizer(model, shard, adamw), run inside the job (train_fsdp.py --optimizer-from)
+    @staticmethod
+    def right(model, shard, adamw):
+        shard(model)
+        return adamw(model.parameters())
+
+    @staticmethod
+    def optimizer_first(model, shard, adamw):
+        optimizer = adamw(model.parameters())
+        shard(model)
+        return optimizer
+
+
+IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
+              "optimizer-before-sharding": "--optimizer-from"}
 
 
 def _epoch_without_set_epoch(sampler, epoch):
@@ -196,6 +210,7 @@ FIXES = {
                             [lambda n: (1.0 / n, 1.0 / n), lambda n: (1.0, 1.0), lambda n: 1.0 / n]),
     "bf16-gradient-reduction": (ch14.check_fix_reduce_dtype, torch.float32, [torch.bfloat16, torch.float16]),
     "data-by-global-rank": (ch14.check_fix_data_shard, _Shard.right, [_Shard.global_rank, _Shard.rank_mod_dp]),
+    "optimizer-before-sharding": (ch14.check_fix_optimizer_order, _Optimizer.right, [_Optimizer.optimizer_first]),
     "checkpoint-one-shard": (ch14.check_fix_full_state, lambda shards: torch.cat(shards, dim=0),
                              [lambda shards: shards[0], lambda shards: torch.cat(shards, dim=-1),
                               lambda shards: torch.stack(shards)]),
@@ -261,7 +276,7 @@ def test_a_fix_run_inside_the_job_is_the_learners_own_code(name, launched):
         assert name not in str(wrong.value)
         paths.append(launched.calls[-1][2][launched.calls[-1][2].index(IN_THE_JOB[name]) + 1])
     first = launched.calls[0][2]
-    assert first[:len(broken_runs.HYBRID_RUN)] == broken_runs.HYBRID_RUN and "--planted-bug" not in first
+    assert first[:-2] == broken_runs.case(name).fixed_args and "--planted-bug" not in first
     assert len({first[-1], *paths}) == 1 + len(wrong_answers)   # one file per version of the function
     with pytest.raises(ExerciseWrong, match="define it with def"):
         check(lambda *args: None)
@@ -371,13 +386,13 @@ def test_the_learners_copy_does_not_name_the_cases():
 
 
 def test_the_lab_says_which_fixes_run_inside_the_job():
-    """Runs 5 and 12's functions run inside the job; the others are tried on hand-made cases, then the script's own
+    """Runs 5, 12 and 15's functions run inside the job; the others are tried on hand-made cases, then the script's own
     fixed run is launched: the lab must not let a learner think every function ran in the job."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
-    assert "For runs 5 and 12 the script loads your function itself" in opening and "the job is not run again with them" in opening
+    assert "For runs 5, 12 and 15 the script loads your function itself" in opening and "the job is not run again with them" in opening
     in_job = sorted(label for label in ch14.LABELS if ANSWERS[label] in IN_THE_JOB)
-    assert in_job == ["run 12", "run 5"]
+    assert in_job == ["run 12", "run 15", "run 5"]
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
