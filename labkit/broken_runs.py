@@ -19,7 +19,7 @@ interrupted job, then the resume, in one folder: ``{run_dir}`` in the arguments.
 Left out: dropout with the same random stream on every tensor-parallel rank where it must differ (or the reverse).
 Not a limit of torch 2.13: the course's models have no dropout (``distlab.models``: the transformer every chapter
 checks against one device is deterministic), so no script has a random stream to get wrong; adding dropout to the
-shared model would change every chapter's single-device reference. The issue's other fourteen mistakes are here.
+shared model would change every chapter's single-device reference.
 
 From a job (``pbs/14_when_it_goes_wrong.pbs``): ``python -m labkit.broken_runs check NAME METRICS.json [--fixed]``
 says whether a run's metrics show the case's symptom (or, with ``--fixed``, that it is gone), exit 0 or 1.

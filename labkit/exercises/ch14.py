@@ -1,19 +1,21 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 14``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 15``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
 
 * **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
   what it would have shown, and which of the run's own evidence to look at again (never the answer);
-* **the fix** (``check_fix_*``): a small function or setting. The job is launched again with it and must pass
-  :func:`labkit.broken_runs.fix_holds`: the symptom gone, every check against one device passing. A setting goes in
-  as the script's flag; a function the script can call (``check_fix_data_shard``, ``check_fix_wrappers``) is
-  written to a file the script loads with its flag, so it runs inside the job, and a wrong one fails there. The
-  others are tried on hand-made cases first, then the script's own fixed run is launched.
+* **the fix** (``check_fix_*``): a small function or setting. Where the answer can enter the job, the job is
+  launched again with it and must pass :func:`labkit.broken_runs.fix_holds`: the symptom gone, every check against
+  one device passing. A setting goes in as the script's flag (``check_fix_microbatches``); a function the script
+  can call (``check_fix_data_shard``, ``check_fix_wrappers``, ``check_fix_optimizer_order``) is written to a file
+  the script loads with its flag (:func:`learner_file`), so it runs inside the job, and a wrong one fails there.
+  The other answers (a rule, a list of names) are judged on hand-made cases only: the script's own fixed run would
+  not run them, so the job is not launched again for them.
 
-Runs are launched once per kernel (:func:`_launch`): the three train_ddp cases share their fixed run.
+Runs are launched once per kernel (:func:`_launch`); :func:`prefetch` starts the broken runs in the background.
 """
 
 from __future__ import annotations
