@@ -19,7 +19,7 @@ interrupted job, then the resume, in one folder: ``{run_dir}`` in the arguments.
 Left out: dropout with the same random stream on every tensor-parallel rank where it must differ (or the reverse).
 Not a limit of torch 2.13: the course's models have no dropout (``distlab.models``: the transformer every chapter
 checks against one device is deterministic), so no script has a random stream to get wrong; adding dropout to the
-shared model would change every chapter's single-device reference. The issue's other fourteen mistakes are here.
+shared model would change every chapter's single-device reference.
 
 From a job (``pbs/14_when_it_goes_wrong.pbs``): ``python -m labkit.broken_runs check NAME METRICS.json [--fixed]``
 says whether a run's metrics show the case's symptom (or, with ``--fixed``, that it is gone), exit 0 or 1.
@@ -133,8 +133,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="accumulation-never-syncs", family="data parallelism", script=TRAIN_DDP,
         args=DDP_RUN + ("--planted-bug", "accumulation-never-syncs"), fixed_args=DDP_RUN,
-        symptom="The ranks' losses differ more every step and their weights no longer agree after training; the "
-                "comm hook saw 0 bytes all-reduced per step.",
+        symptom="The loss leaves one device's after the first update and the gap grows at every step; the ranks' "
+                "weights no longer agree after training; the comm hook saw 0 bytes all-reduced per step.",
         evidence=("extra.rank_losses", "extra.micro_step_bytes", "comm", "checks"),
         cause="Every micro-batch, the last one too, ran under no_sync(): DDP never all-reduced a gradient, so each "
               "replica trained on its own data alone.",
@@ -147,7 +147,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="loss-averaged-twice", family="data parallelism", script=DDP_FROM_SCRATCH,
         args=("--steps", "3", "--planted-bug", "loss-averaged-twice"), fixed_args=("--steps", "3"),
-        symptom="The losses track one device's to 1e-5 (AdamW hides a gradient's scale), but the averaged "
+        symptom="The losses stay within 1e-4 of one device's (AdamW hides a gradient's scale), but the averaged "
                 "gradients are not one device's: a quarter of them on 4 ranks.",
         evidence=("extra.grad_diffs", "extra.loss_diffs", "checks"),
         cause="Each rank divides its loss by the world size before backward, and average_gradients divides the "
@@ -180,7 +180,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         args=CHECKPOINTS + ("--resume", "--planted-bug", "checkpoint-one-shard"),
         fixed_prepare_args=CHECKPOINTS + ("--stop-after", "3"), fixed_args=CHECKPOINTS + ("--resume",),
         symptom="Training resumes without an error, but the loss jumps up at the first step after the resume "
-                "(0.4 above the interrupted run's loss at that step) and never rejoins one device's.",
+                "(0.4 above the interrupted run's loss at that step) and stays above one device's to the end of "
+                "the run, the gap shrinking.",
         evidence=("extra.losses_by_step", "extra.earlier_losses", "extra.uninterrupted_losses", "checks"),
         cause="Rank 0 saved the model it holds with torch.save (DDP's habit): under FSDP that is one shard of each "
               "weight; every rank loaded it as if it were the model, so all took rank 0's shard.",
@@ -188,7 +189,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                    "any training step.",
         look_alikes=("resume-without-rng", "a learning-rate schedule restarted"),
         fix="Save and load with torch.distributed.checkpoint (every rank writes and reads its own shards), or "
-            "gather the full state dict first.",
+            "gather the full state dict on every rank and save it from rank 0 (get_model_state_dict with "
+            "full_state_dict=True is a collective: called under `if rank == 0:` it hangs).",
         fix_kind="function",
         failing_checks=("model written by 4 ranks, read by 4: every value equal",
                         "losses = uninterrupted single-device run",
@@ -199,31 +201,52 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="Gradients differ from one device's by ~3e-4 where fp32 rounding gives ~1e-8, more on 4 ranks than "
                 "on 2 (1.8e-4 on 2 ranks, 2.7e-4 on 4); the reduce-scatter moves half the bytes the formula says.",
         evidence=("extra.param_diffs", "comm", "checks"),
-        cause="MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): the gradients are summed over the ranks in bf16, "
-              "every partial sum rounded to 8 significant bits.",
+        cause="The gradients are summed over the ranks in bf16, every partial sum rounded to 8 significant bits: "
+              "here MixedPrecisionPolicy(reduce_dtype=torch.bfloat16); the usual way in is the default, "
+              "param_dtype=torch.bfloat16 with reduce_dtype left None, which reduces in the compute dtype "
+              "(torch/distributed/fsdp/_fully_shard/_fsdp_api.py:33-40).",
         tell_apart="The reduce-scatter bytes per step: half the fp32 formula's (a wrong data split would leave them "
                    "right, a skipped synchronisation would move none).",
         look_alikes=("accumulation-never-syncs", "nondeterministic kernels"),
-        fix="Reduce in fp32: reduce_dtype=torch.float32, whatever param_dtype computes in (this run computes in "
-            "fp32; train_fsdp's --mixed-precision computes in bf16 and reduces in fp32).",
+        fix="Reduce in fp32: set reduce_dtype=torch.float32 whenever param_dtype is bf16, never leave it None "
+            "(this run computes in fp32; train_fsdp's --mixed-precision computes in bf16 and reduces in fp32).",
         fix_kind="setting",
         failing_checks=("step-0 gradients (gathered from the shards) = single-device gradients",
                         "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
+    BrokenRun(
+        name="optimizer-before-sharding", family="FSDP", script=TRAIN_FSDP,
+        args=("--steps", "3", "--planted-bug", "optimizer-before-sharding"), fixed_args=("--steps", "3"),
+        symptom="No error, and the step-0 gradients equal one device's, but the loss does not fall while one "
+                "device's does, and AdamW holds no state: 0 bytes of moments on every rank.",
+        evidence=("losses", "extra.loss_diffs", "checks"),
+        cause="AdamW was built on model.parameters() before fully_shard, which replaces every parameter with a "
+              "new sharded one (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331): the optimizer holds "
+              "the old tensors, which no gradient reaches, so no weight ever moves.",
+        tell_apart="AdamW's state after a step: 0 bytes, while the gradients equal one device's (a learning rate "
+                   "too low would still fill the moments and move every weight a little).",
+        look_alikes=("a learning rate too low", "bf16-gradient-reduction"),
+        fix="Build the optimizer after fully_shard, on the sharded model's parameters: fully_shard(model), then "
+            "AdamW(model.parameters()).",
+        fix_kind="function",
+        failing_checks=("optimizer bytes on this rank = ZeRO-3 table", "loss = single-device loss")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
-        name="tp-on-dp-group", family="tensor parallelism", script=FSDP_TP_HYBRID,
-        args=HYBRID_RUN + ("--planted-bug", "tp-on-dp-group"), fixed_args=HYBRID_RUN,
-        symptom="No error and no hang: the losses are off one device's from the first step, while every "
-                "collective moves exactly the bytes its formula says.",
+        name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,
+        args=HYBRID_RUN + ("--planted-bug", "data-by-global-rank"), fixed_args=HYBRID_RUN,
+        symptom="No error and no hang: the losses are off one device's from the first step, yet the groups read "
+                "back from the model's mesh are right and every collective moves the bytes its formula says.",
         evidence=("losses", "comm", "checks"),
-        cause="The mesh's dimension names were swapped: TP's all-reduces run on the data-parallel group, whose "
-              "ranks hold other rows of the batch.",
-        tell_apart="The groups read back from the mesh (dist.get_process_group_ranks) against the rank grid: "
-                   "the TP group is [0, 2] where it should be [0, 1].",
-        look_alikes=("same-samples-every-rank", "fsdp-before-tp"),
-        fix="Build the mesh with TP innermost: init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp')).",
-        fix_kind="setting",
-        failing_checks=("every rank's TP and FSDP groups", "losses equal single-device")),
+        cause="Each rank picked its rows of the data by its global rank among all the ranks (DistributedSampler's "
+              "defaults), not by its dp coordinate on the model's mesh: the two ranks of a TP group read different "
+              "rows, and TP's all-reduces sum activations of different samples.",
+        tell_apart="The rows each rank reads, against the model's mesh: the ranks of one TP group must read the "
+                   "same rows, and here they differ while the mesh's groups are right (a mesh built wrong fails "
+                   "the group check instead).",
+        look_alikes=("same-samples-every-rank", "fsdp-before-tp", "a mesh with its dimension names swapped"),
+        fix="Take the loader's data-parallel coordinate from the model's mesh: DistributedSampler(dataset, "
+            "num_replicas=mesh['dp'].size(), rank=mesh.get_local_rank('dp')).",
+        fix_kind="function",
+        failing_checks=("step-0 gradients equal single-device", "losses equal single-device")),
     # ---- pipelines -----------------------------------------------------------------------------------------------
     BrokenRun(
         name="loss-on-wrong-stage", family="pipelines", script=PP_TRAIN,
@@ -244,7 +267,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
                 "and the end).",
         evidence=("extra.bubble", "throughput", "timeline"),
-        cause="2 microbatches for 4 stages: the fill and drain, (P - 1) / (M + P - 1) of the step, dominate.",
+        cause="2 microbatches for 4 stages under GPipe, the schedule this run chooses (torch 2.13's Schedule1F1B "
+              "refuses fewer microbatches than stages): the fill and drain, (P - 1) / (M + P - 1) of the step, "
+              "dominate.",
         tell_apart="The measured bubble equals the formula (P - 1) / (M + P - 1): the idle time is the schedule's, "
                    "not a slow stage's (which would push it above the formula).",
         look_alikes=("slow-rank", "a slow network"),
@@ -265,7 +290,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
               "953-957).",
         tell_apart="The error comes from parallelize_module, before any collective: a configuration, not a hang "
                    "or a wrong number.",
-        look_alikes=("tp-on-dp-group", "a mesh that does not divide the world"),
+        look_alikes=("data-by-global-rank", "a mesh that does not divide the world"),
         fix="Apply the TP plan first, then fully_shard each block and the root (torchtitan's order).",
         fix_kind="setting",
         failing_checks=("the TP plan was applied before FSDP",)),
@@ -335,14 +360,16 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
              nproc: int | None = None, **launch_kwargs) -> launch.LaunchResult:
     """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
-    runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/NAME-broken`` or ``-fixed``, the same
-    folder every time, so that a learner's copy of the lab replays the full lab's launch: its arguments, the
-    folder among them, are the cache's key). ``args_override``: other arguments for the same script (a wrong
-    fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its checks: ``check``
-    defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14 and the lab, run
-    side by side by make test, use the same folders, and the second replays the first from the launch cache."""
+    runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/KEY-broken`` or ``-fixed``, KEY a hash
+    of the name: the same folder every time, so that a learner's copy of the lab replays the full lab's launch:
+    its arguments, the folder among them, are the cache's key). ``args_override``: other arguments for the same
+    script (a wrong fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its
+    checks: ``check`` defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14
+    and the lab, run side by side by make test, use the same folders, and the second replays the first from the
+    launch cache."""
     run = case(name)
-    folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{name}-{'fixed' if fixed else 'broken'}"
+    kind = "fixed" if fixed else "broken"
+    folder = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR / f"{folder_key(name)}-{kind}"
     launch_kwargs.setdefault("check", False)
     launch_kwargs.setdefault("timeout", 120)
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
@@ -355,6 +382,14 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
             launch.run(run.script, nproc=nproc or run.nproc, args=fill(prepare, folder), metrics=False,
                        **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
         return launch.run(run.script, nproc=nproc or run.nproc, args=fill(args, folder), **launch_kwargs)
+
+
+def folder_key(name: str) -> str:
+    """The default run folder's name for a case: a hash, so that the paths a run prints never name its case (the
+    lab shows runs under neutral labels)."""
+    import hashlib
+
+    return "case-" + hashlib.sha256(f"broken-run:{name}".encode()).hexdigest()[:10]
 
 
 def _failed_checks(metrics: dict) -> set[str]:

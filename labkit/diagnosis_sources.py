@@ -37,13 +37,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "Please see the warning at the bottom of this page: "
                   "https://pytorch.org/docs/stable/data.html?highlight=set_epoch . For more details, you may refer "
                   "to this issue: pytorch/pytorch#31771"},
-        {"url": "https://huggingface.co/spaces/rockeycoss/Prompt-Segment-Anything-Demo/blob/"
-                "c7e195940b58e0e02788d81a3d4077c275de392e/mmdet/datasets/samplers/distributed_sampler.py",
-         "title": "OpenMMLab's DistributedSampler, copying torch's comment on the epoch seed",
-         "quote": "# When :attr:`shuffle=True`, this ensures all replicas | |\n"
-                  "# use a different random ordering for each epoch. | |\n"
-                  "# Otherwise, the next iteration of this sampler will | |\n"
-                  "# yield the same ordering. | |"},
     ],
     # ---- data parallelism
     "accumulation-never-syncs": [
@@ -69,12 +62,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "the gradients will automatically be unscaled(divided) by world_size while doing loss.backword() "
                   "w.r.t. a model using DDP. So if we do one another time here at line 200, the gradient would be "
                   "world_size times smaller than the value it should have."},
-        {"url": "https://github.com/neuralmagic/sparseml/pull/135",
-         "title": "Fix incorrect loss scaling in DDP setup (neuralmagic/sparseml #135)",
-         "quote": "According to the PyTorch documentation, DDP syncs models by calculating mean of gradients across "
-                  "all processes.\nSince the default reduction used by almost all PyTorch loss functions is `mean`, "
-                  "this loss scaling would result with `world_size` times larger gradients and the DDP experiment "
-                  "won't be mathematically equivalent to the corresponding one-process experiment."},
         {"url": "https://github.com/NVIDIA/apex/issues/696",
          "title": "Questions about how DDP handles gradients (NVIDIA/apex #696)",
          "quote": "No need to divide by world_size."},
@@ -84,10 +71,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "Distributed Training with Uneven Inputs Using the Join Context Manager (PyTorch tutorials)",
          "quote": "Such collective communications require participation from all ranks in the process group, so if a "
                   "rank has fewer inputs, then the other ranks will hang or error (depending on the backend)."},
-        {"url": "https://github.com/k2-fsa/snowfall/issues/152",
-         "title": "DDP address in use (k2-fsa/snowfall #152)",
-         "quote": "I confirm that if different nodes have a different number of utterances in its dataloader, the "
-                  "node with most utterances will hang in the end."},
         {"url": "https://github.com/microsoft/PyMarlin/issues/80",
          "title": "DDP Hangs with uneven batches (microsoft/PyMarlin #80)",
          "quote": "If you run training with an uneven number of batches on different GPUs, a hang will occur. Since "
@@ -99,11 +82,9 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "Distributed Checkpoint - torch.distributed.checkpoint (PyTorch docs)",
          "quote": "This function is different from torch.save() as it handles ShardedTensor , and DTensor by having "
                   "each rank only save their local shards."},
-        {"url": "https://github.com/pytorch/pytorch/issues/64625",
-         "title": "[Beta] FSDP checkpoint APIs (pytorch/pytorch #64625)",
-         "quote": "call local_state_dict() to checkpoint/save local shard in each rank in parallel, right now it "
-                  "checkpoints a flat_parameter with local shard data;  then call load_local_state_dict() to load "
-                  "the local shard into each rank"},
+        {"url": "https://github.com/pytorch/pytorch/issues/73383",
+         "title": "[FSDP] full_state_dict only on rank 0 (pytorch/pytorch #73383)",
+         "quote": "All ranks will still need to call all collectives, otherwise this will result in desync."},
         {"url": "https://github.com/Lightning-AI/pytorch-lightning/issues/17702",
          "title": "Cannot save and load checkpoints with FSDPStrategy (Lightning-AI/pytorch-lightning #17702)",
          "quote": "- only rank 0 saves model\n- parameters not mapped correctly in state dict"},
@@ -120,11 +101,33 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "A ring reduce-scatter rounds the partial sum at every one of its N-1 hops, so BF16 gradient error "
                   "grows as √N with the axis size"},
     ],
+    "optimizer-before-sharding": [
+        {"url": "https://github.com/huggingface/accelerate/pull/3394",
+         "title": "Initial FSDP2 support (huggingface/accelerate #3394)",
+         "quote": "highlight a \"broken\" part in PyTorch that creating an optimizer before applying `FSDP2` "
+                  "**doesn't result in a working training loop**."},
+        {"url": "https://github.com/intelligent-machine-learning/dlrover/issues/584",
+         "title": "When using FSDP on the nanoGPT model, the loss does not decrease. "
+                  "(intelligent-machine-learning/dlrover #584)",
+         "quote": "When using FSDP on the nanoGPT model, the loss does not decrease but rather bounces around the "
+                  "initial value.It is possible that the parameters are not being updated."},
+        {"url": "https://github.com/huggingface/accelerate/issues/3209",
+         "title": "The optimizer is not receiving the FSDP model parameters. (huggingface/accelerate #3209)",
+         "quote": "does it mean that the optimizer actually does not take any parameters to update? So the model "
+                  "parameters won't be updated in the training loop?"},
+    ],
     # ---- tensor parallelism
-    "tp-on-dp-group": [
-        {"url": "https://github.com/pytorch/pytorch/issues/67600",
-         "title": "`torch.distributed.broadcast` silently fails if incorrect group is given (pytorch/pytorch #67600)",
-         "quote": "As this code snippet shows, `torch.distributed.broadcast` silently fails when given"},
+    "data-by-global-rank": [
+        {"url": "https://github.com/deepspeedai/DeepSpeed/issues/99",
+         "title": "DeepSpeed using DistributedSampler with model parallelism (deepspeedai/DeepSpeed #99)",
+         "quote": "If DeepSpeed is configured with model parallelism, or called from a library with a sub-group of "
+                  "the world processes, the default behavior of `DistributedSampler` is incorrect because it queries "
+                  "the global world size and rank information."},
+        {"url": "https://github.com/aws/amazon-sagemaker-examples/pull/1983",
+         "title": "Shard data based on dp_rank/dp_size when using model parallelism "
+                  "(aws/amazon-sagemaker-examples #1983)",
+         "quote": "Doing it based on global ranks (as is currently done) would result in some data samples being "
+                  "skipped, since there are also model-parallel ranks."},
         {"url": "https://github.com/NVIDIA/Megatron-LM/issues/7452",
          "title": "Silent numerical-correctness bugs in Megatron Core parallelism composition "
                   "(NVIDIA/Megatron-LM #7452)",
@@ -153,8 +156,8 @@ SOURCES: dict[str, list[dict[str, str]]] = {
         {"url": "https://github.com/pytorch/pytorch/pull/144702",
          "title": "[PP] Don't allow for num_microbatches > num_stages for single stage schedules "
                   "(pytorch/pytorch #144702)",
-         "quote": "For validation it makes sense to check that the number of stages should be >= number of "
-                  "microbatches otherwise there will be an even larger bubble."},
+         "quote": "I think this is a regression as the bug was only in the 1F1B scheduler, GPipe worked with MB < "
+                  "PP."},
         {"url": "https://github.com/NVIDIA/Megatron-LM/issues/1829",
          "title": "[QUESTION] VPP argument setting (NVIDIA/Megatron-LM #1829)",
          "quote": "According to the current code logic ,If `microbatch_group_size_per_vp_stage` is smaller than "
@@ -188,11 +191,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "At a high level a collective timeout can be caused by 2 things\n1) all the ranks called the right "
                   "API but somehow the network or NCCL layer broke down and didn't complete it\n2) *probably more "
                   "likely* for some reason, one or more ranks did not call the right API at the right time"},
-        {"url": "https://github.com/dylanyunlon/Neuron_SP/issues/589",
-         "title": "[ARCH] CollectiveContract — enforce NCCL collective symmetry across all ranks "
-                  "(dylanyunlon/Neuron_SP #589)",
-         "quote": "NCCL requires ALL ranks in a process group to call the same collective in the same order. Any "
-                  "divergence = 30-minute timeout → hang."},
         {"url": "https://pytorch.org/docs/stable/torch_nccl_environment_variables.html",
          "title": "PYTORCH ProcessGroupNCCL Environment Variables (PyTorch docs)",
          "quote": "Control whether Desync Debug is enabled. This is helpful in figuring out the culprit rank of "

@@ -1,41 +1,78 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 14``: a case's
-name is its diagnosis), shows what a user would see, and asks two things of each:
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 15``: a case's
+name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
+a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
+things of each:
 
-* **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key that is one of the
-  case's look-alikes (the registry's ``look_alikes``) is rejected with what that look-alike would have shown and the
-  one check that tells them apart (the registry's ``tell_apart``);
-* **the fix** (``check_fix_*``): a small function or setting, checked on its own against hand-made cases and the
-  plausible wrong fixes (each rejected with why it is wrong), then the case's run is launched again (the script's
-  fixed run, or the learner's setting as its flags) and must pass :func:`labkit.broken_runs.fix_holds`: the symptom
-  gone, every check against one device passing.
+* **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
+  what it would have shown, and which of the run's own evidence to look at again (never the answer);
+* **the fix** (``check_fix_*``): a small function or setting. Where the answer can enter the job, the job is
+  launched again with it and must pass :func:`labkit.broken_runs.fix_holds`: the symptom gone, every check against
+  one device passing. A setting goes in as the script's flag (``check_fix_microbatches``); a function the script
+  can call (``check_fix_data_shard``, ``check_fix_wrappers``, ``check_fix_optimizer_order``) is written to a file
+  the script loads with its flag (:func:`learner_file`), so it runs inside the job, and a wrong one fails there.
+  The other answers (a rule, a list of names) are judged on hand-made cases only: the script's own fixed run would
+  not run them, so the job is not launched again for them.
 
-Runs are launched once per kernel (:func:`run`): the three train_ddp cases share their fixed run, and the launch
-cache of the test suite replays what tests/scripts/test_14 and the full lab already ran.
+Runs are launched once per kernel (:func:`_launch`); :func:`prefetch` starts the broken runs in the background.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import inspect
 import math
 import os
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
 
 from labkit import forkserver
 from labkit import broken_runs
 from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
 
 # The lab's order, by the chapter's three questions: stuck or slow? stops or prints nonsense? do the ranks agree?
-# does the run agree with one device? A label hides the case's name, which is its diagnosis.
-LAB_ORDER = ("mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches",
-             "fsdp-before-tp", "loss-on-wrong-stage",
-             "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
-             "loss-averaged-twice", "bf16-gradient-reduction", "tp-on-dp-group", "checkpoint-one-shard",
-             "resume-without-rng")
-LABELS = {f"run {i}": name for i, name in enumerate(LAB_ORDER, start=1)}
+# does the run agree with one device? A case's name is its diagnosis, so this module holds no map from a label to
+# a case: each label keeps a salted hash of its case's name (_token), and a diagnosis passes when its hash is the
+# label's. The lab finds a label's case to launch by the same hash.
+_SALT = "distlab-ch14"
+_TOKENS = {
+    "run 1": "871aa3d958335dca",
+    "run 2": "ee74028d59c760bb",
+    "run 3": "ca24825ee1b56bc3",
+    "run 4": "94a2aa6d04558e8d",
+    "run 5": "315403087366780c",
+    "run 6": "d11063e10b3afe09",
+    "run 7": "db22af29f23fa616",
+    "run 8": "43e3f2d680a99e5c",
+    "run 9": "029893b7d4243f9d",
+    "run 10": "89acd143c596521d",
+    "run 11": "9b6b0a2f15886bb7",
+    "run 12": "a58ac0b3dd5e8f68",
+    "run 13": "e7572dc9d519b3e4",
+    "run 14": "f1f28a0108253ac8",
+    "run 15": "8390c774cbfb6e23",
+}
+LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "stops or prints nonsense": ("run 5", "run 6"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
-         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14")}
+         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15")}
+
+
+def _token(name: str) -> str:
+    return hashlib.sha256(f"{_SALT}:{name}".encode()).hexdigest()[:16]
+
+
+def _case(label_or_name: str) -> broken_runs.BrokenRun:
+    """The case behind a lab label (found by its hash), or the case of that name."""
+    if label_or_name in _TOKENS:
+        return next(run for run in broken_runs.BROKEN_RUNS if _token(run.name) == _TOKENS[label_or_name])
+    return broken_runs.case(label_or_name)
+
 
 # Plausible wrong causes that are not cases of the registry: (key, the registry's words, what it would show).
 DISTRACTORS = (
@@ -48,7 +85,9 @@ DISTRACTORS = (
     ("sum-gradients", "sum-gradients (N times too large, train_fsdp.py)",
      "gradients N times one device's (summed where they should be averaged), not 1/N of them"),
     ("network-failure", "a network failure",
-     "a connection error (reset by peer, a closed socket) on the ranks that lost their peer, not a clean wait"),
+     "on NCCL, most often a watchdog timeout: every rank waiting in the same collective until the timeout, none "
+     "finished and none in another call (pytorch#118369: 'the network or NCCL layer broke down'); a connection "
+     "error (reset by peer) only where a socket breaks, as on gloo"),
     ("slow-network", "a slow network",
      "every rank slow in its collectives alike, none of them idle while the others wait"),
     ("nondeterministic-kernels", "nondeterministic kernels",
@@ -57,6 +96,9 @@ DISTRACTORS = (
      "a resumed run whose first steps move differently, while the reloaded weights equal the saved ones"),
     ("mesh-does-not-divide-world", "a mesh that does not divide the world",
      "a configuration error at init_device_mesh naming the world size, before any module is touched"),
+    ("mesh-names-swapped", "a mesh with its dimension names swapped",
+     "a failed group check: the groups read back from the model's mesh differ from the rank grid (rank 0's TP "
+     "group [0, 2], not [0, 1])"),
 )
 _DISTRACTOR_BY_WORDS = {words: key for key, words, _ in DISTRACTORS}
 _DISTRACTOR_SHOWS = {key: shows for key, _, shows in DISTRACTORS}
@@ -70,7 +112,8 @@ CAUSES = {
     "uneven-inputs": "the ranks' shards of data of unequal length: one runs out first",
     "checkpoint-one-shard": "a checkpoint saved from one rank's shard and loaded as if it were the whole model",
     "bf16-gradient-reduction": "gradients summed over the ranks in bf16",
-    "tp-on-dp-group": "tensor parallelism's collectives on the data-parallel group",
+    "optimizer-before-sharding": "the optimizer built before the model was sharded",
+    "data-by-global-rank": "each rank's data chosen by its global rank, not by its place on the model's mesh",
     "loss-on-wrong-stage": "the loss read on a pipeline stage that does not compute it",
     "too-few-microbatches": "fewer microbatches than pipeline stages",
     "fsdp-before-tp": "FSDP applied before the tensor-parallel plan",
@@ -86,6 +129,7 @@ CAUSES = {
     "nondeterministic-kernels": "nondeterministic kernels (atomics, reduction order)",
     "lr-schedule-restarted": "a learning-rate schedule restarted from its first step on resume",
     "mesh-does-not-divide-world": "a device mesh whose shape does not divide the world size",
+    "mesh-names-swapped": "a device mesh built with its dimension names swapped",
 }
 
 
@@ -100,20 +144,51 @@ def _would_show(key: str) -> str:
     return broken_runs.case(key).symptom
 
 
+# What a user would look at, for each kind of evidence a case names (the registry's ``evidence`` keys): a wrong
+# diagnosis is pointed at the evidence of the run's own symptom, never at the answer or its tell-apart.
+EVIDENCE_WORDS = {
+    "extra.rank_losses": "the losses per rank, step by step",
+    "extra.diffs.baseline_loss": "the distance from one device's loss, step by step",
+    "extra.micro_step_bytes": "the bytes all-reduced in each micro-batch",
+    "extra.grad_diffs": "the gradients against one device's",
+    "extra.loss_diffs": "the losses against one device's",
+    "extra.param_diffs": "the weights against one device's",
+    "extra.journals": "each rank's journal of calls: where each one waits, and which have finished",
+    "extra.losses_by_step": "the losses after the resume, step by step",
+    "extra.earlier_losses": "the losses before the stop",
+    "extra.uninterrupted_losses": "one device's uninterrupted losses",
+    "extra.bubble": "the share of the step each rank is idle, against the schedule's formula",
+    "extra.ranks": "each rank's time by kind (compute, communication, idle)",
+    "extra.timeline": "the timeline per rank",
+    "extra.flight_recorder": "the flight recorder's last collectives per rank",
+    "losses": "the losses printed at every step",
+    "comm": "the bytes each collective moved, against its formula",
+    "checks": "the checks against one device",
+    "throughput": "the time a step takes",
+    "timeline": "the timeline per rank",
+    "extra": "what the run recorded of each attempt",
+}
+
+
+def _evidence(run: broken_runs.BrokenRun) -> str:
+    words = [EVIDENCE_WORDS[key] for key in run.evidence if key in EVIDENCE_WORDS]
+    return "; ".join(dict.fromkeys(words))
+
+
 def diagnosis_feedback(label: str, answer: str) -> str | None:
-    """None when ``answer`` names run ``label``'s cause, else why not: for a look-alike, what it would have shown
-    and the one check that tells them apart."""
-    run = broken_runs.case(LABELS[label])
-    if answer == run.name:
+    """None when ``answer`` names run ``label``'s cause, else why not: what the wrong answer would have shown, and
+    which of the run's own evidence to look at again (never the right answer, nor the check that singles it out)."""
+    if answer in CAUSES and _token(answer) == _TOKENS[label]:
         return None
     if answer not in CAUSES:
         return f"{label}: {answer!r} is not a key of exercises.CAUSES (print it for the menu)."
-    tell = f"What tells them apart: {run.tell_apart}"
+    run = _case(label)
+    look = f"Look again at {_evidence(run)}: what does {label} show there?"
     if answer in {look_alike_key(w) for w in run.look_alikes}:
-        return f"{label} is not {answer}, a look-alike: {answer} would show: {_would_show(answer)} {tell}"
+        return f"{label} is not {answer}, though the two look alike: {answer} would show: {_would_show(answer)} {look}"
     return (f"{label} is not {answer}: {answer} would show: {_would_show(answer)} That is not what {label} "
             f"shows: ask the chapter's three questions again (stuck or slow? do the ranks agree? does the run "
-            f"agree with one device?).")
+            f"agree with one device?). {look}")
 
 
 @learner_check
@@ -131,7 +206,7 @@ def check_diagnoses(diagnoses, part: str) -> None:
             raise ExerciseWrong(reason)
     print("Correct:")
     for label in labels:
-        run = broken_runs.case(LABELS[label])
+        run = _case(label)
         print(f"  {label} is {run.name}: {run.cause}")
 
 
@@ -145,17 +220,19 @@ TIMED = ("too-few-microbatches", "slow-rank")
 CACHE_ENV = "DISTLAB_LAUNCH_CACHE"
 
 
-def run(label_or_name: str, fixed: bool = False, args=None):
+def _launch(label_or_name: str, fixed: bool = False, args=None):
     """The run of a case (by its lab label or its name), broken or ``fixed`` or with ``args`` instead of the
-    case's, launched once per kernel through :func:`labkit.broken_runs.run_case` without its output (which names
-    the planted mistake): the lab shows what a user would see from the metrics."""
-    case = broken_runs.case(LABELS.get(label_or_name, label_or_name))
+    case's, launched once per kernel through :func:`labkit.broken_runs.run_case`: the full result, as the script
+    wrote it (the lab shows :func:`run`'s view of it)."""
+    case = _case(label_or_name)
     prepare = case.fixed_prepare_args if fixed else case.prepare_args
     chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
     key = (case.script, prepare, chosen)
+    if key in _PENDING:   # started by prefetch(): wait for it
+        _RUNS[key] = _PENDING.pop(key).result()
     if key not in _RUNS:
         # About thirty launches: each forked from one process that imported torch once (what make test does),
-        # not a new interpreter importing it again (2.4 s a launch), so the lab stays within its two minutes.
+        # not a new interpreter importing it again (2.4 s a launch).
         os.environ.setdefault(forkserver.ENABLE_ENV, "1")
         uncached = case.name in TIMED and (fixed or args is not None)
         cache = os.environ.pop(CACHE_ENV, None) if uncached else None
@@ -167,24 +244,186 @@ def run(label_or_name: str, fixed: bool = False, args=None):
     return _RUNS[key]
 
 
+_PENDING: dict = {}   # key -> Future: the broken runs prefetch() started
+
+
+def _prefetch_order(label: str):
+    """The longest runs first (those that resume are two launches; then the runs that also train one device), so
+    that the last to finish is a short one."""
+    case = _case(label)
+    return (not case.prepare_args, not case.script.endswith(("fsdp_tp_hybrid.py", "profile_step.py")),
+            LABELS.index(label))
+PREFETCH_WORKERS = 3
+
+
+def prefetch(labels=None, workers: int = PREFETCH_WORKERS) -> None:
+    """Start the lab's broken runs (``labels``, default all) in the background, ``workers`` at a time, so that
+    :func:`run` finds each done or under way. Much of a broken run is waiting (a hang's timeout, a slow rank's
+    sleep, the ranks' start), which another run can use. Broken runs only: a fix is judged by its own run, alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ.setdefault(forkserver.ENABLE_ENV, "1")
+    if forkserver.enabled():
+        forkserver._server_path()   # started once, here, not by several threads at once
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ch14-prefetch")
+    for label in sorted(labels or LABELS, key=_prefetch_order):
+        case = _case(label)
+        key = (case.script, case.prepare_args, case.args)
+        if key not in _RUNS and key not in _PENDING:
+            _PENDING[key] = pool.submit(broken_runs.run_case, case.name, stream=False)
+    pool.shutdown(wait=False)
+
+
+# ---- what the lab shows of a run: what a user's own tools would show, never the case or its cause -----------------
+# The scripts check themselves with the course's instrumentation, and some of those checks, or the lines a hang's
+# journal prints, say what was planted. The lab hides them (HIDDEN_CHECKS, HIDDEN_LINES, HIDDEN_EXTRA) and renames
+# the checks whose name says the cause (RENAMED_CHECKS) to what was measured; a run's folder is named by a hash.
+HIDDEN_CHECKS = ("the training samplers' first epoch", "the training sampler's order changed with the epoch",
+                 "micro-steps inside no_sync()", "the diagnosis names the planted cause",
+                 "DistributedSampler: the ranks' shards")
+RENAMED_CHECKS = {
+    "the TP plan was applied before FSDP (parallelize_module, then fully_shard)": "the model was built",
+    "no straggler: every rank reaches backward's all-reduces with the others":
+        "every rank reaches backward's all-reduces with the others",
+}
+HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
+HIDDEN_EXTRA = ("cause", "verdict")
+HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
+                 "data_shard_from", "wrappers_from")   # the flags that load a learner's fix name what it fixes
+
+
+def shown_check_name(name: str) -> str | None:
+    """A check's name as the lab shows it: renamed where it says the cause, None where the lab hides it."""
+    if name.startswith(HIDDEN_CHECKS):
+        return None
+    for old, new in RENAMED_CHECKS.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _shown_line(line: str) -> str | None:
+    if HIDDEN_LINES.search(line) or any(hidden in line for hidden in HIDDEN_CHECKS):
+        return None
+    for old, new in RENAMED_CHECKS.items():
+        line = line.replace(old, new)
+    return line
+
+
+@dataclass
+class Shown:
+    """What the lab shows of a run: its exit codes, time, output and metrics as a user would see them."""
+    returncode: int
+    seconds: float
+    rank_exit_codes: dict
+    output: str
+    metrics: dict | None
+
+    @property
+    def lines(self) -> list[str]:
+        return self.output.splitlines()
+
+
+def shown(result) -> Shown:
+    """The lab's view of a launch's result (:data:`HIDDEN_CHECKS` and the rest filtered out)."""
+    metrics = copy.deepcopy(result.metrics)
+    if metrics is not None:
+        metrics["checks"] = [dict(c, name=shown_check_name(c["name"])) for c in metrics.get("checks", [])
+                             if shown_check_name(c["name"]) is not None]
+        for key in HIDDEN_EXTRA:
+            (metrics.get("extra") or {}).pop(key, None)
+        for key in HIDDEN_CONFIG:
+            (metrics.get("config") or {}).pop(key, None)
+    output = "\n".join(line for line in map(_shown_line, result.output.splitlines()) if line is not None)
+    return Shown(result.returncode, result.seconds, dict(result.rank_exit_codes), output, metrics)
+
+
+def run(label: str) -> Shown:
+    """Run ``label`` of the lab (its broken run), launched once per kernel, as a user would see it."""
+    if label not in _TOKENS:
+        raise KeyError(f"{label!r} is not one of the lab's runs: {', '.join(LABELS)}")
+    return shown(_launch(label))
+
+
+# ---- the learner's code, run inside the job ------------------------------------------------------------------------
+LEARNER_DIR = broken_runs.DEFAULT_RUN_DIR / "learner"
+_PRELUDE = ("import math\n\nimport torch\nimport torch.distributed as dist\n"
+            "from torch.utils.data import DistributedSampler\n\n\n")
+
+
+def learner_file(function, name: str) -> str:
+    """Write the learner's ``function`` (its source) to a file the script loads with its flag, as ``name``: the
+    fix then runs inside the job. The file is named by a hash of its text, so the launch cache (keyed by the
+    arguments) never replays another version of the function."""
+    if function is None or function is ...:
+        raise _not_done(name, f"Write {name}().")
+    if not callable(function) or getattr(function, "__name__", "<lambda>") == "<lambda>":
+        raise ExerciseWrong(f"{name}: define it with def (the job loads its source from a file).")
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        raise ExerciseWrong(f"{name}: its source cannot be read; define it with def in a cell.") from None
+    if "raise NotImplementedError" in source:   # the learner's copy's stub
+        raise _not_done(name, f"Write {name}().")
+    text = _PRELUDE + source + (f"\n\n{name} = {function.__name__}\n" if function.__name__ != name else "")
+    path = Path(LEARNER_DIR) / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
 # A script's check of its own timing model, neither the symptom nor the comparison with one device, that a loaded
 # machine can fail (pp_schedules' measured bubble against its simulation from this run's pass times): the lab does
 # not judge a learner's fix by it. tests/scripts/test_14 runs the timed fixed runs with the machine to itself.
 TIMING_MODEL_CHECKS = ("measured bubble equals the simulated one",)
 
 
+_LAST_FIX: list = []   # the lab's view of the last fix's run: last_fix_run()
+
+
+def last_fix_run() -> Shown | None:
+    """The last run a fix check launched, as the lab shows runs: its output and metrics, to see why it failed."""
+    return _LAST_FIX[-1] if _LAST_FIX else None
+
+
+def _said(problem: str) -> str:
+    """One of fix_holds' problems in the lab's words: a check by its shown name, never one the lab hides."""
+    for form in (r"check failed: (.*)", r"check '(.*)\.\.\.' did not run"):
+        found = re.fullmatch(form, problem)
+        if found:
+            name = shown_check_name(found[1])
+            what = "failed" if form.startswith("check failed") else "did not run"
+            return f"'{name}' {what}" if name else f"one of the script's own checks of the fault {what}"
+    if problem.startswith("the journal still finds a hang"):
+        return "the job still hangs (every rank's journal ends in a wait)"
+    return problem
+
+
 def _fixed_run_holds(name: str, args=None, why: str = "") -> None:
-    """Launch the case's fixed run (or ``args``) and require that the symptom is gone and it equals one device
-    (:func:`labkit.broken_runs.fix_holds`, less :data:`TIMING_MODEL_CHECKS`)."""
+    """Launch the case's fixed run (or ``args``: the learner's setting, or the flag that loads the learner's code)
+    and require that the symptom is gone and it equals one device (:func:`labkit.broken_runs.fix_holds`, less
+    :data:`TIMING_MODEL_CHECKS`). A failure says what the run shows, never the cause."""
     case = broken_runs.case(name)
-    result = run(name, fixed=args is None, args=args)
+    result = _launch(name, fixed=True, args=args)
+    _LAST_FIX.append(shown(result))
     problems = [problem for problem in broken_runs.fix_holds(case, result.metrics)
                 if not any(timing in problem for timing in TIMING_MODEL_CHECKS)]
     if problems:
-        raise ExerciseWrong(f"the run with this fix still fails: {'; '.join(problems[:3])}. {why}".strip())
+        raise ExerciseWrong(f"the job run with this fix (exit code {result.returncode}) still fails: "
+                            f"{'; '.join(_said(p) for p in problems[:3])}. exercises.last_fix_run() shows its "
+                            "output and metrics.")
     checks = len((result.metrics or {}).get("checks", []))
     print(f"Correct: {why} The run again: {checks} checks passed, the symptom is gone"
           + (" and the journal finds no hang." if case.hang else ", and it equals one device where it compares."))
+
+
+def _judged_by_hand(name: str, why: str = "") -> None:
+    """A fix whose answer cannot enter the job as it stands (a rule, a list of names): judged on the hand-made
+    cases alone. The job is not launched again: the script's own fixed run would not run the learner's code, so it
+    could not fail a wrong answer (tests/scripts/test_14 proves that run; the lab leaves it to the reader)."""
+    print(f"Correct: {why} Checked on hand-made cases; your code does not run in the job here. The script's own "
+          f"fix: labkit.broken_runs.run_case({name!r}, fixed=True).")
 
 
 def _reference_shards(size: int, world: int, epoch: int = 0, seed: int = 0) -> list[list[int]]:
@@ -224,7 +463,7 @@ def check_fix_sampler(rank_sampler) -> None:
                                 "the shares are cut from one permutation.")
         if set(together) != set(range(size)):
             raise ExerciseWrong(f"on {world} ranks {size - len(set(together))} samples are read by no rank.")
-    _fixed_run_holds("same-samples-every-rank", why="each rank reads its own quarter of one shared permutation.")
+    _judged_by_hand("same-samples-every-rank", why="each rank reads its own quarter of one shared permutation.")
 
 
 @learner_check
@@ -244,7 +483,7 @@ def check_fix_set_epoch(epoch_indices) -> None:
                 raise ExerciseWrong(f"rank {rank} of {world}: the order differs from DistributedSampler's own for "
                                     "epochs 0-2. Every rank must draw the same permutation (seed + epoch) so the "
                                     "shares stay disjoint: set the sampler's epoch, do not shuffle yourself.")
-    _fixed_run_holds("no-set-epoch", why="a new order every epoch, the same on every rank.")
+    _judged_by_hand("no-set-epoch", why="a new order every epoch, the same on every rank.")
 
 
 @learner_check
@@ -265,7 +504,7 @@ def check_fix_accumulation(synchronises) -> None:
         raise ExerciseWrong(f"with {accumulation} micro-batches you synchronise {got}: the all-reduce sums the "
                             "gradients accumulated so far, so the micro-batches after it stay local and the "
                             "replicas drift. Only the last one, when every micro-batch is in.")
-    _fixed_run_holds("accumulation-never-syncs", why="one all-reduce a step, on the last micro-batch.")
+    _judged_by_hand("accumulation-never-syncs", why="one all-reduce a step, on the last micro-batch.")
 
 
 @learner_check
@@ -291,7 +530,7 @@ def check_fix_loss_scale(gradient_scales) -> None:
                                 "ranks of per-rank means needs one division by N.")
         raise ExerciseWrong(f"on {world} ranks the gradients are scaled by {product:g} in all; one device's mean "
                             f"over the global batch needs 1/{world}.")
-    _fixed_run_holds("loss-averaged-twice", why="one division by N: a mean of per-rank means.")
+    _judged_by_hand("loss-averaged-twice", why="one division by N: a mean of per-rank means.")
 
 
 @learner_check
@@ -306,7 +545,7 @@ def check_fix_uneven(agreed_batches) -> None:
                                 "out (an IndexError) and its peers wait in the all-reduce until the timeout.")
         raise ExerciseWrong(f"{counts}: {got} batches; every rank must make the same number of gradient "
                             "all-reduces, and none can make more than its shard holds.")
-    _fixed_run_holds("uneven-inputs", why="the ranks agree on the shortest shard (an all-reduce MIN of the counts "
+    _judged_by_hand("uneven-inputs", why="the ranks agree on the shortest shard (an all-reduce MIN of the counts "
                                           "first), so every rank makes the same collectives.")
 
 
@@ -329,7 +568,7 @@ def check_fix_full_state(full_from_shards) -> None:
                                 f"ranks; the parameter is {tuple(full.shape)}: FSDP2 shards along dim 0.")
         if not torch.equal(got, full):
             raise ExerciseWrong("the right shape, the wrong values: the shards go back in rank order, along dim 0.")
-    _fixed_run_holds("checkpoint-one-shard", why="every rank's shard in the checkpoint (torch.distributed.checkpoint "
+    _judged_by_hand("checkpoint-one-shard", why="every rank's shard in the checkpoint (torch.distributed.checkpoint "
                                                  "writes each rank's own), the model whole again on resume.")
 
 
@@ -341,49 +580,49 @@ def check_fix_reduce_dtype(reduce_dtype) -> None:
     if reduce_dtype is None:
         raise _not_done("reduce_dtype", "Set it to a torch dtype.")
     if reduce_dtype == torch.bfloat16:
-        raise ExerciseWrong("bf16 is the bug: every partial sum over the ranks rounded to 8 significant bits.")
+        raise ExerciseWrong("that is what run 11 already did: look at its reduce-scatter's bytes against the formula, "
+                            "and at how far its gradients are from one device's.")
     if reduce_dtype == torch.float16:
         raise ExerciseWrong("fp16 still rounds every partial sum (to 11 significant bits) and overflows above 65504.")
     if reduce_dtype != torch.float32:
         raise ExerciseWrong(f"{reduce_dtype}: the run computes in fp32; reduce in the same precision.")
-    _fixed_run_holds("bf16-gradient-reduction", why="gradients summed in fp32: the reduce-scatter moves the "
+    _judged_by_hand("bf16-gradient-reduction", why="gradients summed in fp32: the reduce-scatter moves the "
                                                     "formula's bytes and the gradients equal one device's.")
 
 
 @learner_check
-def check_fix_tp_group(tp_group) -> None:
-    """``tp_group(rank, dp, tp)``: the ranks of ``rank``'s tensor-parallel group on a (dp, tp) mesh, TP innermost."""
-    for dp, tp in ((2, 2), (2, 4), (4, 2)):
-        for rank in range(dp * tp):
-            got = call_learner("tp_group", tp_group, rank, dp, tp)
-            want = [rank // tp * tp + i for i in range(tp)]
-            if got is not None and not hasattr(got, "__iter__"):
-                raise ExerciseWrong(f"rank {rank} on a ({dp}, {tp}) mesh: {got!r}; return a list of ranks.")
-            if got is not None and sorted(got) == want:
-                continue
-            if got is not None and sorted(got) == [rank % tp + i * tp for i in range(dp)]:
-                raise ExerciseWrong(f"rank {rank} on ({dp}, {tp}): {sorted(got)} is its data-parallel group (the "
-                                    "bug): ranks that hold other rows of the batch. TP, innermost, pairs "
-                                    "neighbours (one node's fast links on a GPU cluster).")
-            raise ExerciseWrong(f"rank {rank} on a ({dp}, {tp}) mesh: {got}, expected {want}.")
-    _fixed_run_holds("tp-on-dp-group", why="TP on neighbouring ranks: init_device_mesh(..., (dp, tp), "
-                                           "mesh_dim_names=('dp', 'tp')).")
+def check_fix_data_shard(data_shard) -> None:
+    """``data_shard(mesh) -> (index, count)``: which of ``count`` equal slices of the global batch this rank reads,
+    given the model's 2-D DeviceMesh (dims "dp", "tp"). Run inside the job: fsdp_tp_hybrid.py loads it from a file
+    (--data-shard-from) on every rank, in place of its own choice of rows."""
+    path = learner_file(data_shard, "data_shard")
+    _fixed_run_holds("data-by-global-rank", args=broken_runs.HYBRID_RUN + ("--data-shard-from", path),
+                     why="the ranks of a TP group read the same rows: the loader's coordinate is the mesh's dp.")
 
 
 @learner_check
 def check_fix_loss_rank(loss_rank) -> None:
-    """``loss_rank(stages, world_size)``: the rank whose losses to read, stage s on rank s % world_size."""
-    for stages, world in ((4, 4), (2, 2), (8, 4), (6, 2)):
-        got = call_learner("loss_rank", loss_rank, stages, world)
-        want = (stages - 1) % world
+    """``loss_rank(stage_ranks)``: the rank whose losses to read, given where each stage lives (``stage_ranks[s]``:
+    the rank of stage s), for a looped schedule (stage s on rank s % world_size) or a V-shaped one (two stages a
+    rank, the second half in reverse: the last stage back on rank 0)."""
+    def looped(stages, world):
+        return [s % world for s in range(stages)]
+
+    def v_shaped(world):
+        return list(range(world)) + list(reversed(range(world)))
+
+    for stage_ranks in (looped(4, 4), looped(2, 2), looped(8, 4), v_shaped(4), v_shaped(2), looped(6, 3)):
+        world = max(stage_ranks) + 1
+        got = call_learner("loss_rank", loss_rank, list(stage_ranks))
+        want = stage_ranks[-1]
         if got == want:
             continue
-        if got == 0:
-            raise ExerciseWrong(f"{stages} stages on {world} ranks: rank 0 holds the first stage; the schedule "
-                                "computes the loss on the last stage only, so rank 0 has no loss to read (nan).")
-        raise ExerciseWrong(f"{stages} stages on {world} ranks: rank {got}; the last stage, {stages - 1}, is on "
-                            f"rank {want}.")
-    _fixed_run_holds("loss-on-wrong-stage", why="the loss read where the last stage computed it.")
+        if got == stage_ranks[0]:
+            raise ExerciseWrong(f"stages on ranks {stage_ranks}: rank {got} holds the first stage, whose outputs are "
+                                "activations; rank 0 printed nan in the run. Which stage's outputs are a loss?")
+        raise ExerciseWrong(f"stages on ranks {stage_ranks} ({world} ranks): rank {got}, which holds no stage "
+                            "whose outputs are the loss.")
+    _judged_by_hand("loss-on-wrong-stage", why="the loss read where the last stage computed it.")
 
 
 @learner_check
@@ -409,18 +648,23 @@ def check_fix_microbatches(microbatches) -> None:
 
 
 @learner_check
-def check_fix_wrapper_order(wrapper_order) -> None:
-    """``wrapper_order``: the order in which the model is wrapped, a list of "tp" and "fsdp"."""
-    if wrapper_order is None:
-        raise _not_done("wrapper_order", 'Set it to a list such as ["...", "..."].')
-    order = [str(w).lower() for w in wrapper_order]
-    if sorted(order) != ["fsdp", "tp"]:
-        raise ExerciseWrong(f"{wrapper_order}: both wrappers, each once: 'tp' and 'fsdp'.")
-    if order == ["fsdp", "tp"]:
-        raise ExerciseWrong("FSDP first is the bug: fully_shard turns the weights into DTensors on the dp mesh, "
-                            "and parallelize_module refuses to distribute a DTensor onto another mesh "
-                            "(torch/distributed/tensor/_api.py:953-957).")
-    _fixed_run_holds("fsdp-before-tp", why="the TP plan first, then fully_shard on the dp mesh (torchtitan's order).")
+def check_fix_optimizer_order(shard_and_optimizer) -> None:
+    """``shard_and_optimizer(model, shard, adamw)``: call ``shard(model)`` (fully_shard on each block and the root)
+    and return ``adamw(parameters)``, in the order you choose. Run inside the job: train_fsdp.py loads it from a
+    file (--optimizer-from) on every rank."""
+    path = learner_file(shard_and_optimizer, "shard_and_optimizer")
+    _fixed_run_holds("optimizer-before-sharding", args=("--steps", "3", "--optimizer-from", path),
+                     why="AdamW built on the sharded parameters, the ones backward fills.")
+
+
+@learner_check
+def check_fix_wrappers(apply_wrappers) -> None:
+    """``apply_wrappers(tp, fsdp)``: build the model by calling ``tp(dim)`` (the tensor-parallel plan over the
+    mesh's dimension ``dim``) and ``fsdp(dim)`` (fully_shard over ``dim``), "dp" or "tp", in the order you choose.
+    Run inside the job: fsdp_tp_hybrid.py loads it from a file (--wrappers-from) on every rank."""
+    path = learner_file(apply_wrappers, "apply_wrappers")
+    _fixed_run_holds("fsdp-before-tp", args=broken_runs.HYBRID_RUN + ("--wrappers-from", path),
+                     why="the TP plan first, then fully_shard on the dp mesh (torchtitan's order).")
 
 
 class _Recorder:
@@ -452,7 +696,7 @@ def check_fix_collectives(sync) -> None:
     if len({tuple(c) for c in calls.values()}) > 1:
         raise ExerciseWrong(f"the ranks call {calls}: the collectives at one position must be the same on every "
                             "rank, or each waits for a partner that is in another call (the hang).")
-    _fixed_run_holds("mismatched-collectives", why="the same collectives on every rank, in the same order.")
+    _judged_by_hand("mismatched-collectives", why="the same collectives on every rank, in the same order.")
 
 
 @learner_check
@@ -465,6 +709,10 @@ def check_fix_resume_state(checkpoint_contents) -> None:
     chosen = set(checkpoint_contents)
     if chosen - known:
         raise ExerciseWrong(f"unknown names {sorted(chosen - known)}: pick among {sorted(known)}.")
+    if chosen == known or "loss_history" in chosen:
+        raise ExerciseWrong("what must the next step read from the checkpoint to compute exactly what the "
+                            "uninterrupted run did? The losses already printed are not among its inputs: leave "
+                            "out what a resume does not need.")
     for name, why in (("model", "the weights"), ("optimizer", "AdamW's moments: without them the first steps "
                       "after a resume move differently"), ("step", "where to start again"),
                       ("data_position", "without it the resumed run reads the epoch from its start: other "
@@ -472,7 +720,7 @@ def check_fix_resume_state(checkpoint_contents) -> None:
                       "masks) than the uninterrupted one")):
         if name not in chosen:
             raise ExerciseWrong(f"{name!r} is missing: {why}.")
-    _fixed_run_holds("resume-without-rng", why="model, optimizer, step, data position and every generator: "
+    _judged_by_hand("resume-without-rng", why="model, optimizer, step, data position and every generator: "
                                                "a step trained twice gives the same loss both times.")
 
 
@@ -500,5 +748,5 @@ def check_fix_straggler(straggler, ranks: list[dict]) -> None:
                                 "The straggler arrives last, so it waits least; its extra time is its own "
                                 "(idle here: a sleep, a slow disk).")
         raise ExerciseWrong(f"{which}: rank {got}, expected rank {want}.")
-    _fixed_run_holds("slow-rank", why="without what slowed that rank, no straggler: every rank reaches the "
+    _judged_by_hand("slow-rank", why="without what slowed that rank, no straggler: every rank reaches the "
                                       "all-reduce together, and the run equals one device.")

@@ -32,9 +32,11 @@ phase (``memory.predict_step_peak`` with FSDP2's gathered units) and, on a GPU, 
 
 import argparse
 import math
+import runpy
 import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,11 +59,18 @@ def check_config(args, world_size):
         runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
     runtime.require(world_size % args.replicate == 0,
                     f"--replicate {args.replicate} does not divide the {world_size} ranks into (replicate, shard)")
+    learner = args.optimizer_from
+    runtime.require(learner is None or (Path(learner).is_file()
+                                        and callable(runpy.run_path(learner).get("shard_and_optimizer"))),
+                    f"--optimizer-from {learner}: no such file, or it defines no shard_and_optimizer()")
+    runtime.require(not (args.planted_bug == "optimizer-before-sharding" or learner) or args.init == "seed",
+                    "--planted-bug optimizer-before-sharding and --optimizer-from build the whole model before "
+                    "sharding: they need --init seed")
     runtime.require(args.preset != "a100" or args.init != "seed",
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
-PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction")
+PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
@@ -165,7 +174,12 @@ def main():
     p.add_argument("--planted-bug", choices=PLANTED_BUGS, default=None,
                    help="a mistake the checks must catch: root-only (no unit per block), sum-gradients (the "
                         "loss summed over the ranks, not averaged: gradients N times too large), "
-                        "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed)")
+                        "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed), "
+                        "optimizer-before-sharding (AdamW built on the parameters fully_shard then replaces; "
+                        "needs --init seed)")
+    p.add_argument("--optimizer-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining shard_and_optimizer(model, shard, adamw), which calls "
+                        "shard(model) and returns adamw(parameters) in its order (the learner's fix, run here)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -199,11 +213,23 @@ def main():
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                             pin_memory=args.cpu_offload and rt.device_type == "cuda",  # pinning needs a GPU
                             planted_bug=args.planted_bug, compile_blocks=args.compile)
-        if args.init == "seed":
+        if args.optimizer_from:   # chapter 14's lab: the learner's order of sharding and AdamW, run here
+            learner = runpy.run_path(args.optimizer_from)["shard_and_optimizer"]
+            model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
+            optimizer = learner(model, lambda module: apply_fsdp(module, **fsdp_options),
+                                lambda params: torch.optim.AdamW(params, lr=args.lr))
+            rt.require(isinstance(optimizer, torch.optim.Optimizer),
+                       f"shard_and_optimizer() returned {type(optimizer).__name__}, not the optimizer")
+        elif args.planted_bug == "optimizer-before-sharding":   # the mistake: AdamW given the parameters that
+            model = models.build_transformer(cfg, seed=args.seed, device=rt.device)   # fully_shard then replaces
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)            # (_fsdp_param.py:325-331)
+            model = apply_fsdp(model, **fsdp_options)
+        elif args.init == "seed":
             model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
         else:
             model = materialize_on_meta(cfg, args.seed, rt.device, **fsdp_options)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if args.planted_bug != "optimizer-before-sharding" and not args.optimizer_from:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         baseline = None
         if compare:
             start_weights = full_parameters(model)  # collective: every rank

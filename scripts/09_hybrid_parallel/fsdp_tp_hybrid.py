@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import sys
+import runpy
 import warnings
 from pathlib import Path
 
@@ -72,6 +73,14 @@ def check_config(args, world_size):
     runtime.require(args.planted_bug != "tp-on-dp-group" or (dp == tp and args.replicate == 1),
                     f"--planted-bug {args.planted_bug} needs --dp = --tp and no --replicate (the wrong group must "
                     f"have the size of the right one), not dp {dp} x tp {tp}")
+    runtime.require(args.planted_bug != "data-by-global-rank" or tp > 1,
+                    f"--planted-bug {args.planted_bug} needs --tp > 1 (ranks that must read the same rows)")
+    for flag, name in (("data_shard_from", "data_shard"), ("wrappers_from", "apply_wrappers")):
+        path = getattr(args, flag)
+        runtime.require(path is None or (Path(path).is_file() and callable(runpy.run_path(path).get(name))),
+                        f"--{flag.replace('_', '-')} {path}: no such file, or it defines no {name}()")
+    runtime.require(not (args.data_shard_from and args.planted_bug == "data-by-global-rank"),
+                    "--data-shard-from replaces the rows each rank reads: not with --planted-bug data-by-global-rank")
     runtime.require(not (args.sequence_parallel and args.embedding_plan == "alternative"),
                     "--sequence-parallel goes with the usual embedding plan only")
     runtime.require(args.timeline_out is None or (args.steps >= 3 and not args.sequence_parallel),
@@ -105,18 +114,32 @@ def build_hybrid_model(cfg, args, mesh, device):
     # alternative head's all-reduced logits are one, and nothing here modifies them in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = models.build_transformer(cfg, args.seed, device)  # same seed: the full weights of one device
-    fsdp_first = getattr(args, "planted_bug", None) == "fsdp-before-tp"   # the mistake: the wrappers' order reversed
-    if not fsdp_first:
-        parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
-    policy = hybrid.mixed_precision_policy(args.precision)
-    fsdp_mesh = mesh["replicate", "dp"] if getattr(args, "replicate", 1) > 1 else mesh["dp"]   # 2-D: HSDP
-    for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
-        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward,
-                mp_policy=hybrid.mixed_precision_policy(args.precision, root=True))
-    if fsdp_first:
-        parallelize_module(model, mesh["tp"], tp_plan(args.embedding_plan, args.sequence_parallel))
+
+    def tp(dim="tp"):   # the TP plan over mesh[dim]
+        parallelize_module(model, mesh[dim], tp_plan(args.embedding_plan, args.sequence_parallel))
+
+    def fsdp(dim="dp"):   # fully_shard over mesh[dim] (2-D with the replicas: HSDP)
+        policy = hybrid.mixed_precision_policy(args.precision)
+        fsdp_mesh = mesh["replicate", dim] if getattr(args, "replicate", 1) > 1 else mesh[dim]
+        for block in model.layers.values():  # one FSDP unit per block, then the root (embedding, norm, head)
+            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=args.reshard_after_forward,
+                    mp_policy=hybrid.mixed_precision_policy(args.precision, root=True))
+
+    if getattr(args, "wrappers_from", None):   # chapter 14's lab: the learner's apply_wrappers(tp, fsdp), run here
+        learner_function(args.wrappers_from, "apply_wrappers")(tp, fsdp)
+    elif getattr(args, "planted_bug", None) == "fsdp-before-tp":   # the mistake: the wrappers' order reversed
+        fsdp()
+        tp()
+    else:
+        tp()
+        fsdp()
     return model
+
+
+def learner_function(path, name):
+    """Chapter 14's lab: the function ``name`` from the learner's file (the fix, run inside the job)."""
+    return runpy.run_path(path)[name]
 
 
 def step_timeline(prof, device) -> list[dict]:
@@ -179,11 +202,20 @@ def main():
     p.add_argument("--timeline-out", metavar="FILE.json", default=None,
                    help="profile step 2 and write rank 0's measured timeline (compute, tp link, dp link) as JSON: "
                         "the data of chapter 09's figure")
-    p.add_argument("--planted-bug", choices=["tp-on-dp-group", "fsdp-before-tp"], default=None,
+    p.add_argument("--planted-bug", choices=["tp-on-dp-group", "fsdp-before-tp", "data-by-global-rank"],
+                   default=None,
                    help="a mistake to find (lab 09): the model's mesh built with its dimension names swapped, so "
                         "TP's all-reduces run on the dp group (ranks that read other rows) and FSDP on the tp group; "
                         "the data still follows the grid. Needs --dp = --tp; fsdp-before-tp: fully_shard applied "
-                        "before the TP plan (torch refuses: the weights are already DTensors on the dp mesh)")
+                        "before the TP plan (torch refuses: the weights are already DTensors on the dp mesh); "
+                        "data-by-global-rank (chapter 14): the model's mesh right, but each rank reads the rows of "
+                        "its global rank out of the world (DistributedSampler's defaults), not its dp coordinate")
+    p.add_argument("--data-shard-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining data_shard(mesh) -> (index, count), which of count equal "
+                        "slices of the batch this rank reads, given the model's (dp, tp) mesh (the learner's fix)")
+    p.add_argument("--wrappers-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining apply_wrappers(tp, fsdp), which calls tp(dim) (the TP "
+                        "plan over mesh[dim]) and fsdp(dim) (fully_shard over mesh[dim]) in its order")
     hybrid.add_precision_flag(p)
     tensor_parallel.add_model_flags(p)  # --batch --seq-len --dim --heads --ffn-hidden --lr
     args = p.parse_args()
@@ -222,6 +254,17 @@ def main():
         replica = mesh.get_local_rank("replicate") if replicas > 1 else 0
         dp_rank = mesh.get_local_rank("dp")
         data_rank, data_ranks = replica * dp + dp_rank, replicas * dp   # which rows of the batch this rank reads
+        shard, shards = data_rank, data_ranks   # the loader's coordinate: the model mesh's dp coordinate
+        by_global_rank = args.planted_bug == "data-by-global-rank"   # THE PLANTED BUG: DistributedSampler's
+        if by_global_rank:   # defaults (rank = the global rank, num_replicas = the world), the same rows per rank:
+            shard, shards = rt.rank, rt.world_size   # a step reads tp x the batch, and a TP group's ranks differ
+        if args.data_shard_from:   # chapter 14's lab: the learner's choice of rows, run here
+            chosen = learner_function(args.data_shard_from, "data_shard")(mesh)
+            rt.require(isinstance(chosen, (tuple, list)) and len(chosen) == 2 and 0 <= int(chosen[0]) < int(chosen[1])
+                       and args.batch % int(chosen[1]) == 0,
+                       f"data_shard(mesh) returned {chosen!r}: (index, count), 0 <= index < count, count divides "
+                       f"the batch of {args.batch}")
+            shard, shards = int(chosen[0]), int(chosen[1])
         if args.planted_bug == "tp-on-dp-group":   # THE PLANTED BUG: the names swapped, "tp" is the outer dim
             model_mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("tp", "dp"))
         else:
@@ -256,8 +299,9 @@ def main():
         clock = metrics.StepClock(rt.sync, skip=2)
         for step in range(args.steps):
             clock.start()
-            tokens = data.token_batch(step, args.batch, args.seq_len, cfg.vocab_size, args.seed)
-            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, data_rank, data_ranks).to(rt.device))
+            tokens = data.token_batch(step, args.batch * (tp if by_global_rank else 1), args.seq_len,
+                                      cfg.vocab_size, args.seed)
+            inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, shard, shards).to(rt.device))
             usual = args.embedding_plan == "usual"
             profiled = args.timeline_out is not None and step == 2
             with counter if step == 1 else contextlib.nullcontext(), \

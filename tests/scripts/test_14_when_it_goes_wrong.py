@@ -8,16 +8,18 @@ COVERED_ELSEWHERE names that test (tests/unit/test_broken_runs.py checks it exis
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
+import torch.distributed as dist
 
 from labkit import broken_runs
+from labkit.exercises import ch14
 
 # (case, fixed) -> the test of an earlier chapter that launches the same command and asserts the same outcome
 COVERED_ELSEWHERE = {
-    ("tp-on-dp-group", False): ("tests/scripts/test_09_hybrid_2d.py",
-                                "test_the_planted_wrong_group_fails_the_group_and_single_device_checks_not_the_byte_counts"),
     ("mismatched-collectives", False): ("tests/scripts/test_12_hpc_operations.py",
                                         "test_every_hang_ends_with_its_diagnosis"),
     ("mismatched-collectives", True): ("tests/scripts/test_12_hpc_operations.py",
@@ -47,7 +49,7 @@ FIXED = [pytest.param(run, id=run.name, marks=[pytest.mark.serial] if run.name i
 @pytest.fixture(scope="module")
 def launched():
     """``launched(case, fixed)``: the run's LaunchResult, launched once per distinct command in this module, in
-    run_case's own folder (build/broken_runs/NAME-broken|fixed) as the lab's are: the lab replays these runs."""
+    run_case's own folder (build/broken_runs/KEY-broken|fixed) as the lab's are: the lab replays these runs."""
     results = {}
 
     def get(run: broken_runs.BrokenRun, fixed: bool, args=None):
@@ -75,9 +77,58 @@ def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, la
         assert result.returncode == 1 and codes[0] == 1 and set(codes.values()) <= {0, 1}, result.tail()
         assert any(line.lstrip().startswith("[FAIL]") for line in result.lines), result.tail()
     SYMPTOMS.get(run.name, lambda metrics, result: None)(result.metrics, result)
+    view = ch14.shown(result)   # what the lab shows of it: never its case's name, nor words that say the cause
+    seen = (view.output + json.dumps(view.metrics)).lower()
+    assert run.name not in seen and not [w for w in CAUSE_WORDS[run.name] if w in seen], \
+        [w for w in (run.name, *CAUSE_WORDS[run.name]) if w in seen]
+    assert view.metrics["checks"] and [c["passed"] for c in view.metrics["checks"]].count(False) >= (not run.hang)
     if run.name == "loss-on-wrong-stage":   # the last stage's own losses are the fixed run's (one launch, cached)
         fixed = launched(run, fixed=True).metrics["losses"]
         assert result.metrics["extra"]["last_stage_losses"] == pytest.approx(fixed, abs=1e-6), fixed
+
+
+# Words that would name each case's cause in what the lab shows (lower case).
+CAUSE_WORDS = {
+    "same-samples-every-rank": ("same samples", "samplers' first epoch"), "no-set-epoch": ("set_epoch",),
+    "accumulation-never-syncs": ("no_sync",), "loss-averaged-twice": ("averaged twice", "divided twice"),
+    "uneven-inputs": ("skipped collective", "uneven", "fewest"),
+    "checkpoint-one-shard": ("one shard", "rank 0's shard"),
+    "bf16-gradient-reduction": ("bfloat16", "reduce_dtype", "bf16"), "data-by-global-rank": ("global rank",),
+    "loss-on-wrong-stage": ("wrong stage",), "too-few-microbatches": ("too few",),
+    "fsdp-before-tp": ("before fsdp", "tp plan was applied"),
+    "mismatched-collectives": ("mismatched", "different collectives"),
+    "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
+    "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
+}
+
+
+def data_shard(mesh):   # a wrong fix of data-by-global-rank, as a learner would write it: the global rank again
+    return dist.get_rank(), dist.get_world_size()
+
+
+def apply_wrappers(tp, fsdp):   # a wrong fix of fsdp-before-tp: the order unchanged
+    fsdp("dp")
+    tp("tp")
+
+
+def shard_and_optimizer(model, shard, adamw):   # a wrong fix of optimizer-before-sharding: the order unchanged
+    optimizer = adamw(model.parameters())
+    shard(model)
+    return optimizer
+
+
+@pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
+                                                  ("fsdp-before-tp", apply_wrappers, "--wrappers-from"),
+                                                  ("optimizer-before-sharding", shard_and_optimizer,
+                                                   "--optimizer-from")])
+def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
+    """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
+    the job's own checks there (the right one is the lab's, under nbval)."""
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    path = ch14.learner_file(function, function.__name__)
+    result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  args_override=broken_runs.case(name).fixed_args + (flag, path))
+    assert result.returncode == 1 and broken_runs.fix_holds(broken_runs.case(name), result.metrics), result.tail()
 
 
 @pytest.mark.parametrize("run", FIXED)
@@ -125,10 +176,13 @@ def _no_set_epoch(metrics, result):
 def _never_syncs(metrics, result):
     assert metrics["extra"]["micro_step_bytes"][-1] == [0, 0]
     assert not any(_rank_losses_equal(metrics)[1:]), metrics["extra"]["rank_losses"]
+    gaps = metrics["extra"]["diffs"]["baseline_loss"]   # the symptom: off one device after the first update, more
+    assert gaps[0] < 1e-5 and all(b > a for a, b in zip(gaps[1:], gaps[2:])) and gaps[1] > 1e-2, gaps  # every step
 
 
-def _averaged_twice(metrics, result):
-    assert max(metrics["extra"]["loss_diffs"]) < 1e-4   # AdamW hides the gradients' scale from the loss
+def _averaged_twice(metrics, result):   # AdamW hides the gradients' scale from the loss: the symptom's own bound
+    bound = float(re.search(r"within (\S+) of one device's", broken_runs.case("loss-averaged-twice").symptom)[1])
+    assert max(metrics["extra"]["loss_diffs"]) < bound, (metrics["extra"]["loss_diffs"], bound)
 
 
 def _uneven(metrics, result):
@@ -140,6 +194,26 @@ def _one_shard(metrics, result):
     earlier, now = metrics["extra"]["earlier_losses"], metrics["extra"]["losses_by_step"]
     first = str(metrics["extra"]["first_step"])
     assert abs(now[first] - earlier[first]) > 0.1, (now, earlier)   # the loss jumps at the resume
+    one_device = metrics["extra"]["uninterrupted_losses"]           # and stays above one device's, the gap shrinking
+    gaps = [now[step] - one_device[int(step)] for step in sorted(now, key=int)]
+    assert all(gap > 0.1 for gap in gaps) and all(b < a for a, b in zip(gaps, gaps[1:])), gaps
+
+
+def _optimizer_before_sharding(metrics, result):
+    """The gradients are right, yet AdamW holds nothing and the loss does not fall (one device's does)."""
+    checks = {c["name"]: c for c in metrics["checks"]}
+    assert checks["step-0 gradients (gathered from the shards) = single-device gradients"]["passed"], checks
+    assert checks["optimizer bytes on this rank = ZeRO-3 table (16/N bytes per parameter in all)"]["value"] == 0
+    losses, one_device = metrics["losses"], metrics["extra"]["baseline_losses"]
+    assert losses[-1] > losses[0] - 0.05 and one_device[-1] < one_device[0] - 0.3, (losses, one_device)
+
+
+def _data_by_global_rank(metrics, result):
+    """Off one device from step 0, yet the model's mesh and every byte count are right: the data, not the groups."""
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}
+    assert passed["every rank's TP and FSDP groups, read from the mesh, = distlab.hybrid's grid"], passed
+    assert all(passed[name] for name in passed if "communication of one step = formula" in name), passed
+    assert not passed["losses equal single-device (every step)"], passed
 
 
 def _bf16_reduction(metrics, result):
@@ -177,7 +251,8 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
-            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank}
+            "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
+            "optimizer-before-sharding": _optimizer_before_sharding}
 
 
 def _distinct_losses(metrics, result):

@@ -190,3 +190,82 @@ def test_a_table_cell_cannot_break_the_table():
         name, family, symptom, cause, tell_apart = "x", "data", "a | b", "one\nline", "c"
 
     assert diagnosis_table.diagnosis_markdown([Case()]).splitlines()[-1] == "| data | a \\| b | one line | c |"
+
+
+# ---- each claim about a curve, tested against the committed curve (issue 47)
+
+
+def test_the_data_parallel_claims_are_the_committed_curves():
+    runs = measured("14_data_parallel_losses.json")["runs"]
+    cases = {case.name: case for case in registry().BROKEN_RUNS}
+    gaps = runs["accumulation-never-syncs"]["from_one_device"]   # off one device after the first update, more each step
+    assert gaps[0] < 1e-5 and all(b > a for a, b in zip(gaps[1:], gaps[2:])), gaps
+    assert f"{gaps[1]:.2f} away at step 1, then further at every step, {gaps[-1]:.2f} at step {len(gaps) - 1}" in FLAT
+    assert "the gap grows at every step" in cases["accumulation-never-syncs"].symptom
+    epoch = runs["no-set-epoch"]["from_one_device"]               # departs at the turn, the run's last step
+    assert max(epoch[:-1]) < 1e-5 and epoch[-1] > 1e-2 and len(epoch) == 5, epoch
+    assert f"the last step of this run, it departs, by {epoch[-1]:.3f}" in FLAT
+    for claim in ("drift further apart", "stays apart", "never rejoins", "differ more every step", "to 1e-5"):
+        assert claim not in FLAT and not any(claim in c.symptom for c in cases.values()), claim
+
+
+def test_the_one_shard_resume_stays_above_one_device_by_the_committed_gaps():
+    run = measured("14_resumes.json")["checkpoint-one-shard"]
+    after = run["broken"]["losses_by_step"]
+    gaps = [after[step] - run["uninterrupted"][int(step)] for step in sorted(after, key=int)]
+    assert all(gap > 0.1 for gap in gaps) and all(b < a for a, b in zip(gaps, gaps[1:])), gaps   # shrinking
+    assert f"by {gaps[0]:.2f}, {gaps[1]:.2f} and {gaps[2]:.2f}: the gap shrinks" in FLAT
+    assert "stays above one device's to the end of the run, the gap shrinking" in \
+        registry().case("checkpoint-one-shard").symptom
+
+
+def test_the_torch_lines_of_the_second_pass():
+    import torch
+
+    torch_dir = Path(torch.__file__).parent / "distributed"
+    schedules = (torch_dir / "pipelining" / "schedules.py").read_text().splitlines()
+    one_f_one_b = next(i for i, line in enumerate(schedules) if line.startswith("class Schedule1F1B("))
+    assert one_f_one_b < 1019 and schedules[1019].strip() == "if n_microbatches < self._num_stages:"
+    assert "raise ValueError(" in schedules[1020] and "must be greater than" in schedules[1021]
+    assert not any(line.startswith("class ") for line in schedules[one_f_one_b + 1:1020])   # still 1F1B's
+    assert "(torch/distributed/pipelining/schedules.py:1020-1024)" in FLAT and "This run chooses GPipe" in FLAT
+    api = (torch_dir / "fsdp" / "_fully_shard" / "_fsdp_api.py").read_text().splitlines()
+    assert api[32].strip().startswith("reduce_dtype (Optional[torch.dtype])")
+    assert "uses the compute dtype" in api[35] and "(Default: ``None``)" in api[39]
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_api.py:33-40)" in FLAT
+    assert "_fsdp_api.py:33-40" in registry().case("bf16-gradient-reduction").cause
+    gather = (torch_dir / "_state_dict_utils.py").read_text().splitlines()
+    assert "# FSDP all_gather" in gather[269] and "value = value.redistribute(" in gather[275]
+    assert "(torch/distributed/_state_dict_utils.py:270-279)" in FLAT
+    assert "is a collective" in registry().case("checkpoint-one-shard").fix
+
+
+def test_the_tp_case_is_the_data_layout_not_the_mesh():
+    case = registry().case("data-by-global-rank")
+    assert case.script.endswith("fsdp_tp_hybrid.py") and "--planted-bug" in case.args
+    assert "mesh.get_local_rank('dp')" in case.fix and "innermost" not in case.fix
+    assert "groups read back from the model's mesh are right" in case.symptom
+    assert not registry().__dict__.get("tp-on-dp-group") and "tp-on-dp-group" not in CHAPTER
+
+
+def test_the_sources_that_do_not_show_their_symptom_are_gone():
+    from labkit import diagnosis_sources
+
+    urls = {s["url"] for sources in diagnosis_sources.SOURCES.values() for s in sources}
+    for gone in ("snowfall/issues/152", "sparseml/pull/135", "pytorch/issues/64625", "huggingface.co/spaces/rockeycoss",
+                 "Neuron_SP/issues/589"):
+        assert not any(gone in url for url in urls), gone
+    pr = next(s for s in diagnosis_sources.SOURCES["too-few-microbatches"] if s["url"].endswith("/pull/144702"))
+    assert "GPipe worked with MB < PP" in pr["quote"]
+    assert "Pull request #144702 added that refusal" in FLAT
+
+
+def test_the_fsdp_param_lines_the_optimizer_case_cites():
+    import torch
+
+    lines = (Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_param.py").read_text() \
+        .splitlines()
+    assert lines[324].strip() == "self.sharded_param = nn.Parameter(" and \
+        lines[330].strip() == "self._setattr_on_modules(self.sharded_param)"
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331)" in FLAT
+    assert "_fsdp_param.py:325-331" in registry().case("optimizer-before-sharding").cause

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from labkit import broken_runs
@@ -19,6 +20,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
+# The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 16)], (
+    "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
+    "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
+    "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
+    "resume-without-rng", "optimizer-before-sharding")))
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +34,8 @@ def raise_when_incomplete(monkeypatch):
 
 
 def test_every_case_has_a_label_a_part_and_a_menu_entry():
-    assert sorted(ch14.LABELS.values()) == sorted(NAMES)
+    assert tuple(ANSWERS) == ch14.LABELS and {label: ch14._case(label).name for label in ch14.LABELS} == ANSWERS
+    assert sorted(ANSWERS.values()) == sorted(NAMES)
     assert sorted(label for labels in ch14.PARTS.values() for label in labels) == sorted(ch14.LABELS)
     assert set(NAMES) <= set(ch14.CAUSES)
     for run in broken_runs.BROKEN_RUNS:   # every look-alike of the registry is on the menu
@@ -35,7 +43,7 @@ def test_every_case_has_a_label_a_part_and_a_menu_entry():
 
 
 def _right_diagnoses(part):
-    return {label: ch14.LABELS[label] for label in ch14.PARTS[part]}
+    return {label: ANSWERS[label] for label in ch14.PARTS[part]}
 
 
 @pytest.mark.parametrize("part", list(ch14.PARTS))
@@ -45,14 +53,51 @@ def test_the_right_diagnoses_pass(part, capsys):
 
 
 @pytest.mark.parametrize("label", list(ch14.LABELS))
-def test_every_look_alike_is_rejected_with_what_tells_them_apart(label):
-    run = broken_runs.case(ch14.LABELS[label])
+def test_every_look_alike_is_rejected_pointing_at_the_evidence_not_at_the_answer(label):
+    run = broken_runs.case(ANSWERS[label])
     part = next(p for p, labels in ch14.PARTS.items() if label in labels)
     for words in run.look_alikes:
         answer = ch14.look_alike_key(words)
         with pytest.raises(ExerciseWrong) as wrong:
             ch14.check_diagnoses({**_right_diagnoses(part), label: answer}, part)
-        assert "look-alike" in str(wrong.value) and run.tell_apart in str(wrong.value), str(wrong.value)
+        said = str(wrong.value)
+        assert "look alike" in said and ch14._evidence(run) in said and ch14._evidence(run), said
+        assert run.name not in said and run.tell_apart not in said and run.cause not in said, said
+
+
+def _answers_from(value):
+    """Every way a value importable from labkit could be read as the lab's answers: by label, or in order."""
+    labels = ch14.LABELS
+    if isinstance(value, dict):
+        yield {label: value.get(label) for label in labels}
+        yield dict(zip(labels, value.values()))
+        yield dict(zip(labels, value.keys()))
+    if isinstance(value, (list, tuple)):
+        yield dict(zip(labels, value))
+        yield dict(zip(labels, (getattr(v, "name", v) for v in value)))
+
+
+def test_no_answer_built_from_what_labkit_exports_passes_a_part():
+    """The learner's copy imports labkit: no label-to-case map, list of cases in the lab's order or tell-apart text
+    there may pass check_diagnoses (the right answers, from this file, do)."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in (
+        "labkit.exercises.ch14", "labkit.broken_runs", "labkit.diagnosis_sources", "labkit.diagnosis_table",
+        "labkit.exercises.checks", "labkit.exercises")]
+    tried = 0
+    for module in modules:
+        for attribute, value in vars(module).items():
+            for answers in _answers_from(value):
+                answers = {k: v for k, v in answers.items() if isinstance(v, str) and v in ch14.CAUSES}
+                for part, labels in ch14.PARTS.items():
+                    if all(label in answers for label in labels):
+                        tried += 1
+                        assert any(ch14.diagnosis_feedback(label, answers[label]) for label in labels), \
+                            f"{module.__name__}.{attribute} answers part {part!r}"
+    assert tried   # the registry's own order, at least, was tried
+    for part in ch14.PARTS:
+        assert not any(ch14.diagnosis_feedback(label, ANSWERS[label]) for label in ch14.PARTS[part])
 
 
 def test_another_wrong_cause_and_an_unknown_key_are_rejected():
@@ -80,6 +125,53 @@ class _Bug:   # the broken program of mismatched-collectives: rank 0 broadcasts 
             collectives.all_reduce(tensor)
 
 
+class _Shard:   # data_shard(mesh) -> (index, count), run inside the job (fsdp_tp_hybrid.py --data-shard-from)
+    @staticmethod
+    def right(mesh):
+        return mesh.get_local_rank("dp"), mesh["dp"].size()
+
+    @staticmethod
+    def global_rank(mesh):   # the bug: DistributedSampler's defaults
+        return dist.get_rank(), dist.get_world_size()
+
+    @staticmethod
+    def rank_mod_dp(mesh):   # a grid laid out the other way from the mesh's
+        return dist.get_rank() % mesh["dp"].size(), mesh["dp"].size()
+
+
+class _Wrappers:   # apply_wrappers(tp, fsdp), run inside the job (fsdp_tp_hybrid.py --wrappers-from)
+    @staticmethod
+    def right(tp, fsdp):
+        tp("tp")
+        fsdp("dp")
+
+    @staticmethod
+    def fsdp_first(tp, fsdp):
+        fsdp("dp")
+        tp("tp")
+
+    @staticmethod
+    def tp_only(tp, fsdp):
+        tp("tp")
+
+
+class _Optimizer:   # shard_and_optimizer(model, shard, adamw), run inside the job (train_fsdp.py --optimizer-from)
+    @staticmethod
+    def right(model, shard, adamw):
+        shard(model)
+        return adamw(model.parameters())
+
+    @staticmethod
+    def optimizer_first(model, shard, adamw):
+        optimizer = adamw(model.parameters())
+        shard(model)
+        return optimizer
+
+
+IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
+              "optimizer-before-sharding": "--optimizer-from"}
+
+
 def _epoch_without_set_epoch(sampler, epoch):
     return list(sampler)
 
@@ -101,9 +193,10 @@ FIXES = {
                   [lambda rows: max(rows, key=lambda r: r["kinds"]["communication"])["rank"]]),
     "uneven-inputs": (ch14.check_fix_uneven, min, [max, lambda counts: sum(counts) // len(counts)]),
     "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5, "8", 6, 32]),
-    "fsdp-before-tp": (ch14.check_fix_wrapper_order, ["tp", "fsdp"], [["fsdp", "tp"], ["tp"]]),
-    "loss-on-wrong-stage": (ch14.check_fix_loss_rank, lambda stages, world: (stages - 1) % world,
-                            [lambda stages, world: 0, lambda stages, world: stages - 1]),
+    "fsdp-before-tp": (ch14.check_fix_wrappers, _Wrappers.right, [_Wrappers.fsdp_first, _Wrappers.tp_only]),
+    "loss-on-wrong-stage": (ch14.check_fix_loss_rank, lambda stage_ranks: stage_ranks[-1],
+                            [lambda stage_ranks: 0, lambda stage_ranks: max(stage_ranks),   # world_size - 1: not V
+                             lambda stage_ranks: (len(stage_ranks) - 1) % (max(stage_ranks) + 1)]),
     "same-samples-every-rank": (
         ch14.check_fix_sampler, lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=rank, seed=0),
         [lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=0),
@@ -116,14 +209,15 @@ FIXES = {
     "loss-averaged-twice": (ch14.check_fix_loss_scale, lambda n: (1.0, 1.0 / n),
                             [lambda n: (1.0 / n, 1.0 / n), lambda n: (1.0, 1.0), lambda n: 1.0 / n]),
     "bf16-gradient-reduction": (ch14.check_fix_reduce_dtype, torch.float32, [torch.bfloat16, torch.float16]),
-    "tp-on-dp-group": (ch14.check_fix_tp_group, lambda rank, dp, tp: list(range(rank // tp * tp, rank // tp * tp + tp)),
-                       [lambda rank, dp, tp: [rank % tp + i * tp for i in range(dp)], lambda rank, dp, tp: rank]),
+    "data-by-global-rank": (ch14.check_fix_data_shard, _Shard.right, [_Shard.global_rank, _Shard.rank_mod_dp]),
+    "optimizer-before-sharding": (ch14.check_fix_optimizer_order, _Optimizer.right, [_Optimizer.optimizer_first]),
     "checkpoint-one-shard": (ch14.check_fix_full_state, lambda shards: torch.cat(shards, dim=0),
                              [lambda shards: shards[0], lambda shards: torch.cat(shards, dim=-1),
                               lambda shards: torch.stack(shards)]),
     "resume-without-rng": (ch14.check_fix_resume_state, {"model", "optimizer", "step", "rng", "data_position"},
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
-                            {"model", "optimizer", "step", "rng"}]),
+                            {"model", "optimizer", "step", "rng"},
+                            {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
 }
 
 
@@ -139,22 +233,26 @@ def _metrics(run, fixed: bool) -> dict:
 
 
 @pytest.fixture
-def launched(monkeypatch):
+def launched(monkeypatch, tmp_path):
     """Replace the launch: ``launched.fixed`` decides what the run shows; ``launched.calls`` records each launch."""
     state = SimpleNamespace(fixed=True, calls=[], also_failed=[])
 
     def run(name, fixed=False, args=None):
-        case = broken_runs.case(ch14.LABELS.get(name, name))
+        case = ch14._case(name)
         state.calls.append((case.name, fixed, args))
-        metrics = _metrics(case, state.fixed)
+        fixed_here = state.fixed if state.judge is None else state.judge(case, args)
+        metrics = _metrics(case, fixed_here)
         metrics["checks"] += [{"name": failed, "passed": False} for failed in state.also_failed]
-        return SimpleNamespace(metrics=metrics)
+        return SimpleNamespace(metrics=metrics, returncode=0 if fixed_here else 1, seconds=1.0, rank_exit_codes={},
+                               output="")
 
-    monkeypatch.setattr(ch14, "run", run)
+    state.judge = None
+    monkeypatch.setattr(ch14, "_launch", run)
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path / "learner")
     return state
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in IN_THE_JOB])
 def test_a_plausible_wrong_fix_fails_before_any_run(name, launched):
     check, _, wrong_answers = FIXES[name]
     assert wrong_answers
@@ -164,7 +262,40 @@ def test_a_plausible_wrong_fix_fails_before_any_run(name, launched):
     assert not launched.calls   # each was caught on the hand-made cases, no job run for it
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(IN_THE_JOB))
+def test_a_fix_run_inside_the_job_is_the_learners_own_code(name, launched):
+    """The job gets the learner's function as a file (its flag), named by its text: the right one and each wrong
+    one are launched as themselves, and the job's verdict is the check's (the real jobs: tests/scripts/test_14)."""
+    check, right, wrong_answers = FIXES[name]
+    launched.judge = lambda case, args: open(args[args.index(IN_THE_JOB[name]) + 1]).read().count("def right")
+    check(right)
+    paths = []
+    for answer in wrong_answers:
+        with pytest.raises(ExerciseWrong, match="still fails") as wrong:
+            check(answer)
+        assert name not in str(wrong.value)
+        paths.append(launched.calls[-1][2][launched.calls[-1][2].index(IN_THE_JOB[name]) + 1])
+    first = launched.calls[0][2]
+    assert first[:-2] == broken_runs.case(name).fixed_args and "--planted-bug" not in first
+    assert len({first[-1], *paths}) == 1 + len(wrong_answers)   # one file per version of the function
+    with pytest.raises(ExerciseWrong, match="define it with def"):
+        check(lambda *args: None)
+
+
+# The fixes whose answer goes into the job (a flag, or the learner's function loaded from a file); the others are
+# judged on hand-made cases, and the job is not run again (it would not run the learner's code).
+LAUNCHED = {"too-few-microbatches", *IN_THE_JOB}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in LAUNCHED])
+def test_a_fix_that_cannot_enter_the_job_is_judged_by_hand_without_a_launch(name, launched, capsys):
+    check, right, _ = FIXES[name]
+    check(right)
+    said = capsys.readouterr().out
+    assert said.startswith("Correct:") and "does not run in the job" in said and not launched.calls
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHED))
 def test_the_right_fix_passes_only_when_the_run_again_has_lost_its_symptom(name, launched, capsys):
     check, right, _ = FIXES[name]
     check(right)
@@ -211,9 +342,9 @@ def test_a_timed_fix_runs_outside_the_launch_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(ch14.broken_runs, "run_case",
                         lambda name, **kwargs: seen.append((name, ch14.os.environ.get(ch14.CACHE_ENV))))
     monkeypatch.setattr(ch14, "_RUNS", {})
-    ch14.run("too-few-microbatches")                 # the broken run: replayed as usual
-    ch14.run("too-few-microbatches", fixed=True)     # its fix: judged by a time, never cached
-    ch14.run("no-set-epoch", fixed=True)
+    ch14._launch("too-few-microbatches")                 # the broken run: replayed as usual
+    ch14._launch("too-few-microbatches", fixed=True)     # its fix: judged by a time, never cached
+    ch14._launch("no-set-epoch", fixed=True)
     assert seen == [("too-few-microbatches", str(tmp_path)), ("too-few-microbatches", None),
                     ("no-set-epoch", str(tmp_path))]
     assert ch14.os.environ[ch14.CACHE_ENV] == str(tmp_path)
@@ -234,6 +365,19 @@ def test_a_stub_is_not_written_yet():
             check(None if not callable(right) or name == "bf16-gradient-reduction" else stub)
 
 
+def test_the_second_pass_checks_are_not_coin_flips_nor_name_the_bug(launched):
+    """A V schedule's last stage is on rank 0 (world_size - 1 fails); every name at once is not a checkpoint's
+    contents; the bf16 answer is pointed at its evidence, not told it is the bug."""
+    with pytest.raises(ExerciseWrong, match=r"\[0, 1, 2, 3, 3, 2, 1, 0\]"):
+        ch14.check_fix_loss_rank(lambda stage_ranks: max(stage_ranks))
+    with pytest.raises(ExerciseWrong, match="leave out"):
+        ch14.check_fix_resume_state({"model", "optimizer", "rng", "data_position", "step", "loss_history"})
+    with pytest.raises(ExerciseWrong) as wrong:
+        ch14.check_fix_reduce_dtype(torch.bfloat16)
+    assert "bug" not in str(wrong.value) and "bf16" not in str(wrong.value) and "bytes" in str(wrong.value)
+    assert not hasattr(ch14, "check_fix_wrapper_order")   # two orders: a coin flip; now a function run in the job
+
+
 def test_the_learners_copy_does_not_name_the_cases():
     """The lab shows the runs under labels: a case's name is its diagnosis, so the learner's copy never says it."""
     copy = json.loads((ROOT / "notebooks" / "student" / "14_when_it_goes_wrong.ipynb").read_text())
@@ -241,9 +385,23 @@ def test_the_learners_copy_does_not_name_the_cases():
     assert not [name for name in NAMES if name in text]
 
 
-def test_the_lab_says_the_job_run_again_is_the_scripts_fix():
-    """A fix the learner writes as a function is judged on hand-made cases; the job launched again is the script's
-    own fixed run (only the microbatches go in as a flag): the lab must not let a learner think their code ran."""
+def test_the_lab_says_which_fixes_run_inside_the_job():
+    """Runs 5, 12 and 15's functions run inside the job; the others are tried on hand-made cases, then the script's own
+    fixed run is launched: the lab must not let a learner think every function ran in the job."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
-    opening = "".join(lab["cells"][0]["source"]).replace("\n", " ")
-    assert "fixed in the script" in opening and "not inside the job" in opening
+    opening = " ".join("".join(lab["cells"][0]["source"]).split())
+    assert "For runs 5, 12 and 15 the script loads your function itself" in opening and "the job is not run again with them" in opening
+    in_job = sorted(label for label in ch14.LABELS if ANSWERS[label] in IN_THE_JOB)
+    assert in_job == ["run 12", "run 15", "run 5"]
+
+
+def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
+    """A fix prompt says what to change, so it would sort the runs: the lab asks for the fixes once all are named."""
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    sources = ["".join(cell["source"]) for cell in lab["cells"]]
+    last_diagnosis = max(i for i, s in enumerate(sources) if "check_diagnoses(" in s)
+    first_fix = min(i for i, s in enumerate(sources) if "check_fix_" in s)
+    assert last_diagnosis < first_fix
+    for label in ch14.LABELS:
+        prompt = next(s for s in sources if f"**{label.capitalize()}**" in s)
+        assert ANSWERS[label] not in prompt and "broadcast ... else" not in prompt, prompt
