@@ -377,8 +377,11 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if prepare or run_dir is None:
+            # Each run starts from nothing: it finds no file of an earlier run (an interrupted job's checkpoint, a
+            # trace), and the launch cache, which keys on what the folder holds, replays it wherever it ran before.
+            shutil.rmtree(folder, ignore_errors=True)
         if prepare:
-            shutil.rmtree(folder, ignore_errors=True)   # the interrupted job starts from nothing
             launch.run(run.script, nproc=nproc or run.nproc, args=fill(prepare, folder), metrics=False,
                        **{**launch_kwargs, "check": False})   # a killed rank's job fails: that is the interruption
         return launch.run(run.script, nproc=nproc or run.nproc, args=fill(args, folder), **launch_kwargs)

@@ -27,12 +27,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 ENABLE_ENV = "DISTLAB_FORK_SERVER"
 SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # a server started by this process or its parent, for its children
 _started: dict = {}   # this process's server: {"process": Popen, "path": socket path}
+_starting = threading.Lock()   # a lab's background launches (chapter 14) must not start one server each
 
 
 def enabled() -> bool:
@@ -97,6 +99,11 @@ def start(argv: list[str], cwd, env: dict) -> ForkedRun:
 def start_server() -> str:
     """This process's server, started if it is not running: its socket's path, also exported to the processes
     this one starts from now on."""
+    with _starting:
+        return _start_server()
+
+
+def _start_server() -> str:
     process = _started.get("process")
     if process is not None and process.poll() is None:
         return _started["path"]

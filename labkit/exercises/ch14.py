@@ -262,9 +262,6 @@ def prefetch(labels=None, workers: int = PREFETCH_WORKERS) -> None:
     sleep, the ranks' start), which another run can use. Broken runs only: a fix is judged by its own run, alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    os.environ.setdefault(forkserver.ENABLE_ENV, "1")
-    if forkserver.enabled():
-        forkserver._server_path()   # started once, here, not by several threads at once
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ch14-prefetch")
     for label in sorted(labels or LABELS, key=_prefetch_order):
         case = _case(label)
