@@ -332,3 +332,5 @@ def test_the_tiny_model_shape_is_the_preset():
     says(f"{cfg.n_layers} blocks of width {cfg.dim} with {cfg.n_heads} heads, a feed-forward width of "
          f"{cfg.ffn_hidden}, a vocabulary of {cfg.vocab_size} and sequences of {cfg.seq_len} tokens. That is "
          f"{n:,} parameters, {4 * n:,} bytes in fp32, and one block is {block:,} bytes of it.")
+    says(f"The flat floor is rank 0's slices, {4 * (n // 4):,} bytes")   # fp32 slices of 1/4 of every parameter
+    says(f"The moment inside a gather, {2 * block:,} bytes, falls between the plotted events")
