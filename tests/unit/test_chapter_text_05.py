@@ -321,3 +321,16 @@ def test_fsdp2_prefetches_forward_only_when_told_and_backward_by_default():
     says("by default each unit's pre-backward hook issues the all-gather of the unit that runs backward next")
     says("(`_fsdp_state.py:72, 315-320`)")
     says("`--planted-bug late-prefetch` issues each gather once the\nunit ahead has computed.")
+
+
+def test_the_tiny_model_shape_is_the_preset():
+    """The chapter states the tiny model's shape once; it must be the ``tiny`` preset's."""
+    cfg = models.preset("tiny")
+    n = cfg.num_params()
+    assert n == models.count_params(models.build_transformer(cfg))
+    block = 4 * (n - 2 * cfg.vocab_size * cfg.dim - cfg.dim) // cfg.n_layers      # fp32 bytes of one block
+    says(f"{cfg.n_layers} blocks of width {cfg.dim} with {cfg.n_heads} heads, a feed-forward width of "
+         f"{cfg.ffn_hidden}, a vocabulary of {cfg.vocab_size} and sequences of {cfg.seq_len} tokens. That is "
+         f"{n:,} parameters, {4 * n:,} bytes in fp32, and one block is {block:,} bytes of it.")
+    says(f"The flat floor is rank 0's slices, {4 * (n // 4):,} bytes")   # fp32 slices of 1/4 of every parameter
+    says(f"The moment inside a gather, {2 * block:,} bytes, falls between the plotted events")

@@ -159,6 +159,8 @@ def test_all_gather_memory_in_llama3_405b_and_its_source():
     mha = 2 * seq * model.hidden // tp_degree * 2
     says_flat(f"take {kv / mib:,.0f} MiB a layer in bf16, {kv / queries:.0f} times its own queries ({queries / mib:,.0f} MiB)")
     says_flat(f"they would take {mha / mib:,.0f} MiB, {mha / queries:.0f} times")
+    says_flat(f"TP {tp_degree} leaves a GPU {model.heads // tp_degree} query heads and {model.kv_heads // tp_degree} "
+              f"key/value head, and CP {cp_degree} leaves it {seq // cp_degree:,} positions of the queries")
 
 
 def test_when_a_ring_step_hides_its_transfer():
@@ -181,6 +183,15 @@ def test_when_a_ring_step_hides_its_transfer():
     says_flat(f"with 8 times fewer key/value heads, {node[1]:,.0f}, {gqa[0]:,.0f} and {gqa[1]:,.0f}")
     assert "NVLink (300 GB/s each way)" not in FLAT  # a ring hop does not get a GPU's every link
     # the break-even is where a step's compute equals its transfer, and it does not move with S
+    # the a100 preset's positions a rank, against the break-even: not hidden in a 4 x A100 node, hidden with NVSwitch
+    ring_attention, _, _ = _tiny_ring_shape()
+    big = ring_attention.SHAPES["a100"]
+    per_rank = big["seq_len"] // 4
+    assert node[1] < mha[0] < per_rank < node[0]
+    says_flat(f"hides the ring's hops only from {node[0]:,.0f} tokens per rank, or under GQA from {node[1]:,.0f}")
+    says_flat(f"gives each of 4 ranks {per_rank:,} positions with as many key/value heads as query heads. That is "
+              f"below the node's {node[0]:,.0f}, so its hops would not hide at peak FLOP/s")
+    says_flat(f"an NVSwitch node's {mha[0]:,.0f} would hide them")
     step = cpm.ring_step_seconds(round(mha[0]), 16, 16, 128, peak, links[0])
     assert abs(step["compute"] / step["transfer"] - 1) < 1e-3
 
