@@ -319,3 +319,5 @@ def test_the_latency_paragraph_counts_what_the_planner_charges(text):
     assert ring["latency"] / calls == pytest.approx(by_hand) and round(by_hand * 1e3, 1) == 9.6
     assert tree["latency"] / calls == pytest.approx(2 * (7 * 4e-6 + 7 * 14e-6))
     assert "254 x 14 us + 1,792 x 3.4 us = 9.6 ms" in text and "0.25 ms there" in text
+    # NCCL's tree latency, tuning.cc:416: 2 ((ranks a node - 1) x intraLat + log2i(nodes) x interLat): up and down
+    assert "2 log2(nodes) network steps, up the tree and down" in text
