@@ -321,3 +321,21 @@ def test_the_latency_paragraph_counts_what_the_planner_charges(text):
     assert "254 x 14 us + 1,792 x 3.4 us = 9.6 ms" in text and "0.25 ms there" in text
     # NCCL's tree latency, tuning.cc:416: 2 ((ranks a node - 1) x intraLat + log2i(nodes) x interLat): up and down
     assert "2 log2(nodes) network steps, up the tree and down" in text
+
+
+def test_the_megatron_175b_row_as_run_holds_the_interleaved_warm_up(text):
+    """The row runs interleaved x8 on PP 8 (96 layers, 12 a stage, 1.5 a chunk). Megatron's interleaved schedule
+    warms up (P - 1) x 2 + (V - 1) x P chunk-microbatches on the first stage (megatron/core/pipeline_parallel/
+    schedules.py:964-965, microbatch_group_size_per_vp_stage = P) and holds one more in its steady state: 71 chunks of
+    1.5 layers, 106.5 layer-microbatches, not 96."""
+    import importlib
+
+    published = importlib.import_module("distlab.planner.published")
+    run = next(r for r in published.RUNS if r.label.startswith("Megatron 175B, selective"))
+    plan = published.validate(run)["plan"]
+    p, v, layers = 8, 8, 96
+    held = ((p - 1) * 2 + (v - 1) * p + 1) * layers / (p * v)
+    assert held == 106.5 and "interleaved x8" in plan.describe_settings()
+    paper = 34 * 2048 * 1 * 12288 / 8 * held
+    assert plan.memory_per_gpu_bytes["activations"] == pytest.approx(paper, rel=0.01)
+    assert f"holds {held} layer-microbatches: {paper / planner.GIB:.2f} GiB" in text
