@@ -339,3 +339,17 @@ def test_the_megatron_175b_row_as_run_holds_the_interleaved_warm_up(text):
     paper = 34 * 2048 * 1 * 12288 / 8 * held
     assert plan.memory_per_gpu_bytes["activations"] == pytest.approx(paper, rel=0.01)
     assert f"holds {held} layer-microbatches: {paper / planner.GIB:.2f} GiB" in text
+
+
+def test_the_megatron_rows_keep_18_bytes_a_parameter(text):
+    """Megatron keeps a bf16 run's gradients in fp32: 2 + 4 + 12 bytes a parameter before ZeRO (its distributed
+    optimizer's documentation, docs/user-guide/features/dist_optimizer.md: bf16 parameters, fp32 gradients: 18, or
+    6 + 12/d)."""
+    import importlib
+
+    published = importlib.import_module("distlab.planner.published")
+    run = next(r for r in published.RUNS if r.label.startswith("Megatron 175B, selective"))   # dp = 1
+    mem = published.validate(run)["plan"].memory_per_gpu_bytes
+    parameters = mem["params"] / 2
+    assert (mem["params"] + mem["grads"] + mem["optimizer"]) / parameters == pytest.approx(18)
+    assert "18 under Megatron's layers, whose bf16 runs keep fp32 gradients" in text
