@@ -34,7 +34,7 @@ def test_every_table_is_what_the_planner_computes(raw, name, make):
 
 def test_the_mixture_of_experts_sentences(text):
     assert planner.moe_markdown() in text
-    # the seed's mistake, named where the chapter corrects it: 141 B stored, about 39 B used per token
+    # the mistake a published table makes, named where the chapter corrects it: 141 B stored, about 39 B used per token
     assert planner.moe_correction_markdown() == "Mixtral 8x22B stores 141 B parameters and uses 39 B per token"
     assert planner.moe_correction_markdown() in text and '"141B active"' in text
 
@@ -353,3 +353,8 @@ def test_the_megatron_rows_keep_18_bytes_a_parameter(text):
     parameters = mem["params"] / 2
     assert (mem["params"] + mem["grads"] + mem["optimizer"]) / parameters == pytest.approx(18)
     assert "18 under Megatron's layers, whose bf16 runs keep fp32 gradients" in text
+
+
+def test_no_note_about_the_courses_own_history(text):
+    for phrase in ("earlier version", "the course's seed", "is gone from the table"):
+        assert phrase not in text.lower()
