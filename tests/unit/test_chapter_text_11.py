@@ -358,3 +358,21 @@ def test_the_megatron_rows_keep_18_bytes_a_parameter(text):
 def test_no_note_about_the_courses_own_history(text):
     for phrase in ("earlier version", "the course's seed", "is gone from the table"):
         assert phrase not in text.lower()
+
+
+def test_the_dry_run_is_said_to_sample_the_stages_it_samples(raw, text):
+    from distlab.planner import dry_run
+
+    run = planner.published.RUNS[1]
+    per_stage = run.layout.dp * run.layout.cp * run.layout.tp
+    stages = sorted({r // per_stage for r in dry_run.sampled_ranks(run.layout)})
+    assert stages == [0, 8, 15]
+    assert "each pipeline position" not in text
+    assert text.count("the first, a middle and the last pipeline stage") == 2
+    # the padding the table names: hundreds of kilobytes on rank 0, tens of megabytes short on the last rank
+    rows = {int(line.split("|")[1].replace(",", "")): line.split("|")[5].strip()
+            for line in raw.splitlines() if line.startswith("| ") and "+" in line and line.count("|") == 7
+            and line.split("|")[1].strip().replace(",", "").isdigit()}
+    first, last = int(rows[0].replace(",", "")), int(rows[16383].replace(",", ""))
+    assert 100_000 < first < 1_000_000 and last < -10_000_000
+    assert f"hold up to {first:,} bytes more than 1/dp and the last ones less ({-last:,} bytes on rank 16,383)" in text
