@@ -103,9 +103,9 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     does not hide behind it, per dimension (seconds):
 
     * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
-    * dp hides as far as the schedule lets it: DDP and ZeRO-1/2 reduce the gradients during the last
-      microbatch's backward and gather ZeRO's updated parameters during the next step's first forward (Megatron's
-      overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
+    * dp hides as far as the schedule lets it: DDP and ZeRO-1 reduce the gradients during the last
+      microbatch's backward, ZeRO-2 each microbatch's during that microbatch's backward, and ZeRO gathers the
+      updated parameters during the next step's first forward (Megatron's overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
       and, as torch's pipeline stage runs it, reduce-scatters after the stage's last backward
       (``Options.pp_fsdp_grad_sync``): exposed; FSDP resharding every microbatch hides each microbatch's gathers
       and reduce-scatters behind that microbatch's compute, except the first unit's gather, which nothing
@@ -134,6 +134,10 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
             first = unit * (group - 1) / group / _link(cluster, layout, "dp")[0] + (group - 1) * _link(
                 cluster, layout, "dp")[1]
             exposed["dp"] = m * (max(0.0, dp / m - (forward + backward)) + first)
+        elif layout.zero_stage == 2:
+            # ZeRO-2 reduce-scatters each microbatch's gradients from that microbatch's backward hooks (DeepSpeed,
+            # stage_1_and_2.py:1767-1768): each of the M hides behind its own microbatch's backward
+            exposed["dp"] = max(0.0, gather - forward) + m * max(0.0, reduce / m - backward)
         else:
             exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - (0.0 if after else backward))
     else:

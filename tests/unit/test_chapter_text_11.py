@@ -377,3 +377,11 @@ def test_the_dry_run_is_said_to_sample_the_stages_it_samples(raw, text):
     first, last = int(rows[0].replace(",", "")), int(rows[16383].replace(",", ""))
     assert 100_000 < first < 1_000_000 and last < -10_000_000
     assert f"hold up to {first:,} bytes more than 1/dp and the last ones less ({-last:,} bytes on rank 16,383)" in text
+
+
+def test_zero2_is_said_to_hide_each_microbatchs_reduce_scatter(text):
+    """ZeRO-2 reduce-scatters after every microbatch (the table's dp row), so each hides behind its own microbatch's
+    backward, not behind the last one (tests/unit/test_planner.py holds the planner to it by hand)."""
+    assert "ZeRO-2 reduce-scatters after every microbatch (DeepSpeed)" in text
+    assert "DDP and ZeRO-1/2 reduce" not in text
+    assert "ZeRO-2 reduces each microbatch's gradients during that microbatch's backward" in text
