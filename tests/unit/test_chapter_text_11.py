@@ -385,3 +385,18 @@ def test_zero2_is_said_to_hide_each_microbatchs_reduce_scatter(text):
     assert "ZeRO-2 reduce-scatters after every microbatch (DeepSpeed)" in text
     assert "DDP and ZeRO-1/2 reduce" not in text
     assert "ZeRO-2 reduces each microbatch's gradients during that microbatch's backward" in text
+
+
+def test_fsdp2_refuses_meta_parameters_at_its_first_forward_not_in_fully_shard(text):
+    """torch 2.13: fully_shard keeps meta tensors on meta for deferred init (_fsdp_init.py, 'Keep meta-device tensors
+    on meta device for deferred init'); the lazy init before the first forward raises (_fsdp_param_group.py,
+    _validate_no_meta_params)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+
+    assert "Keep meta-device tensors on meta device for deferred init" in Path(fsdp_init.__file__).read_text()
+    source = Path(group.__file__).read_text()
+    assert "self._validate_no_meta_params()" in source and "still on meta device" in source
+    assert "`fully_shard` refuses parameters left on meta" not in text
+    assert ("`fully_shard` accepts parameters on meta, but its first forward refuses them "
+            "(`_validate_no_meta_params`)") in text
