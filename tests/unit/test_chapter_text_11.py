@@ -400,3 +400,17 @@ def test_fsdp2_refuses_meta_parameters_at_its_first_forward_not_in_fully_shard(t
     assert "`fully_shard` refuses parameters left on meta" not in text
     assert ("`fully_shard` accepts parameters on meta, but its first forward refuses them "
             "(`_validate_no_meta_params`)") in text
+
+
+def test_the_latency_paragraph_names_ncclts_tables_as_the_source_reads_them(text):
+    """NCCL at the commit read (sources.NCCL_HEAD) names the table hwLatencies (tuning.cc:156) and adds
+    baseLatencies (8.4 us a ring or tree call, Simple; tuning.cc:149-151, comm.NCCL_RING_CALL_LATENCY_S) to every
+    call; the planner charges the steps only, and the text says so."""
+    from distlab import comm
+
+    assert comm.NCCL_RING_CALL_LATENCY_S["Simple"] == 8.4e-6
+    assert "(`src/graph/tuning.cc`, `hwLatencies`; `hwLat` in older releases)" in text
+    assert "It leaves out NCCL's fixed 8.4 us a call (`baseLatencies`)" in text
+    # tuning.cc:228-233 and 404-410: intraLat = max(intraLat, getNetOverhead() x 3) on a ring over nodes, 1.0 on
+    # Intel hosts, 2.0 on AMD ones
+    assert "6 us on AMD hosts such as DGX A100 and Derecho (`getNetOverhead` x 3)" in text
