@@ -249,6 +249,10 @@ def test_the_hsdp_section_is_what_the_search_finds(text):
     hsdp_exposed = best.exposed_seconds["dp"] + best.exposed_seconds["replicate"]
     assert best.layout.pp > 1 and hsdp_exposed > twin.exposed_seconds["dp"] > 0
     assert f"({hsdp_exposed:.2f} s a step against {twin.exposed_seconds['dp']:.2f} s)" in text
+    # the 0.25 s is HSDP's reduce-scatters in the node and its all-reduce across the nodes together
+    assert best.exposed_seconds["dp"] > 0 and best.exposed_seconds["replicate"] > 0
+    assert ("There HSDP's reduce-scatters and its all-reduce across the nodes together cost more than FSDP's ring "
+            f"({hsdp_exposed:.2f} s a step") in text
     assert "already hides FSDP's traffic behind the compute in these layouts" not in text
     big = [p for p in planner.search(planner.MODELS["70b"], cluster, 256) if p.layout.shard]
     assert f"For 70B on 256 GPUs {sum(p.fits for p in big)} of the {len(big)} HSDP layouts fit" in text
