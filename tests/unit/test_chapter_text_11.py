@@ -418,3 +418,16 @@ def test_the_latency_paragraph_names_ncclts_tables_as_the_source_reads_them(text
     # tuning.cc:228-233 and 404-410: intraLat = max(intraLat, getNetOverhead() x 3) on a ring over nodes, 1.0 on
     # Intel hosts, 2.0 on AMD ones
     assert "6 us on AMD hosts such as DGX A100 and Derecho (`getNetOverhead` x 3)" in text
+
+
+def test_the_megatron_rows_errors_grow_with_size_as_the_text_says(text):
+    """Of the Megatron-LM rows (Table 1 and Korthikanti's), 1T is the most under-predicted and 22B, the smallest,
+    the only over-predicted one."""
+    rows = {r["label"]: r["error"] for r in planner.validation_table() if r["label"].startswith("Megatron ")}
+    assert min(rows, key=rows.get).startswith("Megatron 1T") and max(rows, key=rows.get).startswith("Megatron 22B")
+    assert [k for k, e in rows.items() if e > 0] == ["Megatron 22B, selective recomputation, 8 A100"]
+    one_t = rows["Megatron 1T, 3,072 A100"]
+    small = rows["Megatron 22B, selective recomputation, 8 A100"]
+    assert (f"the 1T run most ({one_t:+.0%}); the 22B run, the smallest, is the one over-predicted "
+            f"({small:+.0%})").replace("%", " %") in text
+
