@@ -43,6 +43,8 @@ class Plan:
         words.append({"none": "no ckpt", "selective": "selective ckpt", "full": "full ckpt"}[s["checkpointing"]])
         if s["sequence_parallel"]:
             words.append("SP")
+        if s.get("async_tp"):
+            words.append("async TP")
         if s["fsdp_keep_gathered"] and self.layout.pp == 1:
             words.append("FSDP kept gathered")
         return ", ".join(words)
@@ -220,6 +222,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     settings = {"micro_batch": model.micro_batch, "schedule": options.schedule if layout.pp > 1 else "none",
                 "chunks": v, "checkpointing": checkpointing(options),
                 "sequence_parallel": sequence_parallel(options, layout),
-                "fsdp_keep_gathered": keeps_gathered(options, layout)}
+                "fsdp_keep_gathered": keeps_gathered(options, layout),
+                "async_tp": bool(options.async_tp) and layout.tp > 1}
     return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step,
                 timing["compute"], mfu, tokens / step, [], worst, exposed, settings)

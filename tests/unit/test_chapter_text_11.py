@@ -431,3 +431,13 @@ def test_the_megatron_rows_errors_grow_with_size_as_the_text_says(text):
     assert (f"the 1T run most ({one_t:+.0%}); the 22B run, the smallest, is the one over-predicted "
             f"({small:+.0%})").replace("%", " %") in text
 
+
+def test_the_megatron_core_rows_show_their_overlapped_tp(raw):
+    """Megatron-LM's README runs its H100 weak-scaling models with '--tp-comm-overlap' (README.md:104 at sources'
+    MEGATRON_HEAD); the planner's rows overlap TP (Options.async_tp) and the settings column must say so, since the
+    text says TP is exposed unless --async-tp."""
+    rows = [line for line in raw.splitlines() if line.startswith("| Megatron-Core ")]
+    assert len(rows) == 2 and all("async TP" in line.split("|")[4] for line in rows)
+    assert not any("async TP" in line for line in raw.splitlines()
+                   if line.startswith("| ") and not line.startswith("| Megatron-Core "))
+
