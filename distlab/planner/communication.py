@@ -254,8 +254,8 @@ def dimension_seconds(model: ModelSpec, cluster: Cluster, layout: Layout, stage:
     "latency", "total"}}``: bytes sent / link bandwidth, plus each call's step latencies (a ring of 1,024 ranks is
     not free even for small messages). A ring call over several nodes pays the network's latency on the steps that
     leave a node and NVLink's on the rest (``comm.ring_latency``, NCCL's split); an all-reduce over nodes takes
-    NCCL's tree instead where the tree is faster (``Options.nccl_algorithm``): log2(nodes) network steps, at a
-    little less bandwidth (``comm.tree_all_reduce_latency``)."""
+    NCCL's tree instead where the tree is faster (``Options.nccl_algorithm``): 2 log2(nodes) network steps, up and
+    down (tuning.cc:416), at a little less bandwidth (``comm.tree_all_reduce_latency``)."""
     sizes = group_sizes(layout)
     payloads = comm_per_step(model, layout, stage, options, cluster.gpus_per_node)
     calls = collective_calls(model, layout, stage, options, cluster.gpus_per_node)

@@ -43,6 +43,8 @@ class Plan:
         words.append({"none": "no ckpt", "selective": "selective ckpt", "full": "full ckpt"}[s["checkpointing"]])
         if s["sequence_parallel"]:
             words.append("SP")
+        if s.get("async_tp"):
+            words.append("async TP")
         if s["fsdp_keep_gathered"] and self.layout.pp == 1:
             words.append("FSDP kept gathered")
         return ", ".join(words)
@@ -103,9 +105,9 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     does not hide behind it, per dimension (seconds):
 
     * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
-    * dp hides as far as the schedule lets it: DDP and ZeRO-1/2 reduce the gradients during the last
-      microbatch's backward and gather ZeRO's updated parameters during the next step's first forward (Megatron's
-      overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
+    * dp hides as far as the schedule lets it: DDP and ZeRO-1 reduce the gradients during the last
+      microbatch's backward, ZeRO-2 each microbatch's during that microbatch's backward, and ZeRO gathers the
+      updated parameters during the next step's first forward (Megatron's overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
       and, as torch's pipeline stage runs it, reduce-scatters after the stage's last backward
       (``Options.pp_fsdp_grad_sync``): exposed; FSDP resharding every microbatch hides each microbatch's gathers
       and reduce-scatters behind that microbatch's compute, except the first unit's gather, which nothing
@@ -134,6 +136,10 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
             first = unit * (group - 1) / group / _link(cluster, layout, "dp")[0] + (group - 1) * _link(
                 cluster, layout, "dp")[1]
             exposed["dp"] = m * (max(0.0, dp / m - (forward + backward)) + first)
+        elif layout.zero_stage == 2:
+            # ZeRO-2 reduce-scatters each microbatch's gradients from that microbatch's backward hooks (DeepSpeed,
+            # stage_1_and_2.py:1767-1768): each of the M hides behind its own microbatch's backward
+            exposed["dp"] = max(0.0, gather - forward) + m * max(0.0, reduce / m - backward)
         else:
             exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - (0.0 if after else backward))
     else:
@@ -216,6 +222,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
     settings = {"micro_batch": model.micro_batch, "schedule": options.schedule if layout.pp > 1 else "none",
                 "chunks": v, "checkpointing": checkpointing(options),
                 "sequence_parallel": sequence_parallel(options, layout),
-                "fsdp_keep_gathered": keeps_gathered(options, layout)}
+                "fsdp_keep_gathered": keeps_gathered(options, layout),
+                "async_tp": bool(options.async_tp) and layout.tp > 1}
     return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step,
                 timing["compute"], mfu, tokens / step, [], worst, exposed, settings)

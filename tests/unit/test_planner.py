@@ -578,3 +578,22 @@ def test_the_experts_fsdp_reduction_under_pp_is_exposed_too():
     total = after["seconds"]["expert_dp"]["total"]
     assert total > 0 and after["exposed"]["expert_dp"] == pytest.approx(total)
     assert during["exposed"]["expert_dp"] < total
+
+
+def test_zero2s_reduce_scatters_hide_behind_each_microbatchs_backward():
+    """ZeRO-2 reduce-scatters after every microbatch (DeepSpeed stage_1_and_2.py:1767-1768: partition_gradients),
+    from the backward hooks of that microbatch: each hides behind its own microbatch's backward, not all M behind
+    the last one. 7B on one 8-GPU H100 node, 8 microbatches of one 4,096-token sequence: one reduce-scatter of the
+    fp32 gradients moves 7/8 x 4 B x N over NVLink; one microbatch's backward does at least 4 N x 4,096 FLOPs
+    (two matmuls a weight, 2 FLOPs a multiply-add) even at the full dense peak. By hand, the first is shorter."""
+    spec, layout = replace(planner.MODELS["7b"], global_batch=64), planner.Layout(dp=8, zero_stage=2)
+    cluster = planner.CLUSTERS["h100-80gb"]
+    options = planner.Options(activation_checkpointing="none")   # the spec's micro-batch: 1
+    n = planner.stage_params(spec, layout, 0)["total"]
+    one_reduce_scatter = 7 / 8 * 4 * n / cluster.intra_node_bytes_per_s + 7 * 3.4e-6
+    one_backward_at_least = 4 * n * spec.seq_len / cluster.peak_flops
+    assert 8 * one_reduce_scatter > one_backward_at_least > one_reduce_scatter
+    from distlab.planner import step_time
+
+    exposed = step_time.stage_time(spec, cluster, layout, 0, options)["exposed"]["dp"]
+    assert exposed == pytest.approx(0.0, abs=1e-3)

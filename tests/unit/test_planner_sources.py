@@ -225,3 +225,16 @@ def test_the_mechanisms_read_in_megatron_nccl_and_deepspeed_are_quoted():
     assert comm.NCCL_TREE_BANDWIDTH_SHARE == 0.92 * 0.5
     assert "self.partition_gradients or" in SOURCES["deepspeed_zero2_reduces_every_micro_step"].quote
     assert "34 +" in SECONDARY["korthikanti_activation_formula"].quote
+
+
+def test_korthikantis_530b_figures_are_read_in_the_papers_abstract():
+    """54.2 % and 42.1 % on 2,240 A100s are in the abstract of arXiv:2205.05198 (Hugging Face's paper page prints it);
+    chapter 11 says so instead of 'found only in a quotation'."""
+    from pathlib import Path
+
+    source = SOURCES["korthikanti_530b_abstract"]
+    assert "2240 NVIDIA A100 GPUs" in source.quote and "54.2%" in source.quote and "42.1%" in source.quote
+    assert "korthikanti_530b_primary" not in NOT_FOUND
+    chapter = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "11_choosing_a_strategy.md").read_text().split())
+    assert "found only in a quotation" not in chapter
+    assert "It is stated in the paper's abstract, without its layout or batch." in chapter
