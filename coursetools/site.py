@@ -204,8 +204,9 @@ def _lay_out(source: Path, repo: Path) -> None:
         shutil.copy2(repo / path, target)
         language = "python" if path.endswith(".py") else "bash"
         (source / page_of(path)).write_text(_source_page(path, by_script.get(path), language))
-    (source / "pbs" / "README.md").write_text(_link_paths((repo / "pbs" / "README.md").read_text(),
-                                                          "pbs/README.md", known))
+    for guide in ("pbs/README.md", "slurm/README.md"):   # the two schedulers' guides: a workshop reads one of them
+        (source / guide).parent.mkdir(parents=True, exist_ok=True)
+        (source / guide).write_text(_link_paths((repo / guide).read_text(), guide, known))
     listing = ["# The scripts and jobs", "", "Every chapter's standalone scripts (`torchrun`, 4 CPU ranks or the GPUs "
                "of a node) and its PBS job, as source.", ""]
     for chapter in chapters:
@@ -227,7 +228,7 @@ def _lay_out(source: Path, repo: Path) -> None:
     (source / "BENCHMARKS.md").write_text((repo / "BENCHMARKS.md").read_text())
     index = [readme, "", "```{toctree}", ":caption: The course", ":maxdepth: 1", "", *toc, "```", "",
              "```{toctree}", ":caption: Reference", ":maxdepth: 1", "", "scripts.md", "pbs/README.md",
-             "BENCHMARKS.md", "```", "", "```{toctree}", ":hidden:", "", *hidden, "```", ""]
+             "slurm/README.md", "BENCHMARKS.md", "```", "", "```{toctree}", ":hidden:", "", *hidden, "```", ""]
     (source / "index.md").write_text("\n".join(index))
 
 
