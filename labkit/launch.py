@@ -235,11 +235,11 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
 
 # The variables of the ranks' environment that can change what a run computes or prints, and so belong in the
 # cache's key. The rest (PATH, a kernel's JPY_* or pytest's PYTEST_CURRENT_TEST, which differ between two callers
-# launching the same run) do not. DISTLAB_LAUNCH_CACHE and DISTLAB_FORK_SERVER choose how a run is started, not what
-# it does.
+# launching the same run) do not. DISTLAB_LAUNCH_CACHE and the fork server's variables (its socket differs from
+# one make test phase to the next) choose how a run is started, not what it does.
 KEYED_ENVIRONMENT = ("DISTLAB_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "CUDA_", "MASTER_",
                      "PYTHONHASHSEED", "PYTHONPATH")
-NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER")
+NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER", "DISTLAB_FORK_SERVER_SOCKET")
 
 
 def file_arguments(args: list[str], cwd: Path, metrics_path=None) -> list[Path]:

@@ -114,4 +114,5 @@ def test_the_ranks_environment_is_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.delenv("DISTLAB_PG_TIMEOUT")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")   # which caller launches it does not
     monkeypatch.setenv("DISTLAB_FORK_SERVER", "0")
+    monkeypatch.setenv("DISTLAB_FORK_SERVER_SOCKET", "/tmp/another-phase/socket")   # each phase starts its own
     assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first
