@@ -37,8 +37,9 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-## Every test, in two phases. First unit, scripts (4 CPU ranks), PBS jobs and notebooks (nbval) on two
-## pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
+## Every test, in phases. First the Slurm and PBS tiers (their longest files first, so that no long file starts last
+## beside an idle worker: the Slurm jobs file alone takes about 4 minutes), scripts (4 CPU ranks), notebooks (nbval)
+## and unit tests on two pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
 ## copies, on two workers: they replay the script runs their full notebooks made in the first phase
 ## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
@@ -53,7 +54,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
-	$(PY) -m pytest tests/unit tests/scripts tests/pbs tests/slurm $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-current-env \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
