@@ -270,6 +270,14 @@ def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoin
     source = Path(torch.__file__).parent / "distributed" / "elastic"
     assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
     assert "except SignalException" in (source / "agent" / "server" / "api.py").read_text().splitlines()[751]
+    # a warning to the tasks (no B:) kills them: no course code handles USR1, whose default action ends a process
+    text = flat(CHAPTER)
+    assert "`TORCHELASTIC_SIGNALS_TO_HANDLE`" in text and "TORCHELASTIC_SIGNALS_TO_HANDLE" in (
+        source / "multiprocessing" / "api.py").read_text()
+    assert "USR1's default action ends a process at once" in text and "kills every rank or agent" in text
+    assert "(batch shell; `--signal=USR1@N`, to the tasks, kills them)" in text
+    for folder in ("distlab", "scripts"):
+        assert not any("SIGUSR1" in f.read_text() for f in (ROOT / folder).rglob("*.py")), folder
 
 
 def test_waiting_for_a_peer_is_communication_not_idle():
