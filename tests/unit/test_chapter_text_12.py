@@ -154,6 +154,12 @@ def test_the_walltime_section_states_what_the_job_does():
     common = (ROOT / "pbs" / "common.sh").read_text() + (ROOT / "jobs" / "common.sh").read_text()  # PBS part + shared
     assert "DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120}" in common
     assert "`DISTLAB_WALLTIME_MARGIN` (120 s" in CHAPTER and "10 s unless the queue sets another" in CHAPTER
+    # the deadline comes from the job's start (stime); the walltime used, sampled late, only as a fallback
+    assert "start=$(distlab_qstat_field stime)" in common and "resources_used.walltime" in common
+    text = flat(CHAPTER)
+    assert "and its start time, `stime`, set when the server runs the job" in text
+    assert "Without `stime` it takes now less `resources_used.walltime`" in text
+    assert "the job's end (its start plus its walltime) less" in text
     assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
     assert "distlab_tee" in common and "sets each rank's share always (16)" in CHAPTER
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
