@@ -190,6 +190,9 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
         assert line.split(": ", 1)[1] in script
     flat = " ".join(CHAPTER.split())
     assert "TORCH_NCCL_BLOCKING_WAIT=1" in flat and "Only TORCH_NCCL_BLOCKING_WAIT is being used" in flat
+    # under blocking wait the timed-out call raises in the rank's own thread: the watchdog does not end the hang
+    assert "which the watchdog ends" not in flat
+    assert "ended by the process-group timeout in the rank's own thread (blocking wait), not by the watchdog" in flat
     from distlab import hangs
     assert set(hangs.debug_env("x")) <= {"TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                                          "TORCH_FR_DUMP_TEMP_FILE"}
