@@ -180,6 +180,20 @@ def test_wrong_interface_message():
     assert f"`{shown}`" in CHAPTER, shown
 
 
+def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
+    import re
+
+    text = flat(CHAPTER)
+    assert "*`wrong-group` pairs two different collectives too.*" in text
+    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce" in text
+    # the PBS job plants on NCCL only the hangs that pair no two different collectives
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
+    assert planted and "wrong-group" not in planted.group(1) and "skipped-barrier" in planted.group(1)
+    assert planted.group(1).split() == ["skipped-barrier", "unpaired-p2p"]
+    assert "the PBS job plants only `skipped-barrier` and `unpaired-p2p` on NCCL" in text
+
+
 def test_the_flight_recorder_lines_are_what_the_drill_prints():
     # the lines the chapter quotes are those tests/scripts/test_12_hpc_operations.py asserts of a real run
     quoted = ["rank 0: group 0: 7 enqueued, the last collective gloo:barrier",
