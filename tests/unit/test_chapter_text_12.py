@@ -122,6 +122,10 @@ def test_troubleshooting_messages_as_a_cpu_produces_them():
     with pytest.raises(runtime.ConfigError) as outside:
         runtime.launcher_env({"RANK": "4", "WORLD_SIZE": "4"})
     assert f"`config error: {outside.value}`" in CHAPTER
+    # what produces it: variables set by hand, no launcher (a real launcher's rank and size agree)
+    text = flat(CHAPTER)
+    assert "`RANK`/`WORLD_SIZE` set by hand with no launcher, or a broken wrapper" in text
+    assert "(`-n` against `select` x `mpiprocs`" not in text
     # a port in use
     import datetime
 
