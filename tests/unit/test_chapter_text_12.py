@@ -34,6 +34,19 @@ def test_each_diagnosis_line_is_the_one_the_script_prints(flag):
     assert f"`{flag}`" in CHAPTER
 
 
+def test_the_count_of_planted_hangs_is_the_scripts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deadlocks", ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bugs = [flag for flag in script.EXPECTED_CAUSE if flag != "none"]   # --hang's choices
+    words = {5: "five", 6: "six"}
+    assert f"`deadlocks.py --hang` plants one of {words[len(bugs)]} bugs" in flat(CHAPTER)
+    assert "one flag each" not in flat(CHAPTER)
+    assert "`uneven-inputs`, is chapter 14's" in flat(CHAPTER) and "uneven-inputs" in bugs
+
+
 def test_tuning_numbers():
     """The numbers of the tuning section's prose. Those of its printed table are compared with a real run of
     tuning.py by tests/scripts/test_12_tuning.py; its times are stated as this machine's, and not tested."""
