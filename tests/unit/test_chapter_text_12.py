@@ -185,6 +185,17 @@ def test_the_walltime_section_states_what_the_job_does():
         assert f"| {row} |" in CHAPTER, row
 
 
+def test_the_plugin_row_names_nccl_releases_that_exist():
+    # NVIDIA/nccl tags go v2.27.7-1 -> v2.28.3-1: no 2.28.2. The v10 message is at net_v10.cc:20 up to v2.27.7-1,
+    # "External network plugin %s is unsupported" at net.cc:100 from v2.28.3-1; both try interfaces down to v6
+    # (net.cc: ncclNetVersion = {10, 9, 8, 7, 6} at v2.27.7-1, {11, 10, 9, 8, 7, 6} at v2.28.3-1)
+    text = flat(CHAPTER)
+    assert "2.28.2" not in text
+    assert "(NCCL up to 2.27.x, `src/plugin/net/net_v10.cc:20` at tag v2.27.7-1)" in text
+    assert "(`src/plugin/net.cc:100` at v2.28.3-1)" in text
+    assert "older than the oldest plugin interface this NCCL still loads, v6" in text
+
+
 def test_wrong_interface_message():
     code = ("import torch.distributed as dist\n"
             "try:\n    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
