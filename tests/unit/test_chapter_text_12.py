@@ -84,6 +84,23 @@ def test_tuning_numbers():
     assert "no measurement" not in text
 
 
+def test_the_tuning_prose_says_what_its_printed_table_says():
+    import math
+    import re
+
+    text = flat(CHAPTER)
+    # microbatches: measured idle share against the formula, row by row
+    rows = re.findall(r"^ +(\d+) +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER, flags=re.M)
+    gaps = [float(measured) - float(formula) for _, measured, formula in rows]
+    assert len(gaps) == 3
+    low, high = math.floor(min(gaps)), math.ceil(max(gaps))
+    assert f"on this machine by about {low}-{high} points" in text, (low, high)
+    # activation checkpointing: the time ratio of the two printed rows
+    off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
+    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table)" in text
+    assert abs(float(re.search(r"for ([\d.]+)x the forward \+ backward time", CHAPTER).group(1)) - on / off) < 0.05
+
+
 def test_fsdp_collective_counts():
     units = models.preset("tiny").n_layers + 1  # one fully_shard per block, and the root
     assert f"the tiny model has **{units}** units" in flat(CHAPTER)
