@@ -188,6 +188,8 @@ def test_the_walltime_section_states_what_the_job_does():
     common = (ROOT / "pbs" / "common.sh").read_text() + (ROOT / "jobs" / "common.sh").read_text()  # PBS part + shared
     assert "DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120}" in common
     assert "`DISTLAB_WALLTIME_MARGIN` (120 s" in CHAPTER and "10 s unless the queue sets another" in CHAPTER
+    # an unset kill_delay is not listed by qstat -Qf: the 10 s is hard-coded (openpbs src/server/req_runjob.c:948)
+    assert "(`qstat -Qf` shows it where the queue sets one; absent, it is 10 s" in flat(CHAPTER)
     # the deadline comes from the job's start (stime); the walltime used, sampled late, only as a fallback
     assert "start=$(distlab_qstat_field stime)" in common and "resources_used.walltime" in common
     text = flat(CHAPTER)
