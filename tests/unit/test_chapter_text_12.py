@@ -263,11 +263,14 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     assert "the default is node-local `/tmp`" not in flat
 
 
-def test_the_watchdog_line_has_torch_2_13s_prefix():
+def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
     # ProcessGroupNCCL::createLogPrefix: "[PG ID ", local_id_, " PG GUID ", pg_uid_, "(", pg_desc_, ") Rank ", rank_
     text = flat(CHAPTER)
     assert "`[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout:" in text
     assert "`[Rank 0] Watchdog" not in text
+    # a hung NCCL rank waits in c10d or a CUDA sync; the NCCL kernel spins on the GPU
+    assert "frames, inside NCCL" not in text
+    assert "shows c10d's wait (`WorkNCCL`'s poll loop under blocking wait) or a CUDA synchronisation" in text
 
 
 def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
