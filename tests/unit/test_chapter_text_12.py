@@ -415,6 +415,9 @@ def test_the_operations_corrections_of_issue_45_item_13():
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous)
+    # torchrun's workers' store listens on a free port of node rank 0: a second port to open, beside the endpoint
+    assert "server_port = 0" in inspect.getsource(dynamic_rendezvous)
+    assert "Under torchrun it needs a second port: the agent of node rank 0 opens the workers' store on a free port." in text
     # NCCL_ALGO / NCCL_PROTO are debugging variables
     assert "NCCL's documentation lists them under debugging" in text and "NVIDIA/nccl#1246" in text
 
