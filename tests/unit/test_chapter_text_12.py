@@ -215,6 +215,14 @@ def test_the_plugin_row_names_nccl_releases_that_exist():
     assert "older than the oldest plugin interface this NCCL still loads, v6" in text
 
 
+def test_the_memory_row_shows_a_use_above_its_limit():
+    import re
+
+    # pbs_mom prints both values in kB (bytes / 1024, mom_main.c:5987): a job killed used more than its limit
+    used, limit = (int(v) for v in re.search(r"mem (\d+)kb exceeded limit (\d+)kb", CHAPTER).groups())
+    assert used > limit
+
+
 def test_wrong_interface_message():
     code = ("import torch.distributed as dist\n"
             "try:\n    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
