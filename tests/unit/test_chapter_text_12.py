@@ -61,6 +61,14 @@ def test_tuning_numbers():
     assert buckets[0.1][0] > int(0.1 * comm.MIB)
     assert f"the tiny model's **{4 * n:,} bytes** of gradients" in text
     assert f"with **{len(buckets[0.1])}** or **{len(buckets[0.025])}** buckets" in text
+    # tuning.py passes the cap, so its "25" row is not DDP's default, whose first bucket is capped at 1 MiB
+    import torch.distributed as dist
+
+    tuning = (ROOT / "scripts" / "12_hpc_operations" / "tuning.py").read_text()
+    assert "bucket_cap_mb=bucket_mb" in tuning and dist._DEFAULT_FIRST_BUCKET_BYTES == comm.MIB
+    assert "DDP's default of 25 MiB" not in text and "The \"25\" row is not DDP's default, though." in text
+    assert "DDP caps its first bucket at 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`) and the others at 25 MiB" in text
+    assert 4 * n < dist._DEFAULT_FIRST_BUCKET_BYTES and f"The tiny model's {4 * n:,} bytes fit under 1 MiB" in text
     # gradient_as_bucket_view: two copies of the gradients, then one; the a100 preset's saving
     assert f"two copies, **{2 * 4 * n:,} bytes**" in text and f"one copy, **{4 * n:,} bytes**" in text
     assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in text
