@@ -113,6 +113,17 @@ def test_fsdp_collective_counts():
     units = models.preset("tiny").n_layers + 1  # one fully_shard per block, and the root
     assert f"the tiny model has **{units}** units" in flat(CHAPTER)
     assert f"**{2 * units}** and **{units}**" in CHAPTER
+    # the 2 per unit holds because apply_fsdp reshards every unit; fully_shard's default spares the root
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    assert "def apply_fsdp(model, *, reshard_after_forward=True" in (
+        ROOT / "scripts" / "05_fully_sharded" / "train_fsdp.py").read_text()
+    text = flat(CHAPTER)
+    assert "`apply_fsdp` sets `reshard_after_forward=True` on every unit, the root too" in text
+    assert f"so the root all-gathers once: {2 * units - 1} all-gathers, not {2 * units}" in text
     # the same counts are what profile_step.py's test asserts from a real run
     script_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
     assert f'{{"all_gather": {2 * units}, "reduce_scatter": {units}}}' in script_test
