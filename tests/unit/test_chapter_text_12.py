@@ -34,6 +34,19 @@ def test_each_diagnosis_line_is_the_one_the_script_prints(flag):
     assert f"`{flag}`" in CHAPTER
 
 
+def test_the_count_of_planted_hangs_is_the_scripts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deadlocks", ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bugs = [flag for flag in script.EXPECTED_CAUSE if flag != "none"]   # --hang's choices
+    words = {5: "five", 6: "six"}
+    assert f"`deadlocks.py --hang` plants one of {words[len(bugs)]} bugs" in flat(CHAPTER)
+    assert "one flag each" not in flat(CHAPTER)
+    assert "`uneven-inputs`, is chapter 14's" in flat(CHAPTER) and "uneven-inputs" in bugs
+
+
 def test_tuning_numbers():
     """The numbers of the tuning section's prose. Those of its printed table are compared with a real run of
     tuning.py by tests/scripts/test_12_tuning.py; its times are stated as this machine's, and not tested."""
@@ -48,6 +61,14 @@ def test_tuning_numbers():
     assert buckets[0.1][0] > int(0.1 * comm.MIB)
     assert f"the tiny model's **{4 * n:,} bytes** of gradients" in text
     assert f"with **{len(buckets[0.1])}** or **{len(buckets[0.025])}** buckets" in text
+    # tuning.py passes the cap, so its "25" row is not DDP's default, whose first bucket is capped at 1 MiB
+    import torch.distributed as dist
+
+    tuning = (ROOT / "scripts" / "12_hpc_operations" / "tuning.py").read_text()
+    assert "bucket_cap_mb=bucket_mb" in tuning and dist._DEFAULT_FIRST_BUCKET_BYTES == comm.MIB
+    assert "DDP's default of 25 MiB" not in text and "The \"25\" row is not DDP's default, though." in text
+    assert "DDP caps its first bucket at 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`) and the others at 25 MiB" in text
+    assert 4 * n < dist._DEFAULT_FIRST_BUCKET_BYTES and f"The tiny model's {4 * n:,} bytes fit under 1 MiB" in text
     # gradient_as_bucket_view: two copies of the gradients, then one; the a100 preset's saving
     assert f"two copies, **{2 * 4 * n:,} bytes**" in text and f"one copy, **{4 * n:,} bytes**" in text
     assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in text
@@ -71,10 +92,38 @@ def test_tuning_numbers():
     assert "no measurement" not in text
 
 
+def test_the_tuning_prose_says_what_its_printed_table_says():
+    import math
+    import re
+
+    text = flat(CHAPTER)
+    # microbatches: measured idle share against the formula, row by row
+    rows = re.findall(r"^ +(\d+) +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER, flags=re.M)
+    gaps = [float(measured) - float(formula) for _, measured, formula in rows]
+    assert len(gaps) == 3
+    low, high = math.floor(min(gaps)), math.ceil(max(gaps))
+    assert f"on this machine by about {low}-{high} points" in text, (low, high)
+    # activation checkpointing: the time ratio of the two printed rows
+    off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
+    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table)" in text
+    assert abs(float(re.search(r"for ([\d.]+)x the forward \+ backward time", CHAPTER).group(1)) - on / off) < 0.05
+
+
 def test_fsdp_collective_counts():
     units = models.preset("tiny").n_layers + 1  # one fully_shard per block, and the root
     assert f"the tiny model has **{units}** units" in flat(CHAPTER)
     assert f"**{2 * units}** and **{units}**" in CHAPTER
+    # the 2 per unit holds because apply_fsdp reshards every unit; fully_shard's default spares the root
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    assert "def apply_fsdp(model, *, reshard_after_forward=True" in (
+        ROOT / "scripts" / "05_fully_sharded" / "train_fsdp.py").read_text()
+    text = flat(CHAPTER)
+    assert "`apply_fsdp` sets `reshard_after_forward=True` on every unit, the root too" in text
+    assert f"so the root all-gathers once: {2 * units - 1} all-gathers, not {2 * units}" in text
     # the same counts are what profile_step.py's test asserts from a real run
     script_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
     assert f'{{"all_gather": {2 * units}, "reduce_scatter": {units}}}' in script_test
@@ -122,6 +171,10 @@ def test_troubleshooting_messages_as_a_cpu_produces_them():
     with pytest.raises(runtime.ConfigError) as outside:
         runtime.launcher_env({"RANK": "4", "WORLD_SIZE": "4"})
     assert f"`config error: {outside.value}`" in CHAPTER
+    # what produces it: variables set by hand, no launcher (a real launcher's rank and size agree)
+    text = flat(CHAPTER)
+    assert "`RANK`/`WORLD_SIZE` set by hand with no launcher, or a broken wrapper" in text
+    assert "(`-n` against `select` x `mpiprocs`" not in text
     # a port in use
     import datetime
 
@@ -154,12 +207,39 @@ def test_the_walltime_section_states_what_the_job_does():
     common = (ROOT / "pbs" / "common.sh").read_text() + (ROOT / "jobs" / "common.sh").read_text()  # PBS part + shared
     assert "DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120}" in common
     assert "`DISTLAB_WALLTIME_MARGIN` (120 s" in CHAPTER and "10 s unless the queue sets another" in CHAPTER
+    # an unset kill_delay is not listed by qstat -Qf: the 10 s is hard-coded (openpbs src/server/req_runjob.c:948)
+    assert "(`qstat -Qf` shows it where the queue sets one; absent, it is 10 s" in flat(CHAPTER)
+    # the deadline comes from the job's start (stime); the walltime used, sampled late, only as a fallback
+    assert "start=$(distlab_qstat_field stime)" in common and "resources_used.walltime" in common
+    text = flat(CHAPTER)
+    assert "and its start time, `stime`, set when the server runs the job" in text
+    assert "Without `stime` it takes now less `resources_used.walltime`" in text
+    assert "the job's end (its start plus its walltime) less" in text
     assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
     assert "distlab_tee" in common and "sets each rank's share always (16)" in CHAPTER
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
                 "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
                 "conda's package cache fills home"):
         assert f"| {row} |" in CHAPTER, row
+
+
+def test_the_plugin_row_names_nccl_releases_that_exist():
+    # NVIDIA/nccl tags go v2.27.7-1 -> v2.28.3-1: no 2.28.2. The v10 message is at net_v10.cc:20 up to v2.27.7-1,
+    # "External network plugin %s is unsupported" at net.cc:100 from v2.28.3-1; both try interfaces down to v6
+    # (net.cc: ncclNetVersion = {10, 9, 8, 7, 6} at v2.27.7-1, {11, 10, 9, 8, 7, 6} at v2.28.3-1)
+    text = flat(CHAPTER)
+    assert "2.28.2" not in text
+    assert "(NCCL up to 2.27.x, `src/plugin/net/net_v10.cc:20` at tag v2.27.7-1)" in text
+    assert "(`src/plugin/net.cc:100` at v2.28.3-1)" in text
+    assert "older than the oldest plugin interface this NCCL still loads, v6" in text
+
+
+def test_the_memory_row_shows_a_use_above_its_limit():
+    import re
+
+    # pbs_mom prints both values in kB (bytes / 1024, mom_main.c:5987): a job killed used more than its limit
+    used, limit = (int(v) for v in re.search(r"mem (\d+)kb exceeded limit (\d+)kb", CHAPTER).groups())
+    assert used > limit
 
 
 def test_wrong_interface_message():
@@ -174,6 +254,20 @@ def test_wrong_interface_message():
     assert f"`{shown}`" in CHAPTER, shown
 
 
+def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
+    import re
+
+    text = flat(CHAPTER)
+    assert "*`wrong-group` pairs two different collectives too.*" in text
+    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce" in text
+    # the PBS job plants on NCCL only the hangs that pair no two different collectives
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
+    assert planted and "wrong-group" not in planted.group(1) and "skipped-barrier" in planted.group(1)
+    assert planted.group(1).split() == ["skipped-barrier", "unpaired-p2p"]
+    assert "the PBS job plants only `skipped-barrier` and `unpaired-p2p` on NCCL" in text
+
+
 def test_the_flight_recorder_lines_are_what_the_drill_prints():
     # the lines the chapter quotes are those tests/scripts/test_12_hpc_operations.py asserts of a real run
     quoted = ["rank 0: group 0: 7 enqueued, the last collective gloo:barrier",
@@ -184,6 +278,9 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
         assert line.split(": ", 1)[1] in script
     flat = " ".join(CHAPTER.split())
     assert "TORCH_NCCL_BLOCKING_WAIT=1" in flat and "Only TORCH_NCCL_BLOCKING_WAIT is being used" in flat
+    # under blocking wait the timed-out call raises in the rank's own thread: the watchdog does not end the hang
+    assert "which the watchdog ends" not in flat
+    assert "ended by the process-group timeout in the rank's own thread (blocking wait), not by the watchdog" in flat
     from distlab import hangs
     assert set(hangs.debug_env("x")) <= {"TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                                          "TORCH_FR_DUMP_TEMP_FILE"}
@@ -191,6 +288,16 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     # where torch 2.13 writes the watchdog's dump when TORCH_FR_DUMP_TEMP_FILE is unset (not /tmp, as once)
     assert "~/.cache/torch/comm_lib_trace_rank_<rank>" in flat and "`$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>`" in flat
     assert "the default is node-local `/tmp`" not in flat
+
+
+def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
+    # ProcessGroupNCCL::createLogPrefix: "[PG ID ", local_id_, " PG GUID ", pg_uid_, "(", pg_desc_, ") Rank ", rank_
+    text = flat(CHAPTER)
+    assert "`[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout:" in text
+    assert "`[Rank 0] Watchdog" not in text
+    # a hung NCCL rank waits in c10d or a CUDA sync; the NCCL kernel spins on the GPU
+    assert "frames, inside NCCL" not in text
+    assert "shows c10d's wait (`WorkNCCL`'s poll loop under blocking wait) or a CUDA synchronisation" in text
 
 
 def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
@@ -224,7 +331,12 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     # a failed group spends a restart; a healthy one restarted for a waiting node does not
     assert "self._remaining_restarts -= 1" in source and "membership changes do not count as retries" in source
     text = " ".join(CHAPTER.split())
-    assert "So `TORCHELASTIC_RESTART_COUNT` differs between nodes, and it cannot name the attempt." in text
+    # the other nodes count a restart too when their workers fail before their agent sees the waiting node
+    assert "elif state == WorkerState.HEALTHY:" in source and "num_nodes_waiting > 0" in source
+    assert "So `TORCHELASTIC_RESTART_COUNT` may differ between nodes, and it cannot name the attempt." in text
+    assert "Which one the other nodes' agents do is a race." in text
+    assert "If that happens before their agent sees the waiting node, it counts a restart as well." in text
+    assert "so the other node's worker does not fail: the case where the counts differ" in text
     assert "`distlab.runtime.agree_on_attempt`" in text and hasattr(runtime, "agree_on_attempt")
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
@@ -270,6 +382,14 @@ def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoin
     source = Path(torch.__file__).parent / "distributed" / "elastic"
     assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
     assert "except SignalException" in (source / "agent" / "server" / "api.py").read_text().splitlines()[751]
+    # a warning to the tasks (no B:) kills them: no course code handles USR1, whose default action ends a process
+    text = flat(CHAPTER)
+    assert "`TORCHELASTIC_SIGNALS_TO_HANDLE`" in text and "TORCHELASTIC_SIGNALS_TO_HANDLE" in (
+        source / "multiprocessing" / "api.py").read_text()
+    assert "USR1's default action ends a process at once" in text and "kills every rank or agent" in text
+    assert "(batch shell; `--signal=USR1@N`, to the tasks, kills them)" in text
+    for folder in ("distlab", "scripts"):
+        assert not any("SIGUSR1" in f.read_text() for f in (ROOT / folder).rglob("*.py")), folder
 
 
 def test_waiting_for_a_peer_is_communication_not_idle():
@@ -322,6 +442,9 @@ def test_the_operations_corrections_of_issue_45_item_13():
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous)
+    # torchrun's workers' store listens on a free port of node rank 0: a second port to open, beside the endpoint
+    assert "server_port = 0" in inspect.getsource(dynamic_rendezvous)
+    assert "Under torchrun it needs a second port: the agent of node rank 0 opens the workers' store on a free port." in text
     # NCCL_ALGO / NCCL_PROTO are debugging variables
     assert "NCCL's documentation lists them under debugging" in text and "NVIDIA/nccl#1246" in text
 
