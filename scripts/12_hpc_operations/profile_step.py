@@ -57,7 +57,7 @@ KINDS_TOLERANCE_SECONDS = 0.010
 # twice over it.
 STRAGGLER_TOLERANCE_S = 0.15
 SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
-# DDP lays out its buckets in parameter order at construction; at the start of step 1's forward it rebuilds them in
+# DDP lays out its buckets in reverse parameter order at construction; at the start of step 1's forward it rebuilds them in
 # the order step 0's gradients became ready (torch/nn/parallel/distributed.py, _pre_forward:
 # reducer._rebuild_buckets()), and rank 0 broadcasts the new layout: the indices, then the bucket sizes (c10d
 # reducer.cpp, Reducer::sync_bucket_indices). Measured on gloo: two gloo:broadcast events in step 1's forward.
