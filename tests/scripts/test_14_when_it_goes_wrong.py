@@ -243,8 +243,10 @@ def _fsdp_before_tp(metrics, result):
 def _slow_rank(metrics, result):
     kinds = {row["rank"]: row["kinds"] for row in metrics["extra"]["ranks"]}
     assert kinds[1]["idle"] > 0.4 and all(kinds[r]["communication"] > 0.4 for r in (0, 2, 3)), kinds
-    # waiting for the late rank is its peers' communication, not the late rank's own (ch12, issue 45 item 8)
-    assert kinds[1]["communication"] < min(kinds[r]["communication"] for r in (0, 2, 3)) / 3, kinds
+    # waiting for the late rank is its peers' communication, not the late rank's own (ch12, issue 45 item 8): each
+    # peer waits out every one of its 0.3 s delays, the late rank only for a peer the loaded CPU descheduled (0.45 of
+    # a peer's seen inside make test), so it is at least one delay below each peer's, not a fixed fraction of it
+    assert kinds[1]["communication"] + 0.3 < min(kinds[r]["communication"] for r in (0, 2, 3)), kinds
 
 
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
