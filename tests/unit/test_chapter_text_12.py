@@ -404,7 +404,7 @@ def test_waiting_for_a_peer_is_communication_not_idle():
     assert "SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3" in source
     # the measurement: chapter 14's straggler test asserts the late rank's communication is a fraction of its peers'
     ch14 = (ROOT / "tests" / "scripts" / "test_14_when_it_goes_wrong.py").read_text()
-    assert 'kinds[1]["communication"] < min(kinds[r]["communication"] for r in (0, 2, 3))' in ch14
+    assert 'kinds[1]["communication"] + 0.3 < min(kinds[r]["communication"] for r in (0, 2, 3))' in ch14
 
 
 def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default():
