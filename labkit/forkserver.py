@@ -9,9 +9,8 @@ reads), so the caller sees what ``subprocess.Popen`` would give it: the output, 
 timeout, the exit code. ``DISTLAB_FORK_SERVER=0`` turns it off: each launch then starts its own forkrun.
 
 The server's socket is exported to the processes its starter starts afterwards (``DISTLAB_FORK_SERVER_SOCKET``):
-make test starts one server per pytest worker as the worker starts (tests/conftest.py), and the notebook kernels
-and subprocesses that worker starts fork their launches from it instead of importing torch in a server of their
-own. A process that finds no server answering there starts its own.
+make test starts one server a phase, before its pytest workers (tests/conftest.py), and the workers, their notebook
+kernels and their subprocesses fork their launches from it instead of importing torch in a server of their own. A process that finds no server answering there starts its own.
 
 Fork is safe here for the reason it is safe in forkrun: the server imports, never computes, so no thread pool has
 started when it forks. The server leaves when the process that started it does.
@@ -50,9 +49,13 @@ class ForkedRun:
     """A forkrun forked by the server, with Popen's few members that launch.run uses."""
 
     def __init__(self, path: str, argv: list[str], cwd: str, env: dict):
-        read_end, write_end = os.pipe()
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.connect(path)
+        try:
+            self._socket.connect(path)    # a server gone: the caller starts another (no pipe left open behind)
+        except OSError:
+            self._socket.close()
+            raise
+        read_end, write_end = os.pipe()
         request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()
         socket.send_fds(self._socket, [len(request).to_bytes(8, "big") + request], [write_end])
         os.close(write_end)   # the child holds the only writing end: EOF when it and its ranks have exited
