@@ -7,13 +7,16 @@ no widget scripts from a CDN.
 """
 
 import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the course's own extension: how_we_know.py
 
 project = "Distributed training, from one GPU to thousands"
 author = "the course's authors"
 copyright = "the course's authors"
 
-extensions = ["myst_nb"]
+extensions = ["myst_nb", "how_we_know"]   # how_we_know: each chapter's appendix opens collapsed
 root_doc = "index"
 exclude_patterns = ["**/.ipynb_checkpoints", "**/*.py", "**/*.pbs", "**/*.sh"]
 # a shell block with a placeholder (`<this repository's URL>`) cannot be highlighted: it is shown plain

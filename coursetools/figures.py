@@ -1293,6 +1293,23 @@ def draw_resumes(fig) -> None:
 FIGURES["14_resumes.png"] = (draw_resumes, (9, 2.8))
 
 
+def _gather_chapter_drawings() -> None:
+    """Add each chapter's pictures of its mechanisms (``coursetools/drawings/chNN.py``) to ``FIGURES``."""
+    import importlib
+    import pkgutil
+
+    from coursetools import drawings
+
+    for module in sorted(m.name for m in pkgutil.iter_modules(drawings.__path__)):
+        for name, entry in importlib.import_module(f"coursetools.drawings.{module}").FIGURES.items():
+            if name in FIGURES:
+                raise ValueError(f"two generators draw {name}")
+            FIGURES[name] = entry
+
+
+_gather_chapter_drawings()
+
+
 def render(name: str, folder) -> Path:
     """Draw one figure of ``FIGURES`` into ``folder``; returns the file written."""
     from matplotlib.figure import Figure  # no pyplot: no backend is chosen, nothing global changes

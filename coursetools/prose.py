@@ -201,7 +201,7 @@ def notebook_markdown(path: Path) -> str:
 def course_texts(root: Path = ROOT) -> dict[str, str]:
     """Every text a learner reads: the chapters, the labs' markdown (the full copies: the learner's copies are
     generated from them), the README, the two cluster guides (PBS and Slurm) and CONTRIBUTING."""
-    texts = {str(p.relative_to(root)): p.read_text() for p in sorted((root / "chapters").glob("[0-9][0-9]_*.md"))}
+    texts = {str(p.relative_to(root)): p.read_text() for p in sorted((root / "chapters").glob("[0-9][0-9]*.md"))}
     texts.update({str(p.relative_to(root)): notebook_markdown(p)
                   for p in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))})
     for name in ("README.md", "pbs/README.md", "slurm/README.md", "CONTRIBUTING.md"):

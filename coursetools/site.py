@@ -6,7 +6,8 @@ adding only what a website needs, and never edits the course's files:
 
 * ``index.md``: the README, then the table of contents (the conventions, each chapter with its lab, the scripts,
   the PBS jobs, the benchmarks);
-* ``chapters/NN_*.md``: each chapter with a line of links at the top (its lab, its scripts, its PBS job), and each
+* ``chapters/NN_*.md`` (and a long chapter's further pages, ``chapters/NN.K_*.md``: ``coursetools.chapters.pages``):
+  each page with a line of links at the top (its lab, its scripts, its PBS job), and each
   path of a script, lab or job in its text turned into a link to that page; ``chapters/figures/`` as is;
 * ``notebooks/NN_*.ipynb``: each lab with a first cell that says how to run it (``make lab``), offers the notebook
   for download and links back to the chapter and the scripts. MyST-NB runs the labs while it builds, with a
@@ -25,6 +26,8 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from coursetools.chapters import pages as chapter_pages
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "build" / "site"
@@ -177,10 +180,11 @@ def _lay_out(source: Path, repo: Path) -> None:
     (source / "chapters" / conventions.name).write_text(_link_paths(conventions.read_text(),
                                                                     "chapters/00_conventions.md", known))
     for chapter in chapters:
-        page = f"chapters/{chapter.stem}.md"
-        text = _link_paths((repo / page).read_text(), page, known)
-        title, _, rest = text.partition("\n")
-        (source / page).write_text(f"{title}\n\n{_faces_line(chapter, page, skip='chapter')}\n{rest}")
+        for path in chapter_pages(chapter.number, repo):
+            page = path.relative_to(repo).as_posix()
+            text = _link_paths(path.read_text(), page, known)
+            title, _, rest = text.partition("\n")
+            (source / page).write_text(f"{title}\n\n{_faces_line(chapter, page, skip='chapter')}\n{rest}")
 
     # labs, each with its first cell
     (source / "notebooks").mkdir()
@@ -220,8 +224,8 @@ def _lay_out(source: Path, repo: Path) -> None:
     # the landing page: the README, then the contents
     readme = _link_paths((repo / "README.md").read_text(), "index.md", known)
     toc = ["chapters/00_conventions.md"]
-    for chapter in chapters:
-        toc.append(f"chapters/{chapter.stem}.md")
+    for chapter in chapters:   # a chapter of several pages: each page in the contents, in reading order
+        toc += [path.relative_to(repo).as_posix() for path in chapter_pages(chapter.number, repo)]
         if chapter.lab:   # named apart from its chapter in the contents (some labs share the chapter's title)
             toc.append(f"{chapter.number} · the lab <{chapter.lab}>")
     hidden = [page_of(p) for p in scripts + jobs]

@@ -16,7 +16,7 @@ REFERENCE = re.compile(r"!\[[^\]]*\]\((figures/[^)]+)\)")
 
 def referenced() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for chapter in sorted(CHAPTERS.glob("[0-9][0-9]_*.md")):
+    for chapter in sorted(CHAPTERS.glob("[0-9][0-9]*.md")):   # every page of every chapter
         for target in REFERENCE.findall(chapter.read_text()):
             found.setdefault(target, []).append(chapter.name)
     return found

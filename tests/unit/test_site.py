@@ -60,7 +60,8 @@ def test_the_site_builds_without_a_warning(built):
     assert result.returncode == 0, result.stderr[-3000:]
     html = out / "html"
     for chapter in site.chapter_links():
-        assert (html / "chapters" / f"{chapter.stem}.html").exists()
+        for page in site.chapter_pages(chapter.number):    # every page of a chapter of several
+            assert (html / "chapters" / page.with_suffix(".html").name).exists(), page
         assert (html / chapter.lab.replace(".ipynb", ".html")).exists()
     assert (html / "searchindex.js").exists() and (html / "search.html").exists()
 
@@ -121,6 +122,26 @@ def test_a_broken_link_fails_the_build(built):
 def test_a_missing_image_fails_the_build(built):
     result = _planted(built, "chapters/figures/05_zero_stages.png", lambda image: image.unlink())
     assert result.returncode != 0 and "05_zero_stages.png" in result.stderr
+
+
+def test_the_appendix_opens_collapsed(built):
+    """A chapter's "How we know" section: its heading shown, what follows it inside a closed <details> (book/
+    how_we_know.py); a section of another name is left open. Planted on a built page, then put back."""
+    out, source, _ = built
+    target = source / "chapters" / "05_fully_sharded.md"
+    saved = target.read_bytes()
+    try:
+        target.write_text(target.read_text() + "\n\n## Planted open section\n\nShown.\n\n## How we know\n\n"
+                          "### Tolerances\n\nThe planted appendix.\n")
+        result = sphinx(source, out)
+        page = (out / "html" / "chapters" / "05_fully_sharded.html").read_text()
+    finally:
+        target.write_bytes(saved)
+    assert result.returncode == 0, result.stderr[-2000:]
+    appendix = page[page.index('id="how-we-know"'):]
+    assert appendix.index("<details") < appendix.index("The planted appendix.") < appendix.index("</details>")
+    opened = page[page.index('id="planted-open-section"'):page.index('id="how-we-know"')]
+    assert "Shown." in opened and "<details" not in opened
 
 
 def test_a_cell_that_raises_fails_the_build(tmp_path):
