@@ -1307,7 +1307,8 @@ def _gather_chapter_drawings() -> None:
             FIGURES[name] = entry
 
 
-_gather_chapter_drawings()
+if __name__ != "__main__":   # run as a script, this file hands over to coursetools.figures (below)
+    _gather_chapter_drawings()
 
 
 def render(name: str, folder) -> Path:
@@ -1335,4 +1336,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as coursetools.figures, the module the drawings import (run as __main__, this file would be a second copy)
+    from coursetools import figures
+
+    sys.exit(figures.main())
