@@ -1,19 +1,22 @@
-"""Chapter 05's numbers, recomputed: the test fails when chapters/05_fully_sharded.md drifts from the code.
+"""Chapter 05's numbers, recomputed: the test fails when the chapter's pages (chapters/05_fully_sharded.md, 05.2_*,
+05.3_*, read as one text by ``coursetools.chapters.text``) drift from the code.
 
 Also pins what the chapter says of FSDP2's call counts: with ``reshard_after_forward=True`` forced on the root
 (as train_fsdp.apply_fsdp does) a step all-gathers 6 times on the tiny model; with the root left at its default,
 5. Measured on a fake process group (one process, 4 ranks' worth of sharding, no ranks launched)."""
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from coursetools import chapters
 from distlab import comm, memory, models
 
 REPO = Path(__file__).resolve().parents[2]
-TEXT = (REPO / "chapters" / "05_fully_sharded.md").read_text()
+TEXT = chapters.text("05", REPO)
 FLAT = " ".join(TEXT.split())   # where the text's lines break is no part of what it says
 GIB = 2**30
 
@@ -334,3 +337,33 @@ def test_the_tiny_model_shape_is_the_preset():
          f"{n:,} parameters, {4 * n:,} bytes in fp32, and one block is {block:,} bytes of it.")
     says(f"The flat floor is rank 0's slices, {4 * (n // 4):,} bytes")   # fp32 slices of 1/4 of every parameter
     says(f"The moment inside a gather, {2 * block:,} bytes, falls between the plotted events")
+
+
+def test_the_chapter_keeps_the_teach_first_shape_and_draws_its_mechanism_first():
+    """Issue 48: three pages, each body under the limit with no source line or test named before "How we know"; the
+    picture of what each GPU holds comes before the two measured figures of ZeRO-3 by hand."""
+    assert chapters.problems("05", REPO) == []
+    assert [p.name for p in chapters.pages("05", REPO)] == [
+        "05_fully_sharded.md", "05.2_zero3_and_fsdp2.md", "05.3_precision_checkpoints_sizing.md"]
+    shown = re.findall(r"!\[[^\]]*\]\(figures/([^)]+)\)", TEXT)
+    assert shown.index("05_what_each_gpu_holds.png") < shown.index("05_zero3_memory.png") < shown.index(
+        "05_zero3_prefetch.png")
+    for name in ("05_zero3_memory.png", "05_zero3_prefetch.png"):
+        assert (REPO / "chapters" / "figures" / "data" / name.replace(".png", ".json")).is_file()   # measured
+
+
+def test_the_picture_of_what_each_gpu_holds_is_zeros_definition():
+    """The drawing reads which kinds each stage shards off distlab.memory.zero_state_bytes, and FSDP's units off the
+    tiny model: checked here against ZeRO's definition and against the model built, not against the drawing."""
+    from coursetools.drawings import ch05
+
+    assert [ch05.sharded_kinds(stage) for stage in range(4)] == [
+        {"params": False, "grads": False, "optimizer": False},
+        {"params": False, "grads": False, "optimizer": True},
+        {"params": False, "grads": True, "optimizer": True},
+        {"params": True, "grads": True, "optimizer": True}]
+    model = models.build_transformer(models.preset("tiny"))
+    units = dict(ch05.tiny_units())
+    assert units["block 0"] == units["block 1"] == sum(p.numel() for p in model.layers["0"].parameters())
+    assert sum(units.values()) == models.count_params(model)
+    says("GPU cannot compute with a quarter of a layer")
