@@ -134,20 +134,6 @@ def draw_tensor_parallel_split(fig) -> None:
     ax.set_title("a column-parallel layer feeds a row-parallel one: one all-reduce per pair (4 ranks)", fontsize=9)
 
 
-# ---- chapter 07: a Gantt chart of GPipe and 1F1B -------------------------------------------------------------
-
-def draw_pipeline_gantt(fig) -> None:
-    from distlab import gantt, schedules
-
-    axes = fig.subplots(2, 1)
-    timelines = [schedules.simulate(schedules.gpipe(4, 8)), schedules.simulate(schedules.one_f_one_b(4, 8))]
-    longest = max(max(e.end for e in t) for t in timelines)
-    for ax, name, timeline in zip(axes, ("GPipe", "1F1B"), timelines):
-        gantt.plot_gantt(timeline, ax=ax, title=f"{name}, P = 4, M = 8", time_unit="units of F")
-        ax.set_xlim(0, longest)
-    fig.tight_layout()
-
-
 # ---- chapter 08: the sequence-parallel regions, and ring attention's work per rank ---------------------------
 
 def draw_sequence_parallel_regions(fig) -> None:
@@ -985,7 +971,6 @@ FIGURES = {
     "05_zero3_memory.png": (draw_zero3_memory, (9, 3.2)),
     "05_zero3_prefetch.png": (draw_zero3_prefetch, (9, 2.6)),
     "06_column_row_split.png": (draw_tensor_parallel_split, (9, 2.8)),
-    "07_gantt_gpipe_1f1b.png": (draw_pipeline_gantt, (10, 4.6)),
     "08_sequence_parallel_regions.png": (draw_sequence_parallel_regions, (11, 2.0)),
     "08_ring_attention_blocks.png": (draw_ring_attention_blocks, (8, 3.6)),
     "09_mesh_two_nodes.png": (draw_mesh_two_nodes, (9, 2.6)),

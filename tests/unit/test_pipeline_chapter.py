@@ -9,13 +9,25 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import runtime, schedules
 
 REPO = Path(__file__).resolve().parents[2]
-CHAPTER = REPO / "chapters" / "07_pipeline_parallel.md"
 sys.path.insert(0, str(REPO / "scripts" / "07_pipeline_parallel"))
 
 import common_pipeline  # noqa: E402  (the scripts' shared helper, imported as the scripts import it)
+
+
+
+def chapter_text() -> str:
+    """Both pages of chapter 07 (7.1 and 7.2), as one text."""
+    return chapters.text("07", REPO)
+
+
+def flat_text() -> str:
+    """The chapter with its line breaks and runs of spaces as single spaces: a sentence held wherever it wraps."""
+    return " ".join(chapter_text().split())
+
 
 TABLE_RANKS = (4, 8, 16)
 TABLE_MICROBATCHES = (4, 8, 16, 64, 256)
@@ -46,7 +58,7 @@ def bubble_table() -> str:
 
 
 def test_the_chapter_table_is_what_the_library_computes():
-    text = CHAPTER.read_text()
+    text = chapter_text()
     assert bubble_table() in text, "the bubble table in the chapter is stale: paste bubble_table() into it\n" \
                                    + bubble_table()
 
@@ -64,7 +76,7 @@ def test_the_table_says_1f1b_has_gpipes_bubble_and_only_interleaving_or_zero_bub
 
 
 def test_numbers_quoted_in_the_chapter_text():
-    text = CHAPTER.read_text()
+    text = flat_text()
     # P = 4, M = 8: the running example of the chapter and of the scripts' defaults.
     for value in (schedules.bubble_fraction(4, 8), schedules.bubble_fraction(4, 8, 2), 3 / 27,
                   schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.naive(4, 8)))):
@@ -165,7 +177,7 @@ def test_v_schedules_read_as_valid_split_schedules_in_a_v(name, v_schedule_order
     ours = schedules.zbv(4, 8) if name == "ZBVZeroBubble" else schedules.dual_pipe_v(4, 8)
     bubble = schedules.bubble_fraction_from_timeline(schedules.simulate(ours), 4)
     assert bubble == pytest.approx(schedules.bubble_fraction_from_timeline(schedules.simulate(theirs), 4))
-    text = CHAPTER.read_text()
+    text = flat_text()
     if name == "ZBVZeroBubble":
         assert bubble == pytest.approx(1 / 17)    # 5.9%: below ZB-H1's 11.1% with the same F = I = W
         assert f"with F = I = W, gives {percent(bubble)} for P = 4 and M = 8" in text
@@ -250,7 +262,7 @@ def idle_time_per_rank(schedule) -> list[float]:
 
 
 def test_both_bubble_conventions_are_named_and_agree():
-    text = CHAPTER.read_text()
+    text = flat_text()
     share = schedules.bubble_fraction(4, 8)                       # idle / step
     timeline = schedules.simulate(schedules.one_f_one_b(4, 8))
     step = max(e.end for e in timeline)
@@ -264,7 +276,7 @@ def test_both_bubble_conventions_are_named_and_agree():
 
 
 def test_zb_h1_closed_form_holds_for_m_at_least_p_only():
-    text = CHAPTER.read_text()
+    text = flat_text()
     for ranks in TABLE_RANKS:
         for microbatches in TABLE_MICROBATCHES:
             simulated = schedules.bubble_fraction_from_timeline(
@@ -280,7 +292,7 @@ def test_zb_h1_closed_form_holds_for_m_at_least_p_only():
             else:
                 assert simulated > closed_form + 0.05
     short = schedules.bubble_fraction_from_timeline(schedules.simulate(schedules.zero_bubble_h1(8, 4)), 8)
-    assert f"the table's {percent(short)}\nfor P = 8 and M = 4, where the formula would say {percent(7 / 19)}" in text
+    assert f"the table's {percent(short)} for P = 8 and M = 4, where the formula would say {percent(7 / 19)}" in text
     ratio = (3 / 27) / schedules.bubble_fraction(4, 8)
     assert f"11.1% is {ratio:.2f} of 1F1B's 27.3%" in text
     assert "about a third of 1F1B's." not in text
@@ -321,7 +333,7 @@ def test_the_ends_of_the_a100_pipeline_are_heavier_than_its_middle():
     output = sum(p.numel() for p in model.output.parameters())
     block = sum(p.numel() for p in model.layers["0"].parameters())
     embedding = model.tok_embeddings.weight.numel()
-    text = CHAPTER.read_text()
+    text = flat_text()
     assert f"{config.vocab_size:,} x {config.dim:,} = {output / 1e6:.1f} M parameters" in text
     assert f"a transformer block {block / 1e6:.1f} M" in text and output > block
     assert f"carries {output / block:.1f} blocks' worth" in text
@@ -340,15 +352,15 @@ def test_the_ends_of_the_a100_pipeline_are_heavier_than_its_middle():
 
 
 def test_zero_bubble_memory_as_the_chapter_states_it():
-    text = CHAPTER.read_text()
+    text = flat_text()
     zb_h1, one_f_one_b = (schedules.peak_activations(s) for s in (schedules.zero_bubble_h1(4, 8),
                                                                   schedules.one_f_one_b(4, 8)))
     assert max(zb_h1.values()) == max(one_f_one_b.values())        # 1F1B's highest peak, not more
     assert zb_h1 == {r: 4 for r in range(4)} and "4, 4, 4 and 4 on four ranks" in text
     zbv = schedules.peak_activations(schedules.zbv(4, 8))
-    assert zbv == {r: 8 for r in range(4)} and "holds\n8 (stage, microbatch) pairs on every rank" in text
+    assert zbv == {r: 8 for r in range(4)} and "holds 8 (stage, microbatch) pairs on every rank" in text
     short = schedules.peak_activations(schedules.zbv(4, 4))      # M = 4 < 2P: the padding's actions dropped
-    assert short == {0: 5, 1: 6, 2: 7, 3: 8} and "holding 5, 6, 7 and 8 pairs\n(measured)" in text
+    assert short == {0: 5, 1: 6, 2: 7, 3: 8} and "holding 5, 6, 7 and 8 pairs (measured)" in text
     assert "ZB-H1 costs no memory where it counts." in text and "for more memory" not in text
 
 
@@ -363,7 +375,7 @@ def test_each_bubble_tolerance_tells_its_schedule_from_the_nearest_other():
         tolerance = pp_schedules.BUBBLE_TOLERANCE.get(name, pp_schedules.DEFAULT_BUBBLE_TOLERANCE)
         nearest = min(abs(bubble - other) for other in simulated.values() if abs(bubble - other) > 1e-9)
         assert tolerance < nearest / 2, f"{name}: {tolerance} does not tell it from a bubble {nearest:.3f} away"
-    text = CHAPTER.read_text()
+    text = flat_text()
     tolerance = {name: f"{100 * pp_schedules.BUBBLE_TOLERANCE.get(name, pp_schedules.DEFAULT_BUBBLE_TOLERANCE):g}"
                  for name in simulated}
     assert f"{tolerance['GPipe']} points for GPipe and 1F1B" in text and tolerance["GPipe"] == tolerance["1F1B"]
@@ -414,7 +426,7 @@ def test_v_schedule_peaks_do_not_tell_w_release_from_i_release_and_the_chapter_s
         assert peak is None or set(at_w.values()) == {peak}
     zb_h1 = schedules.zero_bubble_h1(4, 8)
     assert schedules.peak_activations(zb_h1) != schedules.peak_activations(zb_h1, release_on_input_grad=True)
-    text = " ".join(CHAPTER.read_text().split())
+    text = " ".join(chapter_text().split())
     assert ("ZBV's and DualPipeV's peaks are the same either way (8 and 9 on every rank at M = 8:" in text
             and "only the ZB-H1 run tells the release points apart" in text)
 
@@ -433,7 +445,7 @@ def test_the_chapter_says_which_builders_restate_torchs_planner():
     assert "while f1_cnt < f0_cnt or f0_cnt < n_micro" in inspect.getsource(torch_schedules.ScheduleZBVZeroBubble)
     assert "if i == 0 and rank == num_ranks - 1" in inspect.getsource(schedules.dual_pipe_v)
     assert "if i == 0 and rank == num_ranks - 1" in inspect.getsource(torch_schedules.ScheduleDualPipeV)
-    text = " ".join(CHAPTER.read_text().split())
+    text = " ".join(chapter_text().split())
     assert "apart from torch" not in text
     assert ("`interleaved_zero_bubble`, `zbv` and `dual_pipe_v`, restate torch's own planners (each class's "
             "`_calculate_single_rank_operations`" in text)
@@ -450,6 +462,93 @@ def test_the_chapter_does_not_count_the_labs_gpipe_run_as_a_checked_bubble():
     notebook = nbformat.read(REPO / "notebooks" / "07_pipeline_parallel.ipynb", as_version=4)
     cell = next(c.source for c in notebook.cells if c.cell_type == "code" and '("GPipe", 20)' in c.source)
     assert "assert set(missed) <= {TIMING_CHECK}" in cell
-    text = " ".join(CHAPTER.read_text().split())
+    text = " ".join(chapter_text().split())
     assert ("(GPipe's timed run is the lab's, which checks its order and memory but only warns when its bubble "
             "misses; its bubble is 1F1B's, timed here)") in text
+
+
+# ---- issue 48: the walks the pages make on their charts, terms defined before use, the conventions said once ----
+
+def idle_intervals(schedule, rank: int) -> list[tuple[float, float]]:
+    """The simulated idle intervals of one rank within the step (F = 1, B = 2; I = W = 1 when split)."""
+    timeline = schedules.simulate(schedule)
+    step = max(e.end for e in timeline)
+    mine = sorted((e.start, e.end) for e in timeline if e.rank == rank)
+    edges = [(0.0, mine[0][0])] + [(a[1], b[0]) for a, b in zip(mine, mine[1:])] + [(mine[-1][1], step)]
+    return [(start, end) for start, end in edges if end > start + 1e-9]
+
+
+def test_the_relay_and_gpipe_walks_are_the_simulators():
+    text = flat_text()
+    naive = schedules.naive(4, 1)                                     # the whole batch as one unit
+    assert idle_intervals(naive, 3)[0] == (0.0, 3.0)
+    assert [end - start for start, end in idle_intervals(naive, 0)] == [9.0]
+    assert ("rank 3 waits 3 units while ranks 0, 1 and 2 run their forwards. Rank 0 then waits 9 units for the "
+            "backward to come back") in text
+    gpipe = schedules.gpipe(4, 8)
+    step = max(e.end for e in schedules.simulate(gpipe))
+    idle = sum(end - start for start, end in idle_intervals(gpipe, 3))
+    assert (idle, step) == (9.0, 33.0) and "9 of rank 3's 33 units are grey" in text
+    for schedule, words in ((schedules.interleaved_1f1b(4, 8, 2), "The step ends at {} units instead of 33"),
+                            (schedules.zbv(4, 8), "The step ends at {} units.")):
+        assert words.format(f"{max(e.end for e in schedules.simulate(schedule)):g}") in text
+
+
+def test_zb_h1s_walk_says_w_fills_the_slots_where_1f1b_waited():
+    text = flat_text()
+    one_f_one_b, zb_h1 = schedules.one_f_one_b(4, 8), schedules.zero_bubble_h1(4, 8)
+    first_wait = {name: [end - start for start, end in idle_intervals(s, 0)]
+                  for name, s in (("1F1B", one_f_one_b), ("ZB-H1", zb_h1))}
+    assert first_wait["1F1B"] == [6.0, 1.0, 1.0, 1.0] and first_wait["ZB-H1"] == [3.0]
+    assert "In 1F1B it waits 6 units for its first backward" in text and "In ZB-H1 it waits 3" in text
+    assert "rank 0 waits one unit before each of its last three backwards" in text
+    # the last rank: idle at the end of 1F1B's drain, busy with its deferred W's in ZB-H1
+    assert idle_intervals(one_f_one_b, 3)[-1] == (27.0, 33.0) and idle_intervals(zb_h1, 3)[-1][1] == 3.0
+    last = [e.kind for e in sorted(schedules.simulate(zb_h1), key=lambda e: e.start) if e.rank == 3][-4:]
+    assert last == ["W"] * 4
+    assert "idle for the last 6 units of 1F1B's drain" in text and "W fills the slots where 1F1B waited" in text
+
+
+def test_each_term_is_defined_where_it_first_appears():
+    page = chapters.pages("07", REPO)[0].read_text()
+    first_page = "\n".join(line for line in page.splitlines() if not line.startswith("#"))   # a heading names it
+    for term in ("GPipe", "1F1B", "fill", "drain", "stages"):
+        first = re.search(rf"\b{term}\b", first_page)
+        assert first and first_page[first.start() - 2:first.start()] == "**", f"{term} used before its definition"
+    text = flat_text()
+    assert "rank-loads" not in text and "That is the whole point of 1F1B." in text
+    assert chapters.headings(chapters.pages("07", REPO)[-1].read_text())[-1] == "How we know"
+
+
+def test_the_two_bubble_conventions_are_stated_once():
+    import nbformat
+
+    text = flat_text()
+    assert text.count("relative to the ideal step") == 1 and text.count("(P - 1) / M") == 1
+    notebook = nbformat.read(REPO / "notebooks" / "07_pipeline_parallel.ipynb", as_version=4)
+    lab = " ".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    assert "ideal step" not in lab and "(P-1)/M" not in lab and "Two conventions" not in lab
+
+
+def test_the_pictures_show_the_bubbles_the_pages_quote(monkeypatch):
+    from matplotlib.figure import Figure
+
+    from coursetools.drawings import ch07
+    from distlab import gantt
+
+    drawn = []          # what each picture hands the Gantt chart (its drawing is test_figures' to compare)
+    monkeypatch.setattr(gantt, "plot_gantt", lambda events, ax=None, **kwargs: drawn.append(list(events)))
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *args, **kwargs: None)      # layout: not the point
+    text = flat_text()
+    expected = {"07_naive_relay.png": schedules.naive(4, 1), "07_gantt_gpipe.png": schedules.gpipe(4, 8),
+                "07_gantt_1f1b.png": schedules.one_f_one_b(4, 8),
+                "07_gantt_interleaved.png": schedules.interleaved_1f1b(4, 8, 2),
+                "07_gantt_zb_h1.png": schedules.zero_bubble_h1(4, 8), "07_gantt_zbv.png": schedules.zbv(4, 8)}
+    assert set(ch07.FIGURES) == set(expected)
+    for name, schedule in expected.items():
+        draw, size = ch07.FIGURES[name]
+        drawn.clear()
+        draw(Figure(figsize=size))
+        assert drawn == [schedules.simulate(schedule)], name
+        bubble = percent(schedules.bubble_fraction_from_timeline(drawn[0], 4))
+        assert bubble in text and f"(figures/{name})" in chapter_text()
