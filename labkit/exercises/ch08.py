@@ -1,5 +1,6 @@
-"""Lab 08's exercise check (sequence and context parallelism): the online-softmax merge of two blocks of attention,
-the step ring attention repeats (:func:`check_merge_attention_blocks`).
+"""Lab 08's exercise checks (sequence and context parallelism): the online-softmax merge of two blocks of attention,
+the step ring attention repeats (:func:`check_merge_attention_blocks`), and Ulysses' all-to-all that trades each
+rank's sequence shard for a shard of the heads (:func:`check_swap_to_heads`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check
 from labkit.exercises.checks import _not_done, _ok, _short  # the shared feedback helpers
 
-__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_merge_attention_blocks"]
+__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_merge_attention_blocks", "check_swap_to_heads"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,3 +85,54 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
                 raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} differs from full attention by up "
                                     f"to {worst:.3g}. {hint}".strip())
     _ok(f"merge_attention_blocks passed {len(cases)} cases (causal ones with fully masked rows included)")
+
+
+@learner_check
+def check_swap_to_heads(swap, *, hint: str = "") -> None:
+    """Notebook 08: Ulysses' all-to-all, played for every rank in one process. ``swap(shards)`` takes the P ranks'
+    tensors, rank r's (B, a, S/P, d): its own contiguous positions of every head. It returns the P tensors after the
+    all-to-all, rank j's (B, a/P, S, d): every position of head group j (heads j a/P .. (j + 1) a/P - 1).
+
+    The cases: one head a rank (4 heads on 4 ranks), two heads a rank (8 on 4), and 4 heads on 2 ranks. With two
+    heads or more a rank, handing rank j every P-th head (j, j + P, ...) gives the right shapes and wrong heads; with
+    blocks put together in another order than the ranks', the positions come out of sequence order. The answer must
+    not call a collective: the P ranks are the list, in this one process.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(8)
+    for ranks, heads in ((4, 4), (4, 8), (2, 4)):
+        batch, n, dim = 2, 3, 5
+        full = torch.randn(batch, heads, ranks * n, dim, generator=generator)   # the whole sequence, every head
+        shards = [full[:, :, r * n:(r + 1) * n].clone() for r in range(ranks)]
+        label = f"{heads} heads on {ranks} ranks"
+        try:
+            got = swap([shard.clone() for shard in shards])
+        except NotImplementedError:
+            raise _not_done("swap_to_heads", hint) from None
+        if not isinstance(got, (list, tuple)) or len(got) != ranks:
+            raise ExerciseWrong(f"`swap_to_heads`, {label}: return a list of {ranks} tensors, one a rank, got "
+                                f"{_short(got)}. {hint}".strip())
+        group = heads // ranks
+        for j, tensor in enumerate(got):
+            expected = full[:, j * group:(j + 1) * group]
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(expected.shape):
+                raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} should hold (B, a/P, S, d) = "
+                                    f"{tuple(expected.shape)}: all {ranks * n} positions of {group} head(s), got "
+                                    f"{_short(tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor)}. "
+                                    f"{hint}".strip())
+            if torch.equal(tensor, expected):
+                continue
+            if torch.equal(tensor, full[:, j::ranks]):
+                raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} got every {ranks}th head ({j}, {j + ranks}, "
+                                    f"...); it must get the contiguous group {j * group} to {(j + 1) * group - 1}, as "
+                                    f"attention's heads are laid out. {hint}".strip())
+            if sorted(tensor.flatten().tolist()) == sorted(expected.flatten().tolist()):
+                raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} holds the right numbers in the wrong places: "
+                                    f"put the received blocks together along the sequence, in rank order (rank i's "
+                                    f"block holds positions {n} i to {n} i + {n - 1}). {hint}".strip())
+            raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} does not hold heads {j * group} to "
+                                f"{(j + 1) * group - 1} of the whole sequence: rank i sends head group j of its "
+                                f"positions to rank j. {hint}".strip())
+    _ok("swap_to_heads: every rank holds the whole sequence of its heads (one head a rank and two), so attention can "
+        "now run whole on each rank; the inverse all-to-all brings the output back to sequence shards")

@@ -1,4 +1,5 @@
-"""Chapter 08's numbers, recomputed: the test fails when chapters/08_sequence_parallel.md drifts from the code."""
+"""Chapter 08's numbers, recomputed: the test fails when the chapter's pages (chapters/08_sequence_parallel.md,
+08.2_ring_attention.md, 08.3_all_gather_and_ulysses.md, read as one text) drift from the code."""
 
 import re
 import sys
@@ -6,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from coursetools import chapters
 from distlab import comm, models
 from distlab import context_parallel as cpm
 from distlab import tensor_parallel as tp
 
 REPO = Path(__file__).resolve().parents[2]
-TEXT = (REPO / "chapters" / "08_sequence_parallel.md").read_text()
+TEXT = chapters.text("08")
 GIB = 2**30
 
 
@@ -114,7 +116,7 @@ def test_the_table_of_what_each_way_sends():
          f"P = 4)")
     rows = {"ring (`ring_attention.py`)": "ring", "all-gather (by hand)": "all-gather",
             'torch, "allgather" (its default)': "torch allgather", 'torch, "alltoall"': "torch alltoall",
-            "Ulysses (below)": "ulysses"}
+            "Ulysses (above)": "ulysses"}
     sent = {}
     for label, method in rows.items():
         sent[method] = cpm.cp_bytes_sent_per_rank(method, shard, 4)
@@ -220,7 +222,10 @@ def test_what_a_ring_rank_holds_of_k_and_v():
     says_flat("Backward holds five at every step but the last: its own K and V, and two messages of K, V, dK and dV")
     says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one "
               "(measured) |")
-    says_flat("| four blocks: also the copy it sends (`_attention.py:438`) |")
+    says_flat("| four blocks: also the copy it sends |")
+    # the copy's source line sits in "How we know", beside the row it explains
+    says_flat("its copy is the `torch.cat` at `_attention.py:438`, in flight while the step computes (the fourth block "
+              'of the "alltoall" row)')
     assert "more than two blocks" not in FLAT and "two blocks at a time" not in FLAT
     assert "more than two blocks" not in (REPO / "scripts" / "08_sequence_parallel" / "ring_attention.py").read_text()
 
@@ -297,3 +302,47 @@ def test_what_megatron_saves_of_the_gathered_matmul_input():
     flat = " ".join(TEXT.split())
     assert "That saves another 2bsh per layer" not in flat
     says("That cuts this term from 2bsh to 2bsh / t per layer, for one extra all-gather per region.")
+
+
+# ---- the teach-first worked examples (issue 48) -------------------------------------------------------------------
+
+def test_the_tiny_sequence_parallel_example_is_the_tiny_models():
+    """8.1's worked example: the residual stream a rank holds between the regions, plain TP against TP + SP."""
+    tiny, t = models.preset("tiny"), 4
+    batch, seq, width = 4, tiny.seq_len, tiny.dim
+    says(f"B = {batch} sequences of S = {seq} tokens, h = {width}, on t = {t} ranks")
+    says(f"{batch} x {seq} x {width} = {batch * seq * width:,} numbers")
+    local = seq // t
+    says(f"positions\n{local}r to {local}r + {local - 1} of every sequence: {batch} x {local} x {width} = "
+         f"{batch * local * width:,} numbers, a quarter")
+    assert batch * local * width * t == batch * seq * width
+    says(f"Attention runs on {tiny.n_heads // t} of the {tiny.n_heads} heads per rank")
+    # the activations the script counts are this batch and sequence (the 'tiny run' of the next numbers)
+    assert tp.activation_bytes(tiny, batch, seq, 1, sequence_parallel=False)["total"] == 1_613_316
+
+
+def test_the_merge_example_is_full_attention():
+    """8.2's worked merge: two blocks of keys, merged through their log-sum-exps, equal full attention."""
+    scores = torch.tensor([0.0, torch.log(torch.tensor(3.0)), torch.log(torch.tensor(4.0))], dtype=torch.float64)
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    full = float(torch.softmax(scores, 0) @ values)
+    blocks = [(scores[:2], values[:2]), (scores[2:], values[2:])]
+    outs = [float(torch.softmax(s, 0) @ v) for s, v in blocks]
+    lses = [torch.logsumexp(s, 0) for s, _ in blocks]
+    lse = torch.logaddexp(*lses)
+    merged = sum(float(torch.exp(l - lse)) * o for l, o in zip(lses, outs))
+    z = [float(torch.exp(l)) for l in lses]
+    assert abs(merged - full) < 1e-12
+    says(f"Z_A =\n1 + 3 = {z[0]:.0f} and out_A = (1 + 6) / 4 = {outs[0]:.2f}")
+    says(f"Z_B = {z[1]:.0f} and\nout_B = {outs[1]:.0f}")
+    says(f"Z = {sum(z):.0f}, a half each: out = 0.5 x {outs[0]:.2f} + 0.5 x {outs[1]:.0f} = {merged:.3f}")
+    says(f"Full\nattention gives (1 + 6 + 12) / 8 = {full:.3f} too")
+
+
+def test_the_proof_sits_in_how_we_know_on_the_last_page():
+    """Tolerances, planted bugs and torch's source lines are in the appendix, not in the pages a learner reads."""
+    pages = chapters.pages("08")
+    body = "\n".join(chapters.split_appendix(p.read_text())[0] for p in pages)
+    appendix = chapters.split_appendix(pages[-1].read_text())[1]
+    for proof in ("tolerance 1e-5", "--planted-bug keep-own-block", "`_attention.py:77`", "tolerance 1e-6"):
+        assert proof in " ".join(appendix.split()) and proof not in body, proof

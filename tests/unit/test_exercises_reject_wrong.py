@@ -344,6 +344,15 @@ return out, lse""",
 return (torch.exp(lse_a).unsqueeze(-1) * out_a + torch.exp(lse_b).unsqueeze(-1) * out_b,
         torch.logaddexp(lse_a, lse_b))""",
     }),
+    ("08_sequence_parallel", 2): dict(wrong={
+        "every P-th head, not a contiguous group": """
+return [torch.cat([shard[:, j::ranks] for shard in shards], dim=2) for j in range(ranks)]""",
+        "blocks put together in reverse rank order": """
+sent = [shard.chunk(ranks, dim=1) for shard in shards]
+return [torch.cat([sent[i][j] for i in reversed(range(ranks))], dim=2) for j in range(ranks)]""",
+        "reshaped, not swapped": """
+return [s.reshape(s.shape[0], s.shape[1] // ranks, s.shape[2] * ranks, s.shape[-1]) for s in shards]""",
+    }),
 }
 
 
