@@ -272,3 +272,12 @@ def test_the_new_pictures_are_where_the_chapter_explains_them(raw):
     assert first.index("09_two_d_sharded_weight.png") < first.index("09_hybrid_step_timeline.png")
     assert "rows 0, 1, 4 and 5" in first
     assert "09_ring_across_two_nodes" not in second and "ring picture" in second
+
+
+def test_the_measured_confirmation_states_the_scripts_tolerances(text):
+    """9.1's one sentence of measurement: the tolerances fsdp_tp_hybrid.py checks with on its default preset."""
+    script = (REPO / "scripts" / "09_hybrid_parallel" / "fsdp_tp_hybrid.py").read_text()
+    assert "tensor_parallel.TOLERANCE[args.preset]" in script and 'presets=("tiny", "a100")' in script  # tiny: default
+    tiny = tensor_parallel.TOLERANCE["tiny"]
+    assert (tiny["loss"], tiny["grad"]) == (1e-5, 1e-6)
+    assert "Its losses equal one device's to 1e-5, and its gradients to 1e-6" in text
