@@ -28,7 +28,7 @@ def test_the_worked_example_is_the_pictures_routing():
     # token x0's two experts and gate weights, as the text follows them
     (first, second), (w1, w2) = chosen[0].tolist(), weights[0].tolist()
     assert f"gives expert {first} a gate weight of {w1:.2f}, and expert {second} a weight of {w2:.2f}" in TEXT
-    assert f"y0 = {w1:.2f} x e{first}(x0) + {w2:.2f} x e{second}(x0)" in TEXT
+    assert f"y0 = {w1:.2f}·e{first}(x0) + {w2:.2f}·e{second}(x0)" in TEXT
     assert first // 2 == 1 and second // 2 == 0        # "Expert 1 lives on rank 0 ... Expert 3 lives on rank 1"
     # the rows each rank sends and keeps, counted from the choices alone (expert e lives on rank e // 2)
     owner = chosen // 2
@@ -72,7 +72,7 @@ def test_the_mixtral_dispatch_costs_what_the_text_says():
     step = 4 * layers * one
     assert f"over 32 layers, make {step / 1e9:.1f} GB a rank and step" in TEXT
     compute = 6 * model.active_params() * tokens / (cluster.peak_flops * cluster.compute_efficiency)
-    assert f"computes for {compute:.2f} s on an H100, at the planner's {cluster.compute_efficiency:.0%}" in TEXT
+    assert f"tokens takes {compute:.2f} s on an H100, at the planner's {cluster.compute_efficiency:.0%}" in TEXT
     nvlink, network = step / cluster.intra_node_bytes_per_s, step / cluster.inter_node_bytes_per_s
     assert f"NVLink moves {step / 1e9:.1f} GB in {nvlink:.3f} s, {nvlink / compute:.0%} of that compute" in TEXT
     assert f"at {cluster.inter_node_bytes_per_s / 1e9:.0f} GB/s a GPU would need {network:.2f} s, " \
