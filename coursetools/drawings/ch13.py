@@ -121,14 +121,14 @@ def draw_dispatch_and_combine(fig) -> None:
                 ", ".join(f"e{e}: {c} rows" for e, c in zip(experts, counts)), ha="center", va="bottom", fontsize=7)
 
     top = 2 * band_h + 1.1
-    for label, x, w in (("1. route each token:\ntwo experts, two gate weights", cols["tokens"], widths["tokens"]),
-                        ("2. sort the rows\nby expert", cols["sorted"], widths["sorted"]),
-                        ("4. experts compute\ntheir rows", cols["computed"], widths["computed"]),
-                        ("6. weight each output by its gate\nand sum, on the token's rank", cols["combined"],
+    for label, x, w in (("route each token:\ntwo experts, two gate weights", cols["tokens"], widths["tokens"]),
+                        ("sort the rows\nby expert", cols["sorted"], widths["sorted"]),
+                        ("the experts compute\ntheir rows", cols["computed"], widths["computed"]),
+                        ("weight each output by its gate\nand sum, on the token's rank", cols["combined"],
                          widths["combined"])):
         ax.text(x + w / 2, top, label, ha="center", va="bottom", fontsize=8)
-    for label, x in (("3. dispatch:\nall-to-all", (cols["sorted"] + widths["sorted"] + cols["computed"]) / 2),
-                     ("5. combine:\nall-to-all back", (cols["computed"] + widths["computed"] + cols["combined"]) / 2)):
+    for label, x in (("dispatch:\nall-to-all", (cols["sorted"] + widths["sorted"] + cols["computed"]) / 2),
+                     ("combine:\nall-to-all back", (cols["computed"] + widths["computed"] + cols["combined"]) / 2)):
         ax.text(x, top, label, ha="center", va="bottom", fontsize=8, fontweight="bold")
     sends = [int(example["matrix"][r].sum() - example["matrix"][r, r]) for r in range(RANKS)]
     ax.text(8.5, -0.35, f"coloured arrows cross to the other rank: rank 0 sends {sends[0]} rows, rank 1 sends "
