@@ -74,7 +74,7 @@ def test_the_mixtral_dispatch_costs_what_the_text_says():
     compute = 6 * model.active_params() * tokens / (cluster.peak_flops * cluster.compute_efficiency)
     assert f"tokens takes {compute:.2f} s on an H100, at the planner's {cluster.compute_efficiency:.0%}" in TEXT
     nvlink, network = step / cluster.intra_node_bytes_per_s, step / cluster.inter_node_bytes_per_s
-    assert f"NVLink moves {step / 1e9:.1f} GB in {nvlink:.3f} s, {nvlink / compute:.0%} of that compute" in TEXT
+    assert f"NVLink at the planner's {cluster.intra_node_bytes_per_s / 1e9:.0f} GB/s a GPU moves {step / 1e9:.1f} GB in {nvlink:.3f} s, {nvlink / compute:.0%} of that compute" in TEXT
     assert f"at {cluster.inter_node_bytes_per_s / 1e9:.0f} GB/s a GPU would need {network:.2f} s, " \
            f"{network / compute:.0%} of the compute" in TEXT
     stored = planner.DEEPSEEK_V3
