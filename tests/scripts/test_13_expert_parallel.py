@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
+from coursetools import chapters
 from labkit import launch
 
 EP = "scripts/13_expert_parallel/ep_from_scratch.py"
@@ -64,9 +65,7 @@ def test_the_planted_bugs_fail_the_single_device_comparison(bug, failing):
 
 
 def test_the_chapter_states_what_the_run_measured(dropless):
-    from pathlib import Path
-
-    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    text = " ".join(chapters.text("13").split())
     dispatch = dropless.metrics["comm"][0]["measured_bytes"]
     share = dropless.metrics["extra"]["leaving_share"]
     assert f"rank 0 dispatched {dispatch:,} B at step 1 (32 tokens x 2 x 32 x 4 B x {share:.3f})" in text
@@ -75,7 +74,6 @@ def test_the_chapter_states_what_the_run_measured(dropless):
 
 
 MOE_TRANSFORMER = "scripts/13_expert_parallel/moe_transformer.py"
-CHAPTER_13 = Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md"
 
 
 @pytest.mark.parametrize("ep", [4, 2])
@@ -111,15 +109,13 @@ def test_a_moe_transformer_whose_experts_do_not_split_over_dp_exits_2():
 def test_the_dispatch_picture_is_what_the_run_sent(dropless):
     """chapters/figures/13_expert_dispatch.png is drawn from the single-device routing; its row of rank 0, off the
     diagonal, is the dispatch the 4-rank run measured at step 1, and the chapter's numbers are the picture's."""
-    from pathlib import Path
-
     from coursetools import figures
 
     matrix = figures.expert_dispatch_of_step()
     sent = int(matrix[0].sum() - matrix[0, 0])
     assert sent * 32 * 4 == dropless.metrics["comm"][0]["measured_bytes"]
     computed = matrix.sum(dim=0).tolist()
-    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    text = " ".join(chapters.text("13").split())
     assert f"keeps {int(matrix[0, 0])} of its {int(matrix[0].sum())} assignments and sends {sent} rows" in text
     assert f"compute between {min(computed)} and {max(computed)} rows" in text
     assert "figures/13_expert_dispatch.png" in text
@@ -129,12 +125,10 @@ def test_the_dispatch_picture_is_what_the_run_sent(dropless):
 def test_the_mixtral_row_is_what_the_planner_counts():
     """Chapter 13's table: Mixtral 8x7B's 47 B stored and 13 B used per token, as the planner counts its published
     shape (chapter 11 checks the same count against a model built on the meta device)."""
-    from pathlib import Path
-
     from distlab import planner
 
     counted = planner.moe_params(**planner.MIXTRAL_8X7B)
-    text = (Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text()
+    text = chapters.text("13")
     row = f"| Mixtral 8x7B | 8 | 2 | {counted['total'] / 1e9:.0f} B | {counted['active'] / 1e9:.0f} B |"
     assert row in text, row
 
@@ -155,7 +149,7 @@ def test_tp_for_attention_beside_ep_equals_one_device():
     # the chapter's picture: each data-parallel rank's tokens, halved over the TP pair
     gathered = next(c for c in metrics["checks"] if c["name"].startswith("TP all-gathers"))["value"][0]
     tokens = gathered // (64 * 4)
-    text = " ".join(CHAPTER_13.read_text().split())
+    text = " ".join(chapters.text("13").split())
     assert tokens == 128 and f"{tokens} tokens" in text and f"tokens {tokens // 2}..{tokens - 1}" in text
 
 

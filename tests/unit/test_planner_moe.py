@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
+from coursetools import chapters
 from distlab import memory as course_memory
 from distlab import moe, planner
 from distlab.planner import dry_run
@@ -17,7 +17,6 @@ from distlab.planner.communication import all_to_all_seconds, comm_per_step, cro
 
 DEEPSEEK, H800, LAYOUT = planner.DEEPSEEK_V3, planner.H800, planner.DEEPSEEK_V3_LAYOUT
 MIXTRAL, H100 = planner.MODELS["mixtral-8x7b"], planner.CLUSTERS["h100-80gb"]
-CHAPTER = Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md"
 
 
 def test_deepseek_v3_counts_are_its_published_sizes():
@@ -265,7 +264,7 @@ def test_the_dry_run_fails_an_ep_group_strided_across_the_data_parallel_ranks(mo
 
 
 def test_chapter_13_pastes_the_planners_table_and_its_numbers():
-    text = CHAPTER.read_text()
+    text = chapters.text("13")   # every page of the chapter
     numbers = planner.moe_at_scale()
     assert planner.moe_at_scale_markdown(numbers) in text, planner.moe_at_scale_markdown(numbers)
     flat = " ".join(text.split())
@@ -280,6 +279,10 @@ def test_chapter_13_pastes_the_planners_table_and_its_numbers():
     assert f"the planner predicts {numbers['mixtral_mapping_mfu']:.1%}" in flat and numbers["mixtral_mapping_fits"]
     assert f"(MCore v0.9, {numbers['mixtral_published_mfu']:.1%} of the H100's bf16 peak, if" in flat
     assert f"about {numbers['mixtral_mapping_mfu'] / numbers['mixtral_published_mfu'] - 1:+.0%}" in flat
+    # the body's conclusion (page 13.2): the hidden all-to-alls' gap to the measured, and the busiest stage's times
+    assert f"leave the planner's {numbers['tokens_per_gpu_hidden']:,.0f} tokens/s a GPU within {-gap:.0%} of the " \
+           f"measured 1,543" in flat
+    assert f"take {numbers['all_to_all_s']:.1f} s against {numbers['compute_s']:.1f} s of compute" in flat
 
 
 def test_the_dry_run_fails_a_planner_whose_ep_group_leaves_tp_out(monkeypatch):

@@ -192,9 +192,9 @@ def test_the_new_measured_rows_hold_their_figures():
 
 
 def test_chapter_13s_account_of_deepseeks_routing_is_the_reports():
-    from pathlib import Path
+    from coursetools import chapters
 
-    text = " ".join((Path(__file__).resolve().parents[2] / "chapters" / "13_expert_parallel.md").read_text().split())
+    text = " ".join(chapters.text("13").split())   # every page of the chapter
     train = SOURCES["deepseek_v3_train_hparams"].quote
     config = SOURCES["deepseek_v3_config_671b"].quote
     for claim, evidence in ((("γ of 0.001", "14.3T tokens and 0 after"), "bias update speed γ to 0.001 for the first "
