@@ -141,3 +141,13 @@ def test_the_worked_example_splits_over_two_ranks_as_the_text_says():
     says(f"the partial sum {show(partial[0])}. Rank 1 computes {show(hidden[2:])}, which its ReLU makes "
          f"{show(torch.relu(hidden[2:]))}, and gets the partial sum {show(partial[1])}")
     says(f"{show(partial[0])} + {show(partial[1])} = **{show(full)}**, the one-device output")
+
+
+def test_the_f_and_g_picture_follows_the_plan_the_text_describes():
+    import coursetools.figures  # noqa: F401  (the drawings import their helpers from it)
+    from coursetools.drawings import ch06
+    assert ch06.block_regions() == [{"name": "attention", "column": ["wq", "wk", "wv"], "row": ["wo"]},
+                                    {"name": "feed_forward", "column": ["w1", "w3"], "row": ["w2"]}]
+    says("wq, wk and wv are column parallel, which means split *by heads*")
+    says("w1 and w3 are column parallel, w2 is row parallel")
+    assert FLAT.index("figures/06_column_row_split.png") < FLAT.index("figures/06_f_and_g_in_a_block.png")
