@@ -1,4 +1,5 @@
-"""Chapter 04's numbers, recomputed: the test fails when chapters/04_data_parallel.md drifts from the code."""
+"""Chapter 04's numbers, recomputed: the test fails when the chapter's pages (chapters/04_data_parallel.md,
+chapters/04.2_ddp.md, read as one text) drift from the code."""
 
 from pathlib import Path
 
@@ -9,9 +10,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+from coursetools import chapters
 from distlab import comm, memory, models
 
-TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "04_data_parallel.md").read_text()
+TEXT = chapters.text("04")
 FLAT = " ".join(TEXT.split())  # the text as read: a phrase matches whatever the line breaks
 GIB = 2**30
 TORCH = Path(torch.__file__).parent
@@ -29,7 +31,9 @@ def never_says(phrase: str) -> None:
 def test_bytes_per_step_of_the_tiny_model():
     tiny = models.preset("tiny")
     payload = comm.zero_step_bytes(tiny.num_params(), stage=0)["all_reduce"]
-    says(f"The tiny transformer has {tiny.num_params():,} parameters, so each step all-reduces {payload:,} bytes")
+    # one claim in one sentence (issue 48 cut four short sentences that made it)
+    says(f"Every step all-reduces every gradient once, 4 bytes a parameter in fp32, so the bytes are fixed by the "
+         f"model: the tiny transformer's {tiny.num_params():,} parameters make {payload:,} bytes a step")
     sent = comm.bytes_sent_per_rank("all_reduce", payload, 4)
     says(f"{sent:,.0f} bytes per rank per step on 4 ranks")
     tensors = len(list(models.build_transformer(tiny, seed=0).parameters()))
@@ -104,7 +108,8 @@ def test_one_bucket_then_a_rebuild_only_without_find_unused_parameters(world_of_
     assert "(static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_" in reducer[150]
     assert "reduced in a predetermined order consistent across" in reducer[353]
     says("the first bucket (the gradients ready first, from\nthe output layer) takes gradients until it holds 1 MiB")
-    says("So **without**\n`find_unused_parameters` (or with `static_graph=True`) the first step runs with a single bucket")
+    says("With the default options (neither flag) or with `static_graph=True`, the first step runs with a single "
+         "bucket holding everything")
     never_says("DDP cannot know the order before it has seen one backward pass")
 
 
@@ -185,3 +190,60 @@ def test_a_gpu_bar_ends_on_the_callbacks_stream_not_the_compute_stream():
     assert 'entry["end"] = self.clock.mark()' in script and "return future.then(finished)" in script
     says("ends with one the future's callback records, on a stream torch takes from\nits pool")
     never_says("(`metrics.DeviceClock`) recorded on the compute stream")
+
+
+# ---- issue 48: the chapter teaches first (a picture and a worked example), and defines a term before using it
+
+
+def test_the_worked_example_is_what_autograd_computes():
+    """The one-weight example of the first page, recomputed by autograd on one device: y = w x, loss (w x - y)² / 2,
+    x = 1..8, y = 2 x, w = 1; four slices of two; the mean of the slice gradients is the whole batch's."""
+    def gradient(xs, w=1.0):
+        weight = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+        x = torch.tensor(xs, dtype=torch.float64)
+        (0.5 * (weight * x - 2 * x) ** 2).mean().backward()
+        return weight.grad.item()
+
+    samples = [float(x) for x in range(1, 9)]
+    whole = gradient(samples)
+    local = [gradient(samples[2 * r:2 * r + 2]) for r in range(4)]
+    mean = sum(local) / 4
+    assert mean == whole == -25.5
+    says(f"the gradient of the mean loss over the whole batch is the mean of -1, -4, ..., -64: **{whole:g}**")
+    says(f"Rank 0 (x = 1, 2) gets {local[0]:g}, rank 1 gets {local[1]:g}, rank 2 gets {local[2]:g} and rank 3 gets "
+         f"{local[3]:g}")
+    says(f"Their mean is ({local[0]:g} - {-local[1]:g} - {-local[2]:g} - {-local[3]:g}) / 4 = **{mean:g}**")
+    says(f"with a learning rate of 0.01 to w = 1 + 0.01 x {-mean:g} = {1 - 0.01 * mean:g}")
+    uneven = [samples[:3], samples[3:4], samples[4:6], samples[6:]]
+    mean_of_means = sum(gradient(s) for s in uneven) / 4
+    assert abs(mean_of_means - whole) > 1
+    says(f"Split the same eight samples 3, 1, 2, 2 and the mean of the four slice gradients is {mean_of_means:.1f}")
+
+
+def test_the_picture_of_the_mechanism_draws_the_worked_example_and_comes_first():
+    from coursetools.drawings import ch04
+    step = ch04.data_parallel_step()
+    assert step["local"] == [-2.5, -12.5, -30.5, -56.5] and step["mean"] == -25.5 and step["weight"] == 1.255
+    assert 0 <= FLAT.index("figures/04_replicas_split_batch.png") < FLAT.index("figures/04_ddp_overlap.png")
+
+
+def test_find_unused_parameters_and_static_graph_are_defined_where_they_first_appear():
+    for option, definition in (("find_unused_parameters", "`find_unused_parameters=True` tells DDP that some "
+                                "parameters may get no gradient in a step"),
+                               ("static_graph", "`static_graph=True` promises that the set of parameters used is "
+                                "the same in every step")):
+        says(definition)
+        assert FLAT.index(option) == FLAT.index(definition) + 1, f"{option} is used before it is defined"
+
+
+def test_the_measured_overlap_is_read_as_it_was_measured():
+    import json
+
+    from coursetools import figures
+    overlap = json.loads(figures.DDP_OVERLAP.read_text())["overlap"]
+    third = round(overlap["hidden_fraction"] * 3)
+    assert third == 1
+    says("only about a third of the all-reduce time is hidden")
+    says(f"backward returns {(overlap['backward_end'] - overlap['last_gradient']) * 1e3:.0f} ms after its last "
+         f"gradient: the tiny model's {(overlap['last_gradient'] - overlap['backward_start']) * 1e3:.0f} ms of "
+         "backward computing")

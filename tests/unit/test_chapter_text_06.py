@@ -1,18 +1,21 @@
-"""Chapter 06's numbers, recomputed: the test fails when chapters/06_tensor_parallel.md drifts from the code."""
+"""Chapter 06's numbers, recomputed: the test fails when the chapter's pages (chapters/06_tensor_parallel.md,
+chapters/06.2_dtensor_and_the_ledger.md, read as one text) drift from the code."""
 
 import re
 from dataclasses import replace
 from pathlib import Path
 
+from coursetools import chapters
 from distlab import metrics, models
 from distlab import tensor_parallel as tp
 
-TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "06_tensor_parallel.md").read_text()
+TEXT = chapters.text("06")
+FLAT = " ".join(TEXT.split())  # the text as read: a phrase matches whatever the line breaks
 GIB = 2**30
 
 
 def says(phrase: str) -> None:
-    assert phrase in TEXT, f"chapter 06 no longer says {phrase!r}: the code computes it; update the text"
+    assert " ".join(phrase.split()) in FLAT, f"chapter 06 no longer says {phrase!r}: the code computes it; update the text"
 
 
 def test_tiny_run_payloads():
@@ -60,7 +63,7 @@ def test_h_is_the_width_and_a_the_heads():
 
 
 def test_grouped_query_attention_under_tp_is_taught_as_the_code_checks_it():
-    flat = " ".join(TEXT.split())
+    flat = FLAT
     gqa = replace(models.preset("tiny"), n_heads=8, n_kv_heads=2)
     problems = tp.tp_config_problems(gqa, 4)
     assert problems and "2 key/value heads do not split over 4 TP ranks" in problems[0]
@@ -101,7 +104,9 @@ def test_the_compiled_blocks_section_names_what_the_code_does():
     root = Path(__file__).resolve().parents[2]
     script = (root / "scripts" / "06_tensor_parallel" / "tp_transformer.py").read_text()
     test = (root / "tests" / "scripts" / "test_compile.py").read_text()
-    section = TEXT[TEXT.index("## Compiled blocks"):TEXT.index("## What TP does not split")]
+    # the proof of the compiled run sits in the appendix, under its own heading
+    section = TEXT[TEXT.index("### Compiled blocks"):TEXT.index("### Grouped-query attention elsewhere")]
+    assert TEXT.index("## How we know") < TEXT.index("### Compiled blocks")
     assert '"--compile"' in script and "block.compile()" in script
     assert "tok_embeddings.register_forward_hook(lambda module, inputs, output: output.clone())" in script
     assert "profiling.collective_calls" in section and callable(profiling.collective_calls)
@@ -113,3 +118,36 @@ def test_the_compiled_blocks_section_names_what_the_code_does():
     assert "'Tensor' object has no attribute '_local_tensor'" in section
     line = (Path(torch.__file__).parent / "distributed" / "tensor" / "_api.py").read_text().splitlines()[111]
     assert "`distributed/tensor/_api.py:112`" in section and "view_as" in line, line
+
+
+def test_the_worked_example_splits_over_two_ranks_as_the_text_says():
+    """The first page's example, recomputed on one device: x = (1, 2), W1 (4 x 2), ReLU, W2 (2 x 4); rank r holds
+    W1's rows and W2's columns 2r, 2r + 1, and the two partial sums add up to the unsplit output."""
+    import torch
+
+    x = torch.tensor([1.0, 2.0])
+    w1 = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, -1.0]])
+    w2 = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, -1.0, 1.0, -1.0]])
+    hidden = w1 @ x
+    full = w2 @ torch.relu(hidden)
+    partial = [w2[:, 2 * r:2 * r + 2] @ torch.relu(w1[2 * r:2 * r + 2] @ x) for r in range(2)]
+    assert torch.equal(partial[0] + partial[1], full)
+
+    def show(t):
+        return "(" + ", ".join(f"{v:g}" for v in t.tolist()) + ")"
+
+    says("W1 = [[1, 0], [0, 1], [1, 1], [1, -1]]        W2 = [[1, 1, 1, 1], [1, -1, 1, -1]]")
+    says(f"W1 x = {show(hidden)}, the ReLU makes it {show(torch.relu(hidden))}, and W2 of that is **y = {show(full)}**")
+    says(f"the partial sum {show(partial[0])}. Rank 1 computes {show(hidden[2:])}, which its ReLU makes "
+         f"{show(torch.relu(hidden[2:]))}, and gets the partial sum {show(partial[1])}")
+    says(f"{show(partial[0])} + {show(partial[1])} = **{show(full)}**, the one-device output")
+
+
+def test_the_f_and_g_picture_follows_the_plan_the_text_describes():
+    import coursetools.figures  # noqa: F401  (the drawings import their helpers from it)
+    from coursetools.drawings import ch06
+    assert ch06.block_regions() == [{"name": "attention", "column": ["wq", "wk", "wv"], "row": ["wo"]},
+                                    {"name": "feed_forward", "column": ["w1", "w3"], "row": ["w2"]}]
+    says("wq, wk and wv are column parallel, which means split *by heads*")
+    says("w1 and w3 are column parallel, w2 is row parallel")
+    assert FLAT.index("figures/06_column_row_split.png") < FLAT.index("figures/06_f_and_g_in_a_block.png")
