@@ -117,3 +117,13 @@ def test_the_two_ways_picture_is_the_zero_table():
     assert ways["model parallel"]["state_gib"] * GIB == widgets.state_bytes_per_gpu(7e9, 4, 3)
     says(f"the\ntraining state of a 7B model is {ways['data parallel']['state_gib']:.1f} GiB on each")
     says(f"passes its activations on; {ways['model parallel']['state_gib']:.1f} GiB each")
+
+
+def test_the_measured_sentence_states_the_scripts_tolerance():
+    """The 4-rank run's loss check: 1e-5 on a CPU, ten times wider on a GPU, as the script asks."""
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "02_why_distributed"
+              / "compute_and_memory_per_rank.py").read_text()
+    assert "tolerance=metrics.fp32_tolerance(1e-5, rt.device)" in script
+    assert metrics.fp32_tolerance(1e-5, "cpu") == 1e-5 and metrics.fp32_tolerance(1e-5, "cuda") == 1e-4
+    says("the mean of the ranks' losses equals the single-device loss to 1e-5")
+    says("within 1e-5 in fp32 (ten\n   times wider on a GPU")
