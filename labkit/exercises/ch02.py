@@ -1,9 +1,76 @@
-"""Lab 02's exercise checks (why distributed): the largest model that fits under DDP and under FSDP, numbers
-compared by :func:`check_value`.
+"""Lab 02's exercise checks (why distributed).
+
+* Exercise 1: the largest model that fits under DDP and under FSDP, numbers compared by :func:`check_value`.
+* Exercise 2, :func:`check_month_of_a100s`: the A100-days of a compute-optimal run (6 N D FLOPs, D = 20 N, 40% of
+  the bf16 peak) and the fewest A100s that finish it within 30 days, against ``labkit.widgets.training_days``;
+  each usual slip (2 N D, the MFU forgotten, the fp32 peak, rounding to the nearest) is named.
 """
 
 from __future__ import annotations
 
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, check_value
+import math
 
-__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value"]
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, check_value, learner_check
+
+__all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_month_of_a100s", "expected_month_of_a100s"]
+
+MONTH_DAYS = 30
+MFU = 0.4
+TOKENS_PER_PARAM = 20
+
+
+def expected_month_of_a100s(num_params: float) -> tuple[float, int]:
+    """(A100-days, the fewest A100s that finish within a month) of a compute-optimal run of ``num_params``."""
+    from labkit import widgets
+
+    days = widgets.training_days(num_params, TOKENS_PER_PARAM * num_params, gpus=1, gpu="A100-40GB", mfu=MFU)
+    return days, math.ceil(days / MONTH_DAYS)
+
+
+def _day_slips(num_params: float) -> dict[str, float]:
+    from distlab import metrics
+
+    tokens, peak = TOKENS_PER_PARAM * num_params, metrics.peak_flops("A100", "bf16")
+    seconds = 86400
+    return {
+        "That is 2 N D FLOPs, the forward pass alone. Training is 6 N D: forward, and two products in backward.":
+            2 * num_params * tokens / (peak * MFU) / seconds,
+        "The GPU does not run at its peak: divide by 40% of 312 TFLOP/s, not by all of it.":
+            6 * num_params * tokens / peak / seconds,
+        "312 TFLOP/s is the bf16 peak; that looks like the fp32 one (19.5 TFLOP/s).":
+            6 * num_params * tokens / (metrics.peak_flops("A100", "fp32") * MFU) / seconds,
+        "D is 20 tokens a parameter: 20 N tokens in all, not 20 N x 10^9.":
+            6 * num_params * tokens * 1e9 / (peak * MFU) / seconds,
+        "Those are hours? A day is 86,400 seconds.": 6 * num_params * tokens / (peak * MFU) / 3600,
+    }
+
+
+@learner_check
+def check_month_of_a100s(a100_days, a100s_for_a_month, num_params: float = 3e9) -> None:
+    """``a100_days``: days of one A100 for a compute-optimal run of ``num_params`` (D = 20 N tokens, 6 N D FLOPs,
+    40% MFU, bf16); ``a100s_for_a_month``: the fewest A100s that finish it within 30 days (an integer)."""
+    days, gpus = expected_month_of_a100s(num_params)
+    if a100_days is None or a100_days is Ellipsis:
+        raise ExerciseIncomplete("`a100_days` is not written yet.")
+    try:
+        got_days = float(a100_days)
+    except (TypeError, ValueError):
+        raise ExerciseWrong(f"`a100_days` should be a number, got {type(a100_days).__name__}.") from None
+    if not math.isclose(got_days, days, rel_tol=1e-3):
+        slip = next((why for why, wrong in _day_slips(num_params).items()
+                     if math.isclose(got_days, wrong, rel_tol=1e-3)), "")
+        raise ExerciseWrong(f"`a100_days` = {got_days:,.4g}, expected {days:,.4g}. "
+                            + (slip or "6 N D FLOPs over 40% of 312 TFLOP/s, in days."))
+    if a100s_for_a_month is None or a100s_for_a_month is Ellipsis:
+        raise ExerciseIncomplete("`a100s_for_a_month` is not written yet.")
+    if isinstance(a100s_for_a_month, bool) or not float(a100s_for_a_month).is_integer():
+        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}: a number of GPUs is a whole number. Round "
+                            f"{days / MONTH_DAYS:.2f} up.")
+    if int(a100s_for_a_month) != gpus:
+        hint = (f"{days / MONTH_DAYS:.2f} GPUs rounded to the nearest is {round(days / MONTH_DAYS)}: that many take "
+                f"{days / round(days / MONTH_DAYS):.1f} days, over a month. Round up."
+                if int(a100s_for_a_month) == round(days / MONTH_DAYS) else
+                f"The days on one A100 over the {MONTH_DAYS} days of a month, rounded up.")
+        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}, expected {gpus}. {hint}")
+    print(f"Correct: {days:,.1f} A100-days; {gpus} A100s finish in {days / gpus:.1f} days, {gpus - 1} would take "
+          f"{days / (gpus - 1):.1f}.")

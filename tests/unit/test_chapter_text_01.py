@@ -1,13 +1,14 @@
-"""Chapter 01's numbers, recomputed: the test fails when chapters/01_single_device_baseline.md drifts from the code."""
+"""Chapter 01's numbers, recomputed: the test fails when the chapter's pages (chapters/01_single_device_baseline.md,
+chapters/01.2_where_the_time_goes.md) drift from the code."""
 
 import json
 from pathlib import Path
 
-from coursetools import gpu_ladder
+from coursetools import chapters, gpu_ladder
 
 from distlab import memory, metrics, models
 
-TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "01_single_device_baseline.md").read_text()
+TEXT = chapters.text("01")   # every page: a claim may sit on either, or in "How we know"
 GIB = 2**30
 
 
@@ -41,7 +42,7 @@ def test_activation_predictions():
     says(f"add up to {at_batch_4 / GIB:.1f} GiB")
     peak = memory.predict_step_peak(state, 4 * per_sequence, 4, a100.seq_len, a100.vocab_size)
     assert peak.peak_phase == "forward/backward"
-    says(f"the peak (below, phase by phase) is {peak.peak / GIB:.1f} GiB")
+    says(f"So the peak is {peak.peak / GIB:.1f} GiB, in\nforward/backward")
     assert 0.75 < peak.peak / (40 * GIB) < 0.9  # "most of an A100-40GB"
 
 
@@ -214,7 +215,9 @@ def test_the_ladder_section_states_the_measured_and_derived_figures():
     assert "seq_len = 8192" in SOURCES["torchtitan_llama3_8b_toml"].quote
     assert 'mixed_precision_param", type=str, default="bfloat16"' in SOURCES["torchtitan_bf16_weights_and_compile_order"].quote
     assert models.preset("llama3_8b_slice", n_layers=32).num_params() == 8_030_261_248  # Llama 3 8B's count
-    raw = TEXT.split("### The ladder")[1].split("\n## ")[0]
+    # the ladder's section of the body, and its comparison with torchtitan's runs in "How we know"
+    raw = (TEXT.split("### The ladder")[1].split("\n## ")[0]
+           + TEXT.split("### Against a published run")[1].split("\n### ")[0])
     section = flat(raw)
     for key, value in ladder_figures().items():
         assert flat(value) in section, f"{key}: the ladder section no longer says {value!r}; update the text"
@@ -224,3 +227,58 @@ def test_the_ladder_section_states_the_measured_and_derived_figures():
     # the compiled rung's failed peak check is not explained away: the batch-16 compiled rung passed the same check
     assert any(c.startswith("peak memory") for c in RUNG["compiled"]["failed_checks"])
     assert not RUNG["compiled_batch16"]["failed_checks"] and "compiled rung passed the same check" in section
+
+
+def test_the_two_phases_worked_in_fp32():
+    """The formula's worked number (fp32, batch 4) and its implications: the sum overstates the peak by 4 GiB, and at
+    batch 1 the optimizer step holds the peak."""
+    a100 = models.preset("a100")
+    state = memory.training_state_bytes(a100.num_params())
+    phases = {b: memory.predict_step_peak(state, memory.transformer_activation_bytes(a100, b), b, a100.seq_len,
+                                          a100.vocab_size) for b in (1, 4)}
+    top = phases[4].phases["forward/backward"]
+    says(f"{(top['weights'] + top['optimizer state']) / GIB:.2f} GiB of weights and moments, "
+         f"{top['saved activations'] / GIB:.2f} GiB of activations and\n"
+         f"{top['loss gradients (fp32, 2 x B x T x V)'] / GIB:.2f} GiB of loss gradients make "
+         f"{phases[4].total('forward/backward') / GIB:.1f} GiB; the optimizer step holds "
+         f"{phases[4].total('optimizer step') / GIB:.2f} GiB")
+    assert phases[4].peak_phase == "forward/backward" and phases[1].peak_phase == "optimizer step"
+    says("At batch 1 the activations are a\nquarter as large, and the optimizer step holds the peak instead")
+    overstated = (state.total + memory.transformer_activation_bytes(a100, 4) - phases[4].peak) / GIB
+    assert round(overstated) == 4 and round(overstated / 40, 1) == 0.1
+    says("overstate the\npeak by 4 GiB at batch 4: a plan made from the sum wastes a tenth of the GPU")
+    tiny = models.preset("tiny")
+    assert memory.transformer_activation_bytes(tiny, 8) > memory.training_state_bytes(tiny.num_params()).total
+    says("already more than its whole training state")
+    assert 0.5 <= state.total / (40 * GIB) < 0.55
+    says("Half of a 40 GiB GPU is gone before training starts")
+    bf16 = memory.predict_step_peak(state, round(H200_BF16_ACTIVATIONS_GIB * GIB), 4, a100.seq_len, a100.vocab_size)
+    says(f"29.78 GiB, {H200_BASELINE_PEAK_GIB * GIB / bf16.peak - 1:.1%} over the phase\nmodel")
+
+
+def test_the_step_picture_is_the_phase_model():
+    """01_step_memory.png is drawn from the phase model: its top of backward and its optimizer step are
+    memory.predict_step_peak's two phases, and the step's sum of everything is never reached."""
+    from coursetools.drawings import ch01
+
+    a100 = models.preset("a100")
+    state = memory.training_state_bytes(a100.num_params())
+    activations = memory.transformer_activation_bytes(a100, 4)
+    phases = memory.predict_step_peak(state, activations, 4, a100.seq_len, a100.vocab_size)
+    moments = {name: sum(terms.values()) for name, terms in ch01.step_memory_timeline("a100", 4)}
+    assert moments["top of backward"] == phases.total("forward/backward")
+    assert moments["optimizer step"] == phases.total("optimizer step")
+    assert max(moments.values()) == phases.peak < state.total + activations
+
+
+def test_the_time_figures_and_their_conclusions():
+    a100 = models.preset("a100")
+    per_token = metrics.transformer_flops_per_token(a100)
+    step_flops = per_token * 4 * a100.seq_len
+    says(f"{step_flops / 1e12:.0f} TFLOPs of\nwork: about a tenth of a second even on a GPU that sustains 300 TFLOP/s")
+    assert 0.09 < step_flops / 300e12 < 0.13
+    adamw_ms = 80 * a100.num_params() / (H200_COPY_GB_PER_S[1] * 1e9) * 1e3
+    assert all(adamw_ms / step >= 1 / 6 for step in (137, 148))   # of a step of 137 to 148 ms
+    says("So at least a sixth of the step is the optimizer alone")
+    gemm = float(ladder_figures()["GEMM_RATE"]) * 1e12 / metrics.peak_flops("H100", "bf16")
+    says(f"723 TFLOP/s (their FLOPs over their time), {gemm:.0%} of the bf16 peak")

@@ -1,13 +1,15 @@
-"""Chapter 02's tables, recomputed from labkit.widgets: the test fails when chapters/02_why_distributed.md drifts.
+"""Chapter 02's tables, recomputed from labkit.widgets: the test fails when the chapter (chapters/02_why_distributed.md,
+every page through coursetools.chapters) drifts.
 
 Memory is in GiB (an A100 "40GB" has 40 GiB), as chapters/00_conventions.md says."""
 
 from pathlib import Path
 
+from coursetools import chapters
 from distlab import memory, metrics
 from labkit import widgets
 
-TEXT = (Path(__file__).resolve().parents[2] / "chapters" / "02_why_distributed.md").read_text()
+TEXT = chapters.text("02")
 GIB, A100 = widgets.GIB, widgets.GPUS["A100-40GB"]
 
 
@@ -28,7 +30,8 @@ def test_the_memory_wall_table():
              f"{row['min_gpus_fully_sharded']} |")
     # the sentence on units: counting 40 x 10^9 bytes per GPU gives other GPU counts
     wrong = [widgets.min_gpus_to_fit(n, 40e9, 3) for n in widgets.MODEL_SIZES.values()]
-    says(f"the last column reads {', '.join(map(str, wrong))}")
+    right = [row["min_gpus_fully_sharded"] for row in widgets.fit_table("A100-40GB", gpus=1, zero_stage=0)]
+    says(f"the last column\nreads {', '.join(map(str, wrong))} instead of {', '.join(map(str, right))}")
     says(f"The weights alone, {memory.training_state_bytes(7e9, 'mixed').params / GIB:.1f} GiB in bf16")
 
 
@@ -63,7 +66,7 @@ def test_the_compute_wall_table():
 def test_the_exercise_answer_and_the_explorer_start():
     ddp = widgets.largest_model_that_fits(4, A100, 0, activation_bytes=10 * GIB)
     fsdp = widgets.largest_model_that_fits(4, A100, 3, activation_bytes=10 * GIB)
-    says(f"({ddp / 1e9:.2f} B and {fsdp / 1e9:.2f} B parameters.)")
+    says(f"The first exercise's answers are {ddp / 1e9:.2f} B and {fsdp / 1e9:.2f} B parameters.")
     says(f"a 7B model needs {widgets.state_bytes_per_gpu(7e9) / GIB:.1f} GiB")
     box = widgets.does_it_fit_explorer()
     assert box.controls["params"].value * 1e9 == 7e9 and box.controls["gpus"].value == 4
@@ -96,3 +99,31 @@ def test_the_flop_counter_ignores_causal_masking():
     assert "causal" not in backward
     says("about half of the attention FLOPs that the counter and 12 L d T record (the backward's\n   count, "
          "`sdpa_backward_flop_count` at line 505, takes only the shapes too)")
+
+
+def test_training_carries_eight_times_the_weights():
+    mixed = memory.training_state_bytes(7e9, "mixed")
+    assert mixed.total / mixed.params == 8
+    says("training\ncarries eight times the bytes of the weights")
+
+
+def test_the_two_ways_picture_is_the_zero_table():
+    """02_two_ways.png draws each GPU's state from the same functions as the ZeRO table: replicated when the batch is
+    cut, a quarter of every part when the model is; its alt text says the two numbers."""
+    from coursetools.drawings import ch02
+
+    ways = ch02.two_ways_per_gpu(7e9, 4)
+    assert ways["data parallel"]["state_gib"] * GIB == widgets.state_bytes_per_gpu(7e9, 4, 0)
+    assert ways["model parallel"]["state_gib"] * GIB == widgets.state_bytes_per_gpu(7e9, 4, 3)
+    says(f"the\ntraining state of a 7B model is {ways['data parallel']['state_gib']:.1f} GiB on each")
+    says(f"passes its activations on; {ways['model parallel']['state_gib']:.1f} GiB each")
+
+
+def test_the_measured_sentence_states_the_scripts_tolerance():
+    """The 4-rank run's loss check: 1e-5 on a CPU, ten times wider on a GPU, as the script asks."""
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "02_why_distributed"
+              / "compute_and_memory_per_rank.py").read_text()
+    assert "tolerance=metrics.fp32_tolerance(1e-5, rt.device)" in script
+    assert metrics.fp32_tolerance(1e-5, "cpu") == 1e-5 and metrics.fp32_tolerance(1e-5, "cuda") == 1e-4
+    says("the mean of the ranks' losses equals the single-device loss to 1e-5")
+    says("within 1e-5 in fp32 (ten\n   times wider on a GPU")

@@ -115,6 +115,30 @@ exercise_state_bytes = 16 * exercise_params""",
 {solution}
 exercise_state_bytes = 12 * exercise_params""",
     }),
+    ("01_single_device_baseline", 2): dict(wrong={
+        "every consumer added up": """
+return "forward/backward", 20 * num_params + activation_bytes + 8 * batch * seq_len * vocab_size""",
+        "the loss gradients left out": """
+fb, step = 12 * num_params + activation_bytes, 20 * num_params
+return ("forward/backward", fb) if fb >= step else ("optimizer step", step)""",
+        "the foreach temporary forgotten (16 B at the step)": """
+fb, step = 12 * num_params + activation_bytes + 8 * batch * seq_len * vocab_size, 16 * num_params
+return ("forward/backward", fb) if fb >= step else ("optimizer step", step)""",
+        "the phase always forward/backward": """
+fb, step = 12 * num_params + activation_bytes + 8 * batch * seq_len * vocab_size, 20 * num_params
+return "forward/backward", max(fb, step)""",
+    }),
+    ("02_why_distributed", 2): dict(wrong={
+        "2 N D (forward only)": """
+a100_days = 2 * num_params * 20 * num_params / (0.4 * 312e12) / 86400
+a100s_for_a_month = math.ceil(a100_days / 30)""",
+        "the MFU forgotten": """
+a100_days = 6 * num_params * 20 * num_params / 312e12 / 86400
+a100s_for_a_month = math.ceil(a100_days / 30)""",
+        "rounded to the nearest": """
+{solution}
+a100s_for_a_month = round(a100_days / 30)""",
+    }),
     ("02_why_distributed", 1): dict(wrong={
         "nothing kept for activations": """
 largest_ddp = 40 * 2**30 / 16

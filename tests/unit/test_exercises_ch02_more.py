@@ -1,0 +1,53 @@
+"""Lab 02's second exercise (labkit.exercises.ch02.check_month_of_a100s): the right numbers pass, a stub is "not
+written yet", and each plausible slip is rejected with the hint that names it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labkit.exercises import ch02 as ex
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
+
+N = 3e9
+DAYS = 6 * N * 20 * N / (0.4 * 312e12) / 86400     # written out: the widgets' function is what the check uses
+
+
+def test_the_right_answer_passes(capsys):
+    ex.check_month_of_a100s(DAYS, math.ceil(DAYS / 30))
+    assert "Correct" in capsys.readouterr().out
+    assert math.ceil(DAYS / 30) == 4 and round(DAYS / 30) == 3   # the case tells rounding up from rounding
+
+
+def test_the_expected_answer_is_the_widgets_days():
+    from labkit import widgets
+
+    days, gpus = ex.expected_month_of_a100s(N)
+    assert days == widgets.training_days(N, 20 * N) and math.isclose(days, DAYS, rel_tol=1e-12) and gpus == 4
+
+
+@pytest.mark.parametrize("days, named", [
+    (2 * N * 20 * N / (0.4 * 312e12) / 86400, "forward pass alone"),
+    (6 * N * 20 * N / 312e12 / 86400, "40% of 312 TFLOP/s"),
+    (6 * N * 20 * N / (0.4 * 19.5e12) / 86400, "fp32 one"),
+    (6 * N * 20 * N / (0.4 * 312e12) / 3600, "86,400 seconds"),
+    (DAYS * 1.1, "expected"),
+])
+def test_a_wrong_day_count_is_rejected_and_named(days, named):
+    with pytest.raises(ExerciseWrong, match=named):
+        ex.check_month_of_a100s(days, math.ceil(days / 30))
+
+
+@pytest.mark.parametrize("gpus, named", [(3, "Round up"), (3.34, "whole number"), (5, "expected 4"),
+                                         (True, "whole number")])
+def test_a_wrong_gpu_count_is_rejected(gpus, named):
+    with pytest.raises(ExerciseWrong, match=named):
+        ex.check_month_of_a100s(DAYS, gpus)
+
+
+def test_a_stub_is_not_written_yet():
+    with pytest.raises(ExerciseIncomplete, match="a100_days"):
+        ex.check_month_of_a100s(None, None)
+    with pytest.raises(ExerciseIncomplete, match="a100s_for_a_month"):
+        ex.check_month_of_a100s(DAYS, None)
