@@ -19,6 +19,13 @@ def surface_table() -> str:
 
 def test_surface_to_volume_table():
     assert surface_table() in CHAPTER, "the table in chapter 10 is stale:\n" + surface_table()
+    from fractions import Fraction
+
+    at_80 = {r["split"]: Fraction(r["ratio"]).limit_denominator(100)
+             for r in domain.surface_to_volume_rows(720, 1440, (80,), radius=3)}
+    assert at_80 == {"h": Fraction(2, 3), "hw": Fraction(1, 9)}
+    assert "each band exchanges two thirds of its own size per pass, against one ninth for a tile" in " ".join(
+        CHAPTER.split())
 
 
 def test_halo_bytes_of_the_default_runs():
@@ -113,4 +120,4 @@ def test_the_halo_exchange_picture_is_the_exchange():
             assert padded[rank] == around
             cells = sum(c for sender, _, _, c in messages if sender == rank)
             assert cells * 4 == domain.halo_send_bytes(grid, rank, width, channels=1, batch=1)
-    assert "so the corner rank 0 needs from rank 3 arrives through rank 1" in " ".join(CHAPTER.split())
+    assert "Rows go first, then columns, so rank 3's corner reaches rank 0 through rank 1." in " ".join(CHAPTER.split())
