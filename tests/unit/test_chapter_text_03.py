@@ -139,7 +139,7 @@ def test_the_three_rank_ring_is_the_ring_run_step_by_step():
     assert sent == [comm.bytes_sent_per_rank("all_reduce", payload, n)] * n == [16] * n
     says(f"That took\n{2 * (n - 1)} steps, and each rank sent {2 * (n - 1)} messages of one number: {sent[0]} bytes "
          f"of fp32 for a {payload}-byte tensor.")
-    says(f"where the links are {NVLINK[0] / SLINGSHOT[0]:.0f} times faster")
+    says(f"NVLink carries {NVLINK[0] / SLINGSHOT[0]:.0f} times\nwhat one network card does")
 
 
 def test_the_collectives_picture_is_the_scripts_definitions():
