@@ -71,4 +71,67 @@ def draw_collectives(fig) -> None:
                  f"tensor; {SUM}2 is chunk 2 summed over the ranks", fontsize=9)
 
 
-FIGURES = {"03_collectives.png": (draw_collectives, (11, 5.6))}
+def ring_allreduce_on_numbers(inputs: list[list[float]]):
+    """The ring all-reduce of chapter 03 run on numbers, one number a chunk: ``[(title, state, messages)]``, the
+    inputs first, then the state after each of the 2(n - 1) steps; ``messages`` are ``(sender, receiver, chunk,
+    value)``. Reduce-scatter step s: rank r sends chunk (r - s) mod n, the right neighbour adds it; all-gather step
+    s: rank r sends the finished chunk (r + 1 - s) mod n, the right neighbour stores it."""
+    n = len(inputs)
+    state = [list(row) for row in inputs]
+    history = [("inputs", [list(row) for row in state], [])]
+    for phase, first in (("reduce-scatter", 0), ("all-gather", 1)):
+        for step in range(n - 1):
+            messages = [(r, (r + 1) % n, (r + first - step) % n, state[r][(r + first - step) % n]) for r in range(n)]
+            for _, receiver, chunk, value in messages:
+                state[receiver][chunk] = state[receiver][chunk] + value if phase == "reduce-scatter" else value
+            history.append((f"{phase} step {step + 1}", [list(row) for row in state], messages))
+    return history
+
+
+RING_EXAMPLE = [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0]]
+
+
+def draw_ring_worked_example(fig) -> None:
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from coursetools.figures import RANK_COLOURS  # here, not at the top: coursetools.figures imports this module
+
+    history = ring_allreduce_on_numbers(RING_EXAMPLE)
+    n = len(RING_EXAMPLE)
+    ax = fig.subplots()
+    width, gap = n * 1.0, 2.2
+    for k, (title, state, messages) in enumerate(history):
+        left = k * (width + gap)
+        received = {(receiver, chunk) for _, receiver, chunk, _ in messages}
+        sent = {(sender, chunk) for sender, _, chunk, _ in messages}
+        for r in range(n):
+            for i in range(n):
+                complete = state[r][i] == sum(row[i] for row in RING_EXAMPLE)
+                ax.add_patch(Rectangle((left + i, r * 1.4), 0.92, 0.9, facecolor=RANK_COLOURS[r] if k == 0 else
+                                       ("#2ca02c" if complete else "#dddddd"), alpha=0.35 if k == 0 else
+                                       (0.8 if complete else 1.0), edgecolor="black",
+                                       linewidth=2.0 if (r, i) in received else 0.4))
+                ax.text(left + i + 0.46, r * 1.4 + 0.45, f"{state[r][i]:g}", ha="center", va="center", fontsize=7,
+                        fontweight="bold" if (r, i) in sent else "normal")
+            if k == 0:
+                ax.text(left - 0.2, r * 1.4 + 0.45, f"rank {r}", ha="right", va="center", fontsize=7)
+        for sender, receiver, chunk, value in messages:
+            x = left + chunk + 0.46
+            if receiver > sender:
+                start, end, bend = (x, sender * 1.4 + 0.9), (x, receiver * 1.4), 0.0
+            else:  # the last rank sends to rank 0: round the ring
+                start, end, bend = (left + n, sender * 1.4 + 0.45), (left + n, receiver * 1.4 + 0.45), 0.45
+            ax.add_patch(FancyArrowPatch(start, end, arrowstyle="->", mutation_scale=7, linewidth=0.7,
+                                         connectionstyle=f"arc3,rad={bend}", color="black"))
+        ax.text(left + width / 2, -0.45, title, ha="center", va="bottom", fontsize=7.5)
+    ax.set_xlim(-1.6, len(history) * (width + gap))
+    ax.set_ylim(n * 1.4 + 0.1, -1.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    fig.suptitle("The ring all-reduce on 3 ranks, one number a chunk: each arrow is a message to the right neighbour "
+                 "(rank 2's goes round to rank 0).\nBold number: what a rank sent; bold border: what it received; "
+                 "green: a complete sum", fontsize=8.5)
+
+
+FIGURES = {"03_collectives.png": (draw_collectives, (11, 5.6)),
+           "03_ring_worked_example.png": (draw_ring_worked_example, (11, 2.6))}

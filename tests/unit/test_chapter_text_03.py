@@ -128,6 +128,14 @@ def test_the_three_rank_ring_is_the_ring_run_step_by_step():
             chunks[(r + 1) % n][i] = value
             sent[r] += 4
     assert all(row == [111.0, 222.0, 333.0] for row in chunks)
+    from coursetools.drawings import ch03  # the picture of this example is drawn from the same steps
+
+    drawn = ch03.ring_allreduce_on_numbers(ch03.RING_EXAMPLE)
+    assert ch03.RING_EXAMPLE == [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0]]
+    assert len(drawn) == 1 + 2 * (n - 1) and drawn[-1][1] == chunks
+    assert {(receiver, (chunk, value)) for _, receiver, chunk, value in drawn[1][2]} == {
+        (1, (0, 1.0)), (2, (1, 20.0)), (0, (2, 300.0))}
+    assert [row[(r + 1) % n] for r, row in enumerate(drawn[n - 1][1])] == [222.0, 333.0, 111.0]
     assert made[0] == {1: (0, 11.0), 2: (1, 220.0), 0: (2, 303.0)}
     says("rank 0 sends its 1 to rank 1, which now holds 11 in chunk 0. Rank 1 sends 20 to rank 2 (220 in chunk 1), "
          "and rank 2 sends 300 to rank 0 (303 in chunk 2).")
