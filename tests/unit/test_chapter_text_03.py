@@ -1,14 +1,16 @@
-"""Chapter 03's numbers, recomputed: the test fails when chapters/03_communication.md drifts from the code."""
+"""Chapter 03's numbers, recomputed: the test fails when the chapter's pages (chapters/03_communication.md, 03.2_*.md)
+drift from the code."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import comm
 
 REPO = Path(__file__).resolve().parents[2]
-TEXT = (REPO / "chapters" / "03_communication.md").read_text()
+TEXT = chapters.text("03")  # every page of the chapter: a claim may move from one page to the next
 FLAT = " ".join(TEXT.split())  # the text as read: a phrase matches whatever the line breaks
 NVLINK, SLINGSHOT = (300e9, 0.6e-6), (25e9, 5.0e-6)  # the chapter's (bandwidth B/s, NCCL's LL step s)
 
@@ -89,3 +91,88 @@ def test_process_group_grid_is_the_scripts():
     says(f"(for N = 4 and K = 2, {rows[0]} and {rows[1]}), a **column** the ranks K apart ({columns[0]} and "
          f"{columns[1]})")
     assert process_groups.rank_grid(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+def _show(values) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+def test_the_two_rank_example_is_what_the_collectives_leave():
+    import torch
+
+    inputs = [torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])]
+    total = torch.stack(inputs).sum(0)
+    halves = list(total.chunk(2))
+    to_all = [torch.cat([x.chunk(2)[r] for x in inputs]) for r in range(2)]
+    says(f"rank 0 holds {_show(inputs[0])} and rank 1 holds {_show(inputs[1])}. All-reduce leaves both with "
+         f"{_show(total)}. Reduce-scatter leaves rank 0 with {_show(halves[0])} and rank 1 with {_show(halves[1])}")
+    says(f"All-gather those halves and both hold {_show(torch.cat(halves))} again, the all-reduce's result.")
+    says(f"All-to-all leaves rank 0 with {_show(to_all[0])} and rank 1 with {_show(to_all[1])}")
+
+
+def test_the_three_rank_ring_is_the_ring_run_step_by_step():
+    """The ring of the chapter, run here on numbers (chunk (r - s) mod n sent right in reduce-scatter, (r + 1 - s)
+    mod n in all-gather): the partial sums the text walks through, the result and the bytes."""
+    n, chunks = 3, [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0]]
+    made, sent = [], [0] * n
+    for step in range(n - 1):
+        outgoing = {r: ((r - step) % n, chunks[r][(r - step) % n]) for r in range(n)}
+        for r, (i, value) in outgoing.items():
+            chunks[(r + 1) % n][i] += value
+            sent[r] += 4
+        made.append({(r + 1) % n: (i, chunks[(r + 1) % n][i]) for r, (i, _) in outgoing.items()})
+    complete = [(r, (r + 1) % n, chunks[r][(r + 1) % n]) for r in range(n)]
+    for step in range(n - 1):
+        outgoing = {r: ((r + 1 - step) % n, chunks[r][(r + 1 - step) % n]) for r in range(n)}
+        for r, (i, value) in outgoing.items():
+            chunks[(r + 1) % n][i] = value
+            sent[r] += 4
+    assert all(row == [111.0, 222.0, 333.0] for row in chunks)
+    from coursetools.drawings import ch03  # the picture of this example is drawn from the same steps
+
+    drawn = ch03.ring_allreduce_on_numbers(ch03.RING_EXAMPLE)
+    assert ch03.RING_EXAMPLE == [[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0]]
+    assert len(drawn) == 1 + 2 * (n - 1) and drawn[-1][1] == chunks
+    assert {(receiver, (chunk, value)) for _, receiver, chunk, value in drawn[1][2]} == {
+        (1, (0, 1.0)), (2, (1, 20.0)), (0, (2, 300.0))}
+    assert [row[(r + 1) % n] for r, row in enumerate(drawn[n - 1][1])] == [222.0, 333.0, 111.0]
+    assert made[0] == {1: (0, 11.0), 2: (1, 220.0), 0: (2, 303.0)}
+    says("rank 0 sends its 1 to rank 1, which now holds 11 in chunk 0. Rank 1 sends 20 to rank 2 (220 in chunk 1), "
+         "and rank 2 sends 300 to rank 0 (303 in chunk 2).")
+    (r0, i0, v0), (r1, i1, v1), (r2, i2, v2) = complete
+    says(f"Rank {r0} ends with {v0:g} in chunk {i0}, rank {r1} with {v1:g} in chunk {i1}, rank {r2} with {v2:g} in "
+         f"chunk {i2}: each holds one complete sum")
+    says(f"every rank holds {_show(chunks[0])}")
+    payload = 4 * n
+    assert sent == [comm.bytes_sent_per_rank("all_reduce", payload, n)] * n == [16] * n
+    says(f"That took\n{2 * (n - 1)} steps, and each rank sent {2 * (n - 1)} messages of one number: {sent[0]} bytes "
+         f"of fp32 for a {payload}-byte tensor.")
+    says(f"NVLink carries {NVLINK[0] / SLINGSHOT[0]:.0f} times\nwhat one network card does")
+
+
+def test_the_collectives_picture_is_the_scripts_definitions():
+    """03_collectives.png is drawn from coursetools.drawings.ch03's definitions on labels; with numbers in place of
+    the labels they give what collectives.py checks every rank against."""
+    import torch
+
+    from coursetools.drawings import ch03
+
+    sys.path.insert(0, str(REPO / "scripts" / "03_communication"))
+    try:
+        import collectives
+    finally:
+        sys.path.pop(0)
+    world, numel, seed = 4, 8, 0
+    every = [collectives.contribution(r, numel, seed) for r in range(world)]
+
+    def value(label: str):
+        index = int(label[1:])
+        if label.startswith(ch03.SUM):
+            return torch.stack(every).sum(0).chunk(world)[index]
+        return every[ch03.LETTERS.index(label[0])].chunk(world)[index]
+
+    for name in ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        after = ch03.collective_on_labels(name, ch03.inputs_on_labels(world))
+        for rank in range(world):
+            drawn = torch.cat([value(label) for label in after[rank]])
+            assert torch.equal(drawn, collectives.expected_results(rank, world, numel, seed)[name]), (name, rank)

@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
+from coursetools import chapters
 from distlab import domain
 
-CHAPTER = (Path(__file__).resolve().parents[2] / "chapters" / "10_domain_parallel.md").read_text()
+CHAPTER = chapters.text("10")  # every page of the chapter: a claim may move from one page to the next
 
 
 def surface_table() -> str:
@@ -18,6 +19,13 @@ def surface_table() -> str:
 
 def test_surface_to_volume_table():
     assert surface_table() in CHAPTER, "the table in chapter 10 is stale:\n" + surface_table()
+    from fractions import Fraction
+
+    at_80 = {r["split"]: Fraction(r["ratio"]).limit_denominator(100)
+             for r in domain.surface_to_volume_rows(720, 1440, (80,), radius=3)}
+    assert at_80 == {"h": Fraction(2, 3), "hw": Fraction(1, 9)}
+    assert "each band exchanges two thirds of its own size per pass, against one ninth for a tile" in " ".join(
+        CHAPTER.split())
 
 
 def test_halo_bytes_of_the_default_runs():
@@ -75,3 +83,41 @@ def test_the_mechanisms_are_described_as_the_code_runs_them():
     # the pole: the near side mirrored in order and turned half way round (tests/unit/test_domain.py checks it)
     assert "mirrored in order" in flat and "`domain.pole_halo`" in flat
     assert "a halo taken from the row itself shifted" not in flat
+
+
+def test_the_tiny_example_is_a_stencil_on_two_tiles():
+    """The 8-cell row of the chapter, summed over 3 cells on one device and on 2 tiles padded with their halos."""
+    import torch
+    import torch.nn.functional as F
+
+    row, kernel = torch.arange(1.0, 9.0), torch.ones(1, 1, 3)
+    whole = F.conv1d(row.view(1, 1, -1), kernel, padding=1).flatten()
+    left, right = torch.cat([torch.zeros(1), row[:5]]), torch.cat([row[3:], torch.zeros(1)])  # halo of 1 cell
+    tiles = [F.conv1d(t.view(1, 1, -1), kernel).flatten() for t in (left, right)]
+    assert torch.equal(torch.cat(tiles), whole)
+    show = lambda t: ", ".join(f"{v:g}" for v in t.tolist())
+    flat = " ".join(CHAPTER.split())
+    assert f"One device computes {show(whole)}." in flat
+    assert f"its padded tile is {show(left)}. Rank 1's is {show(right)}." in flat
+    assert f"gets {show(tiles[0])} and {show(tiles[1])}: the one-device row" in flat
+
+
+def test_the_halo_exchange_picture_is_the_exchange():
+    """10_halo_exchange.png is drawn from the exchange run on labels: rank 0's padded tile is the field's owners
+    around it (corners included, zeros beyond the edge), and the cells each rank posts are halo_send_bytes'."""
+    from coursetools.drawings import ch10
+
+    for grid, width in ((domain.TileGrid(2, 2, 8, 8), 1), (domain.TileGrid(2, 2, 32, 32), 3),
+                        (domain.TileGrid(4, 1, 32, 32), 3), (domain.TileGrid(3, 2, 11, 9), 2)):
+        _, padded, messages = ch10.exchange_on_labels(grid, width)
+        for rank in range(grid.size):
+            rows, cols = grid.tile_slices(rank)
+            around = [[next((r for r in range(grid.size) if grid.tile_slices(r)[0].start <= i < grid.tile_slices(r)[0].stop
+                             and grid.tile_slices(r)[1].start <= j < grid.tile_slices(r)[1].stop), ch10.ZERO)
+                       if 0 <= i < grid.height and 0 <= j < grid.width else ch10.ZERO
+                       for j in range(cols.start - width, cols.stop + width)]
+                      for i in range(rows.start - width, rows.stop + width)]
+            assert padded[rank] == around
+            cells = sum(c for sender, _, _, c in messages if sender == rank)
+            assert cells * 4 == domain.halo_send_bytes(grid, rank, width, channels=1, batch=1)
+    assert "Rows go first, then columns, so rank 3's corner reaches rank 0 through rank 1." in " ".join(CHAPTER.split())

@@ -153,7 +153,14 @@ largest_ddp = largest_fsdp""",
 {solution}
 largest_fsdp = largest_ddp""",
     }),
-    ("03_communication", 1): dict(needs=("class SimulatedRing", "ring_cases = []"), wrong={
+    ("03_communication", 1): dict(wrong={
+        "reduce-scatter gives the whole sum (all-reduce)": ("""
+total = torch.stack(inputs).sum(0)
+return [total for _ in range(n)]""", "{solution}"),
+        "all-to-all keeps each rank's own tensor": ("{solution}", """
+return [x.clone() for x in inputs]"""),
+    }),
+    ("03_communication", 2): dict(needs=("class SimulatedRing", "ring_cases = []"), wrong={
         "reduce-scatter only": """
 for step in range(n - 1):
     outgoing = {r: ((r - step) % n, chunks[r][(r - step) % n]) for r in range(n)}
