@@ -103,12 +103,12 @@ def errors_in(events: list[dict]) -> list[str]:
 
 
 def pages_to_open(html: Path) -> list[str]:
-    """The landing page, the conventions, every chapter and every lab, as paths under ``html``."""
+    """The landing page, the conventions, every page of every chapter and every lab, as paths under ``html``."""
     from coursetools import site
 
     pages = ["index.html", "chapters/00_conventions.html"]
     for chapter in site.chapter_links():
-        pages.append(f"chapters/{chapter.stem}.html")
+        pages += [f"chapters/{page.stem}.html" for page in site.chapter_pages(chapter.number)]
         if chapter.lab:
             pages.append(chapter.lab.replace(".ipynb", ".html"))
     missing = [p for p in pages if not (html / p).exists()]

@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+
+from coursetools import chapters
 from helpers import assert_all_checks_passed, assert_config_error
 
 from labkit import launch
@@ -39,7 +41,7 @@ def test_domain_training_on_a_grid_of_tiles_under_torchrun():
     metrics = assert_all_checks_passed(result, min_checks=5)
     local_norms = next(c for c in metrics["checks"] if "tile-only statistics" in c["name"])
     # the chapter quotes this measured difference
-    chapter = (Path(__file__).resolve().parents[2] / "chapters" / "10_domain_parallel.md").read_text()
+    chapter = chapters.text("10")
     assert f"({local_norms['value']:.2f} on a 2 x 2 grid)" in chapter
 
 

@@ -200,7 +200,7 @@ def test_when_a_ring_step_hides_its_transfer():
 
 def test_ulysses_is_taught_since_chapter_10_refers_to_it():
     says_flat("## Ulysses: all-to-all over heads")
-    assert "chapter 08's Ulysses" in (REPO / "chapters" / "10_domain_parallel.md").read_text()
+    assert "chapter 08's Ulysses" in chapters.text("10")
 
 
 def test_what_a_ring_rank_holds_of_k_and_v():

@@ -11,7 +11,7 @@ from coursetools import figures
 
 REPO = Path(__file__).resolve().parents[2]
 CHAPTERS = REPO / "chapters"
-REFERENCE = re.compile(r"!\[[^\]]*\]\((figures/[^)]+)\)")
+REFERENCE = re.compile(r"!\[(?:[^\[\]]|\[[^\]]*\])*\]\((figures/[^)]+)\)")   # alt text may hold [0, 2, 4, 6]
 
 
 def referenced() -> dict[str, list[str]]:
