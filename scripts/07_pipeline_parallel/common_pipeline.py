@@ -329,16 +329,18 @@ def transformer_stage(model, stage: int, num_stages: int):
     keeps its own ``layers[i]`` with i unchanged (the ModuleDict is keyed by name, not position), so
     ``stage.state_dict()`` keys match the full model's and a checkpoint needs no renaming.
     """
-    part = copy.deepcopy(model)
     keep = {str(i) for i in layers_of_stage(len(model.layers), num_stages, stage)}
+    dropped = [block for name, block in model.layers.items() if name not in keep]
+    if stage != 0:
+        dropped.append(model.tok_embeddings)
+    if stage != num_stages - 1:
+        dropped += [model.norm, model.output]
+    # copy only what this stage keeps: deepcopy's memo hands back None for each dropped module instead of copying it
+    # (a 96-block model's stage of 6 blocks copies 6, not 96), and the Nones are removed below
+    part = copy.deepcopy(model, memo={id(module): None for module in dropped})
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != num_stages - 1:
-        part.norm = None
-        part.output = None
     return part
 
 
