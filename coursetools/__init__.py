@@ -12,5 +12,6 @@ gpu_check        make gpu-check: every script on the GPUs present, one JSON summ
 gpu_ladder       make gpu-ladder: chapter 01's ladder on one GPU, rung by rung, and where the best step's time goes
 demo_report      one HTML summary of a PBS job's runs, for an instructor (pbs/instructor_demo.pbs)
 slurm_cluster    make test's Slurm tier: a real two-node Slurm cluster on this machine (munged, slurmctld, two slurmd)
+test_timeline    where make test's time goes: each test file's wall time and the idle cores it leaves
 jobs             the batch jobs' rules (jobs/common.sh calls it) and `python -m coursetools.jobs submit`
 """

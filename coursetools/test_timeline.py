@@ -1,0 +1,120 @@
+"""Where ``make test``'s time goes, and how much of the machine each test leaves idle.
+
+A pytest plugin, on when ``DISTLAB_TEST_TIMELINE`` names a folder (``make test PYTEST_ARGS="-p
+coursetools.test_timeline"`` with the variable set): every worker writes each test's start and end
+(``tests-<worker>.jsonl``), and the controller samples the machine's busy cores from ``/proc/stat`` every half second
+(``cpu.jsonl``). ``python -m coursetools.test_timeline FOLDER`` then prints, per test file, its wall time, the busy
+cores while it ran, and the idle core-seconds it is charged: in each half second, the cores left idle are shared
+among the tests running then. A file that waits (a timeout, a sleep, a scheduler's poll) shows many idle
+core-seconds; a file that computes shows few. That tells which tests to shorten by design and which to overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ENV = "DISTLAB_TEST_TIMELINE"
+PERIOD_S = 0.5
+
+
+def _folder() -> Path | None:
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+def _busy_and_total() -> tuple[int, int]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]           # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _sample(path: Path, stop: threading.Event) -> None:
+    cores = os.cpu_count() or 1
+    busy, total = _busy_and_total()
+    with path.open("a") as out:
+        while not stop.wait(PERIOD_S):
+            now_busy, now_total = _busy_and_total()
+            share = (now_busy - busy) / max(1, now_total - total)
+            out.write(json.dumps({"t": time.time(), "busy_cores": round(share * cores, 3)}) + "\n")
+            out.flush()
+            busy, total = now_busy, now_total
+
+
+_STOP = threading.Event()
+
+
+def pytest_configure(config):
+    folder = _folder()
+    if folder is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    threading.Thread(target=_sample, args=(folder / "cpu.jsonl", _STOP), daemon=True).start()
+
+
+def pytest_unconfigure(config):
+    _STOP.set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's start and end (its set-up and teardown included), one line a test."""
+    start = time.time()
+    yield
+    folder = _folder()
+    if folder is not None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with (folder / f"tests-{worker}-{os.getpid()}.jsonl").open("a") as out:
+            out.write(json.dumps({"test": item.nodeid, "worker": worker, "start": start, "end": time.time()}) + "\n")
+
+
+def account(folder: Path) -> list[dict]:
+    """Per test file: wall seconds, mean busy cores while it ran, idle core-seconds charged to it."""
+    tests = [json.loads(line) for path in folder.glob("tests-*.jsonl") for line in path.read_text().splitlines()]
+    samples = [json.loads(line) for line in (folder / "cpu.jsonl").read_text().splitlines()]
+    cores = os.cpu_count() or 1
+    by_file = defaultdict(lambda: {"wall": 0.0, "idle": 0.0, "busy": 0.0, "tests": 0})
+    for test in tests:
+        entry = by_file[test["test"].split("::")[0]]
+        entry["wall"] += test["end"] - test["start"]
+        entry["tests"] += 1
+    starts = sorted(tests, key=lambda t: t["start"])
+    for sample in samples:
+        t0, t1 = sample["t"] - PERIOD_S, sample["t"]
+        running = [t for t in starts if t["start"] < t1 and t["end"] > t0]
+        if not running:
+            continue
+        idle = max(0.0, cores - sample["busy_cores"]) * PERIOD_S / len(running)
+        busy = sample["busy_cores"] * PERIOD_S / len(running)
+        for test in running:
+            entry = by_file[test["test"].split("::")[0]]
+            entry["idle"] += idle
+            entry["busy"] += busy
+    rows = [{"file": name, **values} for name, values in by_file.items()]
+    return sorted(rows, key=lambda r: -r["idle"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    rows = account(args.folder)
+    print(f"{'test file':62} {'tests':>5} {'wall s':>8} {'busy core-s':>11} {'idle core-s':>11}")
+    for row in rows[:args.top]:
+        print(f"{row['file'][:62]:62} {row['tests']:5d} {row['wall']:8.1f} {row['busy']:11.1f} {row['idle']:11.1f}")
+    print(f"{'all':62} {sum(r['tests'] for r in rows):5d} {sum(r['wall'] for r in rows):8.1f} "
+          f"{sum(r['busy'] for r in rows):11.1f} {sum(r['idle'] for r in rows):11.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
