@@ -7,6 +7,8 @@ replica per GPU?"; planted below, it is caught."""
 
 from __future__ import annotations
 
+import pytest
+
 from distlab import planner
 
 
@@ -55,3 +57,72 @@ def test_each_case_lands_where_the_search_puts_it():
         assert first.zero_stage > 0, case.name
         assert (first.pp > 1) == pp and (first.cp > 1) == cp, (case.name, first.label())
         assert tp is None or (first.tp > 1) == tp, (case.name, first.label())
+
+
+def _text() -> str:
+    from coursetools import chapters
+
+    return " ".join(chapters.text("11").split())
+
+
+def test_the_case_worked_by_hand_is_the_planners():
+    """Page 11.1: 7B on 8 A100-40GB, its state counted by hand (16 bytes a parameter), then DDP's and FSDP's parts."""
+    text = _text()
+    spec, cluster = planner.MODELS["7b"], planner.CLUSTERS["a100-40gb"]
+    by_hand = spec.num_params() * (2 + 2 + 12)
+    assert f"{spec.num_params() / 1e9:.2f} B parameters" in text and "6.74 B x 16 bytes" in text
+    assert f"= **{by_hand / planner.GIB:.1f} GiB**" in text
+    ddp, fsdp = (planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=z)).memory_per_gpu_bytes
+                 for z in (0, 3))
+    gib = {k: {part: v / planner.GIB for part, v in m.items()} for k, m in (("ddp", ddp), ("fsdp", fsdp))}
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(by_hand)
+    assert f"{gib['ddp']['activations']:.2f} GiB of activations" in text
+    assert f"and {gib['ddp']['temporary']:.2f} GiB of buffers for DDP's gradient buckets" in text
+    assert f"With the planner's 4 GiB reserve that is **{gib['ddp']['total']:.1f} GiB**" in text
+    fsdp_state = gib["fsdp"]["params"] + gib["fsdp"]["grads"] + gib["fsdp"]["optimizer"]
+    assert f"divides the state by 8, to {fsdp_state:.2f} GiB" in text
+    assert f"take {gib['fsdp']['temporary']:.2f} GiB" in text and f"**{gib['fsdp']['total']:.1f} GiB** of 40" in text
+    assert gib["fsdp"]["activations"] == gib["ddp"]["activations"] and gib["ddp"]["reserve"] == 4
+    assert spec.global_batch == 1024 and spec.seq_len == 4096 and "1,024 sequences" in text
+    assert planner.search(spec, cluster, 8)[0].layout == planner.Layout(dp=8, zero_stage=3)
+    assert "its first choice is `tp=1,pp=1,dp=8,zero=3`" in text
+
+
+def test_the_worked_cases_prose_reads_the_planner():
+    text = _text()
+    cases = planner.decision_cases()
+    one = planner.search(cases[0].model, cases[0].cluster, 8)
+    assert [p.layout.zero_stage for p in one[:3]] == [1, 3, 0] and len({round(p.mfu, 2) for p in one[:3]}) == 1
+    assert f"at the same {one[0].mfu:.0%} MFU".replace("%", " %") in text
+    big = cases[3]
+    assert big.gpus // big.model.global_batch == 8 and "there are eight GPUs for every sequence" in text
+    long = cases[4]
+    no_sp, sp = (planner.evaluate(long.model, long.cluster, planner.Layout(8, 8, 1, 1, 1),
+                                  planner.Options(sequence_parallel=s), 64).memory_per_gpu_bytes["activations"]
+                 for s in (False, True))
+    assert round(no_sp / sp) == 7 and "SP cuts them about sevenfold" in text
+    first = planner.search(long.model, long.cluster, 64)[0].layout
+    assert (first.tp, first.cp) == (8, 4) and "The search's first choice adds CP 4 beside TP 8" in text
+    longest = cases[5]
+    first = planner.search(longest.model, longest.cluster, 64)[0].layout
+    assert longest.model.seq_len // first.cp == 16384 and "Each GPU then keeps 16K tokens of a sequence" in text
+    assert planner.MODELS["70b"].layers == 80 and "through 80 layers" in text
+    trade = {p.layout: p for p in (planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], layout,
+                                                planner.Options(), 64)
+                                   for layout in (planner.Layout(4, 4, 4, 1, 1), planner.Layout(8, 4, 2, 1, 1)))}
+    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[0]
+    assert best.layout == planner.Layout(4, 4, 4, 1, 1) and "The search's first choice, `tp=4,pp=4,dp=4,zero=1`" in text
+    tp4, tp8 = (trade[layout].exposed_seconds["tp"] for layout in (planner.Layout(4, 4, 4, 1, 1),
+                                                                    planner.Layout(8, 4, 2, 1, 1)))
+    assert tp4 < tp8 / 2 and "TP 4 keeps the exposed TP time under half of TP 8's" in text
+    assert planner.LONG_SEQUENCE // 4 == planner.Options().cp_min_tokens
+
+
+def test_the_step_formula_is_the_planners():
+    """Page 11.3's step: (compute + exposed) x (1 + (P - 1) / (V M)) + the fill and drain sends."""
+    text = _text()
+    plan = planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], planner.Layout(4, 4, 4, 1, 1),
+                        planner.Options(), 64)
+    busy = plan.step_seconds - plan.bubble["seconds"] - plan.exposed_seconds["pp"]
+    assert plan.bubble["seconds"] == pytest.approx(busy * plan.bubble["of_ideal"])
+    assert "step = (compute + exposed communication) x (1 + (P - 1) / (V M)) + 2 (P - 1) sends" in text

@@ -1,5 +1,6 @@
-"""Chapter 11's numbers, recomputed: every table of chapters/11_choosing_a_strategy.md comes from distlab.planner,
-and every claim the prose makes about them is checked here. The test fails when the text drifts."""
+"""Chapter 11's numbers, recomputed: every table of its pages (chapters/11_choosing_a_strategy.md, 11.2_*, 11.3_*)
+comes from distlab.planner, and every claim the prose makes about them is checked here. The test fails when the text
+drifts."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import planner, sizing
-
-CHAPTER = Path(__file__).resolve().parents[2] / "chapters" / "11_choosing_a_strategy.md"
 
 
 @pytest.fixture(scope="module")
 def raw():
-    return CHAPTER.read_text()
+    return chapters.text("11")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     fsdp_alone = planner.tune(wide, derecho, planner.Layout(dp=64, zero_stage=3))
     best = planner.search(wide, derecho, 64)[0]
     assert not fsdp_alone.fits and best.fits and best.layout.tp == 2 and best.settings["sequence_parallel"]
-    assert (f"FSDP alone needs {fsdp_alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB a GPU, and TP 2 with "
+    assert (f"FSDP alone needs {fsdp_alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB per GPU, and TP 2 with "
             f"sequence parallelism fits, at {best.mfu:.0%}").replace("%", " %") in text
     plans = planner.search(planner.MODELS["405b"], planner.CLUSTERS["h100-80gb"], 16384)
     flat = next(p for p in plans if p.layout.pp == 1 and p.fits)
