@@ -38,8 +38,8 @@ def draw_decision_flowchart(fig) -> None:
         return height
 
     heights = {}
-    for node, (text, _, yes, no) in questions.items():
-        heights[node] = box(node, text, 3.2, RANK_COLOURS[0], "#eef3fb")
+    for number, (node, (text, _, yes, no)) in enumerate(questions.items(), start=1):
+        heights[node] = box(node, f"{number}. {text}", 3.2, RANK_COLOURS[0], "#eef3fb")
     for node, text in outcomes.items():
         heights[node] = box(node, text, 1.95, RANK_COLOURS[1], "#fdf1e6")
         x, y = _PLACE[node]

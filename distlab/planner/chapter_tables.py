@@ -73,7 +73,7 @@ DECISION_QUESTIONS: dict[str, tuple[str, Callable[[DecisionCase], bool], str, st
 DECISION_START = "replica"
 # what each outcome means: the dimensions it adds and why
 DECISION_OUTCOMES = {
-    "DDP": "DDP: a replica a GPU",
+    "DDP": "DDP: one replica per GPU",
     "FSDP": "FSDP over every GPU",
     "TP + PP": "TP in a node, PP across nodes, ZeRO or FSDP over the rest",
     "TP": "TP in a node, with SP; FSDP over the rest",
@@ -90,7 +90,7 @@ def decision_cases() -> list[DecisionCase]:
             DecisionCase("7B on 2 nodes of 4 A100-40GB", MODELS["7b"], c["a100-40gb"], 8),
             DecisionCase("70B, 16K-token sequences, on 16 nodes of 4 A100-40GB",
                          replace(MODELS["70b"], seq_len=16384, global_batch=256), c["a100-40gb"], 64),
-            DecisionCase("405B on 16,384 H100-80GB, 2,048 sequences a step", MODELS["405b"], c["h100-80gb"], 16384),
+            DecisionCase("405B on 16,384 H100-80GB, 2,048 sequences per step", MODELS["405b"], c["h100-80gb"], 16384),
             DecisionCase("70B, 32K-token sequences, on 64 H100-80GB",
                          replace(MODELS["70b"], seq_len=32768, global_batch=128), c["h100-80gb"], 64),
             DecisionCase("70B, 128K-token sequences, on 64 H100-80GB",
@@ -138,7 +138,7 @@ def decision_path() -> list[dict]:
     big = cases[3]
     plans = search(big.model, big.cluster, big.gpus)
     flat = _best_with(plans, lambda l: l.pp == 1)
-    answers.append(f"best without PP ({flat.layout.label()}, one sequence a replica): {_verdict(flat)}; "
+    answers.append(f"best without PP ({flat.layout.label()}, one sequence per replica): {_verdict(flat)}; "
                    f"best: {plans[0].layout.label()} ({plans[0].describe_settings()}), {_verdict(plans[0])}")
     long = cases[4]
     no_sp, sp, cp = (evaluate(long.model, long.cluster, layout, Options(sequence_parallel=s), 64)
@@ -165,9 +165,10 @@ def decision_path() -> list[dict]:
 
 
 def decision_path_markdown() -> str:
-    lines = ["| case | the path's answers | what the planner says (derived) |", "|---|---|---|"]
+    lines = ["| case | the questions answered, by number | what the planner says (derived) |", "|---|---|---|"]
+    number = {node: i + 1 for i, node in enumerate(DECISION_QUESTIONS)}
     for s in decision_path():
-        said = "; ".join(f"{'yes' if a else 'no'}" for _, a in s["route"])
+        said = ", ".join(f"{number[q]} {'yes' if a else 'no'}" for q, a in s["route"])
         lines.append(f"| {s['case']} | {said}: **{s['outcome']}** | {s['answer']} |")
     return "\n".join(lines)
 
