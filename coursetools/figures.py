@@ -433,38 +433,6 @@ def draw_predicted_vs_published(fig) -> None:
     fig.tight_layout()
 
 
-def draw_decision_flowchart(fig) -> None:
-    """The chapter's decision path as boxes: each question (from ``planner.decision_path``), its answer, its case."""
-    from matplotlib.patches import FancyBboxPatch
-
-    from distlab import planner
-
-    steps = planner.decision_path()
-    answers = ["DDP", "FSDP (ZeRO-3)", "TP inside a node (with SP)", "PP across nodes (interleaved)",
-               "CP over the sequence"]
-    ax = fig.subplots()
-    ax.set_xlim(0, 10)
-    ax.set_ylim(0, len(steps) + 0.6)
-    ax.axis("off")
-    for i, (step, answer) in enumerate(zip(steps, answers)):
-        y = len(steps) - i - 0.2
-        question, _, action = step["question"].partition("?")
-        ax.add_patch(FancyBboxPatch((0.1, y - 0.35), 5.6, 0.7, boxstyle="round,pad=0.02", facecolor="#eef3fb",
-                                    edgecolor=RANK_COLOURS[0]))
-        ax.text(2.9, y + 0.08, question.strip() + "?", ha="center", va="center", fontsize=7.5)
-        ax.text(2.9, y - 0.2, step["case"], ha="center", va="center", fontsize=6, color="#555555")
-        ax.annotate("", xy=(6.5, y), xytext=(5.75, y), arrowprops={"arrowstyle": "->"})
-        ax.text(6.0, y + 0.1, "yes", fontsize=6)
-        ax.add_patch(FancyBboxPatch((6.55, y - 0.25), 3.3, 0.5, boxstyle="round,pad=0.02", facecolor="#fdf1e6",
-                                    edgecolor=RANK_COLOURS[1]))
-        ax.text(8.2, y, answer, ha="center", va="center", fontsize=7.5)
-        if i < len(steps) - 1:
-            ax.annotate("", xy=(2.9, y - 0.62), xytext=(2.9, y - 0.37), arrowprops={"arrowstyle": "->"})
-            ax.text(3.0, y - 0.52, "no / more", fontsize=6)
-    ax.text(5, 0.05, "then: the planner's search ranks every layout, and --dry-run builds the chosen one at full "
-                     "size", ha="center", fontsize=7, style="italic")
-
-
 # ---- the registry and the command line -------------------------------------------------------------------
 
 DDP_OVERLAP = Path(__file__).resolve().parent.parent / "chapters" / "figures" / "data" / "04_ddp_overlap.json"
@@ -980,7 +948,6 @@ FIGURES = {
     "09_sizing_chart.png": (draw_sizing_chart, (8, 3.4)),
     "10_tiles_and_halos.png": (draw_tiles_and_halos, (9, 3.4)),
     "11_predicted_vs_published.png": (draw_predicted_vs_published, (9.5, 5)),
-    "11_decision_flowchart.png": (draw_decision_flowchart, (9, 5.2)),
     "12_hang.png": (draw_hang, (9, 2.8)),
     "12_fault_drill.png": (draw_fault_drill, (8, 3.0)),
     "13_expert_dispatch.png": (draw_expert_dispatch, (9, 3.2)),

@@ -1,14 +1,16 @@
-"""The chapter's tables (chapters/11_choosing_a_strategy.md pastes them; tests/unit/test_chapter_text_11.py
-recomputes them)."""
+"""The chapter's tables (chapter 11's pages paste them; its text test recomputes them) and its decision path: four
+questions, each asked once, that lead a case to the dimensions its layout needs."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from distlab import sizing
+from distlab.planner.memory import memory_per_gpu
 from distlab.planner.published import MIXTRAL_8X7B, MIXTRAL_8X22B, moe_params
 from distlab.planner.search import best, fewest_nodes, rank_of, search, tune
-from distlab.planner.spec import CLUSTERS, GIB, MODELS, Layout, Options
+from distlab.planner.spec import CLUSTERS, GIB, MODELS, Cluster, Layout, ModelSpec, Options
 from distlab.planner.step_time import Plan, evaluate
 
 
@@ -26,61 +28,148 @@ def _best_with(plans: list[Plan], condition) -> Plan | None:
     return next((p for p in plans if condition(p.layout)), None)
 
 
-def decision_path() -> list[dict]:
-    """The chapter's decision path, each step a question, a case, and what the planner says (derived)."""
+# ---- the decision path: a tree of questions, each asked once, over a case (a model, a cluster, a GPU count) ----
+
+@dataclass(frozen=True)
+class DecisionCase:
+    name: str
+    model: ModelSpec
+    cluster: Cluster
+    gpus: int
+
+
+def _replica_fits_one_gpu(case: DecisionCase) -> bool:
+    """A whole replica (state, activations, buffers, reserve) on one GPU, as DDP holds it."""
+    return evaluate(case.model, case.cluster, Layout(), Options(), 1).fits
+
+
+def _sequence_fits_beside_shards(case: DecisionCase) -> bool:
+    """FSDP over every GPU, one sequence a micro-batch, every block recomputed: does it fit (the batch aside)?"""
+    spec = replace(case.model, micro_batch=1)
+    held = memory_per_gpu(spec, Layout(dp=case.gpus, zero_stage=3), 0, Options(activation_checkpointing="full"))
+    return held["total"] <= case.cluster.gpu_bytes
+
+
+def _a_sequence_for_every_gpu(case: DecisionCase) -> bool:
+    return case.model.global_batch >= case.gpus
+
+
+LONG_SEQUENCE = 32768   # the path's threshold: a sequence CP can split 4 ways, each share 8,192 tokens or more
+
+
+def _long_sequence(case: DecisionCase) -> bool:
+    return case.model.seq_len >= LONG_SEQUENCE
+
+
+# each question: (its text, the planner's answer for a case, where "yes" leads, where "no" leads); a leaf is an
+# outcome (the dimensions a layout adds). The tree is the flowchart of 11_decision_flowchart.png.
+DECISION_QUESTIONS: dict[str, tuple[str, Callable[[DecisionCase], bool], str, str]] = {
+    "replica": ("Does a whole replica fit on one GPU?", _replica_fits_one_gpu, "DDP", "sequence"),
+    "sequence": ("Sharded by FSDP, does one sequence's activations fit?", _sequence_fits_beside_shards,
+                 "batch", "long"),
+    "batch": ("Does every GPU get a sequence of the batch?", _a_sequence_for_every_gpu, "FSDP", "TP + PP"),
+    "long": ("Is a sequence 32K tokens or longer?", _long_sequence, "CP", "TP"),
+}
+DECISION_START = "replica"
+# what each outcome means: the dimensions it adds and why
+DECISION_OUTCOMES = {
+    "DDP": "DDP: one replica per GPU",
+    "FSDP": "FSDP over every GPU",
+    "TP + PP": "TP in a node, PP across nodes, ZeRO or FSDP over the rest",
+    "TP": "TP in a node, with SP; FSDP over the rest",
+    "CP": "CP over the sequence (with TP and SP where it helps); FSDP over the rest",
+}
+# the outcome's dimensions, as the search's first choice for a case of that outcome must show them (tp, pp, cp)
+OUTCOME_DIMENSIONS = {"DDP": (False, False, False), "FSDP": (False, False, False), "TP + PP": (True, True, False),
+                      "TP": (True, False, False), "CP": (None, False, True)}
+
+
+def decision_cases() -> list[DecisionCase]:
     c = CLUSTERS
+    return [DecisionCase("1B on 8 A100-80GB", MODELS["1b"], c["a100-80gb"], 8),
+            DecisionCase("7B on 2 nodes of 4 A100-40GB", MODELS["7b"], c["a100-40gb"], 8),
+            DecisionCase("70B, 16K-token sequences, on 16 nodes of 4 A100-40GB",
+                         replace(MODELS["70b"], seq_len=16384, global_batch=256), c["a100-40gb"], 64),
+            DecisionCase("405B on 16,384 H100-80GB, 2,048 sequences per step", MODELS["405b"], c["h100-80gb"], 16384),
+            DecisionCase("70B, 32K-token sequences, on 64 H100-80GB",
+                         replace(MODELS["70b"], seq_len=32768, global_batch=128), c["h100-80gb"], 64),
+            DecisionCase("70B, 128K-token sequences, on 64 H100-80GB",
+                         replace(MODELS["70b"], seq_len=131072, global_batch=32), c["h100-80gb"], 64)]
+
+
+def decision_route(case: DecisionCase, questions=None, start: str = DECISION_START) -> tuple[list[tuple[str, bool]], str]:
+    """The questions a case meets, each with the planner's answer, and the outcome it reaches."""
+    questions = DECISION_QUESTIONS if questions is None else questions
+    route, node = [], start
+    while node in questions:
+        text, answer, yes, no = questions[node]
+        said = bool(answer(case))
+        route.append((node, said))
+        node = yes if said else no
+    return route, node
+
+
+def _path_words(route: list[tuple[str, bool]], outcome: str) -> str:
+    return ", ".join(f"{DECISION_QUESTIONS[q][0].rstrip('?')}: {'yes' if a else 'no'}" for q, a in route) \
+        + f". So: {outcome}"
+
+
+def decision_path() -> list[dict]:
+    """The chapter's worked cases: each case, its route through the decision path, and what the planner says."""
+    cases = decision_cases()
     steps = []
-    one = evaluate(MODELS["1b"], c["a100-80gb"], Layout(), Options(), 1)
-    plans = search(MODELS["1b"], c["a100-80gb"], 8)
+    one_case = cases[0]
+    one = evaluate(one_case.model, one_case.cluster, Layout(), Options(), 1)
+    plans = search(one_case.model, one_case.cluster, one_case.gpus)
     ddp = _best_with(plans, lambda l: l.zero_stage == 0 and l.tp == l.pp == 1)
-    steps.append({"question": "Does it fit on one GPU? Then DDP.", "case": "1B on A100-80GB",
-                  "answer": f"one GPU: {_verdict(one)}; on 8, DDP (dp=8): {_verdict(ddp)}, "
-                            f"place {rank_of(plans, ddp.layout)} of {sum(p.fits for p in plans)}"})
-    plans = search(MODELS["7b"], c["a100-40gb"], 8)
-    ddp, fsdp = (evaluate(MODELS["7b"], c["a100-40gb"], Layout(dp=8, zero_stage=z)) for z in (0, 3))
-    steps.append({"question": "Too big for a replica per GPU? Shard it: FSDP (ZeRO-3).",
-                  "case": "7B on 2 nodes of 4 x A100-40GB",
-                  "answer": f"DDP: {_verdict(ddp)}; FSDP dp=8: {_verdict(fsdp)}; best: "
-                            f"{plans[0].layout.label()} ({plans[0].mfu:.0%})"})
+    answers = [f"one GPU: {_verdict(one)}; DDP on 8: {_verdict(ddp)}, place {rank_of(plans, ddp.layout)} of "
+               f"{sum(p.fits for p in plans)}"]
+    seven = cases[1]
+    plans = search(seven.model, seven.cluster, seven.gpus)
+    ddp, fsdp = (evaluate(seven.model, seven.cluster, Layout(dp=8, zero_stage=z)) for z in (0, 3))
+    answers.append(f"DDP: {_verdict(ddp)}; FSDP dp=8: {_verdict(fsdp)}; best: "
+                   f"{plans[0].layout.label()} ({plans[0].mfu:.0%})")
     # 16K-token sequences (4M tokens a step): FSDP's traffic hides on Derecho's four NICs a node, its activations do
     # not fit beside the state
-    wide = replace(MODELS["70b"], seq_len=16384, global_batch=256)
-    plans = search(wide, c["a100-40gb"], 64)
-    fsdp = tune(wide, c["a100-40gb"], Layout(dp=64, zero_stage=3))
-    steps.append({"question": "Layers too wide, activations too big? TP inside a node.",
-                  "case": "70B, 16K-token sequences, on 16 nodes of 4 x A100-40GB",
-                  "answer": f"FSDP alone (dp=64): {_verdict(fsdp)}; best: {plans[0].layout.label()}, "
-                            f"{_verdict(plans[0])}"})
-    plans = search(MODELS["405b"], c["h100-80gb"], 16384)
+    wide = cases[2]
+    plans = search(wide.model, wide.cluster, wide.gpus)
+    fsdp = tune(wide.model, wide.cluster, Layout(dp=64, zero_stage=3))
+    answers.append(f"FSDP alone (dp=64): {_verdict(fsdp)}; best: {plans[0].layout.label()}, {_verdict(plans[0])}")
+    big = cases[3]
+    plans = search(big.model, big.cluster, big.gpus)
     flat = _best_with(plans, lambda l: l.pp == 1)
-    steps.append({"question": "Many nodes, and the batch runs out of replicas? PP across nodes.",
-                  "case": "405B on 16,384 H100-80GB, 2,048 sequences a step",
-                  "answer": f"best without PP ({flat.layout.label()}, one sequence a replica): {_verdict(flat)}; "
-                            f"best: {plans[0].layout.label()} ({plans[0].describe_settings()}), {_verdict(plans[0])}"})
-    long = replace(MODELS["70b"], seq_len=32768, global_batch=128)
-    no_sp, sp, cp = (evaluate(long, c["h100-80gb"], layout, Options(sequence_parallel=s), 64)
+    answers.append(f"best without PP ({flat.layout.label()}, one sequence per replica): {_verdict(flat)}; "
+                   f"best: {plans[0].layout.label()} ({plans[0].describe_settings()}), {_verdict(plans[0])}")
+    long = cases[4]
+    no_sp, sp, cp = (evaluate(long.model, long.cluster, layout, Options(sequence_parallel=s), 64)
                      for layout, s in ((Layout(8, 8, 1, 1, 1), False), (Layout(8, 8, 1, 1, 1), True),
                                        (Layout(8, 4, 1, 2, 1), True)))
-    longest = replace(MODELS["70b"], seq_len=131072, global_batch=32)
-    without_sp = search(longest, c["h100-80gb"], 64, Options(sequence_parallel=False))
-    plans = search(longest, c["h100-80gb"], 64)
+    plans = search(long.model, long.cluster, long.gpus)
+    answers.append(f"tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB without SP, "
+                   f"{sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB with SP; tp=8,pp=4,cp=2: {_verdict(cp)}; "
+                   f"best: {plans[0].layout.label()} ({plans[0].mfu:.0%})")
+    longest = cases[5]
+    without_sp = search(longest.model, longest.cluster, longest.gpus, Options(sequence_parallel=False))
+    plans = search(longest.model, longest.cluster, longest.gpus)
     closest = min((p for p in without_sp if p.layout.cp == 1 and not p.problems),
                   key=lambda p: p.memory_per_gpu_bytes["total"])
     flat = _best_with(plans, lambda l: l.cp == 1)
-    steps.append({"question": "Long sequences? SP with TP, then CP.",
-                  "case": "70B, 32K then 128K tokens, 64 H100-80GB",
-                  "answer": f"32K, tp=8,pp=8: activations {no_sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB "
-                            f"without SP, {sp.memory_per_gpu_bytes['activations'] / GIB:.1f} GiB with SP; "
-                            f"tp=8,pp=4,cp=2 with SP: {_verdict(cp)}; 128K without SP: nothing without CP fits "
-                            f"(closest {closest.layout.label()}: {_verdict(closest)}); with SP, the best without CP: "
-                            f"{flat.layout.label()}, {_verdict(flat)}; the search's choice: "
-                            f"{plans[0].layout.label()}, {_verdict(plans[0])}"})
+    answers.append(f"without SP nothing without CP fits (closest {closest.layout.label()}: {_verdict(closest)}); "
+                   f"with SP, best without CP: {flat.layout.label()}, {_verdict(flat)}; the search's choice: "
+                   f"{plans[0].layout.label()}, {_verdict(plans[0])}")
+    for case, answer in zip(cases, answers):
+        route, outcome = decision_route(case)
+        steps.append({"case": case.name, "route": route, "outcome": outcome, "path": _path_words(route, outcome),
+                      "answer": answer})
     return steps
 
 
 def decision_path_markdown() -> str:
-    lines = ["| question | case | what the planner says (derived) |", "|---|---|---|"]
-    lines += [f"| {s['question']} | {s['case']} | {s['answer']} |" for s in decision_path()]
+    lines = ["| case | the questions answered, by number | what the planner says (derived) |", "|---|---|---|"]
+    number = {node: i + 1 for i, node in enumerate(DECISION_QUESTIONS)}
+    for s in decision_path():
+        said = ", ".join(f"{number[q]} {'yes' if a else 'no'}" for q, a in s["route"])
+        lines.append(f"| {s['case']} | {said}: **{s['outcome']}** | {s['answer']} |")
     return "\n".join(lines)
 
 

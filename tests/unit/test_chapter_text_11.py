@@ -1,5 +1,6 @@
-"""Chapter 11's numbers, recomputed: every table of chapters/11_choosing_a_strategy.md comes from distlab.planner,
-and every claim the prose makes about them is checked here. The test fails when the text drifts."""
+"""Chapter 11's numbers, recomputed: every table of its pages (chapters/11_choosing_a_strategy.md, 11.2_*, 11.3_*)
+comes from distlab.planner, and every claim the prose makes about them is checked here. The test fails when the text
+drifts."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import planner, sizing
-
-CHAPTER = Path(__file__).resolve().parents[2] / "chapters" / "11_choosing_a_strategy.md"
 
 
 @pytest.fixture(scope="module")
 def raw():
-    return CHAPTER.read_text()
+    return chapters.text("11")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_stated_assumptions_are_the_planners(text):
         assert planner.published.fitted_efficiency(gpu) == planner.GPU_CONSTANTS[gpu]["compute_efficiency"]
     latencies = {planner.GPU_CONSTANTS[g]["intra_node_latency_s"] for g in planner.GPU_CONSTANTS}, \
         {planner.GPU_CONSTANTS[g]["inter_node_latency_s"] for g in planner.GPU_CONSTANTS}
-    assert latencies == ({3.4e-6}, {14e-6}) and "3.4 us a step over NVLink, 14 us across the network" in text
+    assert latencies == ({3.4e-6}, {14e-6}) and "3.4 us per step over NVLink, 14 us across the network" in text
     assert f"| {options.reserve_bytes / planner.GIB:.0f} GiB: CUDA context" in text
     peaks = {name: c.peak_flops / 1e12 for name, c in planner.CLUSTERS.items()}
     assert (peaks["a100-40gb"], peaks["h100-80gb"], peaks["v100-32gb"]) == (312, 989, 125)
@@ -148,7 +148,7 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     fsdp_alone = planner.tune(wide, derecho, planner.Layout(dp=64, zero_stage=3))
     best = planner.search(wide, derecho, 64)[0]
     assert not fsdp_alone.fits and best.fits and best.layout.tp == 2 and best.settings["sequence_parallel"]
-    assert (f"FSDP alone needs {fsdp_alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB a GPU, and TP 2 with "
+    assert (f"FSDP alone needs {fsdp_alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB per GPU, and TP 2 with "
             f"sequence parallelism fits, at {best.mfu:.0%}").replace("%", " %") in text
     plans = planner.search(planner.MODELS["405b"], planner.CLUSTERS["h100-80gb"], 16384)
     flat = next(p for p in plans if p.layout.pp == 1 and p.fits)
@@ -248,11 +248,11 @@ def test_the_hsdp_section_is_what_the_search_finds(text):
     # the pair runs PP 2: both reduce their gradients in REDUCE_GRAD, exposed; HSDP's all-reduce costs more
     hsdp_exposed = best.exposed_seconds["dp"] + best.exposed_seconds["replicate"]
     assert best.layout.pp > 1 and hsdp_exposed > twin.exposed_seconds["dp"] > 0
-    assert f"({hsdp_exposed:.2f} s a step against {twin.exposed_seconds['dp']:.2f} s)" in text
+    assert f"({hsdp_exposed:.2f} s per step against {twin.exposed_seconds['dp']:.2f} s)" in text
     # the 0.25 s is HSDP's reduce-scatters in the node and its all-reduce across the nodes together
     assert best.exposed_seconds["dp"] > 0 and best.exposed_seconds["replicate"] > 0
     assert ("There HSDP's reduce-scatters and its all-reduce across the nodes together cost more than FSDP's ring "
-            f"({hsdp_exposed:.2f} s a step") in text
+            f"({hsdp_exposed:.2f} s per step") in text
     assert "already hides FSDP's traffic behind the compute in these layouts" not in text
     big = [p for p in planner.search(planner.MODELS["70b"], cluster, 256) if p.layout.shard]
     assert f"For 70B on 256 GPUs {sum(p.fits for p in big)} of the {len(big)} HSDP layouts fit" in text
@@ -307,7 +307,7 @@ def test_the_megatron_rows_save_what_korthikanti_counts(text):
     assert planned == pytest.approx(paper, rel=0.01)
     assert f"96 such layer-microbatches: {paper / planner.GIB:.2f} GiB, what the" in text
     assert planner.published.MEGATRON_FULL.sp_saves_gathered_inputs is False
-    assert "two all-gathers a block more, which the planner counts for the" in text
+    assert "two more all-gathers per block, which the planner counts for the" in text
 
 
 def test_the_latency_paragraph_counts_what_the_planner_charges(text):

@@ -1,0 +1,128 @@
+"""Chapter 11's decision path (its flowchart, 11_decision_flowchart.png): each question asked once, and each worked
+case routed by the planner's own answers to the outcome the planner's search confirms.
+
+A question "asked twice" is one whose answer an earlier question already fixed: every case that reaches it gives
+the same answer. The flowchart the chapter drew before asked "Does it fit on one GPU?" and then "Too big for a
+replica per GPU?"; planted below, it is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from distlab import planner
+
+
+def questions_asked_twice(questions, start, cases) -> list[str]:
+    """The questions whose answer is the same for every case that reaches them, or that a path meets twice."""
+    met: dict[str, set[bool]] = {}
+    for case in cases:
+        route, _ = planner.decision_route(case, questions, start)
+        nodes = [node for node, _ in route]
+        assert len(nodes) == len(set(nodes)), f"{case.name} meets a question twice: {nodes}"
+        for node, answer in route:
+            met.setdefault(node, set()).add(answer)
+    return [node for node, answers in met.items() if len(answers) < 2] + [n for n in questions if n not in met]
+
+
+def test_the_flowchart_asks_each_question_once():
+    questions, cases = planner.DECISION_QUESTIONS, planner.decision_cases()
+    assert len({text for text, *_ in questions.values()}) == len(questions)
+    assert questions_asked_twice(questions, planner.DECISION_START, cases) == []
+    # every question and every outcome is reached: the tree has no branch a case never takes
+    outcomes = {planner.decision_route(case)[1] for case in cases}
+    assert outcomes == set(planner.DECISION_OUTCOMES)
+
+
+def test_the_old_flowchart_is_caught_asking_twice():
+    fits = planner.DECISION_QUESTIONS["replica"][1]
+    old = {"fits": ("Does it fit on one GPU?", fits, "DDP", "too_big"),
+           "too_big": ("Too big for a replica per GPU?", lambda case: not fits(case), "FSDP", "wide")}
+    wide = planner.DECISION_QUESTIONS["long"]
+    old["wide"] = ("Layers too wide, activations too big?", wide[1], "TP", "PP")
+    assert questions_asked_twice(old, "fits", planner.decision_cases()) == ["too_big", "wide"]
+
+
+def test_each_case_lands_where_the_search_puts_it():
+    """The outcome's dimensions (TP, PP, CP) are those of the search's first choice for the case; DDP's case is one
+    where DDP is within 3 % of the best."""
+    for case in planner.decision_cases():
+        outcome = planner.decision_route(case)[1]
+        plans = planner.search(case.model, case.cluster, case.gpus)
+        first = plans[0].layout
+        if outcome == "DDP":
+            ddp = next(p for p in plans if p.layout == planner.Layout(dp=case.gpus, zero_stage=0))
+            assert ddp.fits and ddp.mfu >= 0.97 * plans[0].mfu, case.name
+            continue
+        tp, pp, cp = planner.OUTCOME_DIMENSIONS[outcome]
+        assert first.zero_stage > 0, case.name
+        assert (first.pp > 1) == pp and (first.cp > 1) == cp, (case.name, first.label())
+        assert tp is None or (first.tp > 1) == tp, (case.name, first.label())
+
+
+def _text() -> str:
+    from coursetools import chapters
+
+    return " ".join(chapters.text("11").split())
+
+
+def test_the_case_worked_by_hand_is_the_planners():
+    """Page 11.1: 7B on 8 A100-40GB, its state counted by hand (16 bytes a parameter), then DDP's and FSDP's parts."""
+    text = _text()
+    spec, cluster = planner.MODELS["7b"], planner.CLUSTERS["a100-40gb"]
+    by_hand = spec.num_params() * (2 + 2 + 12)
+    assert f"{spec.num_params() / 1e9:.2f} B parameters" in text and "6.74 B x 16 bytes" in text
+    assert f"= **{by_hand / planner.GIB:.1f} GiB**" in text
+    ddp, fsdp = (planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=z)).memory_per_gpu_bytes
+                 for z in (0, 3))
+    gib = {k: {part: v / planner.GIB for part, v in m.items()} for k, m in (("ddp", ddp), ("fsdp", fsdp))}
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(by_hand)
+    assert f"{gib['ddp']['activations']:.2f} GiB of activations" in text
+    assert f"and {gib['ddp']['temporary']:.2f} GiB of buffers for DDP's gradient buckets" in text
+    assert f"With the planner's 4 GiB reserve that is **{gib['ddp']['total']:.1f} GiB**" in text
+    fsdp_state = gib["fsdp"]["params"] + gib["fsdp"]["grads"] + gib["fsdp"]["optimizer"]
+    assert f"divides the state by 8, to {fsdp_state:.2f} GiB" in text
+    assert f"take {gib['fsdp']['temporary']:.2f} GiB" in text and f"**{gib['fsdp']['total']:.1f} GiB** of 40" in text
+    assert gib["fsdp"]["activations"] == gib["ddp"]["activations"] and gib["ddp"]["reserve"] == 4
+    assert spec.global_batch == 1024 and spec.seq_len == 4096 and "1,024 sequences" in text
+    assert planner.search(spec, cluster, 8)[0].layout == planner.Layout(dp=8, zero_stage=3)
+    assert "its first choice is `tp=1,pp=1,dp=8,zero=3`" in text
+
+
+def test_the_worked_cases_prose_reads_the_planner():
+    text = _text()
+    cases = planner.decision_cases()
+    one = planner.search(cases[0].model, cases[0].cluster, 8)
+    assert [p.layout.zero_stage for p in one[:3]] == [1, 3, 0] and len({round(p.mfu, 2) for p in one[:3]}) == 1
+    assert f"at the same {one[0].mfu:.0%} MFU".replace("%", " %") in text
+    big = cases[3]
+    assert big.gpus // big.model.global_batch == 8 and "there are eight GPUs for every sequence" in text
+    long = cases[4]
+    no_sp, sp = (planner.evaluate(long.model, long.cluster, planner.Layout(8, 8, 1, 1, 1),
+                                  planner.Options(sequence_parallel=s), 64).memory_per_gpu_bytes["activations"]
+                 for s in (False, True))
+    assert round(no_sp / sp) == 7 and "SP cuts them about sevenfold" in text
+    first = planner.search(long.model, long.cluster, 64)[0].layout
+    assert (first.tp, first.cp) == (8, 4) and "The search's first choice adds CP 4 beside TP 8" in text
+    longest = cases[5]
+    first = planner.search(longest.model, longest.cluster, 64)[0].layout
+    assert longest.model.seq_len // first.cp == 16384 and "Each GPU then keeps 16K tokens of a sequence" in text
+    assert planner.MODELS["70b"].layers == 80 and "through 80 layers" in text
+    trade = {p.layout: p for p in (planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], layout,
+                                                planner.Options(), 64)
+                                   for layout in (planner.Layout(4, 4, 4, 1, 1), planner.Layout(8, 4, 2, 1, 1)))}
+    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[0]
+    assert best.layout == planner.Layout(4, 4, 4, 1, 1) and "The search's first choice, `tp=4,pp=4,dp=4,zero=1`" in text
+    tp4, tp8 = (trade[layout].exposed_seconds["tp"] for layout in (planner.Layout(4, 4, 4, 1, 1),
+                                                                    planner.Layout(8, 4, 2, 1, 1)))
+    assert tp4 < tp8 / 2 and "TP 4 keeps the exposed TP time under half of TP 8's" in text
+    assert planner.LONG_SEQUENCE // 4 == planner.Options().cp_min_tokens
+
+
+def test_the_step_formula_is_the_planners():
+    """Page 11.3's step: (compute + exposed) x (1 + (P - 1) / (V M)) + the fill and drain sends."""
+    text = _text()
+    plan = planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], planner.Layout(4, 4, 4, 1, 1),
+                        planner.Options(), 64)
+    busy = plan.step_seconds - plan.bubble["seconds"] - plan.exposed_seconds["pp"]
+    assert plan.bubble["seconds"] == pytest.approx(busy * plan.bubble["of_ideal"])
+    assert "step = (compute + exposed communication) x (1 + (P - 1) / (V M)) + 2 (P - 1) sends" in text
