@@ -19,7 +19,7 @@ PATHS = {
                      "the sampler's epoch is never set"),
     "accumulation-never-syncs": ("off one device, further every step", "the bytes all-reduced per step",
                                  "accumulation never synchronises"),
-    "loss-averaged-twice": ("the loss is right, the gradients small", "the gradients against one device",
+    "loss-averaged-twice": ("the loss looks right, the gradients small", "the gradients against one device",
                             "the loss is averaged twice"),
     "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
                       "a rank has fewer batches"),

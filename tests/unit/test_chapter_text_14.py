@@ -158,6 +158,15 @@ def test_the_bf16_numbers_are_the_measured_ones():
     assert at[2, "bf16"] < at[4, "bf16"] and "more on 4 ranks than on 2" in FLAT
     assert torch.finfo(torch.bfloat16).eps == 2 ** -7 and "keeps 8 significant bits" in FLAT   # 7 stored + 1
 
+def test_the_bf16_reports_say_what_the_chapter_says_of_them():
+    from labkit import diagnosis_sources
+
+    quotes = {s["url"].rsplit("/", 3)[1]: s["quote"] for s in diagnosis_sources.SOURCES["bf16-gradient-reduction"]}
+    assert "trained well on 12x8 GPUs" in quotes["pytorch"] and "unstable on 48x8 GPUs" in quotes["pytorch"]
+    assert "stable on 12 x 8 GPUs turn unstable on 48 x 8" in FLAT
+    assert "N-1 hops" in quotes["Megatron-LM"] and "grows as √N" in quotes["Megatron-LM"]
+    assert "rounds at each of its N-1 hops" in FLAT and "error to grow as √N" in FLAT
+
 
 def test_the_bubble_numbers_are_the_measured_ones_and_the_formulas():
     from distlab import schedules
