@@ -321,3 +321,14 @@ def test_the_fsdp_param_lines_the_optimizer_case_cites():
         lines[330].strip() == "self._setattr_on_modules(self.sharded_param)"
     assert "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331)" in FLAT_APPENDIX
     assert "_fsdp_param.py:325-331" in registry().case("optimizer-before-sharding").cause
+
+
+def test_the_debug_level_that_checks_collectives_is_torchs():
+    import torch
+
+    lines = (Path(torch.__file__).parent / "distributed" / "distributed_c10d.py").read_text().splitlines()
+    assert "enables enhanced collective checking for debuggability" in lines[2287]
+    assert lines[2288].strip() == "if get_debug_level() == DebugLevel.DETAIL:"
+    assert "_create_process_group_wrapper(" in lines[2297] and lines[2305].strip() == ")"
+    assert '"enables enhanced collective checking for debuggability" (torch/distributed/distributed_c10d.py:2287-2306)' \
+        in FLAT_APPENDIX and "`TORCH_DISTRIBUTED_DEBUG=DETAIL` checks each collective's kind and shapes" in FLAT
