@@ -177,6 +177,8 @@ def test_the_bubble_numbers_are_the_measured_ones_and_the_formulas():
         formula, seen = f"{100 * schedules.bubble_fraction(p, m):.0f}%", f"{100 * run['bubble']['measured']:.0f}%"
         assert seen in FLAT and formula in FLAT, (m, seen, formula)
     assert "With 2 microbatches on 4 stages that is 60%. With 8 it is 27%." in FLAT
+    assert schedules.bubble_fraction(4, 8) < schedules.bubble_fraction(4, 2) / 2   # the chain's conclusion
+    assert "Four times as many microbatches cut the idle share to less than half" in FLAT
 
 
 def test_the_straggler_numbers_are_the_measured_ones():
