@@ -115,9 +115,10 @@ def registry_left_out():
 
 def test_the_scripts_and_the_example_commands_are_the_registrys():
     broken_runs = registry()
-    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in FLAT_APPENDIX
+    first = " ".join(chapters.pages("14")[0].read_text().split())   # the website's chapter links read the first page
+    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in first
     scripts = len({c.script for c in broken_runs.BROKEN_RUNS})
-    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in FLAT_APPENDIX
+    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in first
     case = broken_runs.case("accumulation-never-syncs")
     for fixed in (False, True):
         assert " ".join(case.command(fixed=fixed)) in CHAPTER.splitlines(), fixed
