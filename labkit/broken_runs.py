@@ -236,8 +236,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="No error and no hang: the losses are off one device's from the first step, yet the groups read "
                 "back from the model's mesh are right and every collective moves the bytes its formula says.",
         evidence=("losses", "comm", "checks"),
-        cause="Each rank picked its rows of the data by its global rank among all the ranks (DistributedSampler's "
-              "defaults), not by its dp coordinate on the model's mesh: the two ranks of a TP group read different "
+        cause="Each rank picked its rows of the data by its global rank (DistributedSampler's "
+              "defaults), not by its dp coordinate on the model's mesh: a TP group's two ranks read different "
               "rows, and TP's all-reduces sum activations of different samples.",
         tell_apart="The rows each rank reads, against the model's mesh: the ranks of one TP group must read the "
                    "same rows, and here they differ while the mesh's groups are right (a mesh built wrong fails "

@@ -91,18 +91,20 @@ def sources_line(name: str) -> str:
     return f"**Reported.** {links or 'none found'}."
 
 
-CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "14_when_it_goes_wrong.md"
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "chapters" / "14_when_it_goes_wrong.md"   # the chapter's first page; main() writes every page
 
 
 def update_chapter(text: str, cases=None) -> str:
-    """Chapter 14's text with its generated parts written again from the registry and the sources: the diagnosis
-    table, and in each case's section its '**Not a fix.**' and '**Reported.**' lines (after its '**The fix.**'
-    paragraph). The prose around them is left as it is."""
+    """Chapter 14's text (one page of it, or all) with its generated parts written again from the registry and the
+    sources: the diagnosis table where the text holds it, and in each case's section its '**Not a fix.**' and
+    '**Reported.**' lines (after its '**The fix.**' paragraph). The prose around them is left as it is."""
     cases = _registry(cases)
     lines = text.split("\n")
-    start = lines.index(next(line for line in lines if line.startswith("| family | ")))
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
-    lines[start:end] = diagnosis_markdown(cases).split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("| family | ")), None)
+    if start is not None:
+        end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+        lines[start:end] = diagnosis_markdown(cases).split("\n")
     text = "\n".join(lines)
     sections = re.split(r"(?m)^(?=##+ )", text)
     for i, section in enumerate(sections):
@@ -123,14 +125,17 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m labkit.diagnosis_table", description=update_chapter.__doc__)
-    parser.add_argument("--write", action="store_true", help=f"rewrite {CHAPTER.name} in place (else: print it)")
+    parser.add_argument("--write", action="store_true", help="rewrite the chapter's pages in place (else: print them)")
     options = parser.parse_args(argv)
-    text = update_chapter(CHAPTER.read_text())
-    if options.write:
-        CHAPTER.write_text(text)
-        print(f"wrote {CHAPTER}")
-    else:
-        print(text, end="")
+    from coursetools import chapters
+
+    for page in chapters.pages("14", ROOT):
+        text = update_chapter(page.read_text())
+        if options.write:
+            page.write_text(text)
+            print(f"wrote {page}")
+        else:
+            print(text, end="")
     return 0
 
 

@@ -1,6 +1,9 @@
-"""Chapter 14's page against the code: its diagnosis table and list of sources are what labkit.diagnosis_table
-renders from the registry of broken runs, every broken run has its section, the numbers it states come from the
-committed runs, and its prose keeps issue 33's style (measured for every text in tests/unit/test_prose_style.py).
+"""Chapter 14's pages against the code: its diagnosis table and list of sources are what labkit.diagnosis_table
+renders from the registry of broken runs, its recap and its picture of the diagnosis paths are what
+coursetools.drawings.ch14 reads from the same registry, every broken run has its section under the group of what a
+user sees, the numbers it states come from the committed runs, and its prose keeps issue 33's style (measured for
+every text in tests/unit/test_prose_style.py). The chapter is read whole, all its pages, through
+coursetools.chapters.text("14"); what proves (torch's lines, the registry's table) sits in its "How we know".
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
+from coursetools.drawings import ch14
 from labkit import diagnosis_table
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAPTER_PATH = ROOT / "chapters" / "14_when_it_goes_wrong.md"
-CHAPTER = CHAPTER_PATH.read_text()
+CHAPTER = chapters.text("14")
 FLAT = " ".join(CHAPTER.split())
+BODY, APPENDIX = chapters.split_appendix(CHAPTER)
+FLAT_APPENDIX = " ".join(APPENDIX.split())
 NUMBER_WORDS = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
 REGENERATE = "run `python -m labkit.diagnosis_table --write` (it rewrites the generated parts only)"
 
@@ -31,10 +37,43 @@ def registry():
 
 
 def test_the_diagnosis_table_is_the_registrys():
+    """The registry's own words for every case, as diagnosis_table renders them, sit in "How we know" (they cite
+    torch's lines); the body's recap is the short table of the diagnosis paths."""
     cases = registry().BROKEN_RUNS
     table = diagnosis_table.diagnosis_markdown(cases)
-    assert table in CHAPTER, f"chapter 14's diagnosis table is stale: {REGENERATE}"
-    assert len(cases) >= 12
+    assert table in APPENDIX, f"chapter 14's diagnosis table is stale: {REGENERATE}"
+    assert table not in BODY and len(cases) >= 12
+    assert ch14.recap_markdown(cases) in chapters.section(BODY, "Recap"), "the recap table is stale"
+
+
+def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees():
+    """Every case of the registry has its path (what you see, what to look at, the cause), and the groups are read
+    from the registry's own fields: a hang or an error stops the run, a resume has an interrupted run first, a slow
+    run is judged by its throughput."""
+    cases = registry().BROKEN_RUNS
+    assert list(ch14.PATHS) == [case.name for case in cases]
+    groups = dict(ch14.grouped(cases))
+    names = {group: [case.name for case in members] for group, members in groups.items()}
+    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives"]
+    assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
+    assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
+    assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
+    assert len(names["Wrong numbers"]) == 8 and sum(map(len, names.values())) == len(cases)
+    for words in ch14.PATHS.values():
+        assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
+    assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
+
+
+def test_a_case_is_grouped_by_its_own_fields():
+    """The rule of :func:`ch14.seen`, seen failing: a made-up case moves group when its fields say so."""
+    from dataclasses import replace
+
+    base = registry().case("loss-averaged-twice")
+    assert ch14.seen(base) == "Wrong numbers"
+    assert ch14.seen(replace(base, hang_cause="skipped collective")) == "Hangs, timeouts and errors"
+    assert ch14.seen(replace(base, symptom="It stops with RuntimeError: no.")) == "Hangs, timeouts and errors"
+    assert ch14.seen(replace(base, evidence=("throughput",))) == "Slow steps"
+    assert ch14.seen(replace(base, prepare_args=("--stop-after", "3"))) == "Resumes"
 
 
 def test_every_section_names_its_wrong_fixes_and_reports_as_the_registry_and_sources_have_them():
@@ -52,16 +91,18 @@ def test_every_section_names_its_wrong_fixes_and_reports_as_the_registry_and_sou
     assert "none found" not in CHAPTER
 
 
-def test_every_broken_run_has_its_section_under_its_family():
-    headings = re.findall(r"^(##+) (.+)$", CHAPTER, flags=re.M)
-    family = None
+def test_every_broken_run_has_its_section_under_the_group_of_what_a_user_sees():
+    """Cases come by what a user sees (wrong numbers, hangs and errors, slow steps, resumes), each in its group's
+    section of the body, the groups in the order of the picture."""
+    headings = re.findall(r"^(##+) (.+)$", BODY, flags=re.M)
+    order = []
     for case in registry().BROKEN_RUNS:
         titles = [(level, title) for level, title in headings if f"(`{case.name}`)" in title]
         assert len(titles) == 1 and titles[0][0] == "###", f"{case.name}: no section of its own"
         above = [title for level, title in headings[:headings.index(titles[0])] if level == "##"][-1]
-        assert above.lower() == case.family.lower(), (case.name, above, case.family)
-        family = case.family
-    assert family == "operations"
+        assert above.startswith(ch14.seen(case)), (case.name, above, ch14.seen(case))
+        order.append((headings.index(titles[0]), ch14.GROUPS.index(ch14.seen(case))))
+    assert [group for _, group in sorted(order)] == sorted(group for _, group in order)
     for name in registry_left_out():
         assert "Left out: dropout" in CHAPTER and name.startswith("tp-dropout")
 
@@ -74,9 +115,10 @@ def registry_left_out():
 
 def test_the_scripts_and_the_example_commands_are_the_registrys():
     broken_runs = registry()
-    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in FLAT
+    first = " ".join(chapters.pages("14")[0].read_text().split())   # the website's chapter links read the first page
+    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in first
     scripts = len({c.script for c in broken_runs.BROKEN_RUNS})
-    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in FLAT
+    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in first
     case = broken_runs.case("accumulation-never-syncs")
     for fixed in (False, True):
         assert " ".join(case.command(fixed=fixed)) in CHAPTER.splitlines(), fixed
@@ -117,6 +159,15 @@ def test_the_bf16_numbers_are_the_measured_ones():
     assert at[2, "bf16"] < at[4, "bf16"] and "more on 4 ranks than on 2" in FLAT
     assert torch.finfo(torch.bfloat16).eps == 2 ** -7 and "keeps 8 significant bits" in FLAT   # 7 stored + 1
 
+def test_the_bf16_reports_say_what_the_chapter_says_of_them():
+    from labkit import diagnosis_sources
+
+    quotes = {s["url"].rsplit("/", 3)[1]: s["quote"] for s in diagnosis_sources.SOURCES["bf16-gradient-reduction"]}
+    assert "trained well on 12x8 GPUs" in quotes["pytorch"] and "unstable on 48x8 GPUs" in quotes["pytorch"]
+    assert "stable on 12 x 8 GPUs turn unstable on 48 x 8" in FLAT
+    assert "N-1 hops" in quotes["Megatron-LM"] and "grows as √N" in quotes["Megatron-LM"]
+    assert "rounds at each of its N-1 hops" in FLAT and "error to grow as √N" in FLAT
+
 
 def test_the_bubble_numbers_are_the_measured_ones_and_the_formulas():
     from distlab import schedules
@@ -127,6 +178,8 @@ def test_the_bubble_numbers_are_the_measured_ones_and_the_formulas():
         formula, seen = f"{100 * schedules.bubble_fraction(p, m):.0f}%", f"{100 * run['bubble']['measured']:.0f}%"
         assert seen in FLAT and formula in FLAT, (m, seen, formula)
     assert "With 2 microbatches on 4 stages that is 60%. With 8 it is 27%." in FLAT
+    assert schedules.bubble_fraction(4, 8) < schedules.bubble_fraction(4, 2) / 2   # the chain's conclusion
+    assert "Four times as many microbatches cut the idle share to less than half" in FLAT
 
 
 def test_the_straggler_numbers_are_the_measured_ones():
@@ -156,7 +209,7 @@ def test_the_torch_lines_the_chapter_cites():
     sampler = (torch_dir / "utils" / "data" / "distributed.py").read_text().splitlines()
     assert sampler[110].strip() == "g.manual_seed(self.seed + self.epoch)"
     assert "the same ordering will be always used" in " ".join(sampler[47:52])
-    assert "(torch/utils/data/distributed.py:111)" in FLAT and "(lines 48-52)" in FLAT
+    assert "(torch/utils/data/distributed.py:111)" in FLAT_APPENDIX and "(lines 48-52)" in FLAT_APPENDIX
     ddp = (torch_dir / "nn" / "parallel" / "distributed.py").read_text()
     no_sync = ddp[ddp.index("    def no_sync(self):"):][:600]
     assert "synchronized in the first\n        forward-backward pass exiting the context" in no_sync
@@ -164,11 +217,13 @@ def test_the_torch_lines_the_chapter_cites():
     api = (torch_dir / "distributed" / "tensor" / "_api.py").read_text().splitlines()
     assert "if tensor.device_mesh != device_mesh:" in api[952] and "Cannot distribute a DTensor with device mesh" in \
         api[954] and "to a different device mesh" in api[955]
-    assert "(torch/distributed/tensor/_api.py:953-957)" in FLAT
+    assert "(torch/distributed/tensor/_api.py:953-957)" in FLAT_APPENDIX
 
 
 def test_the_generated_parts_are_written_again_from_the_registry_and_nothing_else_moves():
     cases = registry().BROKEN_RUNS
+    for page in chapters.pages("14"):   # what `python -m labkit.diagnosis_table --write` does, page by page
+        assert diagnosis_table.update_chapter(page.read_text(), cases) == page.read_text(), page.name
     assert diagnosis_table.update_chapter(CHAPTER, cases) == CHAPTER
     stale = CHAPTER.replace(cases[0].symptom, "an old symptom", 1)
     stale = stale.replace(diagnosis_table.sources_line(cases[1].name) + "\n", "", 1)
@@ -228,15 +283,15 @@ def test_the_torch_lines_of_the_second_pass():
     assert one_f_one_b < 1019 and schedules[1019].strip() == "if n_microbatches < self._num_stages:"
     assert "raise ValueError(" in schedules[1020] and "must be greater than" in schedules[1021]
     assert not any(line.startswith("class ") for line in schedules[one_f_one_b + 1:1020])   # still 1F1B's
-    assert "(torch/distributed/pipelining/schedules.py:1020-1024)" in FLAT and "This run chooses GPipe" in FLAT
+    assert "(torch/distributed/pipelining/schedules.py:1020-1024)" in FLAT_APPENDIX and "This run chooses GPipe" in FLAT
     api = (torch_dir / "fsdp" / "_fully_shard" / "_fsdp_api.py").read_text().splitlines()
     assert api[32].strip().startswith("reduce_dtype (Optional[torch.dtype])")
     assert "uses the compute dtype" in api[35] and "(Default: ``None``)" in api[39]
-    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_api.py:33-40)" in FLAT
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_api.py:33-40)" in FLAT_APPENDIX
     assert "_fsdp_api.py:33-40" in registry().case("bf16-gradient-reduction").cause
     gather = (torch_dir / "_state_dict_utils.py").read_text().splitlines()
     assert "# FSDP all_gather" in gather[269] and "value = value.redistribute(" in gather[275]
-    assert "(torch/distributed/_state_dict_utils.py:270-279)" in FLAT
+    assert "(torch/distributed/_state_dict_utils.py:270-279)" in FLAT_APPENDIX
     assert "is a collective" in registry().case("checkpoint-one-shard").fix
 
 
@@ -257,7 +312,7 @@ def test_the_sources_that_do_not_show_their_symptom_are_gone():
         assert not any(gone in url for url in urls), gone
     pr = next(s for s in diagnosis_sources.SOURCES["too-few-microbatches"] if s["url"].endswith("/pull/144702"))
     assert "GPipe worked with MB < PP" in pr["quote"]
-    assert "Pull request #144702 added that refusal" in FLAT
+    assert "Pull request #144702 added that refusal" in FLAT_APPENDIX
 
 
 def test_the_fsdp_param_lines_the_optimizer_case_cites():
@@ -267,5 +322,16 @@ def test_the_fsdp_param_lines_the_optimizer_case_cites():
         .splitlines()
     assert lines[324].strip() == "self.sharded_param = nn.Parameter(" and \
         lines[330].strip() == "self._setattr_on_modules(self.sharded_param)"
-    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331)" in FLAT
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py:325-331)" in FLAT_APPENDIX
     assert "_fsdp_param.py:325-331" in registry().case("optimizer-before-sharding").cause
+
+
+def test_the_debug_level_that_checks_collectives_is_torchs():
+    import torch
+
+    lines = (Path(torch.__file__).parent / "distributed" / "distributed_c10d.py").read_text().splitlines()
+    assert "enables enhanced collective checking for debuggability" in lines[2287]
+    assert lines[2288].strip() == "if get_debug_level() == DebugLevel.DETAIL:"
+    assert "_create_process_group_wrapper(" in lines[2297] and lines[2305].strip() == ")"
+    assert '"enables enhanced collective checking for debuggability" (torch/distributed/distributed_c10d.py:2287-2306)' \
+        in FLAT_APPENDIX and "`TORCH_DISTRIBUTED_DEBUG=DETAIL` checks each collective's kind and shapes" in FLAT

@@ -1,0 +1,55 @@
+"""Lab 14's graded prompts under their "### Exercise N: ..." headings, which chapter 14's Exercises name: each
+heading leads to the check cells that grade it, in the lab and in the learner's copy alike."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from coursetools import chapters
+
+ROOT = Path(__file__).resolve().parents[2]
+LABS = [ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb", ROOT / "notebooks" / "student" / "14_when_it_goes_wrong.ipynb"]
+# heading -> the checks it grades: each diagnosis part by its name, then every fix
+GRADED = {
+    "Exercise 1: name the cause of a run that is stuck or slow": ['check_diagnoses(diagnoses_part1, "stuck or slow")'],
+    "Exercise 2: name the cause of a run that stops or prints nonsense":
+        ['check_diagnoses(diagnoses_part2, "stops or prints nonsense")'],
+    "Exercise 3: name the cause of ranks that disagree": ['check_diagnoses(diagnoses_part3, "ranks that disagree")'],
+    "Exercise 4: name the cause of a run that is wrong against one device":
+        ['check_diagnoses(diagnoses_part4, "wrong against one device")'],
+    "Exercise 5: fix each run": ["check_fix_"],
+}
+
+
+def graded_under_each_heading(lab: Path) -> dict[str, list[str]]:
+    """The source of every check cell (tagged ``check``), under the exercise heading above it."""
+    under: dict[str, list[str]] = {}
+    heading = None
+    for cell in json.loads(lab.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            found = re.findall(r"^###\s+(Exercise[^\n]*?)\s*$", source, flags=re.M)
+            heading = found[-1] if found else heading
+        elif "check" in cell.get("metadata", {}).get("tags", []):
+            under.setdefault(heading, []).append(source)
+    return under
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.parent.name)
+def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
+    under = graded_under_each_heading(lab)
+    assert None not in under, f"a check before any exercise heading: {under.get(None)}"
+    assert list(under) == list(GRADED)
+    for heading, checks in GRADED.items():
+        assert all(any(check in source for check in checks) for source in under[heading]), heading
+    assert len(under["Exercise 5: fix each run"]) == 15   # every run's fix
+
+
+def test_the_chapter_names_the_labs_exercises_by_their_titles():
+    assert chapters.lab_exercises("14") == list(GRADED)
+    items = chapters.exercise_items(chapters.pages("14")[-1].read_text())
+    assert 2 <= len(items) <= 3 and all(any(f'"{title}"' in item for title in GRADED) for item in items)
