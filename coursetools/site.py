@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coursetools.chapters import pages as chapter_pages
+from coursetools.chapters import text as chapter_text
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "build" / "site"
@@ -59,7 +60,7 @@ def chapter_links(repo: Path = REPO) -> list[Chapter]:
         folder = next(iter(sorted((repo / "scripts").glob(f"{number}_*"))), None)
         scripts = ([f"scripts/{folder.name}/{p.name}" for p in sorted(folder.glob("*.py"))
                     if not p.name.startswith("common_")] if folder else
-                   _scripts_named(path.read_text(), repo))   # chapter 14 breaks the other chapters' scripts
+                   _scripts_named(chapter_text(number, repo), repo))   # chapter 14 breaks the other chapters' scripts
         job = next((f"pbs/{p.name}" for p in sorted((repo / "pbs").glob(f"{number}_*.pbs"))), None)
         chapters.append(Chapter(number, path.stem, _title(path.read_text(), path.stem), lab, scripts, job))
     return chapters
