@@ -13,15 +13,22 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import comm, hangs, memory, models, runtime, schedules
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAPTER = (ROOT / "chapters" / "12_hpc_operations.md").read_text()
+CHAPTER = chapters.text("12")   # all of the chapter's pages: a claim may move from one page to the next
 RECORDED = json.loads((Path(__file__).parent / "data" / "hang_journals.json").read_text())  # from deadlocks.py
 
 
 def flat(text: str) -> str:
     return " ".join(text.split())
+
+
+def tuning_section() -> str:
+    """The "## Tuning" section of the chapter, up to the next section of its level."""
+    start = CHAPTER.index("## Tuning")
+    return CHAPTER[start:CHAPTER.index("\n## ", start)]
 
 
 @pytest.mark.parametrize("flag", ["mismatched-collectives", "skipped-barrier", "wrong-group", "few-microbatches",
@@ -51,7 +58,7 @@ def test_tuning_numbers():
     """The numbers of the tuning section's prose. Those of its printed table are compared with a real run of
     tuning.py by tests/scripts/test_12_tuning.py; its times are stated as this machine's, and not tested."""
     tiny, a100 = models.preset("tiny"), models.preset("a100")
-    text = flat(CHAPTER[CHAPTER.index("## Tuning"):CHAPTER.index("## Troubleshooting")])
+    text = flat(tuning_section())
     n = tiny.num_params()
     # DDP buckets: DDP's rule on the tiny model's gradients, in backward's order
     backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(tiny).parameters()))]
@@ -394,8 +401,8 @@ def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoin
 
 def test_waiting_for_a_peer_is_communication_not_idle():
     # issue 45 item 8 / issue 47: a gloo event lasts until the slowest rank arrives, an NCCL kernel spins
-    for path in ("chapters/12_hpc_operations.md", "scripts/12_hpc_operations/profile_step.py", "distlab/profiling.py"):
-        text = " ".join((ROOT / path).read_text().split())
+    for path in [*chapters.pages("12"), ROOT / "scripts/12_hpc_operations/profile_step.py", ROOT / "distlab/profiling.py"]:
+        text = " ".join(Path(path).read_text().split())
         assert "waiting on a peer" not in text, path
     text = flat(CHAPTER)
     assert "Waiting for a peer is not idle." in text
