@@ -511,7 +511,7 @@ def test_the_worked_launch_is_what_the_runtime_reads():
     text = flat(CHAPTER)
     assert "gives the sixth `SLURM_PROCID=5`, `SLURM_LOCALID=1` and `SLURM_NTASKS=8`" in text
     assert "it takes GPU 1 of node `n2`. In general, rank = node × 4 + local rank, and 5 = 1 × 4 + 1." in text
-    assert f"Job {ch12.JOB_ID} gets port {five.master_port}." in text
+    assert f"Under srun, job {ch12.JOB_ID} gets port {five.master_port}." in text
     assert f"Rank 0 opens its store at `n1:{five.master_port}`" in text
     assert "it puts rank 5 on GPU 1 of `n2`, with rank 0 at `n1`" in text
 
@@ -520,6 +520,8 @@ def test_the_price_of_a_derived_port():
     low, high = runtime.PORT_RANGE
     ports = high - low
     assert runtime._port_from_job_id("1234") in range(low, high)
+    # the PBS jobs export MASTER_PORT from the shell's own hash (cksum) over the same range
+    assert f"echo $(({low} + ${{sum%% *}} % {ports}))" in (ROOT / "jobs" / "common.sh").read_text()
     text = flat(CHAPTER)
     assert f"The port is {low:,} plus a hash of the job id modulo {ports:,}, so it lies in {low:,}-{high - 1:,}." in text
     assert f"1/{ports:,} = {100 / ports:.3f}%" in text
@@ -561,9 +563,11 @@ def test_the_torch_lines_cited_for_the_watchdog_and_the_flight_recorder():
     assert "Class that runs as a side thread to check whether the NCCL collective" in nccl[673]
     assert "SkipCleanUp = 3" in "\n".join(nccl[160:176]) and "TearDown" in nccl[160]
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" in "\n".join(nccl[70:75])
+    assert "void broadcastUniqueNCCLID(" in nccl[1063]       # NCCL's unique id goes through the store
     recorder = (include / "FlightRecorder.hpp").read_text().splitlines()
     assert '{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000);' in recorder[110]
     text = flat(CHAPTER)
     assert "`ProcessGroupNCCL.hpp:674`" in text or "ProcessGroupNCCL.hpp:674`)" in text
     assert "`include/torch/csrc/distributed/c10d/FlightRecorder.hpp:111`" in text
+    assert "`include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:1064`" in text
     assert "`TORCH_FR_BUFFER_SIZE` sets how many entries it keeps (2000 by default)" in text
