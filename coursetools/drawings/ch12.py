@@ -114,6 +114,118 @@ def draw_launch_and_rendezvous(fig) -> None:
     arrow((6.0, 1.75), (6.0, 1.17))
 
 
+# ---- 12.2: what the watchdog does with a collective that never completes ----------------------------------------
+
+def draw_watchdog(fig) -> None:
+    """One NCCL rank whose all-reduce never completes, with and without blocking wait: the Python thread goes on at
+    once (the call only queued the kernel), the kernel spins on the GPU, the watchdog thread checks the queued work;
+    at the process group's timeout (the course's default) the watchdog tears the process down, or the rank's own
+    wait raises."""
+    from matplotlib.patches import Rectangle
+
+    from distlab import runtime
+
+    timeout = runtime.DEFAULT_PG_TIMEOUT_S
+    axes = fig.subplots(2, 1, sharex=True)
+    lanes = ["Python thread", "GPU stream", "watchdog thread"]
+    end = timeout * 1.25
+    for ax, blocking in zip(axes, (False, True)):
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
+        ax.invert_yaxis()
+        ax.add_patch(Rectangle((0, -0.3), end * 0.008, 0.6, color="#1f77b4"))
+        ax.text(end * 0.012, 0, "all_reduce() queues the kernel and returns", fontsize=6.5, va="center")
+        wait_from = timeout * 0.45
+        ax.add_patch(Rectangle((wait_from, -0.3), timeout - wait_from, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b",
+                               hatch="//"))
+        ax.text(wait_from + 4, 0, "waits for the result (.item(), a sync, the next step)", fontsize=6.5, va="center")
+        ax.add_patch(Rectangle((0, 0.7), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
+        ax.text(4, 1, "the NCCL kernel spins, waiting for a peer that never calls", fontsize=6.5, va="center")
+        checks = [t for t in range(0, int(timeout) + 1, int(timeout) // 10)]
+        ax.plot(checks, [2] * len(checks), "|", color="#555555", markersize=8)
+        ax.text(checks[1], 1.65, "checks the queued work", fontsize=6.5, va="center", color="#555555")
+        ax.axvline(timeout, color="#c0392b", lw=1.2)
+        if blocking:
+            ax.text(timeout + 3, 0, "the wait raises here:\nthe rank's except runs", fontsize=6.5, va="center",
+                    color="#c0392b")
+            ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
+            ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the rank's own thread raises at the timeout", fontsize=8)
+        else:
+            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (if asked),\ntears the process down",
+                    fontsize=6.5, va="center", color="#c0392b")
+            ax.set_title("the default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): the watchdog ends the process", fontsize=8)
+        ax.set_xlim(0, end)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[1].set_xlabel(f"seconds since the call (process-group timeout: {timeout:g} s, the course's default)",
+                       fontsize=7)
+    fig.tight_layout()
+
+
+# ---- 12.3: the walltime, the deadline, the checkpoint -----------------------------------------------------------
+
+def stop_step(step_s: float, save_s: float, start_s: float, deadline_s: float) -> float:
+    """When the drill stops: after each step it stops if the next step and a checkpoint would pass the deadline
+    (fault_drill.py: ``time + longest step + max(longest save, longest step) > deadline``). Returns the time of
+    the last step's end."""
+    now = start_s
+    while now + step_s + max(save_s, step_s) <= deadline_s:
+        now += step_s
+    return now
+
+
+def _job_constants() -> tuple[int, int, int]:
+    """The margin of jobs/common.sh, the Slurm job's warning and PBS's default kill_delay."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    margin = int(re.search(r"DISTLAB_WALLTIME_MARGIN=\$\{DISTLAB_WALLTIME_MARGIN:-(\d+)\}",
+                           (root / "jobs" / "common.sh").read_text()).group(1))
+    warning = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (root / "slurm" / "12_hpc_operations.sbatch").read_text(),
+                            flags=re.M).group(1))
+    return margin, warning, 10     # kill_delay: 10 s unless the queue sets another (OpenPBS req_runjob.c)
+
+
+def draw_walltime(fig) -> None:
+    """The last ten minutes of a job that stops itself: steps of 40 s, a 60 s checkpoint, the deadline (the end less
+    the margin), Slurm's warning to the batch shell, the end (PBS's SIGTERM, Slurm's TERM) and PBS's SIGKILL; the
+    next job, chained with afterany, resumes from the checkpoint."""
+    from matplotlib.patches import Rectangle
+
+    margin, warning, kill_delay = _job_constants()
+    step, save, start = 40, 60, -600
+    deadline = -margin
+    stopped = stop_step(step, save, start, deadline)
+    ax = fig.subplots()
+    t = start
+    while t < stopped:
+        ax.add_patch(Rectangle((t + 1.5, 1.25), step - 3, 0.5, color="#1f77b4"))
+        t += step
+    ax.add_patch(Rectangle((stopped + 1.5, 1.25), save - 3, 0.5, color="#ff7f0e"))
+    ax.text(stopped + save / 2, 1.5, "save", ha="center", va="center", fontsize=6.5, color="white")
+    ax.text(start + 5, 2.0, f"steps of {step} s (blue); after each, stop if one more step and a {save} s checkpoint "
+            "(orange) would pass the deadline; then exit 0", fontsize=6.3, va="center")
+    ax.add_patch(Rectangle((25, 2.3), 160, 0.45, color="#2ca02c", alpha=0.85))
+    ax.text(30, 2.52, "next job (afterany): resumes", fontsize=6.3, va="center", color="white")
+    marks = [(-warning, f"Slurm: USR1 to the batch shell, {warning} s ahead\n(the job launches nothing more) ",
+              "#8172b3", 0.3, "right"),
+             (deadline, f" DISTLAB_DEADLINE:\n the end less {margin} s", "#c0392b", 0.3, "left"),
+             (0, " the walltime's end: PBS SIGTERM\n (at the MoM's next poll), Slurm TERM", "black", 0.75, "left"),
+             (kill_delay, f" PBS SIGKILL, {kill_delay} s later", "#555555", 0.3, "left")]
+    for x, label, colour, y, side in marks:
+        ax.axvline(x, color=colour, lw=1.1, ls="-" if x == 0 else "--")
+        ax.text(x, y, label, fontsize=6.3, va="top" if y < 1 else "center", ha=side, color=colour)
+    ax.set_yticks([1.5, 2.52], ["this job", "the next job"], fontsize=7)
+    ax.set_ylim(2.9, 0.2)
+    ax.set_xlim(start, 200)
+    ax.set_xlabel("seconds from the walltime's end", fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"a job that stops itself: its last step ends at {stopped} s, its checkpoint at {stopped + save} s, "
+                 f"before the deadline ({deadline} s)", fontsize=8)
+
+
 FIGURES = {
     "12_launch_and_rendezvous.png": (draw_launch_and_rendezvous, (9, 5.6)),
+    "12_watchdog.png": (draw_watchdog, (9, 3.6)),
+    "12_walltime.png": (draw_walltime, (9, 3.2)),
 }

@@ -571,3 +571,15 @@ def test_the_torch_lines_cited_for_the_watchdog_and_the_flight_recorder():
     assert "`include/torch/csrc/distributed/c10d/FlightRecorder.hpp:111`" in text
     assert "`include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:1064`" in text
     assert "`TORCH_FR_BUFFER_SIZE` sets how many entries it keeps (2000 by default)" in text
+
+
+def test_the_walltime_picture_follows_the_drills_rule():
+    from coursetools.drawings import ch12
+
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert 'time.time() + longest["step"] + max(longest["save"], longest["step"]) > args.deadline' in drill
+    margin, warning, kill_delay = ch12._job_constants()
+    assert (margin, warning, kill_delay) == (120, 180, 10)
+    last = ch12.stop_step(40, 60, -600, -margin)
+    assert last + 40 + 60 > -margin and last + 60 <= -margin          # one more step would pass; the save does not
+    assert f"The checkpoint ends at {-(last + 60)} s before the walltime's end, before the deadline" in flat(CHAPTER)
