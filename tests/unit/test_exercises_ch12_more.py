@@ -87,3 +87,24 @@ def test_the_lab_holds_exercise_3_under_its_title_and_checks_it():
     assert "def placement(nodefile):" in text[heading + 1] and "### BEGIN SOLUTION" in text[heading + 1]
     assert "exercises.check_placement(placement)" in text[heading + 2]
     assert "check" in cells[heading + 2]["metadata"].get("tags", [])
+
+
+def test_the_expected_placements_are_what_a_real_mpiexec_does(tmp_path):
+    """MPICH's Hydra mpiexec (in the environment, PYTORCH_NOTES) with the exercise's nodes, in the scheduler's order,
+    and -ppn: each rank's PMI_HOSTNAME and MPI_LOCALRANKID are the checker's written-out answer."""
+    import shutil
+    import subprocess
+    import sys
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside this Python")
+    for nodefile, want in ch12.PLACEMENT_CASES[:2]:
+        hosts = list(dict.fromkeys(nodefile))
+        ppn = nodefile.count(hosts[0])
+        (tmp_path / "hosts.txt").write_text("".join(f"{h}:{ppn}\n" for h in hosts))
+        done = subprocess.run([mpiexec, "-launcher", "fork", "-f", str(tmp_path / "hosts.txt"), "-ppn", str(ppn),
+                               "-n", str(len(nodefile)), "sh", "-c", 'echo "$PMI_RANK $PMI_HOSTNAME $MPI_LOCALRANKID"'],
+                              capture_output=True, text=True, timeout=60, check=True)
+        rows = sorted((int(r), h, int(l)) for r, h, l in (line.split() for line in done.stdout.splitlines()))
+        assert [(h, l) for _, h, l in rows] == want
