@@ -1,8 +1,10 @@
-"""Checks of chapter 12's exercises: read a profiler timeline, find a hang from the ranks' call journals.
+"""Checks of chapter 12's exercises: read a profiler timeline, find a hang from the ranks' call journals, place
+each rank from a PBS node file.
 
 Each check calls the learner's function on several cases (hand-made ones that tell the plausible wrong
 answers apart, and, when given, the notebook's own run) and compares with what ``distlab.profiling`` and
-``distlab.hangs`` compute. tests/unit/test_profiling.py feeds each check the wrong answers it must reject.
+``distlab.hangs`` compute. tests/unit/test_profiling.py feeds each check the wrong answers it must reject
+(tests/unit/test_exercises_ch12_more.py for the placement, whose expected answers are written out as data).
 """
 
 from __future__ import annotations
@@ -113,3 +115,39 @@ def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -
                 f"missing_ranks on {which}, call {label!r}: {sorted(got)}, expected {want}. The culprits are the "
                 f"members of that call's group that never recorded it, not the ranks waiting in it. {hint}".strip())
     _ok(f"missing_ranks finds the culprits in {len(cases)} journal set(s)")
+
+
+# ---- exercise 3: place each rank from the node file (page 12.1) --------------------------------------------------
+
+# (a PBS_NODEFILE as mpiexec --ppn reads it: a host a line, once a rank, in the scheduler's order;
+#  the (host, local rank) of each rank, written out by hand). Each case tells wrong answers apart: the local rank
+# taken to be the rank; the file read as one line a node; the hosts sorted by name; ranks dealt round robin over
+# the nodes; the node count taken for the ranks a node.
+PLACEMENT_CASES = (
+    (["n1"] * 4 + ["n2"] * 4,
+     [("n1", 0), ("n1", 1), ("n1", 2), ("n1", 3), ("n2", 0), ("n2", 1), ("n2", 2), ("n2", 3)]),
+    (["dec0107"] * 2 + ["dec0012"] * 2 + ["dec0055"] * 2,
+     [("dec0107", 0), ("dec0107", 1), ("dec0012", 0), ("dec0012", 1), ("dec0055", 0), ("dec0055", 1)]),
+    (["n7"] * 4, [("n7", 0), ("n7", 1), ("n7", 2), ("n7", 3)]),
+)
+
+
+@learner_check
+def check_placement(function, *, hint: str = "") -> None:
+    """``function(nodefile)`` must return, for each rank in order, its host and its local rank (its GPU)."""
+    for index, (nodefile, want) in enumerate(PLACEMENT_CASES):
+        try:
+            got = function(list(nodefile))
+        except NotImplementedError:
+            raise _not_done("placement", hint) from None
+        if got is None:
+            raise _not_done("placement", hint)
+        got = [(str(host), int(local)) for host, local in got]
+        if got != want:
+            wrong = next((r for r, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            shown = got[wrong] if wrong < len(got) else "nothing"
+            raise ExerciseWrong(
+                f"placement of node file #{index + 1} ({len(nodefile)} lines): rank {wrong} got {shown}, expected "
+                f"{want[wrong] if wrong < len(want) else 'no such rank'}. The file lists a host once a rank, in "
+                f"the scheduler's order; the local rank counts the earlier ranks on the same host. {hint}".strip())
+    _ok(f"placement agrees on {len(PLACEMENT_CASES)} node files; rank 0's host is MASTER_ADDR")

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
 
+from coursetools import chapters
 from distlab import comm, memory, models, schedules
 from labkit import launch
 
 SCRIPT = "scripts/12_hpc_operations/tuning.py"
 ORDERING_CHECK = "the measured bubble shrinks"  # the only check that reads a clock
-CHAPTER = (Path(__file__).resolve().parents[2] / "chapters" / "12_hpc_operations.md").read_text()
+CHAPTER = chapters.text("12")   # the chapter's pages
 TINY = models.preset("tiny")
 
 
@@ -87,7 +88,8 @@ def test_more_microbatches_less_bubble_measured(tuned):
 
 def _chapter_output_block() -> list[str]:
     """The lines the chapter shows under tuning.py's command."""
-    section = CHAPTER[CHAPTER.index("## Tuning"):CHAPTER.index("## Troubleshooting")]
+    start = CHAPTER.index("## Tuning")
+    section = CHAPTER[start:CHAPTER.index("\n## ", start)]
     block = re.search(r"```text\n(.*?)```", section, re.S)
     assert block, "chapter 12's tuning section shows no ```text block of the script's output"
     return block.group(1).splitlines()

@@ -13,15 +13,22 @@ from pathlib import Path
 
 import pytest
 
+from coursetools import chapters
 from distlab import comm, hangs, memory, models, runtime, schedules
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAPTER = (ROOT / "chapters" / "12_hpc_operations.md").read_text()
+CHAPTER = chapters.text("12")   # all of the chapter's pages: a claim may move from one page to the next
 RECORDED = json.loads((Path(__file__).parent / "data" / "hang_journals.json").read_text())  # from deadlocks.py
 
 
 def flat(text: str) -> str:
     return " ".join(text.split())
+
+
+def tuning_section() -> str:
+    """The "## Tuning" section of the chapter, up to the next section of its level."""
+    start = CHAPTER.index("## Tuning")
+    return CHAPTER[start:CHAPTER.index("\n## ", start)]
 
 
 @pytest.mark.parametrize("flag", ["mismatched-collectives", "skipped-barrier", "wrong-group", "few-microbatches",
@@ -51,7 +58,7 @@ def test_tuning_numbers():
     """The numbers of the tuning section's prose. Those of its printed table are compared with a real run of
     tuning.py by tests/scripts/test_12_tuning.py; its times are stated as this machine's, and not tested."""
     tiny, a100 = models.preset("tiny"), models.preset("a100")
-    text = flat(CHAPTER[CHAPTER.index("## Tuning"):CHAPTER.index("## Troubleshooting")])
+    text = flat(tuning_section())
     n = tiny.num_params()
     # DDP buckets: DDP's rule on the tiny model's gradients, in backward's order
     backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(tiny).parameters()))]
@@ -394,8 +401,8 @@ def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoin
 
 def test_waiting_for_a_peer_is_communication_not_idle():
     # issue 45 item 8 / issue 47: a gloo event lasts until the slowest rank arrives, an NCCL kernel spins
-    for path in ("chapters/12_hpc_operations.md", "scripts/12_hpc_operations/profile_step.py", "distlab/profiling.py"):
-        text = " ".join((ROOT / path).read_text().split())
+    for path in [*chapters.pages("12"), ROOT / "scripts/12_hpc_operations/profile_step.py", ROOT / "distlab/profiling.py"]:
+        text = " ".join(Path(path).read_text().split())
         assert "waiting on a peer" not in text, path
     text = flat(CHAPTER)
     assert "Waiting for a peer is not idle." in text
@@ -468,3 +475,111 @@ def test_the_weak_proofs_of_item_14_are_named_for_what_they_are():
     assert "(trace intervals), every rank\",\n                         min(hidden) > 0" in profile
     assert "(trace intervals), on some rank\",\n                         max(hidden) > 0" in profile
     assert "The script checks it on every rank on a GPU. On a CPU it checks only that some rank overlapped" in text
+
+
+# ---- issue 48: the teach-first pages -----------------------------------------------------------------------------
+
+def _prose_lines(text: str) -> list[str]:
+    """The chapter's running prose: no headings, no fenced code, no links to the next page or a page list."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith("#") or line.startswith("Next: [") or "](12." in line:
+            continue
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("term", ["watchdog", "flight recorder", "straggler", "walltime", "local rank", "launcher"])
+def test_each_term_is_defined_where_it_first_appears(term):
+    # a learner's review of chapter 12: the watchdog and the flight recorder were used before they were defined.
+    # The first mention in running prose (headings and page titles left out) is the one in bold, the definition.
+    prose = " ".join(" ".join(_prose_lines(CHAPTER)).split())
+    first = prose.lower().index(term)
+    assert prose[first - 2:first + len(term) + 2].lower() == f"**{term}**", (term, prose[first - 80:first + 80])
+
+
+def test_the_worked_launch_is_what_the_runtime_reads():
+    from coursetools.drawings import ch12
+
+    ranks = ch12.launch_model()         # srun's and mpiexec's environments, read by runtime.launcher_env
+    five = ranks[5]
+    assert (five.rank, five.local_rank, five.world_size, five.master_addr) == (5, 1, 8, "n1")
+    assert five.rank // five.local_world_size == 1            # the second node, n2
+    text = flat(CHAPTER)
+    assert "gives the sixth `SLURM_PROCID=5`, `SLURM_LOCALID=1` and `SLURM_NTASKS=8`" in text
+    assert "it takes GPU 1 of node `n2`. In general, rank = node × 4 + local rank, and 5 = 1 × 4 + 1." in text
+    assert f"Under srun, job {ch12.JOB_ID} gets port {five.master_port}." in text
+    assert f"Rank 0 opens its store at `n1:{five.master_port}`" in text
+    assert "it puts rank 5 on GPU 1 of `n2`, with rank 0 at `n1`" in text
+
+
+def test_the_price_of_a_derived_port():
+    low, high = runtime.PORT_RANGE
+    ports = high - low
+    assert runtime._port_from_job_id("1234") in range(low, high)
+    # the PBS jobs export MASTER_PORT from the shell's own hash (cksum) over the same range
+    assert f"echo $(({low} + ${{sum%% *}} % {ports}))" in (ROOT / "jobs" / "common.sh").read_text()
+    text = flat(CHAPTER)
+    assert f"The port is {low:,} plus a hash of the job id modulo {ports:,}, so it lies in {low:,}-{high - 1:,}." in text
+    assert f"1/{ports:,} = {100 / ports:.3f}%" in text
+    assert f"6/{ports:,} = {100 * 4 * 3 / 2 / ports:.2f}%" in text      # four jobs: 6 pairs
+    # below Linux's ephemeral range (ip-sysctl: 32768-60999), so no outgoing connection holds a derived port
+    assert high - 1 < 32768 and "Linux's ephemeral ports (32,768-60,999)" in text
+
+
+def test_the_price_of_a_timeout():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deadlocks", ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py")
+    assert "p.set_defaults(pg_timeout=4.0)" in (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert spec is not None
+    default = runtime.DEFAULT_PG_TIMEOUT_S
+    text = flat(CHAPTER)
+    assert f"`--pg-timeout`, default {default} s" in text
+    assert f"64 GPUs × {default} s = {64 * default:,} GPU-seconds, {64 * default / 3600:.1f} GPU-hours" in text
+    assert f"64 GPUs × 4 s = {64 * 4 / 3600:.2f} GPU-hours with the drill's 4 s" in text
+
+
+def test_youngs_checkpoint_interval():
+    import math
+
+    save_min, mtbf_h = 5, 24
+    interval = math.sqrt(2 * save_min * mtbf_h * 60)
+    assert interval == 120
+    text = flat(CHAPTER)
+    assert f"C = {save_min} min, M = {mtbf_h} h: T = sqrt(2 × {save_min} × {mtbf_h * 60:,}) min = {interval:.0f} min" in text
+    assert f"Saving costs it {save_min}/{interval:.0f} = {100 * save_min / interval:.1f}% of its time" in text
+    assert "a failure about an hour of recomputation" in text and interval / 2 == 60
+
+
+def test_the_torch_lines_cited_for_the_watchdog_and_the_flight_recorder():
+    import torch
+
+    include = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    nccl = (include / "ProcessGroupNCCL.hpp").read_text().splitlines()
+    assert "Class that runs as a side thread to check whether the NCCL collective" in nccl[673]
+    assert "SkipCleanUp = 3" in "\n".join(nccl[160:176]) and "TearDown" in nccl[160]
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" in "\n".join(nccl[70:75])
+    assert "void broadcastUniqueNCCLID(" in nccl[1063]       # NCCL's unique id goes through the store
+    recorder = (include / "FlightRecorder.hpp").read_text().splitlines()
+    assert '{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000);' in recorder[110]
+    text = flat(CHAPTER)
+    assert "`ProcessGroupNCCL.hpp:674`" in text or "ProcessGroupNCCL.hpp:674`)" in text
+    assert "`include/torch/csrc/distributed/c10d/FlightRecorder.hpp:111`" in text
+    assert "`include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:1064`" in text
+    assert "`TORCH_FR_BUFFER_SIZE` sets how many entries it keeps (2000 by default)" in text
+
+
+def test_the_walltime_picture_follows_the_drills_rule():
+    from coursetools.drawings import ch12
+
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert 'time.time() + longest["step"] + max(longest["save"], longest["step"]) > args.deadline' in drill
+    margin, warning, kill_delay = ch12._job_constants()
+    assert (margin, warning, kill_delay) == (120, 180, 10)
+    last = ch12.stop_step(40, 60, -600, -margin)
+    assert last + 40 + 60 > -margin and last + 60 <= -margin          # one more step would pass; the save does not
+    assert f"The checkpoint ends at {-(last + 60)} s before the walltime's end, before the deadline" in flat(CHAPTER)

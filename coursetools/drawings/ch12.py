@@ -1,0 +1,231 @@
+"""Chapter 12's pictures of its mechanisms: a job from the scheduler to each rank's process group. Drawn from a model
+of the launch (the environment each launcher gives its processes, read by ``distlab.runtime.launcher_env``, the
+function every script calls), never from a measured run."""
+
+from __future__ import annotations
+
+# coursetools.figures is imported inside the functions: it gathers this module when it is itself imported
+
+NODES = ("n1", "n2")
+GPUS_PER_NODE = 4
+JOB_ID = "1234"
+
+
+def srun_env(rank: int) -> dict:
+    """What ``srun -n 8 --ntasks-per-node=4`` gives task ``rank`` of job ``JOB_ID`` on nodes n1 and n2."""
+    return {"SLURM_JOB_ID": JOB_ID, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % GPUS_PER_NODE),
+            "SLURM_NODEID": str(rank // GPUS_PER_NODE), "SLURM_NTASKS": str(len(NODES) * GPUS_PER_NODE),
+            "SLURM_STEP_NUM_TASKS": str(len(NODES) * GPUS_PER_NODE),
+            "SLURM_STEP_TASKS_PER_NODE": f"{GPUS_PER_NODE}(x{len(NODES)})", "SLURM_STEP_NODELIST": "n[1-2]"}
+
+
+def mpiexec_env(rank: int) -> tuple[dict, str]:
+    """What ``mpiexec -n 8 --ppn 4`` (Cray PALS) under PBS gives process ``rank``, and the job's node file."""
+    env = {"PBS_JOBID": JOB_ID, "PBS_NODEFILE": "nodefile", "PALS_RANKID": str(rank), "PMI_RANK": str(rank),
+           "PMI_SIZE": str(len(NODES) * GPUS_PER_NODE), "PALS_LOCAL_RANKID": str(rank % GPUS_PER_NODE),
+           "PALS_LOCAL_SIZE": str(GPUS_PER_NODE)}
+    return env, "".join(f"{node}\n" * GPUS_PER_NODE for node in NODES)   # a host a line, once a rank
+
+
+def launch_model() -> list:
+    """Each rank's ``LauncherEnv``, as the runtime reads it under srun; mpiexec under PBS gives the same ranks,
+    local ranks and rank 0's host (checked here, so the picture holds for both schedulers)."""
+    from distlab import runtime
+
+    found = []
+    for rank in range(len(NODES) * GPUS_PER_NODE):
+        slurm = runtime.launcher_env(srun_env(rank))
+        env, nodefile = mpiexec_env(rank)
+        pbs = runtime.launcher_env(env, read_file=lambda path: nodefile)
+        assert (slurm.rank, slurm.local_rank, slurm.world_size, slurm.master_addr, slurm.master_port) == (
+            pbs.rank, pbs.local_rank, pbs.world_size, pbs.master_addr, pbs.master_port)
+        found.append(slurm)
+    return found
+
+
+def draw_launch_and_rendezvous(fig) -> None:
+    """Five stages, top to bottom: the scheduler allocates two nodes; the job script runs on the first; the launcher
+    starts one process a GPU on each node (srun or mpiexec; torchrun: one agent a node); every rank connects to rank
+    0's store at the address it derived; the store hands out the backend's addresses and the process group forms."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    from coursetools.figures import RANK_COLOURS
+
+    ranks = launch_model()
+    addr, port = ranks[0].master_addr, ranks[0].master_port
+    ax = fig.subplots()
+    ax.set_xlim(0, 12)
+    ax.set_ylim(0, 7.4)
+    ax.axis("off")
+
+    def box(x, y, w, h, text, face="#f4f4f4", edge="#777777", size=7, weight="normal"):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.04", facecolor=face, edgecolor=edge))
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, fontweight=weight)
+
+    def arrow(start, end, colour="#555555", style="-|>", lw=1.0):
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=9, color=colour, lw=lw))
+
+    def stage(y, number, text):
+        ax.text(0.05, y, f"{number}", fontsize=9, fontweight="bold", va="center", color="#c0392b")
+        ax.text(0.3, y, text, fontsize=6.8, va="center", color="#333333")
+
+    # 1. the scheduler
+    box(4.0, 6.55, 4.0, 0.7, f"scheduler (Slurm or PBS): job {JOB_ID} gets nodes {NODES[0]} and {NODES[1]},\n"
+        f"{GPUS_PER_NODE} GPUs each (SLURM_JOB_NODELIST=n[1-2]; PBS_NODEFILE)", face="#fdf2d0", edge="#b58900")
+    stage(6.9, 1, "allocate")
+    # 2. the job script, on the first node
+    box(4.0, 5.45, 4.0, 0.7, f"the job script (sbatch / qsub) runs on {NODES[0]}:\n"
+        "sets modules, threads, the run folder; then starts the launcher", face="#eef3e2", edge="#6b8e23")
+    stage(5.8, 2, "run the script")
+    arrow((6.0, 6.55), (6.0, 6.15))
+    # 3. the launcher, on every node: one process a GPU
+    stage(4.55, 3, "launch:")
+    stage(4.25, "", "one process\n  a GPU")
+    node_x = {NODES[0]: 1.55, NODES[1]: 6.75}
+    rank_xy = {}
+    for node, x0 in node_x.items():
+        ax.add_patch(FancyBboxPatch((x0, 3.15), 4.6, 1.85, boxstyle="round,pad=0.05", facecolor="#fafafa",
+                                    edgecolor="#777777"))
+        ax.text(x0 + 0.08, 4.93, f"node {node}: srun or mpiexec starts {GPUS_PER_NODE} ranks\n"
+                "(torchrun: one agent a node starts them)", fontsize=6, va="top", color="#555555")
+        arrow((6.0, 5.45), (x0 + 2.3, 5.02))
+    for where in ranks:
+        node = NODES[where.rank // where.local_world_size]
+        x = node_x[node] + 0.15 + where.local_rank * 1.12
+        colour = RANK_COLOURS[where.local_rank % len(RANK_COLOURS)]
+        box(x, 3.3, 1.0, 1.05, f"rank {where.rank}\nlocal rank {where.local_rank}\n-> GPU {where.local_rank}",
+            face="white", edge=colour, size=6.5)
+        rank_xy[where.rank] = (x + 0.5, 3.3)
+    five = ranks[5]
+    ax.text(8.95, 2.05, f"each rank reads its launcher's variables:\nrank = node x {GPUS_PER_NODE} + local rank\n"
+            f"(rank {five.rank} = {five.rank // GPUS_PER_NODE} x {GPUS_PER_NODE} + {five.local_rank})",
+            va="center", fontsize=6.3, color="#333333")
+    # 4. the rendezvous at rank 0's address
+    stage(2.05, 4, "rendezvous")
+    box(3.3, 1.75, 5.4, 0.6, f"rank 0's TCP store at {addr}:{port}\n(MASTER_ADDR: first node; MASTER_PORT: "
+        "from the job id)", face="#e6eef8", edge="#1f77b4")
+    for rank, (x, y) in rank_xy.items():
+        arrow((x, y), (6.0 + (x - 6.0) * 0.25, 2.35), colour="#1f77b4", lw=0.6)
+    # 5. the process group
+    stage(0.75, 5, "process group")
+    box(3.2, 0.35, 5.6, 0.8, f"the store hands out NCCL's unique id (gloo: each rank's address); then\n"
+        f"init_process_group returns on all {len(ranks)} ranks: one process group, a world of {len(ranks)}",
+        face="#f2e6f7", edge="#8172b3")
+    arrow((6.0, 1.75), (6.0, 1.17))
+
+
+# ---- 12.2: what the watchdog does with a collective that never completes ----------------------------------------
+
+def draw_watchdog(fig) -> None:
+    """One NCCL rank whose all-reduce never completes, with and without blocking wait: the Python thread goes on at
+    once (the call only queued the kernel), the kernel spins on the GPU, the watchdog thread checks the queued work;
+    at the process group's timeout (the course's default) the watchdog tears the process down, or the rank's own
+    wait raises."""
+    from matplotlib.patches import Rectangle
+
+    from distlab import runtime
+
+    timeout = runtime.DEFAULT_PG_TIMEOUT_S
+    axes = fig.subplots(2, 1, sharex=True)
+    lanes = ["Python thread", "GPU stream", "watchdog thread"]
+    end = timeout * 1.25
+    for ax, blocking in zip(axes, (False, True)):
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
+        ax.invert_yaxis()
+        ax.add_patch(Rectangle((0, -0.3), end * 0.008, 0.6, color="#1f77b4"))
+        ax.text(end * 0.012, 0, "all_reduce() queues the kernel and returns", fontsize=6.5, va="center")
+        wait_from = timeout * 0.45
+        ax.add_patch(Rectangle((wait_from, -0.3), timeout - wait_from, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b",
+                               hatch="//"))
+        ax.text(wait_from + 4, 0, "waits for the result (.item(), a sync, the next step)", fontsize=6.5, va="center")
+        ax.add_patch(Rectangle((0, 0.7), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
+        ax.text(4, 1, "the NCCL kernel spins, waiting for a peer that never calls", fontsize=6.5, va="center")
+        checks = [t for t in range(0, int(timeout) + 1, int(timeout) // 10)]
+        ax.plot(checks, [2] * len(checks), "|", color="#555555", markersize=8)
+        ax.text(checks[1], 1.65, "checks the queued work", fontsize=6.5, va="center", color="#555555")
+        ax.axvline(timeout, color="#c0392b", lw=1.2)
+        if blocking:
+            ax.text(timeout + 3, 0, "the wait raises here:\nthe rank's except runs", fontsize=6.5, va="center",
+                    color="#c0392b")
+            ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
+            ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the rank's own thread raises at the timeout", fontsize=8)
+        else:
+            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (if asked),\ntears the process down",
+                    fontsize=6.5, va="center", color="#c0392b")
+            ax.set_title("the default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): the watchdog ends the process", fontsize=8)
+        ax.set_xlim(0, end)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[1].set_xlabel(f"seconds since the call (process-group timeout: {timeout:g} s, the course's default)",
+                       fontsize=7)
+    fig.tight_layout()
+
+
+# ---- 12.3: the walltime, the deadline, the checkpoint -----------------------------------------------------------
+
+def stop_step(step_s: float, save_s: float, start_s: float, deadline_s: float) -> float:
+    """When the drill stops: after each step it stops if the next step and a checkpoint would pass the deadline
+    (fault_drill.py: ``time + longest step + max(longest save, longest step) > deadline``). Returns the time of
+    the last step's end."""
+    now = start_s
+    while now + step_s + max(save_s, step_s) <= deadline_s:
+        now += step_s
+    return now
+
+
+def _job_constants() -> tuple[int, int, int]:
+    """The margin of jobs/common.sh, the Slurm job's warning and PBS's default kill_delay."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    margin = int(re.search(r"DISTLAB_WALLTIME_MARGIN=\$\{DISTLAB_WALLTIME_MARGIN:-(\d+)\}",
+                           (root / "jobs" / "common.sh").read_text()).group(1))
+    warning = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (root / "slurm" / "12_hpc_operations.sbatch").read_text(),
+                            flags=re.M).group(1))
+    return margin, warning, 10     # kill_delay: 10 s unless the queue sets another (OpenPBS req_runjob.c)
+
+
+def draw_walltime(fig) -> None:
+    """The last ten minutes of a job that stops itself: steps of 40 s, a 60 s checkpoint, the deadline (the end less
+    the margin), Slurm's warning to the batch shell, the end (PBS's SIGTERM, Slurm's TERM) and PBS's SIGKILL; the
+    next job, chained with afterany, resumes from the checkpoint."""
+    from matplotlib.patches import Rectangle
+
+    margin, warning, kill_delay = _job_constants()
+    step, save, start = 40, 60, -600
+    deadline = -margin
+    stopped = stop_step(step, save, start, deadline)
+    ax = fig.subplots()
+    t = start
+    while t < stopped:
+        ax.add_patch(Rectangle((t + 1.5, 1.25), step - 3, 0.5, color="#1f77b4"))
+        t += step
+    ax.add_patch(Rectangle((stopped + 1.5, 1.25), save - 3, 0.5, color="#ff7f0e"))
+    ax.text(stopped + save / 2, 1.5, "save", ha="center", va="center", fontsize=6.5, color="white")
+    ax.text(start + 5, 2.0, f"steps of {step} s (blue); after each, stop if one more step and a {save} s checkpoint "
+            "(orange) would pass the deadline; then exit 0", fontsize=6.3, va="center")
+    ax.add_patch(Rectangle((25, 2.3), 160, 0.45, color="#2ca02c", alpha=0.85))
+    ax.text(30, 2.52, "next job (afterany): resumes", fontsize=6.3, va="center", color="white")
+    marks = [(-warning, f"Slurm: USR1 to the batch shell, {warning} s ahead\n(the job launches nothing more) ",
+              "#8172b3", 0.3, "right"),
+             (deadline, f" DISTLAB_DEADLINE:\n the end less {margin} s", "#c0392b", 0.3, "left"),
+             (0, " the walltime's end: PBS SIGTERM\n (at the MoM's next poll), Slurm TERM", "black", 0.75, "left"),
+             (kill_delay, f" PBS SIGKILL, {kill_delay} s later", "#555555", 0.3, "left")]
+    for x, label, colour, y, side in marks:
+        ax.axvline(x, color=colour, lw=1.1, ls="-" if x == 0 else "--")
+        ax.text(x, y, label, fontsize=6.3, va="top" if y < 1 else "center", ha=side, color=colour)
+    ax.set_yticks([1.5, 2.52], ["this job", "the next job"], fontsize=7)
+    ax.set_ylim(2.9, 0.2)
+    ax.set_xlim(start, 200)
+    ax.set_xlabel("seconds from the walltime's end", fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"a job that stops itself: its last step ends at {stopped} s, its checkpoint at {stopped + save} s, "
+                 f"before the deadline ({deadline} s)", fontsize=8)
+
+
+FIGURES = {
+    "12_launch_and_rendezvous.png": (draw_launch_and_rendezvous, (9, 5.6)),
+    "12_watchdog.png": (draw_watchdog, (9, 3.6)),
+    "12_walltime.png": (draw_walltime, (9, 3.2)),
+}

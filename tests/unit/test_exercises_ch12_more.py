@@ -1,0 +1,110 @@
+"""Lab 12's exercise 3 (page 12.1): place each rank from the node file. The right answer passes; the plausible
+wrong ones are rejected; an unwritten one is reported as incomplete; the lab holds the exercise under its title."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit.exercises import ch12
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
+
+LAB = Path(__file__).resolve().parents[2] / "notebooks" / "12_hpc_operations.ipynb"
+
+
+def right(nodefile):
+    seen = {}
+    placed = []
+    for host in nodefile:
+        placed.append((host, seen.get(host, 0)))
+        seen[host] = seen.get(host, 0) + 1
+    return placed
+
+
+def wrong_local_rank_is_the_rank(nodefile):            # every rank on its own GPU number: GPU 5 of a 4-GPU node
+    return [(host, rank) for rank, host in enumerate(nodefile)]
+
+
+def wrong_one_line_a_node(nodefile):                    # the file read as one line a node: rank r on line r // 4
+    per_node = nodefile.count(nodefile[0])
+    return [(nodefile[rank // per_node], rank % per_node) for rank in range(len(nodefile))]
+
+
+def wrong_hosts_sorted(nodefile):                       # the nodes sorted by name, not in the scheduler's order
+    hosts = sorted(set(nodefile))
+    per_node = len(nodefile) // len(hosts)
+    return [(hosts[rank // per_node], rank % per_node) for rank in range(len(nodefile))]
+
+
+def wrong_round_robin(nodefile):                        # rank r on node r mod nodes (mpiexec places in blocks)
+    hosts = list(dict.fromkeys(nodefile))
+    return [(hosts[rank % len(hosts)], rank // len(hosts)) for rank in range(len(nodefile))]
+
+
+def wrong_local_rank_mod_nodes(nodefile):              # the node count taken for the ranks a node
+    hosts = list(dict.fromkeys(nodefile))
+    return [(host, rank % len(hosts)) for rank, host in enumerate(nodefile)]
+
+
+def test_the_right_placement_passes():
+    assert ch12.check_placement(right)
+
+
+@pytest.mark.parametrize("wrong", [wrong_local_rank_is_the_rank, wrong_one_line_a_node, wrong_hosts_sorted,
+                                   wrong_round_robin, wrong_local_rank_mod_nodes])
+def test_plausible_wrong_placements_are_rejected(wrong):
+    with pytest.raises(ExerciseWrong):
+        ch12.check_placement(wrong)
+
+
+def test_an_unwritten_placement_is_incomplete(monkeypatch):
+    monkeypatch.setenv("DISTLAB_INCOMPLETE_EXERCISE", "raise")
+    with pytest.raises(ExerciseIncomplete):
+        ch12.check_placement(lambda nodefile: None)
+
+    def stub(nodefile):
+        raise NotImplementedError
+    with pytest.raises(ExerciseIncomplete):
+        ch12.check_placement(stub)
+
+
+def test_the_checker_holds_no_answer_to_import():
+    # its expected placements are data, and no function of the module returns one from a node file
+    for name in dir(ch12):
+        value = getattr(ch12, name)
+        if callable(value) and not name.startswith("check_") and name[0] != "_":
+            try:
+                got = value(["n1", "n1", "n2", "n2"])
+            except Exception:
+                continue
+            assert got != [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)], name
+
+
+def test_the_lab_holds_exercise_3_under_its_title_and_checks_it():
+    cells = json.loads(LAB.read_text())["cells"]
+    text = ["".join(c["source"]) for c in cells]
+    heading = next(i for i, t in enumerate(text) if t.startswith("## Exercise 3: place each rank from the node file"))
+    assert "def placement(nodefile):" in text[heading + 1] and "### BEGIN SOLUTION" in text[heading + 1]
+    assert "exercises.check_placement(placement)" in text[heading + 2]
+    assert "check" in cells[heading + 2]["metadata"].get("tags", [])
+
+
+def test_the_expected_placements_are_what_a_real_mpiexec_does(tmp_path):
+    """MPICH's Hydra mpiexec (in the environment, PYTORCH_NOTES) with the exercise's nodes, in the scheduler's order,
+    and -ppn: each rank's PMI_HOSTNAME and MPI_LOCALRANKID are the checker's written-out answer."""
+    import shutil
+    import subprocess
+    import sys
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside this Python")
+    for nodefile, want in ch12.PLACEMENT_CASES[:2]:
+        hosts = list(dict.fromkeys(nodefile))
+        ppn = nodefile.count(hosts[0])
+        (tmp_path / "hosts.txt").write_text("".join(f"{h}:{ppn}\n" for h in hosts))
+        done = subprocess.run([mpiexec, "-launcher", "fork", "-f", str(tmp_path / "hosts.txt"), "-ppn", str(ppn),
+                               "-n", str(len(nodefile)), "sh", "-c", 'echo "$PMI_RANK $PMI_HOSTNAME $MPI_LOCALRANKID"'],
+                              capture_output=True, text=True, timeout=60, check=True)
+        rows = sorted((int(r), h, int(l)) for r, h, l in (line.split() for line in done.stdout.splitlines()))
+        assert [(h, l) for _, h, l in rows] == want
