@@ -349,3 +349,10 @@ def test_the_exercises_name_what_the_lab_checks():
     batches = [b for _, b in ch01.STEP_PEAK_CASES]
     assert {p for p, _ in ch01.STEP_PEAK_CASES} == {"a100"}
     says(f"checks it on the `a100` preset at batch sizes {', '.join(map(str, batches[:-1]))} and {batches[-1]}")
+
+
+def test_the_lab_writes_the_data_rule_as_the_chapter_does():
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/01_single_device_baseline.ipynb").read_text())
+    cells = "".join("".join(c["source"]) for c in lab["cells"])
+    says("`next = (5 * prev + 3) mod vocab`")
+    assert "`next = (5 * prev + 3) mod 128`" in cells and "5 * prev + 3 mod" not in cells

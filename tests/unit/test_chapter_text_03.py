@@ -217,3 +217,15 @@ def test_terms_used_in_chapter_03_are_defined():
     says("(Each rank's input is drawn from a generator\nseeded with its rank, so every rank can rebuild all of them.)")
     says("a **batch system** (PBS or Slurm) gives your job its nodes")
     assert "replicas of one shard" not in FLAT
+
+
+def test_the_lab_says_what_the_ring_script_and_checker_do():
+    import json
+
+    lab = json.loads((REPO / "notebooks" / "03_communication.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in lab["cells"]]
+    assert "dist.batch_isend_irecv" in (REPO / "scripts" / "03_communication" / "ring_allreduce.py").read_text()
+    assert any("`ring_allreduce.py`" in c and "`dist.batch_isend_irecv`" in c for c in cells)
+    # the checker compares the bytes of all ranks together (the cases include uneven splits)
+    assert any("sum(network.bytes_sent) != 2 * (n - 1) * payload" in c for c in cells)
+    assert any("the bytes all ranks sent together, 2(n - 1) x S" in c for c in cells)

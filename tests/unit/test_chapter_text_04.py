@@ -299,3 +299,20 @@ def test_words_that_mislead_are_gone():
     never_says("divides the communication per sample by A")
     says("lets a batch A times larger cost the same bytes per\noptimizer step")
     says("every parameter's AccumulateGrad node")
+
+
+def test_the_lab_draws_the_overlap_as_the_chapter_does():
+    """Lab 04's plot and the chapter's 04_ddp_overlap.png read alike: the band is backward computing (to the last
+    gradient), the dashed line is where backward returns."""
+    import inspect
+    import json
+
+    from coursetools import figures
+    chapter = inspect.getsource(figures.draw_ddp_overlap)
+    assert 'ax.axvspan(0, ms(overlap["last_gradient"])' in chapter and 'ax.axvline(ms(overlap["backward_end"])' in chapter
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/04_data_parallel.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in lab["cells"]]
+    plot = next(c for c in cells if "ax.axvspan(" in c)
+    assert 'ax.axvspan(ms(overlap["backward_start"]), ms(overlap["last_gradient"])' in plot
+    assert 'ax.axvline(ms(overlap["backward_end"])' in plot
+    assert any("the dashed line is where backward returns" in c for c in cells)
