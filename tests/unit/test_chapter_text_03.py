@@ -229,3 +229,12 @@ def test_the_lab_says_what_the_ring_script_and_checker_do():
     # the checker compares the bytes of all ranks together (the cases include uneven splits)
     assert any("sum(network.bytes_sent) != 2 * (n - 1) * payload" in c for c in cells)
     assert any("the bytes all ranks sent together, 2(n - 1) x S" in c for c in cells)
+
+
+def test_the_gpu_expectation_is_the_cost_models():
+    step, call = comm.NCCL_RING_STEP_LATENCY_S["nvlink"]["Simple"], comm.NCCL_RING_CALL_LATENCY_S["Simple"]
+    t = comm.ring_time("all_reduce", 1e9, 4, NVLINK[0], step, call)
+    algorithm, bus = comm.bus_bandwidth("all_reduce", 1e9, t, 4)
+    says(f"at 1 GB on 4 ranks: {t * 1e3:.1f}\nms, an algorithm bandwidth of {algorithm / 1e9:.0f} GB/s and a bus "
+         f"bandwidth of {bus / 1e9:.0f} GB/s, almost NVLink's {NVLINK[0] / 1e9:.0f}")
+    assert "shows NCCL's bus bandwidth approaching NVLink's" not in FLAT   # no GPU run is recorded to show it
