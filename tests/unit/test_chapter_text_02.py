@@ -151,3 +151,12 @@ def test_terms_are_defined_before_the_tables_use_them():
         assert definition in flat and flat.index(definition) < flat.index(term), term
     says("each then divides by the\nnumber of GPUs")
     says("runs one data-parallel step on 4 ranks. A **rank** is one process of the job")
+
+
+def test_the_lab_expands_ddp_where_it_first_uses_it():
+    import json
+
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/02_why_distributed.ipynb").read_text())
+    text = " ".join(" ".join("".join(c["source"]) for c in lab["cells"] if c["cell_type"] == "markdown").split())
+    first, expansion = text.index("DDP"), "`DistributedDataParallel`, "
+    assert text[first - len(expansion):first] == expansion, "lab 02 uses DDP before it says what it is"
