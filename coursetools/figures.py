@@ -55,7 +55,7 @@ def draw_ring_allreduce(fig) -> None:
             for c in range(n):
                 ax.text(c, r, counts[r][c], ha="center", va="center", fontsize=8,
                         color="white" if counts[r][c] == n else "black")
-        phase = "inputs" if step == 0 else f"RS step {step}" if step < n else f"AG step {step - n + 1}"
+        phase = "inputs" if step == 0 else f"after RS s={step - 1}" if step < n else f"after AG s={step - n}"
         ax.set_title(phase, fontsize=8)
         ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=6)
         ax.set_yticks(range(n), [f"rank {r}" for r in range(n)] if step == 0 else [""] * n, fontsize=6)

@@ -97,10 +97,15 @@ def test_flops_per_token_and_mfu():
          f"MFU** ({100 * low / metrics.peak_flops('H200', 'bf16'):.1f} to {high / metrics.peak_flops('H200', 'bf16'):.1%})")
     # foreach AdamW's eight passes (torch/optim/adam.py): decay 8, lerp 12, mul 8, addcmul 12, sqrt 8, div 8, add 8,
     # addcdiv 16 bytes a parameter
-    adamw_bytes = (8 + 12 + 8 + 12 + 8 + 8 + 8 + 16) * models.preset("a100").num_params()
-    assert adamw_bytes // models.preset("a100").num_params() == 80
-    says(f"{adamw_bytes / 1e9:.0f} GB for the `a100` preset: at\nleast {adamw_bytes / (H200_COPY_GB_PER_S[1] * 1e9) * 1e3:.1f} ms")
-    says(f"A run at 5,000 tokens per second on an A100 is at {100 * metrics.mfu(5000, per_token, 'A100', 'bf16'):.1f}%")
+    passes = (8, 12, 8, 12, 8, 8, 8, 16)
+    adamw_bytes = sum(passes) * models.preset("a100").num_params()
+    assert adamw_bytes // models.preset("a100").num_params() == 80 and len(passes) == 8
+    says(f"about {sum(passes)} bytes per parameter each step: each of its eight `_foreach_` operations reads one "
+         f"to three fp32 tensors and writes one, {', '.join(map(str, passes[:-1]))} and {passes[-1]} bytes a parameter")
+    says(f"{adamw_bytes / 1e9:.0f} GB for the `a100` preset: at\nleast {adamw_bytes / (H200_COPY_GB_PER_S[1] * 1e9) * 1e3:.1f} ms "
+         f"at the {H200_COPY_GB_PER_S[1]:,} GB/s the H200's memory copies measured")
+    says(f"the `a100` preset at\n5,000 tokens per second on an A100 would be at "
+         f"{100 * metrics.mfu(5000, per_token, 'A100', 'bf16'):.1f}%")
 
 
 def test_the_peak_table_is_the_library_table():
@@ -282,3 +287,72 @@ def test_the_time_figures_and_their_conclusions():
     says("So at least a sixth of the step is the optimizer alone")
     gemm = float(ladder_figures()["GEMM_RATE"]) * 1e12 / metrics.peak_flops("H100", "bf16")
     says(f"723 TFLOP/s (their FLOPs over their time), {gemm:.0%} of the bf16 peak")
+
+
+def test_the_h200_peak_is_read_with_its_bf16_activations():
+    """Page 1's measured peak names the run's bf16 activations and the phase model's prediction with them, and the
+    pitfall's 'overstated' is the fp32 formula over the measurement (not the measurement under it)."""
+    a100 = models.preset("a100")
+    fp32 = memory.transformer_activation_bytes(a100, 4) / GIB
+    bf16 = memory.predict_step_peak(memory.training_state_bytes(a100.num_params()),
+                                    round(H200_BF16_ACTIVATIONS_GIB * GIB), 4, a100.seq_len, a100.vocab_size)
+    says(f"where the saved activations measured\n{H200_BF16_ACTIVATIONS_GIB:.2f} GiB instead of the fp32 formula's "
+         f"{fp32:.2f}")
+    says(f"With them the phase model predicts {bf16.peak / GIB:.2f} GiB")
+    says(f"which overstated this run by {fp32 / H200_BF16_ACTIVATIONS_GIB - 1:.0%}\n"
+         f"({fp32 - H200_BF16_ACTIVATIONS_GIB:.2f} GiB)")
+
+
+def test_the_activation_count_names_the_a100_shape():
+    a100 = models.preset("a100")
+    says(f"the `a100` preset has d = {a100.dim}, a = {a100.n_heads},\nF = {a100.ffn_hidden} and a vocabulary of "
+         f"V = {a100.vocab_size:,} words")
+
+
+def test_the_training_memory_caption_says_the_sum_is_not_the_peak():
+    from coursetools import figures
+
+    tiny = models.preset("tiny")
+    parts = figures.training_memory_of("tiny")["predicted"]
+    peak = memory.predict_step_peak(memory.training_state_bytes(tiny.num_params()),
+                                    memory.transformer_activation_bytes(tiny, 8), 8, tiny.seq_len, tiny.vocab_size)
+    assert peak.peak < sum(parts.values())
+    says(f"for `tiny` the bar reaches {sum(parts.values()) / 2**20:.2f} MiB, while the larger phase holds "
+         f"{peak.peak / 2**20:.2f} MiB")
+
+
+def test_the_ladder_conclusions_are_computed():
+    a100 = models.preset("a100")
+    best, kinds = RUNG["compiled_batch16"], LADDER["profile"]["device_time_by_kind"]
+    tokens = best["batch"] * a100.seq_len
+    rate = tokens * best["flops_per_token"] / kinds["window_seconds"]
+    says(f"the step's {tokens:,} tokens at {best['flops_per_token'] / 1e9:.2f} GFLOPs each in "
+         f"{kinds['window_seconds'] * 1e3:.1f} ms would run at {rate / 1e12:.0f} TFLOP/s, "
+         f"{rate / metrics.peak_flops('H100', 'bf16'):.1%} MFU")
+    says(f"The H100's `bf16` rung reaches {RUNG['bf16']['mfu_bf16_peak']:.1%} where the H200 above reached "
+         f"{H200_TOKENS_PER_S[1] * metrics.transformer_flops_per_token(a100) / metrics.peak_flops('H200', 'bf16'):.0%}")
+    says(f"the H200's copies measured {H200_COPY_GB_PER_S[0] / H100_COPY_GB_PER_S:.1f} times faster "
+         f"({H200_COPY_GB_PER_S[0]:,} against {H100_COPY_GB_PER_S:,} GB/s)")
+    says(f"at least 12.8 ms at the\n  {H100_COPY_GB_PER_S:,} GB/s this H100's memory copies measured")
+
+
+def test_the_exercises_name_what_the_lab_checks():
+    import json
+    import re
+
+    from labkit.exercises import ch01
+
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/01_single_device_baseline.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in lab["cells"] if "exercise_cfg = models.TransformerConfig(" in "".join(c["source"]))
+    cfg = dict(re.findall(r"(\w+)=(\d+)", cell.split("TransformerConfig(")[1].split(")")[0]))
+    says(f"(V = {cfg['vocab_size']}, d = {cfg['dim']}, L = {cfg['n_layers']} layers, F = {cfg['ffn_hidden']})")
+    batches = [b for _, b in ch01.STEP_PEAK_CASES]
+    assert {p for p, _ in ch01.STEP_PEAK_CASES} == {"a100"}
+    says(f"checks it on the `a100` preset at batch sizes {', '.join(map(str, batches[:-1]))} and {batches[-1]}")
+
+
+def test_the_lab_writes_the_data_rule_as_the_chapter_does():
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/01_single_device_baseline.ipynb").read_text())
+    cells = "".join("".join(c["source"]) for c in lab["cells"])
+    says("`next = (5 * prev + 3) mod vocab`")
+    assert "`next = (5 * prev + 3) mod 128`" in cells and "5 * prev + 3 mod" not in cells

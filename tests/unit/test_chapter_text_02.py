@@ -32,6 +32,10 @@ def test_the_memory_wall_table():
     wrong = [widgets.min_gpus_to_fit(n, 40e9, 3) for n in widgets.MODEL_SIZES.values()]
     right = [row["min_gpus_fully_sharded"] for row in widgets.fit_table("A100-40GB", gpus=1, zero_stage=0)]
     says(f"the last column\nreads {', '.join(map(str, wrong))} instead of {', '.join(map(str, right))}")
+    # 40 x 10^9 is less than 40 x 2^30, so the count can only come out higher, never lower
+    assert all(w >= r for w, r in zip(wrong, right)) and any(w > r for w, r in zip(wrong, right))
+    says("your count of GPUs comes out one higher than the course's")
+    assert "one higher or lower" not in TEXT
     says(f"The weights alone, {memory.training_state_bytes(7e9, 'mixed').params / GIB:.1f} GiB in bf16")
 
 
@@ -42,10 +46,11 @@ def test_the_zero_table_for_a_7b_model_on_four_gpus():
     for stage, label in labels.items():
         per_gpu = widgets.state_bytes_per_gpu(7e9, 4, stage)
         replicated, sharded = widgets.bytes_per_param(stage)
-        formula = "16" if stage == 0 else "16/4" if stage == 3 else f"{replicated:g} + {sharded:g}/4"
+        formula = "16" if stage == 0 else "16/n" if stage == 3 else f"{replicated:g} + {sharded:g}/n"
         says(f"| {label} | {formula} | {per_gpu / GIB:.1f} GiB |")
         fits.append(widgets.fit(7e9, 4, A100, stage).fits)
     assert fits == [False, False, True, True]  # "Only the last two fit in 40 GiB"
+    says("| strategy | bytes per parameter on each GPU (n = 4) | per GPU |")
     says("Only the last two fit in 40 GiB")
 
 
@@ -66,7 +71,9 @@ def test_the_compute_wall_table():
 def test_the_exercise_answer_and_the_explorer_start():
     ddp = widgets.largest_model_that_fits(4, A100, 0, activation_bytes=10 * GIB)
     fsdp = widgets.largest_model_that_fits(4, A100, 3, activation_bytes=10 * GIB)
-    says(f"The first exercise's answers are {ddp / 1e9:.2f} B and {fsdp / 1e9:.2f} B parameters.")
+    # the answers stay here, not on the page that sets the exercise
+    assert f"{ddp / 1e9:.2f} B" not in TEXT and f"{fsdp / 1e9:.2f} B" not in TEXT, "the page gives the answer away"
+    assert (round(ddp / 1e9, 2), round(fsdp / 1e9, 2)) == (2.01, 8.05)
     says(f"a 7B model needs {widgets.state_bytes_per_gpu(7e9) / GIB:.1f} GiB")
     box = widgets.does_it_fit_explorer()
     assert box.controls["params"].value * 1e9 == 7e9 and box.controls["gpus"].value == 4
@@ -127,3 +134,29 @@ def test_the_measured_sentence_states_the_scripts_tolerance():
     assert metrics.fp32_tolerance(1e-5, "cpu") == 1e-5 and metrics.fp32_tolerance(1e-5, "cuda") == 1e-4
     says("the mean of the ranks' losses equals the single-device loss to 1e-5")
     says("within 1e-5 in fp32 (ten\n   times wider on a GPU")
+
+
+def test_autocast_and_bf16_weights_both_come_to_16_bytes():
+    fp32, mixed = memory.training_state_bytes(7e9, "fp32"), memory.training_state_bytes(7e9, "mixed")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * 7e9, 4 * 7e9, 8 * 7e9)
+    assert fp32.total == mixed.total == 16 * 7e9
+    says("keeps fp32 weights and gradients and casts to bf16 on the fly: 4 + 4 + 8 bytes")
+    says("exactly as in chapter 01's fp32 training and under autocast")
+
+
+def test_terms_are_defined_before_the_tables_use_them():
+    flat = " ".join(TEXT.split())
+    for term, definition in (("| on 4 (one node) |", "one **node** (one machine"),
+                             ("| replicated (DDP) |", "**Sharded** means each of n GPUs keeps 1/n")):
+        assert definition in flat and flat.index(definition) < flat.index(term), term
+    says("each then divides by the\nnumber of GPUs")
+    says("runs one data-parallel step on 4 ranks. A **rank** is one process of the job")
+
+
+def test_the_lab_expands_ddp_where_it_first_uses_it():
+    import json
+
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/02_why_distributed.ipynb").read_text())
+    text = " ".join(" ".join("".join(c["source"]) for c in lab["cells"] if c["cell_type"] == "markdown").split())
+    first, expansion = text.index("DDP"), "`DistributedDataParallel`, "
+    assert text[first - len(expansion):first] == expansion, "lab 02 uses DDP before it says what it is"

@@ -28,11 +28,17 @@ def test_ring_factors_quoted():
 
 def test_alpha_beta_examples():
     step, call = comm.NCCL_RING_STEP_LATENCY_S, comm.NCCL_RING_CALL_LATENCY_S
-    says(f"A ring step costs {step['nvlink']['LL'] * 1e6:g}, {step['nvlink']['LL128'] * 1e6:g} or "
-         f"{step['nvlink']['Simple'] * 1e6:g} microseconds\nover NVLink")
-    says(f"and {step['network']['LL'] * 1e6:g}, {step['network']['LL128'] * 1e6:g} or "
-         f"{step['network']['Simple'] * 1e6:g} across the network when every step\ncrosses it (one GPU a node")
-    says(f"every ring call adds {call['LL'] * 1e6:g}, {call['LL128'] * 1e6:g} or {call['Simple'] * 1e6:g} microseconds")
+    # one row a protocol: NCCL 2.30.7's ring step latencies, call latency (tuning.cc:151-171) and the share of the
+    # link's bandwidth its model gives the ring (tuning.cc:327-329: LL x .5, LL128 x 0.92, Simple all)
+    share = {"LL": 0.5, "LL128": 0.92, "Simple": 1}
+    for p in ("LL", "LL128", "Simple"):
+        row = (f"| {p} | {step['nvlink'][p] * 1e6:g} | {step['network'][p] * 1e6:g} | {call[p] * 1e6:g} | "
+               f"{share[p]:g} |")
+        assert row in TEXT, f"chapter 03's protocol table has no row {row!r}"
+    says("(the network column is\nfor one GPU a node, where every step crosses it)")
+    # the crossover with the bandwidth NCCL's model gives LL: half the link's
+    half = comm.latency_bound_below("all_reduce", 4, share["LL"] * NVLINK[0], step["nvlink"]["LL"]) / 1e6
+    says(f"With the half that\n  NCCL's model gives LL, the first falls to {half:.2f} MB.")
     assert step["network"]["LL"] == SLINGSHOT[1]
     says(f"Take {NVLINK[0] / 1e9:.0f} GB/s in each direction")
     says(f"NCCL's LL step over NVLink, {step['nvlink']['LL'] * 1e6:g} microseconds")
@@ -176,3 +182,59 @@ def test_the_collectives_picture_is_the_scripts_definitions():
         for rank in range(world):
             drawn = torch.cat([value(label) for label in after[rank]])
             assert torch.equal(drawn, collectives.expected_results(rank, world, numel, seed)[name]), (name, rank)
+
+
+def test_an_uneven_ring_sends_2_n_minus_1_payloads_in_all_but_not_equally():
+    """The ring of the chapter on a tensor of 10 numbers and 4 ranks (chunks of 3, 3, 2, 2): the ranks send different
+    bytes, and together 2(n - 1) x S."""
+    n, sizes = 4, [3, 3, 2, 2]
+    sent = [0] * n
+    for step in range(n - 1):
+        for r in range(n):
+            sent[r] += 4 * sizes[(r - step) % n] + 4 * sizes[(r + 1 - step) % n]  # reduce-scatter, all-gather
+    payload = 4 * sum(sizes)
+    assert sum(sent) == 2 * (n - 1) * payload and len(set(sent)) > 1
+    says("All\nranks together still send 2(n - 1) x S, since every chunk makes n - 1 hops in each phase.")
+
+
+def test_the_bandwidth_bound_is_argued_to_its_conclusion():
+    says("So on average each rank sends (n-1)/n x S twice, 2(n-1)/n x S.")
+    assert comm.ring_factor("all_reduce", 4) == 2 * (4 - 1) / 4
+
+
+def test_the_ring_pictures_panels_are_the_texts_steps():
+    """03_ring_allreduce.png titles its panels with the text's s, counted from 0 (coursetools/figures.py draws it)."""
+    import inspect
+
+    from coursetools import figures
+    source = inspect.getsource(figures.draw_ring_allreduce)
+    assert 'f"after RS s={step - 1}"' in source and 'f"after AG s={step - n}"' in source
+    says("each panel shows the chunks after step s of the text below, s\ncounted from 0.")
+
+
+def test_terms_used_in_chapter_03_are_defined():
+    says("Let K be the size of one group")
+    says("(Each rank's input is drawn from a generator\nseeded with its rank, so every rank can rebuild all of them.)")
+    says("a **batch system** (PBS or Slurm) gives your job its nodes")
+    assert "replicas of one shard" not in FLAT
+
+
+def test_the_lab_says_what_the_ring_script_and_checker_do():
+    import json
+
+    lab = json.loads((REPO / "notebooks" / "03_communication.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in lab["cells"]]
+    assert "dist.batch_isend_irecv" in (REPO / "scripts" / "03_communication" / "ring_allreduce.py").read_text()
+    assert any("`ring_allreduce.py`" in c and "`dist.batch_isend_irecv`" in c for c in cells)
+    # the checker compares the bytes of all ranks together (the cases include uneven splits)
+    assert any("sum(network.bytes_sent) != 2 * (n - 1) * payload" in c for c in cells)
+    assert any("the bytes all ranks sent together, 2(n - 1) x S" in c for c in cells)
+
+
+def test_the_gpu_expectation_is_the_cost_models():
+    step, call = comm.NCCL_RING_STEP_LATENCY_S["nvlink"]["Simple"], comm.NCCL_RING_CALL_LATENCY_S["Simple"]
+    t = comm.ring_time("all_reduce", 1e9, 4, NVLINK[0], step, call)
+    algorithm, bus = comm.bus_bandwidth("all_reduce", 1e9, t, 4)
+    says(f"at 1 GB on 4 ranks: {t * 1e3:.1f}\nms, an algorithm bandwidth of {algorithm / 1e9:.0f} GB/s and a bus "
+         f"bandwidth of {bus / 1e9:.0f} GB/s, almost NVLink's {NVLINK[0] / 1e9:.0f}")
+    assert "shows NCCL's bus bandwidth approaching NVLink's" not in FLAT   # no GPU run is recorded to show it

@@ -45,11 +45,18 @@ def test_the_a100_preset_numbers():
     grads = comm.zero_step_bytes(a100.num_params(), stage=0)["all_reduce"]
     says(f"it is {grads / 1e9:.2f} GB per step, and each of 4 ranks\nsends "
          f"{comm.bytes_sent_per_rank('all_reduce', grads, 4) / 1e9:.2f} GB")
-    state = memory.training_state_bytes(a100.num_params(), "fp32").total
+    state = memory.training_state_bytes(a100.num_params(), "fp32")
     bucket_copy = a100.num_params() * 4  # DDP's buckets: a second fp32 copy of every gradient (the default)
-    says(f"Its fp32 training state is {state / GIB:.1f} GiB per GPU")
+    says(f"Its fp32 training state is {state.total / GIB:.1f} GiB per GPU")
     says(f"a second copy of the gradients ({bucket_copy / GIB:.1f} GiB")
-    says(f"{(state + bucket_copy) / GIB:.1f} GiB of the A100-40GB's 40 GiB before activations")
+    # chapter 01's two phases, with the buckets in both and the activations chapter 01's bf16 run measured (batch 4)
+    bf16_activations = 13.49
+    phases = memory.predict_step_peak(state, round(bf16_activations * GIB), 4, a100.seq_len, a100.vocab_size)
+    fb, step = (phases.total(p) + bucket_copy for p in ("forward/backward", "optimizer step"))
+    says(f"with the {bf16_activations:.2f} GiB of activations its\nbf16 run saved at batch 4. Forward/backward then "
+         f"holds {fb / GIB:.1f} GiB and the optimizer step {step / GIB:.1f} GiB")
+    says(f"fits the A100-40GB's 40 GiB, with {(40 * GIB - max(fb, step)) / GIB:.1f} GiB to spare")
+    never_says("before activations, so the replica fits")
     says(f"Each step all-reduces {grads / 1e9:.2f} GB\nof gradients")
 
 
@@ -247,3 +254,65 @@ def test_the_measured_overlap_is_read_as_it_was_measured():
     says(f"backward returns {(overlap['backward_end'] - overlap['last_gradient']) * 1e3:.0f} ms after its last "
          f"gradient: the tiny model's {(overlap['last_gradient'] - overlap['backward_start']) * 1e3:.0f} ms of "
          "backward computing")
+
+
+def test_the_bucket_table_is_the_measured_run():
+    """The rebuilt buckets of train_ddp.py --bucket-mb 0.1 (the committed run behind 04_ddp_overlap.png): the table's
+    rows, and the claim about their sizes against the cap torch computes (bucket_cap_mb x 1024 x 1024)."""
+    import json
+
+    from coursetools import figures
+    run = json.loads(figures.DDP_OVERLAP.read_text())
+    assert run["argv"][run["argv"].index("--bucket-mb") + 1] == "0.1"
+    cap = 0.1 * 1024 * 1024
+    source = (TORCH / "nn" / "parallel" / "distributed.py").read_text()
+    assert "_MB_TO_BYTES = 1024 * 1024" in source and "int(effective_bucket_cap_mb * _MB_TO_BYTES)" in source
+    buckets = run["buckets"]
+    assert [b["bytes"] >= cap for b in buckets] == [True] * (len(buckets) - 1) + [False]
+    says(f"Every later step all-reduces {['one', 'two', 'three', 'four'][len(buckets) - 1]}, filled from the output "
+         f"layer backwards. {['One', 'Two', 'Three'][len(buckets) - 2]} reach 0.1 MiB ({cap:,.0f}\nbytes) or more, "
+         f"and the last holds the rest")
+    for b in buckets:
+        first = ", ".join(f"`{p}`" for p in b["params"][:2 if b["index"] else 3])
+        assert f"| {b['index']} | {b['bytes']:,} | {first}" in TEXT, b["index"]
+    says(f"They add up to the same {sum(b['bytes'] for b in buckets):,} bytes")
+    never_says("a little over 0.1 MB")
+    says("`bucket_cap_mb` MiB (25 by\ndefault; torch multiplies it by 1024 x 1024)")
+
+
+def test_the_overlapping_bars_are_explained_by_queueing():
+    import json
+
+    from coursetools import figures
+    bars = json.loads(figures.DDP_OVERLAP.read_text())["overlap"]["buckets"]
+    # the most bars in flight at once, from their launches and ends: more than Gloo's two threads
+    most = max(sum(b["launch"] <= t < b["end"] for b in bars) for t in (b["launch"] for b in bars))
+    assert most > 2
+    says(f"that is why {most - 1} or {most} bars can overlap while only two move")
+
+
+def test_words_that_mislead_are_gone():
+    never_says("every second GPU")
+    never_says("an all-reduce of P bytes")
+    says("sent per rank = 2 (N-1)/N x S")
+    never_says("the parameters barely change")
+    never_says("divides the communication per sample by A")
+    says("lets a batch A times larger cost the same bytes per\noptimizer step")
+    says("every parameter's AccumulateGrad node")
+
+
+def test_the_lab_draws_the_overlap_as_the_chapter_does():
+    """Lab 04's plot and the chapter's 04_ddp_overlap.png read alike: the band is backward computing (to the last
+    gradient), the dashed line is where backward returns."""
+    import inspect
+    import json
+
+    from coursetools import figures
+    chapter = inspect.getsource(figures.draw_ddp_overlap)
+    assert 'ax.axvspan(0, ms(overlap["last_gradient"])' in chapter and 'ax.axvline(ms(overlap["backward_end"])' in chapter
+    lab = json.loads((Path(__file__).resolve().parents[2] / "notebooks/04_data_parallel.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in lab["cells"]]
+    plot = next(c for c in cells if "ax.axvspan(" in c)
+    assert 'ax.axvspan(ms(overlap["backward_start"]), ms(overlap["last_gradient"])' in plot
+    assert 'ax.axvline(ms(overlap["backward_end"])' in plot
+    assert any("the dashed line is where backward returns" in c for c in cells)
