@@ -72,7 +72,7 @@ def draw_zero_stages(fig) -> None:
     gpus = 4
     parts = [("weights (bf16)", "params", "#1f77b4"), ("gradients (bf16)", "grads", "#ff7f0e"),
              ("optimizer (fp32 master + moments)", "optimizer", "#2ca02c")]
-    labels = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP"]
+    labels = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     for stage, label in enumerate(labels):
         state = memory.zero_state_bytes(1, gpus, stage)  # bytes per parameter on one GPU, mixed precision
         for gpu in range(gpus):
@@ -88,7 +88,7 @@ def draw_zero_stages(fig) -> None:
     ax.set_xticks([])
     ax.set_ylim(0, 19.5)
     ax.set_ylabel("bytes per parameter, each GPU")
-    ax.set_title("ZeRO stages on 4 GPUs: what each GPU keeps (mixed-precision AdamW)", fontsize=9)
+    ax.set_title("ZeRO stages on 4 GPUs: what each GPU keeps (the ZeRO paper's mixed-precision AdamW)", fontsize=9)
     ax.legend(fontsize=7, loc="upper right", frameon=False)
 
 
@@ -540,6 +540,11 @@ def draw_zero3_memory(fig) -> None:
                label="ZeRO-1 and 2: every weight, all the time")
     ax.axhline(kib(run["slices_bytes"]), color="#7f7f7f", linestyle=":", linewidth=1,
                label="the slices alone (1/N of the weights)")
+    largest = max(run["units"].values())    # inside its gather: the received buffer beside the copies out of it
+    inside = kib(run["slices_bytes"] + 2 * largest)
+    first = next(i for i, e in enumerate(events) if e["bytes"] == largest)
+    ax.plot([first + 1], [inside], marker="x", color="black", markersize=7, linestyle="none",
+            label=f"inside a block's gather: slices + its buffer + its copies, {inside:.0f} KiB (not an event)")
     half = next(i for i, e in enumerate(events) if "backward" in e["event"])
     ax.axvspan(half + 1, len(events) + 1, color="#f3eee0", zorder=0)
     ax.text(0.2, kib(run["whole_model_bytes"]) * 1.03, "forward", fontsize=7)
@@ -551,7 +556,7 @@ def draw_zero3_memory(fig) -> None:
     ax.set_xticks([])
     ax.set_xlabel("events of one step, in order (each gather, each drop)", fontsize=7)
     ax.set_ylabel("KiB of weights on rank 0", fontsize=7)
-    ax.set_ylim(0, kib(run["whole_model_bytes"]) * 1.15)
+    ax.set_ylim(0, max(kib(run["whole_model_bytes"]), inside) * 1.15)
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=6.5, loc="lower center", ncol=2)
     ax.set_title(f"ZeRO-3 by hand: zero3_from_scratch.py, {run['world_size']} CPU ranks, tiny model (fp32)",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 GPUS = 4
 KINDS = [("params", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state")]
-STRATEGIES = [("DDP", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3, between units", 3, False),
-              ("FSDP, while block 0 runs", 3, True)]
+STRATEGIES = [("DDP", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3 (FSDP),\nbetween units", 3, False),
+              ("ZeRO-3 (FSDP),\nwhile block 0 runs", 3, True)]
 
 
 def sharded_kinds(stage: int, gpus: int = GPUS) -> dict[str, bool]:
@@ -65,7 +65,7 @@ def draw_what_each_gpu_holds(fig) -> None:
     for s, (title, stage, running) in enumerate(STRATEGIES):
         x = s * panel
         sharded = sharded_kinds(stage)
-        ax.text(x + width / 2, GPUS * 1.0 + 0.15, title, ha="center", fontsize=8, weight="bold")
+        ax.text(x + width / 2, GPUS * 1.0 + 0.1, title, ha="center", va="bottom", fontsize=8, weight="bold")
         for gpu in range(GPUS):
             y0 = (GPUS - 1 - gpu) * 1.0 + 0.2
             for k, (field, name) in enumerate(KINDS):
@@ -88,9 +88,9 @@ def draw_what_each_gpu_holds(fig) -> None:
                  Patch(facecolor="#bbbbbb", hatch="////", label="gathered whole for the moment")],
               loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=6, fontsize=6.5, frameon=False)
     ax.set_xlim(-1.3, 4 * panel + width + 0.1)
-    ax.set_ylim(-0.45, GPUS + 0.45)
+    ax.set_ylim(-0.45, GPUS + 0.55)
     ax.axis("off")
-    ax.set_title("What each of 4 GPUs holds of the training state (mixed-precision AdamW: 2 + 2 + 12 bytes per "
+    ax.set_title("What each of 4 GPUs holds of the training state (the ZeRO paper's mixed-precision AdamW: 2 + 2 + 12 bytes per "
                  "parameter)", fontsize=9)
 
 

@@ -35,7 +35,13 @@ def test_the_zero_table_bytes_per_parameter():
     says(f"| DDP | 2 | 2 | 12 | {totals[0]:g} |")
     says(f"| ZeRO-1: shard the optimizer state | 2 | 2 | 12 / N | {totals[1]:g} |")
     says(f"| ZeRO-2: and the gradients | 2 | 2 / N | 12 / N | {totals[2]:g} |")
-    says(f"| ZeRO-3 (FSDP): and the weights | 2 / N | 2 / N | 12 / N | {totals[3]:g} |")
+    says(f"| ZeRO-3: and the weights | 2 / N | 2 / N | 12 / N | {totals[3]:g} |")
+    # the table is the ZeRO paper's 2 + 2 + 12; FSDP2 and autocast keep fp32 weights: 4 + 4 + 8, the same total
+    assert "ZeRO-3 (FSDP): and the weights" not in FLAT
+    fp32 = memory.zero_state_bytes(1, 1, 0, precision="fp32")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4, 4, 8) and fp32.total == totals[0]
+    says(f"{fp32.params:g} + {fp32.grads:g} + {fp32.optimizer:g} bytes, the same {totals[0]:g} (page 5.3)")
+    says("That 2 + 2 + 12 is the ZeRO paper's layout")
 
 
 def test_the_tiny_measurements_table_is_the_formula():
@@ -51,11 +57,13 @@ def test_the_tiny_measurements_table_is_the_formula():
     # measured: the payloads the run hands its collectives; derived: the ring model's bytes on the wire
     payload = sum(step1.values()) / sum(comm.zero_step_bytes(n, 0).values())
     assert payload == 2.0
-    says(f"It hands its collectives {sum(step1.values()):,} bytes a step,\n  {payload:.1f} times DDP's all-reduce "
-         f"of {comm.zero_step_bytes(n, 0)['all_reduce']:,}: that is measured")
-    says(f"So each rank puts {ratio:g} times DDP's bytes on the wire: that is derived from the payloads, not measured")
-    says(f"it hands its collectives {payload:.1f} times DDP's bytes (measured), and each rank sends\n  {ratio:g} "
-         f"times DDP's (derived by the ring model)")
+    # the body gives the bytes on the wire; what is measured and what derived is said in "How we know" only
+    says(f"and all-gathers {step1['all_gather']:,}: 3(N-1)/N P b per rank, {ratio:g} times DDP's bytes on the wire")
+    body = FLAT[:FLAT.index("## How we know")]
+    assert "that is measured" not in body and f"{payload:.1f} times DDP" not in body
+    says(f"it hands its collectives {sum(step1.values()):,} bytes a step, {payload:.1f} times DDP's all-reduce of "
+         f"{comm.zero_step_bytes(n, 0)['all_reduce']:,} (measured). So each rank sends {ratio:g} times DDP's bytes "
+         f"(derived by the ring model from the payloads)")
     assert "measured 1.5 times DDP" not in FLAT and "Every claim here is a measurement" not in FLAT
     says("Two kinds are derived, and said so")
     says(f"{step3['all_gather']:,} bytes all-gathered in 6 calls")
@@ -67,14 +75,24 @@ def test_the_sizing_table_in_gib():
         for ranks in (4, 8, 16):
             cells = " | ".join(f"{gib(size * 1e9, ranks, s):.1f}" for s in range(4))
             says(f"| {size} B, N = {ranks} | {cells} |")
-    # the sentences under it: 13 B needs ZeRO-3 on 8 GPUs to keep 10 GiB; ZeRO-2 fits from 16, 5 GiB to spare
-    assert next(n for n in (1, 2, 4, 8, 16) if 40 - gib(13e9, n, 3) >= 10) == 8
+    # the sentences under it: 13 B under ZeRO-3 does not fit one 4-GPU node, and two nodes leave 15.8 GiB; the
+    # smallest GPU count is lab 05's Exercise 3 (7 GPUs leave 12.3 GiB), which the chapter must not contradict
+    assert gib(13e9, 4, 3) > 40 and next(n for n in range(1, 17) if 40 - gib(13e9, n, 3) >= 12) == 7
+    says(f"A 13 B model's ZeRO-3 state does not fit one 4-GPU Derecho node ({gib(13e9, 4, 3):.1f} GiB a GPU); on "
+         f"two nodes, 8 GPUs, it leaves {40 - gib(13e9, 8, 3):.1f} GiB for activations")
+    assert "at least 8 GPUs" not in FLAT
     assert next(n for n in (1, 2, 4, 8, 16) if gib(13e9, n, 2) <= 40) == 16
     says(f"ZeRO-2 fits its state only from 16 GPUs, with\n{int(40 - gib(13e9, 16, 2))} GiB to spare")
     large = models.preset("a100_large").num_params()
     says(f"the `a100_large` preset, {large / 1e9:.2f} B parameters. Its state under DDP is {gib(large, 1, 0):.1f} GiB")
     says(f"sharded over the 4 GPUs of one node it is {gib(large, 4, 3):.1f} GiB per GPU")
     says(f"needs {gib(7e9, 1, 0):.0f} GiB of training state per GPU")
+    # a100_large's baseline fits the H200 of the one-rank run (62.80 GiB peak), not an A100-40GB
+    assert 40 < gib(large, 1, 0) < 141e9 / GIB
+    says("No A100-40GB can hold its baseline")
+    assert "No single GPU can hold" not in FLAT
+    says("Beware a name: `train_fsdp.py --preset a100` trains `a100_large`")
+    says(f"for the {models.preset('a100').num_params() / 1e9:.2f} B-parameter `a100`\n preset (not `a100_large`)")
 
 
 def test_bf16_unit_roundoff():
@@ -214,7 +232,12 @@ def test_fsdp_peak_by_phase_terms_and_the_h200_run():
     units = memory.fsdp_unit_bytes(large.vocab_size, large.dim, large.n_layers, n, param_bytes=2)
     block = (n - 2 * large.vocab_size * large.dim - large.dim) // large.n_layers
     assert sum(v for k, v in units.items() if "root" not in k) == 10 * block          # 2 + 2 + 2 + 4
-    says("about 10 bytes per parameter of a block (2 + 2 + 2 + 4)")
+    says("about 10 bytes per parameter of a block (2 + 2 + 2 + 4: gathered weights, their gradients, the next "
+         "block's gather, the previous reduce-scatter's input)")
+    temporary = memory.FOREACH_ADAMW_TEMPORARY_BYTES_PER_PARAM
+    shards = memory.zero_state_bytes(1, 1, 0, precision="fp32").total
+    says(f"{shards:g}/N bytes per parameter. AdamW's foreach implementation (one kernel over many parameters at "
+         f"once) adds a temporary fp32 copy, {temporary:g}/N: {shards + temporary:g}/N bytes per parameter")
     fp32 = memory.fsdp_unit_bytes(large.vocab_size, large.dim, large.n_layers, n, param_bytes=4)
     assert sum(v for k, v in fp32.items() if "root" not in k) == 16 * block
     one_rank = memory.predict_step_peak(memory.zero_state_bytes(n, 1, 3, precision="fp32"), 0, 1, large.seq_len,
@@ -335,8 +358,13 @@ def test_the_tiny_model_shape_is_the_preset():
     says(f"{cfg.n_layers} blocks of width {cfg.dim} with {cfg.n_heads} heads, a feed-forward width of "
          f"{cfg.ffn_hidden}, a vocabulary of {cfg.vocab_size} and sequences of {cfg.seq_len} tokens. That is "
          f"{n:,} parameters, {4 * n:,} bytes in fp32, and one block is {block:,} bytes of it.")
-    says(f"The flat floor is rank 0's slices, {4 * (n // 4):,} bytes")   # fp32 slices of 1/4 of every parameter
-    says(f"The moment inside a gather, {2 * block:,} bytes, falls between the plotted events")
+    says(f"The flat floor is rank 0's slices, {n // 4:,} parameters x 4 bytes =\n{4 * (n // 4):,} bytes")
+    says(f"The cross marks the moment inside a gather, {2 * block:,} bytes on\ntop of the floor")
+    # the true peak, floor included, is above ZeRO-2's whole weights on this two-block model (finding 3)
+    peak = 4 * (n // 4) + 2 * block
+    assert peak > 4 * n
+    says(f"rank 0 then holds {4 * (n // 4):,} + {2 * block:,} = {peak:,} bytes, more than the {4 * n:,} that ZeRO-2 "
+         f"keeps. On a model of two blocks, ZeRO-3's weights peak above ZeRO-2's.")
 
 
 def test_the_chapter_keeps_the_teach_first_shape_and_draws_its_mechanism_first():
@@ -367,3 +395,33 @@ def test_the_picture_of_what_each_gpu_holds_is_zeros_definition():
     assert units["block 0"] == units["block 1"] == sum(p.numel() for p in model.layers["0"].parameters())
     assert sum(units.values()) == models.count_params(model)
     says("GPU cannot compute with a quarter of a layer")
+
+
+def test_the_prefetch_caption_reads_the_measured_gathers():
+    """The caption's two gather times are the committed run's (chapters/figures/data/05_zero3_prefetch.json)."""
+    import json
+
+    run = json.loads((REPO / "chapters" / "figures" / "data" / "05_zero3_prefetch.json").read_text())
+    ms = {g["unit"]: 1e3 * (g["ready"] - g["issued"]) for g in run["gathers"] if g["phase"] == "forward"}
+    says(f"layers.0's gather, {ms['layers.0']:.1f} ms against\nlayers.1's {ms['layers.1']:.1f} ms")
+    says("A black tick marks where rank 0 began to wait")
+
+
+def test_terms_and_code_a_cold_reader_needs_are_on_the_page():
+    """A learner's review (learn0507): each term where it is first used, each excerpt complete."""
+    says("Above them sits the **root** unit, the whole model, which holds only what no smaller unit owns: nothing "
+         "in the tiny model.")
+    says("From stage 2 on, where a rank holds only its slice of the gradient, the norm needs every slice")
+    says("k = self.slice_len[i]")
+    says("p, shard = self.params[i], self.shards[i]")
+    assert FLAT.index("`shard_groups` is AdamW's parameter groups") < FLAT.index("AdamW(shard_groups")
+    says("a DTensor's `placements` say how it is cut over the `device_mesh`")
+    assert "chapter 06's plans" not in FLAT
+    says("because the state is keyed by parameter name, it finds them")
+    says("(every unit kept whole, plus the unit gathered again for backward)")
+    says("It lets autograd keep its saved weight, but empties that weight's memory in between.")
+    page2 = (REPO / "chapters" / "05.2_zero3_and_fsdp2.md").read_text()
+    assert "MixedPrecisionPolicy" not in page2 and "checkpoint(block)" not in page2   # options come on page 5.3
+    says("on rank 0, a third copy on a single device")
+    says("**units** of the `tiny` transformer (groups of layers gathered together, page 5.2)")
+    says("empty where another GPU holds it")

@@ -43,8 +43,13 @@ def test_the_a100_ledger_and_the_node_argument():
     says(f"The `a100` preset (h = {a100.dim})")
     per_all_reduce = 2 * 1024 * a100.dim * 4
     total = sum(r["payload_bytes"] for r in tp.tp_comm_formula(a100, 2, 1024, 4))
-    says(f"all-reduces {per_all_reduce / 1e6:.1f} MB of fp32 activations 4 times per layer and step, "
-         f"{total / 1e9:.2f} GB of payload per step")
+    says(f"all-reduces {per_all_reduce / 1e6:.1f} MB of fp32 activations 4 times per layer and step")
+    # the layers' share, then the whole ledger: the embedding's, the output's and the loss's all-reduces added
+    rows = tp.tp_comm_formula(a100, 2, 1024, 4)
+    layers = sum(r["payload_bytes"] for r in rows if r["where"] == "blocks")
+    assert layers == 4 * a100.n_layers * per_all_reduce and total > layers
+    says(f"Its {a100.n_layers} layers make that {layers / 1e9:.2f} GB; with the embedding's, the output's and the "
+         f"loss's all-reduces, {total / 1e9:.2f} GB of payload per step")
     nvlink = tp.tp_comm_time_per_layer(a100, 4, tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S,
                                        metrics.peak_flops("A100", "bf16"))
     slingshot = tp.tp_comm_time_per_layer(a100, 4, tp.SLINGSHOT11_NIC_BYTES_PER_S, metrics.peak_flops("A100", "bf16"))
@@ -52,6 +57,14 @@ def test_the_a100_ledger_and_the_node_argument():
     says(f"take **{nvlink['comm_s'] * 1e9:.0f} ns**")
     says(f"**{slingshot['comm_s'] * 1e9:.0f} ns**, {slingshot['comm_s'] / nvlink['comm_s']:.0f} times longer")
     says(f"bf16 peak: **{nvlink['compute_s'] * 1e9:.0f} ns**")
+    # the compute rebuilt from the page: h, S, a layer's parameters, 6 FLOPs each, attention's 12 x S x h
+    layer = 4 * a100.dim ** 2 + 3 * a100.dim * a100.ffn_hidden
+    dense, attention = 6 * layer, 12 * a100.seq_len * a100.dim
+    assert nvlink["flops"] == (dense + attention) / 4
+    says(f"Take `--preset a100` (h = {a100.dim}, sequences of S = {a100.seq_len:,} tokens) in bf16 on TP 4")
+    says(f"A layer has {layer / 1e6:.1f} M parameters, at 6 FLOPs per parameter and token (chapter 01), plus "
+         f"attention's 12 x S x h: {dense / 1e6:.1f} M + {attention / 1e6:.1f} M = {(dense + attention) / 1e6:.1f} M "
+         f"FLOPs per token, {nvlink['flops'] / 1e6:.1f} M on each of 4 ranks")
     says(f"{tp.NVLINK3_A100_TOTAL_BYTES_PER_S / 1e9:.0f} GB/s in total per GPU, which is "
          f"{tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / 1e9:.0f} GB/s in each direction")
 
@@ -151,3 +164,22 @@ def test_the_f_and_g_picture_follows_the_plan_the_text_describes():
     says("wq, wk and wv are column parallel, which means split *by heads*")
     says("w1 and w3 are column parallel, w2 is row parallel")
     assert FLAT.index("figures/06_column_row_split.png") < FLAT.index("figures/06_f_and_g_in_a_block.png")
+
+
+def test_what_a_cold_reader_needs_is_on_the_page():
+    """A learner's review (learn0507): names explained where they are used, the chapter's bridge from 05 true, and
+    proof kept in "How we know"."""
+    says("Their names, column and row, refer to Wᵀ, the matrix as the maths writes it. In `nn.Linear`'s storage W it "
+         "is the other way round: column parallel cuts W's rows, and row parallel cuts W's columns.")
+    says("`RowwiseParallel` cuts that table's rows: each rank gets a slice of the vocabulary")
+    says("g is `Partial -> Replicate` applied to the activation in forward. f is `Partial -> Replicate` applied to "
+         "the input's gradient in backward.")
+    says("ffn_hidden/n of the hidden features (ffn_hidden is the feed-forward width)")
+    assert "F/n" not in FLAT and "view(B, T" not in FLAT
+    says("ZeRO shards the state, not the computation")
+    assert "a batch that cannot grow" not in FLAT
+    says("DP's all-reduce comes once per step, and FSDP's gathers go unit by unit")
+    assert "Their traffic comes once per step" not in FLAT
+    body = FLAT[:FLAT.index("## How we know")]
+    assert "dispatch mode" not in body and "CUDA-like devices" not in body
+    says("The course model has no dropout, so it needs neither.")

@@ -360,7 +360,7 @@ def test_zero_bubble_memory_as_the_chapter_states_it():
     zbv = schedules.peak_activations(schedules.zbv(4, 8))
     assert zbv == {r: 8 for r in range(4)} and "holds 8 (stage, microbatch) pairs on every rank" in text
     short = schedules.peak_activations(schedules.zbv(4, 4))      # M = 4 < 2P: the padding's actions dropped
-    assert short == {0: 5, 1: 6, 2: 7, 3: 8} and "holding 5, 6, 7 and 8 pairs (measured)" in text
+    assert short == {0: 5, 1: 6, 2: 7, 3: 8} and "Ranks 0 to 3 then hold at most 5, 6, 7 and 8 (stage, microbatch) pairs (measured)" in text
     assert "ZB-H1 costs no memory where it counts." in text and "for more memory" not in text
 
 
@@ -552,3 +552,49 @@ def test_the_pictures_show_the_bubbles_the_pages_quote(monkeypatch):
         assert drawn == [schedules.simulate(schedule)], name
         bubble = percent(schedules.bubble_fraction_from_timeline(drawn[0], 4))
         assert bubble in text and f"(figures/{name})" in chapter_text()
+
+
+def test_what_a_cold_reader_needs_is_on_the_page():
+    """A learner's review (learn0507): the ZB-H1 caption says where the idle time is, terms come before their use,
+    and what proves (quotes, the README's table) sits in "How we know"."""
+    text = flat_text()
+    body = text[:text.index("## How we know")]
+    zb_h1 = schedules.zero_bubble_h1(4, 8)
+    for rank in range(4):
+        first_i = min(e.start for e in schedules.simulate(zb_h1) if e.rank == rank and e.kind == "I")
+        idle = idle_intervals(zb_h1, rank)
+        assert sum(end - start for start, end in idle) == 3.0 and all(end <= first_i for _, end in idle)
+    assert idle_intervals(zb_h1, 3) == [(0.0, 3.0)] and idle_intervals(zb_h1, 0) == [(4.0, 7.0)]
+    assert ("Each rank is idle for 3 units in all, each of them before its first I: rank 3 before its first forward, "
+            "rank 0 after its four forwards.") in text and "idle only at the start" not in text
+    assert body.index("**loop placement**") < body.index("rank P - 1 in a loop placement")
+    assert "V is the number of stages each rank holds. ZB-H1 splits each backward" in text
+    assert text.index("V is the number of stages each rank holds") < text.index("Next: [7.2")
+    assert "or at the end of the step if no receive follows" in text
+    assert "slightly more activations" not in text and "batch x sequence x hidden" not in text
+    assert "y = x W" not in text and "Y = X Wᵀ (chapter 06's notation)" in text
+    assert "one layer fewer on the first stage and one fewer on the last" in body
+    for proof in ("ZB1P", "ZB-2p", "Activation Memory", "To balance the pipeline", "our builder's order"):
+        assert proof not in body, proof
+    assert text.index("### The pipeline's ends") > text.index("## How we know")
+
+
+def test_the_interleaved_legend_says_stage_and_the_lab_says_idle_time_shrinks_v_fold():
+    import nbformat
+    from matplotlib.figure import Figure
+
+    from coursetools.drawings import ch07
+
+    fig = Figure(figsize=(10, 2.3))
+    ch07.draw_gantt_interleaved(fig)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "paler: the rank's second stage" in legend and "paler: a later chunk" not in legend
+    # interleaving divides each rank's idle time by V; the bubble, a share of the step, falls less (27.3% -> 15.8%)
+    for v in (2, 4):
+        assert idle_time_per_rank(schedules.interleaved_1f1b(4, 8, v)) == pytest.approx(
+            [t / v for t in idle_time_per_rank(schedules.one_f_one_b(4, 8))])
+    assert schedules.bubble_fraction(4, 8) / schedules.bubble_fraction(4, 8, 2) < 1.8
+    notebook = nbformat.read(REPO / "notebooks" / "07_pipeline_parallel.ipynb", as_version=4)
+    lab = " ".join(" ".join(c.source.split()) for c in notebook.cells if c.cell_type == "markdown")
+    assert "interleaving shrinks the idle time V-fold" in lab and "shrinks it V-fold" not in lab
+    assert "divides each rank's idle time by V" in lab and "divides the bubble by about V" not in lab
