@@ -3,7 +3,8 @@
 * Exercise 1: the largest model that fits under DDP and under FSDP, numbers compared by :func:`check_value`.
 * Exercise 2, :func:`check_month_of_a100s`: the A100-days of a compute-optimal run (6 N D FLOPs, D = 20 N, 40% of
   the bf16 peak) and the fewest A100s that finish it within 30 days, against ``labkit.widgets.training_days``;
-  each usual slip (2 N D, the MFU forgotten, the fp32 peak, rounding to the nearest) is named.
+  each usual slip (2 N D, the MFU forgotten, the fp32 peak, days rounded, GPUs rounded to the nearest) is named;
+  an answer that is no number is refused as such.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_month_of
 MONTH_DAYS = 30
 MFU = 0.4
 TOKENS_PER_PARAM = 20
+# an answer this close that is not within 0.1% was rounded on the way: the check says not to round
+ROUNDED_REL_TOL = 0.01
 
 
 def expected_month_of_a100s(num_params: float) -> tuple[float, int]:
@@ -59,18 +62,26 @@ def check_month_of_a100s(a100_days, a100s_for_a_month, num_params: float = 3e9) 
     if not math.isclose(got_days, days, rel_tol=1e-3):
         slip = next((why for why, wrong in _day_slips(num_params).items()
                      if math.isclose(got_days, wrong, rel_tol=1e-3)), "")
+        if not slip and math.isclose(got_days, days, rel_tol=ROUNDED_REL_TOL):
+            slip = (f"That is {abs(got_days / days - 1):.2%} off: close, but the check asks for 0.1%. Keep every "
+                    f"digit to the end, and don't round.")
         raise ExerciseWrong(f"`a100_days` = {got_days:,.4g}, expected {days:,.4g}. "
                             + (slip or "6 N D FLOPs over 40% of 312 TFLOP/s, in days."))
     if a100s_for_a_month is None or a100s_for_a_month is Ellipsis:
         raise ExerciseIncomplete("`a100s_for_a_month` is not written yet.")
-    if isinstance(a100s_for_a_month, bool) or not float(a100s_for_a_month).is_integer():
-        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}: a number of GPUs is a whole number. Round "
+    try:
+        got_gpus = float(a100s_for_a_month)
+    except (TypeError, ValueError):
+        got_gpus = math.nan
+    if isinstance(a100s_for_a_month, bool) or not got_gpus.is_integer():
+        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month!r}: a number of GPUs is a whole number. Round "
                             f"{days / MONTH_DAYS:.2f} up.")
-    if int(a100s_for_a_month) != gpus:
+    if int(got_gpus) != gpus:
         hint = (f"{days / MONTH_DAYS:.2f} GPUs rounded to the nearest is {round(days / MONTH_DAYS)}: that many take "
                 f"{days / round(days / MONTH_DAYS):.1f} days, over a month. Round up."
-                if int(a100s_for_a_month) == round(days / MONTH_DAYS) else
+                if int(got_gpus) == round(days / MONTH_DAYS) else
                 f"The days on one A100 over the {MONTH_DAYS} days of a month, rounded up.")
         raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}, expected {gpus}. {hint}")
-    print(f"Correct: {days:,.1f} A100-days; {gpus} A100s finish in {days / gpus:.1f} days, {gpus - 1} would take "
-          f"{days / (gpus - 1):.1f}.")
+    fewer = f", {gpus - 1} would take {days / (gpus - 1):.1f}" if gpus > 1 else ""
+    print(f"Correct: {days:,.1f} A100-days; {gpus} A100{'s finish' if gpus > 1 else ' finishes'} in "
+          f"{days / gpus:.1f} days{fewer}.")

@@ -51,6 +51,40 @@ def _outputs(name: str, function, inputs):
     return got
 
 
+def _as_numbers(output):
+    """(``output``'s numbers as a 1-D tensor, or None if they cannot be read; what its container is, or None when it
+    is already a 1-D tensor)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return (output, None) if output.dim() == 1 else (output.flatten(), f"a tensor of shape {tuple(output.shape)}")
+    kind = type(output)
+    what = f"a Python {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
+    try:
+        return torch.as_tensor(output, dtype=torch.float64).flatten(), what
+    except (TypeError, ValueError, RuntimeError):
+        return None, what
+
+
+def _judge(name: str, ranks: int, chunk: int, r: int, output, want, slips, hint: str, container_tip: str = ""):
+    """Raise :class:`ExerciseWrong` unless ``output`` is ``want``, a 1-D tensor: first the container (a list, a
+    2-D tensor) when that is wrong, then the first of ``slips`` ((wrong answer, its hint) pairs) the numbers match."""
+    values, what = _as_numbers(output)
+    if what is None and _same(output, want):
+        return
+    for wrong, slip in slips:
+        if values is not None and _same(values, wrong):
+            hint = slip
+            break
+    if what is not None:
+        fix = f"Return a 1-D tensor per rank, shape ({want.numel()},) here{container_tip}."
+        right = values is not None and _same(values, want)
+        hint = (f"The right numbers, but as {what}. {fix}" if right else
+                f"Each rank's answer is {what}, not a 1-D tensor. {fix} {hint}")
+    raise ExerciseWrong(f"`{name}` on {ranks} ranks of {ranks * chunk} numbers: rank {r} ends with "
+                        f"{_shown(output)}, expected {want.tolist()}. {hint}")
+
+
 def _check_reduce_scatter(reduce_scatter, ranks: int, chunk: int) -> None:
     import torch
 
@@ -58,19 +92,14 @@ def _check_reduce_scatter(reduce_scatter, ranks: int, chunk: int) -> None:
     total = torch.stack(inputs).sum(0)
     got = _outputs("reduce_scatter", reduce_scatter, inputs)
     for r, output in enumerate(got):
-        want = _chunks(total, ranks)[r]
-        if _same(output, want):
-            continue
-        hint = "Rank r ends with chunk r of the sum over the ranks: n times smaller than its input."
-        if _same(output, total):
-            hint = "That is the whole sum on every rank: all-reduce's answer. Rank r keeps only chunk r of it."
-        elif _same(output, _chunks(total, ranks)[(r + 1) % ranks]):
-            hint = ("That is chunk (r + 1) mod n, where the ring's first phase leaves it. The collective's "
-                    "definition puts chunk r on rank r.")
-        elif _same(output, _chunks(inputs[r], ranks)[r]):
-            hint = "That is chunk r of rank r's own input: add chunk r of every rank's input."
-        raise ExerciseWrong(f"`reduce_scatter` on {ranks} ranks of {ranks * chunk} numbers: rank {r} ends with "
-                            f"{_shown(output)}, expected {want.tolist()}. {hint}")
+        slips = [
+            (total, "That is the whole sum on every rank: all-reduce's answer. Rank r keeps only chunk r of it."),
+            (_chunks(total, ranks)[(r + 1) % ranks], "That is chunk (r + 1) mod n, where the ring's first phase "
+                                                     "leaves it. The collective's definition puts chunk r on rank r."),
+            (_chunks(inputs[r], ranks)[r], "That is chunk r of rank r's own input: add chunk r of every rank's input."),
+        ]
+        _judge("reduce_scatter", ranks, chunk, r, output, _chunks(total, ranks)[r], slips,
+               "Rank r ends with chunk r of the sum over the ranks: n times smaller than its input.")
 
 
 def _check_all_to_all(all_to_all, ranks: int, chunk: int) -> None:
@@ -79,18 +108,15 @@ def _check_all_to_all(all_to_all, ranks: int, chunk: int) -> None:
     inputs = _inputs(ranks, chunk)
     got = _outputs("all_to_all", all_to_all, inputs)
     for r, output in enumerate(got):
-        want = torch.cat([_chunks(x, ranks)[r] for x in inputs])
-        if _same(output, want):
-            continue
         hint = "Chunk j of rank i goes to rank j, so rank r ends with chunk r of every rank, in rank order."
-        if _same(output, inputs[r]):
-            hint = "That is rank r's own tensor, unchanged: " + hint[0].lower() + hint[1:]
-        elif _same(output, torch.cat(inputs)):
-            hint = "That is every rank's whole tensor: all-gather's answer, n times larger. " + hint
-        elif _same(output, torch.cat([_chunks(x, ranks)[r] for x in reversed(inputs)])):
-            hint = "The right chunks, in the wrong order: rank 0's chunk comes first."
-        raise ExerciseWrong(f"`all_to_all` on {ranks} ranks of {ranks * chunk} numbers: rank {r} ends with "
-                            f"{_shown(output)}, expected {want.tolist()}. {hint}")
+        slips = [
+            (inputs[r], "That is rank r's own tensor, unchanged: " + hint[0].lower() + hint[1:]),
+            (torch.cat(inputs), "That is every rank's whole tensor: all-gather's answer, n times larger. " + hint),
+            (torch.cat([_chunks(x, ranks)[r] for x in reversed(inputs)]),
+             "The right chunks, in the wrong order: rank 0's chunk comes first."),
+        ]
+        _judge("all_to_all", ranks, chunk, r, output, torch.cat([_chunks(x, ranks)[r] for x in inputs]), slips, hint,
+               ": torch.cat joins the chunks end to end, where torch.stack makes a table of them")
 
 
 def _shown(value) -> str:

@@ -51,3 +51,30 @@ def test_a_stub_is_not_written_yet():
         ex.check_month_of_a100s(None, None)
     with pytest.raises(ExerciseIncomplete, match="a100s_for_a_month"):
         ex.check_month_of_a100s(DAYS, None)
+
+
+@pytest.mark.parametrize("gpus", ["four", [4], object()])
+def test_a_gpu_count_that_is_no_number_is_named_not_crashed(gpus):
+    with pytest.raises(ExerciseWrong, match="whole number"):
+        ex.check_month_of_a100s(DAYS, gpus)
+
+
+def test_a_whole_number_written_as_text_or_a_float_passes(capsys):
+    ex.check_month_of_a100s(DAYS, 4.0)
+    ex.check_month_of_a100s(str(DAYS), "4.0")
+    assert capsys.readouterr().out.count("Correct") == 2
+
+
+def test_a_model_that_needs_one_a100_passes(capsys):
+    days, gpus = ex.expected_month_of_a100s(1e9)
+    assert gpus == 1 and math.isclose(days, 6 * 1e9 * 20e9 / (0.4 * 312e12) / 86400, rel_tol=1e-12)
+    ex.check_month_of_a100s(days, gpus, 1e9)
+    out = capsys.readouterr().out
+    assert "Correct" in out and "1 A100 finishes" in out and "would take" not in out
+
+
+@pytest.mark.parametrize("days", [100, 100.0, round(DAYS, -1), DAYS * 0.995])
+def test_a_rounded_day_count_is_told_not_to_round(days):
+    assert not math.isclose(days, DAYS, rel_tol=1e-3)   # 100 is 0.16% off the 100.16 days
+    with pytest.raises(ExerciseWrong, match="don't round"):
+        ex.check_month_of_a100s(days, 4)

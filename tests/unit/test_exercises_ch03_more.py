@@ -78,3 +78,35 @@ def test_the_lab_holds_the_exercise_and_its_check():
     cells = nbformat.read(Path(__file__).resolve().parents[2] / "notebooks" / "03_communication.ipynb", 4).cells
     assert any("check" in c.metadata.get("tags", []) and "check_collectives(reduce_scatter, all_to_all)" in c.source
                for c in cells)
+
+
+# the right numbers in the wrong container: the check says to return a 1-D tensor per rank, and why
+@pytest.mark.parametrize("wrong, said", [
+    (lambda xs: [t.tolist() for t in reduce_scatter(xs)],
+     r"The right numbers, but as a Python list.*1-D tensor per rank"),
+    (lambda xs: [tuple(t.tolist()) for t in reduce_scatter(xs)],
+     r"as a Python tuple.*1-D tensor per rank, shape \(1,\)"),
+    (lambda xs: [t.numpy() for t in reduce_scatter(xs)], r"as a numpy.ndarray.*1-D tensor per rank"),
+    (lambda xs: [t.unsqueeze(0) for t in reduce_scatter(xs)], r"shape \(1, 1\).*1-D tensor per rank, shape \(1,\)"),
+    (lambda xs: [t[0] for t in reduce_scatter(xs)], r"shape \(\).*1-D tensor per rank"),
+])
+def test_a_reduce_scatter_in_the_wrong_container_is_told_so(wrong, said):
+    with pytest.raises(ExerciseWrong, match=said):
+        ex.check_collectives(wrong, all_to_all)
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (lambda xs: [torch.stack([x.chunk(len(xs))[r] for x in xs]) for r in range(len(xs))],
+     r"The right numbers, but as a tensor of shape \(2, 1\).*1-D tensor per rank, shape \(2,\).*torch\.cat"),
+    (lambda xs: [t.tolist() for t in all_to_all(xs)], r"as a Python list.*1-D tensor per rank, shape \(2,\)"),
+    (lambda xs: [[t.tolist()] for t in all_to_all(xs)], r"as a Python list.*1-D tensor per rank"),
+])
+def test_an_all_to_all_in_the_wrong_container_is_told_so(wrong, said):
+    with pytest.raises(ExerciseWrong, match=said):
+        ex.check_collectives(reduce_scatter, wrong)
+
+
+def test_wrong_numbers_in_a_list_are_still_named_by_their_slip():
+    with pytest.raises(ExerciseWrong, match=r"a Python list, not a 1-D tensor.*1-D tensor per rank.*all-reduce's") as c:
+        ex.check_collectives(lambda xs: [torch.stack(xs).sum(0).tolist() for _ in xs], all_to_all)
+    assert "right numbers" not in str(c.value)
