@@ -341,3 +341,24 @@ def test_the_measured_confirmation_states_the_scripts_tolerances(text):
     tiny = tensor_parallel.TOLERANCE["tiny"]
     assert (tiny["loss"], tiny["grad"]) == (1e-5, 1e-6)
     assert "Its losses equal one device's to 1e-5, and its gradients to 1e-6" in text
+
+
+def test_the_timeline_paragraph_reads_the_measured_step(text):
+    """9.1 reads the measured timeline: in backward a unit's all-gather (dp) comes before the TP all-reduces and
+    the reduce-scatter (an all-reduce under gloo, on dp), and the grey row is the main thread's operators."""
+    import json
+
+    from coursetools import figures
+
+    rows = json.loads(figures.HYBRID_STEP_TIMELINE.read_text())["rows"]
+    (start, end), = [(r["start"], r["end"]) for r in rows if r["lane"] == "backward"]
+    inside = sorted((r for r in rows if r["lane"] in ("tp", "dp") and start <= r["start"] < end),
+                    key=lambda r: r["start"])
+    assert (inside[0]["lane"], inside[0]["kind"]) == ("dp", "all_gather")
+    last_gather = max(i for i, r in enumerate(inside) if r["kind"] == "all_gather")
+    after = [r["lane"] for r in inside[last_gather + 1:]]
+    assert all(r["kind"] == "all_reduce" for r in inside[last_gather + 1:])
+    assert after == ["tp", "tp", "dp", "tp", "tp", "dp", "dp"]   # per block: 2 TP all-reduces, its reduce-scatter
+    assert "In backward (shaded), the all-gathers (blue) run ahead. Then each of the 2 blocks shows its two TP " \
+           "all-reduces and its reduce-scatter (orange), and the last reduce-scatter is the root unit's" in text
+    assert "alternating with the block's compute" not in text
