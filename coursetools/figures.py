@@ -237,7 +237,7 @@ def draw_mesh_two_nodes(fig) -> None:
                 color=LINK_COLOURS["dp"], lw=1.2, ls="--")
         ax.text(x1 + 0.05, y0 + 0.3 + height, f"FSDP group {group}", fontsize=6, va="center",
                 color=LINK_COLOURS["dp"])
-    ax.text(5.05, 2.35, "Slingshot (25 GB/s a GPU): FSDP's all-gathers and reduce-scatters, once per unit",
+    ax.text(5.05, 2.35, "Slingshot (25 GB/s a GPU): FSDP's all-gathers (2) and reduce-scatter (1) per unit a step",
             ha="center", fontsize=7, color=LINK_COLOURS["dp"])
     ax.set_xlim(-0.2, 11.6)
     ax.set_ylim(-0.9, 2.5)
@@ -247,7 +247,7 @@ def draw_mesh_two_nodes(fig) -> None:
 
 def draw_mesh_3d(fig) -> None:
     """The 3-D (pp, dp, tp) = (2, 2, 4) mesh of the 16-GPU reference layout on four nodes: a pipeline stage is
-    two nodes (its dp replicas), a TP group one node; the pp sends join ranks of equal (dp, tp)."""
+    two nodes (its dp ranks, FSDP shards), a TP group one node; the pp sends join ranks of equal (dp, tp)."""
     from distlab import hybrid
 
     groups = hybrid.grid_groups((2, 2, 4), "device_mesh")
@@ -256,7 +256,7 @@ def draw_mesh_3d(fig) -> None:
     centres = _gpus_on_nodes(ax, nodes)
     for n, (x, y, ranks) in enumerate(nodes):
         coords = hybrid.grid_coordinates(ranks[0], (2, 2, 4))
-        ax.text(x + 4.4, y + 1.12, f"stage {coords['pp']}, replica {coords['dp']}", fontsize=6,
+        ax.text(x + 4.4, y + 1.12, f"stage {coords['pp']}, dp {coords['dp']}", fontsize=6,
                 va="top", ha="right", color="#555555")
         ax.text(x + 2.2, y + 0.03, f"TP group {ranks}", fontsize=6, va="bottom", ha="center",
                 color=LINK_COLOURS["tp"])
@@ -275,7 +275,7 @@ def draw_mesh_3d(fig) -> None:
                 color=LINK_COLOURS["pp"])
     ax.text(5.3, 3.45, "pp: a stage sends its activations to the next, rank r to r + 8, one per microbatch",
             ha="center", fontsize=7, color=LINK_COLOURS["pp"])
-    ax.text(5.3, -0.35, "dp (dashed): FSDP over the two replicas of a stage, across nodes; tp: inside a node",
+    ax.text(5.3, -0.35, "dp (dashed): FSDP over the two nodes of a stage (each holds a shard); tp: inside a node",
             ha="center", fontsize=7, color=LINK_COLOURS["dp"])
     ax.set_xlim(-0.2, 10.8)
     ax.set_ylim(-0.55, 3.6)

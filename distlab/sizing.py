@@ -80,7 +80,9 @@ LLAMA_SHAPES: dict[str, LlamaShape] = {
     "70B": LlamaShape("70B", 8192, 80, 64, 8, 28672, 32000, "LLaMA-2-70B"),
 }
 
-# The rule of thumb the chapter sets the computation beside: TP = 4 in a node, FSDP over this many nodes.
+# The rule of thumb chapter 09 sets the computation beside: TP = 4 in a node, FSDP over this many nodes. It is the
+# course's own round estimate, not a published rule: twice the fewest nodes memory allows (min_nodes), which is one
+# node per 3.3 B to 4.1 B parameters (tests/unit/test_sizing.py checks the doubling).
 RULE_OF_THUMB_NODES = {"7B": 2, "13B": 4, "30B": 8, "70B": 20}
 
 

@@ -123,15 +123,16 @@ def _ring_panel(ax, group: list[int], gpus_per_node: int, title: str) -> None:
 
 
 def draw_ring_across_two_nodes(fig) -> None:
-    """Two rings on two nodes of 4 GPUs, each GPU with its own NIC: FSDP's ring over all 8 GPUs (DeviceMesh's
-    order, laid out node by node) and a TP group of the copied order, which puts 2 of its ranks on each node."""
+    """Two rings on two nodes of 4 GPUs, each GPU with its own NIC: plain (1-D) FSDP's ring over all 8 GPUs (page
+    9.2's, laid out node by node) and a TP group of the guide's (HybridParallelContext) order, which puts 2 of its
+    ranks on each node."""
     from distlab import hybrid
 
     axes = fig.subplots(1, 2)
     everyone = list(range(8))
-    copied_tp = hybrid.grid_groups((1, 2, 4), "hybrid_context")["tp"][0]
-    _ring_panel(axes[0], everyone, 4, f"FSDP's ring over all 8 GPUs {everyone}")
-    _ring_panel(axes[1], copied_tp, 4, f"a TP group of the copied order: ring over {copied_tp}")
+    guide_tp = hybrid.grid_groups((1, 2, 4), "hybrid_context")["tp"][0]
+    _ring_panel(axes[0], everyone, 4, f"plain (1-D) FSDP over all 8 GPUs, as on page 9.2: ring over {everyone}")
+    _ring_panel(axes[1], guide_tp, 4, f"a TP group of the guide's (HybridParallelContext) order: ring over {guide_tp}")
 
 
 FIGURES = {

@@ -100,8 +100,12 @@ def check_layout_choice(choose_layout) -> None:
                                     f"{hint}")
             continue
         if got is None:
+            # the plausible slip: keeping page 9.3's 4 GiB reserve back, which this exercise does not
+            reserved = state + activation_gib + sizing.Assumptions().reserve_bytes / sizing.GIB > GPU_GIB
+            hint = (" Did you keep a reserve back? This exercise keeps none: the state and activation_gib share "
+                    f"the whole {GPU_GIB:g} GiB." if reserved else "")
             raise ExerciseWrong(f"{where} returned None, but {state:.1f} + {activation_gib} GiB fits on each of "
-                                f"{gpus} GPUs.")
+                                f"{gpus} GPUs.{hint}")
         try:
             dp, tp = (int(x) for x in got)
         except (TypeError, ValueError):

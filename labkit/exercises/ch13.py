@@ -3,7 +3,8 @@
 * :func:`check_dispatch_bytes`: the bytes one rank sends in one dispatch of a MoE layer under even routing.
 * :func:`check_ep_choice`: the EP degree to pick on a cluster (the experts must fit; the all-to-all should stay
   inside a node when it can).
-* :func:`check_dropless_capacity`: the smallest capacity factor that drops no assignment of a given routing.
+* :func:`check_dropless_capacity`: the capacity factor at which an expert's capacity equals the busiest expert's
+  load in a given routing (the round factor that drops nothing).
 
 Each says the answer is right and why, names the plausible wrong answer when it sees one, and (through
 :func:`labkit.exercises.checks.learner_check`) lets an unwritten exercise pass over in a learner's notebook.
@@ -88,8 +89,9 @@ def check_ep_choice(choose_ep) -> None:
 
 @learner_check
 def check_dropless_capacity(capacity_factor, routing) -> None:
-    """``capacity_factor(chosen, num_experts) -> float``: the smallest factor with which
-    ``ceil(factor x tokens x top_k / num_experts)`` is at least every expert's count in ``chosen`` ([T, k])."""
+    """``capacity_factor(chosen, num_experts) -> float``: the factor with which ``factor x tokens x top_k /
+    num_experts`` equals the busiest expert's count in ``chosen`` ([T, k]), before the ceil: smaller factors that the
+    ceil rounds up to the same capacity are refused."""
     for chosen, experts in routing:
         got = call_learner("capacity_factor", capacity_factor, chosen, experts)
         tokens, k = chosen.shape
@@ -107,5 +109,9 @@ def check_dropless_capacity(capacity_factor, routing) -> None:
         if float(got) > want * (1 + 1e-9):
             raise ExerciseWrong(f"{float(got):.4g} drops nothing, but {want:.4g} is enough: the busiest expert has "
                                 f"{busiest} of {tokens * k} assignments.")
+        if float(got) < want * (1 - 1e-9):
+            raise ExerciseWrong(f"{float(got):.4g} drops nothing, but only because the ceil rounds its capacity up to "
+                                f"{busiest} rows. Return the factor at which capacity_factor x tokens x top_k / "
+                                f"experts equals the busiest expert's {busiest} assignments: {want:.4g}.")
     print("Correct: busiest expert's assignments x experts / (tokens x top_k). A factor of 1 fits only a perfectly "
           "even routing; a dropless layer needs no factor at all, at the price of uneven all-to-alls.")

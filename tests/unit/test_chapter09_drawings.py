@@ -19,7 +19,10 @@ def _owners_from_torch(style: str) -> list[list[tuple[int, int]]]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     owners = [[None] * 8 for _ in range(8)]
+    blocks = {}
     for rank in range(4):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
         try:
@@ -30,20 +33,32 @@ def _owners_from_torch(style: str) -> list[list[tuple[int, int]]]:
             plan = ColwiseParallel() if style == "colwise" else RowwiseParallel()
             parallelize_module(model, mesh["tp"], {"0": plan}, src_data_rank=None)   # each rank slices locally
             fully_shard(model, mesh=mesh["dp"])
-            local = model[0].weight.to_local()
+            weight = model[0].weight
+            local = weight.to_local()
             coordinate = tuple(mesh.get_coordinate())
+            # torch's own account of the shard: its shape and global offset on this rank of the (dp, tp) mesh (the
+            # weight's own mesh answers (0, 0) on every fake rank, so the mesh built here is passed)
+            shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+            blocks[coordinate] = (tuple(shape), tuple(offset))
         finally:
             dist.destroy_process_group()
         for index in local.flatten().tolist():
             i, j = divmod(int(index), 8)
             assert owners[i][j] is None
             owners[i][j] = coordinate
-    return owners
+    return owners, blocks
 
 
 @pytest.mark.parametrize("style, tp_dim", [("colwise", 0), ("rowwise", 1)])
 def test_the_two_d_weight_picture_is_what_each_rank_stores(style, tp_dim):
-    assert ch09.two_d_owners(8, 2, 2, tp_dim) == _owners_from_torch(style)
+    drawn = ch09.two_d_owners(8, 2, 2, tp_dim)
+    owners, blocks = _owners_from_torch(style)
+    assert drawn == owners
+    # each rank's block, as torch's shape and global offset give it, is the block the picture colours for that rank
+    assert len(blocks) == 4
+    for coordinate, ((rows, cols), (row0, col0)) in blocks.items():
+        cells = {(i, j) for i in range(8) for j in range(8) if drawn[i][j] == coordinate}
+        assert cells == {(i, j) for i in range(row0, row0 + rows) for j in range(col0, col0 + cols)}, coordinate
 
 
 def test_the_column_wise_weight_is_strided_over_dp():

@@ -54,6 +54,13 @@ def test_the_block_communication_table_for_7b_on_two_nodes(text):
     assert row_tp in text, row_tp
     assert row_dp in text, row_dp
     assert f"against {block['compute']['seconds'] * 1e3:.2f} ms of the block's matrix multiplies" in text
+    # the compute written out: (6 x matrix parameters + 12 S h) x tokens / tp / peak
+    shape = sizing.LLAMA_SHAPES["7B"]
+    matrices = shape.block_params() - 2 * shape.dim
+    by_hand = (6 * matrices + 12 * 4096 * shape.dim) * 4096 / 4 / 312e12
+    assert by_hand == pytest.approx(block["compute"]["seconds"])
+    assert (f"(6 x {matrices / 1e6:.0f} M matrix parameters + 12 x 4,096 x 4,096 for attention) x 4,096 tokens / 4 "
+            f"ranks / 312 TFLOP/s") in text
     # "the link makes the difference of twelve times": the links' ratio, and the times' ratio
     assert tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S == 12
     assert round(block["dp"]["seconds"] / block["tp"]["seconds"]) == 12 and "difference of twelve times" in text
@@ -62,8 +69,16 @@ def test_the_block_communication_table_for_7b_on_two_nodes(text):
     # NVLink's time and just under the compute's (one NIC a rank would have claimed more than the compute)
     crossing = block["tp"]["sent_bytes"] / (2 * tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S)
     assert round(crossing / block["tp"]["seconds"]) == 6 and crossing < block["compute"]["seconds"]
-    assert (f"over 2 NICs of 25 GB/s: {crossing * 1e3:.1f} ms, six times NVLink's and nearly the "
-            f"{block['compute']['seconds'] * 1e3:.2f} ms of compute") in text
+    # the NICs are explained before the number (NCCL's rings, one a NIC), and it is compared with the 300 GB/s a
+    # node-local TP group gets, not with one NVLink hop (page 8.3's 100 GB/s)
+    assert text.index("each leaving the node through a different GPU's NIC") < text.index(
+        f"The four all-reduces per block then take {crossing * 1e3:.1f} ms")
+    assert (f"2 NICs of 25 GB/s here. The four all-reduces per block then take {crossing * 1e3:.1f} ms. That is six "
+            f"times the {block['tp']['seconds'] * 1e3:.2f} ms that a TP group inside one node gets at 300 GB/s, and "
+            f"nearly the {block['compute']['seconds'] * 1e3:.2f} ms of compute") in text
+    assert "six times NVLink's" not in text and "Against NVLink's 300 GB/s" not in text
+    assert "Against the 300 GB/s that a TP group inside one node gets, 2 NICs of 25 GB/s are six times slower" in text
+    assert "08.3_all_gather_and_ulysses.md" in text
     assert "would have run on the 25 GB/s NIC and cost more than the compute" not in text
     # the chain's conclusion: FSDP's traffic is not hidden at one sequence; each block waits for the difference
     waits = block["dp"]["seconds"] - block["compute"]["seconds"]
@@ -89,13 +104,25 @@ def test_the_embedding_plans_for_7b(text):
         outside[plan] = rows
     usual = sum(r["payload_bytes"] for r in outside["usual"])
     alternative = sum(r["payload_bytes"] for r in outside["alternative"])
+    from distlab import comm
+
+    sent = {plan: sum(comm.bytes_sent_per_rank(r["collective"], r["payload_bytes"] / r["calls"], 4) * r["calls"]
+                      for r in rows) for plan, rows in outside.items()}
+    # the collectives the text names: usual = all-reduces forward (embedding, 3 loss statistics) and backward (the
+    # head's input gradient); alternative = all-gather forward (embedding), all-reduce (logits), all-gather backward
+    assert [(r["phase"], r["collective"]) for r in outside["usual"]] == [("forward", "all_reduce"),
+                                                                        ("backward", "all_reduce")]
+    assert [(r["phase"], r["collective"]) for r in outside["alternative"]] == [
+        ("forward", "all_gather"), ("forward", "all_reduce"), ("backward", "all_gather")]
+    assert (f"That is {sent['usual'] / MIB:.0f} MiB against {sent['alternative'] / MIB:.0f} MiB, so the usual plan "
+            f"sends {sent['alternative'] / sent['usual']:.1f} times fewer bytes") in text
     logits = max(r["payload_bytes"] for r in outside["alternative"])
     assert logits == 4096 * 32000 * 2
     assert usual - 2 * 32 * MIB == 3 * 4096 * 4 == 48 * 1024  # the loss statistics, fp32
-    assert (f"move {usual / MIB:.0f} MiB per step under the usual plan (two all-reduces of 32 MiB, and 48 KiB of "
-            f"loss statistics) and {alternative / MIB:.0f} MiB under the alternative, {logits / MIB:.0f} MiB of them "
-            f"the logits") in text
-    assert round(alternative / usual) == 5 and "the usual plan moves five times fewer bytes" in text
+    assert f"carry a payload of {usual / MIB:.0f} MiB per step, and 48 KiB of loss statistics" in text
+    assert f"The alternative carries {alternative / MIB:.0f} MiB" in text
+    assert f"the all-reduce of the logits ({logits / MIB:.0f} MiB)" in text
+    assert "five times fewer bytes" not in text
 
 
 def test_the_two_node_mesh_picture(raw):
@@ -136,6 +163,17 @@ def test_the_sizing_paragraphs(text):
     assert f"{minimum[0]}, {minimum[1]}, {minimum[2]} and {minimum[3]} against " \
            f"{rule['7B']}, {rule['13B']}, {rule['30B']} and {rule['70B']}" in text
     assert [rule[m] / rows[m]["min_nodes"] for m in rule] == [2, 2, 2, 2] and "half the nodes of the rule" in text
+    # the rule is defined before the table that uses it, as the course's own estimate, and how it was made
+    per_node = [rows[m]["params"] / rule[m] / 1e9 for m in rule]
+    assert (f"one node for every {min(per_node):.1f} B to {max(per_node):.1f} B parameters") in text
+    assert "the course's own round estimate, not a published rule. It was made by doubling the fewest nodes" in text
+    assert text.index("is a **rule of thumb**") < text.index("| rule of thumb |")
+    assert "Where the computation and the rule of thumb agree" not in text
+    # the FSDP units counted are the largest unit: the root up to 13 B, a block from 30 B on
+    for m, shape in sizing.LLAMA_SHAPES.items():
+        root = 2 * shape.vocab_size * shape.dim + shape.dim
+        assert (root > shape.block_params()) == (m in ("1B", "7B", "13B")), m
+    assert "the root (the embedding, the head and the final norm) up to 13 B, and a block from 30 B on" in text
     assert f"30 B needs {rows['30B']['min_nodes_without_checkpointing']} nodes" in text
     assert rows["70B"]["min_nodes_without_checkpointing"] is None and "70 B fits on no number of nodes" in text
     # 70B's bf16 block inputs on every TP rank: 80 x 4096 x 8192 x 2 bytes
@@ -161,6 +199,9 @@ def test_pipe_is_gone_from_torch(text):
     assert importlib.util.find_spec("torch.distributed.pipeline") is None
     assert importlib.util.find_spec("torch.distributed.pipelining") is not None
     assert "removed in 2.4 (pytorch/pytorch#127354)" in text
+    # DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: the chapter cites the assertion
+    assert "DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3" in text
+    assert "`deepspeed/runtime/pipe/engine.py:76-77`" in text and "incompatible with pipeline parallelism" in text
 
 
 def test_the_chapter_names_scripts_and_modules_that_exist(raw):
@@ -227,6 +268,12 @@ def test_the_hsdp_table_is_what_sizing_computes(raw, text):
     assert round(seven["saving"], 2) == 1.75 and "1.75x on 2 nodes" in text and "never more than 2x" in text
     assert "what most multi-node FSDP jobs run" not in text
     assert "`train_fsdp.py --replicate 2`" in text
+    # the per-parameter payloads the table and the ratio rest on, and what HSDP buys
+    assert memory.training_state_bytes(1, "mixed").total == 16   # (not the payload: 2 + 2 + 4 = 8 is)
+    assert ("FSDP sends 8 bytes per parameter a step (bf16 weights gathered twice, 2 + 2, and fp32 gradients "
+            "reduce-scattered, 4), so each NIC carries (W - 1) / W x 8 P / 4") in text
+    assert "HSDP's all-reduce of the fp32 gradient shard carries 2 (n - 1) / n x 4 P / 4" in text
+    assert "What HSDP buys is where its collectives run" in text
 
 
 def test_the_clipping_paragraph_names_what_the_code_does(text):
@@ -270,7 +317,20 @@ def test_the_new_pictures_are_where_the_chapter_explains_them(raw):
     assert "figures/09_ring_across_two_nodes.png" in first
     # each mechanism's picture comes before the chapter's measured figure
     assert first.index("09_two_d_sharded_weight.png") < first.index("09_hybrid_step_timeline.png")
-    assert "rows 0, 1, 4 and 5" in first
+    assert "rows 0, 1, 4 and 5" in " ".join(first.split())
+    assert "the two ranks of dp 0 together hold rows 0, 1, 4 and 5 (rank 0 rows 0 and 1, rank 1 rows 4 and 5)" in \
+        " ".join(first.split()) and "dp rank 0 holds rows" not in " ".join(first.split())
+    # FSDP's traffic comes per unit twice a step (forward and backward gathers), never "once per unit per step"
+    assert "once per unit per step" not in " ".join(first.split())
+    # the ring picture: its left panel is plain 1-D FSDP (page 9.2's), its right the guide's order, as the text says
+    import inspect
+
+    from coursetools.drawings import ch09
+    drawing = inspect.getsource(ch09.draw_ring_across_two_nodes)
+    assert "copied order" not in drawing and "guide's (HybridParallelContext) order" in drawing
+    assert "plain (1-D) FSDP over all 8 GPUs, as on page 9.2" in drawing
+    from coursetools import figures
+    assert "replica {" not in inspect.getsource(figures.draw_mesh_3d)   # dp is FSDP here: shards, not replicas
     assert "09_ring_across_two_nodes" not in second and "ring picture" in second
 
 
@@ -281,3 +341,24 @@ def test_the_measured_confirmation_states_the_scripts_tolerances(text):
     tiny = tensor_parallel.TOLERANCE["tiny"]
     assert (tiny["loss"], tiny["grad"]) == (1e-5, 1e-6)
     assert "Its losses equal one device's to 1e-5, and its gradients to 1e-6" in text
+
+
+def test_the_timeline_paragraph_reads_the_measured_step(text):
+    """9.1 reads the measured timeline: in backward a unit's all-gather (dp) comes before the TP all-reduces and
+    the reduce-scatter (an all-reduce under gloo, on dp), and the grey row is the main thread's operators."""
+    import json
+
+    from coursetools import figures
+
+    rows = json.loads(figures.HYBRID_STEP_TIMELINE.read_text())["rows"]
+    (start, end), = [(r["start"], r["end"]) for r in rows if r["lane"] == "backward"]
+    inside = sorted((r for r in rows if r["lane"] in ("tp", "dp") and start <= r["start"] < end),
+                    key=lambda r: r["start"])
+    assert (inside[0]["lane"], inside[0]["kind"]) == ("dp", "all_gather")
+    last_gather = max(i for i, r in enumerate(inside) if r["kind"] == "all_gather")
+    after = [r["lane"] for r in inside[last_gather + 1:]]
+    assert all(r["kind"] == "all_reduce" for r in inside[last_gather + 1:])
+    assert after == ["tp", "tp", "dp", "tp", "tp", "dp", "dp"]   # per block: 2 TP all-reduces, its reduce-scatter
+    assert "In backward (shaded), the all-gathers (blue) run ahead. Then each of the 2 blocks shows its two TP " \
+           "all-reduces and its reduce-scatter (orange), and the last reduce-scatter is the root unit's" in text
+    assert "alternating with the block's compute" not in text

@@ -77,6 +77,15 @@ def test_layout_accepts_sixteen_bytes_per_parameter_in_any_split(capsys):
     ex.check_layout_choice(tp_two)
 
 
+def test_layout_that_keeps_a_reserve_back_is_rejected_with_its_hint():
+    def with_reserve(num_params, nodes, activation_gib):   # page 9.3's 4 GiB reserve, which the exercise drops
+        gpus = 4 * nodes
+        return (nodes, 4) if 16 * num_params / gpus / 2**30 + activation_gib + 4 <= 40 else None
+
+    with pytest.raises(ExerciseWrong, match="This exercise keeps none"):
+        ex.check_layout_choice(with_reserve)
+
+
 @pytest.mark.parametrize("bytes_per_parameter", [4, 8])  # weights + gradients in bf16, or as fp32 shards
 def test_layout_that_forgets_the_optimizer_state_is_rejected(bytes_per_parameter):
     with pytest.raises(ExerciseWrong, match=r"4 \+ 4 \+ 8, the chapter's convention"):

@@ -48,5 +48,7 @@ def test_dropless_capacity():
         ex.check_dropless_capacity(lambda chosen, e: 1.0, routing)                  # the mean load, not the busiest
     with pytest.raises(ExerciseWrong, match="is enough"):
         ex.check_dropless_capacity(lambda chosen, e: 4.0, routing)                  # drops nothing, but too large
+    with pytest.raises(ExerciseWrong, match="rounds its capacity up"):              # drops nothing thanks to the ceil
+        ex.check_dropless_capacity(lambda chosen, e: 0.9 * right(chosen, e), routing)
     with pytest.raises(ExerciseIncomplete):
         ex.check_dropless_capacity(stub, routing)
