@@ -147,8 +147,10 @@ def sort_by_expert(chosen: torch.Tensor, weights: torch.Tensor, keep: torch.Tens
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """torch's grouped matrix multiply (one kernel for every expert) runs on Hopper-class GPUs in bf16; elsewhere
-    the experts run as a loop of ordinary matrix multiplies. The scripts say which ran."""
+    """Whether the course runs the experts as torch's grouped matrix multiply (one call for every expert): on
+    Hopper-class GPUs in bf16, where it is one fused kernel. ``torch._grouped_mm`` also runs elsewhere (on a CPU
+    torch loops over the groups itself); the course's choice is to run the loop of ordinary matrix multiplies
+    there, so that what runs is plain to read. The scripts say which ran."""
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
