@@ -392,6 +392,9 @@ def test_a_collective_gets_the_nodes_every_link_and_a_hop_its_pair():
               f"GB/s.")
     says_flat("a single point-to-point hop (ring attention's) uses a third of them")
     says_flat("(github.com/NVIDIA/nccl issue 299)")
+    says_flat("Across nodes the channels leave each node through different GPUs' NICs, so a collective uses every NIC "
+              "of the node, which chapter 09 counts on.")
+    says_flat('"entering/exiting the node through a NIC", several at once on NVLink systems (issue 412)')
     # chapter 06 times its in-node all-reduces at that same 300 GB/s
     assert (f"{per_direction / 1e9:.0f} GB/s in each direction. An all-reduce gets all of it, since NCCL spreads its "
             f"rings over every link" in " ".join(chapters.text("06").split()))
