@@ -86,7 +86,7 @@ def draw_ring_vs_allgather(fig) -> None:
         ring_ax.text(-0.15, RANKS - 1 - rank + 0.35, f"rank {rank}", ha="right", va="center", fontsize=7)
     for step in range(RANKS):
         ring_ax.text(step + 0.4, RANKS - 0.05, f"step {step}", ha="center", fontsize=7)
-    # the tiny run's bytes: B = 2, 4 heads of 16 dimensions, S = 64, P = 4, fp32
+    # the tiny run's bytes: B = 2, 4 heads of 16 dimensions, S = 64, c = 4, fp32
     shard = 2 * 4 * (64 // RANKS) * 16 * 4
     ring, gather = (cpm.cp_bytes_sent_per_rank(m, shard, RANKS) for m in ("ring", "all-gather"))
     ring_ax.text(0, -0.45, f"ring: {RANKS - 1} hops to the next rank, each while a block computes.\n"
@@ -122,9 +122,9 @@ def draw_ulysses_head_swap(fig) -> None:
     before, after = swap_labels()
     axes = fig.subplots(2, RANKS)
     cmap = ListedColormap(RANK_COLOURS)
-    for row, (grids, what) in enumerate(((before, "before: each rank holds S/P = 2 positions of all a = 8 heads"),
+    for row, (grids, what) in enumerate(((before, "before: each rank holds S/c = 2 positions of all a = 8 heads"),
                                          (after, "after one all-to-all: each rank holds all S = 8 positions of "
-                                                 "a/P = 2 heads"))):
+                                                 "a/c = 2 heads"))):
         for rank, grid in enumerate(grids):
             ax = axes[row][rank]
             labels = [[read_label(int(v)) for v in line] for line in grid.tolist()]

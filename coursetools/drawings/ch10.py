@@ -51,7 +51,8 @@ def exchange_on_labels(grid: domain.TileGrid, width: int):
 
 
 def _cells(ax, x0, y0, labels, own, title=None):
-    """Draw a tile's cells from ``(x0, y0)`` (top left): own cells solid, halo cells pale and hatched, zeros grey."""
+    """Draw a tile's cells from ``(x0, y0)`` (top left): own cells solid with their owner's number, halo cells pale
+    and hatched, zero padding grey and blank."""
     from matplotlib.patches import Rectangle
 
     from coursetools.figures import RANK_COLOURS  # here, not at the top: coursetools.figures imports this module
@@ -63,8 +64,9 @@ def _cells(ax, x0, y0, labels, own, title=None):
             ax.add_patch(Rectangle((x0 + j, y0 + i), 1, 1, facecolor=colour, alpha=0.9 if mine else 0.45,
                                    edgecolor="white" if mine else "black", linewidth=0.6,
                                    hatch=None if mine else "//"))
-            ax.text(x0 + j + 0.5, y0 + i + 0.5, "0" if label == ZERO else str(label), ha="center", va="center",
-                    fontsize=6, color="white" if mine else "black")
+            if label != ZERO:   # a padding cell stays blank: a "0" would read as rank 0's
+                ax.text(x0 + j + 0.5, y0 + i + 0.5, str(label), ha="center", va="center", fontsize=6,
+                        color="white" if mine else "black")
     if title:
         ax.text(x0 + len(labels[0]) / 2, y0 - 0.4, title, ha="center", va="bottom", fontsize=7)
 
@@ -116,7 +118,7 @@ def draw_halo_exchange(fig) -> None:
     _cells(ax, 0, 0, after_columns[0], lambda i, j: width <= i < width + size and width <= j < width + size)
     ax.annotate("rank 3's corner,\ncarried by rank 1", xy=(size + 1.5, size + 1.5), xytext=(size + 2.3, size + 4.2),
                 fontsize=7, arrowprops={"arrowstyle": "->", "linewidth": 0.8}, annotation_clip=False)
-    ax.text(0, -0.6, "0 = zero padding\nbeyond the field's edge", fontsize=7, va="bottom")
+    ax.text(0, -0.6, "grey, blank: zero padding\nbeyond the field's edge", fontsize=7, va="bottom")
     ax.set_title("rank 0 ready for a 3 x 3\nconvolution: its halo, 1 cell wide", fontsize=8)
 
     for ax in axes:

@@ -87,16 +87,21 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
     _ok(f"merge_attention_blocks passed {len(cases)} cases (causal ones with fully masked rows included)")
 
 
+def _heads(first: int, count: int) -> str:
+    """'head 3' for a group of one, 'heads 2 to 3' for more."""
+    return f"head {first}" if count == 1 else f"heads {first} to {first + count - 1}"
+
+
 @learner_check
 def check_swap_to_heads(swap, *, hint: str = "") -> None:
-    """Notebook 08: Ulysses' all-to-all, played for every rank in one process. ``swap(shards)`` takes the P ranks'
-    tensors, rank r's (B, a, S/P, d): its own contiguous positions of every head. It returns the P tensors after the
-    all-to-all, rank j's (B, a/P, S, d): every position of head group j (heads j a/P .. (j + 1) a/P - 1).
+    """Notebook 08: Ulysses' all-to-all, played for every rank in one process. ``swap(shards)`` takes the c ranks'
+    tensors, rank r's (B, a, S/c, d): its own contiguous positions of every head. It returns the c tensors after the
+    all-to-all, rank j's (B, a/c, S, d): every position of head group j (heads j a/c .. (j + 1) a/c - 1).
 
     The cases: one head a rank (4 heads on 4 ranks), two heads a rank (8 on 4), and 4 heads on 2 ranks. With two
-    heads or more a rank, handing rank j every P-th head (j, j + P, ...) gives the right shapes and wrong heads; with
+    heads or more a rank, handing rank j every c-th head (j, j + c, ...) gives the right shapes and wrong heads; with
     blocks put together in another order than the ranks', the positions come out of sequence order. The answer must
-    not call a collective: the P ranks are the list, in this one process.
+    not call a collective: the c ranks are the list, in this one process.
     """
     import torch
 
@@ -117,7 +122,7 @@ def check_swap_to_heads(swap, *, hint: str = "") -> None:
         for j, tensor in enumerate(got):
             expected = full[:, j * group:(j + 1) * group]
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(expected.shape):
-                raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} should hold (B, a/P, S, d) = "
+                raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} should hold (B, a/c, S, d) = "
                                     f"{tuple(expected.shape)}: all {ranks * n} positions of {group} head(s), got "
                                     f"{_short(tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor)}. "
                                     f"{hint}".strip())
@@ -125,14 +130,14 @@ def check_swap_to_heads(swap, *, hint: str = "") -> None:
                 continue
             if torch.equal(tensor, full[:, j::ranks]):
                 raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} got every {ranks}th head ({j}, {j + ranks}, "
-                                    f"...); it must get the contiguous group {j * group} to {(j + 1) * group - 1}, as "
+                                    f"...); it must get the contiguous group, {_heads(j * group, group)}, as "
                                     f"attention's heads are laid out. {hint}".strip())
             if sorted(tensor.flatten().tolist()) == sorted(expected.flatten().tolist()):
                 raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} holds the right numbers in the wrong places: "
                                     f"put the received blocks together along the sequence, in rank order (rank i's "
                                     f"block holds positions {n} i to {n} i + {n - 1}). {hint}".strip())
-            raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} does not hold heads {j * group} to "
-                                f"{(j + 1) * group - 1} of the whole sequence: rank i sends head group j of its "
-                                f"positions to rank j. {hint}".strip())
+            raise ExerciseWrong(f"`swap_to_heads`, {label}: rank {j} does not hold {_heads(j * group, group)} of "
+                                f"the whole sequence: rank i sends head group j of its positions to rank j. "
+                                f"{hint}".strip())
     _ok("swap_to_heads: every rank holds the whole sequence of its heads (one head a rank and two), so attention can "
         "now run whole on each rank; the inverse all-to-all brings the output back to sequence shards")

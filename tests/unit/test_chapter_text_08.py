@@ -113,7 +113,7 @@ def test_torch_context_parallel_is_cited_where_torch_says_it():
 def test_the_table_of_what_each_way_sends():
     ring_attention, shape, shard = _tiny_ring_shape()
     says_flat(f"(B = {shape['batch']}, {shape['heads']} heads of {shape['head_dim']} dimensions, S = {shape['seq_len']}, "
-         f"P = 4)")
+         f"c = 4)")
     rows = {"ring (`ring_attention.py`)": "ring", "all-gather (by hand)": "all-gather",
             'torch, "allgather" (its default)': "torch allgather", 'torch, "alltoall"': "torch alltoall",
             "Ulysses (above)": "ulysses"}
@@ -137,7 +137,7 @@ def test_causal_imbalance_and_what_zigzag_saves():
     says_flat(f"{halves[-1]:.0f} blocks against {halves[0]:.0f}: seven times")
     contiguous, zigzag = (cpm.ring_time_in_blocks(4, layout, 1.0) for layout in ("contiguous", "zigzag"))
     steps = [max(row) for row in cpm.ring_step_work(4, "contiguous", 1.0)]
-    says_flat(f"{contiguous:.0f} blocks in all ({' + '.join(f'{s:.0f}' for s in steps)}), where zig-zag takes {zigzag:.0f}")
+    says_flat(f"{contiguous:.0f} blocks in all ({' + '.join(f'{s:.0f}' for s in steps)}). Zig-zag takes {zigzag:.0f}")
     half_c, half_z = (cpm.ring_time_in_blocks(4, layout, 0.5) for layout in ("contiguous", "zigzag"))
     says_flat(f"{contiguous / zigzag:.2f} times faster counted in blocks, {half_c / half_z:.2f} times ({half_c:.0f} against "
          f"{half_z:.0f})")
@@ -149,7 +149,7 @@ def test_all_gather_memory_in_llama3_405b_and_its_source():
     from distlab.planner.sources import SOURCES
 
     quote = " ".join(SOURCES["llama3_cp_all_gather"].quote.split())
-    chapter_quote = re.search(r'"(our CP implementation adopts.*?we still adopt this\s+approach)"', TEXT, re.S)
+    chapter_quote = re.search(r'"(our CP implementation adopts.*?we still adopt this\s+approach)"', FLAT, re.S)
     assert chapter_quote and " ".join(chapter_quote.group(1).split()) in quote
     assert "16,384 8 16 16 8 131,072" in SOURCES["llama3_table4"].quote  # GPUs TP CP PP DP Seq. Len.
     says_flat("405B at 131,072 tokens with CP 16")
@@ -178,7 +178,7 @@ def test_when_a_ring_step_hides_its_transfer():
     peer = cpm.NVLINK3_A100_4GPU_PEER_BYTES_PER_S
     assert peer == links[0] * 4 / 12 == 100e9
     node = [cpm.ring_break_even_tokens_per_rank(8, kv, peak, peer) for kv in (8, 1)]
-    says_flat(f"that is {node[0]:,.0f} tokens per rank between neighbours in a 4 x A100 node")
+    says_flat(f"the break-even is {node[0]:,.0f} tokens per rank between neighbours in a 4 x A100 node")
     says_flat(f"({peer / 1e9:.0f} GB/s each way: four of each GPU's twelve NVLinks go to each other GPU")
     says_flat(f"{mha[0]:,.0f} where an NVSwitch gives any peer all {links[0] / 1e9:.0f} GB/s")
     says_flat(f"and {mha[1]:,.0f} over one Slingshot NIC")
@@ -217,7 +217,7 @@ def test_what_a_ring_rank_holds_of_k_and_v():
     assert "more than three blocks of K and V at once" not in FLAT
     says_flat("In forward it is three at every step but the last: its own (kept for backward), the one it computes "
               "with and the one arriving.")
-    says_flat("would make it four at steps 1 to P - 2")
+    says_flat("would make it four at steps 1 to c - 2")
     # backward measures [5, 5, 5, 4] (tests/scripts/test_08_sequence_parallel.py): the last message is dK, dV only
     says_flat("Backward holds five at every step but the last: its own K and V, and two messages of K, V, dK and dV")
     says_flat("| ring (`ring_attention.py`) | 49,152 | 114,688 | three blocks: its own, the visiting one, the arriving one "
@@ -264,7 +264,9 @@ def test_the_labs_balance_and_summary_say_what_the_code_computes():
     sent = {m: cpm.cp_bytes_sent_per_rank(m, 8192, 4) for m in ("ring", "all-gather", "torch allgather")}
     assert sent["torch allgather"] == sent["ring"] and sent["all-gather"]["backward"] < sent["ring"]["backward"]
     assert "The all-gather by hand (Llama 3's) sends the ring's forward bytes and less backward" in lab
-    assert "torch's sends the ring's bytes both ways" in lab
+    assert "Either way torch's context parallelism sends the ring's bytes both ways" in lab
+    # the lab speaks the chapter's symbols: h the width, t the TP degree, c the CP degree (P is the pipeline's)
+    assert not re.search(r"\b[HP]\b", lab) and "divided by tp" not in lab and "the table of section 5" not in lab
 
 
 def test_torch_sends_dk_and_dv_in_fp32_and_the_chapter_says_so():
@@ -346,3 +348,90 @@ def test_the_proof_sits_in_how_we_know_on_the_last_page():
     appendix = chapters.split_appendix(pages[-1].read_text())[1]
     for proof in ("tolerance 1e-5", "--planted-bug keep-own-block", "`_attention.py:77`", "tolerance 1e-6"):
         assert proof in " ".join(appendix.split()) and proof not in body, proof
+
+
+# ---- the cold reviews' findings on chapter 08 (learn0813, src0813) ----------------------------------------------
+
+def test_the_recap_tells_torchs_default_from_the_all_gather_by_hand():
+    """torch's default all-gathers K and V but sends the ring's bytes backward; only the all-gather by hand sends
+    less (the table's rows). The recap said torch's default sent less."""
+    _, _, shard = _tiny_ring_shape()
+    sent = {m: cpm.cp_bytes_sent_per_rank(m, shard, 4) for m in ("ring", "all-gather", "torch allgather")}
+    assert sent["torch allgather"]["backward"] == sent["ring"]["backward"] > sent["all-gather"]["backward"]
+    assert "(Llama 3's, and torch's default) sends less backward" not in FLAT
+    says_flat("The all-gather by hand (Llama 3's) sends less backward")
+    says_flat("torch's default all-gathers too, but it gathers again in backward and sends the ring's bytes.")
+
+
+def test_ulysses_and_the_ring_in_numbers_under_gqa():
+    """Ulysses sends (c-1)/c of q, k, v and the output: 2 B S (h + h_kv)/c x (c-1)/c numbers a way; the ring
+    2 B S h_kv (c-1)/c. Checked against cp_bytes_sent_per_rank with K and V narrower than Q (GQA) and without."""
+    B, S, c = 2, 64, 4
+    for h, h_kv in ((64, 64), (64, 16)):
+        q_shard, kv_shard = B * S // c * h * 4, B * S // c * h_kv * 4           # fp32 bytes of one rank's q, k
+        ulysses = cpm.cp_bytes_sent_per_rank("ulysses", kv_shard, c, q_shard_bytes=q_shard)["forward"]
+        ring = cpm.cp_bytes_sent_per_rank("ring", kv_shard, c)["forward"]
+        assert ulysses == 2 * B * S * (h + h_kv) / c * (c - 1) / c * 4
+        assert ring == 2 * B * S * h_kv * (c - 1) / c * 4
+    says_flat("So Ulysses sends 2 B S (h + h_kv)/c x (c - 1)/c numbers each way, which falls as ranks are added. The "
+              "ring sends 2 B S h_kv (c - 1)/c forward, which does not.")
+    says_flat("Counted in numbers (times 4 bytes in fp32)")
+    assert "about 4 B S h / P" not in FLAT and "about 4 B S h / c" not in FLAT
+
+
+def test_a_collective_gets_the_nodes_every_link_and_a_hop_its_pair():
+    """One bandwidth model for chapters 06, 08 and 09: a ring hop gets the 4 NVLinks to its neighbour (100 GB/s),
+    an NCCL collective inside the node all 12 (300 GB/s each way), through its channels."""
+    per_direction, peer = tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S, cpm.NVLINK3_A100_4GPU_PEER_BYTES_PER_S
+    assert per_direction == 3 * peer == 300e9
+    says_flat(f"Each A100 has twelve NVLinks, {per_direction / 1e9:.0f} GB/s each way in all, and in a 4 x A100 node "
+              f"four of them go to each of the three other GPUs.")
+    says_flat("NCCL runs it as several rings at once, its channels, each ordering the GPUs differently, so together "
+              "they use every NVLink of the node.")
+    says_flat(f"So an all-reduce inside the node, as in chapters 06 and 09, gets the whole {per_direction / 1e9:.0f} "
+              f"GB/s.")
+    says_flat("a single point-to-point hop (ring attention's) uses a third of them")
+    says_flat("(github.com/NVIDIA/nccl issue 299)")
+    says_flat("Across nodes the channels leave each node through different GPUs' NICs, so a collective uses every NIC "
+              "of the node, which chapter 09 counts on.")
+    says_flat('"entering/exiting the node through a NIC", several at once on NVLink systems (issue 412)')
+    # chapter 06 times its in-node all-reduces at that same 300 GB/s
+    assert (f"{per_direction / 1e9:.0f} GB/s in each direction. An all-reduce gets all of it, since NCCL spreads its "
+            f"rings over every link" in " ".join(chapters.text("06").split()))
+
+
+def test_the_ten_all_reduces_of_the_tiny_step():
+    """8.1 rebuilds its 491,520 bytes: ten all-reduces of one 4 x 32 x 64 fp32 activation, 2 (t-1)/t of it sent."""
+    tiny, t = models.preset("tiny"), 4
+    rows = [r for r in tp.tp_comm_formula(tiny, 4, 32, t, sequence_parallel=False)
+            if r["where"] not in ("loss", "norm weights")]
+    one = 4 * 32 * tiny.dim * 4
+    assert {r["collective"] for r in rows} == {"all_reduce"} and sum(r["payload_bytes"] for r in rows) == 10 * one
+    each = comm.bytes_sent_per_rank("all_reduce", one, t)
+    assert tiny.n_layers == 2 and 10 * each == 491_520
+    says(f"Those {10 * each:,.0f} bytes come from ten all-reduces, since the tiny model has {tiny.n_layers} layers.")
+    says(f"Each carries one 4 x 32 x 64 activation, {one:,} bytes in fp32. On 4 ranks each rank sends 2 x 3/4 of it, "
+         f"{each:,.0f} bytes, and ten of them make {10 * each:,.0f}.")
+
+
+def test_the_per_step_blocks_of_both_layouts():
+    """Each step's busiest rank, contiguous and zig-zag: 3 + 4 + 4 + 4 and 3 + 2 + 2 + 2 blocks."""
+    steps = {layout: [max(row) for row in cpm.ring_step_work(4, layout, 1.0)] for layout in ("contiguous", "zigzag")}
+    assert steps == {"contiguous": [3, 4, 4, 4], "zigzag": [3, 2, 2, 2]}
+    says_flat(f"Zig-zag takes {sum(steps['zigzag']):.0f} ({' + '.join(f'{s:.0f}' for s in steps['zigzag'])})")
+    says_flat("at step 0 every rank computes its own 2 x 2 corner: two diagonal blocks and one full one")
+    # away from the diagonal a zig-zag rank computes two of its four chunk pairs, whole (none is half masked)
+    kinds = [tp.block_kind(q, k) for q in tp.ring_chunks(1, 4, "zigzag") for k in tp.ring_chunks(2, 4, "zigzag")]
+    assert sorted(kinds) == ["full", "full", "skipped", "skipped"]
+    says_flat("Two of its four chunk pairs are skipped whole")
+    assert "of which half are masked" not in FLAT
+
+
+def test_one_letter_one_meaning():
+    """The CP degree is c (P is chapter 07's pipeline ranks); chapter 06's operator f is named as such."""
+    assert re.findall(r"\bP\b", FLAT) == ["P"], re.findall(r"\bP\b", FLAT)   # only where c is defined against it
+    says_flat("Each of c ranks (c is the CP degree; chapter 07's P stays the pipeline's)")
+    says_flat("Plain TP had chapter 06's operator f there (Megatron's name, not the feed-forward width f)")
+    assert "Megatron's f there" not in FLAT
+    assert "the tiny run (B = 2" not in FLAT and "the tiny ring run (B = 2" in FLAT
+    assert "the output projection's input" not in FLAT and "LM head all-gathers its input" in FLAT

@@ -8,24 +8,45 @@ from distlab import domain
 CHAPTER = chapters.text("10")  # every page of the chapter: a claim may move from one page to the next
 
 
+def tile_ratios(row) -> list[float]:
+    """Halo cells per tile cell of every tile of a table row's grid, from the bytes each rank sends (one channel,
+    one sample, fp32): what each tile receives, since a neighbour sends it exactly the strip it sends back."""
+    grid = domain.TileGrid(*row["grid"], 720, 1440)
+    return [domain.halo_send_bytes(grid, r, 3, channels=1, batch=1) / 4 / (grid.tile_shape(r)[0] * grid.tile_shape(r)[1])
+            for r in range(grid.size)]
+
+
 def surface_table() -> str:
-    lines = ["| ranks | split | ranks as rows x cols | tile (cells) | halo cells per tile cell |",
-             "|---:|:---|:---|:---|---:|"]
+    lines = ["| ranks | split | ranks as rows x cols | tile (cells) | halo cells per tile cell, busiest tile | corner or "
+             "end tile |", "|---:|:---|:---|:---|---:|---:|"]
     for row in domain.surface_to_volume_rows(720, 1440, (4, 16, 80), radius=3):
+        ratios = tile_ratios(row)
         lines.append(f"| {row['ranks']} | {row['split']} | {row['grid'][0]} x {row['grid'][1]} | "
-                     f"{row['tile'][0]} x {row['tile'][1]} | {100 * row['ratio']:.2f}% |")
+                     f"{row['tile'][0]} x {row['tile'][1]} | {100 * max(ratios):.2f}% | {100 * min(ratios):.2f}% |")
     return "\n".join(lines)
 
 
 def test_surface_to_volume_table():
+    """The table gives each split's busiest and idlest tile. A tile with a neighbour on every side is the busiest
+    (halo_to_tile_ratio, the figure's curve), an end or corner tile receives half of it, and on a 2 x 2 grid, where
+    every tile is a corner, each receives half of what the interior formula says."""
     assert surface_table() in CHAPTER, "the table in chapter 10 is stale:\n" + surface_table()
     from fractions import Fraction
 
-    at_80 = {r["split"]: Fraction(r["ratio"]).limit_denominator(100)
-             for r in domain.surface_to_volume_rows(720, 1440, (80,), radius=3)}
+    rows = domain.surface_to_volume_rows(720, 1440, (4, 16, 80), radius=3)
+    for row in rows:
+        ratios = tile_ratios(row)
+        assert abs(min(ratios) - row["ratio"] / 2) < 1e-12                       # a corner or end: half
+        interior = row["grid"][0] >= 3 and (row["split"] == "h" or row["grid"][1] >= 3)
+        assert (abs(max(ratios) - row["ratio"]) < 1e-12) == interior, row          # the interior formula, if any
+    two_by_two = next(r for r in rows if r["grid"] == (2, 2))
+    flat = " ".join(CHAPTER.split())
+    assert (f"Each receives {100 * max(tile_ratios(two_by_two)):.2f}%, half the {100 * two_by_two['ratio']:.2f}% that a "
+            f"tile of the same size with a neighbour on every side would.") in flat
+    at_80 = {r["split"]: Fraction(max(tile_ratios(r))).limit_denominator(100) for r in rows if r["ranks"] == 80}
     assert at_80 == {"h": Fraction(2, 3), "hw": Fraction(1, 9)}
-    assert "each band exchanges two thirds of its own size per pass, against one ninth for a tile" in " ".join(
-        CHAPTER.split())
+    assert "each inner band exchanges two thirds of its own size per pass, against one ninth for an inner tile" in flat
+    assert "| halo cells per tile cell |" not in CHAPTER
 
 
 def test_halo_bytes_of_the_default_runs():
@@ -79,7 +100,7 @@ def test_the_mechanisms_are_described_as_the_code_runs_them():
     assert "all-gather each tile's count, mean and sum of squared deviations" in flat
     assert "one all-reduce instead of two" not in flat
     # a norm does not force a halo before every layer
-    assert "A norm does not force it" in flat and "needs this form, because the norm needs every cell" not in flat
+    assert "A norm between the convolutions does not force it" in flat and "needs this form, because the norm needs every cell" not in flat
     # the pole: the near side mirrored in order and turned half way round (tests/unit/test_domain.py checks it)
     assert "mirrored in order" in flat and "`domain.pole_halo`" in flat
     assert "a halo taken from the row itself shifted" not in flat
@@ -121,3 +142,85 @@ def test_the_halo_exchange_picture_is_the_exchange():
             cells = sum(c for sender, _, _, c in messages if sender == rank)
             assert cells * 4 == domain.halo_send_bytes(grid, rank, width, channels=1, batch=1)
     assert "Rows go first, then columns, so rank 3's corner reaches rank 0 through rank 1." in " ".join(CHAPTER.split())
+
+
+# ---- the cold reviews' findings on chapter 10 (learn0813, src0813) ----------------------------------------------
+
+def test_the_premise_has_a_number():
+    """One sample's activations against the network's weights: 32 layers of 3 x 3 convolutions, 256 channels, on
+    the 720 x 1440 grid in fp32, autograd keeping each layer's input."""
+    layers, channels, cells = 32, 256, 720 * 1440
+    activation = cells * channels * 4
+    weights = layers * channels * channels * 9 * 4
+    flat = " ".join(CHAPTER.split())
+    assert (f"Each layer's input takes 720 x 1440 x {channels} x 4 bytes = {activation / 2**30:.2f} GiB, and autograd "
+            f"keeps it for backward: {layers * activation / 2**30:.0f} GiB for one sample.") in flat
+    assert (f"The weights take {layers} x {channels} x {channels} x 9 x 4 bytes = {weights / 2**20:.0f} MiB, "
+            f"{layers * activation / weights:.0f} times less.") in flat
+    assert 30 < layers * activation / 2**30 < 40       # "nearly fills an A100-40GB"
+    assert "One sample nearly fills an A100-40GB." in flat
+
+
+def test_torchs_conv_halo_conditions_are_stated_as_torch_checks_them():
+    """_tp_conv.py: dilation 1; padded, stride 1; unpadded, stride == kernel and dividing the width."""
+    import torch
+
+    lines = (Path(torch.__file__).parent / "distributed" / "tensor" / "_tp_conv.py").read_text().splitlines()
+    block = "\n".join(lines[21:41])
+    assert lines[21].startswith("def _is_supported(input_size, kernel_size, stride, padding, dilation):")
+    assert 'raise RuntimeError("Dilation must be 1 for tensor parallel convolution.")' in block
+    assert "if padding[-1] != 0:" in block and "if stride[-1] != 1:" in block
+    assert "input_size[-1] % stride[-1] == 0 and stride[-1] == kernel_size[-1]" in block
+    flat = " ".join(CHAPTER.split())
+    assert ("It takes one sharded dimension, dilation 1, and stride 1 when the convolution is padded; unpadded, the "
+            "stride must equal the kernel and divide the width, a patchify (`_tp_conv.py:22-41`).") in flat
+    assert "one sharded dimension, stride 1, dilation 1" not in flat
+
+
+def test_the_words_the_reviews_could_not_follow():
+    flat = " ".join(CHAPTER.split())
+    # the halo's width is w, not the `width` beside the tile's width
+    assert "Write w for the halo's width in cells." in flat and "`width` rows of its tile's width" not in flat
+    # why domain_train.py exchanges before every layer, and no undefined "window"
+    assert "because it is the simpler form" in flat and "whole window" not in flat
+    # a mesh "row" was a dp index in a chapter where rows are grid rows
+    assert "data-parallel rows" not in flat and "The `dp` rows" not in flat and "rows' losses" not in flat
+    assert "Each data-parallel replica, one `dp` index with its own `domain` group" in flat
+    # what the 0.47 is
+    assert "the largest absolute gap between the two models' predicted fields" in flat
+
+
+def test_the_tiles_picture_is_captioned_by_its_own_halo():
+    """10_tiles_and_halos.png's left panel draws a halo of 2 cells: two 3 x 3 layers, as the caption says."""
+    import inspect
+
+    from coursetools import figures
+
+    assert "grid, radius = domain.TileGrid(2, 2, 16, 16), 2" in inspect.getsource(figures.draw_tiles_and_halos)
+    assert domain.receptive_radius([3, 3]) == 2
+    flat = " ".join(CHAPTER.split())
+    assert "rank 0's halo for two 3 x 3 layers (a receptive radius of 2 cells)" in flat
+
+
+def test_the_halo_exchange_picture_writes_no_zero_for_padding():
+    """A padding cell stays blank: the only "0"s drawn are rank 0's cells, in all three panels."""
+    from matplotlib.figure import Figure
+
+    from coursetools.drawings import ch10
+
+    fig = Figure()
+    ch10.draw_halo_exchange(fig)
+    zeros = sum(t.get_text() == "0" for ax in fig.axes for t in ax.texts)
+    after_rows, after_columns, _ = ch10.exchange_on_labels(domain.TileGrid(2, 2, 8, 8), 1)
+    owned = lambda tiles: sum(label == 0 for tile in tiles for row in tile for label in row)
+    assert zeros == owned(after_rows.values()) + owned(after_columns.values()) + owned([after_columns[0]])
+    assert "grey blank cells lie beyond the field's edge" in " ".join(CHAPTER.split())
+
+
+def test_lab_10_says_replica_where_it_meant_a_mesh_row():
+    import json
+
+    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "10_domain_parallel.ipynb").read_text())
+    lab = " ".join(" ".join("".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "markdown").split())
+    assert "2 rows of 2 tiles" not in lab and "2 data-parallel replicas (`dp` = 2)" in lab
+    assert "for a tile with a neighbour on every side (a corner or end tile receives half)" in lab

@@ -54,7 +54,7 @@ def test_the_right_swap_passes(capsys):
     (strided_heads, "every 4th head"),
     (reversed_ranks, "in rank order"),
     (reshaped_not_swapped, "rank i sends head group j"),
-    (unswapped, "should hold \\(B, a/P, S, d\\)"),
+    (unswapped, "should hold \\(B, a/c, S, d\\)"),
     (lambda shards: right(shards)[:-1], "a list of 4 tensors"),
 ])
 def test_a_plausible_wrong_swap_is_rejected_with_its_slip_named(wrong, says):
@@ -73,3 +73,16 @@ def test_the_librarys_own_swap_needs_a_process_group_so_importing_it_does_not_pa
     with pytest.raises(Exception) as caught:
         ex.check_swap_to_heads(lambda shards: [context_parallel.sequence_to_heads(s) for s in shards])
     assert not isinstance(caught.value, ExerciseIncomplete)
+
+
+def test_a_group_of_one_head_is_named_as_one_head():
+    """With one head a rank (4 heads on 4 ranks, the first case) the message names "head 2", not "heads 2 to 2"."""
+    def wrong_heads(shards):   # right shapes, but each rank gets its neighbour's head group
+        swapped = right(shards)
+        return swapped[1:] + swapped[:1]
+
+    with pytest.raises(ExerciseWrong) as caught:
+        ex.check_swap_to_heads(wrong_heads)
+    message = str(caught.value)
+    assert "4 heads on 4 ranks" in message and "does not hold head 0 of the whole sequence" in message
+    assert " to 0" not in message
