@@ -142,7 +142,7 @@ def draw_sequence_parallel_regions(fig) -> None:
     ax = fig.subplots()
     boxes = [("RMSNorm\n(S/t positions)", "seq"), ("all-gather\nalong S", "comm"),
              ("attention\n(a/t heads)", "tp"), ("reduce-scatter\nalong S", "comm"), ("+ residual\n(S/t)", "seq"),
-             ("RMSNorm\n(S/t)", "seq"), ("all-gather\nalong S", "comm"), ("SwiGLU\n(F/t features)", "tp"),
+             ("RMSNorm\n(S/t)", "seq"), ("all-gather\nalong S", "comm"), ("SwiGLU\n(f/t features)", "tp"),
              ("reduce-scatter\nalong S", "comm"), ("+ residual\n(S/t)", "seq")]
     colours = {"seq": "#9ecae1", "tp": "#fdd0a2", "comm": "#ffffff"}
     for i, (label, kind) in enumerate(boxes):
