@@ -127,9 +127,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.diagnosis_table", description=update_chapter.__doc__)
     parser.add_argument("--write", action="store_true", help="rewrite the chapter's pages in place (else: print them)")
     options = parser.parse_args(argv)
-    from coursetools import chapters
-
-    for page in chapters.pages("14", ROOT):
+    # the chapter's pages (coursetools.chapters names them; labkit does not import the course's build tools)
+    for page in [CHAPTER, *sorted(CHAPTER.parent.glob("14.[0-9]*_*.md"))]:
         text = update_chapter(page.read_text())
         if options.write:
             page.write_text(text)
