@@ -6,7 +6,8 @@ documentation pages, November 2026). Its ``quote`` is copied verbatim from what 
 breaks kept or folded into spaces (web pages come back with layout breaks). None is written from memory.
 ``SOURCES`` maps a case name of ``labkit.broken_runs.BROKEN_RUNS`` to its list of sources, and ``LEFT_OUT`` the
 issue's one mistake the registry leaves out; tests/unit/test_diagnosis_sources.py checks that every case has at least
-one, and that each entry is complete.
+one, and that each entry is complete. ``TORCH_CHANGES`` holds the pull requests of torch that the chapter's "How we
+know" cites for a case (not reports of the mistake, so not linked under the case).
 """
 
 from __future__ import annotations
