@@ -1226,6 +1226,9 @@ def draw_resumes(fig) -> None:
         left.plot([int(k) for k in by_step], list(by_step.values()), marker="o", markersize=3, color=colour,
                   linestyle=style, label="resumed from DCP" if name == "fixed" else "resumed from rank 0's shard")
     left.axvline(shard["first_step"] - 0.5, color="grey", linewidth=0.8, linestyle=":")
+    left.annotate(f"checkpoint after step {shard['first_step'] - 1}:\nstep {shard['first_step']} trained again",
+                  xy=(shard["first_step"] - 0.45, 0.97), xycoords=("data", "axes fraction"), va="top", fontsize=6,
+                  color="grey")
     left.set_title(f"checkpoint-one-shard: the loss jumps by {shard['jump']:.2f} at the resume", fontsize=7.5)
     rng = run["resume-without-rng"]
     for name, colour, style, label in (("fixed", "grey", "-", "resumed with the full state (= one device)"),
@@ -1235,14 +1238,19 @@ def draw_resumes(fig) -> None:
                    linewidth=3 if name == "fixed" else 1, alpha=0.6 if name == "fixed" else 1)
     resumed = min(rng["steps_trained_twice"])
     right.axvline(resumed - 0.5, color="grey", linewidth=0.8, linestyle=":")
+    right.annotate(f"checkpoint after step {resumed - 1}:\nstep {resumed} trained again", xy=(resumed - 0.45, 0.97),
+                   xycoords=("data", "axes fraction"), va="top", fontsize=6, color="grey")
+    # the step's first training, before the kill: both runs' first attempts are the same run (the fixed run's loss)
+    right.plot([resumed], [rng["fixed"]["losses"][resumed]], marker="o", markersize=6, markerfacecolor="none",
+               markeredgecolor="black", linestyle="none", label=f"step {resumed}, first training (before the kill)")
     right.set_title(f"resume-without-rng: a step trained twice, {rng['jump']:.2f} apart", fontsize=7.5)
     from matplotlib.ticker import MaxNLocator
 
     for ax in (left, right):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step (dotted: the resume)", fontsize=7)
+        ax.set_xlabel("step (dotted: the checkpoint the run resumed from)", fontsize=7)
         ax.tick_params(labelsize=6.5)
-        ax.legend(fontsize=6, frameon=False)
+        ax.legend(fontsize=6, frameon=False, loc="lower left")
     left.set_ylabel("loss", fontsize=7)
     fig.tight_layout()
 

@@ -6,7 +6,8 @@ documentation pages, November 2026). Its ``quote`` is copied verbatim from what 
 breaks kept or folded into spaces (web pages come back with layout breaks). None is written from memory.
 ``SOURCES`` maps a case name of ``labkit.broken_runs.BROKEN_RUNS`` to its list of sources, and ``LEFT_OUT`` the
 issue's one mistake the registry leaves out; tests/unit/test_diagnosis_sources.py checks that every case has at least
-one, and that each entry is complete.
+one, and that each entry is complete. ``TORCH_CHANGES`` holds the pull requests of torch that the chapter's "How we
+know" cites for a case (not reports of the mistake, so not linked under the case).
 """
 
 from __future__ import annotations
@@ -153,11 +154,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "non-final ranks hold `None` or a zero tensor."},
     ],
     "too-few-microbatches": [
-        {"url": "https://github.com/pytorch/pytorch/pull/144702",
-         "title": "[PP] Don't allow for num_microbatches > num_stages for single stage schedules "
-                  "(pytorch/pytorch #144702)",
-         "quote": "I think this is a regression as the bug was only in the 1F1B scheduler, GPipe worked with MB < "
-                  "PP."},
         {"url": "https://github.com/NVIDIA/Megatron-LM/issues/1829",
          "title": "[QUESTION] VPP argument setting (NVIDIA/Megatron-LM #1829)",
          "quote": "According to the current code logic ,If `microbatch_group_size_per_vp_stage` is smaller than "
@@ -257,6 +253,36 @@ LEFT_OUT: dict[str, list[dict[str, str]]] = {
                   "the same random seed. While each rank gets different inputs,  if dropout is activated the "
                   "elements dropped would the \"same\" which can lead to unexpected behaviour or patterns in the "
                   "model between ranks."},
+    ],
+}
+
+
+# Torch's own changes that chapter 14's "How we know" cites, in the order they happened: why Schedule1F1B refuses
+# fewer microbatches than stages while GPipe runs with them, and where TORCH_DISTRIBUTED_DEBUG=DETAIL's check of
+# every collective comes from. Found with the search tool (corpus: issues), December 2026; quotes verbatim.
+TORCH_CHANGES: dict[str, list[dict[str, str]]] = {
+    "too-few-microbatches": [
+        {"url": "https://github.com/pytorch/pytorch/pull/144702",
+         "title": "[PP] Don't allow for num_microbatches > num_stages for single stage schedules "
+                  "(pytorch/pytorch #144702)",
+         "quote": "There is an edge case where `Schedule1F1B` will hang when num_microbatches=1 "
+                  "(https://github.com/pytorch/torchtitan/issues/775). [...] I think this is a regression as the "
+                  "bug was only in the 1F1B scheduler, GPipe worked with MB < PP."},
+        {"url": "https://github.com/pytorch/pytorch/pull/171462",
+         "title": "Remove MB < PP check for Gpipe (pytorch/pytorch #171462)",
+         "quote": "Move the microbatches < pipeline stages check only for 1F1B, since we don't want to restrict "
+                  "Gpipe"},
+    ],
+    "mismatched-collectives": [
+        {"url": "https://github.com/pytorch/pytorch/pull/58224",
+         "title": "[c10d] Introduce ProcessGroupWrapper (pytorch/pytorch #58224)",
+         "quote": "Verify op type consistency. This can help catch mismatched ops in the user application (i.e. "
+                  "allreduce on one rank and allgather on another) [...] This is done through an abstraction called "
+                  "`CollectiveFingerPrint` which uses a helper process group to do the above verification."},
+        {"url": "https://github.com/pytorch/pytorch/pull/58281",
+         "title": "[c10d] Use pg wrapper in detailed debug mode (pytorch/pytorch #58281)",
+         "quote": "When TORCH_DISTRIBUTED_DEBUG=DETAIL is enabled, this PR causes process groups created by "
+                  "`new_group` and `init_process_group` that are nccl or gloo to be wrapped in `ProcessGroupWrapper`."},
     ],
 }
 

@@ -11,6 +11,15 @@ from __future__ import annotations
 # What a user sees, in the order the chapter teaches them.
 GROUPS = ("Wrong numbers", "Hangs, timeouts and errors", "Slow steps", "Resumes")
 
+# The question of the chapter's three (stuck or slow? do the ranks agree? does the run agree with one device?) that
+# sends a run to each group: the picture prints it beside the group's name.
+QUESTIONS = {
+    "Wrong numbers": "questions 2 and 3: the ranks disagree, or all agree and differ from one device",
+    "Hangs, timeouts and errors": "question 1: it stops",
+    "Slow steps": "question 1: it is slow",
+    "Resumes": "question 3: the resumed run differs from the uninterrupted one",
+}
+
 # case -> (what you see, what to look at, the cause), a few words each: the picture's boxes, the recap's cells.
 PATHS = {
     "same-samples-every-rank": ("every rank prints the same loss", "the losses per rank",
@@ -81,7 +90,7 @@ def recap_markdown(cases=None) -> str:
 
 def draw_diagnosis_paths(fig) -> None:
     """Every broken run as a path of three boxes, what you see -> what to look at -> the cause, grouped by what a
-    user sees (a coloured band a group)."""
+    user sees (a coloured band a group, named with the question of the chapter's three that sends a run there)."""
     from matplotlib.patches import FancyBboxPatch
 
     from coursetools.figures import RANK_COLOURS   # here, not above: coursetools.figures imports this module
@@ -104,7 +113,9 @@ def draw_diagnosis_paths(fig) -> None:
         band = len(members) + 0.3
         ax.add_patch(FancyBboxPatch((0.02, y - band + 0.05), 12.3, band - 0.1, boxstyle="round,pad=0.02",
                                     facecolor=colour, alpha=0.08, edgecolor=colour, linewidth=0.6))
-        ax.text(0.12, y - 0.12, group, fontsize=7.5, color=colour, weight="bold", va="center")
+        label = ax.text(0.12, y - 0.12, group, fontsize=7.5, color=colour, weight="bold", va="center")
+        ax.annotate(f"  ({QUESTIONS[group]})", xycoords=label, xy=(1, 0.5), va="center", fontsize=7,
+                    color=colour, style="italic")
         y -= 0.3
         for case in members:
             y -= 1

@@ -115,10 +115,11 @@ def registry_left_out():
 
 def test_the_scripts_and_the_example_commands_are_the_registrys():
     broken_runs = registry()
-    first = " ".join(chapters.pages("14")[0].read_text().split())   # the website's chapter links read the first page
-    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in first
+    # the website's chapter links read every page (coursetools.site.chapter_text); the list is proof, not teaching
+    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) in FLAT_APPENDIX
+    assert diagnosis_table.scripts_markdown(broken_runs.BROKEN_RUNS) not in " ".join(BODY.split())
     scripts = len({c.script for c in broken_runs.BROKEN_RUNS})
-    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in first
+    assert f"live in {NUMBER_WORDS[scripts]} scripts of earlier chapters" in FLAT_APPENDIX
     case = broken_runs.case("accumulation-never-syncs")
     for fixed in (False, True):
         assert " ".join(case.command(fixed=fixed)) in CHAPTER.splitlines(), fixed
@@ -156,7 +157,9 @@ def test_the_bf16_numbers_are_the_measured_ones():
     assert f"within {sci(fp32)} of one device's" in FLAT
     assert f"{sci(at[2, 'bf16'])} away on 2 ranks and {sci(at[4, 'bf16'])} on 4" in FLAT
     assert f"On 8 ranks the largest error is {sci(at[8, 'bf16'])} again" in FLAT and at[8, "bf16"] == at[4, "bf16"]
-    assert at[2, "bf16"] < at[4, "bf16"] and "more on 4 ranks than on 2" in FLAT
+    # 8 ranks measure no more than 4: growth with the rank count is not a symptom to rely on, the bytes are
+    assert at[8, "bf16"] <= at[4, "bf16"] and "more on 4 ranks than on 2" not in FLAT
+    assert "do not judge by the rank count" in FLAT
     assert torch.finfo(torch.bfloat16).eps == 2 ** -7 and "keeps 8 significant bits" in FLAT   # 7 stored + 1
 
 def test_the_bf16_reports_say_what_the_chapter_says_of_them():
@@ -310,9 +313,15 @@ def test_the_sources_that_do_not_show_their_symptom_are_gone():
     for gone in ("snowfall/issues/152", "sparseml/pull/135", "pytorch/issues/64625", "huggingface.co/spaces/rockeycoss",
                  "Neuron_SP/issues/589"):
         assert not any(gone in url for url in urls), gone
-    pr = next(s for s in diagnosis_sources.SOURCES["too-few-microbatches"] if s["url"].endswith("/pull/144702"))
-    assert "GPipe worked with MB < PP" in pr["quote"]
-    assert "Pull request #144702 added that refusal" in FLAT_APPENDIX
+    assert not any(s["url"].endswith("/pull/144702") for s in diagnosis_sources.SOURCES["too-few-microbatches"])
+    first, second = diagnosis_sources.TORCH_CHANGES["too-few-microbatches"]
+    assert first["url"].endswith("/pull/144702") and "GPipe worked with MB < PP" in first["quote"]
+    assert second["url"].endswith("/pull/171462") and "check only for 1F1B" in second["quote"]
+    assert "Pull request #144702 added that refusal" not in FLAT
+    assert FLAT_APPENDIX.index("#144702") < FLAT_APPENDIX.index("#171462")
+    assert "refused it for every single-stage schedule, GPipe too" in FLAT_APPENDIX
+    assert "moved the check into `Schedule1F1B` alone" in FLAT_APPENDIX
+    assert "144702" not in BODY   # its title reads the comparison backwards: cited where it is explained
 
 
 def test_the_fsdp_param_lines_the_optimizer_case_cites():
@@ -335,3 +344,134 @@ def test_the_debug_level_that_checks_collectives_is_torchs():
     assert "_create_process_group_wrapper(" in lines[2297] and lines[2305].strip() == ")"
     assert '"enables enhanced collective checking for debuggability" (torch/distributed/distributed_c10d.py:2287-2306)' \
         in FLAT_APPENDIX and "`TORCH_DISTRIBUTED_DEBUG=DETAIL` checks each collective's kind and shapes" in FLAT
+    wrapper = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+               "ProcessGroupWrapper.hpp").read_text().splitlines()
+    assert "monitored" in wrapper[187] and "collective fingerprint collecting" in wrapper[188]
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp:188-189)" in FLAT_APPENDIX
+    from labkit import diagnosis_sources
+
+    introduced, turned_on = diagnosis_sources.TORCH_CHANGES["mismatched-collectives"]
+    assert introduced["url"].endswith("/pull/58224") and "CollectiveFingerPrint" in introduced["quote"]
+    assert turned_on["url"].endswith("/pull/58281") and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in turned_on["quote"]
+    assert "124447" not in CHAPTER and FLAT_APPENDIX.index("#58224") < FLAT_APPENDIX.index("#58281")
+
+
+# ---- the two cold reviews of the teach-first chapter: each finding held by the text it fixed
+
+
+def section_of(name: str) -> str:
+    """The text of a case's section (its ### heading to the next heading)."""
+    return " ".join(re.search(rf"^### [^\n]*\(`{re.escape(name)}`\)\n(.*?)(?=^##)", CHAPTER, flags=re.M | re.S)
+                    .group(1).split())
+
+
+def test_a_hang_as_a_user_on_gpus_with_nccl_sees_it():
+    """Each hang case says what NCCL's watchdog prints after torch's default 10 minutes; 2 s is the CPU runs'."""
+    import torch
+
+    from labkit import broken_runs
+
+    c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    nccl = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()
+    assert nccl[156].strip() == "constexpr auto kProcessGroupNCCLDefaultTimeout =" and \
+        nccl[157].strip() == "std::chrono::milliseconds(10 * 60 * 1000);"
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:157-158)" in FLAT_APPENDIX
+    assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "timeout, 2 s on the course's CPU runs" in FLAT
+    job = (ROOT / "pbs" / "14_when_it_goes_wrong.pbs").read_text()
+    assert 'broken uneven-inputs "$deadlocks" --hang uneven-inputs --pg-timeout 10 ' in job
+    assert "`--pg-timeout 2` (`HANG_TIMEOUT` in `labkit/broken_runs.py`); the GPU job passes 10 s" in FLAT_APPENDIX
+    hangs = " ".join(chapters.section(BODY, "Hangs, timeouts and errors").split())
+    assert "`Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=...)`, after 10 minutes" in hangs
+    assert "flight recorder" in hangs and "here 2 s" not in hangs
+    uneven, mismatched = section_of("uneven-inputs"), section_of("mismatched-collectives")
+    assert "the same `SeqNum`, with `OpType=ALLREDUCE`" in uneven
+    assert "`OpType=BROADCAST` on rank 0 and `OpType=ALLREDUCE` on the others" in mismatched
+    # a lost node: NCCL's own error, the survivors in one call, torchrun's agent stopping the node's other ranks
+    assert "though it rarely prints a connection error" not in FLAT
+    assert "remote process exited or there was a network error" in mismatched and "`ncclRemoteError`" in mismatched
+    assert "The ranks that remain all wait in the same collective" in mismatched
+    agent = (Path(torch.__file__).parent / "distributed" / "elastic" / "agent" / "server" / "api.py").read_text() \
+        .splitlines()
+    assert agent[939].strip() == "elif state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:"
+    assert agent[951].strip() == "self._restart_workers(self._worker_group)" and \
+        agent[953].strip() == "self._stop_workers(self._worker_group)"
+    assert "(torch/distributed/elastic/agent/server/api.py:940-956)" in FLAT_APPENDIX
+    assert "`src/init.cc:3068` at tag v2.29.7-1" in FLAT_APPENDIX
+
+
+def test_the_tools_of_chapter_12_are_said_where_they_are_first_used():
+    """A reader of chapters 01-10 and 13 meets the journal, the profiler and TrainingState with a clause each."""
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert "read it first" in first[:1200]
+    flat_body = " ".join(BODY.split())
+    for term, says in (("journal", "records every collective"), ("profiler", "records when each operator"),
+                       ("TrainingState", "saves the random generators")):
+        at = flat_body.index(term)
+        assert says in flat_body[max(0, at - 250):at + 250], term
+
+
+def test_the_findings_on_the_cases_are_fixed():
+    from labkit import broken_runs
+
+    twice = section_of("loss-averaged-twice")
+    source = (ROOT / "scripts" / "04_data_parallel" / "ddp_from_scratch.py").read_text()
+    assert "def average_gradients(model):" in source and "param.grad.div_(world_size)" in source
+    assert "`ddp_from_scratch.py`" in twice and "`average_gradients`" in twice and "DDP already averages" not in twice
+    assert "This run computes in fp32 too" not in FLAT and "so its fix is that one argument" in FLAT
+    assert "A mesh built with its names swapped fails that check instead" not in FLAT
+    assert "the order the field asks about most" not in FLAT
+    assert "`DistributedSampler`, which pads the shards to equal length, is the usual choice" in section_of(
+        "uneven-inputs")
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "MASK_FRACTION = 0.1 " in drill and "replaces a random tenth of the input tokens" in FLAT
+    assert "other random masks" not in FLAT and "other random masks" not in broken_runs.case("resume-without-rng").cause
+    slow = section_of("slow-rank")
+    assert "CUDA events" in slow and "GPU timeline" in slow
+    assert "overlapped: communication that ran while the rank computed" in FLAT
+    assert "under `if rank == 0:`" in section_of("checkpoint-one-shard")
+
+
+def test_a_bubble_far_above_the_formula_is_said_by_where_the_idle_time_sits():
+    """The formula's idle time is the staircase; any gap between two forwards or two backwards of a rank is a
+    message or a slow neighbour: here under 4 ms, against stages of 10 ms."""
+    for run in measured("14_pipeline_bubble.json")["runs"]:
+        gaps = []
+        for rank in range(run["stages"]):
+            ops = sorted((e for e in run["timeline"] if e["rank"] == rank), key=lambda e: e["start"])
+            gaps += [1e3 * (b["start"] - a["end"]) for a, b in zip(ops, ops[1:]) if a["kind"] == b["kind"]]
+        assert max(gaps) < 4, max(gaps)
+        argv = run["argv"]
+        assert argv[argv.index("--stage-compute-ms") + 1] == "10"
+    assert "here under 4 ms, against 10 ms of forward work" in FLAT
+
+
+def test_the_resumes_say_where_the_checkpoint_was_taken():
+    run = measured("14_resumes.json")
+    shard, rng = run["checkpoint-one-shard"], run["resume-without-rng"]
+    saved_shard, saved_rng = shard["first_step"] - 1, min(rng["steps_trained_twice"]) - 1
+    assert f"the checkpoint after step {saved_shard}" in FLAT and f"the checkpoint after step {saved_rng}" in FLAT
+    # the first training of the step trained twice is the fixed run's: both ran the same first attempt
+    step = saved_rng + 1
+    assert abs(rng["fixed"]["losses"][step] - rng["broken"]["losses"][step]) == pytest.approx(rng["jump"], abs=1e-6)
+    import json
+
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    markdown = " ".join("".join(c["source"]) for c in lab["cells"] if c["cell_type"] == "markdown")
+    assert f"from its checkpoint after step {saved_rng}" in markdown and "checkpoint of step 4" not in markdown
+    assert f"interrupted after step {shard['first_step']}" in markdown
+
+
+def test_the_exercises_lead_to_every_exercise_of_the_lab():
+    listed = " ".join(chapters.exercise_items(BODY))
+    titles = chapters.lab_exercises("14")
+    assert len(titles) == 5 and all(f'"{title}"' in listed for title in titles), titles
+
+
+def test_the_picture_shows_which_question_sends_you_to_each_band():
+    assert list(ch14.QUESTIONS) == list(ch14.GROUPS)
+    assert ch14.QUESTIONS["Hangs, timeouts and errors"].startswith("question 1")
+    assert ch14.QUESTIONS["Slow steps"].startswith("question 1")
+    assert ch14.QUESTIONS["Wrong numbers"].startswith("questions 2 and 3")
+    assert ch14.QUESTIONS["Resumes"].startswith("question 3")
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert "Question 1 sends a run that stops to the hangs and errors, and a slow one to the slow steps." in first

@@ -110,10 +110,13 @@ def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     rows = json.loads(figures.BROKEN_BF16.read_text())["rows"]
     at = {(r["world_size"], r["reduce_dtype"]): r["gradient_diff"] for r in rows}
     symptom = broken_runs.case("bf16-gradient-reduction").symptom
-    assert f"({at[2, 'bf16']:.1e} on 2 ranks, {at[4, 'bf16']:.1e} on 4)".replace("e-0", "e-") in symptom
-    assert "~3e-4" in symptom and round(at[4, "bf16"], 4) == 3e-4 and "~1e-8" in symptom and at[4, "fp32"] < 2e-8
-    # 8 ranks measure no more than 4: the symptom claims growth from 2 to 4 only; bf16 stores 7 bits, keeps 8
-    assert "more on 4 ranks than on 2" in symptom and at[2, "bf16"] < at[4, "bf16"] and at[8, "bf16"] <= at[4, "bf16"]
+    bf16 = [v for (_, dtype), v in at.items() if dtype == "bf16"]
+    fp32 = max(v for (_, dtype), v in at.items() if dtype == "fp32")
+    sizes = sorted({world for world, _ in at})
+    assert f"by {min(bf16):.1e} to {max(bf16):.1e} on {sizes[0]} to {sizes[-1]} ranks, where fp32 rounding leaves " \
+        f"{fp32:.1e}".replace("e-0", "e-") in symptom
+    # 8 ranks measure no more than 4: growth with the rank count is not a symptom to rely on; bf16 keeps 8 bits
+    assert "more on 4 ranks than on 2" not in symptom and at[8, "bf16"] <= at[4, "bf16"]
     assert "8 significant bits" in broken_runs.case("bf16-gradient-reduction").cause
     bubble = broken_runs.case("too-few-microbatches")
     assert f"idle {100 * schedules.bubble_fraction(4, 2):.0f}% of the step" in bubble.symptom
@@ -122,6 +125,6 @@ def test_the_numbers_of_the_registrys_symptoms_are_these_measurements():
     assert "SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3" in source and "0.3 s" in broken_runs.case("slow-rank").symptom
     assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "(2 s)" in broken_runs.case("uneven-inputs").symptom
     resumes = json.loads(figures.BROKEN_RESUMES.read_text())
-    assert f"({round(resumes['checkpoint-one-shard']['jump'], 1):g} above" in \
-        broken_runs.case("checkpoint-one-shard").symptom
-    assert f"({round(resumes['resume-without-rng']['jump'], 1):g} apart)" in broken_runs.case("resume-without-rng").symptom
+    assert f"({resumes['checkpoint-one-shard']['jump']:.2f} above" in \
+        broken_runs.case("checkpoint-one-shard").symptom   # the chapter's 0.39, not a rounder 0.4
+    assert f"({resumes['resume-without-rng']['jump']:.2f} apart)" in broken_runs.case("resume-without-rng").symptom

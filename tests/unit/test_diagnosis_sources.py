@@ -20,7 +20,8 @@ def test_every_broken_run_has_a_source():
 
 def test_each_source_says_where_and_quotes_it():
     seen = set()
-    for case, sources in {**diagnosis_sources.SOURCES, **diagnosis_sources.LEFT_OUT}.items():
+    for case, sources in [*diagnosis_sources.SOURCES.items(), *diagnosis_sources.LEFT_OUT.items(),
+                          *(("torch: " + name, changes) for name, changes in diagnosis_sources.TORCH_CHANGES.items())]:
         assert sources, case
         for source in sources:
             assert set(source) == {"url", "title", "quote"}, (case, source)
