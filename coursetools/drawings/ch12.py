@@ -48,7 +48,7 @@ def mpiexec_env(rank: int) -> tuple[dict, str]:
     env = {"MASTER_ADDR": NODES[0], "MASTER_PORT": str(job_port()), "PBS_JOBID": JOB_ID, "PBS_NODEFILE": "nodefile", "PALS_RANKID": str(rank), "PMI_RANK": str(rank),
            "PMI_SIZE": str(len(NODES) * GPUS_PER_NODE), "PALS_LOCAL_RANKID": str(rank % GPUS_PER_NODE),
            "PALS_LOCAL_SIZE": str(GPUS_PER_NODE)}
-    return env, "".join(f"{node}\n" * GPUS_PER_NODE for node in NODES)   # a host a line, once a rank
+    return env, "".join(f"{node}\n" * GPUS_PER_NODE for node in NODES)   # one line per rank
 
 
 def launch_model() -> list:

@@ -780,3 +780,25 @@ def test_the_walltime_picture_follows_the_drills_rule():
     last = ch12.stop_step(40, 60, -600, -margin)
     assert last + 40 + 60 > -margin and last + 60 <= -margin          # one more step would pass; the save does not
     assert f"The checkpoint ends at {-(last + 60)} s before the walltime's end, before the deadline" in flat(CHAPTER)
+
+
+def test_the_restart_time_in_the_drills_caption_is_the_runs():
+    # a learner could not tell where the figure's 4.2 s came from: it is seconds_to_restart of the kept run, measured
+    # from the death to the point after runtime.start (the new process group formed) in the next attempt
+    data = json.loads((ROOT / "chapters" / "figures" / "data" / "12_fault_drill.json").read_text())
+    seconds = next(v for k, v in _walk(data) if k == "seconds_to_restart")
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert drill.index("with runtime.start(args") < drill.index("started_at = time.time()")
+    assert "seconds_to_restart=started_at - died[\"time\"]" in drill
+    assert (f"The {seconds:.1f} s from the kill to the second attempt's first step cover the survivors leaving, four "
+            "new Python processes importing torch, and the new process group forming.") in flat(CHAPTER)
+
+
+def _walk(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
