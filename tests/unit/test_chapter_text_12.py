@@ -683,6 +683,15 @@ def test_blocking_wait_makes_the_call_wait_and_switches_off_the_tear_down_and_de
     source = inspect.getsource(ch12.draw_watchdog)
     blocking = source[source.index("if blocking:"):source.index("else:")]
     assert "all_reduce() waits in work.wait()" in blocking and "queues the kernel and returns" not in blocking
+    # the watchdog's polling period: declared in the header (its value, 100 ms, is in ProcessGroupNCCL.cpp, which
+    # the wheel does not ship); the picture's ticks are said to be schematic
+    import torch
+
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+              "ProcessGroupNCCL.hpp").read_text()
+    assert "static const int64_t kWatchdogThreadSleepMillis;" in header
+    assert "it polls every 100 ms" in text and "set to 100 ms in `ProcessGroupNCCL.cpp`" in text
+    assert "ticks not to scale" in source
     # what an NCCL user sees when the watchdog tears the process down
     for line in ("To avoid data inconsistency, we are taking the entire process down.",
                  "terminate called after throwing an instance of 'c10::DistBackendError'",
