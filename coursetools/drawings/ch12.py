@@ -11,25 +11,49 @@ GPUS_PER_NODE = 4
 JOB_ID = "1234"
 
 
-def srun_env(rank: int) -> dict:
-    """What ``srun -n 8 --ntasks-per-node=4`` gives task ``rank`` of job ``JOB_ID`` on nodes n1 and n2."""
-    return {"SLURM_JOB_ID": JOB_ID, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % GPUS_PER_NODE),
+def job_port(job_id: str = JOB_ID) -> int:
+    """The MASTER_PORT the course's job libraries export (pbs/common.sh and slurm/common.sh), computed by running
+    ``distlab_port_from_job_id`` of jobs/common.sh itself: 20000 plus the ``cksum`` of the job id modulo 12000."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "jobs" / "common.sh").read_text()
+    function = re.search(r"^distlab_port_from_job_id\(\) \{\n.*?^\}\n", source, flags=re.M | re.S).group(0)
+    done = subprocess.run(["bash", "-c", f'{function}\ndistlab_port_from_job_id "$1"', "bash", job_id],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def bare_srun_port(job_id: str = JOB_ID) -> int:
+    """The port the runtime derives when no MASTER_PORT is exported, as under a bare srun of one's own."""
+    from distlab import runtime
+
+    return runtime.launcher_env(srun_env(0, exported=False)).master_port
+
+
+def srun_env(rank: int, exported: bool = True) -> dict:
+    """What ``srun -n 8 --ntasks-per-node=4`` gives task ``rank`` of job ``JOB_ID`` on nodes n1 and n2; in a course
+    job (``exported``) with the MASTER_ADDR and MASTER_PORT that slurm/common.sh exports."""
+    exports = {"MASTER_ADDR": NODES[0], "MASTER_PORT": str(job_port())} if exported else {}
+    return exports | {"SLURM_JOB_ID": JOB_ID, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % GPUS_PER_NODE),
             "SLURM_NODEID": str(rank // GPUS_PER_NODE), "SLURM_NTASKS": str(len(NODES) * GPUS_PER_NODE),
             "SLURM_STEP_NUM_TASKS": str(len(NODES) * GPUS_PER_NODE),
             "SLURM_STEP_TASKS_PER_NODE": f"{GPUS_PER_NODE}(x{len(NODES)})", "SLURM_STEP_NODELIST": "n[1-2]"}
 
 
 def mpiexec_env(rank: int) -> tuple[dict, str]:
-    """What ``mpiexec -n 8 --ppn 4`` (Cray PALS) under PBS gives process ``rank``, and the job's node file."""
-    env = {"PBS_JOBID": JOB_ID, "PBS_NODEFILE": "nodefile", "PALS_RANKID": str(rank), "PMI_RANK": str(rank),
+    """What ``mpiexec -n 8 --ppn 4`` (Cray PALS) under PBS gives process ``rank`` of a course job (with what
+    pbs/common.sh exports: the node file's first host, the job's port), and the job's node file."""
+    env = {"MASTER_ADDR": NODES[0], "MASTER_PORT": str(job_port()), "PBS_JOBID": JOB_ID, "PBS_NODEFILE": "nodefile", "PALS_RANKID": str(rank), "PMI_RANK": str(rank),
            "PMI_SIZE": str(len(NODES) * GPUS_PER_NODE), "PALS_LOCAL_RANKID": str(rank % GPUS_PER_NODE),
            "PALS_LOCAL_SIZE": str(GPUS_PER_NODE)}
-    return env, "".join(f"{node}\n" * GPUS_PER_NODE for node in NODES)   # a host a line, once a rank
+    return env, "".join(f"{node}\n" * GPUS_PER_NODE for node in NODES)   # one line per rank
 
 
 def launch_model() -> list:
-    """Each rank's ``LauncherEnv``, as the runtime reads it under srun; mpiexec under PBS gives the same ranks,
-    local ranks and rank 0's host (checked here, so the picture holds for both schedulers)."""
+    """Each rank's ``LauncherEnv`` in a course job, as the runtime reads it under srun; mpiexec under PBS gives the
+    same ranks, local ranks, rank 0's host and port (checked here, so the picture holds for both schedulers)."""
     from distlab import runtime
 
     found = []
@@ -102,8 +126,8 @@ def draw_launch_and_rendezvous(fig) -> None:
             va="center", fontsize=6.3, color="#333333")
     # 4. the rendezvous at rank 0's address
     stage(2.05, 4, "rendezvous")
-    box(3.3, 1.75, 5.4, 0.6, f"rank 0's TCP store at {addr}:{port}\n(MASTER_ADDR: first node; MASTER_PORT: "
-        "from the job id)", face="#e6eef8", edge="#1f77b4")
+    box(3.3, 1.75, 5.4, 0.6, f"rank 0's TCP store at {addr}:{port}\n(the job exports both: first node, cksum of "
+        f"the job id;\na bare srun derives port {bare_srun_port()} instead)", face="#e6eef8", edge="#1f77b4", size=6.3)
     for rank, (x, y) in rank_xy.items():
         arrow((x, y), (6.0 + (x - 6.0) * 0.25, 2.35), colour="#1f77b4", lw=0.6)
     # 5. the process group
@@ -117,10 +141,11 @@ def draw_launch_and_rendezvous(fig) -> None:
 # ---- 12.2: what the watchdog does with a collective that never completes ----------------------------------------
 
 def draw_watchdog(fig) -> None:
-    """One NCCL rank whose all-reduce never completes, with and without blocking wait: the Python thread goes on at
-    once (the call only queued the kernel), the kernel spins on the GPU, the watchdog thread checks the queued work;
-    at the process group's timeout (the course's default) the watchdog tears the process down, or the rank's own
-    wait raises."""
+    """One NCCL rank whose all-reduce never completes, with and without blocking wait. By default the Python
+    thread goes on at once (the call only queued the kernel), the kernel spins on the GPU, the watchdog thread
+    checks the queued work, and at the process group's timeout (the course's default) it tears the process down.
+    Under blocking wait ``all_reduce()`` itself waits (``dist.all_reduce`` calls ``work.wait()``, and the wait polls
+    until the work completes or times out), then raises; the watchdog's tear-down is off."""
     from matplotlib.patches import Rectangle
 
     from distlab import runtime
@@ -133,23 +158,30 @@ def draw_watchdog(fig) -> None:
         ax.set_ylim(-0.6, len(lanes) - 0.4)
         ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
         ax.invert_yaxis()
-        ax.add_patch(Rectangle((0, -0.3), end * 0.008, 0.6, color="#1f77b4"))
-        ax.text(end * 0.012, 0, "all_reduce() queues the kernel and returns", fontsize=6.5, va="center")
-        wait_from = timeout * 0.45
-        ax.add_patch(Rectangle((wait_from, -0.3), timeout - wait_from, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b",
-                               hatch="//"))
-        ax.text(wait_from + 4, 0, "waits for the result (.item(), a sync, the next step)", fontsize=6.5, va="center")
+        if blocking:
+            ax.add_patch(Rectangle((0, -0.3), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
+            ax.text(4, 0, "all_reduce() waits in work.wait(), polling the work; it raises at the timeout",
+                    fontsize=6.5, va="center")
+        else:
+            ax.add_patch(Rectangle((0, -0.3), end * 0.008, 0.6, color="#1f77b4"))
+            ax.text(end * 0.012, 0, "all_reduce() queues the kernel and returns", fontsize=6.5, va="center")
+            wait_from = timeout * 0.45
+            ax.add_patch(Rectangle((wait_from, -0.3), timeout - wait_from, 0.6, facecolor="#f4c7c3",
+                                   edgecolor="#c0392b", hatch="//"))
+            ax.text(wait_from + 4, 0, "waits for the result (.item(), a sync, the next step)", fontsize=6.5,
+                    va="center")
         ax.add_patch(Rectangle((0, 0.7), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
         ax.text(4, 1, "the NCCL kernel spins, waiting for a peer that never calls", fontsize=6.5, va="center")
         checks = [t for t in range(0, int(timeout) + 1, int(timeout) // 10)]
         ax.plot(checks, [2] * len(checks), "|", color="#555555", markersize=8)
-        ax.text(checks[1], 1.65, "checks the queued work", fontsize=6.5, va="center", color="#555555")
+        ax.text(checks[1], 1.65, "checks the queued work (many times a second; ticks not to scale)", fontsize=6.5,
+                va="center", color="#555555")
         ax.axvline(timeout, color="#c0392b", lw=1.2)
         if blocking:
-            ax.text(timeout + 3, 0, "the wait raises here:\nthe rank's except runs", fontsize=6.5, va="center",
+            ax.text(timeout + 3, 0, "all_reduce() raises:\nthe rank's except runs", fontsize=6.5, va="center",
                     color="#c0392b")
             ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
-            ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the rank's own thread raises at the timeout", fontsize=8)
+            ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the call itself waits, and raises at the timeout", fontsize=8)
         else:
             ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (if asked),\ntears the process down",
                     fontsize=6.5, va="center", color="#c0392b")
@@ -211,7 +243,8 @@ def draw_walltime(fig) -> None:
               "#8172b3", 0.3, "right"),
              (deadline, f" DISTLAB_DEADLINE:\n the end less {margin} s", "#c0392b", 0.3, "left"),
              (0, " the walltime's end: PBS SIGTERM\n (at the MoM's next poll), Slurm TERM", "black", 0.75, "left"),
-             (kill_delay, f" PBS SIGKILL, {kill_delay} s later", "#555555", 0.3, "left")]
+             (kill_delay, f" PBS SIGKILL, {kill_delay} s or more later\n (at the MoM's next poll)", "#555555", 0.3,
+              "left")]
     for x, label, colour, y, side in marks:
         ax.axvline(x, color=colour, lw=1.1, ls="-" if x == 0 else "--")
         ax.text(x, y, label, fontsize=6.3, va="top" if y < 1 else "center", ha=side, color=colour)
@@ -224,8 +257,112 @@ def draw_walltime(fig) -> None:
                  f"before the deadline ({deadline} s)", fontsize=8)
 
 
+# ---- 12.4: one DDP step on one rank, and the four kinds of time ------------------------------------------------
+
+# A model of one rank's DDP step, in ms: data loading (idle), forward, backward, three buckets whose gradients are
+# ready 20, 40 and 60 ms into backward, each all-reduce 18 ms on gloo's worker thread (one after the other), then
+# the optimizer step once the last all-reduce is done.
+STEP_MODEL = {"data": 5, "forward": 30, "backward": 60, "buckets_ready": (20, 40, 60), "all_reduce": 18,
+              "optimizer": 8}
+
+
+def step_trace(model: dict = STEP_MODEL) -> dict:
+    """The model as a Chrome trace of the kind torch.profiler writes on a CPU (main thread's ``aten::`` events, a
+    ``backward`` span, ``gloo:all_reduce`` on a worker thread, a ``ProfilerStep#`` span), so that the course's own
+    ``distlab.profiling`` splits it into the four kinds, as ``profile_step.py`` does a real trace."""
+    ms = 1000.0   # the trace counts microseconds
+    events = []
+
+    def event(name, start, end, tid, cat="cpu_op"):
+        events.append({"ph": "X", "name": name, "ts": start * ms, "dur": (end - start) * ms, "tid": tid, "cat": cat})
+
+    forward_start = model["data"]
+    backward_start = forward_start + model["forward"]
+    backward_end = backward_start + model["backward"]
+    event("aten::forward_ops", forward_start, backward_start, 1)
+    event("aten::backward_ops", backward_start, backward_end, 1)
+    event("backward", backward_start, backward_end, 1, cat="user_annotation")
+    free = 0.0
+    for ready in model["buckets_ready"]:
+        start = max(backward_start + ready, free)
+        free = start + model["all_reduce"]
+        event("gloo:all_reduce", start, free, 2)
+    end = max(free, backward_end) + model["optimizer"]
+    event("aten::optimizer_step", max(free, backward_end), end, 1)
+    event("ProfilerStep#1", 0, end, 1, cat="user_annotation")
+    return {"traceEvents": events}
+
+
+def step_kinds(model: dict = STEP_MODEL) -> dict:
+    """Milliseconds of the model's step in each kind (distlab.profiling.time_per_kind), and the share of its
+    communication hidden behind backward's compute (distlab.profiling.backward_overlap)."""
+    from distlab import profiling
+
+    trace = step_trace(model)
+    kinds = profiling.time_per_kind(trace)
+    overlap = profiling.backward_overlap(trace)
+    return {**{k: round(kinds[k] * 1000, 6) for k in profiling.KINDS}, "step": round(kinds["window_seconds"] * 1000, 6),
+            "hidden_fraction": overlap["hidden_fraction"]}
+
+
+def draw_step_timeline(fig) -> None:
+    """One DDP rank's step from the model: the main thread's forward, backward and optimizer, the bucket
+    all-reduces on gloo's thread, and below them the step cut into the four kinds of time."""
+    from matplotlib.patches import Rectangle
+
+    from coursetools.figures import RANK_COLOURS
+    from distlab import profiling
+
+    trace = step_trace()
+    events = profiling.complete_events(trace)
+    kinds = step_kinds()
+    ax = fig.subplots()
+    colours = {"compute": "#888888", "communication": RANK_COLOURS[3], "overlapped": RANK_COLOURS[2],
+               "idle": "#ffffff"}
+    labels = {"aten::forward_ops": "forward", "aten::backward_ops": "backward", "aten::optimizer_step": "opt."}
+    for e in events:
+        start, end = (v / 1000 for v in profiling.span(e))
+        if e["name"] in labels:
+            ax.add_patch(Rectangle((start, 2.6), end - start, 0.6, facecolor="#888888", edgecolor="white"))
+            ax.text((start + end) / 2, 2.9, labels[e["name"]], ha="center", va="center", fontsize=7, color="white")
+        elif e["name"].startswith("gloo:"):
+            ax.add_patch(Rectangle((start, 1.7), end - start, 0.6, facecolor=RANK_COLOURS[1], edgecolor="white"))
+            ax.text((start + end) / 2, 2.0, "all-reduce", ha="center", va="center", fontsize=6.5, color="white")
+    ready = STEP_MODEL["data"] + STEP_MODEL["forward"]
+    for r in STEP_MODEL["buckets_ready"]:
+        ax.plot([ready + r] * 2, [2.55, 2.35], color="#333333", lw=0.8)
+    ax.text(ready + 1, 2.45, "a bucket's gradients ready", fontsize=6, va="center", color="#333333")
+    # the four kinds, instant by instant
+    window = profiling.merge(profiling.step_spans(events))
+    thread = profiling.main_thread(events)
+    compute = [profiling.span(e) for e in events if profiling.is_compute(e, "cpu", thread)]
+    communication = [profiling.span(e) for e in events if profiling.is_communication(e)]
+    pieces = {"compute": profiling.subtract(compute, communication),
+              "communication": profiling.subtract(communication, compute),
+              "overlapped": profiling.intersect(compute, communication),
+              "idle": profiling.subtract(window, profiling.merge(compute + communication))}
+    names = {"compute": "computes only", "communication": "exposed communication", "overlapped": "overlapped",
+             "idle": "idle"}
+    for kind, spans in pieces.items():
+        for s, e in spans:
+            ax.add_patch(Rectangle((s / 1000, 0.6), (e - s) / 1000, 0.6, facecolor=colours[kind], edgecolor="#555555",
+                                   lw=0.5, hatch="//" if kind == "communication" else None))
+    legend = [Rectangle((0, 0), 1, 1, facecolor=colours[k], edgecolor="#555555", hatch="//" if k == "communication"
+                        else None, label=f"{names[k]}: {kinds[k]:g} ms") for k in profiling.KINDS]
+    ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, -0.55), ncol=4, fontsize=6.5, frameon=False)
+    ax.set_yticks([0.9, 2.0, 2.9], ["the four kinds", "gloo's thread", "main thread"], fontsize=7)
+    ax.set_ylim(0.3, 3.4)
+    ax.set_xlim(0, kinds["step"] + 2)
+    ax.set_xlabel("ms since the step began (a model, not a measurement)", fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"one DDP step of {kinds['step']:g} ms: the last bucket's all-reduce waits for backward's end, "
+                 "and the optimizer waits for it", fontsize=8)
+    fig.tight_layout()
+
+
 FIGURES = {
     "12_launch_and_rendezvous.png": (draw_launch_and_rendezvous, (9, 5.6)),
     "12_watchdog.png": (draw_watchdog, (9, 3.6)),
     "12_walltime.png": (draw_walltime, (9, 3.2)),
+    "12_step_timeline.png": (draw_step_timeline, (9, 3.0)),
 }

@@ -119,7 +119,7 @@ def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -
 
 # ---- exercise 3: place each rank from the node file (page 12.1) --------------------------------------------------
 
-# (a PBS_NODEFILE as mpiexec --ppn reads it: a host a line, once a rank, in the scheduler's order;
+# (a PBS_NODEFILE as mpiexec --ppn reads it: one line per rank, in the scheduler's order;
 #  the (host, local rank) of each rank, written out by hand). Each case tells wrong answers apart: the local rank
 # taken to be the rank; the file read as one line a node; the hosts sorted by name; ranks dealt round robin over
 # the nodes; the node count taken for the ranks a node.

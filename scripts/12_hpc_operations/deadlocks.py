@@ -22,9 +22,10 @@ dumps into ``--trace-dir``/manual (the run folder, on scratch) when it gives up:
 ``python -m torch.distributed.flight_recorder.fr_trace <trace-dir>/manual``. The checks: the hang ended within its time
 bound (no silent hang) and the diagnosis names the cause the flag planted.
 
-No scenario pairs two different collectives on NCCL: a barrier is an all-reduce there, and a rank's barrier
-met by another rank's all-reduce is undefined behaviour, not a clean hang. So the skipped barrier is the step's
-last collective; the rank that skips it has nothing left to call.
+Two scenarios pair different collectives (mismatched-collectives, wrong-group): on NCCL a barrier is an
+all-reduce, and a rank's barrier met by another rank's all-reduce is undefined behaviour, not a clean hang. So on
+NCCL run only skipped-barrier and unpaired-p2p (mismatched-collectives with --debug-detail). The skipped barrier
+is the step's last collective; the rank that skips it has nothing left to call.
 
 With `--debug-detail` (TORCH_DISTRIBUTED_DEBUG=DETAIL) PyTorch itself checks, before each collective, that all
 ranks call the same one with the same shapes: a mismatched collective is reported at once, without waiting for

@@ -64,8 +64,9 @@ def test_tuning_numbers():
     backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(tiny).parameters()))]
     buckets = {mb: comm.ddp_bucket_sizes(backward_order, mb) for mb in (25, 0.1, 0.025)}
     assert len(buckets[25]) == 1 and sum(buckets[25]) == 4 * n
-    assert f"(**{buckets[0.1][0]:,}** bytes under a cap of **{int(0.1 * comm.MIB):,}**)" in text
-    assert buckets[0.1][0] > int(0.1 * comm.MIB)
+    # the largest bucket, the one that passes the cap by the most (a learner's review: not the first one)
+    assert f"(up to **{max(buckets[0.1]):,}** bytes under a cap of **{int(0.1 * comm.MIB):,}**)" in text
+    assert max(buckets[0.1]) > int(0.1 * comm.MIB) and max(buckets[0.1]) != buckets[0.1][0]
     assert f"the tiny model's **{4 * n:,} bytes** of gradients" in text
     assert f"with **{len(buckets[0.1])}** or **{len(buckets[0.025])}** buckets" in text
     # tuning.py passes the cap, so its "25" row is not DDP's default, whose first bucket is capped at 1 MiB
@@ -78,7 +79,9 @@ def test_tuning_numbers():
     assert 4 * n < dist._DEFAULT_FIRST_BUCKET_BYTES and f"The tiny model's {4 * n:,} bytes fit under 1 MiB" in text
     # gradient_as_bucket_view: two copies of the gradients, then one; the a100 preset's saving
     assert f"two copies, **{2 * 4 * n:,} bytes**" in text and f"one copy, **{4 * n:,} bytes**" in text
-    assert f"**{a100.num_params() * 4 / 1e9:.2f} GB** for the {a100.num_params() / 1e9:.2f} B" in text
+    # memory in GiB (chapters/00_conventions.md), with the GB beside it
+    saved = a100.num_params() * 4
+    assert f"**{saved / 2**30:.2f} GiB** ({saved / 1e9:.2f} GB) for the {a100.num_params() / 1e9:.2f} B" in text
     # activation checkpointing: 2 sequences of 32 tokens per rank (global batch 8 over 4 ranks)
     off, on = (memory.transformer_activation_bytes(tiny, 2, checkpointed=c) for c in (False, True))
     assert f"**{off:,} bytes** per rank without, **{on:,}** with" in text
@@ -87,6 +90,13 @@ def test_tuning_numbers():
     assert memory.transformer_activation_breakdown(tiny, 1, 1, checkpointed=True)["blocks"] == \
         tiny.n_layers * tiny.dim * 4
     assert f"**{tiny.dim}** numbers per token instead of **{per_token:,}**" in text
+    # what lies outside the blocks (embedding, loss) is the same either way; the conclusion for the whole model
+    outside_off = off - memory.transformer_activation_breakdown(tiny, 2, 32)["blocks"]
+    outside_on = on - memory.transformer_activation_breakdown(tiny, 2, 32, checkpointed=True)["blocks"]
+    assert outside_off == outside_on and f"the embedding and the loss keep **{outside_on:,} bytes** either way" in text
+    assert f"So the blocks shrink to {100 * tiny.dim / per_token:.1f}% of what they kept" in text
+    assert f"and the whole model to **{100 * on / off:.1f}%**" in text
+    assert f"checkpointing keeps {100 * on / off:.1f}% of the saved bytes" in CHAPTER
     assert f"**{tiny.n_layers}** block forwards per step, then **{2 * tiny.n_layers}**" in text
     # microbatches: the formula's bubble with 4 stages
     for m in (4, 8, 16, 32):
@@ -96,6 +106,7 @@ def test_tuning_numbers():
     bf16 = comm.zero_step_bytes(n, 3, param_bytes=2)
     assert f"**{fp32['all_gather']:,} → {bf16['all_gather']:,} bytes**" in text
     assert f"stay **{bf16['reduce_scatter']:,}** in fp32" in text
+    assert fp32["all_gather"] == 2 * 4 * n and f"2 × {4 * n:,} bytes in fp32" in text
     assert "no measurement" not in text
 
 
@@ -110,6 +121,16 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
     assert len(gaps) == 3
     low, high = math.floor(min(gaps)), math.ceil(max(gaps))
     assert f"on this machine by about {low}-{high} points" in text, (low, high)
+    # the learner's reconciliation: the idle share comes from the passes' timestamps, whose passes ran long
+    steps = {int(m): (int(step), int(ideal), float(measured)) for m, step, ideal, measured in
+             re.findall(r"^ +(\d+) +(\d+) +(\d+) +([\d.]+)% +[\d.]+%$", CHAPTER, flags=re.M)}
+    nominal = 5 + 10   # the table's stages: 5 ms forward, 10 ms backward
+    assert all(ideal == (m + 4 - 1) * nominal for m, (_, ideal, _) in steps.items())
+    assert 'In the bubble table, "ideal ms" is (M + P - 1) × 15 ms' in text
+    step, _, measured = steps[4]
+    busy = (1 - measured / 100) * step
+    assert f"a rank was busy (1 − {measured / 100:.3f}) × {step} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a pass" in text
+    assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
     # activation checkpointing: the time ratio of the two printed rows
     off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
     assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table)" in text
@@ -206,8 +227,15 @@ def test_rendezvous_timeout_message_as_a_cpu_produces_it():
 
     with pytest.raises(dist.DistStoreError) as waiting:  # a store for 2 whose second client never comes
         dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=1), wait_for_workers=True)
-    message = re.sub(r"after \d+ seconds", "after 901 seconds", str(waiting.value).splitlines()[0])
+    # the store waits the course's process-group timeout (runtime passes it to init_process_group), and the
+    # message says one second more than it was given
+    given = 1
+    reported = int(re.search(r"after (\d+) seconds", str(waiting.value)).group(1))
+    course = runtime.DEFAULT_PG_TIMEOUT_S + reported - given
+    message = re.sub(r"after \d+ seconds", f"after {course} seconds", str(waiting.value).splitlines()[0])
     assert f"`torch.distributed.DistStoreError: {message}`" in CHAPTER, message
+    assert f'"Timed out after {course} seconds" for {runtime.DEFAULT_PG_TIMEOUT_S}' in flat(CHAPTER)
+    assert "timeout=datetime.timedelta(seconds=timeout)" in (ROOT / "distlab" / "runtime.py").read_text()
 
 
 def test_the_walltime_section_states_what_the_job_does():
@@ -272,7 +300,11 @@ def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
     planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
     assert planted and "wrong-group" not in planted.group(1) and "skipped-barrier" in planted.group(1)
     assert planted.group(1).split() == ["skipped-barrier", "unpaired-p2p"]
-    assert "the PBS job plants only `skipped-barrier` and `unpaired-p2p` on NCCL" in text
+    assert ("the course's job ([the PBS job](12.4_measuring_a_step.md#on-the-cluster)) plants only `skipped-barrier`"
+            " and `unpaired-p2p`") in text
+    # the case planted on purpose is run on NCCL only under DETAIL (a learner and a source review: it read as planted)
+    assert "`mismatched-collectives` does it on purpose: on NCCL, run it only with `--debug-detail`" in text
+    assert "does pair a broadcast with all-reduces, on purpose" not in text
 
 
 def test_the_flight_recorder_lines_are_what_the_drill_prints():
@@ -511,9 +543,74 @@ def test_the_worked_launch_is_what_the_runtime_reads():
     text = flat(CHAPTER)
     assert "gives the sixth `SLURM_PROCID=5`, `SLURM_LOCALID=1` and `SLURM_NTASKS=8`" in text
     assert "it takes GPU 1 of node `n2`. In general, rank = node × 4 + local rank, and 5 = 1 × 4 + 1." in text
-    assert f"Under srun, job {ch12.JOB_ID} gets port {five.master_port}." in text
-    assert f"Rank 0 opens its store at `n1:{five.master_port}`" in text
+    # the course's jobs export MASTER_PORT (cksum of the job id); only a bare srun derives it (SHA-256)
+    cksum = int(subprocess.run(["cksum"], input=ch12.JOB_ID, capture_output=True, text=True).stdout.split()[0])
+    jobs_port = 20000 + cksum % 12000
+    assert ch12.job_port() == jobs_port == five.master_port == 22371
+    assert f"In the course's jobs, job {ch12.JOB_ID} gets port {jobs_port}." in text
+    assert f"Rank 0 opens its store at `n1:{jobs_port}`" in text
+    bare = runtime._port_from_job_id(ch12.JOB_ID)
+    assert ch12.bare_srun_port() == bare and f"as under a bare `srun` of your own" in text
+    assert f"job {ch12.JOB_ID} then gets port {bare}" in text
+    assert "Under srun, job 1234 gets port 31700" not in text and "(the PBS jobs export one)" not in text
+    # the worked request asks for GPUs, as the course's own job header does
+    sbatch = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=4" in sbatch
+    assert "`sbatch -N 2 --ntasks-per-node=4 --gpus-per-node=4`" in text
+    assert "`select=2:ncpus=64:ngpus=4:mpiprocs=4`" in text
+    # placement from the node file, as lab Exercise 3 grades it
+    from labkit.exercises import ch12 as lab
+
+    _, nodefile = ch12.mpiexec_env(0)
+    case, placed = lab.PLACEMENT_CASES[0]          # the lab's first node file is this job's, answered by hand
+    assert case == nodefile.split()
+    assert placed[5] == ("n2", 1) and [h for h, _ in placed] == ["n1"] * 4 + ["n2"] * 4
+    assert "gives ranks in the file's order: ranks 0-3 to the first four lines, on `n1`, and 4-7 to the next four" in text
+    assert "rank 5 follows one rank on `n2`, so it is local rank 1" in text
+    # Slurm's failed task on n2 is one of ranks 4-7 (a source review: "task 3" sat on n1)
+    assert "`srun: error: n2: task 5: Exited with exit code 1`" in text and "n2: task 3:" not in text
+    assert ranks[5].rank // ranks[5].local_world_size == 1
     assert "it puts rank 5 on GPU 1 of `n2`, with rank 0 at `n1`" in text
+
+
+def test_the_job_script_shown_is_the_courses():
+    # the job script in 12.1 is the course's slurm/04_data_parallel.sbatch, shortened: its header verbatim
+    job = (ROOT / "slurm" / "04_data_parallel.sbatch").read_text().splitlines()
+    shown = CHAPTER[CHAPTER.index("```bash\n#!/bin/bash"):]
+    shown = shown[len("```bash\n"):shown.index("```", 3)].splitlines()
+    header = [line for line in job if line.startswith("#SBATCH") or line == "#!/bin/bash"]
+    assert [line for line in shown if line.startswith("#")] == header
+    assert "source slurm/common.sh || exit 2" in job and "source slurm/common.sh || exit 2" in shown
+    assert any(line.startswith("distlab_launch scripts/04_data_parallel/train_ddp.py") for line in job)
+    assert "distlab_finish" in job and shown[-1] == "distlab_finish"
+    # one multi-node torchrun command, with the rendezvous the course's jobs use
+    common = (ROOT / "jobs" / "common.sh").read_text()
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in common
+    assert "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in CHAPTER
+
+
+@pytest.mark.parametrize("term", ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks"])
+def test_each_cluster_word_is_defined_where_it_first_appears(term):
+    # a learner who never used a scheduler: these were used and never defined. The first mention in running prose
+    # (headings, code and page links left out) is the bold one.
+    prose = " ".join(" ".join(_prose_lines(CHAPTER)).split())
+    first = prose.lower().index(term)
+    assert prose[first - 2:first + len(term) + 2].lower() == f"**{term}**", (term, prose[first - 80:first + 80])
+
+
+def test_how_we_know_is_a_link_to_the_page_that_holds_it():
+    import re
+
+    text = flat(CHAPTER)
+    assert "(see How we know)" not in text
+    last = chapters.pages("12")[-1]
+    headings = [line.lstrip("#").strip() for line in Path(last).read_text().splitlines() if line.startswith("#")]
+    slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}
+    links = re.findall(r"\]\(12\.4_measuring_a_step\.md#([a-z0-9-]+)\)", CHAPTER)
+    assert len(links) >= 5
+    assert "(a **step** is one `srun` launch inside the job" in text   # the srun step, defined where first used
+    for anchor in links:
+        assert anchor in slugs, anchor
 
 
 def test_the_price_of_a_derived_port():
@@ -541,6 +638,65 @@ def test_the_price_of_a_timeout():
     assert f"`--pg-timeout`, default {default} s" in text
     assert f"64 GPUs × {default} s = {64 * default:,} GPU-seconds, {64 * default / 3600:.1f} GPU-hours" in text
     assert f"64 GPUs × 4 s = {64 * 4 / 3600:.2f} GPU-hours with the drill's 4 s" in text
+    # the drill's own default, said as the script's (a learner read "4 s by default there" three times)
+    assert "`deadlocks.py` sets its own default for `--pg-timeout`, 4 s, so a drill ends in seconds" in text
+    assert "4 s by default there" not in text
+
+
+def test_the_timeouts_shown_are_the_courses_and_torchs_is_named():
+    import re
+
+    import torch
+    from torch.distributed import constants
+
+    course = runtime.DEFAULT_PG_TIMEOUT_S
+    text = flat(CHAPTER)
+    # the watchdog's line at the course's timeout; torch's own 10 minutes named as what a program without one gets
+    assert f"Timeout(ms)={course * 1000}) ran for {course * 1000 + 13} milliseconds" in text
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+              "ProcessGroupNCCL.hpp").read_text().splitlines()
+    nccl_minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", header[157]).group(1))
+    assert "kProcessGroupNCCLDefaultTimeout" in header[156]
+    gloo_minutes = constants.default_pg_timeout.total_seconds() / 60
+    assert f"torch's own default applies: {nccl_minutes} minutes on NCCL, {gloo_minutes:.0f} on gloo" in text
+    assert f"A program that sets no timeout shows torch's `Timeout(ms)={nccl_minutes * 60 * 1000}`" in text
+    assert f"`ProcessGroupNCCL.hpp:157-158`" in text
+
+
+def test_blocking_wait_makes_the_call_wait_and_switches_off_the_tear_down_and_desync_debug():
+    import inspect
+
+    import torch.distributed as dist
+
+    # a synchronous collective waits on its work itself (distributed_c10d.py:3247-3252, torch 2.13)
+    lines = inspect.getsource(dist.distributed_c10d).splitlines()
+    assert "work.wait()" in "\n".join(lines[3246:3252]) and "if async_op:" in "\n".join(lines[3240:3248])
+    text = flat(CHAPTER)
+    assert "`TORCH_NCCL_BLOCKING_WAIT=1` makes every collective wait on the CPU until it completes" in text
+    assert "By default, NCCL's `all_reduce`, `send` and `recv` return as soon as the work is queued" in text
+    assert "a rank stuck in a CUDA sync such as `.item()` hangs, with no watchdog to end it" in text
+    assert "(not under blocking wait, which turns it off)" in text
+    assert "`desyncDebug_ = false`" in text
+    # the picture: under blocking wait the Python bar is the call itself, waiting until the timeout
+    from coursetools.drawings import ch12
+
+    source = inspect.getsource(ch12.draw_watchdog)
+    blocking = source[source.index("if blocking:"):source.index("else:")]
+    assert "all_reduce() waits in work.wait()" in blocking and "queues the kernel and returns" not in blocking
+    # the watchdog's polling period: declared in the header (its value, 100 ms, is in ProcessGroupNCCL.cpp, which
+    # the wheel does not ship); the picture's ticks are said to be schematic
+    import torch
+
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+              "ProcessGroupNCCL.hpp").read_text()
+    assert "static const int64_t kWatchdogThreadSleepMillis;" in header
+    assert "it polls every 100 ms" in text and "set to 100 ms in `ProcessGroupNCCL.cpp`" in text
+    assert "ticks not to scale" in source
+    # what an NCCL user sees when the watchdog tears the process down
+    for line in ("To avoid data inconsistency, we are taking the entire process down.",
+                 "terminate called after throwing an instance of 'c10::DistBackendError'",
+                 "torchrun reports exit code -6 (SIGABRT)"):
+        assert line in text, line
 
 
 def test_youngs_checkpoint_interval():
@@ -553,6 +709,56 @@ def test_youngs_checkpoint_interval():
     assert f"C = {save_min} min, M = {mtbf_h} h: T = sqrt(2 × {save_min} × {mtbf_h * 60:,}) min = {interval:.0f} min" in text
     assert f"Saving costs it {save_min}/{interval:.0f} = {100 * save_min / interval:.1f}% of its time" in text
     assert "a failure about an hour of recomputation" in text and interval / 2 == 60
+    # the conclusion carried to its number: 4 times the nodes, a quarter of the MTBF
+    quarter = mtbf_h * 60 // 4
+    shorter = math.sqrt(2 * save_min * quarter)
+    assert f"On 4 times the nodes, M = {mtbf_h // 4} h: T = sqrt(2 × {save_min} × {quarter}) min = {shorter:.0f} min" in text
+    assert f"saving costs {save_min}/{shorter:.0f} = {100 * save_min / shorter:.1f}%" in text
+
+
+def test_the_schedulers_kill_delays_and_messages():
+    import re
+
+    text = flat(CHAPTER)
+    # PBS: kill_delay (10 s, req_runjob.c:948) counted from the TERM, the KILL sent at the MoM's next poll
+    # (min_check_poll, 10 s: OpenPBS mom_func.h), so 10 to about 20 s
+    kill_delay, min_check_poll = 10, 10
+    assert f"{kill_delay} to about {kill_delay + min_check_poll} s after the SIGTERM" in text
+    assert f"SIGKILL {kill_delay} to about {kill_delay + min_check_poll} s later (`kill_delay`)" in text
+    # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
+    assert "KILL `KillWait` later (30 s by default;" in text and "KILL `KillWait` (30 s) later" in text
+    # the node-failure line in full (src/slurmd/slurmstepd/req.c)
+    assert "`DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***`" in text
+    # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    assert "if ((chain > 0))" in job and '"DISTLAB_CHAIN=$((chain - 1))"' in job
+    chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\.\.\.` \(up to (\d+) more", text).group(1))
+    assert f"`-v DISTLAB_CHAIN={chain},...` (up to {chain} more jobs after this one)" in text
+    # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
+    assert "before the first checkpoint, it counts a save as long as a step" in text
+
+
+def test_the_step_picture_is_cut_by_the_courses_trace_reader():
+    from coursetools.drawings import ch12
+
+    kinds = ch12.step_kinds()
+    assert sum(kinds[k] for k in ("compute", "communication", "overlapped", "idle")) == kinds["step"]
+    text = flat(CHAPTER)
+    m = ch12.STEP_MODEL
+    assert (f"({m['data']} ms of data, {m['forward']} ms forward, {m['backward']} ms backward, three "
+            f"{m['all_reduce']} ms all-reduces, {m['optimizer']} ms optimizer)") in text
+    assert len(m["buckets_ready"]) == 3
+    assert (f"{kinds['compute']:g} ms compute only, {kinds['overlapped']:g} overlapped, {kinds['communication']:g} "
+            f"exposed, {kinds['idle']:g} idle, {kinds['step']:g} in all") in text
+    communication = kinds["overlapped"] + kinds["communication"]
+    assert (f"In the picture it is {kinds['overlapped']:g} of {communication:g} ms, "
+            f"{100 * kinds['hidden_fraction']:.0f}%") in text
+    # the narrow overlap is said to differ from the overlapped kind
+    assert "It is narrower than the overlapped kind above: only backward's compute counts" in text
+    # and the page puts the picture before its measured table
+    assert CHAPTER.index("figures/12_step_timeline.png") < CHAPTER.index("== DDP bucket_cap_mb")
 
 
 def test_the_torch_lines_cited_for_the_watchdog_and_the_flight_recorder():
@@ -583,3 +789,25 @@ def test_the_walltime_picture_follows_the_drills_rule():
     last = ch12.stop_step(40, 60, -600, -margin)
     assert last + 40 + 60 > -margin and last + 60 <= -margin          # one more step would pass; the save does not
     assert f"The checkpoint ends at {-(last + 60)} s before the walltime's end, before the deadline" in flat(CHAPTER)
+
+
+def test_the_restart_time_in_the_drills_caption_is_the_runs():
+    # a learner could not tell where the figure's 4.2 s came from: it is seconds_to_restart of the kept run, measured
+    # from the death to the point after runtime.start (the new process group formed) in the next attempt
+    data = json.loads((ROOT / "chapters" / "figures" / "data" / "12_fault_drill.json").read_text())
+    seconds = next(v for k, v in _walk(data) if k == "seconds_to_restart")
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert drill.index("with runtime.start(args") < drill.index("started_at = time.time()")
+    assert "seconds_to_restart=started_at - died[\"time\"]" in drill
+    assert (f"The {seconds:.1f} s from the kill to the second attempt's first step cover the survivors leaving, four "
+            "new Python processes importing torch, and the new process group forming.") in flat(CHAPTER)
+
+
+def _walk(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)

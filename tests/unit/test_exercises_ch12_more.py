@@ -108,3 +108,32 @@ def test_the_expected_placements_are_what_a_real_mpiexec_does(tmp_path):
                               capture_output=True, text=True, timeout=60, check=True)
         rows = sorted((int(r), h, int(l)) for r, h, l in (line.split() for line in done.stdout.splitlines()))
         assert [(h, l) for _, h, l in rows] == want
+
+
+def _markdown(title_start: str) -> str:
+    cells = json.loads(LAB.read_text())["cells"]
+    return next(" ".join("".join(c["source"]).split()) for c in cells
+                if c["cell_type"] == "markdown" and "".join(c["source"]).startswith(title_start))
+
+
+def test_the_lab_says_when_the_node_files_rule_holds():
+    # a source review: PALS places --ppn ranks on each distinct host; "a node's ranks are its lines" holds only when
+    # the select line's mpiprocs equals --ppn, as in every course job
+    import re
+
+    job = (Path(__file__).resolve().parents[2] / "pbs" / "12_hpc_operations.pbs").read_text()
+    mpiprocs = int(re.search(r"^#PBS -l select=\d+:.*mpiprocs=(\d+)", job, flags=re.M).group(1))
+    text = _markdown("## Exercise 3: place each rank from the node file")
+    assert "one line per rank, so each host appears once for every rank it runs" in text
+    assert f"when the select line's `mpiprocs` equals `--ppn`, as in every course job (here {mpiprocs} and 4)" in text
+    assert "PALS itself places `--ppn` ranks on each distinct host, in the file's order" in text
+
+
+def test_the_labs_last_submission_names_the_account():
+    # pbs/README.md: the jobs carry no account line, so qsub needs -A (as chapter 12.3 writes it)
+    readme = (Path(__file__).resolve().parents[2] / "pbs" / "README.md").read_text()
+    assert 'qsub -A "$PBS_ACCOUNT"' in readme
+    text = _markdown("## Going further")
+    assert '`qsub -A "$PBS_ACCOUNT" pbs/12_hpc_operations.pbs`' in text
+    assert '`sbatch -A "$ACCOUNT" slurm/12_hpc_operations.sbatch`' in text
+    assert "run `qsub pbs/12_hpc_operations.pbs`" not in text
