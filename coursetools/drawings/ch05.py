@@ -3,7 +3,8 @@
 Drawn from the library's own accounting: which kinds of state a stage shards comes from
 ``distlab.memory.zero_state_bytes`` (a kind is sharded when its bytes on one GPU are 1/N of the whole), the bytes
 per parameter written beside each GPU are that function's, and the sizes of FSDP's units are those of the course's
-``tiny`` transformer (``distlab.memory.fsdp_unit_bytes`` over ``distlab.models.preset("tiny")``).
+``tiny`` transformer (``distlab.memory.fsdp_unit_bytes`` over ``distlab.models.preset("tiny")``). Under ZeRO-3 all
+three kinds are cut by unit: FSDP2 shards each parameter, its gradient and its AdamW moments alike (Shard(0)).
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ def draw_what_each_gpu_holds(fig) -> None:
             for k, (field, name) in enumerate(KINDS):
                 y = y0 + (2 - k) * (height + gap)
                 mine = (lambda p, q, g=gpu, f=field: not sharded[f] or q == g)
-                if field == "params" and stage == 3:
+                if stage == 3:   # FSDP2 cuts each parameter, its gradient and its AdamW state alike: by unit
+                    gathers = running and field == "params"   # block 0's weights only are gathered whole
                     _bar(ax, x, y, width, height, [size for _, size in units],
-                         (lambda p, q, g=gpu: q == g or (running and p == 0)), gathered=(0,) if running else ())
+                         (lambda p, q, g=gpu, whole=gathers: q == g or (whole and p == 0)),
+                         gathered=(0,) if gathers else ())
                 else:
                     _bar(ax, x, y, width, height, [1], mine)
                 if s == 0:
@@ -81,7 +84,8 @@ def draw_what_each_gpu_holds(fig) -> None:
             state = memory.zero_state_bytes(1, GPUS, stage)
             label = f"GPU {gpu}: {state.total:g} B/param" + (" + block 0" if running else "")
             ax.text(x + width / 2, y0 - 0.14, label, ha="center", va="center", fontsize=6.5)
-    ax.text(4 * panel + width / 2, -0.3, "weights cut into FSDP's units: " + ", ".join(n for n, _ in units),
+    ax.text(3.5 * panel + width / 2, -0.3, "weights, gradients and optimizer state cut into FSDP's units: "
+            + ", ".join(n for n, _ in units),
             ha="center", fontsize=6, style="italic")
     ax.legend(handles=[Patch(facecolor=RANK_COLOURS[q], label=f"the quarter GPU {q} owns") for q in range(GPUS)]
               + [Patch(facecolor="white", edgecolor="#999999", label="not held: another GPU owns it"),

@@ -9,8 +9,10 @@ import re
 import sys
 from pathlib import Path
 
+import matplotlib.colors
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from coursetools import chapters
 from distlab import comm, memory, models
@@ -395,6 +397,94 @@ def test_the_picture_of_what_each_gpu_holds_is_zeros_definition():
     assert units["block 0"] == units["block 1"] == sum(p.numel() for p in model.layers["0"].parameters())
     assert sum(units.values()) == models.count_params(model)
     says("GPU cannot compute with a quarter of a layer")
+
+
+def _drawn_bars() -> dict[tuple[str, int, str], tuple[list, list]]:
+    """05_what_each_gpu_holds.png as drawn: for each (column title, GPU, kind) the bar's outlines (its cuts, as
+    fractions of the bar) and its filled slices (start, width, colour), read off the figure's rectangles."""
+    from matplotlib.figure import Figure
+
+    import coursetools.figures  # noqa: F401  (the drawings import their helpers from it)
+    from coursetools.drawings import ch05
+
+    fig = Figure(figsize=ch05.FIGURES["05_what_each_gpu_holds.png"][1])
+    ch05.draw_what_each_gpu_holds(fig)
+    ax = fig.axes[0]
+    titles = {t.get_text(): t.get_position()[0] for t in ax.texts if t.get_text() in [s for s, _, _ in ch05.STRATEGIES]}
+    rows: dict[tuple[str, float], list] = {}
+    for r in ax.patches:
+        centre = r.get_x() + r.get_width() / 2
+        column = min(titles, key=lambda t: abs(titles[t] - centre))
+        rows.setdefault((column, round(r.get_y(), 6)), []).append(r)
+    bars = {}
+    for column in titles:
+        ys = sorted((y for c, y in rows if c == column), reverse=True)   # GPU 0's weights, gradients, optimizer, GPU 1's...
+        for i, y in enumerate(ys):
+            patches = rows[(column, y)]
+            outlines = [r for r in patches if not r.get_fill()]
+            left = min(r.get_x() for r in outlines)
+            width = sum(r.get_width() for r in outlines)
+            cuts = [round((r.get_x() - left) / width, 6) for r in sorted(outlines, key=lambda r: r.get_x())]
+            filled = sorted((round((r.get_x() - left) / width, 6), round(r.get_width() / width, 6),
+                             matplotlib.colors.to_hex(r.get_facecolor())) for r in patches
+                            if r.get_fill() and matplotlib.colors.to_hex(r.get_facecolor()) != "#ffffff")
+            bars[(column, i // 3, ch05.KINDS[i % 3][0])] = (cuts, filled)
+    return bars
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_the_picture_cuts_gradients_and_optimizer_state_by_unit_as_fsdp2_does():
+    """Review src0107 finding 7: under FSDP2 a parameter's gradient and its AdamW moments are DTensors cut like the
+    parameter (Shard(0), the same local shape), so GPU r keeps part r of every unit for all three kinds. Seen on a
+    fake process group (rank 1 of 4) after one step; the ZeRO-3 columns of the picture must cut all three bars the
+    same way, by unit, and colour the same slices."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from coursetools.drawings import ch05
+    from coursetools.figures import RANK_COLOURS
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        model = models.build_transformer(models.preset("tiny"), seed=0)
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+        models.lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optimizer.step()
+        for p in model.parameters():
+            for kind in (p.grad, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"]):
+                assert kind.placements == p.placements == (Shard(0),) and kind.to_local().shape == p.to_local().shape
+    finally:
+        dist.destroy_process_group()
+
+    units = [size for _, size in ch05.tiny_units()]
+    unit_cuts = [round(sum(units[:i]) / sum(units), 6) for i in range(len(units))]
+    bars = _drawn_bars()
+    between, running = (title for title, stage, _ in ch05.STRATEGIES if stage == 3)
+    for gpu in range(4):
+        for column in (between, running):
+            for kind in ("params", "grads", "optimizer"):
+                assert bars[(column, gpu, kind)][0] == unit_cuts, (column, gpu, kind)
+        owned = bars[(between, gpu, "params")][1]
+        assert len(owned) == len(units) and {colour for *_, colour in owned} == {RANK_COLOURS[gpu]}
+        for kind in ("grads", "optimizer"):   # gathered for the moment: the weights only, never the other two
+            assert bars[(between, gpu, kind)][1] == bars[(running, gpu, kind)][1] == owned, (gpu, kind)
+    assert len(bars[(running, 0, "params")][1]) == len(units) + 3   # block 0 whole: its four quarters
+    says("In the two ZeRO-3 columns all three bars are cut into FSDP's **units**")
+    says("Each GPU keeps its quarter of every unit, for the weights, their gradients and the optimizer state alike.")
+    # How we know cites where torch does it; the lines cited are read here
+    assert "fsdp_param.sharded_param.grad = new_sharded_dtensor_grad" in torch_lines("_fsdp_collectives.py", 751, 754)
+    assert "def to_sharded_dtensor" in torch_lines("_fsdp_param.py", 770, 782)
+    assert "self._sharding_spec" in torch_lines("_fsdp_param.py", 770, 782)
+    adam = "".join((Path(torch.__file__).parent / "optim" / "adam.py").read_text().splitlines(keepends=True)[177:184])
+    assert 'state["exp_avg"] = torch.zeros_like(' in adam and 'state["exp_avg_sq"] = torch.zeros_like(' in adam
+    says("through `to_sharded_dtensor` (`_fsdp_collectives.py:751-754`)")
+    says("parameter's own sharding (`_fsdp_param.py:770-782`)")
+    says("(`torch/optim/adam.py:178-184`)")
 
 
 def test_the_prefetch_caption_reads_the_measured_gathers():

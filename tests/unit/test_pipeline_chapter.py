@@ -494,6 +494,34 @@ def test_the_relay_and_gpipe_walks_are_the_simulators():
         assert words.format(f"{max(e.end for e in schedules.simulate(schedule)):g}") in text
 
 
+def test_the_readmes_zero_for_zbv_is_reconciled_with_our_5_9_percent():
+    """Review src0107 finding 10: the zero-bubble README gives ZBV a bubble rate of 0, the body 5.9% at P = 4,
+    M = 8. The authors' planner (zbv.py) counts a rank's idle time only after its first forward; our ZBV, too, has
+    none there: each rank is busy in one stretch, the ranks start half a unit apart, and that stagger is the 5.9%."""
+    text = flat_text()
+    for microbatches, bubble in ((8, "5.9%"), (16, "3.0%")):
+        timeline = schedules.simulate(schedules.zbv(4, microbatches))
+        busy = schedules._busy_intervals(timeline)
+        assert [len(busy[rank]) for rank in range(4)] == [1] * 4                  # no gap after a rank's first pass
+        assert [busy[rank][0][0] for rank in range(4)] == [0.0, 0.5, 1.0, 1.5]    # a stage's pass apart
+        assert percent(schedules.bubble_fraction_from_timeline(timeline)) == bubble
+    eight = schedules.simulate(schedules.zbv(4, 8))
+    pass_time = {e.end - e.start for e in eight}
+    assert pass_time == {0.5}
+    step, work = max(e.end for e in eight), sum(e.end - e.start for e in eight if e.rank == 0)
+    assert (step / 0.5, work / 0.5) == (51, 48) and percent(1 - work / step) == "5.9%"
+    assert "The README's 0 for ZBV and our 5.9% describe the same timeline." in text
+    assert ("counts a rank's idle time only after that rank's first forward. Run at p = 4, m = 8 with F = B = W and "
+            "free messages, it finds no such idle time.") in text
+    assert "so the step lasts 51 passes of one stage for 48 of work: 5.9% idle." in text
+    assert "each rank works without a break from its first pass to its last, starting 0.5 units after" in text
+    assert "That fixed stagger shrinks against the step as M grows: 3.0% at M = 16." in text
+    assert "Our ZBV, with F = I = W, gives 5.9% for P = 4 and M = 8." in text
+    # the README's row as it reads at main 39f2c18 (since July 2024), not its first version's
+    assert "B = (p-1)/(m+p-1) for 1F1B, B/3 for ZB1P and 0 for ZB2P and ZBV" in text
+    assert "gives (p-1)/3m for ZB1P" not in text
+
+
 def test_zb_h1s_walk_says_w_fills_the_slots_where_1f1b_waited():
     text = flat_text()
     one_f_one_b, zb_h1 = schedules.one_f_one_b(4, 8), schedules.zero_bubble_h1(4, 8)
