@@ -599,3 +599,22 @@ def test_fsdp_keep_gathered_is_named_by_the_calls_torch_has(text):
     assert ("`set_requires_gradient_sync(False)` stops both collectives, but FSDP still reshards the weights" in text
             and "`set_reshard_after_backward(False)`: the three together are the planner's `fsdp_keep_gathered`"
             in text)
+
+
+def test_the_llama_layout_paragraphs_say_which_setting_each_number_is_at(text):
+    rows = planner.published_table()
+    long = rows[2]
+    assert (f"(34 % against 35 %)" in text and round(long["mfu"], 2) == 0.34 and round(long["best_mfu"], 2) == 0.35)
+    eights = [f"{r['mfu']:.0%}".replace("%", " %") for r in rows[:2]]
+    firsts = [f"{r['best_mfu']:.0%}".replace("%", " %") for r in rows[:2]]
+    assert (f"The 8K rows' {eights[0]} and {eights[1]} are what they would reach if they fit" in text
+            and f"reach {firsts[0]} and {firsts[1]}" in text)
+    run = planner.published.RUNS[2]
+    mem = planner.memory_per_gpu(run.model, run.layout, 0, run.options)
+    assert planner.spec.checkpointing(run.options) == "full"
+    assert f"(The table's {mem['total'] / planner.GIB:.1f} GiB is the same layout with full recomputation" in text
+    from distlab.planner.memory import state_bytes
+    state = state_bytes(planner.MODELS["70b"], planner.Layout(4, 1, 8, 1, 3), 0)
+    assert (f"({state.params / planner.GIB:.0f} GiB of weights, {state.grads / planner.GIB:.0f} of gradients and "
+            f"{state.optimizer / planner.GIB:.1f} of optimizer state per GPU)") in text
+    assert "the microbatches a round, how many microbatches the interleaved schedule passes through one chunk" in text
