@@ -618,3 +618,11 @@ def test_the_llama_layout_paragraphs_say_which_setting_each_number_is_at(text):
     assert (f"({state.params / planner.GIB:.0f} GiB of weights, {state.grads / planner.GIB:.0f} of gradients and "
             f"{state.optimizer / planner.GIB:.1f} of optimizer state per GPU)") in text
     assert "the microbatches a round, how many microbatches the interleaved schedule passes through one chunk" in text
+
+
+def test_the_hsdp_paragraph_claims_no_uncounted_share():
+    """"HSDP saves at most half of those bytes (chapter 09)" had no count behind it, here or in chapter 09."""
+    text = " ".join(chapters.text("11").split())
+    assert "saves at most half" not in text
+    assert "So FSDP already crosses the network at four NICs' worth" in text
+    assert planner.CLUSTERS["a100-40gb"].gpus_per_node == 4
