@@ -626,3 +626,18 @@ def test_the_hsdp_paragraph_claims_no_uncounted_share():
     assert "saves at most half" not in text
     assert "So FSDP already crosses the network at four NICs' worth" in text
     assert planner.CLUSTERS["a100-40gb"].gpus_per_node == 4
+
+
+def test_the_torch_lines_cited_for_fsdp_and_the_interleaved_round_hold_what_is_said(text):
+    import importlib.util
+
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent / "distributed"
+    fsdp = (torch_dir / "fsdp" / "_fully_shard" / "_fully_shard.py").read_text().splitlines()
+    assert fsdp[412].startswith("    def set_requires_gradient_sync(") and "all_reduce_grads = requires_gradient_sync" \
+        in fsdp[434]
+    assert fsdp[489].startswith("    def set_reshard_after_backward(") and "reshard_after_backward =" in fsdp[510]
+    assert "(lines 413-435)" in text and "(lines 490-511)" in text
+    schedules = (torch_dir / "pipelining" / "schedules.py").read_text().splitlines()
+    assert schedules[2934].strip() == "self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)"
+    assert schedules[2935].strip() == "self.microbatches_per_round = n_microbatches // self.number_of_rounds"
+    assert "M // (M // P) (`ScheduleInterleaved1F1B`, torch 2.13's `pipelining/schedules.py:2935-2936`)" in text
