@@ -8,7 +8,8 @@ import textwrap
 
 # where each node of the tree sits (x, y) on a 10 x 6 canvas; the tree itself is the planner's
 _PLACE = {"replica": (3.6, 5.35), "sequence": (3.6, 4.0), "batch": (1.9, 2.6), "long": (6.3, 2.6),
-          "DDP": (8.3, 5.35), "FSDP": (1.15, 0.95), "TP + PP": (3.0, 0.95), "TP": (5.3, 0.95), "CP": (7.9, 0.95)}
+          "DDP": (8.3, 5.35), "FSDP": (1.0, 0.95), "TP + PP": (3.1, 0.95), "TP": (5.3, 0.95), "CP": (7.9, 0.95)}
+_OUTCOME_WIDTH = 1.8   # the leaves under question 3 sit 0.3 apart
 # what happens on the way down an edge (the "no" of the first question shards the state)
 _ON_EDGE = {("replica", False): "no: shard the state (FSDP)"}
 
@@ -41,7 +42,7 @@ def draw_decision_flowchart(fig) -> None:
     for number, (node, (text, _, yes, no)) in enumerate(questions.items(), start=1):
         heights[node] = box(node, f"{number}. {text}", 3.2, RANK_COLOURS[0], "#eef3fb")
     for node, text in outcomes.items():
-        heights[node] = box(node, text, 1.95, RANK_COLOURS[1], "#fdf1e6")
+        heights[node] = box(node, text, _OUTCOME_WIDTH, RANK_COLOURS[1], "#fdf1e6")
         x, y = _PLACE[node]
         cases = [textwrap.fill(name, 28) for name in reached.get(node, [])]
         if cases:
@@ -52,13 +53,13 @@ def draw_decision_flowchart(fig) -> None:
         for target, said in ((yes, True), (no, False)):
             tx, ty = _PLACE[target]
             start = (x + 1.6, y) if ty == y else (x, y - heights[node] / 2)
-            end = (tx - 1.0, ty) if ty == y else (tx, ty + heights[target] / 2)
+            end = (tx - _OUTCOME_WIDTH / 2 - 0.05, ty) if ty == y else (tx, ty + heights[target] / 2)
             ax.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": "#333333"})
             label = _ON_EDGE.get((node, said), "yes" if said else "no")
             ax.text((start[0] + end[0]) / 2 + 0.08, (start[1] + end[1]) / 2 + 0.05, label, fontsize=6.5,
                     color="#1a7f37" if said else "#b42318")
-    ax.text(5, -0.7, "then the planner's search ranks every layout with those dimensions, and --dry-run builds the "
-                     "chosen one at full size", ha="center", fontsize=7, style="italic")
+    ax.text(5, -0.7, "then the planner's search ranks every layout that fits (its first choice may add more than the "
+                     "path names), and --dry-run builds it at full size", ha="center", fontsize=7, style="italic")
 
 
 FIGURES = {"11_decision_flowchart.png": (draw_decision_flowchart, (10, 6))}

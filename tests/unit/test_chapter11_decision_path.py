@@ -77,8 +77,8 @@ def test_the_case_worked_by_hand_is_the_planners():
     gib = {k: {part: v / planner.GIB for part, v in m.items()} for k, m in (("ddp", ddp), ("fsdp", fsdp))}
     assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(by_hand)
     assert f"{gib['ddp']['activations']:.2f} GiB of activations" in text
-    assert f"and {gib['ddp']['temporary']:.2f} GiB of buffers for DDP's gradient buckets" in text
-    assert f"With the planner's 4 GiB reserve that is **{gib['ddp']['total']:.1f} GiB**" in text
+    assert f"Its gradient buckets are a second bf16 copy of the gradients" in text
+    assert f"**{gib['ddp']['total']:.1f} GiB**" in text and "buffers for DDP's gradient buckets" not in text
     fsdp_state = gib["fsdp"]["params"] + gib["fsdp"]["grads"] + gib["fsdp"]["optimizer"]
     assert f"divides the state by 8, to {fsdp_state:.2f} GiB" in text
     assert f"take {gib['fsdp']['temporary']:.2f} GiB" in text and f"**{gib['fsdp']['total']:.1f} GiB** of 40" in text
@@ -126,3 +126,30 @@ def test_the_step_formula_is_the_planners():
     busy = plan.step_seconds - plan.bubble["seconds"] - plan.exposed_seconds["pp"]
     assert plan.bubble["seconds"] == pytest.approx(busy * plan.bubble["of_ideal"])
     assert "step = (compute + exposed communication) x (1 + (P - 1) / (V M)) + 2 (P - 1) sends" in text
+
+
+def test_question_1_is_asked_of_one_gpu_and_its_parts_are_derived():
+    """Question 1 evaluates one GPU (no buckets): 106.7 GiB; DDP on 8 adds its buckets, 119.3. The 2.32 GiB of
+    activations and FSDP's 1.95 GiB of buffers, taken apart as the page does by hand."""
+    from distlab.planner.memory import block_activation_bytes, stage_params
+
+    text = _text()
+    spec, cluster, g = planner.MODELS["7b"], planner.CLUSTERS["a100-40gb"], planner.GIB
+    case = next(c for c in planner.decision_cases() if c.model is spec)
+    one = planner.evaluate(spec, cluster, planner.Layout(), planner.Options(), 1)
+    assert not planner.DECISION_QUESTIONS["replica"][1](case) and one.memory_per_gpu_bytes["temporary"] == 0
+    assert f"that is **{one.memory_per_gpu_bytes['total'] / g:.1f} GiB**, more than twice" in text
+    ddp = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=0)).memory_per_gpu_bytes
+    assert ddp["temporary"] == pytest.approx(spec.num_params() * 2)
+    assert f"6.74 B x 2 bytes = {ddp['temporary'] / g:.2f} GiB, which makes **{ddp['total'] / g:.1f} GiB**" in text
+    acts = one.memory_per_gpu_bytes["activations"]
+    inputs = spec.layers * spec.seq_len * spec.hidden * 2
+    block = block_activation_bytes(spec, 1, spec.seq_len, 1, False, planner.Options(activation_checkpointing="full"))
+    head = acts - inputs - block
+    assert inputs == g and (f"(1 GiB), one block recomputed in backward ({block / g:.2f} GiB), and the output layer "
+                            f"with its fp32 log-softmax ({head / g:.2f} GiB)") in text
+    unit = stage_params(spec, planner.Layout(dp=8, zero_stage=3), 0)["largest_unit"]
+    assert unit == pytest.approx(2 * spec.vocab * spec.hidden, rel=1e-4)   # the embedding and the output layer
+    fsdp = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=3)).memory_per_gpu_bytes
+    assert fsdp["temporary"] == unit * (2 + 2 + 4)
+    assert f"{unit / 1e6:.0f} M parameters, so {unit / 1e6:.0f} M x (2 + 2 + 4) bytes take {fsdp['temporary'] / g:.2f} GiB" in text

@@ -63,13 +63,22 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     rows = planner.validation_table()
     assert len(rows) >= 6 and all(r["passes"] or r["miss"] for r in rows), [(r["label"], r["error"]) for r in rows
                                                                              if not r["passes"]]
-    assert planner.published.BAND == 0.15 and "Every row is within 15 %" in text
-    assert "except two named misses, left out of the fit" in text
+    assert planner.published.BAND == 0.15 and "Every row's MFU is within 15 %" in text
+    assert "Two rows are named misses, left out of the fit" in text
     assert [r["label"] for r in rows if not r["passes"]] == ["Llama 3 405B, 8K tokens, 8,192 H100",
                                                             "Llama 3 405B, 8K tokens, 16,384 H100"]
     assert "**fourteen published, measured training runs**" in text and len(rows) == 14
-    assert "(twelve within 15 %" in text and sum(r["passes"] for r in rows) == 12
-    assert "twelve within 15 %, two named misses |" in text
+    # the misses miss on memory, not on MFU: every row's MFU is inside the band, and the two misses do not fit
+    assert all(abs(r["error"]) <= planner.published.BAND for r in rows)
+    assert all(not r["fits"] for r in rows if r["miss"]) and sum(r["passes"] for r in rows) == 12
+    assert "(all fourteen within 15 % of the published MFU" in text and "Two are named misses on memory" in text
+    assert "all within 15 % on MFU; two named misses on memory |" in text
+    assert "Its MFU lands within 15 % of the published one for all fourteen" in text
+    assert "do not fit the planner's memory at their published settings" in text
+    assert "their MFU is within the band, but they do not fit the planner's memory" in text
+    assert "named misses are drawn hollow" not in text and "lands within 15 % of the published MFU for twelve" not in text
+    # the efficiency is fitted to the runs it is checked against: the body says so
+    assert "is fitted to the twelve others, so this is a check of the model's shape" in text
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
@@ -108,7 +117,7 @@ def test_ddp_is_as_fast_as_the_best_for_a_model_that_fits_one_gpu(text):
     plans = planner.search(planner.MODELS["1b"], planner.CLUSTERS["a100-80gb"], 8)
     ddp = next(p for p in plans if p.layout == planner.Layout(dp=8, zero_stage=0))
     assert ddp.fits and ddp.mfu >= 0.97 * plans[0].mfu
-    assert "the planner finds DDP as fast as anything else there" in text
+    assert "The planner finds DDP as fast as anything else there" in text
 
 
 def test_llamas_layouts_fit_near_the_top_and_the_gpt3_row_is_gone(text, raw):
@@ -159,7 +168,11 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     # FSDP under PP pays its reduce-scatter after the last backward (torch's REDUCE_GRAD); ZeRO-1 overlaps it
     assert all(p.layout.zero_stage == 1 for p in with_pp) and "They shard the optimizer's state with ZeRO-1" in text
     fsdp = next(p for p in plans if p.layout == planner.replace(plans[0].layout, zero_stage=3))
-    assert 0.01 < plans[0].mfu - fsdp.mfu < 0.025 and "worth one to two points here" in text
+    assert 0.01 < plans[0].mfu - fsdp.mfu < 0.025 and "costs one to two points of MFU here" in text
+    # the overlap that puts ZeRO-1 first is Megatron-Core's distributed optimizer's, named where the case is read
+    assert ("They shard the optimizer's state with ZeRO-1, as Megatron-Core's distributed optimizer runs it" in text
+            and "`ZeroRedundancyOptimizer` broadcasts the updated weights inside its `step()`" in text)
+    assert "such as Megatron-Core's distributed optimizer, as the 405B case on page 11.2 chose" in text
     low, high = with_pp[-1].mfu, plans[0].mfu
     assert plans[0].mfu > 2 * flat.mfu and f"all reach {low:.0%} to {high:.0%}".replace("%", " %") in text
     assert plans[0].mfu > 2.2 * flat.mfu
@@ -169,17 +182,22 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
 def test_the_cp_section_states_the_searchs_rule(text):
     options = planner.Options()
     assert f"at least `cp_min_tokens` = {options.cp_min_tokens} tokens of a sequence" in text
-    assert f"`--cp-min-tokens`, {options.cp_min_tokens}, of a sequence" in text
+    assert "(`--cp-min-tokens`; an assumption)" in text
     spec = planner.MODELS["70b"]
     degrees = {seq: planner.cp_degrees(planner.replace(spec, seq_len=seq), 64) for seq in (4096, 32768, 131072)}
-    assert (degrees[4096], max(degrees[32768]), max(degrees[131072])) == ([1], 4, 16)
-    assert "none at 4K, up to CP 4 at 32K, up to CP 16 at 128K" in text
+    degrees[16384] = planner.cp_degrees(planner.replace(spec, seq_len=16384), 64)
+    assert (degrees[4096], max(degrees[16384]), max(degrees[32768]), max(degrees[131072])) == ([1], 2, 4, 16)
+    assert "none at 4K, up to CP 2 at 16K, up to CP 4 at 32K, and up to CP 16 at 128K" in text
     # "With CP free, the search would put it everywhere, even on 4K-token sequences"
     free = planner.search(spec, planner.CLUSTERS["h100-80gb"], 64, planner.Options(cp_min_tokens=1))
     assert free[0].layout.cp > 1 and "even on 4K-token sequences" in text
-    assert "the search still prefers CP 8 with FSDP over the other 8 ways" in text
     best = planner.decision_path()[-1]["answer"]
-    assert "the search's choice: tp=1,pp=1,dp=8,cp=8,zero=3" in best and "nothing without CP fits" in best
+    assert "best: tp=1,pp=1,dp=8,cp=8,zero=3" in best and "without SP, no layout without CP fits" in best
+    # CP 8 on 64 GPUs leaves 8 data-parallel replicas, and FSDP shards over dp x cp: all 64
+    first = planner.search(planner.replace(spec, seq_len=131072, global_batch=32), planner.CLUSTERS["h100-80gb"], 64)[0]
+    assert (first.layout.dp, first.layout.cp, first.layout.fsdp_ways) == (8, 8, 64)
+    assert ("the search still prefers CP 8: 8 data-parallel replicas, with FSDP sharding the state over all 64 GPUs"
+            in text)
 
 
 def test_the_long_context_layout_needs_what_the_8k_one_needs_and_the_gathered_keys(text):
@@ -323,7 +341,14 @@ def test_the_latency_paragraph_counts_what_the_planner_charges(text):
     by_hand = 254 * 14e-6 + 1792 * 3.4e-6
     assert ring["latency"] / calls == pytest.approx(by_hand) and round(by_hand * 1e3, 1) == 9.6
     assert tree["latency"] / calls == pytest.approx(2 * (7 * 4e-6 + 7 * 14e-6))
-    assert "254 x 14 us + 1,792 x 3.4 us = 9.6 ms" in text and "0.25 ms there" in text
+    assert "254 x 14 us + 1,792 x 3.4 us = 9.6 ms" in text
+    # the tree, by hand from the body: 7 NVLink steps of 4 us and log2(128) = 7 network steps of 14 us, each way
+    import math
+    from distlab import comm
+    nodes = 1024 // cluster.gpus_per_node
+    assert comm.NCCL_TREE_STEP_LATENCY_S["nvlink"]["Simple"] == 4e-6 and int(math.log2(nodes)) == 7
+    assert round(2 * (7 * 4e-6 + 7 * 14e-6) * 1e3, 2) == 0.25
+    assert "2 (7 x 4 us + 7 x 14 us) = 0.25 ms" in text and "bigger buckets mean fewer calls" in text
     # NCCL's tree latency, tuning.cc:416: 2 ((ranks a node - 1) x intraLat + log2i(nodes) x interLat): up and down
     assert "2 log2(nodes) network steps, up the tree and down" in text
 
@@ -441,3 +466,178 @@ def test_the_megatron_core_rows_show_their_overlapped_tp(raw):
     assert not any("async TP" in line for line in raw.splitlines()
                    if line.startswith("| ") and not line.startswith("| Megatron-Core "))
 
+
+
+def test_the_1b_and_7b_rows_say_the_settings_their_mfus_depend_on(text):
+    """1B: 21.6 GiB (question 1's full recomputation) against 27.6 (none, the search's), the 6 GiB being
+    activations; DDP's buckets add 2.05. 7B: FSDP dp=8 at 42 % (full) and 55 % (none) is one layout at two settings."""
+    cases = planner.decision_cases()
+    one, g = cases[0], planner.GIB
+    asked = planner.evaluate(one.model, one.cluster, planner.Layout(), planner.Options(), 1)
+    tuned = planner.tune(one.model, one.cluster, planner.Layout(), planner.Options(), 1)
+    ddp = planner.tune(one.model, one.cluster, planner.Layout(dp=8), planner.Options(), 8)
+    assert asked.settings["checkpointing"] == "full" and tuned.settings["checkpointing"] == "none"
+    assert (f"21.6 GiB with full recomputation, as question 1 counts it" in text
+            and round(asked.memory_per_gpu_bytes["total"] / g, 1) == 21.6)
+    assert f"at {tuned.memory_per_gpu_bytes['total'] / g:.1f} GiB of 80" in text
+    assert (f"the activations grow from {asked.memory_per_gpu_bytes['activations'] / g:.2f} to "
+            f"{tuned.memory_per_gpu_bytes['activations'] / g:.2f} GiB") in text
+    assert f"adds {ddp.memory_per_gpu_bytes['temporary'] / g:.2f} GiB of gradient buckets" in text
+    assert "for its gradient buckets" not in text and round(ddp.mfu, 2) == round(tuned.mfu, 2)
+    rows = planner.decision_path_markdown()
+    assert "one GPU: fits, 27.6 GiB, MFU 56% (mb 1, no ckpt)" in rows and "MFU 42% (mb 1, full ckpt)" in rows
+    seven = cases[1]
+    best = planner.search(seven.model, seven.cluster, 8)[0]
+    assert best.settings["checkpointing"] == "none" and best.memory_per_gpu_bytes["total"] <= 40 * g
+    assert f"fits, {best.memory_per_gpu_bytes['total'] / g:.1f} GiB, MFU 55% (mb 1, no ckpt)" in rows
+    assert (f"they decided the recomputation" in text
+            and f"keeps every activation instead, at {best.memory_per_gpu_bytes['total'] / g:.1f} GiB of 40" in text)
+    assert "decided nothing" not in text
+
+
+def test_question_4s_32k_is_a_rule_of_thumb_cp_2_ties_tp_2_at_16k(text):
+    wide = planner.decision_cases()[2]
+    plans = planner.search(wide.model, wide.cluster, wide.gpus)
+    first, cp2 = plans[0], next(p for p in plans if p.layout.cp == 2)
+    assert first.layout.tp == 2 and cp2.layout.cp == 2 and planner.rank_of(plans, cp2.layout) == 2
+    assert round(cp2.mfu, 3) == round(first.mfu, 3)
+    assert round(cp2.memory_per_gpu_bytes["total"], -6) == round(first.memory_per_gpu_bytes["total"], -6)
+    # CP may split a sequence only while each GPU keeps cp_min_tokens: CP 4 from 32K, CP 2 at 16K
+    assert planner.LONG_SEQUENCE // 4 == planner.Options().cp_min_tokens == wide.model.seq_len // 2
+    assert "At 16K it allows only CP 2, which the search finds merely ties TP 2" in text
+    assert "So 32K is the path's rule of thumb, not a limit of the search" in text
+    assert "CP splits it four ways or more" not in text
+
+
+def test_the_paths_answer_falls_short_of_the_search_and_the_exercise_says_so(text):
+    """70B (4K) on 64 H100: the path reaches FSDP over every GPU; it fits at 83 % of the first choice's throughput,
+    below the lab's 90 %. The exercise no longer asks the path's answer to reach 90 %."""
+    from labkit import planner_widgets
+    from labkit.exercises import ch11
+
+    route, outcome, layout = ch11.path_layout("70b", "h100-80gb", 64)
+    assert outcome == "FSDP" and layout == planner.Layout(dp=64, zero_stage=3)
+    spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    plan, best = planner.tune(spec, h100, layout, planner.Options(), 64), planner.search(spec, h100, 64)[0]
+    share = plan.tokens_per_second / best.tokens_per_second
+    assert plan.fits and share < 0.9 and not planner_widgets.layout_verdict(layout).ok
+    assert f"reaches {share:.0%} of the throughput of the search's first choice".replace("%", " %") in text
+    assert f"It fits, at {share:.0%} of the best throughput the planner finds".replace("%", " %") in text
+    assert "find a layout within 90 % of the best" in text
+    assert "pick a layout by the decision path, then check that it fits" not in text
+
+
+def test_the_32k_and_tradeoff_prose_read_the_planner(text, raw):
+    long = planner.decision_cases()[4]
+    plans = planner.search(long.model, long.cluster, 64)
+    first, flat = plans[0], next(p for p in plans if p.layout.cp == 1)
+    assert first.layout.pp == 1 and first.layout.tp * first.layout.cp == 32
+    assert first.settings["checkpointing"] == "none" and flat.settings["checkpointing"] == "full"
+    assert "divide each GPU's activations 32 ways, enough to keep them all without recomputation" in text
+    assert f"reaches {flat.mfu:.0%} against {first.mfu:.0%}".replace("%", " %") in text
+    spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    tp8, tp1 = (planner.tune(spec, h100, layout, planner.Options(), 64)
+                for layout in (planner.Layout(8, 8, 1, 1, 1), planner.Layout(1, 8, 8, 1, 3)))
+    assert tp8.mfu > tp1.mfu and tp1.exposed_seconds["tp"] == 0 and round(tp8.exposed_seconds["tp"]) == 12
+    assert tp1.settings["checkpointing"] == "full" and tp8.settings["checkpointing"] == "none"
+    assert "with 12 s of exposed TP, still beats `tp=1,pp=8,dp=8,zero=3`, with none" in text
+    # the table's first row is the first choice, and it has a step column
+    table = planner.tradeoffs_markdown()
+    assert table.splitlines()[2].startswith("| tp=4,pp=4,dp=4,zero=1 |") and "| step s |" in table
+    # PP under FSDP: PP 8 fits, PP 2 does not
+    pp8, pp2a, pp2b = (planner.tune(spec, h100, layout, planner.Options(), 64) for layout in
+                       (planner.Layout(1, 8, 8, 1, 3), planner.Layout(2, 2, 16, 1, 3), planner.Layout(1, 2, 32, 1, 3)))
+    assert pp8.fits and not pp2a.fits and not pp2b.fits
+    assert (f"PP 8 does, at {pp8.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB, and PP 2 does not, at "
+            f"{pp2a.memory_per_gpu_bytes['total'] / planner.GIB:.0f} and "
+            f"{pp2b.memory_per_gpu_bytes['total'] / planner.GIB:.0f} GiB") in text
+
+
+def test_the_cases_batches_and_the_hsdp_places_are_the_planners(text):
+    cases = planner.decision_cases()
+    tokens = {c.model.global_batch * c.model.seq_len for c in cases if not c.name.startswith("405B")}
+    assert tokens == {4 * 2**20}
+    counts = sorted({c.model.seq_len: c.model.global_batch for c in cases}.items())
+    assert counts == [(4096, 1024), (8192, 2048), (16384, 256), (32768, 128), (131072, 32)]
+    assert ("1,024 sequences of 4K tokens, 256 of 16K, 128 of 32K or 32 of 128K" in text
+            and "2,048 sequences of 8K" in text)
+    plans = planner.search(planner.MODELS["70b"], planner.CLUSTERS["a100-40gb"], 256)
+    hsdp = [p for p in plans if p.layout.shard and p.fits]
+    better = hsdp[0]
+    assert (f"The better ranks {planner.rank_of(plans, better.layout)}th of {sum(p.fits for p in plans)} that fit, "
+            f"at {better.mfu:.1%} MFU against the first choice's {plans[0].mfu:.1%}") in text
+
+
+def test_the_body_derives_its_communication_and_bubble_numbers(text):
+    # ZeRO-1's 0.75: reduce-scatter fp32 gradients (4) + all-gather bf16 weights (2) against DDP's fp32 all-reduce 2 x 4
+    assert (4 + 2) / (2 * 4) == 0.75 and "that is 4 + 2 = 6 bytes a parameter against DDP's 2 x 4 = 8" in text
+    # a ring of two nodes of 4 GPUs laid out node by node: 8 edges, 2 cross (one out of each node)
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+    crossing = [e for e in ring if e[0] // 4 != e[1] // 4]
+    assert len(ring) - len(crossing) == 6 and len(crossing) == 2 and "Of its 8 edges, 6 stay inside a node" in text
+    # the bubble both ways: (P-1)/(VM) of the busy time is (P-1)/(VM+P-1) of the step
+    plan = planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], planner.Layout(4, 4, 4, 1, 1),
+                        planner.Options(), 64)
+    of_ideal, of_step = plan.bubble["of_ideal"], plan.bubble["of_step"]
+    assert of_step == pytest.approx(of_ideal / (1 + of_ideal), rel=1e-6)
+    assert "(P - 1) / (V M) of it is (P - 1) / (V M + P - 1) of the step" in text
+    # symbols: a stage is i, the vocabulary v; the validation figure is shown once
+    assert "P - s under 1F1B" not in text and "P - i under 1F1B on stage i" in text and "V/16lh" not in text
+    assert text.count("figures/11_predicted_vs_published.png") == 1
+
+
+def test_fsdp_keep_gathered_is_named_by_the_calls_torch_has(text):
+    """set_requires_gradient_sync sets only the two reduce flags; resharding after backward is another call."""
+    import importlib.util
+
+    source = (Path(importlib.util.find_spec("torch").origin).parent / "distributed" / "fsdp" / "_fully_shard"
+              / "_fully_shard.py").read_text()
+    sync = source[source.index("    def set_requires_gradient_sync("):]
+    sync = sync[:sync.index("\n    def ", 1)]
+    assert "reduce_grads = requires_gradient_sync" in sync and "reshard" not in sync.split('"""')[-1]
+    assert "    def set_reshard_after_backward(" in source
+    assert ("`set_requires_gradient_sync(False)` stops both collectives, but FSDP still reshards the weights" in text
+            and "`set_reshard_after_backward(False)`: the three together are the planner's `fsdp_keep_gathered`"
+            in text)
+
+
+def test_the_llama_layout_paragraphs_say_which_setting_each_number_is_at(text):
+    rows = planner.published_table()
+    long = rows[2]
+    assert (f"(34 % against 35 %)" in text and round(long["mfu"], 2) == 0.34 and round(long["best_mfu"], 2) == 0.35)
+    eights = [f"{r['mfu']:.0%}".replace("%", " %") for r in rows[:2]]
+    firsts = [f"{r['best_mfu']:.0%}".replace("%", " %") for r in rows[:2]]
+    assert (f"The 8K rows' {eights[0]} and {eights[1]} are what they would reach if they fit" in text
+            and f"reach {firsts[0]} and {firsts[1]}" in text)
+    run = planner.published.RUNS[2]
+    mem = planner.memory_per_gpu(run.model, run.layout, 0, run.options)
+    assert planner.spec.checkpointing(run.options) == "full"
+    assert f"(The table's {mem['total'] / planner.GIB:.1f} GiB is the same layout with full recomputation" in text
+    from distlab.planner.memory import state_bytes
+    state = state_bytes(planner.MODELS["70b"], planner.Layout(4, 1, 8, 1, 3), 0)
+    assert (f"({state.params / planner.GIB:.0f} GiB of weights, {state.grads / planner.GIB:.0f} of gradients and "
+            f"{state.optimizer / planner.GIB:.1f} of optimizer state per GPU)") in text
+    assert "the microbatches a round, how many microbatches the interleaved schedule passes through one chunk" in text
+
+
+def test_the_hsdp_paragraph_claims_no_uncounted_share():
+    """"HSDP saves at most half of those bytes (chapter 09)" had no count behind it, here or in chapter 09."""
+    text = " ".join(chapters.text("11").split())
+    assert "saves at most half" not in text
+    assert "So FSDP already crosses the network at four NICs' worth" in text
+    assert planner.CLUSTERS["a100-40gb"].gpus_per_node == 4
+
+
+def test_the_torch_lines_cited_for_fsdp_and_the_interleaved_round_hold_what_is_said(text):
+    import importlib.util
+
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent / "distributed"
+    fsdp = (torch_dir / "fsdp" / "_fully_shard" / "_fully_shard.py").read_text().splitlines()
+    assert fsdp[412].startswith("    def set_requires_gradient_sync(") and "all_reduce_grads = requires_gradient_sync" \
+        in fsdp[434]
+    assert fsdp[489].startswith("    def set_reshard_after_backward(") and "reshard_after_backward =" in fsdp[510]
+    assert "(lines 413-435)" in text and "(lines 490-511)" in text
+    schedules = (torch_dir / "pipelining" / "schedules.py").read_text().splitlines()
+    assert schedules[2934].strip() == "self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)"
+    assert schedules[2935].strip() == "self.microbatches_per_round = n_microbatches // self.number_of_rounds"
+    assert "M // (M // P) (`ScheduleInterleaved1F1B`, torch 2.13's `pipelining/schedules.py:2935-2936`)" in text

@@ -1,0 +1,86 @@
+"""Lab 11's Exercise 1, as chapter 11 sets it: follow the decision path, check its layout, then find a layout within
+90 % of the best and name what the path's layout pays beyond it. A learner who does what page 11.1 and the exercise
+say passes every check; the plausible wrong answers are rejected."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from coursetools import chapters
+from distlab import planner
+from labkit import planner_widgets
+from labkit.exercises import ch11 as exercises
+
+
+@pytest.fixture(autouse=True)
+def _raise_when_unwritten(monkeypatch):
+    monkeypatch.setenv("DISTLAB_INCOMPLETE_EXERCISE", "raise")
+
+
+def _follow_the_path_by_hand(model, cluster, gpus):
+    """Page 11.1's four questions, asked as the page words them, with the planner's memory, not its tree."""
+    if planner.evaluate(model, cluster, planner.Layout(), planner.Options(), 1).fits:   # 1: a replica on one GPU
+        return planner.Layout(dp=gpus, zero_stage=0)
+    held = planner.memory_per_gpu(planner.replace(model, micro_batch=1), planner.Layout(dp=gpus, zero_stage=3), 0,
+                                  planner.Options(activation_checkpointing="full"))
+    assert held["total"] <= cluster.gpu_bytes                                           # 2: one sequence fits
+    assert model.global_batch >= gpus                                                   # 3: a sequence each
+    return planner.Layout(dp=gpus, zero_stage=3)                                        # FSDP over every GPU
+
+
+def test_a_learner_following_the_chapter_passes_exercise_1():
+    model, cluster = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    path = _follow_the_path_by_hand(model, cluster, 64)
+    exercises.check_path_layout(path, "70b", "h100-80gb", 64)
+    # the chapter's own answer for a better layout: page 11.2's first choice for 70B on 64 H100s
+    named = re.search(r"The search's first choice, `(tp=\d+,pp=\d+,dp=\d+,zero=\d)`", chapters.text("11")).group(1)
+    tp, pp, dp, zero = (int(v) for v in re.findall(r"=(\d+)", named))
+    better = planner.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    verdict = planner_widgets.layout_verdict(better, "70b", "h100-80gb", 64)
+    exercises.check_true("layout_70b", verdict.ok, verdict.message)
+    # page 11.1: full recomputation costs about a third more compute; the path's layout runs it, the better one not
+    exercises.check_what_it_pays("recomputation", path, better, "70b", "h100-80gb", 64)
+    # and the path's own layout would not pass the 90 % check: the exercise must not ask it to
+    assert not planner_widgets.layout_verdict(path, "70b", "h100-80gb", 64).ok
+
+
+@pytest.mark.parametrize("slip", [planner.Layout(dp=64, zero_stage=0),          # question 1 answered yes
+                                  planner.Layout(dp=64, zero_stage=1),          # sharding only the optimizer
+                                  planner.Layout(tp=4, pp=4, dp=4, zero_stage=1),  # the search's answer, not the path's
+                                  planner.Layout(tp=8, pp=8, dp=1, zero_stage=1)])  # question 3 answered no
+def test_the_path_check_rejects_a_misread_path(slip):
+    with pytest.raises(exercises.ExerciseWrong):
+        exercises.check_path_layout(slip, "70b", "h100-80gb", 64)
+
+
+def test_the_path_check_rejects_what_is_not_a_layout_and_waits_for_the_stub():
+    with pytest.raises(exercises.ExerciseWrong):
+        exercises.check_path_layout((1, 1, 64), "70b", "h100-80gb", 64)
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises.check_path_layout(None, "70b", "h100-80gb", 64)
+
+
+@pytest.mark.parametrize("slip", ["communication",   # "FSDP's gathers": hidden behind each micro-batch here
+                                  "bubble",          # the better layout has the pipeline, not the path's
+                                  "gathers"])        # not one of the three costs
+def test_what_it_pays_rejects_plausible_wrong_causes(slip):
+    path, better = planner.Layout(dp=64, zero_stage=3), planner.Layout(tp=4, pp=4, dp=4, zero_stage=1)
+    with pytest.raises(exercises.ExerciseWrong):
+        exercises.check_what_it_pays(slip, path, better, "70b", "h100-80gb", 64)
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises.check_what_it_pays(None, path, better, "70b", "h100-80gb", 64)
+
+
+def test_the_costs_are_the_planners_seconds():
+    """Recomputation: the forward again, 2 FLOPs per parameter and token, at the cluster's rate, here a third of the
+    path layout's model compute; the exposed seconds and the bubble as the plan gives them."""
+    spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    path = planner.Layout(dp=64, zero_stage=3)
+    plan = planner.tune(spec, h100, path, planner.Options(), 64)
+    costs = exercises.costs(path)
+    assert plan.settings["checkpointing"] == "full"
+    assert costs["recomputation"] / plan.compute_seconds == pytest.approx(0.25, abs=0.01)   # a third more: 1/4 of all
+    assert costs["communication"] == pytest.approx(sum(plan.exposed_seconds.values()))
+    assert exercises.costs(planner.Layout(tp=4, pp=4, dp=4, zero_stage=1))["recomputation"] == 0
