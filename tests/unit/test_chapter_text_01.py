@@ -99,6 +99,9 @@ def test_the_peak_by_phase_against_the_h200():
     fsdp = memory.predict_step_peak(memory.training_state_bytes(m), 0, 1, large.seq_len, large.vocab_size)
     says(f"its optimizer step, {fsdp.total('optimizer step') / GIB:.2f} GiB at 20 bytes per parameter")
     says(f"{H200_FSDP_PEAK_GIB:.2f} GiB measured")
+    # the summed consumers against the two measured peaks: too much for the baseline, too little for a100_large
+    says(f"{33.82 - H200_BASELINE_PEAK_GIB:.0f} GiB too much for the first, and "
+         f"{H200_FSDP_PEAK_GIB - 54.74:.0f} GiB too little for the second, whose peak holds AdamW's temporary")
     assert memory.within_margin(20 * m, H200_FSDP_PEAK_GIB * GIB)
     says(f"{m / 1e9:.2f} B-parameter `a100_large` preset")
     says(f"each equal the prediction within {memory.CPU_PEAK_MARGIN:.0%} in both phases")
@@ -123,7 +126,8 @@ def test_flops_per_token_and_mfu():
     says(f"about {sum(passes)} bytes per parameter each step: each of its eight `_foreach_` operations reads one "
          f"to three fp32 tensors and writes one, {', '.join(map(str, passes[:-1]))} and {passes[-1]} bytes a parameter")
     says(f"{adamw_bytes / 1e9:.0f} GB for the `a100` preset: at\nleast {adamw_bytes / (H200_COPY_GB_PER_S[1] * 1e9) * 1e3:.1f} ms "
-         f"at the {H200_COPY_GB_PER_S[1]:,} GB/s the H200's memory copies measured")
+         f"even at {H200_COPY_GB_PER_S[1]:,} GB/s, the faster of the H200's measured memory copies "
+         f"({H200_COPY_GB_PER_S[0]:,} to {H200_COPY_GB_PER_S[1]:,} GB/s)")
     says(f"the `a100` preset at\n5,000 tokens per second on an A100 would be at "
          f"{100 * metrics.mfu(5000, per_token, 'A100', 'bf16'):.1f}%")
 
@@ -248,6 +252,11 @@ def test_the_ladder_section_states_the_measured_and_derived_figures():
         assert flat(value) in section, f"{key}: the ladder section no longer says {value!r}; update the text"
         if key.endswith("_TABLE"):   # a table renders only row by row: its lines verbatim, not just its words
             assert value in raw, f"{key}: the ladder section's table is no longer {value!r} line for line"
+    # the heading spans the whole ladder: from the fp32 rung (the lowest) to the best
+    mfus = [r["mfu_bf16_peak"] for r in LADDER["rungs"] if "mfu_bf16_peak" in r]   # the rungs that ran
+    low, high = min(mfus), max(mfus)
+    assert low == RUNG["fp32"]["mfu_bf16_peak"]
+    says(f"### The ladder: from {low:.0%} to {high:.0%} on one GPU")
     assert "47.8% MFU" in section and f"{RUNG['compiled_batch16']['mfu_bf16_peak']:.1%}" == "47.8%"
     # the compiled rung's failed peak check is not explained away: the batch-16 compiled rung passed the same check
     assert any(c.startswith("peak memory") for c in RUNG["compiled"]["failed_checks"])
@@ -272,6 +281,11 @@ def test_the_two_phases_worked_in_fp32():
     overstated = (state.total + memory.transformer_activation_bytes(a100, 4) - phases[4].peak) / GIB
     assert round(overstated) == 4 and round(overstated / 40, 1) == 0.1
     says("overstate the\npeak by 4 GiB at batch 4: a plan made from the sum wastes a tenth of the GPU")
+    # and the sum can fall short: at batch 1 the optimizer step's foreach temporary is none of the four consumers
+    summed_1 = (state.total + memory.transformer_activation_bytes(a100, 1)) / GIB
+    assert summed_1 < phases[1].peak / GIB and phases[1].phases["optimizer step"]["optimizer temporaries"] > 0
+    says(f"At batch 1 the sum falls short instead: {summed_1:.1f} GiB against the optimizer step's "
+         f"{phases[1].total('optimizer step') / GIB:.2f}, because AdamW's temporary is none of the four consumers")
     tiny = models.preset("tiny")
     assert memory.transformer_activation_bytes(tiny, 8) > memory.training_state_bytes(tiny.num_params()).total
     says("already more than its whole training state")
