@@ -36,7 +36,7 @@ def test_the_memory_wall_table():
     assert all(w >= r for w, r in zip(wrong, right)) and any(w > r for w, r in zip(wrong, right))
     says("your count of GPUs comes out one higher than the course's")
     assert "one higher or lower" not in TEXT
-    says(f"The weights alone, {memory.training_state_bytes(7e9, 'mixed').params / GIB:.1f} GiB in bf16")
+    says(f"A 7B model's weights alone, {memory.training_state_bytes(7e9, 'mixed').params / GIB:.1f} GiB in bf16")
 
 
 def test_the_zero_table_for_a_7b_model_on_four_gpus():
