@@ -36,6 +36,13 @@ COLLECTIVES = [("broadcast", "broadcast (from rank 0)"), ("all_reduce", "all-red
                ("all_to_all", "all-to-all"), ("send_recv", "send/recv (to the right)")]
 
 
+def identity_panel(ranks: int = 4) -> tuple[list[list[str]], list[list[str]]]:
+    """The seventh panel, under the reduce-scatter's: an all-gather whose input is the reduce-scatter's output (one
+    summed chunk a rank). What it leaves is the all-reduce's result: all-reduce = reduce-scatter, then all-gather."""
+    scattered = collective_on_labels("reduce_scatter", inputs_on_labels(ranks))
+    return scattered, collective_on_labels("all_gather", scattered)
+
+
 def draw_collectives(fig) -> None:
     from matplotlib.patches import Rectangle
 
@@ -46,12 +53,13 @@ def draw_collectives(fig) -> None:
     ax = fig.subplots()
     panel_width, panel_height = 13.5, 6.5
     where = {"broadcast": (0, 0), "all_reduce": (1, 0), "reduce_scatter": (2, 0), "all_to_all": (0, 1),
-             "send_recv": (1, 1), "all_gather": (0, 2)}
-    for name, title in COLLECTIVES:
+             "send_recv": (1, 1), "all_gather": (0, 2), "identity": (2, 1)}
+    panels = [(name, title, before, collective_on_labels(name, before)) for name, title in COLLECTIVES]
+    panels.append(("identity", "all-gather of the reduce-scatter's output\n(= all-reduce)", *identity_panel(n)))
+    for name, title, inputs, after in panels:
         column, row = where[name]
         left, top = column * panel_width, row * panel_height
-        after = collective_on_labels(name, before)
-        for side, (x0, tensors) in enumerate(((left, before), (left + n + 2.5, after))):
+        for side, (x0, tensors) in enumerate(((left, inputs), (left + n + 2.5, after))):
             for r, labels in enumerate(tensors):
                 for k, label in enumerate(labels):
                     colour = "#bbbbbb" if label.startswith(SUM) else RANK_COLOURS[LETTERS.index(label[0])]
@@ -68,7 +76,8 @@ def draw_collectives(fig) -> None:
     ax.set_aspect("equal")
     ax.axis("off")
     fig.suptitle("The six collectives on 4 ranks: before (left) and after (right). A0 is chunk 0 of rank 0's "
-                 f"tensor; {SUM}2 is chunk 2 summed over the ranks", fontsize=9)
+                 f"tensor; {SUM}2 is chunk 2 summed over the ranks.\nUnder the reduce-scatter: its output "
+                 "all-gathered is the all-reduce's result", fontsize=9)
 
 
 def ring_allreduce_on_numbers(inputs: list[list[float]]):

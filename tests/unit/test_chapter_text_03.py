@@ -238,3 +238,16 @@ def test_the_gpu_expectation_is_the_cost_models():
     says(f"at 1 GB on 4 ranks: {t * 1e3:.1f}\nms, an algorithm bandwidth of {algorithm / 1e9:.0f} GB/s and a bus "
          f"bandwidth of {bus / 1e9:.0f} GB/s, almost NVLink's {NVLINK[0] / 1e9:.0f}")
     assert "shows NCCL's bus bandwidth approaching NVLink's" not in FLAT   # no GPU run is recorded to show it
+
+
+def test_the_collectives_picture_shows_the_identity():
+    """The picture's seventh panel, under the reduce-scatter's, all-gathers the reduce-scatter's output and ends with the all-reduce's result; the
+    caption says its input is one chunk a rank, where the all-gather panel's is a whole tensor."""
+    from coursetools.drawings import ch03
+
+    scattered, gathered = ch03.identity_panel(4)
+    assert all(len(chunks) == 1 for chunks in scattered)
+    assert gathered == ch03.collective_on_labels("all_reduce", ch03.inputs_on_labels(4))
+    assert all(len(chunks) == 4 for chunks in ch03.inputs_on_labels(4))
+    says("The panel under the reduce-scatter all-gathers its output, one summed chunk a rank, and every rank ends "
+         "with the all-reduce's result. The all-gather panel starts from whole tensors instead.")
