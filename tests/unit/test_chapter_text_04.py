@@ -316,3 +316,14 @@ def test_the_lab_draws_the_overlap_as_the_chapter_does():
     assert 'ax.axvspan(ms(overlap["backward_start"]), ms(overlap["last_gradient"])' in plot
     assert 'ax.axvline(ms(overlap["backward_end"])' in plot
     assert any("the dashed line is where backward returns" in c for c in cells)
+
+
+def test_the_accumulation_snippet_defines_what_it_uses():
+    """The no_sync() snippet of page 4.2 makes its inputs and targets from the loop's tokens, as train_ddp.py does."""
+    import re
+
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", TEXT, re.S) if "ddp.no_sync()" in block)
+    assert "for i, tokens in enumerate(micro_batches):" in snippet
+    assert "inputs, targets = data.split_inputs_targets(tokens)" in snippet
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    assert "inputs, targets = data.split_inputs_targets(tokens.to(rt.device))" in script
