@@ -70,7 +70,8 @@ def draw_zero_stages(fig) -> None:
 
     ax = fig.subplots()
     gpus = 4
-    parts = [("weights (bf16)", "params", "#1f77b4"), ("gradients (bf16)", "grads", "#ff7f0e"),
+    parts = [("weights (2 B: bf16 in the paper)", "params", "#1f77b4"),
+             ("gradients (2 B: bf16 in the paper)", "grads", "#ff7f0e"),
              ("optimizer (fp32 master + moments)", "optimizer", "#2ca02c")]
     labels = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     for stage, label in enumerate(labels):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 GPUS = 4
 KINDS = [("params", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state")]
+# the bytes per parameter are a total: the ZeRO paper's 2 + 2 + 12 and FSDP2's fp32 4 + 4 + 8 both make 16
+TITLE = ("What each of 4 GPUs holds of the training state (AdamW, 16 bytes per parameter: the ZeRO paper's "
+         "2 + 2 + 12, or FSDP2's 4 + 4 + 8)")
 STRATEGIES = [("DDP", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3 (FSDP),\nbetween units", 3, False),
               ("ZeRO-3 (FSDP),\nwhile block 0 runs", 3, True)]
 
@@ -94,8 +97,7 @@ def draw_what_each_gpu_holds(fig) -> None:
     ax.set_xlim(-1.3, 4 * panel + width + 0.1)
     ax.set_ylim(-0.45, GPUS + 0.55)
     ax.axis("off")
-    ax.set_title("What each of 4 GPUs holds of the training state (the ZeRO paper's mixed-precision AdamW: 2 + 2 + 12 bytes per "
-                 "parameter)", fontsize=9)
+    ax.set_title(TITLE, fontsize=9)
 
 
 FIGURES = {"05_what_each_gpu_holds.png": (draw_what_each_gpu_holds, (11, 4.2))}

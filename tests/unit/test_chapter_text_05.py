@@ -44,6 +44,9 @@ def test_the_zero_table_bytes_per_parameter():
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4, 4, 8) and fp32.total == totals[0]
     says(f"{fp32.params:g} + {fp32.grads:g} + {fp32.optimizer:g} bytes, the same {totals[0]:g} (page 5.3)")
     says("That 2 + 2 + 12 is the ZeRO paper's layout")
+    # the stages picture draws the paper's split: its caption says FSDP2's, with the same total
+    says(f"The split is the ZeRO paper's; FSDP2 holds {fp32.params:g} + {fp32.grads:g} + {fp32.optimizer:g} of the "
+         f"same {fp32.total:g} (this page's first section)")
 
 
 def test_the_tiny_measurements_table_is_the_formula():
@@ -213,7 +216,18 @@ def test_zero3_by_hand_numbers_are_the_tiny_models():
     says(f"(half the bytes: {comm.zero_step_bytes(n, 3, param_bytes=2)['all_gather']:,} per step instead of {gathered:,})")
     says(f"backward gathers it again on top: {3 * block:,} bytes at the peak, three blocks' worth and\n  "
          f"{3 * block / (4 * n):.1f} times the whole model")
-    says(f"the next one's gather fills its buffer, {2 * block:,} bytes at most instead of\n{block:,} (measured)")
+    # like with like: the prefetch's figure is the event-level one (the committed prefetch run), as is the 213,504
+    import json
+    run = json.loads((REPO / "chapters" / "figures" / "data" / "05_zero3_prefetch.json").read_text())
+    assert run["gathered_peak_bytes"] == 2 * block
+    says(f"At the measured events, one unit is whole while the next one's gather fills its buffer: {2 * block:,} "
+         f"bytes at most instead of {block:,} (measured)")
+    says("Without prefetch, two blocks' worth was alive only for the moment inside a gather; with it, for as long "
+         "as a unit computes")
+    # the sketch's 4 units against train_fsdp.py's 3: the root takes the embedding and the head
+    says(f"on the same {units} units")
+    says(f"The tiny model has {cfg.n_layers + 1}: its {cfg.n_layers} blocks and the root, one unit fewer than the "
+         f"sketch's {units}, because the root holds the embedding and the head together")
 
 
 def test_fsdp_call_counts_are_one_a_unit():
@@ -515,3 +529,29 @@ def test_terms_and_code_a_cold_reader_needs_are_on_the_page():
     says("on rank 0, a third copy on a single device")
     says("**units** of the `tiny` transformer (groups of layers gathered together, page 5.2)")
     says("empty where another GPU holds it")
+
+
+def test_the_any_model_vocabulary_and_the_symbols():
+    """--any-model's head bias of 127 comes from a vocabulary of 127, said where the bias is; the loss gradients are
+    B x T x V as in chapter 01; y = xW is chapter 01's convention, and nn.Linear stores W transposed."""
+    script = (REPO / "scripts" / "05_fully_sharded" / "zero_from_scratch.py").read_text()
+    assert '{"vocab_size": 127} if args.any_model' in script and models.preset("tiny").vocab_size == 128
+    says("(`--any-model` uses a vocabulary of 127, so the output layer's bias has 127 entries)")
+    assert "B x S x V" not in FLAT
+    says("B x T x V numbers each")
+    assert "for `y = x W^T`, `dx = dy W`" not in FLAT
+    linear = torch.nn.Linear(3, 2)
+    assert tuple(linear.weight.shape) == (2, 3)   # out x in: nn.Linear computes x W^T with this W
+    says("for `y = xW`, `dx = dy W^T`")
+    assert "The persistent state is therefore" not in FLAT
+
+
+def test_the_what_each_gpu_holds_title_names_both_splits():
+    """The picture's columns are named ZeRO-3 (FSDP): its title gives FSDP2's fp32 split beside the paper's."""
+    from coursetools.drawings import ch05
+
+    paper = memory.zero_state_bytes(1, 1, 0)
+    fp32 = memory.zero_state_bytes(1, 1, 0, precision="fp32")
+    assert paper.total == fp32.total == 16
+    assert f"{paper.params:g} + {paper.grads:g} + {paper.optimizer:g}" in ch05.TITLE
+    assert f"FSDP2's {fp32.params:g} + {fp32.grads:g} + {fp32.optimizer:g}" in ch05.TITLE
