@@ -224,3 +224,12 @@ def test_lab_10_says_replica_where_it_meant_a_mesh_row():
     lab = " ".join(" ".join("".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "markdown").split())
     assert "2 rows of 2 tiles" not in lab and "2 data-parallel replicas (`dp` = 2)" in lab
     assert "for a tile with a neighbour on every side (a corner or end tile receives half)" in lab
+
+
+def test_the_nccl_pairing_is_stated_as_chapter_03_states_it():
+    # after0610 B2: two separate calls can deadlock; grouping rules it out (not "NCCL allows only when grouped")
+    flat = " ".join(chapters.text("10").split())
+    assert "which NCCL allows only when the two are grouped" not in flat and "were posted apart" not in flat
+    assert ("With NCCL, two separate calls can deadlock (each rank's send waits for a receive queued behind it); "
+            "grouping them rules that out (chapter 03).") in flat
+    assert "were two separate calls, and each rank's send waited for a receive queued behind it" in flat
