@@ -233,3 +233,12 @@ def test_the_nccl_pairing_is_stated_as_chapter_03_states_it():
     assert ("With NCCL, two separate calls can deadlock (each rank's send waits for a receive queued behind it); "
             "grouping them rules that out (chapter 03).") in flat
     assert "were two separate calls, and each rank's send waited for a receive queued behind it" in flat
+
+
+def test_the_tiles_curve_at_4_ranks_is_set_against_the_table():
+    # after0610 B19: the picture's curve counts a neighbour on every side; the table's 2 x 2 tiles are corners
+    rows = domain.surface_to_volume_rows(720, 1440, (4, 16, 80), radius=3)
+    two_by_two = next(r for r in rows if r["grid"] == (2, 2))
+    flat = " ".join(chapters.text("10").split())
+    assert (f"So at 4 ranks it shows {100 * two_by_two['ratio']:.2f}%, not the table's "
+            f"{100 * max(tile_ratios(two_by_two)):.2f}% for the 2 x 2 grid, whose tiles are all corners.") in flat
