@@ -208,7 +208,8 @@ def test_the_across_nodes_factor_says_how_many_ranks_a_node_it_counts():
     ratio = tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tp.SLINGSHOT11_NIC_BYTES_PER_S
     assert ratio == 12 and ratio / 2 == 6
     says(f"{ratio:.0f} times longer. That counts one rank of the group per node, each sending over its own NIC. "
-         f"With k ranks of the group in a node, their k NICs share the traffic, and the factor falls to "
+         f"With k ranks of the group in each node, while the group still spans nodes, their k NICs share the traffic, "
+         f"and the factor falls to "
          f"{ratio:.0f}/k (page 9.1)")
     says(f"{ratio:.0f} times slower than NVLink with one rank of the group a node (with k ranks a node, k NICs share "
          f"it: {ratio:.0f}/k, page 9.1)")
