@@ -124,7 +124,7 @@ def draw_tensor_parallel_split(fig) -> None:
     _matrix(ax, 8.4, 0.6, 1.2, 2.8, "W2ᵀ: row parallel\n(rank r: input block r)", RANK_COLOURS, "rows")
     ax.text(10.0, 2, "=", fontsize=12, va="center")
     for r, colour in enumerate(RANK_COLOURS):
-        _matrix(ax, 10.4 + r * 0.35, 1.3 + r * 0.15, 1.2, 1.4, "" if r < 3 else "partial sums", [colour])
+        _matrix(ax, 10.4 + r * 0.35, 1.3 + r * 0.15, 1.2, 1.4, "partial sums" if r == 0 else "", [colour])  # under the stack
     ax.annotate("all-reduce", xy=(13.9, 2), xytext=(12.3, 3.3), fontsize=8,
                 arrowprops=dict(arrowstyle="->", lw=1))
     _matrix(ax, 13.9, 1.3, 1.2, 1.4, "Y (replicated)", grey)
@@ -233,11 +233,12 @@ def draw_mesh_two_nodes(fig) -> None:
                 ha="center", va="top", fontsize=6.5, color=LINK_COLOURS["tp"])
     for i, group in enumerate(groups["dp"]):   # an FSDP group: an arc over the nodes
         (x0, y0), (x1, _) = centres[group[0]], centres[group[1]]
-        height = 0.35 + 0.25 * i
+        x0, x1 = x0 + 0.25, x1 + 0.25   # right of centre: clear of the "node" labels
+        height = 0.55 + 0.25 * i          # every arc above the node boxes
         ax.plot([x0, x0, x1, x1], [y0 + 0.3, y0 + 0.3 + height, y0 + 0.3 + height, y0 + 0.3],
                 color=LINK_COLOURS["dp"], lw=1.2, ls="--")
-        ax.text(x1 + 0.05, y0 + 0.3 + height, f"FSDP group {group}", fontsize=6, va="center",
-                color=LINK_COLOURS["dp"])
+        ax.text(4.95, y0 + 0.3 + height, f"FSDP group {group}", fontsize=6, va="center", ha="center",
+                color=LINK_COLOURS["dp"], bbox=dict(facecolor="white", edgecolor="none", pad=0.6))  # in the gap
     ax.text(5.05, 2.35, "Slingshot (25 GB/s a GPU): FSDP's all-gathers (2) and reduce-scatter (1) per unit a step",
             ha="center", fontsize=7, color=LINK_COLOURS["dp"])
     ax.set_xlim(-0.2, 11.6)

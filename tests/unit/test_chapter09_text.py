@@ -187,7 +187,13 @@ def test_the_sizing_paragraphs(text):
     # "one micro-batch of 4,096 tokens does too little compute to hide a 30 B or 70 B block's all-gathers"
     for m in ("30B", "70B"):
         assert all(sizing.micro_batch_to_hide_fsdp(m, n) > 1 for n in range(2, rule[m] + 1))
-    assert "too little compute to hide a 30 B or 70 B block's all-gathers" in text
+    # after0610 B3: one sequence hides none of them, at the rule's nodes: 2, 3, 4 and 4 are needed
+    needed = {m: sizing.micro_batch_to_hide_fsdp(m, rule[m]) for m in rule}
+    assert all(n > 1 for n in needed.values())
+    assert "too little compute to hide a 30 B or 70 B block's all-gathers" not in text
+    assert (f"too little compute to hide any of these blocks' all-gathers across nodes (compute at the bf16 peak, as "
+            f"on page 9.1). At the rule's nodes, 7 B needs {needed['7B']} sequences, 13 B {needed['13B']}, and 30 B "
+            f"and 70 B {needed['30B']} (the table below).") in text and needed["30B"] == needed["70B"]
     for m in ("7B", "13B"):  # "generous": half the rule's nodes already hide FSDP
         assert sizing.min_nodes_to_hide_fsdp(m) <= rule[m] // 2
     assert "generous for 7 B and 13 B" in text
@@ -271,8 +277,10 @@ def test_the_hsdp_table_is_what_sizing_computes(raw, text):
     # the per-parameter payloads the table and the ratio rest on, and what HSDP buys
     assert memory.training_state_bytes(1, "mixed").total == 16   # (not the payload: 2 + 2 + 4 = 8 is)
     assert ("FSDP sends 8 bytes per parameter a step (bf16 weights gathered twice, 2 + 2, and fp32 gradients "
-            "reduce-scattered, 4), so each NIC carries (W - 1) / W x 8 P / 4") in text
-    assert "HSDP's all-reduce of the fp32 gradient shard carries 2 (n - 1) / n x 4 P / 4" in text
+            "reduce-scattered, 4), so each NIC carries (W - 1) / W x 8 N / 4") in text
+    assert "for a model of N parameters" in text and "for W GPUs on m nodes" in text
+    assert "per parameter P" not in text
+    assert "HSDP's all-reduce of the fp32 gradient shard carries 2 (m - 1) / m x 4 N / 4" in text
     assert "What HSDP buys is where its collectives run" in text
 
 
@@ -362,3 +370,54 @@ def test_the_timeline_paragraph_reads_the_measured_step(text):
     assert "In backward (shaded), the all-gathers (blue) run ahead. Then each of the 2 blocks shows its two TP " \
            "all-reduces and its reduce-scatter (orange), and the last reduce-scatter is the root unit's" in text
     assert "alternating with the block's compute" not in text
+
+
+def test_what_a_second_cold_reader_missed(text):
+    import json
+
+    # after0610 B11: the rule has no 1 B row, and the page says why (it fits one node with room to spare)
+    rows = {r["model"]: r for r in sizing.sizing_table()}
+    assert "1B" not in sizing.RULE_OF_THUMB_NODES and rows["1B"]["min_nodes"] == 1
+    assert rows["1B"]["gib_per_gpu"]["total"] < 40 / 4
+    assert "The rule starts at 7 B: 1 B fits one node with room to spare, so it needs no second node." in text
+    # B12: "fewest nodes where FSDP hides" is 1 for 7 B because one node sends nothing across nodes
+    one_node = sizing.block_communication("7B", 1, 4)
+    assert one_node["dp"]["seconds"] == 0 and sizing.min_nodes_to_hide_fsdp("7B") == 1
+    assert ("The 1 for 7 B is one node, where TP takes the node's 4 GPUs and dp is 1: no FSDP traffic crosses a "
+            "node, so there is nothing to hide.") in text
+    # B1: page 9.1's six times is 2 NICs; one rank a node (page 6.1) is the links' 12
+    ratio = tensor_parallel.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tensor_parallel.SLINGSHOT11_NIC_BYTES_PER_S
+    assert (f"With one rank of the group a node, as page 6.1 counted, one NIC carries it all: {ratio:.0f} times "
+            f"slower.") in text
+    # B8: AdamW cancels a constant scale; what does not
+    assert "AdamW rescales them away" not in text
+    assert ("AdamW divides each gradient by its running size, so the scale cancels (all but its eps) and the loss "
+            "looks fine. Clipping at a fixed norm, or a switch to SGD, then acts on gradients tp times too small.") in text
+    # B9: the planted bug's TP group holds the dp ranks, which read different samples
+    assert "ranks that read other rows" not in text
+    assert "So TP's all-reduces run over ranks that hold different samples (the dp ranks)." in text
+    # B4: the forward half of the measured timeline, read from its data
+    data = json.loads((REPO / "chapters" / "figures" / "data" / "09_hybrid_step_timeline.json").read_text())
+    rows_ = data["rows"]
+    backward = next(r for r in rows_ if r["lane"] == "backward")["start"]
+    ms = lambda x: x * 1e3  # noqa: E731
+    tp_fwd = [r for r in rows_ if r["lane"] == "tp" and r["end"] <= backward]
+    dp_fwd = [r for r in rows_ if r["lane"] == "dp" and r["end"] <= backward]
+    first = tp_fwd[0]
+    assert first == max((r for r in rows_ if r["lane"] == "tp"), key=lambda r: r["end"] - r["start"])
+    assert (round(ms(first["start"]), 1), round(ms(first["end"]), 1)) == (1.5, 19.0)
+    assert round(ms(first["end"] - first["start"])) == 18
+    # the grey bar above it covers nearly all of it: rank 0 waits inside the collective
+    covered = max(min(r["end"], first["end"]) - max(r["start"], first["start"])
+                  for r in rows_ if r["lane"] == "compute")
+    assert covered > 0.9 * (first["end"] - first["start"])
+    # forward: the embedding's one, two per block (g of each region), three in the loss on vocabulary shards
+    # (torch/distributed/tensor/parallel/loss.py:209, 214 and 315)
+    assert len(tp_fwd) == 1 + 2 * data["model"]["n_layers"] + 3
+    # the forward gathers: the root and block 0 in the first 2.5 ms, block 1 at 31-35 ms
+    assert len(dp_fwd) == 3 and all(r["kind"] == "all_gather" for r in dp_fwd)
+    assert ms(dp_fwd[1]["end"]) < 2.5 and (round(ms(dp_fwd[2]["start"])), round(ms(dp_fwd[2]["end"]))) == (31, 35)
+    assert ("In forward (unshaded), the blue bars gather the root unit and block 0 (0-2 ms), then block 1 (31-35 ms). "
+            "The first orange bar, from 1.5 to 19.0 ms, is the embedding's all-reduce, the longest of the step: the "
+            "grey bar above it is rank 0 waiting 18 ms for its TP partner to join. Each block then adds two "
+            "all-reduces, and the loss three.") in text

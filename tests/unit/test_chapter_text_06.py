@@ -201,3 +201,28 @@ def test_what_a_cold_reader_needs_is_on_the_page():
     body = FLAT[:FLAT.index("## How we know")]
     assert "dispatch mode" not in body and "CUDA-like devices" not in body
     says("The course model has no dropout, so it needs neither.")
+
+
+def test_the_across_nodes_factor_says_how_many_ranks_a_node_it_counts():
+    # after0610 B1: 12 times is one rank of the group a node; k ranks a node share k NICs (chapter 09's six, k = 2)
+    ratio = tp.NVLINK3_A100_PER_DIRECTION_BYTES_PER_S / tp.SLINGSHOT11_NIC_BYTES_PER_S
+    assert ratio == 12 and ratio / 2 == 6
+    says(f"{ratio:.0f} times longer. That counts one rank of the group per node, each sending over its own NIC. "
+         f"With k ranks of the group in each node, while the group still spans nodes, their k NICs share the traffic, "
+         f"and the factor falls to "
+         f"{ratio:.0f}/k (page 9.1)")
+    says(f"{ratio:.0f} times slower than NVLink with one rank of the group a node (with k ranks a node, k NICs share "
+         f"it: {ratio:.0f}/k, page 9.1)")
+    says(f"{ratio:.0f} times slower across nodes (one rank of the group a node)")
+    # B16: the NCCL fact used in place, not only by reference; B15: which W_r the backward formula means
+    says("since NCCL runs several rings at once, each over different links (page 8.3)")
+    says("Here W_r is rank r's block of rows of W, not the block of columns of the row-parallel layer above.")
+
+
+def test_the_pages_say_which_dtype_and_what_tp_adds_to_the_state():
+    # after0610 B7: page 6.1 prices bf16, page 6.2's ledger is fp32: 4 bytes against 2
+    a100 = models.preset("a100")
+    assert 2 * 1024 * a100.dim * 4 == 2 * (2 * 1024 * a100.dim * 2)
+    says("the cost the previous page priced per token, there in bf16, here in fp32 at twice the bytes")
+    # B14: the state fits, the activations are extra and replicated between the regions
+    says("The activations come on top, and between the regions every rank holds them whole (chapter 08 splits them)")

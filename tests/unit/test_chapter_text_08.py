@@ -396,8 +396,8 @@ def test_a_collective_gets_the_nodes_every_link_and_a_hop_its_pair():
               "of the node, which chapter 09 counts on.")
     says_flat('"entering/exiting the node through a NIC", several at once on NVLink systems (issue 412)')
     # chapter 06 times its in-node all-reduces at that same 300 GB/s
-    assert (f"{per_direction / 1e9:.0f} GB/s in each direction. An all-reduce gets all of it, since NCCL spreads its "
-            f"rings over every link" in " ".join(chapters.text("06").split()))
+    assert (f"{per_direction / 1e9:.0f} GB/s in each direction. An all-reduce gets all of it, since NCCL runs several "
+            f"rings at once, each over different links" in " ".join(chapters.text("06").split()))
 
 
 def test_the_ten_all_reduces_of_the_tiny_step():
@@ -435,3 +435,18 @@ def test_one_letter_one_meaning():
     assert "Megatron's f there" not in FLAT
     assert "the tiny run (B = 2" not in FLAT and "the tiny ring run (B = 2" in FLAT
     assert "the output projection's input" not in FLAT and "LM head all-gathers its input" in FLAT
+
+
+def test_what_a_second_cold_reader_missed():
+    # after0610 B5: SP's saving is the norms' three quarters plus the head's final norm, which also shards
+    a100 = models.preset("a100")
+    plain, sp = (tp.activation_bytes(a100, 2, 1024, 4, sequence_parallel=s) for s in (False, True))
+    head_saving = plain["head"] - sp["head"]
+    assert head_saving > 0 and plain["total"] - sp["total"] == plain["norms"] * 3 // 4 + head_saving
+    says("SP divides the norms' share by 4, and the final norm in the head shrinks too.")
+    # B6: the embedding's and the head's halves, one in each direction
+    says("For the embedding and the head, one of the two runs in forward and the other in backward.")
+    # B2: what NCCL does with two separate calls (chapter 03's pitfall), not "requires"
+    assert "as NCCL requires" not in " ".join(TEXT.split())
+    says("With NCCL, two separate calls can deadlock (each rank's send waits for a receive queued behind it); "
+         "grouping them rules that out (chapter 03).")

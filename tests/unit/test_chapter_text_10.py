@@ -224,3 +224,21 @@ def test_lab_10_says_replica_where_it_meant_a_mesh_row():
     lab = " ".join(" ".join("".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "markdown").split())
     assert "2 rows of 2 tiles" not in lab and "2 data-parallel replicas (`dp` = 2)" in lab
     assert "for a tile with a neighbour on every side (a corner or end tile receives half)" in lab
+
+
+def test_the_nccl_pairing_is_stated_as_chapter_03_states_it():
+    # after0610 B2: two separate calls can deadlock; grouping rules it out (not "NCCL allows only when grouped")
+    flat = " ".join(chapters.text("10").split())
+    assert "which NCCL allows only when the two are grouped" not in flat and "were posted apart" not in flat
+    assert ("With NCCL, two separate calls can deadlock (each rank's send waits for a receive queued behind it); "
+            "grouping them rules that out (chapter 03).") in flat
+    assert "were two separate calls, and each rank's send waited for a receive queued behind it" in flat
+
+
+def test_the_tiles_curve_at_4_ranks_is_set_against_the_table():
+    # after0610 B19: the picture's curve counts a neighbour on every side; the table's 2 x 2 tiles are corners
+    rows = domain.surface_to_volume_rows(720, 1440, (4, 16, 80), radius=3)
+    two_by_two = next(r for r in rows if r["grid"] == (2, 2))
+    flat = " ".join(chapters.text("10").split())
+    assert (f"So at 4 ranks it shows {100 * two_by_two['ratio']:.2f}%, not the table's "
+            f"{100 * max(tile_ratios(two_by_two)):.2f}% for the 2 x 2 grid, whose tiles are all corners.") in flat

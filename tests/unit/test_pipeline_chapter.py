@@ -626,3 +626,14 @@ def test_the_interleaved_legend_says_stage_and_the_lab_says_idle_time_shrinks_v_
     lab = " ".join(" ".join(c.source.split()) for c in notebook.cells if c.cell_type == "markdown")
     assert "interleaving shrinks the idle time V-fold" in lab and "shrinks it V-fold" not in lab
     assert "divides each rank's idle time by V" in lab and "divides the bubble by about V" not in lab
+
+
+def test_the_nccl_pairing_and_zb_h2_read_plainly():
+    # after0610 B2: two separate calls can deadlock with NCCL; grouping rules it out (chapter 03), not "requires"
+    flat = flat_text()
+    assert "requires a send and a receive between the same two ranks" not in flat
+    assert ("With NCCL, two separate calls between the same two ranks can deadlock: each rank's send waits for a "
+            "receive queued behind it. Grouping them rules that out (chapter 03).") in flat
+    # B13: the ZB-H2 sentence in one parse
+    assert ("ZB-H2, the paper's second handcrafted schedule, and its automatic schedules run more forwards ahead, "
+            "holding up to twice 1F1B's activations, and remove the bubble altogether.") in flat
