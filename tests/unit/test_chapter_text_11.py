@@ -272,6 +272,10 @@ def test_the_hsdp_section_is_what_the_search_finds(text):
     assert ("There HSDP's reduce-scatters and its all-reduce across the nodes together cost more than FSDP's ring "
             f"({hsdp_exposed:.2f} s per step") in text
     assert "already hides FSDP's traffic behind the compute in these layouts" not in text
+    # HSDP's price, in numbers: the state over the node's data-parallel GPUs, not over all of them
+    assert (best.layout.fsdp_ways, twin.layout.fsdp_ways) == (2, 16)
+    assert (f"each GPU holds 1/{best.layout.fsdp_ways} of the state its stage and TP rank own (`shard=2`, the "
+            f"data-parallel GPUs of its node) instead of FSDP's 1/{twin.layout.fsdp_ways}") in text
     big = [p for p in planner.search(planner.MODELS["70b"], cluster, 256) if p.layout.shard]
     assert f"For 70B on 256 GPUs {sum(p.fits for p in big)} of the {len(big)} HSDP layouts fit" in text
     assert "of 4,096 fake ranks" in text   # tests/unit/test_planner_dry_run.py::test_hsdp_builds_at_the_full_world_size...
@@ -641,3 +645,57 @@ def test_the_torch_lines_cited_for_fsdp_and_the_interleaved_round_hold_what_is_s
     assert schedules[2934].strip() == "self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)"
     assert schedules[2935].strip() == "self.microbatches_per_round = n_microbatches // self.number_of_rounds"
     assert "M // (M // P) (`ScheduleInterleaved1F1B`, torch 2.13's `pipelining/schedules.py:2935-2936`)" in text
+
+
+def test_the_two_first_choices_for_405b_differ_by_megatrons_layers_and_the_text_says_so(text):
+    # a learner found two first choices for the same 405B on 16,384 H100s (11.2's case and 11.3's Llama table): the
+    # table searches with Llama 3's settings, and Megatron's own layers alone make the difference
+    big = planner.decision_cases()[3]
+    row = planner.published_table()[1]
+    assert (row["gpus"], big.gpus) == (16_384, 16_384)
+    assert planner.Options().sp_saves_gathered_inputs and not planner.published.LLAMA_PIPELINE.sp_saves_gathered_inputs
+    torch_first = planner.search(big.model, big.cluster, big.gpus)[0]
+    megatron_first = planner.search(big.model, big.cluster, big.gpus, planner.Options(sp_saves_gathered_inputs=False))[0]
+    assert (megatron_first.layout.label(), round(megatron_first.mfu, 2)) == (row["best"], round(row["best_mfu"], 2))
+    assert torch_first.layout != megatron_first.layout
+    assert "This search runs with Llama 3's settings, and one of them changes its first choice: Megatron's own layers" \
+        in text
+    assert (f"page 11.2 searches with PyTorch's layers and finds `{torch_first.layout.label()}` at "
+            f"{torch_first.mfu:.0%}".replace("%", " %")) in text
+    assert (f"With Megatron's layers alone changed, the search finds this table's `{row['best']}` at "
+            f"{row['best_mfu']:.0%}".replace("%", " %")) in text
+    assert f"best: {torch_first.layout.label()}," in text   # 11.2's row names the same first choice
+
+
+def test_fsdp_under_pp_is_said_to_stay_gathered_where_the_search_has_no_choice(text):
+    # the 120 GiB PP 2 row lists no "kept gathered": the text must say that under PP FSDP always keeps it
+    from distlab.planner.spec import keeps_gathered
+    options = planner.Options()
+    assert keeps_gathered(options, planner.Layout(2, 2, 16, 1, 3))
+    assert not keeps_gathered(options, planner.Layout(8, 1, 8, 1, 3))
+    assert "Under PP, PyTorch's pipeline stage keeps FSDP's weights gathered and its gradients unsharded in fp32" in text
+    assert "(under PP, PyTorch's pipeline stage always keeps them gathered)" in text
+
+
+def test_70b_on_8_derecho_nodes_says_why_fsdp_loses_there_and_not_on_16(text):
+    cluster, spec = planner.CLUSTERS["a100-40gb"], planner.MODELS["70b"]
+    alone = planner.tune(spec, cluster, planner.Layout(dp=32, zero_stage=3), planner.Options(), 32)
+    beside_tp = planner.tune(spec, cluster, planner.Layout(4, 1, 8, 1, 3), planner.Options(), 32)
+    assert not alone.fits and beside_tp.fits and beside_tp.exposed_seconds["dp"] > 50 * alone.exposed_seconds["dp"]
+    assert f"On 8 nodes FSDP alone does not fit ({alone.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB)" in text
+    assert f"and {beside_tp.exposed_seconds['dp']:.0f} s of a step stay exposed" in text
+
+
+def test_small_glosses_a_learner_asked_for(text):
+    plans = planner.search(planner.MODELS["1b"], planner.CLUSTERS["a100-80gb"], 8)
+    ddp = next(p for p in plans if p.layout == planner.Layout(dp=8, zero_stage=0))
+    place, fitting = planner.rank_of(plans, ddp.layout), sum(p.fits for p in plans)
+    assert f"place {place} of {fitting}" in planner.decision_path_markdown()
+    assert f'"Place {place} of {fitting}" ranks a layout {place}rd of the {fitting} layouts that fit' in text
+    mtnlg = next(r for r in planner.validation_table() if r["label"] == "MT-NLG 530B, 3,360 A100")
+    assert round(mtnlg["error"], 2) == round(mtnlg["predicted_mfu"] / mtnlg["published_mfu"] - 1, 2) == 0.13
+    assert (f"(a relative error: {mtnlg['predicted_mfu']:.1%} against {mtnlg['published_mfu']:.1%} is "
+            f"+{mtnlg['error']:.0%})").replace("%)", " %)").replace("% against", " % against").replace("% is", " % is") \
+        in text
+    assert "P - i under 1F1B on stage i of P stages" in text
+    assert "one GPU would need that state and" in text

@@ -251,7 +251,8 @@ def test_the_walltime_section_states_what_the_job_does():
     assert "Without `stime` it takes now less `resources_used.walltime`" in text
     assert "the job's end (its start plus its walltime) less" in text
     assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
-    assert "distlab_tee" in common and "sets each rank's share always (16)" in CHAPTER
+    assert "distlab_tee" in common and "always sets 16 threads a rank (64 cores / 4 ranks)" in flat(CHAPTER)
+    assert "threads=${DISTLAB_OMP_THREADS:-$((cores / DISTLAB_GPUS_PER_NODE))}" in common
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
                 "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
                 "conda's package cache fills home"):
@@ -799,8 +800,15 @@ def test_the_restart_time_in_the_drills_caption_is_the_runs():
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert drill.index("with runtime.start(args") < drill.index("started_at = time.time()")
     assert "seconds_to_restart=started_at - died[\"time\"]" in drill
-    assert (f"The {seconds:.1f} s from the kill to the second attempt's first step cover the survivors leaving, four "
-            "new Python processes importing torch, and the new process group forming.") in flat(CHAPTER)
+    assert (f"The {seconds:.1f} s from the kill to the restart cover the survivors leaving, four new Python processes "
+            "importing torch, and the new process group forming.") in flat(CHAPTER)
+    # the 4.2 s end where the new process group forms, not at the first step: that comes later, after the load
+    first = min(r["time"] for r in data["records"] if r["attempt"] == 1)
+    to_first = first - data["died"]["time"]
+    assert to_first - seconds > 1
+    assert (f"Loading the checkpoint and training step {data['extra']['steps_trained_twice'][0]} take "
+            f"{to_first - seconds:.1f} s more: the second attempt's first step ends {to_first:.1f} s after the "
+            "kill.") in flat(CHAPTER)
 
 
 def _walk(value):
@@ -811,3 +819,11 @@ def _walk(value):
     elif isinstance(value, list):
         for v in value:
             yield from _walk(v)
+
+
+def test_the_too_few_messages_case_names_its_pipelines():
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "first_stage, partner = rank % 2 == 0, rank + 1 if rank % 2 == 0 else rank - 1" in drill
+    assert ("Each pair of ranks runs a two-stage pipeline: rank 0 sends its microbatches to rank 1, and rank 2 to "
+            "rank 3.") in flat(CHAPTER)
+    assert "So the second stage (rank 1, and rank 3) waits for a fourth microbatch" in flat(CHAPTER)

@@ -121,3 +121,15 @@ def test_the_grouped_matrix_multiply_is_the_courses_choice_not_a_limit_of_torch(
     assert "torch.bfloat16" in gate and "(9, 0)" in gate and "is_cuda" in gate
     assert "Elsewhere, a CPU included, they run as a loop" not in TEXT
     assert "takes them all in one call, on a CPU too. The course's layer calls it only on a Hopper GPU in bf16" in TEXT
+
+
+def test_the_dispatch_bytes_say_the_scripts_row_size():
+    # 6,144 B over 48 rows is 128 B a row: hidden 32 in fp32 (the script's --dim), not the hand example's 8
+    matrix = figures.expert_dispatch_of_step()
+    kept, sent = int(matrix[0, 0]), int(matrix[0].sum() - matrix[0, 0])
+    script = (ROOT / "scripts" / "13_expert_parallel" / "ep_from_scratch.py").read_text()
+    assert 'p.add_argument("--dim", type=runtime.positive_int, default=32' in script
+    assert moe.dispatch_bytes(32, 2, 32, 4, 0.75) == sent * 32 * 4 == 6144
+    assert (f"Rank 0 keeps {kept} of its 64 assignments and sends {sent} rows. The script's hidden size is 32 in fp32, "
+            f"so a row is 128 B, and the {sent} rows are {sent * 32 * 4:,} B") in TEXT
+    assert "An EP group is ep / (cp x tp) data-parallel ranks, taken with every context-parallel" in TEXT

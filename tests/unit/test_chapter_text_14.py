@@ -376,7 +376,7 @@ def test_a_hang_as_a_user_on_gpus_with_nccl_sees_it():
     assert nccl[156].strip() == "constexpr auto kProcessGroupNCCLDefaultTimeout =" and \
         nccl[157].strip() == "std::chrono::milliseconds(10 * 60 * 1000);"
     assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:157-158)" in FLAT_APPENDIX
-    assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "timeout, 2 s on the course's CPU runs" in FLAT
+    assert broken_runs.HANG_TIMEOUT == ("--pg-timeout", "2") and "timeout, 2 s in the broken runs" in FLAT
     job = (ROOT / "pbs" / "14_when_it_goes_wrong.pbs").read_text()
     assert 'broken uneven-inputs "$deadlocks" --hang uneven-inputs --pg-timeout 10 ' in job
     assert "`--pg-timeout 2` (`HANG_TIMEOUT` in `labkit/broken_runs.py`); the GPU job passes 10 s" in FLAT_APPENDIX
@@ -475,3 +475,22 @@ def test_the_picture_shows_which_question_sends_you_to_each_band():
     assert ch14.QUESTIONS["Resumes"].startswith("question 3")
     first = " ".join(chapters.pages("14")[0].read_text().split())
     assert "Question 1 sends a run that stops to the hangs and errors, and a slow one to the slow steps." in first
+
+
+def test_the_two_resume_cases_share_their_symptom_and_the_text_names_the_check_that_parts_them():
+    # a learner could not tell the two resumes apart by what they show: both train a step twice and get two losses
+    import json
+    data = json.loads((ROOT / "chapters" / "figures" / "data" / "14_resumes.json").read_text())
+    shard, rng = data["checkpoint-one-shard"], data["resume-without-rng"]
+    step = shard["first_step"]
+    assert abs(shard["broken"]["losses_by_step"][str(step)] - shard["earlier"][str(step)]) > 0.05
+    assert rng["steps_trained_twice"] and rng["jump"] > 0.05
+    assert ("Both also show the same symptom: a step trained twice, with two different losses. To tell them apart, "
+            "compare the reloaded weights with the saved ones") in FLAT
+
+
+def test_the_hang_timeout_of_the_broken_runs_is_theirs():
+    broken = registry()
+    from distlab import runtime
+    assert broken.HANG_TIMEOUT == ("--pg-timeout", "2") and runtime.DEFAULT_PG_TIMEOUT_S == 300
+    assert ("2 s in the broken runs (their own `--pg-timeout`, against the default of 300 s)") in FLAT
