@@ -525,10 +525,16 @@ def _prose_lines(text: str) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("term", ["watchdog", "flight recorder", "straggler", "walltime", "local rank", "launcher"])
+# Two learners' reviews of chapter 12: the watchdog and the flight recorder were used before they were defined, and
+# a learner who never used a scheduler met these cluster words undefined.
+TERMS = ["watchdog", "flight recorder", "straggler", "walltime", "local rank", "launcher"]
+CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks"]
+
+
+@pytest.mark.parametrize("term", TERMS + CLUSTER_WORDS)
 def test_each_term_is_defined_where_it_first_appears(term):
-    # a learner's review of chapter 12: the watchdog and the flight recorder were used before they were defined.
-    # The first mention in running prose (headings and page titles left out) is the one in bold, the definition.
+    # The first mention in running prose (headings, code, page titles and page links left out) is the one in bold,
+    # the definition.
     prose = " ".join(" ".join(_prose_lines(CHAPTER)).split())
     first = prose.lower().index(term)
     assert prose[first - 2:first + len(term) + 2].lower() == f"**{term}**", (term, prose[first - 80:first + 80])
@@ -588,15 +594,6 @@ def test_the_job_script_shown_is_the_courses():
     common = (ROOT / "jobs" / "common.sh").read_text()
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in common
     assert "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in CHAPTER
-
-
-@pytest.mark.parametrize("term", ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks"])
-def test_each_cluster_word_is_defined_where_it_first_appears(term):
-    # a learner who never used a scheduler: these were used and never defined. The first mention in running prose
-    # (headings, code and page links left out) is the bold one.
-    prose = " ".join(" ".join(_prose_lines(CHAPTER)).split())
-    first = prose.lower().index(term)
-    assert prose[first - 2:first + len(term) + 2].lower() == f"**{term}**", (term, prose[first - 80:first + 80])
 
 
 def test_how_we_know_is_a_link_to_the_page_that_holds_it():
