@@ -146,8 +146,9 @@ def check_placement(function, *, hint: str = "") -> None:
         if got != want:
             wrong = next((r for r, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             shown = got[wrong] if wrong < len(got) else "nothing"
+            # the message names the first wrong rank, never the expected answer (a wrong guess must not read it)
             raise ExerciseWrong(
-                f"placement of node file #{index + 1} ({len(nodefile)} lines): rank {wrong} got {shown}, expected "
-                f"{want[wrong] if wrong < len(want) else 'no such rank'}. The file lists a host once a rank, in "
-                f"the scheduler's order; the local rank counts the earlier ranks on the same host. {hint}".strip())
+                f"placement of node file #{index + 1} ({len(nodefile)} lines): rank {wrong} got {shown}, which is "
+                f"not its place. The file lists a host once a rank, in the scheduler's order; the local rank counts "
+                f"the earlier ranks on the same host. {hint}".strip())
     _ok(f"placement agrees on {len(PLACEMENT_CASES)} node files; rank 0's host is MASTER_ADDR")

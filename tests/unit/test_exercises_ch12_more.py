@@ -137,3 +137,16 @@ def test_the_labs_last_submission_names_the_account():
     assert '`qsub -A "$PBS_ACCOUNT" pbs/12_hpc_operations.pbs`' in text
     assert '`sbatch -A "$ACCOUNT" slurm/12_hpc_operations.sbatch`' in text
     assert "run `qsub pbs/12_hpc_operations.pbs`" not in text
+
+
+
+def test_a_wrong_placement_is_not_told_the_expected_one():
+    """The message names the first wrong rank and why, never the place it should have (a wrong guess must not read
+    the answer off the checker)."""
+    nodefile, want = ch12.PLACEMENT_CASES[0]
+    got = [(str(h), int(l)) for h, l in wrong_local_rank_is_the_rank(list(nodefile))]
+    first_wrong = next(r for r, (g, w) in enumerate(zip(got, want)) if g != w)
+    with pytest.raises(ExerciseWrong) as wrong:
+        ch12.check_placement(wrong_local_rank_is_the_rank)
+    message = str(wrong.value)
+    assert f"rank {first_wrong} got" in message and str(want[first_wrong]) not in message
