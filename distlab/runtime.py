@@ -821,9 +821,12 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    # and below the ports jobs derive from their id (PORT_RANGE): a test's launch beside a scheduler's job on this
+    # machine never takes the port that job's rank 0 is about to bind
+    high = min(low, PORT_RANGE[0])
     draw = random.SystemRandom()
-    for _ in range(50 if low > 12000 else 0):
-        port = draw.randrange(10000, low)
+    for _ in range(50 if high > 12000 else 0):
+        port = draw.randrange(10000, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
