@@ -5,6 +5,9 @@ said on the command line (two tasks and two GPUs a node: the GPUs are Slurm's co
 gloo) and the course's settings in the environment (sbatch hands the environment on). Every job is submitted at
 the start, so the cluster runs them side by side; each test waits for its own with scontrol and reads what the job
 wrote: every check passed, ranks on both nodes. The node names do not resolve here: DISTLAB_MASTER_ADDR=127.0.0.1.
+Each rank is a Slurm task whose interpreter (DISTLAB_PYTHON, tests/helpers.py) forks the program from make test's
+fork server, torch imported once (labkit/forkexec.py: signals passed on, the same exit); the export-list job, handed
+no server, starts its ranks with the real interpreter.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import scheduler_python
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = ROOT / "slurm"
@@ -25,7 +29,7 @@ SHAPE = ["-N", "2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task
 
 def settings(run_dir: Path, **extra: str) -> dict[str, str]:
     return {"DISTLAB_RUN_DIR": str(run_dir), "DISTLAB_DEVICE": "cpu", "DISTLAB_PRESET": "tiny", "DISTLAB_MODULES": "",
-            "DISTLAB_CONDA_ENV": "", "DISTLAB_PYTHON": sys.executable, "DISTLAB_MASTER_ADDR": "127.0.0.1",
+            "DISTLAB_CONDA_ENV": "", "DISTLAB_PYTHON": scheduler_python(), "DISTLAB_MASTER_ADDR": "127.0.0.1",
             "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"), "DISTLAB_LAUNCH_TIMEOUT": "150", **extra}
 
 
