@@ -366,19 +366,22 @@ def megatron_tflops(run: PublishedRun, mfu: float) -> float:
 
 
 def megatron_width_table() -> list[dict]:
-    """Per-GPU TFLOP/s as Table 1 publishes them beside the planner's, at each row's published settings, with the
-    block GEMMs' share of the peak on one TP rank (planner.gemm) that makes them rise with the width per rank."""
-    from distlab.planner.gemm import block_efficiency, hardware_of
+    """Per-GPU TFLOP/s as Table 1 publishes them beside the planner's, at each row's published settings, with what
+    makes them rise with the width (planner.gemm, on one TP rank): the share of the peak the block's GEMMs reach at
+    their shapes, and the block's as a whole, its other kernels at the memory's rate."""
+    from distlab.planner.gemm import block_efficiency, block_rate, hardware_of
 
     rows = []
     for run in megatron_table1_runs():
         plan = tune(run.model, run.cluster, run.layout, run.options, run.gpus)
-        shapes = block_efficiency(plan_model(run, plan), hardware_of(run.cluster), run.layout.tp, 1,
-                                  flash_attention=run.options.flash_attention)
+        model, hardware, flash = plan_model(run, plan), hardware_of(run.cluster), run.options.flash_attention
+        predicted = megatron_tflops(run, plan.mfu)
         rows.append({"label": run.label, "hidden": run.model.hidden, "tp": run.layout.tp,
                      "width_per_rank": run.model.hidden // run.layout.tp, "published": run.stated[1],
-                     "predicted": megatron_tflops(run, plan.mfu), "gemm_efficiency": shapes, "fits": plan.fits,
-                     "error": megatron_tflops(run, plan.mfu) / run.stated[1] - 1})
+                     "predicted": predicted, "fits": plan.fits, "error": predicted / run.stated[1] - 1,
+                     "gemm_efficiency": block_efficiency(model, hardware, run.layout.tp, flash_attention=flash),
+                     "block_efficiency": block_rate(model, hardware, run.layout.tp, flash_attention=flash)
+                     / hardware.peak_flops})
     return rows
 
 
@@ -388,9 +391,9 @@ def plan_model(run: PublishedRun, plan: Plan) -> ModelSpec:
 
 
 def megatron_width_markdown() -> str:
-    lines = ["| Table 1 row | hidden / TP | block GEMMs' share of peak (derived) | published TFLOP/s per GPU | "
-             "planner (derived) | error |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| Table 1 row | hidden, TP | its GEMMs' share of peak (derived) | the block's (derived) | published "
+             "TFLOP/s per GPU | planner (derived) | error |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in megatron_width_table():
-        lines.append(f"| {r['label']} | {r['width_per_rank']:,} | {r['gemm_efficiency']:.0%} | {r['published']} | "
-                     f"{r['predicted']:.0f} | {r['error']:+.0%} |")
+        lines.append(f"| {r['label']} | {r['hidden']:,}, {r['tp']} | {r['gemm_efficiency']:.0%} | "
+                     f"{r['block_efficiency']:.0%} | {r['published']} | {r['predicted']:.0f} | {r['error']:+.0%} |")
     return "\n".join(lines)
