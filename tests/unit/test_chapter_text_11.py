@@ -737,3 +737,11 @@ def test_the_gemm_model_and_table_1_are_what_the_planner_computes(text, raw, mon
     assert flat[-1]["predicted"] < flat[0]["predicted"]   # "falls with the model's size"
     assert (f"the dense peak x the A100's {planner.GPU_CONSTANTS['A100']['compute_efficiency']:g}), the 1.7B row is "
             f"over-predicted by {flat[0]['error']:+.0%}".replace("%", " %")) in text
+
+
+def test_the_cp_beside_tp_run_is_the_one_the_text_names(text):
+    from tests.unit import test_planner_cp_tp as run
+
+    assert (run.LAYOUT.cp, run.LAYOUT.tp, run.LAYOUT.gpus) == (2, 2, 4) and run.OPTIONS.cp_attention == "all_gather"
+    assert "runs 2 CP x 2 TP on 4 CPU ranks with all-gather CP" in text
+    assert "another runs CP beside TP (2 x 2) and finds the same" in text
