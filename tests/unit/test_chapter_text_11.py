@@ -713,7 +713,7 @@ def test_the_gemm_model_and_table_1_are_what_the_planner_computes(text, raw, mon
     from distlab.planner import gemm, published, step_time
 
     a100, h100 = gemm.MATMUL_HARDWARE["a100-80gb"], gemm.MATMUL_HARDWARE["h100-80gb"]
-    assert f"({a100.sustained_flops / a100.hbm_bytes_per_s:.0f} FLOPs a byte on an A100)" in text
+    assert f"memory bandwidth: {a100.sustained_flops / a100.hbm_bytes_per_s:.0f} FLOPs a byte on an A100" in text
     assert f"Every kernel also pays a fixed {gemm.FIXED_SECONDS * 1e6:.1f} us" in text
     assert f"the fixed cost, {gemm.FIXED_SECONDS * 1e6:.1f} us" in text
     assert f"a 256 x 256 x 256 product at {gemm.XLA_H100_BF16[(256, 256, 256)] / 1e12:.2f} TFLOP/s" in text
