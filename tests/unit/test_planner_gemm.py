@@ -89,3 +89,21 @@ def test_a_flat_efficiency_fails_the_width_test(monkeypatch):
     flat = published.megatron_width_table()
     assert not rises_with_width(flat)
     assert flat[0]["error"] > 0.15   # the 1.7B model over-predicted
+
+
+def test_the_matmul_constants_are_quoted_in_their_sources():
+    from distlab.planner.published import source_of
+
+    quotes = {key: source_of(key).quote for key in gemm.SOURCE_KEYS}
+    assert "| NVIDIA A100 SXM | 271.2 | 312 |" in quotes["mamf_a100_h100"] and A100.sustained_flops == 271.2e12
+    assert "| NVIDIA H100 SXM | 794.5 | 989 |" in quotes["mamf_a100_h100"] and H100.sustained_flops == 794.5e12
+    assert "1.555 TB/s" in quotes["a100_hbm_bandwidth"] and gemm.MATMUL_HARDWARE["a100-40gb"].hbm_bytes_per_s == 1.555e12
+    assert "2.039 GB/s" in quotes["a100_hbm_bandwidth"] and A100.hbm_bytes_per_s == 2.039e12
+    assert "3,350 GB/sec" in quotes["h100_sxm_pcie_spec_table"] and H100.hbm_bytes_per_s == 3.35e12
+    assert "900GB/sec" in quotes["v100_hbm_bandwidth"] and gemm.MATMUL_HARDWARE["v100-32gb"].hbm_bytes_per_s == 0.9e12
+    for (m, n, k), flops in gemm.XLA_H100_BF16.items():
+        if (m, n, k) in ((256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096)):
+            assert f"m: {m} n: {n} k: {k} flops {{ key: \"bf16xbf16->bf16\" value: {flops} }}" in \
+                quotes["xla_h100_matmul_table"]
+    assert "MBS=16 GBS=512 NLS=24 HS=2304 NAH=24" in source_of("megatron_sc21_run_table_1_all").quote
+    assert published.MEGATRON_TABLE1[0][:10] == (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16)
