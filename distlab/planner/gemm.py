@@ -26,6 +26,7 @@ recomputation too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # The matmul hardware of each GPU type: dense bf16/fp16 peak, measured sustained matmul rate, HBM bandwidth and the
@@ -190,6 +191,7 @@ def block_elementwise_bytes(model, tp: int = 1, cp: int = 1, micro_batch: int | 
     return 2.0 * tokens * elements
 
 
+@functools.lru_cache(maxsize=4096)   # the search asks again for the same block; every argument is frozen
 def block_rate(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
                flash_attention: bool = True, ep: int = 1, sequence_parallel: bool = False) -> float:
     """FLOP/s one GPU reaches on a block: its GEMMs at their shapes' rate, its other kernels at the memory's. The
