@@ -69,6 +69,9 @@ DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (d
 DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-}         # the site's scratch (the profile's: Derecho's /glade/...)
 DISTLAB_GPU_VENDOR=${DISTLAB_GPU_VENDOR:-nvidia}       # nvidia (NCCL) | amd (RCCL): which net plugin is looked for
 DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
+# numa: each GPU rank moves its threads to its GPU's NUMA node (distlab.runtime.bind_to_gpu, read from sysfs), which
+# on nodes wired in another order than the launcher's blocks (Frontier's) is not the cores srun gave it; off: no
+export DISTLAB_GPU_AFFINITY=${DISTLAB_GPU_AFFINITY:-numa}
 DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
 [[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
@@ -152,7 +155,7 @@ distlab_site_report() {
     distlab_log "  partition: ${SLURM_JOB_PARTITION:-${PBS_QUEUE:-${DISTLAB_SITE_PARTITION:-$none}}}; QOS: ${SLURM_JOB_QOS:-${DISTLAB_SITE_QOS:-$none}}; constraint: ${DISTLAB_SITE_CONSTRAINT:-$none}${SLURM_JOB_RESERVATION:+; reservation: $SLURM_JOB_RESERVATION}"
     distlab_log "  network: $DISTLAB_NETWORK; GPUs: $DISTLAB_GPU_VENDOR ($([[ $DISTLAB_GPU_VENDOR == amd ]] && echo RCCL || echo NCCL)), $DISTLAB_GPUS_PER_NODE a node; cores a node: ${DISTLAB_NODE_CORES:-${DISTLAB_SITE_CORES_PER_NODE:-unknown}}"
     local gpu_bind="$none (each rank takes the GPU of its local rank)"
-    distlab_log "  binding: cpu ${DISTLAB_SRUN_CPU_BIND:-${DISTLAB_CPU_BIND:-$none}}, gpu ${DISTLAB_SRUN_GPU_BIND:-$gpu_bind}${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${ROCR_VISIBLE_DEVICES:+; ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES}"
+    distlab_log "  binding: cpu ${DISTLAB_SRUN_CPU_BIND:-${DISTLAB_CPU_BIND:-$none}}, gpu ${DISTLAB_SRUN_GPU_BIND:-$gpu_bind}, each GPU rank's threads to its GPU's NUMA node: $DISTLAB_GPU_AFFINITY${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${ROCR_VISIBLE_DEVICES:+; ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES}"
     local variable
     for variable in NCCL_SOCKET_IFNAME NCCL_NET NCCL_NET_PLUGIN FI_PROVIDER NCCL_CROSS_NIC; do
         [[ -z ${!variable:-} ]] || distlab_log "  $variable=${!variable}"
