@@ -538,7 +538,8 @@ def bind_to_gpu(local_rank: int, rank_bus_ids: list[str | None], sysfs: str | os
                 setaffinity=None) -> str:
     """Move this process (and the threads it starts later) to its GPU's share of cores (:func:`gpu_local_cpus`).
     One line saying what was done, or why not: sysfs does not say, or the launcher's cgroup forbids those cores
-    (then the launcher's binding stays; the rank map reports it). ``DISTLAB_GPU_AFFINITY=off`` skips it."""
+    (then the launcher's binding stays; the rank map reports it). ``runtime.start`` calls it where
+    ``DISTLAB_GPU_AFFINITY=numa``, as the course's jobs set it."""
     node, cpus = gpu_local_cpus(local_rank, rank_bus_ids, sysfs)
     if node is None:
         return "GPU affinity: the GPU's NUMA node is unknown (sysfs); the launcher's binding stays"
@@ -798,7 +799,8 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         torch_device = torch.device(device_name)
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)
-            if os.environ.get("DISTLAB_GPU_AFFINITY", "numa") != "off":
+            # the course's jobs ask for it (jobs/common.sh: DISTLAB_GPU_AFFINITY=numa); a run by hand keeps its binding
+            if os.environ.get("DISTLAB_GPU_AFFINITY") == "numa":
                 # before torch starts its thread pools: the threads it starts later inherit the binding. The other
                 # local ranks' GPUs are known when every rank sees the node's GPUs; a rank that sees only its own
                 # (one GPU a task) shares its node's cores with no one it knows of
