@@ -24,6 +24,9 @@ What this module decides, once, for every script:
 * **Which GPU is mine?** The local rank picks it. A launcher that sets no local rank of its own (a Cray PALS
   job without ``PALS_LOCAL_RANKID``) falls back to the other launchers' variables; none at all on a node with
   several ranks is a configuration error, not every rank on GPU 0.
+* **Which cores?** In the course's jobs (``DISTLAB_GPU_AFFINITY=numa``) a GPU rank moves its threads to its GPU's
+  NUMA node, read from sysfs (``bind_to_gpu``): on nodes whose GPUs are wired in another order than the launcher's
+  blocks of cores, task i's cores are otherwise far from GPU i. The rank map checks it.
 * **Where am I?** ``--verbose`` (or ``DISTLAB_VERBOSE=1``) makes every rank print its host, rank, local rank,
   ``CUDA_VISIBLE_DEVICES`` and the GPU it uses. ``python -m distlab.runtime`` does only that, for every rank
   of a job, and checks that no two ranks of a node share a GPU (the PBS preflight job runs it).
