@@ -357,13 +357,14 @@ def case(name: str) -> BrokenRun:
 
 
 def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = None, args_override=None,
-             nproc: int | None = None, **launch_kwargs) -> launch.LaunchResult:
+             nproc: int | None = None, extra_args=(), **launch_kwargs) -> launch.LaunchResult:
     """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
     runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/KEY-broken`` or ``-fixed``, KEY a hash
     of the name: the same folder every time, so that a learner's copy of the lab replays the full lab's launch:
     its arguments, the folder among them, are the cache's key). ``args_override``: other arguments for the same
-    script (a wrong fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its
+    script (a wrong fix, say); ``nproc``: another number of ranks than the case's; ``extra_args``: arguments added
+    to the interrupted job's and to the run's (chapter 14's lab: the flag that loads a learner's fix into both). A broken run fails its
     checks: ``check`` defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14
     and the lab, run side by side by make test, use the same folders, and the second replays the first from the
     launch cache."""
@@ -374,6 +375,7 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     launch_kwargs.setdefault("timeout", 120)
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
     args = args_override if args_override is not None else (run.fixed_args if fixed else run.args)
+    prepare, args = (tuple(prepare) + tuple(extra_args) if prepare else ()), tuple(args) + tuple(extra_args)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
