@@ -65,21 +65,26 @@ def broadcast_parameters(model, src=0):
 
 
 @torch.no_grad()
-def average_gradients(model, scale: float | None = None):
+def average_gradients(model):
     """Replace each rank's gradient by the mean over ranks: the gradient of the global-batch loss.
 
     Each rank's loss is the mean over its B/N samples, so the mean of the N local gradients is the gradient
-    of the mean over all B samples (gloo has no AVG reduction: sum, then divide). ``scale``: multiply the sum by
-    this instead of dividing it by N (chapter 14's lab: the learner's reduce_scale).
+    of the mean over all B samples (gloo has no AVG reduction: sum, then divide).
     """
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-            if scale is None:
-                param.grad.div_(world_size)
-            else:
-                param.grad.mul_(scale)
+            param.grad.div_(world_size)
+
+
+@torch.no_grad()
+def scaled_sum_gradients(model, scale: float):
+    """Chapter 14's lab: each rank's gradient summed over the ranks, times the learner's ``scale``."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            param.grad.mul_(scale)
 
 
 def replica_fingerprint(model) -> torch.Tensor:
@@ -177,7 +182,10 @@ def main():
             else:
                 (loss * loss_scale).backward()
             with comm.CommCounter() as counter:
-                average_gradients(model, reduce_scale)  # the whole of data parallelism, after backward
+                if reduce_scale is None:
+                    average_gradients(model)  # the whole of data parallelism, after backward
+                else:
+                    scaled_sum_gradients(model, reduce_scale)
             bytes_per_step.append(counter.total("all_reduce"))
             rt.sync()
             seconds.append(time.perf_counter() - started)
