@@ -52,7 +52,7 @@ KINDS_TOLERANCE_SECONDS = 0.010
 # A straggler: under DDP nothing makes the ranks wait for each other before backward's first all-reduce, so each
 # rank's data + forward time is its own; one rank later than the rest by more than this, step after step, holds
 # every other rank in that all-reduce. --planted-bug slow-rank gives rank SLOW_RANK SLOW_RANK_SECONDS of extra
-# compute a step (forward passes of its own batch: real work, compute in its trace, not a sleep that shows as idle).
+# compute a step (matrix products: real work, compute in its trace, not a sleep that shows as idle).
 # The tolerance is half that delay: a CPU shared by 4 ranks and another test worker deschedules a rank for up to
 # about 0.1 s (0.106 s seen with 28 processes on 2 cores: the check failed a correct run), the planted delay stays
 # twice over it.
@@ -65,15 +65,16 @@ SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
 DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}
 
 
-def extra_work(model, inputs, seconds: float, sync) -> None:
-    """The planted straggler's extra work: forward passes of its own batch, without gradients, for ``seconds`` of
-    its clock (kernels on a GPU, operators on a CPU: the trace counts it as compute). The inner module, not DDP's
-    wrapper, whose forward could issue a collective (step 1's bucket rebuild) that the other ranks never call."""
+def extra_work(seconds: float, device, sync) -> None:
+    """The planted straggler's extra work: matrix products on its own device for ``seconds`` of its clock, as a
+    rank given more work (or a slower device) computes longer. Large products, so the trace counts the time as
+    compute: the tiny model's own forward passes would leave half of it idle, Python between small operators."""
+    size = 4096 if device.type == "cuda" else 512
+    matrix = torch.randn(size, size, device=device)
     started = time.perf_counter()
-    with torch.no_grad():
-        while time.perf_counter() - started < seconds:
-            getattr(model, "module", model)(inputs)
-            sync()
+    while time.perf_counter() - started < seconds:
+        torch.mm(matrix, matrix)
+        sync()
 
 
 def check_config(args, world_size):
@@ -159,7 +160,7 @@ def main():
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, rt.world_size))
             if rt.rank in slowed:   # the planted fault: one rank computes more every step, late to every all-reduce
-                extra_work(model, inputs, SLOW_RANK_SECONDS, rt.sync)
+                extra_work(SLOW_RANK_SECONDS, rt.device, rt.sync)
             loss = models.lm_loss(model(inputs), targets)
             before_sync.append(time.perf_counter() - started)
             with record_function(profiling.BACKWARD_LABEL):  # labels backward's span in the trace

@@ -77,7 +77,7 @@ def test_the_straggler_and_the_hang_are_what_the_registry_and_the_diagnosis_say(
     waiting = {r["rank"]: r["communication"] / r["steps"] for r in run["slow"]["ranks"]}
     slow = max(computing, key=computing.get)
     assert slow == 1 and all(waiting[r] > 0.2 > waiting[slow] for r in waiting if r != slow)
-    assert all(computing[slow] > computing[r] + 0.2 for r in computing if r != slow), computing
+    assert all(computing[slow] > computing[r] + 0.1 for r in computing if r != slow), computing   # a third of 0.3 s
     hang = broken_runs.case("uneven-inputs")
     assert run["hang"]["argv"] == list(hang.args)
     found = hangs.diagnose({int(r): j for r, j in run["hang"]["journals"].items()})
