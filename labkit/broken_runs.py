@@ -81,7 +81,8 @@ class BrokenRun:
     args: tuple[str, ...]       # the broken run, on ``nproc`` CPU ranks
     fixed_args: tuple[str, ...]  # the same script, the mistake gone or the corrective setting given
     symptom: str                # what a user sees, never the cause
-    evidence: tuple[str, ...]   # where in the metrics JSON: keys ("extra.rank_losses") or "checks"
+    evidence: tuple[str, ...]   # where in the metrics JSON: keys ("extra.rank_losses") or "checks"; "output":
+    #                             the lines the run printed (an error's message)
     cause: str
     tell_apart: str             # the one check that tells it from its look-alikes
     look_alikes: tuple[str, ...]  # other cases' names, or a plausible wrong cause in a few words
