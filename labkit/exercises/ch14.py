@@ -355,6 +355,20 @@ def learner_file(function, name: str) -> str:
     """Write the learner's ``function`` (its source) to a file the script loads with its flag, as ``name``: the
     fix then runs inside the job. The file is named by a hash of its text, so the launch cache (keyed by the
     arguments) never replays another version of the function."""
+    return learner_files({name: function})
+
+
+def learner_files(functions: dict) -> str:
+    """:func:`learner_file` for several functions, {name: function}, in one file: one launch runs them all."""
+    text = _PRELUDE + "".join(_learner_source(function, name) for name, function in functions.items())
+    path = Path(LEARNER_DIR) / f"{'-'.join(functions)}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+def _learner_source(function, name: str) -> str:
     if function is None or function is ...:
         raise _not_done(name, f"Write {name}().")
     if not callable(function) or getattr(function, "__name__", "<lambda>") == "<lambda>":
@@ -365,12 +379,7 @@ def learner_file(function, name: str) -> str:
         raise ExerciseWrong(f"{name}: its source cannot be read; define it with def in a cell.") from None
     if "raise NotImplementedError" in source:   # the learner's copy's stub
         raise _not_done(name, f"Write {name}().")
-    text = _PRELUDE + source + (f"\n\n{name} = {function.__name__}\n" if function.__name__ != name else "")
-    path = Path(LEARNER_DIR) / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        path.write_text(text)
-    return str(path)
+    return source + (f"\n\n{name} = {function.__name__}\n" if function.__name__ != name else "") + "\n\n"
 
 
 # A script's check of its own timing model, neither the symptom nor the comparison with one device, that a loaded
@@ -387,14 +396,17 @@ def last_fix_run() -> Shown | None:
     return _LAST_FIX[-1] if _LAST_FIX else None
 
 
-def _said(problem: str) -> str:
-    """One of fix_holds' problems in the lab's words: a check by its shown name, never one the lab hides."""
+def _said(problem: str, blame=()) -> str:
+    """One of fix_holds' problems in the lab's words: a check by its shown name, never one the lab hides; with
+    ``blame`` ((check beginning, function name), ...), the learner's function that check judges, first."""
     for form in (r"check failed: (.*)", r"check '(.*)\.\.\.' did not run"):
         found = re.fullmatch(form, problem)
         if found:
             name = shown_check_name(found[1])
             what = "failed" if form.startswith("check failed") else "did not run"
-            return f"'{name}' {what}" if name else f"one of the script's own checks of the fault {what}"
+            said = f"'{name}' {what}" if name else f"one of the script's own checks of the fault {what}"
+            whose = next((function for beginning, function in blame if found[1].startswith(beginning)), None)
+            return f"{whose}(): {said}" if whose else said
     if problem.startswith("the journal still finds a hang"):
         return "the job still hangs (every rank's journal ends in a wait)"
     return problem
@@ -411,7 +423,7 @@ def _fix_in_job(name: str, function, function_name: str, why: str, args=None, sa
     _fixed_run_holds(name, args=args, extra=(FIX_FLAG, path), why=why, say=say)
 
 
-def _fixed_run_holds(name: str, args=None, why: str = "", extra=(), say: bool = True) -> None:
+def _fixed_run_holds(name: str, args=None, why: str = "", extra=(), say: bool = True, blame=()) -> None:
     """Launch the case's fixed run (or ``args``: the learner's setting, or the flag that loads the learner's code)
     and require that the symptom is gone and it equals one device (:func:`labkit.broken_runs.fix_holds`, less
     :data:`TIMING_MODEL_CHECKS`). A failure says what the run shows, never the cause."""
@@ -427,7 +439,7 @@ def _fixed_run_holds(name: str, args=None, why: str = "", extra=(), say: bool = 
                             "its output.")
     if problems:
         raise ExerciseWrong(f"the job run with this fix (exit code {result.returncode}) still fails: "
-                            f"{'; '.join(_said(p) for p in problems[:3])}. exercises.last_fix_run() shows its "
+                            f"{'; '.join(_said(p, blame) for p in problems[:3])}. exercises.last_fix_run() shows its "
                             "output and metrics.")
     checks = len((result.metrics or {}).get("checks", []))
     if not say:
@@ -459,6 +471,24 @@ def check_fix_accumulation(synchronises) -> None:
     job: train_ddp.py asks it (--fix-from) for every micro-batch, on every rank."""
     _fix_in_job("accumulation-never-syncs", synchronises, "synchronises",
                 why="one all-reduce a step, once every micro-batch's gradient is in.")
+
+
+# train_ddp.py's checks that each function of runs 7, 8 and 9 answers for (their one run names whose check failed)
+DATA_PARALLEL_CHECKS = (("the training samplers' first epoch", "rank_sampler"),
+                        ("the training sampler's order changed", "epoch_indices"),
+                        ("bytes all-reduced per optimizer step", "synchronises"),
+                        ("micro-steps inside no_sync()", "synchronises"))
+
+
+@learner_check
+def check_fix_ranks_that_disagree(rank_sampler, synchronises, epoch_indices) -> None:
+    """Runs 7, 8 and 9's fixes in one run of train_ddp.py: the three functions in one file (--fix-from), each
+    called on every rank where the script's own code was (what check_fix_sampler, check_fix_accumulation and
+    check_fix_set_epoch do one at a time). A check of the run that fails is said with the function it judges."""
+    path = learner_files({"rank_sampler": rank_sampler, "synchronises": synchronises, "epoch_indices": epoch_indices})
+    _fixed_run_holds("same-samples-every-rank", extra=(FIX_FLAG, path), blame=DATA_PARALLEL_CHECKS,
+                     why="each rank its own share of one permutation, a new order every epoch, one all-reduce a "
+                         "step: train_ddp.py with your three functions equals one device.")
 
 
 @learner_check

@@ -497,3 +497,27 @@ def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_sy
     for label in ch14.LABELS:
         prompt = next(s for s in sources if f"**{label.capitalize()}**" in s)
         assert ANSWERS[label] not in prompt and "broadcast ... else" not in prompt, prompt
+
+
+def test_the_three_data_parallel_fixes_share_one_run_and_each_is_named_by_its_check(launched, capsys):
+    """Runs 7, 8 and 9's functions go into one train_ddp.py run, one file holding all three; a check that fails is
+    said with the function it judges (never with the answer)."""
+    judged = {"rank_sampler": "the training samplers' first epoch", "epoch_indices": "the training sampler's order",
+              "synchronises": "bytes all-reduced per optimizer step"}
+
+    def judge(case, args):
+        text = open(_answer("--fix-from", args)).read()
+        launched.also_failed = [f"{judged[name]} (hand-made)" for name in judged if f"def wrong_{name}" in text]
+        return True   # the case's own checks pass: only the wrong function's check fails
+
+    launched.judge = judge
+    ch14.check_fix_ranks_that_disagree(right_rank_sampler, right_synchronises, right_epoch_indices)
+    assert capsys.readouterr().out.startswith("Correct:") and len(launched.calls) == 1
+    text = open(_answer("--fix-from", launched.calls[0][2])).read()
+    assert all(f"def right_{name}" in text and f"{name} = right_{name}" in text for name in judged)
+    with pytest.raises(ExerciseWrong, match=r"synchronises\(\): 'bytes all-reduced") as wrong:
+        ch14.check_fix_ranks_that_disagree(right_rank_sampler, wrong_synchronises_always, right_epoch_indices)
+    assert "rank_sampler()" not in str(wrong.value) and "micro_step == accumulation - 1" not in str(wrong.value)
+    with pytest.raises(ExerciseWrong, match=r"rank_sampler\(\): one of the script's own checks"):
+        ch14.check_fix_ranks_that_disagree(wrong_rank_sampler_own_seed, right_synchronises, right_epoch_indices)
+    assert len(launched.calls) == 3
