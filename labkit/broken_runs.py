@@ -5,7 +5,9 @@ Each :class:`BrokenRun` names a script of an earlier chapter and the arguments t
 microbatches; ``--hang NAME`` for chapter 12's hangs), the arguments of the fixed run (``fixed_args``: the bug
 gone, or the corrective setting), what a user sees (``symptom``, never the cause) and where in the run's metrics
 (``evidence``), the cause, the one check that tells it from its look-alikes, and the checks of the script that
-fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``).
+fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``),
+and what the same mistake shows on GPUs under NCCL (``on_nccl``). :data:`SEEN_BY` says which evidence any user's
+tools show and which only the course's instrumentation does.
 
     from labkit import broken_runs
     result = broken_runs.run_case("accumulation-never-syncs")            # the broken run (fork launcher on CPU)

@@ -288,8 +288,8 @@ RENAMED_CHECKS = {
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
-                 "data_shard_from", "wrappers_from", "fix_from", "reduce_dtype", "checkpoint_holds",
-                 "straggler_from")   # the flags that load a learner's fix name what it fixes
+                 "data_shard_from", "wrappers_from", "fix_from", "reduce_dtype",
+                 "checkpoint_holds")   # the flags that load a learner's fix name what it fixes
 
 
 def shown_check_name(name: str) -> str | None:
