@@ -180,7 +180,7 @@ def main():
             if args.planted_bug == "loss-averaged-twice":   # the mistake: a mean over the ranks here, and
                 (loss / rt.world_size).backward()            # average_gradients divides by N again
             else:
-                (loss * loss_scale).backward()
+                (loss * loss_scale if fixes else loss).backward()
             with comm.CommCounter() as counter:
                 if reduce_scale is None:
                     average_gradients(model)  # the whole of data parallelism, after backward
