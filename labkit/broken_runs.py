@@ -373,8 +373,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "a step trained twice gives the same loss both times")),
     BrokenRun(
         name="slow-rank", family="operations", script=PROFILE_STEP,
-        on_nccl="The peers' NCCL kernels spin while they wait, so their GPUs look busy; the profile shows the "
-                "straggler's compute kernels longer and its peers' all-reduce kernels longer.",
+        on_nccl="The peers' NCCL kernels spin while they wait: their GPUs show full utilisation at low power. The "
+                "profile shows the straggler's compute kernels longer and its peers' all-reduce kernels longer.",
         args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
         symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank computes for "
                 "that time longer than the others, while the three others spend it in communication.",

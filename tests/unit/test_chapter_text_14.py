@@ -535,3 +535,11 @@ def test_the_nccl_lines_of_the_gpu_look():
     assert fsdp[845].strip() == "return None, None, ReduceOp.AVG, ReduceOp.AVG"
     assert "(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:829-846)" in FLAT_APPENDIX
     assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE" in FLAT_APPENDIX
+
+
+def test_what_the_gpu_look_rests_on_is_cited():
+    """The on_nccl lines' public sources: the watchdog's line at the end of an epoch, and a waiting GPU shown busy."""
+    for link in ("https://github.com/hiyouga/LlamaFactory/issues/7396", "https://github.com/jpata/particleflow/issues/390",
+                 "https://github.com/NVIDIA/nccl/issues/968", "https://github.com/cupy/cupy/issues/3557"):
+        assert link in APPENDIX, link
+    assert "full utilisation at low power" in section_of("slow-rank")
