@@ -177,8 +177,8 @@ WRONG_IN_THE_JOB = {
 
 @pytest.mark.parametrize("name", list(WRONG_IN_THE_JOB))
 def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
-    """The learner's answer enters the job (a file the script loads on every rank, or a setting's flag), and a
-    plausible wrong one fails the job's own checks there. For a case that resumes, the interrupted job runs with it
+    """The learner's answer enters the job (a file the script loads on every rank, or a setting's flag), on as many
+    ranks as the lab runs it (ch14.FIX_NPROC), and a plausible wrong one fails the job's own checks there. For a case that resumes, the interrupted job runs with it
     too. The resume's wrong answer holds every part a checkpoint can: loss_history, written back on the restart,
     erases the record of the step trained twice."""
     args, source, failing = WRONG_IN_THE_JOB[name]
@@ -189,7 +189,7 @@ def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
     if name == "resume-without-rng":
         extra = ("--checkpoint-holds", ",".join(ch14.CHECKPOINT_PARTS))
     result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
-                                  args_override=args, extra_args=extra)
+                                  args_override=args, extra_args=extra, nproc=ch14.FIX_NPROC.get(name))   # as the lab
     assert result.metrics is not None, result.tail()
     if isinstance(failing, str):   # a hang: the journal names it, and the script's timeout ended it
         assert result.metrics["extra"]["cause"] == failing, result.tail()

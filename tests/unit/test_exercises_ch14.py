@@ -332,7 +332,7 @@ def launched(monkeypatch, tmp_path):
     ``launched.calls`` records each launch as (case, fixed, args with the extra ones appended)."""
     state = SimpleNamespace(fixed=True, calls=[], also_failed=[])
 
-    def run(name, fixed=False, args=None, extra=()):
+    def run(name, fixed=False, args=None, extra=(), nproc=None):
         case = ch14._case(name)
         args = tuple(args if args is not None else (case.fixed_args if fixed else case.args)) + tuple(extra)
         state.calls.append((case.name, fixed, args))
@@ -521,3 +521,12 @@ def test_the_three_data_parallel_fixes_share_one_run_and_each_is_named_by_its_ch
     with pytest.raises(ExerciseWrong, match=r"rank_sampler\(\): one of the script's own checks"):
         ch14.check_fix_ranks_that_disagree(wrong_rank_sampler_own_seed, right_synchronises, right_epoch_indices)
     assert len(launched.calls) == 3
+
+
+def test_the_fixes_run_on_fewer_ranks_only_where_the_scripts_checks_hold_on_any_number():
+    """2 ranks where a script's checks do not depend on the world size; deadlocks.py (written for 4), the (2, 2)
+    mesh and the checkpoint's "written by 4 ranks" checks keep the case's 4."""
+    assert set(ch14.FIX_NPROC) <= set(NAMES) and set(ch14.FIX_NPROC.values()) == {2}
+    for name in ch14.FIX_NPROC:
+        assert broken_runs.case(name).script not in (broken_runs.DEADLOCKS, broken_runs.FSDP_TP_HYBRID,
+                                                     broken_runs.CHECKPOINT_RESUME), name
