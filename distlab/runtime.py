@@ -363,6 +363,32 @@ def add_lr_flag(p: CourseParser, small_model_lr: float = 3e-3) -> None:
                         f"where {small_model_lr:g} diverges)")
 
 
+def add_fix_flag(p: argparse.ArgumentParser, functions: str) -> None:
+    """``--fix-from FILE.py``: chapter 14's lab runs a learner's fix inside the job. The file defines some of
+    ``functions`` (their signatures, for the help); the script calls each it defines on every rank, in place of its
+    own code there (:func:`learner_fixes`)."""
+    p.add_argument("--fix-from", metavar="FILE.py", default=None,
+                   help=f"a file defining {functions}: each one it defines runs on every rank in place of the "
+                        "script's own code there (a learner's fix, judged by this run's checks)")
+
+
+def learner_fixes(path: str | None, names: tuple[str, ...]) -> dict:
+    """The functions among ``names`` that the file ``path`` defines ({} without a file). Call it before the first
+    collective: a file that is missing, does not run, or defines none of ``names`` is a :class:`ConfigError` (one
+    line, exit 2 on every rank), not a traceback on some ranks and a wait on the others."""
+    if path is None:
+        return {}
+    import runpy
+
+    try:
+        defined = runpy.run_path(str(path))
+    except Exception as error:   # the learner's file: any error it raises is bad input, said in one line
+        raise ConfigError(f"--fix-from {path}: {type(error).__name__}: {error}") from None
+    found = {name: defined[name] for name in names if callable(defined.get(name))}
+    require(bool(found), f"--fix-from {path} defines none of {', '.join(names)}")
+    return found
+
+
 def parser(description: str | None, *, presets: tuple[str, ...] | None = None, steps: int | None = 10,
            seed: int = 0) -> CourseParser:
     """The flags every script shares (``--device``, ``--seed``, ``--metrics-out``, ...); add your own after."""

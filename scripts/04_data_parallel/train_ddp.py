@@ -38,6 +38,10 @@ from ddp_from_scratch import (GRAD_TOLERANCE, LOSS_TOLERANCE, average_gradients,
 from distlab import comm, data, metrics, models, runtime
 
 
+# The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
+FIXES = ("rank_sampler", "epoch_indices", "synchronises")
+
+
 def check_config(args, world_size):
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
     runtime.require(args.accumulation >= 1, f"--accumulation {args.accumulation}: need at least 1 micro-step")
@@ -166,11 +170,16 @@ def main():
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
                         "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
                         "the last too (the gradients are never all-reduced)")
+    runtime.add_fix_flag(p, "rank_sampler(dataset, rank, world_size) (the training sampler), epoch_indices(sampler, "
+                            "epoch) (the indices the loader draws in an epoch), synchronises(micro_step, "
+                            "accumulation) (whether a micro-batch runs outside no_sync())")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        fixes = runtime.learner_fixes(args.fix_from, FIXES)   # chapter 14's lab: the learner's code, run below
+        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the code --planted-bug breaks")
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
@@ -189,8 +198,11 @@ def main():
         sampler_rank = rt.rank
         if args.planted_bug == "same-samples-every-rank":   # the mistake: every rank asks for rank 0's share, as a
             sampler_rank = 0                                 # loader with no sampler and one seed everywhere does
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
-                                     seed=args.seed)
+        if "rank_sampler" in fixes:
+            sampler = fixes["rank_sampler"](dataset, rt.rank, world)
+        else:
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
+                                         seed=args.seed)
         loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
         steps_per_epoch = args.samples // args.batch
         all_samplers = samplers_for(dataset, world, args)
@@ -240,10 +252,15 @@ def main():
                 tokens = next(batches, None)
                 if tokens is None:  # a new epoch: a new shuffle, the same on every rank
                     epoch += 1
-                    if args.planted_bug != "no-set-epoch":
-                        sampler.set_epoch(epoch)
-                    epoch_orders.append(list(sampler))   # what the loader is about to draw from
-                    batches = iter(loader)
+                    if "epoch_indices" in fixes:   # the learner's: the indices this rank draws in this epoch
+                        order = [int(i) for i in fixes["epoch_indices"](sampler, epoch)]
+                        epoch_orders.append(order)
+                        batches = iter(DataLoader(dataset, batch_size=micro_batch, sampler=order))
+                    else:
+                        if args.planted_bug != "no-set-epoch" and hasattr(sampler, "set_epoch"):
+                            sampler.set_epoch(epoch)
+                        epoch_orders.append(list(sampler))   # what the loader is about to draw from
+                        batches = iter(loader)
                     tokens = next(batches)
                 micro_batches.append(tokens)
 
@@ -254,6 +271,8 @@ def main():
             for i, tokens in enumerate(micro_batches):
                 inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                 last = i == accumulation - 1
+                if "synchronises" in fixes:   # the learner's: whether this micro-batch all-reduces
+                    last = bool(fixes["synchronises"](i, accumulation))
                 if args.planted_bug == "accumulation-never-syncs":   # the mistake: the last micro-batch under
                     last = False                                    # no_sync() too, so nothing is ever all-reduced
                 log.start_micro_step()

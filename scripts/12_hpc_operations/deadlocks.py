@@ -52,27 +52,50 @@ ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step"
          "count batches": 6, "gradient all-reduce": 7}
 
 
+# The functions of a learner's fix (--fix-from), each run on every rank in place of the code of one scenario.
+FIXES = {"agreed_batches": "uneven-inputs", "sync": "mismatched-collectives"}
+
+
+class Collectives:
+    """What a learner's ``sync(rank, tensor, collectives)`` calls: the script's own journaled collectives."""
+
+    def __init__(self, collective):
+        self._collective = collective
+
+    def all_reduce(self, tensor):
+        self._collective("sync weights", "all_reduce")
+
+    def broadcast(self, tensor, src=0):
+        self._collective("sync weights", "broadcast", src=src)
+
+
 def check_config(args, world_size):
     runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
                                      "with torchrun --standalone --nproc_per_node=4")
     runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
     runtime.require(not args.stop_at_fewest_batches or args.hang == "uneven-inputs",
                     f"--stop-at-fewest-batches is uneven-inputs' fix; it changes nothing under --hang {args.hang}")
+    fixes = runtime.learner_fixes(args.fix_from, tuple(FIXES))
+    for name in fixes:
+        runtime.require(args.hang == FIXES[name], f"--fix-from: {name}() replaces code of --hang {FIXES[name]} "
+                                                  f"only, not of --hang {args.hang}")
+    runtime.require(not (fixes and args.stop_at_fewest_batches), "--fix-from replaces --stop-at-fewest-batches")
 
 
-def program(args, rt, journal, pairs):
-    """One step of a training program, with the bug that --hang plants (none: the correct program)."""
-    rank, bug = rt.rank, args.hang
+def program(args, rt, journal, pairs, fixes=None):
+    """One step of a training program, with the bug that --hang plants (none: the correct program); ``fixes``: a
+    learner's functions (FIXES), each run in place of its scenario's code."""
+    rank, bug, fixes = rt.rank, args.hang, fixes or {}
     world = list(range(rt.world_size))
     t = torch.ones(4, device=rt.device)
 
     wait = datetime.timedelta(seconds=rt.pg_timeout_s)
 
-    def collective(label, op, group=None, members=world, name="world"):
+    def collective(label, op, group=None, members=world, name="world", src=None):
         # async_op and wait: the journal marks a call done when its work is, not when NCCL has queued it
         with journal.call(label, op, name, members, order=ORDER[label]):
             if op == "broadcast":
-                work = dist.broadcast(t, src=members[0], group=group, async_op=True)
+                work = dist.broadcast(t, src=members[0] if src is None else src, group=group, async_op=True)
             elif op == "barrier":
                 work = dist.barrier(group=group, async_op=True)
             else:
@@ -91,12 +114,22 @@ def program(args, rt, journal, pairs):
         if args.stop_at_fewest_batches:   # the fix: agree on the shortest shard, every rank trains that many
             with journal.call("count batches", "all_reduce", order=ORDER["count batches"]):
                 dist.all_reduce(batches, op=dist.ReduceOp.MIN, async_op=True).wait(wait)
+        elif "agreed_batches" in fixes:   # a learner's fix: every rank's count, then the learner's agreement
+            counts = [torch.empty_like(batches) for _ in world]
+            with journal.call("count batches", "all_gather", order=ORDER["count batches"]):
+                dist.all_gather(counts, batches, async_op=True).wait(wait)
+            batches.fill_(int(fixes["agreed_batches"]([int(c.item()) for c in counts])))
         for i in range(int(batches.item())):
+            if i == len(shard):   # out of data: the loop ends here, as a DataLoader's does
+                break
             t.fill_(shard[i])   # stands for batch i's gradient (a rank never trains a batch it does not have)
             collective("gradient all-reduce", "all_reduce")
         return
-    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
-    collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
+    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched; a learner's sync() decides)
+    if "sync" in fixes:
+        fixes["sync"](rank, t, Collectives(collective))
+    else:
+        collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
     # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
     pair_index = rank // 2
     if bug == "wrong-group" and pair_index == 1:
@@ -131,6 +164,9 @@ def main():
     p.add_argument("--batches", type=runtime.positive_int, default=3, help="batches in a rank's shard (uneven-inputs)")
     p.add_argument("--stop-at-fewest-batches", action="store_true",
                    help="uneven-inputs' fix: the ranks all-reduce (MIN) their batch counts first and all train that many")
+    runtime.add_fix_flag(p, "agreed_batches(batch_counts) (uneven-inputs: how many batches every rank trains, "
+                            "from every rank's count), sync(rank, tensor, collectives) (mismatched-collectives: the "
+                            "step's first synchronisation, calling collectives.all_reduce(t) or .broadcast(t, src))")
     p.add_argument("--trace-dir", default=None,
                    help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
                         "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
@@ -172,7 +208,7 @@ def main():
         started = time.perf_counter()
         error = None
         try:
-            program(args, rt, journal, pairs)
+            program(args, rt, journal, pairs, runtime.learner_fixes(args.fix_from, tuple(FIXES)))
             journal.finish("finished")
         except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -209,7 +245,8 @@ def main():
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
-        expected = "none" if args.stop_at_fewest_batches and args.hang == "uneven-inputs" else EXPECTED_CAUSE[args.hang]
+        fixed = args.fix_from or (args.stop_at_fewest_batches and args.hang == "uneven-inputs")
+        expected = "none" if fixed else EXPECTED_CAUSE[args.hang]
         report.check("the diagnosis names the planted cause", finding["cause"] == expected, finding["cause"], expected)
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
                         "error": error, "journals": journals, "flight_recorder": recorded}
