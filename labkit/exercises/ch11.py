@@ -66,13 +66,13 @@ def costs(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE
     """The seconds a layout, at the settings the search gives it, spends on each cost a layout can pay beyond the
     model's own compute: recomputation, exposed communication, the pipeline's bubble."""
     from distlab import planner
-    from distlab.planner.step_time import stage_flops
+    from distlab.planner.step_time import compute_rate, stage_flops
 
     spec, machine = planner.MODELS[model], planner.CLUSTERS[cluster]
     plan = planner.tune(spec, machine, layout, planner.Options(), gpus)
     options = replace(planner.Options(), activation_checkpointing=plan.settings["checkpointing"])
     flops = stage_flops(spec, layout, plan.worst_stage, options)
-    rate = machine.peak_flops * machine.compute_efficiency
+    rate = compute_rate(spec, machine, layout, options)   # the rate the planner's step time uses (GEMM shapes)
     return {"recomputation": flops["recompute"] / rate,
             "communication": sum(plan.exposed_seconds.values()),
             "bubble": plan.bubble.get("seconds", 0.0)}

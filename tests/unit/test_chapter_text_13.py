@@ -74,7 +74,7 @@ def test_the_mixtral_dispatch_costs_what_the_text_says():
     compute = 6 * model.active_params() * tokens / (cluster.peak_flops * cluster.compute_efficiency)
     assert (f"6 x {model.active_params() / 1e9:.1f} B active parameters x 4,096 tokens / "
             f"({cluster.compute_efficiency:.2f} x {cluster.peak_flops / 1e12:.0f} TFLOP/s), takes {compute:.2f} s") in TEXT
-    assert f"takes {compute:.2f} s on an H100, at the planner's {cluster.compute_efficiency:.0%}" in TEXT
+    assert f"takes {compute:.2f} s on an H100, at {cluster.compute_efficiency:.0%} of its bf16 peak. That {cluster.compute_efficiency:.0%} is the planner's one-number" in TEXT
     nvlink, network = step / cluster.intra_node_bytes_per_s, step / cluster.inter_node_bytes_per_s
     assert f"NVLink at the planner's {cluster.intra_node_bytes_per_s / 1e9:.0f} GB/s a GPU moves {step / 1e9:.1f} GB in {nvlink:.3f} s, {nvlink / compute:.0%} of that compute" in TEXT
     assert f"at {cluster.inter_node_bytes_per_s / 1e9:.0f} GB/s a GPU would need {network:.2f} s, " \
