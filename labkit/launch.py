@@ -76,6 +76,11 @@ class LaunchResult:
         return "\n".join(self.lines[-n:])
 
 
+# An interpreter for torchrun's agent and ranks in place of this one: make test names a wrapper that forks each
+# from its fork server (labkit/forkexec.py, tests/helpers.py), torch imported once, not five times a launch.
+RANK_PYTHON_ENV = "DISTLAB_RANK_PYTHON"
+
+
 def torchrun_command(script: str, nproc: int, args=()) -> list[str]:
     """The command a person would type (shown before every launch, so a learner can copy it)."""
     return ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
@@ -141,8 +146,13 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
             metrics_path = cwd / metrics_path
 
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(script), *args]
+        python = os.environ.get(RANK_PYTHON_ENV)
+        if python:   # make test: the agent and its ranks forked from the fork server (labkit.forkexec)
+            command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       "--no-python", python, "-u", str(script), *args]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       str(script), *args]
     else:
         command = [sys.executable, "-m", "labkit.forkrun", f"--nproc={nproc}", str(script), *args]
 

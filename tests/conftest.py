@@ -25,3 +25,9 @@ def pytest_configure(config):
 
     if os.environ.get(forkserver.ENABLE_ENV) == "1" and not os.environ.get(forkserver.SOCKET_ENV):
         forkserver.start_server()
+        # and torchrun's agents and ranks fork from it too (labkit.forkexec), except where a test asks for the
+        # real interpreter (tests/scripts/test_launch.py keeps one job that way)
+        from helpers import scheduler_python
+        from labkit import launch
+
+        os.environ[launch.RANK_PYTHON_ENV] = scheduler_python()

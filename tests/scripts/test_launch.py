@@ -11,7 +11,10 @@ PROBE = str(Path(__file__).with_name("probe_job.py"))
 
 
 @pytest.mark.parametrize("launcher", ["fork", "torchrun"])
-def test_both_launchers_give_the_same_job(launcher):
+def test_both_launchers_give_the_same_job(launcher, monkeypatch):
+    # torchrun exactly as a person types it: its agent and ranks new interpreters (make test's other torchrun
+    # launches fork them from its server: launch.RANK_PYTHON_ENV)
+    monkeypatch.delenv(launch.RANK_PYTHON_ENV, raising=False)
     result = launch.run(PROBE, nproc=4, launcher=launcher, stream=False)
     metrics = assert_all_checks_passed(result)
     assert metrics["world_size"] == 4
