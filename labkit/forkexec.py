@@ -7,8 +7,14 @@ the jobs' ``DISTLAB_PYTHON`` (tests/conftest.py writes a two-line wrapper), this
 heavy, asks the server that ``make test`` already runs (:mod:`labkit.forkserver`) to fork the program with this
 process's arguments, working directory, environment, CPU affinity, umask and standard input, output and error, and
 then stands in for it: the signals it gets (TERM from srun or torchrun, USR1 from a walltime warning, INT) are passed
-to the program, and it exits as the program did (the same exit code, or killed by the same signal). If this process
-dies (SIGKILL after a job's KillWait), the program's connection closes and it kills itself: nothing outlives its task.
+to the program, and it exits as the program did (the same exit code, or killed by the same signal: the server's
+child that forked the program waits for it and reports which). If this client dies (SIGKILL after a job's
+KillWait), that child kills the program.
+
+What it cannot give: the program is not in the client's process tree, so a scheduler that kills a task's whole tree
+(Slurm's proctrack, a cgroup) reaches the client, and through it the program, but not the program's own children
+(a torchrun agent's workers). The tiers' jobs that test killing (the walltime, time-limit and requeue jobs) start
+their ranks with the real interpreter.
 
 Whatever it does not serve, it hands to the real interpreter unchanged (``os.execv``): any other interpreter option,
 a program on standard input, no server (``DISTLAB_FORK_SERVER_SOCKET`` unset or gone). What differs from a fresh
@@ -74,10 +80,8 @@ def main(argv: list[str]) -> None:
     # (a program can print, and be signalled by whoever reads it, before this client has read that pid).
     program_pid = [0]
     pending: list[int] = []
-    last_signal = [signal.SIGKILL]
 
     def forward(number, _frame):
-        last_signal[0] = number
         if not program_pid[0]:
             pending.append(number)
             return
@@ -107,12 +111,13 @@ def main(argv: list[str]) -> None:
     program_pid[0] = int(line() or 0)
     for number in pending:
         forward(number, None)
-    code = line()
+    how, _, value = line().partition(" ")
     sys.stdout.flush()
-    if code.strip():
-        os._exit(int(code))
-    # no exit code: the program was killed by a signal; end the same way, so the caller sees what it would have
-    number = last_signal[0]
+    if how == "exit":
+        os._exit(int(value))
+    # killed by a signal: end the same way, so the caller sees what it would have (no report at all: the server
+    # went, and with it the program's parent: say SIGKILL)
+    number = int(value) if how == "signal" else signal.SIGKILL
     if number != signal.SIGKILL:   # SIGKILL's disposition cannot be set (and needs no resetting)
         signal.signal(number, signal.SIG_DFL)
     os.kill(os.getpid(), number)
@@ -125,31 +130,52 @@ def main(argv: list[str]) -> None:
 
 
 def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> None:
-    """Become the program of the request, report its exit code, leave. Never returns."""
+    """In the fork server's child: fork the program of the request, and report how it ended. Never returns.
+
+    This child stays between the server and the program as its parent, so that it can wait for it: it tells the
+    client the program's pid, reports its exit code or the signal that killed it, and kills it if the client goes
+    (closes the connection) first."""
+    import select
+
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # the server ignores SIGCHLD: this child must wait
+        program = os.fork()
+        if program == 0:
+            connection.close()
+            _run(request, fds)                           # never returns
+        for fd in fds:
+            os.close(fd)
+        connection.sendall(f"{program}\n".encode())
+        while True:
+            done, status = os.waitpid(program, os.WNOHANG)
+            if done:
+                break
+            readable, _, _ = select.select([connection], [], [], 0.05)
+            if readable and not connection.recv(64):    # the client is gone (killed): the program goes too
+                os.kill(program, signal.SIGKILL)
+                os.waitpid(program, 0)
+                os._exit(0)
+        if os.WIFSIGNALED(status):
+            connection.sendall(f"signal {os.WTERMSIG(status)}\n".encode())
+        else:
+            connection.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+    finally:
+        os._exit(0)
+
+
+def _run(request: dict, fds: list[int]) -> None:
+    """Become the program: its streams, folder, environment, umask and CPUs; run it as the interpreter would."""
     import atexit
     import runpy
-    import threading
     import traceback
 
     code = 1
     try:
-        os.setsid()
-        for number in (*FORWARDED, signal.SIGCHLD):    # the server ignores SIGCHLD; a program waits for its children
+        for number in FORWARDED:
             signal.signal(number, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)   # as the interpreter sets them at start
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        connection.sendall(f"{os.getpid()}\n".encode())
-        real_exit = os._exit
-
-        def report_and_exit(status: int) -> None:   # every way out reports the code: a program (or its atexit
-            try:                                      # handler: distlab.runtime's) may call os._exit itself
-                sys.stdout.flush()
-                sys.stderr.flush()
-                connection.sendall(f"{status}\n".encode())
-            finally:
-                real_exit(status)
-
-        os._exit = report_and_exit
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -158,16 +184,6 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
         os.environ.update(request["env"])
         os.umask(request["umask"])
         os.sched_setaffinity(0, request["affinity"])
-
-        def die_with_the_client():   # the client killed (no chance to pass a signal on): go too
-            try:
-                while connection.recv(64):
-                    pass
-            except OSError:
-                pass
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=die_with_the_client, daemon=True).start()
         program = request["program"]
         target = program["target"]
         try:
@@ -196,7 +212,9 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
         atexit._run_exitfuncs()   # what the interpreter runs on its way out (a script's atexit handlers)
     except BaseException:  # noqa: BLE001 - whatever happened, the client gets an exit code
         traceback.print_exc()
-    os._exit(code)   # report_and_exit: the client gets the code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def test_signals_reach_the_program_and_it_ends_as_it_would(env):
     assert process.wait(10) == 7
     killed = run(env, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert killed.returncode == -signal.SIGKILL
+    aborted = run(env, "-c", "import os; os.abort()")    # a crash: the signal that ended it, not a guess
+    assert aborted.returncode == -signal.SIGABRT
 
 
 def test_a_program_does_not_outlive_its_client(env):
