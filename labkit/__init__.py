@@ -3,6 +3,7 @@
 launch           run a script on N ranks from a notebook or a test, stream its output, return its metrics
 forkrun          torchrun's job started by fork on CPU: imports once, seconds instead of tens (launch's fast path)
 forkserver       a server that imported torch once and forks a forkrun per launch (make test, lab 14's many launches)
+forkexec         a scheduler's rank (srun, mpiexec, torchrun) forked from that server: make test's Slurm and PBS tiers
 widgets          ipywidgets explorers over pure, tested functions (02, 07)
 planner_widgets  the planner's bars, tables and explorer (11)
 mesh_view        a rank grid drawn on nodes x GPUs, each group coloured (09)

@@ -60,7 +60,7 @@ def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path):
     # yet, and the notebook runs on to its last cell (a learner who answers exercise 2 first sees its check)
     copy_path = REPO / "notebooks" / "student" / path.name
     nb = nbformat.read(copy_path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, startup_timeout=180, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(copy_path.parent)}})
     client.execute()
     failures = []
@@ -86,7 +86,7 @@ def test_in_a_notebook_an_unwritten_exercise_runs_on_and_a_wrong_one_stops():
         nbformat.v4.new_code_cell("print('after the wrong answer')"),
     ])
     with pytest.raises(Exception) as stopped:  # Run All stops at the wrong answer, as the full notebooks do
-        NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+        NotebookClient(nb, timeout=60, startup_timeout=180, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     assert "ExerciseWrong" in str(stopped.value)
     shown = "".join(o.get("text", "") for o in nb.cells[0].outputs)
     assert shown.startswith("Not written yet: `x` is not written yet.")

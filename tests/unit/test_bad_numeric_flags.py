@@ -49,8 +49,16 @@ def script_parser(path: Path) -> argparse.ArgumentParser:
 
 
 def numeric_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags whose type turns "1" into a number (a list of names, a path or a choice is not one)."""
     return [a for a in parser._actions if a.option_strings and a.type is not None and a.type is not str
-            and not isinstance(a.type, argparse.FileType)]
+            and not isinstance(a.type, argparse.FileType) and _makes_a_number(a.type)]
+
+
+def _makes_a_number(kind) -> bool:
+    try:
+        return isinstance(kind("1"), (int, float))
+    except (argparse.ArgumentTypeError, TypeError, ValueError):
+        return False
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[int | None, str]:
