@@ -86,7 +86,8 @@ def test_in_a_notebook_an_unwritten_exercise_runs_on_and_a_wrong_one_stops():
         nbformat.v4.new_code_cell("print('after the wrong answer')"),
     ])
     with pytest.raises(Exception) as stopped:  # Run All stops at the wrong answer, as the full notebooks do
-        NotebookClient(nb, timeout=60, startup_timeout=180, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+        NotebookClient(nb, timeout=60, startup_timeout=180, kernel_name="python3",
+                       resources={"metadata": {"path": str(REPO)}}).execute()
     assert "ExerciseWrong" in str(stopped.value)
     shown = "".join(o.get("text", "") for o in nb.cells[0].outputs)
     assert shown.startswith("Not written yet: `x` is not written yet.")
