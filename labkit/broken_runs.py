@@ -229,6 +229,23 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "AdamW(model.parameters()).",
         fix_kind="function",
         failing_checks=("optimizer bytes on this rank = ZeRO-3 table", "loss = single-device loss")),
+    BrokenRun(
+        name="full-state-on-rank-0", family="FSDP", script=DEADLOCKS,
+        args=("--hang", "full-state-on-rank-0", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "full-state-on-rank-0", "--gather-on-every-rank", *HANG_TIMEOUT,
+                    "--trace-dir", "{run_dir}"),
+        symptom="Training ends, but the job does not: three ranks have finished, and rank 0 waits in an all-gather "
+                "while saving the model until the process group's timeout (2 s).",
+        evidence=("extra.journals", "extra.flight_recorder"),
+        cause="get_model_state_dict(full_state_dict=True) ran under `if rank == 0:`: it all-gathers every sharded "
+              "weight (torch/distributed/_state_dict_utils.py:275-279), a collective the other ranks never call.",
+        tell_apart="The journal: rank 0 alone waits, in an all-gather after the last step, and every other rank "
+                   "has finished (uneven-inputs is the reverse: one rank finished, the rest wait in an all-reduce).",
+        look_alikes=("uneven-inputs", "mismatched-collectives", "a network failure"),
+        fix="Gather on every rank and save from rank 0: get_model_state_dict(model, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True)) keeps the result on rank 0 alone; or save shards with "
+            "torch.distributed.checkpoint.",
+        fix_kind="function", hang_cause="skipped collective"),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,
@@ -346,6 +363,24 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         wrong_fixes=((("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank", "--bucket-mb", "25"),
                       "the time in communication is waiting for the late rank: other buckets do not shorten it"),),
         failing_checks=("no straggler",)),
+    BrokenRun(
+        name="rank-0-evaluation", family="operations", script=DEADLOCKS,
+        args=("--hang", "rank-0-evaluation", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "rank-0-evaluation", "--evaluate-on-every-rank", *HANG_TIMEOUT,
+                    "--trace-dir", "{run_dir}"),
+        symptom="The job stops between two steps: ranks 1 to 3 give up in the next all-reduce after the process "
+                "group's timeout (2 s); rank 0 reaches that all-reduce later, and fails in it too.",
+        evidence=("extra.journals", "extra.flight_recorder"),
+        cause="Rank 0 evaluates the model alone between two steps (`if rank == 0: evaluate()`) for 1.5 times the "
+              "timeout while the others wait in the next step's all-reduce: a straggler that outlasts the timeout "
+              "becomes a hang.",
+        tell_apart="The journal: every rank ends in the same collective (none skipped or mismatched), and the last "
+                   "to arrive was busy alone just before, longer than the timeout (a slow rank's peers wait less "
+                   "and the steps complete).",
+        look_alikes=("slow-rank", "uneven-inputs", "a network failure"),
+        fix="Share the evaluation: each rank evaluates its part of the validation set and the sums are "
+            "all-reduced; raising the timeout only waits longer, and a longer evaluation breaks it again.",
+        fix_kind="function", hang_cause="late rank"),
 )
 
 

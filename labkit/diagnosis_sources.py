@@ -225,6 +225,33 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "training. If there are many nodes in a cluster, it is difficult to detect which node is the "
                   "straggler."},
     ],
+    # ---- later cases
+    "full-state-on-rank-0": [
+        {"url": "https://github.com/pytorch/pytorch/issues/122903",
+         "title": "Unable to save FSDP sharded model with FullStateDictConfig(offload_to_cpu=True, rank0_only=True) "
+                  "(pytorch/pytorch #122903)",
+         "quote": "When attempting to save an FSDP wrapped model using the `with FSDP.state_dict_type` context "
+                  "manager, the process hangs when running the `fsdp_model.state_dict` function on rank 0."},
+        {"url": "https://github.com/pytorch/pytorch/issues/73383",
+         "title": "[FSDP] full_state_dict only on rank 0 (pytorch/pytorch #73383)",
+         "quote": "All ranks will still need to call all collectives, otherwise this will result in desync."},
+    ],
+    "rank-0-evaluation": [
+        {"url": "https://github.com/huggingface/accelerate/issues/223",
+         "title": "Multi-GPU Training+Single-GPU Eval runs into time out (huggingface/accelerate #223)",
+         "quote": "we run into a timeout when we evaluate for more than 30 minutes on a single GPU. Is there a way to "
+                  "tell the other GPU to wait until the main GPU completes the evaluation?"},
+        {"url": "https://github.com/cfzd/Ultra-Fast-Lane-Detection-v2/issues/119",
+         "title": "DDP训练，一直卡在Evaluating the results...不动，然后Watchdog caught collective operation timeout "
+                  "(cfzd/Ultra-Fast-Lane-Detection-v2 #119)",
+         "quote": "Evaluating the results...\n[E ProcessGroupNCCL.cpp:821] [Rank 3] Watchdog caught collective "
+                  "operation timeout: WorkNCCL(SeqNum=4178, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1803391 "
+                  "milliseconds before timing out."},
+        {"url": "https://assaf-pinhasi.medium.com/great-writeup-thanks-for-sharing-5e2d99e0b5d9",
+         "title": "Great writeup, thanks for sharing (a reader's reply on Medium)",
+         "quote": "When your \"main\" worker is busy doing stuff like running the validation or writing checkpoints, "
+                  "for example at the end of the nth epoch, the other workers already start the next epoch."},
+    ],
 }
 
 

@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 15``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 17``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -55,12 +55,15 @@ _TOKENS = {
     "run 13": "e7572dc9d519b3e4",
     "run 14": "f1f28a0108253ac8",
     "run 15": "8390c774cbfb6e23",
+    "run 16": "1dd839f17ef9fac0",
+    "run 17": "d8c3617ca71fb45c",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "stops or prints nonsense": ("run 5", "run 6"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
-         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15")}
+         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
+         "two more jobs that stop": ("run 16", "run 17")}
 
 
 def _token(name: str) -> str:
@@ -120,6 +123,8 @@ CAUSES = {
     "mismatched-collectives": "ranks that call different collectives at the same point of the program",
     "resume-without-rng": "a resume without the random number generators and the data position",
     "slow-rank": "one rank slower than the others every step",
+    "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
+    "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -286,7 +291,8 @@ RENAMED_CHECKS = {
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
-                 "data_shard_from", "wrappers_from")   # the flags that load a learner's fix name what it fixes
+                 "data_shard_from", "wrappers_from",   # the flags that load a learner's fix name what it fixes
+                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds")
 
 
 def shown_check_name(name: str) -> str | None:
@@ -747,3 +753,59 @@ def check_fix_straggler(straggler, ranks: list[dict]) -> None:
         raise ExerciseWrong(f"{which}: rank {got}, expected rank {want}.")
     _judged_by_hand("slow-rank", why="without what slowed that rank, no straggler: every rank reaches the "
                                       "all-reduce together, and the run equals one device.")
+
+
+# ---- the fixes of the later cases ------------------------------------------------------------------------------
+
+@learner_check
+def check_fix_full_state_save(save_model) -> None:
+    """``save_model(rank, gather_full_state, save)``: the end of an FSDP2 run, called on every rank.
+    ``gather_full_state()`` stands for get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    cpu_offload=True)): it returns the whole model on rank 0 and an empty dict elsewhere; ``save(state)`` writes a
+    file. Each rank's calls are recorded as the job's journal would record them."""
+    world = 4
+    gathered, saved = {}, {}
+    for rank in range(world):
+        def gather_full_state(rank=rank):
+            gathered[rank] = gathered.get(rank, 0) + 1
+            return {"weight": "whole"} if rank == 0 else {}
+
+        def save(state, rank=rank):
+            saved.setdefault(rank, []).append(state)
+
+        call_learner("save_model", save_model, rank, gather_full_state, save)
+    never = [rank for rank in range(world) if not gathered.get(rank)]
+    if never:
+        raise ExerciseWrong(f"ranks {never} never took part in gather_full_state(), which is a collective on "
+                            f"{world} ranks: the ranks that called it would wait there until the timeout.")
+    if any(count != 1 for count in gathered.values()):
+        raise ExerciseWrong(f"calls of gather_full_state() per rank: {gathered}: every rank must make the same "
+                            "collectives, the same number of times, or some wait for a call that never comes.")
+    if sorted(saved) != [0] or saved[0] != [{"weight": "whole"}]:
+        raise ExerciseWrong(f"files written per rank: { {r: len(s) for r, s in saved.items()} }, holding "
+                            f"{[s for states in saved.values() for s in states]}: one file, the whole model, "
+                            "written once.")
+    _judged_by_hand("full-state-on-rank-0", why="every rank joins the gather and one rank writes the file, so no "
+                                                 "rank waits for a peer that has left.")
+
+
+@learner_check
+def check_fix_evaluation(evaluation_share) -> None:
+    """``evaluation_share(batches, rank, world_size)``: the validation batches ``rank`` evaluates (a list of the
+    batch numbers in ``range(batches)``); the ranks then all-reduce their sums. The evaluation's time on a rank is
+    its number of batches."""
+    for batches, world in ((12, 4), (10, 4), (3, 4), (16, 8)):
+        shares = [call_learner("evaluation_share", evaluation_share, batches, rank, world) for rank in range(world)]
+        shares = [sorted(share) for share in shares]
+        every = sorted(b for share in shares for b in share)
+        if every != list(range(batches)):
+            raise ExerciseWrong(f"{batches} batches on {world} ranks: the shares hold {len(every)} batches, "
+                                f"{len(set(every))} of them different: the all-reduced sums would count a batch "
+                                "twice or miss one.")
+        longest = max(len(share) for share in shares)
+        if longest > -(-batches // world):
+            raise ExerciseWrong(f"{batches} batches on {world} ranks: one rank evaluates {longest} while another "
+                                f"evaluates {min(len(share) for share in shares)}: the others wait for it in the "
+                                "next all-reduce, and a large validation set makes that wait outlast the timeout.")
+    _judged_by_hand("rank-0-evaluation", why="each rank evaluates its part, so no rank keeps the others waiting "
+                                              "longer than its share.")

@@ -9,6 +9,12 @@
     --hang uneven-inputs           data parallelism over shards of unequal length: the last rank runs out of batches
                                    first and leaves while the others wait in the next gradient all-reduce
                                    (--stop-at-fewest-batches: the ranks agree first on the shortest shard, the fix)
+    --hang full-state-on-rank-0    after training, `if rank == 0:` gathers the FSDP2 model's full state dict to save
+                                   it; the gather is a collective (an all-gather per weight) that no other rank joins
+                                   (--gather-on-every-rank: every rank gathers, rank 0 alone saves, the fix)
+    --hang rank-0-evaluation       rank 0 evaluates the model alone for longer than the process group's timeout while
+                                   the others wait in the next step's all-reduce (--evaluate-on-every-rank: each rank
+                                   evaluates its share and the sums are all-reduced, the fix)
     --hang none                    the same program, correct: it finishes
 
 Each rank records every call it makes (what, on which group, to or from whom) in the job's key-value store,
@@ -46,18 +52,26 @@ from distlab import hangs, metrics, runtime
 
 EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-barrier": "skipped collective",
                   "wrong-group": "wrong group", "few-microbatches": "too few messages",
-                  "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "none": "none"}
+                  "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "full-state-on-rank-0": "skipped collective",
+                  "rank-0-evaluation": "late rank", "none": "none"}
 # the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
 ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5,
-         "count batches": 6, "gradient all-reduce": 7}
+         "count batches": 6, "gradient all-reduce": 7, "save full state": 8, "evaluate": 9, "evaluation sums": 10,
+         "next step": 11}
+# each hang's fix, a flag that is meaningless under any other hang
+FIXES = {"stop_at_fewest_batches": "uneven-inputs", "gather_on_every_rank": "full-state-on-rank-0",
+         "evaluate_on_every_rank": "rank-0-evaluation"}
 
 
 def check_config(args, world_size):
     runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
                                      "with torchrun --standalone --nproc_per_node=4")
     runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
-    runtime.require(not args.stop_at_fewest_batches or args.hang == "uneven-inputs",
-                    f"--stop-at-fewest-batches is uneven-inputs' fix; it changes nothing under --hang {args.hang}")
+    for flag, hang in FIXES.items():
+        runtime.require(not getattr(args, flag) or args.hang == hang,
+                        f"--{flag.replace('_', '-')} is {hang}'s fix; it changes nothing under --hang {args.hang}")
+    runtime.require(args.eval_seconds is None or args.eval_seconds > 0,
+                    f"--eval-seconds must be positive, not {args.eval_seconds}")
 
 
 def program(args, rt, journal, pairs):
@@ -83,6 +97,10 @@ def program(args, rt, journal, pairs):
         with journal.call("microbatch", op, peer=peer, order=ORDER["microbatch"]):
             (dist.isend if op == "send" else dist.irecv)(tensor, peer).wait(wait)
 
+    if bug == "full-state-on-rank-0":
+        return save_full_state(args, rt, journal, collective)
+    if bug == "rank-0-evaluation":
+        return evaluate(args, rt, journal, collective)
     if bug == "uneven-inputs":
         # an epoch of data parallelism, one gradient all-reduce a batch, each rank over its own shard; the shards
         # are unequal (a dataset split by hand, not by DistributedSampler): the last rank's is one batch short
@@ -123,6 +141,53 @@ def program(args, rt, journal, pairs):
         collective("barrier before logging", "barrier")
 
 
+def save_full_state(args, rt, journal, collective):
+    """The end of an FSDP2 run: save the whole model from rank 0. get_model_state_dict(full_state_dict=True)
+    all-gathers every sharded weight (a collective), so every rank must call it; the bug calls it under
+    `if rank == 0:`. Returns the shapes rank 0 saved (the fix's evidence: whole weights, not shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)).to(rt.device)
+    whole = {name: list(p.shape) for name, p in model.named_parameters()}
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    collective("end of step", "all_reduce")   # the last training step's gradient all-reduce, all ranks
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)   # rank 0 keeps the result
+    saved = None
+    if args.gather_on_every_rank or rt.rank == 0:
+        with journal.call("save full state", "all_gather", order=ORDER["save full state"]):
+            state = get_model_state_dict(model, options=options)
+        if rt.rank == 0:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            torch.save(state, os.path.join(args.trace_dir, "full_model.pt"))
+            saved = {name: list(t.shape) for name, t in state.items()}
+    return {"whole_shapes": whole, "saved_shapes": saved}
+
+
+def evaluate(args, rt, journal, collective):
+    """Between two steps, the model is evaluated on a validation set that takes --eval-seconds of compute on one
+    rank. The bug evaluates on rank 0 alone while the others go on to the next step's all-reduce; the fix gives
+    each rank its share and all-reduces the sums."""
+    collective("end of step", "all_reduce")
+    whole = args.eval_seconds if args.eval_seconds is not None else 1.5 * rt.pg_timeout_s
+    share = whole / rt.world_size if args.evaluate_on_every_rank else whole
+    if args.evaluate_on_every_rank or rt.rank == 0:
+        with journal.call("evaluate", "compute", group=f"rank {rt.rank}", members=[rt.rank], order=ORDER["evaluate"]):
+            a = torch.randn(64, 64, device=rt.device)
+            end = time.perf_counter() + share   # real work for that long (a forward pass over the batches)
+            while time.perf_counter() < end:
+                a = torch.tanh(a @ a)
+        if args.evaluate_on_every_rank:
+            collective("evaluation sums", "all_reduce")
+    collective("next step", "all_reduce")
+    return {"evaluation_seconds": share}
+
+
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
@@ -131,6 +196,13 @@ def main():
     p.add_argument("--batches", type=runtime.positive_int, default=3, help="batches in a rank's shard (uneven-inputs)")
     p.add_argument("--stop-at-fewest-batches", action="store_true",
                    help="uneven-inputs' fix: the ranks all-reduce (MIN) their batch counts first and all train that many")
+    p.add_argument("--gather-on-every-rank", action="store_true",
+                   help="full-state-on-rank-0's fix: every rank gathers the full state dict, rank 0 alone saves it")
+    p.add_argument("--evaluate-on-every-rank", action="store_true",
+                   help="rank-0-evaluation's fix: each rank evaluates its share, then the sums are all-reduced")
+    p.add_argument("--eval-seconds", type=float, default=None,
+                   help="compute time of the whole evaluation on one rank (rank-0-evaluation; default 1.5 x "
+                        "--pg-timeout: longer than the timeout on one rank, a quarter of it each on four)")
     p.add_argument("--trace-dir", default=None,
                    help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
                         "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
@@ -170,9 +242,9 @@ def main():
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
         rt.print(f"planting: {args.hang}; process-group timeout {rt.pg_timeout_s:g} s")
         started = time.perf_counter()
-        error = None
+        error, outcome = None, None
         try:
-            program(args, rt, journal, pairs)
+            outcome = program(args, rt, journal, pairs)
             journal.finish("finished")
         except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -209,10 +281,16 @@ def main():
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
-        expected = "none" if args.stop_at_fewest_batches and args.hang == "uneven-inputs" else EXPECTED_CAUSE[args.hang]
+        fixed = any(getattr(args, flag) for flag in FIXES)
+        expected = "none" if fixed else EXPECTED_CAUSE[args.hang]
         report.check("the diagnosis names the planted cause", finding["cause"] == expected, finding["cause"], expected)
+        if args.hang == "full-state-on-rank-0" and rt.rank == 0 and outcome and outcome["saved_shapes"]:
+            report.check("rank 0 saved every weight whole (the full state, not its shard)",
+                         outcome["saved_shapes"] == outcome["whole_shapes"], outcome["saved_shapes"],
+                         outcome["whole_shapes"])
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
-                        "error": error, "journals": journals, "flight_recorder": recorded}
+                        "error": error, "journals": journals, "flight_recorder": recorded,
+                        **({"outcome": outcome} if outcome else {})}
         code = report.finish(args.metrics_out)
 
         # The group may be broken (a timed-out gloo group cannot be used again), so no closing barrier: rank 0

@@ -99,6 +99,8 @@ CAUSE_WORDS = {
     "mismatched-collectives": ("mismatched", "different collectives"),
     "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
+    "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
+    "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
 }
 
 
@@ -249,12 +251,34 @@ def _slow_rank(metrics, result):
     assert kinds[1]["communication"] + 0.3 < min(kinds[r]["communication"] for r in (0, 2, 3)), kinds
 
 
+def _full_state_on_rank_0(metrics, result):
+    """Rank 0 alone waits, in an all-gather after the last step; the three others have finished."""
+    journals = {int(r): j for r, j in metrics["extra"]["journals"].items()}
+    assert {r: j["state"] for r, j in journals.items()} == {0: "timed out", 1: "finished", 2: "finished",
+                                                           3: "finished"}, journals
+    stuck = journals[0]["calls"][-1]
+    assert stuck["op"] == "all_gather" and not stuck["done"], stuck
+    assert "all_gather" in metrics["extra"]["flight_recorder"]["0"], metrics["extra"]["flight_recorder"]
+
+
+def _rank_0_evaluation(metrics, result):
+    """Every rank ends in the same all-reduce; rank 0 was busy alone before it for longer than the timeout."""
+    journals = {int(r): j for r, j in metrics["extra"]["journals"].items()}
+    assert {j["state"] for j in journals.values()} == {"timed out"}, journals
+    assert len({(j["calls"][-1]["label"], j["calls"][-1]["op"]) for j in journals.values()}) == 1, journals
+    alone = journals[0]["calls"][-2]
+    timeout = float(broken_runs.HANG_TIMEOUT[1])
+    assert alone["op"] == "compute" and alone["seconds"] > timeout, alone
+    assert not any(c["op"] == "compute" for r in (1, 2, 3) for c in journals[r]["calls"]), journals
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
-            "optimizer-before-sharding": _optimizer_before_sharding}
+            "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
+            "rank-0-evaluation": _rank_0_evaluation}
 
 
 def _distinct_losses(metrics, result):
@@ -266,4 +290,17 @@ def _no_hang(metrics, result):
     assert states == {"finished"}, states
 
 
-GONE = {"same-samples-every-rank": _distinct_losses, "uneven-inputs": _no_hang}
+def _full_state_saved(metrics, result):
+    _no_hang(metrics, result)
+    saved = [c for c in metrics["checks"] if c["name"].startswith("rank 0 saved every weight whole")]
+    assert saved and saved[0]["passed"], metrics["checks"]
+
+
+def _evaluation_shared(metrics, result):
+    _no_hang(metrics, result)
+    alone = [c["seconds"] for j in metrics["extra"]["journals"].values() for c in j["calls"] if c["op"] == "compute"]
+    assert len(alone) == 4 and max(alone) < float(broken_runs.HANG_TIMEOUT[1]), alone   # each rank's share
+
+
+GONE = {"same-samples-every-rank": _distinct_losses, "uneven-inputs": _no_hang,
+        "full-state-on-rank-0": _full_state_saved, "rank-0-evaluation": _evaluation_shared}

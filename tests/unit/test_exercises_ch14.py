@@ -21,11 +21,11 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 16)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 18)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
-    "resume-without-rng", "optimizer-before-sharding")))
+    "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0")))
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +168,29 @@ class _Optimizer:   # shard_and_optimizer(model, shard, adamw), run inside the j
         return optimizer
 
 
+class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an FSDP2 run, on every rank
+    @staticmethod
+    def right(rank, gather_full_state, save):
+        state = gather_full_state()
+        if rank == 0:
+            save(state)
+
+    @staticmethod
+    def rank_0_only(rank, gather_full_state, save):   # the bug: the collective under `if rank == 0:`
+        if rank == 0:
+            save(gather_full_state())
+
+    @staticmethod
+    def every_rank_saves(rank, gather_full_state, save):
+        save(gather_full_state())
+
+    @staticmethod
+    def gathers_twice_on_0(rank, gather_full_state, save):
+        state = gather_full_state()
+        if rank == 0:
+            save(gather_full_state())
+
+
 IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
               "optimizer-before-sharding": "--optimizer-from"}
 
@@ -218,6 +241,13 @@ FIXES = {
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"},
                             {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
+    "full-state-on-rank-0": (ch14.check_fix_full_state_save, _SaveModel.right,
+                             [_SaveModel.rank_0_only, _SaveModel.every_rank_saves, _SaveModel.gathers_twice_on_0]),
+    "rank-0-evaluation": (ch14.check_fix_evaluation, lambda n, rank, world: list(range(rank, n, world)),
+                          [lambda n, rank, world: list(range(n)) if rank == 0 else [],
+                           lambda n, rank, world: list(range(n)),
+                           lambda n, rank, world: list(range(rank * (n // world), (rank + 1) * (n // world))),
+                           lambda n, rank, world: [b for b in range(n) if b % world == rank] + ([0] if rank else [])]),
 }
 
 
@@ -399,9 +429,16 @@ def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_sy
     """A fix prompt says what to change, so it would sort the runs: the lab asks for the fixes once all are named."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     sources = ["".join(cell["source"]) for cell in lab["cells"]]
-    last_diagnosis = max(i for i, s in enumerate(sources) if "check_diagnoses(" in s)
+    diagnosed = {part: next(i for i, s in enumerate(sources) if "check_diagnoses(" in s and f'"{part}"' in s)
+                 for part in ch14.PARTS}
+    prompted = {label: next(i for i, s in enumerate(sources) if f"**{label.capitalize()}**" in s)
+                for label in ch14.LABELS}
+    for part, labels in ch14.PARTS.items():   # every fix asked before a part is named is another part's, named
+        earlier = [label for label, i in prompted.items() if i < diagnosed[part]]
+        assert all(diagnosed[next(p for p, ls in ch14.PARTS.items() if label in ls)] < prompted[label]
+                   for label in earlier) and not set(earlier) & set(labels), (part, earlier)
     first_fix = min(i for i, s in enumerate(sources) if "check_fix_" in s)
-    assert last_diagnosis < first_fix
+    assert sum(i < first_fix for i in diagnosed.values()) >= 4   # the first parts are all named before any fix
     for label in ch14.LABELS:
         prompt = next(s for s in sources if f"**{label.capitalize()}**" in s)
         assert ANSWERS[label] not in prompt and "broadcast ... else" not in prompt, prompt

@@ -22,6 +22,9 @@ GRADED = {
     "Exercise 4: name the cause of a run that is wrong against one device":
         ['check_diagnoses(diagnoses_part4, "wrong against one device")'],
     "Exercise 5: fix each run": ["check_fix_"],
+    "Exercise 6: name the cause of two more jobs that stop":
+        ['check_diagnoses(diagnoses_part5, "two more jobs that stop")'],
+    "Exercise 7: fix the two jobs that stop": ["check_fix_"],
 }
 
 
@@ -46,7 +49,7 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
     assert list(under) == list(GRADED)
     for heading, checks in GRADED.items():
         assert all(any(check in source for check in checks) for source in under[heading]), heading
-    assert len(under["Exercise 5: fix each run"]) == 15   # every run's fix
+    assert len(under["Exercise 5: fix each run"]) == 15 and len(under["Exercise 7: fix the two jobs that stop"]) == 2
 
 
 def test_the_chapter_names_the_labs_exercises_by_their_titles():
