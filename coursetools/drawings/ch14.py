@@ -38,6 +38,8 @@ PATHS = {
                                 "gradients reduced in bf16"),
     "optimizer-before-sharding": ("the loss does not fall", "the optimizer's state",
                                   "the optimizer built before sharding"),
+    "full-state-on-rank-0": ("a hang after the last step", "the journals: one rank waits alone",
+                             "the full state gathered on rank 0"),
     "data-by-global-rank": ("off one device from the first step", "the rows each TP rank reads",
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",
@@ -52,6 +54,8 @@ PATHS = {
                            "random state and data position lost"),
     "slow-rank": ("every step slower, on every rank", "each rank's time before its collective",
                   "one slow rank"),
+    "rank-0-evaluation": ("a hang between two steps", "what the last rank did before",
+                          "one rank's long work alone"),
 }
 
 

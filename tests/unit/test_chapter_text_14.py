@@ -54,7 +54,8 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert list(ch14.PATHS) == [case.name for case in cases]
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
-    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives"]
+    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "full-state-on-rank-0", "fsdp-before-tp",
+                                                   "mismatched-collectives", "rank-0-evaluation"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
@@ -464,7 +465,7 @@ def test_the_resumes_say_where_the_checkpoint_was_taken():
 def test_the_exercises_lead_to_every_exercise_of_the_lab():
     listed = " ".join(chapters.exercise_items(BODY))
     titles = chapters.lab_exercises("14")
-    assert len(titles) == 5 and all(f'"{title}"' in listed for title in titles), titles
+    assert len(titles) == 7 and all(f'"{title}"' in listed for title in titles), titles
 
 
 def test_the_picture_shows_which_question_sends_you_to_each_band():
