@@ -55,6 +55,7 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 # Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
+HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
 CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
@@ -246,6 +247,25 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "full_state_dict=True, cpu_offload=True)) keeps the result on rank 0 alone; or save shards with "
             "torch.distributed.checkpoint.",
         fix_kind="function", hang_cause="skipped collective"),
+    BrokenRun(
+        name="per-rank-init", family="FSDP", script=TRAIN_FSDP,
+        args=HSDP_RUN + ("--planted-bug", "per-rank-init"), fixed_args=HSDP_RUN,
+        symptom="No error and the loss falls, but it is off one device's before any update, further every step; the "
+                "replicas' weights, each shard summed, differ by the same amount (6.2) before step 0 and after each "
+                "step.",
+        evidence=("extra.replica_weight_gaps", "extra.loss_diffs", "checks"),
+        cause="Each rank built the model from its own seed before fully_shard, which keeps each rank's slice and "
+              "broadcasts nothing (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:298-299; DDP broadcasts, "
+              "torch/nn/parallel/distributed.py:1065-1073): the replicas start apart and never meet.",
+        tell_apart="The replicas' weights before the first step: apart already, and apart by the same amount after "
+                   "every step (a data or gradient mistake starts them equal; only the weights' start differs).",
+        look_alikes=("data-by-global-rank", "checkpoint-one-shard", "nondeterministic kernels"),
+        fix="Build the model from the same seed on every rank before fully_shard (or build it on the meta device "
+            "and initialise the shards after sharding, where DTensor keeps the random streams consistent); seed "
+            "the data, not the weights, by rank.",
+        fix_kind="function",
+        failing_checks=("initial full weights (gathered from the shards) = the single-device model's",
+                        "the replicas hold the same weights", "loss = single-device loss")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,

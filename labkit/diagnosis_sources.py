@@ -236,6 +236,22 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "[FSDP] full_state_dict only on rank 0 (pytorch/pytorch #73383)",
          "quote": "All ranks will still need to call all collectives, otherwise this will result in desync."},
     ],
+    "per-rank-init": [
+        {"url": "https://github.com/allenai/OLMo-core/pull/319",
+         "title": "fix initialization (again) (allenai/OLMo-core #319)",
+         "quote": "Unlike DDP, PyTorch's `fully_shard()` (FSDP) wrapper doesn't synchronize to make sure parameters "
+                  "are consistent across the process group. So when you init your rank-local tensors with different "
+                  "seeds, you end up with inconsistent parameters across replica groups."},
+        {"url": "https://github.com/mosaicml/llm-foundry/pull/830",
+         "title": "Use `sync_module_states: True` when using HSDP (mosaicml/llm-foundry #830)",
+         "quote": "If a user is training from scratch with one of the HSDP hybrid sharding strategies, they must use "
+                  "`sync_module_states: True` otherwise the different data replicas will start with different "
+                  "randomly initialized weights."},
+        {"url": "https://github.com/pytorch/torchtitan/issues/1777",
+         "title": "[FSDP2] support sync_module_states in FSDP2 (pytorch/torchtitan #1777)",
+         "quote": "both DDP and FSDP1 broadcast weights from rank0 to other ranks, because each rank may have "
+                  "different rng before applying DDP/FSDP1"},
+    ],
     "rank-0-evaluation": [
         {"url": "https://github.com/huggingface/accelerate/issues/223",
          "title": "Multi-GPU Training+Single-GPU Eval runs into time out (huggingface/accelerate #223)",

@@ -40,6 +40,8 @@ PATHS = {
                                   "the optimizer built before sharding"),
     "full-state-on-rank-0": ("a hang after the last step", "the journals: one rank waits alone",
                              "the full state gathered on rank 0"),
+    "per-rank-init": ("off one device before any update", "the replicas' weights before step 0",
+                      "each rank's own initial weights"),
     "data-by-global-rank": ("off one device from the first step", "the rows each TP rank reads",
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",

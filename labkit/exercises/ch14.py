@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 17``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 18``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -57,13 +57,15 @@ _TOKENS = {
     "run 15": "8390c774cbfb6e23",
     "run 16": "1dd839f17ef9fac0",
     "run 17": "d8c3617ca71fb45c",
+    "run 18": "8bbd032f6712da95",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "stops or prints nonsense": ("run 5", "run 6"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
-         "two more jobs that stop": ("run 16", "run 17")}
+         "two more jobs that stop": ("run 16", "run 17"),
+         "more runs that train": ("run 18",)}
 
 
 def _token(name: str) -> str:
@@ -124,6 +126,7 @@ CAUSES = {
     "resume-without-rng": "a resume without the random number generators and the data position",
     "slow-rank": "one rank slower than the others every step",
     "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
+    "per-rank-init": "each rank's model initialised from its own seed before sharding",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
@@ -166,6 +169,7 @@ EVIDENCE_WORDS = {
     "extra.ranks": "each rank's time by kind (compute, communication, idle)",
     "extra.timeline": "the timeline per rank",
     "extra.flight_recorder": "the flight recorder's last collectives per rank",
+    "extra.replica_weight_gaps": "the replicas' weights compared, before the first step and after each",
     "losses": "the losses printed at every step",
     "comm": "the bytes each collective moved, against its formula",
     "checks": "the checks against one device",
@@ -287,12 +291,14 @@ RENAMED_CHECKS = {
     "the TP plan was applied before FSDP (parallelize_module, then fully_shard)": "the model was built",
     "no straggler: every rank reaches backward's all-reduces with the others":
         "every rank reaches backward's all-reduces with the others",
+    "initial full weights (gathered from the shards) = the single-device model's, built from the seed":
+        "initial full weights (gathered from the shards) = the single-device model's",
 }
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
                  "data_shard_from", "wrappers_from",   # the flags that load a learner's fix name what it fixes
-                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds")
+                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds", "model_seed_from")
 
 
 def shown_check_name(name: str) -> str | None:
@@ -809,3 +815,17 @@ def check_fix_evaluation(evaluation_share) -> None:
                                 "next all-reduce, and a large validation set makes that wait outlast the timeout.")
     _judged_by_hand("rank-0-evaluation", why="each rank evaluates its part, so no rank keeps the others waiting "
                                               "longer than its share.")
+
+
+@learner_check
+def check_fix_model_seed(model_seed) -> None:
+    """``model_seed(seed, rank)``: the seed ``rank`` builds the whole model from before fully_shard (``seed``: the
+    run's --seed). Run inside the job: train_fsdp.py loads it from a file (--model-seed-from) on every rank of an
+    HSDP run (2 replicas x shard groups of 2)."""
+    seeds = {rank: call_learner("model_seed", model_seed, 0, rank) for rank in range(4)}
+    if len(set(seeds.values())) > 1:   # caught by hand first: a launch would show the same
+        raise ExerciseWrong(f"the seeds per rank are {seeds}: each rank keeps its own slice of the model it built, "
+                            "and nothing sends another rank's, so the replicas would start apart.")
+    path = learner_file(model_seed, "model_seed")
+    _fixed_run_holds("per-rank-init", args=broken_runs.HSDP_RUN + ("--model-seed-from", path),
+                     why="every rank builds the same model, so its slices fit together and the replicas agree.")

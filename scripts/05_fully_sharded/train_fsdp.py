@@ -66,11 +66,17 @@ def check_config(args, world_size):
     runtime.require(not (args.planted_bug == "optimizer-before-sharding" or learner) or args.init == "seed",
                     "--planted-bug optimizer-before-sharding and --optimizer-from build the whole model before "
                     "sharding: they need --init seed")
+    seeder = args.model_seed_from
+    runtime.require(seeder is None or (Path(seeder).is_file() and callable(runpy.run_path(seeder).get("model_seed"))),
+                    f"--model-seed-from {seeder}: no such file, or it defines no model_seed()")
+    runtime.require(not (args.planted_bug == "per-rank-init" or seeder) or args.init == "seed",
+                    "--planted-bug per-rank-init and --model-seed-from build the whole model on every rank: they "
+                    "need --init seed")
     runtime.require(args.preset != "a100" or args.init != "seed",
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
-PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding")
+PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding", "per-rank-init")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
@@ -148,6 +154,18 @@ def single_device_model(cfg, seed: int, init: str, device):
     return model.to(device)
 
 
+REPLICA_TOLERANCE = 1e-6   # every replica applies the same all-reduced gradient: 0 measured on gloo
+
+
+def replica_weight_gap(model, replicate_group) -> float:
+    """The largest difference between two replicas' sums of each local shard (HSDP): every replica holds the same
+    shards, so 0 unless they started apart (an all-gather of one number a parameter, over the replicate group)."""
+    sums = torch.stack([p.to_local().detach().double().sum() for p in model.parameters()])
+    every = [torch.empty_like(sums) for _ in range(dist.get_world_size(replicate_group))]
+    dist.all_gather(every, sums, group=replicate_group)
+    return max((other - sums).abs().max().item() for other in every)
+
+
 def full_parameters(model) -> list[torch.Tensor]:
     """Every parameter, gathered whole (a collective: every rank calls it)."""
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
@@ -176,10 +194,14 @@ def main():
                         "loss summed over the ranks, not averaged: gradients N times too large), "
                         "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed), "
                         "optimizer-before-sharding (AdamW built on the parameters fully_shard then replaces; "
-                        "needs --init seed)")
+                        "needs --init seed), per-rank-init (each rank builds the model from its own seed: "
+                        "fully_shard keeps each rank's own slice and broadcasts nothing)")
     p.add_argument("--optimizer-from", metavar="FILE.py", default=None,
                    help="chapter 14's lab: a file defining shard_and_optimizer(model, shard, adamw), which calls "
                         "shard(model) and returns adamw(parameters) in its order (the learner's fix, run here)")
+    p.add_argument("--model-seed-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining model_seed(seed, rank), the seed this rank builds the "
+                        "model from before fully_shard (the learner's fix, run here)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -225,7 +247,14 @@ def main():
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)            # (_fsdp_param.py:325-331)
             model = apply_fsdp(model, **fsdp_options)
         elif args.init == "seed":
-            model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
+            # The planted mistake: each rank seeds its own model. DDP would broadcast rank 0's weights at
+            # construction (torch 2.13, nn/parallel/distributed.py:1065-1073); fully_shard keeps this rank's own
+            # slice of what it was given and sends nothing (fsdp/_fully_shard/_fsdp_param.py:298-299).
+            seed = args.seed + rt.rank if args.planted_bug == "per-rank-init" else args.seed
+            if args.model_seed_from:   # chapter 14's lab: the learner's seed, run here
+                seed = runpy.run_path(args.model_seed_from)["model_seed"](args.seed, rt.rank)
+                rt.require(isinstance(seed, int), f"model_seed() returned {seed!r}, not an int")
+            model = apply_fsdp(models.build_transformer(cfg, seed=seed, device=rt.device), **fsdp_options)
         else:
             model = materialize_on_meta(cfg, args.seed, rt.device, **fsdp_options)
         if args.planted_bug != "optimizer-before-sharding" and not args.optimizer_from:
@@ -242,6 +271,9 @@ def main():
         rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
                  f"{tuple(local.shape)} on {local.device}")
 
+        replica_gaps = []   # HSDP: the largest difference between two replicas' sums of each local shard
+        if args.replicate > 1:
+            replica_gaps.append(replica_weight_gap(model, mesh.get_group("replicate")))
         names = [n for n, _ in model.named_parameters()]  # fully_shard keeps the names: the baseline's, by name
         loss_diffs, param_diffs, param_mean_diffs, measured_comm, seconds = [], [], [], [], []
         param_errors = {}   # bf16: each parameter's mean |difference| from the baseline, the largest over the steps
@@ -276,6 +308,9 @@ def main():
             dist.all_reduce(global_loss)
             report.losses.append(global_loss.item() / world)
             line = f"step {step:3d}  loss {report.losses[-1]:.6f}  ({seconds[-1] * 1e3:.0f} ms)"
+            if args.replicate > 1:
+                replica_gaps.append(replica_weight_gap(model, mesh.get_group("replicate")))
+                line += f"  replicas' weights apart by {replica_gaps[-1]:.2e}"
             if compare:
                 params_now = full_parameters(model)
                 if baseline is not None:
@@ -292,6 +327,11 @@ def main():
                         param_errors[name] = max(error, param_errors.get(name, 0.0))
                     line += f"  single-device {baseline.losses[-1]:.6f}"
             rt.print(line)
+
+        if args.replicate > 1:   # what any HSDP user can check: the replicas must hold the same weights
+            report.check_close("the replicas hold the same weights (each local shard's sum, before training and "
+                               "after every step)", max(replica_gaps), 0.0, REPLICA_TOLERANCE)
+            report.extra["replica_weight_gaps"] = replica_gaps
 
         # ---- communication: measured = formula ----
         formula = dict(stage=3, param_bytes=2 if args.mixed_precision else 4, grad_bytes=4,

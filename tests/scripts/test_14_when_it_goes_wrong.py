@@ -30,6 +30,8 @@ COVERED_ELSEWHERE = {
                                         "test_fsdp_reshard_after_forward_gathers_twice"),
     ("checkpoint-one-shard", True): ("tests/scripts/test_05_fully_sharded.py",
                                      "test_checkpoint_interrupt_resume_and_reshard_4_to_2"),
+    ("per-rank-init", True): ("tests/scripts/test_05_fully_sharded.py",
+                              "test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas"),
     ("resume-without-rng", False): ("tests/scripts/test_12_hpc_operations.py",
                                     "test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data"),
 }
@@ -101,6 +103,7 @@ CAUSE_WORDS = {
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
     "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
     "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
+    "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
 }
 
 
@@ -119,10 +122,15 @@ def shard_and_optimizer(model, shard, adamw):   # a wrong fix of optimizer-befor
     return optimizer
 
 
+def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every rank, but not the run's
+    return seed + 1
+
+
 @pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
                                                   ("fsdp-before-tp", apply_wrappers, "--wrappers-from"),
                                                   ("optimizer-before-sharding", shard_and_optimizer,
-                                                   "--optimizer-from")])
+                                                   "--optimizer-from"),
+                                                  ("per-rank-init", model_seed, "--model-seed-from")])
 def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
     """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
     the job's own checks there (the right one is the lab's, under nbval)."""
@@ -272,13 +280,22 @@ def _rank_0_evaluation(metrics, result):
     assert not any(c["op"] == "compute" for r in (1, 2, 3) for c in journals[r]["calls"]), journals
 
 
+def _per_rank_init(metrics, result):
+    """The replicas apart before the first step, by the symptom's amount, and as far apart after every step."""
+    gaps = metrics["extra"]["replica_weight_gaps"]
+    said = float(re.search(r"differ by the same amount \(([\d.]+)\)", broken_runs.case("per-rank-init").symptom)[1])
+    assert len(gaps) == 4 and round(gaps[0], 1) == said and max(gaps) - min(gaps) < 0.01 * gaps[0], (gaps, said)
+    diffs = metrics["extra"]["loss_diffs"]   # off one device before any update, further at every step
+    assert diffs[0] > 1e-3 and all(b > a for a, b in zip(diffs, diffs[1:])), diffs
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
             "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
-            "rank-0-evaluation": _rank_0_evaluation}
+            "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init}
 
 
 def _distinct_losses(metrics, result):

@@ -59,7 +59,7 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 8 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 9 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
@@ -465,7 +465,7 @@ def test_the_resumes_say_where_the_checkpoint_was_taken():
 def test_the_exercises_lead_to_every_exercise_of_the_lab():
     listed = " ".join(chapters.exercise_items(BODY))
     titles = chapters.lab_exercises("14")
-    assert len(titles) == 7 and all(f'"{title}"' in listed for title in titles), titles
+    assert len(titles) == 9 and all(f'"{title}"' in listed for title in titles), titles
 
 
 def test_the_picture_shows_which_question_sends_you_to_each_band():
@@ -495,3 +495,22 @@ def test_the_hang_timeout_of_the_broken_runs_is_theirs():
     from distlab import runtime
     assert broken.HANG_TIMEOUT == ("--pg-timeout", "2") and runtime.DEFAULT_PG_TIMEOUT_S == 300
     assert ("2 s in the broken runs (their own `--pg-timeout`, against the default of 300 s)") in FLAT
+
+
+def test_the_per_rank_init_case_cites_torchs_lines_and_states_the_measured_gap():
+    """fully_shard keeps the rank's own chunk of what it was given; DDP broadcasts rank 0's weights when built. The
+    gap the page states is the registry's symptom, which tests/scripts/test_14 holds to the run."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    fsdp_param = (torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_param.py").read_text().splitlines()
+    assert fsdp_param[297].strip().startswith("chunks = _chunk_with_empty(param_data, shard_world_size")
+    assert fsdp_param[298].strip() == "sharded_param = chunks[shard_rank]"
+    ddp = (torch_dir / "nn" / "parallel" / "distributed.py").read_text().splitlines()
+    assert ddp[1064].strip().startswith("# Sync params and buffers") and ddp[1065].strip() == "_sync_module_states("
+    assert ddp[1069].strip() == "src=0,"
+    cause = registry().case("per-rank-init").cause
+    for cited in ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py:298-299", "torch/nn/parallel/distributed.py:1065-1073"):
+        assert cited in cause and cited in FLAT_APPENDIX
+    gap = re.search(r"differ by the same amount \(([\d.]+)\)", registry().case("per-rank-init").symptom)[1]
+    assert f"they differ by {gap} before the first step" in " ".join(section_of("per-rank-init").split())

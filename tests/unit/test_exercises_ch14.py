@@ -21,11 +21,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 18)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 19)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
-    "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0")))
+    "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
+    "per-rank-init")))
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +169,20 @@ class _Optimizer:   # shard_and_optimizer(model, shard, adamw), run inside the j
         return optimizer
 
 
+class _Seed:   # model_seed(seed, rank), run inside the job (train_fsdp.py --model-seed-from)
+    @staticmethod
+    def right(seed, rank):
+        return seed
+
+    @staticmethod
+    def per_rank(seed, rank):   # the bug: caught on hand-made ranks, before any launch
+        return seed + rank
+
+    @staticmethod
+    def same_but_not_the_runs(seed, rank):   # the replicas agree, but the model is not the run's --seed's
+        return seed + 1
+
+
 class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an FSDP2 run, on every rank
     @staticmethod
     def right(rank, gather_full_state, save):
@@ -192,7 +207,7 @@ class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an F
 
 
 IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
-              "optimizer-before-sharding": "--optimizer-from"}
+              "optimizer-before-sharding": "--optimizer-from", "per-rank-init": "--model-seed-from"}
 
 
 def _epoch_without_set_epoch(sampler, epoch):
@@ -241,6 +256,7 @@ FIXES = {
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"},
                             {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
+    "per-rank-init": (ch14.check_fix_model_seed, _Seed.right, [_Seed.same_but_not_the_runs]),
     "full-state-on-rank-0": (ch14.check_fix_full_state_save, _SaveModel.right,
                              [_SaveModel.rank_0_only, _SaveModel.every_rank_saves, _SaveModel.gathers_twice_on_0]),
     "rank-0-evaluation": (ch14.check_fix_evaluation, lambda n, rank, world: list(range(rank, n, world)),
@@ -310,6 +326,12 @@ def test_a_fix_run_inside_the_job_is_the_learners_own_code(name, launched):
     assert len({first[-1], *paths}) == 1 + len(wrong_answers)   # one file per version of the function
     with pytest.raises(ExerciseWrong, match="define it with def"):
         check(lambda *args: None)
+
+
+def test_seeds_that_differ_between_ranks_are_caught_before_any_launch(launched):
+    with pytest.raises(ExerciseWrong, match="start apart") as wrong:
+        ch14.check_fix_model_seed(_Seed.per_rank)
+    assert not launched.calls and "per-rank-init" not in str(wrong.value)
 
 
 # The fixes whose answer goes into the job (a flag, or the learner's function loaded from a file); the others are
@@ -416,13 +438,13 @@ def test_the_learners_copy_does_not_name_the_cases():
 
 
 def test_the_lab_says_which_fixes_run_inside_the_job():
-    """Runs 5, 12 and 15's functions run inside the job; the others are tried on hand-made cases, then the script's own
+    """Runs 5, 12, 15 and 18's functions run inside the job; the others are tried on hand-made cases, then the script's own
     fixed run is launched: the lab must not let a learner think every function ran in the job."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
-    assert "For runs 5, 12 and 15 the script loads your function itself" in opening and "the job is not run again with them" in opening
+    assert "For runs 5, 12, 15 and 18 the script loads your function itself" in opening and "the job is not run again with them" in opening
     in_job = sorted(label for label in ch14.LABELS if ANSWERS[label] in IN_THE_JOB)
-    assert in_job == ["run 12", "run 15", "run 5"]
+    assert in_job == ["run 12", "run 15", "run 18", "run 5"]
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coursetools import chapters
+from labkit.exercises import ch14
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = [ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb", ROOT / "notebooks" / "student" / "14_when_it_goes_wrong.ipynb"]
@@ -25,6 +26,9 @@ GRADED = {
     "Exercise 6: name the cause of two more jobs that stop":
         ['check_diagnoses(diagnoses_part5, "two more jobs that stop")'],
     "Exercise 7: fix the two jobs that stop": ["check_fix_"],
+    "Exercise 8: name the cause of more runs that train":
+        ['check_diagnoses(diagnoses_part6, "more runs that train")'],
+    "Exercise 9: fix more runs that train": ["check_fix_"],
 }
 
 
@@ -50,6 +54,7 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
     for heading, checks in GRADED.items():
         assert all(any(check in source for check in checks) for source in under[heading]), heading
     assert len(under["Exercise 5: fix each run"]) == 15 and len(under["Exercise 7: fix the two jobs that stop"]) == 2
+    assert len(under["Exercise 9: fix more runs that train"]) == len(ch14.PARTS["more runs that train"])
 
 
 def test_the_chapter_names_the_labs_exercises_by_their_titles():
