@@ -56,6 +56,7 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
 HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
+CLIP_RUN = ("--steps", "3", "--max-grad-norm", "0.5")   # one device's gradient norm is 1.0 to 1.3: every step clips
 CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
@@ -266,6 +267,24 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function",
         failing_checks=("initial full weights (gathered from the shards) = the single-device model's",
                         "the replicas hold the same weights", "loss = single-device loss")),
+    BrokenRun(
+        name="local-grad-norm", family="FSDP", script=TRAIN_FSDP,
+        args=CLIP_RUN + ("--planted-bug", "local-grad-norm"), fixed_args=CLIP_RUN,
+        symptom="No error, and the step-0 gradients equal one device's, but the weights leave one device's at the "
+                "first update; each rank logs another gradient norm (0.53 to 0.58 at step 0), none near one "
+                "device's (1.11).",
+        evidence=("extra.rank_grad_norms", "extra.one_device_grad_norms", "extra.param_diffs", "checks"),
+        cause="The gradients were clipped by the norm of each rank's own shards (p.grad.to_local()), never reduced "
+              "over the ranks: each rank scales its shards by its own factor. On the DTensor gradients "
+              "clip_grad_norm_ all-reduces the norm (torch/distributed/tensor/_ops/_math_ops.py:66-79).",
+        tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
+                   "(pieces of one norm); a wrong gradient would make one device's norm differ instead.",
+        look_alikes=("loss-averaged-twice", "bf16-gradient-reduction", "nondeterministic kernels"),
+        fix="Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) on the sharded (DTensor) "
+            "parameters, which reduces the norm over the ranks; by hand, all-reduce the sum of squares first (and "
+            "over the pipeline stages too).",
+        fix_kind="function",
+        failing_checks=("every rank computed the same gradient norm", "parameters = single-device parameters")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,

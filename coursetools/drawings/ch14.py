@@ -42,6 +42,8 @@ PATHS = {
                              "the full state gathered on rank 0"),
     "per-rank-init": ("off one device before any update", "the replicas' weights before step 0",
                       "each rank's own initial weights"),
+    "local-grad-norm": ("right gradients, wrong update", "the gradient norm each rank logs",
+                        "gradients clipped by local norms"),
     "data-by-global-rank": ("off one device from the first step", "the rows each TP rank reads",
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",

@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 18``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 19``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -58,6 +58,7 @@ _TOKENS = {
     "run 16": "1dd839f17ef9fac0",
     "run 17": "d8c3617ca71fb45c",
     "run 18": "8bbd032f6712da95",
+    "run 19": "a3844941c58f838e",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
@@ -65,7 +66,7 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
-         "more runs that train": ("run 18",)}
+         "more runs that train": ("run 18", "run 19")}
 
 
 def _token(name: str) -> str:
@@ -127,6 +128,7 @@ CAUSES = {
     "slow-rank": "one rank slower than the others every step",
     "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
     "per-rank-init": "each rank's model initialised from its own seed before sharding",
+    "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
@@ -170,6 +172,8 @@ EVIDENCE_WORDS = {
     "extra.timeline": "the timeline per rank",
     "extra.flight_recorder": "the flight recorder's last collectives per rank",
     "extra.replica_weight_gaps": "the replicas' weights compared, before the first step and after each",
+    "extra.rank_grad_norms": "the gradient norm each rank logs, step by step",
+    "extra.one_device_grad_norms": "one device's gradient norm, step by step",
     "losses": "the losses printed at every step",
     "comm": "the bytes each collective moved, against its formula",
     "checks": "the checks against one device",
@@ -298,7 +302,8 @@ HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
                  "data_shard_from", "wrappers_from",   # the flags that load a learner's fix name what it fixes
-                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds", "model_seed_from")
+                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds", "model_seed_from",
+                 "clip_from")
 
 
 def shown_check_name(name: str) -> str | None:
@@ -829,3 +834,13 @@ def check_fix_model_seed(model_seed) -> None:
     path = learner_file(model_seed, "model_seed")
     _fixed_run_holds("per-rank-init", args=broken_runs.HSDP_RUN + ("--model-seed-from", path),
                      why="every rank builds the same model, so its slices fit together and the replicas agree.")
+
+
+@learner_check
+def check_fix_clip(clip_gradients) -> None:
+    """``clip_gradients(model, max_norm)``: clip the FSDP2 model's gradients (DTensors, each rank holding its
+    shards) to the total norm ``max_norm`` and return that norm. Run inside the job: train_fsdp.py loads it from a
+    file (--clip-from) on every rank and calls it after each backward."""
+    path = learner_file(clip_gradients, "clip_gradients")
+    _fixed_run_holds("local-grad-norm", args=broken_runs.CLIP_RUN + ("--clip-from", path),
+                     why="every rank computes the whole model's norm and scales its shards by the same factor.")

@@ -66,6 +66,12 @@ def check_config(args, world_size):
     runtime.require(not (args.planted_bug == "optimizer-before-sharding" or learner) or args.init == "seed",
                     "--planted-bug optimizer-before-sharding and --optimizer-from build the whole model before "
                     "sharding: they need --init seed")
+    runtime.require(args.planted_bug != "local-grad-norm" and not args.clip_from or args.max_grad_norm is not None,
+                    "--planted-bug local-grad-norm and --clip-from clip the gradients: they need --max-grad-norm")
+    clipper = args.clip_from
+    runtime.require(clipper is None or (Path(clipper).is_file()
+                                        and callable(runpy.run_path(clipper).get("clip_gradients"))),
+                    f"--clip-from {clipper}: no such file, or it defines no clip_gradients()")
     seeder = args.model_seed_from
     runtime.require(seeder is None or (Path(seeder).is_file() and callable(runpy.run_path(seeder).get("model_seed"))),
                     f"--model-seed-from {seeder}: no such file, or it defines no model_seed()")
@@ -76,7 +82,8 @@ def check_config(args, world_size):
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
-PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding", "per-rank-init")
+PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding", "per-rank-init",
+                "local-grad-norm")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
@@ -166,6 +173,25 @@ def replica_weight_gap(model, replicate_group) -> float:
     return max((other - sums).abs().max().item() for other in every)
 
 
+def clip_gradients(model, max_norm: float, args, world: int) -> list[float]:
+    """Clip the sharded model's gradients to ``max_norm`` and return the total norm each rank computed (gathered
+    from every rank, as their logs would show them). clip_grad_norm_ on the DTensor gradients reduces the norm over
+    the ranks; the planted mistake takes each rank's local shards, whose norm is a piece of the whole."""
+    if getattr(args, "clip_learner", None):   # chapter 14's lab: the learner's clipping, run here
+        norm = args.clip_learner(model, max_norm)
+    elif args.planted_bug == "local-grad-norm":   # the norm of this rank's shards, and its shards scaled by it
+        local = [p.grad.to_local() for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(local)
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))   # clip_grad_norm_'s own rule
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)).detach()
+    norm = norm.to(device=next(model.parameters()).device, dtype=torch.float64).reshape(1)
+    every = [torch.empty_like(norm) for _ in range(world)]
+    dist.all_gather(every, norm)
+    return [n.item() for n in every]
+
+
 def full_parameters(model) -> list[torch.Tensor]:
     """Every parameter, gathered whole (a collective: every rank calls it)."""
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
@@ -195,13 +221,20 @@ def main():
                         "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed), "
                         "optimizer-before-sharding (AdamW built on the parameters fully_shard then replaces; "
                         "needs --init seed), per-rank-init (each rank builds the model from its own seed: "
-                        "fully_shard keeps each rank's own slice and broadcasts nothing)")
+                        "fully_shard keeps each rank's own slice and broadcasts nothing), local-grad-norm (with "
+                        "--max-grad-norm: each rank clips its shards by the norm of its own shards alone)")
     p.add_argument("--optimizer-from", metavar="FILE.py", default=None,
                    help="chapter 14's lab: a file defining shard_and_optimizer(model, shard, adamw), which calls "
                         "shard(model) and returns adamw(parameters) in its order (the learner's fix, run here)")
     p.add_argument("--model-seed-from", metavar="FILE.py", default=None,
                    help="chapter 14's lab: a file defining model_seed(seed, rank), the seed this rank builds the "
                         "model from before fully_shard (the learner's fix, run here)")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the gradients to this total norm before each step (the whole model's norm; the "
+                        "single-device run clips alike)")
+    p.add_argument("--clip-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining clip_gradients(model, max_norm), which clips the sharded "
+                        "model's gradients and returns their total norm (the learner's fix, run here)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -263,7 +296,7 @@ def main():
         if compare:
             start_weights = full_parameters(model)  # collective: every rank
             if rt.rank == 0:   # built from the seed, independently: a sharding or init bug cannot leak into it
-                baseline = Baseline(cfg, args.seed, args.lr, rt.device,
+                baseline = Baseline(cfg, args.seed, args.lr, rt.device, max_grad_norm=args.max_grad_norm,
                                     model=single_device_model(cfg, args.seed, args.init, rt.device))
                 report.check_close("initial full weights (gathered from the shards) = the single-device model's, "
                                    "built from the seed", start_weights, list(baseline.model.parameters()), 0.0)
@@ -271,11 +304,15 @@ def main():
         rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
                  f"{tuple(local.shape)} on {local.device}")
 
+        rank_grad_norms = []   # --max-grad-norm: per step, the total norm each rank computed
+        if args.clip_from:
+            args.clip_learner = runpy.run_path(args.clip_from)["clip_gradients"]
         replica_gaps = []   # HSDP: the largest difference between two replicas' sums of each local shard
         if args.replicate > 1:
             replica_gaps.append(replica_weight_gap(model, mesh.get_group("replicate")))
         names = [n for n, _ in model.named_parameters()]  # fully_shard keeps the names: the baseline's, by name
         loss_diffs, param_diffs, param_mean_diffs, measured_comm, seconds = [], [], [], [], []
+        one_device_norms = []
         param_errors = {}   # bf16: each parameter's mean |difference| from the baseline, the largest over the steps
         state = activations = None
         for step in range(args.steps):
@@ -297,6 +334,8 @@ def main():
             if step == 0 and compare:  # the averaged gradients, gathered whole (a collective: every rank)
                 grads0 = [q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
                           for q in model.parameters()]
+            if args.max_grad_norm is not None:   # each rank's total norm, as its log would print it
+                rank_grad_norms.append(clip_gradients(model, args.max_grad_norm, args, world))
             optimizer.step()     # on the local shards only: no communication
             if step == 1:        # parameters, gradients and AdamW moments all exist now
                 state = memory.ledger(model, optimizer)
@@ -315,6 +354,8 @@ def main():
                 params_now = full_parameters(model)
                 if baseline is not None:
                     baseline.step(tokens.to(rt.device))
+                    if args.max_grad_norm is not None:
+                        one_device_norms.append(baseline.grad_norm)
                     if step == 0:   # Adam hides a gradient's scale from losses and weights: look at the gradients
                         grad_diff = metrics.max_abs_diff([g.float() for g in grads0], baseline.grads)
                         grad_errors = metrics.bf16_tensor_errors(dict(zip(names, grads0)), dict(zip(names, baseline.grads)),
@@ -328,6 +369,13 @@ def main():
                     line += f"  single-device {baseline.losses[-1]:.6f}"
             rt.print(line)
 
+        if args.max_grad_norm is not None:   # what any user's log shows: each rank's gradient norm
+            report.extra["rank_grad_norms"] = rank_grad_norms
+            report.check("every rank computed the same gradient norm (every step)",
+                         all(max(norms) - min(norms) <= 1e-5 * max(norms) for norms in rank_grad_norms),
+                         max(max(norms) - min(norms) for norms in rank_grad_norms), "<= 1e-5 of the norm")
+            if baseline is not None:
+                report.extra["one_device_grad_norms"] = one_device_norms
         if args.replicate > 1:   # what any HSDP user can check: the replicas must hold the same weights
             report.check_close("the replicas hold the same weights (each local shard's sum, before training and "
                                "after every step)", max(replica_gaps), 0.0, REPLICA_TOLERANCE)

@@ -13,6 +13,7 @@ import math
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from labkit import broken_runs
@@ -103,6 +104,7 @@ CAUSE_WORDS = {
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
     "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
     "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
+    "local-grad-norm": ("local-grad", "to_local", "clip_from", "own shards"),
     "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
 }
 
@@ -122,6 +124,13 @@ def shard_and_optimizer(model, shard, adamw):   # a wrong fix of optimizer-befor
     return optimizer
 
 
+def clip_gradients(model, max_norm):   # a wrong fix of local-grad-norm: each rank's own shards' norm
+    local = [p.grad.to_local() for p in model.parameters()]
+    norm = torch.nn.utils.get_total_norm(local)
+    torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every rank, but not the run's
     return seed + 1
 
@@ -130,7 +139,8 @@ def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every 
                                                   ("fsdp-before-tp", apply_wrappers, "--wrappers-from"),
                                                   ("optimizer-before-sharding", shard_and_optimizer,
                                                    "--optimizer-from"),
-                                                  ("per-rank-init", model_seed, "--model-seed-from")])
+                                                  ("per-rank-init", model_seed, "--model-seed-from"),
+                                                  ("local-grad-norm", clip_gradients, "--clip-from")])
 def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
     """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
     the job's own checks there (the right one is the lab's, under nbval)."""
@@ -289,13 +299,26 @@ def _per_rank_init(metrics, result):
     assert diffs[0] > 1e-3 and all(b > a for a, b in zip(diffs, diffs[1:])), diffs
 
 
+def _local_grad_norm(metrics, result):
+    """Each rank logs another norm, the numbers the symptom states; their squares add up to one device's squared."""
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    low, high, whole = map(float, re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                            broken_runs.case("local-grad-norm").symptom).groups())
+    assert (round(min(norms[0]), 2), round(max(norms[0]), 2), round(one_device[0], 2)) == (low, high, whole), norms
+    # step 0, where the gradients are one device's: the ranks' norms are pieces of its norm (later the weights differ)
+    assert math.sqrt(sum(n * n for n in norms[0])) == pytest.approx(one_device[0], rel=1e-5), (norms[0], one_device)
+    assert all(max(ranks) - min(ranks) > 0.02 for ranks in norms), norms   # and they differ at every step
+    assert metrics["extra"]["param_diffs"][0] > 3e-4 and metrics["extra"]["loss_diffs"][0] < 1e-6   # the update
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
             "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
-            "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init}
+            "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
+            "local-grad-norm": _local_grad_norm}
 
 
 def _distinct_losses(metrics, result):
@@ -319,5 +342,11 @@ def _evaluation_shared(metrics, result):
     assert len(alone) == 4 and max(alone) < float(broken_runs.HANG_TIMEOUT[1]), alone   # each rank's share
 
 
-GONE = {"same-samples-every-rank": _distinct_losses, "uneven-inputs": _no_hang,
+def _one_norm(metrics, result):
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    assert all(n == pytest.approx(whole, rel=1e-5) for ranks, whole in zip(norms, one_device) for n in ranks)
+    assert min(one_device) > float(broken_runs.CLIP_RUN[-1])   # every step clips
+
+
+GONE = {"same-samples-every-rank": _distinct_losses, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
         "full-state-on-rank-0": _full_state_saved, "rank-0-evaluation": _evaluation_shared}

@@ -59,7 +59,7 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 9 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 10 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
@@ -514,3 +514,25 @@ def test_the_per_rank_init_case_cites_torchs_lines_and_states_the_measured_gap()
         assert cited in cause and cited in FLAT_APPENDIX
     gap = re.search(r"differ by the same amount \(([\d.]+)\)", registry().case("per-rank-init").symptom)[1]
     assert f"they differ by {gap} before the first step" in " ".join(section_of("per-rank-init").split())
+
+
+def test_the_local_grad_norm_case_cites_torchs_lines_and_states_the_measured_norms():
+    """A DTensor's norm is a partial p-norm, all-reduced as x^p (torch's own docstring); clip_grad_norm_ scales by
+    max_norm / (total_norm + 1e-6), clamped at 1. The norms the page states are the registry's symptom's, which
+    tests/scripts/test_14 holds to the run."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    math_ops = (torch_dir / "distributed" / "tensor" / "_ops" / "_math_ops.py").read_text().splitlines()
+    assert math_ops[65].strip() == "@dataclass(frozen=True)" and math_ops[66].startswith("class _NormPartial(Partial):")
+    assert "x^p -> allreduce sum -> x^(1/p)" in math_ops[77]
+    clip = (torch_dir / "nn" / "utils" / "clip_grad.py").read_text().splitlines()
+    assert clip[163].strip() == "clip_coef = max_norm / (total_norm + 1e-6)"
+    assert clip[167].strip() == "clip_coef_clamped = torch.clamp(clip_coef, max=1.0)"
+    case = registry().case("local-grad-norm")
+    assert "torch/distributed/tensor/_ops/_math_ops.py:66-79" in case.cause and "_math_ops.py:66-79" in FLAT_APPENDIX
+    low, high, whole = re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                 case.symptom).groups()
+    assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section_of("local-grad-norm")
+    assert f"a total norm of {case.fixed_args[case.fixed_args.index('--max-grad-norm') + 1]}," in section_of(
+        "local-grad-norm")

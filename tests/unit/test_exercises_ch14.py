@@ -21,12 +21,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 19)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 20)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
-    "per-rank-init")))
+    "per-rank-init", "local-grad-norm")))
 
 
 @pytest.fixture(autouse=True)
@@ -183,6 +183,19 @@ class _Seed:   # model_seed(seed, rank), run inside the job (train_fsdp.py --mod
         return seed + 1
 
 
+class _Clip:   # clip_gradients(model, max_norm), run inside the job (train_fsdp.py --clip-from)
+    @staticmethod
+    def right(model, max_norm):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @staticmethod
+    def local_shards(model, max_norm):   # the bug: each rank's own norm
+        local = [p.grad.to_local() for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(local)
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+
 class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an FSDP2 run, on every rank
     @staticmethod
     def right(rank, gather_full_state, save):
@@ -207,7 +220,8 @@ class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an F
 
 
 IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
-              "optimizer-before-sharding": "--optimizer-from", "per-rank-init": "--model-seed-from"}
+              "optimizer-before-sharding": "--optimizer-from", "per-rank-init": "--model-seed-from",
+              "local-grad-norm": "--clip-from"}
 
 
 def _epoch_without_set_epoch(sampler, epoch):
@@ -256,6 +270,7 @@ FIXES = {
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"},
                             {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
+    "local-grad-norm": (ch14.check_fix_clip, _Clip.right, [_Clip.local_shards]),
     "per-rank-init": (ch14.check_fix_model_seed, _Seed.right, [_Seed.same_but_not_the_runs]),
     "full-state-on-rank-0": (ch14.check_fix_full_state_save, _SaveModel.right,
                              [_SaveModel.rank_0_only, _SaveModel.every_rank_saves, _SaveModel.gathers_twice_on_0]),
@@ -438,13 +453,13 @@ def test_the_learners_copy_does_not_name_the_cases():
 
 
 def test_the_lab_says_which_fixes_run_inside_the_job():
-    """Runs 5, 12, 15 and 18's functions run inside the job; the others are tried on hand-made cases, then the script's own
+    """Runs 5, 12, 15, 18 and 19's functions run inside the job; the others are tried on hand-made cases, then the script's own
     fixed run is launched: the lab must not let a learner think every function ran in the job."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
-    assert "For runs 5, 12, 15 and 18 the script loads your function itself" in opening and "the job is not run again with them" in opening
+    assert "For runs 5, 12, 15, 18 and 19 the script loads your function itself" in opening and "the job is not run again with them" in opening
     in_job = sorted(label for label in ch14.LABELS if ANSWERS[label] in IN_THE_JOB)
-    assert in_job == ["run 12", "run 15", "run 18", "run 5"]
+    assert in_job == ["run 12", "run 15", "run 18", "run 19", "run 5"]
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
