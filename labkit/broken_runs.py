@@ -160,6 +160,23 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function",
         failing_checks=("averaged gradients = single-device gradients",)),
     BrokenRun(
+        name="nan-from-one-rank", family="data parallelism", script=TRAIN_DDP,
+        args=DDP_RUN + ("--planted-bug", "nan-from-one-rank"), fixed_args=DDP_RUN,
+        symptom="The printed loss is nan from step 2 on, after falling like one device's; from step 3 every rank's "
+                "own loss is nan too, and the replicas' weights are nan.",
+        evidence=("extra.rank_losses", "losses", "checks"),
+        cause="On rank 2, one micro-batch had every target masked, and its loss was a sum over the kept tokens "
+              "divided by their count: 0/0. Its gradient is nan too, and DDP's all-reduce averages it into every "
+              "rank's gradient.",
+        tell_apart="The ranks' own losses at the first nan step: one rank alone is nan and the others are finite; "
+                   "a step later all are (a learning rate too high grows every rank's loss first).",
+        look_alikes=("a diverging run (a learning rate too high)", "bf16 overflow", "loss-on-wrong-stage"),
+        fix="Find the first rank whose own loss went non-finite, then its batch: divide by max(count, 1) or skip a "
+            "batch with no target. Check the local loss before backward: after the all-reduce every rank looks "
+            "alike.",
+        fix_kind="function",
+        failing_checks=("every rank's loss is finite", "DDP loss = single-device loss")),
+    BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
         args=("--hang", "uneven-inputs", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "uneven-inputs", "--stop-at-fewest-batches", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),

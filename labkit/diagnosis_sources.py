@@ -263,6 +263,17 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "incorrect as `model.parameters()` does not return the full set of unsharded parameters and thus "
                   "gradient clipping would be applied incorrectly."},
     ],
+    "nan-from-one-rank": [
+        {"url": "https://github.com/allenai/OLMo-core/pull/657",
+         "title": "Fix NaN loss when all labels on a rank are label_ignore_index (allenai/OLMo-core #657)",
+         "quote": "This causes `batch_num_tokens_for_loss` to be 0, leading to a division-by-zero in the loss "
+                  "computation (`loss_reduction=\"sum\"` / 0 → NaN). The NaN then propagates to all ranks via "
+                  "`all_reduce`, crashing the entire training run."},
+        {"url": "https://github.com/ecmwf/WeatherGenerator/pull/2718",
+         "title": "Make loss-spike batch skip a global all-reduce decision across ranks (ecmwf/WeatherGenerator #2718)",
+         "quote": "a NaN or spike on ranks 1..N-1 with a finite rank-0 loss was never skipped and its gradients "
+                  "poisoned the all-reduce"},
+    ],
     "rank-0-evaluation": [
         {"url": "https://github.com/huggingface/accelerate/issues/223",
          "title": "Multi-GPU Training+Single-GPU Eval runs into time out (huggingface/accelerate #223)",

@@ -30,6 +30,8 @@ PATHS = {
                                  "accumulation never synchronises"),
     "loss-averaged-twice": ("the loss looks right, the gradients small", "the gradients against one device",
                             "the loss is averaged twice"),
+    "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
+                          "one rank's nan, all-reduced"),
     "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
                       "a rank has fewer batches"),
     "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",

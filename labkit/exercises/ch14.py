@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 19``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 20``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -59,6 +59,7 @@ _TOKENS = {
     "run 17": "d8c3617ca71fb45c",
     "run 18": "8bbd032f6712da95",
     "run 19": "a3844941c58f838e",
+    "run 20": "d1f11d3bfe1bef41",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
@@ -66,7 +67,7 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
-         "more runs that train": ("run 18", "run 19")}
+         "more runs that train": ("run 18", "run 19", "run 20")}
 
 
 def _token(name: str) -> str:
@@ -128,6 +129,7 @@ CAUSES = {
     "slow-rank": "one rank slower than the others every step",
     "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
     "per-rank-init": "each rank's model initialised from its own seed before sharding",
+    "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
     "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
     "learning-rate-too-low": "a learning rate too low",
@@ -844,3 +846,41 @@ def check_fix_clip(clip_gradients) -> None:
     path = learner_file(clip_gradients, "clip_gradients")
     _fixed_run_holds("local-grad-norm", args=broken_runs.CLIP_RUN + ("--clip-from", path),
                      why="every rank computes the whole model's norm and scales its shards by the same factor.")
+
+
+def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
+    for step, losses in enumerate(rank_losses):
+        ranks = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if ranks:
+            return step, ranks
+    return -1, []
+
+
+@learner_check
+def check_fix_first_nonfinite(first_nonfinite) -> None:
+    """``first_nonfinite(rank_losses)``: ``(step, rank)`` of the first rank whose own loss went non-finite (nan or
+    inf), ``rank_losses[step][rank]`` being each rank's loss before the all-reduce; None when every loss is finite.
+    Judged on hand-made runs."""
+    nan, inf = math.nan, math.inf
+    made = {
+        "one rank, then all": [[4.1, 4.2, 4.0, 4.3], [3.9, nan, 3.8, 4.0], [nan, nan, nan, nan]],
+        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
+        "an inf before any nan": [[4.1, 4.2, 4.0, 4.3], [4.0, 4.1, inf, 4.2], [nan, nan, nan, nan]],
+        "a lone nan that did not spread": [[4.1, nan, 4.0, 4.3], [4.0, 4.1, 4.1, 4.2], [nan, nan, nan, nan]],
+        "every loss finite": [[4.1, 4.2], [4.0, 4.1]],
+    }
+    for what, rank_losses in made.items():
+        got = call_learner("first_nonfinite", first_nonfinite, copy.deepcopy(rank_losses))
+        step, ranks = _first_nonfinite(rank_losses)
+        if step < 0:
+            if got is not None:
+                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that run is finite.")
+            continue
+        if not (isinstance(got, tuple) and len(got) == 2 and got[0] == step and got[1] in ranks):
+            seen = rank_losses[got[0]] if isinstance(got, tuple) and len(got) == 2 and \
+                isinstance(got[0], int) and 0 <= got[0] < len(rank_losses) else None
+            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank"
+                                + (f" (that step's losses: {seen}); is any rank non-finite at an earlier step? "
+                                   "Is inf non-finite too?" if seen is not None else "."))
+    _judged_by_hand("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
+                                              "the batch; after the all-reduce every rank is nan.")

@@ -24,6 +24,7 @@ checks that all three agree at every step.
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 
@@ -36,6 +37,17 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ddp_from_scratch import (GRAD_TOLERANCE, LOSS_TOLERANCE, average_gradients, broadcast_parameters,
                               param_tolerance, replicas_identical)
 from distlab import comm, data, metrics, models, runtime
+
+NAN_STEP = 2   # --planted-bug nan-from-one-rank: the step whose micro-batch on one rank has every target masked
+
+
+def masked_mean_loss(logits, targets, mask):
+    """The mean cross-entropy over the tokens ``mask`` keeps, as a sum divided by their count. With no token kept
+    the loss is 0/0, and so is its gradient (1/0 times 0): backward's all-reduce hands the nan to every rank."""
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                                                  reduction="none")
+    mask = mask.flatten().float()
+    return (per_token * mask).sum() / mask.sum()
 
 
 def check_config(args, world_size):
@@ -161,11 +173,12 @@ def main():
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
-                                             "accumulation-never-syncs"], default=None,
+                                             "accumulation-never-syncs", "nan-from-one-rank"], default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
                         "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
-                        "the last too (the gradients are never all-reduced)")
+                        "the last too (the gradients are never all-reduced); one rank's micro-batch at step "
+                        f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -233,6 +246,7 @@ def main():
         batches = iter(())
         epoch = -1
         rank_losses = []    # per step, each rank's loss on its own micro-batches
+        nan_rank = min(2, world - 1)   # --planted-bug nan-from-one-rank: the rank whose batch is masked
         epoch_orders = []   # the sample indices this rank's training sampler gave, epoch by epoch (measured)
         for step in range(args.steps):
             micro_batches = []
@@ -258,9 +272,14 @@ def main():
                     last = False                                    # no_sync() too, so nothing is ever all-reduced
                 log.start_micro_step()
                 # Not the last micro-batch: accumulate locally, all-reduce nothing.
+                masked = args.planted_bug == "nan-from-one-rank" and (step, rt.rank, i) == (NAN_STEP, nan_rank, 0)
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     with autocast:
-                        loss = models.lm_loss(ddp(inputs), targets) / accumulation
+                        if masked:   # the mistake: a micro-batch whose every target is masked (a prompt-only
+                            # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
+                            loss = masked_mean_loss(ddp(inputs), targets, torch.zeros_like(targets)) / accumulation
+                        else:
+                            loss = models.lm_loss(ddp(inputs), targets) / accumulation
                     log.mark_backward("start")
                     loss.backward()
                     log.mark_backward("end")
@@ -383,21 +402,24 @@ def main():
         if args.compare:
             loss_tolerance = metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device)   # 10x on a GPU: see metrics
             grad_tolerance = metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device)
-            report.check_close("DDP loss = from-scratch loss (every step)", max(diffs["scratch_loss"]), 0.0,
+            report.check_close("DDP loss = from-scratch loss (every step)", metrics.worst(diffs["scratch_loss"]), 0.0,
                                loss_tolerance)
-            report.check_close("DDP gradients = from-scratch gradients (every step)", max(diffs["scratch_grad"]),
+            report.check_close("DDP gradients = from-scratch gradients (every step)", metrics.worst(diffs["scratch_grad"]),
                                0.0, grad_tolerance)
-            report.check_close("DDP parameters = from-scratch parameters (every step)", max(diffs["scratch_param"]),
+            report.check_close("DDP parameters = from-scratch parameters (every step)", metrics.worst(diffs["scratch_param"]),
                                0.0, param_tolerance(args.lr))
             if rt.rank == 0:
-                report.check_close("DDP loss = single-device loss (every step)", max(diffs["baseline_loss"]), 0.0,
+                report.check_close("DDP loss = single-device loss (every step)", metrics.worst(diffs["baseline_loss"]), 0.0,
                                    loss_tolerance)
                 report.check_close("DDP gradients = single-device gradients (every step)",
-                                   max(diffs["baseline_grad"]), 0.0, grad_tolerance)
+                                   metrics.worst(diffs["baseline_grad"]), 0.0, grad_tolerance)
                 report.check_close("DDP parameters = single-device parameters (every step)",
-                                   max(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
+                                   metrics.worst(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
             report.extra["diffs"] = diffs
         report.check("replicas identical after training", replicas_identical(model))
+        finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
+        report.check("every rank's loss is finite (every step)", all(finite),
+                     finite.index(False) if False in finite else "all", "all")
 
         report.extra.update({
             "buckets": [{k: v for k, v in b.items() if k not in ("storage", "launch", "end")} for b in log.buckets],

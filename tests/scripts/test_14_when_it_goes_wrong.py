@@ -104,6 +104,7 @@ CAUSE_WORDS = {
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
     "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
     "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
+    "nan-from-one-rank": ("masked", "nan_rank", "0/0", "every target", "nan-from"),
     "local-grad-norm": ("local-grad", "to_local", "clip_from", "own shards"),
     "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
 }
@@ -299,6 +300,17 @@ def _per_rank_init(metrics, result):
     assert diffs[0] > 1e-3 and all(b > a for a, b in zip(diffs, diffs[1:])), diffs
 
 
+def _nan_from_one_rank(metrics, result):
+    """One rank's own loss goes nan first, alone; a step later every rank's; before, the run is one device's."""
+    losses = metrics["extra"]["rank_losses"]
+    first = int(re.search(r"nan from step (\d+)", broken_runs.case("nan-from-one-rank").symptom)[1])
+    assert all(map(math.isfinite, sum(losses[:first], []))), losses
+    assert [math.isfinite(loss) for loss in losses[first]] == [True, True, False, True], losses[first]
+    assert not any(map(math.isfinite, sum(losses[first + 1:], []))), losses
+    assert max(metrics["extra"]["diffs"]["baseline_loss"][:first]) < 1e-5, metrics["extra"]["diffs"]
+    assert math.isnan(metrics["losses"][first])
+
+
 def _local_grad_norm(metrics, result):
     """Each rank logs another norm, the numbers the symptom states; their squares add up to one device's squared."""
     norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
@@ -318,7 +330,7 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
             "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
             "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
-            "local-grad-norm": _local_grad_norm}
+            "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank}
 
 
 def _distinct_losses(metrics, result):
@@ -348,5 +360,9 @@ def _one_norm(metrics, result):
     assert min(one_device) > float(broken_runs.CLIP_RUN[-1])   # every step clips
 
 
-GONE = {"same-samples-every-rank": _distinct_losses, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
+def _all_finite(metrics, result):
+    assert all(map(math.isfinite, sum(metrics["extra"]["rank_losses"], []))), metrics["extra"]["rank_losses"]
+
+
+GONE = {"same-samples-every-rank": _distinct_losses, "nan-from-one-rank": _all_finite, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
         "full-state-on-rank-0": _full_state_saved, "rank-0-evaluation": _evaluation_shared}

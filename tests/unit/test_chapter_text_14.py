@@ -59,7 +59,7 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 10 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 11 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
@@ -536,3 +536,13 @@ def test_the_local_grad_norm_case_cites_torchs_lines_and_states_the_measured_nor
     assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section_of("local-grad-norm")
     assert f"a total norm of {case.fixed_args[case.fixed_args.index('--max-grad-norm') + 1]}," in section_of(
         "local-grad-norm")
+
+
+def test_the_nan_case_states_the_registrys_step_and_the_rank_the_run_plants():
+    """The step the page states is the registry's (tests/scripts/test_14 holds it to the run's own losses), and the
+    rank the registry names is the one train_ddp.py plants the masked micro-batch on, with 4 ranks."""
+    case = registry().case("nan-from-one-rank")
+    step = re.search(r"nan from step (\d+)", case.symptom)[1]
+    assert f"then prints `nan` from step {step} on" in section_of("nan-from-one-rank")
+    script = (ROOT / case.script).read_text()
+    assert f"NAN_STEP = {step} " in script and "nan_rank = min(2, world - 1)" in script and "On rank 2," in case.cause

@@ -6,6 +6,7 @@ are tests/scripts/test_14's and the lab's (nbval)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,12 +22,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 20)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 21)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
-    "per-rank-init", "local-grad-norm")))
+    "per-rank-init", "local-grad-norm", "nan-from-one-rank")))
 
 
 @pytest.fixture(autouse=True)
@@ -183,6 +184,37 @@ class _Seed:   # model_seed(seed, rank), run inside the job (train_fsdp.py --mod
         return seed + 1
 
 
+def _first_nonfinite(rank_losses):
+    for step, losses in enumerate(rank_losses):
+        for rank, loss in enumerate(losses):
+            if not math.isfinite(loss):
+                return step, rank
+    return None
+
+
+def _first_all_nonfinite(rank_losses):   # the step every rank shows: after the all-reduce, too late
+    for step, losses in enumerate(rank_losses):
+        if not any(map(math.isfinite, losses)):
+            return step, 0
+    return None
+
+
+def _first_nan_only(rank_losses):   # misses an inf
+    for step, losses in enumerate(rank_losses):
+        for rank, loss in enumerate(losses):
+            if math.isnan(loss):
+                return step, rank
+    return None
+
+
+def _last_rank_first_seen(rank_losses):   # the right step, the last non-finite rank of it: right unless two are
+    for step, losses in enumerate(rank_losses):
+        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            return step, len(losses) - 1
+    return None
+
+
 class _Clip:   # clip_gradients(model, max_norm), run inside the job (train_fsdp.py --clip-from)
     @staticmethod
     def right(model, max_norm):
@@ -270,6 +302,8 @@ FIXES = {
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"},
                             {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
+    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite,
+                          [_first_all_nonfinite, _first_nan_only, _last_rank_first_seen]),
     "local-grad-norm": (ch14.check_fix_clip, _Clip.right, [_Clip.local_shards]),
     "per-rank-init": (ch14.check_fix_model_seed, _Seed.right, [_Seed.same_but_not_the_runs]),
     "full-state-on-rank-0": (ch14.check_fix_full_state_save, _SaveModel.right,
