@@ -61,3 +61,13 @@ def test_the_chapter_names_the_labs_exercises_by_their_titles():
     assert chapters.lab_exercises("14") == list(GRADED)
     items = chapters.exercise_items(chapters.pages("14")[-1].read_text())
     assert 2 <= len(items) <= 3 and all(any(f'"{title}"' in item for title in GRADED) for item in items)
+
+
+def test_the_labs_counts_of_runs_are_its_labels():
+    """The opening and the take-away count the runs the lab shows: one per label of the checks."""
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    text = " ".join(" ".join("".join(cell["source"]) for cell in lab["cells"]).split())
+    count = len(ch14.LABELS)
+    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one"}[count]
+    assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
+    assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text
