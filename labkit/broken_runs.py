@@ -177,6 +177,23 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function",
         failing_checks=("every rank's loss is finite", "DDP loss = single-device loss")),
     BrokenRun(
+        name="unused-parameter", family="data parallelism", script=TRAIN_DDP,
+        args=DDP_RUN + ("--planted-bug", "unused-parameter"), fixed_args=DDP_RUN,
+        symptom="Step 0 trains, but its line says 0 bytes all-reduced; at step 1 every rank stops with "
+                "RuntimeError: 'Expected to have finished reduction in the prior iteration before starting a new "
+                "one' (torch's words).",
+        evidence=("checks", "extra.micro_step_bytes"),
+        cause="A parameter the forward never uses (an extra head) was wrapped by DDP without "
+              "find_unused_parameters: its gradient never comes, so its bucket is never all-reduced, and the next "
+              "forward refuses to start (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished).",
+        tell_apart="The error's next sentence and its 'Parameter indices which did not receive grad' line name "
+                   "what never got a gradient; a data or sampler mistake trains on without an error.",
+        look_alikes=("mismatched-collectives", "accumulation-never-syncs", "a network failure"),
+        fix="Use every parameter in the loss or leave it out of the model DDP wraps; find_unused_parameters=True "
+            "also works, at the cost of a walk of the autograd graph every step.",
+        fix_kind="function",
+        failing_checks=("every step's forward ran",)),
+    BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
         args=("--hang", "uneven-inputs", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "uneven-inputs", "--stop-at-fewest-batches", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),

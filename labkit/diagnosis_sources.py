@@ -274,6 +274,16 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "a NaN or spike on ranks 1..N-1 with a finite rank-0 loss was never skipped and its gradients "
                   "poisoned the all-reduce"},
     ],
+    "unused-parameter": [
+        {"url": "https://github.com/ImprintLab/MedSegDiff/issues/27",
+         "title": "Why there are some unused parameters? (ImprintLab/MedSegDiff #27)",
+         "quote": "it looks like you define some parameterized layer in 'class NetWorkxx: def __init__' but not used "
+                  "in the forward"},
+        {"url": "https://github.com/open-mmlab/mmdetection/pull/4742",
+         "title": "Add FAQ (open-mmlab/mmdetection #4742)",
+         "quote": "This error indicates that your module has parameters that were not used in producing loss. This "
+                  "phenomenon may be caused by running different branches in your code in DDP mode."},
+    ],
     "rank-0-evaluation": [
         {"url": "https://github.com/huggingface/accelerate/issues/223",
          "title": "Multi-GPU Training+Single-GPU Eval runs into time out (huggingface/accelerate #223)",

@@ -32,6 +32,8 @@ PATHS = {
                             "the loss is averaged twice"),
     "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
                           "one rank's nan, all-reduced"),
+    "unused-parameter": ("an error at the second step", "the error's line of indices",
+                         "a parameter the forward never uses"),
     "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
                       "a rank has fewer batches"),
     "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",

@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 20``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 21``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -60,6 +60,7 @@ _TOKENS = {
     "run 18": "8bbd032f6712da95",
     "run 19": "a3844941c58f838e",
     "run 20": "d1f11d3bfe1bef41",
+    "run 21": "36c79c33376d1e22",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
@@ -67,7 +68,7 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
-         "more runs that train": ("run 18", "run 19", "run 20")}
+         "four more runs": ("run 18", "run 19", "run 20", "run 21")}
 
 
 def _token(name: str) -> str:
@@ -129,6 +130,7 @@ CAUSES = {
     "slow-rank": "one rank slower than the others every step",
     "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
     "per-rank-init": "each rank's model initialised from its own seed before sharding",
+    "unused-parameter": "a parameter the forward never uses, wrapped by DDP as it is",
     "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
     "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
@@ -884,3 +886,25 @@ def check_fix_first_nonfinite(first_nonfinite) -> None:
                                    "Is inf non-finite too?" if seen is not None else "."))
     _judged_by_hand("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
                                               "the batch; after the all-reduce every rank is nan.")
+
+
+@learner_check
+def check_fix_without_gradient(without_gradient) -> None:
+    """``without_gradient(grads)``: ``grads`` maps each parameter's name to its gradient after one backward (a tensor,
+    or None where backward never reached it); return the names DDP's reducer would wait for forever, sorted.
+    Judged on hand-made models."""
+    import torch
+
+    made = {
+        "an extra head": {"embed.weight": torch.ones(2), "head.weight": torch.ones(2), "aux_head.weight": None},
+        "two unused, one a bias": {"a.weight": None, "a.bias": None, "b.weight": torch.zeros(2)},
+        "a gradient of zeros is still a gradient": {"a.weight": torch.zeros(3), "b.weight": torch.ones(1)},
+    }
+    for what, grads in made.items():
+        want = sorted(name for name, grad in grads.items() if grad is None)
+        got = call_learner("without_gradient", without_gradient, dict(grads))
+        if not isinstance(got, (list, tuple)) or sorted(got) != want or list(got) != sorted(got):
+            raise ExerciseWrong(f"{what}: {got!r} is not the sorted names of the parameters backward never "
+                                "reached (is a gradient of zeros a gradient?).")
+    _judged_by_hand("unused-parameter", why="those are the parameters to use in the loss, or to leave out of what "
+                                             "DDP wraps.")

@@ -173,12 +173,14 @@ def main():
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
-                                             "accumulation-never-syncs", "nan-from-one-rank"], default=None,
+                                             "accumulation-never-syncs", "nan-from-one-rank", "unused-parameter"],
+                   default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
                         "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
                         "the last too (the gradients are never all-reduced); one rank's micro-batch at step "
-                        f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced)")
+                        f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced); a "
+                        "parameter the forward never uses (an extra head), wrapped by DDP as it is")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -219,6 +221,8 @@ def main():
 
         # ---- the model: DDP broadcasts rank 0's weights when it wraps (each rank built different ones) ----
         model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
+        if args.planted_bug == "unused-parameter":   # the mistake: a head the forward never calls, wrapped by DDP
+            model.unused_head = torch.nn.Linear(cfg.dim, 2, device=rt.device)   # with find_unused_parameters=False
         ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None,
                   bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
         report.check("replicas identical once DDP wrapped them (it broadcasts rank 0's weights)",
@@ -275,11 +279,22 @@ def main():
                 masked = args.planted_bug == "nan-from-one-rank" and (step, rt.rank, i) == (NAN_STEP, nan_rank, 0)
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     with autocast:
+                        try:
+                            outputs = ddp(inputs)
+                        except RuntimeError as error:   # unused-parameter: DDP refuses the next forward while a
+                            # gradient of the last is still unreduced (reducer.cpp, ensure_prior_reduction_finished):
+                            # torch's first two sentences and the line naming the parameters, as every rank prints
+                            text = str(error)
+                            indices = [line.strip() for line in text.splitlines() if line.startswith("Parameter ind")]
+                            refused = ". ".join(text.split(". ")[:2]) + ". " + " ".join(indices)
+                            report.check("every step's forward ran", False, f"step {step}: {refused}", "no error")
+                            report.extra["micro_step_bytes"] = micro_step_bytes   # what each earlier step sent
+                            sys.exit(report.finish(args.metrics_out))   # every rank stops here, with this line
                         if masked:   # the mistake: a micro-batch whose every target is masked (a prompt-only
                             # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
-                            loss = masked_mean_loss(ddp(inputs), targets, torch.zeros_like(targets)) / accumulation
+                            loss = masked_mean_loss(outputs, targets, torch.zeros_like(targets)) / accumulation
                         else:
-                            loss = models.lm_loss(ddp(inputs), targets) / accumulation
+                            loss = models.lm_loss(outputs, targets) / accumulation
                     log.mark_backward("start")
                     loss.backward()
                     log.mark_backward("end")
@@ -290,7 +305,7 @@ def main():
             overlaps.append(log.overlap())       # the last micro-step's, the one that all-reduced
             bucket_storages = {b["storage"] for b in log.buckets}
             views_ok.append(all((p.grad.untyped_storage().data_ptr() in bucket_storages)
-                                == args.gradient_as_bucket_view for p in model.parameters()))
+                                == args.gradient_as_bucket_view for p in model.parameters() if p.grad is not None))
             micro_step_bytes.append(sent)
             step_bytes.append(sum(sent))
             buckets_per_step.append(len(log.buckets))
@@ -416,6 +431,7 @@ def main():
                 report.check_close("DDP parameters = single-device parameters (every step)",
                                    metrics.worst(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
             report.extra["diffs"] = diffs
+        report.check("every step's forward ran", True, f"{args.steps} steps", "no error")   # else it stopped above
         report.check("replicas identical after training", replicas_identical(model))
         finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
         report.check("every rank's loss is finite (every step)", all(finite),

@@ -104,6 +104,7 @@ CAUSE_WORDS = {
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
     "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
     "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
+    "unused-parameter": ("unused_head", "unused-parameter", "extra head", "find_unused"),
     "nan-from-one-rank": ("masked", "nan_rank", "0/0", "every target", "nan-from"),
     "local-grad-norm": ("local-grad", "to_local", "clip_from", "own shards"),
     "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
@@ -300,6 +301,18 @@ def _per_rank_init(metrics, result):
     assert diffs[0] > 1e-3 and all(b > a for a, b in zip(diffs, diffs[1:])), diffs
 
 
+def _unused_parameter(metrics, result):
+    """Step 0 all-reduces nothing; at step 1 every rank stops with torch 2.13's own words, which the registry quotes."""
+    assert metrics["extra"]["micro_step_bytes"] == [[0, 0]], metrics["extra"]
+    assert any(line.startswith("step   0") and "all-reduced [0, 0] B" in line for line in result.lines)
+    refused = next(c for c in metrics["checks"] if c["name"] == "every step's forward ran")
+    quoted = broken_runs.case("unused-parameter").symptom.split("'")[1]
+    assert refused["value"].startswith(f"step 1: {quoted}. This error indicates that your module has parameters "
+                                       "that were not used in producing loss."), refused
+    assert "Parameter indices which did not receive grad for rank 0:" in refused["value"], refused
+    assert set(result.rank_exit_codes.values()) == {1}, result.rank_exit_codes
+
+
 def _nan_from_one_rank(metrics, result):
     """One rank's own loss goes nan first, alone; a step later every rank's; before, the run is one device's."""
     losses = metrics["extra"]["rank_losses"]
@@ -330,7 +343,8 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
             "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
             "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
-            "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank}
+            "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank,
+            "unused-parameter": _unused_parameter}
 
 
 def _distinct_losses(metrics, result):

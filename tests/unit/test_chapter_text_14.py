@@ -54,8 +54,8 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert list(ch14.PATHS) == [case.name for case in cases]
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
-    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "full-state-on-rank-0", "fsdp-before-tp",
-                                                   "mismatched-collectives", "rank-0-evaluation"]
+    assert names["Hangs, timeouts and errors"] == ["unused-parameter", "uneven-inputs", "full-state-on-rank-0",
+                                                   "fsdp-before-tp", "mismatched-collectives", "rank-0-evaluation"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
@@ -546,3 +546,10 @@ def test_the_nan_case_states_the_registrys_step_and_the_rank_the_run_plants():
     assert f"then prints `nan` from step {step} on" in section_of("nan-from-one-rank")
     script = (ROOT / case.script).read_text()
     assert f"NAN_STEP = {step} " in script and "nan_rank = min(2, world - 1)" in script and "On rank 2," in case.cause
+
+
+def test_the_unused_parameter_case_quotes_torchs_words_as_the_run_prints_them():
+    """The page quotes the registry's words, which tests/scripts/test_14 finds in the run's own error."""
+    quoted = registry().case("unused-parameter").symptom.split("'")[1]
+    assert f'every rank stops: "{quoted}"' in section_of("unused-parameter")
+    assert "0 bytes all-reduced" in section_of("unused-parameter")

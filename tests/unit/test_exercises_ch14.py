@@ -22,12 +22,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 21)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 22)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
-    "per-rank-init", "local-grad-norm", "nan-from-one-rank")))
+    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter")))
 
 
 @pytest.fixture(autouse=True)
@@ -302,6 +302,11 @@ FIXES = {
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"},
                             {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
+    "unused-parameter": (ch14.check_fix_without_gradient,
+                         lambda grads: sorted(name for name, grad in grads.items() if grad is None),
+                         [lambda grads: sorted(n for n, g in grads.items() if g is None or not g.any()),   # zeros
+                          lambda grads: [n for n, g in grads.items() if g is not None],
+                          lambda grads: [n for n, g in grads.items() if g is None][:1]]),
     "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite,
                           [_first_all_nonfinite, _first_nan_only, _last_rank_first_seen]),
     "local-grad-norm": (ch14.check_fix_clip, _Clip.right, [_Clip.local_shards]),

@@ -26,9 +26,9 @@ GRADED = {
     "Exercise 6: name the cause of two more jobs that stop":
         ['check_diagnoses(diagnoses_part5, "two more jobs that stop")'],
     "Exercise 7: fix the two jobs that stop": ["check_fix_"],
-    "Exercise 8: name the cause of more runs that train":
-        ['check_diagnoses(diagnoses_part6, "more runs that train")'],
-    "Exercise 9: fix more runs that train": ["check_fix_"],
+    "Exercise 8: name the cause of four more runs":
+        ['check_diagnoses(diagnoses_part6, "four more runs")'],
+    "Exercise 9: fix four more runs": ["check_fix_"],
 }
 
 
@@ -54,7 +54,7 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
     for heading, checks in GRADED.items():
         assert all(any(check in source for check in checks) for source in under[heading]), heading
     assert len(under["Exercise 5: fix each run"]) == 15 and len(under["Exercise 7: fix the two jobs that stop"]) == 2
-    assert len(under["Exercise 9: fix more runs that train"]) == len(ch14.PARTS["more runs that train"])
+    assert len(under["Exercise 9: fix four more runs"]) == len(ch14.PARTS["four more runs"])
 
 
 def test_the_chapter_names_the_labs_exercises_by_their_titles():
@@ -68,6 +68,6 @@ def test_the_labs_counts_of_runs_are_its_labels():
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     text = " ".join(" ".join("".join(cell["source"]) for cell in lab["cells"]).split())
     count = len(ch14.LABELS)
-    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one"}[count]
+    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one", 22: "twenty-two"}[count]
     assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
     assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text
