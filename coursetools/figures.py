@@ -1136,7 +1136,7 @@ def measure_straggler_vs_hang(path=BROKEN_STRAGGLER) -> Path:
 
 
 def draw_straggler_vs_hang(fig) -> None:
-    """Chapter 14: a straggler (every rank's profiled steps by kind: the slow rank idle, the others waiting in
+    """Chapter 14: a straggler (every rank's profiled steps by kind: the slow rank computing, the others waiting in
     communication, every step done) beside a hang (each rank's journal: three stuck, one finished)."""
     import json
 

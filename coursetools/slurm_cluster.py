@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,7 @@ SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=300
 KillWait={kill_wait}
+FirstJobId={first_job_id}
 Waittime=0
 {nodes}
 PartitionName={partition} Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
@@ -147,7 +149,11 @@ class SlurmCluster:
         for i in range(GPUS_PER_NODE):
             (root / "dev" / f"nvidia{i}").touch()
         (root / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
-        self.conf.write_text(SLURM_CONF.format(root=root, ctld_port=ports[0], slurmd_port=ports[1],
+        # Job ids from a random start: the jobs derive MASTER_PORT from their id (distlab_port_from_job_id), so two
+        # test clusters on one machine (two checkouts' test runs) numbering both from 1 would give their jobs the
+        # same port at the same time (EADDRINUSE seen on job 2's port, 30962, beside another checkout's tier).
+        first_job_id = secrets.randbelow(9_000_000) + 1_000_000
+        self.conf.write_text(SLURM_CONF.format(root=root, first_job_id=first_job_id, ctld_port=ports[0], slurmd_port=ports[1],
                                                kill_wait=self.kill_wait, nodes=nodes, node_list=",".join(NODES),
                                                mpi_default=self.mpi_default, cred_expire=CRED_EXPIRE,
                                                partition=PARTITION))

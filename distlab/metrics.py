@@ -35,19 +35,36 @@ PEAK_FLOPS = {
 # TFLOPS*", * "With sparsity": the dense figures are half, 835.5 (bf16, fp16) and 417.5 (tf32); FP32 is not a
 # sparse figure. The same for both boards.
 NVL_PEAK_FLOPS = {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}
+# AMD Instinct: THIRD-PARTY FIGURES. No AMD page held them in our searches (amd.com product pages, the CDNA 2 and
+# CDNA 3 white papers, the ROCm documentation's GPU specifications and microarchitecture pages, searched 2026-12-02):
+# only copies of AMD's tables. MI250X: "FP16 | bf16 (Peak) ... Up to 383.0 TF" for the OAM module (AMD's launch
+# table as copied by zexron.com, "AMD MI250(X) Aldebaran as MCM with up to 47.9 TFLOP/s"; gpu.blog's MI250X page:
+# "BF16 383 TFLOPS"). A module is two GCDs and PyTorch sees each as one GPU (8 a Frontier node, OLCF's Frontier user
+# guide), so one device's peak is half: 191.5. MI300X: "BF16 dense 1307.4 TFLOP/s" (alpharomercoma/MI300X-vs-H200,
+# METHODOLOGY.md at 6077fdc); one device in its default single-partition mode. The name "AMD Instinct MI250X / MI250"
+# (libdrm's amdgpu.ids, device 0x740C rev 01) names two boards whose peaks differ (the MI250's: 362.1 TF in the
+# same copied table), so it gets no peak and no MFU.
+AMD_PEAK_FLOPS = {("MI250X", "bf16"): 383.0e12 / 2, ("MI250X", "fp16"): 383.0e12 / 2,
+                  ("MI300X", "bf16"): 1307.4e12}
 
 
 def peak_flops(device_name: str | None, dtype: str = "bf16") -> float | None:
     """Peak FLOP/s of a GPU named like ``torch.cuda.get_device_name()``; None for a CPU or an unknown GPU.
 
     H100 PCIe is slower than SXM (756 vs 989 TFLOP/s bf16), and the H100 and H200 NVL boards slower still
-    (835.5: ``NVL_PEAK_FLOPS``): the name tells them apart (``NVIDIA H100 NVL``, ``NVIDIA H200 NVL``).
+    (835.5: ``NVL_PEAK_FLOPS``): the name tells them apart (``NVIDIA H100 NVL``, ``NVIDIA H200 NVL``). AMD's
+    (``AMD Instinct MI250X``, one GCD; ``AMD Instinct MI300X``) are third-party figures: ``AMD_PEAK_FLOPS``.
     """
     if not device_name:
         return None
     name = device_name.upper()
     if "NVL" in name.split() and ("H100" in name or "H200" in name):
         return NVL_PEAK_FLOPS.get(dtype)
+    if "MI250X / MI250" in name:  # one name for two boards (AMD_PEAK_FLOPS): no peak claimed
+        return None
+    for (gpu, kind), flops in AMD_PEAK_FLOPS.items():
+        if gpu in name.split() and kind == dtype:
+            return flops
     for (gpu, kind), flops in PEAK_FLOPS.items():
         if gpu in name and kind == dtype:
             return flops * (756 / 989 if gpu == "H100" and "PCIE" in name else 1.0)

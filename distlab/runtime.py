@@ -24,6 +24,9 @@ What this module decides, once, for every script:
 * **Which GPU is mine?** The local rank picks it. A launcher that sets no local rank of its own (a Cray PALS
   job without ``PALS_LOCAL_RANKID``) falls back to the other launchers' variables; none at all on a node with
   several ranks is a configuration error, not every rank on GPU 0.
+* **Which cores?** In the course's jobs (``DISTLAB_GPU_AFFINITY=numa``) a GPU rank moves its threads to its GPU's
+  NUMA node, read from sysfs (``bind_to_gpu``): on nodes whose GPUs are wired in another order than the launcher's
+  blocks of cores, task i's cores are otherwise far from GPU i. The rank map checks it.
 * **Where am I?** ``--verbose`` (or ``DISTLAB_VERBOSE=1``) makes every rank print its host, rank, local rank,
   ``CUDA_VISIBLE_DEVICES`` and the GPU it uses. ``python -m distlab.runtime`` does only that, for every rank
   of a job, and checks that no two ranks of a node share a GPU (the PBS preflight job runs it).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -359,6 +363,32 @@ def add_lr_flag(p: CourseParser, small_model_lr: float = 3e-3) -> None:
                         f"where {small_model_lr:g} diverges)")
 
 
+def add_fix_flag(p: argparse.ArgumentParser, functions: str) -> None:
+    """``--fix-from FILE.py``: chapter 14's lab runs a learner's fix inside the job. The file defines some of
+    ``functions`` (their signatures, for the help); the script calls each it defines on every rank, in place of its
+    own code there (:func:`learner_fixes`)."""
+    p.add_argument("--fix-from", metavar="FILE.py", default=None,
+                   help=f"a file defining {functions}: each one it defines runs on every rank in place of the "
+                        "script's own code there (a learner's fix, judged by this run's checks)")
+
+
+def learner_fixes(path: str | None, names: tuple[str, ...]) -> dict:
+    """The functions among ``names`` that the file ``path`` defines ({} without a file). Call it before the first
+    collective: a file that is missing, does not run, or defines none of ``names`` is a :class:`ConfigError` (one
+    line, exit 2 on every rank), not a traceback on some ranks and a wait on the others."""
+    if path is None:
+        return {}
+    import runpy
+
+    try:
+        defined = runpy.run_path(str(path))
+    except Exception as error:   # the learner's file: any error it raises is bad input, said in one line
+        raise ConfigError(f"--fix-from {path}: {type(error).__name__}: {error}") from None
+    found = {name: defined[name] for name in names if callable(defined.get(name))}
+    require(bool(found), f"--fix-from {path} defines none of {', '.join(names)}")
+    return found
+
+
 def parser(description: str | None, *, presets: tuple[str, ...] | None = None, steps: int | None = 10,
            seed: int = 0) -> CourseParser:
     """The flags every script shares (``--device``, ``--seed``, ``--metrics-out``, ...); add your own after."""
@@ -408,8 +438,17 @@ def auto_device_note(requested: str, cuda_built: bool, cuda_available: bool, war
     return f"--device auto: this torch is built for CUDA but CUDA is not usable ({why}); running on cpu with gloo"
 
 
-def placement(rank: int, local_rank: int, device, env: dict | None = None, host: str | None = None) -> dict:
-    """Where this rank runs: host, rank, local rank, CUDA_VISIBLE_DEVICES and the GPU it uses ("cpu" if none).
+def _bus_id(props) -> str | None:
+    """A device's PCI address as sysfs names it (``0000:c1:00.0``), from torch's device properties."""
+    if getattr(props, "pci_bus_id", None) is None:
+        return None
+    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
+def placement(rank: int, local_rank: int, device, env: dict | None = None, host: str | None = None,
+              sysfs: str | os.PathLike = "/sys") -> dict:
+    """Where this rank runs: host, rank, local rank, CUDA_VISIBLE_DEVICES, the GPU it uses ("cpu" if none), the
+    cores it may run on, and its GPU's NUMA node and that node's cores (sysfs).
 
     The GPU is named by what CUDA reports for it: model, index among the visible devices, PCI bus id (the
     one identity that two ranks of a node can compare, whatever CUDA_VISIBLE_DEVICES renumbered).
@@ -418,26 +457,152 @@ def placement(rank: int, local_rank: int, device, env: dict | None = None, host:
     # MPICH's Hydra names the node from its host file (what tells two fake nodes on one machine apart)
     # (Slurm: the node daemon's name, SLURMD_NODENAME: the Slurm test cluster's two nodes share one machine)
     host = host or env.get("PMI_HOSTNAME") or env.get("SLURMD_NODENAME") or socket.gethostname()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     where = {"host": host, "rank": rank, "local_rank": local_rank,
              "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES", "(unset)"), "device": str(device),
-             "gpu": "cpu", "gpu_index": None, "bus_id": None}
+             "gpu": "cpu", "gpu_index": None, "bus_id": None, "cpus": cpus, "gpu_numa_node": None,
+             "gpu_numa_cpus": []}
     if getattr(device, "type", None) == "cuda":
         import torch
 
         props = torch.cuda.get_device_properties(device)
-        bus = None
-        if getattr(props, "pci_bus_id", None) is not None:
-            bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        where.update(gpu=props.name, gpu_index=device.index, bus_id=bus)
+        bus = _bus_id(props)
+        node, node_cpus = gpu_numa_node(bus, sysfs)
+        where.update(gpu=props.name, gpu_index=device.index, bus_id=bus, gpu_numa_node=node, gpu_numa_cpus=node_cpus)
     return where
+
+
+# --------------------------------------------------------------------------------------------------
+# Which cores? A rank's threads beside its GPU (pure functions over a sysfs tree: unit-tested on a fake one)
+# --------------------------------------------------------------------------------------------------
+# A GPU hangs off one NUMA node; its rank's threads run best on that node's cores (host copies, the data loader, the
+# CPU side of NCCL). Launchers bind task i to the i-th block of cores, and on nodes whose GPUs are wired in another
+# order, such as Frontier's (OLCF's Frontier user guide: GPUs 4, 5 on NUMA 0, 2, 3 on NUMA 1, 6, 7 on NUMA 2, 0, 1 on
+# NUMA 3), task i's cores are far from GPU i. Linux says where a PCI device sits: /sys/bus/pci/devices/<bus
+# id>/numa_node (-1: unknown) and local_cpulist, the CPUs of that node (drivers/pci/pci-sysfs.c,
+# pci_dev_show_local_cpu: every online CPU when the node is unknown).
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """The kernel's CPU list format, ``0-7,64-71``, as the CPUs in its order."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def format_cpulist(cpus) -> str:
+    """The inverse of :func:`parse_cpulist`: ``{0, 1, 2, 64}`` -> ``0-2,64``."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
+
+
+def gpu_numa_node(bus_id: str | None, sysfs: str | os.PathLike = "/sys") -> tuple[int | None, list[int]]:
+    """The NUMA node of the PCI device ``bus_id`` (``0000:c1:00.0``) and the CPUs local to it, in their order;
+    ``(None, [])`` when sysfs does not say (no such device, no NUMA, ``numa_node`` -1)."""
+    if not bus_id:
+        return None, []
+    device = Path(sysfs) / "bus" / "pci" / "devices" / bus_id.lower()
+    try:
+        node = int((device / "numa_node").read_text())
+        cpus = parse_cpulist((device / "local_cpulist").read_text())
+    except (OSError, ValueError):
+        return None, []
+    return (node, cpus) if node >= 0 and cpus else (None, [])
+
+
+def _ranges(cpus: list[int]) -> list[list[int]]:
+    """Consecutive runs of a CPU list: ``0-15,64-79`` -> [[0..15], [64..79]]."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return runs
+
+
+def gpu_local_cpus(local_rank: int, rank_bus_ids: list[str | None],
+                   sysfs: str | os.PathLike = "/sys") -> tuple[int | None, list[int]]:
+    """The NUMA node of local rank ``local_rank``'s GPU and the cores it should run on: that node's CPUs, shared
+    among the node's local ranks whose GPUs sit on it (in local rank order). ``rank_bus_ids[j]`` is local rank j's
+    GPU. Each consecutive run of the node's CPU list is cut in equal parts and a rank takes its part of every run:
+    where Linux numbers a core's second hardware thread as the core plus the cores of the machine (Frontier:
+    0-63, then 64-127), a rank's share keeps both threads of its cores. ``(None, [])`` when sysfs does not say."""
+    node, cpus = gpu_numa_node(rank_bus_ids[local_rank], sysfs)
+    if node is None:
+        return None, []
+    sharing = [j for j, bus in enumerate(rank_bus_ids) if gpu_numa_node(bus, sysfs)[0] == node]
+    k, index = len(sharing), sharing.index(local_rank)
+    mine: list[int] = []
+    for run in _ranges(cpus):
+        mine.extend(run[len(run) * index // k:len(run) * (index + 1) // k])
+    return node, mine or cpus
+
+
+def affinity_problems(placements: list[dict]) -> list[str]:
+    """Ranks whose allowed CPUs are not all on their GPU's NUMA node (each placement: ``rank``, ``gpu_numa_node``,
+    ``gpu_numa_cpus``, ``cpus``; a GPU whose node sysfs does not give is not judged)."""
+    problems = []
+    for where in placements:
+        if where.get("gpu_numa_node") is None or not where.get("cpus"):
+            continue
+        outside = sorted(set(where["cpus"]) - set(where["gpu_numa_cpus"]))
+        if outside:
+            problems.append(f"rank {where['rank']} on {where.get('host', '?')}: cores "
+                            f"{format_cpulist(outside)} are not on its GPU's NUMA node {where['gpu_numa_node']} "
+                            f"({format_cpulist(where['gpu_numa_cpus'])})")
+    return problems
+
+
+def bind_to_gpu(local_rank: int, rank_bus_ids: list[str | None], sysfs: str | os.PathLike = "/sys",
+                setaffinity=None) -> str:
+    """Move this process (and the threads it starts later) to its GPU's share of cores (:func:`gpu_local_cpus`).
+    One line saying what was done, or why not: sysfs does not say, or the launcher's cgroup forbids those cores
+    (then the launcher's binding stays; the rank map reports it). ``runtime.start`` calls it where
+    ``DISTLAB_GPU_AFFINITY=numa``, as the course's jobs set it."""
+    node, cpus = gpu_local_cpus(local_rank, rank_bus_ids, sysfs)
+    if node is None:
+        return "GPU affinity: the GPU's NUMA node is unknown (sysfs); the launcher's binding stays"
+    if setaffinity is None:
+        setaffinity = _bind_threads
+    try:
+        setaffinity(0, set(cpus))
+    except OSError as error:  # cores outside the job's cpuset (task/cgroup)
+        return f"GPU affinity: cannot bind to {format_cpulist(cpus)} ({error.strerror}); the launcher's binding stays"
+    return f"GPU affinity: cores {format_cpulist(cpus)} (NUMA node {node}, the GPU's)"
+
+
+def _bind_threads(pid: int, cpus: set[int]) -> None:
+    """This thread to ``cpus``, and the process's threads already started with the same binding (CUDA's), as
+    torch's own ``torchrun --numa-binding`` does (torch 2.13, torch/numa/binding.py:291-316)."""
+    before = os.sched_getaffinity(pid)
+    os.sched_setaffinity(pid, cpus)
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                if os.sched_getaffinity(int(tid)) == before:
+                    os.sched_setaffinity(int(tid), cpus)
 
 
 def format_placement(where: dict) -> str:
     """One line per rank, the same on every launcher: what ``--verbose`` and the preflight job print."""
     gpu = "cpu" if where["gpu"] == "cpu" else (
         f"GPU {where['gpu_index']} ({where['gpu']}" + (f", bus {where['bus_id']})" if where["bus_id"] else ")"))
+    cores = ""
+    if where.get("gpu_numa_node") is not None and where.get("cpus"):
+        cores = (f"  cores {format_cpulist(where['cpus'])} (the GPU's NUMA node {where['gpu_numa_node']}: "
+                 f"{format_cpulist(where['gpu_numa_cpus'])})")
     return (f"host {where['host']}  rank {where['rank']}  local rank {where['local_rank']}  "
-            f"CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']}  uses {gpu}")
+            f"CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']}  uses {gpu}{cores}")
 
 
 def loaded_libraries(maps: str | None = None) -> dict:
@@ -663,6 +828,16 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
         torch_device = torch.device(device_name)
         if torch_device.type == "cuda":
             torch.cuda.set_device(torch_device)
+            # the course's jobs ask for it (jobs/common.sh: DISTLAB_GPU_AFFINITY=numa); a run by hand keeps its binding
+            if os.environ.get("DISTLAB_GPU_AFFINITY") == "numa":
+                # before torch starts its thread pools: the threads it starts later inherit the binding. The other
+                # local ranks' GPUs are known when every rank sees the node's GPUs; a rank that sees only its own
+                # (one GPU a task) shares its node's cores with no one it knows of
+                count = torch.cuda.device_count()
+                buses = [_bus_id(torch.cuda.get_device_properties(j % count))
+                         if count >= where.local_world_size or j == where.local_rank else None
+                         for j in range(where.local_world_size)]
+                where = dataclasses.replace(where, notes=(*where.notes, bind_to_gpu(where.local_rank, buses)))
         else:
             # Ranks sharing a CPU share its cores: one thread pool each would oversubscribe them.
             cores = os.cpu_count() or 1
@@ -821,9 +996,12 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    # and below the ports jobs derive from their id (PORT_RANGE): a test's launch beside a scheduler's job on this
+    # machine never takes the port that job's rank 0 is about to bind
+    high = min(low, PORT_RANGE[0])
     draw = random.SystemRandom()
-    for _ in range(50 if low > 12000 else 0):
-        port = draw.randrange(10000, low)
+    for _ in range(50 if high > 12000 else 0):
+        port = draw.randrange(10000, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -877,6 +1055,8 @@ def rank_map(argv: list[str] | None = None) -> int:
         report.check("local ranks of each host are 0..n-1", not problems, "; ".join(problems) or "yes")
         shared = shared_gpus(everyone)
         report.check("no two ranks of a node share a GPU", not shared, "; ".join(shared) or "none shared")
+        misplaced = affinity_problems(everyone)
+        report.check("each rank's cores are on its GPU's NUMA node", not misplaced, "; ".join(misplaced) or "yes")
         crowded = oversubscribed_hosts(everyone)
         report.check("the ranks' threads do not outnumber a node's cores (OMP_NUM_THREADS per rank)", not crowded,
                      "; ".join(crowded) or "no")

@@ -69,6 +69,9 @@ DISTLAB_SCRATCH=${DISTLAB_SCRATCH:-}                   # where run folders go (d
 DISTLAB_SITE_SCRATCH=${DISTLAB_SITE_SCRATCH:-}         # the site's scratch (the profile's: Derecho's /glade/...)
 DISTLAB_GPU_VENDOR=${DISTLAB_GPU_VENDOR:-nvidia}       # nvidia (NCCL) | amd (RCCL): which net plugin is looked for
 DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_DIR that already holds files
+# numa: each GPU rank moves its threads to its GPU's NUMA node (distlab.runtime.bind_to_gpu, read from sysfs), which
+# on nodes wired in another order than the launcher's blocks (Frontier's) is not the cores srun gave it; off: no
+export DISTLAB_GPU_AFFINITY=${DISTLAB_GPU_AFFINITY:-numa}
 DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
 [[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
@@ -152,7 +155,7 @@ distlab_site_report() {
     distlab_log "  partition: ${SLURM_JOB_PARTITION:-${PBS_QUEUE:-${DISTLAB_SITE_PARTITION:-$none}}}; QOS: ${SLURM_JOB_QOS:-${DISTLAB_SITE_QOS:-$none}}; constraint: ${DISTLAB_SITE_CONSTRAINT:-$none}${SLURM_JOB_RESERVATION:+; reservation: $SLURM_JOB_RESERVATION}"
     distlab_log "  network: $DISTLAB_NETWORK; GPUs: $DISTLAB_GPU_VENDOR ($([[ $DISTLAB_GPU_VENDOR == amd ]] && echo RCCL || echo NCCL)), $DISTLAB_GPUS_PER_NODE a node; cores a node: ${DISTLAB_NODE_CORES:-${DISTLAB_SITE_CORES_PER_NODE:-unknown}}"
     local gpu_bind="$none (each rank takes the GPU of its local rank)"
-    distlab_log "  binding: cpu ${DISTLAB_SRUN_CPU_BIND:-${DISTLAB_CPU_BIND:-$none}}, gpu ${DISTLAB_SRUN_GPU_BIND:-$gpu_bind}${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${ROCR_VISIBLE_DEVICES:+; ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES}"
+    distlab_log "  binding: cpu ${DISTLAB_SRUN_CPU_BIND:-${DISTLAB_CPU_BIND:-$none}}, gpu ${DISTLAB_SRUN_GPU_BIND:-$gpu_bind}, each GPU rank's threads to its GPU's NUMA node: $DISTLAB_GPU_AFFINITY${CUDA_VISIBLE_DEVICES:+; CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}${HIP_VISIBLE_DEVICES:+; HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES}${ROCR_VISIBLE_DEVICES:+; ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES}"
     local variable
     for variable in NCCL_SOCKET_IFNAME NCCL_NET NCCL_NET_PLUGIN FI_PROVIDER NCCL_CROSS_NIC; do
         [[ -z ${!variable:-} ]] || distlab_log "  $variable=${!variable}"
@@ -441,9 +444,14 @@ distlab_launch() {
         return 0
     fi
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
-        # the reason: SIGTERM (scancel, qdel, the limit) or the walltime warning (Slurm's USR1), which is no failure
-        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line="the job got SIGTERM"
-        [[ $why == SIGTERM ]] || line="Slurm's walltime warning (USR1) came"
+        # the first reason the job was told to stop: SIGTERM (scancel, qdel), the time limit's SIGTERM, or the
+        # walltime warning (Slurm's USR1), which is the job stopping in time, no failure
+        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
+        case $why in
+        "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
+        "time limit") line="the job reached its time limit (SIGTERM)" ;;
+        *) line="the job got SIGTERM" ;;
+        esac
         distlab_log "not launched $name: $line"
         DISTLAB_RESULTS+=("not-launched $name ($why)")
         return 143
@@ -495,15 +503,30 @@ distlab_launch() {
         return 0
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
-    local start=$SECONDS rc
+    local start=$SECONDS rc pid tee_pid out
     DISTLAB_CURRENT=$name
-    "${cmd[@]}" </dev/null 2>&1 | distlab_tee "$log"
-    rc=${PIPESTATUS[0]}
+    # In the background, waited for: bash runs a trap at once when the signal interrupts `wait`, but only after a
+    # foreground command completes (bash manual, "Signals"). At the time limit Slurm SIGKILLs the job KillWait
+    # seconds after its SIGTERM (slurmd's _rpc_terminate_job), which can be before the ranks have ended: the traps
+    # must report while the launch still runs. `wait` returns above 128 for each trapped signal; once the launch
+    # has ended, `wait` gives its own exit code.
+    exec {out}> >(distlab_tee "$log")
+    tee_pid=$!
+    "${cmd[@]}" </dev/null >&"$out" 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+    wait "$pid"
+    rc=$?
+    exec {out}>&-
+    wait "$tee_pid" # the log and the job's output hold the launch's last line before the result line
     local seconds=$((SECONDS - start))
     DISTLAB_CURRENT=
     if ((rc == 0)); then
         distlab_log "ok $name in ${seconds}s"
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
+    elif [[ -n ${DISTLAB_STOPPED_BY:-} ]]; then # its ranks got SIGTERM (distlab_on_sigterm)
+        distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason) (log: $log)"
+        DISTLAB_RESULTS+=("stopped($rc) $name ${seconds}s ($DISTLAB_STOPPED_BY)")
     else
         distlab_log "FAILED $name: exit code $rc after ${seconds}s (log: $log)"
         DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
@@ -511,20 +534,38 @@ distlab_launch() {
     return "$rc"
 }
 
-# distlab_on_sigterm: the job shell's SIGTERM trap (qdel, the walltime). The shell survives to report; bash runs
-# the trap once the launch in progress has ended (the ranks got the signal too and stop at the end of their step).
-# Only a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the
-# way out, and only then does the line say so; no later launch starts: the job is being ended.
+# distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
+# waits in the background): the ranks got the signal too and stop at the end of their step. Only a script the job
+# names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out, and only then
+# does the line say so; no later launch starts: the job is being ended. The summary is written now, as it stands:
+# the scheduler kills what is left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay), perhaps
+# before the launch in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
-    DISTLAB_TERMINATED_BY=SIGTERM
-    local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} "
+    local why=SIGTERM
+    # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END)
+    if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END)); then
+        why="time limit"
+    fi
+    DISTLAB_STOPPED_BY=$why
+    DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-$why} # the first reason names what is not launched after it
+    local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
+    [[ $why == SIGTERM ]] || signal="SIGTERM at the time limit"
     saving=${saving//[,:]/ }
     if [[ -n $current && $saving == *" $current "* ]]; then
-        distlab_log "SIGTERM: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
+        distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
     else
-        distlab_log "SIGTERM: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
+        distlab_log "$signal: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
     fi
+    if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then
+        distlab_write_summary >"$DISTLAB_RUN_DIR/summary.txt"
+        distlab_log "the summary so far: $DISTLAB_RUN_DIR/summary.txt"
+    fi
+}
+
+# distlab_stop_reason: the SIGTERM that stopped the launch in progress, in words
+distlab_stop_reason() {
+    if [[ ${DISTLAB_STOPPED_BY:-} == "time limit" ]]; then echo "SIGTERM at the time limit"; else echo "SIGTERM"; fi
 }
 
 # distlab_rank_map [ARGS...]: every rank of the job prints its host, rank, local rank, CUDA_VISIBLE_DEVICES
@@ -534,16 +575,20 @@ distlab_rank_map() {
     distlab_launch -m distlab.runtime --device "$DISTLAB_DEVICE" --metrics-out "$DISTLAB_RUN_DIR/rank_map.json" "$@"
 }
 
+# distlab_write_summary: what ran, one line a launch, and the launch in progress if the job is being stopped
+distlab_write_summary() {
+    echo "job ${DISTLAB_JOB_ID:-local} on $DISTLAB_NNODES node(s): $DISTLAB_NODES"
+    if ((${#DISTLAB_RESULTS[@]} == 0)) && [[ -z ${DISTLAB_CURRENT:-} ]]; then echo "  (nothing launched)"; fi
+    ((${#DISTLAB_RESULTS[@]} == 0)) || printf '  %s\n' "${DISTLAB_RESULTS[@]}"
+    [[ -z ${DISTLAB_CURRENT:-} ]] || echo "  stopping $DISTLAB_CURRENT (${DISTLAB_STOPPED_BY:-SIGTERM}): its ranks got SIGTERM; its log has their last lines"
+    if [[ -f $DISTLAB_RUN_DIR/nccl_transport.txt ]]; then sed 's/^distlab: /  /' "$DISTLAB_RUN_DIR/nccl_transport.txt"; fi
+    distlab_nccl_warnings | sed 's/^/  /'
+}
+
 # distlab_finish: print what ran, write it to the run directory, exit 1 if any launch failed.
 distlab_finish() {
     local result failed=0
-    {
-        echo "job ${DISTLAB_JOB_ID:-local} on $DISTLAB_NNODES node(s): $DISTLAB_NODES"
-        if ((${#DISTLAB_RESULTS[@]} == 0)); then echo "  (nothing launched)"; fi
-        printf '  %s\n' "${DISTLAB_RESULTS[@]}"
-        if [[ -f $DISTLAB_RUN_DIR/nccl_transport.txt ]]; then sed 's/^distlab: /  /' "$DISTLAB_RUN_DIR/nccl_transport.txt"; fi
-        distlab_nccl_warnings | sed 's/^/  /'
-    } | tee "$DISTLAB_RUN_DIR/summary.txt"
+    distlab_write_summary | tee "$DISTLAB_RUN_DIR/summary.txt"
     for result in "${DISTLAB_RESULTS[@]}"; do
         # a launch held back by the walltime warning is the job stopping in time, not a failure
         [[ $result == ok* || $result == dry-run* || $result == *"(walltime warning)" ]] || failed=1

@@ -5,7 +5,9 @@ Each :class:`BrokenRun` names a script of an earlier chapter and the arguments t
 microbatches; ``--hang NAME`` for chapter 12's hangs), the arguments of the fixed run (``fixed_args``: the bug
 gone, or the corrective setting), what a user sees (``symptom``, never the cause) and where in the run's metrics
 (``evidence``), the cause, the one check that tells it from its look-alikes, and the checks of the script that
-fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``).
+fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``),
+and what the same mistake shows on GPUs under NCCL (``on_nccl``). :data:`SEEN_BY` says which evidence any user's
+tools show and which only the course's instrumentation does.
 
     from labkit import broken_runs
     result = broken_runs.run_case("accumulation-never-syncs")            # the broken run (fork launcher on CPU)
@@ -61,6 +63,21 @@ CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")  
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
 
+# Who can see each kind of evidence a case names (``BrokenRun.evidence``): "user", any user's own tools (the losses
+# each rank prints, the logs, the time a step takes, torch.profiler's trace, torch's flight recorder); "course",
+# only this course's instrumentation (a one-device reference trained beside the run, a comm hook's byte counts,
+# the journals of calls chapter 12's distlab.hangs keeps, the scripts' checks against one device).
+SEEN_BY = {
+    "extra.rank_losses": "user", "losses": "user", "extra.losses_by_step": "user", "extra.earlier_losses": "user",
+    "extra": "user", "throughput": "user", "timeline": "user", "extra.timeline": "user", "extra.ranks": "user",
+    "extra.bubble": "user", "extra.flight_recorder": "user", "output": "user",
+    "extra.diffs.baseline_loss": "course", "extra.grad_diffs": "course", "extra.loss_diffs": "course",
+    "extra.param_diffs": "course", "extra.uninterrupted_losses": "course", "extra.micro_step_bytes": "course",
+    "comm": "course", "checks": "course", "extra.journals": "course", "extra.cause": "course",
+    "extra.verdict": "course", "extra.rank_grad_norms": "user", "extra.one_device_grad_norms": "course",
+    "extra.replica_weight_gaps": "course",
+}
+
 @dataclass(frozen=True)
 class BrokenRun:
     name: str                   # kebab-case; the --planted-bug (or --hang) value where the mistake is in the code
@@ -69,7 +86,8 @@ class BrokenRun:
     args: tuple[str, ...]       # the broken run, on ``nproc`` CPU ranks
     fixed_args: tuple[str, ...]  # the same script, the mistake gone or the corrective setting given
     symptom: str                # what a user sees, never the cause
-    evidence: tuple[str, ...]   # where in the metrics JSON: keys ("extra.rank_losses") or "checks"
+    evidence: tuple[str, ...]   # where in the metrics JSON: keys ("extra.rank_losses") or "checks"; "output":
+    #                             the lines the run printed (an error's message)
     cause: str
     tell_apart: str             # the one check that tells it from its look-alikes
     look_alikes: tuple[str, ...]  # other cases' names, or a plausible wrong cause in a few words
@@ -84,6 +102,7 @@ class BrokenRun:
     wrong_fixes: tuple[tuple[tuple[str, ...], str], ...] = ()  # (args, why it is wrong): still broken
     nproc: int = 4
     gpu_note: str | None = None   # why the GPU job leaves it out (None: it runs there)
+    on_nccl: str = ""   # what the same mistake shows on GPUs under NCCL, beside the CPU run (one table cell)
 
     @property
     def hang(self) -> bool:
@@ -102,6 +121,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- data ------------------------------------------------------------------------------------------------
     BrokenRun(
         name="same-samples-every-rank", family="data", script=TRAIN_DDP,
+        on_nccl="The same: NCCL sums the same gradients gloo does, so every rank prints the same loss; nothing in "
+                "NCCL's logs.",
         args=DDP_RUN + ("--planted-bug", "same-samples-every-rank"), fixed_args=DDP_RUN,
         symptom="Every rank prints the same loss at every step, and the global loss departs from one device's "
                 "trained on the same global batch.",
@@ -120,6 +141,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "DDP loss = single-device loss")),
     BrokenRun(
         name="no-set-epoch", family="data", script=TRAIN_DDP,
+        on_nccl="The same: the order is the sampler's, whatever the backend; nothing in NCCL's logs.",
         args=DDP_RUN + ("--planted-bug", "no-set-epoch"), fixed_args=DDP_RUN,
         symptom="The loss equals one device's for the whole first epoch, then departs from it at the first step "
                 "of the second (step 4 of 5).",
@@ -134,6 +156,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- data parallelism ----------------------------------------------------------------------------------------
     BrokenRun(
         name="accumulation-never-syncs", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same numbers; a GPU profile of the step shows no NCCL all-reduce kernel at all, and the step is "
+                "quicker than it should be.",
         args=DDP_RUN + ("--planted-bug", "accumulation-never-syncs"), fixed_args=DDP_RUN,
         symptom="The loss leaves one device's after the first update and the gap grows at every step; the ranks' "
                 "weights no longer agree after training; the comm hook saw 0 bytes all-reduced per step.",
@@ -148,6 +172,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "DDP gradients = single-device gradients")),
     BrokenRun(
         name="loss-averaged-twice", family="data parallelism", script=DDP_FROM_SCRATCH,
+        on_nccl="The same: the division happens in the program, whatever the backend; nothing in NCCL's logs.",
         args=("--steps", "3", "--planted-bug", "loss-averaged-twice"), fixed_args=("--steps", "3"),
         symptom="The losses stay within 1e-4 of one device's (AdamW hides a gradient's scale), but the averaged "
                 "gradients are not one device's: a quarter of them on 4 ranks.",
@@ -161,6 +186,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("averaged gradients = single-device gradients",)),
     BrokenRun(
         name="nan-from-one-rank", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same: NCCL sums a nan like any number and hands it to every rank; nothing in NCCL's logs.",
         args=DDP_RUN + ("--planted-bug", "nan-from-one-rank"), fixed_args=DDP_RUN,
         symptom="The printed loss is nan from step 2 on, after falling like one device's; from step 3 every rank's "
                 "own loss is nan too, and the replicas' weights are nan.",
@@ -178,6 +204,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("every rank's loss is finite", "DDP loss = single-device loss")),
     BrokenRun(
         name="unused-parameter", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same RuntimeError on every rank, from DDP's reducer before the next forward; nothing in "
+                "NCCL's logs.",
         args=DDP_RUN + ("--planted-bug", "unused-parameter"), fixed_args=DDP_RUN,
         symptom="Step 0 trains, but its line says 0 bytes all-reduced; at step 1 every rank stops with "
                 "RuntimeError: 'Expected to have finished reduction in the prior iteration before starting a new "
@@ -195,11 +223,14 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("every step's forward ran",)),
     BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
+        on_nccl="The three ranks wait in the all-reduce for NCCL's default timeout, 10 minutes; then each logs "
+                "\"Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=ALLREDUCE, ...)\" and is "
+                "taken down (SIGABRT).",
         args=("--hang", "uneven-inputs", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "uneven-inputs", "--stop-at-fewest-batches", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         symptom="The job stops progressing at the end of an epoch: three ranks wait in a gradient all-reduce until "
                 "the process group's timeout (2 s) while the last rank has already finished.",
-        evidence=("extra.journals", "extra.cause", "extra.verdict"),
+        evidence=("extra.journals", "extra.cause", "extra.verdict", "extra.flight_recorder"),
         cause="The ranks' shards of the data are unequal: the last rank has one batch fewer, leaves the loop, and "
               "its peers wait for its all-reduce.",
         tell_apart="The journal: one rank 'finished' with one all-reduce fewer than the others, which are stuck in "
@@ -212,6 +243,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- FSDP --------------------------------------------------------------------------------------------------
     BrokenRun(
         name="checkpoint-one-shard", family="FSDP", script=CHECKPOINT_RESUME,
+        on_nccl="The same jump. Gathering the full state dict under `if rank == 0:` hangs instead: the other ranks "
+                "never join its all-gathers, and the watchdog ends rank 0 at the timeout.",
         prepare_args=CHECKPOINTS + ("--stop-after", "3", "--planted-bug", "checkpoint-one-shard"),
         args=CHECKPOINTS + ("--resume", "--planted-bug", "checkpoint-one-shard"),
         fixed_prepare_args=CHECKPOINTS + ("--stop-after", "3"), fixed_args=CHECKPOINTS + ("--resume",),
@@ -233,6 +266,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "steps trained again after the resume repeat the interrupted run's losses")),
     BrokenRun(
         name="bf16-gradient-reduction", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="FSDP2 asks NCCL to average in bf16 (ReduceOp.AVG), rounding inside NCCL's own reduction, whose order"
+                " is not gloo's: the error's size differs from these CPU numbers. Measure it there.",
         args=("--steps", "3", "--planted-bug", "bf16-gradient-reduction"), fixed_args=("--steps", "3"),
         symptom="Gradients differ from one device's by 1.8e-4 to 2.7e-4 on 2 to 8 ranks, where fp32 rounding leaves "
                 "1.5e-8; the reduce-scatter moves half the bytes the formula says.",
@@ -251,6 +286,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
     BrokenRun(
         name="optimizer-before-sharding", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="The same: no error and a flat loss; the GPU's memory shows it too, no optimizer state allocated "
+                "after the first step.",
         args=("--steps", "3", "--planted-bug", "optimizer-before-sharding"), fixed_args=("--steps", "3"),
         symptom="No error, and the step-0 gradients equal one device's, but the loss does not fall while one "
                 "device's does, and AdamW holds no state: 0 bytes of moments on every rank.",
@@ -267,6 +304,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("optimizer bytes on this rank = ZeRO-3 table", "loss = single-device loss")),
     BrokenRun(
         name="full-state-on-rank-0", family="FSDP", script=DEADLOCKS,
+        on_nccl="Rank 0 waits in the all-gather for the timeout, then logs \"Watchdog caught collective operation "
+                "timeout: WorkNCCL(SeqNum=..., OpType=_ALLGATHER_BASE, ...)\" and is taken down; the other ranks "
+                "have already left.",
         args=("--hang", "full-state-on-rank-0", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "full-state-on-rank-0", "--gather-on-every-rank", *HANG_TIMEOUT,
                     "--trace-dir", "{run_dir}"),
@@ -284,6 +324,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function", hang_cause="skipped collective"),
     BrokenRun(
         name="per-rank-init", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="The same: no error, the replicas start apart and stay apart; nothing in NCCL's logs, since every "
+                "collective has all its partners.",
         args=HSDP_RUN + ("--planted-bug", "per-rank-init"), fixed_args=HSDP_RUN,
         symptom="No error and the loss falls, but it is off one device's before any update, further every step; the "
                 "replicas' weights, each shard summed, differ by the same amount (6.2) before step 0 and after each "
@@ -303,6 +345,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "the replicas hold the same weights", "loss = single-device loss")),
     BrokenRun(
         name="local-grad-norm", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="The same norms, one per rank, printed by clip_grad_norm_; nothing in NCCL's logs, since no "
+                "collective is missing.",
         args=CLIP_RUN + ("--planted-bug", "local-grad-norm"), fixed_args=CLIP_RUN,
         symptom="No error, and the step-0 gradients equal one device's, but the weights leave one device's at the "
                 "first update; each rank logs another gradient norm (0.53 to 0.58 at step 0), none near one "
@@ -322,6 +366,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,
+        on_nccl="The same numbers; nothing in NCCL's logs, since every collective still has all its partners.",
         args=HYBRID_RUN + ("--planted-bug", "data-by-global-rank"), fixed_args=HYBRID_RUN,
         symptom="No error and no hang: the losses are off one device's from the first step, yet the groups read "
                 "back from the model's mesh are right and every collective moves the bytes its formula says.",
@@ -340,6 +385,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- pipelines -----------------------------------------------------------------------------------------------
     BrokenRun(
         name="loss-on-wrong-stage", family="pipelines", script=PP_TRAIN,
+        on_nccl="The same nan on rank 0; nothing in NCCL's logs, since every send still has its receive.",
         args=("--planted-bug", "loss-on-wrong-stage"), fixed_args=(),
         symptom="The loss printed at every step is nan, yet the weights after training equal one device's.",
         evidence=("losses", "checks"),
@@ -353,6 +399,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("losses equal the single-device run's", "the loss fell")),
     BrokenRun(
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
+        on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "
+                "refuses the setting with a ValueError before the first step.",
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
         symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
                 "and the end).",
@@ -371,10 +419,11 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- composition ---------------------------------------------------------------------------------------------
     BrokenRun(
         name="fsdp-before-tp", family="composition", script=FSDP_TP_HYBRID,
+        on_nccl="The same ValueError on every rank, before any NCCL call: DTensor refuses it, not the backend.",
         args=HYBRID_RUN + ("--planted-bug", "fsdp-before-tp"), fixed_args=HYBRID_RUN,
         symptom="Every rank stops before the first step with ValueError: 'Cannot distribute a DTensor with device "
                 "mesh DeviceMesh((dp=2), ...) to a different device mesh DeviceMesh((tp=2), ...)'.",
-        evidence=("checks",),
+        evidence=("output", "checks"),
         cause="fully_shard ran before parallelize_module: the weights are already DTensors on the dp mesh, and "
               "torch 2.13 refuses to distribute a DTensor onto another mesh (torch/distributed/tensor/_api.py:"
               "953-957).",
@@ -387,6 +436,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     # ---- operations ------------------------------------------------------------------------------------------------
     BrokenRun(
         name="mismatched-collectives", family="operations", script=DEADLOCKS,
+        on_nccl="Undefined: NCCL may pair the broadcast with the all-reduces and return wrong values, or wait until "
+                "the watchdog's timeout. TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatch at the call.",
         args=("--hang", "mismatched-collectives", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "none", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         symptom="The job hangs at its first collective until the process group's timeout; every rank is stuck, "
@@ -402,6 +453,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         gpu_note="two different collectives paired on NCCL are undefined behaviour, not a clean hang (chapter 12)"),
     BrokenRun(
         name="resume-without-rng", family="operations", script=FAULT_DRILL,
+        on_nccl="The same, and the CUDA generators join the state to save: without them every random draw on the GPU "
+                "differs after the restart too.",
         prepare_args=("--run-dir", "{run_dir}", "--kill-rank", "1", "--kill-at-step", "5", "--resume-without-rng"),
         args=("--run-dir", "{run_dir}", "--resume-without-rng"),
         fixed_prepare_args=("--run-dir", "{run_dir}", "--kill-rank", "1", "--kill-at-step", "5"),
@@ -421,12 +474,14 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "a step trained twice gives the same loss both times")),
     BrokenRun(
         name="slow-rank", family="operations", script=PROFILE_STEP,
+        on_nccl="The peers' NCCL kernels spin while they wait: their GPUs show full utilisation at low power. The "
+                "profile shows the straggler's compute kernels longer and its peers' all-reduce kernels longer.",
         args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
-        symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank is idle for that "
-                "time while the three others spend it in communication.",
+        symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank computes for "
+                "that time longer than the others, while the three others spend it in communication.",
         evidence=("extra.ranks", "extra.timeline", "throughput", "checks"),
-        cause="One rank is slower than the rest every step (here it sleeps 0.3 s: a slow disk, a busy node), and "
-              "every collective waits for it.",
+        cause="One rank is slower than the rest every step (here it computes 0.3 s more: a rank given more work, "
+              "a slower or throttled device), and every collective waits for it.",
         tell_apart="The timeline per rank: the steps complete (a hang's do not), and the same rank reaches each "
                    "all-reduce last while the others wait in it.",
         look_alikes=("uneven-inputs", "too-few-microbatches", "a slow network"),
@@ -438,6 +493,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("no straggler",)),
     BrokenRun(
         name="rank-0-evaluation", family="operations", script=DEADLOCKS,
+        on_nccl="The three other ranks wait in the next all-reduce for NCCL's default timeout, 10 minutes; then "
+                "each logs \"Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=ALLREDUCE, "
+                "...)\" and is taken down.",
         args=("--hang", "rank-0-evaluation", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
         fixed_args=("--hang", "rank-0-evaluation", "--evaluate-on-every-rank", *HANG_TIMEOUT,
                     "--trace-dir", "{run_dir}"),
@@ -465,13 +523,14 @@ def case(name: str) -> BrokenRun:
 
 
 def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = None, args_override=None,
-             nproc: int | None = None, **launch_kwargs) -> launch.LaunchResult:
+             nproc: int | None = None, extra_args=(), **launch_kwargs) -> launch.LaunchResult:
     """Launch case ``name``, broken or ``fixed``, through :func:`labkit.launch.run` (the fork launcher on a CPU;
     the launch cache where the caller has one) and return its result, metrics loaded. A case that resumes first
     runs its interrupted job in ``run_dir`` (default: ``build/broken_runs/KEY-broken`` or ``-fixed``, KEY a hash
     of the name: the same folder every time, so that a learner's copy of the lab replays the full lab's launch:
     its arguments, the folder among them, are the cache's key). ``args_override``: other arguments for the same
-    script (a wrong fix, say); ``nproc``: another number of ranks than the case's. A broken run fails its
+    script (a wrong fix, say); ``nproc``: another number of ranks than the case's; ``extra_args``: arguments added
+    to the interrupted job's and to the run's (chapter 14's lab: the flag that loads a learner's fix into both). A broken run fails its
     checks: ``check`` defaults to False. One run at a time in a folder (a lock beside it): tests/scripts/test_14
     and the lab, run side by side by make test, use the same folders, and the second replays the first from the
     launch cache."""
@@ -482,6 +541,7 @@ def run_case(name: str, fixed: bool = False, *, run_dir: str | Path | None = Non
     launch_kwargs.setdefault("timeout", 120)
     prepare = run.fixed_prepare_args if fixed else run.prepare_args
     args = args_override if args_override is not None else (run.fixed_args if fixed else run.args)
+    prepare, args = (tuple(prepare) + tuple(extra_args) if prepare else ()), tuple(args) + tuple(extra_args)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -53,6 +53,35 @@ def diagnosis_markdown(cases=None) -> str:
     return "\n".join(lines)
 
 
+# Evidence the lab hides (it names the cause), in the chapter's words.
+DIAGNOSIS_WORDS = {"extra.cause": "the diagnosis read from the journals", "extra.verdict": "the diagnosis read from the journals"}
+EVIDENCE_HEADER = ("case", "what any user's tools show", "what only the course's instrumentation shows")
+
+
+def evidence_markdown(cases=None) -> str:
+    """Each case's evidence (the registry's ``evidence`` keys, in the lab's words), split by who can see it
+    (``broken_runs.SEEN_BY``): a user's own tools, or only the course's instrumentation."""
+    from labkit import broken_runs
+    from labkit.exercises.ch14 import EVIDENCE_WORDS
+
+    lines = ["| " + " | ".join(EVIDENCE_HEADER) + " |", "|---|---|---|"]
+    for case in _registry(cases):
+        seen = {"user": [], "course": []}
+        for key in case.evidence:
+            seen[broken_runs.SEEN_BY[key]].append(EVIDENCE_WORDS.get(key) or DIAGNOSIS_WORDS[key])
+        cells = [f"`{case.name}`"] + ["; ".join(dict.fromkeys(seen[who])) or "nothing" for who in ("user", "course")]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+NCCL_LINE = "**On a GPU (NCCL).**"
+
+
+def nccl_line(case) -> list[str]:
+    """The line of a case's section that says what the same mistake shows on GPUs (the registry's ``on_nccl``)."""
+    return [f"{NCCL_LINE} {_cell(case.on_nccl)}"] if case.on_nccl else []
+
+
 def scripts_markdown(cases=None) -> str:
     """The scripts the broken runs live in, in the registry's order, each once: "`a.py`, `b.py` and `c.py`"."""
     scripts = [f"`{path}`" for path in dict.fromkeys(case.script for case in _registry(cases))]
@@ -97,14 +126,18 @@ CHAPTER = ROOT / "chapters" / "14_when_it_goes_wrong.md"   # the chapter's first
 
 def update_chapter(text: str, cases=None) -> str:
     """Chapter 14's text (one page of it, or all) with its generated parts written again from the registry and the
-    sources: the diagnosis table where the text holds it, and in each case's section its '**Not a fix.**' and
-    '**Reported.**' lines (after its '**The fix.**' paragraph). The prose around them is left as it is."""
+    sources: the diagnosis table and the evidence table where the text holds them, and in each case's section its
+    '**Not a fix.**', '**On a GPU (NCCL).**' and '**Reported.**' lines (after its '**The fix.**' paragraph). The prose around them is left as it is."""
     cases = _registry(cases)
     lines = text.split("\n")
     start = next((i for i, line in enumerate(lines) if line.startswith("| family | ")), None)
     if start is not None:
         end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
         lines[start:end] = diagnosis_markdown(cases).split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"| {EVIDENCE_HEADER[0]} | ")), None)
+    if start is not None:
+        end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+        lines[start:end] = evidence_markdown(cases).split("\n")
     text = "\n".join(lines)
     sections = re.split(r"(?m)^(?=##+ )", text)
     for i, section in enumerate(sections):
@@ -114,9 +147,10 @@ def update_chapter(text: str, cases=None) -> str:
         if not names:
             continue
         body = section.rstrip("\n")
-        kept = [p for p in body.split("\n\n") if p.strip() and not p.startswith(("**Not a fix.**", "**Reported.**"))]
+        kept = [p for p in body.split("\n\n")
+                if p.strip() and not p.startswith(("**Not a fix.**", "**Reported.**", NCCL_LINE))]
         fix = next((j for j, p in enumerate(kept) if p.startswith("**The fix.**")), len(kept) - 1)
-        kept[fix + 1:fix + 1] = (wrong_fix_lines(case) if case else []) + [sources_line(names[0])]
+        kept[fix + 1:fix + 1] = ((wrong_fix_lines(case) + nccl_line(case)) if case else []) + [sources_line(names[0])]
         sections[i] = "\n\n".join(kept) + ("\n\n" if i + 1 < len(sections) else "\n")   # one blank line
     return "".join(sections)
 

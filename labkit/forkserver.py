@@ -6,7 +6,8 @@ to thirty runs. So the first fork launch of a process starts this server, which 
 waits on a Unix socket; each launch asks it to fork a child that *is* the forkrun of that launch (the same
 ``forkrun.main``, the launch's arguments, working directory and environment, its output on a pipe the caller
 reads), so the caller sees what ``subprocess.Popen`` would give it: the output, a process group to kill on a
-timeout, the exit code. ``DISTLAB_FORK_SERVER=0`` turns it off: each launch then starts its own forkrun.
+timeout, the exit code. ``DISTLAB_FORK_SERVER=0`` turns it off: each launch then starts its own forkrun. The same
+server also forks whole programs for :mod:`labkit.forkexec` (a scheduler's ranks in the test tiers).
 
 The server's socket is exported to the processes its starter starts afterwards (``DISTLAB_FORK_SERVER_SOCKET``):
 make test starts one server a phase, before its pytest workers (tests/conftest.py), and the workers, their notebook
@@ -133,13 +134,13 @@ def _start_server() -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _receive(connection: socket.socket) -> tuple[dict, int]:
-    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1)
+def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
     size = int.from_bytes(message[:8], "big")
     body = message[8:]
     while len(body) < size:
         body += connection.recv(size - len(body))
-    return json.loads(body), fds[0]
+    return json.loads(body), fds
 
 
 def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) -> None:
@@ -189,11 +190,16 @@ def serve(path: str) -> None:
         except (TimeoutError, socket.timeout):
             continue
         connection.settimeout(None)
-        request, output_fd = _receive(connection)
+        request, fds = _receive(connection)
         if os.fork() == 0:
             server.close()
-            _be_the_forkrun(request, output_fd, connection)
-        os.close(output_fd)
+            if request.get("kind") == "exec":   # a program a scheduler started (labkit.forkexec's client)
+                from labkit import forkexec
+
+                forkexec.be_the_program(request, fds, connection)
+            _be_the_forkrun(request, fds[0], connection)
+        for fd in fds:
+            os.close(fd)
         connection.close()
 
 

@@ -133,25 +133,31 @@ distlab_deadline() {
     # DISTLAB_DEADLINE (seconds since the epoch) = the job's EndTime less DISTLAB_WALLTIME_MARGIN, as under PBS:
     # the scripts that checkpoint (fault_drill.py) stop themselves before it, write a checkpoint and exit 0.
     # At the limit Slurm sends TERM (up to about 30 s late: it checks limits every 30 s) and KILL KillWait later.
-    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
     local end limit
     end=$(distlab_job_field EndTime)
     limit=$(distlab_job_field TimeLimit)
     [[ -n $end && $end != Unknown && $limit != UNLIMITED ]] || return 0 # not a Slurm job, or no limit
     end=$(date -d "$end" +%s 2>/dev/null) || distlab_die "cannot read the job's EndTime '$end'"
+    # the job's end: a SIGTERM at or after it is the time limit's (distlab_on_sigterm), and the warning says how near
+    export DISTLAB_JOB_END=$end
+    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
     (( end - $(date +%s) > DISTLAB_WALLTIME_MARGIN )) || distlab_die "the time limit ($limit) leaves less than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s): ask a longer --time or a smaller margin"
     DISTLAB_DEADLINE=$((end - DISTLAB_WALLTIME_MARGIN))
     export DISTLAB_DEADLINE
     distlab_log "deadline: scripts that checkpoint stop by $(date -d "@$DISTLAB_DEADLINE" +%T) (time limit $limit less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"
 }
 
-# distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: Slurm signals the batch
-# shell N s, up to about N + 30 s, before the limit). Bash runs it once the launch in progress has ended: nothing
-# more is launched, so no script starts that the limit would cut short.
+# distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: slurmctld checks limits every
+# 30 s and sends the warning at the first check within N + 30 s of the end, so N to N + 30 s before it; the time
+# limit's SIGTERM comes at the first check at or after the end). It runs at once (distlab_launch waits in the
+# background): nothing more is launched, so no script starts that the limit would cut short; the launch in progress
+# goes on (a script that checkpoints stops itself by DISTLAB_DEADLINE, or at the limit's SIGTERM).
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-walltime warning} # a SIGTERM before it keeps its name
-    distlab_log "walltime warning from Slurm (USR1): nothing more is launched; a chained successor goes on from the checkpoint"
+    local left=""
+    [[ -z ${DISTLAB_JOB_END:-} ]] || left=", $((DISTLAB_JOB_END - $(date +%s))) s before the time limit"
+    distlab_log "walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched${DISTLAB_CURRENT:+ ($DISTLAB_CURRENT goes on)}; a chained successor goes on from the checkpoint"
 }
 trap distlab_on_walltime_warning USR1
 
@@ -193,7 +199,7 @@ distlab_chain_next() {
     # --export=ALL hands on this job's environment, less what this job set for itself: the successor makes its own
     # run folder, deadline, NCCL log folder and rendezvous, and NCCL_DEBUG unless the user set it (this job's default
     # WARN, handed on, would read as the user's choice there, and its transport report would get no INFO lines)
-    local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u NCCL_DEBUG_FILE -u MASTER_ADDR
+    local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u DISTLAB_JOB_END -u NCCL_DEBUG_FILE -u MASTER_ADDR
         -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
     # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU

@@ -52,3 +52,39 @@ def assert_usage_error(script: str, args, flag: str, nproc: int = 4, max_seconds
     assert not [ln for ln in result.lines if ln.startswith("Traceback")], result.tail()
     assert result.seconds < max_seconds, f"took {result.seconds:.1f} s to fail"
     return result
+
+
+def scheduler_python() -> str:
+    """The interpreter the Slurm and PBS tiers give their jobs (DISTLAB_PYTHON): a wrapper that runs each rank as a
+    child of make test's fork server (``labkit.forkexec``: torch imported once, not once a rank), and hands anything
+    else, or everything when no server is exported to the job, to this interpreter unchanged."""
+    global _SCHEDULER_PYTHON
+    if _SCHEDULER_PYTHON is None:
+        import atexit
+        import shutil
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        folder = Path(tempfile.mkdtemp(prefix="distlab-python-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        wrapper = folder / "python"
+        forkexec = Path(__file__).resolve().parents[1] / "labkit" / "forkexec.py"
+        wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{forkexec}" "$@"\n')
+        wrapper.chmod(0o755)
+        _SCHEDULER_PYTHON = str(wrapper)
+    return _SCHEDULER_PYTHON
+
+
+_SCHEDULER_PYTHON: str | None = None
+
+
+def forkexec_settings() -> dict[str, str]:
+    """A job's settings that make its ranks fork from make test's server (empty when no server runs): the
+    environment the PBS tier hands its jobs is cleaned of DISTLAB_*, the server's socket with it."""
+    import os
+
+    from labkit import forkserver
+
+    socket_path = os.environ.get(forkserver.SOCKET_ENV)
+    return {"DISTLAB_PYTHON": scheduler_python(), forkserver.SOCKET_ENV: socket_path} if socket_path else {}

@@ -1,6 +1,7 @@
 """Chapter 11's pictures: the decision path as a flowchart, drawn from the planner's own tree of questions
 (``planner.DECISION_QUESTIONS``): each question once, its yes and no, and the worked cases each outcome receives,
-routed by the planner's answers (``planner.decision_route``)."""
+routed by the planner's answers (``planner.decision_route``); and a GEMM's speed by its shape (``planner.gemm``)
+beside Megatron-LM's Table 1, the planner's predictions at each row's published settings."""
 
 from __future__ import annotations
 
@@ -62,4 +63,41 @@ def draw_decision_flowchart(fig) -> None:
                      "path names), and --dry-run builds it at full size", ha="center", fontsize=7, style="italic")
 
 
-FIGURES = {"11_decision_flowchart.png": (draw_decision_flowchart, (10, 6))}
+def draw_gemm_efficiency_and_width(fig) -> None:
+    """Left: the share of the peak a square GEMM reaches, by its size, as planner.gemm models it on an A100 and an
+    H100, with OpenXLA's measured H100 points. Right: Table 1's per-GPU TFLOP/s by model and the planner's, at each
+    row's published settings."""
+    from coursetools.figures import RANK_COLOURS
+    from distlab.planner import gemm, published
+
+    left, right = fig.subplots(1, 2)
+    sizes = [2 ** (x / 4) for x in range(32, 57)]   # 256 to 16384
+    for colour, (name, label) in zip(RANK_COLOURS, (("a100-80gb", "A100 (model)"), ("h100-80gb", "H100 (model)"))):
+        hardware = gemm.MATMUL_HARDWARE[name]
+        left.plot(sizes, [gemm.gemm_efficiency(gemm.Gemm("", int(n), int(n), int(n)), hardware) for n in sizes],
+                  color=colour, label=label)
+    cubes = [(m, v) for (m, n, k), v in gemm.XLA_H100_BF16.items() if m == n == k]
+    left.scatter([m for m, _ in cubes], [v / gemm.MATMUL_HARDWARE["h100-80gb"].peak_flops for _, v in cubes],
+                 color=RANK_COLOURS[1], marker="x", zorder=3, label="H100 measured (OpenXLA)")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("n of an n x n x n bf16 GEMM")
+    left.set_ylabel("share of the dense peak")
+    left.set_ylim(0, 1)
+    left.legend(fontsize=7, loc="lower right")
+    left.set_title("A GEMM's speed grows with its size", fontsize=9)
+    rows = published.megatron_width_table()
+    x = range(len(rows))
+    right.plot(x, [r["published"] for r in rows], marker="o", color="black", label="Table 1 (published)")
+    right.plot(x, [r["predicted"] for r in rows], marker="s", color=RANK_COLOURS[0],
+               label="planner, at the published settings")
+    right.set_xticks(list(x), [r["label"].split(",")[0].replace("Megatron ", "").replace("1008.0B", "1T")
+                               for r in rows], rotation=45, fontsize=7)
+    right.set_ylabel("TFLOP/s per A100 (Megatron's count)")
+    right.set_ylim(100, 180)
+    right.legend(fontsize=7, loc="lower right")
+    right.set_title("Megatron-LM's Table 1: per-GPU throughput by model", fontsize=9)
+    fig.tight_layout()
+
+
+FIGURES = {"11_decision_flowchart.png": (draw_decision_flowchart, (10, 6)),
+           "11_gemm_width.png": (draw_gemm_efficiency_and_width, (10, 4))}

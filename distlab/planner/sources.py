@@ -49,6 +49,7 @@ TORCHTITAN_PERF_DOC_COMMIT = "041336434916bdc0f88c1f89fda176fd3c2092e4"
 TORCHTITAN_BENCH_RUN_COMMIT = "9dec370ad26b5f8e9a7333a0e36165018262644b"
 NCCL_COMMIT = "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2"
 NCCL_HEAD = "5067397c2676d5aed50042fc39e5c8ee96eb0027"  # NVIDIA/nccl snapshot read (2026-06-11), tuning.cc
+XLA_MATMUL_TABLE_COMMIT = "372d578bb861cc5804e56d37d93aec931a59762c"  # tensorflow/tensorflow, the version read
 DEEPSPEED_HEAD = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"  # deepspeedai/DeepSpeed snapshot read
 TORCHTITAN_BENCH_URL = ("https://github.com/pytorch/torchtitan/blob/" + TORCHTITAN_BENCH_COMMIT
                         + "/benchmarks/llama3_h100_202412_torchtitan.md")
@@ -623,10 +624,55 @@ SOURCES: dict[str, Source] = {
         "def reduce_ready_partitions_and_remove_grads(self, param, i): if self.partition_gradients or "
         "self.is_gradient_accumulation_boundary() or self.zenflow:",
         "https://github.com/deepspeedai/DeepSpeed/blob/" + DEEPSPEED_HEAD + "/deepspeed/runtime/zero/stage_1_and_2.py"),
+    # ------------------------------------------------------------------------------------------------------
+    # GEMM speed by shape (planner.gemm) and Table 1's settings for every row
+    # ------------------------------------------------------------------------------------------------------
+    "mamf_a100_h100": Source(
+        "S. Bekman, Machine Learning Engineering Open Book (stas00/ml-engineering): his measurements with "
+        "mamf-finder.py",
+        "compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table', BF16 (the v2 table)",
+        "The following measurements are for `matmul` with BF16 and FP8 inputs (no sparsity) TFLOPS ... Using a mean "
+        "of 100 iterations after 50 warmup iterations for each shape. ... | Accelerator | MAMF | Theory | Efficiency "
+        "| Best Shape MxNxK | torch ver | ... | NVIDIA A100 SXM | 271.2 | 312 | 86.9% | 1024x10240x5120 | "
+        "2.6.0+cu126 | ... | NVIDIA H100 SXM | 794.5 | 989 | 80.3% | 2048x2048x13312 | 2.7.0+cu126 |",
+        "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md"),
+    "xla_h100_matmul_table": Source(
+        "OpenXLA (in tensorflow/tensorflow), its default matmul performance table for the GPU cost model",
+        f"third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h at {XLA_MATMUL_TABLE_COMMIT}",
+        'constexpr char kDefaultMatmulPTable[] = R"pb( entries { key: "sm_90" value { ... entries { b: 1 m: 256 '
+        'n: 256 k: 256 flops { key: "bf16xbf16->bf16" value: 6452775384615 } ... entries { b: 1 m: 1024 n: 1024 '
+        'k: 1024 flops { key: "bf16xbf16->bf16" value: 236298816901408 } ... entries { b: 1 m: 4096 n: 4096 '
+        'k: 4096 flops { key: "bf16xbf16->bf16" value: 783328793548203 }  [FLOP/s measured on sm_90 (H100); '
+        'planner.gemm.XLA_H100_BF16 copies 20 of its b = 1 entries, each as the file prints it]',
+        "https://github.com/tensorflow/tensorflow/blob/" + XLA_MATMUL_TABLE_COMMIT
+        + "/third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h"),
+    "megatron_sc21_run_table_1_all": Source(
+        "NVIDIA/Megatron-LM", f"examples/sc21/run_table_1.sh at {MEGATRON_SC21_2022_COMMIT} (2022-07-24)",
+        'if [ ${MODEL_SIZE} == "1.7B" ]; then TP=1 PP=1 MBS=16 GBS=512 NLS=24 HS=2304 NAH=24 DDP=torch ... '
+        'elif [ ${MODEL_SIZE} == "3.6B" ]; then TP=2 PP=1 MBS=16 GBS=512 NLS=30 HS=3072 NAH=32 DDP=torch ... '
+        'elif [ ${MODEL_SIZE} == "7.5B" ]; then TP=4 PP=1 MBS=16 GBS=512 NLS=36 HS=4096 NAH=32 DDP=torch ... '
+        'elif [ ${MODEL_SIZE} == "18B" ]; then TP=8 PP=1 MBS=8 GBS=1024 NLS=40 HS=6144 NAH=48 DDP=torch ... '
+        'elif [ ${MODEL_SIZE} == "39B" ]; then TP=8 PP=2 MBS=4 GBS=1536 NLS=48 HS=8192 NAH=64 DDP=local ... '
+        'MEGATRON_EXTRA_PARAMS="--recompute-method uniform " elif [ ${MODEL_SIZE} == "76B" ]; then TP=8 PP=4 MBS=2 '
+        'GBS=1792 NLS=60 HS=10240 NAH=80 DDP=local NNODES=128 MEGATRON_EXTRA_PARAMS="--recompute-method uniform '
+        '--num-layers-per-virtual-pipeline-stage 5"  [the four largest: as megatron_sc21_run_table_1_145b, _310b, '
+        '_530b, _1t; 8 GPUs a node]',
+        "https://github.com/NVIDIA/Megatron-LM/blob/" + MEGATRON_SC21_2022_COMMIT + "/examples/sc21/run_table_1.sh"),
 }
 
 # Figures read only in a third party's copy or quotation of the primary source.
 SECONDARY: dict[str, Source] = {
+    "a100_hbm_bandwidth": Source(
+        "NVIDIA A100 datasheet -- as G. Lockwood's notes give it, citing nvidia-a100-datasheet-us-nvidia-1758950-r4",
+        "glennklockwood.com/garden/processors/A100, Specifications",
+        "A100 40G SXM4 ... 40 GB HBM2 (5 stacks) ... 1.555 TB/s ... A100 80G SXM4 ... 80 GB HBM2e (5 stacks) ... "
+        "2.039 GB/s  [the page's own typo for TB/s]",
+        "https://glennklockwood.com/garden/processors/A100"),
+    "v100_hbm_bandwidth": Source(
+        "NVIDIA's A100 80GB announcement -- as AnandTech's specification table gives it",
+        "anandtech.com/show/16250, NVIDIA Accelerator Specification Comparison",
+        "A100 (80GB) A100 (40GB) V100 ... Memory Bandwidth 2.0TB/sec 1.6TB/sec 900GB/sec",
+        "https://www.anandtech.com/show/16250/nvidia-announces-a100-80gb-ampere-gets-hbm2e-memory-upgrade"),
     "korthikanti_activation_formula": Source(
         "Korthikanti et al. (2022), Reducing Activation Recomputation in Large Transformer Models, arXiv:2205.05198 "
         "-- its equation 1 as AWS's Neuron documentation quotes it",

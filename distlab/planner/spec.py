@@ -227,8 +227,12 @@ class Cluster:
     inter_node_bytes_per_s: float
     source: str = ""
     # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
-    # model's FLOPs reach in its kernels, and the latency of one step of a ring inside a node and across nodes
+    # model's FLOPs reach as one number (quick estimates: chapter 13's, lab 11's); the share of the compute time
+    # the blocks' GEMMs take, at the rate their shapes get (planner.gemm), the rest being norms, softmax,
+    # element-wise kernels and gaps (what the step time uses); the latency of one step of a ring inside a node
+    # and across nodes
     compute_efficiency: float = 0.5
+    gemm_time_share: float = 0.7
     intra_node_latency_s: float = 3.4e-6
     inter_node_latency_s: float = 14e-6
 
@@ -242,9 +246,9 @@ class Cluster:
 # NCCL's own cost model for the Simple protocol of a ring step (src/graph/tuning.cc, hwLat: NVLink 3.4 us,
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
-    "A100": {"compute_efficiency": 0.56, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "H100": {"compute_efficiency": 0.57, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
-    "V100": {"compute_efficiency": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "A100": {"compute_efficiency": 0.56, "gemm_time_share": 0.7, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "H100": {"compute_efficiency": 0.57, "gemm_time_share": 0.72, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
+    "V100": {"compute_efficiency": 0.5, "gemm_time_share": 0.5, "intra_node_latency_s": 3.4e-6, "inter_node_latency_s": 14e-6},
 }
 
 CLUSTERS: dict[str, Cluster] = {

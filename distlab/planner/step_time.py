@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from distlab import schedules
+from distlab.planner.gemm import block_rate, hardware_of
 from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, group_sizes
 from distlab.planner.memory import memory_per_gpu, stage_params
 from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
@@ -100,6 +101,15 @@ def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options =
             "attention": tokens * layers * attention * (1 + (mode != "none") / 3)}
 
 
+def compute_rate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = Options()) -> float:
+    """FLOP/s one GPU reaches on the model's compute: the dense peak x the share its block's GEMMs reach at their
+    shapes on one TP rank (planner.gemm: the roofline and a kernel's fixed cost) x the share of the time those GEMMs
+    take (``Cluster.gemm_time_share``, fitted once per GPU type)."""
+    rate = block_rate(model, hardware_of(cluster), layout.tp, layout.cp, model.micro_batch, options.flash_attention,
+                      layout.ep, sequence_parallel(options, layout))
+    return rate * cluster.gemm_time_share
+
+
 def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, options: Options = Options()) -> dict:
     """One stage's step without the bubble: its compute at the cluster's efficiency, and the communication that
     does not hide behind it, per dimension (seconds):
@@ -117,7 +127,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     * pp is counted by :func:`evaluate` (the fill and the drain).
     """
     flops = stage_flops(model, layout, stage, options)
-    rate = cluster.peak_flops * cluster.compute_efficiency
+    rate = compute_rate(model, cluster, layout, options)
     compute = (flops["model"] + flops["recompute"]) / rate
     m = microbatches(model, layout)
     forward, backward = flops["forward"] / rate / m, compute / m - flops["forward"] / rate / m

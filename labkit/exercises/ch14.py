@@ -7,13 +7,13 @@ things of each:
 
 * **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
   what it would have shown, and which of the run's own evidence to look at again (never the answer);
-* **the fix** (``check_fix_*``): a small function or setting. Where the answer can enter the job, the job is
-  launched again with it and must pass :func:`labkit.broken_runs.fix_holds`: the symptom gone, every check against
-  one device passing. A setting goes in as the script's flag (``check_fix_microbatches``); a function the script
-  can call (``check_fix_data_shard``, ``check_fix_wrappers``, ``check_fix_optimizer_order``) is written to a file
-  the script loads with its flag (:func:`learner_file`), so it runs inside the job, and a wrong one fails there.
-  The other answers (a rule, a list of names) are judged on hand-made cases only: the script's own fixed run would
-  not run them, so the job is not launched again for them.
+* **the fix** (``check_fix_*``): a small function or setting, always run inside the job. A function is written to
+  a file (:func:`learner_file`) that the case's script loads with its flag (``--fix-from``, or the older
+  ``--data-shard-from``, ``--wrappers-from``, ``--optimizer-from``) and calls on every rank in place of its own
+  code; a setting goes in as the script's flag (``--microbatches``, ``--reduce-dtype``, ``--checkpoint-holds``).
+  The fix passes only when that run passes its own checks (:func:`labkit.broken_runs.fix_holds`): the symptom
+  gone, every check against one device passing. A wrong fix fails there, and the message says which of the run's
+  checks failed, never the answer.
 
 Runs are launched once per kernel (:func:`_launch`); :func:`prefetch` starts the broken runs in the background.
 """
@@ -184,6 +184,7 @@ EVIDENCE_WORDS = {
     "throughput": "the time a step takes",
     "timeline": "the timeline per rank",
     "extra": "what the run recorded of each attempt",
+    "output": "the run's output, rank by rank: its errors",
 }
 
 
@@ -237,14 +238,15 @@ TIMED = ("too-few-microbatches", "slow-rank")
 CACHE_ENV = "DISTLAB_LAUNCH_CACHE"
 
 
-def _launch(label_or_name: str, fixed: bool = False, args=None):
+def _launch(label_or_name: str, fixed: bool = False, args=None, extra=(), nproc=None):
     """The run of a case (by its lab label or its name), broken or ``fixed`` or with ``args`` instead of the
-    case's, launched once per kernel through :func:`labkit.broken_runs.run_case`: the full result, as the script
-    wrote it (the lab shows :func:`run`'s view of it)."""
+    case's, ``extra`` added to the interrupted job's arguments and the run's, launched once per kernel through
+    :func:`labkit.broken_runs.run_case`: the full result, as the script wrote it (the lab shows :func:`run`'s view
+    of it)."""
     case = _case(label_or_name)
     prepare = case.fixed_prepare_args if fixed else case.prepare_args
     chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
-    key = (case.script, prepare, chosen)
+    key = (case.script, prepare, chosen) + ((tuple(extra),) if extra else ()) + ((nproc,) if nproc else ())
     if key in _PENDING:   # started by prefetch(): wait for it
         _RUNS[key] = _PENDING.pop(key).result()
     if key not in _RUNS:
@@ -254,7 +256,8 @@ def _launch(label_or_name: str, fixed: bool = False, args=None):
         uncached = case.name in TIMED and (fixed or args is not None)
         cache = os.environ.pop(CACHE_ENV, None) if uncached else None
         try:
-            _RUNS[key] = broken_runs.run_case(case.name, fixed=fixed, args_override=args, stream=False)
+            _RUNS[key] = broken_runs.run_case(case.name, fixed=fixed, args_override=args, extra_args=extra,
+                                              nproc=nproc, stream=False)
         finally:
             if cache is not None:
                 os.environ[CACHE_ENV] = cache
@@ -305,9 +308,9 @@ RENAMED_CHECKS = {
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
-                 "data_shard_from", "wrappers_from",   # the flags that load a learner's fix name what it fixes
-                 "gather_on_every_rank", "evaluate_on_every_rank", "eval_seconds", "model_seed_from",
-                 "clip_from")
+                 "data_shard_from", "wrappers_from", "fix_from", "reduce_dtype",
+                 "checkpoint_holds", "gather_on_every_rank", "evaluate_on_every_rank",
+                 "eval_seconds", "model_seed_from", "clip_from")   # the flags that load a learner's fix name what it fixes
 
 
 def shown_check_name(name: str) -> str | None:
@@ -373,6 +376,20 @@ def learner_file(function, name: str) -> str:
     """Write the learner's ``function`` (its source) to a file the script loads with its flag, as ``name``: the
     fix then runs inside the job. The file is named by a hash of its text, so the launch cache (keyed by the
     arguments) never replays another version of the function."""
+    return learner_files({name: function})
+
+
+def learner_files(functions: dict) -> str:
+    """:func:`learner_file` for several functions, {name: function}, in one file: one launch runs them all."""
+    text = _PRELUDE + "".join(_learner_source(function, name) for name, function in functions.items())
+    path = Path(LEARNER_DIR) / f"{'-'.join(functions)}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+def _learner_source(function, name: str) -> str:
     if function is None or function is ...:
         raise _not_done(name, f"Write {name}().")
     if not callable(function) or getattr(function, "__name__", "<lambda>") == "<lambda>":
@@ -383,12 +400,7 @@ def learner_file(function, name: str) -> str:
         raise ExerciseWrong(f"{name}: its source cannot be read; define it with def in a cell.") from None
     if "raise NotImplementedError" in source:   # the learner's copy's stub
         raise _not_done(name, f"Write {name}().")
-    text = _PRELUDE + source + (f"\n\n{name} = {function.__name__}\n" if function.__name__ != name else "")
-    path = Path(LEARNER_DIR) / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        path.write_text(text)
-    return str(path)
+    return source + (f"\n\n{name} = {function.__name__}\n" if function.__name__ != name else "") + "\n\n"
 
 
 # A script's check of its own timing model, neither the symptom nor the comparison with one device, that a loaded
@@ -405,207 +417,209 @@ def last_fix_run() -> Shown | None:
     return _LAST_FIX[-1] if _LAST_FIX else None
 
 
-def _said(problem: str) -> str:
-    """One of fix_holds' problems in the lab's words: a check by its shown name, never one the lab hides."""
+def _said(problem: str, blame=()) -> str:
+    """One of fix_holds' problems in the lab's words: a check by its shown name, never one the lab hides; with
+    ``blame`` ((check beginning, function name), ...), the learner's function that check judges, first."""
     for form in (r"check failed: (.*)", r"check '(.*)\.\.\.' did not run"):
         found = re.fullmatch(form, problem)
         if found:
             name = shown_check_name(found[1])
             what = "failed" if form.startswith("check failed") else "did not run"
-            return f"'{name}' {what}" if name else f"one of the script's own checks of the fault {what}"
+            said = f"'{name}' {what}" if name else f"one of the script's own checks of the fault {what}"
+            whose = next((function for beginning, function in blame if found[1].startswith(beginning)), None)
+            return f"{whose}(): {said}" if whose else said
     if problem.startswith("the journal still finds a hang"):
         return "the job still hangs (every rank's journal ends in a wait)"
     return problem
 
 
-def _fixed_run_holds(name: str, args=None, why: str = "") -> None:
+FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's function in place of its own code
+# The fixes judged on 2 ranks: their scripts' checks hold on any number, and 2 ranks on the lab's 2 cores take a half
+# to a third of 4's time (measured), which keeps the lab's 13 fix runs within its minute. The others need 4 ranks:
+# deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks.
+FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
+             "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2}
+
+
+def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:
+    """Write the learner's ``function`` to a file, launch case ``name``'s job with it (``args``: the case's fixed
+    run unless given; the flag goes to the interrupted job too, for a case that resumes) and pass only when the
+    job's own checks do."""
+    path = learner_file(function, function_name)
+    _fixed_run_holds(name, args=args, extra=(FIX_FLAG, path), why=why, say=say)
+
+
+def _fixed_run_holds(name: str, args=None, why: str = "", extra=(), say: bool = True, blame=()) -> None:
     """Launch the case's fixed run (or ``args``: the learner's setting, or the flag that loads the learner's code)
     and require that the symptom is gone and it equals one device (:func:`labkit.broken_runs.fix_holds`, less
     :data:`TIMING_MODEL_CHECKS`). A failure says what the run shows, never the cause."""
     case = broken_runs.case(name)
-    result = _launch(name, fixed=True, args=args)
+    result = _launch(name, fixed=True, args=args, extra=extra, nproc=FIX_NPROC.get(name))
     _LAST_FIX.append(shown(result))
     problems = [problem for problem in broken_runs.fix_holds(case, result.metrics)
                 if not any(timing in problem for timing in TIMING_MODEL_CHECKS)]
+    if result.metrics is None:   # it stopped before its checks: a configuration error, or the learner's code raised
+        said = [line for line in result.output.splitlines() if "config error" in line or "Error" in line]
+        raise ExerciseWrong(f"the job run with this fix stopped (exit code {result.returncode}) before its checks"
+                            + (f": {said[-1].strip()[:300]}" if said else "") + ". exercises.last_fix_run() shows "
+                            "its output.")
     if problems:
         raise ExerciseWrong(f"the job run with this fix (exit code {result.returncode}) still fails: "
-                            f"{'; '.join(_said(p) for p in problems[:3])}. exercises.last_fix_run() shows its "
+                            f"{'; '.join(_said(p, blame) for p in problems[:3])}. exercises.last_fix_run() shows its "
                             "output and metrics.")
     checks = len((result.metrics or {}).get("checks", []))
+    if not say:
+        return
     print(f"Correct: {why} The run again: {checks} checks passed, the symptom is gone"
           + (" and the journal finds no hang." if case.hang else ", and it equals one device where it compares."))
 
 
-def _judged_by_hand(name: str, why: str = "") -> None:
-    """A fix whose answer cannot enter the job as it stands (a rule, a list of names): judged on the hand-made
-    cases alone. The job is not launched again: the script's own fixed run would not run the learner's code, so it
-    could not fail a wrong answer (tests/scripts/test_14 proves that run; the lab leaves it to the reader)."""
-    print(f"Correct: {why} Checked on hand-made cases; your code does not run in the job here. The script's own "
-          f"fix: labkit.broken_runs.run_case({name!r}, fixed=True).")
-
-
-def _reference_shards(size: int, world: int, epoch: int = 0, seed: int = 0) -> list[list[int]]:
-    from torch.utils.data import DistributedSampler
-
-    shards = []
-    for rank in range(world):
-        sampler = DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=True, seed=seed)
-        sampler.set_epoch(epoch)
-        shards.append(list(sampler))
-    return shards
-
-
-# ---- the fixes, family by family ------------------------------------------------------------------------------
+# ---- the fixes, family by family: each one run inside the job --------------------------------------------------
 
 @learner_check
 def check_fix_sampler(rank_sampler) -> None:
-    """``rank_sampler(dataset, rank, world_size)``: the sampler a rank draws its samples from."""
-    for size, world in ((32, 4), (24, 2), (40, 8)):
-        dataset = list(range(size))
-        shards = []
-        for rank in range(world):
-            sampler = call_learner("rank_sampler", rank_sampler, dataset, rank, world)
-            if sampler is None:
-                raise _not_done("rank_sampler", "Return a sampler.")
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(0)
-            shards.append(list(sampler))
-        together = [i for shard in shards for i in shard]
-        if all(shard == shards[0] for shard in shards):
-            raise ExerciseWrong(f"on {world} ranks every rank's sampler gives the same {len(shards[0])} samples: "
-                                "that is the bug (every rank built as rank 0). Pass each rank its own index.")
-        if len(together) > size or len(set(together)) < len(together):
-            raise ExerciseWrong(f"on {world} ranks the samplers give {len(together)} indices for {size} samples, "
-                                f"{len(together) - len(set(together))} of them twice: each rank must get its own "
-                                "share (num_replicas=world_size), and every rank must shuffle with the same seed so "
-                                "the shares are cut from one permutation.")
-        if set(together) != set(range(size)):
-            raise ExerciseWrong(f"on {world} ranks {size - len(set(together))} samples are read by no rank.")
-    _judged_by_hand("same-samples-every-rank", why="each rank reads its own quarter of one shared permutation.")
+    """``rank_sampler(dataset, rank, world_size)``: the sampler a rank draws its samples from. Run inside the job:
+    train_ddp.py loads it from a file (--fix-from) on every rank and trains from the sampler it returns."""
+    _fix_in_job("same-samples-every-rank", rank_sampler, "rank_sampler",
+                why="each rank reads its own share of one permutation shared by all.")
 
 
 @learner_check
 def check_fix_set_epoch(epoch_indices) -> None:
-    """``epoch_indices(sampler, epoch)``: the indices the sampler hands out in ``epoch``."""
-    from torch.utils.data import DistributedSampler
-
-    for world in (4, 2):
-        for rank in range(world):
-            sampler = DistributedSampler(range(32), num_replicas=world, rank=rank, shuffle=True, seed=0)
-            got = [list(call_learner("epoch_indices", epoch_indices, sampler, epoch) or []) for epoch in range(3)]
-            want = [_reference_shards(32, world, epoch)[rank] for epoch in range(3)]
-            if got[1] == got[0]:
-                raise ExerciseWrong("epoch 1 repeats epoch 0's order: DistributedSampler shuffles with "
-                                    "seed + epoch, and the epoch changes only when you call sampler.set_epoch().")
-            if got != want:
-                raise ExerciseWrong(f"rank {rank} of {world}: the order differs from DistributedSampler's own for "
-                                    "epochs 0-2. Every rank must draw the same permutation (seed + epoch) so the "
-                                    "shares stay disjoint: set the sampler's epoch, do not shuffle yourself.")
-    _judged_by_hand("no-set-epoch", why="a new order every epoch, the same on every rank.")
+    """``epoch_indices(sampler, epoch)``: the indices the sampler hands out in ``epoch``. Run inside the job:
+    train_ddp.py calls it (--fix-from) at every epoch's start, on every rank, and draws that epoch from them."""
+    _fix_in_job("no-set-epoch", epoch_indices, "epoch_indices", why="a new order every epoch, the same on every rank.")
 
 
 @learner_check
 def check_fix_accumulation(synchronises) -> None:
-    """``synchronises(micro_step, accumulation)``: whether this micro-batch runs outside no_sync()."""
-    for accumulation in (1, 2, 4):
-        got = [bool(call_learner("synchronises", synchronises, i, accumulation)) for i in range(accumulation)]
-        want = [i == accumulation - 1 for i in range(accumulation)]
-        if got == want:
-            continue
-        if not any(got):
-            raise ExerciseWrong(f"with {accumulation} micro-batches none synchronises: DDP never all-reduces, and "
-                                "each replica trains on its own data (the bug).")
-        if all(got):
-            raise ExerciseWrong(f"with {accumulation} micro-batches every one all-reduces: the gradients are "
-                                f"right, but the step moves {accumulation}x the bytes. no_sync() exists to skip "
-                                "all but the last.")
-        raise ExerciseWrong(f"with {accumulation} micro-batches you synchronise {got}: the all-reduce sums the "
-                            "gradients accumulated so far, so the micro-batches after it stay local and the "
-                            "replicas drift. Only the last one, when every micro-batch is in.")
-    _judged_by_hand("accumulation-never-syncs", why="one all-reduce a step, on the last micro-batch.")
+    """``synchronises(micro_step, accumulation)``: whether this micro-batch runs outside no_sync(). Run inside the
+    job: train_ddp.py asks it (--fix-from) for every micro-batch, on every rank."""
+    _fix_in_job("accumulation-never-syncs", synchronises, "synchronises",
+                why="one all-reduce a step, once every micro-batch's gradient is in.")
+
+
+# train_ddp.py's checks that each function of runs 7, 8 and 9 answers for (their one run names whose check failed)
+DATA_PARALLEL_CHECKS = (("the training samplers' first epoch", "rank_sampler"),
+                        ("the training sampler's order changed", "epoch_indices"),
+                        ("bytes all-reduced per optimizer step", "synchronises"),
+                        ("micro-steps inside no_sync()", "synchronises"))
+
+
+@learner_check
+def check_fix_ranks_that_disagree(rank_sampler, synchronises, epoch_indices) -> None:
+    """Runs 7, 8 and 9's fixes in one run of train_ddp.py: the three functions in one file (--fix-from), each
+    called on every rank where the script's own code was (what check_fix_sampler, check_fix_accumulation and
+    check_fix_set_epoch do one at a time). A check of the run that fails is said with the function it judges."""
+    path = learner_files({"rank_sampler": rank_sampler, "synchronises": synchronises, "epoch_indices": epoch_indices})
+    _fixed_run_holds("same-samples-every-rank", extra=(FIX_FLAG, path), blame=DATA_PARALLEL_CHECKS,
+                     why="each rank its own share of one permutation, a new order every epoch, one all-reduce a "
+                         "step: train_ddp.py with your three functions equals one device.")
 
 
 @learner_check
 def check_fix_loss_scale(gradient_scales) -> None:
     """``gradient_scales(world_size) -> (loss_scale, reduce_scale)``: each rank's mean loss is multiplied by
-    ``loss_scale`` before backward, the gradients summed over the ranks by ``reduce_scale``."""
-    for world in (1, 2, 4, 8):
-        got = call_learner("gradient_scales", gradient_scales, world)
-        if got is None:
-            raise _not_done("gradient_scales", "Return (loss_scale, reduce_scale).")
-        try:
-            product = float(got[0]) * float(got[1])
-        except (TypeError, ValueError, IndexError):
-            raise ExerciseWrong(f"gradient_scales({world}) returned {got!r}: return a pair of numbers, "
-                                "(loss_scale, reduce_scale).") from None
-        if math.isclose(product, 1 / world):
-            continue
-        if math.isclose(product, 1 / world ** 2):
-            raise ExerciseWrong(f"on {world} ranks the gradients come out 1/{world} of one device's: divided by N "
-                                "twice, once in the loss and once in the average (the bug).")
-        if math.isclose(product, 1.0):
-            raise ExerciseWrong(f"on {world} ranks the gradients come out {world}x one device's: the sum over the "
-                                "ranks of per-rank means needs one division by N.")
-        raise ExerciseWrong(f"on {world} ranks the gradients are scaled by {product:g} in all; one device's mean "
-                            f"over the global batch needs 1/{world}.")
-    _judged_by_hand("loss-averaged-twice", why="one division by N: a mean of per-rank means.")
+    ``loss_scale`` before backward, the gradients summed over the ranks by ``reduce_scale``. Run inside the job:
+    ddp_from_scratch.py calls it (--fix-from) on every rank and scales by what it returns."""
+    _fix_in_job("loss-averaged-twice", gradient_scales, "gradient_scales",
+                why="one division by N in all: the sum of per-rank mean gradients, divided once.")
 
 
 @learner_check
 def check_fix_uneven(agreed_batches) -> None:
-    """``agreed_batches(batch_counts)``: how many batches every rank trains, given each rank's shard length."""
-    for counts in ([3, 3, 3, 2], [5, 4, 5, 5], [2, 2], [7, 6, 7, 5, 7, 7, 7, 7]):
-        got = call_learner("agreed_batches", agreed_batches, list(counts))
-        if got == min(counts):
-            continue
-        if got == max(counts):
-            raise ExerciseWrong(f"{counts}: {got} batches is more than the shortest shard holds: that rank runs "
-                                "out (an IndexError) and its peers wait in the all-reduce until the timeout.")
-        raise ExerciseWrong(f"{counts}: {got} batches; every rank must make the same number of gradient "
-                            "all-reduces, and none can make more than its shard holds.")
-    _judged_by_hand("uneven-inputs", why="the ranks agree on the shortest shard (an all-reduce MIN of the counts "
-                                          "first), so every rank makes the same collectives.")
+    """``agreed_batches(batch_counts)``: how many batches every rank trains, given every rank's shard length. Run
+    inside the job: deadlocks.py gathers the counts and calls it (--fix-from) on every rank, then each rank trains
+    that many batches, stopping early if its shard runs out."""
+    case = broken_runs.case("uneven-inputs")
+    _fix_in_job(case.name, agreed_batches, "agreed_batches", args=case.args,
+                why="every rank makes the same number of gradient all-reduces, none more than its shard holds.")
 
 
 @learner_check
 def check_fix_full_state(full_from_shards) -> None:
-    """``full_from_shards(shards)``: a parameter whole again from its FSDP shards, one per rank in rank order."""
-    import torch
+    """``full_from_shards(shards)``: a parameter whole again from its FSDP shards, one per rank in rank order. Run
+    inside the job: checkpoint_resume.py (--fix-from) gathers every rank's shards, rank 0 saves what your function
+    makes of them, and the resumed job gives every rank its rows of that."""
+    _fix_in_job("checkpoint-one-shard", full_from_shards, "full_from_shards",
+                why="the parameters whole again, so that every rank reloads its own rows.")
 
-    for shape, world in (((8, 3), 4), ((6,), 2), ((4, 2, 2), 4)):
-        full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-        shards = [s.clone() for s in torch.chunk(full, world, dim=0)]   # FSDP2 shards dim 0 (fully_shard)
-        got = call_learner("full_from_shards", full_from_shards, shards)
-        if not isinstance(got, torch.Tensor):
-            raise ExerciseWrong(f"return a tensor, not {type(got).__name__}.")
-        if got.shape == shards[0].shape and torch.equal(got, shards[0]):
-            raise ExerciseWrong("that is rank 0's shard alone (the bug): under FSDP each rank holds a slice of "
-                                "every parameter along dim 0.")
-        if got.shape != full.shape:
-            raise ExerciseWrong(f"shape {tuple(got.shape)} from shards of {tuple(shards[0].shape)} on {world} "
-                                f"ranks; the parameter is {tuple(full.shape)}: FSDP2 shards along dim 0.")
-        if not torch.equal(got, full):
-            raise ExerciseWrong("the right shape, the wrong values: the shards go back in rank order, along dim 0.")
-    _judged_by_hand("checkpoint-one-shard", why="every rank's shard in the checkpoint (torch.distributed.checkpoint "
-                                                 "writes each rank's own), the model whole again on resume.")
+
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")   # train_fsdp.py's --reduce-dtype choices
 
 
 @learner_check
 def check_fix_reduce_dtype(reduce_dtype) -> None:
-    """``reduce_dtype``: the dtype FSDP2's MixedPrecisionPolicy sums the gradients in over the ranks."""
+    """``reduce_dtype``: the dtype FSDP2's MixedPrecisionPolicy sums the gradients in over the ranks. The job is
+    run again with it (train_fsdp.py --reduce-dtype)."""
     import torch
 
     if reduce_dtype is None:
         raise _not_done("reduce_dtype", "Set it to a torch dtype.")
-    if reduce_dtype == torch.bfloat16:
-        raise ExerciseWrong("that is what run 11 already did: look at its reduce-scatter's bytes against the formula, "
-                            "and at how far its gradients are from one device's.")
-    if reduce_dtype == torch.float16:
-        raise ExerciseWrong("fp16 still rounds every partial sum (to 11 significant bits) and overflows above 65504.")
-    if reduce_dtype != torch.float32:
-        raise ExerciseWrong(f"{reduce_dtype}: the run computes in fp32; reduce in the same precision.")
-    _judged_by_hand("bf16-gradient-reduction", why="gradients summed in fp32: the reduce-scatter moves the "
-                                                    "formula's bytes and the gradients equal one device's.")
+    name = str(reduce_dtype).removeprefix("torch.") if isinstance(reduce_dtype, torch.dtype) else None
+    if name not in REDUCE_DTYPES:
+        raise ExerciseWrong(f"{reduce_dtype!r}: the script takes one of torch.{', torch.'.join(REDUCE_DTYPES)}.")
+    case = broken_runs.case("bf16-gradient-reduction")
+    _fixed_run_holds(case.name, args=case.fixed_args + ("--reduce-dtype", name),
+                     why=f"gradients summed in {name}: the reduce-scatter moves the formula's bytes and the "
+                         "gradients equal one device's.")
+
+
+# A V-shaped schedule: its last stage is on rank 0, where a looped schedule's is on the last rank.
+V_SCHEDULE = ("--schedule", "ZBVZeroBubble")
+
+
+@learner_check
+def check_fix_loss_rank(loss_rank) -> None:
+    """``loss_rank(stage_ranks)``: the rank whose losses to read, given where each stage lives (``stage_ranks[s]``:
+    the rank of stage s). Run inside the job, twice: pp_train.py (--fix-from) reads the losses where it says, under
+    1F1B (stage s on rank s) and under ZBVZeroBubble (two stages a rank, the second half in reverse)."""
+    case = broken_runs.case("loss-on-wrong-stage")
+    _fix_in_job(case.name, loss_rank, "loss_rank", why="", say=False)
+    _fix_in_job(case.name, loss_rank, "loss_rank", args=case.fixed_args + V_SCHEDULE,
+                why="the losses read where the last stage computes them, under a looped and a V-shaped schedule.")
+
+
+@learner_check
+def check_fix_collectives(sync) -> None:
+    """``sync(rank, tensor, collectives)``: the step's synchronisation, calling ``collectives.all_reduce(tensor)``
+    or ``collectives.broadcast(tensor, src)``. Run inside the job: deadlocks.py calls it (--fix-from) on every
+    rank, with its own collectives, where run 1 hung."""
+    case = broken_runs.case("mismatched-collectives")
+    _fix_in_job(case.name, sync, "sync", args=case.args,
+                why="the same collectives on every rank, in the same order: the job finishes.")
+
+
+CHECKPOINT_PARTS = ("model", "optimizer", "rng", "data_position", "step", "loss_history")   # fault_drill's HOLDABLE
+
+
+@learner_check
+def check_fix_resume_state(checkpoint_contents) -> None:
+    """``checkpoint_contents``: what a checkpoint must hold for a resume to repeat the uninterrupted run, a set of
+    names among "model", "optimizer", "rng", "data_position", "step", "loss_history". The drill is run again, killed
+    and restarted, with checkpoints that hold exactly those (fault_drill.py --checkpoint-holds)."""
+    if checkpoint_contents is None:
+        raise _not_done("checkpoint_contents", 'Set it to a set of names, e.g. {"model", ...}.')
+    if isinstance(checkpoint_contents, str) or not all(isinstance(n, str) for n in checkpoint_contents):
+        raise ExerciseWrong("give a set of names (strings), e.g. {\"model\", ...}.")
+    chosen = set(checkpoint_contents)
+    if chosen - set(CHECKPOINT_PARTS):
+        raise ExerciseWrong(f"unknown names {sorted(chosen - set(CHECKPOINT_PARTS))}: pick among "
+                            f"{sorted(CHECKPOINT_PARTS)}.")
+    _fixed_run_holds("resume-without-rng", extra=("--checkpoint-holds", ",".join(sorted(chosen))),
+                     why="with what the checkpoint holds, a step trained twice gives the same loss both times.")
+
+
+@learner_check
+def check_fix_straggler(straggler) -> None:
+    """``straggler(ranks)``: the rank that holds the others back, from each rank's row of the profile (run 2's
+    ``extra.ranks``: {"rank", "kinds": {"compute", "communication", "overlapped", "idle"}, "before_sync_seconds",
+    ...}). Run inside the job: profile_step.py (--fix-from) calls it on the profiled steps' rows, removes the extra
+    work of the rank it names (as draining that rank's node would), and measures more steps."""
+    case = broken_runs.case("slow-rank")
+    _fix_in_job(case.name, straggler, "straggler", args=case.args,
+                why="the rank the others waited for: without its extra work every rank reaches the all-reduce "
+                    "together.")
 
 
 @learner_check
@@ -619,31 +633,6 @@ def check_fix_data_shard(data_shard) -> None:
 
 
 @learner_check
-def check_fix_loss_rank(loss_rank) -> None:
-    """``loss_rank(stage_ranks)``: the rank whose losses to read, given where each stage lives (``stage_ranks[s]``:
-    the rank of stage s), for a looped schedule (stage s on rank s % world_size) or a V-shaped one (two stages a
-    rank, the second half in reverse: the last stage back on rank 0)."""
-    def looped(stages, world):
-        return [s % world for s in range(stages)]
-
-    def v_shaped(world):
-        return list(range(world)) + list(reversed(range(world)))
-
-    for stage_ranks in (looped(4, 4), looped(2, 2), looped(8, 4), v_shaped(4), v_shaped(2), looped(6, 3)):
-        world = max(stage_ranks) + 1
-        got = call_learner("loss_rank", loss_rank, list(stage_ranks))
-        want = stage_ranks[-1]
-        if got == want:
-            continue
-        if got == stage_ranks[0]:
-            raise ExerciseWrong(f"stages on ranks {stage_ranks}: rank {got} holds the first stage, whose outputs are "
-                                "activations; rank 0 printed nan in the run. Which stage's outputs are a loss?")
-        raise ExerciseWrong(f"stages on ranks {stage_ranks} ({world} ranks): rank {got}, which holds no stage "
-                            "whose outputs are the loss.")
-    _judged_by_hand("loss-on-wrong-stage", why="the loss read where the last stage computed it.")
-
-
-@learner_check
 def check_fix_microbatches(microbatches) -> None:
     """``microbatches``: the number of microbatches for the 4-stage GPipe run, which must keep its bubble under the
     run's target (--max-bubble 0.4); it is run again with that setting."""
@@ -651,16 +640,8 @@ def check_fix_microbatches(microbatches) -> None:
         raise _not_done("microbatches", "Set it to a whole number.")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ExerciseWrong(f"microbatches = {microbatches!r}: a whole number of microbatches, at least 1.")
-    stages = 4
-    formula = (stages - 1) / (microbatches + stages - 1)
-    if formula > 0.4:
-        raise ExerciseWrong(f"{microbatches} microbatches on {stages} stages: (P - 1) / (M + P - 1) = "
-                            f"{formula:.0%} of the step idle before any latency, above the 40% target. As many "
-                            "microbatches as stages is not enough; M >= 2P is the rule of thumb.")
-    if 16 % microbatches:   # pp_schedules refuses the split (a config error, no metrics): say why before a launch
-        raise ExerciseWrong(f"{microbatches} microbatches: the run's batch of 16 sequences does not split into "
-                            f"{microbatches} equal microbatches (each microbatch the same shape on every stage).")
     args = broken_runs.PIPELINE_TIMING + ("--microbatches", str(microbatches))
+    formula = (4 - 1) / (microbatches + 4 - 1)   # the run's 4 stages
     _fixed_run_holds("too-few-microbatches", args=args,
                      why=f"{microbatches} microbatches: (P - 1) / (M + P - 1) = {formula:.0%} idle by the formula.")
 
@@ -684,146 +665,28 @@ def check_fix_wrappers(apply_wrappers) -> None:
     _fixed_run_holds("fsdp-before-tp", args=broken_runs.HYBRID_RUN + ("--wrappers-from", path),
                      why="the TP plan first, then fully_shard on the dp mesh (torchtitan's order).")
 
-
-class _Recorder:
-    """What a learner's ``sync`` may call: each rank's collectives, recorded in order."""
-
-    def __init__(self):
-        self.calls = []
-
-    def all_reduce(self, tensor):
-        self.calls.append("all_reduce")
-
-    def broadcast(self, tensor, src=0):
-        self.calls.append(f"broadcast from {src}")
-
-
-@learner_check
-def check_fix_collectives(sync) -> None:
-    """``sync(rank, tensor, collectives)``: the step's synchronisation, calling ``collectives.all_reduce(tensor)``
-    or ``collectives.broadcast(tensor, src)``; every rank must make the same calls in the same order."""
-    import torch
-
-    calls = {}
-    for rank in range(4):
-        recorder = _Recorder()
-        call_learner("sync", sync, rank, torch.zeros(2), recorder)
-        calls[rank] = recorder.calls
-    if not any(calls.values()):
-        raise ExerciseWrong("no collective at all: the ranks' values are never combined.")
-    if len({tuple(c) for c in calls.values()}) > 1:
-        raise ExerciseWrong(f"the ranks call {calls}: the collectives at one position must be the same on every "
-                            "rank, or each waits for a partner that is in another call (the hang).")
-    _judged_by_hand("mismatched-collectives", why="the same collectives on every rank, in the same order.")
-
-
-@learner_check
-def check_fix_resume_state(checkpoint_contents) -> None:
-    """``checkpoint_contents``: what a checkpoint must hold for a resume to repeat the uninterrupted run, a set of
-    names among "model", "optimizer", "rng", "data_position", "step", "loss_history"."""
-    if checkpoint_contents is None:
-        raise _not_done("checkpoint_contents", 'Set it to a set of names, e.g. {"model", ...}.')
-    known = {"model", "optimizer", "rng", "data_position", "step", "loss_history"}
-    chosen = set(checkpoint_contents)
-    if chosen - known:
-        raise ExerciseWrong(f"unknown names {sorted(chosen - known)}: pick among {sorted(known)}.")
-    if chosen == known or "loss_history" in chosen:
-        raise ExerciseWrong("what must the next step read from the checkpoint to compute exactly what the "
-                            "uninterrupted run did? The losses already printed are not among its inputs: leave "
-                            "out what a resume does not need.")
-    for name, why in (("model", "the weights"), ("optimizer", "AdamW's moments: without them the first steps "
-                      "after a resume move differently"), ("step", "where to start again"),
-                      ("data_position", "without it the resumed run reads the epoch from its start: other "
-                      "samples"), ("rng", "without it the resumed run draws other random numbers (the shuffle, "
-                      "masks) than the uninterrupted one")):
-        if name not in chosen:
-            raise ExerciseWrong(f"{name!r} is missing: {why}.")
-    _judged_by_hand("resume-without-rng", why="model, optimizer, step, data position and every generator: "
-                                               "a step trained twice gives the same loss both times.")
-
-
-@learner_check
-def check_fix_straggler(straggler, ranks: list[dict]) -> None:
-    """``straggler(ranks)``: the rank that holds the others back, from each rank's time per kind (the profile's
-    ``extra.ranks`` rows: {"rank", "kinds": {"compute", "communication", "overlapped", "idle"}})."""
-    def rows(idle, communication):
-        return [{"rank": r, "kinds": {"compute": 1.0, "communication": c, "overlapped": 0.0, "idle": i}}
-                for r, (i, c) in enumerate(zip(idle, communication))]
-
-    cases = [(rows([0.0, 0.0, 0.9, 0.0], [1.0, 1.0, 0.1, 1.0]), 2),
-             (rows([0.5, 0.0, 0.0, 0.0], [0.1, 0.6, 0.6, 0.6]), 0),
-             # the lab's run: the rank measured to reach backward's all-reduces last (profile_step's own straggler
-             # measure), not a formula over the kinds that an answer could share
-             (ranks, max(ranks, key=lambda r: r["before_sync_seconds"])["rank"])]
-    for index, (case_rows, want) in enumerate(cases):
-        got = call_learner("straggler", straggler, case_rows)
-        if got == want:
-            continue
-        which = "the lab's run" if index == len(cases) - 1 else f"hand-made profile #{index + 1}"
-        waited = max(case_rows, key=lambda r: r["kinds"]["communication"])["rank"]
-        if got == waited:
-            raise ExerciseWrong(f"{which}: rank {got} spent the most time in communication, waiting: a victim. "
-                                "The straggler arrives last, so it waits least; its extra time is its own "
-                                "(idle here: a sleep, a slow disk).")
-        raise ExerciseWrong(f"{which}: rank {got}, expected rank {want}.")
-    _judged_by_hand("slow-rank", why="without what slowed that rank, no straggler: every rank reaches the "
-                                      "all-reduce together, and the run equals one device.")
-
-
-# ---- the fixes of the later cases ------------------------------------------------------------------------------
+# ---- the fixes of the later cases: each one run inside the job -------------------------------------------------
 
 @learner_check
 def check_fix_full_state_save(save_model) -> None:
     """``save_model(rank, gather_full_state, save)``: the end of an FSDP2 run, called on every rank.
-    ``gather_full_state()`` stands for get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-    cpu_offload=True)): it returns the whole model on rank 0 and an empty dict elsewhere; ``save(state)`` writes a
-    file. Each rank's calls are recorded as the job's journal would record them."""
-    world = 4
-    gathered, saved = {}, {}
-    for rank in range(world):
-        def gather_full_state(rank=rank):
-            gathered[rank] = gathered.get(rank, 0) + 1
-            return {"weight": "whole"} if rank == 0 else {}
-
-        def save(state, rank=rank):
-            saved.setdefault(rank, []).append(state)
-
-        call_learner("save_model", save_model, rank, gather_full_state, save)
-    never = [rank for rank in range(world) if not gathered.get(rank)]
-    if never:
-        raise ExerciseWrong(f"ranks {never} never took part in gather_full_state(), which is a collective on "
-                            f"{world} ranks: the ranks that called it would wait there until the timeout.")
-    if any(count != 1 for count in gathered.values()):
-        raise ExerciseWrong(f"calls of gather_full_state() per rank: {gathered}: every rank must make the same "
-                            "collectives, the same number of times, or some wait for a call that never comes.")
-    if sorted(saved) != [0] or saved[0] != [{"weight": "whole"}]:
-        raise ExerciseWrong(f"files written per rank: { {r: len(s) for r, s in saved.items()} }, holding "
-                            f"{[s for states in saved.values() for s in states]}: one file, the whole model, "
-                            "written once.")
-    _judged_by_hand("full-state-on-rank-0", why="every rank joins the gather and one rank writes the file, so no "
-                                                 "rank waits for a peer that has left.")
+    ``gather_full_state()`` is get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    cpu_offload=True)), a collective: it returns the whole model on rank 0 and an empty dict elsewhere;
+    ``save(state)`` writes the file. Run inside the job: deadlocks.py (--fix-from) calls it on every rank."""
+    case = broken_runs.case("full-state-on-rank-0")   # the broken run's arguments: your code replaces its end
+    _fix_in_job(case.name, save_model, "save_model", args=case.args,
+                why="every rank joins the gather and one rank writes the file, so no rank waits for a peer that "
+                    "has left.")
 
 
 @learner_check
 def check_fix_evaluation(evaluation_share) -> None:
-    """``evaluation_share(batches, rank, world_size)``: the validation batches ``rank`` evaluates (a list of the
-    batch numbers in ``range(batches)``); the ranks then all-reduce their sums. The evaluation's time on a rank is
-    its number of batches."""
-    for batches, world in ((12, 4), (10, 4), (3, 4), (16, 8)):
-        shares = [call_learner("evaluation_share", evaluation_share, batches, rank, world) for rank in range(world)]
-        shares = [sorted(share) for share in shares]
-        every = sorted(b for share in shares for b in share)
-        if every != list(range(batches)):
-            raise ExerciseWrong(f"{batches} batches on {world} ranks: the shares hold {len(every)} batches, "
-                                f"{len(set(every))} of them different: the all-reduced sums would count a batch "
-                                "twice or miss one.")
-        longest = max(len(share) for share in shares)
-        if longest > -(-batches // world):
-            raise ExerciseWrong(f"{batches} batches on {world} ranks: one rank evaluates {longest} while another "
-                                f"evaluates {min(len(share) for share in shares)}: the others wait for it in the "
-                                "next all-reduce, and a large validation set makes that wait outlast the timeout.")
-    _judged_by_hand("rank-0-evaluation", why="each rank evaluates its part, so no rank keeps the others waiting "
-                                              "longer than its share.")
+    """``evaluation_share(batches, rank, world_size)``: the validation batches ``rank`` evaluates (a list of batch
+    numbers in ``range(batches)``). Run inside the job: deadlocks.py (--fix-from) has each rank evaluate the
+    batches it returns, each batch costing the same time, then all-reduces the counts and sums."""
+    case = broken_runs.case("rank-0-evaluation")   # the broken run's arguments: your code replaces its evaluation
+    _fix_in_job(case.name, evaluation_share, "evaluation_share", args=case.args,
+                why="each rank evaluates its part, so no rank keeps the others waiting longer than its share.")
 
 
 @learner_check
@@ -831,10 +694,6 @@ def check_fix_model_seed(model_seed) -> None:
     """``model_seed(seed, rank)``: the seed ``rank`` builds the whole model from before fully_shard (``seed``: the
     run's --seed). Run inside the job: train_fsdp.py loads it from a file (--model-seed-from) on every rank of an
     HSDP run (2 replicas x shard groups of 2)."""
-    seeds = {rank: call_learner("model_seed", model_seed, 0, rank) for rank in range(4)}
-    if len(set(seeds.values())) > 1:   # caught by hand first: a launch would show the same
-        raise ExerciseWrong(f"the seeds per rank are {seeds}: each rank keeps its own slice of the model it built, "
-                            "and nothing sends another rank's, so the replicas would start apart.")
     path = learner_file(model_seed, "model_seed")
     _fixed_run_holds("per-rank-init", args=broken_runs.HSDP_RUN + ("--model-seed-from", path),
                      why="every rank builds the same model, so its slices fit together and the replicas agree.")
@@ -848,6 +707,12 @@ def check_fix_clip(clip_gradients) -> None:
     path = learner_file(clip_gradients, "clip_gradients")
     _fixed_run_holds("local-grad-norm", args=broken_runs.CLIP_RUN + ("--clip-from", path),
                      why="every rank computes the whole model's norm and scales its shards by the same factor.")
+
+
+def _judged_on_made_runs(name: str, why: str = "") -> None:
+    """A fix whose answer is a reading of the evidence, not code the job runs: judged on hand-made runs."""
+    print(f"Correct: {why} Checked on hand-made runs. The script's own fix: "
+          f"labkit.broken_runs.run_case({name!r}, fixed=True).")
 
 
 def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
@@ -884,27 +749,16 @@ def check_fix_first_nonfinite(first_nonfinite) -> None:
             raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank"
                                 + (f" (that step's losses: {seen}); is any rank non-finite at an earlier step? "
                                    "Is inf non-finite too?" if seen is not None else "."))
-    _judged_by_hand("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
+    _judged_on_made_runs("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
                                               "the batch; after the all-reduce every rank is nan.")
 
 
 @learner_check
 def check_fix_without_gradient(without_gradient) -> None:
     """``without_gradient(grads)``: ``grads`` maps each parameter's name to its gradient after one backward (a tensor,
-    or None where backward never reached it); return the names DDP's reducer would wait for forever, sorted.
-    Judged on hand-made models."""
-    import torch
-
-    made = {
-        "an extra head": {"embed.weight": torch.ones(2), "head.weight": torch.ones(2), "aux_head.weight": None},
-        "two unused, one a bias": {"a.weight": None, "a.bias": None, "b.weight": torch.zeros(2)},
-        "a gradient of zeros is still a gradient": {"a.weight": torch.zeros(3), "b.weight": torch.ones(1)},
-    }
-    for what, grads in made.items():
-        want = sorted(name for name, grad in grads.items() if grad is None)
-        got = call_learner("without_gradient", without_gradient, dict(grads))
-        if not isinstance(got, (list, tuple)) or sorted(got) != want or list(got) != sorted(got):
-            raise ExerciseWrong(f"{what}: {got!r} is not the sorted names of the parameters backward never "
-                                "reached (is a gradient of zeros a gradient?).")
-    _judged_by_hand("unused-parameter", why="those are the parameters to use in the loss, or to leave out of what "
-                                             "DDP wraps.")
+    or None where backward never reached it); return the names to leave out of what DDP reduces. Run inside the
+    job: train_ddp.py (--fix-from) builds the model with its extra head, runs one local backward before DDP wraps
+    it, calls your function on every rank, and freezes the parameters it names."""
+    _fix_in_job("unused-parameter", without_gradient, "without_gradient",
+                why="those are the parameters backward never reaches: left out of DDP's buckets, every bucket "
+                    "completes and the run equals one device.")

@@ -78,6 +78,15 @@ def average_gradients(model):
             param.grad.div_(world_size)
 
 
+@torch.no_grad()
+def scaled_sum_gradients(model, scale: float):
+    """Chapter 14's lab: each rank's gradient summed over the ranks, times the learner's ``scale``."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            param.grad.mul_(scale)
+
+
 def replica_fingerprint(model) -> torch.Tensor:
     """One float64 number per parameter tensor: equal on every rank if (and in practice only if) the replicas are."""
     return torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in model.parameters()])
@@ -113,11 +122,23 @@ def main():
     p.add_argument("--planted-bug", choices=["loss-averaged-twice"], default=None,
                    help="a mistake the checks must catch: each rank divides its loss by the world size before "
                         "backward, and average_gradients divides again (gradients 1/N of the right ones)")
+    runtime.add_fix_flag(p, "gradient_scales(world_size) -> (loss_scale, reduce_scale): each rank's mean loss is "
+                            "multiplied by loss_scale before backward, the gradients summed over the ranks by "
+                            "reduce_scale")
     p.add_argument("--any-model", action="store_true",
                    help="head tied to the embedding, the first block and every norm frozen, a head bias of 127, two "
                         "parameter groups: a frozen parameter has no gradient to average, a tied one is averaged once")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        fixes = runtime.learner_fixes(args.fix_from, ("gradient_scales",))
+        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the scaling --planted-bug plants")
+        loss_scale, reduce_scale = 1.0, None   # the script's own: each rank's mean loss, the sum divided by N
+        if fixes:   # chapter 14's lab: the learner's two scales, used on every rank below
+            scales = fixes["gradient_scales"](rt.world_size)
+            rt.require(isinstance(scales, (tuple, list)) and len(scales) == 2
+                       and all(isinstance(x, (int, float)) for x in scales),
+                       f"gradient_scales({rt.world_size}) returned {scales!r}, not two numbers")
+            loss_scale, reduce_scale = map(float, scales)
         cfg = models.preset(args.preset, **({"vocab_size": 127} if args.any_model else {}))
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         rt.require(args.batch % rt.world_size == 0, f"--batch {args.batch} does not split over {rt.world_size} ranks")
@@ -159,9 +180,12 @@ def main():
             if args.planted_bug == "loss-averaged-twice":   # the mistake: a mean over the ranks here, and
                 (loss / rt.world_size).backward()            # average_gradients divides by N again
             else:
-                loss.backward()
+                (loss * loss_scale if fixes else loss).backward()
             with comm.CommCounter() as counter:
-                average_gradients(model)  # the whole of data parallelism, after backward
+                if reduce_scale is None:
+                    average_gradients(model)  # the whole of data parallelism, after backward
+                else:
+                    scaled_sum_gradients(model, reduce_scale)
             bytes_per_step.append(counter.total("all_reduce"))
             rt.sync()
             seconds.append(time.perf_counter() - started)

@@ -50,6 +50,10 @@ def masked_mean_loss(logits, targets, mask):
     return (per_token * mask).sum() / mask.sum()
 
 
+# The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
+FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient")
+
+
 def check_config(args, world_size):
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
     runtime.require(args.accumulation >= 1, f"--accumulation {args.accumulation}: need at least 1 micro-step")
@@ -75,12 +79,13 @@ class BucketLog:
     """
 
     def __init__(self, model, device, wait: bool = False):
-        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}   # what DDP reduces
         self.device, self.wait = device, wait
         self.start_micro_step()
         for name, param in model.named_parameters():
-            param.register_post_accumulate_grad_hook(
-                lambda p, name=name: self.grad_ready.append((name, self.clock.mark())))
+            if param.requires_grad:   # a frozen parameter (left out of DDP) has no gradient to wait for
+                param.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.grad_ready.append((name, self.clock.mark())))
 
     def start_micro_step(self):
         self.clock = metrics.DeviceClock(self.device)
@@ -181,11 +186,18 @@ def main():
                         "the last too (the gradients are never all-reduced); one rank's micro-batch at step "
                         f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced); a "
                         "parameter the forward never uses (an extra head), wrapped by DDP as it is")
+    runtime.add_fix_flag(p, "rank_sampler(dataset, rank, world_size) (the training sampler), epoch_indices(sampler, "
+                            "epoch) (the indices the loader draws in an epoch), synchronises(micro_step, "
+                            "accumulation) (whether a micro-batch runs outside no_sync()), without_gradient(grads) (a "
+                            "model with an extra head: the names of the parameters to leave out of what DDP reduces, "
+                            "from each one's gradient after a local backward, None where none came)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+        fixes = runtime.learner_fixes(args.fix_from, FIXES)   # chapter 14's lab: the learner's code, run below
+        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the code --planted-bug breaks")
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
@@ -204,8 +216,11 @@ def main():
         sampler_rank = rt.rank
         if args.planted_bug == "same-samples-every-rank":   # the mistake: every rank asks for rank 0's share, as a
             sampler_rank = 0                                 # loader with no sampler and one seed everywhere does
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
-                                     seed=args.seed)
+        if "rank_sampler" in fixes:
+            sampler = fixes["rank_sampler"](dataset, rt.rank, world)
+        else:
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
+                                         seed=args.seed)
         loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
         steps_per_epoch = args.samples // args.batch
         all_samplers = samplers_for(dataset, world, args)
@@ -221,8 +236,16 @@ def main():
 
         # ---- the model: DDP broadcasts rank 0's weights when it wraps (each rank built different ones) ----
         model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
-        if args.planted_bug == "unused-parameter":   # the mistake: a head the forward never calls, wrapped by DDP
-            model.unused_head = torch.nn.Linear(cfg.dim, 2, device=rt.device)   # with find_unused_parameters=False
+        if args.planted_bug == "unused-parameter" or "without_gradient" in fixes:   # a head the forward never
+            model.unused_head = torch.nn.Linear(cfg.dim, 2, device=rt.device)   # calls (find_unused_parameters=False)
+        if "without_gradient" in fixes:   # the learner's: what to leave out of DDP, read from one local backward
+            probe = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(args.seed))
+            models.lm_loss(model(probe.to(rt.device)), probe.to(rt.device)).backward()
+            left_out = set(fixes["without_gradient"]({name: p.grad for name, p in model.named_parameters()}))
+            for name, param in model.named_parameters():
+                param.grad = None
+                param.requires_grad_(name not in left_out)   # DDP reduces only the parameters that require grad
+        trained = [param for param in model.parameters() if param.requires_grad]   # compared with the references
         ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None,
                   bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
         report.check("replicas identical once DDP wrapped them (it broadcasts rank 0's weights)",
@@ -244,7 +267,7 @@ def main():
         diffs = {"baseline_loss": [], "baseline_grad": [], "baseline_param": [], "scratch_loss": [],
                  "scratch_grad": [], "scratch_param": []}
 
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in trained)   # what DDP reduces
         step_bytes, micro_step_bytes, buckets_per_step, seconds, overlaps = [], [], [], [], []
         views_ok = []
         batches = iter(())
@@ -258,10 +281,15 @@ def main():
                 tokens = next(batches, None)
                 if tokens is None:  # a new epoch: a new shuffle, the same on every rank
                     epoch += 1
-                    if args.planted_bug != "no-set-epoch":
-                        sampler.set_epoch(epoch)
-                    epoch_orders.append(list(sampler))   # what the loader is about to draw from
-                    batches = iter(loader)
+                    if "epoch_indices" in fixes:   # the learner's: the indices this rank draws in this epoch
+                        order = [int(i) for i in fixes["epoch_indices"](sampler, epoch)]
+                        epoch_orders.append(order)
+                        batches = iter(DataLoader(dataset, batch_size=micro_batch, sampler=order))
+                    else:
+                        if args.planted_bug != "no-set-epoch" and hasattr(sampler, "set_epoch"):
+                            sampler.set_epoch(epoch)
+                        epoch_orders.append(list(sampler))   # what the loader is about to draw from
+                        batches = iter(loader)
                     tokens = next(batches)
                 micro_batches.append(tokens)
 
@@ -272,6 +300,8 @@ def main():
             for i, tokens in enumerate(micro_batches):
                 inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                 last = i == accumulation - 1
+                if "synchronises" in fixes:   # the learner's: whether this micro-batch all-reduces
+                    last = bool(fixes["synchronises"](i, accumulation))
                 if args.planted_bug == "accumulation-never-syncs":   # the mistake: the last micro-batch under
                     last = False                                    # no_sync() too, so nothing is ever all-reduced
                 log.start_micro_step()
@@ -320,7 +350,7 @@ def main():
                     scratch_loss.backward()
                     scratch_step_loss += scratch_loss.detach()
                 average_gradients(scratch)
-                diffs["scratch_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                diffs["scratch_grad"].append(metrics.max_abs_diff([p.grad for p in trained],
                                                                   [p.grad for p in scratch.parameters()]))
                 if baseline is not None:
                     # the single device: the whole global batch (every rank's samples) in one step
@@ -330,7 +360,7 @@ def main():
                     with autocast:
                         baseline_loss = models.lm_loss(baseline(inputs), targets)
                     baseline_loss.backward()
-                    diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                    diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in trained],
                                                                        [p.grad for p in baseline.parameters()]))
                     baseline_optimizer.step()
                     baseline_optimizer.zero_grad(set_to_none=True)
@@ -352,11 +382,11 @@ def main():
                 scratch_optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(scratch_step_loss)
                 diffs["scratch_loss"].append(abs(global_loss - scratch_step_loss.item() / world))
-                diffs["scratch_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                diffs["scratch_param"].append(metrics.max_abs_diff(trained,
                                                                    list(scratch.parameters())))
                 if baseline is not None:
                     diffs["baseline_loss"].append(abs(global_loss - baseline_loss.item()))
-                    diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                    diffs["baseline_param"].append(metrics.max_abs_diff(trained,
                                                                         list(baseline.parameters())))
                     line += f"  | single-device {baseline_loss.item():.6f}"
             rt.print(line)

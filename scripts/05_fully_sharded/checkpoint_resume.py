@@ -34,6 +34,7 @@ from train_fsdp import PRESETS, apply_fsdp, full_parameters, materialize_on_meta
 
 DEFAULT_SAVE_DIR = "runs/05_fully_sharded/checkpoints"
 ONE_RANKS_MODEL = "model_from_rank0.pt"   # --planted-bug checkpoint-one-shard's file
+LEARNERS_MODEL = "model_full_from_shards.pt"   # --fix-from's file: the parameters the learner's code made whole
 
 
 def checkpoints(save_dir) -> list[Path]:
@@ -61,6 +62,11 @@ def check_config(args, world_size):
         written_by = json.loads(one.parent.with_suffix(".json").read_text())["world_size"]
         runtime.require(written_by == world_size, f"--planted-bug checkpoint-one-shard: rank 0's shards of a "
                                                   f"{written_by}-rank run fit {written_by} ranks, not {world_size}")
+    fixes = runtime.learner_fixes(args.fix_from, ("full_from_shards",))
+    runtime.require(not (fixes and args.planted_bug), "--fix-from replaces the saving --planted-bug breaks")
+    if fixes and (args.resume or args.world_size_check):
+        mine = latest_checkpoint(args.save_dir) / LEARNERS_MODEL
+        runtime.require(mine.exists(), f"{mine} is missing: train with the same --fix-from first")
     if args.world_size_check:
         full = latest_checkpoint(args.save_dir).with_suffix(".full.pt")
         runtime.require(full.exists(), f"{full} is missing: the full copy is written with tiny models only")
@@ -115,6 +121,9 @@ def main():
     p.add_argument("--planted-bug", choices=["checkpoint-one-shard"], default=None,
                    help="a mistake the checks must catch: rank 0 saves the model it holds (one shard of each weight) "
                         "with torch.save beside the checkpoint, and --resume loads that file on every rank as if whole")
+    runtime.add_fix_flag(p, "full_from_shards(shards) (a parameter whole again from its FSDP shards, rank 0's first): "
+                            "every rank gathers its shards, rank 0 saves the learner's whole parameters beside the "
+                            "checkpoint, and --resume gives every rank its rows of them")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         cfg = models.preset(PRESETS[args.preset])
@@ -139,6 +148,17 @@ def main():
                 with torch.no_grad():                             # rank's shard becomes rank 0's shard
                     for name, param in model.named_parameters():
                         param.to_local().copy_(saved[name])
+            if args.fix_from:   # the learner's whole parameters, saved by rank 0: every rank takes its own rows
+                whole = torch.load(step_dir / LEARNERS_MODEL, map_location=rt.device)
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        local, full = param.to_local(), whole.get(name)
+                        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(param.shape):
+                            local.zero_()   # not the parameter whole: nothing to take rows of
+                            continue
+                        rows = torch.chunk(full, world, dim=0)   # FSDP2's rows of dim 0 (fully_shard)
+                        if rt.rank < len(rows):
+                            local.copy_(rows[rt.rank].reshape(local.shape))
             rt.print(f"loaded {step_dir} (written by {written_by} ranks) on {world} ranks: {training.step} steps done")
             if tiny:
                 saved = torch.load(step_dir.with_suffix(".full.pt"), weights_only=False) if rt.rank == 0 else None
@@ -153,6 +173,19 @@ def main():
             train(args, rt, cfg, model, optimizer, training, report, earlier_losses)
         code = report.finish(args.metrics_out)
     sys.exit(code)
+
+
+def save_through_learner(path, model, rank, world) -> dict | None:
+    """Every rank's shard of every parameter gathered (a collective: on every rank), then made whole on rank 0 by
+    the learner's ``full_from_shards(shards)``: {name: what it returned} on rank 0, None elsewhere."""
+    join = runtime.learner_fixes(path, ("full_from_shards",))["full_from_shards"]
+    whole = {}
+    for name, param in model.named_parameters():
+        shards = [None] * world
+        dist.all_gather_object(shards, param.to_local().detach().cpu())
+        if rank == 0:
+            whole[name] = join([shard.clone() for shard in shards])
+    return whole if rank == 0 else None
 
 
 def train(args, rt, cfg, model, optimizer, training, report, earlier_losses):
@@ -194,6 +227,10 @@ def train(args, rt, cfg, model, optimizer, training, report, earlier_losses):
             if args.planted_bug == "checkpoint-one-shard" and rt.rank == 0:   # the mistake (DDP's habit): rank 0
                 torch.save({name: param.to_local() for name, param in model.named_parameters()},   # saves the
                            step_dir / ONE_RANKS_MODEL)   # model it holds, under FSDP its own shard of each weight
+            if args.fix_from:   # every rank's shard of each parameter, to rank 0: the learner's code joins them
+                learners_model = save_through_learner(args.fix_from, model, rt.rank, world)
+                if rt.rank == 0:
+                    torch.save(learners_model, step_dir / LEARNERS_MODEL)
             full = full_state(model, optimizer) if tiny else None     # a full copy, to check reloads against
             if rt.rank == 0:
                 step_dir.with_suffix(".json").write_text(json.dumps({"world_size": world, "step": training.step}))

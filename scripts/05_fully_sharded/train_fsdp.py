@@ -78,27 +78,34 @@ def check_config(args, world_size):
     runtime.require(not (args.planted_bug == "per-rank-init" or seeder) or args.init == "seed",
                     "--planted-bug per-rank-init and --model-seed-from build the whole model on every rank: they "
                     "need --init seed")
+    runtime.require(not (args.reduce_dtype and args.planted_bug == "bf16-gradient-reduction"),
+                    "--reduce-dtype sets what --planted-bug bf16-gradient-reduction plants: not both")
     runtime.require(args.preset != "a100" or args.init != "seed",
                     "--preset a100 --init seed would build 3.3 B parameters on every rank before sharding: use meta")
 
 
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding", "per-rank-init",
                 "local-grad-norm")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
-               activation_checkpointing=False, pin_memory=False, mesh=None, planted_bug=None, compile_blocks=False):
+               activation_checkpointing=False, pin_memory=False, mesh=None, planted_bug=None, compile_blocks=False,
+               reduce_dtype=None):
     """Shard each transformer block, then the root (embeddings, final norm, output), in that order.
 
     Each ``fully_shard`` call makes one unit: its parameters are gathered and freed together. Blocks first,
     so the root's unit holds only what no block holds. ``mesh``: None shards over every rank; a 2-D
     ``(replicate, shard)`` DeviceMesh makes it HSDP. ``compile_blocks``: ``torch.compile`` each block before it is
     sharded, as torchtitan does (FSDP's gathers and reductions run in its hooks, outside the compiled code).
+    ``reduce_dtype``: a torch dtype's name, the dtype the gradients are reduce-scattered in (None: the policy's).
     """
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
                  else MixedPrecisionPolicy())
     if planted_bug == "bf16-gradient-reduction":  # the mistake: gradients summed over the ranks in bf16 (to halve
         mp_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=torch.bfloat16)  # bytes)
+    if reduce_dtype is not None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=getattr(torch, reduce_dtype))
     policy = dict(reshard_after_forward=reshard_after_forward, mesh=mesh, mp_policy=mp_policy,
                   offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
     for block in model.layers.values():
@@ -206,6 +213,9 @@ def main():
                         "until backward (one all-gather per step fewer)")
     p.add_argument("--mixed-precision", action="store_true",
                    help="bf16 parameters for compute and all-gather, fp32 gradient reduction (on for a100)")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=None,
+                   help="MixedPrecisionPolicy's reduce_dtype, the dtype the gradients are reduce-scattered in "
+                        "(default: float32, the policy's own under --mixed-precision and without it)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--cpu-offload", action="store_true", help="shards, gradients and AdamW state in host memory")
     p.add_argument("--compile", action="store_true",
@@ -267,7 +277,7 @@ def main():
         fsdp_options = dict(reshard_after_forward=args.reshard_after_forward, mixed_precision=args.mixed_precision, mesh=mesh,
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                             pin_memory=args.cpu_offload and rt.device_type == "cuda",  # pinning needs a GPU
-                            planted_bug=args.planted_bug, compile_blocks=args.compile)
+                            planted_bug=args.planted_bug, compile_blocks=args.compile, reduce_dtype=args.reduce_dtype)
         if args.optimizer_from:   # chapter 14's lab: the learner's order of sharding and AdamW, run here
             learner = runpy.run_path(args.optimizer_from)["shard_and_optimizer"]
             model = models.build_transformer(cfg, seed=args.seed, device=rt.device)

@@ -61,10 +61,14 @@ def main():
     add_training_flags(p)  # --batch --layers --lr --reference
     p.add_argument("--planted-bug", choices=["loss-on-wrong-stage"], default=None,
                    help="a mistake the checks must catch: the loss read on rank 0, whose first stage computes none")
+    runtime.add_fix_flag(p, "loss_rank(stage_ranks) (the rank whose losses to read, given the rank of each stage)")
     args = p.parse_args()
     cfg = resolve_training_flags(args)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         from torch.distributed.pipelining import PipelineStage
+
+        fixes = runtime.learner_fixes(args.fix_from, ("loss_rank",))   # chapter 14's lab: the learner's choice
+        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the choice --planted-bug breaks")
 
         ranks, chunks, microbatches = rt.world_size, args.chunks, args.microbatches
         num_stages = ranks * chunks
@@ -130,6 +134,13 @@ def main():
         dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads,
                                           "last": last_here})
         losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
+        if fixes:   # the losses of the rank the learner's loss_rank() names: nan where that rank computed none
+            stage_ranks = [next(r for r in range(ranks) if s in stage_indices(args.schedule, r, ranks, chunks))
+                           for s in range(num_stages)]
+            read = fixes["loss_rank"](stage_ranks)
+            rt.print(f"loss_rank({stage_ranks}) = {read!r}")
+            named = gathered[read]["losses"] if isinstance(read, int) and 0 <= read < ranks else None
+            losses = [float("nan") if x is None else x for x in (named or [None] * args.steps)]
         report.extra["last_stage_losses"] = next(g["losses"] for g in gathered if g["last"])   # where they are made
         report.losses = losses
         timed = step_seconds[1:] or step_seconds   # the first step pays one-off costs: left out

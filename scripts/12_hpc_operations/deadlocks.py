@@ -58,35 +58,58 @@ EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-b
 ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5,
          "count batches": 6, "gradient all-reduce": 7, "save full state": 8, "evaluate": 9, "evaluation sums": 10,
          "next step": 11}
-# each hang's fix, a flag that is meaningless under any other hang
-FIXES = {"stop_at_fewest_batches": "uneven-inputs", "gather_on_every_rank": "full-state-on-rank-0",
-         "evaluate_on_every_rank": "rank-0-evaluation"}
+# each hang's own fix, a flag that is meaningless under any other hang
+FLAG_FIXES = {"stop_at_fewest_batches": "uneven-inputs", "gather_on_every_rank": "full-state-on-rank-0",
+              "evaluate_on_every_rank": "rank-0-evaluation"}
+# The functions of a learner's fix (--fix-from), each run on every rank in place of the code of one scenario.
+FIXES = {"agreed_batches": "uneven-inputs", "sync": "mismatched-collectives", "save_model": "full-state-on-rank-0",
+         "evaluation_share": "rank-0-evaluation"}
+
+
+class Collectives:
+    """What a learner's ``sync(rank, tensor, collectives)`` calls: the script's own journaled collectives."""
+
+    def __init__(self, collective):
+        self._collective = collective
+
+    def all_reduce(self, tensor):
+        self._collective("sync weights", "all_reduce")
+
+    def broadcast(self, tensor, src=0):
+        self._collective("sync weights", "broadcast", src=src)
 
 
 def check_config(args, world_size):
     runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
                                      "with torchrun --standalone --nproc_per_node=4")
     runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
-    for flag, hang in FIXES.items():
+    for flag, hang in FLAG_FIXES.items():
         runtime.require(not getattr(args, flag) or args.hang == hang,
                         f"--{flag.replace('_', '-')} is {hang}'s fix; it changes nothing under --hang {args.hang}")
     runtime.require(args.eval_seconds is None or args.eval_seconds > 0,
                     f"--eval-seconds must be positive, not {args.eval_seconds}")
+    fixes = runtime.learner_fixes(args.fix_from, tuple(FIXES))
+    for name in fixes:
+        runtime.require(args.hang == FIXES[name], f"--fix-from: {name}() replaces code of --hang {FIXES[name]} "
+                                                  f"only, not of --hang {args.hang}")
+    runtime.require(not (fixes and any(getattr(args, flag) for flag in FLAG_FIXES)),
+                    "--fix-from replaces the script's own fix flags")
 
 
-def program(args, rt, journal, pairs):
-    """One step of a training program, with the bug that --hang plants (none: the correct program)."""
-    rank, bug = rt.rank, args.hang
+def program(args, rt, journal, pairs, fixes=None):
+    """One step of a training program, with the bug that --hang plants (none: the correct program); ``fixes``: a
+    learner's functions (FIXES), each run in place of its scenario's code."""
+    rank, bug, fixes = rt.rank, args.hang, fixes or {}
     world = list(range(rt.world_size))
     t = torch.ones(4, device=rt.device)
 
     wait = datetime.timedelta(seconds=rt.pg_timeout_s)
 
-    def collective(label, op, group=None, members=world, name="world"):
+    def collective(label, op, group=None, members=world, name="world", src=None):
         # async_op and wait: the journal marks a call done when its work is, not when NCCL has queued it
         with journal.call(label, op, name, members, order=ORDER[label]):
             if op == "broadcast":
-                work = dist.broadcast(t, src=members[0], group=group, async_op=True)
+                work = dist.broadcast(t, src=members[0] if src is None else src, group=group, async_op=True)
             elif op == "barrier":
                 work = dist.barrier(group=group, async_op=True)
             else:
@@ -98,9 +121,9 @@ def program(args, rt, journal, pairs):
             (dist.isend if op == "send" else dist.irecv)(tensor, peer).wait(wait)
 
     if bug == "full-state-on-rank-0":
-        return save_full_state(args, rt, journal, collective)
+        return save_full_state(args, rt, journal, collective, fixes.get("save_model"))
     if bug == "rank-0-evaluation":
-        return evaluate(args, rt, journal, collective)
+        return evaluate(args, rt, journal, collective, fixes.get("evaluation_share"))
     if bug == "uneven-inputs":
         # an epoch of data parallelism, one gradient all-reduce a batch, each rank over its own shard; the shards
         # are unequal (a dataset split by hand, not by DistributedSampler): the last rank's is one batch short
@@ -109,12 +132,22 @@ def program(args, rt, journal, pairs):
         if args.stop_at_fewest_batches:   # the fix: agree on the shortest shard, every rank trains that many
             with journal.call("count batches", "all_reduce", order=ORDER["count batches"]):
                 dist.all_reduce(batches, op=dist.ReduceOp.MIN, async_op=True).wait(wait)
+        elif "agreed_batches" in fixes:   # a learner's fix: every rank's count, then the learner's agreement
+            counts = [torch.empty_like(batches) for _ in world]
+            with journal.call("count batches", "all_gather", order=ORDER["count batches"]):
+                dist.all_gather(counts, batches, async_op=True).wait(wait)
+            batches.fill_(int(fixes["agreed_batches"]([int(c.item()) for c in counts])))
         for i in range(int(batches.item())):
+            if i == len(shard):   # out of data: the loop ends here, as a DataLoader's does
+                break
             t.fill_(shard[i])   # stands for batch i's gradient (a rank never trains a batch it does not have)
             collective("gradient all-reduce", "all_reduce")
         return
-    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched)
-    collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
+    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched; a learner's sync() decides)
+    if "sync" in fixes:
+        fixes["sync"](rank, t, Collectives(collective))
+    else:
+        collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
     # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
     pair_index = rank // 2
     if bug == "wrong-group" and pair_index == 1:
@@ -141,10 +174,11 @@ def program(args, rt, journal, pairs):
         collective("barrier before logging", "barrier")
 
 
-def save_full_state(args, rt, journal, collective):
+def save_full_state(args, rt, journal, collective, save_model=None):
     """The end of an FSDP2 run: save the whole model from rank 0. get_model_state_dict(full_state_dict=True)
     all-gathers every sharded weight (a collective), so every rank must call it; the bug calls it under
-    `if rank == 0:`. Returns the shapes rank 0 saved (the fix's evidence: whole weights, not shards)."""
+    `if rank == 0:`. ``save_model``: a learner's ``save_model(rank, gather_full_state, save)`` in place of that code.
+    Returns the shapes rank 0 saved and the files each rank wrote (the fix's evidence)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -158,34 +192,59 @@ def save_full_state(args, rt, journal, collective):
     fully_shard(model, mesh=mesh)
     collective("end of step", "all_reduce")   # the last training step's gradient all-reduce, all ranks
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)   # rank 0 keeps the result
-    saved = None
-    if args.gather_on_every_rank or rt.rank == 0:
+    written = []   # the states this rank wrote, as shapes
+
+    def gather_full_state():
         with journal.call("save full state", "all_gather", order=ORDER["save full state"]):
-            state = get_model_state_dict(model, options=options)
+            return get_model_state_dict(model, options=options)
+
+    def save(state):
+        os.makedirs(args.trace_dir, exist_ok=True)
+        torch.save(state, os.path.join(args.trace_dir, f"full_model.rank{rt.rank}.{len(written)}.pt"))
+        written.append({name: list(t.shape) for name, t in state.items()})
+
+    if save_model is not None:
+        save_model(rt.rank, gather_full_state, save)
+    elif args.gather_on_every_rank or rt.rank == 0:
+        state = gather_full_state()
         if rt.rank == 0:
-            os.makedirs(args.trace_dir, exist_ok=True)
-            torch.save(state, os.path.join(args.trace_dir, "full_model.pt"))
-            saved = {name: list(t.shape) for name, t in state.items()}
-    return {"whole_shapes": whole, "saved_shapes": saved}
+            save(state)
+    return {"whole_shapes": whole, "saved_shapes": written[0] if rt.rank == 0 and written else None,
+            "files_written": len(written)}
 
 
-def evaluate(args, rt, journal, collective):
-    """Between two steps, the model is evaluated on a validation set that takes --eval-seconds of compute on one
-    rank. The bug evaluates on rank 0 alone while the others go on to the next step's all-reduce; the fix gives
-    each rank its share and all-reduces the sums."""
+VALIDATION_BATCHES = 12   # rank-0-evaluation: the validation set, in batches of equal cost
+
+
+def evaluate(args, rt, journal, collective, evaluation_share=None):
+    """Between two steps, the model is evaluated on a validation set of VALIDATION_BATCHES batches that takes
+    --eval-seconds of compute on one rank. The bug evaluates on rank 0 alone while the others go on to the next
+    step's all-reduce; the fix gives each rank its share and all-reduces the counts and sums.
+    ``evaluation_share``: a learner's ``evaluation_share(batches, rank, world_size)``, the batches a rank takes."""
     collective("end of step", "all_reduce")
     whole = args.eval_seconds if args.eval_seconds is not None else 1.5 * rt.pg_timeout_s
-    share = whole / rt.world_size if args.evaluate_on_every_rank else whole
-    if args.evaluate_on_every_rank or rt.rank == 0:
+    if evaluation_share is not None:
+        mine = [int(b) for b in evaluation_share(VALIDATION_BATCHES, rt.rank, rt.world_size)]
+    elif args.evaluate_on_every_rank:
+        mine = list(range(rt.rank, VALIDATION_BATCHES, rt.world_size))
+    else:
+        mine = list(range(VALIDATION_BATCHES)) if rt.rank == 0 else []
+    shared = evaluation_share is not None or args.evaluate_on_every_rank
+    share = whole * len(mine) / VALIDATION_BATCHES
+    if mine:
         with journal.call("evaluate", "compute", group=f"rank {rt.rank}", members=[rt.rank], order=ORDER["evaluate"]):
             a = torch.randn(64, 64, device=rt.device)
             end = time.perf_counter() + share   # real work for that long (a forward pass over the batches)
             while time.perf_counter() < end:
                 a = torch.tanh(a @ a)
-        if args.evaluate_on_every_rank:
-            collective("evaluation sums", "all_reduce")
+    sums = None
+    if shared:   # each batch's id stands for its loss: the sums tell whether every batch was counted once
+        t = torch.tensor([len(mine), sum(mine), sum(b * b for b in mine)], dtype=torch.float64, device=rt.device)
+        with journal.call("evaluation sums", "all_reduce", order=ORDER["evaluation sums"]):
+            dist.all_reduce(t, async_op=True).wait(datetime.timedelta(seconds=rt.pg_timeout_s))
+        sums = [int(v) for v in t.tolist()]
     collective("next step", "all_reduce")
-    return {"evaluation_seconds": share}
+    return {"evaluation_seconds": share, "evaluation_sums": sums}
 
 
 def main():
@@ -203,6 +262,12 @@ def main():
     p.add_argument("--eval-seconds", type=float, default=None,
                    help="compute time of the whole evaluation on one rank (rank-0-evaluation; default 1.5 x "
                         "--pg-timeout: longer than the timeout on one rank, a quarter of it each on four)")
+    runtime.add_fix_flag(p, "agreed_batches(batch_counts) (uneven-inputs: how many batches every rank trains, "
+                            "from every rank's count), sync(rank, tensor, collectives) (mismatched-collectives: the "
+                            "step's first synchronisation, calling collectives.all_reduce(t) or .broadcast(t, src)), "
+                            "save_model(rank, gather_full_state, save) (full-state-on-rank-0: the end of the run), "
+                            "evaluation_share(batches, rank, world_size) (rank-0-evaluation: the validation batches "
+                            "a rank evaluates)")
     p.add_argument("--trace-dir", default=None,
                    help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
                         "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
@@ -244,7 +309,10 @@ def main():
         started = time.perf_counter()
         error, outcome = None, None
         try:
-            outcome = program(args, rt, journal, pairs)
+            outcome = program(args, rt, journal, pairs, runtime.learner_fixes(args.fix_from, tuple(FIXES)))
+            if outcome and "files_written" in outcome:   # counted in the store, before this rank says finished
+                store.add(f"deadlocks/{args.hang}/files_by_{'rank_0' if rt.rank == 0 else 'others'}",
+                          outcome["files_written"])
             journal.finish("finished")
         except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -281,13 +349,22 @@ def main():
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
-        fixed = any(getattr(args, flag) for flag in FIXES)
+        fixed = args.fix_from or any(getattr(args, flag) for flag in FLAG_FIXES)
         expected = "none" if fixed else EXPECTED_CAUSE[args.hang]
         report.check("the diagnosis names the planted cause", finding["cause"] == expected, finding["cause"], expected)
-        if args.hang == "full-state-on-rank-0" and rt.rank == 0 and outcome and outcome["saved_shapes"]:
-            report.check("rank 0 saved every weight whole (the full state, not its shard)",
-                         outcome["saved_shapes"] == outcome["whole_shapes"], outcome["saved_shapes"],
-                         outcome["whole_shapes"])
+        if args.hang == "full-state-on-rank-0" and outcome:
+            written = [int(store.add(f"{prefix}/files_by_{who}", 0)) for who in ("rank_0", "others")]
+            report.check("one file written, by rank 0 (files by rank 0, by the others)", written == [1, 0],
+                         written, [1, 0])
+            if rt.rank == 0 and outcome["saved_shapes"]:
+                report.check("rank 0 saved every weight whole (the full state, not its shard)",
+                             outcome["saved_shapes"] == outcome["whole_shapes"], outcome["saved_shapes"],
+                             outcome["whole_shapes"])
+        if args.hang == "rank-0-evaluation" and outcome and outcome["evaluation_sums"] is not None:
+            every = list(range(VALIDATION_BATCHES))
+            want = [len(every), sum(every), sum(b * b for b in every)]
+            report.check("every validation batch evaluated once (count, sum and squares of the ids)",
+                         outcome["evaluation_sums"] == want, outcome["evaluation_sums"], want)
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
                         "error": error, "journals": journals, "flight_recorder": recorded,
                         **({"outcome": outcome} if outcome else {})}

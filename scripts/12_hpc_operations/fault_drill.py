@@ -40,6 +40,7 @@ the time to detect.
         --run-dir runs/drill --kill-rank 1 --kill-at-step 5
 """
 
+import argparse
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab import checkpointing, data, metrics, models, runtime
@@ -59,9 +61,57 @@ LOSSES_FILE, FAILURE_FILE, STOPPED_FILE = "losses.jsonl", "failure.json", "stopp
 STOP_REQUESTED = {"signal": None}
 
 
+# What a checkpoint can hold (--checkpoint-holds): the script's own holds all but the loss history.
+HOLDABLE = ("model", "optimizer", "step", "rng", "data_position", "loss_history")
+
+
+def held_names(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in HOLDABLE]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not among {', '.join(HOLDABLE)}")
+    return names
+
+
+class HeldState(checkpointing.TrainingState):
+    """A checkpoint holding only ``held`` (names of HOLDABLE): what is not held is not saved, and a resume keeps
+    what the fresh start made of it. ``loss_history``: rank 0's loss record, written back on a resume."""
+
+    def __init__(self, model, optimizer, loader, rank, held, record: Path, main: bool):
+        super().__init__(model, optimizer, loader=loader if "data_position" in held else None,
+                         rank=rank if "rng" in held else None)
+        self.held, self.record, self.main = held, record, main
+
+    def state_dict(self):
+        state = super().state_dict()
+        for name in ("model", "optimizer", "step"):
+            if name not in self.held:
+                del state[name]
+        if "loss_history" in self.held and self.main:
+            state["loss_history"] = self.record.read_text() if self.record.exists() else ""
+        return state
+
+    def load_state_dict(self, state):
+        options = checkpointing.LAYOUT_FREE
+        if "model" in self.held:
+            set_model_state_dict(self.model, state["model"], options=options)
+        if "optimizer" in self.held:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        if "step" in self.held:
+            self.step = state["step"]
+        if self.loader is not None:
+            self.loader.load_state_dict(state["data"])
+        if self.rank is not None:
+            runtime.set_rng_state(state[f"rng_rank{self.rank}"])
+        if "loss_history" in state:
+            self.record.write_text(state["loss_history"])
+
+
 def check_config(args, world_size):
     runtime.require(args.batch % world_size == 0, f"--batch {args.batch} does not split over {world_size} ranks")
     runtime.require(args.save_every >= 1, f"--save-every {args.save_every}: must be at least 1")
+    runtime.require(not (args.checkpoint_holds is not None and args.resume_without_rng),
+                    "--checkpoint-holds says what a checkpoint holds, --resume-without-rng too: not both")
     if args.kill_rank is not None:
         runtime.require(0 <= args.kill_rank < world_size, f"--kill-rank {args.kill_rank}: no such rank")
         runtime.require(args.kill_at_step is not None and 0 < args.kill_at_step < args.steps,
@@ -119,6 +169,9 @@ def main():
                    help="sequences in the dataset, read in a new shuffled order each epoch (20: 2.5 steps an epoch)")
     p.add_argument("--resume-without-rng", action="store_true",
                    help="the mistake: checkpoint only the model and the optimizer (no data position, no RNGs)")
+    p.add_argument("--checkpoint-holds", type=held_names, default=None, metavar="NAMES",
+                   help=f"what each checkpoint holds, names among {', '.join(HOLDABLE)}, comma-separated (default: "
+                        "all but loss_history; loss_history: rank 0's loss record, written back on a resume)")
     runtime.add_lr_flag(p)
     p.add_argument("--kill-rank", type=runtime.nonnegative_int, default=None, help="this rank dies (first attempt only)")
     p.add_argument("--kill-at-step", type=runtime.positive_int, default=None, help="... at the start of this step")
@@ -143,8 +196,13 @@ def main():
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         cfg = model.module.cfg
         loader = data.ShuffledLoader(args.samples, args.batch, cfg.seq_len, cfg.vocab_size, args.seed)
-        state = (checkpointing.TrainingState(model, optimizer) if args.resume_without_rng
-                 else checkpointing.TrainingState(model, optimizer, loader=loader, rank=rt.rank))
+        if args.checkpoint_holds is not None:   # chapter 14's lab: what the learner says a checkpoint must hold
+            state = HeldState(model, optimizer, loader, rt.rank, args.checkpoint_holds, run_dir / LOSSES_FILE,
+                              rt.is_main)
+        elif args.resume_without_rng:
+            state = checkpointing.TrainingState(model, optimizer)
+        else:
+            state = checkpointing.TrainingState(model, optimizer, loader=loader, rank=rt.rank)
         latest = checkpointing.latest_checkpoint(run_dir)
         if latest is not None:
             checkpointing.load(state, latest)

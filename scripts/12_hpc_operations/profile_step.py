@@ -51,7 +51,8 @@ KINDS_TOLERANCE_FRACTION = 0.10
 KINDS_TOLERANCE_SECONDS = 0.010
 # A straggler: under DDP nothing makes the ranks wait for each other before backward's first all-reduce, so each
 # rank's data + forward time is its own; one rank later than the rest by more than this, step after step, holds
-# every other rank in that all-reduce. --planted-bug slow-rank delays rank SLOW_RANK by SLOW_RANK_SECONDS a step.
+# every other rank in that all-reduce. --planted-bug slow-rank gives rank SLOW_RANK SLOW_RANK_SECONDS of extra
+# compute a step (matrix products: real work, compute in its trace, not a sleep that shows as idle).
 # The tolerance is half that delay: a CPU shared by 4 ranks and another test worker deschedules a rank for up to
 # about 0.1 s (0.106 s seen with 28 processes on 2 cores: the check failed a correct run), the planted delay stays
 # twice over it.
@@ -64,6 +65,18 @@ SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
 DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}
 
 
+def extra_work(seconds: float, device, sync) -> None:
+    """The planted straggler's extra work: matrix products on its own device for ``seconds`` of its clock, as a
+    rank given more work (or a slower device) computes longer. Large products, so the trace counts the time as
+    compute: the tiny model's own forward passes would leave half of it idle, Python between small operators."""
+    size = 4096 if device.type == "cuda" else 512
+    matrix = torch.randn(size, size, device=device)
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        torch.mm(matrix, matrix)
+        sync()
+
+
 def check_config(args, world_size):
     runtime.require(args.wait >= 0 and args.warmup >= 0, "--wait and --warmup cannot be negative")
     runtime.require(args.active >= 1, f"--active {args.active}: the profiler must keep at least one step")
@@ -73,6 +86,8 @@ def check_config(args, world_size):
     runtime.require(args.planted_bug != "slow-rank" or (args.strategy == "ddp" and world_size > SLOW_RANK),
                     f"--planted-bug slow-rank: rank {SLOW_RANK} is slowed and the straggler check runs under "
                     f"--strategy ddp, on {SLOW_RANK + 1} ranks or more (not {args.strategy} on {world_size})")
+    fixes = runtime.learner_fixes(args.fix_from, ("straggler",))
+    runtime.require(not fixes or args.strategy == "ddp", "--fix-from: the straggler check runs under --strategy ddp")
 
 
 def parallelize(model, args, rt):
@@ -115,8 +130,11 @@ def main():
     runtime.add_lr_flag(p)
     p.add_argument("--trace-dir", default="build/profile_step", help="where each rank writes its Chrome trace")
     p.add_argument("--planted-bug", choices=["slow-rank"], default=None,
-                   help=f"a fault the checks must catch: rank {SLOW_RANK} sleeps {SLOW_RANK_SECONDS} s before each "
+                   help=f"a fault the checks must catch: rank {SLOW_RANK} computes {SLOW_RANK_SECONDS} s more before each "
                         "step's forward (a straggler: the job runs, every other rank waits for it)")
+    runtime.add_fix_flag(p, "straggler(ranks) (the rank the others wait for, from the profiled steps' rows of "
+                            "extra.ranks): after the profiled steps its extra work is removed, as draining its node "
+                            "would, and the straggler check is made on --active more steps")
     args = p.parse_args()
     if args.bucket_mb is None and args.preset == "tiny":  # 0.1 MB on the a100 model: one bucket a parameter
         args.bucket_mb = 0.1  # (a100 keeps None: DDP's own default)
@@ -134,13 +152,15 @@ def main():
         baseline = Baseline(cfg, args.seed, args.lr, rt.device) if args.preset == "tiny" else None
 
         before_sync = []   # per step, this rank's data + forward seconds (before any collective, under DDP)
+        slowed = {SLOW_RANK} if args.planted_bug == "slow-rank" else set()   # the ranks given extra work
+        fixes = runtime.learner_fixes(args.fix_from, ("straggler",))
 
         def train_step(step):
             started = time.perf_counter()
-            if args.planted_bug == "slow-rank" and rt.rank == SLOW_RANK:   # the planted fault: one rank slower
-                time.sleep(SLOW_RANK_SECONDS)   # every step (a slow disk, a busy node): late to every all-reduce
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
             inputs, targets = data.split_inputs_targets(data.shard_rows(tokens, rt.rank, rt.world_size))
+            if rt.rank in slowed:   # the planted fault: one rank computes more every step, late to every all-reduce
+                extra_work(SLOW_RANK_SECONDS, rt.device, rt.sync)
             loss = models.lm_loss(model(inputs), targets)
             before_sync.append(time.perf_counter() - started)
             with record_function(profiling.BACKWARD_LABEL):  # labels backward's span in the trace
@@ -182,9 +202,19 @@ def main():
                 "issued": issued, "before_sync_seconds": sorted(before_sync)[len(before_sync) // 2]}
         everyone = [None] * rt.world_size
         dist.all_gather_object(everyone, mine)
+        arrivals = [row["before_sync_seconds"] for row in everyone]
+        if fixes:   # chapter 14's lab: the rank the learner's straggler() names loses its extra work, then more steps
+            named = fixes["straggler"]([dict(row) for row in everyone])
+            rt.print(f"straggler(ranks) = {named!r}: that rank's extra work removed; {args.active} more step(s)")
+            slowed.discard(named)
+            before_sync.clear()
+            for step in range(len(local_losses), len(local_losses) + args.active):
+                local_losses.append(train_step(step))
+            arrivals = [None] * rt.world_size
+            dist.all_gather_object(arrivals, sorted(before_sync)[len(before_sync) // 2])
 
         if baseline is not None:  # after the profiled steps, so that its work is in no trace
-            for step in range(profiled_steps + 1):
+            for step in range(len(local_losses)):
                 baseline.step(data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed)
                               .to(rt.device))
         losses = torch.stack(local_losses).to(rt.device)
@@ -244,7 +274,6 @@ def main():
             report.check("some communication ran while backward computed (trace intervals), on some rank",
                          max(hidden) > 0, max(hidden), "> 0")
         if args.strategy == "ddp" and rt.world_size > 1:   # FSDP's forward gathers: its ranks wait there already
-            arrivals = [row["before_sync_seconds"] for row in everyone]
             rt.print("data + forward per rank (median step): " + ", ".join(f"{1e3 * a:.0f} ms" for a in arrivals))
             report.check("no straggler: every rank reaches backward's all-reduces with the others (median data + "
                          "forward time, slowest - fastest rank)", max(arrivals) - min(arrivals) <= STRAGGLER_TOLERANCE_S,

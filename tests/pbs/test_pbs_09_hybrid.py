@@ -24,6 +24,8 @@ import pytest
 from pbs_helpers import LEAKY_PREFIXES, PBS_DIR, ROOT, run_bash, tool, write_nodefile
 from test_pbs_job_files import accepted_flags, directives, dry_run, resources, script_of
 
+from helpers import forkexec_settings
+
 from labkit import launch
 from coursetools import demo_report
 from distlab.runtime import free_port
@@ -152,7 +154,7 @@ def two_node_env(tmp: Path) -> dict:
         "DISTLAB_MODULES": "", "DISTLAB_CONDA_ENV": "", "DISTLAB_PREFLIGHT": "0", "DISTLAB_PYTHON": sys.executable,
         "DISTLAB_MPIEXEC": mpiexec, "DISTLAB_MPIEXEC_ARGS": "-launcher fork", "DISTLAB_GPUS_PER_NODE": "2",
         "DISTLAB_DEVICE": "cpu", "DISTLAB_PRESET": "tiny", "DISTLAB_LAUNCH_TIMEOUT": str(LAUNCH_TIMEOUT_S),
-        "DISTLAB_MASTER_PORT": str(free_port()),
+        "DISTLAB_MASTER_PORT": str(free_port()), **forkexec_settings(),
     }
 
 

@@ -308,7 +308,8 @@ def test_after_a_sigterm_the_job_launches_nothing_and_says_checkpoint_only_for_a
     import sys
     import time
 
-    # one "rank": prints, then runs on 2 s after the job shell got its SIGTERM (bash runs the trap once it ends)
+    # one "rank": prints, then runs on 2 s after the job shell got its SIGTERM; the shell's trap runs at once
+    # (distlab_launch waits in the background), so it reports before the scheduler's SIGKILL would come
     rank = tmp_path / "rank.py"
     rank.write_text("import sys, time\nprint('started', flush=True)\ntime.sleep(2)\nprint('rank done', flush=True)\n")
     launcher = tmp_path / "mpiexec"  # starts the command after the launcher's options, once
@@ -332,4 +333,5 @@ def test_after_a_sigterm_the_job_launches_nothing_and_says_checkpoint_only_for_a
         assert not any("checkpoint written" in s or "write a checkpoint" in s for s in said), output
         assert any("no checkpoint is written" in s for s in said), output
     assert "distlab: not launched rank.py: the job got SIGTERM" in output and output.count("rank done") == 1, output
+    assert output.index("distlab: SIGTERM: ") < output.index("rank done"), output  # the trap ran during the launch
     assert "ok rank.py" in output and job.returncode == 1  # the first launch ended well; the job did not finish

@@ -10,11 +10,14 @@ mpiexec + torchrun) command; the ranks find each other through distlab.runtime a
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from pbs_helpers import PBS_DIR, ROOT, run_bash, tool, write_nodefile
+
+from helpers import forkexec_settings
 
 from distlab.runtime import free_port
 
@@ -36,6 +39,9 @@ def two_nodes(job_env, tmp_path):
         "DISTLAB_PRESET": "tiny",
         "DISTLAB_LAUNCH_TIMEOUT": str(LAUNCH_TIMEOUT_S),
         "DISTLAB_MASTER_PORT": str(free_port()),  # tests may run beside other jobs on this machine
+        # each rank forked from make test's fork server (torch imported once); the preflight job below keeps the
+        # real interpreter, so one job of the tier starts its ranks exactly as a site does
+        **forkexec_settings(),
     }
 
 
@@ -123,7 +129,8 @@ def test_checkpoint_round_trip_job_on_two_nodes(two_nodes, tmp_path):
 def test_preflight_job_on_two_nodes(two_nodes, tmp_path):
     """pbs/preflight.pbs end to end with the real mpiexec: the rank map and the bandwidth script (DISTLAB_ONLY keeps
     it short; test_pbs_job_files checks that the full list covers every script), then its table."""
-    env = two_nodes | {"DISTLAB_ONLY": "distlab.runtime:bandwidth.py", "PREFLIGHT_BW_MAX_BYTES": "64K"}
+    env = two_nodes | {"DISTLAB_ONLY": "distlab.runtime:bandwidth.py", "PREFLIGHT_BW_MAX_BYTES": "64K",
+                       "DISTLAB_PYTHON": sys.executable}   # the real interpreter a rank (the fixture's forks the rest)
     result, _ = run_job(PBS_DIR / "preflight.pbs", env)
     assert result.returncode == 0, result.output
     run = tmp_path / "run"

@@ -6,11 +6,18 @@ import pytest
 
 from coursetools.slurm_cluster import SlurmCluster, SlurmUnavailable
 
+# KillWait: the seconds between the time limit's SIGTERM and its SIGKILL (slurm.conf.5: 30 by default; slurmd waits
+# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). The time-limit job's drill needs the end of its step, a
+# checkpoint and torchrun's shutdown inside it before its batch shell can finish the job's report: with 5 s the
+# shell was SIGKILLed first (ExitCode 0:9, twice), with 15 s it finished (1:0). Half a site's default, it keeps
+# scancel's wait in the other tests short.
+KILL_WAIT = 15
+
 
 @pytest.fixture(scope="session")
 def cluster():
     """slurmctld, munged and two slurmd (n1, n2), started once; stopped by their PIDs when the session ends."""
-    slurm = SlurmCluster()
+    slurm = SlurmCluster(kill_wait=KILL_WAIT)
     try:
         slurm.start()
     except SlurmUnavailable as exc:

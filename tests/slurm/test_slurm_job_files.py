@@ -249,6 +249,16 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
     term = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{on_term}", "x", str(tmp_path / "run")],
                           cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert "the job got SIGTERM" in term.stdout and term.returncode == 1, term.stdout + term.stderr
+    # the warning, then the limit's own SIGTERM (the job's end passed: DISTLAB_JOB_END): the SIGTERM is named as the
+    # limit's, and what the warning held back keeps the warning's name, no failure (bash runs pending traps by signal
+    # number, USR1 before TERM, as they come in that order)
+    both = snippet.replace("distlab_on_walltime_warning;",
+                           "distlab_on_walltime_warning; DISTLAB_JOB_END=1 distlab_on_sigterm;")
+    limit = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{both}", "x", str(tmp_path / "run")],
+                           cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "distlab: SIGTERM at the time limit: the ranks stop; no checkpoint is written" in limit.stdout, limit.stdout
+    assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in limit.stdout, limit.stdout
+    assert "  not-launched train_ddp.py (walltime warning)" in limit.stdout and limit.returncode == 0, limit.stdout
 
 
 def functions_env(tmp_path: Path) -> dict[str, str]:

@@ -83,8 +83,8 @@ def test_the_registry_is_well_formed():
         for text in (run.symptom, run.cause, run.tell_apart, run.fix):
             assert text.endswith((".", ")")) and len(text) > 30, (run.name, text)
         assert "{run_dir}" in " ".join(run.args) or not run.prepare_args, run.name
-        assert all(key.split(".")[0] in ("checks", "losses", "comm", "extra", "throughput", "timeline")
-                   for key in run.evidence), run.name
+        assert all(key.split(".")[0] in ("checks", "losses", "comm", "extra", "throughput", "timeline", "output")
+                   for key in run.evidence), run.name   # output: the lines the run printed, its errors
 
 
 def test_the_dropped_dropout_case_says_why():

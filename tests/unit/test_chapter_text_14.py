@@ -191,7 +191,7 @@ def test_the_straggler_numbers_are_the_measured_ones():
     slow_rank, seconds = re.search(r"^SLOW_RANK, SLOW_RANK_SECONDS = (\d+), ([\d.]+)$", source, flags=re.M).groups()
     ranks = measured("14_straggler_vs_hang.json")["slow"]["ranks"]
     others = [1e3 * r["communication"] / r["steps"] for r in ranks if r["rank"] != int(slow_rank)]
-    assert f"rank {slow_rank} sleeps {float(seconds):g} s a step before its forward" in FLAT
+    assert f"rank {slow_rank} computes {float(seconds):g} s more a step before its forward" in FLAT
     assert f"about as long, {round(sum(others) / len(others), -1):.0f} ms a step" in FLAT
     journals = measured("14_straggler_vs_hang.json")["hang"]["journals"].values()   # the hang's earlier batches
     assert min(sum(c["done"] for c in j["calls"]) for j in journals) >= 1             # completed on every rank
@@ -553,3 +553,55 @@ def test_the_unused_parameter_case_quotes_torchs_words_as_the_run_prints_them():
     quoted = registry().case("unused-parameter").symptom.split("'")[1]
     assert f'every rank stops: "{quoted}"' in section_of("unused-parameter")
     assert "0 bytes all-reduced" in section_of("unused-parameter")
+def test_every_case_says_how_it_looks_on_nccl_beside_its_cpu_run():
+    """Each case's section carries its registry's on_nccl line (one table cell: 40 words at most), written by
+    labkit.diagnosis_table; a case without one would leave its GPU look unsaid."""
+    from labkit import broken_runs
+
+    for case in broken_runs.BROKEN_RUNS:
+        assert case.on_nccl and len(case.on_nccl.split()) <= 40, case.name
+        assert f"{diagnosis_table.NCCL_LINE} {' '.join(case.on_nccl.split())}" in section_of(case.name), case.name
+
+
+def test_who_can_see_each_cases_evidence_is_the_registrys():
+    """Every evidence key of every case is sorted into what a user's tools show and what only the course's
+    instrumentation shows, and the appendix holds that table as diagnosis_table renders it (not the body)."""
+    from labkit import broken_runs
+
+    keys = {key for case in broken_runs.BROKEN_RUNS for key in case.evidence}
+    assert keys <= set(broken_runs.SEEN_BY) and set(broken_runs.SEEN_BY.values()) == {"user", "course"}
+    table = diagnosis_table.evidence_markdown(broken_runs.BROKEN_RUNS)
+    assert table in APPENDIX and table not in BODY
+    assert broken_runs.SEEN_BY["extra.diffs.baseline_loss"] == "course" == broken_runs.SEEN_BY["extra.journals"]
+    assert broken_runs.SEEN_BY["extra.rank_losses"] == "user" == broken_runs.SEEN_BY["extra.flight_recorder"]
+
+
+def test_the_nccl_lines_of_the_gpu_look():
+    """The NCCL variables and FSDP2's averaging in bf16, as the appendix cites them in the installed torch 2.13."""
+    import torch
+
+    c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    header = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()[59:84]
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_DESYNC_DEBUG"):
+        assert any(f'"{name}"' in line for line in header), name
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:60-84)" in FLAT_APPENDIX
+    fsdp = (Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_collectives.py") \
+        .read_text().splitlines()
+    assert "use NCCL's built-in division" in fsdp[829] and "torch.float32, torch.bfloat16" in fsdp[830]
+    assert fsdp[845].strip() == "return None, None, ReduceOp.AVG, ReduceOp.AVG"
+    assert "(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:829-846)" in FLAT_APPENDIX
+    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE" in FLAT_APPENDIX
+
+
+def test_what_the_gpu_look_rests_on_is_cited():
+    """The on_nccl lines' public sources: the watchdog's line at the end of an epoch, at a save and after an
+    evaluation, and a waiting GPU shown busy."""
+    for link in ("https://github.com/hiyouga/LlamaFactory/issues/7396", "https://github.com/jpata/particleflow/issues/390",
+                 "https://github.com/NVIDIA/nccl/issues/968", "https://github.com/cupy/cupy/issues/3557",
+                 "https://github.com/huggingface/transformers/pull/35234",
+                 "https://github.com/meta-pytorch/torchtune/issues/2093", "https://github.com/ACEsuit/mace/issues/1348"):
+        assert link in APPENDIX, link
+    assert "full utilisation at low power" in section_of("slow-rank")
+    assert "OpType=_ALLGATHER_BASE" in section_of("full-state-on-rank-0") and "OpType=_ALLGATHER_BASE" in APPENDIX
+    assert "OpType=ALLREDUCE" in section_of("rank-0-evaluation")

@@ -72,10 +72,12 @@ def test_the_straggler_and_the_hang_are_what_the_registry_and_the_diagnosis_say(
     broken_runs = registry()
     run = json.loads(figures.BROKEN_STRAGGLER.read_text())
     assert run["slow"]["argv"] == list(broken_runs.case("slow-rank").args)
-    idle = {r["rank"]: r["idle"] / r["steps"] for r in run["slow"]["ranks"]}
+    # the planted straggler computes longer (real work, not a sleep that would show as idle); the others wait
+    computing = {r["rank"]: r["compute"] / r["steps"] for r in run["slow"]["ranks"]}
     waiting = {r["rank"]: r["communication"] / r["steps"] for r in run["slow"]["ranks"]}
-    slow = max(idle, key=idle.get)
+    slow = max(computing, key=computing.get)
     assert slow == 1 and all(waiting[r] > 0.2 > waiting[slow] for r in waiting if r != slow)
+    assert all(computing[slow] > computing[r] + 0.1 for r in computing if r != slow), computing   # a third of 0.3 s
     hang = broken_runs.case("uneven-inputs")
     assert run["hang"]["argv"] == list(hang.args)
     found = hangs.diagnose({int(r): j for r, j in run["hang"]["journals"].items()})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -117,71 +118,207 @@ def test_an_unnamed_run_is_not_written_yet():
 
 
 # ---- the fixes: (check, right answer, plausible wrong answers), one entry per case --------------------------------
+# Every answer runs inside the job: a function from a file the script loads (its flag), a setting as a flag. The
+# right answers and the wrong ones are functions defined with def (the job loads their source), named right_* and
+# wrong_*: the stand-in launch below passes a run exactly when the file holds a right_* function.
 
-class _Bug:   # the broken program of mismatched-collectives: rank 0 broadcasts where the others all-reduce
-    @staticmethod
-    def sync(rank, tensor, collectives):
-        if rank == 0:
-            collectives.broadcast(tensor, src=0)
-        else:
-            collectives.all_reduce(tensor)
+def right_sync(rank, tensor, collectives):
+    collectives.all_reduce(tensor)
 
 
-class _Shard:   # data_shard(mesh) -> (index, count), run inside the job (fsdp_tp_hybrid.py --data-shard-from)
-    @staticmethod
-    def right(mesh):
-        return mesh.get_local_rank("dp"), mesh["dp"].size()
-
-    @staticmethod
-    def global_rank(mesh):   # the bug: DistributedSampler's defaults
-        return dist.get_rank(), dist.get_world_size()
-
-    @staticmethod
-    def rank_mod_dp(mesh):   # a grid laid out the other way from the mesh's
-        return dist.get_rank() % mesh["dp"].size(), mesh["dp"].size()
+def wrong_sync_rank_zero_broadcasts(rank, tensor, collectives):   # the broken program itself
+    if rank == 0:
+        collectives.broadcast(tensor, src=0)
+    else:
+        collectives.all_reduce(tensor)
 
 
-class _Wrappers:   # apply_wrappers(tp, fsdp), run inside the job (fsdp_tp_hybrid.py --wrappers-from)
-    @staticmethod
-    def right(tp, fsdp):
-        tp("tp")
-        fsdp("dp")
-
-    @staticmethod
-    def fsdp_first(tp, fsdp):
-        fsdp("dp")
-        tp("tp")
-
-    @staticmethod
-    def tp_only(tp, fsdp):
-        tp("tp")
+def wrong_sync_nothing(rank, tensor, collectives):
+    return None
 
 
-class _Optimizer:   # shard_and_optimizer(model, shard, adamw), run inside the job (train_fsdp.py --optimizer-from)
-    @staticmethod
-    def right(model, shard, adamw):
-        shard(model)
-        return adamw(model.parameters())
-
-    @staticmethod
-    def optimizer_first(model, shard, adamw):
-        optimizer = adamw(model.parameters())
-        shard(model)
-        return optimizer
+def right_straggler(ranks):
+    return min(ranks, key=lambda row: row["kinds"]["communication"])["rank"]
 
 
-class _Seed:   # model_seed(seed, rank), run inside the job (train_fsdp.py --model-seed-from)
-    @staticmethod
-    def right(seed, rank):
-        return seed
+def wrong_straggler_most_waiting(ranks):   # the rank that waited longest: a victim
+    return max(ranks, key=lambda row: row["kinds"]["communication"])["rank"]
 
-    @staticmethod
-    def per_rank(seed, rank):   # the bug: caught on hand-made ranks, before any launch
-        return seed + rank
 
-    @staticmethod
-    def same_but_not_the_runs(seed, rank):   # the replicas agree, but the model is not the run's --seed's
-        return seed + 1
+def right_agreed_batches(batch_counts):
+    return min(batch_counts)
+
+
+def wrong_agreed_batches_longest(batch_counts):
+    return max(batch_counts)
+
+
+def wrong_agreed_batches_mean(batch_counts):
+    return sum(batch_counts) // len(batch_counts)
+
+
+def right_apply_wrappers(tp, fsdp):
+    tp("tp")
+    fsdp("dp")
+
+
+def wrong_apply_wrappers_fsdp_first(tp, fsdp):
+    fsdp("dp")
+    tp("tp")
+
+
+def wrong_apply_wrappers_tp_only(tp, fsdp):
+    tp("tp")
+
+
+def right_loss_rank(stage_ranks):
+    return stage_ranks[-1]
+
+
+def wrong_loss_rank_zero(stage_ranks):
+    return 0
+
+
+def wrong_loss_rank_last_rank(stage_ranks):   # world_size - 1: right for looped schedules only
+    return max(stage_ranks)
+
+
+def right_rank_sampler(dataset, rank, world_size):
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
+
+
+def wrong_rank_sampler_rank_zero(dataset, rank, world_size):
+    return DistributedSampler(dataset, num_replicas=world_size, rank=0)
+
+
+def wrong_rank_sampler_own_seed(dataset, rank, world_size):
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=rank)
+
+
+def right_synchronises(micro_step, accumulation):
+    return micro_step == accumulation - 1
+
+
+def wrong_synchronises_never(micro_step, accumulation):
+    return False
+
+
+def wrong_synchronises_always(micro_step, accumulation):
+    return True
+
+
+def right_epoch_indices(sampler, epoch):
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def wrong_epoch_indices_no_set_epoch(sampler, epoch):
+    return list(sampler)
+
+
+def right_gradient_scales(world_size):
+    return 1.0, 1.0 / world_size
+
+
+def wrong_gradient_scales_twice(world_size):
+    return 1.0 / world_size, 1.0 / world_size
+
+
+def wrong_gradient_scales_sum(world_size):
+    return 1.0, 1.0
+
+
+def right_data_shard(mesh):
+    return mesh.get_local_rank("dp"), mesh["dp"].size()
+
+
+def wrong_data_shard_global_rank(mesh):   # the bug: DistributedSampler's defaults
+    return dist.get_rank(), dist.get_world_size()
+
+
+def wrong_data_shard_rank_mod_dp(mesh):   # a grid laid out the other way from the mesh's
+    return dist.get_rank() % mesh["dp"].size(), mesh["dp"].size()
+
+
+def right_shard_and_optimizer(model, shard, adamw):
+    shard(model)
+    return adamw(model.parameters())
+
+
+def wrong_shard_and_optimizer_optimizer_first(model, shard, adamw):
+    optimizer = adamw(model.parameters())
+    shard(model)
+    return optimizer
+
+
+def right_full_from_shards(shards):
+    return torch.cat(shards, dim=0)
+
+
+def wrong_full_from_shards_rank_zero(shards):
+    return shards[0]
+
+
+def wrong_full_from_shards_last_dim(shards):
+    return torch.cat(shards, dim=-1)
+
+
+def right_save_model(rank, gather_full_state, save):
+    state = gather_full_state()
+    if rank == 0:
+        save(state)
+
+
+def wrong_save_model_rank_0_only(rank, gather_full_state, save):   # the bug: the collective under `if rank == 0:`
+    if rank == 0:
+        save(gather_full_state())
+
+
+def wrong_save_model_every_rank_saves(rank, gather_full_state, save):
+    save(gather_full_state())
+
+
+def right_evaluation_share(batches, rank, world_size):
+    return list(range(rank, batches, world_size))
+
+
+def wrong_evaluation_share_rank_0(batches, rank, world_size):   # the bug itself
+    return list(range(batches)) if rank == 0 else []
+
+
+def wrong_evaluation_share_everything(batches, rank, world_size):
+    return list(range(batches))
+
+
+def right_model_seed(seed, rank):
+    return seed
+
+
+def wrong_model_seed_per_rank(seed, rank):   # the bug: the replicas start apart
+    return seed + rank
+
+
+def right_clip_gradients(model, max_norm):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def wrong_clip_gradients_local_shards(model, max_norm):   # the bug: each rank's own norm
+    local = [p.grad.to_local() for p in model.parameters()]
+    norm = torch.nn.utils.get_total_norm(local)
+    torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+def right_without_gradient(grads):
+    return sorted(name for name, grad in grads.items() if grad is None)
+
+
+def wrong_without_gradient_first_only(grads):   # the head's weight, not its bias: a bucket still never completes
+    return [name for name, grad in grads.items() if grad is None][:1]
+
+
+def wrong_without_gradient_the_used_ones(grads):
+    return [name for name, grad in grads.items() if grad is not None]
 
 
 def _first_nonfinite(rank_losses):
@@ -207,138 +344,107 @@ def _first_nan_only(rank_losses):   # misses an inf
     return None
 
 
-def _last_rank_first_seen(rank_losses):   # the right step, the last non-finite rank of it: right unless two are
-    for step, losses in enumerate(rank_losses):
-        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
-            return step, len(losses) - 1
-    return None
-
-
-class _Clip:   # clip_gradients(model, max_norm), run inside the job (train_fsdp.py --clip-from)
-    @staticmethod
-    def right(model, max_norm):
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-    @staticmethod
-    def local_shards(model, max_norm):   # the bug: each rank's own norm
-        local = [p.grad.to_local() for p in model.parameters()]
-        norm = torch.nn.utils.get_total_norm(local)
-        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
-
-
-class _SaveModel:   # save_model(rank, gather_full_state, save): the end of an FSDP2 run, on every rank
-    @staticmethod
-    def right(rank, gather_full_state, save):
-        state = gather_full_state()
-        if rank == 0:
-            save(state)
-
-    @staticmethod
-    def rank_0_only(rank, gather_full_state, save):   # the bug: the collective under `if rank == 0:`
-        if rank == 0:
-            save(gather_full_state())
-
-    @staticmethod
-    def every_rank_saves(rank, gather_full_state, save):
-        save(gather_full_state())
-
-    @staticmethod
-    def gathers_twice_on_0(rank, gather_full_state, save):
-        state = gather_full_state()
-        if rank == 0:
-            save(gather_full_state())
-
-
-IN_THE_JOB = {"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
-              "optimizer-before-sharding": "--optimizer-from", "per-rank-init": "--model-seed-from",
-              "local-grad-norm": "--clip-from"}
-
-
-def _epoch_without_set_epoch(sampler, epoch):
-    return list(sampler)
-
-
-def _own_permutation(sampler, epoch):   # shuffles by itself: ranks no longer cut one permutation
-    order = torch.randperm(len(list(sampler)), generator=torch.Generator().manual_seed(epoch)).tolist()
-    return [list(sampler)[i] for i in order]
-
-
-PROFILE = [{"rank": r, "kinds": {"compute": 0.01, "communication": c, "overlapped": 0.0, "idle": i},
-            "before_sync_seconds": 0.31 if r == 1 else 0.01}   # rank 1 reaches backward's all-reduces last
-           for r, (i, c) in enumerate(((0.0, 0.6), (0.6, 0.05), (0.01, 0.6), (0.0, 0.6)))]
-
-FIXES = {
-    "mismatched-collectives": (ch14.check_fix_collectives, lambda rank, t, c: c.all_reduce(t),
-                               [_Bug.sync, lambda rank, t, c: None]),
-    "slow-rank": (lambda f: ch14.check_fix_straggler(f, PROFILE),
-                  lambda rows: max(rows, key=lambda r: r["kinds"]["idle"])["rank"],
-                  [lambda rows: max(rows, key=lambda r: r["kinds"]["communication"])["rank"]]),
-    "uneven-inputs": (ch14.check_fix_uneven, min, [max, lambda counts: sum(counts) // len(counts)]),
-    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4, 2.5, "8", 6, 32]),
-    "fsdp-before-tp": (ch14.check_fix_wrappers, _Wrappers.right, [_Wrappers.fsdp_first, _Wrappers.tp_only]),
-    "loss-on-wrong-stage": (ch14.check_fix_loss_rank, lambda stage_ranks: stage_ranks[-1],
-                            [lambda stage_ranks: 0, lambda stage_ranks: max(stage_ranks),   # world_size - 1: not V
-                             lambda stage_ranks: (len(stage_ranks) - 1) % (max(stage_ranks) + 1)]),
-    "same-samples-every-rank": (
-        ch14.check_fix_sampler, lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=rank, seed=0),
-        [lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=0),
-         lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=0, shuffle=False),
-         lambda d, rank, world: DistributedSampler(d, num_replicas=world, rank=rank, seed=rank)]),
-    "accumulation-never-syncs": (ch14.check_fix_accumulation, lambda i, n: i == n - 1,
-                                 [lambda i, n: False, lambda i, n: True, lambda i, n: i == 0]),
-    "no-set-epoch": (ch14.check_fix_set_epoch, lambda s, e: (s.set_epoch(e), list(s))[1],
-                     [_epoch_without_set_epoch, _own_permutation]),
-    "loss-averaged-twice": (ch14.check_fix_loss_scale, lambda n: (1.0, 1.0 / n),
-                            [lambda n: (1.0 / n, 1.0 / n), lambda n: (1.0, 1.0), lambda n: 1.0 / n]),
-    "bf16-gradient-reduction": (ch14.check_fix_reduce_dtype, torch.float32, [torch.bfloat16, torch.float16]),
-    "data-by-global-rank": (ch14.check_fix_data_shard, _Shard.right, [_Shard.global_rank, _Shard.rank_mod_dp]),
-    "optimizer-before-sharding": (ch14.check_fix_optimizer_order, _Optimizer.right, [_Optimizer.optimizer_first]),
-    "checkpoint-one-shard": (ch14.check_fix_full_state, lambda shards: torch.cat(shards, dim=0),
-                             [lambda shards: shards[0], lambda shards: torch.cat(shards, dim=-1),
-                              lambda shards: torch.stack(shards)]),
-    "resume-without-rng": (ch14.check_fix_resume_state, {"model", "optimizer", "step", "rng", "data_position"},
-                           [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
-                            {"model", "optimizer", "step", "rng"},
-                            {"model", "optimizer", "step", "rng", "data_position", "loss_history"}]),
-    "unused-parameter": (ch14.check_fix_without_gradient,
-                         lambda grads: sorted(name for name, grad in grads.items() if grad is None),
-                         [lambda grads: sorted(n for n, g in grads.items() if g is None or not g.any()),   # zeros
-                          lambda grads: [n for n, g in grads.items() if g is not None],
-                          lambda grads: [n for n, g in grads.items() if g is None][:1]]),
-    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite,
-                          [_first_all_nonfinite, _first_nan_only, _last_rank_first_seen]),
-    "local-grad-norm": (ch14.check_fix_clip, _Clip.right, [_Clip.local_shards]),
-    "per-rank-init": (ch14.check_fix_model_seed, _Seed.right, [_Seed.same_but_not_the_runs]),
-    "full-state-on-rank-0": (ch14.check_fix_full_state_save, _SaveModel.right,
-                             [_SaveModel.rank_0_only, _SaveModel.every_rank_saves, _SaveModel.gathers_twice_on_0]),
-    "rank-0-evaluation": (ch14.check_fix_evaluation, lambda n, rank, world: list(range(rank, n, world)),
-                          [lambda n, rank, world: list(range(n)) if rank == 0 else [],
-                           lambda n, rank, world: list(range(n)),
-                           lambda n, rank, world: list(range(rank * (n // world), (rank + 1) * (n // world))),
-                           lambda n, rank, world: [b for b in range(n) if b % world == rank] + ([0] if rank else [])]),
+# The answer that is a reading of the evidence, not code the job runs: judged on hand-made runs.
+BY_HAND = {
+    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite, [_first_all_nonfinite, _first_nan_only]),
 }
 
 
+@pytest.mark.parametrize("name", list(BY_HAND))
+def test_an_answer_read_from_the_evidence_is_judged_on_made_runs_without_a_launch(name, launched, capsys):
+    check, right, wrong_answers = BY_HAND[name]
+    check(right)
+    assert capsys.readouterr().out.startswith("Correct:") and not launched.calls
+    for answer in wrong_answers:
+        with pytest.raises(ExerciseWrong) as wrong:
+            check(answer)
+        assert name not in str(wrong.value)
+    assert not launched.calls
+
+
+RIGHT_HOLDS = {"model", "optimizer", "step", "rng", "data_position"}
+FIXES = {
+    "mismatched-collectives": (ch14.check_fix_collectives, right_sync,
+                               [wrong_sync_rank_zero_broadcasts, wrong_sync_nothing]),
+    "slow-rank": (ch14.check_fix_straggler, right_straggler, [wrong_straggler_most_waiting]),
+    "uneven-inputs": (ch14.check_fix_uneven, right_agreed_batches,
+                      [wrong_agreed_batches_longest, wrong_agreed_batches_mean]),
+    "too-few-microbatches": (ch14.check_fix_microbatches, 8, [2, 4]),
+    "fsdp-before-tp": (ch14.check_fix_wrappers, right_apply_wrappers,
+                       [wrong_apply_wrappers_fsdp_first, wrong_apply_wrappers_tp_only]),
+    "loss-on-wrong-stage": (ch14.check_fix_loss_rank, right_loss_rank,
+                            [wrong_loss_rank_zero, wrong_loss_rank_last_rank]),
+    "same-samples-every-rank": (ch14.check_fix_sampler, right_rank_sampler,
+                                [wrong_rank_sampler_rank_zero, wrong_rank_sampler_own_seed]),
+    "accumulation-never-syncs": (ch14.check_fix_accumulation, right_synchronises,
+                                 [wrong_synchronises_never, wrong_synchronises_always]),
+    "no-set-epoch": (ch14.check_fix_set_epoch, right_epoch_indices, [wrong_epoch_indices_no_set_epoch]),
+    "loss-averaged-twice": (ch14.check_fix_loss_scale, right_gradient_scales,
+                            [wrong_gradient_scales_twice, wrong_gradient_scales_sum]),
+    "bf16-gradient-reduction": (ch14.check_fix_reduce_dtype, torch.float32, [torch.bfloat16, torch.float16]),
+    "data-by-global-rank": (ch14.check_fix_data_shard, right_data_shard,
+                            [wrong_data_shard_global_rank, wrong_data_shard_rank_mod_dp]),
+    "optimizer-before-sharding": (ch14.check_fix_optimizer_order, right_shard_and_optimizer,
+                                  [wrong_shard_and_optimizer_optimizer_first]),
+    "checkpoint-one-shard": (ch14.check_fix_full_state, right_full_from_shards,
+                             [wrong_full_from_shards_rank_zero, wrong_full_from_shards_last_dim]),
+    "resume-without-rng": (ch14.check_fix_resume_state, RIGHT_HOLDS,
+                           [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
+                            {"model", "optimizer", "step", "rng"}, set(ch14.CHECKPOINT_PARTS)]),
+    "full-state-on-rank-0": (ch14.check_fix_full_state_save, right_save_model,
+                             [wrong_save_model_rank_0_only, wrong_save_model_every_rank_saves]),
+    "rank-0-evaluation": (ch14.check_fix_evaluation, right_evaluation_share,
+                          [wrong_evaluation_share_rank_0, wrong_evaluation_share_everything]),
+    "per-rank-init": (ch14.check_fix_model_seed, right_model_seed, [wrong_model_seed_per_rank]),
+    "local-grad-norm": (ch14.check_fix_clip, right_clip_gradients, [wrong_clip_gradients_local_shards]),
+    "unused-parameter": (ch14.check_fix_without_gradient, right_without_gradient,
+                         [wrong_without_gradient_first_only, wrong_without_gradient_the_used_ones]),
+}
+# The flag that carries each answer into the job: a function's file, or a setting's value.
+FLAGS = {name: "--fix-from" for name in FIXES}
+FLAGS.update({"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
+              "optimizer-before-sharding": "--optimizer-from", "too-few-microbatches": "--microbatches",
+              "bf16-gradient-reduction": "--reduce-dtype", "resume-without-rng": "--checkpoint-holds",
+              "per-rank-init": "--model-seed-from", "local-grad-norm": "--clip-from"})
+RIGHT_SETTINGS = {"--microbatches": "8", "--reduce-dtype": "float32", "--checkpoint-holds": ",".join(sorted(RIGHT_HOLDS))}
+
+
 def test_every_case_has_a_graded_fix():
-    assert set(FIXES) == set(NAMES)
+    assert set(FIXES) | set(BY_HAND) == set(NAMES) and not set(FIXES) & set(BY_HAND)
 
 
 def _metrics(run, fixed: bool) -> dict:
     """What the run's metrics say: its symptom's checks failing (broken) or passing (fixed); a hang's diagnosis."""
-    checks = [{"name": f"{prefix} (hand-made)", "passed": fixed} for prefix in run.failing_checks]
+    def named(prefix):   # a check the lab renames keeps the beginning the lab knows it by
+        return next((old for old in ch14.RENAMED_CHECKS if old.startswith(prefix)), prefix) + " (hand-made)"
+
+    checks = [{"name": named(prefix), "passed": fixed} for prefix in run.failing_checks]
     checks.append({"name": "the run ended by itself", "passed": True})
     return {"checks": checks, "extra": {"cause": "none" if fixed else run.hang_cause}}
 
 
+def _answer(flag: str, args) -> str:
+    """What a launch carried of the learner's answer: the value after ``flag``."""
+    return args[list(args).index(flag) + 1]
+
+
+def _judge_by_answer(case, args, flag):
+    """A stand-in for the job's own checks: it passes exactly when the answer it was given is a right one."""
+    value = _answer(flag, args)
+    if flag in RIGHT_SETTINGS:
+        return value == RIGHT_SETTINGS[flag]
+    return "def right_" in open(value).read()
+
+
 @pytest.fixture
 def launched(monkeypatch, tmp_path):
-    """Replace the launch: ``launched.fixed`` decides what the run shows; ``launched.calls`` records each launch."""
+    """Replace the launch: ``launched.judge(case, args)`` (or ``launched.fixed``) decides what the run shows;
+    ``launched.calls`` records each launch as (case, fixed, args with the extra ones appended)."""
     state = SimpleNamespace(fixed=True, calls=[], also_failed=[])
 
-    def run(name, fixed=False, args=None):
+    def run(name, fixed=False, args=None, extra=(), nproc=None):
         case = ch14._case(name)
+        args = tuple(args if args is not None else (case.fixed_args if fixed else case.args)) + tuple(extra)
         state.calls.append((case.name, fixed, args))
         fixed_here = state.fixed if state.judge is None else state.judge(case, args)
         metrics = _metrics(case, fixed_here)
@@ -352,75 +458,70 @@ def launched(monkeypatch, tmp_path):
     return state
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in IN_THE_JOB])
-def test_a_plausible_wrong_fix_fails_before_any_run(name, launched):
-    check, _, wrong_answers = FIXES[name]
-    assert wrong_answers
-    for answer in wrong_answers:
-        with pytest.raises(ExerciseWrong):
-            check(answer)
-    assert not launched.calls   # each was caught on the hand-made cases, no job run for it
-
-
-@pytest.mark.parametrize("name", list(IN_THE_JOB))
-def test_a_fix_run_inside_the_job_is_the_learners_own_code(name, launched):
-    """The job gets the learner's function as a file (its flag), named by its text: the right one and each wrong
-    one are launched as themselves, and the job's verdict is the check's (the real jobs: tests/scripts/test_14)."""
+@pytest.mark.parametrize("name", list(FIXES))
+def test_every_fix_runs_the_learners_answer_in_the_job_and_the_job_decides(name, launched, capsys):
+    """Right and wrong answers alike are launched with the learner's own answer (a file named by its text, or the
+    setting's value), and the job's verdict is the check's: a wrong answer fails because the job failed, with a
+    message that names neither the case nor its cause (the real jobs: tests/scripts/test_14 and the lab)."""
     check, right, wrong_answers = FIXES[name]
-    launched.judge = lambda case, args: open(args[args.index(IN_THE_JOB[name]) + 1]).read().count("def right")
-    check(right)
-    paths = []
-    for answer in wrong_answers:
-        with pytest.raises(ExerciseWrong, match="still fails") as wrong:
-            check(answer)
-        assert name not in str(wrong.value)
-        paths.append(launched.calls[-1][2][launched.calls[-1][2].index(IN_THE_JOB[name]) + 1])
-    first = launched.calls[0][2]
-    assert first[:-2] == broken_runs.case(name).fixed_args and "--planted-bug" not in first
-    assert len({first[-1], *paths}) == 1 + len(wrong_answers)   # one file per version of the function
-    with pytest.raises(ExerciseWrong, match="define it with def"):
-        check(lambda *args: None)
-
-
-def test_seeds_that_differ_between_ranks_are_caught_before_any_launch(launched):
-    with pytest.raises(ExerciseWrong, match="start apart") as wrong:
-        ch14.check_fix_model_seed(_Seed.per_rank)
-    assert not launched.calls and "per-rank-init" not in str(wrong.value)
-
-
-# The fixes whose answer goes into the job (a flag, or the learner's function loaded from a file); the others are
-# judged on hand-made cases, and the job is not run again (it would not run the learner's code).
-LAUNCHED = {"too-few-microbatches", *IN_THE_JOB}
-
-
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in LAUNCHED])
-def test_a_fix_that_cannot_enter_the_job_is_judged_by_hand_without_a_launch(name, launched, capsys):
-    check, right, _ = FIXES[name]
-    check(right)
-    said = capsys.readouterr().out
-    assert said.startswith("Correct:") and "does not run in the job" in said and not launched.calls
-
-
-@pytest.mark.parametrize("name", sorted(LAUNCHED))
-def test_the_right_fix_passes_only_when_the_run_again_has_lost_its_symptom(name, launched, capsys):
-    check, right, _ = FIXES[name]
+    flag = FLAGS[name]
+    launched.judge = lambda case, args: _judge_by_answer(case, args, flag)
     check(right)
     assert capsys.readouterr().out.startswith("Correct:")
-    assert launched.calls and launched.calls[-1][0] == name
-    launched.fixed = False   # the same answer, but the run still shows the symptom: the check must fail
+    assert launched.calls and {call[0] for call in launched.calls} == {name}
+    answers = {_answer(flag, launched.calls[-1][2])}
+    for answer in wrong_answers:
+        before = len(launched.calls)
+        with pytest.raises(ExerciseWrong, match="still fails") as wrong:
+            check(answer)
+        assert len(launched.calls) > before   # judged by a run of the job, not before it
+        said = str(wrong.value).lower()
+        assert name not in said and not [w for w in CAUSE_WORDS.get(name, ()) if w in said], said
+        answers.add(_answer(flag, launched.calls[-1][2]))
+    assert len(answers) == 1 + len(wrong_answers)   # each answer went into the job as itself
+    for _, _, args in launched.calls:
+        assert "--planted-bug" not in args or name == "slow-rank"   # the straggler's fault stays: the fix finds it
+    launched.fixed, launched.judge = False, None   # the right answer, but the run still shows the symptom
     with pytest.raises(ExerciseWrong, match="still fails"):
         check(right)
 
 
-def test_the_lab_runs_straggler_is_the_rank_measured_last_not_the_answers_own_formula(launched):
-    """The lab's run is judged by the rank that reached backward's all-reduces last (profile_step's measure), not by
-    the model answer's formula over the kinds: a formula that names another rank fails."""
-    def by_kinds(rows):
-        return max(rows, key=lambda r: r["kinds"]["idle"] - r["kinds"]["communication"])["rank"]
+# Words of each case's cause that a fix's message must not say (the lab's messages come from the job's checks).
+CAUSE_WORDS = {"loss-on-wrong-stage": ("last stage",), "slow-rank": ("straggler",), "uneven-inputs": ("shortest",),
+               "bf16-gradient-reduction": ("bf16", "bfloat16"), "resume-without-rng": ("rng",)}
 
-    measured = [dict(row, before_sync_seconds=0.31 if row["rank"] == 3 else 0.01) for row in PROFILE]
-    with pytest.raises(ExerciseWrong, match="the lab's run: rank 1, expected rank 3"):
-        ch14.check_fix_straggler(by_kinds, measured)
+
+@pytest.mark.parametrize("name", [n for n in FIXES if callable(FIXES[n][1]) and FLAGS[n] == "--fix-from"])
+def test_a_function_the_job_cannot_load_is_said_at_once(name, launched):
+    check = FIXES[name][0]
+    with pytest.raises(ExerciseWrong, match="define it with def"):
+        check(lambda *args: None)
+    assert not launched.calls
+
+
+def test_the_loss_rank_runs_under_a_looped_and_a_v_shaped_schedule(launched):
+    """world_size - 1 is right under 1F1B and wrong under a V schedule, where the last stage is back on rank 0:
+    the check runs the job under both, and the answer fails in the second."""
+    launched.judge = lambda case, args: "ZBVZeroBubble" not in args   # what max(stage_ranks) does in the job
+    with pytest.raises(ExerciseWrong, match="still fails"):
+        ch14.check_fix_loss_rank(wrong_loss_rank_last_rank)
+    assert [("--schedule" in args) for _, _, args in launched.calls] == [False, True]
+    assert launched.calls[1][2][:2] == ch14.V_SCHEDULE
+
+
+def test_the_checkpoint_parts_are_the_drills():
+    source = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    held = re.search(r"^HOLDABLE = \(([^)]*)\)", source, flags=re.M)[1]
+    assert set(ch14.CHECKPOINT_PARTS) == {name.strip().strip('"') for name in held.split(",") if name.strip()}
+
+
+def test_a_fix_that_stops_the_job_before_its_checks_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    monkeypatch.setattr(ch14, "_launch", lambda *a, **k: SimpleNamespace(
+        metrics=None, returncode=2, seconds=1.0, rank_exit_codes={0: 2},
+        output="config error (rank 0): gradient_scales(4) returned 0.25, not two numbers"))
+    with pytest.raises(ExerciseWrong, match="not two numbers"):
+        ch14.check_fix_loss_scale(wrong_gradient_scales_sum)
 
 
 def test_only_the_timing_models_own_check_is_not_judged(launched, capsys):
@@ -471,17 +572,12 @@ def test_a_stub_is_not_written_yet():
             check(None if not callable(right) or name == "bf16-gradient-reduction" else stub)
 
 
-def test_the_second_pass_checks_are_not_coin_flips_nor_name_the_bug(launched):
-    """A V schedule's last stage is on rank 0 (world_size - 1 fails); every name at once is not a checkpoint's
-    contents; the bf16 answer is pointed at its evidence, not told it is the bug."""
-    with pytest.raises(ExerciseWrong, match=r"\[0, 1, 2, 3, 3, 2, 1, 0\]"):
-        ch14.check_fix_loss_rank(lambda stage_ranks: max(stage_ranks))
-    with pytest.raises(ExerciseWrong, match="leave out"):
-        ch14.check_fix_resume_state({"model", "optimizer", "rng", "data_position", "step", "loss_history"})
-    with pytest.raises(ExerciseWrong) as wrong:
-        ch14.check_fix_reduce_dtype(torch.bfloat16)
-    assert "bug" not in str(wrong.value) and "bf16" not in str(wrong.value) and "bytes" in str(wrong.value)
-    assert not hasattr(ch14, "check_fix_wrapper_order")   # two orders: a coin flip; now a function run in the job
+def test_no_fix_is_a_coin_flip():
+    """The wrappers' order is a function whose every choice (order and dimension) runs in the job, not one of two
+    names; the checkpoint's contents are judged by the drill run with them, so naming every part is not a pass
+    (loss_history written back on a restart erases the record of the steps trained twice)."""
+    assert not hasattr(ch14, "check_fix_wrapper_order")
+    assert FIXES["resume-without-rng"][2][-1] == set(ch14.CHECKPOINT_PARTS)
 
 
 def test_the_learners_copy_does_not_name_the_cases():
@@ -491,14 +587,17 @@ def test_the_learners_copy_does_not_name_the_cases():
     assert not [name for name in NAMES if name in text]
 
 
-def test_the_lab_says_which_fixes_run_inside_the_job():
-    """Runs 5, 12, 15, 18 and 19's functions run inside the job; the others are tried on hand-made cases, then the script's own
-    fixed run is launched: the lab must not let a learner think every function ran in the job."""
+def test_the_lab_says_every_fix_runs_inside_the_job():
+    """Every check runs the job again with the learner's answer, but run 20's reading of the losses: the lab says
+    so, and says which one is the exception."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
-    assert "For runs 5, 12, 15, 18 and 19 the script loads your function itself" in opening and "the job is not run again with them" in opening
-    in_job = sorted(label for label in ch14.LABELS if ANSWERS[label] in IN_THE_JOB)
-    assert in_job == ["run 12", "run 15", "run 18", "run 19", "run 5"]
+    assert "every check runs the job again with your answer" in opening and "hand-made" not in opening
+    text = " ".join("".join(cell["source"]) for cell in lab["cells"])
+    assert "hand-made" not in text and "does not run in the job" not in text
+    # the one answer judged outside the job (BY_HAND) is named as such, by its run's label
+    by_hand = sorted(label for label in ch14.LABELS if ANSWERS[label] in BY_HAND)
+    assert by_hand == ["run 20"] and "Run 20's answer alone is a reading of the losses" in opening
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
@@ -518,3 +617,36 @@ def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_sy
     for label in ch14.LABELS:
         prompt = next(s for s in sources if f"**{label.capitalize()}**" in s)
         assert ANSWERS[label] not in prompt and "broadcast ... else" not in prompt, prompt
+
+
+def test_the_three_data_parallel_fixes_share_one_run_and_each_is_named_by_its_check(launched, capsys):
+    """Runs 7, 8 and 9's functions go into one train_ddp.py run, one file holding all three; a check that fails is
+    said with the function it judges (never with the answer)."""
+    judged = {"rank_sampler": "the training samplers' first epoch", "epoch_indices": "the training sampler's order",
+              "synchronises": "bytes all-reduced per optimizer step"}
+
+    def judge(case, args):
+        text = open(_answer("--fix-from", args)).read()
+        launched.also_failed = [f"{judged[name]} (hand-made)" for name in judged if f"def wrong_{name}" in text]
+        return True   # the case's own checks pass: only the wrong function's check fails
+
+    launched.judge = judge
+    ch14.check_fix_ranks_that_disagree(right_rank_sampler, right_synchronises, right_epoch_indices)
+    assert capsys.readouterr().out.startswith("Correct:") and len(launched.calls) == 1
+    text = open(_answer("--fix-from", launched.calls[0][2])).read()
+    assert all(f"def right_{name}" in text and f"{name} = right_{name}" in text for name in judged)
+    with pytest.raises(ExerciseWrong, match=r"synchronises\(\): 'bytes all-reduced") as wrong:
+        ch14.check_fix_ranks_that_disagree(right_rank_sampler, wrong_synchronises_always, right_epoch_indices)
+    assert "rank_sampler()" not in str(wrong.value) and "micro_step == accumulation - 1" not in str(wrong.value)
+    with pytest.raises(ExerciseWrong, match=r"rank_sampler\(\): one of the script's own checks"):
+        ch14.check_fix_ranks_that_disagree(wrong_rank_sampler_own_seed, right_synchronises, right_epoch_indices)
+    assert len(launched.calls) == 3
+
+
+def test_the_fixes_run_on_fewer_ranks_only_where_the_scripts_checks_hold_on_any_number():
+    """2 ranks where a script's checks do not depend on the world size; deadlocks.py (written for 4), the (2, 2)
+    mesh and the checkpoint's "written by 4 ranks" checks keep the case's 4."""
+    assert set(ch14.FIX_NPROC) <= set(NAMES) and set(ch14.FIX_NPROC.values()) == {2}
+    for name in ch14.FIX_NPROC:
+        assert broken_runs.case(name).script not in (broken_runs.DEADLOCKS, broken_runs.FSDP_TP_HYBRID,
+                                                     broken_runs.CHECKPOINT_RESUME), name

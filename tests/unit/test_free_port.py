@@ -15,3 +15,11 @@ def test_ports_are_drawn_below_the_ephemeral_range_and_free():
     assert len(set(ports)) > 15                     # drawn at random: two launches at once rarely meet
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))
+
+
+def test_ports_never_land_where_a_job_derives_its_port():
+    # A scheduler's job on this machine (the Slurm and PBS tiers run beside the other tests) binds the port its id
+    # gives it (PORT_RANGE); a launch that drew the same port first would fail that job with EADDRINUSE.
+    from distlab.runtime import PORT_RANGE
+    ports = [free_port() for _ in range(200)]
+    assert not [p for p in ports if PORT_RANGE[0] <= p < PORT_RANGE[1]], sorted(ports)[-5:]

@@ -20,6 +20,18 @@ def test_peak_flops_of_the_gpus_the_course_quotes():
     assert metrics.peak_flops("NVIDIA GeForce GTX 1080") is None
 
 
+def test_amd_peaks_are_per_device_and_none_where_the_name_is_two_boards():
+    # third-party copies of AMD's tables (metrics.AMD_PEAK_FLOPS): 383.0 TF bf16 an MI250X module of two GCDs, each
+    # a device to PyTorch; 1307.4 TF an MI300X
+    assert metrics.peak_flops("AMD Instinct MI250X", "bf16") == 383.0e12 / 2
+    assert metrics.peak_flops("AMD Instinct MI250X", "fp16") == 383.0e12 / 2
+    assert metrics.peak_flops("AMD Instinct MI300X", "bf16") == 1307.4e12
+    # libdrm's name for device 0x740C rev 01 is both boards (the MI250's module peak is 362.1 TF): no MFU claimed
+    assert metrics.peak_flops("AMD Instinct MI250X / MI250", "bf16") is None
+    assert metrics.peak_flops("AMD Instinct MI300A", "bf16") is None  # another board (an APU), not in the table
+    assert metrics.mfu(1e5, 1e9, "AMD Instinct MI250X / MI250") is None
+
+
 def test_mfu_is_none_where_no_peak_is_known():
     assert metrics.mfu(1e6, 1e9, "cpu") is None
     # 100 k tokens/s x 1.56 GFLOP/token on one A100 = 156 TFLOP/s = half of 312

@@ -433,7 +433,7 @@ def test_tune_picks_the_fastest_fitting_variant_and_the_search_uses_it():
 def test_the_validation_band_can_fail():
     """The band check is not vacuous: one efficiency too high for the A100 rows, or no exposed TP, and rows leave."""
     runs = [run for run in planner.published.RUNS if run.cluster.name.startswith("a100")]
-    hot = [planner.published.validate(replace(run, cluster=replace(run.cluster, compute_efficiency=0.65)))
+    hot = [planner.published.validate(replace(run, cluster=replace(run.cluster, gemm_time_share=0.81)))
            for run in runs]
     assert any(not r["passes"] for r in hot)
     overlapped = [planner.published.validate(replace(run, options=replace(run.options, async_tp=True)))

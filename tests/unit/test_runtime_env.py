@@ -1,5 +1,7 @@
 """Launcher environment parsing, one launcher at a time, from the variables each one really sets."""
 
+import os
+
 import pytest
 
 from distlab.runtime import (ConfigError, expand_hostlist, format_placement, launcher_env, local_ranks_problems,
@@ -153,7 +155,8 @@ def test_placement_on_a_cpu_says_cpu():
 
     got = placement(3, 1, torch.device("cpu"), env={"CUDA_VISIBLE_DEVICES": "2"}, host="dec0002")
     assert got == {"host": "dec0002", "rank": 3, "local_rank": 1, "cuda_visible_devices": "2", "device": "cpu",
-                   "gpu": "cpu", "gpu_index": None, "bus_id": None}
+                   "gpu": "cpu", "gpu_index": None, "bus_id": None, "cpus": sorted(os.sched_getaffinity(0)),
+                   "gpu_numa_node": None, "gpu_numa_cpus": []}
     assert format_placement(got) == "host dec0002  rank 3  local rank 1  CUDA_VISIBLE_DEVICES=2  uses cpu"
     assert placement(0, 0, torch.device("cpu"), env={}, host="x")["cuda_visible_devices"] == "(unset)"
     assert placement(0, 0, torch.device("cpu"), env={"PMI_HOSTNAME": "fake-node-2"})["host"] == "fake-node-2"

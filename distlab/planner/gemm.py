@@ -1,0 +1,205 @@
+"""A GEMM's speed from its shape: the roofline (its arithmetic intensity against the GPU's memory bandwidth and
+peak) plus a fixed cost a kernel, and a transformer block's GEMMs on one TP rank (:func:`block_gemms`).
+
+One GEMM multiplies an ``m x k`` matrix by a ``k x n`` one, ``batch`` times (attention's per-head products). It
+does ``2 batch m n k`` FLOPs and, at best, reads both inputs and writes its output once:
+``bytes = element_bytes * batch * (m k + k n + m n)``. Its time (:func:`gemm_seconds`) is
+
+    fixed + max(flops / sustained, bytes / bandwidth)
+
+* ``sustained``: the largest matmul rate measured on the GPU (Bekman's Maximum Achievable Matmul FLOPS: A100 SXM
+  271.2 TFLOP/s of 312, H100 SXM 794.5 of 989; source ``mamf_a100_h100``). A tensor core never reaches its peak;
+  this is how close the best shapes come;
+* ``bandwidth``: the HBM bandwidth (A100 80 GB 2.039 TB/s, 40 GB 1.555, H100 SXM 3.35): a GEMM whose intensity
+  is below ``sustained / bandwidth`` FLOPs a byte waits on memory (the roofline's slope);
+* ``fixed``: what a small GEMM costs whatever its size: OpenXLA's measured H100 table (``xla_h100_matmul_table``)
+  times a 256 x 256 x 256 product at 5.2 us, where its 33.6 MFLOPs take 0.04 us at the sustained rate. No A100
+  table was found; the A100 is given the H100's fixed cost.
+
+The measured table checks the model (tests/unit/test_planner_gemm.py): its points, which the model was not fitted
+to beyond the two numbers above, fall within the band the test states.
+
+Backward does each GEMM twice (the input's gradient and the weight's) over the same three sizes, so a GEMM's
+efficiency is the same forward and backward, and a block's efficiency (:func:`block_efficiency`) holds for its
+recomputation too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# The matmul hardware of each GPU type: dense bf16/fp16 peak, measured sustained matmul rate, HBM bandwidth and the
+# fixed cost of one GEMM kernel (sources: planner.sources, keys in SOURCE_KEYS)
+FIXED_SECONDS = 256 ** 3 * 2 / 6452775384615   # XLA's H100 256^3 bf16 GEMM: 33.6 MFLOP at 6.45 TFLOP/s = 5.2 us
+
+
+@dataclass(frozen=True)
+class MatmulHardware:
+    peak_flops: float
+    sustained_flops: float   # the best measured matmul rate (MAMF); the peak where none was measured
+    hbm_bytes_per_s: float
+    fixed_seconds: float = FIXED_SECONDS
+
+
+MATMUL_HARDWARE = {
+    "a100-80gb": MatmulHardware(312e12, 271.2e12, 2.039e12),
+    "a100-40gb": MatmulHardware(312e12, 271.2e12, 1.555e12),
+    "h100-80gb": MatmulHardware(989e12, 794.5e12, 3.35e12),
+    "h800-80gb": MatmulHardware(989e12, 794.5e12, 3.35e12),   # an H100 SXM's compute and memory
+    "v100-32gb": MatmulHardware(125e12, 125e12, 0.9e12),       # no measured rate found: the peak
+}
+SOURCE_KEYS = ("mamf_a100_h100", "xla_h100_matmul_table", "a100_hbm_bandwidth", "h100_sxm_pcie_spec_table",
+               "v100_hbm_bandwidth")
+
+
+# OpenXLA's measured H100 table (source xla_h100_matmul_table): (m, n, k) -> bf16 FLOP/s, 20 of its b = 1 entries
+# as the file prints them. Only the 256^3 entry sets the model (FIXED_SECONDS); the others check it.
+XLA_H100_BF16 = {
+    (256, 256, 256): 6452775384615, (512, 512, 512): 40721398058252, (1024, 1024, 1024): 236298816901408,
+    (2048, 2048, 2048): 631984593290170, (4096, 4096, 4096): 783328793548203,
+    (1024, 2048, 256): 139519467775467, (4096, 512, 512): 238821580071174, (256, 2048, 4096): 285873755058572,
+    (4096, 1024, 512): 343707370038412, (2048, 512, 2048): 347714321243523, (4096, 4096, 256): 392162828341855,
+    (256, 4096, 4096): 412026793553338, (4096, 1024, 4096): 738474431911967, (1024, 4096, 4096): 738474431911967,
+    (2048, 4096, 4096): 753643516181744, (4096, 2048, 4096): 758434522012648, (512, 4096, 4096): 644116271145770,
+    (4096, 256, 4096): 376223484232655, (2048, 1024, 4096): 653127630170316, (256, 256, 4096): 84307618090452,
+}
+
+
+def hardware_of(cluster) -> MatmulHardware:
+    """The matmul hardware of a planner cluster (by its name's GPU; a custom cluster: its peak, no memory limit)."""
+    for name, hardware in MATMUL_HARDWARE.items():
+        if cluster.name.startswith(name):
+            return hardware
+    return MatmulHardware(cluster.peak_flops, cluster.peak_flops, float("inf"))
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    element_bytes: int = 2
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def bytes(self) -> float:
+        return float(self.element_bytes * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of HBM traffic."""
+        return self.flops / self.bytes
+
+
+def roofline_flops(gemm: Gemm, hardware: MatmulHardware) -> float:
+    """The roofline's attainable rate: the sustained rate, or what the bandwidth feeds at this intensity."""
+    return min(hardware.sustained_flops, gemm.intensity * hardware.hbm_bytes_per_s)
+
+
+def gemm_seconds(gemm: Gemm, hardware: MatmulHardware) -> float:
+    """One GEMM's time: the fixed cost of a kernel, plus the slower of its FLOPs and its bytes."""
+    return hardware.fixed_seconds + gemm.flops / roofline_flops(gemm, hardware)
+
+
+def gemm_efficiency(gemm: Gemm, hardware: MatmulHardware) -> float:
+    """The share of the dense peak one GEMM reaches."""
+    return gemm.flops / gemm_seconds(gemm, hardware) / hardware.peak_flops
+
+
+def block_gemms(model, tp: int = 1, cp: int = 1, micro_batch: int | None = None, flash_attention: bool = True,
+                ep: int = 1) -> list[Gemm]:
+    """The GEMMs of one transformer block's forward on one TP rank, for one micro-batch: rows are the
+    micro-batch's tokens (``b s / cp``: TP's regions see the whole sequence shard, gathered under SP), columns
+    split by TP (column-parallel: q, k, v, the MLP's up; row-parallel: the output projection and the MLP's down
+    split their inner size).
+
+    Attention's core: without a flash kernel, two batched GEMMs a head (the ``s x s`` scores, then the mix of the
+    values), each writing or reading the ``s x s`` scores in HBM; with one, a single fused kernel whose traffic is
+    q, k, v and the output (its FLOPs are compute-bound at any length a transformer trains on).
+
+    A MoE block's routed experts: each of the ``experts / ep`` local experts sees ``b s top_k / experts`` tokens of
+    each of the ep ranks (uniform routing)."""
+    b = model.micro_batch if micro_batch is None else micro_batch
+    h, heads, d = model.hidden, model.heads, model.head_dim
+    tokens = b * model.seq_len // cp
+    local_heads = max(heads // tp, 1)
+    kv = model.kv_dim_per_tp_rank(tp)
+    gemms = [Gemm("qkv", tokens, h // tp + 2 * kv, h)]
+    if flash_attention:
+        # one fused kernel: 4 s^2 d FLOPs a head over the full square (the chapter's count), traffic q, k, v, out
+        core = Gemm("attention (fused)", tokens, model.seq_len, 2 * d, local_heads)
+        gemms.append(_fused(core, tokens, model.seq_len, d, local_heads, b))
+    else:
+        gemms += [Gemm("scores q k^T", tokens // b, model.seq_len, d, b * local_heads),
+                  Gemm("probabilities x v", tokens // b, d, model.seq_len, b * local_heads)]
+    gemms.append(Gemm("output projection", tokens, h, h // tp))
+    if model.is_moe:
+        local = max(model.experts // ep, 1)
+        rows = max(tokens * model.top_k * ep // model.experts, 1)
+        gemms += [Gemm("experts up", rows, 2 * model.expert_ffn, h, local),
+                  Gemm("experts down", rows, h, model.expert_ffn, local)]
+    else:
+        up = 2 * model.ffn if model.architecture == "llama" else model.ffn   # SwiGLU: gate and up
+        gemms += [Gemm("mlp up", tokens, up // tp, h), Gemm("mlp down", tokens, h, model.ffn // tp)]
+    return gemms
+
+
+@dataclass(frozen=True)
+class _FusedAttention(Gemm):
+    traffic: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.traffic
+
+
+def _fused(core: Gemm, tokens: int, seq_len: int, d: int, heads: int, b: int) -> Gemm:
+    # q and the output: tokens x d a head; k and v: the whole sequence's (a CP rank receives them all)
+    traffic = core.element_bytes * heads * (2 * tokens * d + 2 * b * seq_len * d)
+    return _FusedAttention(core.name, core.m, core.n, core.k, core.batch, core.element_bytes, traffic)
+
+
+def block_efficiency(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
+                     flash_attention: bool = True, ep: int = 1) -> float:
+    """The share of the dense peak a block's GEMMs reach together: their FLOPs over their summed times."""
+    gemms = block_gemms(model, tp, cp, micro_batch, flash_attention, ep)
+    return sum(g.flops for g in gemms) / sum(gemm_seconds(g, hardware) for g in gemms) / hardware.peak_flops
+
+
+def block_elementwise_bytes(model, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
+                            flash_attention: bool = True, sequence_parallel: bool = False) -> float:
+    """HBM bytes of one block's forward kernels that are not GEMMs, for one micro-batch on one TP rank, each kernel
+    reading its inputs and writing its output once (its roofline: they do a few FLOPs a byte, so memory sets their
+    time). Per token: two norms (read and write the width), two bias-dropout-residual adds (read two, write one,
+    a 1-byte dropout mask), the MLP's activation (GELU: read and write the ffn share; SwiGLU: read two, write one)
+    and, without a flash kernel, attention's scale-mask-softmax (read and write the ``heads / tp x s`` scores) and
+    its dropout (read, write, a mask). The norms and adds see the whole width on every TP rank without SP (Megatron
+    replicates them), a 1/tp share under SP."""
+    b = model.micro_batch if micro_batch is None else micro_batch
+    tokens = b * model.seq_len // cp
+    width = model.hidden // tp if sequence_parallel else model.hidden
+    elements = 2 * 2 * width + 2 * 3.5 * width
+    elements += (3 if model.architecture == "llama" else 2) * model.ffn // tp
+    if not flash_attention:
+        elements += 4.5 * max(model.heads // tp, 1) * model.seq_len
+    return 2.0 * tokens * elements
+
+
+@functools.lru_cache(maxsize=4096)   # the search asks again for the same block; every argument is frozen
+def block_rate(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
+               flash_attention: bool = True, ep: int = 1, sequence_parallel: bool = False) -> float:
+    """FLOP/s one GPU reaches on a block: its GEMMs at their shapes' rate, its other kernels at the memory's. The
+    same for every pass (backward does twice the forward's GEMMs over the same sizes and, at the roofline, reads
+    and writes about twice its bytes; a recomputed forward repeats the forward), so one forward sets it."""
+    gemms = block_gemms(model, tp, cp, micro_batch, flash_attention, ep)
+    flops = sum(g.flops for g in gemms)
+    seconds = sum(gemm_seconds(g, hardware) for g in gemms)
+    memory = block_elementwise_bytes(model, tp, cp, micro_batch, flash_attention, sequence_parallel) \
+        / hardware.hbm_bytes_per_s
+    return flops / (seconds + memory)

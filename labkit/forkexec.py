@@ -1,0 +1,203 @@
+"""``python labkit/forkexec.py [-u] (SCRIPT | -m MODULE | -c CODE) [ARGS...]``: a Python program run as a child of
+the fork server (torch already imported there) instead of an interpreter that imports torch again.
+
+Why: a rank that a scheduler starts (srun, mpiexec, torchrun's agent) is a new interpreter, and its first 2 s go to
+``import torch``. The Slurm and PBS test tiers start about a hundred of them in ``make test``, on two cores. Given as
+the jobs' ``DISTLAB_PYTHON`` (tests/conftest.py writes a two-line wrapper), this small client, which imports nothing
+heavy, asks the server that ``make test`` already runs (:mod:`labkit.forkserver`) to fork the program with this
+process's arguments, working directory, environment, CPU affinity, umask and standard input, output and error, and
+then stands in for it: the signals it gets (TERM from srun or torchrun, USR1 from a walltime warning, INT) are passed
+to the program, and it exits as the program did (the same exit code, or killed by the same signal). If this process
+dies (SIGKILL after a job's KillWait), the program's connection closes and it kills itself: nothing outlives its task.
+
+Whatever it does not serve, it hands to the real interpreter unchanged (``os.execv``): any other interpreter option,
+a program on standard input, no server (``DISTLAB_FORK_SERVER_SOCKET`` unset or gone). What differs from a fresh
+interpreter is what differs in every fork launch (:mod:`labkit.forkrun`): the modules torch loaded at import time
+already loaded, and torch's thread count fixed when the server imported it (one thread: OMP_NUM_THREADS=1 there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # as labkit.forkserver.SOCKET_ENV (this client imports nothing of labkit)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def parse(argv: list[str]) -> dict | None:
+    """The program the interpreter's arguments name: {"mode": "script"|"module"|"code", "target", "args",
+    "unbuffered"}; None for anything this client leaves to the real interpreter."""
+    unbuffered = False
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "-u":
+            unbuffered = True
+            i += 1
+            continue
+        if word in ("-m", "-c"):
+            if i + 1 >= len(argv):
+                return None
+            mode = "module" if word == "-m" else "code"
+            return {"mode": mode, "target": argv[i + 1], "args": argv[i + 2:], "unbuffered": unbuffered}
+        if word.startswith("-"):
+            return None   # -S, -W..., -X..., -, --: the real interpreter's business
+        return {"mode": "script", "target": word, "args": argv[i + 1:], "unbuffered": unbuffered}
+    return None           # no program: an interactive interpreter
+
+
+def _real_interpreter(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def main(argv: list[str]) -> None:
+    program = parse(argv)
+    path = os.environ.get(SOCKET_ENV)
+    if program is None or not path:
+        _real_interpreter(argv)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:
+        connection.close()
+        _real_interpreter(argv)
+    env = dict(os.environ)
+    if program["unbuffered"]:
+        env["PYTHONUNBUFFERED"] = "1"
+    mask = os.umask(0)
+    os.umask(mask)
+    # The handlers come first: a signal that arrives before the program's pid does is passed on once it is known
+    # (a program can print, and be signalled by whoever reads it, before this client has read that pid).
+    program_pid = [0]
+    pending: list[int] = []
+    last_signal = [signal.SIGKILL]
+
+    def forward(number, _frame):
+        last_signal[0] = number
+        if not program_pid[0]:
+            pending.append(number)
+            return
+        try:
+            os.kill(program_pid[0], number)
+        except ProcessLookupError:
+            pass
+
+    for number in FORWARDED:
+        signal.signal(number, forward)
+    request = json.dumps({"kind": "exec", "program": program, "cwd": os.getcwd(), "env": env, "umask": mask,
+                          "affinity": sorted(os.sched_getaffinity(0))}).encode()
+    socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
+
+    received = b""
+
+    def line() -> str:
+        nonlocal received
+        while b"\n" not in received:
+            chunk = connection.recv(64)
+            if not chunk:
+                return ""
+            received += chunk
+        text, received = received.split(b"\n", 1)
+        return text.decode()
+
+    program_pid[0] = int(line() or 0)
+    for number in pending:
+        forward(number, None)
+    code = line()
+    sys.stdout.flush()
+    if code.strip():
+        os._exit(int(code))
+    # no exit code: the program was killed by a signal; end the same way, so the caller sees what it would have
+    number = last_signal[0]
+    if number != signal.SIGKILL:   # SIGKILL's disposition cannot be set (and needs no resetting)
+        signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+    os._exit(128 + number)
+
+
+# --------------------------------------------------------------------------------------------------
+# In the fork server's child (labkit.forkserver calls this after fork)
+# --------------------------------------------------------------------------------------------------
+
+
+def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> None:
+    """Become the program of the request, report its exit code, leave. Never returns."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        for number in (*FORWARDED, signal.SIGCHLD):    # the server ignores SIGCHLD; a program waits for its children
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as the interpreter sets them at start
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        connection.sendall(f"{os.getpid()}\n".encode())
+        real_exit = os._exit
+
+        def report_and_exit(status: int) -> None:   # every way out reports the code: a program (or its atexit
+            try:                                      # handler: distlab.runtime's) may call os._exit itself
+                sys.stdout.flush()
+                sys.stderr.flush()
+                connection.sendall(f"{status}\n".encode())
+            finally:
+                real_exit(status)
+
+        os._exit = report_and_exit
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.umask(request["umask"])
+        os.sched_setaffinity(0, request["affinity"])
+
+        def die_with_the_client():   # the client killed (no chance to pass a signal on): go too
+            try:
+                while connection.recv(64):
+                    pass
+            except OSError:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_with_the_client, daemon=True).start()
+        program = request["program"]
+        target = program["target"]
+        try:
+            if program["mode"] == "script":
+                sys.argv = [target, *program["args"]]
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))   # as `python script.py` would
+                runpy.run_path(target, run_name="__main__")
+            elif program["mode"] == "module":
+                sys.argv = [target, *program["args"]]   # runpy puts the module's file in sys.argv[0]
+                sys.path.insert(0, os.getcwd())
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = ["-c", *program["args"]]
+                sys.path.insert(0, "")
+                exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            code = 0
+        except SystemExit as done:
+            if done.code is None or isinstance(done.code, int):
+                code = done.code or 0
+            else:
+                print(done.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - an uncaught exception, reported as the interpreter would
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        atexit._run_exitfuncs()   # what the interpreter runs on its way out (a script's atexit handlers)
+    except BaseException:  # noqa: BLE001 - whatever happened, the client gets an exit code
+        traceback.print_exc()
+    os._exit(code)   # report_and_exit: the client gets the code
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
