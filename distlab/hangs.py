@@ -10,7 +10,9 @@ is the same idea in a few dozen lines, so it can be watched working on CPU:
 * :func:`diagnose` reads all ranks' journals and names the cause: the same program line on different groups
   (wrong group), different operations at the same position on one group (mismatched collectives), a call some
   members of a group never made (a skipped collective), a receive with no matching send (too few messages),
-  or ranks all receiving from each other (unpaired point-to-point).
+  ranks all receiving from each other (unpaired point-to-point), or ranks waiting in a collective that one of
+  them reached only after work of its own, alone (``op="compute"``: a late rank, a straggler the timeout turned
+  into a hang).
 
 It is a pure function of the journals, so it is unit-tested on recorded examples.
 """
@@ -20,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections import Counter, defaultdict
 
 P2P = ("send", "recv")
+LOCAL = ("compute",)   # work a rank does alone (an evaluation, a save): journaled to show where it was, not a collective
 
 
 class CallJournal:
@@ -58,8 +62,10 @@ class CallJournal:
                  "order": order, "done": False}
         self.calls.append(entry)
         self._save()
+        started = time.perf_counter()
         yield
         entry["done"] = True
+        entry["seconds"] = round(time.perf_counter() - started, 3)   # how long the call took: a late rank's work
         self._save()
 
     def finish(self, state: str) -> None:
@@ -214,7 +220,7 @@ def diagnose(journals: dict[int, dict]) -> dict:
                                f"{sent[(peer, r)]} and moved on: sender and receiver count the messages (the "
                                "microbatches) differently"}
 
-    collectives = {r: [c for c in j["calls"] if c["op"] not in P2P] for r, j in journals.items()}
+    collectives = {r: [c for c in j["calls"] if c["op"] not in P2P + LOCAL] for r, j in journals.items()}
 
     # 2. One line of the program, run on different groups by different ranks, and on some group by only part of
     # its members (each pair on its own pair group is right; two ranks on the world group is not).
@@ -266,6 +272,26 @@ def diagnose(journals: dict[int, dict]) -> dict:
                     "verdict": f"{_ranks(ahead)} skipped '{behind['label']}' ({behind['op']} on {group}) and went on "
                                f"to '{made[ahead[0]]['label']}', while {_ranks(waiting)} wait in it: a collective "
                                "under a condition that is not the same on every rank"}
+
+    # 4. Every rank reached the same collective, but some only after work of their own that the others did not do:
+    # the others waited there for them until the timeout (a straggler that became a hang).
+    if len({(c["label"], c["group"]) for c in stuck.values()}) == 1 and len(stuck) == len(journals):
+        def alone_before(j):   # the local calls a rank made since its last collective before the stuck one
+            local = []
+            for c in reversed(j["calls"][:-1]):
+                if c["op"] not in LOCAL:
+                    break
+                local.append(c)
+            return local
+        late = {r: alone_before(j) for r, j in journals.items() if alone_before(j)}
+        if late and len(late) < len(journals):
+            label, waited = next(iter(stuck.values()))["label"], sorted(set(journals) - set(late))
+            work = "; ".join(f"rank {r}: '{c['label']}' {c.get('seconds', 0):.1f} s" for r, calls in sorted(late.items())
+                             for c in calls)
+            return {"cause": "late rank", "stuck": stuck,
+                    "verdict": f"{_ranks(waited)} waited in '{label}' for {_ranks(late)}, busy alone first ({work}) "
+                               "until the process group's timeout ended the wait: a rank's own work must be shorter "
+                               "than the timeout, or shared by every rank"}
 
     where = "; ".join(f"rank {r} in {c['op']} ('{c['label']}')" for r, c in sorted(stuck.items()))
     return {"cause": "unknown", "stuck": stuck, "verdict": f"stuck: {where}"}

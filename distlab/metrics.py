@@ -294,6 +294,15 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def worst(differences) -> float:
+    """The largest of ``differences`` (0.0 for none), nan if any is nan: Python's max() skips a nan that is not
+    first (nan > x is False), so a run gone nan would pass a check against one device."""
+    differences = list(differences)
+    if any(math.isnan(d) for d in differences):
+        return math.nan
+    return max(differences, default=0.0)
+
+
 def max_abs_diff(actual, expected) -> float:
     """Largest |actual - expected| over numbers, sequences of numbers, tensors or sequences of tensors."""
     import torch
@@ -301,7 +310,7 @@ def max_abs_diff(actual, expected) -> float:
     if isinstance(actual, (list, tuple)):
         if len(actual) != len(expected):
             return math.inf
-        return max((max_abs_diff(a, e) for a, e in zip(actual, expected)), default=0.0)
+        return worst(max_abs_diff(a, e) for a, e in zip(actual, expected))
     if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
         actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
         if actual.shape != expected.shape:

@@ -57,6 +57,8 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 # Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
+HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
+CLIP_RUN = ("--steps", "3", "--max-grad-norm", "0.5")   # one device's gradient norm is 1.0 to 1.3: every step clips
 CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
@@ -72,7 +74,8 @@ SEEN_BY = {
     "extra.diffs.baseline_loss": "course", "extra.grad_diffs": "course", "extra.loss_diffs": "course",
     "extra.param_diffs": "course", "extra.uninterrupted_losses": "course", "extra.micro_step_bytes": "course",
     "comm": "course", "checks": "course", "extra.journals": "course", "extra.cause": "course",
-    "extra.verdict": "course",
+    "extra.verdict": "course", "extra.rank_grad_norms": "user", "extra.one_device_grad_norms": "course",
+    "extra.replica_weight_gaps": "course",
 }
 
 @dataclass(frozen=True)
@@ -182,6 +185,42 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function",
         failing_checks=("averaged gradients = single-device gradients",)),
     BrokenRun(
+        name="nan-from-one-rank", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same: NCCL sums a nan like any number and hands it to every rank; nothing in NCCL's logs.",
+        args=DDP_RUN + ("--planted-bug", "nan-from-one-rank"), fixed_args=DDP_RUN,
+        symptom="The printed loss is nan from step 2 on, after falling like one device's; from step 3 every rank's "
+                "own loss is nan too, and the replicas' weights are nan.",
+        evidence=("extra.rank_losses", "losses", "checks"),
+        cause="On rank 2, one micro-batch had every target masked, and its loss was a sum over the kept tokens "
+              "divided by their count: 0/0. Its gradient is nan too, and DDP's all-reduce averages it into every "
+              "rank's gradient.",
+        tell_apart="The ranks' own losses at the first nan step: one rank alone is nan and the others are finite; "
+                   "a step later all are (a learning rate too high grows every rank's loss first).",
+        look_alikes=("a diverging run (a learning rate too high)", "bf16 overflow", "loss-on-wrong-stage"),
+        fix="Find the first rank whose own loss went non-finite, then its batch: divide by max(count, 1) or skip a "
+            "batch with no target. Check the local loss before backward: after the all-reduce every rank looks "
+            "alike.",
+        fix_kind="function",
+        failing_checks=("every rank's loss is finite", "DDP loss = single-device loss")),
+    BrokenRun(
+        name="unused-parameter", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same RuntimeError, from DDP's reducer; nothing in NCCL's logs.",
+        args=DDP_RUN + ("--planted-bug", "unused-parameter"), fixed_args=DDP_RUN,
+        symptom="Step 0 trains, but its line says 0 bytes all-reduced; at step 1 every rank stops with "
+                "RuntimeError: 'Expected to have finished reduction in the prior iteration before starting a new "
+                "one' (torch's words).",
+        evidence=("checks", "extra.micro_step_bytes"),
+        cause="A parameter the forward never uses (an extra head) was wrapped by DDP without "
+              "find_unused_parameters: its gradient never comes, so its bucket is never all-reduced, and the next "
+              "forward refuses to start (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished).",
+        tell_apart="The error's next sentence and its 'Parameter indices which did not receive grad' line name "
+                   "what never got a gradient; a data or sampler mistake trains on without an error.",
+        look_alikes=("mismatched-collectives", "accumulation-never-syncs", "a network failure"),
+        fix="Use every parameter in the loss or leave it out of the model DDP wraps; find_unused_parameters=True "
+            "also works, at the cost of a walk of the autograd graph every step.",
+        fix_kind="function",
+        failing_checks=("every step's forward ran",)),
+    BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
         on_nccl="The three ranks wait in the all-reduce for NCCL's default timeout, 10 minutes; then each logs "
                 "\"Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=ALLREDUCE, ...)\" and is "
@@ -262,6 +301,64 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "AdamW(model.parameters()).",
         fix_kind="function",
         failing_checks=("optimizer bytes on this rank = ZeRO-3 table", "loss = single-device loss")),
+    BrokenRun(
+        name="full-state-on-rank-0", family="FSDP", script=DEADLOCKS,
+        on_nccl="Rank 0's watchdog logs \"Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., "
+                "OpType=_ALLGATHER_BASE, ...)\" after 10 minutes.",
+        args=("--hang", "full-state-on-rank-0", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "full-state-on-rank-0", "--gather-on-every-rank", *HANG_TIMEOUT,
+                    "--trace-dir", "{run_dir}"),
+        symptom="Training ends, but the job does not: three ranks have finished, and rank 0 waits in an all-gather "
+                "while saving the model until the process group's timeout (2 s).",
+        evidence=("extra.journals", "extra.flight_recorder"),
+        cause="get_model_state_dict(full_state_dict=True) ran under `if rank == 0:`: it all-gathers every sharded "
+              "weight (torch/distributed/_state_dict_utils.py:275-279), a collective the other ranks never call.",
+        tell_apart="The journal: rank 0 alone waits, in an all-gather after the last step, and every other rank "
+                   "has finished (uneven-inputs is the reverse: one rank finished, the rest wait in an all-reduce).",
+        look_alikes=("uneven-inputs", "mismatched-collectives", "a network failure"),
+        fix="Gather on every rank and save from rank 0: get_model_state_dict(model, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True)) keeps the result on rank 0 alone; or save shards with "
+            "torch.distributed.checkpoint.",
+        fix_kind="function", hang_cause="skipped collective"),
+    BrokenRun(
+        name="per-rank-init", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="The same: no error, the replicas apart; nothing in NCCL's logs.",
+        args=HSDP_RUN + ("--planted-bug", "per-rank-init"), fixed_args=HSDP_RUN,
+        symptom="No error and the loss falls, but it is off one device's before any update, further every step; the "
+                "replicas' weights, each shard summed, differ by the same amount (6.2) before step 0 and after each "
+                "step.",
+        evidence=("extra.replica_weight_gaps", "extra.loss_diffs", "checks"),
+        cause="Each rank built the model from its own seed before fully_shard, which keeps each rank's slice and "
+              "broadcasts nothing (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:298-299; DDP broadcasts, "
+              "torch/nn/parallel/distributed.py:1065-1073): the replicas start apart and never meet.",
+        tell_apart="The replicas' weights before the first step: apart already, and apart by the same amount after "
+                   "every step (a data or gradient mistake starts them equal; only the weights' start differs).",
+        look_alikes=("data-by-global-rank", "checkpoint-one-shard", "nondeterministic kernels"),
+        fix="Build the model from the same seed on every rank before fully_shard (or build it on the meta device "
+            "and initialise the shards after sharding, where DTensor keeps the random streams consistent); seed "
+            "the data, not the weights, by rank.",
+        fix_kind="function",
+        failing_checks=("initial full weights (gathered from the shards) = the single-device model's",
+                        "the replicas hold the same weights", "loss = single-device loss")),
+    BrokenRun(
+        name="local-grad-norm", family="FSDP", script=TRAIN_FSDP,
+        on_nccl="The same norms, one per rank; nothing in NCCL's logs.",
+        args=CLIP_RUN + ("--planted-bug", "local-grad-norm"), fixed_args=CLIP_RUN,
+        symptom="No error, and the step-0 gradients equal one device's, but the weights leave one device's at the "
+                "first update; each rank logs another gradient norm (0.53 to 0.58 at step 0), none near one "
+                "device's (1.11).",
+        evidence=("extra.rank_grad_norms", "extra.one_device_grad_norms", "extra.param_diffs", "checks"),
+        cause="The gradients were clipped by the norm of each rank's own shards (p.grad.to_local()), never reduced "
+              "over the ranks: each rank scales its shards by its own factor. On the DTensor gradients "
+              "clip_grad_norm_ all-reduces the norm (torch/distributed/tensor/_ops/_math_ops.py:66-79).",
+        tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
+                   "(pieces of one norm); a wrong gradient would make one device's norm differ instead.",
+        look_alikes=("loss-averaged-twice", "bf16-gradient-reduction", "nondeterministic kernels"),
+        fix="Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) on the sharded (DTensor) "
+            "parameters, which reduces the norm over the ranks; by hand, all-reduce the sum of squares first (and "
+            "over the pipeline stages too).",
+        fix_kind="function",
+        failing_checks=("every rank computed the same gradient norm", "parameters = single-device parameters")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     BrokenRun(
         name="data-by-global-rank", family="tensor parallelism", script=FSDP_TP_HYBRID,
@@ -390,6 +487,26 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         wrong_fixes=((("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank", "--bucket-mb", "25"),
                       "the time in communication is waiting for the late rank: other buckets do not shorten it"),),
         failing_checks=("no straggler",)),
+    BrokenRun(
+        name="rank-0-evaluation", family="operations", script=DEADLOCKS,
+        on_nccl="The waiting ranks' watchdogs log \"Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=..., OpType=ALLREDUCE, ...)\" after 10 minutes.",
+        args=("--hang", "rank-0-evaluation", *HANG_TIMEOUT, "--trace-dir", "{run_dir}"),
+        fixed_args=("--hang", "rank-0-evaluation", "--evaluate-on-every-rank", *HANG_TIMEOUT,
+                    "--trace-dir", "{run_dir}"),
+        symptom="The job stops between two steps: ranks 1 to 3 give up in the next all-reduce after the process "
+                "group's timeout (2 s); rank 0 reaches that all-reduce later, and fails in it too.",
+        evidence=("extra.journals", "extra.flight_recorder"),
+        cause="Rank 0 evaluates the model alone between two steps (`if rank == 0: evaluate()`) for 1.5 times the "
+              "timeout while the others wait in the next step's all-reduce: a straggler that outlasts the timeout "
+              "becomes a hang.",
+        tell_apart="The journal: every rank ends in the same collective (none skipped or mismatched), and the last "
+                   "to arrive was busy alone just before, longer than the timeout (a slow rank's peers wait less "
+                   "and the steps complete).",
+        look_alikes=("slow-rank", "uneven-inputs", "a network failure"),
+        fix="Share the evaluation: each rank evaluates its part of the validation set and the sums are "
+            "all-reduced; raising the timeout only waits longer, and a longer evaluation breaks it again.",
+        fix_kind="function", hang_cause="late rank"),
 )
 
 

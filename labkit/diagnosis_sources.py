@@ -225,6 +225,81 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "training. If there are many nodes in a cluster, it is difficult to detect which node is the "
                   "straggler."},
     ],
+    # ---- later cases
+    "full-state-on-rank-0": [
+        {"url": "https://github.com/pytorch/pytorch/issues/122903",
+         "title": "Unable to save FSDP sharded model with FullStateDictConfig(offload_to_cpu=True, rank0_only=True) "
+                  "(pytorch/pytorch #122903)",
+         "quote": "When attempting to save an FSDP wrapped model using the `with FSDP.state_dict_type` context "
+                  "manager, the process hangs when running the `fsdp_model.state_dict` function on rank 0."},
+        {"url": "https://github.com/pytorch/pytorch/issues/73383",
+         "title": "[FSDP] full_state_dict only on rank 0 (pytorch/pytorch #73383)",
+         "quote": "All ranks will still need to call all collectives, otherwise this will result in desync."},
+    ],
+    "per-rank-init": [
+        {"url": "https://github.com/allenai/OLMo-core/pull/319",
+         "title": "fix initialization (again) (allenai/OLMo-core #319)",
+         "quote": "Unlike DDP, PyTorch's `fully_shard()` (FSDP) wrapper doesn't synchronize to make sure parameters "
+                  "are consistent across the process group. So when you init your rank-local tensors with different "
+                  "seeds, you end up with inconsistent parameters across replica groups."},
+        {"url": "https://github.com/mosaicml/llm-foundry/pull/830",
+         "title": "Use `sync_module_states: True` when using HSDP (mosaicml/llm-foundry #830)",
+         "quote": "If a user is training from scratch with one of the HSDP hybrid sharding strategies, they must use "
+                  "`sync_module_states: True` otherwise the different data replicas will start with different "
+                  "randomly initialized weights."},
+        {"url": "https://github.com/pytorch/torchtitan/issues/1777",
+         "title": "[FSDP2] support sync_module_states in FSDP2 (pytorch/torchtitan #1777)",
+         "quote": "both DDP and FSDP1 broadcast weights from rank0 to other ranks, because each rank may have "
+                  "different rng before applying DDP/FSDP1"},
+    ],
+    "local-grad-norm": [
+        {"url": "https://github.com/pytorch/torchtitan/issues/766",
+         "title": "fsdp grad norm need to be aggregated manually (pytorch/torchtitan #766)",
+         "quote": "I noticed that the `grad_norm` varies across different ranks when applying fsdp, suggesting that "
+                  "gradients are not being aggregated at a global level."},
+        {"url": "https://github.com/pytorch/pytorch/issues/72548",
+         "title": "Implement clip_grad_norm for FSDP models (pytorch/pytorch #72548)",
+         "quote": "For FSDP, since parameters are sharded across ranks, simply using clip_grad_norm_  would be "
+                  "incorrect as `model.parameters()` does not return the full set of unsharded parameters and thus "
+                  "gradient clipping would be applied incorrectly."},
+    ],
+    "nan-from-one-rank": [
+        {"url": "https://github.com/allenai/OLMo-core/pull/657",
+         "title": "Fix NaN loss when all labels on a rank are label_ignore_index (allenai/OLMo-core #657)",
+         "quote": "This causes `batch_num_tokens_for_loss` to be 0, leading to a division-by-zero in the loss "
+                  "computation (`loss_reduction=\"sum\"` / 0 → NaN). The NaN then propagates to all ranks via "
+                  "`all_reduce`, crashing the entire training run."},
+        {"url": "https://github.com/ecmwf/WeatherGenerator/pull/2718",
+         "title": "Make loss-spike batch skip a global all-reduce decision across ranks (ecmwf/WeatherGenerator #2718)",
+         "quote": "a NaN or spike on ranks 1..N-1 with a finite rank-0 loss was never skipped and its gradients "
+                  "poisoned the all-reduce"},
+    ],
+    "unused-parameter": [
+        {"url": "https://github.com/ImprintLab/MedSegDiff/issues/27",
+         "title": "Why there are some unused parameters? (ImprintLab/MedSegDiff #27)",
+         "quote": "it looks like you define some parameterized layer in 'class NetWorkxx: def __init__' but not used "
+                  "in the forward"},
+        {"url": "https://github.com/open-mmlab/mmdetection/pull/4742",
+         "title": "Add FAQ (open-mmlab/mmdetection #4742)",
+         "quote": "This error indicates that your module has parameters that were not used in producing loss. This "
+                  "phenomenon may be caused by running different branches in your code in DDP mode."},
+    ],
+    "rank-0-evaluation": [
+        {"url": "https://github.com/huggingface/accelerate/issues/223",
+         "title": "Multi-GPU Training+Single-GPU Eval runs into time out (huggingface/accelerate #223)",
+         "quote": "we run into a timeout when we evaluate for more than 30 minutes on a single GPU. Is there a way to "
+                  "tell the other GPU to wait until the main GPU completes the evaluation?"},
+        {"url": "https://github.com/cfzd/Ultra-Fast-Lane-Detection-v2/issues/119",
+         "title": "DDP训练，一直卡在Evaluating the results...不动，然后Watchdog caught collective operation timeout "
+                  "(cfzd/Ultra-Fast-Lane-Detection-v2 #119)",
+         "quote": "Evaluating the results...\n[E ProcessGroupNCCL.cpp:821] [Rank 3] Watchdog caught collective "
+                  "operation timeout: WorkNCCL(SeqNum=4178, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1803391 "
+                  "milliseconds before timing out."},
+        {"url": "https://assaf-pinhasi.medium.com/great-writeup-thanks-for-sharing-5e2d99e0b5d9",
+         "title": "Great writeup, thanks for sharing (a reader's reply on Medium)",
+         "quote": "When your \"main\" worker is busy doing stuff like running the validation or writing checkpoints, "
+                  "for example at the end of the nth epoch, the other workers already start the next epoch."},
+    ],
 }
 
 

@@ -30,6 +30,10 @@ PATHS = {
                                  "accumulation never synchronises"),
     "loss-averaged-twice": ("the loss looks right, the gradients small", "the gradients against one device",
                             "the loss is averaged twice"),
+    "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
+                          "one rank's nan, all-reduced"),
+    "unused-parameter": ("an error at the second step", "the error's line of indices",
+                         "a parameter the forward never uses"),
     "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
                       "a rank has fewer batches"),
     "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",
@@ -38,6 +42,12 @@ PATHS = {
                                 "gradients reduced in bf16"),
     "optimizer-before-sharding": ("the loss does not fall", "the optimizer's state",
                                   "the optimizer built before sharding"),
+    "full-state-on-rank-0": ("a hang after the last step", "the journals: one rank waits alone",
+                             "the full state gathered on rank 0"),
+    "per-rank-init": ("off one device before any update", "the replicas' weights before step 0",
+                      "each rank's own initial weights"),
+    "local-grad-norm": ("right gradients, wrong update", "the gradient norm each rank logs",
+                        "gradients clipped by local norms"),
     "data-by-global-rank": ("off one device from the first step", "the rows each TP rank reads",
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",
@@ -52,6 +62,8 @@ PATHS = {
                            "random state and data position lost"),
     "slow-rank": ("every step slower, on every rank", "each rank's time before its collective",
                   "one slow rank"),
+    "rank-0-evaluation": ("a hang between two steps", "what the last rank did before",
+                          "one rank's long work alone"),
 }
 
 

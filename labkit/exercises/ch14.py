@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 15``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 21``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import math
 import os
 import re
 import textwrap
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from labkit import forkserver
 from labkit import broken_runs
-from labkit.exercises.checks import ExerciseWrong, _not_done, learner_check
+from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
 
 # The lab's order, by the chapter's three questions: stuck or slow? stops or prints nonsense? do the ranks agree?
 # does the run agree with one device? A case's name is its diagnosis, so this module holds no map from a label to
@@ -54,12 +55,20 @@ _TOKENS = {
     "run 13": "e7572dc9d519b3e4",
     "run 14": "f1f28a0108253ac8",
     "run 15": "8390c774cbfb6e23",
+    "run 16": "1dd839f17ef9fac0",
+    "run 17": "d8c3617ca71fb45c",
+    "run 18": "8bbd032f6712da95",
+    "run 19": "a3844941c58f838e",
+    "run 20": "d1f11d3bfe1bef41",
+    "run 21": "36c79c33376d1e22",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "stops or prints nonsense": ("run 5", "run 6"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
-         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15")}
+         "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
+         "two more jobs that stop": ("run 16", "run 17"),
+         "four more runs": ("run 18", "run 19", "run 20", "run 21")}
 
 
 def _token(name: str) -> str:
@@ -119,6 +128,12 @@ CAUSES = {
     "mismatched-collectives": "ranks that call different collectives at the same point of the program",
     "resume-without-rng": "a resume without the random number generators and the data position",
     "slow-rank": "one rank slower than the others every step",
+    "full-state-on-rank-0": "a full state dict gathered under `if rank == 0:`",
+    "per-rank-init": "each rank's model initialised from its own seed before sharding",
+    "unused-parameter": "a parameter the forward never uses, wrapped by DDP as it is",
+    "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
+    "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
+    "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -160,6 +175,9 @@ EVIDENCE_WORDS = {
     "extra.ranks": "each rank's time by kind (compute, communication, idle)",
     "extra.timeline": "the timeline per rank",
     "extra.flight_recorder": "the flight recorder's last collectives per rank",
+    "extra.replica_weight_gaps": "the replicas' weights compared, before the first step and after each",
+    "extra.rank_grad_norms": "the gradient norm each rank logs, step by step",
+    "extra.one_device_grad_norms": "one device's gradient norm, step by step",
     "losses": "the losses printed at every step",
     "comm": "the bytes each collective moved, against its formula",
     "checks": "the checks against one device",
@@ -284,12 +302,15 @@ RENAMED_CHECKS = {
     "the TP plan was applied before FSDP (parallelize_module, then fully_shard)": "the model was built",
     "no straggler: every rank reaches backward's all-reduces with the others":
         "every rank reaches backward's all-reduces with the others",
+    "initial full weights (gathered from the shards) = the single-device model's, built from the seed":
+        "initial full weights (gathered from the shards) = the single-device model's",
 }
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
 HIDDEN_CONFIG = ("planted_bug", "hang", "resume_without_rng", "stop_at_fewest_batches", "optimizer_from",
                  "data_shard_from", "wrappers_from", "fix_from", "reduce_dtype",
-                 "checkpoint_holds")   # the flags that load a learner's fix name what it fixes
+                 "checkpoint_holds", "gather_on_every_rank", "evaluate_on_every_rank",
+                 "eval_seconds", "model_seed_from", "clip_from")   # the flags that load a learner's fix name what it fixes
 
 
 def shown_check_name(name: str) -> str | None:
@@ -643,3 +664,101 @@ def check_fix_wrappers(apply_wrappers) -> None:
     path = learner_file(apply_wrappers, "apply_wrappers")
     _fixed_run_holds("fsdp-before-tp", args=broken_runs.HYBRID_RUN + ("--wrappers-from", path),
                      why="the TP plan first, then fully_shard on the dp mesh (torchtitan's order).")
+
+# ---- the fixes of the later cases: each one run inside the job -------------------------------------------------
+
+@learner_check
+def check_fix_full_state_save(save_model) -> None:
+    """``save_model(rank, gather_full_state, save)``: the end of an FSDP2 run, called on every rank.
+    ``gather_full_state()`` is get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    cpu_offload=True)), a collective: it returns the whole model on rank 0 and an empty dict elsewhere;
+    ``save(state)`` writes the file. Run inside the job: deadlocks.py (--fix-from) calls it on every rank."""
+    case = broken_runs.case("full-state-on-rank-0")   # the broken run's arguments: your code replaces its end
+    _fix_in_job(case.name, save_model, "save_model", args=case.args,
+                why="every rank joins the gather and one rank writes the file, so no rank waits for a peer that "
+                    "has left.")
+
+
+@learner_check
+def check_fix_evaluation(evaluation_share) -> None:
+    """``evaluation_share(batches, rank, world_size)``: the validation batches ``rank`` evaluates (a list of batch
+    numbers in ``range(batches)``). Run inside the job: deadlocks.py (--fix-from) has each rank evaluate the
+    batches it returns, each batch costing the same time, then all-reduces the counts and sums."""
+    case = broken_runs.case("rank-0-evaluation")   # the broken run's arguments: your code replaces its evaluation
+    _fix_in_job(case.name, evaluation_share, "evaluation_share", args=case.args,
+                why="each rank evaluates its part, so no rank keeps the others waiting longer than its share.")
+
+
+@learner_check
+def check_fix_model_seed(model_seed) -> None:
+    """``model_seed(seed, rank)``: the seed ``rank`` builds the whole model from before fully_shard (``seed``: the
+    run's --seed). Run inside the job: train_fsdp.py loads it from a file (--model-seed-from) on every rank of an
+    HSDP run (2 replicas x shard groups of 2)."""
+    path = learner_file(model_seed, "model_seed")
+    _fixed_run_holds("per-rank-init", args=broken_runs.HSDP_RUN + ("--model-seed-from", path),
+                     why="every rank builds the same model, so its slices fit together and the replicas agree.")
+
+
+@learner_check
+def check_fix_clip(clip_gradients) -> None:
+    """``clip_gradients(model, max_norm)``: clip the FSDP2 model's gradients (DTensors, each rank holding its
+    shards) to the total norm ``max_norm`` and return that norm. Run inside the job: train_fsdp.py loads it from a
+    file (--clip-from) on every rank and calls it after each backward."""
+    path = learner_file(clip_gradients, "clip_gradients")
+    _fixed_run_holds("local-grad-norm", args=broken_runs.CLIP_RUN + ("--clip-from", path),
+                     why="every rank computes the whole model's norm and scales its shards by the same factor.")
+
+
+def _judged_on_made_runs(name: str, why: str = "") -> None:
+    """A fix whose answer is a reading of the evidence, not code the job runs: judged on hand-made runs."""
+    print(f"Correct: {why} Checked on hand-made runs. The script's own fix: "
+          f"labkit.broken_runs.run_case({name!r}, fixed=True).")
+
+
+def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
+    for step, losses in enumerate(rank_losses):
+        ranks = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if ranks:
+            return step, ranks
+    return -1, []
+
+
+@learner_check
+def check_fix_first_nonfinite(first_nonfinite) -> None:
+    """``first_nonfinite(rank_losses)``: ``(step, rank)`` of the first rank whose own loss went non-finite (nan or
+    inf), ``rank_losses[step][rank]`` being each rank's loss before the all-reduce; None when every loss is finite.
+    Judged on hand-made runs."""
+    nan, inf = math.nan, math.inf
+    made = {
+        "one rank, then all": [[4.1, 4.2, 4.0, 4.3], [3.9, nan, 3.8, 4.0], [nan, nan, nan, nan]],
+        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
+        "an inf before any nan": [[4.1, 4.2, 4.0, 4.3], [4.0, 4.1, inf, 4.2], [nan, nan, nan, nan]],
+        "a lone nan that did not spread": [[4.1, nan, 4.0, 4.3], [4.0, 4.1, 4.1, 4.2], [nan, nan, nan, nan]],
+        "every loss finite": [[4.1, 4.2], [4.0, 4.1]],
+    }
+    for what, rank_losses in made.items():
+        got = call_learner("first_nonfinite", first_nonfinite, copy.deepcopy(rank_losses))
+        step, ranks = _first_nonfinite(rank_losses)
+        if step < 0:
+            if got is not None:
+                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that run is finite.")
+            continue
+        if not (isinstance(got, tuple) and len(got) == 2 and got[0] == step and got[1] in ranks):
+            seen = rank_losses[got[0]] if isinstance(got, tuple) and len(got) == 2 and \
+                isinstance(got[0], int) and 0 <= got[0] < len(rank_losses) else None
+            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank"
+                                + (f" (that step's losses: {seen}); is any rank non-finite at an earlier step? "
+                                   "Is inf non-finite too?" if seen is not None else "."))
+    _judged_on_made_runs("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
+                                              "the batch; after the all-reduce every rank is nan.")
+
+
+@learner_check
+def check_fix_without_gradient(without_gradient) -> None:
+    """``without_gradient(grads)``: ``grads`` maps each parameter's name to its gradient after one backward (a tensor,
+    or None where backward never reached it); return the names to leave out of what DDP reduces. Run inside the
+    job: train_ddp.py (--fix-from) builds the model with its extra head, runs one local backward before DDP wraps
+    it, calls your function on every rank, and freezes the parameters it names."""
+    _fix_in_job("unused-parameter", without_gradient, "without_gradient",
+                why="those are the parameters backward never reaches: left out of DDP's buckets, every bucket "
+                    "completes and the run equals one device.")

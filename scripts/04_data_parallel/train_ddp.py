@@ -24,6 +24,7 @@ checks that all three agree at every step.
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 
@@ -37,9 +38,20 @@ from ddp_from_scratch import (GRAD_TOLERANCE, LOSS_TOLERANCE, average_gradients,
                               param_tolerance, replicas_identical)
 from distlab import comm, data, metrics, models, runtime
 
+NAN_STEP = 2   # --planted-bug nan-from-one-rank: the step whose micro-batch on one rank has every target masked
+
+
+def masked_mean_loss(logits, targets, mask):
+    """The mean cross-entropy over the tokens ``mask`` keeps, as a sum divided by their count. With no token kept
+    the loss is 0/0, and so is its gradient (1/0 times 0): backward's all-reduce hands the nan to every rank."""
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                                                  reduction="none")
+    mask = mask.flatten().float()
+    return (per_token * mask).sum() / mask.sum()
+
 
 # The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
-FIXES = ("rank_sampler", "epoch_indices", "synchronises")
+FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient")
 
 
 def check_config(args, world_size):
@@ -67,12 +79,13 @@ class BucketLog:
     """
 
     def __init__(self, model, device, wait: bool = False):
-        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}   # what DDP reduces
         self.device, self.wait = device, wait
         self.start_micro_step()
         for name, param in model.named_parameters():
-            param.register_post_accumulate_grad_hook(
-                lambda p, name=name: self.grad_ready.append((name, self.clock.mark())))
+            if param.requires_grad:   # a frozen parameter (left out of DDP) has no gradient to wait for
+                param.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.grad_ready.append((name, self.clock.mark())))
 
     def start_micro_step(self):
         self.clock = metrics.DeviceClock(self.device)
@@ -165,14 +178,19 @@ def main():
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
-                                             "accumulation-never-syncs"], default=None,
+                                             "accumulation-never-syncs", "nan-from-one-rank", "unused-parameter"],
+                   default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
                         "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
-                        "the last too (the gradients are never all-reduced)")
+                        "the last too (the gradients are never all-reduced); one rank's micro-batch at step "
+                        f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced); a "
+                        "parameter the forward never uses (an extra head), wrapped by DDP as it is")
     runtime.add_fix_flag(p, "rank_sampler(dataset, rank, world_size) (the training sampler), epoch_indices(sampler, "
                             "epoch) (the indices the loader draws in an epoch), synchronises(micro_step, "
-                            "accumulation) (whether a micro-batch runs outside no_sync())")
+                            "accumulation) (whether a micro-batch runs outside no_sync()), without_gradient(grads) (a "
+                            "model with an extra head: the names of the parameters to leave out of what DDP reduces, "
+                            "from each one's gradient after a local backward, None where none came)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -218,6 +236,16 @@ def main():
 
         # ---- the model: DDP broadcasts rank 0's weights when it wraps (each rank built different ones) ----
         model = models.build_transformer(cfg, seed=args.seed + rt.rank, device=rt.device)
+        if args.planted_bug == "unused-parameter" or "without_gradient" in fixes:   # a head the forward never
+            model.unused_head = torch.nn.Linear(cfg.dim, 2, device=rt.device)   # calls (find_unused_parameters=False)
+        if "without_gradient" in fixes:   # the learner's: what to leave out of DDP, read from one local backward
+            probe = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(args.seed))
+            models.lm_loss(model(probe.to(rt.device)), probe.to(rt.device)).backward()
+            left_out = set(fixes["without_gradient"]({name: p.grad for name, p in model.named_parameters()}))
+            for name, param in model.named_parameters():
+                param.grad = None
+                param.requires_grad_(name not in left_out)   # DDP reduces only the parameters that require grad
+        trained = [param for param in model.parameters() if param.requires_grad]   # compared with the references
         ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None,
                   bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
         report.check("replicas identical once DDP wrapped them (it broadcasts rank 0's weights)",
@@ -239,12 +267,13 @@ def main():
         diffs = {"baseline_loss": [], "baseline_grad": [], "baseline_param": [], "scratch_loss": [],
                  "scratch_grad": [], "scratch_param": []}
 
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in trained)   # what DDP reduces
         step_bytes, micro_step_bytes, buckets_per_step, seconds, overlaps = [], [], [], [], []
         views_ok = []
         batches = iter(())
         epoch = -1
         rank_losses = []    # per step, each rank's loss on its own micro-batches
+        nan_rank = min(2, world - 1)   # --planted-bug nan-from-one-rank: the rank whose batch is masked
         epoch_orders = []   # the sample indices this rank's training sampler gave, epoch by epoch (measured)
         for step in range(args.steps):
             micro_batches = []
@@ -277,9 +306,25 @@ def main():
                     last = False                                    # no_sync() too, so nothing is ever all-reduced
                 log.start_micro_step()
                 # Not the last micro-batch: accumulate locally, all-reduce nothing.
+                masked = args.planted_bug == "nan-from-one-rank" and (step, rt.rank, i) == (NAN_STEP, nan_rank, 0)
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     with autocast:
-                        loss = models.lm_loss(ddp(inputs), targets) / accumulation
+                        try:
+                            outputs = ddp(inputs)
+                        except RuntimeError as error:   # unused-parameter: DDP refuses the next forward while a
+                            # gradient of the last is still unreduced (reducer.cpp, ensure_prior_reduction_finished):
+                            # torch's first two sentences and the line naming the parameters, as every rank prints
+                            text = str(error)
+                            indices = [line.strip() for line in text.splitlines() if line.startswith("Parameter ind")]
+                            refused = ". ".join(text.split(". ")[:2]) + ". " + " ".join(indices)
+                            report.check("every step's forward ran", False, f"step {step}: {refused}", "no error")
+                            report.extra["micro_step_bytes"] = micro_step_bytes   # what each earlier step sent
+                            sys.exit(report.finish(args.metrics_out))   # every rank stops here, with this line
+                        if masked:   # the mistake: a micro-batch whose every target is masked (a prompt-only
+                            # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
+                            loss = masked_mean_loss(outputs, targets, torch.zeros_like(targets)) / accumulation
+                        else:
+                            loss = models.lm_loss(outputs, targets) / accumulation
                     log.mark_backward("start")
                     loss.backward()
                     log.mark_backward("end")
@@ -290,7 +335,7 @@ def main():
             overlaps.append(log.overlap())       # the last micro-step's, the one that all-reduced
             bucket_storages = {b["storage"] for b in log.buckets}
             views_ok.append(all((p.grad.untyped_storage().data_ptr() in bucket_storages)
-                                == args.gradient_as_bucket_view for p in model.parameters()))
+                                == args.gradient_as_bucket_view for p in model.parameters() if p.grad is not None))
             micro_step_bytes.append(sent)
             step_bytes.append(sum(sent))
             buckets_per_step.append(len(log.buckets))
@@ -305,7 +350,7 @@ def main():
                     scratch_loss.backward()
                     scratch_step_loss += scratch_loss.detach()
                 average_gradients(scratch)
-                diffs["scratch_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                diffs["scratch_grad"].append(metrics.max_abs_diff([p.grad for p in trained],
                                                                   [p.grad for p in scratch.parameters()]))
                 if baseline is not None:
                     # the single device: the whole global batch (every rank's samples) in one step
@@ -315,7 +360,7 @@ def main():
                     with autocast:
                         baseline_loss = models.lm_loss(baseline(inputs), targets)
                     baseline_loss.backward()
-                    diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in model.parameters()],
+                    diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in trained],
                                                                        [p.grad for p in baseline.parameters()]))
                     baseline_optimizer.step()
                     baseline_optimizer.zero_grad(set_to_none=True)
@@ -337,11 +382,11 @@ def main():
                 scratch_optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(scratch_step_loss)
                 diffs["scratch_loss"].append(abs(global_loss - scratch_step_loss.item() / world))
-                diffs["scratch_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                diffs["scratch_param"].append(metrics.max_abs_diff(trained,
                                                                    list(scratch.parameters())))
                 if baseline is not None:
                     diffs["baseline_loss"].append(abs(global_loss - baseline_loss.item()))
-                    diffs["baseline_param"].append(metrics.max_abs_diff(list(model.parameters()),
+                    diffs["baseline_param"].append(metrics.max_abs_diff(trained,
                                                                         list(baseline.parameters())))
                     line += f"  | single-device {baseline_loss.item():.6f}"
             rt.print(line)
@@ -402,21 +447,25 @@ def main():
         if args.compare:
             loss_tolerance = metrics.fp32_tolerance(LOSS_TOLERANCE, rt.device)   # 10x on a GPU: see metrics
             grad_tolerance = metrics.fp32_tolerance(GRAD_TOLERANCE, rt.device)
-            report.check_close("DDP loss = from-scratch loss (every step)", max(diffs["scratch_loss"]), 0.0,
+            report.check_close("DDP loss = from-scratch loss (every step)", metrics.worst(diffs["scratch_loss"]), 0.0,
                                loss_tolerance)
-            report.check_close("DDP gradients = from-scratch gradients (every step)", max(diffs["scratch_grad"]),
+            report.check_close("DDP gradients = from-scratch gradients (every step)", metrics.worst(diffs["scratch_grad"]),
                                0.0, grad_tolerance)
-            report.check_close("DDP parameters = from-scratch parameters (every step)", max(diffs["scratch_param"]),
+            report.check_close("DDP parameters = from-scratch parameters (every step)", metrics.worst(diffs["scratch_param"]),
                                0.0, param_tolerance(args.lr))
             if rt.rank == 0:
-                report.check_close("DDP loss = single-device loss (every step)", max(diffs["baseline_loss"]), 0.0,
+                report.check_close("DDP loss = single-device loss (every step)", metrics.worst(diffs["baseline_loss"]), 0.0,
                                    loss_tolerance)
                 report.check_close("DDP gradients = single-device gradients (every step)",
-                                   max(diffs["baseline_grad"]), 0.0, grad_tolerance)
+                                   metrics.worst(diffs["baseline_grad"]), 0.0, grad_tolerance)
                 report.check_close("DDP parameters = single-device parameters (every step)",
-                                   max(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
+                                   metrics.worst(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
             report.extra["diffs"] = diffs
+        report.check("every step's forward ran", True, f"{args.steps} steps", "no error")   # else it stopped above
         report.check("replicas identical after training", replicas_identical(model))
+        finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
+        report.check("every rank's loss is finite (every step)", all(finite),
+                     finite.index(False) if False in finite else "all", "all")
 
         report.extra.update({
             "buckets": [{k: v for k, v in b.items() if k not in ("storage", "launch", "end")} for b in log.buckets],

@@ -29,8 +29,8 @@ def param_tolerance(lr: float) -> float:
 class Baseline:
     """The single-device run, in lockstep with the sharded one: same seed, same global batch, same AdamW."""
 
-    def __init__(self, cfg, seed: int, lr: float, device, model=None, groups=None):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg, seed: int, lr: float, device, model=None, groups=None, max_grad_norm=None):
+        self.cfg, self.seed, self.max_grad_norm = cfg, seed, max_grad_norm
         self.model = model if model is not None else models.build_transformer(cfg, seed=seed, device=device)
         self.optimizer = torch.optim.AdamW(groups(self.model) if groups else self.model.parameters(), lr=lr)
         self.losses: list[float] = []
@@ -41,6 +41,8 @@ class Baseline:
         loss.backward()
         self.grads = [p.grad.detach().clone() if p.grad is not None else None  # this step's, for the checks
                       for p in self.model.parameters()]                        # (None: a frozen parameter)
+        if self.max_grad_norm is not None:   # the whole model's gradient norm, clipped as the sharded run must
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm).item()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(loss.item())

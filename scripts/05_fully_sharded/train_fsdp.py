@@ -66,6 +66,18 @@ def check_config(args, world_size):
     runtime.require(not (args.planted_bug == "optimizer-before-sharding" or learner) or args.init == "seed",
                     "--planted-bug optimizer-before-sharding and --optimizer-from build the whole model before "
                     "sharding: they need --init seed")
+    runtime.require(args.planted_bug != "local-grad-norm" and not args.clip_from or args.max_grad_norm is not None,
+                    "--planted-bug local-grad-norm and --clip-from clip the gradients: they need --max-grad-norm")
+    clipper = args.clip_from
+    runtime.require(clipper is None or (Path(clipper).is_file()
+                                        and callable(runpy.run_path(clipper).get("clip_gradients"))),
+                    f"--clip-from {clipper}: no such file, or it defines no clip_gradients()")
+    seeder = args.model_seed_from
+    runtime.require(seeder is None or (Path(seeder).is_file() and callable(runpy.run_path(seeder).get("model_seed"))),
+                    f"--model-seed-from {seeder}: no such file, or it defines no model_seed()")
+    runtime.require(not (args.planted_bug == "per-rank-init" or seeder) or args.init == "seed",
+                    "--planted-bug per-rank-init and --model-seed-from build the whole model on every rank: they "
+                    "need --init seed")
     runtime.require(not (args.reduce_dtype and args.planted_bug == "bf16-gradient-reduction"),
                     "--reduce-dtype sets what --planted-bug bf16-gradient-reduction plants: not both")
     runtime.require(args.preset != "a100" or args.init != "seed",
@@ -73,7 +85,8 @@ def check_config(args, world_size):
 
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
-PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding")
+PLANTED_BUGS = ("root-only", "sum-gradients", "bf16-gradient-reduction", "optimizer-before-sharding", "per-rank-init",
+                "local-grad-norm")
 
 
 def apply_fsdp(model, *, reshard_after_forward=True, mixed_precision=False, cpu_offload=False,
@@ -155,6 +168,37 @@ def single_device_model(cfg, seed: int, init: str, device):
     return model.to(device)
 
 
+REPLICA_TOLERANCE = 1e-6   # every replica applies the same all-reduced gradient: 0 measured on gloo
+
+
+def replica_weight_gap(model, replicate_group) -> float:
+    """The largest difference between two replicas' sums of each local shard (HSDP): every replica holds the same
+    shards, so 0 unless they started apart (an all-gather of one number a parameter, over the replicate group)."""
+    sums = torch.stack([p.to_local().detach().double().sum() for p in model.parameters()])
+    every = [torch.empty_like(sums) for _ in range(dist.get_world_size(replicate_group))]
+    dist.all_gather(every, sums, group=replicate_group)
+    return max((other - sums).abs().max().item() for other in every)
+
+
+def clip_gradients(model, max_norm: float, args, world: int) -> list[float]:
+    """Clip the sharded model's gradients to ``max_norm`` and return the total norm each rank computed (gathered
+    from every rank, as their logs would show them). clip_grad_norm_ on the DTensor gradients reduces the norm over
+    the ranks; the planted mistake takes each rank's local shards, whose norm is a piece of the whole."""
+    if getattr(args, "clip_learner", None):   # chapter 14's lab: the learner's clipping, run here
+        norm = args.clip_learner(model, max_norm)
+    elif args.planted_bug == "local-grad-norm":   # the norm of this rank's shards, and its shards scaled by it
+        local = [p.grad.to_local() for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(local)
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))   # clip_grad_norm_'s own rule
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)).detach()
+    norm = norm.to(device=next(model.parameters()).device, dtype=torch.float64).reshape(1)
+    every = [torch.empty_like(norm) for _ in range(world)]
+    dist.all_gather(every, norm)
+    return [n.item() for n in every]
+
+
 def full_parameters(model) -> list[torch.Tensor]:
     """Every parameter, gathered whole (a collective: every rank calls it)."""
     return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
@@ -186,10 +230,21 @@ def main():
                         "loss summed over the ranks, not averaged: gradients N times too large), "
                         "bf16-gradient-reduction (gradients reduce-scattered in bf16: rounded as they are summed), "
                         "optimizer-before-sharding (AdamW built on the parameters fully_shard then replaces; "
-                        "needs --init seed)")
+                        "needs --init seed), per-rank-init (each rank builds the model from its own seed: "
+                        "fully_shard keeps each rank's own slice and broadcasts nothing), local-grad-norm (with "
+                        "--max-grad-norm: each rank clips its shards by the norm of its own shards alone)")
     p.add_argument("--optimizer-from", metavar="FILE.py", default=None,
                    help="chapter 14's lab: a file defining shard_and_optimizer(model, shard, adamw), which calls "
                         "shard(model) and returns adamw(parameters) in its order (the learner's fix, run here)")
+    p.add_argument("--model-seed-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining model_seed(seed, rank), the seed this rank builds the "
+                        "model from before fully_shard (the learner's fix, run here)")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip the gradients to this total norm before each step (the whole model's norm; the "
+                        "single-device run clips alike)")
+    p.add_argument("--clip-from", metavar="FILE.py", default=None,
+                   help="chapter 14's lab: a file defining clip_gradients(model, max_norm), which clips the sharded "
+                        "model's gradients and returns their total norm (the learner's fix, run here)")
     args = p.parse_args()
     args.init = args.init if args.init != "auto" else ("meta" if args.preset == "a100" else "seed")
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
@@ -235,7 +290,14 @@ def main():
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)            # (_fsdp_param.py:325-331)
             model = apply_fsdp(model, **fsdp_options)
         elif args.init == "seed":
-            model = apply_fsdp(models.build_transformer(cfg, seed=args.seed, device=rt.device), **fsdp_options)
+            # The planted mistake: each rank seeds its own model. DDP would broadcast rank 0's weights at
+            # construction (torch 2.13, nn/parallel/distributed.py:1065-1073); fully_shard keeps this rank's own
+            # slice of what it was given and sends nothing (fsdp/_fully_shard/_fsdp_param.py:298-299).
+            seed = args.seed + rt.rank if args.planted_bug == "per-rank-init" else args.seed
+            if args.model_seed_from:   # chapter 14's lab: the learner's seed, run here
+                seed = runpy.run_path(args.model_seed_from)["model_seed"](args.seed, rt.rank)
+                rt.require(isinstance(seed, int), f"model_seed() returned {seed!r}, not an int")
+            model = apply_fsdp(models.build_transformer(cfg, seed=seed, device=rt.device), **fsdp_options)
         else:
             model = materialize_on_meta(cfg, args.seed, rt.device, **fsdp_options)
         if args.planted_bug != "optimizer-before-sharding" and not args.optimizer_from:
@@ -244,7 +306,7 @@ def main():
         if compare:
             start_weights = full_parameters(model)  # collective: every rank
             if rt.rank == 0:   # built from the seed, independently: a sharding or init bug cannot leak into it
-                baseline = Baseline(cfg, args.seed, args.lr, rt.device,
+                baseline = Baseline(cfg, args.seed, args.lr, rt.device, max_grad_norm=args.max_grad_norm,
                                     model=single_device_model(cfg, args.seed, args.init, rt.device))
                 report.check_close("initial full weights (gathered from the shards) = the single-device model's, "
                                    "built from the seed", start_weights, list(baseline.model.parameters()), 0.0)
@@ -252,8 +314,15 @@ def main():
         rt.print(f"tok_embeddings.weight {tuple(next(iter(model.parameters())).shape)} -> this rank holds "
                  f"{tuple(local.shape)} on {local.device}")
 
+        rank_grad_norms = []   # --max-grad-norm: per step, the total norm each rank computed
+        if args.clip_from:
+            args.clip_learner = runpy.run_path(args.clip_from)["clip_gradients"]
+        replica_gaps = []   # HSDP: the largest difference between two replicas' sums of each local shard
+        if args.replicate > 1:
+            replica_gaps.append(replica_weight_gap(model, mesh.get_group("replicate")))
         names = [n for n, _ in model.named_parameters()]  # fully_shard keeps the names: the baseline's, by name
         loss_diffs, param_diffs, param_mean_diffs, measured_comm, seconds = [], [], [], [], []
+        one_device_norms = []
         param_errors = {}   # bf16: each parameter's mean |difference| from the baseline, the largest over the steps
         state = activations = None
         for step in range(args.steps):
@@ -275,6 +344,8 @@ def main():
             if step == 0 and compare:  # the averaged gradients, gathered whole (a collective: every rank)
                 grads0 = [q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
                           for q in model.parameters()]
+            if args.max_grad_norm is not None:   # each rank's total norm, as its log would print it
+                rank_grad_norms.append(clip_gradients(model, args.max_grad_norm, args, world))
             optimizer.step()     # on the local shards only: no communication
             if step == 1:        # parameters, gradients and AdamW moments all exist now
                 state = memory.ledger(model, optimizer)
@@ -286,10 +357,15 @@ def main():
             dist.all_reduce(global_loss)
             report.losses.append(global_loss.item() / world)
             line = f"step {step:3d}  loss {report.losses[-1]:.6f}  ({seconds[-1] * 1e3:.0f} ms)"
+            if args.replicate > 1:
+                replica_gaps.append(replica_weight_gap(model, mesh.get_group("replicate")))
+                line += f"  replicas' weights apart by {replica_gaps[-1]:.2e}"
             if compare:
                 params_now = full_parameters(model)
                 if baseline is not None:
                     baseline.step(tokens.to(rt.device))
+                    if args.max_grad_norm is not None:
+                        one_device_norms.append(baseline.grad_norm)
                     if step == 0:   # Adam hides a gradient's scale from losses and weights: look at the gradients
                         grad_diff = metrics.max_abs_diff([g.float() for g in grads0], baseline.grads)
                         grad_errors = metrics.bf16_tensor_errors(dict(zip(names, grads0)), dict(zip(names, baseline.grads)),
@@ -302,6 +378,18 @@ def main():
                         param_errors[name] = max(error, param_errors.get(name, 0.0))
                     line += f"  single-device {baseline.losses[-1]:.6f}"
             rt.print(line)
+
+        if args.max_grad_norm is not None:   # what any user's log shows: each rank's gradient norm
+            report.extra["rank_grad_norms"] = rank_grad_norms
+            report.check("every rank computed the same gradient norm (every step)",
+                         all(max(norms) - min(norms) <= 1e-5 * max(norms) for norms in rank_grad_norms),
+                         max(max(norms) - min(norms) for norms in rank_grad_norms), "<= 1e-5 of the norm")
+            if baseline is not None:
+                report.extra["one_device_grad_norms"] = one_device_norms
+        if args.replicate > 1:   # what any HSDP user can check: the replicas must hold the same weights
+            report.check_close("the replicas hold the same weights (each local shard's sum, before training and "
+                               "after every step)", max(replica_gaps), 0.0, REPLICA_TOLERANCE)
+            report.extra["replica_weight_gaps"] = replica_gaps
 
         # ---- communication: measured = formula ----
         formula = dict(stage=3, param_bytes=2 if args.mixed_precision else 4, grad_bytes=4,

@@ -9,6 +9,12 @@
     --hang uneven-inputs           data parallelism over shards of unequal length: the last rank runs out of batches
                                    first and leaves while the others wait in the next gradient all-reduce
                                    (--stop-at-fewest-batches: the ranks agree first on the shortest shard, the fix)
+    --hang full-state-on-rank-0    after training, `if rank == 0:` gathers the FSDP2 model's full state dict to save
+                                   it; the gather is a collective (an all-gather per weight) that no other rank joins
+                                   (--gather-on-every-rank: every rank gathers, rank 0 alone saves, the fix)
+    --hang rank-0-evaluation       rank 0 evaluates the model alone for longer than the process group's timeout while
+                                   the others wait in the next step's all-reduce (--evaluate-on-every-rank: each rank
+                                   evaluates its share and the sums are all-reduced, the fix)
     --hang none                    the same program, correct: it finishes
 
 Each rank records every call it makes (what, on which group, to or from whom) in the job's key-value store,
@@ -46,14 +52,18 @@ from distlab import hangs, metrics, runtime
 
 EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-barrier": "skipped collective",
                   "wrong-group": "wrong group", "few-microbatches": "too few messages",
-                  "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "none": "none"}
+                  "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "full-state-on-rank-0": "skipped collective",
+                  "rank-0-evaluation": "late rank", "none": "none"}
 # the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
 ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5,
-         "count batches": 6, "gradient all-reduce": 7}
-
-
+         "count batches": 6, "gradient all-reduce": 7, "save full state": 8, "evaluate": 9, "evaluation sums": 10,
+         "next step": 11}
+# each hang's own fix, a flag that is meaningless under any other hang
+FLAG_FIXES = {"stop_at_fewest_batches": "uneven-inputs", "gather_on_every_rank": "full-state-on-rank-0",
+              "evaluate_on_every_rank": "rank-0-evaluation"}
 # The functions of a learner's fix (--fix-from), each run on every rank in place of the code of one scenario.
-FIXES = {"agreed_batches": "uneven-inputs", "sync": "mismatched-collectives"}
+FIXES = {"agreed_batches": "uneven-inputs", "sync": "mismatched-collectives", "save_model": "full-state-on-rank-0",
+         "evaluation_share": "rank-0-evaluation"}
 
 
 class Collectives:
@@ -73,13 +83,17 @@ def check_config(args, world_size):
     runtime.require(world_size == 4, f"the scenarios are written for 4 ranks (2 pairs), not {world_size}: launch "
                                      "with torchrun --standalone --nproc_per_node=4")
     runtime.require(args.microbatches >= 1 and args.batch >= 1, "--batch and --microbatches must be positive")
-    runtime.require(not args.stop_at_fewest_batches or args.hang == "uneven-inputs",
-                    f"--stop-at-fewest-batches is uneven-inputs' fix; it changes nothing under --hang {args.hang}")
+    for flag, hang in FLAG_FIXES.items():
+        runtime.require(not getattr(args, flag) or args.hang == hang,
+                        f"--{flag.replace('_', '-')} is {hang}'s fix; it changes nothing under --hang {args.hang}")
+    runtime.require(args.eval_seconds is None or args.eval_seconds > 0,
+                    f"--eval-seconds must be positive, not {args.eval_seconds}")
     fixes = runtime.learner_fixes(args.fix_from, tuple(FIXES))
     for name in fixes:
         runtime.require(args.hang == FIXES[name], f"--fix-from: {name}() replaces code of --hang {FIXES[name]} "
                                                   f"only, not of --hang {args.hang}")
-    runtime.require(not (fixes and args.stop_at_fewest_batches), "--fix-from replaces --stop-at-fewest-batches")
+    runtime.require(not (fixes and any(getattr(args, flag) for flag in FLAG_FIXES)),
+                    "--fix-from replaces the script's own fix flags")
 
 
 def program(args, rt, journal, pairs, fixes=None):
@@ -106,6 +120,10 @@ def program(args, rt, journal, pairs, fixes=None):
         with journal.call("microbatch", op, peer=peer, order=ORDER["microbatch"]):
             (dist.isend if op == "send" else dist.irecv)(tensor, peer).wait(wait)
 
+    if bug == "full-state-on-rank-0":
+        return save_full_state(args, rt, journal, collective, fixes.get("save_model"))
+    if bug == "rank-0-evaluation":
+        return evaluate(args, rt, journal, collective, fixes.get("evaluation_share"))
     if bug == "uneven-inputs":
         # an epoch of data parallelism, one gradient all-reduce a batch, each rank over its own shard; the shards
         # are unequal (a dataset split by hand, not by DistributedSampler): the last rank's is one batch short
@@ -156,6 +174,79 @@ def program(args, rt, journal, pairs, fixes=None):
         collective("barrier before logging", "barrier")
 
 
+def save_full_state(args, rt, journal, collective, save_model=None):
+    """The end of an FSDP2 run: save the whole model from rank 0. get_model_state_dict(full_state_dict=True)
+    all-gathers every sharded weight (a collective), so every rank must call it; the bug calls it under
+    `if rank == 0:`. ``save_model``: a learner's ``save_model(rank, gather_full_state, save)`` in place of that code.
+    Returns the shapes rank 0 saved and the files each rank wrote (the fix's evidence)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)).to(rt.device)
+    whole = {name: list(p.shape) for name, p in model.named_parameters()}
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    collective("end of step", "all_reduce")   # the last training step's gradient all-reduce, all ranks
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)   # rank 0 keeps the result
+    written = []   # the states this rank wrote, as shapes
+
+    def gather_full_state():
+        with journal.call("save full state", "all_gather", order=ORDER["save full state"]):
+            return get_model_state_dict(model, options=options)
+
+    def save(state):
+        os.makedirs(args.trace_dir, exist_ok=True)
+        torch.save(state, os.path.join(args.trace_dir, f"full_model.rank{rt.rank}.{len(written)}.pt"))
+        written.append({name: list(t.shape) for name, t in state.items()})
+
+    if save_model is not None:
+        save_model(rt.rank, gather_full_state, save)
+    elif args.gather_on_every_rank or rt.rank == 0:
+        state = gather_full_state()
+        if rt.rank == 0:
+            save(state)
+    return {"whole_shapes": whole, "saved_shapes": written[0] if rt.rank == 0 and written else None,
+            "files_written": len(written)}
+
+
+VALIDATION_BATCHES = 12   # rank-0-evaluation: the validation set, in batches of equal cost
+
+
+def evaluate(args, rt, journal, collective, evaluation_share=None):
+    """Between two steps, the model is evaluated on a validation set of VALIDATION_BATCHES batches that takes
+    --eval-seconds of compute on one rank. The bug evaluates on rank 0 alone while the others go on to the next
+    step's all-reduce; the fix gives each rank its share and all-reduces the counts and sums.
+    ``evaluation_share``: a learner's ``evaluation_share(batches, rank, world_size)``, the batches a rank takes."""
+    collective("end of step", "all_reduce")
+    whole = args.eval_seconds if args.eval_seconds is not None else 1.5 * rt.pg_timeout_s
+    if evaluation_share is not None:
+        mine = [int(b) for b in evaluation_share(VALIDATION_BATCHES, rt.rank, rt.world_size)]
+    elif args.evaluate_on_every_rank:
+        mine = list(range(rt.rank, VALIDATION_BATCHES, rt.world_size))
+    else:
+        mine = list(range(VALIDATION_BATCHES)) if rt.rank == 0 else []
+    shared = evaluation_share is not None or args.evaluate_on_every_rank
+    share = whole * len(mine) / VALIDATION_BATCHES
+    if mine:
+        with journal.call("evaluate", "compute", group=f"rank {rt.rank}", members=[rt.rank], order=ORDER["evaluate"]):
+            a = torch.randn(64, 64, device=rt.device)
+            end = time.perf_counter() + share   # real work for that long (a forward pass over the batches)
+            while time.perf_counter() < end:
+                a = torch.tanh(a @ a)
+    sums = None
+    if shared:   # each batch's id stands for its loss: the sums tell whether every batch was counted once
+        t = torch.tensor([len(mine), sum(mine), sum(b * b for b in mine)], dtype=torch.float64, device=rt.device)
+        with journal.call("evaluation sums", "all_reduce", order=ORDER["evaluation sums"]):
+            dist.all_reduce(t, async_op=True).wait(datetime.timedelta(seconds=rt.pg_timeout_s))
+        sums = [int(v) for v in t.tolist()]
+    collective("next step", "all_reduce")
+    return {"evaluation_seconds": share, "evaluation_sums": sums}
+
+
 def main():
     p = runtime.parser(__doc__, steps=None)
     p.add_argument("--hang", choices=list(EXPECTED_CAUSE), default="skipped-barrier", help="which bug to plant")
@@ -164,9 +255,19 @@ def main():
     p.add_argument("--batches", type=runtime.positive_int, default=3, help="batches in a rank's shard (uneven-inputs)")
     p.add_argument("--stop-at-fewest-batches", action="store_true",
                    help="uneven-inputs' fix: the ranks all-reduce (MIN) their batch counts first and all train that many")
+    p.add_argument("--gather-on-every-rank", action="store_true",
+                   help="full-state-on-rank-0's fix: every rank gathers the full state dict, rank 0 alone saves it")
+    p.add_argument("--evaluate-on-every-rank", action="store_true",
+                   help="rank-0-evaluation's fix: each rank evaluates its share, then the sums are all-reduced")
+    p.add_argument("--eval-seconds", type=float, default=None,
+                   help="compute time of the whole evaluation on one rank (rank-0-evaluation; default 1.5 x "
+                        "--pg-timeout: longer than the timeout on one rank, a quarter of it each on four)")
     runtime.add_fix_flag(p, "agreed_batches(batch_counts) (uneven-inputs: how many batches every rank trains, "
                             "from every rank's count), sync(rank, tensor, collectives) (mismatched-collectives: the "
-                            "step's first synchronisation, calling collectives.all_reduce(t) or .broadcast(t, src))")
+                            "step's first synchronisation, calling collectives.all_reduce(t) or .broadcast(t, src)), "
+                            "save_model(rank, gather_full_state, save) (full-state-on-rank-0: the end of the run), "
+                            "evaluation_share(batches, rank, world_size) (rank-0-evaluation: the validation batches "
+                            "a rank evaluates)")
     p.add_argument("--trace-dir", default=None,
                    help="where each rank dumps PyTorch's flight recorder when it gives up: manual/ holds the dump the "
                         "script asks for, watchdog/ NCCL's own (default: $DISTLAB_RUN_DIR/flight_recorder/<hang>, "
@@ -206,9 +307,12 @@ def main():
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
         rt.print(f"planting: {args.hang}; process-group timeout {rt.pg_timeout_s:g} s")
         started = time.perf_counter()
-        error = None
+        error, outcome = None, None
         try:
-            program(args, rt, journal, pairs, runtime.learner_fixes(args.fix_from, tuple(FIXES)))
+            outcome = program(args, rt, journal, pairs, runtime.learner_fixes(args.fix_from, tuple(FIXES)))
+            if outcome and "files_written" in outcome:   # counted in the store, before this rank says finished
+                store.add(f"deadlocks/{args.hang}/files_by_{'rank_0' if rt.rank == 0 else 'others'}",
+                          outcome["files_written"])
             journal.finish("finished")
         except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -245,11 +349,25 @@ def main():
 
         bound = 2 * rt.pg_timeout_s + 5  # one timeout for the stuck call, one for a peer's next call, slack
         report.check("the run ended by itself: no silent hang", elapsed <= bound, round(elapsed, 1), f"<= {bound:g} s")
-        fixed = args.fix_from or (args.stop_at_fewest_batches and args.hang == "uneven-inputs")
+        fixed = args.fix_from or any(getattr(args, flag) for flag in FLAG_FIXES)
         expected = "none" if fixed else EXPECTED_CAUSE[args.hang]
         report.check("the diagnosis names the planted cause", finding["cause"] == expected, finding["cause"], expected)
+        if args.hang == "full-state-on-rank-0" and finding["cause"] == "none":   # no hang: what was written
+            written = [int(store.add(f"{prefix}/files_by_{who}", 0)) for who in ("rank_0", "others")]
+            report.check("one file written, by rank 0 (files by rank 0, by the others)", written == [1, 0],
+                         written, [1, 0])
+            if rt.rank == 0 and outcome["saved_shapes"]:
+                report.check("rank 0 saved every weight whole (the full state, not its shard)",
+                             outcome["saved_shapes"] == outcome["whole_shapes"], outcome["saved_shapes"],
+                             outcome["whole_shapes"])
+        if args.hang == "rank-0-evaluation" and outcome and outcome["evaluation_sums"] is not None:
+            every = list(range(VALIDATION_BATCHES))
+            want = [len(every), sum(every), sum(b * b for b in every)]
+            report.check("every validation batch evaluated once (count, sum and squares of the ids)",
+                         outcome["evaluation_sums"] == want, outcome["evaluation_sums"], want)
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
-                        "error": error, "journals": journals, "flight_recorder": recorded}
+                        "error": error, "journals": journals, "flight_recorder": recorded,
+                        **({"outcome": outcome} if outcome else {})}
         code = report.finish(args.metrics_out)
 
         # The group may be broken (a timed-out gloo group cannot be used again), so no closing barrier: rank 0

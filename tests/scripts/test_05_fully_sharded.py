@@ -112,6 +112,7 @@ def test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas():
     assert {c["collective"]: c["group_size"] for c in metrics["comm"]} == {
         "all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
     assert metrics["memory"]["measured"]["total"] == 16 * P / 2  # divided by the shard group, not the world
+    assert metrics["extra"]["replica_weight_gaps"] == [0.0] * 4   # the replicas equal before and after each step
 
 
 def test_hsdp_with_shard_groups_of_one_all_reduces_whole_gradients():

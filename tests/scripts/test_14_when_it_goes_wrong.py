@@ -13,6 +13,7 @@ import math
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from labkit import broken_runs
@@ -30,6 +31,8 @@ COVERED_ELSEWHERE = {
                                         "test_fsdp_reshard_after_forward_gathers_twice"),
     ("checkpoint-one-shard", True): ("tests/scripts/test_05_fully_sharded.py",
                                      "test_checkpoint_interrupt_resume_and_reshard_4_to_2"),
+    ("per-rank-init", True): ("tests/scripts/test_05_fully_sharded.py",
+                              "test_hsdp_shards_in_a_group_and_all_reduces_the_shards_across_replicas"),
     ("resume-without-rng", False): ("tests/scripts/test_12_hpc_operations.py",
                                     "test_a_checkpoint_without_the_data_position_and_the_rngs_resumes_into_other_data"),
 }
@@ -99,6 +102,12 @@ CAUSE_WORDS = {
     "mismatched-collectives": ("mismatched", "different collectives"),
     "resume-without-rng": ("without rng", "without_rng", "rng"), "slow-rank": ("slow_rank", "sleep", "straggler"),
     "optimizer-before-sharding": ("before shard", "before fully_shard", "optimizer_from"),
+    "full-state-on-rank-0": ("skipped collective", "gather_on_every_rank", "only on rank 0"),
+    "rank-0-evaluation": ("late rank", "evaluate_on_every_rank", "busy alone"),
+    "unused-parameter": ("unused_head", "unused-parameter", "extra head", "find_unused"),
+    "nan-from-one-rank": ("masked", "nan_rank", "0/0", "every target", "nan-from"),
+    "local-grad-norm": ("local-grad", "to_local", "clip_from", "own shards"),
+    "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
 }
 
 
@@ -117,10 +126,23 @@ def shard_and_optimizer(model, shard, adamw):   # a wrong fix of optimizer-befor
     return optimizer
 
 
+def clip_gradients(model, max_norm):   # a wrong fix of local-grad-norm: each rank's own shards' norm
+    local = [p.grad.to_local() for p in model.parameters()]
+    norm = torch.nn.utils.get_total_norm(local)
+    torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every rank, but not the run's
+    return seed + 1
+
+
 @pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
                                                   ("fsdp-before-tp", apply_wrappers, "--wrappers-from"),
                                                   ("optimizer-before-sharding", shard_and_optimizer,
-                                                   "--optimizer-from")])
+                                                   "--optimizer-from"),
+                                                  ("per-rank-init", model_seed, "--model-seed-from"),
+                                                  ("local-grad-norm", clip_gradients, "--clip-from")])
 def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, flag, tmp_path, monkeypatch):
     """The lab writes the learner's function to a file the script loads and calls on every rank: a wrong one fails
     the job's own checks there (the right one is the lab's, under nbval)."""
@@ -172,6 +194,15 @@ WRONG_IN_THE_JOB = {
     "slow-rank": (broken_runs.case("slow-rank").args,
                   "def straggler(ranks):\n    return max(ranks, key=lambda r: r['kinds']['communication'])['rank']\n",
                   ("no straggler",)),
+    "full-state-on-rank-0": (broken_runs.case("full-state-on-rank-0").args,   # no hang, but four files
+                             "def save_model(rank, gather_full_state, save):\n    save(gather_full_state())\n",
+                             ("one file written, by rank 0",)),
+    "rank-0-evaluation": (broken_runs.case("rank-0-evaluation").args,   # no hang, but every batch four times
+                          "def evaluation_share(batches, rank, world_size):\n    return list(range(batches))\n",
+                          ("every validation batch evaluated once",)),
+    "unused-parameter": (broken_runs.DDP_RUN,   # the head's weight left out, its bias still wrapped
+                         "def without_gradient(grads):\n    return [n for n, g in grads.items() if g is None][:1]\n",
+                         ("every step's forward ran",)),
 }
 
 
@@ -320,12 +351,80 @@ def _slow_rank(metrics, result):
     assert kinds[1]["communication"] + 0.3 < min(kinds[r]["communication"] for r in (0, 2, 3)), kinds
 
 
+def _full_state_on_rank_0(metrics, result):
+    """Rank 0 alone waits, in an all-gather after the last step; the three others have finished."""
+    journals = {int(r): j for r, j in metrics["extra"]["journals"].items()}
+    assert {r: j["state"] for r, j in journals.items()} == {0: "timed out", 1: "finished", 2: "finished",
+                                                           3: "finished"}, journals
+    stuck = journals[0]["calls"][-1]
+    assert stuck["op"] == "all_gather" and not stuck["done"], stuck
+    assert "all_gather" in metrics["extra"]["flight_recorder"]["0"], metrics["extra"]["flight_recorder"]
+
+
+def _rank_0_evaluation(metrics, result):
+    """Every rank ends in the same all-reduce; rank 0 was busy alone before it for longer than the timeout."""
+    journals = {int(r): j for r, j in metrics["extra"]["journals"].items()}
+    assert {j["state"] for j in journals.values()} == {"timed out"}, journals
+    assert len({(j["calls"][-1]["label"], j["calls"][-1]["op"]) for j in journals.values()}) == 1, journals
+    alone = journals[0]["calls"][-2]
+    timeout = float(broken_runs.HANG_TIMEOUT[1])
+    assert alone["op"] == "compute" and alone["seconds"] > timeout, alone
+    assert not any(c["op"] == "compute" for r in (1, 2, 3) for c in journals[r]["calls"]), journals
+
+
+def _per_rank_init(metrics, result):
+    """The replicas apart before the first step, by the symptom's amount, and as far apart after every step."""
+    gaps = metrics["extra"]["replica_weight_gaps"]
+    said = float(re.search(r"differ by the same amount \(([\d.]+)\)", broken_runs.case("per-rank-init").symptom)[1])
+    assert len(gaps) == 4 and round(gaps[0], 1) == said and max(gaps) - min(gaps) < 0.01 * gaps[0], (gaps, said)
+    diffs = metrics["extra"]["loss_diffs"]   # off one device before any update, further at every step
+    assert diffs[0] > 1e-3 and all(b > a for a, b in zip(diffs, diffs[1:])), diffs
+
+
+def _unused_parameter(metrics, result):
+    """Step 0 all-reduces nothing; at step 1 every rank stops with torch 2.13's own words, which the registry quotes."""
+    assert metrics["extra"]["micro_step_bytes"] == [[0, 0]], metrics["extra"]
+    assert any(line.startswith("step   0") and "all-reduced [0, 0] B" in line for line in result.lines)
+    refused = next(c for c in metrics["checks"] if c["name"] == "every step's forward ran")
+    quoted = broken_runs.case("unused-parameter").symptom.split("'")[1]
+    assert refused["value"].startswith(f"step 1: {quoted}. This error indicates that your module has parameters "
+                                       "that were not used in producing loss."), refused
+    assert "Parameter indices which did not receive grad for rank 0:" in refused["value"], refused
+    assert set(result.rank_exit_codes.values()) == {1}, result.rank_exit_codes
+
+
+def _nan_from_one_rank(metrics, result):
+    """One rank's own loss goes nan first, alone; a step later every rank's; before, the run is one device's."""
+    losses = metrics["extra"]["rank_losses"]
+    first = int(re.search(r"nan from step (\d+)", broken_runs.case("nan-from-one-rank").symptom)[1])
+    assert all(map(math.isfinite, sum(losses[:first], []))), losses
+    assert [math.isfinite(loss) for loss in losses[first]] == [True, True, False, True], losses[first]
+    assert not any(map(math.isfinite, sum(losses[first + 1:], []))), losses
+    assert max(metrics["extra"]["diffs"]["baseline_loss"][:first]) < 1e-5, metrics["extra"]["diffs"]
+    assert math.isnan(metrics["losses"][first])
+
+
+def _local_grad_norm(metrics, result):
+    """Each rank logs another norm, the numbers the symptom states; their squares add up to one device's squared."""
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    low, high, whole = map(float, re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                            broken_runs.case("local-grad-norm").symptom).groups())
+    assert (round(min(norms[0]), 2), round(max(norms[0]), 2), round(one_device[0], 2)) == (low, high, whole), norms
+    # step 0, where the gradients are one device's: the ranks' norms are pieces of its norm (later the weights differ)
+    assert math.sqrt(sum(n * n for n in norms[0])) == pytest.approx(one_device[0], rel=1e-5), (norms[0], one_device)
+    assert all(max(ranks) - min(ranks) > 0.02 for ranks in norms), norms   # and they differ at every step
+    assert metrics["extra"]["param_diffs"][0] > 3e-4 and metrics["extra"]["loss_diffs"][0] < 1e-6   # the update
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
             "loss-on-wrong-stage": _loss_on_wrong_stage, "too-few-microbatches": _too_few_microbatches,
             "fsdp-before-tp": _fsdp_before_tp, "slow-rank": _slow_rank, "data-by-global-rank": _data_by_global_rank,
-            "optimizer-before-sharding": _optimizer_before_sharding}
+            "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
+            "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
+            "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank,
+            "unused-parameter": _unused_parameter}
 
 
 def _distinct_losses(metrics, result):
@@ -337,4 +436,27 @@ def _no_hang(metrics, result):
     assert states == {"finished"}, states
 
 
-GONE = {"same-samples-every-rank": _distinct_losses, "uneven-inputs": _no_hang}
+def _full_state_saved(metrics, result):
+    _no_hang(metrics, result)
+    saved = [c for c in metrics["checks"] if c["name"].startswith("rank 0 saved every weight whole")]
+    assert saved and saved[0]["passed"], metrics["checks"]
+
+
+def _evaluation_shared(metrics, result):
+    _no_hang(metrics, result)
+    alone = [c["seconds"] for j in metrics["extra"]["journals"].values() for c in j["calls"] if c["op"] == "compute"]
+    assert len(alone) == 4 and max(alone) < float(broken_runs.HANG_TIMEOUT[1]), alone   # each rank's share
+
+
+def _one_norm(metrics, result):
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    assert all(n == pytest.approx(whole, rel=1e-5) for ranks, whole in zip(norms, one_device) for n in ranks)
+    assert min(one_device) > float(broken_runs.CLIP_RUN[-1])   # every step clips
+
+
+def _all_finite(metrics, result):
+    assert all(map(math.isfinite, sum(metrics["extra"]["rank_losses"], []))), metrics["extra"]["rank_losses"]
+
+
+GONE = {"same-samples-every-rank": _distinct_losses, "nan-from-one-rank": _all_finite, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
+        "full-state-on-rank-0": _full_state_saved, "rank-0-evaluation": _evaluation_shared}

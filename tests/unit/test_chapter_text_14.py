@@ -54,11 +54,12 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert list(ch14.PATHS) == [case.name for case in cases]
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
-    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives"]
+    assert names["Hangs, timeouts and errors"] == ["unused-parameter", "uneven-inputs", "full-state-on-rank-0",
+                                                   "fsdp-before-tp", "mismatched-collectives", "rank-0-evaluation"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 8 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 11 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
@@ -464,7 +465,7 @@ def test_the_resumes_say_where_the_checkpoint_was_taken():
 def test_the_exercises_lead_to_every_exercise_of_the_lab():
     listed = " ".join(chapters.exercise_items(BODY))
     titles = chapters.lab_exercises("14")
-    assert len(titles) == 5 and all(f'"{title}"' in listed for title in titles), titles
+    assert len(titles) == 9 and all(f'"{title}"' in listed for title in titles), titles
 
 
 def test_the_picture_shows_which_question_sends_you_to_each_band():
@@ -496,6 +497,62 @@ def test_the_hang_timeout_of_the_broken_runs_is_theirs():
     assert ("2 s in the broken runs (their own `--pg-timeout`, against the default of 300 s)") in FLAT
 
 
+def test_the_per_rank_init_case_cites_torchs_lines_and_states_the_measured_gap():
+    """fully_shard keeps the rank's own chunk of what it was given; DDP broadcasts rank 0's weights when built. The
+    gap the page states is the registry's symptom, which tests/scripts/test_14 holds to the run."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    fsdp_param = (torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_param.py").read_text().splitlines()
+    assert fsdp_param[297].strip().startswith("chunks = _chunk_with_empty(param_data, shard_world_size")
+    assert fsdp_param[298].strip() == "sharded_param = chunks[shard_rank]"
+    ddp = (torch_dir / "nn" / "parallel" / "distributed.py").read_text().splitlines()
+    assert ddp[1064].strip().startswith("# Sync params and buffers") and ddp[1065].strip() == "_sync_module_states("
+    assert ddp[1069].strip() == "src=0,"
+    cause = registry().case("per-rank-init").cause
+    for cited in ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py:298-299", "torch/nn/parallel/distributed.py:1065-1073"):
+        assert cited in cause and cited in FLAT_APPENDIX
+    gap = re.search(r"differ by the same amount \(([\d.]+)\)", registry().case("per-rank-init").symptom)[1]
+    assert f"they differ by {gap} before the first step" in " ".join(section_of("per-rank-init").split())
+
+
+def test_the_local_grad_norm_case_cites_torchs_lines_and_states_the_measured_norms():
+    """A DTensor's norm is a partial p-norm, all-reduced as x^p (torch's own docstring); clip_grad_norm_ scales by
+    max_norm / (total_norm + 1e-6), clamped at 1. The norms the page states are the registry's symptom's, which
+    tests/scripts/test_14 holds to the run."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    math_ops = (torch_dir / "distributed" / "tensor" / "_ops" / "_math_ops.py").read_text().splitlines()
+    assert math_ops[65].strip() == "@dataclass(frozen=True)" and math_ops[66].startswith("class _NormPartial(Partial):")
+    assert "x^p -> allreduce sum -> x^(1/p)" in math_ops[77]
+    clip = (torch_dir / "nn" / "utils" / "clip_grad.py").read_text().splitlines()
+    assert clip[163].strip() == "clip_coef = max_norm / (total_norm + 1e-6)"
+    assert clip[167].strip() == "clip_coef_clamped = torch.clamp(clip_coef, max=1.0)"
+    case = registry().case("local-grad-norm")
+    assert "torch/distributed/tensor/_ops/_math_ops.py:66-79" in case.cause and "_math_ops.py:66-79" in FLAT_APPENDIX
+    low, high, whole = re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                 case.symptom).groups()
+    assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section_of("local-grad-norm")
+    assert f"a total norm of {case.fixed_args[case.fixed_args.index('--max-grad-norm') + 1]}," in section_of(
+        "local-grad-norm")
+
+
+def test_the_nan_case_states_the_registrys_step_and_the_rank_the_run_plants():
+    """The step the page states is the registry's (tests/scripts/test_14 holds it to the run's own losses), and the
+    rank the registry names is the one train_ddp.py plants the masked micro-batch on, with 4 ranks."""
+    case = registry().case("nan-from-one-rank")
+    step = re.search(r"nan from step (\d+)", case.symptom)[1]
+    assert f"then prints `nan` from step {step} on" in section_of("nan-from-one-rank")
+    script = (ROOT / case.script).read_text()
+    assert f"NAN_STEP = {step} " in script and "nan_rank = min(2, world - 1)" in script and "On rank 2," in case.cause
+
+
+def test_the_unused_parameter_case_quotes_torchs_words_as_the_run_prints_them():
+    """The page quotes the registry's words, which tests/scripts/test_14 finds in the run's own error."""
+    quoted = registry().case("unused-parameter").symptom.split("'")[1]
+    assert f'every rank stops: "{quoted}"' in section_of("unused-parameter")
+    assert "0 bytes all-reduced" in section_of("unused-parameter")
 def test_every_case_says_how_it_looks_on_nccl_beside_its_cpu_run():
     """Each case's section carries its registry's on_nccl line (one table cell: 40 words at most), written by
     labkit.diagnosis_table; a case without one would leave its GPU look unsaid."""
@@ -538,8 +595,13 @@ def test_the_nccl_lines_of_the_gpu_look():
 
 
 def test_what_the_gpu_look_rests_on_is_cited():
-    """The on_nccl lines' public sources: the watchdog's line at the end of an epoch, and a waiting GPU shown busy."""
+    """The on_nccl lines' public sources: the watchdog's line at the end of an epoch, at a save and after an
+    evaluation, and a waiting GPU shown busy."""
     for link in ("https://github.com/hiyouga/LlamaFactory/issues/7396", "https://github.com/jpata/particleflow/issues/390",
-                 "https://github.com/NVIDIA/nccl/issues/968", "https://github.com/cupy/cupy/issues/3557"):
+                 "https://github.com/NVIDIA/nccl/issues/968", "https://github.com/cupy/cupy/issues/3557",
+                 "https://github.com/huggingface/transformers/pull/35234",
+                 "https://github.com/meta-pytorch/torchtune/issues/2093", "https://github.com/ACEsuit/mace/issues/1348"):
         assert link in APPENDIX, link
     assert "full utilisation at low power" in section_of("slow-rank")
+    assert "OpType=_ALLGATHER_BASE" in section_of("full-state-on-rank-0") and "OpType=_ALLGATHER_BASE" in APPENDIX
+    assert "OpType=ALLREDUCE" in section_of("rank-0-evaluation")

@@ -6,6 +6,7 @@ are tests/scripts/test_14's and the lab's (nbval)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,11 +23,12 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 16)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 22)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
-    "resume-without-rng", "optimizer-before-sharding")))
+    "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
+    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter")))
 
 
 @pytest.fixture(autouse=True)
@@ -261,6 +263,105 @@ def wrong_full_from_shards_last_dim(shards):
     return torch.cat(shards, dim=-1)
 
 
+def right_save_model(rank, gather_full_state, save):
+    state = gather_full_state()
+    if rank == 0:
+        save(state)
+
+
+def wrong_save_model_rank_0_only(rank, gather_full_state, save):   # the bug: the collective under `if rank == 0:`
+    if rank == 0:
+        save(gather_full_state())
+
+
+def wrong_save_model_every_rank_saves(rank, gather_full_state, save):
+    save(gather_full_state())
+
+
+def right_evaluation_share(batches, rank, world_size):
+    return list(range(rank, batches, world_size))
+
+
+def wrong_evaluation_share_rank_0(batches, rank, world_size):   # the bug itself
+    return list(range(batches)) if rank == 0 else []
+
+
+def wrong_evaluation_share_everything(batches, rank, world_size):
+    return list(range(batches))
+
+
+def right_model_seed(seed, rank):
+    return seed
+
+
+def wrong_model_seed_per_rank(seed, rank):   # the bug: the replicas start apart
+    return seed + rank
+
+
+def right_clip_gradients(model, max_norm):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def wrong_clip_gradients_local_shards(model, max_norm):   # the bug: each rank's own norm
+    local = [p.grad.to_local() for p in model.parameters()]
+    norm = torch.nn.utils.get_total_norm(local)
+    torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+def right_without_gradient(grads):
+    return sorted(name for name, grad in grads.items() if grad is None)
+
+
+def wrong_without_gradient_first_only(grads):   # the head's weight, not its bias: a bucket still never completes
+    return [name for name, grad in grads.items() if grad is None][:1]
+
+
+def wrong_without_gradient_the_used_ones(grads):
+    return [name for name, grad in grads.items() if grad is not None]
+
+
+def _first_nonfinite(rank_losses):
+    for step, losses in enumerate(rank_losses):
+        for rank, loss in enumerate(losses):
+            if not math.isfinite(loss):
+                return step, rank
+    return None
+
+
+def _first_all_nonfinite(rank_losses):   # the step every rank shows: after the all-reduce, too late
+    for step, losses in enumerate(rank_losses):
+        if not any(map(math.isfinite, losses)):
+            return step, 0
+    return None
+
+
+def _first_nan_only(rank_losses):   # misses an inf
+    for step, losses in enumerate(rank_losses):
+        for rank, loss in enumerate(losses):
+            if math.isnan(loss):
+                return step, rank
+    return None
+
+
+# The answer that is a reading of the evidence, not code the job runs: judged on hand-made runs.
+BY_HAND = {
+    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite, [_first_all_nonfinite, _first_nan_only]),
+}
+
+
+@pytest.mark.parametrize("name", list(BY_HAND))
+def test_an_answer_read_from_the_evidence_is_judged_on_made_runs_without_a_launch(name, launched, capsys):
+    check, right, wrong_answers = BY_HAND[name]
+    check(right)
+    assert capsys.readouterr().out.startswith("Correct:") and not launched.calls
+    for answer in wrong_answers:
+        with pytest.raises(ExerciseWrong) as wrong:
+            check(answer)
+        assert name not in str(wrong.value)
+    assert not launched.calls
+
+
 RIGHT_HOLDS = {"model", "optimizer", "step", "rng", "data_position"}
 FIXES = {
     "mismatched-collectives": (ch14.check_fix_collectives, right_sync,
@@ -290,17 +391,26 @@ FIXES = {
     "resume-without-rng": (ch14.check_fix_resume_state, RIGHT_HOLDS,
                            [{"model", "optimizer", "step"}, {"model", "optimizer", "step", "data_position"},
                             {"model", "optimizer", "step", "rng"}, set(ch14.CHECKPOINT_PARTS)]),
+    "full-state-on-rank-0": (ch14.check_fix_full_state_save, right_save_model,
+                             [wrong_save_model_rank_0_only, wrong_save_model_every_rank_saves]),
+    "rank-0-evaluation": (ch14.check_fix_evaluation, right_evaluation_share,
+                          [wrong_evaluation_share_rank_0, wrong_evaluation_share_everything]),
+    "per-rank-init": (ch14.check_fix_model_seed, right_model_seed, [wrong_model_seed_per_rank]),
+    "local-grad-norm": (ch14.check_fix_clip, right_clip_gradients, [wrong_clip_gradients_local_shards]),
+    "unused-parameter": (ch14.check_fix_without_gradient, right_without_gradient,
+                         [wrong_without_gradient_first_only, wrong_without_gradient_the_used_ones]),
 }
 # The flag that carries each answer into the job: a function's file, or a setting's value.
 FLAGS = {name: "--fix-from" for name in FIXES}
 FLAGS.update({"data-by-global-rank": "--data-shard-from", "fsdp-before-tp": "--wrappers-from",
               "optimizer-before-sharding": "--optimizer-from", "too-few-microbatches": "--microbatches",
-              "bf16-gradient-reduction": "--reduce-dtype", "resume-without-rng": "--checkpoint-holds"})
+              "bf16-gradient-reduction": "--reduce-dtype", "resume-without-rng": "--checkpoint-holds",
+              "per-rank-init": "--model-seed-from", "local-grad-norm": "--clip-from"})
 RIGHT_SETTINGS = {"--microbatches": "8", "--reduce-dtype": "float32", "--checkpoint-holds": ",".join(sorted(RIGHT_HOLDS))}
 
 
 def test_every_case_has_a_graded_fix():
-    assert set(FIXES) == set(NAMES)
+    assert set(FIXES) | set(BY_HAND) == set(NAMES) and not set(FIXES) & set(BY_HAND)
 
 
 def _metrics(run, fixed: bool) -> dict:
@@ -348,7 +458,7 @@ def launched(monkeypatch, tmp_path):
     return state
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(FIXES))
 def test_every_fix_runs_the_learners_answer_in_the_job_and_the_job_decides(name, launched, capsys):
     """Right and wrong answers alike are launched with the learner's own answer (a file named by its text, or the
     setting's value), and the job's verdict is the check's: a wrong answer fails because the job failed, with a
@@ -381,7 +491,7 @@ CAUSE_WORDS = {"loss-on-wrong-stage": ("last stage",), "slow-rank": ("straggler"
                "bf16-gradient-reduction": ("bf16", "bfloat16"), "resume-without-rng": ("rng",)}
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if callable(FIXES[n][1]) and FLAGS[n] == "--fix-from"])
+@pytest.mark.parametrize("name", [n for n in FIXES if callable(FIXES[n][1]) and FLAGS[n] == "--fix-from"])
 def test_a_function_the_job_cannot_load_is_said_at_once(name, launched):
     check = FIXES[name][0]
     with pytest.raises(ExerciseWrong, match="define it with def"):
@@ -478,22 +588,32 @@ def test_the_learners_copy_does_not_name_the_cases():
 
 
 def test_the_lab_says_every_fix_runs_inside_the_job():
-    """Every check runs the job again with the learner's answer: the lab says so, and no longer speaks of fixes
-    tried on hand-made cases only."""
+    """Every check runs the job again with the learner's answer, but run 20's reading of the losses: the lab says
+    so, and says which one is the exception."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
     assert "every check runs the job again with your answer" in opening and "hand-made" not in opening
     text = " ".join("".join(cell["source"]) for cell in lab["cells"])
     assert "hand-made" not in text and "does not run in the job" not in text
+    # the one answer judged outside the job (BY_HAND) is named as such, by its run's label
+    by_hand = sorted(label for label in ch14.LABELS if ANSWERS[label] in BY_HAND)
+    assert by_hand == ["run 20"] and "Run 20's answer alone is a reading of the losses" in opening
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
     """A fix prompt says what to change, so it would sort the runs: the lab asks for the fixes once all are named."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     sources = ["".join(cell["source"]) for cell in lab["cells"]]
-    last_diagnosis = max(i for i, s in enumerate(sources) if "check_diagnoses(" in s)
+    diagnosed = {part: next(i for i, s in enumerate(sources) if "check_diagnoses(" in s and f'"{part}"' in s)
+                 for part in ch14.PARTS}
+    prompted = {label: next(i for i, s in enumerate(sources) if f"**{label.capitalize()}**" in s)
+                for label in ch14.LABELS}
+    for part, labels in ch14.PARTS.items():   # every fix asked before a part is named is another part's, named
+        earlier = [label for label, i in prompted.items() if i < diagnosed[part]]
+        assert all(diagnosed[next(p for p, ls in ch14.PARTS.items() if label in ls)] < prompted[label]
+                   for label in earlier) and not set(earlier) & set(labels), (part, earlier)
     first_fix = min(i for i, s in enumerate(sources) if "check_fix_" in s)
-    assert last_diagnosis < first_fix
+    assert sum(i < first_fix for i in diagnosed.values()) >= 4   # the first parts are all named before any fix
     for label in ch14.LABELS:
         prompt = next(s for s in sources if f"**{label.capitalize()}**" in s)
         assert ANSWERS[label] not in prompt and "broadcast ... else" not in prompt, prompt

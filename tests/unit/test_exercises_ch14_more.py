@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coursetools import chapters
+from labkit.exercises import ch14
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS = [ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb", ROOT / "notebooks" / "student" / "14_when_it_goes_wrong.ipynb"]
@@ -22,6 +23,12 @@ GRADED = {
     "Exercise 4: name the cause of a run that is wrong against one device":
         ['check_diagnoses(diagnoses_part4, "wrong against one device")'],
     "Exercise 5: fix each run": ["check_fix_"],
+    "Exercise 6: name the cause of two more jobs that stop":
+        ['check_diagnoses(diagnoses_part5, "two more jobs that stop")'],
+    "Exercise 7: fix the two jobs that stop": ["check_fix_"],
+    "Exercise 8: name the cause of four more runs":
+        ['check_diagnoses(diagnoses_part6, "four more runs")'],
+    "Exercise 9: fix four more runs": ["check_fix_"],
 }
 
 
@@ -46,6 +53,8 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
     assert list(under) == list(GRADED)
     for heading, checks in GRADED.items():
         assert all(any(check in source for check in checks) for source in under[heading]), heading
+    assert len(under["Exercise 7: fix the two jobs that stop"]) == 2
+    assert len(under["Exercise 9: fix four more runs"]) == len(ch14.PARTS["four more runs"])
     fixes = under["Exercise 5: fix each run"]   # every run's fix: runs 7, 8 and 9's in one check (one launch)
     assert len(fixes) == 13 and sum("check_fix_ranks_that_disagree(" in source for source in fixes) == 1
 
@@ -54,3 +63,13 @@ def test_the_chapter_names_the_labs_exercises_by_their_titles():
     assert chapters.lab_exercises("14") == list(GRADED)
     items = chapters.exercise_items(chapters.pages("14")[-1].read_text())
     assert 2 <= len(items) <= 3 and all(any(f'"{title}"' in item for title in GRADED) for item in items)
+
+
+def test_the_labs_counts_of_runs_are_its_labels():
+    """The opening and the take-away count the runs the lab shows: one per label of the checks."""
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    text = " ".join(" ".join("".join(cell["source"]) for cell in lab["cells"]).split())
+    count = len(ch14.LABELS)
+    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one", 22: "twenty-two"}[count]
+    assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
+    assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text

@@ -111,3 +111,23 @@ def test_the_manual_dump_reads_the_backends_recorder_and_never_overwrites_the_wa
     path = hangs.dump_flight_recorder(str(tmp_path), 3, backend)
     assert open(path, "rb").read() == used.encode()
     assert open(watchdog).read() == "the watchdog's own dump" and path != watchdog
+
+
+def test_a_rank_busy_alone_before_the_call_the_others_wait_in_is_a_late_rank():
+    """rank-0-evaluation's journals: every rank ends in the same all-reduce; rank 0 computed alone just before it.
+    The same journals with every rank computing its share (the fix, had it still hung) are not a late rank."""
+    def call(label, op, group="world", seconds=0.01, done=True):
+        entry = {"label": label, "op": op, "group": group, "members": [0, 1, 2, 3] if group == "world" else [0],
+                 "peer": None, "order": 1, "done": done}
+        return {**entry, "seconds": seconds} if done else entry
+
+    journals = {r: {"rank": r, "state": "timed out",
+                    "calls": [call("end of step", "all_reduce"), call("next step", "all_reduce", done=False)]}
+                for r in range(4)}
+    journals[0]["calls"].insert(1, call("evaluate", "compute", group="rank 0", seconds=3.0))
+    finding = hangs.diagnose(journals)
+    assert finding["cause"] == "late rank", finding
+    assert "ranks 1, 2, 3 waited in 'next step' for rank 0" in finding["verdict"] and "3.0 s" in finding["verdict"]
+    for r in (1, 2, 3):
+        journals[r]["calls"].insert(1, call("evaluate", "compute", group=f"rank {r}", seconds=0.75))
+    assert hangs.diagnose(journals)["cause"] == "unknown"

@@ -209,3 +209,18 @@ def test_every_hybrid_of_chapter_09_times_whole_steps_with_the_one_clock():
         assert re.search(r"optimizer\.step\(\)\s*$", body), name        # the optimizer step is inside the clock
         if "clip_grad_norm_(" in source:
             assert "clip_grad_norm_(" in body, name
+
+
+def test_a_nan_is_the_worst_difference_wherever_it_stands():
+    """max() skips a nan that is not first: a run gone nan after step 2 would pass every check against one device."""
+    import math
+
+    from distlab import metrics
+
+    assert max([1e-7, math.nan]) == 1e-7   # the trap
+    assert math.isnan(metrics.worst([1e-7, 2e-7, math.nan])) and metrics.worst([1e-7, 3e-7]) == 3e-7
+    assert metrics.worst([]) == 0.0
+    assert math.isnan(metrics.max_abs_diff([1.0, 2.0, 3.0], [1.0, 2.0, math.nan]))
+    report = metrics.Report.__new__(metrics.Report)
+    report.checks = []
+    assert not report.check_close("loss = one device's", metrics.worst([0.0, math.nan]), 0.0, 1e-5)
