@@ -276,7 +276,7 @@ def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the
 
     def warned(current: str) -> str:
         snippet = (f"DISTLAB_CURRENT={current} DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_walltime_warning; "
-                   "echo \"stopped by: $DISTLAB_STOPPED_BY\"")
+                   "echo \"stopped by: ${DISTLAB_STOPPED_BY:-}\"")
         done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
