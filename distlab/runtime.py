@@ -1108,7 +1108,7 @@ def rank_map(argv: list[str] | None = None) -> int:
         shared = shared_gpus(everyone)
         report.check("no two ranks of a node share a GPU", not shared, "; ".join(shared) or "none shared")
         misplaced = affinity_problems(everyone)
-        report.check("each rank's cores are on its GPU's NUMA node", not misplaced, "; ".join(misplaced) or "yes")
+        report.check("each rank's cores are on its GPU's NUMA node, no core shared on a node", not misplaced, "; ".join(misplaced) or "yes")
         crowded = oversubscribed_hosts(everyone)
         report.check("the ranks' threads do not outnumber a node's cores (OMP_NUM_THREADS per rank)", not crowded,
                      "; ".join(crowded) or "no")
