@@ -290,6 +290,21 @@ def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the
     assert "(tuning.py goes on: it writes no checkpoint)" in said and not calls.exists(), said
 
 
+def test_the_readmes_amd_command_asks_the_shape_the_amd_profile_says(tmp_path):
+    """slurm/README.md's sbatch line for AMD nodes: GPUs and tasks a node as the profile's DISTLAB_GPUS_PER_NODE, and
+    CPUs a task as its cores a node shared among them (a header's 4 GPUs would stop the job at its first check)."""
+    import re
+
+    readme = (ROOT / "slurm" / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("sbatch --gpus-per-node=") and "preflight" in line)
+    gpus, tasks, cpus = (int(n) for n in re.match(
+        r"sbatch --gpus-per-node=(\d+) --ntasks-per-node=(\d+) --cpus-per-task=(\d+) ", line).groups())
+    profile = functions('echo "$DISTLAB_GPUS_PER_NODE $DISTLAB_SITE_CORES_PER_NODE"', tmp_path,
+                        DISTLAB_SITE="amd-rocm-slurm").stdout.split()
+    assert gpus == tasks == int(profile[0]) and cpus == int(profile[1]) // gpus, (line, profile)
+    assert f"# {profile[1]} cores / {gpus} tasks" in line
+
+
 def functions_env(tmp_path: Path) -> dict[str, str]:
     import os
 
