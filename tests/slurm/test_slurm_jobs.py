@@ -78,7 +78,7 @@ JOBS = {
     # the walltime warning as the time to save (test_a_job_warned_before_its_time_limit_...): one task and one GPU
     # a node, --time=2, the warning asked WARNING s ahead; the drill's own deadline is put past the limit (given by
     # hand, a day away), so that only the warning stops it: the case of a step or a checkpoint longer than the
-    # margin, or a script that does not watch the deadline. 80 steps of 2 s or more outlast the limit (the warning
+    # margin, or a script that does not watch the deadline. 60 steps of 2 s or more outlast the limit (the warning
     # comes 60 to 90 s in: slurmctld checks every 30 s), so the drill still runs when the warning comes; the ranks
     # mostly sleep. No rank dies (DISTLAB_DRILL_DEATH=0): a warning during torchrun's restart (seen after the death
     # at step 5 on a loaded machine) finds the new ranks before their SIGTERM handler, with no checkpoint.
@@ -89,7 +89,7 @@ JOBS = {
     "time-limit": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=2",
                                          f"--signal=B:USR1@{WARNING}"],
                    {"DISTLAB_ONLY": "fault_drill.py,tuning.py", "DISTLAB_CHAIN": "1",
-                    "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "80",
+                    "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "60",
                     "DISTLAB_DRILL_DEATH": "0",
                     "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
                     "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py", "DISTLAB_LAUNCH_TIMEOUT": "500",
