@@ -294,8 +294,8 @@ def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
     import re
 
     text = flat(CHAPTER)
-    assert "*`wrong-group` pairs two different collectives too.*" in text
-    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce" in text
+    assert "`wrong-group` does it too: ranks 2 and 3 make one more call on the world group" in text
+    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce. On NCCL, do not run it." in text
     # the PBS job plants on NCCL only the hangs that pair no two different collectives
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
     planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
