@@ -546,8 +546,9 @@ distlab_launch() {
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
-    # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END)
-    if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END)); then
+    # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END), by
+    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack
+    if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END - 5)); then
         why="time limit"
     fi
     DISTLAB_STOPPED_BY=$why

@@ -261,6 +261,11 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
         "relied on" in limit.stdout, limit.stdout
     assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in limit.stdout, limit.stdout
     assert "  not-launched train_ddp.py (walltime warning)" in limit.stdout and limit.returncode == 0, limit.stdout
+    # a node's clock a few seconds behind the controller's, which times the job out: still the limit's SIGTERM
+    early = snippet.replace("distlab_on_walltime_warning;", 'DISTLAB_JOB_END=$(($(date +%s) + 3)) distlab_on_sigterm;')
+    behind = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{early}", "x", str(tmp_path / "run")],
+                            cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "distlab: SIGTERM at the time limit: " in behind.stdout, behind.stdout + behind.stderr
 
 
 def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):
