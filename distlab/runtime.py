@@ -519,38 +519,83 @@ def gpu_numa_node(bus_id: str | None, sysfs: str | os.PathLike = "/sys") -> tupl
     return (node, cpus) if node >= 0 and cpus else (None, [])
 
 
-def _ranges(cpus: list[int]) -> list[list[int]]:
-    """Consecutive runs of a CPU list: ``0-15,64-79`` -> [[0..15], [64..79]]."""
-    runs: list[list[int]] = []
+def _physical_cores(cpus: list[int], sysfs: str | os.PathLike = "/sys") -> list[list[int]]:
+    """``cpus`` grouped by physical core, in the order of each core's first CPU: Linux lists a CPU's hardware
+    threads in ``devices/system/cpu/cpu<N>/topology/thread_siblings_list``, as torch's ``--numa-binding`` reads it
+    (torch 2.13, torch/numa/binding.py:397-403). A CPU whose siblings sysfs does not give is a core of its own."""
+    cores: dict[int, list[int]] = {}
     for cpu in cpus:
-        if runs and cpu == runs[-1][-1] + 1:
-            runs[-1].append(cpu)
-        else:
-            runs.append([cpu])
-    return runs
+        try:
+            siblings = parse_cpulist((Path(sysfs) / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+                                      / "thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            siblings = [cpu]
+        cores.setdefault(min(siblings, default=cpu), []).append(cpu)
+    return sorted(cores.values(), key=lambda threads: threads[0])
 
 
-def gpu_local_cpus(local_rank: int, rank_bus_ids: list[str | None],
-                   sysfs: str | os.PathLike = "/sys") -> tuple[int | None, list[int]]:
-    """The NUMA node of local rank ``local_rank``'s GPU and the cores it should run on: that node's CPUs, shared
-    among the node's local ranks whose GPUs sit on it (in local rank order). ``rank_bus_ids[j]`` is local rank j's
-    GPU. Each consecutive run of the node's CPU list is cut in equal parts and a rank takes its part of every run:
-    where Linux numbers a core's second hardware thread as the core plus the cores of the machine (Frontier:
-    0-63, then 64-127), a rank's share keeps both threads of its cores. ``(None, [])`` when sysfs does not say."""
-    node, cpus = gpu_numa_node(rank_bus_ids[local_rank], sysfs)
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on: its cgroup's cpuset (Slurm's task/cgroup confines a step to the job's cores
+    there), else its own affinity. Not only the affinity: srun --cpu-bind=cores has already put the task on a block
+    of cores, often another NUMA node's, and binding may move it anywhere in the cpuset."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for name, file in (("", "cpuset.cpus.effective"), ("cpuset", "cpuset.effective_cpus")):
+                if controllers == name or (name and name in controllers.split(",")):
+                    folder = Path("/sys/fs/cgroup", *(["cpuset"] if name else []), path.lstrip("/"))
+                    with contextlib.suppress(OSError, ValueError):
+                        cpus = set(parse_cpulist((folder / file).read_text()))
+                        if cpus:
+                            return cpus
+    return set(os.sched_getaffinity(0))
+
+
+def node_gpus(bus_id: str, sysfs: str | os.PathLike = "/sys") -> list[str]:
+    """The node's GPUs as sysfs lists them, by bus id: every PCI device of the vendor and class of ``bus_id``'s.
+    A rank that sees only its own GPU (--gpus-per-task=1, --gpu-bind=closest or single) learns its neighbours here."""
+    devices = Path(sysfs) / "bus" / "pci" / "devices"
+
+    def kind(device: Path) -> tuple[str, str] | None:
+        try:
+            return (device / "vendor").read_text().strip(), (device / "class").read_text().strip()
+        except OSError:
+            return None
+
+    mine = kind(devices / bus_id.lower())
+    if mine is None:
+        return [bus_id.lower()]
+    with contextlib.suppress(OSError):
+        return sorted(d.name for d in devices.iterdir() if kind(d) == mine)
+    return [bus_id.lower()]
+
+
+def gpu_local_cpus(local_rank: int, rank_bus_ids: list[str | None], sysfs: str | os.PathLike = "/sys",
+                   allowed: set[int] | None = None) -> tuple[int | None, list[int]]:
+    """The NUMA node of local rank ``local_rank``'s GPU and the cores it should run on: that node's CPUs this
+    process may use (``allowed``, default :func:`allowed_cpus`, as torch's ``--numa-binding=exclusive`` takes only
+    the allowed CPUs of a node, torch/numa/binding.py:561-566), shared among the node's GPUs that sit on that NUMA
+    node. ``rank_bus_ids[j]`` is local rank j's GPU; where one is unknown (the rank sees only its own GPU), the
+    node's GPUs come from sysfs (:func:`node_gpus`). The share is whole physical cores (both hardware threads),
+    cut in equal parts in the order of the cores, a part a GPU. ``(None, [])`` when sysfs does not say."""
+    mine = rank_bus_ids[local_rank]
+    node, cpus = gpu_numa_node(mine, sysfs)
     if node is None:
         return None, []
-    sharing = [j for j, bus in enumerate(rank_bus_ids) if gpu_numa_node(bus, sysfs)[0] == node]
-    k, index = len(sharing), sharing.index(local_rank)
-    mine: list[int] = []
-    for run in _ranges(cpus):
-        mine.extend(run[len(run) * index // k:len(run) * (index + 1) // k])
-    return node, mine or cpus
+    allowed = allowed_cpus() if allowed is None else allowed
+    cpus = [cpu for cpu in cpus if cpu in allowed] or cpus
+    gpus = rank_bus_ids if all(rank_bus_ids) else node_gpus(mine, sysfs)
+    sharing = [bus.lower() for bus in gpus if gpu_numa_node(bus, sysfs)[0] == node]
+    k, index = len(sharing), sharing.index(mine.lower())
+    cores = _physical_cores(cpus, sysfs)
+    share = sorted(cpu for core in cores[len(cores) * index // k:len(cores) * (index + 1) // k] for cpu in core)
+    return node, share or cpus
 
 
 def affinity_problems(placements: list[dict]) -> list[str]:
     """Ranks whose allowed CPUs are not all on their GPU's NUMA node (each placement: ``rank``, ``gpu_numa_node``,
-    ``gpu_numa_cpus``, ``cpus``; a GPU whose node sysfs does not give is not judged)."""
+    ``gpu_numa_cpus``, ``cpus``, ``host``; a GPU whose node sysfs does not give is not judged), and ranks of one
+    host whose GPUs sysfs placed that share cores (two ranks' threads on one core)."""
     problems = []
     for where in placements:
         if where.get("gpu_numa_node") is None or not where.get("cpus"):
@@ -560,16 +605,23 @@ def affinity_problems(placements: list[dict]) -> list[str]:
             problems.append(f"rank {where['rank']} on {where.get('host', '?')}: cores "
                             f"{format_cpulist(outside)} are not on its GPU's NUMA node {where['gpu_numa_node']} "
                             f"({format_cpulist(where['gpu_numa_cpus'])})")
+    judged = [w for w in placements if w.get("gpu_numa_node") is not None and w.get("cpus")]
+    for i, one in enumerate(judged):
+        for other in judged[i + 1:]:
+            shared = set(one["cpus"]) & set(other["cpus"])
+            if one.get("host") == other.get("host") and shared:
+                problems.append(f"ranks {one['rank']} and {other['rank']} on {one.get('host', '?')} share cores "
+                                f"{format_cpulist(shared)}")
     return problems
 
 
 def bind_to_gpu(local_rank: int, rank_bus_ids: list[str | None], sysfs: str | os.PathLike = "/sys",
-                setaffinity=None) -> str:
+                setaffinity=None, allowed: set[int] | None = None) -> str:
     """Move this process (and the threads it starts later) to its GPU's share of cores (:func:`gpu_local_cpus`).
-    One line saying what was done, or why not: sysfs does not say, or the launcher's cgroup forbids those cores
-    (then the launcher's binding stays; the rank map reports it). ``runtime.start`` calls it where
-    ``DISTLAB_GPU_AFFINITY=numa``, as the course's jobs set it."""
-    node, cpus = gpu_local_cpus(local_rank, rank_bus_ids, sysfs)
+    One line saying what was done, or why not: sysfs does not say, or the kernel refuses the cores (Linux keeps the
+    part of a mask inside the cpuset and fails only when none is; the share is taken from the allowed CPUs first).
+    ``runtime.start`` calls it where ``DISTLAB_GPU_AFFINITY=numa``, as the course's jobs set it."""
+    node, cpus = gpu_local_cpus(local_rank, rank_bus_ids, sysfs, allowed)
     if node is None:
         return "GPU affinity: the GPU's NUMA node is unknown (sysfs); the launcher's binding stays"
     if setaffinity is None:
@@ -832,7 +884,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
             if os.environ.get("DISTLAB_GPU_AFFINITY") == "numa":
                 # before torch starts its thread pools: the threads it starts later inherit the binding. The other
                 # local ranks' GPUs are known when every rank sees the node's GPUs; a rank that sees only its own
-                # (one GPU a task) shares its node's cores with no one it knows of
+                # (one GPU a task) leaves them None, and gpu_local_cpus reads the node's GPUs from sysfs
                 count = torch.cuda.device_count()
                 buses = [_bus_id(torch.cuda.get_device_properties(j % count))
                          if count >= where.local_world_size or j == where.local_rank else None
@@ -1056,7 +1108,7 @@ def rank_map(argv: list[str] | None = None) -> int:
         shared = shared_gpus(everyone)
         report.check("no two ranks of a node share a GPU", not shared, "; ".join(shared) or "none shared")
         misplaced = affinity_problems(everyone)
-        report.check("each rank's cores are on its GPU's NUMA node", not misplaced, "; ".join(misplaced) or "yes")
+        report.check("each rank's cores are on its GPU's NUMA node, no core shared on a node", not misplaced, "; ".join(misplaced) or "yes")
         crowded = oversubscribed_hosts(everyone)
         report.check("the ranks' threads do not outnumber a node's cores (OMP_NUM_THREADS per rank)", not crowded,
                      "; ".join(crowded) or "no")

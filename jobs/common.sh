@@ -518,6 +518,7 @@ distlab_launch() {
     wait "$pid"
     rc=$?
     exec {out}>&-
+    while kill -0 "$tee_pid" 2>/dev/null; do wait "$tee_pid"; done # a trapped signal returns from wait early
     wait "$tee_pid" # the log and the job's output hold the launch's last line before the result line
     local seconds=$((SECONDS - start))
     DISTLAB_CURRENT=
@@ -537,14 +538,17 @@ distlab_launch() {
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
 # waits in the background): the ranks got the signal too and stop at the end of their step. Only a script the job
 # names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out, and only then
-# does the line say so; no later launch starts: the job is being ended. The summary is written now, as it stands:
+# does the line say so; no later launch starts: the job is being ended. Under Slurm (DISTLAB_TERM_KILLS_RANKS) the
+# job's srun gets the TERM too and forwards SIGKILL to the ranks, so no checkpoint is promised there (slurm/common.sh
+# has the ranks checkpoint at the walltime warning instead). The summary is written now, as it stands:
 # the scheduler kills what is left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay), perhaps
 # before the launch in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
-    # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END)
-    if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END)); then
+    # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END), by
+    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack
+    if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END - 5)); then
         why="time limit"
     fi
     DISTLAB_STOPPED_BY=$why
@@ -552,7 +556,9 @@ distlab_on_sigterm() {
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
     [[ $why == SIGTERM ]] || signal="SIGTERM at the time limit"
     saving=${saving//[,:]/ }
-    if [[ -n $current && $saving == *" $current "* ]]; then
+    if [[ ${DISTLAB_TERM_KILLS_RANKS:-0} == 1 ]]; then # Slurm: srun forwards SIGKILL (slurm/common.sh)
+        distlab_log "$signal: srun passes it on to the ranks${current:+ ($current)} as SIGKILL: no checkpoint can be relied on; nothing more is launched"
+    elif [[ -n $current && $saving == *" $current "* ]]; then
         distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
     else
         distlab_log "$signal: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
@@ -565,7 +571,11 @@ distlab_on_sigterm() {
 
 # distlab_stop_reason: the SIGTERM that stopped the launch in progress, in words
 distlab_stop_reason() {
-    if [[ ${DISTLAB_STOPPED_BY:-} == "time limit" ]]; then echo "SIGTERM at the time limit"; else echo "SIGTERM"; fi
+    case ${DISTLAB_STOPPED_BY:-} in
+    "time limit") echo "SIGTERM at the time limit" ;;
+    "walltime warning") echo "the SIGTERM sent at the walltime warning" ;;
+    *) echo "SIGTERM" ;;
+    esac
 }
 
 # distlab_rank_map [ARGS...]: every rank of the job prints its host, rank, local rank, CUDA_VISIBLE_DEVICES

@@ -11,7 +11,7 @@
 # What differs from PBS (pbs/common.sh): the nodes come from SLURM_JOB_NODELIST; srun starts the ranks (one task a
 # GPU, the default) or one torchrun agent a node (DISTLAB_LAUNCHER=torchrun); the walltime's end is read from the
 # job (EndTime), and Slurm can warn before it (#SBATCH --signal=B:USR1@N): the batch shell then launches nothing
-# more; chains use sbatch --dependency=afterany and scancel. Every setting is an environment variable with a
+# more and has the launch in progress checkpoint and stop; chains use sbatch --dependency=afterany and scancel. Every setting is an environment variable with a
 # default (sbatch --export=ALL,NAME=value, or an export before sbatch); slurm/README.md lists them.
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
@@ -27,6 +27,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
 DISTLAB_SCHEDULER=slurm
 DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
+# a TERM to the batch shell (scancel, the time limit) reaches this job's srun too, whose answer is to SIGKILL its tasks
+# (src/srun/signals.c): distlab_on_sigterm promises no checkpoint
+DISTLAB_TERM_KILLS_RANKS=1
 DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
 DISTLAB_NODE_CORES=${SLURM_CPUS_ON_NODE:-}
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-srun}     # srun (one task a rank) | torchrun (one agent a node, via srun)
@@ -132,7 +135,8 @@ distlab_agents_command() {
 distlab_deadline() {
     # DISTLAB_DEADLINE (seconds since the epoch) = the job's EndTime less DISTLAB_WALLTIME_MARGIN, as under PBS:
     # the scripts that checkpoint (fault_drill.py) stop themselves before it, write a checkpoint and exit 0.
-    # At the limit Slurm sends TERM (up to about 30 s late: it checks limits every 30 s) and KILL KillWait later.
+    # At the limit Slurm sends TERM (up to about 30 s late: it checks limits every 30 s), which srun turns into a
+    # SIGKILL of the ranks, and KILL KillWait later: the warning (distlab_on_walltime_warning) is the time to save.
     local end limit
     end=$(distlab_job_field EndTime)
     limit=$(distlab_job_field TimeLimit)
@@ -148,16 +152,30 @@ distlab_deadline() {
 }
 
 # distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: slurmctld checks limits every
-# 30 s and sends the warning at the first check within N + 30 s of the end, so N to N + 30 s before it; the time
-# limit's SIGTERM comes at the first check at or after the end). It runs at once (distlab_launch waits in the
-# background): nothing more is launched, so no script starts that the limit would cut short; the launch in progress
-# goes on (a script that checkpoints stops itself by DISTLAB_DEADLINE, or at the limit's SIGTERM).
+# 30 s and sends the warning at the first check within N + 30 s of the end, so N to N + 30 s before it). It runs at
+# once (distlab_launch waits in the background). Nothing more is launched. A launch in progress that checkpoints
+# (DISTLAB_CHECKPOINTING) is stopped now, while there is time: `scancel --signal=TERM` sends TERM to the job's steps
+# and not to the batch step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), so
+# the ranks (distlab.runtime's TERM handler), or torchrun's agents, which pass it to their workers, write their
+# checkpoint and exit, and this shell's srun is not signalled. The limit itself is no time to save: slurmd then sends
+# TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c, "forcing job
+# termination"), and with proctrack/cgroup every process of the step dies. A launch that writes no checkpoint goes
+# on: it may still end in time, and a TERM would save nothing.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-walltime warning} # a SIGTERM before it keeps its name
-    local left=""
+    local left="" current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} "
+    saving=${saving//[,:]/ }
     [[ -z ${DISTLAB_JOB_END:-} ]] || left=", $((DISTLAB_JOB_END - $(date +%s))) s before the time limit"
-    distlab_log "walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched${DISTLAB_CURRENT:+ ($DISTLAB_CURRENT goes on)}; a chained successor goes on from the checkpoint"
+    local said
+    said="walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched"
+    if [[ -n $current && $saving == *" $current "* && -z ${DISTLAB_STOPPED_BY:-} && -n ${SLURM_JOB_ID:-} ]]; then
+        DISTLAB_STOPPED_BY="walltime warning"
+        distlab_log "$said; $current's ranks get SIGTERM now (scancel --signal=TERM: the job's steps, not this shell), write a checkpoint and stop; a chained successor goes on from it"
+        scancel --signal=TERM "$SLURM_JOB_ID" || distlab_log "scancel --signal=TERM $SLURM_JOB_ID failed: $current goes on to the limit, where no checkpoint can be relied on"
+    else
+        distlab_log "$said${current:+ ($current goes on: it writes no checkpoint)}"
+    fi
 }
 trap distlab_on_walltime_warning USR1
 

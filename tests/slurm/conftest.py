@@ -7,10 +7,8 @@ import pytest
 from coursetools.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 # KillWait: the seconds between the time limit's SIGTERM and its SIGKILL (slurm.conf.5: 30 by default; slurmd waits
-# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). The time-limit job's drill needs the end of its step, a
-# checkpoint and torchrun's shutdown inside it before its batch shell can finish the job's report: with 5 s the
-# shell was SIGKILLed first (ExitCode 0:9, twice), with 15 s it finished (1:0). Half a site's default, it keeps
-# scancel's wait in the other tests short.
+# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). No job's checks depend on it: the time-limit job saves and
+# stops at the walltime warning, before the limit. Half a site's default, it keeps scancel's wait in the tests short.
 KILL_WAIT = 15
 
 

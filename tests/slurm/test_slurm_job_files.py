@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -256,9 +257,57 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
                            "distlab_on_walltime_warning; DISTLAB_JOB_END=1 distlab_on_sigterm;")
     limit = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{both}", "x", str(tmp_path / "run")],
                            cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert "distlab: SIGTERM at the time limit: the ranks stop; no checkpoint is written" in limit.stdout, limit.stdout
+    assert "distlab: SIGTERM at the time limit: srun passes it on to the ranks as SIGKILL: no checkpoint can be " \
+        "relied on" in limit.stdout, limit.stdout
     assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in limit.stdout, limit.stdout
     assert "  not-launched train_ddp.py (walltime warning)" in limit.stdout and limit.returncode == 0, limit.stdout
+    # a node's clock a few seconds behind the controller's, which times the job out: still the limit's SIGTERM
+    early = snippet.replace("distlab_on_walltime_warning;", 'DISTLAB_JOB_END=$(($(date +%s) + 3)) distlab_on_sigterm;')
+    behind = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{early}", "x", str(tmp_path / "run")],
+                            cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "distlab: SIGTERM at the time limit: " in behind.stdout, behind.stdout + behind.stderr
+
+
+def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):
+    """At the warning, a launch in DISTLAB_CHECKPOINTING gets TERM through scancel --signal=TERM JOB (the job's steps;
+    the batch step only with --batch or --full, scancel.1), so it checkpoints before the limit, where srun's SIGKILL
+    would come; a launch that writes no checkpoint goes on, and no scancel is run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scancel.calls"
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scancel").chmod(0o755)
+    env = functions_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+
+    def warned(current: str) -> str:
+        snippet = (f"DISTLAB_CURRENT={current} DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_walltime_warning; "
+                   "echo \"stopped by: ${DISTLAB_STOPPED_BY:-}\"")
+        done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    said = warned("fault_drill.py")
+    assert "fault_drill.py's ranks get SIGTERM now (scancel --signal=TERM" in said and "stopped by: walltime warning" in said
+    assert calls.read_text().split() == ["--signal=TERM", "77"]
+    calls.unlink()
+    said = warned("tuning.py")
+    assert "(tuning.py goes on: it writes no checkpoint)" in said and not calls.exists(), said
+
+
+def test_the_readmes_amd_command_asks_the_shape_the_amd_profile_says(tmp_path):
+    """slurm/README.md's sbatch line for AMD nodes: GPUs and tasks a node as the profile's DISTLAB_GPUS_PER_NODE, and
+    CPUs a task as its cores a node shared among them (a header's 4 GPUs would stop the job at its first check)."""
+    import re
+
+    readme = (ROOT / "slurm" / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("sbatch --gpus-per-node=") and "preflight" in line)
+    gpus, tasks, cpus = (int(n) for n in re.match(
+        r"sbatch --gpus-per-node=(\d+) --ntasks-per-node=(\d+) --cpus-per-task=(\d+) ", line).groups())
+    profile = functions('echo "$DISTLAB_GPUS_PER_NODE $DISTLAB_SITE_CORES_PER_NODE"', tmp_path,
+                        DISTLAB_SITE="amd-rocm-slurm").stdout.split()
+    assert gpus == tasks == int(profile[0]) and cpus == int(profile[1]) // gpus, (line, profile)
+    assert f"# {profile[1]} cores / {gpus} tasks" in line
 
 
 def functions_env(tmp_path: Path) -> dict[str, str]:

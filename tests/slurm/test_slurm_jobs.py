@@ -5,9 +5,10 @@ said on the command line (two tasks and two GPUs a node: the GPUs are Slurm's co
 gloo) and the course's settings in the environment (sbatch hands the environment on). Every job is submitted at
 the start, so the cluster runs them side by side; each test waits for its own with scontrol and reads what the job
 wrote: every check passed, ranks on both nodes. The node names do not resolve here: DISTLAB_MASTER_ADDR=127.0.0.1.
-Each rank is a Slurm task whose interpreter (DISTLAB_PYTHON, tests/helpers.py) forks the program from make test's
-fork server, torch imported once (labkit/forkexec.py: signals passed on, the same exit); the export-list job, handed
-no server, starts its ranks with the real interpreter.
+In the chapter jobs each rank is a Slurm task whose interpreter (DISTLAB_PYTHON, tests/helpers.py) forks the program
+from make test's fork server, torch imported once (labkit/forkexec.py: signals passed on, the same exit). The jobs
+whose test is about signals and stopping (walltime, time limit, requeue) and the export-list job, handed no server,
+start their ranks with the real interpreter (REAL_PYTHON).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def settings(run_dir: Path, **extra: str) -> dict[str, str]:
 
 
 # the time-limit job's warning: --signal=B:USR1@WARNING
-WARNING = 10
+WARNING = 30
 # slurmctld checks time limits every PERIODIC_TIMEOUT seconds (src/slurmctld/controller.c:2833, slurmctld.h:105)
 PERIODIC_TIMEOUT = 30
 # a workshop's reservation: four cores a node, so the other jobs run beside it (the walltime chain runs in it)
@@ -43,6 +44,12 @@ RESERVATION = "course"
 # what the export-list job is handed (sbatch --export=NAMES): the test's own settings, nothing of a site's
 EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTHON", "DISTLAB_MASTER_ADDR",
             "DISTLAB_SCRATCH", "DISTLAB_LAUNCH_TIMEOUT", "DISTLAB_ONLY")
+
+# The fault path's jobs run the real interpreter, not the fork-server wrapper: a forked program is a child of the
+# fork server, outside the Slurm task's process tree, and the test cluster's proctrack/linuxproc signals a step by
+# that tree (proctrack_linuxproc.c, kill_proc_tree), so Slurm's TERM and KILL would reach only the wrapper, and
+# torchrun's workers would go on, and checkpoint, where a real site's step would be killed.
+REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable}
 
 # name: (job file, extra sbatch options, extra settings)
 JOBS = {
@@ -67,25 +74,26 @@ JOBS = {
                  {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "105",
                   "DISTLAB_DRILL_STEPS": "8", "DISTLAB_DRILL_STEP_SECONDS": "1",
                   "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5",
-                  "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5"}),
-    # the time limit itself (test_a_job_whose_time_limit_arrives_...): one task and one GPU a node, --time=1 (Slurm's
-    # smallest limit: a minute), the warning asked WARNING s ahead; the drill's own deadline is put past the limit
-    # (given by hand, a day away), so that only Slurm's signals stop it: the case of a step or a checkpoint longer
-    # than the margin, or a script that does not watch the deadline. 45 steps of 2 s or more outlast the limit (the
-    # time-out comes at most 90 s in: slurmctld checks every 30 s), so the job still runs when Slurm times it out;
-    # the ranks mostly sleep. No rank dies (DISTLAB_DRILL_DEATH=0): a time-out during torchrun's restart (seen after
-    # the death at step 5 on a loaded machine) finds the new ranks before their SIGTERM handler, with no checkpoint.
-    # tuning.py is the launch the warning holds back; the successor (a 6-minute limit, its own deadline) runs the
-    # drill only, within 330 s (DISTLAB_LAUNCH_TIMEOUT: the others' 150 s is too short here). Measured on a shared
-    # 2-core machine: 155 s wall for the test (the limit's 60-90 s, then the successor), beside the other jobs;
-    # about 43 s CPU in the two jobs' processes, most of it torch imports (a preflight, two agents, two ranks a job).
-    "time-limit": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=1",
+                  "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5", **REAL_PYTHON}),
+    # the walltime warning as the time to save (test_a_job_warned_before_its_time_limit_...): one task and one GPU
+    # a node, --time=2, the warning asked WARNING s ahead; the drill's own deadline is put past the limit (given by
+    # hand, a day away), so that only the warning stops it: the case of a step or a checkpoint longer than the
+    # margin, or a script that does not watch the deadline. 60 steps of 2 s or more outlast the limit (the warning
+    # comes 60 to 90 s in: slurmctld checks every 30 s), so the drill still runs when the warning comes; the ranks
+    # mostly sleep. No rank dies (DISTLAB_DRILL_DEATH=0): a warning during torchrun's restart (seen after the death
+    # at step 5 on a loaded machine) finds the new ranks before their SIGTERM handler, with no checkpoint.
+    # tuning.py is the launch the warning holds back; the successor runs the drill only, under the job file's own
+    # warning (180 s ahead) and deadline (120 s ahead): a 10-minute limit, so that neither comes before it completes
+    # (with 6 minutes, on a loaded machine, the warning stopped it at step 45 of 80), within 500 s
+    # (DISTLAB_LAUNCH_TIMEOUT: the others' 150 s is too short here).
+    "time-limit": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=2",
                                          f"--signal=B:USR1@{WARNING}"],
                    {"DISTLAB_ONLY": "fault_drill.py,tuning.py", "DISTLAB_CHAIN": "1",
-                    "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "45",
+                    "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "60",
                     "DISTLAB_DRILL_DEATH": "0",
-                    "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=6",
-                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py", "DISTLAB_LAUNCH_TIMEOUT": "330"}),
+                    "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
+                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py", "DISTLAB_LAUNCH_TIMEOUT": "500",
+                    **REAL_PYTHON}),
     # a site whose sbatch hands the job no environment (SBATCH_EXPORT=NONE in the site's profile.d): the user names
     # what the job needs with --export=NAMES (no ALL), and sbatch sets SLURM_EXPORT_ENV to the same list, which srun
     # would read as its own --export. No DISTLAB_MODULES, no DISTLAB_CONDA_ENV, no DISTLAB_SITE: the generic profile.
@@ -94,7 +102,7 @@ JOBS = {
     # same id and SLURM_RESTART_COUNT=1, and the fault drill resumes from the first attempt's checkpoint
     "requeue": ("12_hpc_operations", ["--time=5"],
                 {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_DRILL_DIR": "", "DISTLAB_DRILL_STEPS": "8",
-                 "DISTLAB_DRILL_STEP_SECONDS": "2"}),
+                 "DISTLAB_DRILL_STEP_SECONDS": "2", **REAL_PYTHON}),
     # bad input: one line, exit 2, nothing left queued
     "tasks-not-gpus": ("04_data_parallel", ["--ntasks-per-node=1"], {}),
     "ranks-do-not-fit": ("04_data_parallel", [], {"DISTLAB_NPROCS": "3"}),
@@ -268,49 +276,43 @@ def test_walltime_deadline_checkpoint_and_the_chain_resume_to_the_uninterrupted_
         assert f"the chain's next job {successor} is cancelled" in jobs_log
 
 
-def test_a_job_whose_time_limit_arrives_is_warned_then_stopped_by_slurm_and_its_successor_resumes(cluster, submitted):
+def test_a_job_warned_before_its_time_limit_checkpoints_stops_in_time_and_its_successor_resumes(cluster, submitted):
     """Slurm's own walltime path, end to end. slurmctld checks limits every 30 s (PERIODIC_TIMEOUT): it sends the
     --signal=B:USR1@N warning to the batch shell at the first check within N + 30 s of the end (job_mgr.c,
-    send_job_warn_signal), and at the first check at or after the end it times the job out: slurmd sends every
-    step SIGTERM, the batch shell included, and SIGKILL KillWait seconds later to whatever is left (slurmd's
-    req.c, _rpc_timelimit, _rpc_terminate_job). The job must report both as they come: the warning holds back
-    the launches after it (no failure), the limit's SIGTERM stops the drill with a checkpoint, and the summary says
-    which was which; the chained successor resumes from that checkpoint to the uninterrupted result."""
+    send_job_warn_signal). The batch shell's trap then sends the drill's step SIGTERM with scancel --signal=TERM
+    (the job's steps, not the batch step: scancel.1); the ranks write their checkpoint and exit, tuning.py is held
+    back (no failure), and the job ends before the limit. Waiting for the limit instead would lose the checkpoint:
+    there slurmd sends TERM to the batch step too, and its srun forwards SIGKILL to the ranks (src/srun/signals.c).
+    The chained successor resumes from the checkpoint to the uninterrupted result."""
     job_id, out = submitted["time-limit"]
     fields, log, run = finished(cluster, submitted, "time-limit", timeout=300)
-    assert fields["JobState"] == "TIMEOUT", log[-4000:]
     lines = log.splitlines()
 
     def first(text: str) -> int:
         return next((i for i, line in enumerate(lines) if text in line), -1)
 
-    # the warning, in the batch shell while the drill ran: N to N + 30 s before the limit
+    # the warning, in the batch shell while the drill ran: N to N + 30 s before the limit; the trap signals the step
     warned = first("walltime warning from Slurm (USR1) at ")
-    assert warned >= 0 and "(fault_drill.py goes on)" in lines[warned], log[-4000:]
+    assert warned >= 0 and "fault_drill.py's ranks get SIGTERM now (scancel --signal=TERM" in lines[warned], log[-4000:]
     left = int(lines[warned].split(" s before the time limit")[0].rsplit(", ", 1)[1])
     assert WARNING - 2 <= left <= WARNING + PERIODIC_TIMEOUT + 2, lines[warned]
-    # then the limit: Slurm's line (slurmstepd), and the job's trap names it
-    limit = first(f"*** JOB {job_id} ON n1 CANCELLED AT ")
-    assert limit > warned and lines[limit].endswith("DUE TO TIME LIMIT ***"), log[-4000:]
-    said = first("distlab: SIGTERM at the time limit: fault_drill.py's ranks stop at the end of their step and "
-                 "write a checkpoint; nothing more is launched")
-    assert said > warned, log[-4000:]
-    # the drill stopped on the limit's SIGTERM, within KillWait, with its checkpoint on disk
+    # then the ranks' checkpoint on that TERM, and the job ends before the limit: no time-out, no SIGKILL
+    saved = first("SIGTERM: stopped after step ")
+    assert saved > warned, log[-4000:]
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    assert "DUE TO TIME LIMIT" not in log and "forcing job termination" not in log, log[-4000:]
     stopped = json.loads((run / "fault_drill.json").read_text())
     assert stopped["extra"]["stopped_by"] == "signal" and all(c["passed"] for c in stopped["checks"]), stopped
-    # the report: the warning held tuning.py back (no failure, not "SIGTERM"); the drill was stopped by the limit;
-    # the batch shell wrote it and exited before KillWait's SIGKILL (exit 1: a script did not complete)
+    # the report: the drill was stopped by the warning and tuning.py held back by it, neither a failure
     summary = (run / "summary.txt").read_text().splitlines()
     assert "  not-launched tuning.py (walltime warning)" in summary, summary
-    assert any(line.startswith("  stopped(") and " fault_drill.py " in line and line.endswith("(time limit)")
-               for line in summary), summary
-    assert not any("FAILED" in line or "SIGTERM" in line for line in summary), summary
+    assert any(" fault_drill.py " in line and line.endswith("(walltime warning)") for line in summary), summary
+    assert not any("FAILED" in line or "time limit" in line for line in summary), summary
     assert "distlab: not launched tuning.py: Slurm's walltime warning (USR1) came" in lines, log[-4000:]
-    assert fields["ExitCode"] == "1:0", fields
     # the successor (sbatch --dependency=afterany) resumes from the drill's checkpoint and completes the run
     successor = chain_next(log)
     assert successor, log[-4000:]
-    after = cluster.wait(successor, timeout=420)
+    after = cluster.wait(successor, timeout=660)
     after_log = (out / f"distlab-12-ops.o{successor}").read_text()
     assert (after["JobState"], after["ExitCode"]) == ("COMPLETED", "0:0"), after_log[-4000:]
     checkpoint = out / "drill" / f"step_{stopped['extra']['checkpoint_step']:06d}"

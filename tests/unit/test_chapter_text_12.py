@@ -297,8 +297,8 @@ def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
     import re
 
     text = flat(CHAPTER)
-    assert "*`wrong-group` pairs two different collectives too.*" in text
-    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce" in text
+    assert "`wrong-group` does it too: ranks 2 and 3 make one more call on the world group" in text
+    assert "the barrier of ranks 0 and 1 meets their `end of step` all-reduce. On NCCL, do not run it." in text
     # the PBS job plants on NCCL only the hangs that pair no two different collectives
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
     planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
@@ -410,7 +410,7 @@ def test_the_chapter_sets_pbs_and_slurm_side_by_side():
         assert thing in rows and pbs in rows[thing] and slurm in rows[thing], thing
 
 
-def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoint():
+def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save():
     import re
 
     import torch
@@ -421,6 +421,12 @@ def test_the_slurm_warning_comes_before_the_deadline_that_triggers_the_checkpoin
     margin = int(re.search(r"DISTLAB_WALLTIME_MARGIN=\$\{DISTLAB_WALLTIME_MARGIN:-(\d+)\}", common).group(1))
     assert warning > margin
     assert f"the warning ({warning} s ahead) comes before the deadline ({margin} s ahead)" in flat(CHAPTER)
+    # at the warning the job's trap has the steps (not the batch shell, whose srun would SIGKILL them) checkpoint
+    slurm = (ROOT / "slurm" / "common.sh").read_text()
+    trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in trap and "--batch" not in trap and "--full" not in trap
+    assert "`scancel --signal=TERM <id>` sends TERM to the job's steps, not to the batch shell" in flat(CHAPTER)
+    assert "Nothing can be relied on at the limit itself" in flat(CHAPTER)
     # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
     source = Path(torch.__file__).parent / "distributed" / "elastic"
     assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
@@ -727,7 +733,7 @@ def test_the_schedulers_kill_delays_and_messages():
     assert f"{kill_delay} to about {kill_delay + min_check_poll} s after the SIGTERM" in text
     assert f"SIGKILL {kill_delay} to about {kill_delay + min_check_poll} s later (`kill_delay`)" in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
-    assert "KILL `KillWait` later (30 s by default;" in text and "KILL `KillWait` (30 s) later" in text
+    assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit `srun` SIGKILLs the tasks" in text
     # the node-failure line in full (src/slurmd/slurmstepd/req.c)
     assert "`DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***`" in text
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most

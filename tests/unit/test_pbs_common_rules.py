@@ -228,7 +228,7 @@ def test_rank_map_output_names_host_rank_local_rank_devices_and_gpu():
     verbose = [ln for ln in result.stdout.splitlines() if ln.startswith("[rank 0] host ")]
     assert len(verbose) == 1 and verbose[0].endswith("uses cpu  [single; single node: MASTER_ADDR = 127.0.0.1; "
                                                      "MASTER_PORT derived (default)]"), result.stdout
-    assert "checks: 5/5 passed" in result.stdout and "[PASS] each rank's cores are on its GPU's NUMA node" in result.stdout
+    assert "checks: 5/5 passed" in result.stdout and "[PASS] each rank's cores are on its GPU's NUMA node, no core shared on a node" in result.stdout
 
 
 def test_the_transport_goes_into_the_run_summary(tmp_path):
