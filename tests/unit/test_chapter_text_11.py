@@ -186,6 +186,28 @@ def test_the_cp_section_states_the_searchs_rule(text):
     options = planner.Options()
     assert f"at least `cp_min_tokens` = {options.cp_min_tokens} tokens of a sequence" in text
     assert "(`--cp-min-tokens`; an assumption)" in text
+    # the GEMM model sees CP's shorter shares and finds them almost free: the floor is not the GEMM model's
+    from distlab.planner import gemm
+
+    h100 = gemm.MATMUL_HARDWARE["h100-80gb"]
+    long = planner.replace(planner.MODELS["70b"], seq_len=131072)
+    rates = [gemm.block_rate(long, h100, 8, cp, 1, True, 1, True) / h100.peak_flops for cp in (1, 16)]
+    assert rates[1] < rates[0] < rates[1] + 0.01
+    assert (f"a block's rate falls from {rates[0]:.1%} of the peak at CP 1 to {rates[1]:.1%} at CP 16"
+            .replace("%", " %")) in text
+    assert "(a micro-batch of b sequences of s tokens, width h)" in text and "B x S x h" not in text
+    assert "micro-batch of b sequences of s tokens (chapter 00's S)" in text
+    # CP beside TP in the 32K case: one whole key/value head a GPU, 4 MiB a hop, a ring over 4 nodes, all hidden
+    case = next(c for c in planner.decision_cases() if c.model.seq_len == 32768)
+    plan = planner.search(case.model, case.cluster, case.gpus)[0]
+    cp, tp = plan.layout.cp, plan.layout.tp
+    kv = case.model.kv_dim_per_tp_rank(tp)
+    assert (cp, tp, kv, case.model.head_dim, case.cluster.gpus_per_node) == (4, 8, 128, 128, 8)
+    hop = case.model.seq_len // cp * kv * 2 * 2
+    assert (f"a hop carries {case.model.seq_len // cp:,} tokens x {kv} x 2 (keys and values) x 2 bytes = "
+            f"{hop / 2 ** 20:.0f} MiB, and a layer's forward takes {cp - 1} hops") in text
+    assert (f"one GPU on each of {cp} nodes, so its ring crosses the network: {plan.comm_seconds['cp']:.2f} s a step, "
+            f"all hidden") in text and plan.exposed_seconds["cp"] == 0
     spec = planner.MODELS["70b"]
     degrees = {seq: planner.cp_degrees(planner.replace(spec, seq_len=seq), 64) for seq in (4096, 32768, 131072)}
     degrees[16384] = planner.cp_degrees(planner.replace(spec, seq_len=16384), 64)
