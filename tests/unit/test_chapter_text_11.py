@@ -78,7 +78,8 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     assert "their MFU is within the band, but they do not fit the planner's memory" in text
     assert "named misses are drawn hollow" not in text and "lands within 15 % of the published MFU for twelve" not in text
     # the efficiency is fitted to the runs it is checked against: the body says so
-    assert "is fitted to the twelve others, Table 1's last four rows among them, so this checks the model's shape" in text
+    assert ("is fitted to the twelve others, Table 1's last four rows among them, so this checks the model's shape"
+            in text)
     gpus = {r["gpus"] for r in rows}
     assert min(gpus) == 8 and max(gpus) == 16384 and "on 8 to 16,384 A100s and H100s" in text
     errors = {r["label"]: r["error"] for r in rows}
@@ -746,7 +747,8 @@ def test_the_gemm_model_and_table_1_are_what_the_planner_computes(text, raw):
     assert "`a100-40gb`, like NCAR's Derecho" in text   # page 11's cluster list: Derecho's card is the 40 GB one
     # the fixed cost is charged to GEMMs only: an elementwise kernel's time is its bytes over the bandwidth
     assert f"Every GEMM also pays a fixed {gemm.FIXED_SECONDS * 1e6:.1f} us" in text and "Every kernel" not in text
-    assert "run at the memory's rate, with no fixed cost" in text and "counted at the roofline, with no fixed cost" in text
+    assert "run at the memory's rate, with no fixed cost" in text
+    assert "counted at the roofline, with no fixed cost" in text
     assert f"the fixed cost, {gemm.FIXED_SECONDS * 1e6:.1f} us" in text
     assert f"a 256 x 256 x 256 product at {gemm.XLA_H100_BF16[(256, 256, 256)] / 1e12:.2f} TFLOP/s" in text
     assert (f"A100 SXM {a100.sustained_flops / 1e12:.1f} TFLOP/s of {a100.peak_flops / 1e12:.0f}, H100 SXM "
