@@ -12,12 +12,17 @@ does ``2 batch m n k`` FLOPs and, at best, reads both inputs and writes its outp
   this is how close the best shapes come;
 * ``bandwidth``: the HBM bandwidth (A100 80 GB 2.039 TB/s, 40 GB 1.555, H100 SXM 3.35): a GEMM whose intensity
   is below ``sustained / bandwidth`` FLOPs a byte waits on memory (the roofline's slope);
-* ``fixed``: what a small GEMM costs whatever its size: OpenXLA's measured H100 table (``xla_h100_matmul_table``)
-  times a 256 x 256 x 256 product at 5.2 us, where its 33.6 MFLOPs take 0.04 us at the sustained rate. No A100
-  table was found; the A100 is given the H100's fixed cost.
+* ``fixed``: what a small GEMM costs whatever its size, charged to GEMMs only (the other kernels of a block are
+  charged their bytes alone): OpenXLA's measured H100 table (``xla_h100_matmul_table``) times a 256 x 256 x 256
+  product at 5.2 us in all. Its memory term (393,216 bytes / 3.35 TB/s = 0.12 us) comes on top, so the model runs
+  that point 2 % slower than measured. No A100 table was found; the A100 is given the H100's fixed cost.
 
 The measured table checks the model (tests/unit/test_planner_gemm.py): its points, which the model was not fitted
 to beyond the two numbers above, fall within the band the test states.
+
+Assumed, not measured: the V100's sustained rate is its peak (no measured rate was found), and a custom cluster
+(``--cluster-config``) gets its peak with no memory limit, so its norms and softmax cost nothing; both make such
+clusters' compute look faster than a measured GPU's would.
 
 Backward does each GEMM twice (the input's gradient and the weight's) over the same three sizes, so a GEMM's
 efficiency is the same forward and backward, and a block's efficiency (:func:`block_efficiency`) holds for its

@@ -318,8 +318,8 @@ DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS = 180e3
 
 
 def fitted_efficiency(gpu: str, grid=tuple(x / 100 for x in range(50, 101))) -> float:
-    """The GEMMs' share of the compute time that ``spec.GPU_CONSTANTS`` states for ``gpu`` (``gemm_time_share``),
-    found again: on a grid of 0.01, the value whose largest relative error over that GPU's rows is smallest (one
+    """The kernel-gap factor that ``spec.GPU_CONSTANTS`` states for ``gpu`` (``gemm_time_share``, the block rate's
+    multiplier), found again: on a grid of 0.01, the value whose largest relative error over that GPU's rows is smallest (one
     constant for all of its rows; the named misses left out: they do not fit at their published settings)."""
     rows = [run for run in RUNS if run.cluster.name.startswith(gpu.lower()) and not run.miss]   # named misses out
 

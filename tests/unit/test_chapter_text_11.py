@@ -866,6 +866,15 @@ def replace_model(model, **changes):
     return replace(model, **changes)
 
 
+def test_the_selective_rows_layouts_are_said_to_be_ours(text):
+    runs = {run.label: run for run in planner.published.RUNS}
+    big, small = (runs[f"Megatron {size}, selective recomputation, {gpus} A100"] for size, gpus in (("175B", 64),
+                                                                                                   ("22B", 8)))
+    assert (f"We fixed them (175B: TP {big.layout.tp}, PP {big.layout.pp}, batch {big.model.global_batch}; 22B: TP "
+            f"{small.layout.tp}, batch {small.model.global_batch}), unverified") in text
+    assert small.layout.pp == 1 and "so the planner chooses them" not in text
+
+
 def test_the_cp_beside_tp_run_is_the_one_the_text_names(text):
     from tests.unit import test_planner_cp_tp as run
 
