@@ -866,6 +866,28 @@ def replace_model(model, **changes):
     return replace(model, **changes)
 
 
+def test_recomputation_outweighs_exposed_tp_in_seconds(text):
+    """11.2: the layout without recomputation computes fewer seconds than the one with it, by more than its exposed
+    TP; 11.3: MFU divides by every GPU's peak (the step's model FLOPs over step x GPUs x peak)."""
+    from distlab.planner import chapter_tables
+
+    plans = {layout.label(): planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], layout,
+                                          planner.Options(), 64) for layout in chapter_tables.TRADEOFF_LAYOUTS}
+    keeps, recomputes = plans["tp=8,pp=8,dp=1,zero=1"], plans["tp=1,pp=8,dp=8,zero=3"]
+    assert (keeps.settings["checkpointing"], recomputes.settings["checkpointing"]) == ("none", "full")
+    more = recomputes.compute_seconds - keeps.compute_seconds
+    assert more > keeps.exposed_seconds["tp"] and recomputes.exposed_seconds["tp"] == 0
+    assert (f"Its compute takes {keeps.compute_seconds:.1f} s a step, the recomputing layout's "
+            f"{recomputes.compute_seconds:.1f} s: {more:.1f} s more, against {keeps.exposed_seconds['tp']:.1f} s of "
+            f"exposed TP") in text
+    first = plans["tp=4,pp=4,dp=4,zero=1"]
+    spec = planner.MODELS["70b"]
+    flops = (6 * spec.num_params() + 12 * spec.layers * spec.hidden * spec.seq_len) * spec.global_batch * spec.seq_len
+    assert first.mfu == pytest.approx(flops / (first.step_seconds * 64 * planner.CLUSTERS["h100-80gb"].peak_flops),
+                                      rel=0.01)
+    assert "over the step times every GPU's peak" in text
+
+
 def test_the_selective_rows_layouts_are_said_to_be_ours(text):
     runs = {run.label: run for run in planner.published.RUNS}
     big, small = (runs[f"Megatron {size}, selective recomputation, {gpus} A100"] for size, gpus in (("175B", 64),
