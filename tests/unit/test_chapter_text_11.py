@@ -767,9 +767,11 @@ def test_the_gemm_model_and_table_1_are_what_the_planner_computes(text, raw):
         errors[shape] = (g.flops, g.flops / gemm.gemm_seconds(g, h100) / measured - 1)
     misses = [(f, e) for f, e in errors.values() if abs(e) > 0.10]
     assert all(e > 0 for _, e in misses)
-    assert (f"of its {len(gemm.XLA_H100_BF16)} points copied here, those of 10 GFLOPs or more are within "
-            f"{pct(max(abs(e) for f, e in errors.values() if f >= 10e9) + 0.01)}") in text \
-        and f"and every one within {pct(0.40)}" in text and max(abs(e) for _, e in errors.values()) < 0.40
+    large, every = 0.05, 0.40   # the bands the text states, each held to the computed errors
+    assert max(abs(e) for f, e in errors.values() if f >= 10e9) < large
+    assert max(abs(e) for _, e in errors.values()) < every
+    assert (f"of its {len(gemm.XLA_H100_BF16)} points copied here, those of 10 GFLOPs or more are within {pct(large)}, "
+            f"and every one within {pct(every)}") in text
     assert (f"The {len(misses)} misses of more than 10 % are all GEMMs of {min(f for f, _ in misses) / 1e9:.2f} to "
             f"{max(f for f, _ in misses) / 1e9:.1f} GFLOPs, and the model runs every one of them too fast, by "
             f"{min(e for _, e in misses) * 100:.0f} to {pct(max(e for _, e in misses))}") in text
