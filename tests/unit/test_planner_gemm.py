@@ -117,6 +117,11 @@ def test_what_makes_the_model_rise_is_attentions_square(table1):
     assert shares == sorted(shares) and shares[-1] - shares[0] > 0.2
     fixed = [r["time_shares"]["GEMMs' fixed costs"] for r in table1]
     assert max(fixed) < 0.01
+    # the score GEMMs (k = d = 96, 128 or 160 against s = 2,048): below the A100's ridge, or at it for d = 160
+    ridge = A100.sustained_flops / A100.hbm_bytes_per_s
+    core = [g.intensity for run in published.megatron_table1_runs()
+            for g in gemm.block_gemms(run.model, run.layout.tp, flash_attention=False) if g.name in gemm.ATTENTION_CORE]
+    assert max(core) < 1.05 * ridge and sum(i < ridge for i in core) == len(core) - 4
 
 
 def test_the_fitted_rows_are_named(table1):
