@@ -890,6 +890,14 @@ def test_recomputation_outweighs_exposed_tp_in_seconds(text):
     assert "over the step times every GPU's peak" in text
 
 
+def test_the_shape_test_is_described_as_it_runs(text):
+    from tests.unit import test_planner_gemm as shape
+
+    assert (shape.DRIFT, shape.FLAT_ROWS) == (0.10, 6)
+    assert f"a rise over the flat rows at most {shape.DRIFT * 100:.0f} points above the data's" in text
+    assert f"the drift over the flat rows under {shape.DRIFT * 100:.0f} points" in text
+
+
 def test_the_selective_rows_layouts_are_said_to_be_ours(text):
     runs = {run.label: run for run in planner.published.RUNS}
     big, small = (runs[f"Megatron {size}, selective recomputation, {gpus} A100"] for size, gpus in (("175B", 64),
