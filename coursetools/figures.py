@@ -413,9 +413,15 @@ def draw_predicted_vs_published(fig) -> None:
         # a named miss (the planner misses the row at its published settings, the table says why): hollow
         ax.scatter(row["published_mfu"], row["predicted_mfu"], s=28, zorder=3,
                    facecolors="none" if row["miss"] else colour, edgecolors=colour)
-        # points crowd near 35 %: a number beside each, its run in the key below right
-        ax.annotate(str(i + 1), (row["published_mfu"], row["predicted_mfu"]), fontsize=6,
-                    xytext=(4, (2, -8)[i % 2]), textcoords="offset points")
+        # points crowd near 35 %: a number beside each, on the side away from its nearest neighbour, its run in the
+        # key below right
+        x, y = row["published_mfu"], row["predicted_mfu"]
+        others = [(r["published_mfu"], r["predicted_mfu"]) for j, r in enumerate(rows) if j != i]
+        nx, ny = min(others, key=lambda p: (p[0] - x) ** 2 + (p[1] - y) ** 2)
+        dx, dy = x - nx, y - ny
+        norm = max((dx * dx + dy * dy) ** 0.5, 1e-9)
+        ax.annotate(str(i + 1), (x, y), fontsize=6, xytext=(7 * dx / norm - 2, 7 * dy / norm - 3),
+                    textcoords="offset points")
     key = "\n".join(f"{i + 1}  {r['label'].split(',')[0]} ({r['gpus']:,} GPUs{', a named miss' if r['miss'] else ''})"
                      for i, r in enumerate(rows))
     ax.text(1.03, 0.0, key, transform=ax.transAxes, fontsize=7, ha="left", va="bottom", multialignment="left",

@@ -64,34 +64,35 @@ def draw_decision_flowchart(fig) -> None:
 
 
 def draw_gemm_efficiency_and_width(fig) -> None:
-    """Left: the share of the peak a square GEMM reaches, by its size, as planner.gemm models it on an A100 and an
-    H100, with OpenXLA's measured H100 points. Right: Table 1's per-GPU TFLOP/s by model and the planner's, at each
-    row's published settings."""
+    """Left: where one block's forward time goes on one TP rank, for each of Table 1's rows as planner.gemm models
+    them (no flash kernel, s = 2,048): the GEMMs of the weights, attention's s x s work, the other kernels. Right:
+    Table 1's per-GPU TFLOP/s by model and the planner's, at each row's published settings."""
     from coursetools.figures import RANK_COLOURS
     from distlab.planner import gemm, published
 
     left, right = fig.subplots(1, 2)
-    sizes = [2 ** (x / 4) for x in range(32, 57)]   # 256 to 16384
-    for colour, (name, label) in zip(RANK_COLOURS, (("a100-80gb", "A100 (model)"), ("h100-80gb", "H100 (model)"))):
-        hardware = gemm.MATMUL_HARDWARE[name]
-        left.plot(sizes, [gemm.gemm_efficiency(gemm.Gemm("", int(n), int(n), int(n)), hardware) for n in sizes],
-                  color=colour, label=label)
-    cubes = [(m, v) for (m, n, k), v in gemm.XLA_H100_BF16.items() if m == n == k]
-    left.scatter([m for m, _ in cubes], [v / gemm.MATMUL_HARDWARE["h100-80gb"].peak_flops for _, v in cubes],
-                 color=RANK_COLOURS[1], marker="x", zorder=3, label="H100 measured (OpenXLA)")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("n of an n x n x n bf16 GEMM")
-    left.set_ylabel("share of the dense peak")
-    left.set_ylim(0, 1)
-    left.legend(fontsize=7, loc="lower right")
-    left.set_title("A GEMM's speed grows with its size", fontsize=9)
     rows = published.megatron_width_table()
-    x = range(len(rows))
+    x = list(range(len(rows)))
+    names = [r["label"].split(",")[0].replace("Megatron ", "").replace("1008.0B", "1T") for r in rows]
+    colours = dict(zip(gemm.TIME_PARTS, ("#4c72b0", "#dd8452", "#c44e52", "#8c8c8c", "#2f2f2f")))
+    bottom = [0.0] * len(rows)
+    for part in gemm.TIME_PARTS:
+        shares = [r["time_shares"][part] for r in rows]
+        left.bar(x, shares, bottom=bottom, color=colours[part], label=part, width=0.7)
+        bottom = [b + s for b, s in zip(bottom, shares)]
+    left.set_xticks(x, names, rotation=45, fontsize=7)
+    left.set_ylabel("share of a block's time on one TP rank")
+    left.set_ylim(0, 1.35)
+    left.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
+    left.legend(fontsize=6.5, loc="upper left", ncol=2)
+    left.set_title("Where a block's time goes (model; s = 2,048, no flash kernel)", fontsize=9)
     right.plot(x, [r["published"] for r in rows], marker="o", color="black", label="Table 1 (published)")
     right.plot(x, [r["predicted"] for r in rows], marker="s", color=RANK_COLOURS[0],
                label="planner, at the published settings")
-    right.set_xticks(list(x), [r["label"].split(",")[0].replace("Megatron ", "").replace("1008.0B", "1T")
-                               for r in rows], rotation=45, fontsize=7)
+    flat = [r["published"] for r in rows[:6]]
+    right.axhspan(min(flat), max(flat), xmin=0, xmax=5.5 / (len(rows) - 0.5), color="0.9", zorder=0)
+    right.text(2.5, max(flat) + 1.5, "published: flat to 76.1B", ha="center", fontsize=7)
+    right.set_xticks(x, names, rotation=45, fontsize=7)
     right.set_ylabel("TFLOP/s per A100 (Megatron's count)")
     right.set_ylim(100, 180)
     right.legend(fontsize=7, loc="lower right")

@@ -191,7 +191,8 @@ def tradeoffs_markdown(model: str = "70b", cluster: str = "h100-80gb", gpus: int
     """Raising one degree at the others' expense, each layout with the settings the search gives it: whether it
     fits, memory, the seconds of each dimension's traffic and what of it stays exposed, bubble, MFU."""
     lines = [f"| {model} on {gpus} x {cluster} | settings | fits | GiB per GPU | TP s (exposed) | DP s (exposed) | "
-             "PP s | bubble (of the step) | step s | MFU |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "PP s (all sends; only fill and drain exposed) | bubble (of the step) | step s | MFU |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for layout in TRADEOFF_LAYOUTS:
         plan = tune(MODELS[model], CLUSTERS[cluster], layout, Options(), gpus)
         s, e = plan.comm_seconds, plan.exposed_seconds

@@ -12,12 +12,17 @@ does ``2 batch m n k`` FLOPs and, at best, reads both inputs and writes its outp
   this is how close the best shapes come;
 * ``bandwidth``: the HBM bandwidth (A100 80 GB 2.039 TB/s, 40 GB 1.555, H100 SXM 3.35): a GEMM whose intensity
   is below ``sustained / bandwidth`` FLOPs a byte waits on memory (the roofline's slope);
-* ``fixed``: what a small GEMM costs whatever its size: OpenXLA's measured H100 table (``xla_h100_matmul_table``)
-  times a 256 x 256 x 256 product at 5.2 us, where its 33.6 MFLOPs take 0.04 us at the sustained rate. No A100
-  table was found; the A100 is given the H100's fixed cost.
+* ``fixed``: what a small GEMM costs whatever its size, charged to GEMMs only (the other kernels of a block are
+  charged their bytes alone): OpenXLA's measured H100 table (``xla_h100_matmul_table``) times a 256 x 256 x 256
+  product at 5.2 us in all. Its memory term (393,216 bytes / 3.35 TB/s = 0.12 us) comes on top, so the model runs
+  that point 2 % slower than measured. No A100 table was found; the A100 is given the H100's fixed cost.
 
 The measured table checks the model (tests/unit/test_planner_gemm.py): its points, which the model was not fitted
 to beyond the two numbers above, fall within the band the test states.
+
+Assumed, not measured: the V100's sustained rate is its peak (no measured rate was found), and a custom cluster
+(``--cluster-config``) gets its peak with no memory limit, so its norms and softmax cost nothing; both make such
+clusters' compute look faster than a measured GPU's would.
 
 Backward does each GEMM twice (the input's gradient and the weight's) over the same three sizes, so a GEMM's
 efficiency is the same forward and backward, and a block's efficiency (:func:`block_efficiency`) holds for its
@@ -50,7 +55,7 @@ MATMUL_HARDWARE = {
     "v100-32gb": MatmulHardware(125e12, 125e12, 0.9e12),       # no measured rate found: the peak
 }
 SOURCE_KEYS = ("mamf_a100_h100", "xla_h100_matmul_table", "a100_hbm_bandwidth", "h100_sxm_pcie_spec_table",
-               "v100_hbm_bandwidth")
+               "v100_hbm_bandwidth", "flash_attention_causal_flops")
 
 
 # OpenXLA's measured H100 table (source xla_h100_matmul_table): (m, n, k) -> bf16 FLOP/s, 20 of its b = 1 entries
@@ -173,22 +178,59 @@ def block_efficiency(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, 
 
 
 def block_elementwise_bytes(model, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
-                            flash_attention: bool = True, sequence_parallel: bool = False) -> float:
+                            flash_attention: bool = True, sequence_parallel: bool = False,
+                            scores_only: bool = False) -> float:
     """HBM bytes of one block's forward kernels that are not GEMMs, for one micro-batch on one TP rank, each kernel
     reading its inputs and writing its output once (its roofline: they do a few FLOPs a byte, so memory sets their
-    time). Per token: two norms (read and write the width), two bias-dropout-residual adds (read two, write one,
-    a 1-byte dropout mask), the MLP's activation (GELU: read and write the ffn share; SwiGLU: read two, write one)
-    and, without a flash kernel, attention's scale-mask-softmax (read and write the ``heads / tp x s`` scores) and
-    its dropout (read, write, a mask). The norms and adds see the whole width on every TP rank without SP (Megatron
-    replicates them), a 1/tp share under SP."""
+    time; no fixed cost is charged to them). Per token: two norms (read and write the width), two
+    bias-dropout-residual adds (read two, write one, a 1-byte dropout mask), the MLP's activation (GELU: read and
+    write the ffn share; SwiGLU: read two, write one) and, without a flash kernel, attention's scale-mask-softmax
+    (read and write the ``heads / tp x s`` scores) and its dropout (read, write, a mask). The norms and adds see the
+    whole width on every TP rank without SP (Megatron replicates them), a 1/tp share under SP. ``scores_only``: the
+    softmax and dropout over the scores alone."""
     b = model.micro_batch if micro_batch is None else micro_batch
     tokens = b * model.seq_len // cp
     width = model.hidden // tp if sequence_parallel else model.hidden
+    scores = 0.0 if flash_attention else 4.5 * max(model.heads // tp, 1) * model.seq_len
+    if scores_only:
+        return 2.0 * tokens * scores
     elements = 2 * 2 * width + 2 * 3.5 * width
     elements += (3 if model.architecture == "llama" else 2) * model.ffn // tp
-    if not flash_attention:
-        elements += 4.5 * max(model.heads // tp, 1) * model.seq_len
-    return 2.0 * tokens * elements
+    return 2.0 * tokens * (elements + scores)
+
+
+ATTENTION_CORE = ("scores q k^T", "probabilities x v", "attention (fused)")
+# The share of the s x s square a fused (flash) attention kernel is timed at. The planner times the full square, as
+# MFU counts it; a causal flash kernel skips the blocks above the diagonal, and FlashAttention's own benchmark counts
+# its causal FLOPs as half the square's (source flash_attention_causal_flops). The chapter states what halving would
+# change (tests/unit/test_chapter_text_11.py sets 0.5 and reports the 405B 128K row).
+FUSED_ATTENTION_WORK = 1.0
+TIME_PARTS = ("GEMMs of the weights", "attention's s x s GEMMs", "softmax and dropout over the scores",
+              "norms, adds, activation", "GEMMs' fixed costs")
+
+
+def block_time_parts(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, micro_batch: int | None = None,
+                     flash_attention: bool = True, ep: int = 1, sequence_parallel: bool = False) -> dict:
+    """Where one block's forward time goes on one TP rank (seconds, keys :data:`TIME_PARTS`): the GEMMs of the
+    weights (their roofline time), attention's core (the ``s x s`` products, or the fused kernel), the softmax and
+    dropout over the scores, the other kernels that are not GEMMs, and the fixed cost every GEMM pays."""
+    gemms = block_gemms(model, tp, cp, micro_batch, flash_attention, ep)
+    core = sum(g.flops * (FUSED_ATTENTION_WORK if g.name == "attention (fused)" else 1) / roofline_flops(g, hardware)
+               for g in gemms if g.name in ATTENTION_CORE)
+    linear = sum(g.flops / roofline_flops(g, hardware) for g in gemms if g.name not in ATTENTION_CORE)
+    everything = block_elementwise_bytes(model, tp, cp, micro_batch, flash_attention, sequence_parallel)
+    scores = block_elementwise_bytes(model, tp, cp, micro_batch, flash_attention, sequence_parallel, True)
+    return dict(zip(TIME_PARTS, (linear, core, scores / hardware.hbm_bytes_per_s,
+                                 (everything - scores) / hardware.hbm_bytes_per_s,
+                                 len(gemms) * hardware.fixed_seconds)))
+
+
+def linear_gemm_efficiency(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1,
+                           micro_batch: int | None = None) -> float:
+    """The share of the dense peak the block's GEMMs of the weights (q, k, v, the output projection, the MLP) reach
+    together, each with its fixed cost."""
+    gemms = [g for g in block_gemms(model, tp, cp, micro_batch) if g.name not in ATTENTION_CORE]
+    return sum(g.flops for g in gemms) / sum(gemm_seconds(g, hardware) for g in gemms) / hardware.peak_flops
 
 
 @functools.lru_cache(maxsize=4096)   # the search asks again for the same block; every argument is frozen
@@ -197,9 +239,6 @@ def block_rate(model, hardware: MatmulHardware, tp: int = 1, cp: int = 1, micro_
     """FLOP/s one GPU reaches on a block: its GEMMs at their shapes' rate, its other kernels at the memory's. The
     same for every pass (backward does twice the forward's GEMMs over the same sizes and, at the roofline, reads
     and writes about twice its bytes; a recomputed forward repeats the forward), so one forward sets it."""
-    gemms = block_gemms(model, tp, cp, micro_batch, flash_attention, ep)
-    flops = sum(g.flops for g in gemms)
-    seconds = sum(gemm_seconds(g, hardware) for g in gemms)
-    memory = block_elementwise_bytes(model, tp, cp, micro_batch, flash_attention, sequence_parallel) \
-        / hardware.hbm_bytes_per_s
-    return flops / (seconds + memory)
+    flops = sum(g.flops for g in block_gemms(model, tp, cp, micro_batch, flash_attention, ep))
+    parts = block_time_parts(model, hardware, tp, cp, micro_batch, flash_attention, ep, sequence_parallel)
+    return flops / sum(parts.values())

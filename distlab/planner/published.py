@@ -318,8 +318,8 @@ DEEPSEEK_V3_GPU_HOURS_PER_TRILLION_TOKENS = 180e3
 
 
 def fitted_efficiency(gpu: str, grid=tuple(x / 100 for x in range(50, 101))) -> float:
-    """The GEMMs' share of the compute time that ``spec.GPU_CONSTANTS`` states for ``gpu`` (``gemm_time_share``),
-    found again: on a grid of 0.01, the value whose largest relative error over that GPU's rows is smallest (one
+    """The kernel-gap factor that ``spec.GPU_CONSTANTS`` states for ``gpu`` (``gemm_time_share``, the block rate's
+    multiplier), found again: on a grid of 0.01, the value whose largest relative error over that GPU's rows is smallest (one
     constant for all of its rows; the named misses left out: they do not fit at their published settings)."""
     rows = [run for run in RUNS if run.cluster.name.startswith(gpu.lower()) and not run.miss]   # named misses out
 
@@ -366,22 +366,31 @@ def megatron_tflops(run: PublishedRun, mfu: float) -> float:
 
 
 def megatron_width_table() -> list[dict]:
-    """Per-GPU TFLOP/s as Table 1 publishes them beside the planner's, at each row's published settings, with what
-    makes them rise with the width (planner.gemm, on one TP rank): the share of the peak the block's GEMMs reach at
-    their shapes, and the block's as a whole, its other kernels at the memory's rate."""
-    from distlab.planner.gemm import block_efficiency, block_rate, hardware_of
+    """Per-GPU TFLOP/s as Table 1 publishes them beside the planner's, at each row's published settings (no flash
+    kernel: Megatron's 2021 attention), with where a block's time goes on one TP rank (planner.gemm): the share of
+    the peak the GEMMs of the weights reach, the share of the block's time spent on attention's ``s x s`` work
+    (its score GEMMs, the softmax and dropout over the scores), the block's share of the peak as a whole, and
+    whether the row is one of the runs the A100's constant is fitted to (:func:`fitted_efficiency`)."""
+    from distlab.planner.gemm import TIME_PARTS, block_rate, block_time_parts, hardware_of, linear_gemm_efficiency
 
+    def key(run):
+        return run.model.hidden, run.model.layers, run.layout.tp, run.layout.pp, run.gpus
+
+    fitted = {key(run) for run in RUNS if run.cluster.name.startswith("a100") and not run.miss}
     rows = []
     for run in megatron_table1_runs():
         plan = tune(run.model, run.cluster, run.layout, run.options, run.gpus)
         model, hardware, flash = plan_model(run, plan), hardware_of(run.cluster), run.options.flash_attention
+        tp = run.layout.tp
         predicted = megatron_tflops(run, plan.mfu)
-        rows.append({"label": run.label, "hidden": run.model.hidden, "tp": run.layout.tp,
-                     "width_per_rank": run.model.hidden // run.layout.tp, "published": run.stated[1],
-                     "predicted": predicted, "fits": plan.fits, "error": predicted / run.stated[1] - 1,
-                     "gemm_efficiency": block_efficiency(model, hardware, run.layout.tp, flash_attention=flash),
-                     "block_efficiency": block_rate(model, hardware, run.layout.tp, flash_attention=flash)
-                     / hardware.peak_flops})
+        parts = block_time_parts(model, hardware, tp, flash_attention=flash)
+        share = {name: seconds / sum(parts.values()) for name, seconds in parts.items()}
+        rows.append({"label": run.label, "hidden": run.model.hidden, "tp": tp, "width_per_rank": run.model.hidden // tp,
+                     "published": run.stated[1], "predicted": predicted, "fits": plan.fits,
+                     "error": predicted / run.stated[1] - 1, "flash_attention": flash, "in_fit": key(run) in fitted,
+                     "linear_efficiency": linear_gemm_efficiency(model, hardware, tp),
+                     "time_shares": share, "scores_share": share[TIME_PARTS[1]] + share[TIME_PARTS[2]],
+                     "block_efficiency": block_rate(model, hardware, tp, flash_attention=flash) / hardware.peak_flops})
     return rows
 
 
@@ -391,9 +400,11 @@ def plan_model(run: PublishedRun, plan: Plan) -> ModelSpec:
 
 
 def megatron_width_markdown() -> str:
-    lines = ["| Table 1 row | hidden, TP | its GEMMs' share of peak (derived) | the block's (derived) | published "
-             "TFLOP/s per GPU | planner (derived) | error |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| Table 1 row | hidden, TP | weights' GEMMs: share of peak (derived) | s x s work: share of the block's "
+             "time (derived) | the block: share of peak (derived) | published TFLOP/s per GPU | planner (derived) | "
+             "error | in the A100 fit |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in megatron_width_table():
-        lines.append(f"| {r['label']} | {r['hidden']:,}, {r['tp']} | {r['gemm_efficiency']:.0%} | "
-                     f"{r['block_efficiency']:.0%} | {r['published']} | {r['predicted']:.0f} | {r['error']:+.0%} |")
+        lines.append(f"| {r['label']} | {r['hidden']:,}, {r['tp']} | {r['linear_efficiency']:.0%} | "
+                     f"{r['scores_share']:.0%} | {r['block_efficiency']:.0%} | {r['published']} | "
+                     f"{r['predicted']:.0f} | {r['error']:+.0%} | {'yes' if r['in_fit'] else 'no'} |")
     return "\n".join(lines)

@@ -642,10 +642,23 @@ SOURCES: dict[str, Source] = {
         'constexpr char kDefaultMatmulPTable[] = R"pb( entries { key: "sm_90" value { ... entries { b: 1 m: 256 '
         'n: 256 k: 256 flops { key: "bf16xbf16->bf16" value: 6452775384615 } ... entries { b: 1 m: 1024 n: 1024 '
         'k: 1024 flops { key: "bf16xbf16->bf16" value: 236298816901408 } ... entries { b: 1 m: 4096 n: 4096 '
-        'k: 4096 flops { key: "bf16xbf16->bf16" value: 783328793548203 }  [FLOP/s measured on sm_90 (H100); '
+        'k: 4096 flops { key: "bf16xbf16->bf16" value: 783328793548203 } ... b: 1 m: 1024 n: 2048 k: 256 flops { key: '
+        '"bf16xbf16->bf16" value: 139519467775467 } ... b: 1 m: 4096 n: 512 k: 512 flops { key: "bf16xbf16->bf16" '
+        'value: 238821580071174 } ... b: 1 m: 256 n: 2048 k: 4096 flops { key: "bf16xbf16->bf16" value: '
+        '285873755058572 } ... b: 1 m: 4096 n: 1024 k: 512 flops { key: "bf16xbf16->bf16" value: 343707370038412 } '
+        '... b: 1 m: 2048 n: 2048 k: 2048 flops { key: "bf16xbf16->bf16" value: 631984593290170 } ... b: 1 m: 4096 '
+        'n: 4096 k: 256 flops { key: "bf16xbf16->bf16" value: 392162828341855 } ... b: 1 m: 2048 n: 512 k: 2048 '
+        'flops { key: "bf16xbf16->bf16" value: 347714321243523 }  [FLOP/s measured on sm_90 (H100); '
         'planner.gemm.XLA_H100_BF16 copies 20 of its b = 1 entries, each as the file prints it]',
         "https://github.com/tensorflow/tensorflow/blob/" + XLA_MATMUL_TABLE_COMMIT
         + "/third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h"),
+    "flash_attention_causal_flops": Source(
+        "Dao-AILab/flash-attention, its benchmark of FlashAttention-2 against PyTorch's attention",
+        "benchmarks/benchmark_flash_attention.py at c082294e0f6c01d46318694a6f3e0274225a9683, def flops",
+        'def flops(batch, seqlen, headdim, nheads, causal, mode="fwd"): ... f = 4 * batch * seqlen**2 * nheads * '
+        'headdim // (2 if causal else 1)',
+        "https://github.com/Dao-AILab/flash-attention/blob/c082294e0f6c01d46318694a6f3e0274225a9683/benchmarks/"
+        "benchmark_flash_attention.py"),
     "megatron_sc21_run_table_1_all": Source(
         "NVIDIA/Megatron-LM", f"examples/sc21/run_table_1.sh at {MEGATRON_SC21_2022_COMMIT} (2022-07-24)",
         'if [ ${MODEL_SIZE} == "1.7B" ]; then TP=1 PP=1 MBS=16 GBS=512 NLS=24 HS=2304 NAH=24 DDP=torch ... '

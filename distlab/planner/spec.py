@@ -227,9 +227,10 @@ class Cluster:
     inter_node_bytes_per_s: float
     source: str = ""
     # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
-    # model's FLOPs reach as one number (quick estimates: chapter 13's, lab 11's); the share of the compute time
-    # the blocks' GEMMs take, at the rate their shapes get (planner.gemm), the rest being norms, softmax,
-    # element-wise kernels and gaps (what the step time uses); the latency of one step of a ring inside a node
+    # model's FLOPs reach as one number (quick estimates: chapter 13's, lab 11's); gemm_time_share, the
+    # kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their shapes' rate, its
+    # norms, softmax and element-wise kernels at the memory's) times this factor, which covers what the block
+    # model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a ring inside a node
     # and across nodes
     compute_efficiency: float = 0.5
     gemm_time_share: float = 0.7

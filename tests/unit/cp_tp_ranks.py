@@ -4,8 +4,9 @@ The ranks form DeviceMesh (cp, tp), the planner's order (pp, dp, cp, tp) with pp
 share of the attention heads (a whole key/value head where TP exceeds them, as grouped-query attention replicates
 it); each CP rank keeps two zig-zag chunks of the sequence. One attention layer runs forward and backward with
 Llama 3's all-gather CP (distlab.context_parallel.all_gather_attention) over the rank's CP group, while CommCounter
-records what it sends. Rank 0 writes every rank's groups, its collectives and whether its outputs and gradients
-equal full attention on one rank.
+records what it sends. Rank 0 writes every rank's groups, its collectives and whether its outputs and its
+query, key and value gradients equal full attention on one rank (a replicated key/value head's gradient summed
+over its TP group).
 
     python -m labkit.forkrun ... (launched by the test: labkit.launch.run(..., launcher="fork"))
 """
@@ -49,8 +50,11 @@ def one_layer(kv_heads: int, cp, tp) -> dict:
     reference.backward(grad)
     equal = torch.allclose(out, reference[:, heads][:, :, positions], atol=1e-5)
     equal &= torch.allclose(mine[0].grad, full[0].grad[:, heads][:, :, positions], atol=1e-5)
-    if kv_local * ways == kv_heads:   # split key/value heads: this rank's gradient is the whole of theirs
-        equal &= torch.allclose(mine[1].grad, full[1].grad[:, kv][:, :, positions], atol=1e-5)
+    for index in (1, 2):   # the keys' and the values' gradients
+        grad_kv = mine[index].grad.clone()
+        if kv_local * ways != kv_heads:   # a replicated head: each TP rank holds its own query heads' share
+            dist.all_reduce(grad_kv, group=tp.get_group())
+        equal &= torch.allclose(grad_kv, full[index].grad[:, kv][:, :, positions], atol=1e-5)
     return {"calls": [[call.collective, call.payload_bytes, call.group_size] for call in counter.calls],
             "equal": bool(equal)}
 

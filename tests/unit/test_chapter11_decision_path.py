@@ -148,6 +148,17 @@ def test_question_1_is_asked_of_one_gpu_and_its_parts_are_derived():
     head = acts - inputs - block
     assert inputs == g and (f"(1 GiB), one block recomputed in backward ({block / g:.2f} GiB), and the output layer "
                             f"with its fp32 log-softmax ({head / g:.2f} GiB)") in text
+    # the two taken apart: chapter 08's per-block count (10 s h + 4 s f numbers of 2 bytes, the b s terms dropped),
+    # and the head's log-softmax over the vocabulary in fp32 plus the final norm's and the output layer's inputs
+    s, h, f, v = spec.seq_len, spec.hidden, spec.ffn, spec.vocab
+    assert f"{(10 * s * h + 4 * s * f) * 2 / g:.2f}" == f"{block / g:.2f}"
+    assert (f"about 10 s h + 4 s f numbers of 2 bytes, with s = h = {s:,} and the feed-forward width f = {f:,}" in text
+            and s == h)
+    softmax, inputs_fp32 = s * v * 4, 3 * s * h * 4
+    assert f"{(softmax + inputs_fp32) / g:.2f}" == f"{head / g:.2f}"
+    assert (f"the log-softmax over the {v:,}-token vocabulary, {s:,} x {v:,} x 4 bytes = {softmax / g:.2f} GiB. "
+            f"The rest is the final norm's and the output layer's inputs in fp32, 3 x {s:,} x {h:,} x 4 bytes = "
+            f"{inputs_fp32 / g:.2f} GiB") in text
     unit = stage_params(spec, planner.Layout(dp=8, zero_stage=3), 0)["largest_unit"]
     assert unit == pytest.approx(2 * spec.vocab * spec.hidden, rel=1e-4)   # the embedding and the output layer
     fsdp = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=3)).memory_per_gpu_bytes

@@ -46,14 +46,12 @@ def test_the_groups_are_the_planners_mesh(measured):
         assert record["tp_group"] == [rank // 2 * 2, rank // 2 * 2 + 1]
 
 
-@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa-one-kv-head"])
-def test_cp_bytes_beside_tp_equal_what_each_rank_sent(measured, kv_heads):
+def compare(measured, kv_heads: int) -> None:
+    """What each rank sent over its CP group against the planner's CP collectives (and the by-hand count)."""
     shape = measured["shape"]
     batch, heads, seq, head_dim = shape
     predicted = planned(shape, kv_heads)
     # by hand: K and V of this TP rank's key/value heads (2 of 4; or the one replicated), the whole sequence, fp32
-    kv_per_rank = 2 * batch * seq * max(kv_heads // 2, 1) * head_dim * 4
-    assert predicted == {"all_gather": kv_per_rank, "reduce_scatter": kv_per_rank}
     for record in measured["ranks"]:
         layer = record["layers"][str(kv_heads)]
         assert layer["equal"], f"rank {record['rank']}: outputs or gradients differ from full attention"
@@ -61,17 +59,31 @@ def test_cp_bytes_beside_tp_equal_what_each_rank_sent(measured, kv_heads):
         for collective, payload, group in layer["calls"]:
             assert group == LAYOUT.cp
             sent[collective] = sent.get(collective, 0) + payload
-        assert sent == predicted, (record["rank"], sent, predicted)
+        assert sent == predicted, f"rank {record['rank']} sent {sent}, the planner plans {predicted}"
+    kv_per_rank = 2 * batch * seq * (kv_heads // 2 if kv_heads >= 2 else 1) * head_dim * 4
+    assert predicted == {"all_gather": kv_per_rank, "reduce_scatter": kv_per_rank}
 
 
-def test_a_planner_that_ignores_tp_in_cp_fails_the_comparison(measured, monkeypatch):
-    """Planted: every TP rank moving all the key/value heads (the planner's TP share forgotten)."""
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa-one-kv-head"])
+def test_cp_bytes_beside_tp_equal_what_each_rank_sent(measured, kv_heads):
+    compare(measured, kv_heads)
+
+
+PLANTS = {4: lambda self, tp: self.kv_dim,                   # TP's share forgotten: every rank moves every head
+          1: lambda self, tp: self.kv_dim // tp}             # the whole-head floor forgotten: half a head a rank
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha-tp-share-forgotten", "gqa-whole-head-forgotten"])
+def test_a_planner_that_mishandles_tp_in_cp_fails_the_comparison(measured, monkeypatch, kv_heads):
+    """Planted: the planner's TP share of the key/value heads forgotten (multi-head attention), or the whole
+    replicated head forgotten (grouped-query attention with fewer key/value heads than TP ranks). The comparison
+    above fails on each."""
     from distlab.planner import communication
 
-    monkeypatch.setattr(planner.ModelSpec, "kv_dim_per_tp_rank", lambda self, tp: self.kv_dim)
+    monkeypatch.setattr(planner.ModelSpec, "kv_dim_per_tp_rank", PLANTS[kv_heads])
     communication.ledger.cache_clear()   # answers cached before the plant would hide it
     try:
-        sent = sum(payload for _, payload, _ in measured["ranks"][0]["layers"]["4"]["calls"])
-        assert sum(planned(measured["shape"], 4).values()) == 2 * sent
+        with pytest.raises(AssertionError, match="sent .*, the planner plans"):   # a rank's bytes fail it
+            compare(measured, kv_heads)
     finally:
         communication.ledger.cache_clear()
