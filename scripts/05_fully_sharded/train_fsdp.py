@@ -239,7 +239,7 @@ def main():
     p.add_argument("--model-seed-from", metavar="FILE.py", default=None,
                    help="chapter 14's lab: a file defining model_seed(seed, rank), the seed this rank builds the "
                         "model from before fully_shard (the learner's fix, run here)")
-    p.add_argument("--max-grad-norm", type=float, default=None,
+    p.add_argument("--max-grad-norm", type=runtime.positive_float, default=None,
                    help="clip the gradients to this total norm before each step (the whole model's norm; the "
                         "single-device run clips alike)")
     p.add_argument("--clip-from", metavar="FILE.py", default=None,

@@ -259,7 +259,7 @@ def main():
                    help="full-state-on-rank-0's fix: every rank gathers the full state dict, rank 0 alone saves it")
     p.add_argument("--evaluate-on-every-rank", action="store_true",
                    help="rank-0-evaluation's fix: each rank evaluates its share, then the sums are all-reduced")
-    p.add_argument("--eval-seconds", type=float, default=None,
+    p.add_argument("--eval-seconds", type=runtime.positive_float, default=None,
                    help="compute time of the whole evaluation on one rank (rank-0-evaluation; default 1.5 x "
                         "--pg-timeout: longer than the timeout on one rank, a quarter of it each on four)")
     runtime.add_fix_flag(p, "agreed_batches(batch_counts) (uneven-inputs: how many batches every rank trains, "
