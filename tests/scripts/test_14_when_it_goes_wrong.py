@@ -203,6 +203,28 @@ WRONG_IN_THE_JOB = {
     "unused-parameter": (broken_runs.DDP_RUN,   # the head's weight left out, its bias still wrapped
                          "def without_gradient(grads):\n    return [n for n, g in grads.items() if g is None][:1]\n",
                          ("every step's forward ran",)),
+    # wrong fixes that end without a hang: each fails a check of what the fix must achieve, not the hang's
+    "uneven-inputs/none": (broken_runs.case("uneven-inputs").args,   # no rank trains at all
+                           "def agreed_batches(batch_counts):\n    return 0\n",
+                           ("the agreed number of batches is one every rank holds",
+                            "every rank trained the shortest shard's batches")),
+    "uneven-inputs/negative": (broken_runs.case("uneven-inputs").args,
+                               "def agreed_batches(batch_counts):\n    return -1\n",
+                               ("the agreed number of batches is one every rank holds",
+                                "every rank trained the shortest shard's batches")),
+    "uneven-inputs/one-short": (broken_runs.case("uneven-inputs").args,   # drops a batch every rank holds
+                                "def agreed_batches(batch_counts):\n    return min(batch_counts) - 1\n",
+                                ("every rank trained the shortest shard's batches",)),
+    "mismatched-collectives/nothing": (broken_runs.case("mismatched-collectives").args,   # no synchronisation
+                                       "def sync(rank, tensor, collectives):\n    pass\n",
+                                       ("the weights are the same on every rank after sync",)),
+    "full-state-on-rank-0/empty": (broken_runs.case("full-state-on-rank-0").args,   # a file, but no gather
+                                   "def save_model(rank, gather_full_state, save):\n    if rank == 0:\n"
+                                   "        save({})\n", ("rank 0 saved every weight whole",)),
+    "rank-0-evaluation/lopsided": (broken_runs.case("rank-0-evaluation").args,   # under the timeout, unequal
+                                   "def evaluation_share(batches, rank, world_size):\n"
+                                   "    return [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11]][rank]\n",
+                                   ("each rank evaluated an equal share",)),
 }
 
 
@@ -213,6 +235,7 @@ def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
     too. The resume's wrong answer holds every part a checkpoint can: loss_history, written back on the restart,
     erases the record of the step trained twice."""
     args, source, failing = WRONG_IN_THE_JOB[name]
+    name = name.split("/")[0]   # "case/which wrong fix": a case tried with more than one wrong fix
     extra = ()
     if source is not None:
         (tmp_path / "fix.py").write_text(source)
