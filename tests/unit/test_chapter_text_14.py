@@ -605,3 +605,24 @@ def test_what_the_gpu_look_rests_on_is_cited():
     assert "full utilisation at low power" in section_of("slow-rank")
     assert "OpType=_ALLGATHER_BASE" in section_of("full-state-on-rank-0") and "OpType=_ALLGATHER_BASE" in APPENDIX
     assert "OpType=ALLREDUCE" in section_of("rank-0-evaluation")
+
+
+def _number_word(n: int) -> str:
+    """21 -> "twenty-one": how the chapter writes a count."""
+    ones = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
+           "seventeen eighteen nineteen".split()
+    tens = {2: "twenty", 3: "thirty", 4: "forty"}
+    return ones[n] if n < 20 else tens[n // 10] + ("" if n % 10 == 0 else "-" + ones[n % 10])
+
+
+def test_the_first_pages_counts_are_the_registrys_and_the_pictures():
+    """The count of broken runs is the registry's, the count of paths that start "off one device" is the
+    picture's, and question 2 is not said to find a single case (several cases' ranks disagree)."""
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    runs = _number_word(len(registry().BROKEN_RUNS))
+    assert f"answers with {runs} broken runs" in first
+    assert f"![{runs.capitalize()} paths" in first
+    alike = sum(words[0].startswith("off one device") for words in ch14.PATHS.values())
+    assert f"{_number_word(alike)} runs look alike: \"off one device\"" in first
+    assert "Question 2 finds the cases whose ranks disagree" in first and "the one wrong-numbers case" not in first
+    assert _number_word(21) == "twenty-one" and _number_word(4) == "four" and _number_word(30) == "thirty"
