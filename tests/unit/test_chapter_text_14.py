@@ -626,3 +626,28 @@ def test_the_first_pages_counts_are_the_registrys_and_the_pictures():
     assert f"{_number_word(alike)} runs look alike: \"off one device\"" in first
     assert "Question 2 finds the cases whose ranks disagree" in first and "the one wrong-numbers case" not in first
     assert _number_word(21) == "twenty-one" and _number_word(4) == "four" and _number_word(30) == "thirty"
+
+
+def test_no_run_number_is_tied_to_its_case_before_the_learner_names_it():
+    """The lab's runs are numbered so that a number says nothing of the cause. The chapter never speaks of a run
+    by its number; the learner's copy mentions a run before the part that asks for its cause only in the range
+    of names ("`run 1` to `run 21`") or in a call that shows it; the checks' help() names no run."""
+    import inspect
+    import json
+
+    from labkit.exercises import ch14 as lab
+
+    number = re.compile(r"\b[Rr]uns? \d+")
+    assert not number.findall(CHAPTER), number.findall(CHAPTER)
+    cells = ["".join(c["source"]) for c in
+             json.loads((ROOT / "notebooks/student/14_when_it_goes_wrong.ipynb").read_text())["cells"]]
+    neutral = re.compile(r"`run 1` to `run \d+`|exercises\.run\(\"run \d+\"\)")
+    parts = [i for i, cell in enumerate(cells) if cell.startswith("## Part ")]   # in the order of lab.PARTS
+    assert len(parts) == len(lab.PARTS)
+    for first, (part, runs) in zip(parts, lab.PARTS.items()):
+        for cell in cells[:first]:
+            said = {f"run {n}" for n in re.findall(r"\b[Rr]uns? (\d+)", neutral.sub("", cell))}
+            assert not said & set(runs), (part, said & set(runs), cell[:300])
+    for name, check in inspect.getmembers(lab, inspect.isfunction):
+        if name.startswith("check_fix"):
+            assert not number.findall(check.__doc__ or ""), name
