@@ -75,7 +75,7 @@ SEEN_BY = {
     "extra.param_diffs": "course", "extra.uninterrupted_losses": "course", "extra.micro_step_bytes": "course",
     "comm": "course", "checks": "course", "extra.journals": "course", "extra.cause": "course",
     "extra.verdict": "course", "extra.rank_grad_norms": "user", "extra.one_device_grad_norms": "course",
-    "extra.replica_weight_gaps": "course",
+    "extra.replica_weight_gaps": "user",   # each replica's shards summed and compared: any HSDP user can
 }
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="Step 0 trains, but its line says 0 bytes all-reduced; at step 1 every rank stops with "
                 "RuntimeError: 'Expected to have finished reduction in the prior iteration before starting a new "
                 "one' (torch's words).",
-        evidence=("checks", "extra.micro_step_bytes"),
+        evidence=("output", "checks", "extra.micro_step_bytes"),
         cause="A parameter the forward never uses (an extra head) was wrapped by DDP without "
               "find_unused_parameters: its gradient never comes, so its bucket is never all-reduced, and the next "
               "forward refuses to start (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished).",

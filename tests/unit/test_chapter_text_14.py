@@ -574,6 +574,11 @@ def test_who_can_see_each_cases_evidence_is_the_registrys():
     assert table in APPENDIX and table not in BODY
     assert broken_runs.SEEN_BY["extra.diffs.baseline_loss"] == "course" == broken_runs.SEEN_BY["extra.journals"]
     assert broken_runs.SEEN_BY["extra.rank_losses"] == "user" == broken_runs.SEEN_BY["extra.flight_recorder"]
+    # torch's own error, printed on every rank, is unused-parameter's first evidence: any user reads it
+    assert broken_runs.case("unused-parameter").evidence[0] == "output"
+    # per-rank-init's replicas compared shard by shard: train_fsdp.py's own words, "what any HSDP user can check"
+    assert broken_runs.SEEN_BY["extra.replica_weight_gaps"] == "user"
+    assert "what any HSDP user can check" in (ROOT / "scripts/05_fully_sharded/train_fsdp.py").read_text()
 
 
 def test_the_nccl_lines_of_the_gpu_look():
