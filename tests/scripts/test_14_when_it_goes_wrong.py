@@ -133,8 +133,8 @@ def clip_gradients(model, max_norm):   # a wrong fix of local-grad-norm: each ra
     return norm
 
 
-def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every rank, but not the run's
-    return seed + 1
+def model_seed(seed, rank):   # a wrong fix of per-rank-init: the replicas agree, but a replica's shards come from
+    return seed + rank % 2    # two different models (ranks 0 and 2 hold the same shard, as do 1 and 3)
 
 
 @pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
@@ -151,6 +151,21 @@ def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, f
     result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
                                   args_override=broken_runs.case(name).fixed_args + (flag, path))
     assert result.returncode == 1 and broken_runs.fix_holds(broken_runs.case(name), result.metrics), result.tail()
+
+
+def one_other_seed(seed, rank):   # a right fix of per-rank-init: one seed on every rank, not the run's
+    return seed + 1
+
+
+def test_any_one_seed_shared_by_every_rank_fixes_per_rank_init(tmp_path, monkeypatch):
+    """The chapter's fix is one seed on every rank, not the run's --seed: a shared seed other than --seed passes
+    (the one-device reference is built from the seed rank 0 built its model from, by its own path)."""
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    path = ch14.learner_file(one_other_seed, "model_seed")
+    case = broken_runs.case("per-rank-init")
+    result = broken_runs.run_case(case.name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  args_override=case.fixed_args + ("--model-seed-from", path))
+    assert broken_runs.fix_holds(case, result.metrics) == [], result.tail()
 
 
 # Wrong fixes as a learner would write them, each run inside the job by its script's --fix-from (or the setting's
