@@ -586,11 +586,19 @@ def test_the_nccl_lines_of_the_gpu_look():
     import torch
 
     c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
-    header = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()[59:84]
+    header = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()[59:85]
     for name in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_DESYNC_DEBUG"):
         assert any(f'"{name}"' in line for line in header), name
-    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:60-84)" in FLAT_APPENDIX
+    assert header[-1].strip() == '"NCCL_DESYNC_DEBUG"};'   # the last name's declaration ends on the range's line
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:60-85)" in FLAT_APPENDIX
+    # the flight recorder dumps on a timeout by default: torch 2.13's own test has to turn it off
+    test = (Path(torch.__file__).parent / "testing" / "_internal" / "distributed" / "distributed_test.py") \
+        .read_text().splitlines()
+    assert "disable TORCH_NCCL_DUMP_ON_TIMEOUT otherwise this test times out" in test[8941]
+    assert test[8942].strip() == 'os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"'
+    assert "torch/testing/_internal/distributed/distributed_test.py:8942-8943" in FLAT_APPENDIX
+    assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in FLAT and "dumps them on a timeout by default" in FLAT
     fsdp = (Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_collectives.py") \
         .read_text().splitlines()
     assert "use NCCL's built-in division" in fsdp[829] and "torch.float32, torch.bfloat16" in fsdp[830]
