@@ -664,3 +664,17 @@ def test_no_run_number_is_tied_to_its_case_before_the_learner_names_it():
     for name, check in inspect.getmembers(lab, inspect.isfunction):
         if name.startswith("check_fix"):
             assert not number.findall(check.__doc__ or ""), name
+
+
+def test_the_unused_parameter_case_fits_in_one_bucket():
+    """Why unused-parameter's step 0 all-reduces 0 bytes: the whole tiny model fits in one DDP bucket of
+    train_ddp.py's default cap, so the bucket that waits for the head's gradient is the only one."""
+    from distlab import models
+
+    params = sum(p.numel() for p in models.build_transformer(models.preset("tiny"), seed=0, device="cpu").parameters())
+    mib = params * 4 / 2**20
+    script = (ROOT / "scripts/04_data_parallel/train_ddp.py").read_text()
+    cap = float(re.search(r'"--bucket-mb", type=runtime.positive_float, default=([\d.]+)', script).group(1))
+    assert mib < cap and f"{params:,} fp32 parameters, {mib:.2f} MiB" in FLAT_APPENDIX and f"`--bucket-mb` {cap:g}" \
+        in FLAT_APPENDIX
+    assert "This small model's gradients all fit in DDP's first bucket" in FLAT
