@@ -678,3 +678,17 @@ def test_the_unused_parameter_case_fits_in_one_bucket():
     assert mib < cap and f"{params:,} fp32 parameters, {mib:.2f} MiB" in FLAT_APPENDIX and f"`--bucket-mb` {cap:g}" \
         in FLAT_APPENDIX
     assert "This small model's gradients all fit in DDP's first bucket" in FLAT
+
+
+def test_the_resume_fix_names_every_part_a_checkpoint_can_hold_and_why_the_loss_log_stays_out():
+    """Lab 14's resume exercise offers ch14.CHECKPOINT_PARTS: the chapter's fix says what each is and which to keep
+    out, so that the answer the job accepts can be found in the text."""
+    from labkit.exercises import ch14 as lab
+
+    case = BODY[BODY.index("### Resumed without the random state and the data position (`resume-without-rng`)"):]
+    fix = " ".join(case[case.index("**The fix.**"):case.index("**On a GPU (NCCL).**")].split())
+    words = {"model": "the model", "optimizer": "the optimizer", "rng": "random generators",
+             "data_position": "the loader's state", "step": "the step counter", "loss_history": "the log of losses"}
+    assert set(words) == set(lab.CHECKPOINT_PARTS)
+    assert all(said in fix for said in words.values()), fix
+    assert "Keep the log of losses out: written back on a restart, it erases what was logged since the" in fix
