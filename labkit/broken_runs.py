@@ -241,8 +241,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "(DistributedSampler's equal shards, or DDP's join() context, whose finished ranks shadow the others' "
             "all-reduces, also end the hang); a longer timeout only waits longer.",
         fix_kind="setting", hang_cause="skipped collective",
-        fixed_checks=("the agreed number of batches is one every rank holds",
-                      "every rank trained the shortest shard's batches")),
+        fixed_checks=("the agreed number of batches is one every rank can train",
+                      "every batch that all ranks hold was trained, on every rank")),
     # ---- FSDP --------------------------------------------------------------------------------------------------
     BrokenRun(
         name="checkpoint-one-shard", family="FSDP", script=CHECKPOINT_RESUME,

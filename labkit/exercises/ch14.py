@@ -588,7 +588,7 @@ def check_fix_collectives(sync) -> None:
     rank, with its own collectives, where the broken run hung."""
     case = broken_runs.case("mismatched-collectives")
     _fix_in_job(case.name, sync, "sync", args=case.args,
-                why="the same collectives on every rank, in the same order: the job finishes.")
+                why="the same collectives on every rank, in the same order: the job finishes and the weights agree.")
 
 
 CHECKPOINT_PARTS = ("model", "optimizer", "rng", "data_position", "step", "loss_history")   # fault_drill's HOLDABLE

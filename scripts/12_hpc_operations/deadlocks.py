@@ -264,10 +264,10 @@ def _check_fix(hang, ranks, report):
     if hang == "uneven-inputs":
         shortest = min(r["shard"] for r in ranks)
         agreed = [r["agreed"] for r in ranks]
-        report.check("the agreed number of batches is one every rank holds (1..the shortest shard)",
+        report.check("the agreed number of batches is one every rank can train (at least 1, none a rank lacks)",
                      all(1 <= n <= shortest for n in agreed), agreed, f"1..{shortest}")
         trained = [r["trained"] for r in ranks]
-        report.check("every rank trained the shortest shard's batches (batches each rank trained)",
+        report.check("every batch that all ranks hold was trained, on every rank (batches each rank trained)",
                      trained == [shortest] * len(ranks), trained, [shortest] * len(ranks))
     elif hang == "mismatched-collectives":
         weights = [r["weights after sync"] for r in ranks]   # each rank's own before the sync

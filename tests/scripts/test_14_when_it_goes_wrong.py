@@ -221,15 +221,15 @@ WRONG_IN_THE_JOB = {
     # wrong fixes that end without a hang: each fails a check of what the fix must achieve, not the hang's
     "uneven-inputs/none": (broken_runs.case("uneven-inputs").args,   # no rank trains at all
                            "def agreed_batches(batch_counts):\n    return 0\n",
-                           ("the agreed number of batches is one every rank holds",
-                            "every rank trained the shortest shard's batches")),
+                           ("the agreed number of batches is one every rank can train",
+                            "every batch that all ranks hold was trained, on every rank")),
     "uneven-inputs/negative": (broken_runs.case("uneven-inputs").args,
                                "def agreed_batches(batch_counts):\n    return -1\n",
-                               ("the agreed number of batches is one every rank holds",
-                                "every rank trained the shortest shard's batches")),
+                               ("the agreed number of batches is one every rank can train",
+                                "every batch that all ranks hold was trained, on every rank")),
     "uneven-inputs/one-short": (broken_runs.case("uneven-inputs").args,   # drops a batch every rank holds
                                 "def agreed_batches(batch_counts):\n    return min(batch_counts) - 1\n",
-                                ("every rank trained the shortest shard's batches",)),
+                                ("every batch that all ranks hold was trained, on every rank",)),
     "mismatched-collectives/nothing": (broken_runs.case("mismatched-collectives").args,   # no synchronisation
                                        "def sync(rank, tensor, collectives):\n    pass\n",
                                        ("the weights are the same on every rank after sync",)),
