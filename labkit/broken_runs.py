@@ -75,7 +75,7 @@ SEEN_BY = {
     "extra.param_diffs": "course", "extra.uninterrupted_losses": "course", "extra.micro_step_bytes": "course",
     "comm": "course", "checks": "course", "extra.journals": "course", "extra.cause": "course",
     "extra.verdict": "course", "extra.rank_grad_norms": "user", "extra.one_device_grad_norms": "course",
-    "extra.replica_weight_gaps": "course",
+    "extra.replica_weight_gaps": "user",   # each replica's shards summed and compared: any HSDP user can
 }
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class BrokenRun:
     #                             code the learner writes
     failing_checks: tuple[str, ...] = ()  # beginnings of check names that fail with the bug, pass with the fix
     hang_cause: str | None = None       # a hang: the diagnosis its journal must give (the fixed run's: "none")
+    fixed_checks: tuple[str, ...] = ()  # beginnings of checks a fixed run must also run and pass (what a hang's fix
+    #                                     must achieve besides ending: a fix that drops the work ends too)
     prepare_args: tuple[str, ...] = ()  # a run before ``args`` in the same {run_dir}: the interrupted job
     fixed_prepare_args: tuple[str, ...] = ()
     wrong_fixes: tuple[tuple[tuple[str, ...], str], ...] = ()  # (args, why it is wrong): still broken
@@ -209,7 +211,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         symptom="Step 0 trains, but its line says 0 bytes all-reduced; at step 1 every rank stops with "
                 "RuntimeError: 'Expected to have finished reduction in the prior iteration before starting a new "
                 "one' (torch's words).",
-        evidence=("checks", "extra.micro_step_bytes"),
+        evidence=("output", "checks", "extra.micro_step_bytes"),
         cause="A parameter the forward never uses (an extra head) was wrapped by DDP without "
               "find_unused_parameters: its gradient never comes, so its bucket is never all-reduced, and the next "
               "forward refuses to start (torch/csrc/distributed/c10d/reducer.cpp, ensure_prior_reduction_finished).",
@@ -238,7 +240,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Agree on the shortest shard first (all-reduce MIN of the batch counts) and all train that many "
             "(DistributedSampler's equal shards, or DDP's join() context, whose finished ranks shadow the others' "
             "all-reduces, also end the hang); a longer timeout only waits longer.",
-        fix_kind="setting", hang_cause="skipped collective"),
+        fix_kind="setting", hang_cause="skipped collective",
+        fixed_checks=("the agreed number of batches is one every rank can train",
+                      "every batch that all ranks hold was trained, on every rank")),
     # ---- FSDP --------------------------------------------------------------------------------------------------
     BrokenRun(
         name="checkpoint-one-shard", family="FSDP", script=CHECKPOINT_RESUME,
@@ -319,7 +323,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Gather on every rank and save from rank 0: get_model_state_dict(model, options=StateDictOptions("
             "full_state_dict=True, cpu_offload=True)) keeps the result on rank 0 alone; or save shards with "
             "torch.distributed.checkpoint.",
-        fix_kind="function", hang_cause="skipped collective"),
+        fix_kind="function", hang_cause="skipped collective",
+        fixed_checks=("one file written, by rank 0", "rank 0 saved every weight whole")),
     BrokenRun(
         name="per-rank-init", family="FSDP", script=TRAIN_FSDP,
         on_nccl="The same: no error, the replicas apart; nothing in NCCL's logs.",
@@ -446,6 +451,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Every rank issues the same collectives on a group in the same order (no rank-dependent branch around "
             "them).",
         fix_kind="function", hang_cause="mismatched collectives",
+        fixed_checks=("the weights are the same on every rank after sync",),
         gpu_note="two different collectives paired on NCCL are undefined behaviour, not a clean hang (chapter 12)"),
     BrokenRun(
         name="resume-without-rng", family="operations", script=FAULT_DRILL,
@@ -506,7 +512,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         look_alikes=("slow-rank", "uneven-inputs", "a network failure"),
         fix="Share the evaluation: each rank evaluates its part of the validation set and the sums are "
             "all-reduced; raising the timeout only waits longer, and a longer evaluation breaks it again.",
-        fix_kind="function", hang_cause="late rank"),
+        fix_kind="function", hang_cause="late rank",
+        fixed_checks=("every validation batch evaluated once", "each rank evaluated an equal share")),
 )
 
 
@@ -581,7 +588,7 @@ def fix_holds(run: BrokenRun, metrics: dict | None) -> list[str]:
         return ["the run wrote no metrics"]
     problems = [f"check failed: {name}" for name in sorted(_failed_checks(metrics))]
     names = [c["name"] for c in metrics.get("checks", [])]
-    problems += [f"check '{prefix}...' did not run" for prefix in run.failing_checks
+    problems += [f"check '{prefix}...' did not run" for prefix in run.failing_checks + run.fixed_checks
                  if not any(name.startswith(prefix) for name in names)]
     if run.hang and (metrics.get("extra") or {}).get("cause") != "none":
         problems.append(f"the journal still finds a hang: {(metrics.get('extra') or {}).get('cause')!r}")

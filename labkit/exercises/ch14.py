@@ -7,7 +7,8 @@ things of each:
 
 * **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
   what it would have shown, and which of the run's own evidence to look at again (never the answer);
-* **the fix** (``check_fix_*``): a small function or setting, always run inside the job. A function is written to
+* **the fix** (``check_fix_*``): a small function or setting, run inside the job (all but
+  :func:`check_fix_first_nonfinite`, a reading of losses judged on hand-made runs). A function is written to
   a file (:func:`learner_file`) that the case's script loads with its flag (``--fix-from``, or the older
   ``--data-shard-from``, ``--wrappers-from``, ``--optimizer-from``) and calls on every rank in place of its own
   code; a setting goes in as the script's flag (``--microbatches``, ``--reduce-dtype``, ``--checkpoint-holds``).
@@ -508,7 +509,7 @@ DATA_PARALLEL_CHECKS = (("the training samplers' first epoch", "rank_sampler"),
 
 @learner_check
 def check_fix_ranks_that_disagree(rank_sampler, synchronises, epoch_indices) -> None:
-    """Runs 7, 8 and 9's fixes in one run of train_ddp.py: the three functions in one file (--fix-from), each
+    """Part 3's three fixes in one run of train_ddp.py: the three functions in one file (--fix-from), each
     called on every rank where the script's own code was (what check_fix_sampler, check_fix_accumulation and
     check_fix_set_epoch do one at a time). A check of the run that fails is said with the function it judges."""
     path = learner_files({"rank_sampler": rank_sampler, "synchronises": synchronises, "epoch_indices": epoch_indices})
@@ -584,10 +585,10 @@ def check_fix_loss_rank(loss_rank) -> None:
 def check_fix_collectives(sync) -> None:
     """``sync(rank, tensor, collectives)``: the step's synchronisation, calling ``collectives.all_reduce(tensor)``
     or ``collectives.broadcast(tensor, src)``. Run inside the job: deadlocks.py calls it (--fix-from) on every
-    rank, with its own collectives, where run 1 hung."""
+    rank, with its own collectives, where the broken run hung."""
     case = broken_runs.case("mismatched-collectives")
     _fix_in_job(case.name, sync, "sync", args=case.args,
-                why="the same collectives on every rank, in the same order: the job finishes.")
+                why="the same collectives on every rank, in the same order: the job finishes and the weights agree.")
 
 
 CHECKPOINT_PARTS = ("model", "optimizer", "rng", "data_position", "step", "loss_history")   # fault_drill's HOLDABLE
@@ -612,7 +613,7 @@ def check_fix_resume_state(checkpoint_contents) -> None:
 
 @learner_check
 def check_fix_straggler(straggler) -> None:
-    """``straggler(ranks)``: the rank that holds the others back, from each rank's row of the profile (run 2's
+    """``straggler(ranks)``: the rank that holds the others back, from each rank's row of the profile (the run's
     ``extra.ranks``: {"rank", "kinds": {"compute", "communication", "overlapped", "idle"}, "before_sync_seconds",
     ...}). Run inside the job: profile_step.py (--fix-from) calls it on the profiled steps' rows, removes the extra
     work of the rank it names (as draining that rank's node would), and measures more steps."""

@@ -278,6 +278,7 @@ def main():
                             cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                             pin_memory=args.cpu_offload and rt.device_type == "cuda",  # pinning needs a GPU
                             planted_bug=args.planted_bug, compile_blocks=args.compile, reduce_dtype=args.reduce_dtype)
+        model_seed = args.seed   # the seed this rank built the whole model from; rank 0's seeds the reference too
         if args.optimizer_from:   # chapter 14's lab: the learner's order of sharding and AdamW, run here
             learner = runpy.run_path(args.optimizer_from)["shard_and_optimizer"]
             model = models.build_transformer(cfg, seed=args.seed, device=rt.device)
@@ -297,6 +298,7 @@ def main():
             if args.model_seed_from:   # chapter 14's lab: the learner's seed, run here
                 seed = runpy.run_path(args.model_seed_from)["model_seed"](args.seed, rt.rank)
                 rt.require(isinstance(seed, int), f"model_seed() returned {seed!r}, not an int")
+            model_seed = seed
             model = apply_fsdp(models.build_transformer(cfg, seed=seed, device=rt.device), **fsdp_options)
         else:
             model = materialize_on_meta(cfg, args.seed, rt.device, **fsdp_options)
@@ -305,9 +307,11 @@ def main():
         baseline = None
         if compare:
             start_weights = full_parameters(model)  # collective: every rank
-            if rt.rank == 0:   # built from the seed, independently: a sharding or init bug cannot leak into it
+            if rt.rank == 0:   # built from the seed, independently: a sharding or init bug cannot leak into it. The
+                # seed is the one rank 0 built its model from (--seed, or a learner's model_seed(): any one seed
+                # shared by every rank is a right fix of per-rank-init); the data still come from --seed
                 baseline = Baseline(cfg, args.seed, args.lr, rt.device, max_grad_norm=args.max_grad_norm,
-                                    model=single_device_model(cfg, args.seed, args.init, rt.device))
+                                    model=single_device_model(cfg, model_seed, args.init, rt.device))
                 report.check_close("initial full weights (gathered from the shards) = the single-device model's, "
                                    "built from the seed", start_weights, list(baseline.model.parameters()), 0.0)
         local = next(iter(model.parameters())).to_local()

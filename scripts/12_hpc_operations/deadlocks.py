@@ -41,6 +41,7 @@ the timeout.
 """
 
 import datetime
+import json
 import os
 import sys
 import time
@@ -137,17 +138,23 @@ def program(args, rt, journal, pairs, fixes=None):
             with journal.call("count batches", "all_gather", order=ORDER["count batches"]):
                 dist.all_gather(counts, batches, async_op=True).wait(wait)
             batches.fill_(int(fixes["agreed_batches"]([int(c.item()) for c in counts])))
+        trained = 0
         for i in range(int(batches.item())):
             if i == len(shard):   # out of data: the loop ends here, as a DataLoader's does
                 break
             t.fill_(shard[i])   # stands for batch i's gradient (a rank never trains a batch it does not have)
             collective("gradient all-reduce", "all_reduce")
-        return
-    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched; a learner's sync() decides)
+            trained += 1
+        # the fix's evidence, compared over the ranks once all have finished
+        return {"per_rank": {"shard": len(shard), "agreed": int(batches.item()), "trained": trained}}
+    # sync weights: everyone all-reduces (rank 0 broadcasts instead, when mismatched; a learner's sync() decides).
+    # Before it each rank's weights are its own (rank + 1), as after a local step; after it they must agree.
+    t.fill_(rank + 1)
     if "sync" in fixes:
         fixes["sync"](rank, t, Collectives(collective))
     else:
         collective("sync weights", "broadcast" if bug == "mismatched-collectives" and rank == 0 else "all_reduce")
+    synced = t.tolist()
     # each pair averages over its own group; ranks 2 and 3 forget group= when the bug is planted
     pair_index = rank // 2
     if bug == "wrong-group" and pair_index == 1:
@@ -172,6 +179,7 @@ def program(args, rt, journal, pairs, fixes=None):
     # a barrier under a condition, the step's last collective: the last rank skips it when the bug is planted
     if not (bug == "skipped-barrier" and rank == rt.world_size - 1):
         collective("barrier before logging", "barrier")
+    return {"per_rank": {"weights after sync": synced}}
 
 
 def save_full_state(args, rt, journal, collective, save_model=None):
@@ -244,7 +252,31 @@ def evaluate(args, rt, journal, collective, evaluation_share=None):
             dist.all_reduce(t, async_op=True).wait(datetime.timedelta(seconds=rt.pg_timeout_s))
         sums = [int(v) for v in t.tolist()]
     collective("next step", "all_reduce")
-    return {"evaluation_seconds": share, "evaluation_sums": sums}
+    return {"evaluation_seconds": share, "evaluation_sums": sums,
+            "per_rank": {"batches": len(mine), "seconds": share}}
+
+
+CHECKED_FIXES = ("uneven-inputs", "mismatched-collectives", "rank-0-evaluation")   # _check_fix's hangs
+
+
+def _check_fix(hang, ranks, report):
+    """Rank 0's checks of what a fix must achieve, beyond ending without a hang: ``ranks``, each rank's record."""
+    if hang == "uneven-inputs":
+        shortest = min(r["shard"] for r in ranks)
+        agreed = [r["agreed"] for r in ranks]
+        report.check("the agreed number of batches is one every rank can train (at least 1, none a rank lacks)",
+                     all(1 <= n <= shortest for n in agreed), agreed, f"1..{shortest}")
+        trained = [r["trained"] for r in ranks]
+        report.check("every batch that all ranks hold was trained, on every rank (batches each rank trained)",
+                     trained == [shortest] * len(ranks), trained, [shortest] * len(ranks))
+    elif hang == "mismatched-collectives":
+        weights = [r["weights after sync"] for r in ranks]   # each rank's own before the sync
+        report.check("the weights are the same on every rank after sync (each rank's, rank + 1 before)",
+                     all(w == weights[0] for w in weights), [w[0] for w in weights], "one value")
+    elif hang == "rank-0-evaluation":
+        shares = [r["batches"] for r in ranks]   # a batch costs the same everywhere: the time goes with the count
+        report.check("each rank evaluated an equal share (batches per rank, largest - smallest <= 1)",
+                     max(shares) - min(shares) <= 1, shares, "within 1 batch")
 
 
 def main():
@@ -313,6 +345,8 @@ def main():
             if outcome and "files_written" in outcome:   # counted in the store, before this rank says finished
                 store.add(f"deadlocks/{args.hang}/files_by_{'rank_0' if rt.rank == 0 else 'others'}",
                           outcome["files_written"])
+            if outcome and "per_rank" in outcome:   # what each rank did, for rank 0's checks of the fix
+                store.set(f"deadlocks/{args.hang}/per_rank/{rt.rank}", json.dumps(outcome["per_rank"]))
             journal.finish("finished")
         except Exception as exc:  # gloo/NCCL raise when the timeout expires (or at once under DETAIL)
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -356,7 +390,7 @@ def main():
             written = [int(store.add(f"{prefix}/files_by_{who}", 0)) for who in ("rank_0", "others")]
             report.check("one file written, by rank 0 (files by rank 0, by the others)", written == [1, 0],
                          written, [1, 0])
-            if rt.rank == 0 and outcome["saved_shapes"]:
+            if rt.rank == 0:   # None when rank 0 saved nothing: the check fails, it is not skipped
                 report.check("rank 0 saved every weight whole (the full state, not its shard)",
                              outcome["saved_shapes"] == outcome["whole_shapes"], outcome["saved_shapes"],
                              outcome["whole_shapes"])
@@ -365,6 +399,9 @@ def main():
             want = [len(every), sum(every), sum(b * b for b in every)]
             report.check("every validation batch evaluated once (count, sum and squares of the ids)",
                          outcome["evaluation_sums"] == want, outcome["evaluation_sums"], want)
+        if finding["cause"] == "none" and rt.rank == 0 and args.hang in CHECKED_FIXES:   # what each rank did
+            ranks = [json.loads(store.get(f"{prefix}/per_rank/{r}")) for r in range(rt.world_size)]
+            _check_fix(args.hang, ranks, report)
         report.extra = {"cause": finding["cause"], "verdict": finding["verdict"], "seconds_to_diagnosis": elapsed,
                         "error": error, "journals": journals, "flight_recorder": recorded,
                         **({"outcome": outcome} if outcome else {})}

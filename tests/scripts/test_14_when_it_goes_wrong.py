@@ -133,8 +133,8 @@ def clip_gradients(model, max_norm):   # a wrong fix of local-grad-norm: each ra
     return norm
 
 
-def model_seed(seed, rank):   # a wrong fix of per-rank-init: one seed on every rank, but not the run's
-    return seed + 1
+def model_seed(seed, rank):   # a wrong fix of per-rank-init: the replicas agree, but a replica's shards come from
+    return seed + rank % 2    # two different models (ranks 0 and 2 hold the same shard, as do 1 and 3)
 
 
 @pytest.mark.parametrize("name, function, flag", [("data-by-global-rank", data_shard, "--data-shard-from"),
@@ -151,6 +151,21 @@ def test_a_wrong_fix_of_the_learners_own_code_fails_in_the_job(name, function, f
     result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
                                   args_override=broken_runs.case(name).fixed_args + (flag, path))
     assert result.returncode == 1 and broken_runs.fix_holds(broken_runs.case(name), result.metrics), result.tail()
+
+
+def one_other_seed(seed, rank):   # a right fix of per-rank-init: one seed on every rank, not the run's
+    return seed + 1
+
+
+def test_any_one_seed_shared_by_every_rank_fixes_per_rank_init(tmp_path, monkeypatch):
+    """The chapter's fix is one seed on every rank, not the run's --seed: a shared seed other than --seed passes
+    (the one-device reference is built from the seed rank 0 built its model from, by its own path)."""
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    path = ch14.learner_file(one_other_seed, "model_seed")
+    case = broken_runs.case("per-rank-init")
+    result = broken_runs.run_case(case.name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  args_override=case.fixed_args + ("--model-seed-from", path))
+    assert broken_runs.fix_holds(case, result.metrics) == [], result.tail()
 
 
 # Wrong fixes as a learner would write them, each run inside the job by its script's --fix-from (or the setting's
@@ -203,6 +218,28 @@ WRONG_IN_THE_JOB = {
     "unused-parameter": (broken_runs.DDP_RUN,   # the head's weight left out, its bias still wrapped
                          "def without_gradient(grads):\n    return [n for n, g in grads.items() if g is None][:1]\n",
                          ("every step's forward ran",)),
+    # wrong fixes that end without a hang: each fails a check of what the fix must achieve, not the hang's
+    "uneven-inputs/none": (broken_runs.case("uneven-inputs").args,   # no rank trains at all
+                           "def agreed_batches(batch_counts):\n    return 0\n",
+                           ("the agreed number of batches is one every rank can train",
+                            "every batch that all ranks hold was trained, on every rank")),
+    "uneven-inputs/negative": (broken_runs.case("uneven-inputs").args,
+                               "def agreed_batches(batch_counts):\n    return -1\n",
+                               ("the agreed number of batches is one every rank can train",
+                                "every batch that all ranks hold was trained, on every rank")),
+    "uneven-inputs/one-short": (broken_runs.case("uneven-inputs").args,   # drops a batch every rank holds
+                                "def agreed_batches(batch_counts):\n    return min(batch_counts) - 1\n",
+                                ("every batch that all ranks hold was trained, on every rank",)),
+    "mismatched-collectives/nothing": (broken_runs.case("mismatched-collectives").args,   # no synchronisation
+                                       "def sync(rank, tensor, collectives):\n    pass\n",
+                                       ("the weights are the same on every rank after sync",)),
+    "full-state-on-rank-0/empty": (broken_runs.case("full-state-on-rank-0").args,   # a file, but no gather
+                                   "def save_model(rank, gather_full_state, save):\n    if rank == 0:\n"
+                                   "        save({})\n", ("rank 0 saved every weight whole",)),
+    "rank-0-evaluation/lopsided": (broken_runs.case("rank-0-evaluation").args,   # under the timeout, unequal
+                                   "def evaluation_share(batches, rank, world_size):\n"
+                                   "    return [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11]][rank]\n",
+                                   ("each rank evaluated an equal share",)),
 }
 
 
@@ -213,6 +250,7 @@ def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
     too. The resume's wrong answer holds every part a checkpoint can: loss_history, written back on the restart,
     erases the record of the step trained twice."""
     args, source, failing = WRONG_IN_THE_JOB[name]
+    name = name.split("/")[0]   # "case/which wrong fix": a case tried with more than one wrong fix
     extra = ()
     if source is not None:
         (tmp_path / "fix.py").write_text(source)

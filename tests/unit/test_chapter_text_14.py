@@ -574,6 +574,11 @@ def test_who_can_see_each_cases_evidence_is_the_registrys():
     assert table in APPENDIX and table not in BODY
     assert broken_runs.SEEN_BY["extra.diffs.baseline_loss"] == "course" == broken_runs.SEEN_BY["extra.journals"]
     assert broken_runs.SEEN_BY["extra.rank_losses"] == "user" == broken_runs.SEEN_BY["extra.flight_recorder"]
+    # torch's own error, printed on every rank, is unused-parameter's first evidence: any user reads it
+    assert broken_runs.case("unused-parameter").evidence[0] == "output"
+    # per-rank-init's replicas compared shard by shard: train_fsdp.py's own words, "what any HSDP user can check"
+    assert broken_runs.SEEN_BY["extra.replica_weight_gaps"] == "user"
+    assert "what any HSDP user can check" in (ROOT / "scripts/05_fully_sharded/train_fsdp.py").read_text()
 
 
 def test_the_nccl_lines_of_the_gpu_look():
@@ -581,11 +586,19 @@ def test_the_nccl_lines_of_the_gpu_look():
     import torch
 
     c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
-    header = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()[59:84]
+    header = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()[59:85]
     for name in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_DESYNC_DEBUG"):
         assert any(f'"{name}"' in line for line in header), name
-    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:60-84)" in FLAT_APPENDIX
+    assert header[-1].strip() == '"NCCL_DESYNC_DEBUG"};'   # the last name's declaration ends on the range's line
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:60-85)" in FLAT_APPENDIX
+    # the flight recorder dumps on a timeout by default: torch 2.13's own test has to turn it off
+    test = (Path(torch.__file__).parent / "testing" / "_internal" / "distributed" / "distributed_test.py") \
+        .read_text().splitlines()
+    assert "disable TORCH_NCCL_DUMP_ON_TIMEOUT otherwise this test times out" in test[8941]
+    assert test[8942].strip() == 'os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"'
+    assert "torch/testing/_internal/distributed/distributed_test.py:8942-8943" in FLAT_APPENDIX
+    assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in FLAT and "dumps them on a timeout by default" in FLAT
     fsdp = (Path(torch.__file__).parent / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_collectives.py") \
         .read_text().splitlines()
     assert "use NCCL's built-in division" in fsdp[829] and "torch.float32, torch.bfloat16" in fsdp[830]
@@ -605,3 +618,77 @@ def test_what_the_gpu_look_rests_on_is_cited():
     assert "full utilisation at low power" in section_of("slow-rank")
     assert "OpType=_ALLGATHER_BASE" in section_of("full-state-on-rank-0") and "OpType=_ALLGATHER_BASE" in APPENDIX
     assert "OpType=ALLREDUCE" in section_of("rank-0-evaluation")
+
+
+def _number_word(n: int) -> str:
+    """21 -> "twenty-one": how the chapter writes a count."""
+    ones = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
+           "seventeen eighteen nineteen".split()
+    tens = {2: "twenty", 3: "thirty", 4: "forty"}
+    return ones[n] if n < 20 else tens[n // 10] + ("" if n % 10 == 0 else "-" + ones[n % 10])
+
+
+def test_the_first_pages_counts_are_the_registrys_and_the_pictures():
+    """The count of broken runs is the registry's, the count of paths that start "off one device" is the
+    picture's, and question 2 is not said to find a single case (several cases' ranks disagree)."""
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    runs = _number_word(len(registry().BROKEN_RUNS))
+    assert f"answers with {runs} broken runs" in first
+    assert f"![{runs.capitalize()} paths" in first
+    alike = sum(words[0].startswith("off one device") for words in ch14.PATHS.values())
+    assert f"{_number_word(alike)} runs look alike: \"off one device\"" in first
+    assert "Question 2 finds the cases whose ranks disagree" in first and "the one wrong-numbers case" not in first
+    assert _number_word(21) == "twenty-one" and _number_word(4) == "four" and _number_word(30) == "thirty"
+
+
+def test_no_run_number_is_tied_to_its_case_before_the_learner_names_it():
+    """The lab's runs are numbered so that a number says nothing of the cause. The chapter never speaks of a run
+    by its number; the learner's copy mentions a run before the part that asks for its cause only in the range
+    of names ("`run 1` to `run 21`") or in a call that shows it; the checks' help() names no run."""
+    import inspect
+    import json
+
+    from labkit.exercises import ch14 as lab
+
+    number = re.compile(r"\b[Rr]uns? \d+")
+    assert not number.findall(CHAPTER), number.findall(CHAPTER)
+    cells = ["".join(c["source"]) for c in
+             json.loads((ROOT / "notebooks/student/14_when_it_goes_wrong.ipynb").read_text())["cells"]]
+    neutral = re.compile(r"`run 1` to `run \d+`|exercises\.run\(\"run \d+\"\)")
+    parts = [i for i, cell in enumerate(cells) if cell.startswith("## Part ")]   # in the order of lab.PARTS
+    assert len(parts) == len(lab.PARTS)
+    for first, (part, runs) in zip(parts, lab.PARTS.items()):
+        for cell in cells[:first]:
+            said = {f"run {n}" for n in re.findall(r"\b[Rr]uns? (\d+)", neutral.sub("", cell))}
+            assert not said & set(runs), (part, said & set(runs), cell[:300])
+    for name, check in inspect.getmembers(lab, inspect.isfunction):
+        if name.startswith("check_fix"):
+            assert not number.findall(check.__doc__ or ""), name
+
+
+def test_the_unused_parameter_case_fits_in_one_bucket():
+    """Why unused-parameter's step 0 all-reduces 0 bytes: the whole tiny model fits in one DDP bucket of
+    train_ddp.py's default cap, so the bucket that waits for the head's gradient is the only one."""
+    from distlab import models
+
+    params = sum(p.numel() for p in models.build_transformer(models.preset("tiny"), seed=0, device="cpu").parameters())
+    mib = params * 4 / 2**20
+    script = (ROOT / "scripts/04_data_parallel/train_ddp.py").read_text()
+    cap = float(re.search(r'"--bucket-mb", type=runtime.positive_float, default=([\d.]+)', script).group(1))
+    assert mib < cap and f"{params:,} fp32 parameters, {mib:.2f} MiB" in FLAT_APPENDIX and f"`--bucket-mb` {cap:g}" \
+        in FLAT_APPENDIX
+    assert "This small model's gradients all fit in DDP's first bucket" in FLAT
+
+
+def test_the_resume_fix_names_every_part_a_checkpoint_can_hold_and_why_the_loss_log_stays_out():
+    """Lab 14's resume exercise offers ch14.CHECKPOINT_PARTS: the chapter's fix says what each is and which to keep
+    out, so that the answer the job accepts can be found in the text."""
+    from labkit.exercises import ch14 as lab
+
+    case = BODY[BODY.index("### Resumed without the random state and the data position (`resume-without-rng`)"):]
+    fix = " ".join(case[case.index("**The fix.**"):case.index("**On a GPU (NCCL).**")].split())
+    words = {"model": "the model", "optimizer": "the optimizer", "rng": "random generators",
+             "data_position": "the loader's state", "step": "the step counter", "loss_history": "the log of losses"}
+    assert set(words) == set(lab.CHECKPOINT_PARTS)
+    assert all(said in fix for said in words.values()), fix
+    assert "Keep the log of losses out: written back on a restart, it erases what was logged since the" in fix
