@@ -116,7 +116,7 @@ def debug_env(trace_dir: str) -> dict:
       torch/csrc/distributed/c10d/FlightRecorder.cpp; declared in the wheel's
       include/torch/csrc/distributed/c10d/FlightRecorder.hpp:73, and libtorch_cpu.so carries the strings
       XDG_CACHE_HOME, /.cache and comm_lib_trace_rank_): a home folder, small on a cluster and shared by every job;
-      ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's watchdog dumps when it sees a timeout.
+      ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (on by default): NCCL's watchdog dumps when it sees a timeout.
     Variables already set are kept. The watchdog does not create its folder: :func:`prepare_trace_dir` does."""
     wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, WATCHDOG_DUMPS, DUMP_PREFIX)}

@@ -833,3 +833,11 @@ def test_the_too_few_messages_case_names_its_pipelines():
     assert ("Each pair of ranks runs a two-stage pipeline: rank 0 sends its microbatches to rank 1, and rank 2 to "
             "rank 3.") in flat(CHAPTER)
     assert "So the second stage (rank 1, and rank 3) waits for a fourth microbatch" in flat(CHAPTER)
+
+
+def test_the_flight_recorder_dumps_on_a_timeout_by_default():
+    # torch 2.13's own distributed test must set TORCH_NCCL_DUMP_ON_TIMEOUT=0 to stop the dump (chapter 14's
+    # appendix quotes those lines): the chapter must not make it sound opt-in
+    text = " ".join(chapters.text("12").split())
+    assert "With `TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in text
+    assert "By default (`TORCH_NCCL_DUMP_ON_TIMEOUT` is on), each rank dumps its buffer" in text
