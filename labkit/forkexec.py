@@ -137,6 +137,8 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
     (closes the connection) first."""
     import select
 
+    program = 0
+    ended = False
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # the server ignores SIGCHLD: this child must wait
@@ -150,17 +152,27 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
         while True:
             done, status = os.waitpid(program, os.WNOHANG)
             if done:
+                ended = True
                 break
             readable, _, _ = select.select([connection], [], [], 0.05)
-            if readable and not connection.recv(64):    # the client is gone (killed): the program goes too
+            if readable:
+                try:
+                    gone = not connection.recv(64)
+                except OSError:                          # reset: gone as surely as closed
+                    gone = True
+                if gone:                                 # the client was killed: the program goes too
+                    break
+        if ended:
+            how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
+                f"exit {os.waitstatus_to_exitcode(status)}"
+            connection.sendall(f"{how}\n".encode())
+    finally:
+        if program and not ended:                        # whatever went wrong here, nothing outlives the client
+            try:
                 os.kill(program, signal.SIGKILL)
                 os.waitpid(program, 0)
-                os._exit(0)
-        if os.WIFSIGNALED(status):
-            connection.sendall(f"signal {os.WTERMSIG(status)}\n".encode())
-        else:
-            connection.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
-    finally:
+            except OSError:
+                pass
         os._exit(0)
 
 
