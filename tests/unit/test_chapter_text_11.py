@@ -513,6 +513,29 @@ def test_the_22b_row_is_slowed_by_attention_not_by_smaller_gemms(text):
     assert "its GEMMs are the smallest here" not in text and "larger GEMMs have higher arithmetic" not in text
 
 
+def test_the_block_gemm_shapes_are_the_ones_the_planner_times(text):
+    """11.3's list of a block's GEMMs on one TP rank: the QKV columns keep at least one key/value head per rank
+    (h/t + 2 g), and the MLP is f wide, SwiGLU's first GEMM 2f (gate and up) under LLaMA, 4h under GPT."""
+    from distlab.planner import gemm
+    from distlab.planner.spec import ModelSpec
+
+    def shapes(model, tp):
+        return {g.name: (g.n, g.k) for g in gemm.block_gemms(model, tp, 1, 1, True, 1)}
+
+    h, d, t = 8192, 128, 8
+    llama = ModelSpec("llama-like", 80, h, h // d, 8, 28672, 128256, 4096)          # 8 K/V heads, f = 3.5 h
+    mqa = ModelSpec("one-kv-head", 80, h, h // d, 1, 28672, 128256, 4096)           # 1 K/V head: under t
+    gpt = ModelSpec("gpt-like", 80, h, h // d, h // d, 4 * h, 51200, 2048, architecture="gpt")
+    assert shapes(llama, t)["qkv"] == (h // t + 2 * (8 // t) * d, h)
+    assert shapes(mqa, t)["qkv"] == (h // t + 2 * d, h)                             # one whole head, not d / t
+    assert shapes(llama, t)["mlp up"] == (2 * 28672 // t, h) and shapes(llama, t)["mlp down"] == (h, 28672 // t)
+    assert shapes(gpt, t)["mlp up"] == (4 * h // t, h) and shapes(gpt, t)["mlp down"] == (h, 4 * h // t)
+    assert ("Queries, keys and values: h x (h/t + 2 g), g a rank's key/value width (at least one head). The output "
+            "projection: h/t x h; the MLP: h x f/t (2f/t, gate and up, in LLaMA's SwiGLU) and f/t x h, f the "
+            "feed-forward width (4h in GPT).") in text
+    assert "(h + 2 k)/t" not in text and "4h/t x h" not in text
+
+
 def test_the_megatron_core_rows_show_their_overlapped_tp(raw):
     """Megatron-LM's README runs its H100 weak-scaling models with '--tp-comm-overlap' (README.md:104 at sources'
     MEGATRON_HEAD); the planner's rows overlap TP (Options.async_tp) and the settings column must say so, since the
