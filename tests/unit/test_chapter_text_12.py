@@ -875,3 +875,15 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "An agent waits only 30 s for them, then sends SIGKILL (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`" in readme
     assert "DISTLAB_DRILL_STEP_SECONDS=30,TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90" in readme
 
+
+def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
+    # scancel --signal=TERM reaches the steps, not the batch shell (its trap never runs): the job goes on
+    readme = flat((ROOT / "slurm" / "README.md").read_text())
+    assert "`scancel --signal=TERM <id>` stops it with a checkpoint" not in readme
+    assert ("`scancel --signal=TERM <id>` signals only the job's steps: the running drill checkpoints and stops "
+            "(torchrun then exits with an error, so the summary reads `FAILED`), but the batch shell hears nothing "
+            "and goes on to its next launches") in readme
+    assert "signal the batch shell as the warning does: `scancel --batch --signal=USR1 <id>`" in readme
+    job = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@" in job and "trap distlab_on_walltime_warning USR1" in (
+        ROOT / "slurm" / "common.sh").read_text()
