@@ -887,3 +887,14 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
     job = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
     assert "#SBATCH --signal=B:USR1@" in job and "trap distlab_on_walltime_warning USR1" in (
         ROOT / "slurm" / "common.sh").read_text()
+
+
+def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
+    # a plain Slurm scancel signals the batch step too; its srun forwards SIGKILL (the chapter says so of the limit):
+    # only a TERM to the steps first, or PBS's qdel with its kill_delay, leaves the sigwait thread time to act
+    text = flat(CHAPTER)
+    assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
+    assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
+            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` leaves none to rely on") in text
+    assert "forwards SIGKILL to its tasks at once" in flat((ROOT / "slurm" / "README.md").read_text())
+    assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
