@@ -898,3 +898,13 @@ def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
             "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` leaves none to rely on") in text
     assert "forwards SIGKILL to its tasks at once" in flat((ROOT / "slurm" / "README.md").read_text())
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
+
+
+def test_the_warnings_trap_names_the_handler_that_exists():
+    # distlab.runtime installs no signal handler; the drill's own on_sigterm is what writes the checkpoint
+    runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
+    assert "signal.signal(" not in runtime_source
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill
+    slurm = (ROOT / "slurm" / "common.sh").read_text()
+    assert "distlab.runtime's TERM handler" not in slurm and "fault_drill.py's own on_sigterm" in slurm
