@@ -160,9 +160,9 @@ distlab_deadline() {
 # which pass it to their workers, write their checkpoint and exit, and this shell's srun is not signalled. An agent
 # SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30) s after that TERM, so the rest of a step and a
 # save must fit in it (torch 2.13 elastic/agent/server/api.py:752-754, launcher/api.py:145-149). The limit itself
-# is no time to save: slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c, "forcing job
-# termination"), and with proctrack/cgroup every process of the step dies. A launch that writes no checkpoint goes
-# on: it may still end in time, and a TERM would save nothing.
+# is no time to save: slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its
+# tasks (src/srun/signals.c, "forcing job termination"), and with proctrack/cgroup every process of the step dies.
+# A launch that writes no checkpoint goes on: it may still end in time, and a TERM would save nothing.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-walltime warning} # a SIGTERM before it keeps its name
