@@ -507,7 +507,7 @@ def test_the_22b_row_is_slowed_by_attention_not_by_smaller_gemms(text):
     assert weights["22B"] == weights["175B"]
     assert runs["Megatron 22B, selective recomputation, 8 A100"].model.hidden * 2 == runs[
         "Megatron 175B, selective recomputation, 64 A100"].model.hidden
-    assert (f"its width, 6,144, is half the 175B run's, so at the same s = 2,048 attention's s x s work takes "
+    assert (f"Its width, 6,144, is half the 175B run's, so at the same s = 2,048 attention's s x s work takes "
             f"{shares['22B']:.0%} of a block's time in the model against {shares['175B']:.0%}").replace(
                 "%", " %") in text
     assert "its GEMMs are the smallest here" not in text and "larger GEMMs have higher arithmetic" not in text

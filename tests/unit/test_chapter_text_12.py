@@ -869,7 +869,7 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         assert save_start - step < warned < save_start + save       # in the last step or the save
         assert warned + 30 < save_start + save                       # the default SIGKILL comes first
     assert "long before any signal" not in text
-    assert (f"The checkpoint ends {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
+    assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
             "SIGTERM. Slurm's warning comes during it, so under torchrun the agents' 30 s (below) must be raised.") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "An agent waits only 30 s for them, then sends SIGKILL (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`" in readme
@@ -881,7 +881,7 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "`scancel --signal=TERM <id>` stops it with a checkpoint" not in readme
     assert ("`scancel --signal=TERM <id>` signals only the job's steps: the running drill checkpoints and stops "
-            "(torchrun then exits with an error, so the summary reads `FAILED`), but the batch shell hears nothing "
+            "(torchrun then exits with an error, so the summary reads `FAILED`). But the batch shell hears nothing "
             "and goes on to its next launches") in readme
     assert "signal the batch shell as the warning does: `scancel --batch --signal=USR1 <id>`" in readme
     job = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
