@@ -156,11 +156,13 @@ distlab_deadline() {
 # once (distlab_launch waits in the background). Nothing more is launched. A launch in progress that checkpoints
 # (DISTLAB_CHECKPOINTING) is stopped now, while there is time: `scancel --signal=TERM` sends TERM to the job's steps
 # and not to the batch step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), so
-# the ranks (distlab.runtime's TERM handler), or torchrun's agents, which pass it to their workers, write their
-# checkpoint and exit, and this shell's srun is not signalled. The limit itself is no time to save: slurmd then sends
-# TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c, "forcing job
-# termination"), and with proctrack/cgroup every process of the step dies. A launch that writes no checkpoint goes
-# on: it may still end in time, and a TERM would save nothing.
+# the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or torchrun's agents,
+# which pass it to their workers, write their checkpoint and exit, and this shell's srun is not signalled. An agent
+# SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30) s after that TERM, so the rest of a step and a
+# save must fit in it (torch 2.13 elastic/agent/server/api.py:752-754, launcher/api.py:145-149). The limit itself
+# is no time to save: slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its
+# tasks (src/srun/signals.c, "forcing job termination"), and with proctrack/cgroup every process of the step dies.
+# A launch that writes no checkpoint goes on: it may still end in time, and a TERM would save nothing.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-walltime warning} # a SIGTERM before it keeps its name

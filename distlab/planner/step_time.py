@@ -102,9 +102,10 @@ def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options =
 
 
 def compute_rate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Options = Options()) -> float:
-    """FLOP/s one GPU reaches on the model's compute: the dense peak x the share its block's GEMMs reach at their
-    shapes on one TP rank (planner.gemm: the roofline and a kernel's fixed cost) x the share of the time those GEMMs
-    take (``Cluster.gemm_time_share``, fitted once per GPU type)."""
+    """FLOP/s one GPU reaches on the model's compute: the block rate of one TP rank (planner.gemm.block_rate: the
+    block's FLOPs over the time of its GEMMs at their shapes' roofline plus a fixed cost each, and of its norms,
+    softmax and element-wise kernels at the memory's rate) x the kernel-gap factor (``Cluster.gemm_time_share``,
+    fitted once per GPU type), which covers what the block model leaves out: gaps between kernels, launches."""
     rate = block_rate(model, hardware_of(cluster), layout.tp, layout.cp, model.micro_batch, options.flash_attention,
                       layout.ep, sequence_parallel(options, layout))
     return rate * cluster.gemm_time_share

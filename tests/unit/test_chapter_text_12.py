@@ -841,3 +841,70 @@ def test_the_flight_recorder_dumps_on_a_timeout_by_default():
     text = " ".join(chapters.text("12").split())
     assert "With `TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in text
     assert "By default (`TORCH_NCCL_DUMP_ON_TIMEOUT` is on), each rank dumps its buffer" in text
+
+
+def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
+    # at the warning's TERM, torchrun's agent gives its workers shutdown_timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    # else 30 s), then SIGKILL: the chapter and the README must say so, and the figure's caption must not promise
+    # the save in the case it draws, where a warning lands in the last step or the save
+    import torch
+
+    from coursetools.drawings import ch12
+
+    elastic = Path(torch.__file__).parent / "distributed"
+    agent = (elastic / "elastic" / "agent" / "server" / "api.py").read_text().splitlines()
+    assert "except SignalException" in agent[751] and "timeout=self._shutdown_timeout" in agent[753]
+    launcher = " ".join((elastic / "launcher" / "api.py").read_text().splitlines()[144:149])
+    assert 'os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")' in launcher
+    text = flat(CHAPTER)
+    assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
+            "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
+    assert ("An agent SIGKILLs them 30 s later. So set `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` above the longest step plus a "
+            "save, and ask the warning earlier than that plus a margin.") in text
+    # the figure's case: 40 s steps, a 60 s save; Slurm sends the warning N to N + 30 s ahead
+    margin, warning, _ = ch12._job_constants()
+    step, save = 40, 60
+    save_start = ch12.stop_step(step, save, -600, -margin)
+    for warned in (-warning - 30, -warning):
+        assert save_start - step < warned < save_start + save       # in the last step or the save
+        assert warned + 30 < save_start + save                       # the default SIGKILL comes first
+    assert "long before any signal" not in text
+    assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
+            "SIGTERM. Slurm's warning comes during it, so under torchrun the agents' 30 s (below) must be raised.") in text
+    readme = flat((ROOT / "slurm" / "README.md").read_text())
+    assert "An agent waits only 30 s for them, then sends SIGKILL (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`" in readme
+    assert "DISTLAB_DRILL_STEP_SECONDS=30,TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90" in readme
+
+
+def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
+    # scancel --signal=TERM reaches the steps, not the batch shell (its trap never runs): the job goes on
+    readme = flat((ROOT / "slurm" / "README.md").read_text())
+    assert "`scancel --signal=TERM <id>` stops it with a checkpoint" not in readme
+    assert ("`scancel --signal=TERM <id>` signals only the job's steps: the running drill checkpoints and stops "
+            "(torchrun then exits with an error, so the summary reads `FAILED`). But the batch shell hears nothing "
+            "and goes on to its next launches") in readme
+    assert "signal the batch shell as the warning does: `scancel --batch --signal=USR1 <id>`" in readme
+    job = (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@" in job and "trap distlab_on_walltime_warning USR1" in (
+        ROOT / "slurm" / "common.sh").read_text()
+
+
+def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
+    # a plain Slurm scancel signals the batch step too; its srun forwards SIGKILL (the chapter says so of the limit):
+    # only a TERM to the steps first, or PBS's qdel with its kill_delay, leaves the sigwait thread time to act
+    text = flat(CHAPTER)
+    assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
+    assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
+            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` leaves none to rely on") in text
+    assert "forwards SIGKILL to its tasks at once" in flat((ROOT / "slurm" / "README.md").read_text())
+    assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
+
+
+def test_the_warnings_trap_names_the_handler_that_exists():
+    # distlab.runtime installs no signal handler; the drill's own on_sigterm is what writes the checkpoint
+    runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
+    assert "signal.signal(" not in runtime_source
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill
+    slurm = (ROOT / "slurm" / "common.sh").read_text()
+    assert "distlab.runtime's TERM handler" not in slurm and "fault_drill.py's own on_sigterm" in slurm
