@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+from distlab.runtime import free_port, write_whole_lines
+
 GRACE_SECONDS = 5.0
 
 
@@ -31,6 +33,7 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[s
                       GROUP_RANK="0", ROLE_RANK=str(rank))
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
+    write_whole_lines()   # before the script: its tracebacks too
     code = 0
     try:
         _record_point_to_point(rank)
@@ -78,7 +81,6 @@ def main() -> int:
     options = parser.parse_args()
 
     preload()
-    from distlab.runtime import free_port
 
     port = free_port()
     children: dict[int, int] = {}

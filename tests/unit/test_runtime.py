@@ -1,5 +1,15 @@
 """distlab.runtime: the scripts' shared flags."""
 
+import argparse
+import io
+import os
+import re
+import sys
+
+import pytest
+
+from distlab import runtime
+
 
 def test_the_learning_rate_follows_the_model_size():
     """3e-3 trains the laptop presets; the a100 preset diverged at 3e-3 on an H200 (loss 10.8 -> 11.4)."""
@@ -45,3 +55,52 @@ def test_ranks_agree_on_the_attempt_even_when_a_dead_attempts_announcement_is_re
     for thread in [late, *others]:
         thread.join(10)
     assert got == {0: 1, 1: 1, 2: 1}
+
+
+def _ranks_printing_to_one_pipe(whole_lines: bool, ranks: int = 4, lines: int = 2000) -> list[str]:
+    """What ``ranks`` forked processes print, each as an unbuffered rank does (PYTHONUNBUFFERED, which the
+    launchers set), into one pipe: ``print`` with several arguments, ``lines`` times each."""
+    read_end, write_end = os.pipe()
+    children = []
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:   # the child touches no torch: only its streams and print
+            code = 1
+            try:
+                os.close(read_end)
+                sys.stdout = io.TextIOWrapper(io.FileIO(write_end, "w", closefd=False), write_through=True)
+                if whole_lines:
+                    runtime.write_whole_lines()
+                for i in range(lines):
+                    print(f"rank {rank}:", "x" * 40, i)
+                sys.stdout.flush()
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    os.close(write_end)
+    with os.fdopen(read_end, "r") as pipe:
+        output = pipe.read()
+    for pid in children:
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return output.splitlines()
+
+
+def test_each_rank_writes_whole_lines_into_a_shared_pipe():
+    """Seen in make test: rank 0's ``checks: 2/3 passed`` ran into ``rank 2: [FAIL] ...`` on one line."""
+    lines = _ranks_printing_to_one_pipe(whole_lines=True)
+    pattern = re.compile(r"rank [0-3]: x{40} \d+")
+    assert len(lines) == 4 * 2000 and all(pattern.fullmatch(line) for line in lines), \
+        [line for line in lines if not pattern.fullmatch(line)][:3]
+
+
+def test_start_sends_whole_lines_before_anything_else(monkeypatch):
+    class Called(Exception):
+        pass
+
+    def called():
+        raise Called
+
+    monkeypatch.setattr(runtime, "write_whole_lines", called)
+    with pytest.raises(Called), runtime.start(argparse.Namespace(device="cpu", seed=0)):
+        pass
