@@ -249,7 +249,10 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
 # one make test phase to the next) choose how a run is started, not what it does.
 KEYED_ENVIRONMENT = ("DISTLAB_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "CUDA_", "MASTER_",
                      "PYTHONHASHSEED", "PYTHONPATH")
-NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER", "DISTLAB_FORK_SERVER_SOCKET")
+# Each make test phase starts its own fork server and rank-interpreter wrapper (RANK_PYTHON_ENV), at new paths:
+# keyed, no run of one phase would replay in the next. The timeline plugin's folder changes no run either.
+NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER", "DISTLAB_FORK_SERVER_SOCKET", RANK_PYTHON_ENV,
+             "DISTLAB_TEST_TIMELINE")
 
 
 def file_arguments(args: list[str], cwd: Path, metrics_path=None) -> list[Path]:

@@ -115,4 +115,6 @@ def test_the_ranks_environment_is_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")   # which caller launches it does not
     monkeypatch.setenv("DISTLAB_FORK_SERVER", "0")
     monkeypatch.setenv("DISTLAB_FORK_SERVER_SOCKET", "/tmp/another-phase/socket")   # each phase starts its own
+    monkeypatch.setenv(launch.RANK_PYTHON_ENV, "/tmp/another-phase/python")          # and its own wrapper
+    monkeypatch.setenv("DISTLAB_TEST_TIMELINE", "/tmp/another-timeline")
     assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first
