@@ -17,6 +17,12 @@ if "DISTLAB_LAUNCH_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["DISTLAB_LAUNCH_CACHE"], ignore_errors=True)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--expect-replays", action="store_true",
+                     help="the learner's copies: every run a cell shared with its full notebook starts must be "
+                          "replayed from the run the full notebook made earlier in this make test")
+
+
 def pytest_configure(config):
     """make test (DISTLAB_FORK_SERVER=1): one fork server for the whole run, started before the workers, so every
     worker, notebook kernel and subprocess forks its CPU launches from a process that imported torch once, instead

@@ -18,6 +18,7 @@ from coursetools import student
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = student.full_notebooks(REPO / "notebooks")
 CELL_TIMEOUT_S = 180
+LAUNCH_SHOWN = "$ torchrun "   # what labkit.launch prints as it starts a run (a replay says so instead)
 
 
 def _ids(paths):
@@ -74,7 +75,7 @@ def test_student_copy_contains_no_solution(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path):
+def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path, request):
     # Run All in the learner's copy, every exercise still a stub: each check cell says its exercise is not written
     # yet, and the notebook runs on to its last cell (a learner who answers exercise 2 first sees its check)
     copy_path = REPO / "notebooks" / "student" / path.name
@@ -95,6 +96,14 @@ def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path):
                 failures.append(f"cell {index}: a check cell passed in the learner's copy (a check that cannot fail)")
             elif "Not written yet: " not in text or "not written yet" not in text.split("Not written yet: ", 1)[1]:
                 failures.append(f"cell {index}: no 'not written yet' message: {text[:200]!r}")
+    if request.config.getoption("expect_replays"):
+        # make test: the full notebook ran first on the same cache. A run its cell starts again, not replayed,
+        # means the cache's key took in something that differs between make test's phases: it once re-ran them all
+        full_cells = {c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"}
+        failures += [f"cell {index} started its run again instead of replaying the full notebook's: {line}"
+                     for index, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.source in full_cells
+                     for output in cell.outputs if output.output_type == "stream"
+                     for line in output.get("text", "").splitlines() if line.startswith(LAUNCH_SHOWN)]
     assert not failures, "\n".join(failures)
 
 
