@@ -45,7 +45,9 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
 ## them, and restoring the files it left). Last, alone, the timing-sensitive tests. Every worker, notebook kernel and
 ## subprocess of a phase forks its CPU launches from one server that imported torch once (DISTLAB_FORK_SERVER,
-## labkit.forkserver, started by tests/conftest.py): a few hundred launches skip 2.4 s of imports each. torch.compile's tests (tests/scripts/test_compile.py) build
+## labkit.forkserver, started by tests/conftest.py): a few hundred launches skip 2.4 s of imports each; the notebooks'
+## kernels fork from it too (the python3 kernel tests/conftest.py puts first on JUPYTER_PATH). torch.compile's tests
+## (tests/scripts/test_compile.py) build
 ## inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on 2 busy cores its pool of workers cost
 ## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took
 ## 39; the tests check what is computed, not how fast). Each test process and notebook kernel computes on one thread
@@ -54,7 +56,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
-	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-current-env --nbval-kernel-startup-timeout=180 \
+	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-kernel-name=python3 --nbval-kernel-startup-timeout=180 \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load --expect-replays $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)

@@ -37,3 +37,7 @@ def pytest_configure(config):
         from labkit import launch
 
         os.environ[launch.RANK_PYTHON_ENV] = scheduler_python()
+        # and the notebooks' kernels (make test names the kernel, python3, instead of nbval's current environment)
+        from helpers import forked_kernels
+
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [forked_kernels(), os.environ.get("JUPYTER_PATH")]))

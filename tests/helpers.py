@@ -79,6 +79,25 @@ def scheduler_python() -> str:
 _SCHEDULER_PYTHON: str | None = None
 
 
+def forked_kernels() -> str:
+    """A Jupyter data folder (for JUPYTER_PATH, which Jupyter searches before the virtualenv's) whose ``python3``
+    kernel is the virtualenv's, started through :func:`scheduler_python`: make test's notebook kernels fork from the
+    server that imported torch once, a second a kernel sooner (28 full notebooks and learner's copies, and the
+    site's build). The spec is the virtualenv's own, less its ``-X`` option (the debugger's; forkexec hands
+    interpreter options to the real interpreter)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    installed = Path(sys.prefix) / "share" / "jupyter" / "kernels" / "python3" / "kernel.json"
+    spec = json.loads(installed.read_text())
+    spec["argv"] = [scheduler_python(), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    folder = Path(scheduler_python()).parent / "jupyter"
+    (folder / "kernels" / "python3").mkdir(parents=True, exist_ok=True)
+    (folder / "kernels" / "python3" / "kernel.json").write_text(json.dumps(spec, indent=1))
+    return str(folder)
+
+
 def forkexec_settings() -> dict[str, str]:
     """A job's settings that make its ranks fork from make test's server (empty when no server runs): the
     environment the PBS tier hands its jobs is cleaned of DISTLAB_*, the server's socket with it."""

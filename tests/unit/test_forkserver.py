@@ -1,5 +1,6 @@
 """The fork server make test uses: the same runs as a forkrun of its own, without importing torch every launch."""
 
+import os
 import time
 
 import pytest
@@ -92,3 +93,15 @@ def test_on_by_default_off_when_told(monkeypatch):
     assert forkserver.enabled()                     # a lab's launches: torch imported once, not once a launch
     monkeypatch.setenv(forkserver.ENABLE_ENV, "0")
     assert not forkserver.enabled()
+
+
+@pytest.mark.skipif(not os.environ.get(forkserver.SOCKET_ENV), reason="make test's fork server is not running")
+def test_make_tests_notebook_kernels_fork_from_its_server():
+    """make test runs the notebooks on the ``python3`` kernel tests/conftest.py puts first on JUPYTER_PATH: forked
+    from the server, it starts with torch already imported (a kernel of its own has not imported it)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys\nprint('torch' in sys.modules)")])
+    NotebookClient(nb, timeout=60, startup_timeout=180, kernel_name="python3").execute()
+    assert nb.cells[0].outputs[0]["text"].strip() == "True"
