@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,6 +126,7 @@ def _start_server() -> str:
         time.sleep(0.05)
     _started.update(process=process, path=path)
     os.environ[SOCKET_ENV] = path
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)   # after the kill below (atexit runs last first)
     atexit.register(process.kill)
     return path
 
