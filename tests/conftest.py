@@ -21,6 +21,23 @@ def pytest_addoption(parser):
     parser.addoption("--expect-replays", action="store_true",
                      help="the learner's copies: every run a cell shared with its full notebook starts must be "
                           "replayed from the run the full notebook made earlier in this make test")
+    parser.addoption("--shuffle-files", type=int, default=None, metavar="SEED",
+                     help="run the test files in an order drawn with SEED (each file's tests keep their order): "
+                          "a test that passes only after, or only beside, another shows up as a failure")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shuffle-files=SEED: every worker draws the same order (the same seed over the same collection), so pytest-xdist
+    hands the files out in it."""
+    seed = config.getoption("shuffle_files")
+    if seed is None:
+        return
+    import random
+
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    random.Random(seed).shuffle(files)
+    rank = {name: index for index, name in enumerate(files)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])   # stable: a file's tests keep their order
 
 
 def pytest_configure(config):
