@@ -102,6 +102,25 @@ def account(folder: Path) -> list[dict]:
     return sorted(rows, key=lambda r: -r["idle"])
 
 
+def launches(folder: Path) -> dict:
+    """What labkit.launch noted of each launch (launches.jsonl): the runs started, the replays, and the runs started
+    more than once with the same key (two tests, or a test and a lab, asking for one run before either stored it)."""
+    path = folder / "launches.jsonl"
+    notes = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    ran = [n for n in notes if not n["replayed"]]
+    runs_of_key = defaultdict(list)
+    for note in ran:
+        if note["key"]:
+            runs_of_key[note["key"]].append(note)
+    again = [run for runs in runs_of_key.values() for run in sorted(runs, key=lambda n: n["start"])[1:]]
+    by_script = defaultdict(float)
+    for note in ran:
+        by_script[note["script"]] += note["seconds"]
+    return {"ran": len(ran), "ran_seconds": sum(n["seconds"] for n in ran),
+            "replayed": len(notes) - len(ran), "again": len(again), "again_seconds": sum(n["seconds"] for n in again),
+            "again_runs": again, "by_script": sorted(by_script.items(), key=lambda item: -item[1])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -113,6 +132,14 @@ def main(argv=None) -> int:
         print(f"{row['file'][:62]:62} {row['tests']:5d} {row['wall']:8.1f} {row['busy']:11.1f} {row['idle']:11.1f}")
     print(f"{'all':62} {sum(r['tests'] for r in rows):5d} {sum(r['wall'] for r in rows):8.1f} "
           f"{sum(r['busy'] for r in rows):11.1f} {sum(r['idle'] for r in rows):11.1f}")
+    seen = launches(args.folder)
+    if seen["ran"] or seen["replayed"]:
+        print(f"\nlaunches: {seen['ran']} run ({seen['ran_seconds']:.0f} s of wall time), {seen['replayed']} replayed; "
+              f"{seen['again']} run again with a key already run ({seen['again_seconds']:.0f} s)")
+        for note in seen["again_runs"][:args.top]:
+            print(f"  again: {note['script']:45} {note['seconds']:6.1f} s  {note['test'] or '(a notebook kernel)'}")
+        for script, seconds in seen["by_script"][:args.top]:
+            print(f"  {script:55} {seconds:7.1f} s")
     return 0
 
 

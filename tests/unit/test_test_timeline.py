@@ -18,3 +18,31 @@ def test_idle_cores_are_shared_among_the_tests_running(tmp_path, monkeypatch):
     assert rows["tests/a.py"]["idle"] == 1.5 and rows["tests/b.py"]["idle"] == 0
     assert rows["tests/a.py"]["busy"] == 0.5 + 1.0 and rows["tests/b.py"]["busy"] == 1.0
     assert rows["tests/a.py"]["wall"] == 2.0 and rows["tests/b.py"]["wall"] == 1.0
+
+
+def test_the_launch_account_tells_replays_from_runs_started_twice(tmp_path, monkeypatch):
+    """labkit.launch notes every launch; two callers asking for one run before either stored it both run it."""
+    import textwrap
+    import threading
+
+    from coursetools import test_timeline
+    from labkit import launch
+
+    monkeypatch.setenv("DISTLAB_TEST_TIMELINE", str(tmp_path))
+    monkeypatch.setenv("DISTLAB_LAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "run_dependencies", lambda script: [script])
+    script = tmp_path / "slow.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        time.sleep(1.0)
+    """))
+    run = lambda: launch.run(script, nproc=1, stream=False, metrics=False, launcher="fork")  # noqa: E731
+    together = [threading.Thread(target=run) for _ in range(2)]
+    for thread in together:
+        thread.start()
+    for thread in together:
+        thread.join()
+    run()                                    # stored by then: replayed
+    seen = test_timeline.launches(tmp_path)
+    assert (seen["ran"], seen["replayed"], seen["again"]) == (2, 1, 1), seen
+    assert seen["again_seconds"] >= 1.0 and seen["by_script"][0][0] == f"{tmp_path.name}/slow.py"
