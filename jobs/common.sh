@@ -444,16 +444,7 @@ distlab_launch() {
         return 0
     fi
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
-        # the first reason the job was told to stop: SIGTERM (scancel, qdel), the time limit's SIGTERM, or the
-        # walltime warning (Slurm's USR1), which is the job stopping in time, no failure
-        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
-        case $why in
-        "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
-        "time limit") line="the job reached its time limit (SIGTERM)" ;;
-        *) line="the job got SIGTERM" ;;
-        esac
-        distlab_log "not launched $name: $line"
-        DISTLAB_RESULTS+=("not-launched $name ($why)")
+        distlab_not_launched "$name"
         return 143
     fi
     if [[ ${target[0]} != -m && ! -f $script ]]; then
@@ -504,7 +495,16 @@ distlab_launch() {
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
     local start=$SECONDS rc pid tee_pid out
+    # a script that checkpoints writes this file when it begins to stop at its own deadline, before its last
+    # checkpoint: Slurm's walltime warning then leaves it to finish (slurm/common.sh, distlab_on_walltime_warning)
+    export DISTLAB_STOPPING_FILE=${log%.log}.stopping
+    DISTLAB_STOP_UNSTARTED=0
     DISTLAB_CURRENT=$name
+    if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then # told to stop while this launch was being prepared
+        DISTLAB_CURRENT=
+        distlab_not_launched "$name"
+        return 143
+    fi
     # In the background, waited for: bash runs a trap at once when the signal interrupts `wait`, but only after a
     # foreground command completes (bash manual, "Signals"). At the time limit Slurm SIGKILLs the job KillWait
     # seconds after its SIGTERM (slurmd's _rpc_terminate_job), which can be before the ranks have ended: the traps
@@ -514,7 +514,14 @@ distlab_launch() {
     tee_pid=$!
     "${cmd[@]}" </dev/null >&"$out" 2>&1 &
     pid=$!
-    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+    while kill -0 "$pid" 2>/dev/null; do
+        # the walltime warning found this launch before its ranks started (DISTLAB_STOP_UNSTARTED): it stops here
+        if [[ $DISTLAB_STOP_UNSTARTED == 1 ]]; then
+            DISTLAB_STOP_UNSTARTED=0
+            kill -TERM "$pid" 2>/dev/null
+        fi
+        wait "$pid"
+    done
     wait "$pid"
     rc=$?
     exec {out}>&-
@@ -533,6 +540,20 @@ distlab_launch() {
         DISTLAB_RESULTS+=("FAILED($rc) $name ${seconds}s")
     fi
     return "$rc"
+}
+
+# distlab_not_launched NAME: a launch the job was told not to start, and why: the first reason it was told to stop,
+# SIGTERM (scancel, qdel), the time limit's SIGTERM, or the walltime warning (Slurm's USR1), which is the job stopping
+# in time, no failure
+distlab_not_launched() {
+    local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
+    case $why in
+    "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
+    "time limit") line="the job reached its time limit (SIGTERM)" ;;
+    *) line="the job got SIGTERM" ;;
+    esac
+    distlab_log "not launched $1: $line"
+    DISTLAB_RESULTS+=("not-launched $1 ($why)")
 }
 
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
