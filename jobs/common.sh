@@ -549,7 +549,7 @@ distlab_not_launched() {
     local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
     case $why in
     "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
-    "time limit") line="the job reached its time limit (SIGTERM)" ;;
+    "$DISTLAB_LIMIT_NAME") line="the job reached its $DISTLAB_LIMIT_NAME (SIGTERM)" ;;
     *) line="the job got SIGTERM" ;;
     esac
     distlab_log "not launched $1: $line"
@@ -568,14 +568,15 @@ distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
     # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END), by
-    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack
+    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack.
+    # Named as the scheduler names it (DISTLAB_LIMIT_NAME): Slurm's "time limit", PBS's "walltime".
     if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END - 5)); then
-        why="time limit"
+        why=$DISTLAB_LIMIT_NAME
     fi
     DISTLAB_STOPPED_BY=$why
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-$why} # the first reason names what is not launched after it
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
-    [[ $why == SIGTERM ]] || signal="SIGTERM at the time limit"
+    [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
     if [[ ${DISTLAB_TERM_KILLS_RANKS:-0} == 1 ]]; then # Slurm: srun forwards SIGKILL (slurm/common.sh)
         distlab_log "$signal: srun passes it on to the ranks${current:+ ($current)} as SIGKILL: no checkpoint can be relied on; nothing more is launched"
@@ -593,7 +594,7 @@ distlab_on_sigterm() {
 # distlab_stop_reason: the SIGTERM that stopped the launch in progress, in words
 distlab_stop_reason() {
     case ${DISTLAB_STOPPED_BY:-} in
-    "time limit") echo "SIGTERM at the time limit" ;;
+    "$DISTLAB_LIMIT_NAME") echo "SIGTERM at the $DISTLAB_LIMIT_NAME" ;;
     "walltime warning") echo "the SIGTERM sent at the walltime warning" ;;
     *) echo "SIGTERM" ;;
     esac
@@ -633,7 +634,8 @@ distlab_finish() {
 # ---------------------------------------------------------------------------------------------------
 # distlab_setup: what sourcing a scheduler's common.sh does, in this order. The scheduler's part defines
 # distlab_discover_nodes, distlab_detect_launcher, distlab_deadline, distlab_ranks_command, distlab_agents_command,
-# distlab_chain_next, distlab_cancel_job, and sets DISTLAB_SCHEDULER, DISTLAB_JOB_ID and DISTLAB_NODE_CORES.
+# distlab_chain_next, distlab_cancel_job, and sets DISTLAB_SCHEDULER, DISTLAB_JOB_ID, DISTLAB_NODE_CORES and
+# DISTLAB_LIMIT_NAME (the job's time limit in its scheduler's words).
 distlab_setup() {
     cd "$DISTLAB_ROOT" || distlab_die "cannot cd to $DISTLAB_ROOT"
     distlab_discover_nodes

@@ -30,6 +30,8 @@ DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
 # a TERM to the batch shell (scancel, the time limit) reaches this job's srun too, whose answer is to SIGKILL its tasks
 # (src/srun/signals.c): distlab_on_sigterm promises no checkpoint
 DISTLAB_TERM_KILLS_RANKS=1
+# the job's time limit as Slurm names it (its TimeLimit field; "*** JOB ... CANCELLED AT ... DUE TO TIME LIMIT ***")
+DISTLAB_LIMIT_NAME="time limit"
 DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
 DISTLAB_NODE_CORES=${SLURM_CPUS_ON_NODE:-}
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-srun}     # srun (one task a rank) | torchrun (one agent a node, via srun)
