@@ -372,6 +372,8 @@ def test_a_sigterm_past_the_walltime_is_named_by_pbss_name_for_the_limit(tmp_pat
     assert abs(int(lines[0].removeprefix("end=")) - (1200 - started_ago)) <= 3, lines[0]
     assert lines[1].startswith(said[0]) and f"distlab: {said[1]}" in lines and said[2] in lines, done.stdout
     assert done.returncode == 1, done.stdout + done.stderr  # stopped before its scripts ran: not a success
+    readme = " ".join((ROOT / "pbs" / "README.md").read_text().split())
+    assert "`SIGTERM at the walltime`, and each launch held back reads `not-launched NAME (walltime)`" in readme
 
 def test_a_rerun_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
     # qrerun (or a lost node) runs the job again with the same PBS_JOBID; PBS sets no variable for it, but qstat -f's
