@@ -245,7 +245,7 @@ distlab_chain_next() {
     # run folder, deadline, NCCL log folder and rendezvous, and NCCL_DEBUG unless the user set it (this job's default
     # WARN, handed on, would read as the user's choice there, and its transport report would get no INFO lines)
     local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u DISTLAB_JOB_END -u NCCL_DEBUG_FILE -u MASTER_ADDR
-        -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES)
+        -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES -u DISTLAB_STOPPING_FILE)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
     # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU
     # job's SLURM_MEM_PER_GPU beside the site's SLURM_MEM_PER_NODE: "mutually exclusive"); SLURM_CONF names the cluster
