@@ -444,16 +444,7 @@ distlab_launch() {
         return 0
     fi
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then
-        # the first reason the job was told to stop: SIGTERM (scancel, qdel), the time limit's SIGTERM, or the
-        # walltime warning (Slurm's USR1), which is the job stopping in time, no failure
-        local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
-        case $why in
-        "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
-        "time limit") line="the job reached its time limit (SIGTERM)" ;;
-        *) line="the job got SIGTERM" ;;
-        esac
-        distlab_log "not launched $name: $line"
-        DISTLAB_RESULTS+=("not-launched $name ($why)")
+        distlab_not_launched "$name"
         return 143
     fi
     if [[ ${target[0]} != -m && ! -f $script ]]; then
@@ -504,7 +495,16 @@ distlab_launch() {
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
     local start=$SECONDS rc pid tee_pid out
+    # a script that checkpoints writes this file when it begins to stop at its own deadline, before its last
+    # checkpoint: Slurm's walltime warning then leaves it to finish (slurm/common.sh, distlab_on_walltime_warning)
+    export DISTLAB_STOPPING_FILE=${log%.log}.stopping
+    DISTLAB_STOP_UNSTARTED=0
     DISTLAB_CURRENT=$name
+    if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then # told to stop while this launch was being prepared
+        DISTLAB_CURRENT=
+        distlab_not_launched "$name"
+        return 143
+    fi
     # In the background, waited for: bash runs a trap at once when the signal interrupts `wait`, but only after a
     # foreground command completes (bash manual, "Signals"). At the time limit Slurm SIGKILLs the job KillWait
     # seconds after its SIGTERM (slurmd's _rpc_terminate_job), which can be before the ranks have ended: the traps
@@ -514,7 +514,14 @@ distlab_launch() {
     tee_pid=$!
     "${cmd[@]}" </dev/null >&"$out" 2>&1 &
     pid=$!
-    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+    while kill -0 "$pid" 2>/dev/null; do
+        # the walltime warning found this launch before its ranks started (DISTLAB_STOP_UNSTARTED): it stops here
+        if [[ $DISTLAB_STOP_UNSTARTED == 1 ]]; then
+            DISTLAB_STOP_UNSTARTED=0
+            kill -TERM "$pid" 2>/dev/null
+        fi
+        wait "$pid"
+    done
     wait "$pid"
     rc=$?
     exec {out}>&-
@@ -535,6 +542,20 @@ distlab_launch() {
     return "$rc"
 }
 
+# distlab_not_launched NAME: a launch the job was told not to start, and why: the first reason it was told to stop,
+# SIGTERM (scancel, qdel), the time limit's SIGTERM, or the walltime warning (Slurm's USR1), which is the job stopping
+# in time, no failure
+distlab_not_launched() {
+    local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
+    case $why in
+    "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
+    "$DISTLAB_LIMIT_NAME") line="the job reached its $DISTLAB_LIMIT_NAME (SIGTERM)" ;;
+    *) line="the job got SIGTERM" ;;
+    esac
+    distlab_log "not launched $1: $line"
+    DISTLAB_RESULTS+=("not-launched $1 ($why)")
+}
+
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
 # waits in the background): the ranks got the signal too and stop at the end of their step. Only a script the job
 # names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out, and only then
@@ -547,14 +568,15 @@ distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
     # the time limit's SIGTERM: at or after the job's end, where the scheduler's part knows it (DISTLAB_JOB_END), by
-    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack
+    # this node's clock, which may run a few seconds behind the controller's that decides the limit: 5 s of slack.
+    # Named as the scheduler names it (DISTLAB_LIMIT_NAME): Slurm's "time limit", PBS's "walltime".
     if [[ -n ${DISTLAB_JOB_END:-} ]] && (($(date +%s) >= DISTLAB_JOB_END - 5)); then
-        why="time limit"
+        why=$DISTLAB_LIMIT_NAME
     fi
     DISTLAB_STOPPED_BY=$why
     DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-$why} # the first reason names what is not launched after it
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
-    [[ $why == SIGTERM ]] || signal="SIGTERM at the time limit"
+    [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
     if [[ ${DISTLAB_TERM_KILLS_RANKS:-0} == 1 ]]; then # Slurm: srun forwards SIGKILL (slurm/common.sh)
         distlab_log "$signal: srun passes it on to the ranks${current:+ ($current)} as SIGKILL: no checkpoint can be relied on; nothing more is launched"
@@ -572,7 +594,7 @@ distlab_on_sigterm() {
 # distlab_stop_reason: the SIGTERM that stopped the launch in progress, in words
 distlab_stop_reason() {
     case ${DISTLAB_STOPPED_BY:-} in
-    "time limit") echo "SIGTERM at the time limit" ;;
+    "$DISTLAB_LIMIT_NAME") echo "SIGTERM at the $DISTLAB_LIMIT_NAME" ;;
     "walltime warning") echo "the SIGTERM sent at the walltime warning" ;;
     *) echo "SIGTERM" ;;
     esac
@@ -612,7 +634,8 @@ distlab_finish() {
 # ---------------------------------------------------------------------------------------------------
 # distlab_setup: what sourcing a scheduler's common.sh does, in this order. The scheduler's part defines
 # distlab_discover_nodes, distlab_detect_launcher, distlab_deadline, distlab_ranks_command, distlab_agents_command,
-# distlab_chain_next, distlab_cancel_job, and sets DISTLAB_SCHEDULER, DISTLAB_JOB_ID and DISTLAB_NODE_CORES.
+# distlab_chain_next, distlab_cancel_job, and sets DISTLAB_SCHEDULER, DISTLAB_JOB_ID, DISTLAB_NODE_CORES and
+# DISTLAB_LIMIT_NAME (the job's time limit in its scheduler's words).
 distlab_setup() {
     cd "$DISTLAB_ROOT" || distlab_die "cannot cd to $DISTLAB_ROOT"
     distlab_discover_nodes

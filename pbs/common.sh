@@ -35,6 +35,9 @@ DISTLAB_JOB_ID=${PBS_JOBID:-}
 # a rerun job (qrerun, a node lost): PBS sets no variable with its run count (OpenPBS src/resmom/start_exec.c:161-174
 # lists what it sets), so it is read from qstat -f (run_count: OpenPBS src/include/pbs_ifl.h:183) at setup
 DISTLAB_NODE_CORES=${NCPUS:-} # the chunk's ncpus
+# the job's time limit as PBS names it: the walltime resource (Resource_List.walltime), whose MoM kills a job with
+# "=>> PBS: job killed: walltime N exceeded limit M" (OpenPBS src/resmom/mom_main.c:6023-6037, 8831)
+DISTLAB_LIMIT_NAME=walltime
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-mpiexec}          # mpiexec | torchrun
 DISTLAB_MPIEXEC=${DISTLAB_MPIEXEC:-mpiexec}            # the mpiexec binary
 DISTLAB_MPIEXEC_FLAVOR=${DISTLAB_MPIEXEC_FLAVOR:-auto} # auto | pals (Cray) | hydra (MPICH, Intel MPI)
@@ -75,17 +78,19 @@ distlab_deadline() {
     # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set
     # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
     # far, which the MoM samples only every 10-120 s (OpenPBS src/resmom/mom_func.h) and so runs behind.
-    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
     local walltime used start
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
     walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"
-    ((walltime > DISTLAB_WALLTIME_MARGIN)) || distlab_die "the walltime (${walltime}s) is not longer than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s)"
     start=$(distlab_qstat_field stime)
     if [[ -z $start ]] || ! start=$(date -d "$start" +%s 2>/dev/null); then
         used=$(distlab_seconds "$(distlab_qstat_field resources_used.walltime)") || used=0
         start=$(($(date +%s) - used))
     fi
+    # the job's end: a SIGTERM at or after it is the walltime's (distlab_on_sigterm names it so)
+    export DISTLAB_JOB_END=$((start + walltime))
+    [[ -z ${DISTLAB_DEADLINE:-} ]] || return 0 # given by hand
+    ((walltime > DISTLAB_WALLTIME_MARGIN)) || distlab_die "the walltime (${walltime}s) is not longer than DISTLAB_WALLTIME_MARGIN (${DISTLAB_WALLTIME_MARGIN}s)"
     DISTLAB_DEADLINE=$((start + walltime - DISTLAB_WALLTIME_MARGIN))
     export DISTLAB_DEADLINE
     distlab_log "deadline: scripts stop, checkpoint written, by $(date -d "@$DISTLAB_DEADLINE" +%T 2>/dev/null || echo "$DISTLAB_DEADLINE") (walltime ${walltime}s less a margin of ${DISTLAB_WALLTIME_MARGIN}s)"

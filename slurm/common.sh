@@ -30,6 +30,8 @@ DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
 # a TERM to the batch shell (scancel, the time limit) reaches this job's srun too, whose answer is to SIGKILL its tasks
 # (src/srun/signals.c): distlab_on_sigterm promises no checkpoint
 DISTLAB_TERM_KILLS_RANKS=1
+# the job's time limit as Slurm names it (its TimeLimit field; "*** JOB ... CANCELLED AT ... DUE TO TIME LIMIT ***")
+DISTLAB_LIMIT_NAME="time limit"
 DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
 DISTLAB_NODE_CORES=${SLURM_CPUS_ON_NODE:-}
 DISTLAB_LAUNCHER=${DISTLAB_LAUNCHER:-srun}     # srun (one task a rank) | torchrun (one agent a node, via srun)
@@ -38,6 +40,7 @@ DISTLAB_SRUN_ARGS=${DISTLAB_SRUN_ARGS:-}       # extra srun flags, e.g. "--cpu-b
 DISTLAB_SBATCH=${DISTLAB_SBATCH:-sbatch}
 DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}
 DISTLAB_SCONTROL=${DISTLAB_SCONTROL:-scontrol}
+DISTLAB_SQUEUE=${DISTLAB_SQUEUE:-squeue}
 DISTLAB_CHAIN_SBATCH_ARGS=${DISTLAB_CHAIN_SBATCH_ARGS:-} # more sbatch options for a chain's next jobs ("--qos=... --signal=...")
 DISTLAB_CHAIN_EXPORT=${DISTLAB_CHAIN_EXPORT:-}           # more NAME=value settings for a chain's next jobs (, between)
 case $DISTLAB_LAUNCHER in
@@ -158,10 +161,15 @@ distlab_deadline() {
 # and not to the batch step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), so
 # the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or torchrun's agents,
 # which pass it to their workers, write their checkpoint and exit, and this shell's srun is not signalled. An agent
-# SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30) s after that TERM, so the rest of a step and a
-# save must fit in it (torch 2.13 elastic/agent/server/api.py:752-754, launcher/api.py:145-149). The limit itself
-# is no time to save: slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its
-# tasks (src/srun/signals.c, "forcing job termination"), and with proctrack/cgroup every process of the step dies.
+# SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself is no time to save:
+# slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c,
+# "forcing job termination"), and with proctrack/cgroup every process of the step dies.
+# Two launches get no TERM:
+# - one already writing its checkpoint at its own deadline (it wrote DISTLAB_STOPPING_FILE first): it stops by
+#   itself, and the TERM would only start the agent's clock on its save;
+# - one whose srun has made no step yet (the warning came as it started): scancel would signal no step (it signals
+#   the steps there are, and succeeds), and the ranks would run on to the limit. Its srun is stopped instead, before
+#   the ranks start (distlab_launch, DISTLAB_STOP_UNSTARTED); the last checkpoint is the one the job started from.
 # A launch that writes no checkpoint goes on: it may still end in time, and a TERM would save nothing.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1
@@ -172,14 +180,31 @@ distlab_on_walltime_warning() {
     local said
     said="walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched"
     if [[ -n $current && $saving == *" $current "* && -z ${DISTLAB_STOPPED_BY:-} && -n ${SLURM_JOB_ID:-} ]]; then
+        if [[ -n ${DISTLAB_STOPPING_FILE:-} && -e $DISTLAB_STOPPING_FILE ]]; then
+            distlab_log "$said; $current is already writing its checkpoint at its deadline: no SIGTERM (its agent would SIGKILL the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, saved or not)"
+            return 0
+        fi
         DISTLAB_STOPPED_BY="walltime warning"
+        local steps
+        # the job's steps (JOB.0, JOB.1, ...), besides its batch and extern steps; when squeue cannot say, scancel
+        if steps=$("$DISTLAB_SQUEUE" -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) && ! grep -q '\.[0-9][0-9]*$' <<<"$steps"; then
+            DISTLAB_STOP_UNSTARTED=1
+            distlab_log "$said; $current has no step yet: its srun is stopped before the ranks start (the checkpoint this job started from stays the latest)"
+            return 0
+        fi
         distlab_log "$said; $current's ranks get SIGTERM now (scancel --signal=TERM: the job's steps, not this shell), write a checkpoint and stop; a chained successor goes on from it"
-        scancel --signal=TERM "$SLURM_JOB_ID" || distlab_log "scancel --signal=TERM $SLURM_JOB_ID failed: $current goes on to the limit, where no checkpoint can be relied on"
+        "$DISTLAB_SCANCEL" --signal=TERM "$SLURM_JOB_ID" || distlab_log "scancel --signal=TERM $SLURM_JOB_ID failed: $current goes on to the limit, where no checkpoint can be relied on"
     else
         distlab_log "$said${current:+ ($current goes on: it writes no checkpoint)}"
     fi
 }
 trap distlab_on_walltime_warning USR1
+
+# torchrun's agent, told to stop (the warning's TERM), SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30
+# unless set (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): too short for a
+# long step and a save. The job gives them what it budgets for a last step and checkpoint before its end,
+# DISTLAB_WALLTIME_MARGIN; its warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
 
 distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
@@ -220,7 +245,7 @@ distlab_chain_next() {
     # run folder, deadline, NCCL log folder and rendezvous, and NCCL_DEBUG unless the user set it (this job's default
     # WARN, handed on, would read as the user's choice there, and its transport report would get no INFO lines)
     local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u DISTLAB_JOB_END -u NCCL_DEBUG_FILE -u MASTER_ADDR
-        -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES)
+        -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES -u DISTLAB_STOPPING_FILE)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
     # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU
     # job's SLURM_MEM_PER_GPU beside the site's SLURM_MEM_PER_NODE: "mutually exclusive"); SLURM_CONF names the cluster

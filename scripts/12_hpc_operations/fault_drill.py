@@ -180,6 +180,9 @@ def main():
     p.add_argument("--deadline", type=runtime.positive_float, default=float(deadline) if deadline else None,
                    metavar="EPOCH_SECONDS", help="stop, checkpoint written, before this time (default: "
                    "$DISTLAB_DEADLINE, which pbs/common.sh sets from the job's walltime)")
+    p.add_argument("--stopping-file", default=os.environ.get("DISTLAB_STOPPING_FILE") or None, metavar="PATH",
+                   help="written when the run begins to stop at its deadline, before that checkpoint (default: "
+                   "$DISTLAB_STOPPING_FILE, set by the course's jobs: Slurm's walltime warning then lets the save end)")
     args = p.parse_args()
     # NCCL: a timed-out collective raises in this thread (read when the process group is created; gloo ignores it)
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
@@ -242,6 +245,10 @@ def main():
                 stop = torch.tensor([1.0 if STOP_REQUESTED["signal"] else 0.0, float(out_of_time)], device=rt.device)
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # what any rank saw stops all of them
                 by = "signal" if stop[0].item() else "deadline" if stop[1].item() else None
+                if by == "deadline" and rt.is_main and args.stopping_file:
+                    # the job's batch shell reads it: a walltime warning now sends no SIGTERM, whose torchrun agent
+                    # would SIGKILL the ranks during this save (slurm/common.sh, distlab_on_walltime_warning)
+                    Path(args.stopping_file).write_text(json.dumps({"step": state.step, "time": time.time(), "by": by}))
                 if state.step % args.save_every == 0 or state.step == args.steps or by:
                     save_started = time.perf_counter()
                     where = checkpointing.save(state, run_dir)

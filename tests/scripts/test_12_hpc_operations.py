@@ -113,7 +113,10 @@ def test_sigterm_writes_a_checkpoint_and_a_second_job_finishes_like_one_device(t
 def test_the_deadline_stops_the_run_before_the_walltime_and_a_second_job_finishes_like_one_device(tmp_path):
     # the real deadline path, no signal sent: DISTLAB_DEADLINE as pbs/common.sh exports it, a few steps away
     run_dir = tmp_path / "run"
-    env = {"DISTLAB_DEADLINE": f"{time.time() + 5:.3f}"}  # ranks start in ~2 s; 8 steps take 8 s or more
+    # the job's DISTLAB_STOPPING_FILE: written when the drill begins to stop at its deadline, before that checkpoint
+    stopping = tmp_path / "01_fault_drill.stopping"
+    env = {"DISTLAB_DEADLINE": f"{time.time() + 5:.3f}",  # ranks start in ~2 s; 8 steps take 8 s or more
+           "DISTLAB_STOPPING_FILE": str(stopping)}
     first = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir),
                                                                             "--step-seconds", "1"],
                                                 env=env, stream=False), min_checks=1)
@@ -121,6 +124,9 @@ def test_the_deadline_stops_the_run_before_the_walltime_and_a_second_job_finishe
     stopped_at = first["extra"]["checkpoint_step"]
     assert 1 <= stopped_at < 8 and (run_dir / f"step_{stopped_at:06d}" / ".metadata").exists()
     assert json.loads((run_dir / "stopped.json").read_text())["by"] == "deadline"
+    announced = json.loads(stopping.read_text())
+    assert announced["step"] == stopped_at and announced["by"] == "deadline"
+    assert announced["time"] <= (run_dir / f"step_{stopped_at:06d}" / ".metadata").stat().st_mtime
     # the chained job, past the old deadline (a new job has its own): resumes and ends like one device
     second = assert_all_checks_passed(launch.run(FAULT_DRILL, nproc=4, args=["--run-dir", str(run_dir)],
                                                  env={"DISTLAB_DEADLINE": ""}, stream=False), min_checks=2)

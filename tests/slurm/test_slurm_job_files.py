@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,81 @@ def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the
     calls.unlink()
     said = warned("tuning.py")
     assert "(tuning.py goes on: it writes no checkpoint)" in said and not calls.exists(), said
+
+
+def test_torchruns_agents_wait_for_a_last_step_and_checkpoint_as_long_as_the_job_budgets_for_them(tmp_path):
+    """At the warning's TERM a torchrun agent SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30 by
+    default (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): the job gives them
+    the time it budgets for a last step and checkpoint before its end, DISTLAB_WALLTIME_MARGIN; a value given wins."""
+    show = 'echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"; bash -c \'echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"\''
+    assert functions(show, tmp_path).stdout.split() == ["120", "120"]  # exported: the agents are its children
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="300").stdout.split() == ["300", "300"]
+    assert functions(show, tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["45", "45"]
+
+
+def stand_ins(tmp_path: Path, steps: str) -> dict[str, str]:
+    """scancel (logs its words to scancel.calls) and squeue (prints STEPS, the job's steps) on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scancel.calls"}\n')
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\nprintf '{steps}'\n")
+    for stand_in in ("scancel", "squeue"):
+        (bin_dir / stand_in).chmod(0o755)
+    return functions_env(tmp_path) | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+
+
+def test_a_warning_during_the_deadlines_own_save_sends_no_term(tmp_path):
+    """The drill stopping on its own deadline writes DISTLAB_STOPPING_FILE before its last checkpoint: a warning that
+    comes during that save sends no TERM, whose agent would SIGKILL the ranks mid-save TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    s later; the launch ends by itself, and nothing more is launched."""
+    env = stand_ins(tmp_path, r"77.0\n77.batch\n")
+    stopping = tmp_path / "01_fault_drill.stopping"
+    stopping.write_text('{"step": 12, "by": "deadline"}')
+    snippet = (f"DISTLAB_STOPPING_FILE={stopping} DISTLAB_CURRENT=fault_drill.py DISTLAB_CHECKPOINTING=fault_drill.py "
+               'distlab_on_walltime_warning; echo "stopped by: ${DISTLAB_STOPPED_BY:-none}, terminated: $DISTLAB_TERMINATED"')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (tmp_path / "scancel.calls").exists(), done.stdout
+    assert "fault_drill.py is already writing its checkpoint at its deadline: no SIGTERM" in done.stdout, done.stdout
+    assert "stopped by: none, terminated: 1" in done.stdout
+
+
+def test_a_warning_before_the_launchs_step_exists_still_stops_the_job_cleanly(tmp_path):
+    """USR1 between two launches: before the next launch's srun has made its step, scancel --signal=TERM would reach no
+    step (it signals only the steps there are, and returns 0), and the drill would run on to the limit. So a launch the
+    warning finds without a step is stopped before its ranks start (its srun gets TERM); one about to start is not
+    started. Either way the job ends in time, the warning named, no failure."""
+    (tmp_path / "run").mkdir()
+    env = stand_ins(tmp_path, r"77.batch\n77.extern\n")
+    # the launch's srun: it warns the batch shell, then is slow to make its step (a busy controller)
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text(f'#!/bin/bash\nkill -USR1 "$PPID"\nexec {sys.executable} -c "import time; time.sleep(20); '
+                    'print(\'the ranks ran\')"\n')
+    srun.chmod(0o755)
+    job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
+           'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; '
+           'distlab_launch scripts/12_hpc_operations/tuning.py; distlab_finish')
+    started = time.monotonic()
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 15, done.stdout  # not the 20 s the step would have run
+    assert "the ranks ran" not in done.stdout and not (tmp_path / "scancel.calls").exists(), done.stdout
+    assert "fault_drill.py has no step yet: its srun is stopped before the ranks start" in done.stdout, done.stdout
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    assert "(walltime warning)" in summary.splitlines()[1] and "FAILED" not in summary, summary
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the warning while the next launch is being prepared (before it names itself): it is not started at all
+    early = tmp_path / "early"
+    early.mkdir()
+    prepared = job.replace("DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; ",
+                           "").replace("DISTLAB_NODES=n1; ", 'DISTLAB_NODES=n1; distlab_ranks_command() { kill -USR1 $$; '
+                                       'sleep 0.2; echo echo; echo RAN; }; ')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{prepared}", "x", str(early)], cwd=ROOT,
+                          env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
+    assert "not launched tuning.py: Slurm's walltime warning (USR1) came" in done.stdout, done.stdout + done.stderr
+    ran = [line for line in done.stdout.splitlines() if line.startswith("RAN")]  # prepared, never started
+    assert not ran and done.returncode == 0, done.stdout
 
 
 def test_the_readmes_amd_command_asks_the_shape_the_amd_profile_says(tmp_path):

@@ -251,6 +251,8 @@ def test_walltime_deadline_checkpoint_and_the_chain_resume_to_the_uninterrupted_
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
     first = json.loads((run / "fault_drill.json").read_text())
     assert first["extra"].get("stopped_by") == "deadline", first["extra"]  # stopped itself: checkpoint, exit 0
+    # and said so before that checkpoint, where the warning's trap looks (DISTLAB_STOPPING_FILE, the launch's own)
+    assert json.loads((run / "logs" / "01_fault_drill.stopping").read_text())["by"] == "deadline"
     out = submitted["walltime"][1]
     # follow the chain (sbatch --dependency=afterany): each job resumes from the checkpoint the one before left,
     # in a run folder of its own on the scratch folder, until one completes the run

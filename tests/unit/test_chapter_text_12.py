@@ -6,6 +6,7 @@ interface that does not exist, a GPU that is not there, a rank outside its world
 
 import copy
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -424,7 +425,8 @@ def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save()
     # at the warning the job's trap has the steps (not the batch shell, whose srun would SIGKILL them) checkpoint
     slurm = (ROOT / "slurm" / "common.sh").read_text()
     trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
-    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in trap and "--batch" not in trap and "--full" not in trap
+    assert '"$DISTLAB_SCANCEL" --signal=TERM "$SLURM_JOB_ID"' in trap and "--batch" not in trap and "--full" not in trap
+    assert "DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}" in slurm
     assert "`scancel --signal=TERM <id>` sends TERM to the job's steps, not to the batch shell" in flat(CHAPTER)
     assert "Nothing can be relied on at the limit itself" in flat(CHAPTER)
     # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
@@ -845,8 +847,8 @@ def test_the_flight_recorder_dumps_on_a_timeout_by_default():
 
 def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     # at the warning's TERM, torchrun's agent gives its workers shutdown_timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
-    # else 30 s), then SIGKILL: the chapter and the README must say so, and the figure's caption must not promise
-    # the save in the case it draws, where a warning lands in the last step or the save
+    # else 30 s), then SIGKILL; a restart's own stop keeps 30. The jobs set it to the margin: the chapter and the
+    # README must say so, and the figure's case (a warning in the last step or the save) must fit in it, not in 30
     import torch
 
     from coursetools.drawings import ch12
@@ -856,24 +858,41 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "except SignalException" in agent[751] and "timeout=self._shutdown_timeout" in agent[753]
     launcher = " ".join((elastic / "launcher" / "api.py").read_text().splitlines()[144:149])
     assert 'os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")' in launcher
+    local = (elastic / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text().splitlines()
+    assert "def _stop_workers" in local[391] and local[392].strip() == "self._shutdown()"
+    assert "def _shutdown(" in local[516] and "timeout: int = 30" in local[517]
+    # the jobs' value: the margin, unless set (slurm/common.sh; test_slurm_job_files runs it)
+    assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}"
+            in (ROOT / "slurm" / "common.sh").read_text())
     text = flat(CHAPTER)
     assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
             "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
-    assert ("An agent SIGKILLs them 30 s later. So set `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` above the longest step plus a "
-            "save, and ask the warning earlier than that plus a margin.") in text
+    assert "(`elastic/agent/server/local_elastic_agent.py:392-393, 517-518`)" in text
     # the figure's case: 40 s steps, a 60 s save; Slurm sends the warning N to N + 30 s ahead
     margin, warning, _ = ch12._job_constants()
     step, save = 40, 60
     save_start = ch12.stop_step(step, save, -600, -margin)
+    kills = []
     for warned in (-warning - 30, -warning):
         assert save_start - step < warned < save_start + save       # in the last step or the save
-        assert warned + 30 < save_start + save                       # the default SIGKILL comes first
-    assert "long before any signal" not in text
+        assert warned + 30 < save_start + save                       # torch's default SIGKILL comes first
+        kills.append(warned + margin)
+        assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
+    assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s later: {margin} s in the jobs (the margin), for "
+            "a step and a save. A drill already saving at its deadline gets no TERM.") in text
+    assert f"exports `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` as `DISTLAB_WALLTIME_MARGIN`, {margin} s, unless set." in text
+    assert f"The SIGKILL then comes {-kills[0]} to {-kills[1]} s before the limit, after the save." in text
+    assert "A SIGKILL 30 s later would come before the save ends." in text
+    assert "long before any signal" not in text and "must be raised" not in text
     assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
-            "SIGTERM. Slurm's warning comes during it, so under torchrun the agents' 30 s (below) must be raised.") in text
+            "SIGTERM. Slurm's warning comes during it; the jobs then leave the save alone (below).") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
-    assert "An agent waits only 30 s for them, then sends SIGKILL (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`" in readme
-    assert "DISTLAB_DRILL_STEP_SECONDS=30,TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90" in readme
+    assert ("An agent waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them (torchrun's `--shutdown-timeout`), then "
+            f"sends SIGKILL. torch's default is 30 s. The jobs set it to `DISTLAB_WALLTIME_MARGIN` ({margin} s)") in readme
+    # the chain demo's 30 s steps fit in the jobs' value without setting it by hand
+    demo_step = int(re.search(r"DISTLAB_DRILL_STEP_SECONDS=(\d+)", readme).group(1))
+    assert demo_step < margin and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" not in readme.split("DISTLAB_CHAIN=2")[1][:300]
+    assert f"The agents' {margin} s after the warning's TERM (the margin) hold a whole step and the save." in readme
 
 
 def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():

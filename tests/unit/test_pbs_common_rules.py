@@ -349,6 +349,32 @@ def test_the_deadline_counts_from_the_jobs_start_time_not_the_sampled_walltime_u
     assert 1200 - 100 - 120 - 2 <= int(got) <= 1200 - 100 - 120 + 1
 
 
+
+@pytest.mark.parametrize("started_ago, said", [
+    (1230, ["distlab: SIGTERM at the walltime: ", "not launched train_ddp.py: the job reached its walltime (SIGTERM)",
+            "  not-launched train_ddp.py (walltime)"]),
+    (100, ["distlab: SIGTERM: ", "not launched train_ddp.py: the job got SIGTERM", "  not-launched train_ddp.py (SIGTERM)"]),
+])
+def test_a_sigterm_past_the_walltime_is_named_by_pbss_name_for_the_limit(tmp_path, started_ago, said):
+    # PBS's MoM ends a job whose walltime used passed Resource_List.walltime ("walltime N exceeded limit M", OpenPBS
+    # src/resmom/mom_main.c:6023-6037): a SIGTERM at or after the job's end (stime + walltime) is that, named
+    # "walltime" as PBS names it, as Slurm's job names its "time limit"; a qdel before it is a plain SIGTERM
+    import time
+
+    tools = fake_pbs(tmp_path)
+    started = time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(time.time() - started_ago))
+    (tmp_path / "qstat.out").write_text(QSTAT_F + f"    stime = {started}\n")
+    (tmp_path / "run").mkdir()
+    done = bash("distlab_deadline >/dev/null; echo end=$((${DISTLAB_JOB_END:-0} - $(date +%s))); distlab_on_sigterm; "
+                "distlab_launch scripts/04_data_parallel/train_ddp.py; distlab_finish", PBS_JOBID="4242.desched1",
+                DISTLAB_RUN_DIR=str(tmp_path / "run"), DISTLAB_NNODES="1", DISTLAB_NODES="n1", **tools)
+    lines = done.stdout.splitlines()
+    assert abs(int(lines[0].removeprefix("end=")) - (1200 - started_ago)) <= 3, lines[0]
+    assert lines[1].startswith(said[0]) and f"distlab: {said[1]}" in lines and said[2] in lines, done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr  # stopped before its scripts ran: not a success
+    readme = " ".join((ROOT / "pbs" / "README.md").read_text().split())
+    assert "`SIGTERM at the walltime`, and each launch held back reads `not-launched NAME (walltime)`" in readme
+
 def test_a_rerun_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
     # qrerun (or a lost node) runs the job again with the same PBS_JOBID; PBS sets no variable for it, but qstat -f's
     # run_count counts the runs (OpenPBS req_runjob.c adds one each time the job is sent to run)
