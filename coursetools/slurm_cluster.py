@@ -37,6 +37,10 @@ MPI_DEFAULT = "pmi2"
 # waits before it may start again (src/slurmctld/job_mgr.c, _requeue_delay): 10 s keeps the requeue test short
 CRED_EXPIRE = 10
 PARTITION = "gpu"  # the partition the course's slurm/ jobs name
+# How long slurmctld keeps an ended job's record, which the tests read with scontrol (no slurmdbd here): Slurm's
+# default, 300 s (slurm.conf.5, MinJobAge), ran out on a loaded machine before the tier read its bad-input jobs
+# ("slurm_load_jobs error: Invalid job id specified")
+MIN_JOB_AGE = 3600
 
 SLURM_CONF = """\
 ClusterName=ci
@@ -69,7 +73,7 @@ ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-MinJobAge=300
+MinJobAge={min_job_age}
 KillWait={kill_wait}
 FirstJobId={first_job_id}
 Waittime=0
@@ -154,7 +158,7 @@ class SlurmCluster:
         # same port at the same time (EADDRINUSE seen on job 2's port, 30962, beside another checkout's tier).
         first_job_id = secrets.randbelow(9_000_000) + 1_000_000
         self.conf.write_text(SLURM_CONF.format(root=root, first_job_id=first_job_id, ctld_port=ports[0], slurmd_port=ports[1],
-                                               kill_wait=self.kill_wait, nodes=nodes, node_list=",".join(NODES),
+                                               kill_wait=self.kill_wait, min_job_age=MIN_JOB_AGE, nodes=nodes, node_list=",".join(NODES),
                                                mpi_default=self.mpi_default, cred_expire=CRED_EXPIRE,
                                                partition=PARTITION))
         key, socket_path = root / "munge" / "munge.key", root / "munge" / "munge.socket.2"
