@@ -56,6 +56,7 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 
 # Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
+UNEVEN_RUN = DDP_RUN + ("--uneven-lengths",)   # each sequence keeps a loss on its first 1 to T-1 targets
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
 HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
 CLIP_RUN = ("--steps", "3", "--max-grad-norm", "0.5")   # one device's gradient norm is 1.0 to 1.3: every step clips
@@ -222,6 +223,46 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "also works, at the cost of a walk of the autograd graph every step.",
         fix_kind="function",
         failing_checks=("every step's forward ran",)),
+    BrokenRun(
+        name="token-mean-per-micro-batch", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same numbers; nothing in NCCL's logs, and the fix's count of tokens is one more all-reduce of "
+                "a single number a step.",
+        args=UNEVEN_RUN + ("--planted-bug", "token-mean-per-micro-batch"), fixed_args=UNEVEN_RUN,
+        symptom="No error, the ranks' weights agree and every all-reduce moves the parameter bytes, but the loss is "
+                "off one device's from the first step (0.09 at worst) and so are the gradients; the same run with "
+                "every target kept equals one device.",
+        evidence=("extra.diffs.baseline_loss", "extra.rank_losses", "checks"),
+        cause="Each micro-batch's loss was the mean over its own kept tokens, divided by the number of "
+              "micro-batches, then averaged over the ranks by DDP: a mean of means, where a token of a short "
+              "micro-batch weighs more than one of a long one. One device takes one mean over every kept token of "
+              "the step.",
+        tell_apart="The lengths: with every target kept the same run equals one device, and the gap follows the "
+                   "spread of the micro-batches' token counts (the replicas agree, the bytes are right).",
+        look_alikes=("loss-averaged-twice", "same-samples-every-rank", "nondeterministic kernels"),
+        fix="Sum each micro-batch's token losses and divide by the kept tokens of the whole step, every micro-batch "
+            "of every rank (one all-reduce of the count), times the world size that DDP's average divides by.",
+        fix_kind="function",
+        failing_checks=("DDP loss = single-device loss", "DDP gradients = single-device gradients")),
+    BrokenRun(
+        name="global-batch-grows", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same numbers; nothing in NCCL's logs. Each GPU's memory and step time stay what they were on "
+                "fewer GPUs (its own batch did not change): only the loss curve and the steps an epoch differ.",
+        args=DDP_RUN + ("--planted-bug", "global-batch-grows"), fixed_args=DDP_RUN,
+        symptom="No error and the ranks agree, but the loss is below one device's on the recipe's batch at every "
+                "step, 0.13 below at worst; the first line says global batch 16 where the recipe's is 8, and an "
+                "epoch ends after half the steps.",
+        evidence=("output", "losses", "extra.diffs.baseline_loss", "checks"),
+        cause="The per-rank batch of a recipe tuned on 2 ranks was kept on 4: the global batch doubled with the "
+              "world, and with it what one step of the learning rate does.",
+        tell_apart="Sequences per optimizer step, ranks x micro-batches x sequences each: twice the recipe's, while "
+                   "each step's gradients are right for that larger batch (the from-scratch version agrees).",
+        look_alikes=("same-samples-every-rank", "a diverging run (a learning rate too high)", "no-set-epoch"),
+        fix="Keep the global batch when the world changes: each rank's micro-batch = global batch / (world size x "
+            "accumulation steps); where the global batch is meant to grow, retune the learning rate and the "
+            "schedule's steps for it.",
+        fix_kind="function",
+        failing_checks=("sequences per optimizer step = the global batch asked for", "DDP loss = single-device loss",
+                        "DDP gradients = single-device gradients")),
     BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
         on_nccl="The three ranks wait in the all-reduce for NCCL's default timeout, 10 minutes; then each logs "

@@ -274,6 +274,32 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "quote": "a NaN or spike on ranks 1..N-1 with a finite rank-0 loss was never skipped and its gradients "
                   "poisoned the all-reduce"},
     ],
+    "token-mean-per-micro-batch": [
+        {"url": "https://github.com/meta-pytorch/torchtune/pull/1875",
+         "title": "Normalize CE loss by total number of (non-padding) tokens (meta-pytorch/torchtune #1875)",
+         "quote": "In honor of the day the ML community first discovered the fact that (x1 / n1) + (x2 / n2) != "
+                  "(x1 + x2) / (n1 + n2)"},
+        {"url": "https://github.com/karpathy/nanochat/pull/59",
+         "title": "Fix gradient accumulation for variable length sequences (karpathy/nanochat #59)",
+         "quote": "Previously, gradients were scaled by `grad_accum_steps` assuming equal tokens per batch, causing "
+                  "incorrect weighting when padding varies across micro-batches."},
+        {"url": "https://github.com/ruimalheiro/gradient-garden/pull/113",
+         "title": "fix post training loss calculation (ruimalheiro/gradient-garden #113)",
+         "quote": "DDP(including FSDP) already in theory scales the gradients by the number of ranks, so we just "
+                  "need to multiple by number of ranks / number of valid tokens."},
+    ],
+    "global-batch-grows": [
+        {"url": "https://github.com/apache/mxnet/issues/11919",
+         "title": "Accuracy changes with number of GPUs (apache/mxnet #11919)",
+         "quote": "Since the actual batch size differs by 2x it's not surprising that accuracy can be different."},
+        {"url": "https://github.com/TorchSSL/TorchSSL/issues/15",
+         "title": "Some questions about multi-gpu training (TorchSSL/TorchSSL #15)",
+         "quote": "Directly adding more GPUs and increasing the batch will affect the result."},
+        {"url": "https://github.com/facebookresearch/fairseq/issues/2033",
+         "title": "Replicate result from a multi GPU training with less GPUs (facebookresearch/fairseq #2033)",
+         "quote": "If I only have 2 GPU, then if I want to get to as closer performance as possible, I should set the "
+                  "update frequency to 4?"},
+    ],
     "unused-parameter": [
         {"url": "https://github.com/ImprintLab/MedSegDiff/issues/27",
          "title": "Why there are some unused parameters? (ImprintLab/MedSegDiff #27)",

@@ -523,6 +523,8 @@ def main():
                                    metrics.worst(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
             report.extra["diffs"] = diffs
         report.check("every step's forward ran", True, f"{args.steps} steps", "no error")   # else it stopped above
+        report.check("sequences per optimizer step = the global batch asked for (--batch)", step_samples == args.batch,
+                     step_samples, f"== {args.batch}")
         report.check("replicas identical after training", replicas_identical(model))
         finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
         report.check("every rank's loss is finite (every step)", all(finite),
