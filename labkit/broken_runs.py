@@ -61,6 +61,7 @@ HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
 HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
 CLIP_RUN = ("--steps", "3", "--max-grad-norm", "0.5")   # one device's gradient norm is 1.0 to 1.3: every step clips
 CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
+PIPELINE_CLIP_RUN = ("--max-grad-norm", "0.5")   # 4 stages, 1F1B; one device's norm is 1.2 to 2.9: every step clips
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
 
@@ -249,8 +250,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                 "fewer GPUs (its own batch did not change): only the loss curve and the steps an epoch differ.",
         args=DDP_RUN + ("--planted-bug", "global-batch-grows"), fixed_args=DDP_RUN,
         symptom="No error and the ranks agree, but the loss is below one device's on the recipe's batch at every "
-                "step, 0.13 below at worst; the first line says global batch 16 where the recipe's is 8, and an "
-                "epoch ends after half the steps.",
+                "step, 0.13 below at worst; the first line says global batch 16 where the recipe's is 8.",
         evidence=("output", "losses", "extra.diffs.baseline_loss", "checks"),
         cause="The per-rank batch of a recipe tuned on 2 ranks was kept on 4: the global batch doubled with the "
               "world, and with it what one step of the learning rate does.",
@@ -439,6 +439,26 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Read the losses on the rank that holds the last stage (or send them from there).",
         fix_kind="function",
         failing_checks=("losses equal the single-device run's", "the loss fell")),
+    BrokenRun(
+        name="stage-grad-norm", family="pipelines", script=PP_TRAIN,
+        on_nccl="The same norms, one per stage; nothing in NCCL's logs, since no collective was left out of a "
+                "pairing: the reduction was never written.",
+        args=PIPELINE_CLIP_RUN + ("--planted-bug", "stage-grad-norm"), fixed_args=PIPELINE_CLIP_RUN,
+        symptom="No error, and the first step's gradients equal one device's, but the weights leave one device's at "
+                "the first update; each rank logs another gradient norm (0.37 to 0.77 at step 0), none near one "
+                "device's (1.20).",
+        evidence=("extra.rank_grad_norms", "extra.one_device_grad_norms", "checks"),
+        cause="Each rank called torch.nn.utils.clip_grad_norm_ on its own stages' parameters: plain tensors, so "
+              "the norm is those stages' alone (torch/nn/utils/clip_grad.py:95-107, no process group), and each "
+              "rank scales its gradients by its own factor.",
+        tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
+                   "(pieces of one norm, one per stage); under FSDP2 the same call on DTensors would reduce it.",
+        look_alikes=("local-grad-norm", "loss-on-wrong-stage", "nondeterministic kernels"),
+        fix="All-reduce the stages' sums of squares over the pipeline group, take the root, and scale every "
+            "stage's gradients by max_norm / norm (when above 1): one norm, one factor everywhere.",
+        fix_kind="function",
+        failing_checks=("every rank computed the same gradient norm", "parameters after training equal the "
+                        "single-device run's")),
     BrokenRun(
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
         on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "

@@ -263,6 +263,20 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "incorrect as `model.parameters()` does not return the full set of unsharded parameters and thus "
                   "gradient clipping would be applied incorrectly."},
     ],
+    "stage-grad-norm": [
+        {"url": "https://github.com/pytorch/torchtitan/issues/596",
+         "title": "Gradient norm clipping with pipeline parallelism (PP) (pytorch/torchtitan #596)",
+         "quote": "My understanding is that since the model is manually sharded, calling "
+                  "`torch.nn.utils.clip_grad_norm_` will only compute the grad norm based on the modules of the "
+                  "current PP stage."},
+        {"url": "https://github.com/pytorch/pytorch/issues/139467",
+         "title": "Seperate grad norm computation from `torch.nn.utils.clip_grad_norm_` (pytorch/pytorch #139467)",
+         "quote": "When using pipeline parallelism (PP), the grad norm need to be computed on each PP stage and then "
+                  "reduced across all PP stages."},
+        {"url": "https://github.com/Modalities/modalities/issues/313",
+         "title": "Pipeline parallelism requires special gradient clipping implementation (Modalities/modalities #313)",
+         "quote": "For PP, the gradients of the  different stages would not be accumulated."},
+    ],
     "nan-from-one-rank": [
         {"url": "https://github.com/allenai/OLMo-core/pull/657",
          "title": "Fix NaN loss when all labels on a rank are label_ignore_index (allenai/OLMo-core #657)",

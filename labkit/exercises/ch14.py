@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 21``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 24``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -62,6 +62,9 @@ _TOKENS = {
     "run 19": "a3844941c58f838e",
     "run 20": "d1f11d3bfe1bef41",
     "run 21": "36c79c33376d1e22",
+    "run 22": "7e0ccfa19b94b445",
+    "run 23": "4ef8e7a123d81f4e",
+    "run 24": "71d08388d01e9bb4",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
@@ -69,7 +72,8 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
-         "four more runs": ("run 18", "run 19", "run 20", "run 21")}
+         "four more runs": ("run 18", "run 19", "run 20", "run 21"),
+         "three more wrong numbers": ("run 22", "run 23", "run 24")}
 
 
 def _token(name: str) -> str:
@@ -135,6 +139,9 @@ CAUSES = {
     "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
     "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
+    "global-batch-grows": "a per-rank batch kept when the world size changed: the global batch changed with it",
+    "token-mean-per-micro-batch": "a loss averaged over each micro-batch's own tokens, not over the whole step's",
+    "stage-grad-norm": "gradients clipped by each pipeline stage's own norm, never reduced over the stages",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -439,7 +446,8 @@ FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's funct
 # to a third of 4's time (measured), which keeps the lab's 13 fix runs within its minute. The others need 4 ranks:
 # deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks.
 FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
-             "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2}
+             "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2,
+             "stage-grad-norm": 2}
 
 
 def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:
@@ -763,3 +771,32 @@ def check_fix_without_gradient(without_gradient) -> None:
     _fix_in_job("unused-parameter", without_gradient, "without_gradient",
                 why="those are the parameters backward never reaches: left out of DDP's buckets, every bucket "
                     "completes and the run equals one device.")
+
+
+# ---- the fixes of part 7: each one run inside the job --------------------------------------------------------
+# A wrong micro_batch_size() changes the sequences a step trains on; a wrong token_loss() leaves them right and
+# changes only the loss and the gradients: the check that judges each function.
+MORE_NUMBERS_CHECKS = (("sequences per optimizer step", "micro_batch_size"),)
+
+
+@learner_check
+def check_fix_batch_and_tokens(micro_batch_size, token_loss) -> None:
+    """Two fixes in one run of train_ddp.py, 4 ranks, 2 micro-batches a step, each sequence keeping a loss on its
+    first targets only (--uneven-lengths). ``micro_batch_size(global_batch, world_size, accumulation)``: the
+    sequences of one micro-batch on one rank. ``token_loss(per_token, mask, step_tokens, world_size)``: the loss a
+    micro-batch backpropagates, from its per-token losses, its mask of kept targets (both [sequences, targets])
+    and ``step_tokens``, the targets kept in the whole step (every micro-batch of every rank). Both run inside the
+    job (--fix-from), on every rank."""
+    path = learner_files({"micro_batch_size": micro_batch_size, "token_loss": token_loss})
+    _fixed_run_holds("token-mean-per-micro-batch", extra=(FIX_FLAG, path), blame=MORE_NUMBERS_CHECKS,
+                     why="the recipe's global batch on any number of ranks, and one mean over every kept token of "
+                         "the step: train_ddp.py with your two functions equals one device.")
+
+
+@learner_check
+def check_fix_stage_clip(clip_gradients) -> None:
+    """``clip_gradients(parameters, max_norm)``: clip this rank's pipeline stages' gradients (plain tensors), in
+    place, to the whole model's total norm ``max_norm``, and return that norm. Run inside the job: pp_train.py
+    loads it (--fix-from) on every rank and calls it after each step's backward."""
+    _fix_in_job("stage-grad-norm", clip_gradients, "clip_gradients",
+                why="one norm for the whole model, so every stage scales its gradients by the same factor.")

@@ -179,7 +179,7 @@ def main():
         dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads,
                                           "last": last_here})
         losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
-        if fixes:   # the losses of the rank the learner's loss_rank() names: nan where that rank computed none
+        if "loss_rank" in fixes:   # the losses of the rank the learner's loss_rank() names: nan where it computed none
             stage_ranks = [next(r for r in range(ranks) if s in stage_indices(args.schedule, r, ranks, chunks))
                            for s in range(num_stages)]
             read = fixes["loss_rank"](stage_ranks)
