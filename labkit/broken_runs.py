@@ -229,14 +229,13 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         on_nccl="The same numbers; nothing in NCCL's logs, and the fix's count of tokens is one more all-reduce of "
                 "a single number a step.",
         args=UNEVEN_RUN + ("--planted-bug", "token-mean-per-micro-batch"), fixed_args=UNEVEN_RUN,
-        symptom="No error, the ranks' weights agree and every all-reduce moves the parameter bytes, but the loss is "
-                "off one device's from the first step (0.09 at worst) and so are the gradients; the same run with "
-                "every target kept equals one device.",
+        symptom="No error, the replicas agree and each all-reduce moves the parameter bytes, but the loss is off "
+                "one device's from the first step (0.09 at worst), the gradients too; with every target kept the "
+                "run equals one device.",
         evidence=("extra.diffs.baseline_loss", "extra.rank_losses", "checks"),
-        cause="Each micro-batch's loss was the mean over its own kept tokens, divided by the number of "
-              "micro-batches, then averaged over the ranks by DDP: a mean of means, where a token of a short "
-              "micro-batch weighs more than one of a long one. One device takes one mean over every kept token of "
-              "the step.",
+        cause="Each micro-batch's loss was the mean over its own kept tokens, over the micro-batches, then DDP "
+              "averaged the ranks: a mean of means, where a short micro-batch's token weighs more. One device takes "
+              "one mean over the step's kept tokens.",
         tell_apart="The lengths: with every target kept the same run equals one device, and the gap follows the "
                    "spread of the micro-batches' token counts (the replicas agree, the bytes are right).",
         look_alikes=("loss-averaged-twice", "same-samples-every-rank", "nondeterministic kernels"),

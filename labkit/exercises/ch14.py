@@ -139,9 +139,9 @@ CAUSES = {
     "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
     "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
-    "global-batch-grows": "a per-rank batch kept when the world size changed: the global batch changed with it",
-    "token-mean-per-micro-batch": "a loss averaged over each micro-batch's own tokens, not over the whole step's",
     "stage-grad-norm": "gradients clipped by each pipeline stage's own norm, never reduced over the stages",
+    "token-mean-per-micro-batch": "a loss averaged over each micro-batch's own tokens, not over the whole step's",
+    "global-batch-grows": "a per-rank batch kept when the world size changed: the global batch changed with it",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -777,6 +777,22 @@ def check_fix_without_gradient(without_gradient) -> None:
 # A wrong micro_batch_size() changes the sequences a step trains on; a wrong token_loss() leaves them right and
 # changes only the loss and the gradients: the check that judges each function.
 MORE_NUMBERS_CHECKS = (("sequences per optimizer step", "micro_batch_size"),)
+
+
+@learner_check
+def check_fix_micro_batch(micro_batch_size) -> None:
+    """``micro_batch_size(global_batch, world_size, accumulation)``: the sequences of one micro-batch on one rank.
+    Run inside the job: train_ddp.py calls it (--fix-from) on every rank of a 4-rank run and draws that many."""
+    _fix_in_job("global-batch-grows", micro_batch_size, "micro_batch_size",
+                why="the recipe's global batch, whatever the number of ranks.")
+
+
+@learner_check
+def check_fix_token_loss(token_loss) -> None:
+    """``token_loss(per_token, mask, step_tokens, world_size)``: the loss a micro-batch backpropagates. Run inside
+    the job: train_ddp.py --uneven-lengths calls it (--fix-from) for every micro-batch, on every rank."""
+    _fix_in_job("token-mean-per-micro-batch", token_loss, "token_loss",
+                why="one mean over every kept token of the step, whatever the lengths of its micro-batches.")
 
 
 @learner_check

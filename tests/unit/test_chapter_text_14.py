@@ -59,7 +59,7 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 11 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 14 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()

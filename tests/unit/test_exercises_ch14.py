@@ -23,12 +23,13 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 22)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 25)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
-    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter")))
+    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter", "global-batch-grows",
+    "token-mean-per-micro-batch", "stage-grad-norm")))
 
 
 @pytest.fixture(autouse=True)
@@ -321,6 +322,44 @@ def wrong_without_gradient_the_used_ones(grads):
     return [name for name, grad in grads.items() if grad is not None]
 
 
+def right_micro_batch_size(global_batch, world_size, accumulation):
+    return global_batch // (world_size * accumulation)
+
+
+def wrong_micro_batch_size_recipes(global_batch, world_size, accumulation):   # the bug: the 2-rank recipe's
+    return global_batch // (2 * accumulation)
+
+
+def wrong_micro_batch_size_no_accumulation(global_batch, world_size, accumulation):
+    return global_batch // world_size
+
+
+def right_token_loss(per_token, mask, step_tokens, world_size):
+    return (per_token * mask).sum() * world_size / step_tokens
+
+
+def wrong_token_loss_own_mean(per_token, mask, step_tokens, world_size):   # the bug: each micro-batch's own mean
+    return (per_token * mask).sum() / mask.sum()
+
+
+def wrong_token_loss_no_world(per_token, mask, step_tokens, world_size):   # DDP's average divides by N again
+    return (per_token * mask).sum() / step_tokens
+
+
+def right_stage_clip(parameters, max_norm):
+    parameters = list(parameters)
+    total = sum(p.grad.double().pow(2).sum() for p in parameters)
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    for p in parameters:
+        p.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def wrong_stage_clip_torchs_on_one_stage(parameters, max_norm):   # the bug: one stage's norm
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+
+
 def _first_nonfinite(rank_losses):
     for step, losses in enumerate(rank_losses):
         for rank, loss in enumerate(losses):
@@ -399,6 +438,11 @@ FIXES = {
     "local-grad-norm": (ch14.check_fix_clip, right_clip_gradients, [wrong_clip_gradients_local_shards]),
     "unused-parameter": (ch14.check_fix_without_gradient, right_without_gradient,
                          [wrong_without_gradient_first_only, wrong_without_gradient_the_used_ones]),
+    "global-batch-grows": (ch14.check_fix_micro_batch, right_micro_batch_size,
+                           [wrong_micro_batch_size_recipes, wrong_micro_batch_size_no_accumulation]),
+    "token-mean-per-micro-batch": (ch14.check_fix_token_loss, right_token_loss,
+                                   [wrong_token_loss_own_mean, wrong_token_loss_no_world]),
+    "stage-grad-norm": (ch14.check_fix_stage_clip, right_stage_clip, [wrong_stage_clip_torchs_on_one_stage]),
 }
 # The flag that carries each answer into the job: a function's file, or a setting's value.
 FLAGS = {name: "--fix-from" for name in FIXES}
@@ -654,3 +698,25 @@ def test_the_fixes_run_on_fewer_ranks_only_where_the_scripts_checks_hold_on_any_
     for name in ch14.FIX_NPROC:
         assert broken_runs.case(name).script not in (broken_runs.DEADLOCKS, broken_runs.FSDP_TP_HYBRID,
                                                      broken_runs.CHECKPOINT_RESUME), name
+
+
+def test_the_batch_and_the_token_fixes_share_one_run_and_each_is_named_by_its_check(launched, capsys):
+    """Runs 22 and 23's functions go into one train_ddp.py --uneven-lengths run; a wrong micro_batch_size() fails
+    the sequences-per-step check, said with its name (a wrong token_loss() leaves that check passing)."""
+    def judge(case, args):
+        text = open(_answer("--fix-from", args)).read()
+        launched.also_failed = ["sequences per optimizer step = the global batch asked for (--batch) (hand-made)"] \
+            if "def wrong_micro_batch_size" in text else []
+        return "def wrong_token_loss" not in text
+
+    launched.judge = judge
+    ch14.check_fix_batch_and_tokens(right_micro_batch_size, right_token_loss)
+    assert capsys.readouterr().out.startswith("Correct:") and len(launched.calls) == 1
+    (name, _, args), = launched.calls
+    assert name == "token-mean-per-micro-batch" and "--uneven-lengths" in args
+    with pytest.raises(ExerciseWrong, match=r"micro_batch_size\(\): 'sequences per optimizer step") as wrong:
+        ch14.check_fix_batch_and_tokens(wrong_micro_batch_size_recipes, right_token_loss)
+    assert "world_size * accumulation" not in str(wrong.value)
+    with pytest.raises(ExerciseWrong, match="still fails") as wrong:
+        ch14.check_fix_batch_and_tokens(right_micro_batch_size, wrong_token_loss_own_mean)
+    assert "micro_batch_size()" not in str(wrong.value)
