@@ -539,11 +539,11 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         on_nccl="The peers' NCCL kernels spin while they wait: their GPUs show full utilisation at low power. The "
                 "profile shows the straggler's compute kernels longer and its peers' all-reduce kernels longer.",
         args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
-        symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank computes for "
-                "that time longer than the others, while the three others spend it in communication.",
+        symptom="Every step takes longer on every rank, yet the job never times out; in the trace one rank "
+                "computes longer than the others, while the three others spend that time in communication.",
         evidence=("extra.ranks", "extra.timeline", "throughput", "checks"),
-        cause="One rank is slower than the rest every step (here it computes 0.3 s more: a rank given more work, "
-              "a slower or throttled device), and every collective waits for it.",
+        cause="One rank is slower than the rest every step (here it is given 0.3 s of extra work: a rank given more "
+              "work, a slower or throttled device), and every collective waits for it.",
         tell_apart="The timeline per rank: the steps complete (a hang's do not), and the same rank reaches each "
                    "all-reduce last while the others wait in it.",
         look_alikes=("uneven-inputs", "too-few-microbatches", "a slow network"),
