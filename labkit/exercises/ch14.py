@@ -7,8 +7,7 @@ things of each:
 
 * **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
   what it would have shown, and which of the run's own evidence to look at again (never the answer);
-* **the fix** (``check_fix_*``): a small function or setting, run inside the job (all but
-  :func:`check_fix_first_nonfinite`, a reading of losses judged on hand-made runs). A function is written to
+* **the fix** (``check_fix_*``): a small function or setting, run inside the job. A function is written to
   a file (:func:`learner_file`) that the case's script loads with its flag (``--fix-from``, or the older
   ``--data-shard-from``, ``--wrappers-from``, ``--optimizer-from``) and calls on every rank in place of its own
   code; a setting goes in as the script's flag (``--microbatches``, ``--reduce-dtype``, ``--checkpoint-holds``).
@@ -447,7 +446,7 @@ FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's funct
 # deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks.
 FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
              "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2,
-             "stage-grad-norm": 2}
+             "stage-grad-norm": 2, "nan-from-one-rank": 2}
 
 
 def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:
@@ -718,12 +717,6 @@ def check_fix_clip(clip_gradients) -> None:
                      why="every rank computes the whole model's norm and scales its shards by the same factor.")
 
 
-def _judged_on_made_runs(name: str, why: str = "") -> None:
-    """A fix whose answer is a reading of the evidence, not code the job runs: judged on hand-made runs."""
-    print(f"Correct: {why} Checked on hand-made runs. The script's own fix: "
-          f"labkit.broken_runs.run_case({name!r}, fixed=True).")
-
-
 def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
     for step, losses in enumerate(rank_losses):
         ranks = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
@@ -732,17 +725,34 @@ def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
     return -1, []
 
 
+# train_ddp.py's check of a learner's first_nonfinite(), run on the job's own losses per rank (--fix-from)
+FIRST_NONFINITE_CHECK = "first_nonfinite() names the step and the rank where the first non-finite loss began"
+
+
 @learner_check
 def check_fix_first_nonfinite(first_nonfinite) -> None:
     """``first_nonfinite(rank_losses)``: ``(step, rank)`` of the first rank whose own loss went non-finite (nan or
     inf), ``rank_losses[step][rank]`` being each rank's loss before the all-reduce; None when every loss is finite.
-    Judged on hand-made runs."""
+    Run inside the job: train_ddp.py (--fix-from) calls it on every rank with the losses each rank printed, and
+    checks the answer against where its fault began. Then tried on made-up runs of losses: an inf, none at all."""
+    case = broken_runs.case("nan-from-one-rank")   # the run with the fault: your function reads its losses
+    path = learner_file(first_nonfinite, "first_nonfinite")
+    result = _launch(case.name, args=case.args, extra=(FIX_FLAG, path), nproc=FIX_NPROC.get(case.name))
+    _LAST_FIX.append(shown(result))
+    judged = [c for c in (result.metrics or {}).get("checks", []) if c["name"].startswith(FIRST_NONFINITE_CHECK)]
+    if not judged:
+        said = [line for line in result.output.splitlines() if "config error" in line or "Error" in line]
+        raise ExerciseWrong(f"the job run with this function stopped (exit code {result.returncode}) before its "
+                            "check" + (f": {said[-1].strip()[:300]}" if said else "") + ". exercises.last_fix_run() "
+                            "shows its output.")
+    if not judged[0]["passed"]:
+        raise ExerciseWrong(f"the job run with this function still fails: on the run's own losses it returned "
+                            f"{judged[0].get('value')}, not where the first non-finite loss began. Is any rank's loss "
+                            "non-finite at an earlier step? exercises.last_fix_run() shows the losses per rank.")
     nan, inf = math.nan, math.inf
     made = {
-        "one rank, then all": [[4.1, 4.2, 4.0, 4.3], [3.9, nan, 3.8, 4.0], [nan, nan, nan, nan]],
-        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
         "an inf before any nan": [[4.1, 4.2, 4.0, 4.3], [4.0, 4.1, inf, 4.2], [nan, nan, nan, nan]],
-        "a lone nan that did not spread": [[4.1, nan, 4.0, 4.3], [4.0, 4.1, 4.1, 4.2], [nan, nan, nan, nan]],
+        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
         "every loss finite": [[4.1, 4.2], [4.0, 4.1]],
     }
     for what, rank_losses in made.items():
@@ -750,16 +760,14 @@ def check_fix_first_nonfinite(first_nonfinite) -> None:
         step, ranks = _first_nonfinite(rank_losses)
         if step < 0:
             if got is not None:
-                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that run is finite.")
+                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that made-up run is finite.")
             continue
-        if not (isinstance(got, tuple) and len(got) == 2 and got[0] == step and got[1] in ranks):
-            seen = rank_losses[got[0]] if isinstance(got, tuple) and len(got) == 2 and \
-                isinstance(got[0], int) and 0 <= got[0] < len(rank_losses) else None
-            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank"
-                                + (f" (that step's losses: {seen}); is any rank non-finite at an earlier step? "
-                                   "Is inf non-finite too?" if seen is not None else "."))
-    _judged_on_made_runs("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
-                                              "the batch; after the all-reduce every rank is nan.")
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and got[0] == step and got[1] in ranks):
+            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank in that made-up run. "
+                                "Is inf non-finite too?")
+    print("Correct: the first rank whose own loss went non-finite is where to look for the batch; after the "
+          "all-reduce every rank is nan. Run inside the job on its own losses, then on made-up runs with an inf and "
+          "with none.")
 
 
 @learner_check

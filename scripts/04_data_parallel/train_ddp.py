@@ -74,7 +74,10 @@ def step_token_loss(per_token, mask, step_tokens, world_size):
 TUNED_WORLD = 2
 
 # The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
-FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient", "token_loss", "micro_batch_size")
+FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient", "token_loss", "micro_batch_size",
+         "first_nonfinite")
+# A learner's reading of what the run prints, not code that trains: it may run beside --planted-bug.
+READINGS = ("first_nonfinite",)
 
 
 def check_config(args, world_size):
@@ -224,14 +227,18 @@ def main():
                             "per_token, mask, step_tokens, world_size) (with --uneven-lengths: the loss a micro-batch "
                             "backpropagates, from its per-token losses, its mask of kept targets and the count kept in "
                             "the whole step), micro_batch_size(global_batch, world_size, accumulation) (the sequences "
-                            "of one micro-batch on one rank)")
+                            "of one micro-batch on one rank), first_nonfinite(rank_losses) (a reading of the "
+                            "run's losses per rank, step by step: the (step, rank) where the first non-finite loss "
+                            "began, None if none; checked against where --planted-bug nan-from-one-rank put it)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         fixes = runtime.learner_fixes(args.fix_from, FIXES)   # chapter 14's lab: the learner's code, run below
-        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the code --planted-bug breaks")
+        rt.require(not (set(fixes) - set(READINGS) and args.planted_bug),
+                   "--fix-from replaces the code --planted-bug breaks (first_nonfinite alone, a reading, runs "
+                   "beside it)")
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
@@ -530,6 +537,14 @@ def main():
         report.check("every rank's loss is finite (every step)", all(finite),
                      finite.index(False) if False in finite else "all", "all")
 
+        if "first_nonfinite" in fixes:   # the learner's reading of each rank's own loss, as any user prints it
+            planted = None   # where the run's first non-finite loss began: the fault's own place, if planted
+            if args.planted_bug == "nan-from-one-rank" and args.steps > NAN_STEP:
+                planted = [NAN_STEP, nan_rank]
+            found = fixes["first_nonfinite"]([list(losses) for losses in rank_losses])
+            found = list(found) if isinstance(found, (tuple, list)) else found
+            report.check("first_nonfinite() names the step and the rank where the first non-finite loss began",
+                         found == planted, repr(found)[:80], "the step and rank the run's losses show")
         report.extra.update({
             "buckets": [{k: v for k, v in b.items() if k not in ("storage", "launch", "end")} for b in log.buckets],
             "overlap": overlap,

@@ -248,6 +248,11 @@ WRONG_IN_THE_JOB = {
                                          "    return global_batch // (2 * accumulation)\n",
                                          ("sequences per optimizer step = the global batch asked for",
                                           "DDP loss = single-device loss")),
+    "nan-from-one-rank": (broken_runs.case("nan-from-one-rank").args,   # read in the run with the fault: the step
+                          "import math\n\n\ndef first_nonfinite(rank_losses):\n"   # every rank shows, too late
+                          "    for step, losses in enumerate(rank_losses):\n"
+                          "        if not any(map(math.isfinite, losses)):\n"
+                          "            return step, 0\n", (ch14.FIRST_NONFINITE_CHECK,)),
     "stage-grad-norm": (broken_runs.PIPELINE_CLIP_RUN,   # torch's clip on this rank's stages, as the bug had it
                         "import torch\n\n\ndef clip_gradients(parameters, max_norm):\n"
                         "    return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()\n",
