@@ -56,10 +56,12 @@ PROFILE_STEP = "scripts/12_hpc_operations/profile_step.py"
 
 # Runs shared by several cases: the same fixed run proves each of their fixes (one launch in the tests).
 DDP_RUN = ("--steps", "5", "--accumulation", "2", "--compare")   # 2 epochs, 2 micro-batches, against one device
+UNEVEN_RUN = DDP_RUN + ("--uneven-lengths",)   # each sequence keeps a loss on its first 1 to T-1 targets
 HYBRID_RUN = ("--dp", "2", "--tp", "2", "--steps", "2")
 HSDP_RUN = ("--steps", "3", "--replicate", "2")   # 2 replicas x shard groups of 2
 CLIP_RUN = ("--steps", "3", "--max-grad-norm", "0.5")   # one device's gradient norm is 1.0 to 1.3: every step clips
 CHECKPOINTS = ("--save-dir", "{run_dir}", "--steps", "5", "--save-every", "2")   # stopped after 3: step 2 is lost
+PIPELINE_CLIP_RUN = ("--max-grad-norm", "0.5")   # 4 stages, 1F1B; one device's norm is 1.2 to 2.9: every step clips
 PIPELINE_TIMING = ("--schedule", "GPipe", "--stage-compute-ms", "10", "--steps", "3", "--max-bubble", "0.4")
 
 
@@ -222,6 +224,44 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
             "also works, at the cost of a walk of the autograd graph every step.",
         fix_kind="function",
         failing_checks=("every step's forward ran",)),
+    BrokenRun(
+        name="token-mean-per-micro-batch", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same numbers; nothing in NCCL's logs, and the fix's count of tokens is one more all-reduce of "
+                "a single number a step.",
+        args=UNEVEN_RUN + ("--planted-bug", "token-mean-per-micro-batch"), fixed_args=UNEVEN_RUN,
+        symptom="No error, the replicas agree and each all-reduce moves the parameter bytes, but the loss is off "
+                "one device's from the first step (0.09 at worst), the gradients too; with every target kept the "
+                "run equals one device.",
+        evidence=("extra.diffs.baseline_loss", "extra.rank_losses", "checks"),
+        cause="Each micro-batch's loss was the mean over its own kept tokens, over the micro-batches, then DDP "
+              "averaged the ranks: a mean of means, where a short micro-batch's token weighs more. One device takes "
+              "one mean over the step's kept tokens.",
+        tell_apart="The lengths: with every target kept the same run equals one device, and the gap follows the "
+                   "spread of the micro-batches' token counts (the replicas agree, the bytes are right).",
+        look_alikes=("loss-averaged-twice", "same-samples-every-rank", "nondeterministic kernels"),
+        fix="Sum each micro-batch's token losses and divide by the kept tokens of the whole step, every micro-batch "
+            "of every rank (one all-reduce of the count), times the world size that DDP's average divides by.",
+        fix_kind="function",
+        failing_checks=("DDP loss = single-device loss", "DDP gradients = single-device gradients")),
+    BrokenRun(
+        name="global-batch-grows", family="data parallelism", script=TRAIN_DDP,
+        on_nccl="The same numbers; nothing in NCCL's logs. Each GPU's memory and step time stay what they were on "
+                "fewer GPUs (its own batch did not change): only the loss curve and the steps an epoch differ.",
+        args=DDP_RUN + ("--planted-bug", "global-batch-grows"), fixed_args=DDP_RUN,
+        symptom="No error and the ranks agree, but the loss is below one device's on the recipe's batch at every "
+                "step, 0.13 below at worst; the first line says global batch 16 where the recipe's is 8.",
+        evidence=("output", "losses", "extra.diffs.baseline_loss", "checks"),
+        cause="The per-rank batch of a recipe tuned on 2 ranks was kept on 4: the global batch doubled with the "
+              "world, and with it what one step of the learning rate does.",
+        tell_apart="Sequences per optimizer step, ranks x micro-batches x sequences each: twice the recipe's, while "
+                   "each step's gradients are right for that larger batch (the from-scratch version agrees).",
+        look_alikes=("same-samples-every-rank", "a diverging run (a learning rate too high)", "no-set-epoch"),
+        fix="Keep the global batch when the world changes: each rank's micro-batch = global batch / (world size x "
+            "accumulation steps); where the global batch is meant to grow, retune the learning rate and the "
+            "schedule's steps for it.",
+        fix_kind="function",
+        failing_checks=("sequences per optimizer step = the global batch asked for", "DDP loss = single-device loss",
+                        "DDP gradients = single-device gradients")),
     BrokenRun(
         name="uneven-inputs", family="data parallelism", script=DEADLOCKS,
         on_nccl="The three ranks wait in the all-reduce for NCCL's default timeout, 10 minutes; then each logs "
@@ -399,6 +439,26 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix_kind="function",
         failing_checks=("losses equal the single-device run's", "the loss fell")),
     BrokenRun(
+        name="stage-grad-norm", family="pipelines", script=PP_TRAIN,
+        on_nccl="The same norms, one per stage; nothing in NCCL's logs, since no collective was left out of a "
+                "pairing: the reduction was never written.",
+        args=PIPELINE_CLIP_RUN + ("--planted-bug", "stage-grad-norm"), fixed_args=PIPELINE_CLIP_RUN,
+        symptom="No error, and the first step's gradients equal one device's, but the weights leave one device's at "
+                "the first update; each rank logs another gradient norm (0.37 to 0.77 at step 0), none near one "
+                "device's (1.20).",
+        evidence=("extra.rank_grad_norms", "extra.one_device_grad_norms", "checks"),
+        cause="Each rank called torch.nn.utils.clip_grad_norm_ on its own stages' parameters: plain tensors, so "
+              "the norm is those stages' alone (torch/nn/utils/clip_grad.py:95-107, no process group), and each "
+              "rank scales its gradients by its own factor.",
+        tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
+                   "(pieces of one norm, one per stage); under FSDP2 the same call on DTensors would reduce it.",
+        look_alikes=("local-grad-norm", "loss-on-wrong-stage", "nondeterministic kernels"),
+        fix="All-reduce the stages' sums of squares over the pipeline group, take the root, and scale every "
+            "stage's gradients by max_norm / norm (when above 1): one norm, one factor everywhere.",
+        fix_kind="function",
+        failing_checks=("every rank computed the same gradient norm", "parameters after training equal the "
+                        "single-device run's")),
+    BrokenRun(
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
         on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "
                 "refuses the setting with a ValueError before the first step.",
@@ -479,11 +539,11 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         on_nccl="The peers' NCCL kernels spin while they wait: their GPUs show full utilisation at low power. The "
                 "profile shows the straggler's compute kernels longer and its peers' all-reduce kernels longer.",
         args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
-        symptom="Every step takes 0.3 s longer, yet the job never times out; in the trace one rank computes for "
-                "that time longer than the others, while the three others spend it in communication.",
+        symptom="Every step takes longer on every rank, yet the job never times out; in the trace one rank "
+                "computes longer than the others, while the three others spend that time in communication.",
         evidence=("extra.ranks", "extra.timeline", "throughput", "checks"),
-        cause="One rank is slower than the rest every step (here it computes 0.3 s more: a rank given more work, "
-              "a slower or throttled device), and every collective waits for it.",
+        cause="One rank is slower than the rest every step (here it is given 0.3 s of extra work: a rank given more "
+              "work, a slower or throttled device), and every collective waits for it.",
         tell_apart="The timeline per rank: the steps complete (a hang's do not), and the same rank reaches each "
                    "all-reduce last while the others wait in it.",
         look_alikes=("uneven-inputs", "too-few-microbatches", "a slow network"),

@@ -263,6 +263,20 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "incorrect as `model.parameters()` does not return the full set of unsharded parameters and thus "
                   "gradient clipping would be applied incorrectly."},
     ],
+    "stage-grad-norm": [
+        {"url": "https://github.com/pytorch/torchtitan/issues/596",
+         "title": "Gradient norm clipping with pipeline parallelism (PP) (pytorch/torchtitan #596)",
+         "quote": "My understanding is that since the model is manually sharded, calling "
+                  "`torch.nn.utils.clip_grad_norm_` will only compute the grad norm based on the modules of the "
+                  "current PP stage."},
+        {"url": "https://github.com/pytorch/pytorch/issues/139467",
+         "title": "Seperate grad norm computation from `torch.nn.utils.clip_grad_norm_` (pytorch/pytorch #139467)",
+         "quote": "When using pipeline parallelism (PP), the grad norm need to be computed on each PP stage and then "
+                  "reduced across all PP stages."},
+        {"url": "https://github.com/Modalities/modalities/issues/313",
+         "title": "Pipeline parallelism requires special gradient clipping implementation (Modalities/modalities #313)",
+         "quote": "For PP, the gradients of the  different stages would not be accumulated."},
+    ],
     "nan-from-one-rank": [
         {"url": "https://github.com/allenai/OLMo-core/pull/657",
          "title": "Fix NaN loss when all labels on a rank are label_ignore_index (allenai/OLMo-core #657)",
@@ -273,6 +287,32 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "Make loss-spike batch skip a global all-reduce decision across ranks (ecmwf/WeatherGenerator #2718)",
          "quote": "a NaN or spike on ranks 1..N-1 with a finite rank-0 loss was never skipped and its gradients "
                   "poisoned the all-reduce"},
+    ],
+    "token-mean-per-micro-batch": [
+        {"url": "https://github.com/meta-pytorch/torchtune/pull/1875",
+         "title": "Normalize CE loss by total number of (non-padding) tokens (meta-pytorch/torchtune #1875)",
+         "quote": "In honor of the day the ML community first discovered the fact that (x1 / n1) + (x2 / n2) != "
+                  "(x1 + x2) / (n1 + n2)"},
+        {"url": "https://github.com/karpathy/nanochat/pull/59",
+         "title": "Fix gradient accumulation for variable length sequences (karpathy/nanochat #59)",
+         "quote": "Previously, gradients were scaled by `grad_accum_steps` assuming equal tokens per batch, causing "
+                  "incorrect weighting when padding varies across micro-batches."},
+        {"url": "https://github.com/ruimalheiro/gradient-garden/pull/113",
+         "title": "fix post training loss calculation (ruimalheiro/gradient-garden #113)",
+         "quote": "DDP(including FSDP) already in theory scales the gradients by the number of ranks, so we just "
+                  "need to multiple by number of ranks / number of valid tokens."},
+    ],
+    "global-batch-grows": [
+        {"url": "https://github.com/apache/mxnet/issues/11919",
+         "title": "Accuracy changes with number of GPUs (apache/mxnet #11919)",
+         "quote": "Since the actual batch size differs by 2x it's not surprising that accuracy can be different."},
+        {"url": "https://github.com/TorchSSL/TorchSSL/issues/15",
+         "title": "Some questions about multi-gpu training (TorchSSL/TorchSSL #15)",
+         "quote": "Directly adding more GPUs and increasing the batch will affect the result."},
+        {"url": "https://github.com/facebookresearch/fairseq/issues/2033",
+         "title": "Replicate result from a multi GPU training with less GPUs (facebookresearch/fairseq #2033)",
+         "quote": "If I only have 2 GPU, then if I want to get to as closer performance as possible, I should set the "
+                  "update frequency to 4?"},
     ],
     "unused-parameter": [
         {"url": "https://github.com/ImprintLab/MedSegDiff/issues/27",

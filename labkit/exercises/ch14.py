@@ -1,14 +1,13 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 21``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 24``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
 
 * **the diagnosis** (:func:`check_diagnoses`): a key of :data:`CAUSES` for each run. A wrong key is rejected with
   what it would have shown, and which of the run's own evidence to look at again (never the answer);
-* **the fix** (``check_fix_*``): a small function or setting, run inside the job (all but
-  :func:`check_fix_first_nonfinite`, a reading of losses judged on hand-made runs). A function is written to
+* **the fix** (``check_fix_*``): a small function or setting, run inside the job. A function is written to
   a file (:func:`learner_file`) that the case's script loads with its flag (``--fix-from``, or the older
   ``--data-shard-from``, ``--wrappers-from``, ``--optimizer-from``) and calls on every rank in place of its own
   code; a setting goes in as the script's flag (``--microbatches``, ``--reduce-dtype``, ``--checkpoint-holds``).
@@ -62,6 +61,9 @@ _TOKENS = {
     "run 19": "a3844941c58f838e",
     "run 20": "d1f11d3bfe1bef41",
     "run 21": "36c79c33376d1e22",
+    "run 22": "7e0ccfa19b94b445",
+    "run 23": "4ef8e7a123d81f4e",
+    "run 24": "71d08388d01e9bb4",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
@@ -69,7 +71,8 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
-         "four more runs": ("run 18", "run 19", "run 20", "run 21")}
+         "four more runs": ("run 18", "run 19", "run 20", "run 21"),
+         "three more wrong numbers": ("run 22", "run 23", "run 24")}
 
 
 def _token(name: str) -> str:
@@ -135,6 +138,9 @@ CAUSES = {
     "nan-from-one-rank": "a nan on one rank, spread to every rank by the gradient all-reduce",
     "local-grad-norm": "gradients clipped by the norm of each rank's own shards, never reduced over the ranks",
     "rank-0-evaluation": "work one rank does alone that outlasts the process group's timeout",
+    "stage-grad-norm": "gradients clipped by each pipeline stage's own norm, never reduced over the stages",
+    "token-mean-per-micro-batch": "a loss averaged over each micro-batch's own tokens, not over the whole step's",
+    "global-batch-grows": "a per-rank batch kept when the world size changed: the global batch changed with it",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -439,7 +445,8 @@ FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's funct
 # to a third of 4's time (measured), which keeps the lab's 13 fix runs within its minute. The others need 4 ranks:
 # deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks.
 FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
-             "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2}
+             "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2,
+             "stage-grad-norm": 2, "nan-from-one-rank": 2}
 
 
 def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:
@@ -710,12 +717,6 @@ def check_fix_clip(clip_gradients) -> None:
                      why="every rank computes the whole model's norm and scales its shards by the same factor.")
 
 
-def _judged_on_made_runs(name: str, why: str = "") -> None:
-    """A fix whose answer is a reading of the evidence, not code the job runs: judged on hand-made runs."""
-    print(f"Correct: {why} Checked on hand-made runs. The script's own fix: "
-          f"labkit.broken_runs.run_case({name!r}, fixed=True).")
-
-
 def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
     for step, losses in enumerate(rank_losses):
         ranks = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
@@ -724,17 +725,34 @@ def _first_nonfinite(rank_losses) -> tuple[int, list[int]]:
     return -1, []
 
 
+# train_ddp.py's check of a learner's first_nonfinite(), run on the job's own losses per rank (--fix-from)
+FIRST_NONFINITE_CHECK = "first_nonfinite() names the step and the rank where the first non-finite loss began"
+
+
 @learner_check
 def check_fix_first_nonfinite(first_nonfinite) -> None:
     """``first_nonfinite(rank_losses)``: ``(step, rank)`` of the first rank whose own loss went non-finite (nan or
     inf), ``rank_losses[step][rank]`` being each rank's loss before the all-reduce; None when every loss is finite.
-    Judged on hand-made runs."""
+    Run inside the job: train_ddp.py (--fix-from) calls it on every rank with the losses each rank printed, and
+    checks the answer against where its fault began. Then tried on made-up runs of losses: an inf, none at all."""
+    case = broken_runs.case("nan-from-one-rank")   # the run with the fault: your function reads its losses
+    path = learner_file(first_nonfinite, "first_nonfinite")
+    result = _launch(case.name, args=case.args, extra=(FIX_FLAG, path), nproc=FIX_NPROC.get(case.name))
+    _LAST_FIX.append(shown(result))
+    judged = [c for c in (result.metrics or {}).get("checks", []) if c["name"].startswith(FIRST_NONFINITE_CHECK)]
+    if not judged:
+        said = [line for line in result.output.splitlines() if "config error" in line or "Error" in line]
+        raise ExerciseWrong(f"the job run with this function stopped (exit code {result.returncode}) before its "
+                            "check" + (f": {said[-1].strip()[:300]}" if said else "") + ". exercises.last_fix_run() "
+                            "shows its output.")
+    if not judged[0]["passed"]:
+        raise ExerciseWrong(f"the job run with this function still fails: on the run's own losses it returned "
+                            f"{judged[0].get('value')}, not where the first non-finite loss began. Is any rank's loss "
+                            "non-finite at an earlier step? exercises.last_fix_run() shows the losses per rank.")
     nan, inf = math.nan, math.inf
     made = {
-        "one rank, then all": [[4.1, 4.2, 4.0, 4.3], [3.9, nan, 3.8, 4.0], [nan, nan, nan, nan]],
-        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
         "an inf before any nan": [[4.1, 4.2, 4.0, 4.3], [4.0, 4.1, inf, 4.2], [nan, nan, nan, nan]],
-        "a lone nan that did not spread": [[4.1, nan, 4.0, 4.3], [4.0, 4.1, 4.1, 4.2], [nan, nan, nan, nan]],
+        "rank 3 at step 0": [[4.1, 4.2, 4.0, inf], [nan, nan, nan, nan]],
         "every loss finite": [[4.1, 4.2], [4.0, 4.1]],
     }
     for what, rank_losses in made.items():
@@ -742,16 +760,14 @@ def check_fix_first_nonfinite(first_nonfinite) -> None:
         step, ranks = _first_nonfinite(rank_losses)
         if step < 0:
             if got is not None:
-                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that run is finite.")
+                raise ExerciseWrong(f"{what}: {got!r}, but every loss of that made-up run is finite.")
             continue
-        if not (isinstance(got, tuple) and len(got) == 2 and got[0] == step and got[1] in ranks):
-            seen = rank_losses[got[0]] if isinstance(got, tuple) and len(got) == 2 and \
-                isinstance(got[0], int) and 0 <= got[0] < len(rank_losses) else None
-            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank"
-                                + (f" (that step's losses: {seen}); is any rank non-finite at an earlier step? "
-                                   "Is inf non-finite too?" if seen is not None else "."))
-    _judged_on_made_runs("nan-from-one-rank", why="the first rank whose own loss went non-finite is where to look for "
-                                              "the batch; after the all-reduce every rank is nan.")
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and got[0] == step and got[1] in ranks):
+            raise ExerciseWrong(f"{what}: {got!r} is not the first non-finite loss of a rank in that made-up run. "
+                                "Is inf non-finite too?")
+    print("Correct: the first rank whose own loss went non-finite is where to look for the batch; after the "
+          "all-reduce every rank is nan. Run inside the job on its own losses, then on made-up runs with an inf and "
+          "with none.")
 
 
 @learner_check
@@ -763,3 +779,48 @@ def check_fix_without_gradient(without_gradient) -> None:
     _fix_in_job("unused-parameter", without_gradient, "without_gradient",
                 why="those are the parameters backward never reaches: left out of DDP's buckets, every bucket "
                     "completes and the run equals one device.")
+
+
+# ---- the fixes of part 7: each one run inside the job --------------------------------------------------------
+# A wrong micro_batch_size() changes the sequences a step trains on; a wrong token_loss() leaves them right and
+# changes only the loss and the gradients: the check that judges each function.
+MORE_NUMBERS_CHECKS = (("sequences per optimizer step", "micro_batch_size"),)
+
+
+@learner_check
+def check_fix_micro_batch(micro_batch_size) -> None:
+    """``micro_batch_size(global_batch, world_size, accumulation)``: the sequences of one micro-batch on one rank.
+    Run inside the job: train_ddp.py calls it (--fix-from) on every rank of a 4-rank run and draws that many."""
+    _fix_in_job("global-batch-grows", micro_batch_size, "micro_batch_size",
+                why="the recipe's global batch, whatever the number of ranks.")
+
+
+@learner_check
+def check_fix_token_loss(token_loss) -> None:
+    """``token_loss(per_token, mask, step_tokens, world_size)``: the loss a micro-batch backpropagates. Run inside
+    the job: train_ddp.py --uneven-lengths calls it (--fix-from) for every micro-batch, on every rank."""
+    _fix_in_job("token-mean-per-micro-batch", token_loss, "token_loss",
+                why="one mean over every kept token of the step, whatever the lengths of its micro-batches.")
+
+
+@learner_check
+def check_fix_batch_and_tokens(micro_batch_size, token_loss) -> None:
+    """Two fixes in one run of train_ddp.py, 4 ranks, 2 micro-batches a step, each sequence keeping a loss on its
+    first targets only (--uneven-lengths). ``micro_batch_size(global_batch, world_size, accumulation)``: the
+    sequences of one micro-batch on one rank. ``token_loss(per_token, mask, step_tokens, world_size)``: the loss a
+    micro-batch backpropagates, from its per-token losses, its mask of kept targets (both [sequences, targets])
+    and ``step_tokens``, the targets kept in the whole step (every micro-batch of every rank). Both run inside the
+    job (--fix-from), on every rank."""
+    path = learner_files({"micro_batch_size": micro_batch_size, "token_loss": token_loss})
+    _fixed_run_holds("token-mean-per-micro-batch", extra=(FIX_FLAG, path), blame=MORE_NUMBERS_CHECKS,
+                     why="the recipe's global batch on any number of ranks, and one mean over every kept token of "
+                         "the step: train_ddp.py with your two functions equals one device.")
+
+
+@learner_check
+def check_fix_stage_clip(clip_gradients) -> None:
+    """``clip_gradients(parameters, max_norm)``: clip this rank's pipeline stages' gradients (plain tensors), in
+    place, to the whole model's total norm ``max_norm``, and return that norm. Run inside the job: pp_train.py
+    loads it (--fix-from) on every rank and calls it after each step's backward."""
+    _fix_in_job("stage-grad-norm", clip_gradients, "clip_gradients",
+                why="one norm for the whole model, so every stage scales its gradients by the same factor.")

@@ -50,8 +50,34 @@ def masked_mean_loss(logits, targets, mask):
     return (per_token * mask).sum() / mask.sum()
 
 
+def kept_targets(tokens):
+    """--uneven-lengths: which target tokens a sequence keeps, its first L of T - 1 (L = 1 + its first token mod
+    T - 1: 1 to T - 1, read from the tokens so that every rank and the one-device reference agree). Padding, or a
+    prompt whose tokens carry no loss, gives real batches such uneven counts."""
+    width = tokens.shape[1] - 1
+    lengths = 1 + tokens[:, 0] % width
+    return torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]
+
+
+def token_losses(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                                             reduction="none").view(targets.shape)
+
+
+def step_token_loss(per_token, mask, step_tokens, world_size):
+    """A micro-batch's share of the step's mean over every kept token of the global batch: its tokens' sum over the
+    step's count (all ranks, all micro-batches), times N, since DDP's all-reduce then averages the ranks."""
+    return (per_token * mask).sum() * world_size / step_tokens
+
+
+# The recipe's per-rank batch was tuned on this many ranks: --planted-bug global-batch-grows keeps it on any number.
+TUNED_WORLD = 2
+
 # The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
-FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient")
+FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient", "token_loss", "micro_batch_size",
+         "first_nonfinite")
+# A learner's reading of what the run prints, not code that trains: it may run beside --planted-bug.
+READINGS = ("first_nonfinite",)
 
 
 def check_config(args, world_size):
@@ -178,36 +204,59 @@ def main():
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
-                                             "accumulation-never-syncs", "nan-from-one-rank", "unused-parameter"],
+                                             "accumulation-never-syncs", "nan-from-one-rank", "unused-parameter",
+                                             "token-mean-per-micro-batch", "global-batch-grows"],
                    default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
                         "built as rank 0's (all ranks read the same samples); no_sync() around every micro-batch, "
                         "the last too (the gradients are never all-reduced); one rank's micro-batch at step "
                         f"{NAN_STEP} with every target masked (a mean over no token: nan, then all-reduced); a "
-                        "parameter the forward never uses (an extra head), wrapped by DDP as it is")
+                        "parameter the forward never uses (an extra head), wrapped by DDP as it is; with "
+                        "--uneven-lengths, each micro-batch's loss the mean over its own tokens (not the step's); the "
+                        f"per-rank batch the recipe had on {TUNED_WORLD} ranks kept on any number (the global batch "
+                        "grows with the world)")
+    p.add_argument("--uneven-lengths", action="store_true",
+                   help="each sequence keeps a loss on its first 1 to T-1 targets only (padding, prompts): the step's "
+                        "loss is the mean over every kept token of the global batch")
     runtime.add_fix_flag(p, "rank_sampler(dataset, rank, world_size) (the training sampler), epoch_indices(sampler, "
                             "epoch) (the indices the loader draws in an epoch), synchronises(micro_step, "
                             "accumulation) (whether a micro-batch runs outside no_sync()), without_gradient(grads) (a "
                             "model with an extra head: the names of the parameters to leave out of what DDP reduces, "
-                            "from each one's gradient after a local backward, None where none came)")
+                            "from each one's gradient after a local backward, None where none came), token_loss("
+                            "per_token, mask, step_tokens, world_size) (with --uneven-lengths: the loss a micro-batch "
+                            "backpropagates, from its per-token losses, its mask of kept targets and the count kept in "
+                            "the whole step), micro_batch_size(global_batch, world_size, accumulation) (the sequences "
+                            "of one micro-batch on one rank), first_nonfinite(rank_losses) (a reading of the "
+                            "run's losses per rank, step by step: the (step, rank) where the first non-finite loss "
+                            "began, None if none; checked against where --planted-bug nan-from-one-rank put it)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         fixes = runtime.learner_fixes(args.fix_from, FIXES)   # chapter 14's lab: the learner's code, run below
-        rt.require(not (fixes and args.planted_bug), "--fix-from replaces the code --planted-bug breaks")
+        rt.require(not (set(fixes) - set(READINGS) and args.planted_bug),
+                   "--fix-from replaces the code --planted-bug breaks (first_nonfinite alone, a reading, runs "
+                   "beside it)")
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         args.samples = args.samples or 4 * args.batch
         check_config(args, world)  # again, with the defaults filled in
         micro_batch = args.batch // (world * accumulation)
+        if args.planted_bug == "global-batch-grows":   # the mistake: the per-rank batch of the recipe's run on
+            micro_batch = args.batch // (TUNED_WORLD * accumulation)   # TUNED_WORLD ranks, kept on any number
+        if "micro_batch_size" in fixes:   # the learner's: the sequences of one micro-batch on this rank
+            micro_batch = int(fixes["micro_batch_size"](args.batch, world, accumulation))
+        rt.require(micro_batch >= 1 and args.samples % (micro_batch * world * accumulation) == 0,
+                   f"a micro-batch of {micro_batch} sequences: the {args.samples} samples must make whole steps of "
+                   f"{world} ranks x {accumulation} micro-batches of at least one sequence")
+        step_samples = micro_batch * world * accumulation   # the global batch this run trains on, every step
         precision = args.precision if args.precision != "auto" else (
             "bf16" if rt.device_type == "cuda" and not args.compare else "fp32")
         report = metrics.Report(__file__, rt, config={**vars(args), "precision": precision, "model": cfg.to_dict()})
-        rt.print(f"{args.preset} transformer: {cfg.num_params():,} parameters; global batch {args.batch} = "
+        rt.print(f"{args.preset} transformer: {cfg.num_params():,} parameters; global batch {step_samples} = "
                  f"{world} ranks x {accumulation} micro-steps x {micro_batch} sequences; buckets of "
                  f"{args.bucket_mb} MB; gradient_as_bucket_view={args.gradient_as_bucket_view}; {precision}")
 
@@ -222,7 +271,7 @@ def main():
             sampler = DistributedSampler(dataset, num_replicas=world, rank=sampler_rank, shuffle=args.shuffle,
                                          seed=args.seed)
         loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
-        steps_per_epoch = args.samples // args.batch
+        steps_per_epoch = args.samples // args.batch   # the recipe's: the one device trains on its global batch
         all_samplers = samplers_for(dataset, world, args)
         covered = []
         for epoch in range(2):
@@ -293,6 +342,10 @@ def main():
                     tokens = next(batches)
                 micro_batches.append(tokens)
 
+            step_tokens = None
+            if args.uneven_lengths:   # the kept targets of the whole step, every rank's micro-batches together
+                step_tokens = torch.tensor(float(sum(kept_targets(t).sum() for t in micro_batches)), device=rt.device)
+                dist.all_reduce(step_tokens)
             rt.sync()
             started = time.perf_counter()
             step_loss = torch.zeros((), device=rt.device)
@@ -323,6 +376,14 @@ def main():
                         if masked:   # the mistake: a micro-batch whose every target is masked (a prompt-only
                             # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
                             loss = masked_mean_loss(outputs, targets, torch.zeros_like(targets)) / accumulation
+                        elif args.uneven_lengths:
+                            kept = kept_targets(tokens.to(rt.device))
+                            if args.planted_bug == "token-mean-per-micro-batch":   # the mistake: each micro-batch's
+                                # mean over its own tokens, as if all held as many: short ones weigh too much
+                                loss = masked_mean_loss(outputs, targets, kept) / accumulation
+                            else:
+                                loss = fixes.get("token_loss", step_token_loss)(
+                                    token_losses(outputs, targets), kept, step_tokens, world)
                         else:
                             loss = models.lm_loss(outputs, targets) / accumulation
                     log.mark_backward("start")
@@ -346,7 +407,11 @@ def main():
                 for tokens in micro_batches:
                     inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                     with autocast:
-                        scratch_loss = models.lm_loss(scratch(inputs), targets) / accumulation
+                        if args.uneven_lengths:   # by hand: the step's mean over its kept tokens, then the average
+                            scratch_loss = step_token_loss(token_losses(scratch(inputs), targets),
+                                                           kept_targets(tokens.to(rt.device)), step_tokens, world)
+                        else:
+                            scratch_loss = models.lm_loss(scratch(inputs), targets) / accumulation
                     scratch_loss.backward()
                     scratch_step_loss += scratch_loss.detach()
                 average_gradients(scratch)
@@ -358,7 +423,10 @@ def main():
                     tokens = torch.stack([dataset[i] for i in indices]).to(rt.device)
                     inputs, targets = data.split_inputs_targets(tokens)
                     with autocast:
-                        baseline_loss = models.lm_loss(baseline(inputs), targets)
+                        if args.uneven_lengths:   # one device: the mean over every kept token of the global batch
+                            baseline_loss = masked_mean_loss(baseline(inputs), targets, kept_targets(tokens))
+                        else:
+                            baseline_loss = models.lm_loss(baseline(inputs), targets)
                     baseline_loss.backward()
                     diffs["baseline_grad"].append(metrics.max_abs_diff([p.grad for p in trained],
                                                                        [p.grad for p in baseline.parameters()]))
@@ -462,11 +530,21 @@ def main():
                                    metrics.worst(diffs["baseline_param"]), 0.0, param_tolerance(args.lr))
             report.extra["diffs"] = diffs
         report.check("every step's forward ran", True, f"{args.steps} steps", "no error")   # else it stopped above
+        report.check("sequences per optimizer step = the global batch asked for (--batch)", step_samples == args.batch,
+                     step_samples, f"== {args.batch}")
         report.check("replicas identical after training", replicas_identical(model))
         finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
         report.check("every rank's loss is finite (every step)", all(finite),
                      finite.index(False) if False in finite else "all", "all")
 
+        if "first_nonfinite" in fixes:   # the learner's reading of each rank's own loss, as any user prints it
+            planted = None   # where the run's first non-finite loss began: the fault's own place, if planted
+            if args.planted_bug == "nan-from-one-rank" and args.steps > NAN_STEP:
+                planted = [NAN_STEP, nan_rank]
+            found = fixes["first_nonfinite"]([list(losses) for losses in rank_losses])
+            found = list(found) if isinstance(found, (tuple, list)) else found
+            report.check("first_nonfinite() names the step and the rank where the first non-finite loss began",
+                         found == planted, repr(found)[:80], "the step and rank the run's losses show")
         report.extra.update({
             "buckets": [{k: v for k, v in b.items() if k not in ("storage", "launch", "end")} for b in log.buckets],
             "overlap": overlap,
@@ -477,7 +555,7 @@ def main():
             "rank_losses": rank_losses,
         })
         timed = seconds[1:] or seconds   # the first step pays one-off costs (buckets, allocator): left out
-        report.throughput = metrics.throughput(args.batch * cfg.seq_len, sum(timed), len(timed), cfg=cfg,
+        report.throughput = metrics.throughput(step_samples * cfg.seq_len, sum(timed), len(timed), cfg=cfg,
                                                device=rt.device, dtype=precision, num_devices=rt.world_size)
         report.memory = {"device": metrics.memory_snapshot(rt.device)}
         code = report.finish(args.metrics_out)

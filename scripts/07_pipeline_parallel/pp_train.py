@@ -38,6 +38,27 @@ GRAD_TOLERANCE = 1e-5
 # On a GPU these widen 10x: its kernels sum in other, partly nondeterministic orders (metrics.fp32_tolerance).
 
 
+def stage_sum_of_squares(parameters) -> "torch.Tensor":
+    """The squares of this rank's gradients, summed: one term of the whole model's squared norm."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=grads[0].device))
+
+
+def clip_whole_model(parameters, max_norm: float) -> float:
+    """Clip by the whole model's norm: each rank's sum of squares, all-reduced over the stages, then every rank
+    scales its own gradients by the same factor (torch's clip_grad_norm_ on one stage's plain tensors sees that
+    stage alone). Returns the norm."""
+    parameters = list(parameters)
+    total = stage_sum_of_squares(parameters)
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm
+
+
 def check_config(args, world_size):
     args.chunks = check_pipeline_config(args.schedule, world_size, args.microbatches, args.stages_per_rank)
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
@@ -50,6 +71,8 @@ def check_config(args, world_size):
                     or stages - 1 not in stage_indices(args.schedule, 0, world_size, args.chunks),
                     f"--planted-bug loss-on-wrong-stage: under {args.schedule} rank 0 holds the last stage too, "
                     "so the loss it reads is right: plant it under a schedule whose last stage is elsewhere")
+    runtime.require(args.planted_bug != "stage-grad-norm" or args.max_grad_norm is not None,
+                    "--planted-bug stage-grad-norm clips the gradients: it needs --max-grad-norm")
 
 
 def main():
@@ -59,15 +82,22 @@ def main():
     p.add_argument("--stages-per-rank", type=runtime.positive_int, default=None,
                    help="V, stages per rank (interleaved schedules; default: the schedule's own)")
     add_training_flags(p)  # --batch --layers --lr --reference
-    p.add_argument("--planted-bug", choices=["loss-on-wrong-stage"], default=None,
-                   help="a mistake the checks must catch: the loss read on rank 0, whose first stage computes none")
-    runtime.add_fix_flag(p, "loss_rank(stage_ranks) (the rank whose losses to read, given the rank of each stage)")
+    p.add_argument("--max-grad-norm", type=runtime.positive_float, default=None,
+                   help="clip the gradients to this total norm, the whole model's, before each update (and the "
+                        "single-device run's with clip_grad_norm_)")
+    p.add_argument("--planted-bug", choices=["loss-on-wrong-stage", "stage-grad-norm"], default=None,
+                   help="a mistake the checks must catch: the loss read on rank 0, whose first stage computes none; "
+                        "with --max-grad-norm, torch.nn.utils.clip_grad_norm_ on each rank's own stages (the norm of "
+                        "those stages alone)")
+    runtime.add_fix_flag(p, "loss_rank(stage_ranks) (the rank whose losses to read, given the rank of each stage), "
+                            "clip_gradients(parameters, max_norm) (with --max-grad-norm: clip this rank's stages' "
+                            "gradients, in place, to the whole model's total norm max_norm; return that norm)")
     args = p.parse_args()
     cfg = resolve_training_flags(args)
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         from torch.distributed.pipelining import PipelineStage
 
-        fixes = runtime.learner_fixes(args.fix_from, ("loss_rank",))   # chapter 14's lab: the learner's choice
+        fixes = runtime.learner_fixes(args.fix_from, ("loss_rank", "clip_gradients"))   # chapter 14's lab
         rt.require(not (fixes and args.planted_bug), "--fix-from replaces the choice --planted-bug breaks")
 
         ranks, chunks, microbatches = rt.world_size, args.chunks, args.microbatches
@@ -97,6 +127,8 @@ def main():
             del full
 
         losses, reference_losses, step_seconds = [], [], []
+        rank_grad_norms, one_device_grad_norms = [], []   # --max-grad-norm: the norm each rank computed, per step
+        mine_params = [p for m in modules.values() for p in m.parameters()]
         first_grads = reference_first_grads = None
         for step in range(args.steps):
             tokens = data.token_batch(step, args.batch, cfg.seq_len, cfg.vocab_size, seed=args.seed).to(rt.device)
@@ -109,7 +141,17 @@ def main():
             schedule.step(*((inputs,) if first_here else ()),
                           **(dict(target=targets, losses=step_losses) if last_here else {}))
             if step == 0 and with_reference:
-                first_grads = {n: p.grad.detach().cpu() for m in modules.values() for n, p in m.named_parameters()}
+                first_grads = {n: p.grad.detach().cpu().clone() for m in modules.values()   # before any clip
+                               for n, p in m.named_parameters()}
+            if args.max_grad_norm is not None:
+                if args.planted_bug == "stage-grad-norm":   # the mistake: torch's clip on this rank's stages alone,
+                    # plain tensors, so the norm is theirs, not the whole model's, and each rank scales by its own
+                    norm = torch.nn.utils.clip_grad_norm_(mine_params, args.max_grad_norm).item()
+                else:
+                    norm = float(fixes.get("clip_gradients", clip_whole_model)(mine_params, args.max_grad_norm))
+                each = [None] * ranks
+                dist.all_gather_object(each, norm)   # what each rank's log would print
+                rank_grad_norms.append(each)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             rt.sync()                       # on a GPU, wait for the step's kernels before reading the clock
@@ -121,7 +163,10 @@ def main():
                 loss = models.lm_loss(reference(inputs), targets)
                 loss.backward()
                 if step == 0:
-                    reference_first_grads = {n: p.grad.detach().cpu() for n, p in reference.named_parameters()}
+                    reference_first_grads = {n: p.grad.detach().cpu().clone() for n, p in reference.named_parameters()}
+                if args.max_grad_norm is not None:
+                    one_device_grad_norms.append(
+                        torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm).item())
                 reference_optimizer.step()
                 reference_optimizer.zero_grad(set_to_none=True)
                 reference_losses.append(loss.item())
@@ -134,7 +179,7 @@ def main():
         dist.all_gather_object(gathered, {"losses": losses, "params": mine_state, "grads": first_grads,
                                           "last": last_here})
         losses = next(g["losses"] for g in gathered if g["losses"][0] is not None)
-        if fixes:   # the losses of the rank the learner's loss_rank() names: nan where that rank computed none
+        if "loss_rank" in fixes:   # the losses of the rank the learner's loss_rank() names: nan where it computed none
             stage_ranks = [next(r for r in range(ranks) if s in stage_indices(args.schedule, r, ranks, chunks))
                            for s in range(num_stages)]
             read = fixes["loss_rank"](stage_ranks)
@@ -166,6 +211,12 @@ def main():
                 print(f"losses   pipeline: {' '.join(f'{x:.5f}' for x in losses)}\n"
                       f"    single device: {' '.join(f'{x:.5f}' for x in reference_losses)}")
             report.check("the loss fell", losses[-1] < losses[0] or args.steps == 1, losses[-1] - losses[0], "< 0")
+        if args.max_grad_norm is not None:   # what any user's log shows: each rank's gradient norm
+            report.extra["rank_grad_norms"] = rank_grad_norms
+            report.extra["one_device_grad_norms"] = one_device_grad_norms
+            report.check("every rank computed the same gradient norm (every step)",
+                         all(max(norms) - min(norms) <= 1e-5 * max(norms) for norms in rank_grad_norms),
+                         max(max(norms) - min(norms) for norms in rank_grad_norms), "<= 1e-5 of the norm")
         report.extra.update(
             schedule=args.schedule,
             stages_of_rank={r: stage_indices(args.schedule, r, ranks, chunks) for r in range(ranks)},

@@ -108,6 +108,9 @@ CAUSE_WORDS = {
     "nan-from-one-rank": ("masked", "nan_rank", "0/0", "every target", "nan-from"),
     "local-grad-norm": ("local-grad", "to_local", "clip_from", "own shards"),
     "per-rank-init": ("per-rank", "seed + rank", "model_seed", "own seed", "built from the seed"),
+    "global-batch-grows": ("grows", "tuned", "micro_batch_size", "recipe"),
+    "token-mean-per-micro-batch": ("token-mean", "token_loss", "own tokens", "per micro-batch"),
+    "stage-grad-norm": ("stage-grad", "own stages", "clip_gradients"),
 }
 
 
@@ -236,6 +239,24 @@ WRONG_IN_THE_JOB = {
     "full-state-on-rank-0/empty": (broken_runs.case("full-state-on-rank-0").args,   # a file, but no gather
                                    "def save_model(rank, gather_full_state, save):\n    if rank == 0:\n"
                                    "        save({})\n", ("rank 0 saved every weight whole",)),
+    "token-mean-per-micro-batch": (broken_runs.UNEVEN_RUN,   # each micro-batch's own mean, as the bug had it
+                                   "def token_loss(per_token, mask, step_tokens, world_size):\n"
+                                   "    return (per_token * mask).sum() / mask.sum()\n",
+                                   ("DDP loss = single-device loss", "DDP gradients = single-device gradients")),
+    "token-mean-per-micro-batch/batch": (broken_runs.UNEVEN_RUN,   # the 2-rank recipe's per-rank batch, kept
+                                         "def micro_batch_size(global_batch, world_size, accumulation):\n"
+                                         "    return global_batch // (2 * accumulation)\n",
+                                         ("sequences per optimizer step = the global batch asked for",
+                                          "DDP loss = single-device loss")),
+    "nan-from-one-rank": (broken_runs.case("nan-from-one-rank").args,   # read in the run with the fault: the step
+                          "import math\n\n\ndef first_nonfinite(rank_losses):\n"   # every rank shows, too late
+                          "    for step, losses in enumerate(rank_losses):\n"
+                          "        if not any(map(math.isfinite, losses)):\n"
+                          "            return step, 0\n", (ch14.FIRST_NONFINITE_CHECK,)),
+    "stage-grad-norm": (broken_runs.PIPELINE_CLIP_RUN,   # torch's clip on this rank's stages, as the bug had it
+                        "import torch\n\n\ndef clip_gradients(parameters, max_norm):\n"
+                        "    return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()\n",
+                        ("every rank computed the same gradient norm", "parameters after training equal")),
     "rank-0-evaluation/lopsided": (broken_runs.case("rank-0-evaluation").args,   # under the timeout, unequal
                                    "def evaluation_share(batches, rank, world_size):\n"
                                    "    return [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11]][rank]\n",
@@ -454,6 +475,49 @@ def _local_grad_norm(metrics, result):
     assert metrics["extra"]["param_diffs"][0] > 3e-4 and metrics["extra"]["loss_diffs"][0] < 1e-6   # the update
 
 
+def _single_device_losses(result):
+    """Each step's loss and one device's, as the run prints them ("step N  loss X ... | single-device Y")."""
+    found = [re.search(r"loss (\S+) .*\| single-device (\S+)", line) for line in result.lines
+             if line.startswith("step")]
+    return [(float(m[1]), float(m[2])) for m in found if m]
+
+
+def _global_batch_grows(metrics, result):
+    """The first line's global batch is twice the recipe's; the loss is below one device's at every step."""
+    said = broken_runs.case("global-batch-grows").symptom
+    grown, recipe = map(int, re.search(r"global batch (\d+) where the recipe's is (\d+)", said).groups())
+    assert metrics["config"]["batch"] == recipe and grown == 2 * recipe, metrics["config"]
+    assert any(line.startswith(f"tiny transformer") and f"global batch {grown} = 4 ranks" in line
+               for line in result.lines), result.tail()
+    pairs = _single_device_losses(result)
+    assert len(pairs) == 5 and all(run < one for run, one in pairs), pairs
+    worst = float(re.search(r"([\d.]+) below at worst", said)[1])
+    assert round(max(one - run for run, one in pairs), 2) == worst, pairs
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}   # the ranks agree, and the from-scratch version
+    assert passed["replicas identical after training"] and passed["DDP gradients = from-scratch gradients (every step)"]
+
+
+def _token_mean(metrics, result):
+    """Off one device from the first step by the symptom's amount; the replicas agree and the bytes are right."""
+    said = broken_runs.case("token-mean-per-micro-batch").symptom
+    diffs = metrics["extra"]["diffs"]["baseline_loss"]
+    assert diffs[0] > 1e-3 and round(max(diffs), 2) == float(re.search(r"\(([\d.]+) at worst\)", said)[1]), diffs
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}
+    assert passed["replicas identical after training"], passed
+    assert passed["bytes all-reduced per optimizer step = parameter bytes (comm hook, every step)"], passed
+
+
+def _stage_grad_norm(metrics, result):
+    """Each rank logs its stages' norm, the numbers the symptom states; their squares add up to one device's."""
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    low, high, whole = map(float, re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                            broken_runs.case("stage-grad-norm").symptom).groups())
+    assert (round(min(norms[0]), 2), round(max(norms[0]), 2), round(one_device[0], 2)) == (low, high, whole), norms
+    assert math.sqrt(sum(n * n for n in norms[0])) == pytest.approx(one_device[0], rel=1e-5), (norms[0], one_device)
+    passed = {c["name"]: c["passed"] for c in metrics["checks"]}
+    assert passed["first step's gradients equal the single-device run's"], passed   # right until the clip
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
@@ -462,7 +526,8 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "optimizer-before-sharding": _optimizer_before_sharding, "full-state-on-rank-0": _full_state_on_rank_0,
             "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
             "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank,
-            "unused-parameter": _unused_parameter}
+            "unused-parameter": _unused_parameter, "global-batch-grows": _global_batch_grows,
+            "token-mean-per-micro-batch": _token_mean, "stage-grad-norm": _stage_grad_norm}
 
 
 def _distinct_losses(metrics, result):
@@ -496,5 +561,20 @@ def _all_finite(metrics, result):
     assert all(map(math.isfinite, sum(metrics["extra"]["rank_losses"], []))), metrics["extra"]["rank_losses"]
 
 
-GONE = {"same-samples-every-rank": _distinct_losses, "nan-from-one-rank": _all_finite, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
+def _one_pipeline_norm(metrics, result):
+    norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
+    assert all(n == pytest.approx(whole, rel=1e-5) for ranks, whole in zip(norms, one_device) for n in ranks)
+    assert min(one_device) > float(broken_runs.PIPELINE_CLIP_RUN[-1])   # every step clips
+
+
+GONE = {"stage-grad-norm": _one_pipeline_norm, "same-samples-every-rank": _distinct_losses, "nan-from-one-rank": _all_finite, "local-grad-norm": _one_norm, "uneven-inputs": _no_hang,
         "full-state-on-rank-0": _full_state_saved, "rank-0-evaluation": _evaluation_shared}
+
+
+def test_the_same_run_with_every_target_kept_equals_one_device(launched):
+    """token-mean-per-micro-batch's symptom names its own tell-apart: the lengths. Without --uneven-lengths (the
+    fixed run of the data cases, launched once) the mean of the micro-batches' means is one device's mean."""
+    case = broken_runs.case("token-mean-per-micro-batch")
+    assert "--uneven-lengths" in case.args and broken_runs.DDP_RUN == case.fixed_args[:len(broken_runs.DDP_RUN)]
+    even = launched(broken_runs.case("same-samples-every-rank"), fixed=True)
+    assert even.returncode == 0 and not broken_runs.fix_holds(case, even.metrics), even.tail()

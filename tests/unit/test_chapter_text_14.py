@@ -59,7 +59,7 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
-    assert len(names["Wrong numbers"]) == 11 and sum(map(len, names.values())) == len(cases)
+    assert len(names["Wrong numbers"]) == 14 and sum(map(len, names.values())) == len(cases)
     for words in ch14.PATHS.values():
         assert len(words) == 3 and all(0 < len(w.split()) <= 8 for w in words), words
     assert "![" in BODY and "(figures/14_diagnosis_paths.png)" in chapters.pages("14")[0].read_text()
@@ -191,7 +191,16 @@ def test_the_straggler_numbers_are_the_measured_ones():
     slow_rank, seconds = re.search(r"^SLOW_RANK, SLOW_RANK_SECONDS = (\d+), ([\d.]+)$", source, flags=re.M).groups()
     ranks = measured("14_straggler_vs_hang.json")["slow"]["ranks"]
     others = [1e3 * r["communication"] / r["steps"] for r in ranks if r["rank"] != int(slow_rank)]
-    assert f"rank {slow_rank} computes {float(seconds):g} s more a step before its forward" in FLAT
+    assert f"rank {slow_rank} is given {float(seconds):g} s of extra work a step before its forward" in FLAT
+    # the trace's view of that work: compute more than each other rank's by the range the text says, and with the
+    # late rank's extra idle time (waiting for a core) the planted seconds again
+    late = next(r for r in ranks if r["rank"] == int(slow_rank))
+    peers = [r for r in ranks if r["rank"] != int(slow_rank)]
+    extra = [(late["compute"] - r["compute"]) / r["steps"] for r in peers]
+    assert f"Its trace shows {min(extra):.2f} to {max(extra):.2f} s more compute a step than each other rank's" in FLAT
+    busy = [(late["compute"] + late["idle"] - r["compute"] - r["idle"]) / r["steps"] for r in peers]
+    assert sum(busy) / len(busy) == pytest.approx(float(seconds), abs=0.03), busy
+    assert f"the rest of the {float(seconds):g} s is idle, waiting for one of the 2 cores its 4 ranks share" in FLAT
     assert f"about as long, {round(sum(others) / len(others), -1):.0f} ms a step" in FLAT
     journals = measured("14_straggler_vs_hang.json")["hang"]["journals"].values()   # the hang's earlier batches
     assert min(sum(c["done"] for c in j["calls"]) for j in journals) >= 1             # completed on every rank
@@ -465,7 +474,7 @@ def test_the_resumes_say_where_the_checkpoint_was_taken():
 def test_the_exercises_lead_to_every_exercise_of_the_lab():
     listed = " ".join(chapters.exercise_items(BODY))
     titles = chapters.lab_exercises("14")
-    assert len(titles) == 9 and all(f'"{title}"' in listed for title in titles), titles
+    assert len(titles) == 11 and all(f'"{title}"' in listed for title in titles), titles
 
 
 def test_the_picture_shows_which_question_sends_you_to_each_band():

@@ -23,12 +23,13 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 22)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 25)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
-    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter")))
+    "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter", "global-batch-grows",
+    "token-mean-per-micro-batch", "stage-grad-norm")))
 
 
 @pytest.fixture(autouse=True)
@@ -321,12 +322,58 @@ def wrong_without_gradient_the_used_ones(grads):
     return [name for name, grad in grads.items() if grad is not None]
 
 
+def right_micro_batch_size(global_batch, world_size, accumulation):
+    return global_batch // (world_size * accumulation)
+
+
+def wrong_micro_batch_size_recipes(global_batch, world_size, accumulation):   # the bug: the 2-rank recipe's
+    return global_batch // (2 * accumulation)
+
+
+def wrong_micro_batch_size_no_accumulation(global_batch, world_size, accumulation):
+    return global_batch // world_size
+
+
+def right_token_loss(per_token, mask, step_tokens, world_size):
+    return (per_token * mask).sum() * world_size / step_tokens
+
+
+def wrong_token_loss_own_mean(per_token, mask, step_tokens, world_size):   # the bug: each micro-batch's own mean
+    return (per_token * mask).sum() / mask.sum()
+
+
+def wrong_token_loss_no_world(per_token, mask, step_tokens, world_size):   # DDP's average divides by N again
+    return (per_token * mask).sum() / step_tokens
+
+
+def right_stage_clip(parameters, max_norm):
+    parameters = list(parameters)
+    total = sum(p.grad.double().pow(2).sum() for p in parameters)
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    for p in parameters:
+        p.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def wrong_stage_clip_torchs_on_one_stage(parameters, max_norm):   # the bug: one stage's norm
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+
+
 def _first_nonfinite(rank_losses):
     for step, losses in enumerate(rank_losses):
         for rank, loss in enumerate(losses):
             if not math.isfinite(loss):
                 return step, rank
     return None
+
+
+def right_first_nonfinite(rank_losses):
+    return _first_nonfinite(rank_losses)
+
+
+def wrong_first_nonfinite_all_ranks(rank_losses):   # the step every rank shows: after the all-reduce, too late
+    return _first_all_nonfinite(rank_losses)
 
 
 def _first_all_nonfinite(rank_losses):   # the step every rank shows: after the all-reduce, too late
@@ -344,22 +391,15 @@ def _first_nan_only(rank_losses):   # misses an inf
     return None
 
 
-# The answer that is a reading of the evidence, not code the job runs: judged on hand-made runs.
-BY_HAND = {
-    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, _first_nonfinite, [_first_all_nonfinite, _first_nan_only]),
-}
-
-
-@pytest.mark.parametrize("name", list(BY_HAND))
-def test_an_answer_read_from_the_evidence_is_judged_on_made_runs_without_a_launch(name, launched, capsys):
-    check, right, wrong_answers = BY_HAND[name]
-    check(right)
-    assert capsys.readouterr().out.startswith("Correct:") and not launched.calls
-    for answer in wrong_answers:
-        with pytest.raises(ExerciseWrong) as wrong:
-            check(answer)
-        assert name not in str(wrong.value)
-    assert not launched.calls
+def test_first_nonfinite_runs_in_the_job_then_on_made_up_runs_with_an_inf_and_with_none(launched):
+    """The job's losses hold a nan, never an inf: a reading that skips infs passes in the job and fails on the made-up
+    runs that follow it, one launch in all."""
+    launched.judge = lambda case, args: True
+    with pytest.raises(ExerciseWrong, match="Is inf non-finite too") as wrong:
+        ch14.check_fix_first_nonfinite(_first_nan_only)
+    assert len(launched.calls) == 1 and "nan-from-one-rank" not in str(wrong.value)
+    (name, fixed, args), = launched.calls
+    assert args[:len(broken_runs.case(name).args)] == broken_runs.case(name).args   # the run with its fault
 
 
 RIGHT_HOLDS = {"model", "optimizer", "step", "rng", "data_position"}
@@ -399,6 +439,12 @@ FIXES = {
     "local-grad-norm": (ch14.check_fix_clip, right_clip_gradients, [wrong_clip_gradients_local_shards]),
     "unused-parameter": (ch14.check_fix_without_gradient, right_without_gradient,
                          [wrong_without_gradient_first_only, wrong_without_gradient_the_used_ones]),
+    "nan-from-one-rank": (ch14.check_fix_first_nonfinite, right_first_nonfinite, [wrong_first_nonfinite_all_ranks]),
+    "global-batch-grows": (ch14.check_fix_micro_batch, right_micro_batch_size,
+                           [wrong_micro_batch_size_recipes, wrong_micro_batch_size_no_accumulation]),
+    "token-mean-per-micro-batch": (ch14.check_fix_token_loss, right_token_loss,
+                                   [wrong_token_loss_own_mean, wrong_token_loss_no_world]),
+    "stage-grad-norm": (ch14.check_fix_stage_clip, right_stage_clip, [wrong_stage_clip_torchs_on_one_stage]),
 }
 # The flag that carries each answer into the job: a function's file, or a setting's value.
 FLAGS = {name: "--fix-from" for name in FIXES}
@@ -410,7 +456,7 @@ RIGHT_SETTINGS = {"--microbatches": "8", "--reduce-dtype": "float32", "--checkpo
 
 
 def test_every_case_has_a_graded_fix():
-    assert set(FIXES) | set(BY_HAND) == set(NAMES) and not set(FIXES) & set(BY_HAND)
+    assert set(FIXES) == set(NAMES)
 
 
 def _metrics(run, fixed: bool) -> dict:
@@ -420,6 +466,8 @@ def _metrics(run, fixed: bool) -> dict:
 
     checks = [{"name": named(prefix), "passed": fixed} for prefix in run.failing_checks]
     checks += [{"name": named(prefix), "passed": True} for prefix in run.fixed_checks]
+    if run.name == "nan-from-one-rank":   # the learner's reading, checked by the run that has the fault
+        checks.append({"name": ch14.FIRST_NONFINITE_CHECK + " (hand-made)", "passed": fixed})
     checks.append({"name": "the run ended by itself", "passed": True})
     return {"checks": checks, "extra": {"cause": "none" if fixed else run.hang_cause}}
 
@@ -481,7 +529,8 @@ def test_every_fix_runs_the_learners_answer_in_the_job_and_the_job_decides(name,
         answers.add(_answer(flag, launched.calls[-1][2]))
     assert len(answers) == 1 + len(wrong_answers)   # each answer went into the job as itself
     for _, _, args in launched.calls:
-        assert "--planted-bug" not in args or name == "slow-rank"   # the straggler's fault stays: the fix finds it
+        # the straggler's fault stays, and so does the nan: the learner's code finds them in the run that has them
+        assert "--planted-bug" not in args or name in ("slow-rank", "nan-from-one-rank")
     launched.fixed, launched.judge = False, None   # the right answer, but the run still shows the symptom
     with pytest.raises(ExerciseWrong, match="still fails"):
         check(right)
@@ -589,19 +638,14 @@ def test_the_learners_copy_does_not_name_the_cases():
 
 
 def test_the_lab_says_every_fix_runs_inside_the_job():
-    """Every check runs the job again with the learner's answer, but one reading of the losses: the lab says so,
-    and says in which part the exception is, never by its run's label (that would tie the label to its cause)."""
+    """Every check runs the job again with the learner's answer, the reading of the losses too: the lab says so, and
+    says of no answer that it is judged outside the job."""
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     opening = " ".join("".join(lab["cells"][0]["source"]).split())
     assert "every check runs the job again with your answer" in opening and "hand-made" not in opening
     text = " ".join("".join(cell["source"]) for cell in lab["cells"])
     assert "hand-made" not in text and "does not run in the job" not in text
-    # the one answer judged outside the job (BY_HAND) is named as such, by its part
-    by_hand = [label for label in ch14.LABELS if ANSWERS[label] in BY_HAND]
-    part = [i for i, runs in enumerate(ch14.PARTS.values(), 1) if set(by_hand) <= set(runs)]
-    assert len(by_hand) == 1 and len(part) == 1
-    assert f"One answer of Part {part[0]} alone is a reading of the evidence" in opening
-    assert by_hand[0].capitalize() not in opening and f"{by_hand[0]}'s" not in text
+    assert "reading of the evidence, not code the job runs" not in text
 
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
@@ -654,3 +698,25 @@ def test_the_fixes_run_on_fewer_ranks_only_where_the_scripts_checks_hold_on_any_
     for name in ch14.FIX_NPROC:
         assert broken_runs.case(name).script not in (broken_runs.DEADLOCKS, broken_runs.FSDP_TP_HYBRID,
                                                      broken_runs.CHECKPOINT_RESUME), name
+
+
+def test_the_batch_and_the_token_fixes_share_one_run_and_each_is_named_by_its_check(launched, capsys):
+    """Runs 22 and 23's functions go into one train_ddp.py --uneven-lengths run; a wrong micro_batch_size() fails
+    the sequences-per-step check, said with its name (a wrong token_loss() leaves that check passing)."""
+    def judge(case, args):
+        text = open(_answer("--fix-from", args)).read()
+        launched.also_failed = ["sequences per optimizer step = the global batch asked for (--batch) (hand-made)"] \
+            if "def wrong_micro_batch_size" in text else []
+        return "def wrong_token_loss" not in text
+
+    launched.judge = judge
+    ch14.check_fix_batch_and_tokens(right_micro_batch_size, right_token_loss)
+    assert capsys.readouterr().out.startswith("Correct:") and len(launched.calls) == 1
+    (name, _, args), = launched.calls
+    assert name == "token-mean-per-micro-batch" and "--uneven-lengths" in args
+    with pytest.raises(ExerciseWrong, match=r"micro_batch_size\(\): 'sequences per optimizer step") as wrong:
+        ch14.check_fix_batch_and_tokens(wrong_micro_batch_size_recipes, right_token_loss)
+    assert "world_size * accumulation" not in str(wrong.value)
+    with pytest.raises(ExerciseWrong, match="still fails") as wrong:
+        ch14.check_fix_batch_and_tokens(right_micro_batch_size, wrong_token_loss_own_mean)
+    assert "micro_batch_size()" not in str(wrong.value)

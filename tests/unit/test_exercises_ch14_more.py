@@ -29,6 +29,9 @@ GRADED = {
     "Exercise 8: name the cause of four more runs":
         ['check_diagnoses(diagnoses_part6, "four more runs")'],
     "Exercise 9: fix four more runs": ["check_fix_"],
+    "Exercise 10: name the cause of three more wrong numbers":
+        ['check_diagnoses(diagnoses_part7, "three more wrong numbers")'],
+    "Exercise 11: fix three more wrong numbers": ["check_fix_"],
 }
 
 
@@ -55,6 +58,9 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
         assert all(any(check in source for check in checks) for source in under[heading]), heading
     assert len(under["Exercise 7: fix the two jobs that stop"]) == 2
     assert len(under["Exercise 9: fix four more runs"]) == len(ch14.PARTS["four more runs"])
+    # runs 22 and 23's functions in one check (one launch), run 24's in another
+    assert [("check_fix_batch_and_tokens(" in s, "check_fix_stage_clip(" in s)
+            for s in under["Exercise 11: fix three more wrong numbers"]] == [(True, False), (False, True)]
     fixes = under["Exercise 5: fix each run"]   # every run's fix: runs 7, 8 and 9's in one check (one launch)
     assert len(fixes) == 13 and sum("check_fix_ranks_that_disagree(" in source for source in fixes) == 1
 
@@ -70,6 +76,7 @@ def test_the_labs_counts_of_runs_are_its_labels():
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     text = " ".join(" ".join("".join(cell["source"]) for cell in lab["cells"]).split())
     count = len(ch14.LABELS)
-    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one", 22: "twenty-two"}[count]
+    word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one", 22: "twenty-two",
+            24: "twenty-four"}[count]
     assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
     assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text
