@@ -8,7 +8,7 @@ import functools
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-from distlab import memory, metrics, models, sizing, tensor_parallel
+from distlab import memory, metrics, models, schedules, sizing, tensor_parallel
 
 GIB = memory.GIB
 GB = 1e9
@@ -404,14 +404,12 @@ def pipeline_fsdp_gathers(model: ModelSpec, layout: Layout, stage: int, options:
     steps): a single-stage schedule (GPipe, 1F1B) gathers once without resharding after forward, M + 1 times with
     it; the interleaved runtime unshards and reshards chunks through a window of 3
     (``schedules.add_unshard_reshard``), so more than 3 chunks a rank are gathered again and again."""
-    return _pipeline_gathers(options.schedule, layout.pp,
-                             microbatches(model, layout), chunks(options), stage,
+    return _pipeline_gathers(options.schedule, layout.pp, microbatches(model, layout), chunks(options), stage,
                              reshards_after_forward(options, layout))
 
 
 @functools.lru_cache(maxsize=1024)
 def _pipeline_gathers(schedule: str, pp: int, num_micro: int, v: int, stage: int, reshard: bool) -> float:
-    from distlab import schedules   # torch-free
     if v > 1:
         order = schedules.interleaved_1f1b(pp, num_micro, v, torch_rounds=True)
     else:
@@ -424,7 +422,6 @@ def pipeline_gathered_share(options: Options) -> float:
     """Under PP, the largest share of a rank's FSDP weights gathered at once: the whole stage under a
     single-stage schedule (the last backward leaves them all gathered), 3 of V chunks under torch's interleaved
     runtime (its window, ``schedules.FSDP_ACTIVE_STAGES``)."""
-    from distlab import schedules
     v = chunks(options)
     return min(schedules.FSDP_ACTIVE_STAGES, v) / v
 
