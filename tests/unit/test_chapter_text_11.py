@@ -765,6 +765,24 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
     said = said[:said.rindex(", ")] + " and" + said[said.rindex(", ") + 1:]
     assert (f"rank 0 gathers its chunks {said} times a step: {sum(counts.values())} gathers where one a chunk would "
             f"be {len(counts)}") in text
+    # the torch 2.13 lines the bullet cites say what it says they do
+    import importlib.util
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent / "distributed"
+
+    def lines(path, first, last):
+        return "\n".join((torch_dir / path).read_text().splitlines()[first - 1:last])
+
+    assert "self.submod.set_reshard_after_backward(False)" in lines("pipelining/stage.py", 844, 847)
+    assert "set_reshard_after_forward" not in (torch_dir / "pipelining/stage.py").read_text()
+    assert "self.reshard()" in lines("fsdp/_fully_shard/_fsdp_param_group.py", 557, 565)
+    assert "if not self._reshard_after_forward:" in lines("fsdp/_fully_shard/_fsdp_param_group.py", 499, 509)
+    lowering = lines("pipelining/schedules.py", 1285, 1365)
+    assert lowering.startswith("def _add_unshard_reshard(") and "max_active_stages: int = 3" in lowering
+    runtime = lines("pipelining/schedules.py", 2489, 2516)
+    assert "submodule.unshard(async_op=True)" in runtime and "submodule.reshard()" in runtime
+    for cited in ("`pipelining/stage.py:844-847`", "(`_fsdp_param_group.py:557-565`, `499-509`)",
+                  "(`schedules.py:1285-1365`, `max_active_stages=3`)", "(`schedules.py:2489-2516`)"):
+        assert cited in text, cited
     one_f = schedules.fsdp_all_gathers(schedules.one_f_one_b(8, 32).actions[0], True, runtime=False)
     assert one_f == {0: 32 + 1} and "`--reshard-after-forward` gives M + 1 gathers a step under 1F1B" in text
 
