@@ -47,8 +47,8 @@ class Action:
     microbatch: int
     kind: str
 
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+    def __str__(self) -> str:   # torch prints UNSHARD and RESHARD (microbatch -1 here) without a microbatch
+        return f"{self.stage}{self.kind}{self.microbatch if self.microbatch >= 0 else ''}"
 
 
 @dataclass
@@ -171,14 +171,18 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     return _one_stage_per_rank("1f1b", num_ranks, num_microbatches, actions)
 
 
-def interleaved_warmup(rank: int, num_ranks: int, num_microbatches: int, chunks: int) -> int:
-    """Forwards rank ``rank`` runs before its first backward in interleaved 1F1B (Megatron and torch)."""
-    # The last rank must first push P microbatches through each of its first V - 1 chunks; every hop
-    # further from the last rank adds 2: one forward there and one backward back.
-    return min((chunks - 1) * num_ranks + 2 * (num_ranks - 1 - rank), chunks * num_microbatches)
+def interleaved_warmup(rank: int, num_ranks: int, num_microbatches: int, chunks: int,
+                       per_round: int | None = None) -> int:
+    """Forwards rank ``rank`` runs before its first backward in interleaved 1F1B (Megatron and torch).
+    ``per_round``: the microbatches a chunk takes in a row (P unless given; torch's ``_get_warmup_ops``)."""
+    # The last rank must first push a round of microbatches through each of its first V - 1 chunks; every
+    # hop further from the last rank adds 2: one forward there and one backward back.
+    group = per_round or num_ranks
+    return min((chunks - 1) * group + 2 * (num_ranks - 1 - rank), chunks * num_microbatches)
 
 
-def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2, torch_rounds: bool = False
+                     ) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021; ``ScheduleInterleaved1F1B`` in torch).
 
     The model is cut into P * V stages; stage s lives on rank s % P, so rank r holds stages r, r + P, ...
@@ -187,21 +191,31 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
     bubble (P - 1) / (V*M + P - 1), for V times more point-to-point messages and a little more memory.
 
     Requires M % P == 0, like Megatron. With V = 1 it is a valid schedule but not plain 1F1B: its
-    warm-up is 2 (P - 1 - r) forwards, as in torch.
+    warm-up is 2 (P - 1 - r) forwards, as in torch. ``torch_rounds``: torch's wider rule instead
+    (schedules.py:2934-2943): any M that is a multiple of max(1, M // P) rounds, a chunk taking
+    N = M / rounds microbatches in a row (P when P divides M).
     """
     _check_sizes(num_ranks, num_microbatches, chunks)
-    if num_microbatches % num_ranks != 0:
+    if torch_rounds:
+        rounds = max(1, num_microbatches // num_ranks)
+        if num_microbatches % rounds != 0:
+            raise ValueError(f"interleaved_1f1b needs num_microbatches ({num_microbatches}) to be a multiple of "
+                             f"its {rounds} rounds (max(1, M // P)), as torch does.")
+        group = num_microbatches // rounds               # microbatches per round
+    elif num_microbatches % num_ranks != 0:
         raise ValueError(f"interleaved_1f1b needs num_microbatches ({num_microbatches}) to be a multiple of "
                          f"num_ranks ({num_ranks}).")
+    else:
+        group = num_ranks
     total = chunks * num_microbatches                    # (chunk, microbatch) pairs per rank
 
     def pair(step: int, backward: bool) -> tuple[int, int]:
-        # Steps go through P microbatches of one chunk, then the same P of the next chunk, ...; after all
-        # V chunks, the next group of P microbatches. Backward walks the chunks from the last one.
-        chunk = (step // num_ranks) % chunks
+        # Steps go through a round of microbatches of one chunk, then the same ones of the next chunk, ...;
+        # after all V chunks, the next round. Backward walks the chunks from the last one.
+        chunk = (step // group) % chunks
         if backward:
             chunk = chunks - 1 - chunk
-        microbatch = (step // (num_ranks * chunks)) * num_ranks + step % num_ranks
+        microbatch = (step // (group * chunks)) * group + step % group
         return chunk, microbatch
 
     actions = {}
@@ -210,7 +224,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
             chunk, microbatch = pair(step, backward=kind == "B")
             return Action(chunk * num_ranks + rank, microbatch, kind)
 
-        warmup = interleaved_warmup(rank, num_ranks, num_microbatches, chunks)
+        warmup = interleaved_warmup(rank, num_ranks, num_microbatches, chunks, group)
         order = [act(k, "F") for k in range(warmup)]
         for i in range(total - warmup):
             order += [act(warmup + i, "F"), act(i, "B")]
@@ -736,6 +750,70 @@ def bubble_fraction_from_timeline(events, num_ranks: int | None = None) -> float
         return 0.0
     busy = sum(end - start for intervals in busy_by_rank.values() for start, end in intervals)
     return (ranks * makespan - busy) / (ranks * makespan)
+
+
+# torch 2.13's _add_unshard_reshard (torch/distributed/pipelining/schedules.py:1285-1365): how many of a rank's
+# stages its multi-stage runtime keeps unsharded at once under FSDP (max_active_stages)
+FSDP_ACTIVE_STAGES = 3
+
+
+def add_unshard_reshard(rank_actions: list[Action], active_stages: int = FSDP_ACTIVE_STAGES) -> list[Action]:
+    """A rank's actions with the UNSHARD and RESHARD steps torch's multi-stage runtime (``ScheduleInterleaved1F1B``
+    and the other ``_PipelineScheduleRuntime`` schedules) adds for FSDP stages, as Actions of kind "UNSHARD" and
+    "RESHARD" (microbatch -1; printed ``8UNSHARD-1``). Before each action it unshards the next ``active_stages``
+    distinct stages the rank will compute (in that order) that are not unsharded yet, after resharding every
+    unsharded stage not among them; at the end it reshards the rest. So a rank with more chunks than that
+    re-gathers each chunk many times a step, whatever ``reshard_after_forward`` says: the runtime calls
+    ``unshard()`` and ``reshard()`` on every FSDP module of the stage (schedules.py:2489-2516). torch evicts in its
+    set's order; here in the order of unsharding (the same steps, the RESHARDs of one step maybe reordered)."""
+    active: list[int] = []
+    lowered: list[Action] = []
+    for i, action in enumerate(rank_actions):
+        upcoming: list[int] = []
+        for later in rank_actions[i:]:
+            if later.stage not in upcoming:
+                upcoming.append(later.stage)
+                if len(upcoming) == active_stages:
+                    break
+        for stage in [s for s in active if s not in upcoming]:
+            active.remove(stage)
+            lowered.append(Action(stage, -1, "RESHARD"))
+        for stage in upcoming:
+            if stage not in active:
+                active.append(stage)
+                lowered.append(Action(stage, -1, "UNSHARD"))
+        lowered.append(action)
+    lowered += [Action(stage, -1, "RESHARD") for stage in active]
+    return lowered
+
+
+def fsdp_all_gathers(rank_actions: list[Action], reshard_after_forward: bool, runtime: bool) -> dict[int, int]:
+    """How many times each of a rank's stages all-gathers its FSDP weights in one step (each FSDP unit of the
+    stage issues that many all-gathers), walking the order as torch 2.13 runs it:
+
+    * a forward or a backward gathers when the weights are sharded (FSDPParamGroup.unshard is a no-op when they
+      are unsharded: fsdp/_fully_shard/_fsdp_param_group.py:372-376);
+    * a forward then frees them unless ``reshard_after_forward`` is False (post_forward calls reshard(), which
+      returns early only then: _fsdp_param_group.py:557-565, 499-509);
+    * a backward keeps them: the pipeline stage sets ``set_reshard_after_backward(False)`` before every backward
+      (pipelining/stage.py:844-847), until REDUCE_GRAD reshards after the last (stage.py:1174-1186);
+    * ``runtime``: the multi-stage runtime's UNSHARD gathers and its RESHARD frees (:func:`add_unshard_reshard`);
+      the single-stage schedules (GPipe, 1F1B: ``PipelineScheduleSingle``) add neither.
+
+    So a single stage gathers once a step with ``reshard_after_forward=False``, and M + 1 times with True (each
+    forward that follows a forward, and each backward that follows a forward)."""
+    gathered: dict[int, bool] = defaultdict(bool)
+    gathers: dict[int, int] = defaultdict(int)
+    for action in (add_unshard_reshard(rank_actions) if runtime else rank_actions):
+        if action.kind == "RESHARD":
+            gathered[action.stage] = False
+            continue
+        if not gathered[action.stage]:
+            gathers[action.stage] += 1
+            gathered[action.stage] = True
+        if action.kind == "F" and reshard_after_forward:
+            gathered[action.stage] = False
+    return dict(gathers)
 
 
 def peak_activations(schedule: Schedule, release_on_input_grad: bool = False) -> dict[int, int]:

@@ -8,8 +8,8 @@ import math
 from distlab import comm, hybrid_pipeline, moe, tensor_parallel
 from distlab.planner.memory import stage_config, stage_params
 from distlab.planner.spec import (Cluster, Layout, ModelSpec, Options, bucket_params, checkpointing, chunks,
-                                  keeps_gathered, microbatches, sequence_parallel, stage_layer_kinds,
-                                  stage_layers)
+                                  keeps_gathered, microbatches, pipeline_fsdp_gathers, reshards_after_forward,
+                                  sequence_parallel, stage_layer_kinds, stage_layers)
 
 
 def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options = Options(),
@@ -31,8 +31,9 @@ def comm_per_step(model: ModelSpec, layout: Layout, stage: int, options: Options
       instead, to keep it short). ZeRO-2 reduce-scatters after every microbatch's backward (DeepSpeed's
       stage_1_and_2.py:1767-1768 reduces each micro-step when it partitions gradients; ZeRO-1 at the last). FSDP
       without PP repeats its collectives for every accumulated microbatch, unless it keeps the weights
-      gathered (``fsdp_keep_gathered``); under PP it keeps a stage gathered for the whole step and reduces
-      once (torch's pipeline stage);
+      gathered (``fsdp_keep_gathered``); under PP it reduces once (torch's pipeline stage) and gathers as often
+      as torch's schedule makes it (``spec.pipeline_fsdp_gathers``: once a step under 1F1B without resharding
+      after forward, again and again through the interleaved runtime's window of 3 chunks);
     * pp: ``hybrid_pipeline.pp_send_bytes`` (activations forward, their gradients backward, every microbatch
       and chunk); under SP a rank sends its sequence shard (1/tp of the activation), as Megatron-Core does
       (``schedules.py``: the shape's sequence divided by TP only under SP); without SP the whole tensor, unless
@@ -108,13 +109,23 @@ def ledger(model: ModelSpec, layout: Layout, stage: int, options: Options = Opti
         params = stage_params(model, layout, stage)
         kept = keeps_gathered(options, layout)
 
+        reshard = reshards_after_forward(options, layout)
+
         def zero(dimension, count, units):
             per_step = comm.zero_step_bytes(count, 2 if layout.zero_stage == 1 else layout.zero_stage,
                                             param_bytes=number_bytes if layout.zero_stage >= 1 else 4, grad_bytes=4,
-                                            reshard_after_forward=options.reshard_after_forward and not kept)
+                                            reshard_after_forward=reshard and not kept)
+            if layout.zero_stage == 3 and layout.pp > 1:
+                # torch's pipeline schedules: each unit gathered as often as the schedule makes it (the
+                # interleaved runtime's window of 3 chunks, or after each forward when resharding), its
+                # gradients reduce-scattered once, in REDUCE_GRAD
+                gathers = pipeline_fsdp_gathers(model, layout, stage, options)
+                add(dimension, "all_gather", per_step["all_gather"] * gathers, units * gathers)
+                add(dimension, "reduce_scatter", per_step["reduce_scatter"], units)
+                return per_step["reduce_scatter"], units
             if layout.zero_stage == 3:
                 times = 1 if kept else num_micro
-                gathers = 1 if kept or not options.reshard_after_forward else 2
+                gathers = 1 if kept or not reshard else 2
                 add(dimension, "all_gather", per_step["all_gather"] * times, gathers * units * times)
                 add(dimension, "reduce_scatter", per_step["reduce_scatter"] * times, units * times)
                 return per_step["reduce_scatter"] * times, units * times

@@ -182,20 +182,23 @@ def block_elementwise_bytes(model, tp: int = 1, cp: int = 1, micro_batch: int | 
                             scores_only: bool = False) -> float:
     """HBM bytes of one block's forward kernels that are not GEMMs, for one micro-batch on one TP rank, each kernel
     reading its inputs and writing its output once (its roofline: they do a few FLOPs a byte, so memory sets their
-    time; no fixed cost is charged to them). Per token: two norms (read and write the width), two
-    bias-dropout-residual adds (read two, write one, a 1-byte dropout mask), the MLP's activation (GELU: read and
-    write the ffn share; SwiGLU: read two, write one) and, without a flash kernel, attention's scale-mask-softmax
-    (read and write the ``heads / tp x s`` scores) and its dropout (read, write, a mask). The norms and adds see the
-    whole width on every TP rank without SP (Megatron replicates them), a 1/tp share under SP. ``scores_only``: the
-    softmax and dropout over the scores alone."""
+    time; no fixed cost is charged to them). Per token: two norms (read and write the width), two residual adds
+    (read two, write one; GPT's are Megatron's bias-dropout-residual adds, which also write a 1-byte dropout mask),
+    the MLP's activation (GELU: read and write the ffn share; SwiGLU: read two, write one) and, without a flash
+    kernel, attention's scale-mask-softmax (read and write the ``heads / tp x s`` scores) and, in GPT, its dropout
+    (read, write, a mask). A Llama block has no bias and no dropout. The norms and adds see the whole width on every
+    TP rank without SP (Megatron replicates them), a 1/tp share under SP. ``scores_only``: the softmax and dropout
+    over the scores alone."""
     b = model.micro_batch if micro_batch is None else micro_batch
     tokens = b * model.seq_len // cp
     width = model.hidden // tp if sequence_parallel else model.hidden
-    scores = 0.0 if flash_attention else 4.5 * max(model.heads // tp, 1) * model.seq_len
+    llama = model.architecture == "llama"
+    per_score = 2.0 if llama else 4.5                     # softmax; GPT's dropout reads, writes and masks them too
+    scores = 0.0 if flash_attention else per_score * max(model.heads // tp, 1) * model.seq_len
     if scores_only:
         return 2.0 * tokens * scores
-    elements = 2 * 2 * width + 2 * 3.5 * width
-    elements += (3 if model.architecture == "llama" else 2) * model.ffn // tp
+    elements = 2 * 2 * width + 2 * (3.0 if llama else 3.5) * width
+    elements += (3 if llama else 2) * model.ffn // tp
     return 2.0 * tokens * (elements + scores)
 
 

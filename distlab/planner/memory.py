@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from distlab import memory, models, moe, tensor_parallel
 from distlab.planner.spec import (PIPELINE_SCHEDULES, Layout, ModelSpec, Options, bucket_params, checkpointing, chunks,
-                                  keeps_gathered, microbatches, sequence_parallel, stage_layer_kinds, stage_layers)
+                                  keeps_gathered, microbatches, pipeline_gathered_share, reshards_after_forward,
+                                  sequence_parallel, stage_layer_kinds, stage_layers)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -179,7 +180,8 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
     """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
     unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting). Kept gathered
-    over the microbatches (PP, or ``fsdp_keep_gathered``): the stage's whole weights, and, with more than one
+    over the microbatches (PP, or ``fsdp_keep_gathered``): the stage's whole weights (under torch's interleaved
+    runtime 3 of its V chunks: ``spec.pipeline_gathered_share``), and, with more than one
     microbatch, its unsharded gradients, accumulated in fp32 until the last backward reduces them (FSDP2 upcasts
     them to the reduce dtype: ``FSDPParam.to_accumulated_grad_if_needed``); without resharding after forward
     the whole weights too. DDP and ZeRO-1: DDP's buckets, a second copy of the gradients (none with
@@ -187,13 +189,16 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
-        if options.reshard_after_forward:
+        if reshards_after_forward(options, layout):
             # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
             return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
         return param_bytes * params["total"] + 4 * params["largest_unit"]
     if layout.zero_stage == 3:
         accumulated = params["total"] if microbatches(model, layout) > 1 else params["largest_unit"]
-        return param_bytes * params["total"] + 4 * accumulated
+        # under PP at most 3 chunks' weights at once with torch's interleaved runtime (its window); the gradients
+        # of every chunk stay unsharded until REDUCE_GRAD
+        gathered = pipeline_gathered_share(options) if layout.pp > 1 else 1.0
+        return param_bytes * params["total"] * gathered + 4 * accumulated
     if layout.dp * layout.cp == 1:
         return 0.0
     if layout.zero_stage == 2:

@@ -82,9 +82,10 @@ KORTHIKANTI = ("Korthikanti et al. (2022), Reducing Activation Recomputation in 
                "NVIDIA/Megatron-LM's README states it")
 MTNLG = "Smith et al. (2022), Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, sections 2.4 and 3"
 # Llama 3 at its published settings (section 3.3.2, sources: llama3_*): no activation checkpointing at 8K tokens;
-# FSDP that shards gradients and optimizer states and keeps the weights gathered after forward (ZeRO-3 kept
-# gathered, what the planner's FSDP does under PP, where it also keeps the stage's gradients unsharded in fp32 until
-# the last microbatch: torch's pipeline stage, not necessarily Meta's); CP that all-gathers keys and values. Not
+# FSDP that shards gradients and optimizer states and keeps the weights gathered after forward (the planner's
+# reshard_after_forward=False under PP; torch's interleaved runtime, which the planner models, still re-gathers all
+# but 3 of a rank's chunks, and keeps the stage's gradients unsharded in fp32 until the last microbatch: torch's
+# pipeline stage, not necessarily Meta's); CP that all-gathers keys and values. Not
 # stated, the planner's: V = 8 stages a rank (126 layers + the embedding and head chunks = 128 = 16 x 8), mb 1,
 # Megatron's sequence parallelism (TP's region inputs saved as their shard, gathered again in backward), torch's
 # microbatches a round (the paper's "N=5" is its Figure 6's, on 4 ranks), and the 128K row's recomputation, of which

@@ -4,10 +4,11 @@ layout can run at all (:func:`layout_problems`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-from distlab import memory, metrics, models, sizing, tensor_parallel
+from distlab import memory, metrics, models, schedules, sizing, tensor_parallel
 
 GIB = memory.GIB
 GB = 1e9
@@ -298,7 +299,9 @@ class Options:
     zero_stage: int | None = None          # 0 DDP, 1, 2, 3 FSDP; None: the search tries ZERO_STAGES
     context_parallel: int | None = None    # CP degree; None: the search tries those of long enough shares
     cp_min_tokens: int = 8192              # the search's CP: at least this many tokens of a sequence per rank
-    reshard_after_forward: bool = True     # FSDP: gather again for backward (PP keeps stages gathered instead)
+    # FSDP: free the weights after each forward and gather them again for backward. [True without PP; False
+    # under PP, as chapter 09's scripts and torchtitan set it there: planner.spec.reshards_after_forward]
+    reshard_after_forward: bool | None = None
     # FSDP without PP under gradient accumulation: keep the weights gathered and the gradients unsharded from
     # the first microbatch to the last (FSDP2's set_reshard_after_backward(False), set_requires_gradient_sync
     # (False), what torch's pipeline stage does): one gather and one reduce-scatter a step [False]
@@ -381,10 +384,46 @@ def chunks(options: Options) -> int:
     return (options.chunks or 1) if options.schedule == "interleaved_1f1b" else 1
 
 
+def reshards_after_forward(options: Options, layout: Layout) -> bool:
+    """FSDP's ``reshard_after_forward``: as set, or (None) True without PP and False under PP."""
+    if options.reshard_after_forward is None:
+        return layout.pp == 1
+    return bool(options.reshard_after_forward)
+
+
 def keeps_gathered(options: Options, layout: Layout) -> bool:
-    """FSDP keeps the weights gathered (and the gradients unsharded) over the step's microbatches: always under
-    PP (torch's pipeline stage), without PP when ``fsdp_keep_gathered``."""
+    """FSDP keeps the gradients unsharded over the step's microbatches and reduces them once: always under PP
+    (torch's pipeline stage, whose weights then follow :func:`pipeline_fsdp_gathers`), and without PP when
+    ``fsdp_keep_gathered``, which keeps the weights gathered too."""
     return layout.zero_stage == 3 and (layout.pp > 1 or bool(options.fsdp_keep_gathered))
+
+
+def pipeline_fsdp_gathers(model: ModelSpec, layout: Layout, stage: int, options: Options) -> float:
+    """Under PP, how many times each FSDP unit of pipeline rank ``stage`` is all-gathered in a step, averaged over
+    the rank's chunks, as torch 2.13 runs it (``distlab.schedules.fsdp_all_gathers``, tested equal to torch's
+    steps): a single-stage schedule (GPipe, 1F1B) gathers once without resharding after forward, M + 1 times with
+    it; the interleaved runtime unshards and reshards chunks through a window of 3
+    (``schedules.add_unshard_reshard``), so more than 3 chunks a rank are gathered again and again."""
+    return _pipeline_gathers(options.schedule, layout.pp, microbatches(model, layout), chunks(options), stage,
+                             reshards_after_forward(options, layout))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pipeline_gathers(schedule: str, pp: int, num_micro: int, v: int, stage: int, reshard: bool) -> float:
+    if v > 1:
+        order = schedules.interleaved_1f1b(pp, num_micro, v, torch_rounds=True)
+    else:
+        order = schedules.build("gpipe" if schedule == "gpipe" else "1f1b", pp, num_micro)
+    total = sum(schedules.fsdp_all_gathers(order.actions[stage], reshard, runtime=v > 1).values())
+    return total // v if total % v == 0 else total / v
+
+
+def pipeline_gathered_share(options: Options) -> float:
+    """Under PP, the largest share of a rank's FSDP weights gathered at once: the whole stage under a
+    single-stage schedule (the last backward leaves them all gathered), 3 of V chunks under torch's interleaved
+    runtime (its window, ``schedules.FSDP_ACTIVE_STAGES``)."""
+    v = chunks(options)
+    return min(schedules.FSDP_ACTIVE_STAGES, v) / v
 
 
 PP_FSDP_GRAD_SYNC = ("after_backward", "last_backward")
@@ -529,6 +568,12 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
     if model.global_batch % (d * model.micro_batch):
         problems.append(f"global batch {model.global_batch} does not split into dp x micro-batch = "
                         f"{d} x {model.micro_batch} equal parts")
+    elif v > 1 and p > 1 and layout.zero_stage == 3:
+        # FSDP's gathers are counted on torch's own interleaved order (pipeline_fsdp_gathers), which needs this
+        m = microbatches(model, layout)
+        if m % max(1, m // p):
+            problems.append(f"torch's interleaved 1F1B needs the {m} microbatches to be a multiple of its "
+                            f"max(1, M // P) = {m // p} rounds")
     return problems
 
 

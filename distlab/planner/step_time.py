@@ -9,8 +9,8 @@ from distlab.planner.gemm import block_rate, hardware_of
 from distlab.planner.communication import bytes_sent, comm_per_step, dimension_seconds, group_sizes
 from distlab.planner.memory import memory_per_gpu, stage_params
 from distlab.planner.spec import (GIB, Cluster, Layout, ModelSpec, Options, checkpointing, chunks, keeps_gathered,
-                                  layout_problems, microbatches, reduces_after_backward, sequence_parallel,
-                                  stage_layer_kinds, stage_layers)
+                                  layout_problems, microbatches, pipeline_fsdp_gathers, reduces_after_backward,
+                                  sequence_parallel, stage_layer_kinds, stage_layers)
 
 
 @dataclass
@@ -118,8 +118,9 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
     * dp hides as far as the schedule lets it: DDP and ZeRO-1 reduce the gradients during the last
       microbatch's backward, ZeRO-2 each microbatch's during that microbatch's backward, and ZeRO gathers the
-      updated parameters during the next step's first forward (Megatron's overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers during the first forward
-      and, as torch's pipeline stage runs it, reduce-scatters after the stage's last backward
+      updated parameters during the next step's first forward (Megatron's overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers first during the first forward,
+      gathers again (``spec.pipeline_fsdp_gathers``) behind the step's compute, and, as torch's pipeline stage
+      runs it, reduce-scatters after the stage's last backward
       (``Options.pp_fsdp_grad_sync``): exposed; FSDP resharding every microbatch hides each microbatch's gathers
       and reduce-scatters behind that microbatch's compute, except the first unit's gather, which nothing
       precedes;
@@ -151,6 +152,13 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
             # ZeRO-2 reduce-scatters each microbatch's gradients from that microbatch's backward hooks (DeepSpeed,
             # stage_1_and_2.py:1767-1768): each of the M hides behind its own microbatch's backward
             exposed["dp"] = max(0.0, gather - forward) + m * max(0.0, reduce / m - backward)
+        elif layout.zero_stage == 3 and layout.pp > 1:
+            # torch's pipeline schedules: each unit's first gather of the step waits as in the first forward;
+            # the re-gathers (the interleaved runtime's window, or resharding after forward) are issued ahead of
+            # the compute that needs them (the runtime's async unshard, FSDP's prefetch) and hide behind the step
+            again = 1 - 1 / pipeline_fsdp_gathers(model, layout, stage, options)
+            exposed["dp"] = (max(0.0, gather * (1 - again) - forward) + max(0.0, gather * again - compute)
+                             + max(0.0, reduce - (0.0 if after else backward)))
         else:
             exposed["dp"] = max(0.0, gather - forward) + max(0.0, reduce - (0.0 if after else backward))
     else:

@@ -746,14 +746,45 @@ def test_the_two_first_choices_for_405b_differ_by_megatrons_layers_and_the_text_
     assert f"best: {torch_first.layout.label()}," in text   # 11.2's row names the same first choice
 
 
-def test_fsdp_under_pp_is_said_to_stay_gathered_where_the_search_has_no_choice(text):
-    # the 120 GiB PP 2 row lists no "kept gathered": the text must say that under PP FSDP always keeps it
-    from distlab.planner.spec import keeps_gathered
+def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
+    """The PP 2 rows list no "kept gathered": under PP the gradients stay unsharded and torch's schedule decides the
+    gathers (tests/unit/test_pipeline_fsdp.py holds the counts to torch's steps). How we know gives rank 0's counts
+    at P 8, V 8, M 32, and the memory the interleaved window keeps: 3 of 8 chunks."""
+    from distlab import schedules
+    from distlab.planner.spec import keeps_gathered, pipeline_gathered_share
     options = planner.Options()
     assert keeps_gathered(options, planner.Layout(2, 2, 16, 1, 3))
     assert not keeps_gathered(options, planner.Layout(8, 1, 8, 1, 3))
-    assert "Under PP, PyTorch's pipeline stage keeps FSDP's weights gathered and its gradients unsharded in fp32" in text
-    assert "(under PP, PyTorch's pipeline stage always keeps them gathered)" in text
+    assert ("Under PP, PyTorch's pipeline stage keeps FSDP's gradients unsharded in fp32 for the whole step, and its "
+            "interleaved schedule keeps three of a GPU's chunks gathered at a time (page 11.3)") in text
+    assert "(under PP, PyTorch's pipeline schedule decides when they are gathered: page 11.3)" in text
+    assert pipeline_gathered_share(planner.Options(chunks=8)) == 3 / 8 and schedules.FSDP_ACTIVE_STAGES == 3
+    assert "A one-stage schedule keeps its weights gathered too; the interleaved one, three chunks' at a time" in text
+    counts = schedules.fsdp_all_gathers(schedules.interleaved_1f1b(8, 32, 8).actions[0], False, runtime=True)
+    said = ", ".join(str(counts[s]) for s in sorted(counts))
+    said = said[:said.rindex(", ")] + " and" + said[said.rindex(", ") + 1:]
+    assert (f"rank 0 gathers its chunks {said} times a step: {sum(counts.values())} gathers where one a chunk would "
+            f"be {len(counts)}") in text
+    # the torch 2.13 lines the bullet cites say what it says they do
+    import importlib.util
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent / "distributed"
+
+    def lines(path, first, last):
+        return "\n".join((torch_dir / path).read_text().splitlines()[first - 1:last])
+
+    assert "self.submod.set_reshard_after_backward(False)" in lines("pipelining/stage.py", 844, 847)
+    assert "set_reshard_after_forward" not in (torch_dir / "pipelining/stage.py").read_text()
+    assert "self.reshard()" in lines("fsdp/_fully_shard/_fsdp_param_group.py", 557, 565)
+    assert "if not self._reshard_after_forward:" in lines("fsdp/_fully_shard/_fsdp_param_group.py", 499, 509)
+    lowering = lines("pipelining/schedules.py", 1285, 1365)
+    assert lowering.startswith("def _add_unshard_reshard(") and "max_active_stages: int = 3" in lowering
+    runtime = lines("pipelining/schedules.py", 2489, 2516)
+    assert "submodule.unshard(async_op=True)" in runtime and "submodule.reshard()" in runtime
+    for cited in ("`pipelining/stage.py:844-847`", "(`_fsdp_param_group.py:557-565`, `499-509`)",
+                  "(`schedules.py:1285-1365`, `max_active_stages=3`)", "(`schedules.py:2489-2516`)"):
+        assert cited in text, cited
+    one_f = schedules.fsdp_all_gathers(schedules.one_f_one_b(8, 32).actions[0], True, runtime=False)
+    assert one_f == {0: 32 + 1} and "`--reshard-after-forward` gives M + 1 gathers a step under 1F1B" in text
 
 
 def test_70b_on_8_derecho_nodes_says_why_fsdp_loses_there_and_not_on_16(text):

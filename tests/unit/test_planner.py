@@ -306,6 +306,35 @@ def test_zero2_reduce_scatters_after_every_microbatch():
     assert calls["reduce_scatter"] == 8 * calls["all_gather"]
 
 
+def test_fsdp_under_pp_gathers_as_torchs_schedules_do():
+    """FSDP under PP, counted as torch 2.13 runs it (tests/unit/test_pipeline_fsdp.py holds the counts to torch's
+    steps). 70B (80 layers) on PP 8 x dp 8, 32 microbatches. Interleaved x8: torch's runtime re-gathers rank 0's
+    chunks through its window of 3, 47 gathers of a chunk a step (6, 6, 8, 5, 5, 5, 8, 4), not one each; its
+    gradients are reduce-scattered once, and at most 3 of the 8 chunks' bf16 weights are gathered at once. 1F1B
+    without resharding after forward (the default under PP, as chapter 09's scripts set it): one gather a step;
+    with it, M + 1 = 33 (each forward after a forward, each backward after a forward)."""
+    spec = replace(planner.MODELS["70b"], global_batch=256)
+    layout = planner.Layout(pp=8, dp=8, zero_stage=3)
+    units = 10 + 1          # 10 blocks and the first stage's root (the embedding)
+    interleaved = planner.Options(schedule="interleaved_1f1b", chunks=8)
+    calls = planner.collective_calls(spec, layout, 0, interleaved)["dp"]
+    assert calls["all_gather"] == pytest.approx(units * 47 / 8) and calls["reduce_scatter"] == units
+    one_f = planner.Options(schedule="1f1b")
+    assert planner.collective_calls(spec, layout, 0, one_f)["dp"]["all_gather"] == units
+    resharding = planner.collective_calls(spec, layout, 0, replace(one_f, reshard_after_forward=True))["dp"]
+    assert resharding["all_gather"] == 33 * units and resharding["reduce_scatter"] == units
+    weights = 2 * planner.stage_params(spec, layout, 0)["total"]
+    gradients = 4 * planner.stage_params(spec, layout, 0)["total"]
+    assert planner.temporary_bytes(spec, layout, 0, interleaved) == pytest.approx(3 / 8 * weights + gradients)
+    assert planner.temporary_bytes(spec, layout, 0, one_f) == pytest.approx(weights + gradients)
+    # torch refuses an interleaved M that is not a multiple of its max(1, M // P) rounds: 25 over 3 rounds
+    h100 = planner.CLUSTERS["h100-80gb"]
+    problems = planner.layout_problems(replace(spec, global_batch=200), h100, layout, 64, interleaved)
+    assert problems == ["torch's interleaved 1F1B needs the 25 microbatches to be a multiple of its max(1, M // P) = "
+                        "3 rounds"]
+    assert not planner.layout_problems(replace(spec, global_batch=240), h100, layout, 64, interleaved)   # 30 = 3 x 10
+
+
 def test_pipeline_sends_are_split_over_tp_under_sp_or_megatrons_scatter_gather():
     """A boundary tensor of b s h = 1 x 4,096 x 4,096 bf16 numbers, 8 microbatches, 2 stages: stage 0 sends 8
     activations and receives 8 gradients' worth of sends, so it sends 8 x 32 MiB; each of 4 TP ranks a quarter

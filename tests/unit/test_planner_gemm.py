@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from distlab.planner import gemm, published, step_time
+from distlab.planner.spec import ModelSpec
 
 A100 = gemm.MATMUL_HARDWARE["a100-80gb"]
 H100 = gemm.MATMUL_HARDWARE["h100-80gb"]
@@ -40,6 +41,23 @@ def test_the_fixed_cost_reproduces_the_smallest_measured_gemm():
     (393,216 bytes / 3.35 TB/s = 0.12 us) on top, so it runs that point about 2 % slower than measured."""
     assert gemm.FIXED_SECONDS == pytest.approx(5.2e-6, rel=0.01)
     assert measured_errors()[(256, 256, 256)] == pytest.approx(-0.12e-6 / (5.2e-6 + 0.12e-6), abs=0.003)
+
+
+def test_the_elementwise_bytes_of_a_gpt_and_a_llama_block_by_hand():
+    """Per token of one block's forward, in 2-byte elements, each kernel reading its inputs and writing its output
+    once. GPT (Megatron's fused kernels, Korthikanti et al. 2022's block): 2 LayerNorms (read, write: 2 h each),
+    2 bias-dropout-residual adds (read two, write one, a 1-byte mask: 3.5 h each), GELU (read, write: 2 f) and,
+    without a flash kernel, per head of the s x s scores scale-mask-softmax (2) and dropout (read, write, a mask:
+    2.5). A Llama block has no bias and no dropout: 2 RMSNorms (2 h each), 2 residual adds (3 h each), SwiGLU (read
+    gate and up, write: 3 f), softmax alone over the scores (2)."""
+    gpt = published.gpt("gpt", 8, 6144, 48, 51200, 2048, 64, "test", micro_batch=1)
+    llama = ModelSpec("llama", layers=8, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq_len=2048)
+    for model, norms_adds, ffn, scores in ((gpt, 2 * 2 + 2 * 3.5, 2, 4.5), (llama, 2 * 2 + 2 * 3, 3, 2)):
+        h, f, a, s = model.hidden, model.ffn, model.heads, model.seq_len
+        flash = gemm.block_elementwise_bytes(model, tp=1, flash_attention=True)
+        assert flash == pytest.approx(2 * s * (norms_adds * h + ffn * f)), model.name
+        square = gemm.block_elementwise_bytes(model, tp=1, flash_attention=False, scores_only=True)
+        assert square == pytest.approx(2 * s * scores * a * s), model.name
 
 
 def test_the_model_against_the_measured_h100_table():
