@@ -121,10 +121,12 @@ def child_environment(extra: dict | None = None, base: dict | None = None) -> di
 
 def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "auto", timeout: float = 180,
         stream: bool = True, check: bool = True, env: dict | None = None, cwd: str | os.PathLike | None = None,
-        metrics: bool = True) -> LaunchResult:
+        metrics: bool = True, replay: bool = True) -> LaunchResult:
     """Run ``script`` on ``nproc`` ranks and return its :class:`LaunchResult` (with ``metrics`` loaded).
 
     ``--metrics-out`` is added (a temporary file) unless ``args`` already has it or ``metrics=False``.
+    ``replay=False`` (a test's second try of a run that reads a clock): run it even when this session's replay
+    cache holds it, and keep this run in its place, so that whoever replays it next gets this one.
     """
     cwd = Path(cwd) if cwd else REPO_ROOT
     script = Path(script)
@@ -159,7 +161,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
 
     child_env = child_environment(env)
     cache_file = _cache_file(script, cwd, nproc, launcher, args, metrics_path, env, child_env)
-    if cache_file is not None and cache_file.exists():
+    if replay and cache_file is not None and cache_file.exists():
         result = _replay(cache_file, script, check, stream, metrics_path, file_arguments(args, cwd, metrics_path))
         tmpdir.cleanup()
         _note_launch(cache_file, script, replayed=True, seconds=0.0)

@@ -38,12 +38,13 @@ def test_manual_1f1b_equals_single_device_and_runs_the_schedule_order():
 
 
 def _run_schedule(schedule, args):
-    """One run; one retry if the *only* failure is the timing check (a shared CPU has bad seconds)."""
+    """One run, timed now (never the replay of a run made beside other tests); one retry if the *only* failure is
+    the timing check (a shared CPU has bad seconds)."""
     run_args = ["--schedule", schedule, *args]
-    result = launch.run(SCHEDULES, nproc=4, args=run_args, stream=False, check=False)
+    result = launch.run(SCHEDULES, nproc=4, args=run_args, stream=False, check=False, replay=False)
     failed = [c["name"] for c in (result.metrics or {}).get("checks", []) if not c["passed"]]
     if result.returncode == 1 and failed == [BUBBLE_CHECK]:
-        result = launch.run(SCHEDULES, nproc=4, args=run_args, stream=False, check=False)
+        result = launch.run(SCHEDULES, nproc=4, args=run_args, stream=False, check=False, replay=False)
     return result
 
 

@@ -118,3 +118,18 @@ def test_the_ranks_environment_is_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv(launch.RANK_PYTHON_ENV, "/tmp/another-phase/python")          # and its own wrapper
     monkeypatch.setenv("DISTLAB_TEST_TIMELINE", "/tmp/another-timeline")
     assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first
+
+
+def test_a_second_try_runs_again_and_takes_the_failed_runs_place(tmp_path, monkeypatch):
+    """A test retries a run whose check reads a clock: its retry must run (a replay repeats the failure), and what
+    replays it afterwards (the lab) must get the retry."""
+    monkeypatch.setenv("DISTLAB_LAUNCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "run_dependencies", lambda script: [script])
+    script = tmp_path / "clock.py"
+    script.write_text("import time\nprint('started at', time.time_ns(), flush=True)\n")
+    run = lambda **kw: launch.run(script, nproc=1, stream=False, metrics=False, launcher="fork", **kw)  # noqa: E731
+    first = run()
+    assert run().output == first.output                    # replayed
+    second = run(replay=False)
+    assert second.output != first.output                   # really run again
+    assert run().output == second.output                   # and replayed from then on
