@@ -373,6 +373,22 @@ def run(label: str) -> Shown:
     return shown(_launch(label))
 
 
+def per_step(run: Shown) -> list[str]:
+    """What each rank logged, step by step, as any user can print it: its own loss (before the all-reduce), and the
+    gradient norm it clipped by beside one device's, where the run computed one device's alongside (the script's
+    recorded ``rank_losses``, ``rank_grad_norms`` and ``one_device_grad_norms``; nothing is run again)."""
+    extra = (run.metrics or {}).get("extra") or {}
+    lines = [f"step {step}: each rank's own loss {[round(loss, 4) for loss in losses]}"
+             for step, losses in enumerate(extra.get("rank_losses", []))]
+    one_device = extra.get("one_device_grad_norms") or []
+    for step, norms in enumerate(extra.get("rank_grad_norms", [])):
+        line = f"step {step}: gradient norm logged by each rank {[round(norm, 3) for norm in norms]}"
+        if step < len(one_device):
+            line += f"; one device's {one_device[step]:.3f}"
+        lines.append(line)
+    return lines
+
+
 # ---- the learner's code, run inside the job ------------------------------------------------------------------------
 LEARNER_DIR = broken_runs.DEFAULT_RUN_DIR / "learner"
 _PRELUDE = ("import math\n\nimport torch\nimport torch.distributed as dist\n"
