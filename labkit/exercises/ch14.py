@@ -311,6 +311,9 @@ RENAMED_CHECKS = {
         "every rank reaches backward's all-reduces with the others",
     "initial full weights (gathered from the shards) = the single-device model's, built from the seed":
         "initial full weights (gathered from the shards) = the single-device model's",
+    # its name would make "how many sequences does a step train on?" a matter of matching words: the count it
+    # measured stays, beside the run's first line and the recipe's --batch
+    "sequences per optimizer step = the global batch asked for (--batch)": "sequences per optimizer step",
 }
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")

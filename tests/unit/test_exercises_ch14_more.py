@@ -103,3 +103,12 @@ def test_parts_6_and_7_print_what_their_exercises_ask_from_the_runs_own_metrics(
         assert "exercises.per_step(run)" in cell and "exercises.run(" in cell and "launch" not in cell, part
     part7 = _cell_printing("three more wrong numbers")
     assert "'PASS' if found['passed'] else 'FAIL'" in part7 and '"1F1B"' in part7   # replicas agree; who holds what
+
+
+def test_part_7_shows_the_count_of_sequences_a_step_trains_on_not_the_words_of_the_question():
+    """Exercise 10 asks how many sequences a step trains on against the recipe's: the check that measures it is shown
+    by what it counts, so the answer is read from the numbers, not matched with the check's name."""
+    shown = ch14.shown_check_name("sequences per optimizer step = the global batch asked for (--batch)")
+    assert shown == "sequences per optimizer step"
+    assert ch14._shown_line("[FAIL] sequences per optimizer step = the global batch asked for (--batch)  (16, tolerance"
+                            " == 8)") == "[FAIL] sequences per optimizer step  (16, tolerance == 8)"
