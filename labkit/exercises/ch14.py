@@ -311,6 +311,9 @@ RENAMED_CHECKS = {
         "every rank reaches backward's all-reduces with the others",
     "initial full weights (gathered from the shards) = the single-device model's, built from the seed":
         "initial full weights (gathered from the shards) = the single-device model's",
+    # its name would make "how many sequences does a step train on?" a matter of matching words: the count it
+    # measured stays, beside the run's first line and the recipe's --batch
+    "sequences per optimizer step = the global batch asked for (--batch)": "sequences per optimizer step",
 }
 HIDDEN_LINES = re.compile(r"planting:|diagnosis:|planted|--planted-bug|--hang")
 HIDDEN_EXTRA = ("cause", "verdict")
@@ -371,6 +374,22 @@ def run(label: str) -> Shown:
     if label not in _TOKENS:
         raise KeyError(f"{label!r} is not one of the lab's runs: {', '.join(LABELS)}")
     return shown(_launch(label))
+
+
+def per_step(run: Shown) -> list[str]:
+    """What each rank logged, step by step, as any user can print it: its own loss (before the all-reduce), and the
+    gradient norm it clipped by beside one device's, where the run computed one device's alongside (the script's
+    recorded ``rank_losses``, ``rank_grad_norms`` and ``one_device_grad_norms``; nothing is run again)."""
+    extra = (run.metrics or {}).get("extra") or {}
+    lines = [f"step {step}: each rank's own loss {[round(loss, 4) for loss in losses]}"
+             for step, losses in enumerate(extra.get("rank_losses", []))]
+    one_device = extra.get("one_device_grad_norms") or []
+    for step, norms in enumerate(extra.get("rank_grad_norms", [])):
+        line = f"step {step}: gradient norm logged by each rank {[round(norm, 3) for norm in norms]}"
+        if step < len(one_device):
+            line += f"; one device's {one_device[step]:.3f}"
+        lines.append(line)
+    return lines
 
 
 # ---- the learner's code, run inside the job ------------------------------------------------------------------------

@@ -80,3 +80,35 @@ def test_the_labs_counts_of_runs_are_its_labels():
             24: "twenty-four"}[count]
     assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
     assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text
+
+
+def _cell_printing(part: str) -> str:
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    return next("".join(c["source"]) for c in lab["cells"] if f'exercises.PARTS["{part}"]' in "".join(c["source"]))
+
+
+def test_parts_6_and_7_print_what_their_exercises_ask_from_the_runs_own_metrics():
+    """Exercises 8 and 10 ask whether the ranks agree and how their norms add up against one device's: the cells
+    print each rank's own loss and norm, one device's norm beside them, run 24's stages, and (Part 7) every check
+    passed or failed, from the metrics the runs recorded (no launch of their own)."""
+    run = ch14.Shown(1, 1.0, {}, "", {"checks": [], "extra": {
+        "rank_losses": [[4.5, 4.25, 4.5, 4.125]], "rank_grad_norms": [[0.75, 0.5, 0.25, 1.0], [1.0, 1.0, 1.0, 1.0]],
+        "one_device_grad_norms": [1.369]}})
+    assert ch14.per_step(run) == ["step 0: each rank's own loss [4.5, 4.25, 4.5, 4.125]",
+                                  "step 0: gradient norm logged by each rank [0.75, 0.5, 0.25, 1.0]; one device's 1.369",
+                                  "step 1: gradient norm logged by each rank [1.0, 1.0, 1.0, 1.0]"]
+    assert ch14.per_step(ch14.Shown(1, 1.0, {}, "", {"checks": [], "extra": {}})) == []
+    for part in ("four more runs", "three more wrong numbers"):
+        cell = _cell_printing(part)
+        assert "exercises.per_step(run)" in cell and "exercises.run(" in cell and "launch" not in cell, part
+    part7 = _cell_printing("three more wrong numbers")
+    assert "'PASS' if found['passed'] else 'FAIL'" in part7 and '"1F1B"' in part7   # replicas agree; who holds what
+
+
+def test_part_7_shows_the_count_of_sequences_a_step_trains_on_not_the_words_of_the_question():
+    """Exercise 10 asks how many sequences a step trains on against the recipe's: the check that measures it is shown
+    by what it counts, so the answer is read from the numbers, not matched with the check's name."""
+    shown = ch14.shown_check_name("sequences per optimizer step = the global batch asked for (--batch)")
+    assert shown == "sequences per optimizer step"
+    assert ch14._shown_line("[FAIL] sequences per optimizer step = the global batch asked for (--batch)  (16, tolerance"
+                            " == 8)") == "[FAIL] sequences per optimizer step  (16, tolerance == 8)"
