@@ -451,7 +451,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
               "the norm is those stages' alone (torch/nn/utils/clip_grad.py:95-107, no process group), and each "
               "rank scales its gradients by its own factor.",
         tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
-                   "(pieces of one norm, one per stage); under FSDP2 the same call on DTensors would reduce it.",
+                   "(pieces of one norm, one per stage); with FSDP2 too, DTensors reduce over their own mesh, never "
+                   "the stages.",
         look_alikes=("local-grad-norm", "loss-on-wrong-stage", "nondeterministic kernels"),
         fix="All-reduce the stages' sums of squares over the pipeline group, take the root, and scale every "
             "stage's gradients by max_norm / norm (when above 1): one norm, one factor everywhere.",

@@ -701,3 +701,17 @@ def test_the_resume_fix_names_every_part_a_checkpoint_can_hold_and_why_the_loss_
     assert set(words) == set(lab.CHECKPOINT_PARTS)
     assert all(said in fix for said in words.values()), fix
     assert "Keep the log of losses out: written back on a restart, it erases what was logged since the" in fix
+
+
+def test_the_pipeline_clip_case_does_not_say_fsdp2_reduces_over_the_stages():
+    """A DTensor's norm is all-reduced over the mesh its placements name (_NormPartial), and a pipeline's stages
+    are not in that mesh: with PP and FSDP2 together clip_grad_norm_ still takes one stage's norm (torchtitan #596,
+    whose answer says DTensor dispatch 'is not aware of PP'). Neither the page nor the registry may say FSDP2 fixes it."""
+    case = registry().case("stage-grad-norm")
+    section = " ".join(section_of("stage-grad-norm").split())
+    assert "Under FSDP2 the same call is right" not in section
+    assert "the same call on DTensors would reduce it" not in case.tell_apart
+    assert "pytorch/torchtitan #596" in section
+    assert "with PP and FSDP2 together" in section and "over the pipeline's ranks" in section
+    # the fix scales as torch does: clip_coef clamped at 1 (clip_grad.py:164-168), so a small norm is left alone
+    assert "scales by `min(1, max_norm / norm)`" in section and "(when above 1)" in case.fix
