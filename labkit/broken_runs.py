@@ -245,16 +245,18 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("DDP loss = single-device loss", "DDP gradients = single-device gradients")),
     BrokenRun(
         name="global-batch-grows", family="data parallelism", script=TRAIN_DDP,
-        on_nccl="The same numbers; nothing in NCCL's logs. Each GPU's memory and step time stay what they were on "
-                "fewer GPUs (its own batch did not change): only the loss curve and the steps an epoch differ.",
+        on_nccl="The same numbers; nothing in NCCL's logs. Each GPU's memory stays what it was on fewer GPUs (its "
+                "own batch did not change), and its step time nearly so: the loss curve and the steps an epoch differ.",
         args=DDP_RUN + ("--planted-bug", "global-batch-grows"), fixed_args=DDP_RUN,
-        symptom="No error and the ranks agree, but the loss is below one device's on the recipe's batch at every "
-                "step, 0.13 below at worst; the first line says global batch 16 where the recipe's is 8.",
+        symptom="No error; the first line says global batch 16 where the recipe's is 8, and the loss falls below "
+                "one device's, most at step 2 (0.13 below), where a second epoch starts: 32 samples, 2 steps an "
+                "epoch, not 4.",
         evidence=("output", "losses", "extra.diffs.baseline_loss", "checks"),
         cause="The per-rank batch of a recipe tuned on 2 ranks was kept on 4: the global batch doubled with the "
-              "world, and with it what one step of the learning rate does.",
-        tell_apart="Sequences per optimizer step, ranks x micro-batches x sequences each: twice the recipe's, while "
-                   "each step's gradients are right for that larger batch (the from-scratch version agrees).",
+              "world, so an epoch takes half the steps and one step of the learning rate does something else.",
+        tell_apart="Sequences per optimizer step, ranks x micro-batches x sequences each: twice the recipe's, and "
+                   "half the steps an epoch, while each step's gradients are right for that larger batch (the "
+                   "from-scratch version agrees).",
         look_alikes=("same-samples-every-rank", "a diverging run (a learning rate too high)", "no-set-epoch"),
         fix="Keep the global batch when the world changes: each rank's micro-batch = global batch / (world size x "
             "accumulation steps); where the global batch is meant to grow, retune the learning rate and the "

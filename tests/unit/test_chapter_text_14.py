@@ -715,3 +715,66 @@ def test_the_pipeline_clip_case_does_not_say_fsdp2_reduces_over_the_stages():
     assert "with PP and FSDP2 together" in section and "over the pipeline's ranks" in section
     # the fix scales as torch does: clip_coef clamped at 1 (clip_grad.py:164-168), so a small norm is left alone
     assert "scales by `min(1, max_norm / norm)`" in section and "(when above 1)" in case.fix
+
+
+def _train_ddp():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts" / "04_data_parallel"))   # as the script runs: beside ddp_from_scratch
+    spec = importlib.util.spec_from_file_location("train_ddp", ROOT / "scripts" / "04_data_parallel" / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
+    """A sequence keeps its first 1 to T targets, T the tiny model's sequence length (kept_targets, run on the
+    shortest and the longest first token); the page's gap is the registry's, which tests/scripts/test_14 holds to
+    the run."""
+    import torch
+
+    from distlab import models
+
+    seq_len = models.preset("tiny").seq_len
+    tokens = torch.tensor([[0] * (seq_len + 1), [seq_len - 1] * (seq_len + 1)])   # token_sample: seq_len + 1 tokens
+    fewest, most = _train_ddp().kept_targets(tokens).sum(dim=1).tolist()
+    section = " ".join(section_of("token-mean-per-micro-batch").split())
+    assert f"on its first targets only, {fewest} to {most} of them (a sequence holds {seq_len} targets)" in section
+    worst = re.search(r"\(([\d.]+) at worst\)", registry().case("token-mean-per-micro-batch").symptom)[1]
+    assert f"off one device's from the first step, {worst} at worst" in section
+
+
+def test_the_global_batch_case_states_the_registrys_numbers_and_the_recipe_the_script_keeps():
+    """The page's batches, steps and gap are the registry's symptom's (tests/scripts/test_14 holds them to the run);
+    the recipe's ranks, micro-batches and sequences are the script's TUNED_WORLD, the data cases' --accumulation and
+    the script's default global batch."""
+    from labkit import broken_runs
+
+    case = registry().case("global-batch-grows")
+    grown, recipe, turn, worst, samples, grown_epoch, recipe_epoch = re.search(
+        r"global batch (\d+) where the recipe's is (\d+), .* most at step (\d+) \(([\d.]+) below\), where a "
+        r"second epoch starts: (\d+) samples, (\d+) steps an epoch, not (\d+)", case.symptom).groups()
+    section = " ".join(section_of("global-batch-grows").split())
+    assert f"says global batch {grown}; the recipe's is {recipe}." in section
+    assert f"most at step {turn}, {worst} below, where a second epoch starts" in section
+    assert f"the run's {samples} samples make an epoch of {grown_epoch} steps, not {recipe_epoch}" in section
+    assert f"From step {turn} the run reads samples it has already trained on" in section
+    tuned = _train_ddp().TUNED_WORLD
+    accumulation = int(broken_runs.DDP_RUN[broken_runs.DDP_RUN.index("--accumulation") + 1])
+    default = int(re.search(r"args\.batch = args\.batch or \(16 if args\.preset == \"a100\" else (\d+)\)",
+                            (ROOT / case.script).read_text())[1])
+    assert default == int(recipe)
+    assert (f"tuned on {tuned} ranks: {accumulation} micro-batches of {default // (tuned * accumulation)} sequences a "
+            f"rank, a global batch of {default}") in section
+
+
+def test_the_pipeline_clip_case_states_the_registrys_norms():
+    """The norms the page states are the registry's symptom's, which tests/scripts/test_14 holds to the run; the
+    total norm it clips to is the run's --max-grad-norm."""
+    case = registry().case("stage-grad-norm")
+    low, high, whole = re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                 case.symptom).groups()
+    section = " ".join(section_of("stage-grad-norm").split())
+    assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section
+    assert f"clips to a total norm of {case.args[case.args.index('--max-grad-norm') + 1]}," in section
