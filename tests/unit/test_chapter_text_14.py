@@ -778,3 +778,32 @@ def test_the_pipeline_clip_case_states_the_registrys_norms():
     section = " ".join(section_of("stage-grad-norm").split())
     assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section
     assert f"clips to a total norm of {case.args[case.args.index('--max-grad-norm') + 1]}," in section
+
+
+def test_the_torch_lines_of_the_newest_cases():
+    """The lines the appendix cites for stage-grad-norm, token-mean-per-micro-batch, global-batch-grows and NCCL's
+    remote error, read in the installed torch: a torch upgrade that moves them fails here."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    clip = (torch_dir / "nn" / "utils" / "clip_grad.py").read_text().splitlines()
+    assert clip[94].strip() == "norms.extend(torch._foreach_norm(device_tensors, norm_type))"   # each tensor's norm
+    assert "torch.linalg.vector_norm(g, norm_type) for g in device_tensors" in clip[101]
+    assert clip[104].strip() == "total_norm = torch.linalg.vector_norm(" and "torch.stack(" in clip[105]   # normed again
+    assert clip[229].strip().startswith("total_norm = _get_total_norm(grads,")
+    assert clip[230].strip().startswith("_clip_grads_with_norm_(parameters, max_norm, total_norm")
+    assert not any("process_group" in line or "all_reduce" in line for line in clip[80:232])   # no group anywhere
+    assert "(torch/nn/utils/clip_grad.py:95-107, called at 230-231)" in FLAT_APPENDIX
+    loss = (torch_dir / "nn" / "modules" / "loss.py").read_text().splitlines()
+    owner = next(line for line in reversed(loss[:1277]) if line.startswith("class "))
+    assert owner.startswith("class CrossEntropyLoss(") and "ignore_index" in loss[1277]
+    assert "the loss is averaged over non-ignored targets" in " ".join(x.strip() for x in loss[1278:1280])
+    assert "(torch/nn/modules/loss.py:1278-1281)" in FLAT_APPENDIX
+    sampler = (torch_dir / "utils" / "data" / "distributed.py").read_text().splitlines()
+    assert sampler[101].strip().startswith("self.num_samples = math.ceil(len(self.dataset) / self.num_replicas)")
+    assert sampler[102].strip() == "self.total_size = self.num_samples * self.num_replicas"
+    assert "(torch/utils/data/distributed.py:102-103)" in FLAT_APPENDIX
+    nccl = (torch_dir / "include" / "torch" / "csrc" / "distributed" / "c10d" / "NCCLUtils.hpp").read_text().splitlines()
+    assert nccl[62].startswith("#define C10D_NCCL_CHECK(cmd, failureReason)")
+    assert "TORCH_CHECK_WITH(DistBackendError, false, err);" in nccl[69] and nccl[71].strip() == "} while (0)"
+    assert "(`C10D_NCCL_CHECK` in torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp:63-72)" in FLAT_APPENDIX
