@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_config_error
 
 from labkit import broken_runs
 from labkit.exercises import ch14
@@ -581,9 +582,20 @@ GONE = {"stage-grad-norm": _one_pipeline_norm, "same-samples-every-rank": _disti
 
 
 def test_the_same_run_with_every_target_kept_equals_one_device(launched):
-    """token-mean-per-micro-batch's symptom names its own tell-apart: the lengths. Without --uneven-lengths (the
-    fixed run of the data cases, launched once) the mean of the micro-batches' means is one device's mean."""
+    """token-mean-per-micro-batch's symptom names its own tell-apart: the lengths. The planted run itself, its mean
+    over each micro-batch's own kept tokens, with every target kept (--keep-every-target in place of
+    --uneven-lengths): micro-batches of equal counts, whose mean of means is one device's mean."""
     case = broken_runs.case("token-mean-per-micro-batch")
-    assert "--uneven-lengths" in case.args and broken_runs.DDP_RUN == case.fixed_args[:len(broken_runs.DDP_RUN)]
-    even = launched(broken_runs.case("same-samples-every-rank"), fixed=True)
+    assert "--uneven-lengths" in case.args and "--planted-bug" in case.args
+    even = launched(case, fixed=False,
+                    args=[a if a != "--uneven-lengths" else "--keep-every-target" for a in case.args])
     assert even.returncode == 0 and not broken_runs.fix_holds(case, even.metrics), even.tail()
+    assert even.metrics["config"]["planted_bug"] == case.name and even.metrics["config"]["keep_every_target"]
+    assert max(even.metrics["extra"]["diffs"]["baseline_loss"]) < 1e-5, even.metrics["extra"]["diffs"]
+
+
+def test_the_token_mean_mistake_without_a_mask_is_refused_on_every_rank():
+    """Without --uneven-lengths or --keep-every-target no loss is masked, so the mistake would not be planted: a
+    learner who drops the flag to keep every target would run correct code and learn nothing. One line, exit 2."""
+    assert_config_error(broken_runs.TRAIN_DDP, ["--planted-bug", "token-mean-per-micro-batch", "--steps", "1"],
+                        "--planted-bug token-mean-per-micro-batch", nproc=2)
