@@ -526,6 +526,11 @@ def _stage_grad_norm(metrics, result):
     assert math.sqrt(sum(n * n for n in norms[0])) == pytest.approx(one_device[0], rel=1e-5), (norms[0], one_device)
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}
     assert passed["first step's gradients equal the single-device run's"], passed   # right until the clip
+    # "the weights leave one device's at the first update": already past the script's own tolerance (lr / 10) after
+    # step 0, though AdamW's first step barely depends on a gradient's scale (it does where a gradient is near eps)
+    diffs, lr = metrics["extra"]["param_diffs"], metrics["config"]["lr"]
+    assert "leave one device's at the first update" in broken_runs.case("stage-grad-norm").symptom
+    assert diffs[0] > lr / 10 and diffs[-1] > diffs[0], diffs
 
 
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
@@ -574,6 +579,7 @@ def _all_finite(metrics, result):
 def _one_pipeline_norm(metrics, result):
     norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
     assert all(n == pytest.approx(whole, rel=1e-5) for ranks, whole in zip(norms, one_device) for n in ranks)
+    assert max(metrics["extra"]["param_diffs"]) < metrics["config"]["lr"] / 100   # the weights stay one device's
     assert min(one_device) > float(broken_runs.PIPELINE_CLIP_RUN[-1])   # every step clips
 
 
