@@ -807,3 +807,19 @@ def test_the_torch_lines_of_the_newest_cases():
     assert nccl[62].startswith("#define C10D_NCCL_CHECK(cmd, failureReason)")
     assert "TORCH_CHECK_WITH(DistBackendError, false, err);" in nccl[69] and nccl[71].strip() == "} while (0)"
     assert "(`C10D_NCCL_CHECK` in torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp:63-72)" in FLAT_APPENDIX
+
+
+def test_the_default_timeout_is_named_as_the_courses_beside_torchs():
+    """300 s is distlab.runtime's default, not torch's: torch's own is default_pg_timeout (30 minutes, gloo) and
+    kProcessGroupNCCLDefaultTimeout (10 minutes, NCCL), read from the installed torch."""
+    import torch
+
+    from distlab import runtime
+
+    gloo = int(torch.distributed.constants.default_pg_timeout.total_seconds() // 60)
+    nccl = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+            "ProcessGroupNCCL.hpp").read_text().splitlines()
+    minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", nccl[157])[1])
+    said = (f"against the course's default of {runtime.DEFAULT_PG_TIMEOUT_S} s; torch's own is {gloo} minutes on "
+            f"gloo, {minutes} on NCCL")
+    assert said in FLAT
