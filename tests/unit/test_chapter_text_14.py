@@ -503,7 +503,7 @@ def test_the_hang_timeout_of_the_broken_runs_is_theirs():
     broken = registry()
     from distlab import runtime
     assert broken.HANG_TIMEOUT == ("--pg-timeout", "2") and runtime.DEFAULT_PG_TIMEOUT_S == 300
-    assert ("2 s in the broken runs (their own `--pg-timeout`, against the default of 300 s)") in FLAT
+    assert ("2 s in the broken runs (their own `--pg-timeout`, against the course's default of 300 s)") in FLAT
 
 
 def test_the_per_rank_init_case_cites_torchs_lines_and_states_the_measured_gap():
@@ -820,6 +820,6 @@ def test_the_default_timeout_is_named_as_the_courses_beside_torchs():
     nccl = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
             "ProcessGroupNCCL.hpp").read_text().splitlines()
     minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", nccl[157])[1])
-    said = (f"against the course's default of {runtime.DEFAULT_PG_TIMEOUT_S} s; torch's own is {gloo} minutes on "
-            f"gloo, {minutes} on NCCL")
+    said = (f"against the course's default of {runtime.DEFAULT_PG_TIMEOUT_S} s), and every rank prints its journal. "
+            f"Torch's own default is {gloo} minutes on gloo, {minutes} on NCCL.")
     assert said in FLAT
