@@ -293,6 +293,9 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "Normalize CE loss by total number of (non-padding) tokens (meta-pytorch/torchtune #1875)",
          "quote": "In honor of the day the ML community first discovered the fact that (x1 / n1) + (x2 / n2) != "
                   "(x1 + x2) / (n1 + n2)"},
+        {"url": "https://github.com/meta-pytorch/torchtune/pull/1917",
+         "title": "Restore backward after each batch for grad accum (meta-pytorch/torchtune #1917)",
+         "quote": "# Get total number of tokens across all ranks to normalize gradients"},
         {"url": "https://github.com/karpathy/nanochat/pull/59",
          "title": "Fix gradient accumulation for variable length sequences (karpathy/nanochat #59)",
          "quote": "Previously, gradients were scaled by `grad_accum_steps` assuming equal tokens per batch, causing "
@@ -309,10 +312,11 @@ SOURCES: dict[str, list[dict[str, str]]] = {
         {"url": "https://github.com/TorchSSL/TorchSSL/issues/15",
          "title": "Some questions about multi-gpu training (TorchSSL/TorchSSL #15)",
          "quote": "Directly adding more GPUs and increasing the batch will affect the result."},
-        {"url": "https://github.com/facebookresearch/fairseq/issues/2033",
-         "title": "Replicate result from a multi GPU training with less GPUs (facebookresearch/fairseq #2033)",
-         "quote": "If I only have 2 GPU, then if I want to get to as closer performance as possible, I should set the "
-                  "update frequency to 4?"},
+        {"url": "https://github.com/BVLC/caffe/issues/4465",
+         "title": "Clarification on multi-GPU training effective batch size (BVLC/caffe #4465)",
+         "quote": "it will only take caffe 25 iterations to see the entire training set.  That being said, if caffe "
+                  "is set to run for a set number of iterations, the model with better trained when using additional "
+                  "GPUs."},
     ],
     "unused-parameter": [
         {"url": "https://github.com/ImprintLab/MedSegDiff/issues/27",

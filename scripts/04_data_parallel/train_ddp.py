@@ -50,12 +50,13 @@ def masked_mean_loss(logits, targets, mask):
     return (per_token * mask).sum() / mask.sum()
 
 
-def kept_targets(tokens):
+def kept_targets(tokens, every=False):
     """--uneven-lengths: which target tokens a sequence keeps, its first L of T - 1 (L = 1 + its first token mod
     T - 1: 1 to T - 1, read from the tokens so that every rank and the one-device reference agree). Padding, or a
-    prompt whose tokens carry no loss, gives real batches such uneven counts."""
+    prompt whose tokens carry no loss, gives real batches such uneven counts. ``every`` (--keep-every-target):
+    all T - 1, through the same masked loss."""
     width = tokens.shape[1] - 1
-    lengths = 1 + tokens[:, 0] % width
+    lengths = torch.full_like(tokens[:, 0], width) if every else 1 + tokens[:, 0] % width
     return torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]
 
 
@@ -84,6 +85,11 @@ def check_config(args, world_size):
     runtime.require(args.steps >= 1, f"--steps {args.steps}: need at least one step")
     runtime.require(args.accumulation >= 1, f"--accumulation {args.accumulation}: need at least 1 micro-step")
     runtime.require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: a bucket must hold something")
+    runtime.require(not (args.uneven_lengths and args.keep_every_target),
+                    "--uneven-lengths and --keep-every-target: choose one (uneven lengths, or every target kept)")
+    runtime.require(args.planted_bug != "token-mean-per-micro-batch" or args.uneven_lengths or args.keep_every_target,
+                    "--planted-bug token-mean-per-micro-batch plants its mistake in the masked loss: add "
+                    "--uneven-lengths (or --keep-every-target); without either no token is masked")
     runtime.require(not (args.compare and args.precision == "bf16"),
                     "--compare checks fp32 equality: use --precision fp32 (or auto) with it")
     if args.batch is not None:
@@ -219,6 +225,9 @@ def main():
     p.add_argument("--uneven-lengths", action="store_true",
                    help="each sequence keeps a loss on its first 1 to T-1 targets only (padding, prompts): the step's "
                         "loss is the mean over every kept token of the global batch")
+    p.add_argument("--keep-every-target", action="store_true",
+                   help="the masked loss of --uneven-lengths with every target kept: each micro-batch holds as many "
+                        "tokens, the check of token-mean-per-micro-batch")
     runtime.add_fix_flag(p, "rank_sampler(dataset, rank, world_size) (the training sampler), epoch_indices(sampler, "
                             "epoch) (the indices the loader draws in an epoch), synchronises(micro_step, "
                             "accumulation) (whether a micro-batch runs outside no_sync()), without_gradient(grads) (a "
@@ -241,6 +250,7 @@ def main():
                    "beside it)")
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
+        masked_lengths, every = args.uneven_lengths or args.keep_every_target, args.keep_every_target
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         args.samples = args.samples or 4 * args.batch
         check_config(args, world)  # again, with the defaults filled in
@@ -343,8 +353,9 @@ def main():
                 micro_batches.append(tokens)
 
             step_tokens = None
-            if args.uneven_lengths:   # the kept targets of the whole step, every rank's micro-batches together
-                step_tokens = torch.tensor(float(sum(kept_targets(t).sum() for t in micro_batches)), device=rt.device)
+            if masked_lengths:   # the kept targets of the whole step, every rank's micro-batches together
+                step_tokens = torch.tensor(float(sum(kept_targets(t, every).sum() for t in micro_batches)),
+                                           device=rt.device)
                 dist.all_reduce(step_tokens)
             rt.sync()
             started = time.perf_counter()
@@ -376,8 +387,8 @@ def main():
                         if masked:   # the mistake: a micro-batch whose every target is masked (a prompt-only
                             # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
                             loss = masked_mean_loss(outputs, targets, torch.zeros_like(targets)) / accumulation
-                        elif args.uneven_lengths:
-                            kept = kept_targets(tokens.to(rt.device))
+                        elif masked_lengths:
+                            kept = kept_targets(tokens.to(rt.device), every)
                             if args.planted_bug == "token-mean-per-micro-batch":   # the mistake: each micro-batch's
                                 # mean over its own tokens, as if all held as many: short ones weigh too much
                                 loss = masked_mean_loss(outputs, targets, kept) / accumulation
@@ -407,9 +418,10 @@ def main():
                 for tokens in micro_batches:
                     inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                     with autocast:
-                        if args.uneven_lengths:   # by hand: the step's mean over its kept tokens, then the average
+                        if masked_lengths:   # by hand: the step's mean over its kept tokens, then the average
                             scratch_loss = step_token_loss(token_losses(scratch(inputs), targets),
-                                                           kept_targets(tokens.to(rt.device)), step_tokens, world)
+                                                           kept_targets(tokens.to(rt.device), every), step_tokens,
+                                                           world)
                         else:
                             scratch_loss = models.lm_loss(scratch(inputs), targets) / accumulation
                     scratch_loss.backward()
@@ -423,8 +435,8 @@ def main():
                     tokens = torch.stack([dataset[i] for i in indices]).to(rt.device)
                     inputs, targets = data.split_inputs_targets(tokens)
                     with autocast:
-                        if args.uneven_lengths:   # one device: the mean over every kept token of the global batch
-                            baseline_loss = masked_mean_loss(baseline(inputs), targets, kept_targets(tokens))
+                        if masked_lengths:   # one device: the mean over every kept token of the global batch
+                            baseline_loss = masked_mean_loss(baseline(inputs), targets, kept_targets(tokens, every))
                         else:
                             baseline_loss = models.lm_loss(baseline(inputs), targets)
                     baseline_loss.backward()

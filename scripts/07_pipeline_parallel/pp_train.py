@@ -128,6 +128,7 @@ def main():
 
         losses, reference_losses, step_seconds = [], [], []
         rank_grad_norms, one_device_grad_norms = [], []   # --max-grad-norm: the norm each rank computed, per step
+        param_diffs = []   # --max-grad-norm: the weights' largest distance from one device's after each step
         mine_params = [p for m in modules.values() for p in m.parameters()]
         first_grads = reference_first_grads = None
         for step in range(args.steps):
@@ -170,6 +171,14 @@ def main():
                 reference_optimizer.step()
                 reference_optimizer.zero_grad(set_to_none=True)
                 reference_losses.append(loss.item())
+            if with_reference and args.max_grad_norm is not None:   # when a clip moves the weights from one device's
+                stages_now = [None] * ranks
+                dist.all_gather_object(stages_now, {n: p.detach().cpu() for m in modules.values()
+                                                    for n, p in m.named_parameters()})
+                if reference is not None:
+                    now = dict(reference.named_parameters())
+                    param_diffs.append(max((t - now[n].detach().cpu()).abs().max().item()
+                                           for g in stages_now for n, t in g.items()))
         report.timeline = gather_timeline(events, t0, rt.rank)
 
         # Bring the losses (on the last stage's rank) and every stage's parameters to rank 0.
@@ -214,6 +223,7 @@ def main():
         if args.max_grad_norm is not None:   # what any user's log shows: each rank's gradient norm
             report.extra["rank_grad_norms"] = rank_grad_norms
             report.extra["one_device_grad_norms"] = one_device_grad_norms
+            report.extra["param_diffs"] = param_diffs
             report.check("every rank computed the same gradient norm (every step)",
                          all(max(norms) - min(norms) <= 1e-5 * max(norms) for norms in rank_grad_norms),
                          max(max(norms) - min(norms) for norms in rank_grad_norms), "<= 1e-5 of the norm")

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_config_error
 
 from labkit import broken_runs
 from labkit.exercises import ch14
@@ -483,16 +484,25 @@ def _single_device_losses(result):
 
 
 def _global_batch_grows(metrics, result):
-    """The first line's global batch is twice the recipe's; the loss is below one device's at every step."""
+    """The first line's global batch is twice the recipe's; the loss drops below one device's when the grown run
+    starts its second pass over the samples, which one device has not yet finished reading once."""
     said = broken_runs.case("global-batch-grows").symptom
     grown, recipe = map(int, re.search(r"global batch (\d+) where the recipe's is (\d+)", said).groups())
     assert metrics["config"]["batch"] == recipe and grown == 2 * recipe, metrics["config"]
     assert any(line.startswith(f"tiny transformer") and f"global batch {grown} = 4 ranks" in line
                for line in result.lines), result.tail()
+    # an epoch of the run's samples takes half the steps: from the step a second epoch begins, the grown run
+    # re-reads samples it has trained on, and its loss drops below one device's most there
+    samples = metrics["config"]["samples"]
+    turn, worst, grown_epoch, recipe_epoch = re.search(
+        r"most at step (\d+) \(([\d.]+) below\), where a second epoch starts: \d+ samples, (\d+) steps an epoch, "
+        r"not (\d+)", said).groups()
+    assert (int(grown_epoch), int(recipe_epoch)) == (samples // grown, samples // recipe) and int(turn) == samples // grown
     pairs = _single_device_losses(result)
-    assert len(pairs) == 5 and all(run < one for run, one in pairs), pairs
-    worst = float(re.search(r"([\d.]+) below at worst", said)[1])
-    assert round(max(one - run for run, one in pairs), 2) == worst, pairs
+    gaps = [one - run for run, one in pairs]
+    assert len(pairs) == 5 and max(range(5), key=gaps.__getitem__) == int(turn), pairs
+    assert round(max(gaps), 2) == float(worst), pairs
+    assert abs(gaps[0]) < 0.02 and gaps[int(turn)] > 5 * abs(gaps[0]), gaps   # step 0: the same weights, other samples
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}   # the ranks agree, and the from-scratch version
     assert passed["replicas identical after training"] and passed["DDP gradients = from-scratch gradients (every step)"]
 
@@ -516,6 +526,11 @@ def _stage_grad_norm(metrics, result):
     assert math.sqrt(sum(n * n for n in norms[0])) == pytest.approx(one_device[0], rel=1e-5), (norms[0], one_device)
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}
     assert passed["first step's gradients equal the single-device run's"], passed   # right until the clip
+    # "the weights leave one device's at the first update": already past the script's own tolerance (lr / 10) after
+    # step 0, though AdamW's first step barely depends on a gradient's scale (it does where a gradient is near eps)
+    diffs, lr = metrics["extra"]["param_diffs"], metrics["config"]["lr"]
+    assert "leave one device's at the first update" in broken_runs.case("stage-grad-norm").symptom
+    assert diffs[0] > lr / 10 and diffs[-1] > diffs[0], diffs
 
 
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
@@ -564,6 +579,7 @@ def _all_finite(metrics, result):
 def _one_pipeline_norm(metrics, result):
     norms, one_device = metrics["extra"]["rank_grad_norms"], metrics["extra"]["one_device_grad_norms"]
     assert all(n == pytest.approx(whole, rel=1e-5) for ranks, whole in zip(norms, one_device) for n in ranks)
+    assert max(metrics["extra"]["param_diffs"]) < metrics["config"]["lr"] / 100   # the weights stay one device's
     assert min(one_device) > float(broken_runs.PIPELINE_CLIP_RUN[-1])   # every step clips
 
 
@@ -572,9 +588,20 @@ GONE = {"stage-grad-norm": _one_pipeline_norm, "same-samples-every-rank": _disti
 
 
 def test_the_same_run_with_every_target_kept_equals_one_device(launched):
-    """token-mean-per-micro-batch's symptom names its own tell-apart: the lengths. Without --uneven-lengths (the
-    fixed run of the data cases, launched once) the mean of the micro-batches' means is one device's mean."""
+    """token-mean-per-micro-batch's symptom names its own tell-apart: the lengths. The planted run itself, its mean
+    over each micro-batch's own kept tokens, with every target kept (--keep-every-target in place of
+    --uneven-lengths): micro-batches of equal counts, whose mean of means is one device's mean."""
     case = broken_runs.case("token-mean-per-micro-batch")
-    assert "--uneven-lengths" in case.args and broken_runs.DDP_RUN == case.fixed_args[:len(broken_runs.DDP_RUN)]
-    even = launched(broken_runs.case("same-samples-every-rank"), fixed=True)
+    assert "--uneven-lengths" in case.args and "--planted-bug" in case.args
+    even = launched(case, fixed=False,
+                    args=[a if a != "--uneven-lengths" else "--keep-every-target" for a in case.args])
     assert even.returncode == 0 and not broken_runs.fix_holds(case, even.metrics), even.tail()
+    assert even.metrics["config"]["planted_bug"] == case.name and even.metrics["config"]["keep_every_target"]
+    assert max(even.metrics["extra"]["diffs"]["baseline_loss"]) < 1e-5, even.metrics["extra"]["diffs"]
+
+
+def test_the_token_mean_mistake_without_a_mask_is_refused_on_every_rank():
+    """Without --uneven-lengths or --keep-every-target no loss is masked, so the mistake would not be planted: a
+    learner who drops the flag to keep every target would run correct code and learn nothing. One line, exit 2."""
+    assert_config_error(broken_runs.TRAIN_DDP, ["--planted-bug", "token-mean-per-micro-batch", "--steps", "1"],
+                        "--planted-bug token-mean-per-micro-batch", nproc=2)

@@ -321,7 +321,7 @@ def test_the_sources_that_do_not_show_their_symptom_are_gone():
 
     urls = {s["url"] for sources in diagnosis_sources.SOURCES.values() for s in sources}
     for gone in ("snowfall/issues/152", "sparseml/pull/135", "pytorch/issues/64625", "huggingface.co/spaces/rockeycoss",
-                 "Neuron_SP/issues/589"):
+                 "Neuron_SP/issues/589", "fairseq/issues/2033"):   # fairseq #2033 asks how to keep the batch
         assert not any(gone in url for url in urls), gone
     assert not any(s["url"].endswith("/pull/144702") for s in diagnosis_sources.SOURCES["too-few-microbatches"])
     first, second = diagnosis_sources.TORCH_CHANGES["too-few-microbatches"]
@@ -503,7 +503,7 @@ def test_the_hang_timeout_of_the_broken_runs_is_theirs():
     broken = registry()
     from distlab import runtime
     assert broken.HANG_TIMEOUT == ("--pg-timeout", "2") and runtime.DEFAULT_PG_TIMEOUT_S == 300
-    assert ("2 s in the broken runs (their own `--pg-timeout`, against the default of 300 s)") in FLAT
+    assert ("2 s in the broken runs (their own `--pg-timeout`, against the course's default of 300 s)") in FLAT
 
 
 def test_the_per_rank_init_case_cites_torchs_lines_and_states_the_measured_gap():
@@ -701,3 +701,125 @@ def test_the_resume_fix_names_every_part_a_checkpoint_can_hold_and_why_the_loss_
     assert set(words) == set(lab.CHECKPOINT_PARTS)
     assert all(said in fix for said in words.values()), fix
     assert "Keep the log of losses out: written back on a restart, it erases what was logged since the" in fix
+
+
+def test_the_pipeline_clip_case_does_not_say_fsdp2_reduces_over_the_stages():
+    """A DTensor's norm is all-reduced over the mesh its placements name (_NormPartial), and a pipeline's stages
+    are not in that mesh: with PP and FSDP2 together clip_grad_norm_ still takes one stage's norm (torchtitan #596,
+    whose answer says DTensor dispatch 'is not aware of PP'). Neither the page nor the registry may say FSDP2 fixes it."""
+    case = registry().case("stage-grad-norm")
+    section = " ".join(section_of("stage-grad-norm").split())
+    assert "Under FSDP2 the same call is right" not in section
+    assert "the same call on DTensors would reduce it" not in case.tell_apart
+    assert "pytorch/torchtitan #596" in section
+    assert "with PP and FSDP2 together" in section and "over the pipeline's ranks" in section
+    # the fix scales as torch does: clip_coef clamped at 1 (clip_grad.py:164-168), so a small norm is left alone
+    assert "scales by `min(1, max_norm / norm)`" in section and "(when above 1)" in case.fix
+
+
+def _train_ddp():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts" / "04_data_parallel"))   # as the script runs: beside ddp_from_scratch
+    spec = importlib.util.spec_from_file_location("train_ddp", ROOT / "scripts" / "04_data_parallel" / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
+    """A sequence keeps its first 1 to T targets, T the tiny model's sequence length (kept_targets, run on the
+    shortest and the longest first token); the page's gap is the registry's, which tests/scripts/test_14 holds to
+    the run."""
+    import torch
+
+    from distlab import models
+
+    seq_len = models.preset("tiny").seq_len
+    tokens = torch.tensor([[0] * (seq_len + 1), [seq_len - 1] * (seq_len + 1)])   # token_sample: seq_len + 1 tokens
+    fewest, most = _train_ddp().kept_targets(tokens).sum(dim=1).tolist()
+    section = " ".join(section_of("token-mean-per-micro-batch").split())
+    assert f"on its first targets only, {fewest} to {most} of them (a sequence holds {seq_len} targets)" in section
+    worst = re.search(r"\(([\d.]+) at worst\)", registry().case("token-mean-per-micro-batch").symptom)[1]
+    assert f"off one device's from the first step, {worst} at worst" in section
+
+
+def test_the_global_batch_case_states_the_registrys_numbers_and_the_recipe_the_script_keeps():
+    """The page's batches, steps and gap are the registry's symptom's (tests/scripts/test_14 holds them to the run);
+    the recipe's ranks, micro-batches and sequences are the script's TUNED_WORLD, the data cases' --accumulation and
+    the script's default global batch."""
+    from labkit import broken_runs
+
+    case = registry().case("global-batch-grows")
+    grown, recipe, turn, worst, samples, grown_epoch, recipe_epoch = re.search(
+        r"global batch (\d+) where the recipe's is (\d+), .* most at step (\d+) \(([\d.]+) below\), where a "
+        r"second epoch starts: (\d+) samples, (\d+) steps an epoch, not (\d+)", case.symptom).groups()
+    section = " ".join(section_of("global-batch-grows").split())
+    assert f"says global batch {grown}; the recipe's is {recipe}." in section
+    assert f"most at step {turn}, {worst} below, where a second epoch starts" in section
+    assert f"the run's {samples} samples make an epoch of {grown_epoch} steps, not {recipe_epoch}" in section
+    assert f"From step {turn} the run reads samples it has already trained on" in section
+    tuned = _train_ddp().TUNED_WORLD
+    accumulation = int(broken_runs.DDP_RUN[broken_runs.DDP_RUN.index("--accumulation") + 1])
+    default = int(re.search(r"args\.batch = args\.batch or \(16 if args\.preset == \"a100\" else (\d+)\)",
+                            (ROOT / case.script).read_text())[1])
+    assert default == int(recipe)
+    assert (f"tuned on {tuned} ranks: {accumulation} micro-batches of {default // (tuned * accumulation)} sequences a "
+            f"rank, a global batch of {default}") in section
+
+
+def test_the_pipeline_clip_case_states_the_registrys_norms():
+    """The norms the page states are the registry's symptom's, which tests/scripts/test_14 holds to the run; the
+    total norm it clips to is the run's --max-grad-norm."""
+    case = registry().case("stage-grad-norm")
+    low, high, whole = re.search(r"\(([\d.]+) to ([\d.]+) at step 0\), none near one device's \(([\d.]+)\)",
+                                 case.symptom).groups()
+    section = " ".join(section_of("stage-grad-norm").split())
+    assert f"{low} to {high} at step 0, where one device's norm is {whole}" in section
+    assert f"clips to a total norm of {case.args[case.args.index('--max-grad-norm') + 1]}," in section
+
+
+def test_the_torch_lines_of_the_newest_cases():
+    """The lines the appendix cites for stage-grad-norm, token-mean-per-micro-batch, global-batch-grows and NCCL's
+    remote error, read in the installed torch: a torch upgrade that moves them fails here."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    clip = (torch_dir / "nn" / "utils" / "clip_grad.py").read_text().splitlines()
+    assert clip[94].strip() == "norms.extend(torch._foreach_norm(device_tensors, norm_type))"   # each tensor's norm
+    assert "torch.linalg.vector_norm(g, norm_type) for g in device_tensors" in clip[101]
+    assert clip[104].strip() == "total_norm = torch.linalg.vector_norm(" and "torch.stack(" in clip[105]   # normed again
+    assert clip[229].strip().startswith("total_norm = _get_total_norm(grads,")
+    assert clip[230].strip().startswith("_clip_grads_with_norm_(parameters, max_norm, total_norm")
+    assert not any("process_group" in line or "all_reduce" in line for line in clip[80:232])   # no group anywhere
+    assert "(torch/nn/utils/clip_grad.py:95-107, called at 230-231)" in FLAT_APPENDIX
+    loss = (torch_dir / "nn" / "modules" / "loss.py").read_text().splitlines()
+    owner = next(line for line in reversed(loss[:1277]) if line.startswith("class "))
+    assert owner.startswith("class CrossEntropyLoss(") and "ignore_index" in loss[1277]
+    assert "the loss is averaged over non-ignored targets" in " ".join(x.strip() for x in loss[1278:1280])
+    assert "(torch/nn/modules/loss.py:1278-1281)" in FLAT_APPENDIX
+    sampler = (torch_dir / "utils" / "data" / "distributed.py").read_text().splitlines()
+    assert sampler[101].strip().startswith("self.num_samples = math.ceil(len(self.dataset) / self.num_replicas)")
+    assert sampler[102].strip() == "self.total_size = self.num_samples * self.num_replicas"
+    assert "(torch/utils/data/distributed.py:102-103)" in FLAT_APPENDIX
+    nccl = (torch_dir / "include" / "torch" / "csrc" / "distributed" / "c10d" / "NCCLUtils.hpp").read_text().splitlines()
+    assert nccl[62].startswith("#define C10D_NCCL_CHECK(cmd, failureReason)")
+    assert "TORCH_CHECK_WITH(DistBackendError, false, err);" in nccl[69] and nccl[71].strip() == "} while (0)"
+    assert "(`C10D_NCCL_CHECK` in torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp:63-72)" in FLAT_APPENDIX
+
+
+def test_the_default_timeout_is_named_as_the_courses_beside_torchs():
+    """300 s is distlab.runtime's default, not torch's: torch's own is default_pg_timeout (30 minutes, gloo) and
+    kProcessGroupNCCLDefaultTimeout (10 minutes, NCCL), read from the installed torch."""
+    import torch
+
+    from distlab import runtime
+
+    gloo = int(torch.distributed.constants.default_pg_timeout.total_seconds() // 60)
+    nccl = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+            "ProcessGroupNCCL.hpp").read_text().splitlines()
+    minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", nccl[157])[1])
+    said = (f"against the course's default of {runtime.DEFAULT_PG_TIMEOUT_S} s), and every rank prints its journal. "
+            f"Torch's own default is {gloo} minutes on gloo, {minutes} on NCCL.")
+    assert said in FLAT
