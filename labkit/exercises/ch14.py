@@ -191,7 +191,7 @@ EVIDENCE_WORDS = {
     "throughput": "the time a step takes",
     "timeline": "the timeline per rank",
     "extra": "what the run recorded of each attempt",
-    "output": "the run's output, rank by rank: its errors",
+    "output": "the run's output, rank by rank: its lines and its errors",
 }
 
 
