@@ -945,3 +945,13 @@ def test_the_warnings_trap_names_the_handler_that_exists():
     assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill
     slurm = (ROOT / "slurm" / "common.sh").read_text()
     assert "distlab.runtime's TERM handler" not in slurm and "fault_drill.py's own on_sigterm" in slurm
+
+
+def test_the_hang_section_names_the_hang_drill_and_a_pass_is_defined():
+    text = flat(CHAPTER)
+    # page 12.2 finds a hung rank of deadlocks.py (its drills) or the learner's script, not 12.3's fault drill
+    assert (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").exists()
+    assert "`pgrep -af deadlocks.py` (or your own script's name) lists the PIDs" in text
+    assert "pgrep -af fault_drill.py" not in text
+    # chapter 07's TimedStage: a forward of 5 ms and a backward of 10 ms, one microbatch's pass on one rank
+    assert "every **pass**, one microbatch's forward and backward on one rank, took its nominal 5 + 10 ms" in text
