@@ -772,7 +772,7 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
             "torchtitan and the planner set it, a schedule with one stage per rank (GPipe, 1F1B) keeps them "
             "gathered. The interleaved schedule ignores the setting and keeps three chunks gathered") in text
     assert ("Under PP, `fully_shard`'s `reshard_after_forward` decides, or under the interleaved schedule the "
-            "schedule itself (page 11.3); the planner keeps them gathered, unlike torch's default") in text
+            "schedule itself (page 11.3); the planner sets it to `False`, unlike torch's default") in text
     for gone in ("A one-stage schedule", "PyTorch's pipeline schedule decides", "gathers first during"):
         assert gone not in text, gone
     # the settings column names "kept gathered" only where the search chooses it: without PP
