@@ -609,6 +609,9 @@ def test_the_paths_answer_falls_short_of_the_search_and_only_the_check_says_so(t
     assert f"{share:.1%} of the best layout's throughput" in planner_widgets.layout_verdict(layout).message
     assert "Exercise 1 follows the path for 70B on 64 H100s, and asks what its layout pays" in text
     assert "find a layout within 90 % of the best, with other degrees than page 11.2's first choice" in text
+    # 11.2's degree table names its case: the preset's sequence length and batch
+    assert (spec.seq_len, spec.global_batch) == (4096, 1024)
+    assert "The table takes 70B with 4K-token sequences, 1,024 a step, on 64 H100s" in text
     assert "pick a layout by the decision path, then check that it fits" not in text
 
 
