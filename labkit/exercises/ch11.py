@@ -2,10 +2,12 @@
 
 Exercise 1 follows chapter 11's decision path for 70B on 64 H100s, then looks past it: the layout the path gives
 (:func:`check_path_layout`, the answer the planner's own tree of questions reaches), a layout within 90 % of the
-search's best (:func:`check_true` on the planner's verdict), and what the path's layout pays that the better one
-does not (:func:`check_what_it_pays`, the largest of its costs as the planner counts them). Exercise 2: the fewest
-nodes for a model (:func:`check_value`). tests/unit/test_exercises_ch11_more.py feeds each check the plausible
-wrong answers it must reject, and the answers a learner following the chapter gives.
+search's best other than the search's first choice, which page 11.2 names (:func:`check_better_layout`), and what
+the path's layout pays that the better one does not (:func:`check_what_it_pays`, the largest of its costs as the
+planner counts them). Exercise 2: the fewest nodes for a model (:func:`check_fewest_nodes`).
+tests/unit/test_exercises_ch11_more.py feeds each check the plausible wrong answers it must reject, and the answers
+a learner following the chapter gives. A wrong answer's message points at the evidence (the planner's numbers to
+print, the learner's own layout's share), never at the answer.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, _not_don
                                      learner_check)
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_true", "check_value", "check_path_layout",
-           "check_what_it_pays", "path_layout", "costs"]
+           "check_better_layout", "check_what_it_pays", "check_fewest_nodes", "path_layout", "costs"]
 
 # Exercise 1's case: 70B, its 4K-token sequences and 1,024 sequences a step, on 64 H100-80GB (8 a node)
 CASE = ("70b", "h100-80gb", 64)
+# Exercise 2's case: 13B on Derecho's A100-40GB nodes of 4 GPUs (page 11.3's sizing table leaves it out, for this)
+NODES_CASE = ("13b", "a100-40gb")
+# how a learner answers each of page 11.1's questions from the planner's numbers (the wrong answer's pointer)
+_HOW_TO_ANSWER = ("1, does DDP's replica fit one GPU: planner.evaluate(model, cluster, planner.Layout(), "
+                  "planner.Options(), 1).fits; 2, sharded by FSDP over all the GPUs, does one sequence fit, every "
+                  "block recomputed: planner.memory_per_gpu(...)['total'] against the GPU's memory; 3, does "
+                  "the batch hold a sequence for every GPU; 4, is a sequence 32K tokens or longer")
 # what the path's outcome means for a layout of ``gpus`` GPUs, where the outcome fixes every degree
 _OUTCOME_LAYOUT = {"DDP": dict(zero_stage=0), "FSDP": dict(zero_stage=3)}
 
@@ -54,12 +63,34 @@ def check_path_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus
         raise ExerciseWrong(f"write the answer as planner.Layout(tp=..., pp=..., dp=..., zero_stage=...), not "
                             f"{type(layout).__name__}. {hint}".strip())
     route, outcome, expected = path_layout(model, cluster, gpus)
-    said = " ".join(f"{planner.DECISION_QUESTIONS[q][0]} {'Yes' if a else 'No'}." for q, a in route)
     if layout != expected:
-        raise ExerciseWrong(f"{layout.label()} is not where the path leads. The planner answers its questions "
-                            f"so: {said} Where do those answers lead on page 11.1's flowchart? {hint}".strip())
+        raise ExerciseWrong(f"{layout.label()} is not where the path leads. Answer page 11.1's questions in order "
+                            f"from the planner's numbers ({_HOW_TO_ANSWER}), and follow the flowchart from each "
+                            f"answer. {hint}".strip())
+    said = " ".join(f"{planner.DECISION_QUESTIONS[q][0]} {'Yes' if a else 'No'}." for q, a in route)
     verdict = planner_widgets.layout_verdict(layout, model, cluster, gpus)
     _ok(f"path_70b: {said} So: {planner.DECISION_OUTCOMES[outcome]}. {verdict.message}")
+
+
+@learner_check
+def check_better_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2], *,
+                        within: float = 0.9, hint: str = "") -> None:
+    """``layout`` fits, reaches ``within`` of the best throughput the search finds, and has degrees (tp, pp, dp, cp)
+    other than the search's first choice, which page 11.2 names: the learner searches, not copies."""
+    from distlab import planner
+    from labkit import planner_widgets
+
+    if layout is None or layout is Ellipsis:
+        raise _not_done("layout_70b", hint)
+    verdict = planner_widgets.layout_verdict(layout, model, cluster, gpus, within=within)
+    if not verdict.ok:
+        raise ExerciseWrong(f"{verdict.message}. {hint}".strip())
+    first = planner.search(planner.MODELS[model], planner.CLUSTERS[cluster], gpus)[0].layout
+    degrees = ("tp", "pp", "dp", "cp")
+    if all(getattr(layout, d) == getattr(first, d) for d in degrees):
+        raise ExerciseWrong(f"{layout.label()} has the degrees of the search's first choice, which page 11.2 names; "
+                            f"find other degrees (tp, pp or dp) within {within:.0%}. {hint}".strip())
+    _ok(f"layout_70b: {verdict.message}")
 
 
 def costs(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2]) -> dict:
@@ -97,5 +128,47 @@ def check_what_it_pays(answer, path, better, model: str = CASE[0], cluster: str 
     if str(answer).strip().lower() != right:
         raise ExerciseWrong(f"cost_70b = {answer!r} is not what {path.label()} pays most beyond "
                             f"{better.label()}. Compare the two plans' settings (describe_settings()), their "
-                            f"exposed_seconds and their bubbles. {hint}".strip())
+                            f"compute_seconds, exposed_seconds and bubbles. {hint}".strip())
     _ok(f"cost_70b: per step, {shown}. The largest is what {path.label()} pays beyond {better.label()}")
+
+
+def _least_memory(model: str, cluster: str, nodes: int):
+    """Of the layouts the search tries on ``nodes`` nodes, the one that needs the least memory per GPU."""
+    from distlab import planner
+
+    machine = planner.CLUSTERS[cluster]
+    plans = [p for p in planner.search(planner.MODELS[model], machine, nodes * machine.gpus_per_node)
+             if p.memory_per_gpu_bytes]
+    return min(plans, key=lambda p: p.memory_per_gpu_bytes["total"])
+
+
+@learner_check
+def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_CASE[1], *, hint: str = "") -> None:
+    """``nodes`` is the fewest nodes on which some layout fits (``planner.fewest_nodes``). A wrong count is told the
+    memory of its own node count (too few: the least any layout needs there), never the answer."""
+    from distlab import planner
+
+    if nodes is None or nodes is Ellipsis:
+        raise _not_done("nodes_13b", hint)
+    if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes):
+        raise ExerciseWrong(f"nodes_13b is a whole number of nodes, not {nodes!r}. {hint}".strip())
+    nodes, machine = int(nodes), planner.CLUSTERS[cluster]
+    gpu_gib = machine.gpu_bytes / planner.GIB
+    if nodes < 1:
+        raise ExerciseWrong(f"nodes_13b counts nodes: at least 1, not {nodes}. {hint}".strip())
+    fewest = planner.fewest_nodes(planner.MODELS[model], machine)
+    if nodes < fewest:
+        least = _least_memory(model, cluster, nodes)
+        raise ExerciseWrong(f"on {nodes} node(s) of {machine.gpus_per_node} GPUs no layout fits: the one that needs "
+                            f"least, {least.layout.label()}, needs {least.memory_per_gpu_bytes['total'] / planner.GIB:.1f}"
+                            f" GiB per GPU of {gpu_gib:.0f}. Did you count every part, not only the state? "
+                            f"{hint}".strip())
+    if nodes > fewest:
+        raise ExerciseWrong(f"some layout fits on {nodes} nodes, but that is not the fewest: count the parts per GPU "
+                            f"again for one node fewer, or print planner.search(...) there. {hint}".strip())
+    least = _least_memory(model, cluster, nodes)
+    before = (f"; on {nodes - 1} node(s) the least any layout needs is "
+              f"{_least_memory(model, cluster, nodes - 1).memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB"
+              if nodes > 1 else "")
+    _ok(f"nodes_13b = {nodes}: {least.layout.label()} fits at {least.memory_per_gpu_bytes['total'] / planner.GIB:.1f} "
+        f"GiB per GPU of {gpu_gib:.0f}{before}")

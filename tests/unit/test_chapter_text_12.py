@@ -742,7 +742,7 @@ def test_the_schedulers_kill_delays_and_messages():
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
     assert "if ((chain > 0))" in job and '"DISTLAB_CHAIN=$((chain - 1))"' in job
     chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\.\.\.` \(up to (\d+) more", text).group(1))
-    assert f"`-v DISTLAB_CHAIN={chain},...` (up to {chain} more jobs after this one)" in text
+    assert f"`-v DISTLAB_CHAIN={chain},...` (up to {chain} more jobs)" in text
     # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
@@ -878,8 +878,26 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         assert warned + 30 < save_start + save                       # torch's default SIGKILL comes first
         kills.append(warned + margin)
         assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
-    assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s later: {margin} s in the jobs (the margin), for "
-            "a step and a save. A drill already saving at its deadline gets no TERM.") in text
+    assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s after the TERM: torch's default is 30 s, and "
+            f"the jobs set {margin} s (the margin), for a step and a save.") in text
+    # the body says the jobs' value leaves the fault drill's restart alone: a failed worker's stop keeps 30 s
+    assert ("These 30 s are fixed when a worker fails; `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` sets only the wait of an "
+            "agent told to stop (below).") in text
+    # how the shell knows a drill is saving, and why a TERM would hurt: the drill writes the stopping file before
+    # its deadline's save, and the trap then sends no TERM
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert 'if by == "deadline" and rt.is_main and args.stopping_file:' in drill
+    assert drill.index("Path(args.stopping_file).write_text(") < drill.index("checkpointing.save(state, run_dir)")
+    slurm = (ROOT / "slurm" / "common.sh").read_text()
+    trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
+    assert trap.index("-e $DISTLAB_STOPPING_FILE") < trap.index('"$DISTLAB_SCANCEL" --signal=TERM')
+    assert ("A drill already saving for its deadline wrote a stop file first (`DISTLAB_STOPPING_FILE`). The shell "
+            "sees it and sends no TERM, which would only start the agent's clock to SIGKILL during the save.") in text
+    assert "the **batch shell**, the shell that runs the job script on the first node" in text
+    # the figure assumes a save already timed; before the first, the rule counts a save as a step (fault_drill.py)
+    assert "max(longest[\"save\"], longest[\"step\"])" in drill
+    assert "has already written one 60 s checkpoint" in text
+    assert f"Before the first checkpoint a save longer than a step can run past the deadline, into the {margin} s margin." in text
     assert f"exports `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` as `DISTLAB_WALLTIME_MARGIN`, {margin} s, unless set." in text
     assert f"The SIGKILL then comes {-kills[0]} to {-kills[1]} s before the limit, after the save." in text
     assert "A SIGKILL 30 s later would come before the save ends." in text
@@ -927,3 +945,13 @@ def test_the_warnings_trap_names_the_handler_that_exists():
     assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill
     slurm = (ROOT / "slurm" / "common.sh").read_text()
     assert "distlab.runtime's TERM handler" not in slurm and "fault_drill.py's own on_sigterm" in slurm
+
+
+def test_the_hang_section_names_the_hang_drill_and_a_pass_is_defined():
+    text = flat(CHAPTER)
+    # page 12.2 finds a hung rank of deadlocks.py (its drills) or the learner's script, not 12.3's fault drill
+    assert (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").exists()
+    assert "`pgrep -af deadlocks.py` (or your own script's name) lists the PIDs" in text
+    assert "pgrep -af fault_drill.py" not in text
+    # chapter 07's TimedStage: a forward of 5 ms and a backward of 10 ms, one microbatch's pass on one rank
+    assert "every **pass**, one microbatch's forward and backward on one rank, took its nominal 5 + 10 ms" in text

@@ -34,12 +34,16 @@ def test_a_learner_following_the_chapter_passes_exercise_1():
     model, cluster = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
     path = _follow_the_path_by_hand(model, cluster, 64)
     exercises.check_path_layout(path, "70b", "h100-80gb", 64)
-    # the chapter's own answer for a better layout: page 11.2's first choice for 70B on 64 H100s
+    # page 11.2's first choice for 70B on 64 H100s is named there, so it is no answer: copying it fails
     named = re.search(r"The search's first choice, `(tp=\d+,pp=\d+,dp=\d+,zero=\d)`", chapters.text("11")).group(1)
     tp, pp, dp, zero = (int(v) for v in re.findall(r"=(\d+)", named))
-    better = planner.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero)
-    verdict = planner_widgets.layout_verdict(better, "70b", "h100-80gb", 64)
-    exercises.check_true("layout_70b", verdict.ok, verdict.message)
+    copied = planner.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    for same_degrees in (copied, planner.replace(copied, zero_stage=3)):
+        with pytest.raises(exercises.ExerciseWrong, match="degrees of the search's first choice"):
+            exercises.check_better_layout(same_degrees, "70b", "h100-80gb", 64)
+    # a learner who reads the widget's list past its first row: PP 8 instead of 4, the same TP
+    better = planner.Layout(tp=4, pp=8, dp=2, zero_stage=1)
+    exercises.check_better_layout(better, "70b", "h100-80gb", 64)
     # page 11.1: full recomputation costs about a third more compute; the path's layout runs it, the better one not
     exercises.check_what_it_pays("recomputation", path, better, "70b", "h100-80gb", 64)
     # and the path's own layout would not pass the 90 % check: the exercise must not ask it to
@@ -51,8 +55,53 @@ def test_a_learner_following_the_chapter_passes_exercise_1():
                                   planner.Layout(tp=4, pp=4, dp=4, zero_stage=1),  # the search's answer, not the path's
                                   planner.Layout(tp=8, pp=8, dp=1, zero_stage=1)])  # question 3 answered no
 def test_the_path_check_rejects_a_misread_path(slip):
-    with pytest.raises(exercises.ExerciseWrong):
+    with pytest.raises(exercises.ExerciseWrong) as wrong:
         exercises.check_path_layout(slip, "70b", "h100-80gb", 64)
+    # the message points at how to answer each question, never at the planner's answers or the layout they reach
+    message = str(wrong.value)
+    for answer in ("dp=64,zero=3", "FSDP over every GPU", " Yes.", " No.", planner.DECISION_OUTCOMES["FSDP"]):
+        assert answer not in message, answer
+    assert "planner.evaluate(" in message
+
+
+@pytest.mark.parametrize("slip", [planner.Layout(tp=8, pp=4, dp=2, zero_stage=1),   # 89.8 %: just under the bar
+                                  planner.Layout(tp=8, pp=1, dp=8, zero_stage=3),   # FSDP re-gathers, TP 8 exposed
+                                  planner.Layout(dp=64, zero_stage=0)])             # does not fit
+def test_the_better_layout_check_rejects_without_naming_the_best(slip):
+    best = planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[0].layout
+    with pytest.raises(exercises.ExerciseWrong) as wrong:
+        exercises.check_better_layout(slip, "70b", "h100-80gb", 64)
+    assert best.label() not in str(wrong.value)
+
+
+def test_the_bar_falls_on_no_rounded_share():
+    """The 11.2 table's best TP 8 row reaches 89.8 % of the first choice: its message says 89.8 %, never "90%"."""
+    share = (planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"],
+                          planner.Layout(tp=8, pp=4, dp=2, zero_stage=1), planner.Options(), 64).tokens_per_second
+             / planner.search(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], 64)[0].tokens_per_second)
+    assert 0.895 <= share < 0.9
+    verdict = planner_widgets.layout_verdict(planner.Layout(tp=8, pp=4, dp=2, zero_stage=1))
+    assert not verdict.ok and f"reaches {share:.1%} of" in verdict.message and "reaches 90" not in verdict.message
+
+
+def test_the_fewest_nodes_check_points_at_memory_not_at_the_answer():
+    fewest = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
+    exercises.check_fewest_nodes(fewest, "13b", "a100-40gb")
+    # the state alone (194 GiB / 160 GiB a node, rounded down), a node more "to be safe", half a node, a string
+    for slip in (fewest - 1, fewest + 1, fewest + 0.5, str(fewest), 0):
+        with pytest.raises(exercises.ExerciseWrong) as wrong:
+            exercises.check_fewest_nodes(slip, "13b", "a100-40gb")
+        message = str(wrong.value)
+        assert f"{fewest} node" not in message and f"= {fewest}" not in message and f"{fewest} is" not in message
+    with pytest.raises(exercises.ExerciseWrong, match="needs .* GiB per GPU of 40"):
+        exercises.check_fewest_nodes(fewest - 1, "13b", "a100-40gb")
+    with pytest.raises(exercises.ExerciseIncomplete):
+        exercises.check_fewest_nodes(None, "13b", "a100-40gb")
+
+
+def test_page_11_3_leaves_the_exercises_answer_out_of_its_sizing_table():
+    assert "| 13B |" not in planner.sizing_check_markdown() and "| 30B |" in planner.sizing_check_markdown()
+    assert "| 13B |" not in chapters.text("11")
 
 
 def test_the_path_check_rejects_what_is_not_a_layout_and_waits_for_the_stub():
