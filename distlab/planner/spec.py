@@ -304,7 +304,8 @@ class Options:
     reshard_after_forward: bool | None = None
     # FSDP without PP under gradient accumulation: keep the weights gathered and the gradients unsharded from
     # the first microbatch to the last (FSDP2's set_reshard_after_backward(False), set_requires_gradient_sync
-    # (False), what torch's pipeline stage does): one gather and one reduce-scatter a step [False]
+    # (False), which torch's pipeline stage also sets, and reshard_after_forward=False): one gather and one
+    # reduce-scatter a step [False]
     fsdp_keep_gathered: bool | None = None
     # FSDP under PP: when a stage's reduce-scatters (and HSDP's all-reduces) run. "after_backward": in the
     # REDUCE_GRAD action torch's pipeline schedules put after the stage's last backward (torch 2.13

@@ -181,6 +181,7 @@ def test_the_decision_path_says_what_the_prose_reads_from_it(text):
     assert plans[0].mfu > 2 * flat.mfu and f"all reach {low:.0%} to {high:.0%}".replace("%", " %") in text
     assert plans[0].mfu > 2.2 * flat.mfu
     assert f"(more than twice the {flat.mfu:.0%} without PP)".replace("%", " %") in text
+    assert f"no longer hidden behind one sequence's compute: {flat.mfu:.0%} MFU".replace("%", " %") in text
 
 
 def test_the_cp_section_states_the_searchs_rule(text):
@@ -770,8 +771,13 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
     assert planner.spec.reshards_after_forward(options, planner.Layout(2, 2, 16, 1, 3)) is False
     assert planner.spec.reshards_after_forward(options, planner.Layout(8, 1, 8, 1, 3)) is True
     assert "reshard_after_forward=False" in (Path(__file__).parents[2] / "distlab/hybrid_pipeline.py").read_text()
-    assert ("Its weights follow `fully_shard`'s `reshard_after_forward`. Torch's default, `True`, frees them after "
-            "every forward, and the next backward gathers them again. With `False`, as chapter 09's scripts, "
+    # torch 2.13's default is None: True for every module but the root (_fully_shard.py's docstring says so)
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_source
+    source = Path(fully_shard_source.__file__).read_text()
+    assert "reshard_after_forward: bool | int | None = None," in source
+    assert "it is set to ``True`` for non-root modules and ``False``\n              for root modules" in source
+    assert ("Its weights follow `fully_shard`'s `reshard_after_forward`. Torch's default (`True`, but the root's "
+            "`False`) frees them after every forward, and backward gathers them again. With `False`, as chapter 09's scripts, "
             "torchtitan and the planner set it, a schedule with one stage per rank (GPipe, 1F1B) keeps them "
             "gathered. The interleaved schedule ignores the setting and keeps three chunks gathered") in text
     assert ("Under PP, `fully_shard`'s `reshard_after_forward` decides, or under the interleaved schedule the "
