@@ -533,7 +533,11 @@ distlab_launch() {
         distlab_log "ok $name in ${seconds}s"
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
     elif [[ -n ${DISTLAB_STOPPED_BY:-} ]]; then # its ranks got SIGTERM (distlab_on_sigterm)
-        distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason) (log: $log)"
+        local planned=""
+        # torch re-raises the TERM in its agent, which exits 1, and srun reports each such task as an error
+        [[ $DISTLAB_STOPPED_BY != "walltime warning" ]] ||
+            planned="; a planned stop: torchrun's agents exit 1 after a TERM, and srun's 'Exited with exit code 1' lines say only that"
+        distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason)$planned (log: $log)"
         DISTLAB_RESULTS+=("stopped($rc) $name ${seconds}s ($DISTLAB_STOPPED_BY)")
     else
         distlab_log "FAILED $name: exit code $rc after ${seconds}s (log: $log)"

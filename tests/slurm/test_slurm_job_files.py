@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -391,3 +392,73 @@ def functions_env(tmp_path: Path) -> dict[str, str]:
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLAB_", "SLURM_", "SBATCH_", "NCCL_"))}
     return clean | {"DISTLAB_FUNCTIONS_ONLY": "1", "HOME": str(tmp_path), "DISTLAB_PYTHON": sys.executable}
+
+
+def _live_processes_in_session(session: int) -> int:
+    """Processes of a session (a job started with start_new_session) that have not exited, zombies and its leader
+    left out."""
+    count = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        if stat.parent.name == str(session):
+            continue
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:  # state, then ppid, pgrp, session
+            count += 1
+    return count
+
+
+def test_after_a_term_no_rank_of_the_drill_leaves_before_rank_0_has_written_its_stop(tmp_path):
+    """On two or more nodes a torchrun agent exits 1 once its workers have stopped on the warning's TERM, and srun's
+    --kill-on-bad-exit=1 then kills every other node's tasks. Rank 0 alone writes the stop record, the last line and
+    the metrics file after the checkpoint, so no rank may leave before it has: here rank 0's metrics file is a FIFO
+    that blocks its write, and rank 1 must still be running while it waits."""
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    command = [sys.executable, "-m", "labkit.forkrun", "--nproc=2", "scripts/12_hpc_operations/fault_drill.py",
+               "--run-dir", str(tmp_path / "run"), "--step-seconds", "0.3", "--pg-timeout", "60",
+               "--metrics-out", str(fifo)]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                           start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines: list[str] = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("step 2:"):
+                os.killpg(job.pid, signal.SIGTERM)  # what the warning's scancel --signal=TERM does to a step
+            if line.startswith("checks:"):  # rank 0 is writing its metrics file: blocked on the FIFO
+                break
+        else:
+            raise AssertionError("".join(lines))
+        time.sleep(1.0)  # time enough for a rank that does not wait to have left
+        ranks_alive = _live_processes_in_session(job.pid)  # forkrun itself, TERMed, is left out
+        metrics = fifo.read_text()  # lets rank 0 write, and go
+        lines += job.stdout.readlines()
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert ranks_alive == 2, "".join(lines)
+    assert '"stopped_by": "signal"' in metrics, "".join(lines)
+    assert any("SIGTERM: stopped after step" in line for line in lines), "".join(lines)
+
+
+def test_the_agents_exit_1_after_the_warnings_term_reads_as_a_planned_stop(tmp_path):
+    """After the warning's TERM every torchrun agent exits 1 (torch re-raises the signal), and srun says so as an error
+    ('task 1: Exited with exit code 1'): the job's lines name it as the planned stop, and the job does not fail."""
+    (tmp_path / "run").mkdir()
+    env = stand_ins(tmp_path, r"77.0\n77.batch\n")
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/bash\nkill -USR1 "$PPID"\nsleep 1\n'
+                    'echo "srun: error: n2: task 1: Exited with exit code 1"\nexit 1\n')
+    srun.chmod(0o755)
+    job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
+           'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77"], done.stdout
+    assert "stopped(1) fault_drill.py" in done.stdout and done.returncode == 0, done.stdout + done.stderr
+    said = next(line for line in done.stdout.splitlines() if line.startswith("distlab: stopped fault_drill.py"))
+    assert "a planned stop: torchrun's agents exit 1 after a TERM" in said, said
