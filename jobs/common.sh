@@ -510,6 +510,7 @@ distlab_launch() {
     # seconds after its SIGTERM (slurmd's _rpc_terminate_job), which can be before the ranks have ended: the traps
     # must report while the launch still runs. `wait` returns above 128 for each trapped signal; once the launch
     # has ended, `wait` gives its own exit code.
+    ! declare -F distlab_before_launch >/dev/null || distlab_before_launch # the scheduler's part notes what it needs
     exec {out}> >(distlab_tee "$log")
     tee_pid=$!
     "${cmd[@]}" </dev/null >&"$out" 2>&1 &

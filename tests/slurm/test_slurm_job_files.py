@@ -445,11 +445,23 @@ def test_after_a_term_no_rank_of_the_drill_leaves_before_rank_0_has_written_its_
     assert any("SIGTERM: stopped after step" in line for line in lines), "".join(lines)
 
 
+def squeue_before_and_after(tmp_path: Path, before: str, after: str) -> Path:
+    """squeue on PATH printing the job's steps BEFORE at its first call (before the launch), AFTER from then on
+    (BEFORE always with ONLY_OLD set); returns the file that counts its calls."""
+    calls = tmp_path / "squeue.count"
+    (tmp_path / "bin" / "squeue").write_text(
+        f'#!/bin/bash\necho x >> {calls}\nif (( $(wc -l < {calls}) == 1 )) || [[ -n $ONLY_OLD ]]; then\n'
+        f"  printf '{before}'; else printf '{after}'; fi\n")
+    (tmp_path / "bin" / "squeue").chmod(0o755)
+    return calls
+
+
 def test_the_agents_exit_1_after_the_warnings_term_reads_as_a_planned_stop(tmp_path):
     """After the warning's TERM every torchrun agent exits 1 (torch re-raises the signal), and srun says so as an error
     ('task 1: Exited with exit code 1'): the job's lines name it as the planned stop, and the job does not fail."""
     (tmp_path / "run").mkdir()
-    env = stand_ins(tmp_path, r"77.0\n77.batch\n")
+    env = stand_ins(tmp_path, "")
+    squeue_before_and_after(tmp_path, r"77.batch\n", r"77.0\n77.batch\n")  # the launch makes step 77.0
     srun = tmp_path / "bin" / "srun"
     srun.write_text('#!/bin/bash\nkill -USR1 "$PPID"\nsleep 1\n'
                     'echo "srun: error: n2: task 1: Exited with exit code 1"\nexit 1\n')
@@ -458,7 +470,35 @@ def test_the_agents_exit_1_after_the_warnings_term_reads_as_a_planned_stop(tmp_p
            'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
     done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
                           cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
-    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77"], done.stdout
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77.0"], done.stdout
     assert "stopped(1) fault_drill.py" in done.stdout and done.returncode == 0, done.stdout + done.stderr
     said = next(line for line in done.stdout.splitlines() if line.startswith("distlab: stopped fault_drill.py"))
     assert "a planned stop: torchrun's agents exit 1 after a TERM" in said, said
+
+
+def test_the_warning_signals_this_launchs_step_alone(tmp_path):
+    """scancel --signal=TERM JOB would also signal the job's other steps: the extern step (ssh sessions under
+    pam_slurm_adopt) and a learner's `srun --overlap --pty bash` with py-spy in it. The job notes the steps there are
+    before each launch, and the warning signals only the step the launch made; a step that was there before is not
+    this launch's, so without a new one the launch has no step yet."""
+    (tmp_path / "run").mkdir()
+    env = stand_ins(tmp_path, "")
+    # squeue: the learner's overlap shell (77.0) before the launch, then the launch's step 77.1 beside it
+    calls = squeue_before_and_after(tmp_path, r"77.0\n77.batch\n77.extern\n", r"77.0\n77.1\n77.batch\n77.extern\n")
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/bash\nkill -USR1 "$PPID"\nsleep 2\nexit 1\n')
+    srun.chmod(0o755)
+    job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
+           'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77.1"], done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    # only the learner's step, none of the launch's: the launch has no step yet, and nothing is signalled
+    (tmp_path / "scancel.calls").unlink()
+    calls.unlink()
+    (tmp_path / "again").mkdir()
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "again")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun), "ONLY_OLD": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert "fault_drill.py has no step yet" in done.stdout and not (tmp_path / "scancel.calls").exists(), done.stdout

@@ -425,7 +425,7 @@ def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save()
     # at the warning the job's trap has the steps (not the batch shell, whose srun would SIGKILL them) checkpoint
     slurm = (ROOT / "slurm" / "common.sh").read_text()
     trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
-    assert '"$DISTLAB_SCANCEL" --signal=TERM "$SLURM_JOB_ID"' in trap and "--batch" not in trap and "--full" not in trap
+    assert '"$DISTLAB_SCANCEL" --signal=TERM "$signalled"' in trap and "--batch" not in trap and "--full" not in trap
     assert "DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}" in slurm
     assert "`scancel --signal=TERM <id>` sends TERM to the job's steps, not to the batch shell" in flat(CHAPTER)
     assert "Nothing can be relied on at the limit itself" in flat(CHAPTER)
