@@ -155,7 +155,8 @@ distlab_deadline() {
 }
 
 # distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: slurmctld checks limits every
-# 30 s and sends the warning at the first check within N + 30 s of the end, so N to N + 30 s before it). It runs at
+# 30 s and sends the warning at the first check within N + 30 s of the end, so about N to N + 30 s before it, later
+# when the controller is busy: controller.c restarts its 30 s after taking its lock). It runs at
 # once (distlab_launch waits in the background). Nothing more is launched. A launch in progress that checkpoints
 # (DISTLAB_CHECKPOINTING) is stopped now, while there is time: `scancel --signal=TERM JOB.STEP` sends TERM to the
 # launch's step alone, the first numbered step that was not there before it (distlab_before_launch): not the batch

@@ -878,6 +878,11 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         assert warned + 30 < save_start + save                       # torch's default SIGKILL comes first
         kills.append(warned + margin)
         assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
+    # a busy controller's checks are 30 s and a little more apart (controller.c:2833-2838): a warning up to
+    # warning - margin s later still has the agents' SIGKILL before the end, and the text says it may come late
+    late = -warning + (warning - margin - 1)
+    assert save_start + save < late + margin < 0
+    assert "so about N to N + 30 s ahead (later when the controller is busy" in text
     assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s later: {margin} s in the jobs (the margin), for "
             "a step and a save. A drill already saving at its deadline gets no TERM.") in text
     assert f"exports `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` as `DISTLAB_WALLTIME_MARGIN`, {margin} s, unless set." in text
@@ -982,7 +987,7 @@ def test_the_warnings_timings_follow_the_jobs_warning_and_slurms_check_interval(
     step, save = 40, 60
     save_start = -ch12.stop_step(step, save, -600, -margin)  # seconds before the end
     text = flat(CHAPTER)
-    assert (f"a warning {warning} to {warning + PERIODIC_TIMEOUT} s ahead lands in the last step or the deadline's "
+    assert (f"a warning about {warning} to {warning + PERIODIC_TIMEOUT} s ahead lands in the last step or the deadline's "
             f"save ({save_start:.0f} to {save_start - save:.0f} s ahead)") in text
     assert (f"In Slurm's source it is up to {PERIODIC_TIMEOUT} s earlier: the controller checks every "
             f"{PERIODIC_TIMEOUT} s, and sends it once the end is less than {warning} + {PERIODIC_TIMEOUT} s away.") in text
@@ -992,7 +997,7 @@ def test_the_warnings_timings_follow_the_jobs_warning_and_slurms_check_interval(
             f"(`PERIODIC_TIMEOUT`). It sends the warning once the end is less than {warning} + {PERIODIC_TIMEOUT} s "
             "away") in readme
     sbatch = flat((ROOT / "slurm" / "12_hpc_operations.sbatch").read_text().replace("#", " "))
-    assert (f"Slurm warns {warning} to {warning + PERIODIC_TIMEOUT} s before the limit (--signal=B:USR1@{warning} "
+    assert (f"Slurm warns about {warning} to {warning + PERIODIC_TIMEOUT} s before the limit (--signal=B:USR1@{warning} "
             "above)") in sbatch
 
 
