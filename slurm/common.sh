@@ -231,6 +231,8 @@ distlab_before_launch() {
 # unless set (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): too short for a
 # long step and a save. The job gives them what it budgets for a last step and checkpoint before its end,
 # DISTLAB_WALLTIME_MARGIN; its warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit.
+# Whether the user gave it is noted: a chained successor makes its own (distlab_chain_next).
+DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
 
 distlab_chain_next() {
@@ -274,6 +276,8 @@ distlab_chain_next() {
     local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u DISTLAB_JOB_END -u NCCL_DEBUG_FILE -u MASTER_ADDR
         -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES -u DISTLAB_STOPPING_FILE)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
+    # and the agents' shutdown timeout unless the user set it: the successor derives it from its own margin
+    [[ -n ${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN:-} ]] || own+=(-u TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
     # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU
     # job's SLURM_MEM_PER_GPU beside the site's SLURM_MEM_PER_NODE: "mutually exclusive"); SLURM_CONF names the cluster
     local variable

@@ -502,3 +502,19 @@ def test_the_warning_signals_this_launchs_step_alone(tmp_path):
                           cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun), "ONLY_OLD": "1"}, capture_output=True,
                           text=True, timeout=60)
     assert "fault_drill.py has no step yet" in done.stdout and not (tmp_path / "scancel.calls").exists(), done.stdout
+
+
+def test_a_chained_job_makes_its_own_agent_timeout_unless_the_user_gave_one(tmp_path):
+    """TORCH_ELASTIC_SHUTDOWN_TIMEOUT is the job's margin unless set: the job's own value, handed on through sbatch
+    --export=ALL, would read as the user's in the successor, which may be given another margin; a value the user gave
+    goes on."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu TimeLimit=00:30:00 StdOut=/runs/x.o7'\n")
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text('#!/bin/bash\necho "timeout=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}"\n')
+    for stand_in in (scontrol, sbatch):
+        stand_in.chmod(0o755)
+    chain = "distlab_chain_next job.sbatch DISTLAB_CHAIN=1"
+    given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol), "DISTLAB_SBATCH": str(sbatch)}
+    assert functions(chain, tmp_path, **given).stdout.split() == ["timeout=unset"]
+    assert functions(chain, tmp_path, **given, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["timeout=45"]
