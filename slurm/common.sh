@@ -186,6 +186,10 @@ distlab_on_walltime_warning() {
     local said
     said="walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched"
     if [[ -n $current && $saving == *" $current "* && -z ${DISTLAB_STOPPED_BY:-} && -n ${SLURM_JOB_ID:-} ]]; then
+        # written by global rank 0, perhaps on another node, into the shared run folder: an NFS client may miss a
+        # file just made there for a few seconds, which costs nothing in the normal case (a deadline save ends by
+        # DISTLAB_DEADLINE, before the agent's SIGKILL at the warning + the margin); it matters only for a save that
+        # overruns its prediction
         if [[ -n ${DISTLAB_STOPPING_FILE:-} && -e $DISTLAB_STOPPING_FILE ]]; then
             distlab_log "$said; $current is already writing its checkpoint at its deadline: no SIGTERM (its agent would SIGKILL the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, saved or not)"
             return 0

@@ -1004,4 +1004,12 @@ def test_the_warnings_timings_follow_the_jobs_warning_and_slurms_check_interval(
 def test_the_moms_poll_interval_is_openpbss():
     poll = f"{MIN_CHECK_POLL_TIME}-{MAX_CHECK_POLL_TIME} s"
     assert f"The MoM samples that only every {poll}, so it runs behind" in flat(CHAPTER)
-    assert f"which the MoM samples only every {poll} (OpenPBS src/" in (ROOT / "pbs" / "common.sh").read_text()
+    assert (f"which the MoM samples only every {poll} (OpenPBS src/include/mom_func.h:413-414)"
+            in (ROOT / "pbs" / "common.sh").read_text())
+
+
+def test_the_hang_hunt_looks_for_the_script_that_hangs():
+    # the job's hangs are deadlocks.py's; fault_drill.py does not hang
+    text = flat(chapters.text("12"))
+    assert "There `pgrep -af deadlocks.py` lists the PIDs running the script" in text
+    assert "pgrep -af fault_drill.py" not in text
