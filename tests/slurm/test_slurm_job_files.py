@@ -518,3 +518,24 @@ def test_a_chained_job_makes_its_own_agent_timeout_unless_the_user_gave_one(tmp_
     given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol), "DISTLAB_SBATCH": str(sbatch)}
     assert functions(chain, tmp_path, **given).stdout.split() == ["timeout=unset"]
     assert functions(chain, tmp_path, **given, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["timeout=45"]
+
+
+def test_the_readme_explains_the_agents_exit_1_and_the_barrier_before_it():
+    """slurm/README.md's steps 3-4: the line the job prints after the warning's stop, the srun error lines beside it,
+    and why rank 0's writes are safe from srun's --kill-on-bad-exit."""
+    readme = " ".join((ROOT / "slurm" / "README.md").read_text().split())
+    jobs = (ROOT / "jobs" / "common.sh").read_text()
+    assert "; a planned stop: torchrun's agents exit 1 after a TERM" in jobs
+    assert "`stopped fault_drill.py: exit code 1 ..., a planned stop`" in readme
+    assert "`srun: error: nX: task K: Exited with exit code 1`" in readme
+    assert "--kill-on-bad-exit=1" in "".join(distlab_ranks_words())
+    assert ("No rank exits before rank 0 has written that line, its stop record and its metrics (a barrier)" in readme
+            and "makes `srun --kill-on-bad-exit=1` end the step" in readme)
+    assert "dist.barrier()" in (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+
+
+def distlab_ranks_words() -> list[str]:
+    done = subprocess.run(["bash", "-c", "source slurm/common.sh && distlab_ranks_command 8 4"], cwd=ROOT,
+                          env=dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", DISTLAB_SRUN="srun"),
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout.split()
