@@ -536,7 +536,7 @@ distlab_launch() {
     elif [[ -n ${DISTLAB_STOPPED_BY:-} ]]; then # its ranks got SIGTERM (distlab_on_sigterm)
         local planned=""
         # torch re-raises the TERM in its agent, which exits 1, and srun reports each such task as an error
-        [[ $DISTLAB_STOPPED_BY != "walltime warning" ]] ||
+        [[ $DISTLAB_STOPPED_BY != "walltime warning" || $DISTLAB_LAUNCHER != torchrun ]] ||
             planned="; a planned stop: torchrun's agents exit 1 after a TERM, and srun's 'Exited with exit code 1' lines say only that"
         distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason)$planned (log: $log)"
         DISTLAB_RESULTS+=("stopped($rc) $name ${seconds}s ($DISTLAB_STOPPED_BY)")
