@@ -468,10 +468,9 @@ def test_the_agents_exit_1_after_the_warnings_term_reads_as_a_planned_stop(tmp_p
     srun.chmod(0o755)
     job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
            'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
+    agents = {"DISTLAB_SRUN": str(srun), "DISTLAB_LAUNCHER": "torchrun", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
-                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun), "DISTLAB_LAUNCHER": "torchrun", "MASTER_ADDR": "127.0.0.1",
-                                    "MASTER_PORT": "29500"},
-                          capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, env=env | agents, capture_output=True, text=True, timeout=60)
     assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77.0"], done.stdout
     assert "stopped(1) fault_drill.py" in done.stdout and done.returncode == 0, done.stdout + done.stderr
     said = next(line for line in done.stdout.splitlines() if line.startswith("distlab: stopped fault_drill.py"))
