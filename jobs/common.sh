@@ -510,6 +510,7 @@ distlab_launch() {
     # seconds after its SIGTERM (slurmd's _rpc_terminate_job), which can be before the ranks have ended: the traps
     # must report while the launch still runs. `wait` returns above 128 for each trapped signal; once the launch
     # has ended, `wait` gives its own exit code.
+    ! declare -F distlab_before_launch >/dev/null || distlab_before_launch # the scheduler's part notes what it needs
     exec {out}> >(distlab_tee "$log")
     tee_pid=$!
     "${cmd[@]}" </dev/null >&"$out" 2>&1 &
@@ -533,7 +534,11 @@ distlab_launch() {
         distlab_log "ok $name in ${seconds}s"
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
     elif [[ -n ${DISTLAB_STOPPED_BY:-} ]]; then # its ranks got SIGTERM (distlab_on_sigterm)
-        distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason) (log: $log)"
+        local planned=""
+        # torch re-raises the TERM in its agent, which exits 1, and srun reports each such task as an error
+        [[ $DISTLAB_STOPPED_BY != "walltime warning" || $DISTLAB_LAUNCHER != torchrun ]] ||
+            planned="; a planned stop: torchrun's agents exit 1 after a TERM, and srun's 'Exited with exit code 1' lines say only that"
+        distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason)$planned (log: $log)"
         DISTLAB_RESULTS+=("stopped($rc) $name ${seconds}s ($DISTLAB_STOPPED_BY)")
     else
         distlab_log "FAILED $name: exit code $rc after ${seconds}s (log: $log)"

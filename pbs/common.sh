@@ -77,7 +77,7 @@ distlab_deadline() {
     # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
     # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set
     # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
-    # far, which the MoM samples only every 10-120 s (OpenPBS src/resmom/mom_func.h) and so runs behind.
+    # far, which the MoM samples only every 10-120 s (OpenPBS src/include/mom_func.h:413-414) and so runs behind.
     local walltime used start
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline

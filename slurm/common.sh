@@ -155,12 +155,18 @@ distlab_deadline() {
 }
 
 # distlab_on_walltime_warning: the batch shell's USR1 trap (#SBATCH --signal=B:USR1@N: slurmctld checks limits every
-# 30 s and sends the warning at the first check within N + 30 s of the end, so N to N + 30 s before it). It runs at
+# 30 s and sends the warning at the first check within N + 30 s of the end, so about N to N + 30 s before it, later
+# when the controller is busy: controller.c restarts its 30 s after taking its lock). It runs at
 # once (distlab_launch waits in the background). Nothing more is launched. A launch in progress that checkpoints
-# (DISTLAB_CHECKPOINTING) is stopped now, while there is time: `scancel --signal=TERM` sends TERM to the job's steps
-# and not to the batch step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), so
-# the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or torchrun's agents,
-# which pass it to their workers, write their checkpoint and exit, and this shell's srun is not signalled. An agent
+# (DISTLAB_CHECKPOINTING) is stopped now, while there is time: `scancel --signal=TERM JOB.STEP` sends TERM to the
+# launch's step alone, the first numbered step that was not there before it (distlab_before_launch): not the batch
+# step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), nor the extern step
+# (ssh sessions under pam_slurm_adopt) or a learner's `srun --overlap` shell, which `scancel JOB` would reach (slurmd
+# req.c:4404-4407). So the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or
+# torchrun's agents, which pass it to their workers, write their checkpoint and exit, and this shell's srun is not
+# signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
+# on_sigterm, die of the TERM's default action (stepd req.c signals every process of the step) without a checkpoint:
+# nothing new was trained, and the last checkpoint stands. An agent
 # SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself is no time to save:
 # slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c,
 # "forcing job termination"), and with proctrack/cgroup every process of the step dies.
@@ -180,30 +186,57 @@ distlab_on_walltime_warning() {
     local said
     said="walltime warning from Slurm (USR1) at $(date +%T)$left: nothing more is launched"
     if [[ -n $current && $saving == *" $current "* && -z ${DISTLAB_STOPPED_BY:-} && -n ${SLURM_JOB_ID:-} ]]; then
+        # written by global rank 0, perhaps on another node, into the shared run folder: an NFS client may miss a
+        # file just made there for a few seconds, which costs nothing in the normal case (a deadline save ends by
+        # DISTLAB_DEADLINE, before the agent's SIGKILL at the warning + the margin); it matters only for a save that
+        # overruns its prediction
         if [[ -n ${DISTLAB_STOPPING_FILE:-} && -e $DISTLAB_STOPPING_FILE ]]; then
             distlab_log "$said; $current is already writing its checkpoint at its deadline: no SIGTERM (its agent would SIGKILL the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, saved or not)"
             return 0
         fi
         DISTLAB_STOPPED_BY="walltime warning"
-        local steps
-        # the job's steps (JOB.0, JOB.1, ...), besides its batch and extern steps; when squeue cannot say, scancel
-        if steps=$("$DISTLAB_SQUEUE" -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) && ! grep -q '\.[0-9][0-9]*$' <<<"$steps"; then
-            DISTLAB_STOP_UNSTARTED=1
-            distlab_log "$said; $current has no step yet: its srun is stopped before the ranks start (the checkpoint this job started from stays the latest)"
-            return 0
+        local steps step signalled=$SLURM_JOB_ID
+        # the launch's step: the first numbered step (JOB.0, JOB.1, ...) that was not there before it (a learner's
+        # `srun --overlap` shell was); when squeue cannot say, every step of the job (scancel JOB)
+        if steps=$(distlab_job_steps); then
+            for step in $steps; do
+                [[ " ${DISTLAB_STEPS_BEFORE:-} " == *" $step "* ]] || { signalled=$step && break; }
+            done
+            if [[ $signalled == "$SLURM_JOB_ID" ]]; then
+                DISTLAB_STOP_UNSTARTED=1
+                distlab_log "$said; $current has no step yet: its srun is stopped before the ranks start (the checkpoint this job started from stays the latest)"
+                return 0
+            fi
         fi
-        distlab_log "$said; $current's ranks get SIGTERM now (scancel --signal=TERM: the job's steps, not this shell), write a checkpoint and stop; a chained successor goes on from it"
-        "$DISTLAB_SCANCEL" --signal=TERM "$SLURM_JOB_ID" || distlab_log "scancel --signal=TERM $SLURM_JOB_ID failed: $current goes on to the limit, where no checkpoint can be relied on"
+        distlab_log "$said; $current's ranks get SIGTERM now (scancel --signal=TERM $signalled: the launch's step, not this shell); ranks past their start end their step, write a checkpoint and stop, and a chained successor goes on from it (ranks still starting stop without one: the last checkpoint stands)"
+        "$DISTLAB_SCANCEL" --signal=TERM "$signalled" || distlab_log "scancel --signal=TERM $signalled failed: $current goes on to the limit, where no checkpoint can be relied on"
     else
         distlab_log "$said${current:+ ($current goes on: it writes no checkpoint)}"
     fi
 }
 trap distlab_on_walltime_warning USR1
 
+# distlab_job_steps: the job's numbered steps (JOB.0, JOB.1, ...), its batch and extern steps left out, in the order
+# they were made; fails when squeue cannot say
+distlab_job_steps() {
+    local steps
+    steps=$("$DISTLAB_SQUEUE" -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) || return 1
+    grep '\.[0-9][0-9]*$' <<<"$steps" | sort -t. -k2,2n || true
+}
+
+# distlab_before_launch: what distlab_launch runs before its srun: the steps there are now are not the launch's
+# (a learner's `srun --overlap` shell, an earlier launch's step still ending), so the warning does not signal them
+distlab_before_launch() {
+    [[ -n ${SLURM_JOB_ID:-} ]] || return 0
+    DISTLAB_STEPS_BEFORE=$(distlab_job_steps | tr '\n' ' ') || DISTLAB_STEPS_BEFORE=""
+}
+
 # torchrun's agent, told to stop (the warning's TERM), SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30
 # unless set (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): too short for a
 # long step and a save. The job gives them what it budgets for a last step and checkpoint before its end,
 # DISTLAB_WALLTIME_MARGIN; its warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit.
+# Whether the user gave it is noted: a chained successor makes its own (distlab_chain_next).
+DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
 
 distlab_chain_next() {
@@ -247,6 +280,8 @@ distlab_chain_next() {
     local -a own=(-u DISTLAB_RUN_DIR -u DISTLAB_JOB_RUN_DIR -u DISTLAB_DEADLINE -u DISTLAB_JOB_END -u NCCL_DEBUG_FILE -u MASTER_ADDR
         -u MASTER_PORT -u DISTLAB_NODES -u DISTLAB_NNODES -u DISTLAB_STOPPING_FILE)
     [[ -n ${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}} ]] || own+=(-u NCCL_DEBUG)
+    # and the agents' shutdown timeout unless the user set it: the successor derives it from its own margin
+    [[ -n ${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN:-} ]] || own+=(-u TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
     # and less this job's SLURM_* and SBATCH_* variables, which sbatch would read as options of the new job (a GPU
     # job's SLURM_MEM_PER_GPU beside the site's SLURM_MEM_PER_NODE: "mutually exclusive"); SLURM_CONF names the cluster
     local variable

@@ -268,7 +268,12 @@ def main():
                                  str(checkpointing.latest_checkpoint(run_dir)), f"step_{state.step:06d}")
                     report.extra = {"stopped_by": by, "checkpoint_step": state.step,
                                     "seconds_left": None if args.deadline is None else args.deadline - time.time()}
-                    sys.exit(report.finish(args.metrics_out))
+                    code = report.finish(args.metrics_out)
+                    # no rank leaves before rank 0 has written the stop record, the line and the metrics: on two or
+                    # more nodes the first torchrun agent to exit (1, after a TERM) has srun's --kill-on-bad-exit
+                    # kill the others (slurm/common.sh, distlab_ranks_command)
+                    dist.barrier()
+                    sys.exit(code)
         except (RuntimeError, dist.DistBackendError) as error:
             # A peer is gone: leave now, with one line, rather than wait for collectives that cannot complete
             # (one write, newline included, so the lines of several ranks do not interleave).

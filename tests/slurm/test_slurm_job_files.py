@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -391,3 +392,151 @@ def functions_env(tmp_path: Path) -> dict[str, str]:
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLAB_", "SLURM_", "SBATCH_", "NCCL_"))}
     return clean | {"DISTLAB_FUNCTIONS_ONLY": "1", "HOME": str(tmp_path), "DISTLAB_PYTHON": sys.executable}
+
+
+def _live_processes_in_session(session: int) -> int:
+    """Processes of a session (a job started with start_new_session) that have not exited, zombies and its leader
+    left out."""
+    count = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        if stat.parent.name == str(session):
+            continue
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:  # state, then ppid, pgrp, session
+            count += 1
+    return count
+
+
+def test_after_a_term_no_rank_of_the_drill_leaves_before_rank_0_has_written_its_stop(tmp_path):
+    """On two or more nodes a torchrun agent exits 1 once its workers have stopped on the warning's TERM, and srun's
+    --kill-on-bad-exit=1 then kills every other node's tasks. Rank 0 alone writes the stop record, the last line and
+    the metrics file after the checkpoint, so no rank may leave before it has: here rank 0's metrics file is a FIFO
+    that blocks its write, and rank 1 must still be running while it waits."""
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    command = [sys.executable, "-m", "labkit.forkrun", "--nproc=2", "scripts/12_hpc_operations/fault_drill.py",
+               "--run-dir", str(tmp_path / "run"), "--step-seconds", "0.3", "--pg-timeout", "60",
+               "--metrics-out", str(fifo)]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                           start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines: list[str] = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("step 2:"):
+                os.killpg(job.pid, signal.SIGTERM)  # what the warning's scancel --signal=TERM does to a step
+            if line.startswith("checks:"):  # rank 0 is writing its metrics file: blocked on the FIFO
+                break
+        else:
+            raise AssertionError("".join(lines))
+        time.sleep(1.0)  # time enough for a rank that does not wait to have left
+        ranks_alive = _live_processes_in_session(job.pid)  # forkrun itself, TERMed, is left out
+        metrics = fifo.read_text()  # lets rank 0 write, and go
+        lines += job.stdout.readlines()
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert ranks_alive == 2, "".join(lines)
+    assert '"stopped_by": "signal"' in metrics, "".join(lines)
+    assert any("SIGTERM: stopped after step" in line for line in lines), "".join(lines)
+
+
+def squeue_before_and_after(tmp_path: Path, before: str, after: str) -> Path:
+    """squeue on PATH printing the job's steps BEFORE at its first call (before the launch), AFTER from then on
+    (BEFORE always with ONLY_OLD set); returns the file that counts its calls."""
+    calls = tmp_path / "squeue.count"
+    (tmp_path / "bin" / "squeue").write_text(
+        f'#!/bin/bash\necho x >> {calls}\nif (( $(wc -l < {calls}) == 1 )) || [[ -n $ONLY_OLD ]]; then\n'
+        f"  printf '{before}'; else printf '{after}'; fi\n")
+    (tmp_path / "bin" / "squeue").chmod(0o755)
+    return calls
+
+
+def test_the_agents_exit_1_after_the_warnings_term_reads_as_a_planned_stop(tmp_path):
+    """After the warning's TERM every torchrun agent exits 1 (torch re-raises the signal), and srun says so as an error
+    ('task 1: Exited with exit code 1'): the job's lines name it as the planned stop, and the job does not fail."""
+    (tmp_path / "run").mkdir()
+    env = stand_ins(tmp_path, "")
+    squeue_before_and_after(tmp_path, r"77.batch\n", r"77.0\n77.batch\n")  # the launch makes step 77.0
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/bash\nkill -USR1 "$PPID"\nsleep 1\n'
+                    'echo "srun: error: n2: task 1: Exited with exit code 1"\nexit 1\n')
+    srun.chmod(0o755)
+    job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
+           'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
+    agents = {"DISTLAB_SRUN": str(srun), "DISTLAB_LAUNCHER": "torchrun", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=env | agents, capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77.0"], done.stdout
+    assert "stopped(1) fault_drill.py" in done.stdout and done.returncode == 0, done.stdout + done.stderr
+    said = next(line for line in done.stdout.splitlines() if line.startswith("distlab: stopped fault_drill.py"))
+    assert "a planned stop: torchrun's agents exit 1 after a TERM" in said, said
+
+
+def test_the_warning_signals_this_launchs_step_alone(tmp_path):
+    """scancel --signal=TERM JOB would also signal the job's other steps: the extern step (ssh sessions under
+    pam_slurm_adopt) and a learner's `srun --overlap --pty bash` with py-spy in it. The job notes the steps there are
+    before each launch, and the warning signals only the step the launch made; a step that was there before is not
+    this launch's, so without a new one the launch has no step yet."""
+    (tmp_path / "run").mkdir()
+    env = stand_ins(tmp_path, "")
+    # squeue: the learner's overlap shell (77.0) before the launch, then the launch's step 77.1 beside it
+    calls = squeue_before_and_after(tmp_path, r"77.0\n77.batch\n77.extern\n", r"77.0\n77.1\n77.batch\n77.extern\n")
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/bash\nkill -USR1 "$PPID"\nsleep 2\nexit 1\n')
+    srun.chmod(0o755)
+    job = ('DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1; '
+           'DISTLAB_CHECKPOINTING=fault_drill.py distlab_launch scripts/12_hpc_operations/fault_drill.py; distlab_finish')
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "run")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun)}, capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "scancel.calls").read_text().split() == ["--signal=TERM", "77.1"], done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    # only the learner's step, none of the launch's: the launch has no step yet, and nothing is signalled
+    (tmp_path / "scancel.calls").unlink()
+    calls.unlink()
+    (tmp_path / "again").mkdir()
+    done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{job}", "x", str(tmp_path / "again")],
+                          cwd=ROOT, env=env | {"DISTLAB_SRUN": str(srun), "ONLY_OLD": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert "fault_drill.py has no step yet" in done.stdout and not (tmp_path / "scancel.calls").exists(), done.stdout
+
+
+def test_a_chained_job_makes_its_own_agent_timeout_unless_the_user_gave_one(tmp_path):
+    """TORCH_ELASTIC_SHUTDOWN_TIMEOUT is the job's margin unless set: the job's own value, handed on through sbatch
+    --export=ALL, would read as the user's in the successor, which may be given another margin; a value the user gave
+    goes on."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu TimeLimit=00:30:00 StdOut=/runs/x.o7'\n")
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text('#!/bin/bash\necho "timeout=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}"\n')
+    for stand_in in (scontrol, sbatch):
+        stand_in.chmod(0o755)
+    chain = "distlab_chain_next job.sbatch DISTLAB_CHAIN=1"
+    given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol), "DISTLAB_SBATCH": str(sbatch)}
+    assert functions(chain, tmp_path, **given).stdout.split() == ["timeout=unset"]
+    assert functions(chain, tmp_path, **given, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["timeout=45"]
+
+
+def test_the_readme_explains_the_agents_exit_1_and_the_barrier_before_it():
+    """slurm/README.md's steps 3-4: the line the job prints after the warning's stop, the srun error lines beside it,
+    and why rank 0's writes are safe from srun's --kill-on-bad-exit."""
+    readme = " ".join((ROOT / "slurm" / "README.md").read_text().split())
+    jobs = (ROOT / "jobs" / "common.sh").read_text()
+    assert "; a planned stop: torchrun's agents exit 1 after a TERM" in jobs
+    assert "`stopped fault_drill.py: exit code 1 ..., a planned stop`" in readme
+    assert "`srun: error: nX: task K: Exited with exit code 1`" in readme
+    assert "--kill-on-bad-exit=1" in "".join(distlab_ranks_words())
+    assert ("No rank exits before rank 0 has written that line, its stop record and its metrics (a barrier)" in readme
+            and "makes `srun --kill-on-bad-exit=1` end the step" in readme)
+    assert "dist.barrier()" in (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+
+
+def distlab_ranks_words() -> list[str]:
+    done = subprocess.run(["bash", "-c", "source slurm/common.sh && distlab_ranks_command 8 4"], cwd=ROOT,
+                          env=dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", DISTLAB_SRUN="srun"),
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout.split()

@@ -282,7 +282,7 @@ def test_a_job_warned_before_its_time_limit_checkpoints_stops_in_time_and_its_su
     """Slurm's own walltime path, end to end. slurmctld checks limits every 30 s (PERIODIC_TIMEOUT): it sends the
     --signal=B:USR1@N warning to the batch shell at the first check within N + 30 s of the end (job_mgr.c,
     send_job_warn_signal). The batch shell's trap then sends the drill's step SIGTERM with scancel --signal=TERM
-    (the job's steps, not the batch step: scancel.1); the ranks write their checkpoint and exit, tuning.py is held
+    (the launch's own step, not the batch step: scancel.1); the ranks write their checkpoint and exit, tuning.py is held
     back (no failure), and the job ends before the limit. Waiting for the limit instead would lose the checkpoint:
     there slurmd sends TERM to the batch step too, and its srun forwards SIGKILL to the ranks (src/srun/signals.c).
     The chained successor resumes from the checkpoint to the uninterrupted result."""

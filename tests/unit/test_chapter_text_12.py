@@ -425,9 +425,9 @@ def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save()
     # at the warning the job's trap has the steps (not the batch shell, whose srun would SIGKILL them) checkpoint
     slurm = (ROOT / "slurm" / "common.sh").read_text()
     trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
-    assert '"$DISTLAB_SCANCEL" --signal=TERM "$SLURM_JOB_ID"' in trap and "--batch" not in trap and "--full" not in trap
+    assert '"$DISTLAB_SCANCEL" --signal=TERM "$signalled"' in trap and "--batch" not in trap and "--full" not in trap
     assert "DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}" in slurm
-    assert "`scancel --signal=TERM <id>` sends TERM to the job's steps, not to the batch shell" in flat(CHAPTER)
+    assert "`scancel --signal=TERM <id>.<step>` sends TERM to the launch's own step, not to the batch shell" in flat(CHAPTER)
     assert "Nothing can be relied on at the limit itself" in flat(CHAPTER)
     # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
     source = Path(torch.__file__).parent / "distributed" / "elastic"
@@ -730,8 +730,8 @@ def test_the_schedulers_kill_delays_and_messages():
 
     text = flat(CHAPTER)
     # PBS: kill_delay (10 s, req_runjob.c:948) counted from the TERM, the KILL sent at the MoM's next poll
-    # (min_check_poll, 10 s: OpenPBS mom_func.h), so 10 to about 20 s
-    kill_delay, min_check_poll = 10, 10
+    # (MIN_CHECK_POLL_TIME, 10 s: OpenPBS src/include/mom_func.h:414), so 10 to about 20 s
+    kill_delay, min_check_poll = 10, MIN_CHECK_POLL_TIME
     assert f"{kill_delay} to about {kill_delay + min_check_poll} s after the SIGTERM" in text
     assert f"SIGKILL {kill_delay} to about {kill_delay + min_check_poll} s later (`kill_delay`)" in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
@@ -898,6 +898,11 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "max(longest[\"save\"], longest[\"step\"])" in drill
     assert "has already written one 60 s checkpoint" in text
     assert f"Before the first checkpoint a save longer than a step can run past the deadline, into the {margin} s margin." in text
+    # a busy controller's checks are 30 s and a little more apart (controller.c:2833-2838): a warning up to
+    # warning - margin s later still has the agents' SIGKILL before the end, and the text says it may come late
+    late = -warning + (warning - margin - 1)
+    assert save_start + save < late + margin < 0
+    assert "so about N to N + 30 s ahead (later when the controller is busy" in text
     assert f"exports `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` as `DISTLAB_WALLTIME_MARGIN`, {margin} s, unless set." in text
     assert f"The SIGKILL then comes {-kills[0]} to {-kills[1]} s before the limit, after the save." in text
     assert "A SIGKILL 30 s later would come before the save ends." in text
@@ -955,3 +960,77 @@ def test_the_hang_section_names_the_hang_drill_and_a_pass_is_defined():
     assert "pgrep -af fault_drill.py" not in text
     # chapter 07's TimedStage: a forward of 5 ms and a backward of 10 ms, one microbatch's pass on one rank
     assert "every **pass**, one microbatch's forward and backward on one rank, took its nominal 5 + 10 ms" in text
+
+
+# slurmctld tests time limits every PERIODIC_TIMEOUT s (Slurm 284c3b95 src/slurmctld/slurmctld.h:105) and sends the
+# --signal warning once warn_time + PERIODIC_TIMEOUT reaches the end (job_mgr.c:19510-19513)
+PERIODIC_TIMEOUT = 30
+# the MoM polls resource usage every MIN_CHECK_POLL_TIME to MAX_CHECK_POLL_TIME s (OpenPBS cd7ab5eda
+# src/include/mom_func.h:413-414)
+MIN_CHECK_POLL_TIME, MAX_CHECK_POLL_TIME = 10, 120
+
+
+def test_the_derived_ports_range_and_collision_chances_come_from_the_jobs_hash():
+    import math
+
+    source = (ROOT / "jobs" / "common.sh").read_text()
+    base, buckets = map(int, re.search(r"echo \$\(\((\d+) \+ \$\{sum%% \*\} % (\d+)\)\)", source).groups())
+    text = flat(CHAPTER)
+    assert (f"The port is {base:,} plus a hash of the job id modulo {buckets:,}, so it lies in "
+            f"{base:,}-{base + buckets - 1:,}.") in text
+    assert f"is about k(k - 1)/2 × 1/{buckets:,}:" in text
+    for jobs, name in ((2, "two"), (4, "four")):
+        pairs = math.comb(jobs, 2)
+        chance = f"{100 * pairs / buckets:.1g}%"  # one significant digit: 0.008%, 0.05%
+        assert re.search(rf"{name} jobs: +{pairs}/{buckets:,} += {re.escape(chance)}", CHAPTER), (name, chance)
+    # the function gives ports in that range
+    ports = subprocess.run(["bash", "-c", f"{_function(source, 'distlab_port_from_job_id')}\n"
+                            "for id in 1 77 123456 abc; do distlab_port_from_job_id $id; done"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert len(ports) == 4 and all(base <= int(p) < base + buckets for p in ports), ports
+
+
+def _function(source: str, name: str) -> str:
+    """A bash function's definition, cut from a script."""
+    return re.search(rf"^{name}\(\) \{{\n.*?^\}}$", source, flags=re.M | re.S).group(0)
+
+
+def test_too_few_microbatches_counts_the_chunks_torch_makes():
+    import torch
+
+    rows, parts = 6, 4
+    chunks = [len(c) for c in torch.chunk(torch.zeros(rows), parts)]
+    split = [len(c) for c in torch.tensor_split(torch.zeros(rows), parts)]
+    assert len(set(chunks)) == 1 and len(chunks) < parts  # equal chunks, fewer than asked
+    assert (f"`torch.chunk({rows} rows, {parts})` gives {len(chunks)} chunks of {chunks[0]}, where `tensor_split` "
+            f"would give {len(split)}: {', '.join(map(str, split))}.") in flat(CHAPTER)
+    deadlocks = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "torch.chunk(" in deadlocks
+
+
+def test_the_warnings_timings_follow_the_jobs_warning_and_slurms_check_interval():
+    from coursetools.drawings import ch12
+
+    margin, warning, _ = ch12._job_constants()
+    step, save = 40, 60
+    save_start = -ch12.stop_step(step, save, -600, -margin)  # seconds before the end
+    text = flat(CHAPTER)
+    assert (f"a warning about {warning} to {warning + PERIODIC_TIMEOUT} s ahead lands in the last step or the deadline's "
+            f"save ({save_start:.0f} to {save_start - save:.0f} s ahead)") in text
+    assert (f"In Slurm's source it is up to {PERIODIC_TIMEOUT} s earlier: the controller checks every "
+            f"{PERIODIC_TIMEOUT} s, and sends it once the end is less than {warning} + {PERIODIC_TIMEOUT} s away.") in text
+    assert f"`PERIODIC_TIMEOUT` = {PERIODIC_TIMEOUT} s (`src/slurmctld/slurmctld.h:105`" in text
+    readme = flat((ROOT / "slurm" / "README.md").read_text())
+    assert (f"Slurm's source says up to {PERIODIC_TIMEOUT} s: slurmctld checks every {PERIODIC_TIMEOUT} s "
+            f"(`PERIODIC_TIMEOUT`). It sends the warning once the end is less than {warning} + {PERIODIC_TIMEOUT} s "
+            "away") in readme
+    sbatch = flat((ROOT / "slurm" / "12_hpc_operations.sbatch").read_text().replace("#", " "))
+    assert (f"Slurm warns about {warning} to {warning + PERIODIC_TIMEOUT} s before the limit (--signal=B:USR1@{warning} "
+            "above)") in sbatch
+
+
+def test_the_moms_poll_interval_is_openpbss():
+    poll = f"{MIN_CHECK_POLL_TIME}-{MAX_CHECK_POLL_TIME} s"
+    assert f"The MoM samples that only every {poll}, so it runs behind" in flat(CHAPTER)
+    assert (f"which the MoM samples only every {poll} (OpenPBS src/include/mom_func.h:413-414)"
+            in (ROOT / "pbs" / "common.sh").read_text())
