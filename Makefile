@@ -58,7 +58,7 @@ test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-kernel-name=python3 --nbval-kernel-startup-timeout=180 \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
-	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load --expect-replays $(PYTEST_ARGS) && \
+	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
 
 unit: $(STAMP)

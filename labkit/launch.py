@@ -296,9 +296,11 @@ def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[s
     if not folder or not path.exists():
         return None
     key = hashlib.sha256(f"{path.parent.name}/{path.name}".encode())  # which script: its folder's other
+    dependency_digests = []
     for source in run_dependencies(path):                              # scripts are among its dependencies
         key.update(f"{source.parent.name}/{source.name}".encode())     # an edit to any of them is a new key:
         key.update(source.read_bytes())                                # never a stale replay
+        dependency_digests.append((str(source), hashlib.sha256(source.read_bytes()).hexdigest()[:12]))
     ranks_environment = child_env if child_env is not None else child_environment(env)
     keyed = sorted((name, value) for name, value in ranks_environment.items()
                    if name.startswith(KEYED_ENVIRONMENT) and name not in NOT_KEYED)
@@ -306,7 +308,12 @@ def _cache_file(script: Path, cwd: Path, nproc: int, launcher: str, args: list[s
     key.update(json.dumps([nproc, launcher, [a for a in args if a != str(metrics_path)],
                            sorted((env or {}).items()), keyed, files]).encode())
     Path(folder).mkdir(parents=True, exist_ok=True)
+    _KEY_INPUTS[key.hexdigest()[:24]] = {"environment": keyed, "args": args, "cwd": str(cwd),
+                                         "sources": hashlib.sha256(str(sorted(dependency_digests)).encode()).hexdigest()[:12]}
     return Path(folder) / f"{key.hexdigest()[:24]}.json"
+
+
+_KEY_INPUTS: dict = {}   # a key's inputs, for the test timeline's notes
 
 
 def _note_launch(cache_file: Path | None, script: Path, replayed: bool, seconds: float) -> None:
@@ -317,7 +324,8 @@ def _note_launch(cache_file: Path | None, script: Path, replayed: bool, seconds:
         return
     note = {"key": cache_file.stem if cache_file else None, "script": f"{script.parent.name}/{script.name}",
             "replayed": replayed, "seconds": round(seconds, 2), "start": round(time.time() - seconds, 2),
-            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+            "inputs": _KEY_INPUTS.get(cache_file.stem) if cache_file else None}   # what a missed replay differed in
     with contextlib.suppress(OSError), open(os.path.join(folder, "launches.jsonl"), "a") as log:
         log.write(json.dumps(note) + "\n")   # O_APPEND, one write: whole lines from every process
 
