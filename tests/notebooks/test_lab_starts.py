@@ -21,11 +21,10 @@ def test_jupyterlab_serves_the_notebooks_and_the_kernel():
     if os.geteuid() == 0:
         command.append("--allow-root")  # as the Makefile does
     # the learner's environment: without the forked kernel spec make test puts first on JUPYTER_PATH for its own runs
-    from helpers import forked_kernels
-
-    ours = forked_kernels()
+    # (tests/helpers.py forked_kernels: a folder under distlab-python-*, made by the process that started make test)
     env = dict(os.environ)
-    kept = [entry for entry in env.pop("JUPYTER_PATH", "").split(os.pathsep) if entry and entry != ours]
+    kept = [entry for entry in env.pop("JUPYTER_PATH", "").split(os.pathsep)
+            if entry and not Path(entry).parent.name.startswith("distlab-python-")]
     if kept:
         env["JUPYTER_PATH"] = os.pathsep.join(kept)
     server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
