@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -67,13 +68,20 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Each test's start and end (its set-up and teardown included), one line a test."""
-    start = time.time()
+    start, cpu = time.time(), _own_cpu()
     yield
     folder = _folder()
     if folder is not None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with (folder / f"tests-{worker}-{os.getpid()}.jsonl").open("a") as out:
-            out.write(json.dumps({"test": item.nodeid, "worker": worker, "start": start, "end": time.time()}) + "\n")
+            out.write(json.dumps({"test": item.nodeid, "worker": worker, "start": start, "end": time.time(),
+                                  "cpu": round(_own_cpu() - cpu, 3)}) + "\n")
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds and its waited children's (a subprocess a test ran and waited for)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def account(folder: Path) -> list[dict]:
@@ -121,6 +129,29 @@ def launches(folder: Path) -> dict:
             "again_runs": again, "by_script": sorted(by_script.items(), key=lambda item: -item[1])}
 
 
+def cpu_account(folder: Path) -> dict:
+    """CPU seconds, whatever else ran at the time: each test's worker (and the subprocesses it waited for), and each
+    program the fork server ran (labkit.forkserver.note_cpu: a forkrun with its ranks, a kernel, a scheduler's rank),
+    charged to the test that started it, or, when no test is known (a notebook kernel's runs, a batch job's ranks),
+    to its script."""
+    tests = [json.loads(line) for path in folder.glob("tests-*.jsonl") for line in path.read_text().splitlines()]
+    path = folder / "programs.jsonl"
+    programs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    by_file, by_script = defaultdict(float), defaultdict(float)
+    for test in tests:
+        by_file[test["test"].split("::")[0]] += test.get("cpu", 0.0)
+    for program in programs:
+        argv = program["argv"]
+        script = next((a for a in argv if a.endswith(".py")), argv[0] if argv else "?")
+        script = "/".join(Path(script).parts[-2:])
+        by_script[script] += program["cpu"]
+        owner = program["test"].split("::")[0] if program["test"] else f"(no test) {Path(program['cwd'] or '').name}/"
+        by_file[owner] += program["cpu"]
+    return {"by_file": sorted(by_file.items(), key=lambda item: -item[1]),
+            "by_script": sorted(by_script.items(), key=lambda item: -item[1]),
+            "tests": sum(t.get("cpu", 0.0) for t in tests), "programs": sum(p["cpu"] for p in programs)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -140,6 +171,14 @@ def main(argv=None) -> int:
             print(f"  again: {note['script']:45} {note['seconds']:6.1f} s  {note['test'] or '(a notebook kernel)'}")
         for script, seconds in seen["by_script"][:args.top]:
             print(f"  {script:55} {seconds:7.1f} s")
+    cpu = cpu_account(args.folder)
+    if cpu["programs"] or cpu["tests"]:
+        print(f"\nCPU seconds: {cpu['tests']:.0f} in the test processes, {cpu['programs']:.0f} in forked programs")
+        for name, seconds in cpu["by_file"][:args.top]:
+            print(f"  {name[:62]:62} {seconds:8.1f}")
+        print("CPU seconds by script (forked programs)")
+        for name, seconds in cpu["by_script"][:args.top]:
+            print(f"  {name[:62]:62} {seconds:8.1f}")
     return 0
 
 

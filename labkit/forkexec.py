@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # as labkit.forkserver.SOCKET_ENV (this client imports nothing of labkit)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -142,6 +143,7 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # the server ignores SIGCHLD: this child must wait
+        started = time.monotonic()
         program = os.fork()
         if program == 0:
             connection.close()
@@ -163,6 +165,10 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
                 if gone:                                 # the client was killed: the program goes too
                     break
         if ended:
+            from labkit import forkserver
+
+            forkserver.note_cpu("exec", [request["program"]["target"], *request["program"]["args"]], started,
+                                request)
             how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else \
                 f"exit {os.waitstatus_to_exitcode(status)}"
             connection.sendall(f"{how}\n".encode())

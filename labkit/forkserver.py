@@ -20,6 +20,7 @@ started when it forks. The server leaves when the process that started it does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -136,6 +137,24 @@ def _start_server() -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+TIMELINE = os.environ.get("DISTLAB_TEST_TIMELINE")   # make test's timeline folder, read as the server starts
+
+
+def note_cpu(kind: str, argv: list[str], started: float, request: dict) -> None:
+    """make test with DISTLAB_TEST_TIMELINE: the CPU seconds a forked program used, its own and its waited
+    children's (a forkrun's ranks, a kernel's), one line in ``programs.jsonl``. Unlike a machine-wide sample this
+    does not depend on what else ran at the time, so the timeline can say which runs cost the most CPU."""
+    folder = request["env"].get("DISTLAB_TEST_TIMELINE") or TIMELINE
+    if not folder:
+        return
+    times = os.times()
+    note = {"kind": kind, "argv": [str(a)[:200] for a in argv][:12], "cwd": request.get("cwd"),
+            "cpu": round(times.user + times.system + times.children_user + times.children_system, 2),
+            "wall": round(time.monotonic() - started, 2), "test": request["env"].get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+    with contextlib.suppress(OSError), open(os.path.join(folder, "programs.jsonl"), "a") as log:
+        log.write(json.dumps(note) + "\n")   # O_APPEND, one write: whole lines from every process
+
+
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
     size = int.from_bytes(message[:8], "big")
@@ -162,7 +181,9 @@ def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) ->
         sys.argv = ["labkit.forkrun", *request["argv"]]
         from labkit import forkrun
 
+        started = time.monotonic()
         code = forkrun.main()
+        note_cpu("forkrun", request["argv"], started, request)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever happened, the caller gets an exit code

@@ -1,5 +1,6 @@
 """The fork server make test uses: the same runs as a forkrun of its own, without importing torch every launch."""
 
+import json
 import os
 import time
 
@@ -105,3 +106,16 @@ def test_make_tests_notebook_kernels_fork_from_its_server():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys\nprint('torch' in sys.modules)")])
     NotebookClient(nb, timeout=60, startup_timeout=180, kernel_name="python3").execute()
     assert nb.cells[0].outputs[0]["text"].strip() == "True"
+
+
+def test_a_served_run_notes_the_cpu_its_ranks_used_for_the_test_timeline(server, tmp_path, monkeypatch):
+    # make test's timeline (coursetools.test_timeline) charges each run's CPU to its test: the ranks' seconds, which
+    # the forkrun waited for, not the forkrun's own few milliseconds
+    monkeypatch.setenv("DISTLAB_TEST_TIMELINE", str(tmp_path))
+    script = tmp_path / "burns.py"
+    script.write_text("import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end:\n    pass\n")
+    launch.run(str(script), nproc=2, stream=False, metrics=False, cwd=tmp_path)
+    notes = [json.loads(line) for line in (tmp_path / "programs.jsonl").read_text().splitlines()]
+    (note,) = [n for n in notes if n["kind"] == "forkrun"]
+    assert note["cpu"] >= 0.8 and note["argv"][-1].endswith("burns.py"), note
+    assert note["test"] == os.environ["PYTEST_CURRENT_TEST"].split(" ")[0]

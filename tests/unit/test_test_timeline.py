@@ -46,3 +46,17 @@ def test_the_launch_account_tells_replays_from_runs_started_twice(tmp_path, monk
     seen = test_timeline.launches(tmp_path)
     assert (seen["ran"], seen["replayed"], seen["again"]) == (2, 1, 1), seen
     assert seen["again_seconds"] >= 1.0 and seen["by_script"][0][0] == f"{tmp_path.name}/slow.py"
+
+
+def test_cpu_is_charged_to_the_test_that_started_a_program_or_else_to_its_script(tmp_path):
+    tests = [{"test": "tests/a.py::one", "worker": "gw0", "start": 0.0, "end": 2.0, "cpu": 1.5},
+             {"test": "tests/a.py::two", "worker": "gw0", "start": 2.0, "end": 3.0, "cpu": 0.5}]
+    (tmp_path / "tests-gw0-1.jsonl").write_text("\n".join(json.dumps(t) for t in tests))
+    programs = [{"kind": "forkrun", "argv": ["--nproc", "4", "/r/scripts/05_x/train.py", "--steps", "2"],
+                 "cwd": "/r", "cpu": 10.0, "wall": 3.0, "test": "tests/a.py::one"},
+                {"kind": "forkrun", "argv": ["--nproc", "4", "/r/scripts/05_x/train.py"], "cwd": "/r/notebooks",
+                 "cpu": 4.0, "wall": 2.0, "test": ""}]
+    (tmp_path / "programs.jsonl").write_text("\n".join(json.dumps(p) for p in programs))
+    cpu = test_timeline.cpu_account(tmp_path)
+    assert dict(cpu["by_file"]) == {"tests/a.py": 12.0, "(no test) notebooks/": 4.0}
+    assert cpu["by_script"] == [("05_x/train.py", 14.0)] and (cpu["tests"], cpu["programs"]) == (2.0, 14.0)
