@@ -41,7 +41,8 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## beside an idle worker: the Slurm jobs file alone takes about 4 minutes), scripts (4 CPU ranks), notebooks (nbval)
 ## and unit tests on two pytest workers: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
 ## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
-## copies, on two workers: they replay the script runs their full notebooks made in the first phase
+## copies, on two workers: they replay the script runs their full notebooks made in the first phase (--expect-replays:
+## a copy's cell that starts its run again fails the test)
 ## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
 ## them, and restoring the files it left). Last, alone, the timing-sensitive tests. Every worker, notebook kernel and
 ## subprocess of a phase forks its CPU launches from one server that imported torch once (DISTLAB_FORK_SERVER,
@@ -58,7 +59,7 @@ test: $(STAMP) $(LAB_OVERRIDES)
 	export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-kernel-name=python3 --nbval-kernel-startup-timeout=180 \
 		-n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) && \
-	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS) && \
+	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load --expect-replays $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
 
 unit: $(STAMP)
