@@ -263,9 +263,14 @@ def main():
                         f"({longest['step']:.2f} s) and a checkpoint ({longest['save']:.2f} s)")
                     rt.print(f"{why}: stopped after step {step} with checkpoint step_{state.step:06d} written; "
                              "start the job again (a chained qsub) to resume")
-                    report.check("a checkpoint of the last step done is on disk",
-                                 checkpointing.latest_checkpoint(run_dir) == checkpointing.checkpoint_dir(run_dir, state.step),
-                                 str(checkpointing.latest_checkpoint(run_dir)), f"step_{state.step:06d}")
+                    # read back from disk, not taken from the save's return: the folder the next job resumes from
+                    # (the latest with its metadata) must be this one, and its metadata must name every rank's part
+                    latest = checkpointing.latest_checkpoint(run_dir)
+                    ranks = rt.world_size if state.rank is not None else 0  # --resume-without-rng saves no rank's
+                    report.check("the stop's checkpoint is the latest in the folder and records every rank",
+                                 latest == checkpointing.checkpoint_dir(run_dir, state.step)
+                                 and checkpointing.records_every_rank(latest, ranks),
+                                 str(latest), f"step_{state.step:06d}, with {ranks} ranks' generators")
                     report.extra = {"stopped_by": by, "checkpoint_step": state.step,
                                     "seconds_left": None if args.deadline is None else args.deadline - time.time()}
                     code = report.finish(args.metrics_out)

@@ -1,0 +1,65 @@
+"""The fault drill's stop check reads the checkpoint back from disk: planted folders that are not a whole checkpoint,
+or not the latest, fail it."""
+
+import warnings
+
+import pytest
+import torch
+
+from distlab import checkpointing
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A real DCP checkpoint of step 3, saved by one process as rank 0 (DCP saves without a process group)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 2)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "no process group": DCP then saves as a world of one
+        path = checkpointing.save(checkpointing.TrainingState(model, optimizer, step=3, rank=0), run_dir)
+    return run_dir, path
+
+
+def test_a_whole_checkpoint_records_its_rank(saved):
+    run_dir, path = saved
+    assert checkpointing.latest_checkpoint(run_dir) == path == checkpointing.checkpoint_dir(run_dir, 3)
+    assert checkpointing.records_every_rank(path, 1)
+
+
+def test_planted_checkpoints_that_are_not_whole_fail(saved, tmp_path):
+    _, path = saved
+    # a world of two whose second rank's part is not in the map
+    assert not checkpointing.records_every_rank(path, 2)
+    # metadata cut short (a save killed while writing it), or not DCP's, or none at all
+    cut = tmp_path / "step_000003"
+    cut.mkdir()
+    (cut / ".metadata").write_bytes((path / ".metadata").read_bytes()[:40])
+    assert not checkpointing.records_every_rank(cut, 1)
+    (cut / ".metadata").write_text("not a checkpoint")
+    assert not checkpointing.records_every_rank(cut, 1)
+    assert not checkpointing.records_every_rank(tmp_path / "step_000004", 1)
+
+
+def test_a_later_checkpoint_in_the_folder_is_the_one_a_restart_would_take(saved, tmp_path):
+    run_dir, path = saved
+    later = checkpointing.checkpoint_dir(run_dir, 5)
+    later.mkdir()
+    (later / ".metadata").write_bytes((path / ".metadata").read_bytes())
+    try:
+        assert checkpointing.latest_checkpoint(run_dir) == later != checkpointing.checkpoint_dir(run_dir, 3)
+    finally:
+        (later / ".metadata").unlink()
+        later.rmdir()
+
+
+def test_the_drill_checks_the_checkpoint_it_stopped_with_by_reading_it_back():
+    from pathlib import Path
+
+    drill = (Path(__file__).resolve().parents[2] / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    assert "latest = checkpointing.latest_checkpoint(run_dir)" in drill
+    assert ("latest == checkpointing.checkpoint_dir(run_dir, state.step)\n"
+            "                                 and checkpointing.records_every_rank(latest, ranks)") in drill
+    assert "a checkpoint of the last step done is on disk" not in drill
