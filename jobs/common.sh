@@ -586,7 +586,7 @@ distlab_on_sigterm() {
     if [[ ${DISTLAB_TERM_KILLS_RANKS:-0} == 1 ]]; then # Slurm: srun forwards SIGKILL (slurm/common.sh)
         distlab_log "$signal: srun passes it on to the ranks${current:+ ($current)} as SIGKILL: no checkpoint can be relied on; nothing more is launched"
     elif [[ -n $current && $saving == *" $current "* ]]; then
-        distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint; nothing more is launched"
+        distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if that ends before the scheduler's SIGKILL (PBS: kill_delay after a qdel or the walltime, 10 to about 25 s; none after qsig -s TERM); nothing more is launched"
     else
         distlab_log "$signal: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
     fi

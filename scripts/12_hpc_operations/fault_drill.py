@@ -18,12 +18,16 @@ one. Two things end real jobs early, and the script handles both:
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
 * **The walltime runs out.** PBS gives no warning: once the walltime has passed, the MoM sends SIGTERM at its
-  next poll and SIGKILL ``kill_delay`` seconds later (10 by default), too little for a step and a checkpoint of a
-  real model. So the run stops itself first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports
-  ``DISTLAB_DEADLINE``, the job's end less a margin) is checked after every step, and when the next step and a
-  checkpoint, timed as the longest seen so far, would pass it, every rank agrees (an all-reduce of the flag),
-  writes a checkpoint and exits 0; the next job in the chain (``qsub -W depend=afterany:JOBID``) resumes. A
-  SIGTERM (from ``qdel``, or a site that sends one early) is caught and handled the same way.
+  next poll (up to 120 s late in a long job) and SIGKILL once ``kill_delay`` (10 s by default) has passed, at its
+  next poll, about 10 s later: too little for a step and a checkpoint of a real model. So the run stops itself
+  first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports ``DISTLAB_DEADLINE``, the job's end less a
+  margin) is checked after every step, and when the next step and a checkpoint, timed as the longest seen so far,
+  would pass it, every rank agrees (an all-reduce of the flag), writes a checkpoint and exits 0; the next job in
+  the chain (``qsub -W depend=afterany:JOBID``) resumes. A SIGTERM is caught the same way: the ranks finish their
+  step, save and exit 0. But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``,
+  at the MoM's next polls), so only a step and a save shorter than that end in a checkpoint. To stop a job with
+  time to save, send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it (under torchrun the agent
+  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s, 30 by default, after its own TERM).
 
 The data is what a real run reads: a finite dataset (``--samples`` sequences) in a shuffled order, epoch after
 epoch, and each step masks a random tenth of the input tokens (an augmentation drawn from torch's global random
