@@ -2,6 +2,11 @@
 
 The troubleshooting messages that a CPU can produce are produced by doing the thing (a port already taken, an
 interface that does not exist, a GPU that is not there, a rank outside its world), then looked up in the chapter.
+
+Some numbers are the constants of programs the course cannot import: OpenPBS's MoM poll (cd7ab5eda) and Slurm's
+controller check (284c3b95). Those are transcribed below with their commit, file and line (PERIODIC_TIMEOUT,
+MIN_CHECK_POLL_TIME, MAX_CHECK_POLL_TIME and the MoM loop's model, _mom_sigkill_after), and the text's numbers are
+computed from them.
 """
 
 import copy
@@ -255,8 +260,18 @@ def test_the_walltime_section_states_what_the_job_does():
     assert "Without `stime` it takes now less `resources_used.walltime`" in text
     assert "the job's end (its start plus its walltime) less" in text
     assert "PBS sends SIGTERM to the job's processes some time before" not in CHAPTER  # the old, wrong claim
-    assert "distlab_tee" in common and "always sets 16 threads a rank (64 cores / 4 ranks)" in flat(CHAPTER)
     assert "threads=${DISTLAB_OMP_THREADS:-$((cores / DISTLAB_GPUS_PER_NODE))}" in common
+    # what the jobs set is a node's cores over its GPUs, 16 only on Derecho's chunk: computed from the job's select
+    # line and the site's GPUs a node, not typed in
+    ncpus = int(re.search(r"^#PBS -l select=1:ncpus=(\d+):", (ROOT / "pbs" / "12_hpc_operations.pbs").read_text(),
+                          flags=re.M).group(1))
+    gpus = int(re.search(r'DISTLAB_GPUS_PER_NODE:=(\d+)', (ROOT / "sites" / "derecho.sh").read_text()).group(1))
+    text = flat(CHAPTER)
+    assert "distlab_tee" in common and f"PBS sets it to the chunk's `ncpus`, {ncpus} on Derecho" in text
+    assert (f"`jobs/common.sh` sets a node's cores / its GPUs threads a rank (16 on Derecho: {ncpus} / {gpus})"
+            in text) and ncpus // gpus == 16
+    assert f"So {gpus} ranks would run {ncpus} threads each on {ncpus} cores" in text
+    assert "always sets 16 threads" not in text
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
                 "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
                 "conda's package cache fills home"):
@@ -729,11 +744,32 @@ def test_the_schedulers_kill_delays_and_messages():
     import re
 
     text = flat(CHAPTER)
-    # PBS: kill_delay (10 s, req_runjob.c:948) counted from the TERM, the KILL sent at the MoM's next poll
-    # (MIN_CHECK_POLL_TIME, 10 s: OpenPBS src/include/mom_func.h:414), so 10 to about 20 s
-    kill_delay, min_check_poll = 10, MIN_CHECK_POLL_TIME
-    assert f"{kill_delay} to about {kill_delay + min_check_poll} s after the SIGTERM" in text
-    assert f"SIGKILL {kill_delay} to about {kill_delay + min_check_poll} s later (`kill_delay`)" in text
+    # PBS: the SIGKILL's delay after the walltime's TERM and after a qdel's, from the MoM's loop (_mom_sigkill_after)
+    kill_delay = 10   # an unset queue's (OpenPBS src/server/req_runjob.c:948)
+    walltime_kill = _mom_sigkill_after(0, kill_delay)
+    qdel_kills = {_mom_sigkill_after(last, kill_delay) for last in range(MAX_CHECK_POLL_TIME)}
+    assert walltime_kill == 10 and (min(qdel_kills), max(qdel_kills)) == (10, 25)
+    assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
+            "step") in text
+    assert f"| none: SIGTERM after the limit, SIGKILL about {walltime_kill} s later (`kill_delay`) |" in CHAPTER
+    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`): too "
+            "soon for a real model's step and save.") in text
+    assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
+    assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
+    assert f"each poll adds `inc_check_poll`, ({MAX_CHECK_POLL_TIME} − {MIN_CHECK_POLL_TIME} + 19) / 20 = {_INC_CHECK_POLL} s" in text
+    assert "10 to about 20 s" not in text and "SIGKILL 10 to about 20" not in text
+    # a queue with a longer kill_delay waits for the poll after it (10 + 16 s), not kill_delay + 10
+    assert _mom_sigkill_after(0, 11) == MIN_CHECK_POLL_TIME + MIN_CHECK_POLL_TIME + _INC_CHECK_POLL == 26
+    # the walltime's own TERM: at the first poll past the limit, whose interval grows to MAX_CHECK_POLL_TIME
+    intervals = _mom_poll_intervals(40)
+    assert intervals[0] == MIN_CHECK_POLL_TIME and max(intervals) == MAX_CHECK_POLL_TIME
+    assert f"notices at its next poll, up to {max(intervals)} s later in a long job." in text
+    used, limit = map(int, re.search(r"`=>> PBS: job killed: walltime (\d+) exceeded limit (\d+)`", text).groups())
+    late = used - limit
+    assert limit == 20 * 60 and 0 < late < MAX_CHECK_POLL_TIME
+    assert f"| the job had about {walltime_kill} s (`kill_delay`) to stop:" in CHAPTER
+    assert (f"so the TERM comes up to {max(intervals)} s after the limit (the pitfall's `walltime {used} exceeded limit "
+            f"{limit}` is {late} s late)") in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
     assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit `srun` SIGKILLs the tasks" in text
     # the node-failure line in full (src/slurmd/slurmstepd/req.c)
@@ -814,9 +850,19 @@ def test_the_restart_time_in_the_drills_caption_is_the_runs():
     first = min(r["time"] for r in data["records"] if r["attempt"] == 1)
     to_first = first - data["died"]["time"]
     assert to_first - seconds > 1
+    # the part between is the difference of the two printed numbers, so that the three add up as printed
+    restart, first_step = round(seconds, 1), round(to_first, 1)
+    between = round(first_step - restart, 1)
+    assert round(restart + between, 1) == first_step
     assert (f"Loading the checkpoint and training step {data['extra']['steps_trained_twice'][0]} take "
-            f"{to_first - seconds:.1f} s more: the second attempt's first step ends {to_first:.1f} s after the "
+            f"{between:.1f} s more: the second attempt's first step ends {first_step:.1f} s after the "
             "kill.") in flat(CHAPTER)
+
+
+def _kill_after_the_save_and_before_the_end(warned: float, shutdown_timeout: float, save_end: float) -> bool:
+    """Whether the agents' SIGKILL, shutdown_timeout s after a warning at warned (s before the end, negative), comes
+    after the deadline's save has ended and before the limit."""
+    return save_end < warned + shutdown_timeout < 0
 
 
 def _walk(value):
@@ -898,10 +944,14 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "max(longest[\"save\"], longest[\"step\"])" in drill
     assert "has already written one 60 s checkpoint" in text
     assert f"Before the first checkpoint a save longer than a step can run past the deadline, into the {margin} s margin." in text
-    # a busy controller's checks are 30 s and a little more apart (controller.c:2833-2838): a warning up to
-    # warning - margin s later still has the agents' SIGKILL before the end, and the text says it may come late
-    late = -warning + (warning - margin - 1)
-    assert save_start + save < late + margin < 0
+    # a busy controller's checks are 30 s and a little more apart (controller.c:2833-2838): a warning one more check
+    # late, PERIODIC_TIMEOUT s after its nominal time, still lands in the save, and the agents' SIGKILL after the
+    # save and before the end; planted constants (a margin past the warning's lateness) fail the same check
+    late = -warning + PERIODIC_TIMEOUT
+    assert save_start - step < late < save_start + save
+    assert _kill_after_the_save_and_before_the_end(late, margin, save_start + save)
+    assert not _kill_after_the_save_and_before_the_end(late, warning, save_start + save)     # SIGKILL past the end
+    assert not _kill_after_the_save_and_before_the_end(-warning - 30, 30, save_start + save)  # during the save
     assert "so about N to N + 30 s ahead (later when the controller is busy" in text
     assert f"exports `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` as `DISTLAB_WALLTIME_MARGIN`, {margin} s, unless set." in text
     assert f"The SIGKILL then comes {-kills[0]} to {-kills[1]} s before the limit, after the save." in text
@@ -968,6 +1018,34 @@ PERIODIC_TIMEOUT = 30
 # the MoM polls resource usage every MIN_CHECK_POLL_TIME to MAX_CHECK_POLL_TIME s (OpenPBS cd7ab5eda
 # src/include/mom_func.h:413-414)
 MIN_CHECK_POLL_TIME, MAX_CHECK_POLL_TIME = 10, 120
+# each poll lengthens the next by this much, up to MAX_CHECK_POLL_TIME (src/resmom/mom_main.c:4114)
+_INC_CHECK_POLL = (MAX_CHECK_POLL_TIME - MIN_CHECK_POLL_TIME + 19) // 20
+
+
+def _mom_poll_intervals(polls: int) -> list[int]:
+    """The MoM's poll intervals from a job's start: MIN_CHECK_POLL_TIME (start_exec.c:1822), then each poll adds
+    _INC_CHECK_POLL up to MAX_CHECK_POLL_TIME (mom_main.c:8636-8639)."""
+    intervals, interval = [], MIN_CHECK_POLL_TIME
+    for _ in range(polls):
+        intervals.append(interval)
+        interval = min(interval + _INC_CHECK_POLL, MAX_CHECK_POLL_TIME)
+    return intervals
+
+
+def _mom_sigkill_after(last_poll_before: int, kill_delay: int) -> int:
+    """Seconds from a TERM to the MoM's SIGKILL, in OpenPBS cd7ab5eda's MoM loop, whole seconds.
+
+    terminate_job sends the TERM, sets the kill time to now + kill_delay (src/resmom/requests.c:1863) and the next
+    poll's interval to MIN_CHECK_POLL_TIME (:1876-1881). The loop polls once the last poll + the interval has passed
+    (mom_main.c:8628; one already due runs at once), lengthens the interval (:8636-8639), and sends SIGKILL at the
+    first poll at or after the kill time (:8685-8688). last_poll_before: seconds from the last poll to the TERM; 0
+    for the walltime's TERM, sent during a poll (:8654, :8865); anything for a qdel's (req_delete.c:1092)."""
+    poll, interval = -last_poll_before, MIN_CHECK_POLL_TIME
+    while True:
+        poll = max(poll + interval, 0)
+        interval = min(interval + _INC_CHECK_POLL, MAX_CHECK_POLL_TIME)
+        if poll >= kill_delay:
+            return poll
 
 
 def test_the_derived_ports_range_and_collision_chances_come_from_the_jobs_hash():
@@ -1034,3 +1112,127 @@ def test_the_moms_poll_interval_is_openpbss():
     assert f"The MoM samples that only every {poll}, so it runs behind" in flat(CHAPTER)
     assert (f"which the MoM samples only every {poll} (OpenPBS src/include/mom_func.h:413-414)"
             in (ROOT / "pbs" / "common.sh").read_text())
+
+
+def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
+    # qdel's SIG_TermJob goes through the walltime's terminate_job (OpenPBS requests.c:1986-1991): SIGTERM, then
+    # SIGKILL; qsig -s TERM is a real signal, delivered with no kill time (requests.c:2058-2094). Every text that
+    # speaks of a SIGTERM's checkpoint says which of the two it is.
+    text = flat(CHAPTER)
+    assert "caught and handled the same way" not in text and "(`qdel`, or a site that signals early)" not in text
+    assert ("`qsig -s TERM <id>` sends the TERM alone: the job launches nothing more, and the drill has torchrun's "
+            "30 s to save.") in text
+    assert ("sends a real signal, which `req_signaljob` delivers to the job's processes with no kill time "
+            "(`requests.c:2058-2094`") in text
+    drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
+    assert "handled the same way" not in drill
+    assert "But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``" in drill
+    assert "send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it" in drill
+    for job in ("pbs/12_hpc_operations.pbs", "slurm/12_hpc_operations.sbatch"):
+        comments = flat((ROOT / job).read_text().replace("#", " "))
+        assert "checkpoint at the end of their step (PBS: qdel;" not in comments, job
+        assert ("checkpoint at the end of their step if that comes before a SIGKILL (PBS: `qsig -s TERM <id>`, which "
+                "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, 10 to about 25 s later")\
+            in comments, job
+    trap = _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
+    assert ("write a checkpoint if that ends before the scheduler's SIGKILL (PBS: kill_delay after a qdel or the "
+            "walltime, 10 to about 25 s; none after qsig -s TERM)") in trap
+    assert "write a checkpoint; nothing more is launched" not in trap
+
+
+def test_the_appendix_says_the_trap_signals_the_launchs_own_step():
+    slurm = (ROOT / "slurm" / "common.sh").read_text()
+    trap = slurm[slurm.index("distlab_on_walltime_warning() {"):slurm.index("trap distlab_on_walltime_warning USR1")]
+    # the step: JOB.N from squeue -s, the first not there before the launch; the whole job only without a list
+    assert "signalled=$SLURM_JOB_ID" in trap and "signalled=$step" in trap
+    assert '"$DISTLAB_SCANCEL" --signal=TERM "$signalled"' in trap
+    assert "grep '\\.[0-9][0-9]*$'" in _function(slurm, "distlab_job_steps")
+    assert '-h -s -j "$SLURM_JOB_ID"' in _function(slurm, "distlab_job_steps")
+    text = flat(CHAPTER)
+    assert "There `slurm/common.sh` runs `scancel --signal=TERM <job id>`." not in text
+    assert ("There `slurm/common.sh` runs `scancel --signal=TERM <job id>.<step>` on the launch's own step: the first "
+            "step not listed before the launch (`squeue -s`).") in text
+    assert "Only when `squeue -s` cannot list the steps does it signal `<job id>`" in text
+    # the step's TERM reaches the workers directly (slurmstepd signals the step's container) and from their agent
+    assert "3. The drill's ranks get it, from Slurm and again from their agent;" in text
+    assert "torchrun's agents pass it to the drill's ranks" not in text
+    assert ("slurmstepd signals a step's whole container (`proctrack_g_signal(step->cont_id, sig)`, "
+            "`src/slurmd/slurmstepd/req.c:1219`)") in text
+
+
+def test_the_port_in_use_fix_gives_each_schedulers_form():
+    row = next(line for line in CHAPTER.splitlines() if line.startswith("| port in use |"))
+    assert "PBS: `-v DISTLAB_MASTER_PORT=...`" in row and "Slurm: `--export=ALL,DISTLAB_MASTER_PORT=...`" in row
+    # the forms the course's own READMEs use to pass a variable to a job, and the variable the jobs read
+    assert "`sbatch --export=ALL,NAME=value`" in flat((ROOT / "slurm" / "README.md").read_text())
+    for scheduler in ("pbs", "slurm"):
+        assert "export MASTER_PORT=${DISTLAB_MASTER_PORT:-" in (ROOT / scheduler / "common.sh").read_text(), scheduler
+
+
+def test_the_hang_pages_numbers_come_from_the_drill_and_torch():
+    text = flat(CHAPTER)
+    # the watchdog line is an example: its SeqNum and its overrun are one run's
+    assert "Its `SeqNum` and the milliseconds past the timeout vary from run to run." in text
+    # the world group's calls on ranks 0 to 2: the sync all-reduce, one p2p per microbatch, the step's end, the barrier
+    source = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    microbatches = int(re.search(r'"--microbatches", type=runtime\.positive_int, default=(\d+)', source).group(1))
+    assert 'collective("sync weights"' in source and 'collective("end of step"' in source
+    assert 'collective("barrier before logging", "barrier")' in source
+    assert "for _ in range(args.microbatches):" in source
+    calls = 1 + microbatches + 1 + 1
+    assert (f"the {microbatches} microbatches sent or received (`--microbatches`), the step's end and the `barrier`: "
+            f"1 + {microbatches} + 1 + 1 = {calls} for ranks 0 to 2") in text
+    assert f"rank 0: group 0: {calls} enqueued, the last collective gloo:barrier" in CHAPTER   # the recorder's own count
+
+
+def test_the_measuring_pages_numbers_are_computed():
+    import math
+    from fractions import Fraction
+
+    text = flat(CHAPTER)
+    # the machine the measured numbers come from, as BENCHMARKS.md records it
+    cores = int(re.search(r"\*\*(\d+) CPU cores", (ROOT / "BENCHMARKS.md").read_text()).group(1))
+    assert f"On the course's reference machine, 4 ranks share {cores} cores" in text
+    assert f"with 4 ranks on the reference machine's {cores} cores" in text
+    lab = flat("".join("".join(c["source"]) for c in json.loads(
+        (ROOT / "notebooks" / "12_hpc_operations.ipynb").read_text())["cells"]))
+    assert f"On the course's reference machine, 4 ranks share {cores} cores" in lab
+    assert "On 4 ranks sharing 2 cores" not in text + lab
+    # recomputation: chapter 01.2's three products of 2 FLOPs a weight a token, one forward and two backward
+    assert "Each costs 2 FLOPs a weight a token, 6 in all" in flat(chapters.text("01"))
+    forward, backward = 1, 2
+    ratio = Fraction(forward + backward + forward, forward + backward)
+    assert ratio - 1 == Fraction(1, 3) and "that is a third more step time" in text
+    assert f"A forward costs {forward} and a backward {backward}, so one more forward makes {ratio}." in text
+    # the bubble table's gap at M = 4
+    measured, formula = (float(x) for x in re.search(r"^ +4 +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER,
+                                                      flags=re.M).groups())
+    assert f"({measured} − {formula} = {measured - formula:.1f} at M = 4)" in text
+    # Daly's higher-order period, sqrt(2 C M) (1 + (1/3) sqrt(C / 2M) + (1/9) C / 2M) - C for C < 2M, with C = 5 min
+    # and M = 24 h: his Fig. 3 gives "τopt=117 min" for the same M and C
+    save, mtbf = 5, 24 * 60
+    xi = save / (2 * mtbf)
+    daly = math.sqrt(2 * save * mtbf) * (1 + math.sqrt(xi) / 3 + xi / 9) - save
+    assert round(daly) == 117 and f"gives {round(daly)} min for M = 24 h and a 5 min dump" in text
+    # the Slurm tier's warned job, as tests/slurm defines it
+    slurm_test = (ROOT / "tests" / "slurm" / "test_slurm_jobs.py").read_text()
+    warning = int(re.search(r"^WARNING = (\d+)$", slurm_test, flags=re.M).group(1))
+    check = int(re.search(r"^PERIODIC_TIMEOUT = (\d+)$", slurm_test, flags=re.M).group(1))
+    limit = re.search(r'"time-limit": \("12_hpc_operations", \[[^]]*"--time=(\d+)"', slurm_test).group(1)
+    assert f'f"--signal=B:USR1@{{WARNING}}"' in slurm_test and check == PERIODIC_TIMEOUT
+    assert f"`--time={limit}` and `--signal=B:USR1@{warning}`" in text
+    assert f"The warning reaches the batch shell {warning} to {warning + check} s before the limit" in text
+    # profile_step.py's tolerance on the spans against its own clock
+    profile = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    fraction = float(re.search(r"^KINDS_TOLERANCE_FRACTION = ([\d.]+)", profile, flags=re.M).group(1))
+    seconds = float(re.search(r"^KINDS_TOLERANCE_SECONDS = ([\d.]+)", profile, flags=re.M).group(1))
+    assert f"within {100 * fraction:.0f}% + {1000 * seconds:.0f} ms." in text
+    # srun's block binding on the Frontier layout the text gives: task i on cores 8i..8i+7, NUMA n on cores 16n..16n+15
+    layout = re.search(r"GPUs 4 and 5 sit on NUMA 0, 2 and 3 on NUMA 1, 6 and 7 on NUMA 2, 0 and 1 on NUMA 3", text)
+    assert layout
+    numa_of_gpu = {4: 0, 5: 0, 2: 1, 3: 1, 6: 2, 7: 2, 0: 3, 1: 3}
+    off = [rank for rank in range(8) if (8 * rank) // 16 != numa_of_gpu[rank]]
+    assert off == [0, 1, 4, 5, 6, 7]   # what tests/unit/test_gpu_affinity.py asserts of runtime.affinity_problems
+    assert "== [0, 1, 4, 5, 6, 7], problems" in (ROOT / "tests" / "unit" / "test_gpu_affinity.py").read_text()
+    words = {6: "six"}
+    assert f"fails the rank map's check for the {words[len(off)]} ranks off their GPU's node" in text
