@@ -182,10 +182,50 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
         os._exit(0)
 
 
+def run_as_main(mode: str, target: str, args: list[str], *, before=None, report=None) -> int:
+    """Run a program as the interpreter runs ``__main__``, in this process, and return the exit code the interpreter
+    would give. ``mode`` is "script" (a file), "module" (``-m``) or "code" (``-c``); ``target`` the file, the module
+    or the code; ``args`` its arguments. Each mode sets ``sys.argv`` and ``sys.path[0]`` as ``python`` does.
+
+    The exit code: 0 when it returns; a SystemExit's code (its message, if it is text, printed to stderr, and 1);
+    1 after an uncaught exception, which ``report(type, value, traceback)`` shows (``sys.excepthook``, as the
+    interpreter does, unless given). ``before()``, if given, runs after sys.argv and sys.path are set, just before
+    the program, and its failures count as the program's. Shared by the fork server's programs (:func:`_run`) and
+    :mod:`labkit.forkrun`'s ranks; what the interpreter does on its way out (atexit) is left to the caller."""
+    import runpy
+
+    try:
+        if mode == "script":
+            sys.argv = [target, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))   # as `python script.py` would
+        elif mode == "module":
+            sys.argv = [target, *args]   # runpy puts the module's file in sys.argv[0]
+            sys.path.insert(0, os.getcwd())
+        else:
+            sys.argv = ["-c", *args]
+            sys.path.insert(0, "")
+        if before is not None:
+            before()
+        if mode == "script":
+            runpy.run_path(target, run_name="__main__")
+        elif mode == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        return 0
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            return done.code or 0
+        print(done.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - an uncaught exception, reported as the interpreter would
+        (report or sys.excepthook)(*sys.exc_info())
+        return 1
+
+
 def _run(request: dict, fds: list[int]) -> None:
     """Become the program: its streams, folder, environment, umask and CPUs; run it as the interpreter would."""
     import atexit
-    import runpy
     import traceback
 
     code = 1
@@ -203,30 +243,7 @@ def _run(request: dict, fds: list[int]) -> None:
         os.umask(request["umask"])
         os.sched_setaffinity(0, request["affinity"])
         program = request["program"]
-        target = program["target"]
-        try:
-            if program["mode"] == "script":
-                sys.argv = [target, *program["args"]]
-                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))   # as `python script.py` would
-                runpy.run_path(target, run_name="__main__")
-            elif program["mode"] == "module":
-                sys.argv = [target, *program["args"]]   # runpy puts the module's file in sys.argv[0]
-                sys.path.insert(0, os.getcwd())
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = ["-c", *program["args"]]
-                sys.path.insert(0, "")
-                exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-            code = 0
-        except SystemExit as done:
-            if done.code is None or isinstance(done.code, int):
-                code = done.code or 0
-            else:
-                print(done.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # noqa: BLE001 - an uncaught exception, reported as the interpreter would
-            sys.excepthook(*sys.exc_info())
-            code = 1
+        code = run_as_main(program["mode"], program["target"], program["args"])
         atexit._run_exitfuncs()   # what the interpreter runs on its way out (a script's atexit handlers)
     except BaseException:  # noqa: BLE001 - whatever happened, the client gets an exit code
         traceback.print_exc()

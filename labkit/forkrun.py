@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import signal
 import sys
 import time
 import traceback
 
 from distlab.runtime import free_port, write_whole_lines
+from labkit.forkexec import run_as_main
 
 GRACE_SECONDS = 5.0
 
@@ -31,20 +31,11 @@ def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       GROUP_RANK="0", ROLE_RANK=str(rank))
-    sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` would
     write_whole_lines()   # before the script: its tracebacks too
-    code = 0
-    try:
-        _record_point_to_point(rank)
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        if not isinstance(done.code, (int, type(None))):
-            print(done.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - report any failure of the rank, then exit non-zero
-        traceback.print_exc()
-        code = 1
+    # A rank's failure is printed with traceback, not sys.excepthook: a script's hook (distlab.runtime's) is not
+    # called here, and no atexit handler runs (the rank leaves through os._exit).
+    code = run_as_main("script", script, script_args, before=lambda: _record_point_to_point(rank),
+                       report=traceback.print_exception)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, call_learner, check_value, learner_check
+from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, call_learner, check_value, learner_check,
+                                     sentence, wrong_number)
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_step_peak", "STEP_PEAK_CASES"]
 
@@ -73,12 +74,13 @@ def check_step_peak(step_peak) -> None:
                                 f"\"optimizer step\".")
         if abs(peak - phases.peak) > 1e-6 * phases.peak:
             slip = next((why for why, wrong in _slips(*args).items() if abs(peak - wrong) <= 1e-6 * wrong), "")
-            raise ExerciseWrong(f"{where} returned {peak / 2**30:,.3f} GiB, expected {phases.peak / 2**30:,.3f} GiB. "
-                                + (slip or "Forward/backward: 12 B a parameter + activations + 8 B T V; optimizer "
-                                           "step: 20 B a parameter; the peak is the larger."))
+            rule = ("Forward/backward: 12 B a parameter + activations + 8 B T V; optimizer step: 20 B a parameter; "
+                    "the peak is the larger.")
+            raise ExerciseWrong(f"{where} returned {peak / 2**30:,.3f} GiB: "
+                                + (slip or f"{sentence(wrong_number(peak, phases.peak))} {rule}"))
         if phase != phases.peak_phase:
-            raise ExerciseWrong(f"{where}: the bytes are right, but the phase that holds them is "
-                                f"{phases.peak_phase!r}, not {phase!r}.")
+            raise ExerciseWrong(f"{where}: the bytes are right, but {phase!r} is not the phase that holds them: work "
+                                f"out each phase's bytes and see which is the larger.")
     print(f"Correct: the peak and its phase on {len(STEP_PEAK_CASES)} runs. The optimizer step holds it at "
           f"batch 1 and 2, forward/backward from batch 4: activations grow with the batch, the 20 B a parameter "
           f"do not.")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, check_value, learner_check
+from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, check_value, learner_check, sentence,
+                                     wrong_number)
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_value", "check_month_of_a100s", "expected_month_of_a100s"]
 
@@ -63,10 +64,12 @@ def check_month_of_a100s(a100_days, a100s_for_a_month, num_params: float = 3e9) 
         slip = next((why for why, wrong in _day_slips(num_params).items()
                      if math.isclose(got_days, wrong, rel_tol=1e-3)), "")
         if not slip and math.isclose(got_days, days, rel_tol=ROUNDED_REL_TOL):
-            slip = (f"That is {abs(got_days / days - 1):.2%} off: close, but the check asks for 0.1%. Keep every "
-                    f"digit to the end, and don't round.")
-        raise ExerciseWrong(f"`a100_days` = {got_days:,.4g}, expected {days:,.4g}. "
-                            + (slip or "6 N D FLOPs over 40% of 312 TFLOP/s, in days."))
+            # how far off is not said: with the learner's own number it would give the answer away
+            slip = ("That is within 1% but not within the 0.1% the check asks: close. Keep every digit to the end, "
+                    "and don't round.")
+        rule = "6 N D FLOPs over 40% of 312 TFLOP/s, in days."
+        raise ExerciseWrong(f"`a100_days` = {got_days:,.4g}: "
+                            + (slip or f"{sentence(wrong_number(got_days, days))} {rule}"))
     if a100s_for_a_month is None or a100s_for_a_month is Ellipsis:
         raise ExerciseIncomplete("`a100s_for_a_month` is not written yet.")
     try:
@@ -75,13 +78,14 @@ def check_month_of_a100s(a100_days, a100s_for_a_month, num_params: float = 3e9) 
         got_gpus = math.nan
     if isinstance(a100s_for_a_month, bool) or not got_gpus.is_integer():
         raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month!r}: a number of GPUs is a whole number. Round "
-                            f"{days / MONTH_DAYS:.2f} up.")
+                            f"the GPUs a month needs up.")
     if int(got_gpus) != gpus:
-        hint = (f"{days / MONTH_DAYS:.2f} GPUs rounded to the nearest is {round(days / MONTH_DAYS)}: that many take "
-                f"{days / round(days / MONTH_DAYS):.1f} days, over a month. Round up."
-                if int(got_gpus) == round(days / MONTH_DAYS) else
-                f"The days on one A100 over the {MONTH_DAYS} days of a month, rounded up.")
-        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}, expected {gpus}. {hint}")
+        # rounded to the nearest (or down): that many GPUs take more than a month, which the learner can check
+        short = int(got_gpus) in (round(days / MONTH_DAYS), math.floor(days / MONTH_DAYS)) and got_gpus >= 1
+        hint = (f"{int(got_gpus)} A100s take {days / got_gpus:.1f} days, over a month: round up, not to the nearest."
+                if short else f"That is not the fewest A100s that finish within {MONTH_DAYS} days: the days on one "
+                              f"A100 over the {MONTH_DAYS} days of a month, rounded up.")
+        raise ExerciseWrong(f"`a100s_for_a_month` = {a100s_for_a_month}: {hint}")
     fewer = f", {gpus - 1} would take {days / (gpus - 1):.1f}" if gpus > 1 else ""
     print(f"Correct: {days:,.1f} A100-days; {gpus} A100{'s finish' if gpus > 1 else ' finishes'} in "
           f"{days / gpus:.1f} days{fewer}.")

@@ -82,7 +82,7 @@ def _judge(name: str, ranks: int, chunk: int, r: int, output, want, slips, hint:
         hint = (f"The right numbers, but as {what}. {fix}" if right else
                 f"Each rank's answer is {what}, not a 1-D tensor. {fix} {hint}")
     raise ExerciseWrong(f"`{name}` on {ranks} ranks of {ranks * chunk} numbers: rank {r} ends with "
-                        f"{_shown(output)}, expected {want.tolist()}. {hint}")
+                        f"{_shown(output)}, which is not what the collective leaves there. {hint}")
 
 
 def _check_reduce_scatter(reduce_scatter, ranks: int, chunk: int) -> None:

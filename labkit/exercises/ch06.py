@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check, sentence, wrong_number
 from labkit.exercises.checks import _default_compare, _not_done, _ok, _short  # the shared feedback helpers
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_parallel_linears", "check_bytes_per_phase"]
@@ -85,8 +85,13 @@ def check_bytes_per_phase(name: str, predicted: dict, comm_rows, *, hint: str = 
     if set(predicted) != set(measured):
         raise ExerciseWrong(f"`{name}` should give one number per phase, {sorted(measured)}; got "
                             f"{sorted(predicted)}. {hint}".strip())
-    wrong = [f"{phase}: predicted {float(predicted[phase]):,.0f} B, measured {measured[phase]:,} B"
+    # the measured bytes are the answer: a wrong phase is told its kind of mistake, not what was measured
+    wrong = [f"{phase}: predicted {float(predicted[phase]):,.0f} B, "
+             f"{wrong_number(predicted[phase], measured[phase])}"
              for phase in measured if not math.isclose(float(predicted[phase]), measured[phase], rel_tol=1e-9)]
     if wrong:
-        raise ExerciseWrong(f"`{name}`: " + "; ".join(wrong) + f". {hint}".strip())
+        moved = math.isclose(sum(float(v) for v in predicted.values()), sum(measured.values()), rel_tol=1e-9)
+        said = ("the total is right, but some bytes are counted in the wrong phase (which phase does each collective "
+                "run in?): " if moved else "") + "; ".join(wrong)
+        raise ExerciseWrong(f"`{name}`: {sentence(said)} {hint}".strip())
     _ok(f"{name}: " + ", ".join(f"{phase} {measured[phase]:,} B" for phase in measured) + " (measured)")

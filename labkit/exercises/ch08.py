@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check
+from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong, learner_check, sentence, wrong_tensor
 from labkit.exercises.checks import _not_done, _ok, _short  # the shared feedback helpers
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_merge_attention_blocks", "check_swap_to_heads"]
@@ -81,9 +81,8 @@ def check_merge_attention_blocks(merge, *, hint: str = "") -> None:
                                     f"key yet has lse -inf on both sides, and exp(-inf - (-inf)) is nan; keep its "
                                     f"out 0 and lse -inf. {hint}".strip())
             if not torch.allclose(got.double(), expected.double(), atol=1e-5, rtol=1e-5):
-                worst = (got.double() - expected.double()).abs().nan_to_num(float("inf")).max().item()
-                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} differs from full attention by up "
-                                    f"to {worst:.3g}. {hint}".strip())
+                how = wrong_tensor(got, expected, atol=1e-5, rtol=1e-5, reference="full attention")
+                raise ExerciseWrong(f"`merge_attention_blocks`, {label}: {what} {sentence(how)} {hint}".strip())
     _ok(f"merge_attention_blocks passed {len(cases)} cases (causal ones with fully masked rows included)")
 
 

@@ -59,7 +59,7 @@ def check_rank_grid(coordinates, groups) -> None:
                     if tuple(got) == (other["pp"], other["dp"], other["tp"]) else
                     "Peel the innermost dimension off first: tp_rank = rank % tp, then dp, then pp.")
             raise ExerciseWrong(f"`coordinates({rank}, pp={shape[0]}, dp={shape[1]}, tp={shape[2]})` returned "
-                                f"{tuple(got)}, expected {want_coordinates}. {hint}")
+                                f"{tuple(got)}, not this rank's place in the grid. {hint}")
     for shape, rank in GRID_CASES:
         _, want_groups = _expected_grid(shape, rank)
         got = call_learner("groups", groups, rank, *shape)
@@ -67,10 +67,13 @@ def check_rank_grid(coordinates, groups) -> None:
             raise ExerciseIncomplete(f"`groups` {NOT_WRITTEN} It returned None.")
         for dim in ("pp", "dp", "tp"):
             if dim not in got or list(got[dim]) != want_groups[dim]:
+                mine = got.get(dim)
+                how = ("the right ranks, in the wrong order: list them in order of their {dim} coordinate"
+                       if mine is not None and sorted(mine) == want_groups[dim] else
+                       "not this rank's {dim} group: the ranks whose other two coordinates equal this rank's, in "
+                       "order of their {dim} coordinate").format(dim=dim)
                 raise ExerciseWrong(
-                    f"`groups({rank}, pp={shape[0]}, dp={shape[1]}, tp={shape[2]})['{dim}']` is "
-                    f"{got.get(dim)}, expected {want_groups[dim]}: the ranks whose other two coordinates equal "
-                    f"this rank's, in order of their {dim} coordinate.")
+                    f"`groups({rank}, pp={shape[0]}, dp={shape[1]}, tp={shape[2]})['{dim}']` is {mine}: {how}.")
     print(f"Correct: coordinates and groups of {len(GRID_CASES)} ranks in DeviceMesh's (pp, dp, tp) order.")
 
 
@@ -95,9 +98,9 @@ def check_layout_choice(choose_layout) -> None:
                 hint = (" Did you count weights and gradients only? Each parameter holds its fp32 shard (4 bytes), "
                         "its fp32 gradient (4) and AdamW's two fp32 moments (8): 16 in all, 4 + 4 + 8, the "
                         "chapter's convention." if forgot else "")
-                raise ExerciseWrong(f"{where} returned {got}, but nothing fits: the state alone is {state:.1f} GiB "
-                                    f"per GPU on {gpus} GPUs, + {activation_gib} GiB > {GPU_GIB:g} GiB. Return None."
-                                    f"{hint}")
+                raise ExerciseWrong(f"{where} returned {got}, a layout that does not fit: the state alone is "
+                                    f"{state:.1f} GiB per GPU on {gpus} GPUs, + {activation_gib} GiB of activations, "
+                                    f"against {GPU_GIB:g} GiB.{hint}")
             continue
         if got is None:
             # the plausible slip: keeping page 9.3's 4 GiB reserve back, which this exercise does not
@@ -132,14 +135,15 @@ def check_block_plan(block_plan) -> None:
     if missing:
         raise ExerciseWrong(f"`block_plan` has no entry for {', '.join(missing)}: every linear of the block is "
                             f"split (names as in `model.layers['0']`, e.g. 'attention.wq').")
+    # a wrong style is told what it would cost, not which style is right (with two styles, naming it is the answer)
     for name in COLWISE:
         if type(block_plan[name]) is not ColwiseParallel:
-            raise ExerciseWrong(f"`{name}` should be ColwiseParallel(): it splits its output features (the heads, "
-                                f"or the feed-forward columns), so each rank computes its own part with no "
-                                f"communication.")
+            raise ExerciseWrong(f"`{name}` as {type(block_plan[name]).__name__}(): its input, the block's activations, "
+                                f"arrives whole on every rank; where should each rank's share of the heads (or of "
+                                f"the feed-forward columns) come from, with no communication?")
     for name in ROWWISE:
         if type(block_plan[name]) is not RowwiseParallel:
-            raise ExerciseWrong(f"`{name}` should be RowwiseParallel(): its input arrives split by the layer "
-                                f"before it, so it splits its input features and its partial sums are "
-                                f"all-reduced, once per region.")
+            raise ExerciseWrong(f"`{name}` as {type(block_plan[name]).__name__}(): its input arrives already split "
+                                f"by the layer before it (each rank holds its heads or its columns); how does the "
+                                f"output come back whole from those parts?")
     print("Correct: q, k, v, w1, w3 column-wise; wo, w2 row-wise: two all-reduces per block forward.")

@@ -12,6 +12,7 @@ print, the learner's own layout's share), never at the answer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, _not_done, _ok, check_true, check_value,
@@ -132,6 +133,16 @@ def check_what_it_pays(answer, path, better, model: str = CASE[0], cluster: str 
     _ok(f"cost_70b: per step, {shown}. The largest is what {path.label()} pays beyond {better.label()}")
 
 
+def _state_only_nodes(model: str, cluster: str) -> set[int]:
+    """The node counts the training state alone gives (16 B a parameter over a node's memory), rounded either way:
+    the slip that forgets the activations, the gathered units and the reserve."""
+    from distlab import planner
+
+    machine = planner.CLUSTERS[cluster]
+    share = 16 * planner.MODELS[model].num_params() / (machine.gpus_per_node * machine.gpu_bytes)
+    return {max(1, math.floor(share)), math.ceil(share)}
+
+
 def _least_memory(model: str, cluster: str, nodes: int):
     """Of the layouts the search tries on ``nodes`` nodes, the one that needs the least memory per GPU."""
     from distlab import planner
@@ -144,8 +155,9 @@ def _least_memory(model: str, cluster: str, nodes: int):
 
 @learner_check
 def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_CASE[1], *, hint: str = "") -> None:
-    """``nodes`` is the fewest nodes on which some layout fits (``planner.fewest_nodes``). A wrong count is told the
-    memory of its own node count (too few: the least any layout needs there), never the answer."""
+    """``nodes`` is the fewest nodes on which some layout fits (``planner.fewest_nodes``). A wrong count is never told
+    the answer, nor whether it is too many or too few (a few guesses would find a small count): only the count the
+    training state alone gives, the usual slip, is shown the memory its layouts need."""
     from distlab import planner
 
     if nodes is None or nodes is Ellipsis:
@@ -157,15 +169,16 @@ def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_C
     if nodes < 1:
         raise ExerciseWrong(f"nodes_13b counts nodes: at least 1, not {nodes}. {hint}".strip())
     fewest = planner.fewest_nodes(planner.MODELS[model], machine)
-    if nodes < fewest:
+    if nodes < fewest and nodes in _state_only_nodes(model, cluster):
         least = _least_memory(model, cluster, nodes)
         raise ExerciseWrong(f"on {nodes} node(s) of {machine.gpus_per_node} GPUs no layout fits: the one that needs "
                             f"least, {least.layout.label()}, needs {least.memory_per_gpu_bytes['total'] / planner.GIB:.1f}"
                             f" GiB per GPU of {gpu_gib:.0f}. Did you count every part, not only the state? "
                             f"{hint}".strip())
-    if nodes > fewest:
-        raise ExerciseWrong(f"some layout fits on {nodes} nodes, but that is not the fewest: count the parts per GPU "
-                            f"again for one node fewer, or print planner.search(...) there. {hint}".strip())
+    if nodes != fewest:
+        raise ExerciseWrong(f"nodes_13b = {nodes} is not the fewest nodes on which some layout fits. Add, per GPU, "
+                            f"every part (the state's share, activations, gathered units, the reserve) for a node "
+                            f"count and for the one before it, or print planner.search(...) on each. {hint}".strip())
     least = _least_memory(model, cluster, nodes)
     before = (f"; on {nodes - 1} node(s) the least any layout needs is "
               f"{_least_memory(model, cluster, nodes - 1).memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB"

@@ -10,7 +10,7 @@ answers apart, and, when given, the notebook's own run) and compares with what `
 from __future__ import annotations
 
 from distlab import profiling
-from labkit.exercises.checks import ExerciseWrong, _not_done, _ok, learner_check
+from labkit.exercises.checks import ExerciseWrong, _not_done, _ok, learner_check, sentence, wrong_number
 
 
 def hidden_seconds(rows: list[dict]) -> float:
@@ -19,6 +19,21 @@ def hidden_seconds(rows: list[dict]) -> float:
     lane = lambda name: [(r["start"], r["end"]) for r in rows if r["lane"] == name]  # noqa: E731
     return profiling.length(profiling.intersect(lane("communication"),
                                                 profiling.intersect(lane("compute"), lane("backward"))))
+
+
+def _hidden_slips(rows: list[dict]) -> list[tuple[float, str]]:
+    """(what a usual slip gives, what it counted): the wrong answers a learner plausibly returns."""
+    lane = lambda name: [(r["start"], r["end"]) for r in rows if r["lane"] == name]  # noqa: E731
+    communication, busy = lane("communication"), profiling.intersect(lane("compute"), lane("backward"))
+    return [
+        (profiling.length(profiling.merge(communication)), "that is all the communication time, hidden or not"),
+        (profiling.length(profiling.intersect(communication, lane("backward"))),
+         "that counts communication inside backward's span whether or not backward was computing then"),
+        (sum(profiling.length(profiling.intersect([span], busy)) for span in communication),
+         "that counts twice the time where two collectives run together"),
+        (profiling.length(profiling.intersect(communication, lane("compute"))),
+         "that counts compute outside backward (the forward's) as hiding communication too"),
+    ]
 
 
 def _rows(compute, backward, communication):
@@ -49,11 +64,14 @@ def check_hidden_communication(function, run_rows: list[dict] | None = None, *, 
         if got is None:
             raise _not_done("hidden_communication", hint)
         want = hidden_seconds(rows)
-        if abs(float(got) - want) > 1e-9 + 1e-6 * abs(want):
+        close = lambda a, b: abs(float(a) - b) <= 1e-9 + 1e-6 * abs(b)  # noqa: E731
+        if not close(got, want):
             which = "the notebook's run" if index == len(TIMELINE_CASES) else f"hand-made timeline #{index + 1}"
+            slip = next((words for wrong, words in _hidden_slips(rows) if close(got, wrong)), None)
             raise ExerciseWrong(
-                f"hidden_communication on {which}: {float(got):.6g} s, expected {want:.6g} s. Count time once "
-                f"where two collectives run together, and only where backward is computing. {hint}".strip())
+                f"hidden_communication on {which}: {float(got):.6g} s: "
+                f"{sentence(slip or wrong_number(got, want))} Count time once where two "
+                f"collectives run together, and only where backward is computing. {hint}".strip())
     _ok(f"hidden_communication agrees on {len(cases)} timeline(s)")
 
 
@@ -109,11 +127,18 @@ def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -
             raise _not_done("missing_ranks", hint) from None
         if got is None:
             raise _not_done("missing_ranks", hint)
-        if sorted(int(r) for r in got) != want:
+        mine = sorted(int(r) for r in got)
+        if mine != want:
             which = "the notebook's run" if index == len(JOURNAL_CASES) else f"journal set #{index + 1}"
+            waiting = sorted(int(r) for r, j in journals.items()
+                             if any(c["label"] == label and not c["done"] for c in j["calls"]))
+            absent = sorted(int(r) for r, j in journals.items() if not any(c["label"] == label for c in j["calls"]))
+            slip = ("those are the ranks waiting in it, the victims" if mine == waiting else
+                    "that counts ranks outside the call's group, which never make it" if mine == absent else
+                    "those are not the culprits")
             raise ExerciseWrong(
-                f"missing_ranks on {which}, call {label!r}: {sorted(got)}, expected {want}. The culprits are the "
-                f"members of that call's group that never recorded it, not the ranks waiting in it. {hint}".strip())
+                f"missing_ranks on {which}, call {label!r}: {mine}: {slip}. The culprits are the members of that "
+                f"call's group that never recorded it, not the ranks waiting in it. {hint}".strip())
     _ok(f"missing_ranks finds the culprits in {len(cases)} journal set(s)")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from distlab import moe
-from labkit.exercises.checks import ExerciseWrong, call_learner, learner_check
+from labkit.exercises.checks import ExerciseWrong, call_learner, learner_check, sentence, wrong_number
 
 # (tokens, top_k, hidden, bytes per element, ep)
 DISPATCH_CASES = [(4096, 2, 4096, 2, 8), (8192, 8, 7168, 2, 64), (1024, 1, 1024, 4, 4), (512, 2, 256, 4, 1)]
@@ -44,13 +44,15 @@ def check_dispatch_bytes(dispatch_bytes) -> None:
         want = moe.dispatch_bytes(tokens, k, hidden, element, moe.uniform_leaving_share(ep))
         if got is None or not math.isclose(float(got), want, rel_tol=1e-9, abs_tol=1e-9):
             everything = tokens * k * hidden * element
-            hint = ""
-            if got is not None and math.isclose(float(got), everything):
-                hint = " That counts every assignment; the ones whose expert is on this rank never leave it."
-            elif got is not None and math.isclose(float(got), want / k):
-                hint = " Each token goes to top_k experts: top_k rows, not one."
-            raise ExerciseWrong(f"dispatch_bytes{(tokens, k, hidden, element, ep)} = {got}, expected {want:,.0f}."
-                                + hint)
+            if got is None:
+                hint = "return a number of bytes."
+            elif math.isclose(float(got), everything):
+                hint = "that counts every assignment; the ones whose expert is on this rank never leave it."
+            elif math.isclose(float(got), want / k):
+                hint = "each token goes to top_k experts: top_k rows, not one."
+            else:
+                hint = sentence(wrong_number(got, want))
+            raise ExerciseWrong(f"dispatch_bytes{(tokens, k, hidden, element, ep)} = {got}: {hint}")
     print("Correct: each token sends top_k rows of hidden x bytes, and (ep - 1) / ep of them leave the rank "
           "under even routing. DeepSeek-V3's 8 of 256 experts over EP 64: 8,192 tokens x 8 x 7,168 x 2 B x 63/64 "
           f"= {moe.dispatch_bytes(8192, 8, 7168, 2, 63 / 64) / 2**20:,.0f} MiB a layer, forward; as much comes "
@@ -78,7 +80,13 @@ def check_ep_choice(choose_ep) -> None:
                 hint = (f" EP {got[0]} fits too, but every extra rank joins every all-to-all"
                         + (", and then every all-to-all crosses nodes" if got[0] > per_node >= want[0] else "")
                         + ": take the smallest degree that fits.")
-            raise ExerciseWrong(f"choose_ep{case} = {got}, expected {want}.{hint}")
+            elif got is not None and got[0] == want[0]:
+                hint = (" The degree is right; does its group of consecutive ranks cross a node of "
+                        f"{per_node} GPUs?")
+            else:
+                hint = (" The degree divides the experts and the GPUs, and its share of the experts fits in the "
+                        "free memory: the smallest such degree.")
+            raise ExerciseWrong(f"choose_ep{case} = {got}: not the EP degree (and crossing) to pick.{hint}")
     print("Correct: the smallest EP degree whose share of the experts fits. It keeps the all-to-all inside a "
           "node where that is enough (NVLink), and goes across nodes only when the experts need more GPUs. That "
           "rule is for all-to-alls on the critical path. DeepSeek-V3 spread its 256 experts over EP 64, 8 nodes of 8 "
@@ -107,11 +115,12 @@ def check_dropless_capacity(capacity_factor, routing) -> None:
             raise ExerciseWrong(f"with a capacity factor of {float(got):.4g}, {dropped} assignments are dropped."
                                 + hint)
         if float(got) > want * (1 + 1e-9):
-            raise ExerciseWrong(f"{float(got):.4g} drops nothing, but {want:.4g} is enough: the busiest expert has "
-                                f"{busiest} of {tokens * k} assignments.")
+            raise ExerciseWrong(f"{float(got):.4g} drops nothing, but a smaller factor is enough: "
+                                f"{sentence(wrong_number(got, want))} Count the assignments of the busiest "
+                                f"expert in `chosen`.")
         if float(got) < want * (1 - 1e-9):
-            raise ExerciseWrong(f"{float(got):.4g} drops nothing, but only because the ceil rounds its capacity up to "
-                                f"{busiest} rows. Return the factor at which capacity_factor x tokens x top_k / "
-                                f"experts equals the busiest expert's {busiest} assignments: {want:.4g}.")
+            raise ExerciseWrong(f"{float(got):.4g} drops nothing, but only because the ceil rounds its capacity up. "
+                                f"Return the factor at which capacity_factor x tokens x top_k / experts equals the "
+                                f"busiest expert's assignments, before the ceil.")
     print("Correct: busiest expert's assignments x experts / (tokens x top_k). A factor of 1 fits only a perfectly "
           "even routing; a dropless layer needs no factor at all, at the price of uneven all-to-alls.")

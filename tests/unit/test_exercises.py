@@ -8,8 +8,17 @@ from labkit.exercises import ch05, ch06, ch08
 def test_value_none_is_incomplete_and_wrong_is_wrong(capsys):
     with pytest.raises(exercises.ExerciseIncomplete, match="not written yet"):
         exercises.check_value("x", None, 3)
-    with pytest.raises(exercises.ExerciseWrong, match="expected 3"):
+    with pytest.raises(exercises.ExerciseWrong, match="off by one") as wrong:
         exercises.check_value("x", 4, 3)
+    assert "3" not in str(wrong.value)                      # never the answer
+    with pytest.raises(exercises.ExerciseWrong, match="factor of two"):
+        exercises.check_value("x", 6, 3)
+    with pytest.raises(exercises.ExerciseWrong, match="bits"):
+        exercises.check_value("bytes", 8 * 4096, 4096)
+    with pytest.raises(exercises.ExerciseWrong, match="GiB"):
+        exercises.check_value("gib", 12.5 * 2**30 / 1e9, 12.5)
+    with pytest.raises(exercises.ExerciseWrong, match="too large"):   # not a whole number: a direction is safe
+        exercises.check_value("share", 0.31, 0.0519)
     exercises.check_value("x", 3.0000001, 3)
     assert "Correct" in capsys.readouterr().out
 
@@ -20,16 +29,19 @@ def test_function_stub_is_incomplete():
 
     with pytest.raises(exercises.ExerciseIncomplete):
         exercises.check_function("f", stub, [((1,), 2)])
-    with pytest.raises(exercises.ExerciseWrong, match="returned 1, expected 2"):
-        exercises.check_function("f", lambda x: x, [((1,), 2)])
+    with pytest.raises(exercises.ExerciseWrong, match=r"returned 5: off by a factor of two") as wrong:
+        exercises.check_function("f", lambda x: x, [((5,), 10)])
+    assert "10" not in str(wrong.value)
     exercises.check_function("f", lambda x: 2 * x, [((1,), 2), ((torch.ones(2),), torch.full((2,), 2.0))])
 
 
 def test_tensor_checks_shape_and_values():
     with pytest.raises(exercises.ExerciseWrong, match="shape"):
         exercises.check_tensor("t", torch.zeros(2), torch.zeros(3))
-    with pytest.raises(exercises.ExerciseWrong, match="differs"):
+    with pytest.raises(exercises.ExerciseWrong, match="differs from the reference in 3 of 3 elements"):
         exercises.check_tensor("t", torch.zeros(3), torch.ones(3))
+    with pytest.raises(exercises.ExerciseWrong, match="1 of 3 elements, all by one factor: off by a factor of eight"):
+        exercises.check_tensor("t", torch.tensor([1.0, 16.0, 3.0]), torch.tensor([1.0, 2.0, 3.0]))
     exercises.check_tensor("t", torch.ones(3), torch.ones(3))
 
 

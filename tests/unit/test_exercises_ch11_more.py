@@ -133,3 +133,16 @@ def test_the_costs_are_the_planners_seconds():
     assert costs["recomputation"] / plan.compute_seconds == pytest.approx(0.25, abs=0.01)   # a third more: 1/4 of all
     assert costs["communication"] == pytest.approx(sum(plan.exposed_seconds.values()))
     assert exercises.costs(planner.Layout(tp=4, pp=4, dp=4, zero_stage=1))["recomputation"] == 0
+
+
+def test_the_fewest_nodes_check_does_not_tell_too_many_from_too_few():
+    """A small whole count is found by halving when a wrong one is told its side: past the state-alone slip (the only
+    count below the answer here), wrong counts read alike but for the count, and none says which side it is on."""
+    fewest = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
+    messages = {}
+    for wrong in (fewest + 1, fewest + 3):
+        with pytest.raises(exercises.ExerciseWrong) as raised:
+            exercises.check_fewest_nodes(wrong, "13b", "a100-40gb")
+        messages[wrong] = str(raised.value).replace(f"= {wrong} ", "= N ")
+    assert len(set(messages.values())) == 1, messages
+    assert not any(word in messages[fewest + 1] for word in ("fewer", "fits on", "no layout fits", "too many"))

@@ -463,7 +463,7 @@ def test_bytes_per_phase_a_swap_between_phases_keeps_the_total():
     rows = [{"phase": "forward", "measured_bytes": 100}, {"phase": "forward", "measured_bytes": 12},
             {"phase": "backward", "measured_bytes": 100}]
     ch06.check_bytes_per_phase("b", {"forward": 112, "backward": 100}, rows)
-    with pytest.raises(exercises.ExerciseWrong, match="forward: predicted 100 B, measured 112 B"):
+    with pytest.raises(exercises.ExerciseWrong, match="total is right, but some bytes are counted in the wrong phase.*forward: predicted 100 B"):
         ch06.check_bytes_per_phase("b", {"forward": 100, "backward": 112}, rows)
     with pytest.raises(exercises.ExerciseWrong, match="one number per phase"):
         ch06.check_bytes_per_phase("b", {"total": 212}, rows)
