@@ -259,8 +259,7 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
                            "distlab_on_walltime_warning; DISTLAB_JOB_END=1 distlab_on_sigterm;")
     limit = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{both}", "x", str(tmp_path / "run")],
                            cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert "distlab: SIGTERM at the time limit: srun passes it on to the ranks as SIGKILL: no checkpoint can be " \
-        "relied on" in limit.stdout, limit.stdout
+    assert "distlab: SIGTERM at the time limit: the ranks stop; no checkpoint is written" in limit.stdout, limit.stdout
     assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in limit.stdout, limit.stdout
     assert "  not-launched train_ddp.py (walltime warning)" in limit.stdout and limit.returncode == 0, limit.stdout
     # a node's clock a few seconds behind the controller's, which times the job out: still the limit's SIGTERM
@@ -268,6 +267,24 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
     behind = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{early}", "x", str(tmp_path / "run")],
                             cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert "distlab: SIGTERM at the time limit: " in behind.stdout, behind.stdout + behind.stderr
+
+
+def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait_later(tmp_path):
+    """At the limit slurmd sends every step TERM, then KILL KillWait later (req.c: _rpc_timelimit,
+    _rpc_terminate_job); the job's srun, TERMed too, sends its tasks nothing (its SIGKILL "forward" is
+    slurm_step_launch_abort: srun_job.c, launch_slurm.c in 22.05). So the trap's line promises the checkpoint within
+    KillWait, read from `scontrol show config` as the job starts (tests/slurm/test_slurm_jobs.py sees it written)."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
+                        "  printf 'JobRequeue              = 1\\nKillWait                = 15 sec\\n'\n"
+                        "else echo 'JobId=7 TimeLimit=00:30:00 EndTime=2099-01-01T00:00:00'; fi\n")
+    scontrol.chmod(0o755)
+    snippet = ("distlab_deadline >/dev/null; DISTLAB_JOB_END=1 DISTLAB_CURRENT=fault_drill.py "
+               "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
+    done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
+    assert done.stdout.splitlines() == [
+        "distlab: SIGTERM at the time limit: fault_drill.py's ranks stop at the end of their step and write a checkpoint "
+        "if they finish before the KILL, 15 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
 
 
 def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):
