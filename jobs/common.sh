@@ -272,10 +272,13 @@ distlab_find_nccl_plugin() {
     return 1
 }
 
-# distlab_plugin_name PATH: what the preflight calls the plugin: RCCL's (aws-ofi-rccl, librccl-net.so) or NCCL's
+# distlab_plugin_name PATH: what the preflight calls the file it found, before any rank runs: RCCL's (aws-ofi-rccl's
+# librccl-net.so) or NCCL's. Whether RCCL loaded it, and by what name, is only in RCCL's own INFO lines ("NET/Plugin:
+# Loaded net plugin AWS Libfabric (v5)", or "NET/Plugin: No plugin found (librccl-net.so)"), which
+# distlab_report_transport reads at the end (coursetools/jobs.py, nccl_details, cites them)
 distlab_plugin_name() {
     case ${1##*/} in
-    librccl-net*) echo "RCCL net plugin (aws-ofi-rccl, librccl-net.so)" ;;
+    librccl-net*) echo "RCCL net plugin file (aws-ofi-rccl; whether RCCL loaded it: its 'NET/Plugin' line, in the transport report)" ;;
     *) echo "aws-ofi-nccl plugin" ;;
     esac
 }
@@ -309,15 +312,16 @@ distlab_nccl_warnings() { distlab_jobs warnings "${DISTLAB_RUN_DIR:-}/nccl"; }
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
 # The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
 distlab_report_transport() {
-    local transport
+    local transport library=NCCL
+    [[ $DISTLAB_GPU_VENDOR != amd ]] || library=RCCL # RCCL keeps NCCL's "NCCL INFO" lines: the same rules read them
     transport=$(distlab_nccl_transport "$@")
     {
-        distlab_log "NCCL transport: $transport"
+        distlab_log "$library transport: $transport"
         if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
             distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
         fi
         local detail
-        while IFS= read -r detail; do distlab_log "NCCL $detail"; done < <(distlab_nccl_details "$@")
+        while IFS= read -r detail; do distlab_log "$library $detail"; done < <(distlab_nccl_details "$@")
     } | if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then tee -a "$DISTLAB_RUN_DIR/nccl_transport.txt"; else cat; fi
 }
 
