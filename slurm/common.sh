@@ -30,8 +30,8 @@ DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
 # At the time limit, and on a plain `scancel JOB`, slurmd sends TERM to every step, the batch shell's and the ranks',
 # and KILL KillWait seconds later (src/slurmd/slurmd/req.c: _rpc_timelimit, _rpc_terminate_job; scancel.1: "This
 # gives time for the running job/step(s) to clean up"). The job's srun gets that TERM too, prints "forcing job
-# termination" and only stops waiting for its tasks: its launch_fwd_signal(SIGKILL) is slurm_step_launch_abort, which
-# sends the tasks nothing (Slurm 22.05 src/srun/libsrun/srun_job.c:2322-2331 and src/plugins/launch/slurm/
+# termination" and "Job step aborted: Waiting up to N seconds" (KillWait + 2) for its tasks to end: its
+# launch_fwd_signal(SIGKILL) is slurm_step_launch_abort, which sends the tasks nothing (Slurm 22.05 src/srun/libsrun/srun_job.c:2322-2331 and src/plugins/launch/slurm/
 # launch_slurm.c:961-962; src/srun/signals.c and src/srun/launch.c:1659-1660 at 284c3b95). So the ranks have KillWait
 # seconds after their TERM: distlab_on_sigterm says a checkpointing launch writes its checkpoint if it fits in them.
 # the job's time limit as Slurm names it (its TimeLimit field; "*** JOB ... CANCELLED AT ... DUE TO TIME LIMIT ***")

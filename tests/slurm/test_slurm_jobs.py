@@ -89,17 +89,19 @@ JOBS = {
     # comes 60 to 90 s in: slurmctld checks every 30 s), so the drill still runs when the warning comes; the ranks
     # mostly sleep. No rank dies (DISTLAB_DRILL_DEATH=0): a warning during torchrun's restart (seen after the death
     # at step 5 on a loaded machine) finds the new ranks before their SIGTERM handler, with no checkpoint.
-    # tuning.py is the launch the warning holds back; the successor runs the drill only, under the job file's own
-    # warning (180 s ahead) and deadline (120 s ahead): a 10-minute limit, so that neither comes before it completes
-    # (with 6 minutes, on a loaded machine, the warning stopped it at step 45 of 80), within 500 s
-    # (DISTLAB_LAUNCH_TIMEOUT: the others' 150 s is too short here).
+    # tuning.py is the launch the warning holds back; the successor runs the drill only, unpaced (the pacing changes
+    # no loss; paced, at load 19, it ran 4 s a step and outlasted the test's 300 s), under the job file's own warning
+    # (180 s ahead) and deadline (120 s ahead): a 10-minute limit, so that neither comes before it completes (with 6
+    # minutes, on a loaded machine, the warning stopped it at step 45 of 80), within 500 s (DISTLAB_LAUNCH_TIMEOUT:
+    # the others' 150 s is too short here).
     "time-limit": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=2",
                                          f"--signal=B:USR1@{WARNING}"],
                    {"DISTLAB_ONLY": "fault_drill.py,tuning.py", "DISTLAB_CHAIN": "1",
                     "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "60",
                     "DISTLAB_DRILL_DEATH": "0", **PG_TIMEOUT,
                     "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
-                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py", "DISTLAB_LAUNCH_TIMEOUT": "500",
+                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py,DISTLAB_DRILL_STEP_SECONDS=0",
+                    "DISTLAB_LAUNCH_TIMEOUT": "500",
                     **REAL_PYTHON}),
     # the time limit itself (test_a_job_that_reaches_its_time_limit_...): the job file's warning turned off
     # (--signal=B:USR1@0: slurmctld sends a warning only for a warn_time above 0, job_mgr.c send_job_warn_signal),
@@ -375,7 +377,7 @@ def test_a_job_that_reaches_its_time_limit_saves_within_killwait_times_out_and_i
     assert stopped["extra"]["stopped_by"] == "signal" and all(c["passed"] for c in stopped["checks"]), stopped
     step = stopped["extra"]["checkpoint_step"]
     drill = out / "drill"
-    assert sorted(p.name for p in drill.glob("step_*"))[-1] == f"step_{step:06d}"
+    assert (drill / f"step_{step:06d}").is_dir()  # the latest then: the successor resumes from it (below)
     saved = json.loads((drill / "stopped.json").read_text())
     assert saved["step"] == step and at - 1 <= saved["time"] <= at + kill_wait + 1, (cancelled, saved)
     # the job's own report names the time limit: no FAILED, no plain SIGTERM, in the summary or the job's lines

@@ -739,6 +739,9 @@ def test_the_schedulers_kill_delays_and_messages():
     assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit TERM, then KILL `KillWait` later" in text
     # and srun, TERMed too, sends its tasks nothing: launch_fwd_signal(SIGKILL) is slurm_step_launch_abort
     assert "`srun` that gets a TERM forwards SIGKILL" not in text and "SIGKILLs the tasks" not in text
+    # the Slurm tier's KillWait, within which its limit-reached job's ranks save (tests/slurm/conftest.py)
+    kill_wait = int(re.search(r"^KILL_WAIT = (\d+)$", (ROOT / "tests" / "slurm" / "conftest.py").read_text(), re.M).group(1))
+    assert f"writes its checkpoint within {kill_wait} s of `KillWait`" in text
     # the node-failure line in full (src/slurmd/slurmstepd/req.c)
     assert "`DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***`" in text
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
@@ -936,7 +939,7 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
 
 def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     # a plain Slurm scancel sends every step TERM, then KILL after KillWait (scancel.1:355-359); the job's srun, TERMed
-    # too, only stops waiting for its tasks (launch_fwd_signal(SIGKILL) is slurm_step_launch_abort: src/srun/launch.c,
+    # too, sends its tasks nothing (launch_fwd_signal(SIGKILL) is slurm_step_launch_abort: src/srun/launch.c,
     # the time-limit test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
