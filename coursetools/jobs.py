@@ -298,20 +298,23 @@ def last_match(pattern: str, lines: list[str], flags: int = 0) -> str:
 
 
 def nccl_transport(lines: list[str]) -> str:
-    """The network NCCL chose, from its NCCL_DEBUG=INFO lines: "OFI (aws-ofi-nccl, provider cxi)",
-    "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported"."""
+    """The network NCCL (or RCCL, which keeps NCCL's "NCCL INFO" lines) chose, from its NCCL_DEBUG=INFO lines:
+    "OFI (aws-ofi-nccl, provider cxi)", "Socket (TCP on [0]hsn0:10.1.2.3<0>)", "IB", or "none reported". The OFI
+    plugin is named as it names itself: aws-ofi-nccl's "NET/OFI Initializing aws-ofi-nccl 1.6.0", aws-ofi-rccl's
+    "NET/OFI Using aws-ofi-rccl 1.4.0" ("Using " PACKAGE_STRING, ROCm/aws-ofi-rccl 17d41cb src/nccl_ofi_net.c:1120)."""
     net = last_match(r"NCCL INFO Using network (.*)", lines)
     provider = last_match(r"NET/OFI Selected provider is ([A-Za-z0-9_;+-]*)", lines, re.I)
     sockets = last_match(r"NET/Socket : Using (.*)", lines).lstrip()
+    ofi = last_match(r"NET/OFI (?:Initializing|Using) (aws-ofi-[a-z]+) ", lines) or "aws-ofi-nccl"
     if "Libfabric" in net or net == "OFI":
-        return f"OFI (aws-ofi-nccl{', provider ' + provider if provider else ''})"
+        return f"OFI ({ofi}{', provider ' + provider if provider else ''})"
     if net == "Socket":
         return f"Socket (TCP{' on ' + sockets if sockets else ''})"
     if net:
         return net
     # a log cut short before "Using network": the plugin's own lines still tell
     if provider:
-        return f"OFI (aws-ofi-nccl, provider {provider})"
+        return f"OFI ({ofi}, provider {provider})"
     if sockets:
         return f"Socket (TCP on {sockets})"
     return "none reported (NCCL_DEBUG=INFO not set, or no NCCL communicator: CPU/gloo runs)"
@@ -323,7 +326,12 @@ def nccl_details(lines: list[str]) -> list[str]:
     loaded ("NET/Plugin: Loaded net plugin %s (v%d)", src/plugin/net/net_v*.cc). A plugin NCCL cannot use is said
     two ways: up to 2.28.2 one "NET/Plugin: Failed to find ncclNetPlugin_v%d symbol." for each interface the
     library lacks (v2.27.3-1 src/plugin/net/net_v10.cc:20); from 2.28.3 one line "External network plugin %s is
-    unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised."""
+    unsupported" (v2.28.3-1 src/plugin/net.cc:100). Both are recognised. RCCL loads aws-ofi-rccl's librccl-net.so and
+    logs the same "Loaded net plugin" line with the name the plugin gives itself ("AWS Libfabric", v5: ROCm/rccl at
+    0cbce2a7 src/net.cc:447, ROCm/aws-ofi-rccl 17d41cb src/nccl_ofi_net.c:3123, include/nccl_net.h:88), after
+    "NET/Plugin: Failed to find ncclNetPlugin_v8 symbol." (net.cc:429); a library it cannot open, "NET/Plugin: No
+    plugin found (librccl-net.so)" or "NET/Plugin: Plugin load returned %d : %s when loading librccl-net.so", then
+    "NET/Plugin: Using internal network plugin." (net.cc:350, 352, 423)."""
     sends = sum(1 for ln in lines if re.search(r"\[send\] via NET/", ln))
     gdr = sum(1 for ln in lines if re.search(r"\[send\] via NET/.*/GDRDMA", ln))
     if sends == 0:
@@ -335,8 +343,12 @@ def nccl_details(lines: list[str]) -> list[str]:
     plugin = last_match(r"NET/Plugin: Loaded net plugin (.*)", lines)
     missing = next((m.group(0) for ln in lines for m in [re.search(
         r"NET/Plugin: Failed to find ncclNetPlugin_v[0-9]+ symbol|External network plugin .* is unsupported", ln)] if m), "")
+    unopened = last_match(r"NET/Plugin: (No plugin found \(.*\)|Plugin load returned .* when loading \S+)", lines)
     if plugin:
         out.append(f"net plugin: {plugin}")
+    elif unopened:
+        out.append(f"net plugin: none loaded ({unopened}: the library is not on LD_LIBRARY_PATH, or cannot be "
+                   "opened; the internal network plugin is used)")
     elif missing:
         out.append(f"net plugin: none loaded ({missing.removeprefix('NET/Plugin: ')}: a plugin older than this "
                    "NCCL's interface, or not a net plugin; NCCL falls back to its own sockets)")

@@ -79,8 +79,8 @@ class CallJournal:
 
 
 def on_sigterm_leave_evidence(leave) -> None:
-    """Call ``leave()`` when the process gets SIGTERM (qdel, PBS's walltime, Slurm's ``scancel --signal=TERM``; a
-    plain Slurm ``scancel`` or time limit has srun SIGKILL the ranks at once), even while the main thread
+    """Call ``leave()`` when the process gets SIGTERM (qdel, PBS's walltime, Slurm's ``scancel --signal=TERM``, a
+    plain ``scancel`` or the time limit, each with a KILL some seconds later), even while the main thread
     waits inside a collective, where no Python signal handler runs until the call returns: SIGTERM is blocked in
     every thread (call this first, before the process group starts its threads, which inherit the mask) and one
     helper thread waits for it with sigwait. ``leave`` writes what tells the hang apart and ends the process."""

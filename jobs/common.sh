@@ -272,10 +272,13 @@ distlab_find_nccl_plugin() {
     return 1
 }
 
-# distlab_plugin_name PATH: what the preflight calls the plugin: RCCL's (aws-ofi-rccl, librccl-net.so) or NCCL's
+# distlab_plugin_name PATH: what the preflight calls the file it found, before any rank runs: RCCL's (aws-ofi-rccl's
+# librccl-net.so) or NCCL's. Whether RCCL loaded it, and by what name, is only in RCCL's own INFO lines ("NET/Plugin:
+# Loaded net plugin AWS Libfabric (v5)", or "NET/Plugin: No plugin found (librccl-net.so)"), which
+# distlab_report_transport reads at the end (coursetools/jobs.py, nccl_details, cites them)
 distlab_plugin_name() {
     case ${1##*/} in
-    librccl-net*) echo "RCCL net plugin (aws-ofi-rccl, librccl-net.so)" ;;
+    librccl-net*) echo "RCCL net plugin file (aws-ofi-rccl; whether RCCL loaded it: its 'NET/Plugin' line, in the transport report)" ;;
     *) echo "aws-ofi-nccl plugin" ;;
     esac
 }
@@ -309,15 +312,16 @@ distlab_nccl_warnings() { distlab_jobs warnings "${DISTLAB_RUN_DIR:-}/nccl"; }
 # distlab_report_transport LOG...: print the transport; one loud line when it is TCP sockets on Slingshot.
 # The lines also go to the run directory's nccl_transport.txt, which distlab_finish adds to the summary.
 distlab_report_transport() {
-    local transport
+    local transport library=NCCL
+    [[ $DISTLAB_GPU_VENDOR != amd ]] || library=RCCL # RCCL keeps NCCL's "NCCL INFO" lines: the same rules read them
     transport=$(distlab_nccl_transport "$@")
     {
-        distlab_log "NCCL transport: $transport"
+        distlab_log "$library transport: $transport"
         if [[ $transport == Socket* && $DISTLAB_NETWORK == slingshot ]]; then
             distlab_log "WARNING: NCCL IS USING TCP SOCKETS ON A SLINGSHOT NODE: traffic between nodes runs at a fraction of the network's speed; put the aws-ofi-nccl plugin on LD_LIBRARY_PATH or set DISTLAB_NCCL_PLUGIN_DIR (pbs/README.md)"
         fi
         local detail
-        while IFS= read -r detail; do distlab_log "NCCL $detail"; done < <(distlab_nccl_details "$@")
+        while IFS= read -r detail; do distlab_log "$library $detail"; done < <(distlab_nccl_details "$@")
     } | if [[ -n ${DISTLAB_RUN_DIR:-} && -d ${DISTLAB_RUN_DIR:-} ]]; then tee -a "$DISTLAB_RUN_DIR/nccl_transport.txt"; else cat; fi
 }
 
@@ -535,9 +539,15 @@ distlab_launch() {
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
     elif [[ -n ${DISTLAB_STOPPED_BY:-} ]]; then # its ranks got SIGTERM (distlab_on_sigterm)
         local planned=""
-        # torch re-raises the TERM in its agent, which exits 1, and srun reports each such task as an error
-        [[ $DISTLAB_STOPPED_BY != "walltime warning" || $DISTLAB_LAUNCHER != torchrun ]] ||
+        # torch re-raises the TERM in its agent, which exits 1, and srun reports each such task as an error; at the
+        # time limit every step gets TERM twice (Slurm's slurmd: _rpc_timelimit, then _rpc_terminate_job), so each
+        # agent prints two SignalException tracebacks, and still waits for its workers (torch's agent run(): the
+        # second TERM interrupts its shutdown, and its finally clause shuts the workers down again)
+        if [[ $DISTLAB_LAUNCHER == torchrun && $DISTLAB_STOPPED_BY == "walltime warning" ]]; then
             planned="; a planned stop: torchrun's agents exit 1 after a TERM, and srun's 'Exited with exit code 1' lines say only that"
+        elif [[ $DISTLAB_LAUNCHER == torchrun && $DISTLAB_STOPPED_BY == "$DISTLAB_LIMIT_NAME" ]]; then
+            planned="; torchrun's agents exit 1 after a TERM (their tracebacks end 'SignalException: ... got signal: 15'), and the exit-code lines say only that"
+        fi
         distlab_log "stopped $name: exit code $rc after ${seconds}s, by $(distlab_stop_reason)$planned (log: $log)"
         DISTLAB_RESULTS+=("stopped($rc) $name ${seconds}s ($DISTLAB_STOPPED_BY)")
     else
@@ -562,13 +572,12 @@ distlab_not_launched() {
 }
 
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
-# waits in the background): the ranks got the signal too and stop at the end of their step. Only a script the job
-# names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out, and only then
-# does the line say so; no later launch starts: the job is being ended. Under Slurm (DISTLAB_TERM_KILLS_RANKS) the
-# job's srun gets the TERM too and forwards SIGKILL to the ranks, so no checkpoint is promised there (slurm/common.sh
-# has the ranks checkpoint at the walltime warning instead). The summary is written now, as it stands:
-# the scheduler kills what is left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay), perhaps
-# before the launch in progress has ended.
+# waits in the background): the ranks got the signal too, from the scheduler, and stop at the end of their step. Only
+# a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
+# and only then does the line say so; no later launch starts: the job is being ended. The scheduler kills what is
+# left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay; DISTLAB_KILL_DELAY says when, where the
+# scheduler's part knows it): the checkpoint is there only if a step and a save fit before. The summary is written
+# now, as it stands, perhaps before the launch in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
@@ -583,10 +592,10 @@ distlab_on_sigterm() {
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
     [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
-    if [[ ${DISTLAB_TERM_KILLS_RANKS:-0} == 1 ]]; then # Slurm: srun forwards SIGKILL (slurm/common.sh)
-        distlab_log "$signal: srun passes it on to the ranks${current:+ ($current)} as SIGKILL: no checkpoint can be relied on; nothing more is launched"
-    elif [[ -n $current && $saving == *" $current "* ]]; then
-        distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if that ends before the scheduler's SIGKILL (PBS: kill_delay after a qdel or the walltime, 10 to about 25 s; none after qsig -s TERM); nothing more is launched"
+    # when the scheduler's KILL follows: Slurm's KillWait, read at the job's start (slurm/common.sh); PBS's kill_delay
+    local kill=${DISTLAB_KILL_DELAY:-"kill_delay after a qdel or the walltime (PBS; none after qsig -s TERM)"}
+    if [[ -n $current && $saving == *" $current "* ]]; then
+        distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if they finish before the KILL, $kill; nothing more is launched"
     else
         distlab_log "$signal: the ranks stop${current:+ ($current)}; no checkpoint is written; nothing more is launched"
     fi

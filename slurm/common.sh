@@ -27,9 +27,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/../jobs/common.sh" || exit 2
 
 DISTLAB_SCHEDULER=slurm
 DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
-# a TERM to the batch shell (scancel, the time limit) reaches this job's srun too, whose answer is to SIGKILL its tasks
-# (src/srun/signals.c): distlab_on_sigterm promises no checkpoint
-DISTLAB_TERM_KILLS_RANKS=1
+# At the time limit, and on a plain `scancel JOB`, slurmd sends TERM to every step, the batch shell's and the ranks',
+# and KILL KillWait seconds later (src/slurmd/slurmd/req.c: _rpc_timelimit, _rpc_terminate_job; scancel.1: "This
+# gives time for the running job/step(s) to clean up"). The job's srun gets that TERM too, prints "forcing job
+# termination" and "Job step aborted: Waiting up to N seconds" (KillWait + 2) for its tasks to end: its
+# launch_fwd_signal(SIGKILL) is slurm_step_launch_abort, which sends the tasks nothing (Slurm 22.05 src/srun/libsrun/srun_job.c:2322-2331 and src/plugins/launch/slurm/
+# launch_slurm.c:961-962; src/srun/signals.c and src/srun/launch.c:1659-1660 at 284c3b95). So the ranks have KillWait
+# seconds after their TERM: distlab_on_sigterm says a checkpointing launch writes its checkpoint if it fits in them.
 # the job's time limit as Slurm names it (its TimeLimit field; "*** JOB ... CANCELLED AT ... DUE TO TIME LIMIT ***")
 DISTLAB_LIMIT_NAME="time limit"
 DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
@@ -138,12 +142,16 @@ distlab_agents_command() {
 distlab_deadline() {
     # DISTLAB_DEADLINE (seconds since the epoch) = the job's EndTime less DISTLAB_WALLTIME_MARGIN, as under PBS:
     # the scripts that checkpoint (fault_drill.py) stop themselves before it, write a checkpoint and exit 0.
-    # At the limit Slurm sends TERM (up to about 30 s late: it checks limits every 30 s), which srun turns into a
-    # SIGKILL of the ranks, and KILL KillWait later: the warning (distlab_on_walltime_warning) is the time to save.
-    local end limit
+    # At the limit Slurm sends TERM to the ranks (up to about 30 s late: it checks limits every 30 s), and KILL
+    # KillWait later (30 s by default, slurm.conf.5): too short for a large model's step and save, so the warning
+    # (distlab_on_walltime_warning) or the deadline is the time to save.
+    local end limit wait
     end=$(distlab_job_field EndTime)
     limit=$(distlab_job_field TimeLimit)
     [[ -n $end && $end != Unknown && $limit != UNLIMITED ]] || return 0 # not a Slurm job, or no limit
+    # a TERM (scancel, the limit) leaves the ranks KillWait seconds ("KillWait = 30 sec" in scontrol show config)
+    wait=$("$DISTLAB_SCONTROL" show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9][0-9]*\) sec.*/\1/p')
+    [[ -z $wait ]] || DISTLAB_KILL_DELAY="${wait} s after the TERM (KillWait)"
     end=$(date -d "$end" +%s 2>/dev/null) || distlab_die "cannot read the job's EndTime '$end'"
     # the job's end: a SIGTERM at or after it is the time limit's (distlab_on_sigterm), and the warning says how near
     export DISTLAB_JOB_END=$end
@@ -167,9 +175,8 @@ distlab_deadline() {
 # signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
 # on_sigterm, die of the TERM's default action (stepd req.c signals every process of the step) without a checkpoint:
 # nothing new was trained, and the last checkpoint stands. An agent
-# SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself is no time to save:
-# slurmd then sends TERM to the batch step too, srun answers it by forwarding SIGKILL to its tasks (src/srun/signals.c,
-# "forcing job termination"), and with proctrack/cgroup every process of the step dies.
+# SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself leaves only KillWait
+# for a step and a save (30 s by default): slurmd sends TERM to every step, then KILL (DISTLAB_KILL_DELAY, above).
 # Two launches get no TERM:
 # - one already writing its checkpoint at its own deadline (it wrote DISTLAB_STOPPING_FILE first): it stops by
 #   itself, and the TERM would only start the agent's clock on its save;
@@ -209,7 +216,7 @@ distlab_on_walltime_warning() {
             fi
         fi
         distlab_log "$said; $current's ranks get SIGTERM now (scancel --signal=TERM $signalled: the launch's step, not this shell); ranks past their start end their step, write a checkpoint and stop, and a chained successor goes on from it (ranks still starting stop without one: the last checkpoint stands)"
-        "$DISTLAB_SCANCEL" --signal=TERM "$signalled" || distlab_log "scancel --signal=TERM $signalled failed: $current goes on to the limit, where no checkpoint can be relied on"
+        "$DISTLAB_SCANCEL" --signal=TERM "$signalled" || distlab_log "scancel --signal=TERM $signalled failed: $current goes on to the limit, whose TERM leaves its ranks only KillWait to save"
     else
         distlab_log "$said${current:+ ($current goes on: it writes no checkpoint)}"
     fi

@@ -7,8 +7,8 @@ import pytest
 from coursetools.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 # KillWait: the seconds between the time limit's SIGTERM and its SIGKILL (slurm.conf.5: 30 by default; slurmd waits
-# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). No job's checks depend on it: the time-limit job saves and
-# stops at the walltime warning, before the limit. Half a site's default, it keeps scancel's wait in the tests short.
+# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). The limit-reached job's ranks end a 3 s step and write their
+# checkpoint within it. Half a site's default, it keeps scancel's wait in the tests short.
 KILL_WAIT = 15
 
 

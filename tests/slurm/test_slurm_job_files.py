@@ -211,14 +211,56 @@ def test_an_amd_node_finds_aws_ofi_rccl_and_reports_it_by_the_name_rccl_opens(tm
     (plugins / "librccl-net.so").touch()
     snippet = "distlab_find_nccl_plugin && distlab_plugin_name $(distlab_find_nccl_plugin)"
     amd = functions(snippet, tmp_path, DISTLAB_SITE="amd-rocm-slurm", DISTLAB_NCCL_PLUGIN_DIR=str(plugins))
-    assert amd.stdout.splitlines() == [str(plugins / "librccl-net.so"),
-                                       "RCCL net plugin (aws-ofi-rccl, librccl-net.so)"], amd.stderr
+    assert amd.stdout.splitlines() == [str(plugins / "librccl-net.so"), "RCCL net plugin file (aws-ofi-rccl; whether "
+                                       "RCCL loaded it: its 'NET/Plugin' line, in the transport report)"], amd.stderr
     assert functions(snippet, tmp_path, DISTLAB_NCCL_PLUGIN_DIR=str(plugins)).returncode == 1  # NVIDIA: not NCCL's
     (plugins / "libnccl-net.so").touch()
     nvidia = functions(snippet, tmp_path, DISTLAB_NCCL_PLUGIN_DIR=str(plugins))
     assert nvidia.stdout.splitlines() == [str(plugins / "libnccl-net.so"), "aws-ofi-nccl plugin"]
     assert functions(snippet, tmp_path, DISTLAB_SITE="amd-rocm-slurm",
                      DISTLAB_NCCL_PLUGIN_DIR=str(plugins)).stdout.splitlines()[0].endswith("librccl-net.so")
+
+
+# RCCL's NCCL_DEBUG=INFO lines (its "NCCL INFO" prefix: ROCm/rccl at 0cbce2a7 src/debug.cc:183) when it loads
+# aws-ofi-rccl 1.4.0, from the format strings: RCCL looks for the v8 interface first (src/net.cc:429), aws-ofi-rccl
+# exports v5 (ROCm/aws-ofi-rccl 17d41cb include/nccl_net.h:88) under the name "AWS Libfabric" (src/nccl_ofi_net.c:3123),
+# so RCCL logs net.cc:447; the plugin's own lines carry "NET/OFI " (include/nccl_ofi_log.h:17-20): "Using "
+# PACKAGE_STRING (src/nccl_ofi_net.c:1120, configure.ac:9) and "Selected Provider is %s" (:1199); then RCCL's
+# "Using network %s" (src/init.cc:534). Host and pid made up.
+RCCL_LOADED = """\
+frontier00001:4242:4242 [0] NCCL INFO NET/Plugin: Failed to find ncclNetPlugin_v8 symbol.
+frontier00001:4242:4242 [0] NCCL INFO NET/Plugin: Loaded net plugin AWS Libfabric (v5)
+frontier00001:4242:4242 [0] NCCL INFO NET/OFI Using aws-ofi-rccl 1.4.0
+frontier00001:4242:4242 [0] NCCL INFO NET/OFI Selected Provider is cxi
+frontier00001:4242:4242 [0] NCCL INFO Using network AWS Libfabric
+"""
+# librccl-net.so not found: src/net.cc:350 (dlopen failed with ENOENT), then :423
+RCCL_NOT_FOUND = """\
+frontier00001:4242:4242 [0] NCCL INFO NET/Plugin: No plugin found (librccl-net.so)
+frontier00001:4242:4242 [0] NCCL INFO NET/Plugin: Using internal network plugin.
+frontier00001:4242:4242 [0] NCCL INFO NET/Socket : Using [0]hsn0:10.128.0.1<0>
+frontier00001:4242:4242 [0] NCCL INFO Using network Socket
+"""
+
+
+def test_an_amd_jobs_transport_report_names_the_plugin_as_rccl_logs_it(tmp_path):
+    """The preflight knows the plugin's file before any rank runs; whether RCCL loaded it, and the name it goes by,
+    is in RCCL's own lines, which the transport report reads (coursetools/jobs.py, nccl_transport, nccl_details)."""
+    loaded, missing = tmp_path / "loaded.log", tmp_path / "missing.log"
+    loaded.write_text(RCCL_LOADED)
+    missing.write_text(RCCL_NOT_FOUND)
+    report = functions(f"distlab_report_transport {loaded}", tmp_path, DISTLAB_SITE="amd-rocm-slurm")
+    lines = report.stdout.splitlines()
+    assert "distlab: RCCL transport: OFI (aws-ofi-rccl, provider cxi)" in lines, report.stdout + report.stderr
+    assert "distlab: RCCL net plugin: AWS Libfabric (v5)" in lines, lines  # the name the plugin gives itself
+    report = functions(f"distlab_report_transport {missing}", tmp_path, DISTLAB_SITE="amd-rocm-slurm")
+    lines = report.stdout.splitlines()
+    assert "distlab: RCCL transport: Socket (TCP on [0]hsn0:10.128.0.1<0>)" in lines, report.stdout + report.stderr
+    assert "distlab: RCCL net plugin: none loaded (No plugin found (librccl-net.so): the library is not on " \
+           "LD_LIBRARY_PATH, or cannot be opened; the internal network plugin is used)" in lines, lines
+    # NVIDIA jobs keep NCCL's name for the same lines
+    nvidia = functions(f"distlab_report_transport {loaded}", tmp_path).stdout.splitlines()
+    assert "distlab: NCCL net plugin: AWS Libfabric (v5)" in nvidia, nvidia
 
 
 def test_a_requeued_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
@@ -259,8 +301,7 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
                            "distlab_on_walltime_warning; DISTLAB_JOB_END=1 distlab_on_sigterm;")
     limit = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{both}", "x", str(tmp_path / "run")],
                            cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert "distlab: SIGTERM at the time limit: srun passes it on to the ranks as SIGKILL: no checkpoint can be " \
-        "relied on" in limit.stdout, limit.stdout
+    assert "distlab: SIGTERM at the time limit: the ranks stop; no checkpoint is written" in limit.stdout, limit.stdout
     assert "not launched train_ddp.py: Slurm's walltime warning (USR1) came" in limit.stdout, limit.stdout
     assert "  not-launched train_ddp.py (walltime warning)" in limit.stdout and limit.returncode == 0, limit.stdout
     # a node's clock a few seconds behind the controller's, which times the job out: still the limit's SIGTERM
@@ -268,6 +309,24 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
     behind = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{early}", "x", str(tmp_path / "run")],
                             cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert "distlab: SIGTERM at the time limit: " in behind.stdout, behind.stdout + behind.stderr
+
+
+def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait_later(tmp_path):
+    """At the limit slurmd sends every step TERM, then KILL KillWait later (req.c: _rpc_timelimit,
+    _rpc_terminate_job); the job's srun, TERMed too, sends its tasks nothing (its SIGKILL "forward" is
+    slurm_step_launch_abort: srun_job.c, launch_slurm.c in 22.05). So the trap's line promises the checkpoint within
+    KillWait, read from `scontrol show config` as the job starts (tests/slurm/test_slurm_jobs.py sees it written)."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
+                        "  printf 'JobRequeue              = 1\\nKillWait                = 15 sec\\n'\n"
+                        "else echo 'JobId=7 TimeLimit=00:30:00 EndTime=2099-01-01T00:00:00'; fi\n")
+    scontrol.chmod(0o755)
+    snippet = ("distlab_deadline >/dev/null; DISTLAB_JOB_END=1 DISTLAB_CURRENT=fault_drill.py "
+               "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
+    done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
+    assert done.stdout.splitlines() == [
+        "distlab: SIGTERM at the time limit: fault_drill.py's ranks stop at the end of their step and write a checkpoint "
+        "if they finish before the KILL, 15 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
 
 
 def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):

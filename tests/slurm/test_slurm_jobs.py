@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,12 @@ EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTH
 # torchrun's workers would go on, and checkpoint, where a real site's step would be killed.
 REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable}
 
+# The drill's process-group timeout in the jobs where no rank dies: the job file's 20 s is for a death (NCCL's
+# survivors leave before torchrun's 30 s SIGKILL); here it would bound only the final barrier, which every rank
+# reaches after computing the uninterrupted reference alone, and on a loaded machine (load 11 to 17) one rank was seen
+# arriving more than 20 s after the other
+PG_TIMEOUT = {"DISTLAB_DRILL_PG_TIMEOUT": "120"}
+
 # name: (job file, extra sbatch options, extra settings)
 JOBS = {
     # one script of each chapter job (the tier proves the path; tests/scripts proves every script): the job file,
@@ -82,18 +89,34 @@ JOBS = {
     # comes 60 to 90 s in: slurmctld checks every 30 s), so the drill still runs when the warning comes; the ranks
     # mostly sleep. No rank dies (DISTLAB_DRILL_DEATH=0): a warning during torchrun's restart (seen after the death
     # at step 5 on a loaded machine) finds the new ranks before their SIGTERM handler, with no checkpoint.
-    # tuning.py is the launch the warning holds back; the successor runs the drill only, under the job file's own
-    # warning (180 s ahead) and deadline (120 s ahead): a 10-minute limit, so that neither comes before it completes
-    # (with 6 minutes, on a loaded machine, the warning stopped it at step 45 of 80), within 500 s
-    # (DISTLAB_LAUNCH_TIMEOUT: the others' 150 s is too short here).
+    # tuning.py is the launch the warning holds back; the successor runs the drill only, unpaced (the pacing changes
+    # no loss; paced, at load 19, it ran 4 s a step and outlasted the test's 300 s), under the job file's own warning
+    # (180 s ahead) and deadline (120 s ahead): a 10-minute limit, so that neither comes before it completes (with 6
+    # minutes, on a loaded machine, the warning stopped it at step 45 of 80), within 500 s (DISTLAB_LAUNCH_TIMEOUT:
+    # the others' 150 s is too short here).
     "time-limit": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=2",
                                          f"--signal=B:USR1@{WARNING}"],
                    {"DISTLAB_ONLY": "fault_drill.py,tuning.py", "DISTLAB_CHAIN": "1",
                     "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "60",
-                    "DISTLAB_DRILL_DEATH": "0",
+                    "DISTLAB_DRILL_DEATH": "0", **PG_TIMEOUT,
                     "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
-                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py", "DISTLAB_LAUNCH_TIMEOUT": "500",
+                    "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py,DISTLAB_DRILL_STEP_SECONDS=0",
+                    "DISTLAB_LAUNCH_TIMEOUT": "500",
                     **REAL_PYTHON}),
+    # the time limit itself (test_a_job_that_reaches_its_time_limit_...): the job file's warning turned off
+    # (--signal=B:USR1@0: slurmctld sends a warning only for a warn_time above 0, job_mgr.c send_job_warn_signal),
+    # --time=1, Slurm's smallest; the drill's own deadline a day away, as above, so that nothing stops it before the
+    # limit: 40 steps of 3 s or more outlast the 60 to about 95 s the job lives (the limit is found at slurmctld's
+    # first check past the end, every 30 s), and a step and a save fit in KillWait. The successor completes the drill
+    # unpaced (pacing changes no loss) under the job file's own warning and deadline, in a 10-minute limit.
+    "limit-reached": ("12_hpc_operations", ["--ntasks-per-node=1", "--gpus-per-node=1", "--time=1",
+                                            "--signal=B:USR1@0"],
+                      {"DISTLAB_ONLY": "fault_drill.py,tuning.py", "DISTLAB_CHAIN": "1",
+                       "DISTLAB_DEADLINE": str(int(time.time()) + 86400), "DISTLAB_DRILL_STEPS": "40",
+                       "DISTLAB_DRILL_DEATH": "0", "DISTLAB_DRILL_STEP_SECONDS": "3", **PG_TIMEOUT,
+                       "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
+                       "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py,DISTLAB_DRILL_STEP_SECONDS=0",
+                       "DISTLAB_LAUNCH_TIMEOUT": "500", **REAL_PYTHON}),
     # a site whose sbatch hands the job no environment (SBATCH_EXPORT=NONE in the site's profile.d): the user names
     # what the job needs with --export=NAMES (no ALL), and sbatch sets SLURM_EXPORT_ENV to the same list, which srun
     # would read as its own --export. No DISTLAB_MODULES, no DISTLAB_CONDA_ENV, no DISTLAB_SITE: the generic profile.
@@ -283,9 +306,9 @@ def test_a_job_warned_before_its_time_limit_checkpoints_stops_in_time_and_its_su
     --signal=B:USR1@N warning to the batch shell at the first check within N + 30 s of the end (job_mgr.c,
     send_job_warn_signal). The batch shell's trap then sends the drill's step SIGTERM with scancel --signal=TERM
     (the launch's own step, not the batch step: scancel.1); the ranks write their checkpoint and exit, tuning.py is held
-    back (no failure), and the job ends before the limit. Waiting for the limit instead would lose the checkpoint:
-    there slurmd sends TERM to the batch step too, and its srun forwards SIGKILL to the ranks (src/srun/signals.c).
-    The chained successor resumes from the checkpoint to the uninterrupted result."""
+    back (no failure), and the job ends before the limit. Waiting for the limit instead leaves the ranks only
+    KillWait between Slurm's TERM and its KILL (the next test). The chained successor resumes from the checkpoint to
+    the uninterrupted result."""
     job_id, out = submitted["time-limit"]
     fields, log, run = finished(cluster, submitted, "time-limit", timeout=300)
     lines = log.splitlines()
@@ -326,6 +349,59 @@ def test_a_job_warned_before_its_time_limit_checkpoints_stops_in_time_and_its_su
     assert any(c["name"] == "losses over all attempts = uninterrupted single device" for c in metrics["checks"])
 
 
+def test_a_job_that_reaches_its_time_limit_saves_within_killwait_times_out_and_its_successor_resumes(cluster,
+                                                                                                      submitted):
+    """No warning asked: the limit comes while the drill trains. slurmctld finds it at its next 30 s check and times
+    the job out (job_mgr.c, job_time_limit: "Time limit exhausted", _job_timed_out, JobState TIMEOUT); slurmd then
+    logs "*** JOB N ON n1 CANCELLED AT ... DUE TO TIME LIMIT ***" in every step (SIG_TIME_LIMIT: slurmstepd
+    req.c), sends TERM to the ranks' step (_rpc_timelimit), then SIGCONT and TERM to every step, the batch shell's
+    included (_rpc_terminate_job), and KILL to what is left KillWait later. The job's srun, TERMed, prints "forcing
+    job termination" and sends its tasks nothing (srun_job.c, launch_slurm.c: slurm_step_launch_abort). So the drill's
+    ranks end their step and write a checkpoint within KillWait; the batch shell's trap says so, names the time
+    limit, and launches nothing more; the successor resumes from that checkpoint to the uninterrupted result."""
+    kill_wait = cluster.kill_wait  # tests/slurm/conftest.py's KillWait
+    job_id, out = submitted["limit-reached"]
+    fields, log, run = finished(cluster, submitted, "limit-reached", timeout=300)
+    assert (fields["JobState"], fields["Reason"]) == ("TIMEOUT", "TimeLimit"), log[-4000:]
+    assert "walltime warning" not in log, log[-4000:]
+    # the time limit, as slurmd's stepd logs it in the batch step (the job's output), then the trap's line
+    cancelled = next((line for line in log.splitlines() if f"*** JOB {job_id} ON n1 CANCELLED AT " in line), "")
+    assert cancelled.endswith(" DUE TO TIME LIMIT ***"), log[-4000:]
+    at = datetime.fromisoformat(cancelled.split(" CANCELLED AT ")[1].split()[0]).timestamp()
+    assert (f"distlab: SIGTERM at the time limit: fault_drill.py's ranks stop at the end of their step and write a "
+            f"checkpoint if they finish before the KILL, {kill_wait} s after the TERM (KillWait); nothing more is "
+            f"launched") in log, log[-4000:]
+    # what the ranks did on that TERM: their step ended, every rank agreed, and the checkpoint was written before the
+    # KILL (stopped.json is written after it, by rank 0)
+    stopped = json.loads((run / "fault_drill.json").read_text())
+    assert stopped["extra"]["stopped_by"] == "signal" and all(c["passed"] for c in stopped["checks"]), stopped
+    step = stopped["extra"]["checkpoint_step"]
+    drill = out / "drill"
+    assert (drill / f"step_{step:06d}").is_dir()  # the latest then: the successor resumes from it (below)
+    saved = json.loads((drill / "stopped.json").read_text())
+    assert saved["step"] == step and at - 1 <= saved["time"] <= at + kill_wait + 1, (cancelled, saved)
+    # the job's own report names the time limit: no FAILED, no plain SIGTERM, in the summary or the job's lines
+    summary = (run / "summary.txt").read_text().splitlines()
+    assert "  not-launched tuning.py (time limit)" in summary, summary
+    assert any(line.startswith("  stopped(") and " fault_drill.py " in line and line.endswith("(time limit)")
+               for line in summary), summary
+    assert not any("FAILED" in line or "SIGTERM" in line for line in summary), summary
+    assert "distlab: not launched tuning.py: the job reached its time limit (SIGTERM)" in log
+    assert not [line for line in log.splitlines() if line.startswith(("distlab: FAILED", "distlab: SIGTERM:"))], log
+    # the successor (sbatch --dependency=afterany) resumes from the checkpoint written at the limit and completes
+    successor = chain_next(log)
+    assert successor, log[-4000:]
+    after = cluster.wait(successor, timeout=300)
+    after_log = (out / f"distlab-12-ops.o{successor}").read_text()
+    assert (after["JobState"], after["ExitCode"]) == ("COMPLETED", "0:0"), after_log[-4000:]
+    assert f"resuming from {drill / f'step_{step:06d}'} " in after_log, after_log[-4000:]
+    after_run = Path(next(line.split("run directory ")[1] for line in after_log.splitlines()
+                          if "run directory " in line))
+    metrics = json.loads((after_run / "fault_drill.json").read_text())
+    assert all(c["passed"] for c in metrics["checks"]) and not metrics["extra"].get("stopped_by"), metrics["checks"]
+    assert any(c["name"] == "losses over all attempts = uninterrupted single device" for c in metrics["checks"])
+
+
 @pytest.mark.parametrize("name, line", [
     ("tasks-not-gpus", "distlab: error: --ntasks-per-node=1 but 2 GPU(s) a node: one task a GPU, ask --ntasks-per-node=2"),
     ("ranks-do-not-fit", "distlab: error: 3 ranks do not fit 2 node(s) x 2 GPUs"),
@@ -352,3 +428,4 @@ def test_an_unknown_partition_is_refused_at_submission_with_one_line(cluster, tm
     with pytest.raises(RuntimeError, match=r"sbatch: error: invalid partition specified: nosuch"):
         cluster.sbatch(*words, cwd=ROOT, **settings(tmp_path / "run"))
     assert cluster.run(["squeue", "-h"]).stdout.count("nosuch") == 0
+

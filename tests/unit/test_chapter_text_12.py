@@ -369,7 +369,8 @@ def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
     assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
     assert "30 s later, SIGKILL" in " ".join(CHAPTER.split())
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
-    timeout = int(re.search(r"fault_drill\.py \\\s+\"\$\{device\[@\]\}\" .*--pg-timeout (\d+)", job).group(1))
+    timeout = int(re.search(r"fault_drill\.py \\\s+\"\$\{device\[@\]\}\" .*--pg-timeout \"\$\{DISTLAB_DRILL_PG_TIMEOUT:-(\d+)\}\"",
+                            job).group(1))
     assert timeout < 30 and f"`--pg-timeout {timeout}`" in CHAPTER
     assert 'os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")' in (
         ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
@@ -443,7 +444,7 @@ def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save()
     assert '"$DISTLAB_SCANCEL" --signal=TERM "$signalled"' in trap and "--batch" not in trap and "--full" not in trap
     assert "DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}" in slurm
     assert "`scancel --signal=TERM <id>.<step>` sends TERM to the launch's own step, not to the batch shell" in flat(CHAPTER)
-    assert "Nothing can be relied on at the limit itself" in flat(CHAPTER)
+    assert "Little time is left at the limit itself" in flat(CHAPTER)
     # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
     source = Path(torch.__file__).parent / "distributed" / "elastic"
     assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
@@ -771,7 +772,12 @@ def test_the_schedulers_kill_delays_and_messages():
     assert (f"so the TERM comes up to {max(intervals)} s after the limit (the pitfall's `walltime {used} exceeded limit "
             f"{limit}` is {late} s late)") in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
-    assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit `srun` SIGKILLs the tasks" in text
+    assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit TERM, then KILL `KillWait` later" in text
+    # and srun, TERMed too, sends its tasks nothing: launch_fwd_signal(SIGKILL) is slurm_step_launch_abort
+    assert "`srun` that gets a TERM forwards SIGKILL" not in text and "SIGKILLs the tasks" not in text
+    # the Slurm tier's KillWait, within which its limit-reached job's ranks save (tests/slurm/conftest.py)
+    kill_wait = int(re.search(r"^KILL_WAIT = (\d+)$", (ROOT / "tests" / "slurm" / "conftest.py").read_text(), re.M).group(1))
+    assert f"writes its checkpoint within {kill_wait} s of `KillWait`" in text
     # the node-failure line in full (src/slurmd/slurmstepd/req.c)
     assert "`DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***`" in text
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
@@ -982,13 +988,16 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
 
 
 def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
-    # a plain Slurm scancel signals the batch step too; its srun forwards SIGKILL (the chapter says so of the limit):
-    # only a TERM to the steps first, or PBS's qdel with its kill_delay, leaves the sigwait thread time to act
+    # a plain Slurm scancel sends every step TERM, then KILL after KillWait (scancel.1:355-359); the job's srun, TERMed
+    # too, sends its tasks nothing (launch_fwd_signal(SIGKILL) is slurm_step_launch_abort: src/srun/launch.c,
+    # the time-limit test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` leaves none to rely on") in text
-    assert "forwards SIGKILL to its tasks at once" in flat((ROOT / "slurm" / "README.md").read_text())
+            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
+            "KILL after `KillWait`") in text
+    readme = flat((ROOT / "slurm" / "README.md").read_text())
+    assert "forwards SIGKILL" not in readme and "but sends its tasks nothing" in readme
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
 
 
@@ -1132,11 +1141,11 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
         comments = flat((ROOT / job).read_text().replace("#", " "))
         assert "checkpoint at the end of their step (PBS: qdel;" not in comments, job
         assert ("checkpoint at the end of their step if that comes before a SIGKILL (PBS: `qsig -s TERM <id>`, which "
-                "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, 10 to about 25 s later")\
+                "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, too soon for a real model's")\
             in comments, job
     trap = _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
-    assert ("write a checkpoint if that ends before the scheduler's SIGKILL (PBS: kill_delay after a qdel or the "
-            "walltime, 10 to about 25 s; none after qsig -s TERM)") in trap
+    assert ("write a checkpoint if they finish before the KILL, $kill" in trap
+            and "kill_delay after a qdel or the walltime (PBS; none after qsig -s TERM)" in trap)
     assert "write a checkpoint; nothing more is launched" not in trap
 
 
