@@ -70,16 +70,17 @@ JOBS = {
     "14": ("14_when_it_goes_wrong", [], {"DISTLAB_ONLY": "ddp_from_scratch.py"}),
     # the rank map only (the PBS tier runs its bandwidth row): where every rank runs, under the jobs' own srun
     "preflight": ("preflight", [], {"DISTLAB_ONLY": "distlab.runtime"}),
-    # the walltime path, made to hold on a loaded machine: a 2-minute limit; the first job's deadline 105 s before it
-    # (8 steps of 1 s or more, a death and a restart do not fit in 15 s), so the drill (rank 1 dies at step 5,
-    # torchrun restarts it) stops at the deadline with a checkpoint and exits 0; the chain's next jobs
+    # the walltime path, made to hold on a loaded machine: a 2-minute limit; the first job's deadline 90 s before it
+    # (30 s: the job's start-up, which took over 15 s at load 14 while every job of the tier started, and then
+    # 24 steps of 1 s or more, a death and a restart, which do not fit in what is left), so the drill (rank 1 dies
+    # at step 5, torchrun restarts it) stops at the deadline with a checkpoint and exits 0; the chain's next jobs
     # (sbatch --dependency=afterany) are given a deadline 5 s before their limit (DISTLAB_CHAIN_EXPORT), resume,
     # complete, and cancel the successor they queued in turn. The warning is asked 5 s ahead (a 2-minute limit; the
     # job file's 180 s is for its 20 minutes), and the chain says so again. DISTLAB_ONLY is a list with a comma, whose
     # first name matches no script: a chain that let sbatch --export split it would run nothing in the next job.
     "walltime": ("12_hpc_operations", ["--time=2", "--signal=B:USR1@5", f"--reservation={RESERVATION}"],
-                 {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "105",
-                  "DISTLAB_DRILL_STEPS": "8", "DISTLAB_DRILL_STEP_SECONDS": "1",
+                 {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "90",
+                  "DISTLAB_DRILL_STEPS": "24", "DISTLAB_DRILL_STEP_SECONDS": "1",
                   "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5",
                   "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5", **REAL_PYTHON}),
     # the walltime warning as the time to save (test_a_job_warned_before_its_time_limit_...): one task and one GPU
