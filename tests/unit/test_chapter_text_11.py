@@ -147,6 +147,8 @@ def test_the_planner_needs_two_nodes_fewer_for_70b_and_says_why(text):
     pp = planner.best(spec, cluster, 32)
     assert fsdp.fits and not no_sp.fits and pp.layout.pp > 1 and pp.mfu > fsdp.mfu
     assert f"fits too, at {fsdp.memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB" in text
+    assert (f"The planner ranks the pipeline first there ({pp.mfu:.0%} MFU against {fsdp.mfu:.0%})"
+            .replace("%", " %")) in text
     # under 1F1B the first stage's activations are about what FSDP's one microbatch holds
     assert abs(pp.memory_per_gpu_bytes["activations"] / fsdp.memory_per_gpu_bytes["activations"] - 1) < 0.1
 
@@ -1049,3 +1051,30 @@ def test_the_cp_beside_tp_run_is_the_one_the_text_names(text):
     assert (run.LAYOUT.cp, run.LAYOUT.tp, run.LAYOUT.gpus) == (2, 2, 4) and run.OPTIONS.cp_attention == "all_gather"
     assert "runs 2 CP x 2 TP on 4 CPU ranks with all-gather CP" in text
     assert "another runs CP beside TP (2 x 2) and finds the same" in text
+
+
+def test_the_numbers_stated_in_passing_are_computed(text):
+    """Page 11.3's PP 2 memory, Llama 3's MFU from its TFLOP/s, and the GEMM figure's alt text: each from the planner
+    or the published row, so a drift fails."""
+    import re
+
+    from distlab.planner import published
+
+    pp2 = planner.tune(planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], planner.Layout(2, 2, 16, 1, 3),
+                       planner.Options(), 64)
+    assert f"That is why PP 2 with FSDP needed {pp2.memory_per_gpu_bytes['total'] / planner.GIB:.0f} GiB on page 11.2" \
+        in text
+    llama = next(r for r in published.RUNS if r.label == "Llama 3 405B, 8K tokens, 16,384 H100")
+    tflops, mfu = (int(v) for v in re.search(r"(\d+) TFLOPs/GPU, (\d+) % BF16 MFU", llama.quoted).groups())
+    assert mfu == round(100 * llama.stated[1])
+    peak = llama.cluster.peak_flops / 1e12
+    assert f"({tflops} TFLOP/s / {peak:.0f} = {tflops / peak:.1%}, its {mfu} %)".replace("%,", " %,") in text
+    rows = published.megatron_width_table()
+    weights = [r["time_shares"]["GEMMs of the weights"] for r in rows]
+    assert weights == sorted(weights)
+    assert f"the weights' GEMMs grow from {weights[0]:.0%} to {weights[-1]:.0%}".replace("%", " %") in text
+    names = [r["label"].split(",")[0].replace("Megatron ", "").replace("1008.0B", "1T") for r in rows]
+    falls = [name for name, before, r in zip(names[1:], rows, rows[1:]) if r["predicted"] < before["predicted"]]
+    assert (f"and the planner's, rising but for dips at {falls[0]} and {falls[1]} and a fall at {falls[2]}" in text
+            and len(falls) == 3 and falls[-1] == names[-1])
+    assert "rising throughout" not in text
