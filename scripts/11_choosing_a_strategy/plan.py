@@ -15,8 +15,8 @@ mesh dimension, bubble, step time, MFU). Every number is derived from the course
 
 --dry-run builds the chosen layout at its full world size on a fake process group, in this one process
 (``distlab.planner.dry_run``): the DeviceMesh of sampled ranks checked against the grid arithmetic
-(``distlab.hybrid``), and for a rank of each pipeline position the real model of its stage, parallelized by the
-course's own code, its state bytes read from the shards against the planner's: no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
+(``distlab.hybrid``), and for a rank of the first, a middle and the last pipeline stage the real model of its stage,
+parallelized by the course's own code, its state bytes read from the shards against the planner's: no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
 """
 
 from __future__ import annotations

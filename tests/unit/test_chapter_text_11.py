@@ -1096,3 +1096,43 @@ def test_what_the_cpu_runs_hold_is_said_as_they_hold_it(text):
     for overclaim in ("memory parts equal the measured", "parts of memory that CPU ranks can measure are equal",
                       "exact on CPU", "the weights its operations saved, within 1 %"):
         assert overclaim not in text, overclaim
+
+
+def _lab_text(path="notebooks/11_choosing_a_strategy.ipynb"):
+    import json
+
+    cells = json.loads((Path(__file__).resolve().parents[2] / path).read_text())["cells"]
+    return " ".join(" ".join("".join(c["source"]) for c in cells).split())
+
+
+def test_the_lab_and_the_tools_say_what_the_chapter_says(text):
+    """The lab (both copies), plan.py's --help and the search's reason for leaving CP out agree with page 11.2 and
+    page 11.3; the lab's numbers are the planner's and Llama 3's."""
+    from distlab.planner import published
+
+    root = Path(__file__).resolve().parents[2]
+    lab, learners = _lab_text(), _lab_text("notebooks/student/11_choosing_a_strategy.ipynb")
+    tools = {"plan.py": (root / "scripts/11_choosing_a_strategy/plan.py").read_text(),
+             "dry_run.py": (root / "distlab/planner/dry_run.py").read_text()}
+    spec = planner.MODELS["70b"]
+    reason = " ".join(planner.search_rule_problems(spec, planner.Layout(tp=8, pp=1, dp=4, cp=2, zero_stage=3)))
+    assert "almost free" in reason and "finds them almost free" in text
+    for where, said in {"lab": lab, "learner's copy": learners, "CP's reason": reason, **tools}.items():
+        said = " ".join(said.split())
+        for gone in ("each pipeline position", "not what short shares cost", "does not see what short shares cost"):
+            assert gone not in said, (where, gone)
+    for said in (lab, learners):
+        assert "A rank of the first, a middle and the last pipeline stage builds its stage" in said
+        assert "finds short shares almost free, but does not see what a real ring costs beyond its bytes" in said
+        assert (f"{spec.num_params() / 1e9:.0f} B parameters x 16 bytes = {spec.num_params() * 16 / planner.GIB:,.0f} "
+                f"GiB") in said
+        llama = next(r for r in published.RUNS if r.label == "Llama 3 405B, 8K tokens, 16,384 H100")
+        assert llama.stated[0] == "mfu"
+        assert f"(Meta measured {llama.stated[1]:.0%})".replace("%", " %") in said
+    # "the first, a middle and the last pipeline stage": what the dry run samples
+    from distlab import hybrid
+    from distlab.planner import dry_run
+
+    stages = {hybrid.grid_coordinates(r, (8, 2, 1))["pp"]
+              for r in dry_run.sampled_ranks(planner.Layout(tp=1, pp=8, dp=2, zero_stage=3))}
+    assert stages == {0, 4, 7}
