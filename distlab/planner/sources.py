@@ -605,6 +605,12 @@ SOURCES: dict[str, Source] = {
         "int nInterSteps = nNodes == 1 ? 0 : coll == ncclFuncAllReduce ? 2 * (nNodes - 1) : nNodes - 1; "
         "comm->latencies[coll][a][p] += (nsteps - nInterSteps) * intraLat + nInterSteps * interLat;",
         "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
+    "nccl_ring_plateau": Source(
+        "NVIDIA/nccl", f"src/graph/tuning.cc:647-649 at {NCCL_HEAD}",
+        "if (algorithm == NCCL_ALGO_RING && protocol == NCCL_PROTO_SIMPLE && comm->nNodes > 1 && coll == "
+        "ncclFuncAllReduce && nBytes / (comm->nChannels * comm->nRanks) >= 64) { lat *= comm->minCompCap < 80 ? 1.9 "
+        ": 1.4; // Plateau effect of ring",
+        "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
     "nccl_tree_all_reduce": Source(
         "NVIDIA/nccl", f"src/graph/tuning.cc:331, 379-380 and 414-416 at {NCCL_HEAD}",
         "if (a == NCCL_ALGO_TREE && coll == ncclFuncAllReduce) busBw = std::min(busBw * .92, graphs[a]->nChannels * "

@@ -1136,3 +1136,62 @@ def test_the_lab_and_the_tools_say_what_the_chapter_says(text):
     stages = {hybrid.grid_coordinates(r, (8, 2, 1))["pp"]
               for r in dry_run.sampled_ranks(planner.Layout(tp=1, pp=8, dp=2, zero_stage=3))}
     assert stages == {0, 4, 7}
+
+
+def test_fsdp_under_pp_hides_each_units_first_gather_behind_the_first_forward(text):
+    """Page 11.2's tp=1,pp=8,dp=8: the stage's exposed DP time is less than its reduce-scatters (run after the last
+    backward) plus one gather of every unit, so those first gathers are not all exposed; the one gather the planner
+    leaves out, the step's very first unit's, is milliseconds in a step of seconds."""
+    from distlab.planner.step_time import _link
+
+    spec, h100, layout = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"], planner.Layout(1, 8, 8, 1, 3)
+    plan = planner.tune(spec, h100, layout, planner.Options(), 64)
+    options = planner.replace(planner.Options(), chunks=plan.settings["chunks"])
+    ledger = planner.comm_per_step(spec, layout, 0, options, h100.gpus_per_node)["dp"]
+    gathers = planner.pipeline_fsdp_gathers(spec, layout, 0, options)
+    seconds_per_byte = plan.comm_seconds["dp"] / sum(ledger.values())
+    one_round = ledger["all_gather"] / gathers * seconds_per_byte
+    reduce = ledger["reduce_scatter"] * seconds_per_byte
+    assert reduce < plan.exposed_seconds["dp"] < reduce + 0.5 * one_round
+    bandwidth, latency = _link(h100, layout, "dp")
+    group = layout.fsdp_ways
+    first_unit = (planner.stage_params(spec, layout, 0)["largest_unit"] * 2 * (group - 1) / group / bandwidth
+                  + (group - 1) * latency)
+    assert 1e-3 < first_unit < 1e-2 and plan.step_seconds > 1
+    assert ("each unit's first all-gather is issued ahead and hides behind the first micro-batch's forward; only "
+            "what exceeds that forward is exposed") in text
+    assert "leaves out that one unit's wait, milliseconds in a step of seconds" in text
+    assert "is exposed: nothing runs before it" not in text
+
+
+def test_the_ring_plateau_nccl_applies_is_named_with_what_it_would_change(text):
+    """NCCL multiplies a ring all-reduce's latency over nodes by 1.4 (1.9 before compute capability 8.0,
+    sources.SOURCES['nccl_ring_plateau']); the planner does not, and the text says what it would change."""
+    from dataclasses import replace
+
+    from distlab.planner.sources import SOURCES
+
+    quote = SOURCES["nccl_ring_plateau"].quote
+    before, after = (float(v) for v in re.search(r"minCompCap < 80 \? ([0-9.]+) : ([0-9.]+);", quote).groups())
+    spec = replace(planner.MODELS["1b"], global_batch=1024)
+    cluster, layout = planner.CLUSTERS["h100-80gb"], planner.Layout(dp=1024)
+    calls = planner.collective_calls(spec, layout, 0, planner.Options())["dp"]["all_reduce"]
+    ring = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options(nccl_algorithm="ring"))["dp"]
+    tree = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
+    per_call, tree_per_call = ring["latency"] / calls, tree["latency"] / calls
+    assert (f"Nor does it apply the {after} x that NCCL puts on a ring all-reduce over nodes, its \"plateau effect of "
+            f"ring\" ({before} x before Ampere; `tuning.cc:647-649`): the {per_call * 1e3:.1f} ms ring of 1,024 H100s "
+            f"would be {per_call * after * 1e3:.1f} ms, and the tree, at {tree_per_call * 1e3:.2f} ms, is chosen "
+            f"either way") in text
+    assert tree_per_call < per_call < per_call * after
+
+
+def test_the_nics_per_gpu_are_each_presets(text):
+    """Derecho and the DGX A100/H100 presets give each GPU one NIC's bandwidth; the DGX-1 (v100-32gb) half of one."""
+    clusters = planner.CLUSTERS
+    nic = {name: clusters[name].inter_node_bytes_per_s for name in ("a100-40gb", "a100-80gb", "h100-80gb")}
+    assert nic["a100-40gb"] == 25e9 and nic["a100-80gb"] == 200e9 / 8 and nic["h100-80gb"] == 400e9 / 8
+    assert clusters["v100-32gb"].inter_node_bytes_per_s == 100e9 / 8 / 2
+    assert ("one NIC per GPU on Derecho, DGX A100 and DGX H100 nodes (half that on a DGX-1)" in text
+            and "one NIC per GPU on Derecho and DGX nodes" not in text)
+    assert "four 100 Gb/s InfiniBand NICs for the eight GPUs" in clusters["v100-32gb"].source
