@@ -567,6 +567,13 @@ def test_the_1b_and_7b_rows_say_the_settings_their_mfus_depend_on(text):
     assert (f"the activations grow from {asked.memory_per_gpu_bytes['activations'] / g:.2f} to "
             f"{tuned.memory_per_gpu_bytes['activations'] / g:.2f} GiB") in text
     assert f"adds {ddp.memory_per_gpu_bytes['temporary'] / g:.2f} GiB of gradient buckets" in text
+    # the buckets beside the one-GPU case's micro-batches of 8 overflow the GPU: DDP runs fewer at a time
+    at_eight = planner.evaluate(planner.replace(one.model, micro_batch=tuned.settings["micro_batch"]), one.cluster,
+                                planner.Layout(dp=8), planner.Options(activation_checkpointing="none"), 8)
+    assert not at_eight.fits and ddp.settings["micro_batch"] < tuned.settings["micro_batch"]
+    assert (f"gradient buckets: {at_eight.memory_per_gpu_bytes['total'] / g:.1f} GiB at micro-batches of "
+            f"{tuned.settings['micro_batch']}, more than the GPU holds. So DDP runs {ddp.settings['micro_batch']} at a "
+            f"time, at {ddp.memory_per_gpu_bytes['total'] / g:.1f} GiB") in text
     assert "for its gradient buckets" not in text and round(ddp.mfu, 2) == round(tuned.mfu, 2)
     rows = planner.decision_path_markdown()
     assert (f"one GPU: fits, {tuned.memory_per_gpu_bytes['total'] / g:.1f} GiB, MFU {tuned.mfu:.0%} "
