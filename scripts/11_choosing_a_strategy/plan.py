@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=runtime.nonnegative_int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage (0 DDP, 3 FSDP); default: the search tries 0, 1 and 3; --layout uses 1")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP gathers the weights again for backward (default: yes without PP; no under PP, as "
-                        "chapter 09's scripts set it)")
+                   help="FSDP gathers the weights again for backward: an explicit True on every unit, the root "
+                        "included, not torch's default (default: yes without PP; no under PP, as chapter 09's "
+                        "scripts set it)")
     p.add_argument("--activation-checkpointing", choices=["search", "full", "selective", "none"], default="search",
                    help="full: recompute every block in backward; selective: attention's core only; none; "
                         "search (default): the fastest that fits, for each layout")

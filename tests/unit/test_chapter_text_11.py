@@ -1202,3 +1202,37 @@ def test_the_nics_per_gpu_are_each_presets(text):
     assert ("one NIC per GPU on Derecho, DGX A100 and DGX H100 nodes (half that on a DGX-1)" in text
             and "one NIC per GPU on Derecho and DGX nodes" not in text)
     assert "four 100 Gb/s InfiniBand NICs for the eight GPUs" in clusters["v100-32gb"].source
+
+
+def test_small_pointers_and_stated_assumptions(text):
+    """Page 11.1 points at page 11.3's How we know (it has none below); --reshard-after-forward reshards every unit,
+    the root included, and says so; the GEMM model's element-wise count of a Llama block is stated as it is."""
+    import inspect
+    from dataclasses import replace
+
+    from distlab import models
+    from distlab.planner import gemm
+
+    root = Path(__file__).resolve().parents[2]
+    first_page = (root / "chapters/11_choosing_a_strategy.md").read_text()
+    assert "## How we know" not in first_page and '("How we know", below)' not in first_page
+    assert 'checked against measured runs (page 11.3\'s "How we know")' in " ".join(first_page.split())
+    # every unit, the root included: under 1F1B each is gathered M + 1 times when resharding after forward
+    spec, layout = planner.MODELS["7b"], planner.Layout(tp=1, pp=4, dp=2, zero_stage=3)
+    one_f_one_b = planner.Options(schedule="1f1b", chunks=1)
+    kept, resharded = (planner.collective_calls(spec, layout, 0, replace(one_f_one_b, reshard_after_forward=r))["dp"]
+                       ["all_gather"] for r in (False, True))
+    assert resharded == kept * (planner.microbatches(spec, layout) + 1)
+    assert kept == spec.layers // layout.pp + 1   # the stage's blocks and its root
+    plan_py = " ".join((root / "scripts/11_choosing_a_strategy/plan.py").read_text().split())
+    assert "an explicit True on every unit, the root \" \"included, not torch's default" in plan_py
+    assert ("`--reshard-after-forward` is an explicit `True` on every unit, the root included, not torch's default: "
+            "M + 1 gathers a step of every unit under 1F1B") in text
+    # a Llama block's SwiGLU: three ffn-wide element reads and writes (one fused kernel), no RoPE term
+    llama = planner.MODELS["7b"]
+    wider = replace(llama, ffn=llama.ffn + 1)
+    tokens = llama.micro_batch * llama.seq_len
+    assert gemm.block_elementwise_bytes(wider) - gemm.block_elementwise_bytes(llama) == 2.0 * tokens * 3
+    assert "F.silu(self.w1(x)) * self.w3(x)" in inspect.getsource(models)
+    assert ("Its SwiGLU is counted as one fused kernel (read two, write one), where the course's own model runs SiLU "
+            "and the product as two, and RoPE's element-wise work on the queries and keys is not counted") in text
