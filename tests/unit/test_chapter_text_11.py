@@ -102,17 +102,13 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
 
 def test_the_published_mfu_conversions_reproduce_what_the_papers_print():
     """Each conversion, run backwards, gives the paper's own figure: Megatron's TFLOP/s through its formula, MT-NLG's
-    TFLOP/s from its iteration time (126 TFLOP/s printed beside 60.1 s), Korthikanti's MFU from its time."""
+    TFLOP/s from its iteration time (126 TFLOP/s printed beside 60.1 s). Korthikanti's rows state the README's MFU
+    and nothing to convert: their iteration times were not found (test_planner_sources.py)."""
     runs = {run.label: run for run in planner.published.RUNS}
     mtnlg = runs["MT-NLG 530B, 2,240 A100"]
     tokens_per_second = mtnlg.model.global_batch * mtnlg.model.seq_len / 60.1
     megatron_tflops = tokens_per_second * planner.published.megatron_flops_per_token(mtnlg.model) / mtnlg.gpus / 1e12
     assert round(megatron_tflops) == 126
-    korthikanti = runs["Megatron 175B, selective recomputation, 64 A100"]
-    seconds = 13.75
-    mfu = (korthikanti.model.global_batch * korthikanti.model.seq_len / seconds
-           * korthikanti.model.flops_per_token() / (korthikanti.gpus * korthikanti.cluster.peak_flops))
-    assert round(mfu, 3) == pytest.approx(0.514, abs=0.002)
     # Megatron's 163 TFLOP/s counts recomputation: about 3/4 of it is model FLOPs
     big = runs["Megatron 529.6B, 2,520 A100"]
     assert planner.published.mfu_from_published(big) == pytest.approx(0.75 * 163 / 312, rel=0.01)
