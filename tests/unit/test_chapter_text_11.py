@@ -845,7 +845,7 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
                   "(`schedules.py:1285-1365`, `max_active_stages=3`)", "(`schedules.py:2489-2516`)"):
         assert cited in text, cited
     one_f = schedules.fsdp_all_gathers(schedules.one_f_one_b(8, 32).actions[0], True, runtime=False)
-    assert one_f == {0: 32 + 1} and "`--reshard-after-forward` gives M + 1 gathers a step under 1F1B" in text
+    assert one_f == {0: 32 + 1} and "M + 1 gathers a step of every unit under 1F1B" in text
 
 
 def test_70b_on_8_derecho_nodes_says_why_fsdp_loses_there_and_not_on_16(text):
@@ -1183,8 +1183,8 @@ def test_the_ring_plateau_nccl_applies_is_named_with_what_it_would_change(text):
     tree = planner.dimension_seconds(spec, cluster, layout, 0, planner.Options())["dp"]
     per_call, tree_per_call = ring["latency"] / calls, tree["latency"] / calls
     assert (f"Nor does it apply the {after} x that NCCL puts on a ring all-reduce over nodes, its \"plateau effect of "
-            f"ring\" ({before} x before Ampere; `tuning.cc:647-649`): the {per_call * 1e3:.1f} ms ring of 1,024 H100s "
-            f"would be {per_call * after * 1e3:.1f} ms, and the tree, at {tree_per_call * 1e3:.2f} ms, is chosen "
+            f"ring\" ({before} x before Ampere; `tuning.cc:647-649`). With it, the {per_call * 1e3:.1f} ms ring of 1,024 "
+            f"H100s would be {per_call * after * 1e3:.1f} ms; the tree, at {tree_per_call * 1e3:.2f} ms, is chosen "
             f"either way") in text
     assert tree_per_call < per_call < per_call * after
 
