@@ -773,7 +773,7 @@ NOT_FOUND: dict[str, str] = {
         "(Megatron's warm-up, schedules.py:964-965), 10.61 GiB."),
     "korthikanti_table_configs_and_iteration_times": (
         "NOT FOUND: Korthikanti et al. 2022 Table 3 (model configs, GPUs per row) and the end-to-end iteration times "
-        "(full recompute vs present work: published.py's 13.75 s for 175B and 1.10 s for 22B, its 'Table 5' label, "
+        "(full recompute vs present work: 13.75 s for 175B and 1.10 s for 22B under a 'Table 5' label, "
         "and the '175B: TP 8, PP 8, 64 GPUs, batch 64' / '22B: TP 8, PP 1, 8 GPUs, batch 4' rows). Only the MFU/HFU "
         "per size was read (Megatron-LM README, SOURCES['korthikanti_megatron_readme_mfu_hfu'], which says DP = 1). "
         "Searched for again in the pages and docs indexes (arXiv 2205.05198, Table 3, Table 5, the four sizes' "
