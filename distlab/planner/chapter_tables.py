@@ -48,11 +48,25 @@ def _replica_fits_one_gpu(case: DecisionCase) -> bool:
     return evaluate(case.model, case.cluster, Layout(), Options(), 1).fits
 
 
+def fsdp_one_sequence_bytes(model: ModelSpec, gpus: int) -> dict:
+    """Memory per GPU by part for FSDP over ``gpus`` GPUs, one sequence a micro-batch, every block recomputed:
+    page 11.1's second question, as it counts 7B by hand."""
+    return memory_per_gpu(replace(model, micro_batch=1), Layout(dp=gpus, zero_stage=3), 0,
+                          Options(activation_checkpointing="full"))
+
+
+def fewest_fsdp_nodes(model: ModelSpec, cluster: Cluster, max_nodes: int = 512) -> int | None:
+    """The fewest nodes on which FSDP over every GPU holds one sequence beside its shards (page 11.1's second
+    question asked of 1, 2, 3 ... nodes; the batch aside). Lab 11's Exercise 2 asks it by hand."""
+    for nodes in range(1, max_nodes + 1):
+        if fsdp_one_sequence_bytes(model, nodes * cluster.gpus_per_node)["total"] <= cluster.gpu_bytes:
+            return nodes
+    return None
+
+
 def _sequence_fits_beside_shards(case: DecisionCase) -> bool:
     """FSDP over every GPU, one sequence a micro-batch, every block recomputed: does it fit (the batch aside)?"""
-    spec = replace(case.model, micro_batch=1)
-    held = memory_per_gpu(spec, Layout(dp=case.gpus, zero_stage=3), 0, Options(activation_checkpointing="full"))
-    return held["total"] <= case.cluster.gpu_bytes
+    return fsdp_one_sequence_bytes(case.model, case.gpus)["total"] <= case.cluster.gpu_bytes
 
 
 def _a_sequence_for_every_gpu(case: DecisionCase) -> bool:
@@ -203,16 +217,12 @@ def tradeoffs_markdown(model: str = "70b", cluster: str = "h100-80gb", gpus: int
     return "\n".join(lines)
 
 
-# lab 11's Exercise 2 asks a learner for 13B's fewest A100-40GB nodes: the chapter's table leaves that row out
-SIZING_CHECK_LEFT_OUT = ("13B",)
-
-
 def sizing_check_markdown() -> str:
     """Chapter 09's guide (TP = a node, FSDP over nodes) against the planner's search over every layout, for every
-    model but the one lab 11's Exercise 2 asks about (``SIZING_CHECK_LEFT_OUT``)."""
+    model of chapter 09's table."""
     lines = ["| model | chapter 09: fewest nodes, TP 4 x FSDP | planner: fewest nodes, any layout | "
              "its layout there |", "|---|---:|---:|---|"]
-    for name in (n for n in sizing.LLAMA_SHAPES if n not in SIZING_CHECK_LEFT_OUT):
+    for name in sizing.LLAMA_SHAPES:
         spec = MODELS[name.lower()]
         nodes = fewest_nodes(spec, CLUSTERS["a100-40gb"])
         plan = best(spec, CLUSTERS["a100-40gb"], nodes * CLUSTERS["a100-40gb"].gpus_per_node)

@@ -1,8 +1,8 @@
 """The chosen layout built at its full world size, in one process: ``plan.py --dry-run``.
 
 On a fake process group (``torch.testing._internal.distributed.fake_pg``: every collective returns at once and
-moves nothing) and on the meta device (shapes, no storage), for a rank of each pipeline position (the first
-stage, the last, and one in the middle), at the layout's full world size:
+moves nothing) and on the meta device (shapes, no storage), for a rank of the first, a middle and the last pipeline
+stage, at the layout's full world size:
 
 1. DeviceMesh ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with CP) is built and every sampled rank's groups and
    coordinates are checked against chapter 09's grid arithmetic (:func:`check_mesh`);
@@ -204,7 +204,7 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
 
 
 def sampled_ranks(layout: Layout) -> list[int]:
-    """A rank of each pipeline position: the first stage, a middle one, the last; at dp and tp coordinate 0 (and
+    """A rank of the first, a middle and the last pipeline stage; at dp and tp coordinate 0 (and
     the last dp rank, whose shards a ceil split makes smallest)."""
     ways = layout.dp * layout.cp
     stages = sorted({0, layout.pp // 2, layout.pp - 1})
@@ -465,9 +465,10 @@ def _count_stage(job: tuple) -> dict:
 
 
 def count_step(spec: ModelSpec, layout: Layout, ranks: list[int] | None = None) -> dict:
-    """One step of one microbatch at ``layout``'s full world size under FSDP (ZeRO-3), for a rank of each pipeline position, each in a
-    forked process (torch caches DTensor's plans by mesh, which outlive a destroyed process group): its TP and
-    FSDP collectives counted and compared with the planner's ledger of the same narrow model. Equal: every call
+    """One step of one microbatch at ``layout``'s full world size under FSDP (ZeRO-3), for a rank of the first, a
+    middle and the last pipeline stage, each in a forked process (torch caches DTensor's plans by mesh, which
+    outlive a destroyed process group): its TP and FSDP collectives counted and compared with the planner's ledger
+    of the same narrow model. Equal: every call
     count equal; TP bytes equal; FSDP bytes = the planner's + the named padding (for each of all-gather and
     reduce-scatter)."""
     import multiprocessing

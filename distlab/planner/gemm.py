@@ -184,11 +184,12 @@ def block_elementwise_bytes(model, tp: int = 1, cp: int = 1, micro_batch: int | 
     reading its inputs and writing its output once (its roofline: they do a few FLOPs a byte, so memory sets their
     time; no fixed cost is charged to them). Per token: two norms (read and write the width), two residual adds
     (read two, write one; GPT's are Megatron's bias-dropout-residual adds, which also write a 1-byte dropout mask),
-    the MLP's activation (GELU: read and write the ffn share; SwiGLU: read two, write one) and, without a flash
+    the MLP's activation (GELU: read and write the ffn share; SwiGLU: read two, write one, as one fused kernel,
+    where ``distlab.models`` runs SiLU and the product as two) and, without a flash
     kernel, attention's scale-mask-softmax (read and write the ``heads / tp x s`` scores) and, in GPT, its dropout
     (read, write, a mask). A Llama block has no bias and no dropout. The norms and adds see the whole width on every
     TP rank without SP (Megatron replicates them), a 1/tp share under SP. ``scores_only``: the softmax and dropout
-    over the scores alone."""
+    over the scores alone. RoPE's element-wise work on the queries and keys is not counted."""
     b = model.micro_batch if micro_batch is None else micro_batch
     tokens = b * model.seq_len // cp
     width = model.hidden // tp if sequence_parallel else model.hidden

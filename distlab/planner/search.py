@@ -23,9 +23,10 @@ def divisors(n: int) -> list[int]:
 def cp_degrees(model: ModelSpec, ways: int, options: Options = Options()) -> list[int]:
     """The CP degrees the search evaluates where ``ways`` GPUs are left after TP and PP: ``options.context_parallel``
     when it is set; else 1 and every divisor of ``ways`` that leaves each rank at least ``options.cp_min_tokens``
-    tokens of a sequence (an assumption, stated: the estimate counts CP's bytes, which hide behind attention, but
-    not what CP costs on short shares, where smaller blocks keep the matrix units less busy and every ring step of
-    every layer adds a message's latency; LLaMA 3 405B used CP 16 only for its 128K-token stage, 8K per rank)."""
+    tokens of a sequence (an assumption, stated: the estimate counts CP's bytes, which hide behind attention, and
+    times each GEMM with s / cp rows, which finds short shares almost free; it does not see a real ring's cost beyond
+    its bytes, each hop's attention kernel on a shorter block and its synchronisation; LLaMA 3 405B used CP 16 only
+    for its 128K-token stage, 8K per rank)."""
     if options.context_parallel is not None:
         return [options.context_parallel] if ways % options.context_parallel == 0 else []
     return [c for c in divisors(ways) if c == 1 or model.seq_len // c >= options.cp_min_tokens]
@@ -72,7 +73,8 @@ def search_rule_problems(model: ModelSpec, layout: Layout, options: Options = Op
     if layout.cp in cp_degrees(model, layout.cp * layout.dp, options):
         return []
     return [f"CP {layout.cp} leaves {model.seq_len // layout.cp} tokens of a sequence per rank, fewer than the "
-            f"search's {options.cp_min_tokens} (--cp-min-tokens): the estimate does not see what short shares cost"]
+            f"search's {options.cp_min_tokens} (--cp-min-tokens), an assumption: the estimate finds short shares almost "
+            f"free, but does not see a real ring's cost beyond its bytes (each hop's kernel and synchronisation)"]
 
 
 def variants(model: ModelSpec, layout: Layout, options: Options = Options()) -> list[tuple[ModelSpec, Options]]:

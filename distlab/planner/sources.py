@@ -605,6 +605,12 @@ SOURCES: dict[str, Source] = {
         "int nInterSteps = nNodes == 1 ? 0 : coll == ncclFuncAllReduce ? 2 * (nNodes - 1) : nNodes - 1; "
         "comm->latencies[coll][a][p] += (nsteps - nInterSteps) * intraLat + nInterSteps * interLat;",
         "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
+    "nccl_ring_plateau": Source(
+        "NVIDIA/nccl", f"src/graph/tuning.cc:647-649 at {NCCL_HEAD}",
+        "if (algorithm == NCCL_ALGO_RING && protocol == NCCL_PROTO_SIMPLE && comm->nNodes > 1 && coll == "
+        "ncclFuncAllReduce && nBytes / (comm->nChannels * comm->nRanks) >= 64) { lat *= comm->minCompCap < 80 ? 1.9 "
+        ": 1.4; // Plateau effect of ring",
+        "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
     "nccl_tree_all_reduce": Source(
         "NVIDIA/nccl", f"src/graph/tuning.cc:331, 379-380 and 414-416 at {NCCL_HEAD}",
         "if (a == NCCL_ALGO_TREE && coll == ncclFuncAllReduce) busBw = std::min(busBw * .92, graphs[a]->nChannels * "
@@ -767,9 +773,14 @@ NOT_FOUND: dict[str, str] = {
         "(Megatron's warm-up, schedules.py:964-965), 10.61 GiB."),
     "korthikanti_table_configs_and_iteration_times": (
         "NOT FOUND: Korthikanti et al. 2022 Table 3 (model configs, GPUs per row) and the end-to-end iteration times "
-        "(full recompute vs present work: published.py's 13.75 s for 175B and 1.10 s for 22B, its 'Table 5' label, "
+        "(full recompute vs present work: 13.75 s for 175B and 1.10 s for 22B under a 'Table 5' label, "
         "and the '175B: TP 8, PP 8, 64 GPUs, batch 64' / '22B: TP 8, PP 1, 8 GPUs, batch 4' rows). Only the MFU/HFU "
-        "per size was read (Megatron-LM README, SOURCES['korthikanti_megatron_readme_mfu_hfu'], which says DP = 1)."),
+        "per size was read (Megatron-LM README, SOURCES['korthikanti_megatron_readme_mfu_hfu'], which says DP = 1). "
+        "Searched for again in the pages and docs indexes (arXiv 2205.05198, Table 3, Table 5, the four sizes' "
+        "layouts, 13.75 s) and by find_string in the code index: the abstract (Hugging Face's paper page) and a "
+        "secondary summary that gives Table 4's per-layer times and Table 5's speed-ups, neither Table 3's layouts "
+        "and batches nor an iteration time. So the layouts stay the course's, unverified, and no test converts an "
+        "iteration time for these rows."),
     "mtnlg_primary_text": (
         "NOT FOUND in the primary text: MT-NLG's 60.1/50.2/44.4 s per iteration and 126/121/113 TFLOP/s per GPU, and "
         "its shape; only secondary quotations (SECONDARY['mtnlg_*']). MT-NLG's vocabulary size: NOT FOUND."),

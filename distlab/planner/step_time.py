@@ -153,8 +153,9 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
             # stage_1_and_2.py:1767-1768): each of the M hides behind its own microbatch's backward
             exposed["dp"] = max(0.0, gather - forward) + m * max(0.0, reduce / m - backward)
         elif layout.zero_stage == 3 and layout.pp > 1:
-            # torch's pipeline schedules: each unit's first gather of the step waits as in the first forward;
-            # the re-gathers (the interleaved runtime's window, or resharding after forward) are issued ahead of
+            # torch's pipeline schedules: each unit's first gather of the step is prefetched and hides behind the
+            # first micro-batch's forward of the stage, as far as it lasts (the step's very first unit's own wait,
+            # one unit's gather, is left out: milliseconds in a step of seconds, chapter 11.3); the re-gathers (the interleaved runtime's window, or resharding after forward) are issued ahead of
             # the compute that needs them (the runtime's async unshard, FSDP's prefetch) and hide behind the step
             again = 1 - 1 / pipeline_fsdp_gathers(model, layout, stage, options)
             exposed["dp"] = (max(0.0, gather * (1 - again) - forward) + max(0.0, gather * again - compute)

@@ -4,7 +4,8 @@ Exercise 1 follows chapter 11's decision path for 70B on 64 H100s, then looks pa
 (:func:`check_path_layout`, the answer the planner's own tree of questions reaches), a layout within 90 % of the
 search's best other than the search's first choice, which page 11.2 names (:func:`check_better_layout`), and what
 the path's layout pays that the better one does not (:func:`check_what_it_pays`, the largest of its costs as the
-planner counts them). Exercise 2: the fewest nodes for a model (:func:`check_fewest_nodes`).
+planner counts them). Exercise 2: the fewest nodes on which FSDP over every GPU holds one sequence of 13B at 16K
+tokens (:func:`check_fewest_nodes`).
 tests/unit/test_exercises_ch11_more.py feeds each check the plausible wrong answers it must reject, and the answers
 a learner following the chapter gives. A wrong answer's message points at the evidence (the planner's numbers to
 print, the learner's own layout's share), never at the answer.
@@ -19,12 +20,15 @@ from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, _not_don
                                      learner_check)
 
 __all__ = ["ExerciseIncomplete", "ExerciseWrong", "check_true", "check_value", "check_path_layout",
-           "check_better_layout", "check_what_it_pays", "check_fewest_nodes", "path_layout", "costs"]
+           "check_better_layout", "check_what_it_pays", "check_fewest_nodes", "path_layout", "costs",
+           "nodes_case"]
 
 # Exercise 1's case: 70B, its 4K-token sequences and 1,024 sequences a step, on 64 H100-80GB (8 a node)
 CASE = ("70b", "h100-80gb", 64)
-# Exercise 2's case: 13B on Derecho's A100-40GB nodes of 4 GPUs (page 11.3's sizing table leaves it out, for this)
-NODES_CASE = ("13b", "a100-40gb")
+# Exercise 2's case: 13B with 16K-token sequences on Derecho's A100-40GB nodes of 4 GPUs, FSDP over every GPU.
+# Chapter 09 sizes 13B at 4K tokens, and the state alone (194 GiB over 160 GiB a node) gives one node too few: at 16K
+# the activations decide (tests/unit/test_exercises_ch11_more.py)
+NODES_CASE = ("13b", "a100-40gb", 16384)
 # how a learner answers each of page 11.1's questions from the planner's numbers (the wrong answer's pointer)
 _HOW_TO_ANSWER = ("1, does DDP's replica fit one GPU: planner.evaluate(model, cluster, planner.Layout(), "
                   "planner.Options(), 1).fits; 2, sharded by FSDP over all the GPUs, does one sequence fit, every "
@@ -143,21 +147,22 @@ def _state_only_nodes(model: str, cluster: str) -> set[int]:
     return {max(1, math.floor(share)), math.ceil(share)}
 
 
-def _least_memory(model: str, cluster: str, nodes: int):
-    """Of the layouts the search tries on ``nodes`` nodes, the one that needs the least memory per GPU."""
+def nodes_case(model: str = NODES_CASE[0], seq_len: int = NODES_CASE[2]):
+    """Exercise 2's model at ``seq_len`` tokens a sequence, the step's tokens kept (fewer, longer sequences)."""
     from distlab import planner
+    from labkit import planner_widgets
 
-    machine = planner.CLUSTERS[cluster]
-    plans = [p for p in planner.search(planner.MODELS[model], machine, nodes * machine.gpus_per_node)
-             if p.memory_per_gpu_bytes]
-    return min(plans, key=lambda p: p.memory_per_gpu_bytes["total"])
+    return planner_widgets.with_sequence_length(planner.MODELS[model], seq_len)
 
 
 @learner_check
-def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_CASE[1], *, hint: str = "") -> None:
-    """``nodes`` is the fewest nodes on which some layout fits (``planner.fewest_nodes``). A wrong count is never told
-    the answer, nor whether it is too many or too few (a few guesses would find a small count): only the count the
-    training state alone gives, the usual slip, is shown the memory its layouts need."""
+def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_CASE[1],
+                       seq_len: int = NODES_CASE[2], *, hint: str = "") -> None:
+    """``nodes`` is the fewest nodes on which FSDP over every GPU holds one sequence, every block recomputed
+    (``planner.fewest_fsdp_nodes``). A wrong count is never told the answer, nor whether it is too many or too few (a
+    few guesses would find a small count): only the usual slips (the training state alone, the count at 4K tokens,
+    chapter 09's row) are shown the memory per GPU at their own count; the confirmation adds what the search finds
+    with TP or CP."""
     from distlab import planner
 
     if nodes is None or nodes is Ellipsis:
@@ -165,23 +170,27 @@ def check_fewest_nodes(nodes, model: str = NODES_CASE[0], cluster: str = NODES_C
     if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes):
         raise ExerciseWrong(f"nodes_13b is a whole number of nodes, not {nodes!r}. {hint}".strip())
     nodes, machine = int(nodes), planner.CLUSTERS[cluster]
-    gpu_gib = machine.gpu_bytes / planner.GIB
     if nodes < 1:
         raise ExerciseWrong(f"nodes_13b counts nodes: at least 1, not {nodes}. {hint}".strip())
-    fewest = planner.fewest_nodes(planner.MODELS[model], machine)
-    if nodes < fewest and nodes in _state_only_nodes(model, cluster):
-        least = _least_memory(model, cluster, nodes)
-        raise ExerciseWrong(f"on {nodes} node(s) of {machine.gpus_per_node} GPUs no layout fits: the one that needs "
-                            f"least, {least.layout.label()}, needs {least.memory_per_gpu_bytes['total'] / planner.GIB:.1f}"
-                            f" GiB per GPU of {gpu_gib:.0f}. Did you count every part, not only the state? "
+    spec = nodes_case(model, seq_len)
+    gpu_gib = machine.gpu_bytes / planner.GIB
+    fewest = planner.fewest_fsdp_nodes(spec, machine)
+
+    def held(count: int) -> float:
+        return planner.fsdp_one_sequence_bytes(spec, count * machine.gpus_per_node)["total"] / planner.GIB
+
+    slips = _state_only_nodes(model, cluster) | {planner.fewest_fsdp_nodes(nodes_case(model, 4096), machine)}
+    if nodes != fewest and nodes in slips and nodes < fewest:
+        raise ExerciseWrong(f"on {nodes} node(s) of {machine.gpus_per_node} GPUs, FSDP over every GPU needs "
+                            f"{held(nodes):.1f} GiB per GPU of {gpu_gib:.0f}. Did you count every part at "
+                            f"{seq_len:,} tokens: the state's share, the activations, FSDP's units and the reserve? "
                             f"{hint}".strip())
     if nodes != fewest:
-        raise ExerciseWrong(f"nodes_13b = {nodes} is not the fewest nodes on which some layout fits. Add, per GPU, "
-                            f"every part (the state's share, activations, gathered units, the reserve) for a node "
-                            f"count and for the one before it, or print planner.search(...) on each. {hint}".strip())
-    least = _least_memory(model, cluster, nodes)
-    before = (f"; on {nodes - 1} node(s) the least any layout needs is "
-              f"{_least_memory(model, cluster, nodes - 1).memory_per_gpu_bytes['total'] / planner.GIB:.1f} GiB"
-              if nodes > 1 else "")
-    _ok(f"nodes_13b = {nodes}: {least.layout.label()} fits at {least.memory_per_gpu_bytes['total'] / planner.GIB:.1f} "
-        f"GiB per GPU of {gpu_gib:.0f}{before}")
+        raise ExerciseWrong(f"nodes_13b = {nodes} is not the fewest nodes on which FSDP over every GPU holds a "
+                            f"{seq_len:,}-token sequence. Add, per GPU, every part (the state's share, activations, "
+                            f"FSDP's units, the reserve) for a node count and for the one before it. {hint}".strip())
+    searched = planner.fewest_nodes(spec, machine)
+    before = f"; on {nodes - 1} node(s), {held(nodes - 1):.1f} GiB" if nodes > 1 else ""
+    _ok(f"nodes_13b = {nodes}: FSDP over {nodes * machine.gpus_per_node} GPUs needs {held(nodes):.1f} GiB per GPU "
+        f"of {gpu_gib:.0f}{before}. Free to add TP, SP or CP, the planner's search fits it on {searched} node(s): "
+        f"they divide the activations, which FSDP does not")

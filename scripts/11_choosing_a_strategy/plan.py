@@ -15,8 +15,8 @@ mesh dimension, bubble, step time, MFU). Every number is derived from the course
 
 --dry-run builds the chosen layout at its full world size on a fake process group, in this one process
 (``distlab.planner.dry_run``): the DeviceMesh of sampled ranks checked against the grid arithmetic
-(``distlab.hybrid``), and for a rank of each pipeline position the real model of its stage, parallelized by the
-course's own code, its state bytes read from the shards against the planner's: no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
+(``distlab.hybrid``), and for a rank of the first, a middle and the last pipeline stage the real model of its stage,
+parallelized by the course's own code, its state bytes read from the shards against the planner's: no GPU, no launcher. Bad input ends with one line ``config error: ...`` and exit 2.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=runtime.nonnegative_int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage (0 DDP, 3 FSDP); default: the search tries 0, 1 and 3; --layout uses 1")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP gathers the weights again for backward (default: yes without PP; no under PP, as "
-                        "chapter 09's scripts set it)")
+                   help="FSDP gathers the weights again for backward: an explicit True on every unit, the root "
+                        "included, not torch's default (default: yes without PP; no under PP, as chapter 09's "
+                        "scripts set it)")
     p.add_argument("--activation-checkpointing", choices=["search", "full", "selective", "none"], default="search",
                    help="full: recompute every block in backward; selective: attention's core only; none; "
                         "search (default): the fastest that fits, for each layout")

@@ -4,14 +4,19 @@ say passes every check; the plausible wrong answers are rejected."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
+from pathlib import Path
 
 import pytest
 
 from coursetools import chapters
-from distlab import planner
+from distlab import planner, sizing
 from labkit import planner_widgets
 from labkit.exercises import ch11 as exercises
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -84,24 +89,67 @@ def test_the_bar_falls_on_no_rounded_share():
     assert not verdict.ok and f"reaches {share:.1%} of" in verdict.message and "reaches 90" not in verdict.message
 
 
+def _exercise_2():
+    spec = exercises.nodes_case()
+    a100 = planner.CLUSTERS[exercises.NODES_CASE[1]]
+    return spec, a100, planner.fewest_fsdp_nodes(spec, a100)
+
+
+def _held_gib(spec, cluster, nodes, *, reserve=True):
+    parts = planner.memory_per_gpu(planner.replace(spec, micro_batch=1),
+                                   planner.Layout(dp=nodes * cluster.gpus_per_node, zero_stage=3), 0,
+                                   planner.Options(activation_checkpointing="full"))
+    return (parts["total"] - (0 if reserve else parts["reserve"])) / planner.GIB
+
+
+def test_exercise_2_is_settled_neither_by_chapter_09_nor_by_the_state_alone():
+    """The answer, computed by the planner's memory (FSDP over every GPU, one sequence, full recomputation), differs
+    from every count a learner could copy or divide out: chapter 09's 13B rows, the state over a node's memory, the
+    search's any-layout count, the same sum at 4K tokens or without the reserve."""
+    spec, a100, fewest = _exercise_2()
+    assert spec.seq_len == 16384 and spec.global_batch * spec.seq_len == 1024 * 4096
+    by_memory = next(n for n in range(1, 64) if _held_gib(spec, a100, n) <= a100.gpu_bytes / planner.GIB)
+    assert fewest == by_memory == 3
+    state_gib = planner.MODELS["13b"].num_params() * 16 / planner.GIB
+    slips = {"the state alone": math.ceil(state_gib / (a100.gpus_per_node * a100.gpu_bytes / planner.GIB)),
+             "chapter 09's fewest nodes for 13B": sizing.min_nodes("13B"),
+             "the search over every layout": planner.fewest_nodes(spec, a100),
+             "4K-token activations": planner.fewest_fsdp_nodes(planner.MODELS["13b"], a100),
+             "no reserve": next(n for n in range(1, 64)
+                                if _held_gib(spec, a100, n, reserve=False) <= a100.gpu_bytes / planner.GIB)}
+    for slip, count in slips.items():
+        assert count != fewest, slip
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises.check_fewest_nodes(count)
+    # chapter 09's page prints none of the answer's sums: its 13B row is at 4K tokens and TP 4
+    assert f"{_held_gib(spec, a100, fewest):.1f}" not in chapters.text("09")
+
+
 def test_the_fewest_nodes_check_points_at_memory_not_at_the_answer():
-    fewest = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
-    exercises.check_fewest_nodes(fewest, "13b", "a100-40gb")
-    # the state alone (194 GiB / 160 GiB a node, rounded down), a node more "to be safe", half a node, a string
-    for slip in (fewest - 1, fewest + 1, fewest + 0.5, str(fewest), 0):
+    spec, a100, fewest = _exercise_2()
+    exercises.check_fewest_nodes(fewest)
+    # a node too few (the state alone, rounded up), a node more "to be safe", half a node, a string, none
+    for slip in (fewest - 1, fewest - 2, fewest + 1, fewest + 0.5, str(fewest), 0, True):
         with pytest.raises(exercises.ExerciseWrong) as wrong:
-            exercises.check_fewest_nodes(slip, "13b", "a100-40gb")
+            exercises.check_fewest_nodes(slip)
         message = str(wrong.value)
         assert f"{fewest} node" not in message and f"= {fewest}" not in message and f"{fewest} is" not in message
-    with pytest.raises(exercises.ExerciseWrong, match="needs .* GiB per GPU of 40"):
-        exercises.check_fewest_nodes(fewest - 1, "13b", "a100-40gb")
+        assert f"{_held_gib(spec, a100, fewest):.1f}" not in message and "one node fewer" not in message
+    with pytest.raises(exercises.ExerciseWrong, match=f"needs {_held_gib(spec, a100, fewest - 1):.1f} GiB per GPU of 40"):
+        exercises.check_fewest_nodes(fewest - 1)
     with pytest.raises(exercises.ExerciseIncomplete):
-        exercises.check_fewest_nodes(None, "13b", "a100-40gb")
+        exercises.check_fewest_nodes(None)
 
 
-def test_page_11_3_leaves_the_exercises_answer_out_of_its_sizing_table():
-    assert "| 13B |" not in planner.sizing_check_markdown() and "| 30B |" in planner.sizing_check_markdown()
-    assert "| 13B |" not in chapters.text("11")
+def test_exercise_2s_notebook_states_the_planners_case_and_numbers():
+    cells = json.loads((ROOT / "notebooks" / "11_choosing_a_strategy.ipynb").read_text())["cells"]
+    prompt = next(" ".join("".join(c["source"]).split()) for c in cells
+                  if "".join(c["source"]).startswith("## Exercise 2"))
+    spec, a100, fewest = _exercise_2()
+    state = planner.MODELS["13b"].num_params()
+    assert f"{state / 1e9:.1f} B parameters x 16 bytes are {state * 16 / planner.GIB:.0f} GiB" in prompt
+    assert f"{spec.seq_len:,}-token sequences" in prompt and f"{spec.global_batch} sequences" in prompt
+    assert f"nodes_13b = {fewest}" in "".join("".join(c["source"]) for c in cells)
 
 
 def test_the_path_check_rejects_what_is_not_a_layout_and_waits_for_the_stub():
@@ -138,7 +186,7 @@ def test_the_costs_are_the_planners_seconds():
 def test_the_fewest_nodes_check_does_not_tell_too_many_from_too_few():
     """A small whole count is found by halving when a wrong one is told its side: past the state-alone slip (the only
     count below the answer here), wrong counts read alike but for the count, and none says which side it is on."""
-    fewest = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
+    fewest = planner.fewest_fsdp_nodes(exercises.nodes_case(), planner.CLUSTERS["a100-40gb"])
     messages = {}
     for wrong in (fewest + 1, fewest + 3):
         with pytest.raises(exercises.ExerciseWrong) as raised:

@@ -429,7 +429,11 @@ def ch11_fewest_nodes():
 
     from labkit.exercises import ch11
 
-    right = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
+    from labkit import planner_widgets
+
+    # exercise 2's case: 13B at 16K-token sequences, FSDP over every GPU
+    spec = planner_widgets.with_sequence_length(planner.MODELS["13b"], 16384)
+    right = planner.fewest_fsdp_nodes(spec, planner.CLUSTERS["a100-40gb"])
     for label, got in _numbers_off(right).items():
         yield Attempt(label, lambda got=got: ch11.check_fewest_nodes(got), [right])
 

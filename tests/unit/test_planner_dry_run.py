@@ -1,5 +1,5 @@
-"""The planner at the full world size: the chosen layout's real model built for a rank of each pipeline position on
-a fake process group, in one process on the meta device, its shards' bytes against the planner's state bytes."""
+"""The planner at the full world size: the chosen layout's real model built for a rank of the first, a middle and
+the last pipeline stage on a fake process group, in one process on the meta device, its shards' bytes against the planner's state bytes."""
 
 from __future__ import annotations
 

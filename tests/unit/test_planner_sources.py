@@ -240,3 +240,17 @@ def test_korthikantis_530b_figures_are_read_in_the_papers_abstract():
     chapter = " ".join(chapters.text("11").split())   # every page of chapter 11
     assert "found only in a quotation" not in chapter
     assert "It is stated in the paper's abstract, without its layout or batch." in chapter
+
+
+def test_the_selective_rows_take_only_the_readmes_mfu_and_name_the_rest_not_found():
+    """Korthikanti et al.'s Table 3 (layouts, batches) and iteration times were not found: the two rows state the
+    README's MFU, say their layout is the course's, and no test converts an iteration time for them."""
+    from pathlib import Path
+
+    missing = NOT_FOUND["korthikanti_table_configs_and_iteration_times"]
+    assert "13.75 s" in missing and "Table 3" in missing and "Searched for again" in missing
+    for label in ("Megatron 175B, selective recomputation, 64 A100", "Megatron 22B, selective recomputation, 8 A100"):
+        row = next(r for r in RUNS if r.label == label)
+        assert row.stated[0] == "mfu" and "were not found in a source" in row.quoted
+    text_test = (Path(__file__).parent / "test_chapter_text_11.py").read_text()
+    assert "13.75" not in text_test and "Korthikanti's MFU from its time" not in text_test

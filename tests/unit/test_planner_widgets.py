@@ -59,11 +59,11 @@ def test_the_notebooks_exercise_checks_reject_plausible_wrong_answers():
 
     from labkit.exercises import ch11 as exercises
 
-    right = planner.fewest_nodes(planner.MODELS["13b"], planner.CLUSTERS["a100-40gb"])
-    exercises.check_fewest_nodes(right, "13b", "a100-40gb")
-    for slip in (1, right + 1):  # the state alone / 40 GB read as 40e9 bytes and a node more "to be safe"
+    right = planner.fewest_fsdp_nodes(exercises.nodes_case("13b", 16384), planner.CLUSTERS["a100-40gb"])
+    exercises.check_fewest_nodes(right, "13b", "a100-40gb", 16384)
+    for slip in (right - 1, right + 1):  # the state alone, rounded up, and a node more "to be safe"
         with pytest.raises(exercises.ExerciseWrong):
-            exercises.check_fewest_nodes(slip, "13b", "a100-40gb")
+            exercises.check_fewest_nodes(slip, "13b", "a100-40gb", 16384)
     with pytest.raises(exercises.ExerciseIncomplete):
         exercises.check_true("layout_70b", planner_widgets.layout_verdict(None).ok, "")
     for slip in (planner.Layout(tp=8, pp=1, dp=8, zero_stage=3),  # FSDP re-gathers for every microbatch
