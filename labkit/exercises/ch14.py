@@ -461,11 +461,12 @@ def _said(problem: str, blame=()) -> str:
 
 FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's function in place of its own code
 # The fixes judged on 2 ranks: their scripts' checks hold on any number, and 2 ranks on the lab's 2 cores take a half
-# to a third of 4's time (measured), which keeps the lab's 13 fix runs within its minute. The others need 4 ranks:
-# deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks.
+# to a third of 4's time (measured), which keeps the lab's fix runs within its minute. The others need 4 ranks:
+# deadlocks.py's scenarios, the (2, 2) mesh, the checkpoint's "written by 4 ranks" checks, the HSDP run's 2 x 2,
+# and run 22's recipe (a per-rank batch tuned on 2 ranks is right on 2).
 FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
              "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2,
-             "stage-grad-norm": 2, "nan-from-one-rank": 2}
+             "stage-grad-norm": 2, "nan-from-one-rank": 2, "local-grad-norm": 2, "unused-parameter": 2}
 
 
 def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:

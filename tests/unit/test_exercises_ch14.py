@@ -698,6 +698,9 @@ def test_the_fixes_run_on_fewer_ranks_only_where_the_scripts_checks_hold_on_any_
     for name in ch14.FIX_NPROC:
         assert broken_runs.case(name).script not in (broken_runs.DEADLOCKS, broken_runs.FSDP_TP_HYBRID,
                                                      broken_runs.CHECKPOINT_RESUME), name
+    # run 22's per-rank batch tuned on 2 ranks is right on 2; the HSDP run is 2 replicas x 2 shards
+    assert "token-mean-per-micro-batch" not in ch14.FIX_NPROC and "global-batch-grows" not in ch14.FIX_NPROC
+    assert "per-rank-init" not in ch14.FIX_NPROC
 
 
 def test_the_batch_and_the_token_fixes_share_one_run_and_each_is_named_by_its_check(launched, capsys):
