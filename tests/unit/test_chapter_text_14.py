@@ -729,9 +729,9 @@ def _train_ddp():
 
 
 def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
-    """A sequence keeps its first 1 to T targets, T the tiny model's sequence length (kept_targets, run on the
-    shortest and the longest first token); the page's gap is the registry's, which tests/scripts/test_14 holds to
-    the run."""
+    """A sequence keeps its first 1 to S targets, S the tiny model's sequence length (kept_targets, run on the
+    shortest and the longest first token), as the page and train_ddp.py's --help both say; the page's gap is the
+    registry's, which tests/scripts/test_14 holds to the run."""
     import torch
 
     from distlab import models
@@ -741,6 +741,11 @@ def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
     fewest, most = _train_ddp().kept_targets(tokens).sum(dim=1).tolist()
     section = " ".join(section_of("token-mean-per-micro-batch").split())
     assert f"on its first targets only, {fewest} to {most} of them (a sequence holds {seq_len} targets)" in section
+    source = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    said = " ".join(re.search(r'"--uneven-lengths", action="store_true",\s*help=((?:\s*"[^"]*")+)', source)[1]
+                    .replace('"', "").split())
+    assert (fewest, most) == (1, seq_len) and "its first 1 to S of its S targets only (S: the preset's sequence " \
+        "length;" in said, said
     worst = re.search(r"\(([\d.]+) at worst\)", registry().case("token-mean-per-micro-batch").symptom)[1]
     assert f"off one device's from the first step, {worst} at worst" in section
 
