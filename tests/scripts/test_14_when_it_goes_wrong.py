@@ -513,6 +513,11 @@ def _global_batch_grows(metrics, result):
     assert len(pairs) == 5 and max(range(5), key=gaps.__getitem__) == int(turn), pairs
     assert round(max(gaps), 2) == float(worst), pairs
     assert abs(gaps[0]) < 0.02 and gaps[int(turn)] > 5 * abs(gaps[0]), gaps   # step 0: the same weights, other samples
+    # the recap's and the picture's words for it: below one device, most where the grown run's second epoch begins
+    from coursetools.drawings.ch14 import PATHS
+
+    assert PATHS["global-batch-grows"][0] == "below one device, most in its 2nd epoch"
+    assert min(gaps) > 0, gaps   # below at every step of this run; most at step `turn`, the second epoch's first (above)
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}   # the ranks agree, and the from-scratch version
     assert passed["replicas identical after training"] and passed["DDP gradients = from-scratch gradients (every step)"]
 

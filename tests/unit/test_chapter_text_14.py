@@ -51,11 +51,15 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     from the registry's own fields: a hang or an error stops the run, a resume has an interrupted run first, a slow
     run is judged by its throughput."""
     cases = registry().BROKEN_RUNS
-    assert list(ch14.PATHS) == [case.name for case in cases]
+    taught = [name for page in chapters.pages("14")   # each case's section, in the order the pages teach them
+              for name in re.findall(r"^### .*\(`([a-z0-9-]+)`\)\s*$", page.read_text(), flags=re.M)]
+    assert sorted(taught) == sorted(case.name for case in cases)
+    assert list(ch14.PATHS) == taught   # the picture's and the recap's order is the chapter's
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
-    assert names["Hangs, timeouts and errors"] == ["unused-parameter", "uneven-inputs", "full-state-on-rank-0",
-                                                   "fsdp-before-tp", "mismatched-collectives", "rank-0-evaluation"]
+    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives",
+                                                   "full-state-on-rank-0", "rank-0-evaluation", "unused-parameter"]
+    assert [name for name in taught if name in names["Wrong numbers"]] == names["Wrong numbers"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
