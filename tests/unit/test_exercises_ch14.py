@@ -730,3 +730,16 @@ def test_the_batch_and_the_token_fixes_share_one_run_and_each_is_named_by_its_ch
     with pytest.raises(ExerciseWrong, match="still fails") as wrong:
         ch14.check_fix_batch_and_tokens(right_micro_batch_size, wrong_token_loss_own_mean)
     assert "micro_batch_size()" not in str(wrong.value)
+
+
+def test_prefetch_starts_the_runs_in_the_labs_order(monkeypatch):
+    """A part's cell waits for its own runs only: the broken runs start part by part, in the lab's order."""
+    started = []
+    monkeypatch.setattr(ch14, "_RUNS", {})
+    monkeypatch.setattr(ch14, "_PENDING", {})
+    monkeypatch.setattr(ch14.broken_runs, "run_case", lambda name, **kwargs: started.append(name))
+    ch14.prefetch(workers=1)
+    for future in list(ch14._PENDING.values()):
+        future.result()
+    assert started == [ch14._case(label).name for label in ch14.LABELS]
+
