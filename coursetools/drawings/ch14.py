@@ -3,7 +3,7 @@
 Drawn from the registry of broken runs (``labkit.broken_runs.BROKEN_RUNS``), not from a run: each case lands in
 the group of what a user sees by :func:`seen` (read from the case's own fields: a run that resumes, a hang or an
 error, a run judged by its throughput, else wrong numbers), and :data:`PATHS` gives the few words the picture and the
-chapter's recap table print for it. A case added to the registry without its words here fails the chapter's test.
+chapter's recap table print for it, in the order the chapter teaches the cases. A case added to the registry without its words here fails the chapter's test.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ QUESTIONS = {
     "Resumes": "question 3: the resumed run differs from the uninterrupted one",
 }
 
-# case -> (what you see, what to look at, the cause), a few words each: the picture's boxes, the recap's cells.
+# case -> (what you see, what to look at, the cause), a few words each: the picture's boxes, the recap's cells. In
+# the order the chapter's pages teach the cases (their "### ... (`name`)" sections): the picture and the recap list
+# each group's cases in it.
 PATHS = {
     "same-samples-every-rank": ("every rank prints the same loss", "the losses per rank",
                                 "every rank reads the same samples"),
@@ -30,46 +32,46 @@ PATHS = {
                                  "accumulation never synchronises"),
     "loss-averaged-twice": ("the loss looks right, the gradients small", "the gradients against one device",
                             "the loss is averaged twice"),
-    "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
-                          "one rank's nan, all-reduced"),
-    "unused-parameter": ("an error at the second step", "the error's line of indices",
-                         "a parameter the forward never uses"),
-    "token-mean-per-micro-batch": ("off one device from the first step", "the same run with equal lengths",
-                                   "a mean of micro-batch means"),
-    "global-batch-grows": ("below one device at every step", "the sequences per step",
-                           "a global batch grown with the world"),
-    "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
-                      "a rank has fewer batches"),
-    "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",
-                             "a checkpoint of one shard"),
-    "bf16-gradient-reduction": ("gradients far beyond fp32 rounding", "the reduce-scatter's bytes",
-                                "gradients reduced in bf16"),
-    "optimizer-before-sharding": ("the loss does not fall", "the optimizer's state",
-                                  "the optimizer built before sharding"),
-    "full-state-on-rank-0": ("a hang after the last step", "the journals: one rank waits alone",
-                             "the full state gathered on rank 0"),
     "per-rank-init": ("off one device before any update", "the replicas' weights before step 0",
                       "each rank's own initial weights"),
     "local-grad-norm": ("right gradients, wrong update", "the gradient norm each rank logs",
                         "gradients clipped by local norms"),
+    "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
+                          "one rank's nan, all-reduced"),
+    "bf16-gradient-reduction": ("gradients far beyond fp32 rounding", "the reduce-scatter's bytes",
+                                "gradients reduced in bf16"),
+    "optimizer-before-sharding": ("the loss does not fall", "the optimizer's state",
+                                  "the optimizer built before sharding"),
     "data-by-global-rank": ("off one device from the first step", "the rows each TP rank reads",
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",
                             "the loss read on the first stage"),
     "stage-grad-norm": ("right gradients, wrong update", "the gradient norm each stage logs",
                         "gradients clipped per stage"),
-    "too-few-microbatches": ("every rank idle most of the step", "the idle share against the formula",
-                             "too few microbatches"),
+    "global-batch-grows": ("below one device, most in its 2nd epoch", "the sequences per step",
+                           "a global batch grown with the world"),
+    "token-mean-per-micro-batch": ("off one device from the first step", "the same run with equal lengths",
+                                   "a mean of micro-batch means"),
+    "uneven-inputs": ("a hang at the end of an epoch", "the journals: one rank finished",
+                      "a rank has fewer batches"),
     "fsdp-before-tp": ("an error before the first step", "the error's two meshes",
                        "FSDP applied before the TP plan"),
     "mismatched-collectives": ("a hang at the first collective", "the journals: all stuck, different calls",
                                "collectives differ between ranks"),
-    "resume-without-rng": ("a step trained twice, two losses", "the losses of the step trained twice",
-                           "random state and data position lost"),
-    "slow-rank": ("every step slower, on every rank", "each rank's time before its collective",
-                  "one slow rank"),
+    "full-state-on-rank-0": ("a hang after the last step", "the journals: one rank waits alone",
+                             "the full state gathered on rank 0"),
     "rank-0-evaluation": ("a hang between two steps", "what the last rank did before",
                           "one rank's long work alone"),
+    "unused-parameter": ("an error at the second step", "the error's line of indices",
+                         "a parameter the forward never uses"),
+    "too-few-microbatches": ("every rank idle most of the step", "the idle share against the formula",
+                             "too few microbatches"),
+    "slow-rank": ("every step slower, on every rank", "each rank's time before its collective",
+                  "one slow rank"),
+    "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",
+                             "a checkpoint of one shard"),
+    "resume-without-rng": ("a step trained twice, two losses", "the losses of the step trained twice",
+                           "random state and data position lost"),
 }
 
 
@@ -87,12 +89,14 @@ def seen(case) -> str:
 
 
 def grouped(cases=None) -> list[tuple[str, list]]:
-    """The registry's cases by what a user sees, in the order of ``GROUPS``, each group in the registry's order."""
+    """The registry's cases by what a user sees, in the order of ``GROUPS``, each group in the order the chapter
+    teaches its cases (:data:`PATHS`'s)."""
     if cases is None:
         from labkit import broken_runs
 
         cases = broken_runs.BROKEN_RUNS
-    return [(group, [case for case in cases if seen(case) == group]) for group in GROUPS]
+    taught = sorted(cases, key=lambda case: list(PATHS).index(case.name))
+    return [(group, [case for case in taught if seen(case) == group]) for group in GROUPS]
 
 
 def recap_markdown(cases=None) -> str:

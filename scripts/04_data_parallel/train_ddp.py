@@ -51,10 +51,10 @@ def masked_mean_loss(logits, targets, mask):
 
 
 def kept_targets(tokens, every=False):
-    """--uneven-lengths: which target tokens a sequence keeps, its first L of T - 1 (L = 1 + its first token mod
-    T - 1: 1 to T - 1, read from the tokens so that every rank and the one-device reference agree). Padding, or a
-    prompt whose tokens carry no loss, gives real batches such uneven counts. ``every`` (--keep-every-target):
-    all T - 1, through the same masked loss."""
+    """--uneven-lengths: which targets a sequence keeps, its first L of its S (``tokens``: S + 1 tokens, S targets;
+    L = 1 + its first token mod S: 1 to S, read from the tokens so that every rank and the one-device reference
+    agree). Padding, or a prompt whose tokens carry no loss, gives real batches such uneven counts. ``every``
+    (--keep-every-target): all S, through the same masked loss."""
     width = tokens.shape[1] - 1
     lengths = torch.full_like(tokens[:, 0], width) if every else 1 + tokens[:, 0] % width
     return torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]
@@ -223,8 +223,9 @@ def main():
                         f"per-rank batch the recipe had on {TUNED_WORLD} ranks kept on any number (the global batch "
                         "grows with the world)")
     p.add_argument("--uneven-lengths", action="store_true",
-                   help="each sequence keeps a loss on its first 1 to T-1 targets only (padding, prompts): the step's "
-                        "loss is the mean over every kept token of the global batch")
+                   help="each sequence keeps a loss on its first 1 to S of its S targets only (S: the preset's "
+                        "sequence length; padding, prompts): the step's loss is the mean over every kept token of the "
+                        "global batch")
     p.add_argument("--keep-every-target", action="store_true",
                    help="the masked loss of --uneven-lengths with every target kept: each micro-batch holds as many "
                         "tokens, the check of token-mean-per-micro-batch")

@@ -254,6 +254,14 @@ WRONG_IN_THE_JOB = {
                           "    for step, losses in enumerate(rank_losses):\n"
                           "        if not any(map(math.isfinite, losses)):\n"
                           "            return step, 0\n", (ch14.FIRST_NONFINITE_CHECK,)),
+    "local-grad-norm": (broken_runs.CLIP_RUN,   # each rank's own shards' norm, as the bug had it (--clip-from)
+                        "import torch\n\n\ndef clip_gradients(model, max_norm):\n"
+                        "    grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]\n"
+                        "    norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))\n"
+                        "    for g in grads:\n"
+                        "        g.mul_(min(1.0, max_norm / (float(norm) + 1e-6)))\n"
+                        "    return norm\n",
+                        ("every rank computed the same gradient norm", "parameters = single-device parameters")),
     "stage-grad-norm": (broken_runs.PIPELINE_CLIP_RUN,   # torch's clip on this rank's stages, as the bug had it
                         "import torch\n\n\ndef clip_gradients(parameters, max_norm):\n"
                         "    return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()\n",
@@ -279,6 +287,8 @@ def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
         extra = ("--fix-from", str(tmp_path / "fix.py"))
     if name == "resume-without-rng":
         extra = ("--checkpoint-holds", ",".join(ch14.CHECKPOINT_PARTS))
+    if name == "local-grad-norm":   # train_fsdp.py's flag for a learner's clip (check_fix_clip)
+        extra = ("--clip-from", str(tmp_path / "fix.py"))
     result = broken_runs.run_case(name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
                                   args_override=args, extra_args=extra, nproc=ch14.FIX_NPROC.get(name))   # as the lab
     assert result.metrics is not None, result.tail()
@@ -503,6 +513,11 @@ def _global_batch_grows(metrics, result):
     assert len(pairs) == 5 and max(range(5), key=gaps.__getitem__) == int(turn), pairs
     assert round(max(gaps), 2) == float(worst), pairs
     assert abs(gaps[0]) < 0.02 and gaps[int(turn)] > 5 * abs(gaps[0]), gaps   # step 0: the same weights, other samples
+    # the recap's and the picture's words for it: below one device, most where the grown run's second epoch begins
+    from coursetools.drawings.ch14 import PATHS
+
+    assert PATHS["global-batch-grows"][0] == "below one device, most in its 2nd epoch"
+    assert min(gaps) > 0, gaps   # below at every step of this run; most at step `turn`, the second epoch's first (above)
     passed = {c["name"]: c["passed"] for c in metrics["checks"]}   # the ranks agree, and the from-scratch version
     assert passed["replicas identical after training"] and passed["DDP gradients = from-scratch gradients (every step)"]
 

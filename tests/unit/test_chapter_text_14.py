@@ -51,11 +51,15 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     from the registry's own fields: a hang or an error stops the run, a resume has an interrupted run first, a slow
     run is judged by its throughput."""
     cases = registry().BROKEN_RUNS
-    assert list(ch14.PATHS) == [case.name for case in cases]
+    taught = [name for page in chapters.pages("14")   # each case's section, in the order the pages teach them
+              for name in re.findall(r"^### .*\(`([a-z0-9-]+)`\)\s*$", page.read_text(), flags=re.M)]
+    assert sorted(taught) == sorted(case.name for case in cases)
+    assert list(ch14.PATHS) == taught   # the picture's and the recap's order is the chapter's
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
-    assert names["Hangs, timeouts and errors"] == ["unused-parameter", "uneven-inputs", "full-state-on-rank-0",
-                                                   "fsdp-before-tp", "mismatched-collectives", "rank-0-evaluation"]
+    assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives",
+                                                   "full-state-on-rank-0", "rank-0-evaluation", "unused-parameter"]
+    assert [name for name in taught if name in names["Wrong numbers"]] == names["Wrong numbers"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
     assert all(case.hang for case in cases if case.name in ("uneven-inputs", "mismatched-collectives"))
@@ -729,9 +733,9 @@ def _train_ddp():
 
 
 def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
-    """A sequence keeps its first 1 to T targets, T the tiny model's sequence length (kept_targets, run on the
-    shortest and the longest first token); the page's gap is the registry's, which tests/scripts/test_14 holds to
-    the run."""
+    """A sequence keeps its first 1 to S targets, S the tiny model's sequence length (kept_targets, run on the
+    shortest and the longest first token), as the page and train_ddp.py's --help both say; the page's gap is the
+    registry's, which tests/scripts/test_14 holds to the run."""
     import torch
 
     from distlab import models
@@ -741,6 +745,11 @@ def test_the_token_mean_case_states_the_kept_targets_the_run_keeps():
     fewest, most = _train_ddp().kept_targets(tokens).sum(dim=1).tolist()
     section = " ".join(section_of("token-mean-per-micro-batch").split())
     assert f"on its first targets only, {fewest} to {most} of them (a sequence holds {seq_len} targets)" in section
+    source = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    said = " ".join(re.search(r'"--uneven-lengths", action="store_true",\s*help=((?:\s*"[^"]*")+)', source)[1]
+                    .replace('"', "").split())
+    assert (fewest, most) == (1, seq_len) and "its first 1 to S of its S targets only (S: the preset's sequence " \
+        "length;" in said, said
     worst = re.search(r"\(([\d.]+) at worst\)", registry().case("token-mean-per-micro-batch").symptom)[1]
     assert f"off one device's from the first step, {worst} at worst" in section
 
