@@ -127,10 +127,10 @@ def _source_page(path: str, chapter: Chapter | None, language: str) -> str:
 
 def _lab_cell(chapter: Chapter) -> dict:
     name = Path(chapter.lab).name
-    text = (f"**Run this lab yourself:** `make lab` opens the course in JupyterLab; open `{chapter.lab}` there "
-            f"(`notebooks/student/{name}` is the learner's copy with the exercises left to do). "
-            f"{{download}}`Download this notebook <{name}>`. The page below is the lab as the course ran it on a "
-            f"CPU while the website was built.\n\n{_faces_line(chapter, chapter.lab, skip='lab')}")
+    text = (f"**Run this lab yourself:** `make lab` opens the course in JupyterLab; open `notebooks/student/{name}` "
+            f"there, your copy with the exercises left to do. The page below is `{chapter.lab}`, the lab with its "
+            f"answers, as the course ran it on a CPU while the website was built: try the exercises before you read "
+            f"it. {{download}}`Download the answers <{name}>`.\n\n{_faces_line(chapter, chapter.lab, skip='lab')}")
     return {"cell_type": "markdown", "id": "distlab-run-this-lab", "metadata": {}, "source": text}
 
 

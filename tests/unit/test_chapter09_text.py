@@ -211,7 +211,7 @@ def test_pipe_is_gone_from_torch(text):
 
 
 def test_the_chapter_names_scripts_and_modules_that_exist(raw):
-    for path in ("notebooks/09_hybrid_parallel.ipynb", "scripts/09_hybrid_parallel/rank_grid.py",
+    for path in ("notebooks/student/09_hybrid_parallel.ipynb", "scripts/09_hybrid_parallel/rank_grid.py",
                  "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py", "scripts/09_hybrid_parallel/pp_dp_hybrid.py",
                  "scripts/09_hybrid_parallel/hybrid_3d.py", "pbs/09_hybrid_parallel.pbs"):
         assert (REPO / path).exists() and path.split("/")[-1] in raw, path

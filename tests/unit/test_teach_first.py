@@ -124,3 +124,15 @@ def test_the_chapters_hold_a_picture_of_every_mechanism_before_any_measured_figu
 def test_the_measured_figures_are_the_ones_with_data():
     assert {"04_ddp_overlap.png", "12_hang.png", "14_resumes.png"} <= MEASURED
     assert not MEASURED & {n for names in MECHANISMS.values() for n in names}
+
+
+def test_a_chapter_sends_the_learner_to_their_copy_of_the_lab_not_to_its_answers():
+    """The full notebooks hold every exercise's answer (and the website shows them run): a page that names a lab
+    names the learner's copy, notebooks/student/, where the exercises are left to do."""
+    named = {str(page.relative_to(REPO)): re.findall(r"notebooks/(?:student/)?\d\d_\w+\.ipynb", page.read_text())
+             for page in sorted((REPO / "chapters").glob("*.md"))}
+    full = {page: [n for n in names if "/student/" not in n] for page, names in named.items()}
+    assert not any(full.values()), {page: names for page, names in full.items() if names}
+    assert sum(map(len, named.values())) >= 13   # every chapter with exercises names its lab
+    for names in named.values():
+        assert all((REPO / name).exists() for name in names), names
