@@ -238,14 +238,6 @@ distlab_before_launch() {
     DISTLAB_STEPS_BEFORE=$(distlab_job_steps | tr '\n' ' ') || DISTLAB_STEPS_BEFORE=""
 }
 
-# torchrun's agent, told to stop (the warning's TERM), SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30
-# unless set (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): too short for a
-# long step and a save. The job gives them what it budgets for a last step and checkpoint before its end,
-# DISTLAB_WALLTIME_MARGIN; its warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit.
-# Whether the user gave it is noted: a chained successor makes its own (distlab_chain_next).
-DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
-
 distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its limit did not end "ok"), with this job's own shape: nodes, tasks a node, GPUs

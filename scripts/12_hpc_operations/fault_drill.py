@@ -27,7 +27,8 @@ one. Two things end real jobs early, and the script handles both:
   step, save and exit 0. But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``,
   at the MoM's next polls), so only a step and a save shorter than that end in a checkpoint. To stop a job with
   time to save, send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it (under torchrun the agent
-  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s, 30 by default, after its own TERM).
+  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s after its own TERM: 30 by default, the margin,
+  120 s, in the course's jobs, which export it under both schedulers).
 
 The data is what a real run reads: a finite dataset (``--samples`` sequences) in a shuffled order, epoch after
 epoch, and each step masks a random tenth of the input tokens (an augmentation drawn from torch's global random

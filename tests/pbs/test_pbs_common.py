@@ -338,3 +338,15 @@ def test_after_a_sigterm_the_job_launches_nothing_and_says_checkpoint_only_for_a
     assert "distlab: not launched rank.py: the job got SIGTERM" in output and output.count("rank done") == 1, output
     assert output.index("distlab: SIGTERM: ") < output.index("rank done"), output  # the trap ran during the launch
     assert "ok rank.py" in output and job.returncode == 1  # the first launch ended well; the job did not finish
+
+
+def test_torchruns_agents_get_the_jobs_margin_to_save_after_a_qsig_term(job_env):
+    """qsig -s TERM sends the TERM alone (OpenPBS src/resmom/requests.c:2058-2094): the ranks' torchrun agents then
+    SIGKILL them TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30 by default (torch 2.13 distributed/launcher/api.py:145-149),
+    too short for a real model's step and save. The PBS job exports the margin it budgets for them, as Slurm's does;
+    a value given wins."""
+    show = 'echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"; bash -c \'echo "agent=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"\''
+    env = {k: v for k, v in job_env.items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    assert source_common(env, after=show).output.split()[-2:] == ["120", "agent=120"]  # exported to the agents
+    assert source_common(env | {"DISTLAB_WALLTIME_MARGIN": "300"}, after=show).output.split()[-2:] == ["300", "agent=300"]
+    assert source_common(env | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}, after=show).output.split()[-2:] == ["45", "agent=45"]

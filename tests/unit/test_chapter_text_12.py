@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -379,7 +380,8 @@ def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
     assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill and 'STOP_REQUESTED["signal"] = signum' in drill
     text = " ".join(CHAPTER.split())
     assert "The drill installs one, to save a checkpoint at the walltime, and it only notes the signal." in text
-    assert "not from NCCL" in text
+    # why the survivors wait for the agent's SIGKILL at all: the handler, said where the race is drawn
+    assert "So the survivors outlive the TERM; two clocks race:" in text
 
 
 def test_the_multi_node_restart_is_what_the_chapter_says():
@@ -398,6 +400,21 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     assert "If that happens before their agent sees the waiting node, it counts a restart as well." in text
     assert "so the other node's worker does not fail: the case where the counts differ" in text
     assert "`distlab.runtime.agree_on_attempt`" in text and hasattr(runtime, "agree_on_attempt")
+    # 12.3 gives the race's reason where it names it, and says a learner's own script meets the same store: torchrun's
+    # workers' init_process_group uses the agent's store (local_elastic_agent.py sets TORCHELASTIC_USE_AGENT_STORE,
+    # rendezvous.py connects to it as a client)
+    assert ("An agent whose workers failed counts a restart; one that restarts healthy workers only because another "
+            "node rejoins counts none. Which one comes first is a race") in text
+    import importlib
+
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+    assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
+    assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
+    assert ("Under torchrun a plain `init_process_group()` uses that same store (`TORCHELASTIC_USE_AGENT_STORE`), so a "
+            "script of your own that restarts needs the same care.") in text
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
     tests = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
@@ -753,8 +770,8 @@ def test_the_schedulers_kill_delays_and_messages():
     assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
             "step") in text
     assert f"| none: SIGTERM after the limit, SIGKILL about {walltime_kill} s later (`kill_delay`) |" in CHAPTER
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`): too "
-            "soon for a real model's step and save.") in text
+    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, plus up "
+            "to one MoM poll): too soon for a real model's step and save.") in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
     assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
     assert f"each poll adds `inc_check_poll`, ({MAX_CHECK_POLL_TIME} − {MIN_CHECK_POLL_TIME} + 19) / 20 = {_INC_CHECK_POLL} s" in text
@@ -783,8 +800,20 @@ def test_the_schedulers_kill_delays_and_messages():
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
     assert "if ((chain > 0))" in job and '"DISTLAB_CHAIN=$((chain - 1))"' in job
-    chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\.\.\.` \(up to (\d+) more", text).group(1))
-    assert f"`-v DISTLAB_CHAIN={chain},...` (up to {chain} more jobs)" in text
+    chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\$drill` \(up to (\d+) more", text).group(1))
+    assert f"`-v DISTLAB_CHAIN={chain},$drill` (up to {chain} more jobs)" in text
+    # the chain example reaches its deadline: the drill's defaults end in seconds, so the example sets steps and a
+    # step's seconds that outlast the job's walltime, and both jobs (and the DISTLAB_CHAIN form) get them
+    settings = dict(item.split("=", 1) for item in re.search(r"^drill=(\S+)$", CHAPTER, re.M).group(1).split(","))
+    h, m, sec = map(int, re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", job, re.M).group(1, 2, 3))
+    walltime = 3600 * h + 60 * m + sec
+    steps, step_seconds = int(settings["DISTLAB_DRILL_STEPS"]), int(settings["DISTLAB_DRILL_STEP_SECONDS"])
+    assert steps * step_seconds > walltime and settings["DISTLAB_ONLY"] == "fault_drill.py"
+    assert '--steps "${DISTLAB_DRILL_STEPS:-8}" --step-seconds "${DISTLAB_DRILL_STEP_SECONDS:-0}"' in job
+    assert (f"The drill's defaults (8 steps, no sleep) end in seconds; {steps} steps of {step_seconds} s outlast the "
+            f"{walltime // 60}-minute job.") in text
+    assert "first=$(qsub -A $PBS_ACCOUNT -v $drill pbs/12_hpc_operations.pbs)" in CHAPTER
+    assert "qsub -A $PBS_ACCOUNT -W depend=afterany:$first -v $drill pbs/12_hpc_operations.pbs" in CHAPTER
     # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
@@ -850,18 +879,19 @@ def test_the_restart_time_in_the_drills_caption_is_the_runs():
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert drill.index("with runtime.start(args") < drill.index("started_at = time.time()")
     assert "seconds_to_restart=started_at - died[\"time\"]" in drill
-    assert (f"The {seconds:.1f} s from the kill to the restart cover the survivors leaving, four new Python processes "
+    assert (f"The {seconds:.2f} s from the kill to the restart cover the survivors leaving, four new Python processes "
             "importing torch, and the new process group forming.") in flat(CHAPTER)
-    # the 4.2 s end where the new process group forms, not at the first step: that comes later, after the load
+    # the 4.21 s end where the new process group forms, not at the first step: that comes later, after the load
     first = min(r["time"] for r in data["records"] if r["attempt"] == 1)
     to_first = first - data["died"]["time"]
     assert to_first - seconds > 1
-    # the part between is the difference of the two printed numbers, so that the three add up as printed
-    restart, first_step = round(seconds, 1), round(to_first, 1)
-    between = round(first_step - restart, 1)
-    assert round(restart + between, 1) == first_step
+    # each of the three printed numbers is the run's own, rounded: the part between is computed from the unrounded
+    # times, not as a difference of printed numbers; that the three printed add up is a fact of this run, checked
+    between = to_first - seconds
+    printed = [Decimal(f"{value:.2f}") for value in (seconds, between, to_first)]
+    assert printed[0] + printed[1] == printed[2], printed
     assert (f"Loading the checkpoint and training step {data['extra']['steps_trained_twice'][0]} take "
-            f"{between:.1f} s more: the second attempt's first step ends {first_step:.1f} s after the "
+            f"{between:.2f} s more: the second attempt's first step ends {to_first:.2f} s after the "
             "kill.") in flat(CHAPTER)
 
 
@@ -913,9 +943,10 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     local = (elastic / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text().splitlines()
     assert "def _stop_workers" in local[391] and local[392].strip() == "self._shutdown()"
     assert "def _shutdown(" in local[516] and "timeout: int = 30" in local[517]
-    # the jobs' value: the margin, unless set (slurm/common.sh; test_slurm_job_files runs it)
+    # the jobs' value, both schedulers': the margin, unless set (jobs/common.sh; test_pbs_common and
+    # test_slurm_job_files run it)
     assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}"
-            in (ROOT / "slurm" / "common.sh").read_text())
+            in (ROOT / "jobs" / "common.sh").read_text())
     text = flat(CHAPTER)
     assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
             "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
@@ -1127,10 +1158,17 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     # qdel's SIG_TermJob goes through the walltime's terminate_job (OpenPBS requests.c:1986-1991): SIGTERM, then
     # SIGKILL; qsig -s TERM is a real signal, delivered with no kill time (requests.c:2058-2094). Every text that
     # speaks of a SIGTERM's checkpoint says which of the two it is.
+    from coursetools.drawings import ch12
+
     text = flat(CHAPTER)
     assert "caught and handled the same way" not in text and "(`qdel`, or a site that signals early)" not in text
-    assert ("`qsig -s TERM <id>` sends the TERM alone: the job launches nothing more, and the drill has torchrun's "
-            "30 s to save.") in text
+    # and the agents' wait after it is the jobs' margin, not torch's 30 s (jobs/common.sh exports it for PBS too:
+    # test_pbs_common runs it)
+    margin, _, _ = ch12._job_constants()
+    assert "the drill has torchrun's 30 s to save" not in text
+    assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
+            f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
+    assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
     assert ("sends a real signal, which `req_signaljob` delivers to the job's processes with no kill time "
             "(`requests.c:2058-2094`") in text
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
