@@ -583,9 +583,10 @@ distlab_not_launched() {
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
 # waits in the background): the ranks got the signal too, from the scheduler, and stop at the end of their step. Only
 # a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
-# and only then does the line say so; no later launch starts: the job is being ended. The scheduler kills what is
-# left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay; DISTLAB_KILL_DELAY says when, where the
-# scheduler's part knows it): the checkpoint is there only if a step and a save fit before. The summary is written
+# and only then does the line say so; no later launch starts: the job is being ended. After a scancel, a qdel or
+# the limit the scheduler kills what is left of the job (Slurm: KillWait later, which DISTLAB_KILL_DELAY says; PBS:
+# about 10 s after the walltime's TERM, 10 to about 25 s after a qdel's; nothing after a qsig -s TERM or a
+# scancel --signal=TERM): the checkpoint is there only if a step and a save fit before. The summary is written
 # now, as it stands, perhaps before the launch in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
@@ -602,7 +603,7 @@ distlab_on_sigterm() {
     [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
     # when the scheduler's KILL follows: Slurm's KillWait, read at the job's start (slurm/common.sh); PBS's kill_delay
-    local kill=${DISTLAB_KILL_DELAY:-"kill_delay after a qdel or the walltime (PBS; none after qsig -s TERM)"}
+    local kill=${DISTLAB_KILL_DELAY:-"about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (PBS's kill_delay; none after qsig -s TERM)"}
     if [[ -n $current && $saving == *" $current "* ]]; then
         distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if they finish before the KILL, $kill; nothing more is launched"
     else

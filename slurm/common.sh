@@ -170,9 +170,9 @@ distlab_deadline() {
 # launch's step alone, the first numbered step that was not there before it (distlab_before_launch): not the batch
 # step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), nor the extern step
 # (ssh sessions under pam_slurm_adopt) or a learner's `srun --overlap` shell, which `scancel JOB` would reach (slurmd
-# req.c:4404-4407). So the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or
-# torchrun's agents, which pass it to their workers, write their checkpoint and exit, and this shell's srun is not
-# signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
+# req.c:4404-4407). So the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler)
+# write their checkpoint and exit; under torchrun they get the TERM directly (slurmstepd signals every process of
+# the step, req.c:1219) and again from their agent. This shell's srun is not signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
 # on_sigterm, die of the TERM's default action (stepd req.c signals every process of the step) without a checkpoint:
 # nothing new was trained, and the last checkpoint stands. An agent
 # SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself leaves only KillWait
