@@ -183,7 +183,7 @@ def draw_watchdog(fig) -> None:
             ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
             ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the call itself waits, and raises at the timeout", fontsize=8)
         else:
-            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (if asked),\ntears the process down",
+            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (on by default),\ntears the process down",
                     fontsize=6.5, va="center", color="#c0392b")
             ax.set_title("the default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): the watchdog ends the process", fontsize=8)
         ax.set_xlim(0, end)

@@ -11,6 +11,7 @@ computed from them.
 
 import copy
 import json
+import os
 import re
 import socket
 import subprocess
@@ -348,6 +349,21 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     # where torch 2.13 writes the watchdog's dump when TORCH_FR_DUMP_TEMP_FILE is unset (not /tmp, as once)
     assert "~/.cache/torch/comm_lib_trace_rank_<rank>" in flat and "`$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>`" in flat
     assert "the default is node-local `/tmp`" not in flat
+    # TORCH_FR_DUMP_TEMP_FILE is a prefix the rank is appended to (torch 2.13 FlightRecorder.hpp: filename_ =
+    # c10::str(namePrefix, rank)), so the page gives a prefix inside a folder of its own, as the drills do
+    import torch
+
+    recorder = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+                "FlightRecorder.hpp").read_text()
+    assert "filename_ = c10::str(namePrefix, rank);" in recorder
+    assert hangs.debug_env("x")["TORCH_FR_DUMP_TEMP_FILE"].endswith(os.sep + hangs.DUMP_PREFIX)
+    assert "Point `TORCH_FR_DUMP_TEMP_FILE` at the run folder" not in flat and "to a folder on scratch |" not in CHAPTER
+    assert ("`TORCH_FR_DUMP_TEMP_FILE` is a file-name prefix: torch adds the rank. Give it a folder of its own on "
+            "scratch: `mkdir -p $RUN/fr; export TORCH_FR_DUMP_TEMP_FILE=$RUN/fr/rank_` writes `rank_0`, `rank_1`, "
+            "... there, for `fr_trace $RUN/fr`.") in flat
+    assert "set `TORCH_FR_DUMP_TEMP_FILE` to a prefix in a folder of its own on scratch, `$RUN/fr/rank_`" in flat
+    # the lines are the course's reading of the dumps, and say so
+    assert "The drill reads each rank's dump back (its `pg_status` and entries) and prints them" in flat
 
 
 def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
@@ -925,6 +941,9 @@ def test_the_flight_recorder_dumps_on_a_timeout_by_default():
     text = " ".join(chapters.text("12").split())
     assert "With `TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in text
     assert "By default (`TORCH_NCCL_DUMP_ON_TIMEOUT` is on), each rank dumps its buffer" in text
+    # and the watchdog figure says the same as the text
+    drawing = (ROOT / "coursetools" / "drawings" / "ch12.py").read_text()
+    assert "the flight recorder (if asked)" not in drawing and "the flight recorder (on by default)" in drawing
 
 
 def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
