@@ -1325,3 +1325,13 @@ def test_fsdp2s_measured_overlap_on_a_cpu_is_what_the_profiling_test_holds():
     bound = float(re.search(r"assert max\(hidden\) <= ([0-9.]+)", profiling).group(1))
     assert f"runs (measured: under {bound:.0%} of its communication time)." in flat(CHAPTER)
     assert "(measured: 0)" not in CHAPTER
+
+
+def test_on_the_cluster_names_every_program_the_job_runs():
+    # the job's distinct scripts, counted from its distlab_launch lines, are the ones the page lists
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    launched = set(re.findall(r"distlab_launch scripts/12_hpc_operations/(\w+\.py)", job))
+    assert launched == {"fault_drill.py", "deadlocks.py", "profile_step.py", "tuning.py"}, launched
+    words = {2: "two", 3: "three", 4: "four", 5: "five"}
+    assert f"runs {words[len(launched)]} things:" in flat(CHAPTER)
+    assert "* the tuning tables of this page (`tuning.py`), on the job's GPUs." in CHAPTER
