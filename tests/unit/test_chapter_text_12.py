@@ -100,12 +100,16 @@ def test_tuning_numbers():
     assert memory.transformer_activation_breakdown(tiny, 1, 1)["blocks"] == tiny.n_layers * per_token * 4
     assert memory.transformer_activation_breakdown(tiny, 1, 1, checkpointed=True)["blocks"] == \
         tiny.n_layers * tiny.dim * 4
-    assert f"**{tiny.dim}** numbers per token instead of **{per_token:,}**" in text
     # what lies outside the blocks (embedding, loss) is the same either way; the conclusion for the whole model
     outside_off = off - memory.transformer_activation_breakdown(tiny, 2, 32)["blocks"]
     outside_on = on - memory.transformer_activation_breakdown(tiny, 2, 32, checkpointed=True)["blocks"]
     assert outside_off == outside_on and f"the embedding and the loss keep **{outside_on:,} bytes** either way" in text
     assert f"So the blocks shrink to {100 * tiny.dim / per_token:.1f}% of what they kept" in text
+    # the 1,414 rebuilt from the table's numbers, as the page shows a learner: the blocks' bytes per token and block
+    tokens = 2 * 32
+    assert (off - outside_off) == tokens * tiny.n_layers * 4 * per_token and tiny.n_layers == 2
+    assert (f"**{tiny.dim}** numbers per token (the tiny model's width) instead of **{per_token:,}**, that is "
+            f"({off:,} − {outside_off:,}) bytes / (2 × 32 tokens × {tiny.n_layers} blocks × 4 bytes).") in text
     assert f"and the whole model to **{100 * on / off:.1f}%**" in text
     assert f"checkpointing keeps {100 * on / off:.1f}% of the saved bytes" in CHAPTER
     assert f"**{tiny.n_layers}** block forwards per step, then **{2 * tiny.n_layers}**" in text
@@ -144,7 +148,7 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
     assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
     # activation checkpointing: the time ratio of the two printed rows
     off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
-    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table)" in text
+    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table;" in text
     assert abs(float(re.search(r"for ([\d.]+)x the forward \+ backward time", CHAPTER).group(1)) - on / off) < 0.05
 
 
@@ -730,7 +734,7 @@ def test_blocking_wait_makes_the_call_wait_and_switches_off_the_tear_down_and_de
     lines = inspect.getsource(dist.distributed_c10d).splitlines()
     assert "work.wait()" in "\n".join(lines[3246:3252]) and "if async_op:" in "\n".join(lines[3240:3248])
     text = flat(CHAPTER)
-    assert "`TORCH_NCCL_BLOCKING_WAIT=1` makes every collective wait on the CPU until it completes" in text
+    assert "`TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait on the CPU until it completes" in text
     assert "By default, NCCL's `all_reduce`, `send` and `recv` return as soon as the work is queued" in text
     assert "a rank stuck in a CUDA sync such as `.item()` hangs, with no watchdog to end it" in text
     assert "(not under blocking wait, which turns it off)" in text
@@ -1335,3 +1339,28 @@ def test_on_the_cluster_names_every_program_the_job_runs():
     words = {2: "two", 3: "three", 4: "four", 5: "five"}
     assert f"runs {words[len(launched)]} things:" in flat(CHAPTER)
     assert "* the tuning tables of this page (`tuning.py`), on the job's GPUs." in CHAPTER
+
+
+def test_the_printed_time_ratio_is_said_to_divide_the_unrounded_medians():
+    # a learner who divides the table's rounded medians gets another second decimal than the printed ratio: the page
+    # says why (tuning.py divides the medians before rounding them)
+    tuning = (ROOT / "scripts" / "12_hpc_operations" / "tuning.py").read_text()
+    assert "time_ratio = on[\"saved_bytes\"] / off[\"saved_bytes\"], median[True] / median[False]" in tuning
+    off_ms, on_ms = map(float, re.search(r"^\s+off\s+[\d,]+\s+[\d,]+\s+\d+\s+\d+\s+([\d.]+)\n\s+on\s+[\d,]+\s+[\d,]+"
+                                        r"\s+\d+\s+\d+\s+([\d.]+)$", CHAPTER, re.M).groups())
+    printed = float(re.search(r"of the saved bytes for ([\d.]+)x the forward", CHAPTER).group(1))
+    assert f"{on_ms / off_ms:.2f}" != f"{printed:.2f}"    # the case the sentence is for, in the kept output
+    assert (f"({off_ms} → {on_ms} ms in the table; the printed {printed:.2f}x divides the unrounded medians).") in flat(CHAPTER)
+
+
+def test_the_planted_straggler_names_its_script_and_the_nccl_settings_are_told_apart():
+    # the flag is profile_step.py's, under DDP only (its own check refuses FSDP2)
+    profile = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    assert 'p.add_argument("--planted-bug", choices=["slow-rank"]' in profile
+    assert 'args.planted_bug != "slow-rank" or (args.strategy == "ddp"' in profile
+    text = flat(CHAPTER)
+    assert ("(`profile_step.py --strategy ddp --planted-bug slow-rank`, rank 1 given 0.3 s of extra work a step) shows "
+            "it; try it in the lab.") in text
+    # 12.2: the default decides the tear-down; only blocking wait changes it
+    assert "Two settings change it:" not in text and "but it leaves no `except` to run. What decides it:" in text
+    assert "* the setting that changes it, `TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait" in text
