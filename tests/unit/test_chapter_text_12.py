@@ -654,6 +654,21 @@ def test_the_job_script_shown_is_the_courses():
     assert "source slurm/common.sh || exit 2" in job and "source slurm/common.sh || exit 2" in shown
     assert any(line.startswith("distlab_launch scripts/04_data_parallel/train_ddp.py") for line in job)
     assert "distlab_finish" in job and shown[-1] == "distlab_finish"
+    # what was left out is said: the cd line and the first of two launches
+    launches = [line for line in job if line.startswith("distlab_launch ")]
+    scripts = [line.split()[1] for line in launches]
+    assert len(launches) == 2 and [line.split()[1] for line in shown if line.startswith("distlab_launch ")] == scripts[1:]
+    assert any(line.startswith("cd ") for line in job) and not any(line.startswith("cd ") for line in shown)
+    assert ("`slurm/04_data_parallel.sbatch` without its comments, its `cd` line and the first of its two launches"
+            in flat(CHAPTER))
+    # the names a learner met undefined (a learner's review): PALS, the step's node list, the two-backend string,
+    # libfabric's provider (PALS: Open MPI's documentation, "Launching with HPE PALS": "HPE PALS (Parallel Application Launch
+    # Service)")
+    text = flat(CHAPTER)
+    assert "| Cray PALS (HPE's Parallel Application Launch Service, `mpiexec` on Derecho) |" in CHAPTER
+    assert "(a **step** is one `srun` launch inside the job; outside a step, `SLURM_JOB_NODELIST`)" in text
+    assert "`\"cuda:nccl,cpu:gloo\"` backend of every GPU run (NCCL for CUDA tensors, gloo for CPU ones)" in text
+    assert "libfabric finds no `cxi` provider (Slingshot's):" in text and "`fi_info -p cxi` lists it on the node" in text
     # one multi-node torchrun command, with the rendezvous the course's jobs use
     common = (ROOT / "jobs" / "common.sh").read_text()
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in common
