@@ -1379,3 +1379,16 @@ def test_the_planted_straggler_names_its_script_and_the_nccl_settings_are_told_a
     # 12.2: the default decides the tear-down; only blocking wait changes it
     assert "Two settings change it:" not in text and "but it leaves no `except` to run. What decides it:" in text
     assert "* the setting that changes it, `TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait" in text
+
+
+def test_the_walltime_picture_draws_both_kills_after_the_end():
+    # the figure drew PBS's SIGKILL but not Slurm's KILL, KillWait after the TERM (DEFAULT_KILL_WAIT, 30 s, Slurm
+    # 284c3b95 src/common/read_config.h:117), the default the chapter states
+    from coursetools.drawings import ch12
+
+    assert ch12.SLURM_KILL_WAIT == 30
+    assert f"KILL follows `KillWait` later ({ch12.SLURM_KILL_WAIT} s by default)" in flat(CHAPTER)
+    source = (ROOT / "coursetools" / "drawings" / "ch12.py").read_text()
+    walltime = source[source.index("def draw_walltime"):source.index("# ---- 12.4")]
+    assert "(SLURM_KILL_WAIT, f\"Slurm KILL, KillWait ({SLURM_KILL_WAIT} s by default) after its TERM\"" in walltime
+    assert "the walltime's end:" in walltime and '"black", 0.9, "right")' in walltime   # left of the end's line
