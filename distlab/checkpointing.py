@@ -98,18 +98,19 @@ def latest_checkpoint(run_dir) -> Path | None:
     return found[-1] if found else None
 
 
-def records_every_rank(path, world_size: int) -> bool:
+def records_every_rank(path, world_size: int, step: bool = True) -> bool:
     """Whether DCP reads back the checkpoint's metadata, the map it writes last, once every rank's part is written,
-    and that map holds the step and the generators of each of ``world_size`` ranks (a ``TrainingState`` saved with
-    its ``rank``). A folder with no metadata, or with one cut short or foreign, does not."""
+    and that map holds the step (unless ``step`` is false: a checkpoint told not to hold it, chapter 14's
+    ``--checkpoint-holds``) and the generators of each of ``world_size`` ranks (a ``TrainingState`` saved with its
+    ``rank``). A folder with no metadata, or with one cut short or foreign, does not."""
     import torch.distributed.checkpoint as dcp
 
     try:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception:  # missing, truncated or not DCP's: any failure to read it back means not a whole checkpoint
         return False
-    return "training.step" in saved and all(any(key.startswith(f"training.rng_rank{rank}.") for key in saved)
-                                            for rank in range(world_size))
+    every_rank = all(any(key.startswith(f"training.rng_rank{rank}.") for key in saved) for rank in range(world_size))
+    return (not step or "training.step" in saved) and every_rank
 
 
 def save(state: TrainingState, run_dir) -> Path:

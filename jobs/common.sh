@@ -74,6 +74,15 @@ DISTLAB_RUN_DIR_REUSE=${DISTLAB_RUN_DIR_REUSE:-0}      # 1: allow a DISTLAB_RUN_
 export DISTLAB_GPU_AFFINITY=${DISTLAB_GPU_AFFINITY:-numa}
 DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the walltime by which scripts stop themselves
 [[ $DISTLAB_WALLTIME_MARGIN =~ ^[0-9]+$ ]] || distlab_die "DISTLAB_WALLTIME_MARGIN=$DISTLAB_WALLTIME_MARGIN is not a number of seconds"
+# torchrun's agent, told to stop (Slurm's walltime warning, a qsig -s TERM or scancel --signal=TERM), SIGKILLs its
+# workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30 unless set (torch 2.13 distributed/launcher/api.py:145-149,
+# elastic/agent/server/api.py:752-754): too short for a long step and a save. Both schedulers' jobs give them what
+# they budget for a last step and checkpoint before the end, DISTLAB_WALLTIME_MARGIN; Slurm's warning (180 s) comes
+# earlier than that, so the SIGKILL still comes before the limit. A worker's failure keeps its 30 s whatever this says
+# (local_elastic_agent.py:392-393, 517-518). Whether the user gave it is noted: a Slurm successor makes its own
+# (slurm/common.sh, distlab_chain_next); a PBS successor gets only its -v settings.
+DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 
@@ -574,9 +583,10 @@ distlab_not_launched() {
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
 # waits in the background): the ranks got the signal too, from the scheduler, and stop at the end of their step. Only
 # a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
-# and only then does the line say so; no later launch starts: the job is being ended. The scheduler kills what is
-# left of the job a few seconds later (Slurm's KillWait, PBS's kill_delay; DISTLAB_KILL_DELAY says when, where the
-# scheduler's part knows it): the checkpoint is there only if a step and a save fit before. The summary is written
+# and only then does the line say so; no later launch starts: the job is being ended. After a scancel, a qdel or
+# the limit the scheduler kills what is left of the job (Slurm: KillWait later, which DISTLAB_KILL_DELAY says; PBS:
+# about 10 s after the walltime's TERM, 10 to about 25 s after a qdel's; nothing after a qsig -s TERM or a
+# scancel --signal=TERM): the checkpoint is there only if a step and a save fit before. The summary is written
 # now, as it stands, perhaps before the launch in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
@@ -593,7 +603,7 @@ distlab_on_sigterm() {
     [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
     # when the scheduler's KILL follows: Slurm's KillWait, read at the job's start (slurm/common.sh); PBS's kill_delay
-    local kill=${DISTLAB_KILL_DELAY:-"kill_delay after a qdel or the walltime (PBS; none after qsig -s TERM)"}
+    local kill=${DISTLAB_KILL_DELAY:-"about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (PBS's kill_delay; none after qsig -s TERM)"}
     if [[ -n $current && $saving == *" $current "* ]]; then
         distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if they finish before the KILL, $kill; nothing more is launched"
     else

@@ -170,9 +170,9 @@ distlab_deadline() {
 # launch's step alone, the first numbered step that was not there before it (distlab_before_launch): not the batch
 # step ("By default, signals other than SIGKILL are not sent to the batch step", scancel.1), nor the extern step
 # (ssh sessions under pam_slurm_adopt) or a learner's `srun --overlap` shell, which `scancel JOB` would reach (slurmd
-# req.c:4404-4407). So the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler), or
-# torchrun's agents, which pass it to their workers, write their checkpoint and exit, and this shell's srun is not
-# signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
+# req.c:4404-4407). So the drill's ranks (fault_drill.py's own on_sigterm; distlab.runtime installs no handler)
+# write their checkpoint and exit; under torchrun they get the TERM directly (slurmstepd signals every process of
+# the step, req.c:1219) and again from their agent. This shell's srun is not signalled. Ranks still starting, before the agent's handlers (installed after the rendezvous) or the drill's
 # on_sigterm, die of the TERM's default action (stepd req.c signals every process of the step) without a checkpoint:
 # nothing new was trained, and the last checkpoint stands. An agent
 # SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after that TERM (below). The limit itself leaves only KillWait
@@ -237,14 +237,6 @@ distlab_before_launch() {
     [[ -n ${SLURM_JOB_ID:-} ]] || return 0
     DISTLAB_STEPS_BEFORE=$(distlab_job_steps | tr '\n' ' ') || DISTLAB_STEPS_BEFORE=""
 }
-
-# torchrun's agent, told to stop (the warning's TERM), SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30
-# unless set (torch 2.13 distributed/launcher/api.py:145-149, elastic/agent/server/api.py:752-754): too short for a
-# long step and a save. The job gives them what it budgets for a last step and checkpoint before its end,
-# DISTLAB_WALLTIME_MARGIN; its warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit.
-# Whether the user gave it is noted: a chained successor makes its own (distlab_chain_next).
-DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
 
 distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends

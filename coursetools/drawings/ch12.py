@@ -183,7 +183,7 @@ def draw_watchdog(fig) -> None:
             ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
             ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the call itself waits, and raises at the timeout", fontsize=8)
         else:
-            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (if asked),\ntears the process down",
+            ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (on by default),\ntears the process down",
                     fontsize=6.5, va="center", color="#c0392b")
             ax.set_title("the default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): the watchdog ends the process", fontsize=8)
         ax.set_xlim(0, end)
@@ -218,6 +218,10 @@ def _job_constants() -> tuple[int, int, int]:
     return margin, warning, 10     # kill_delay: 10 s unless the queue sets another (OpenPBS req_runjob.c)
 
 
+# Slurm's KillWait unless slurm.conf sets another: DEFAULT_KILL_WAIT, 30 s (src/common/read_config.h)
+SLURM_KILL_WAIT = 30
+
+
 def draw_walltime(fig) -> None:
     """The last ten minutes of a job that stops itself: steps of 40 s, a 60 s checkpoint, the deadline (the end less
     the margin), Slurm's warning to the batch shell, the end (PBS's SIGTERM, Slurm's TERM) and PBS's SIGKILL; the
@@ -237,20 +241,25 @@ def draw_walltime(fig) -> None:
     ax.text(stopped + save / 2, 1.5, "save", ha="center", va="center", fontsize=6.5, color="white")
     ax.text(start + 5, 2.0, f"steps of {step} s (blue); after each, stop if one more step and a {save} s checkpoint "
             "(orange) would pass the deadline; then exit 0", fontsize=6.3, va="center")
-    ax.add_patch(Rectangle((25, 2.3), 160, 0.45, color="#2ca02c", alpha=0.85))
+    ax.add_patch(Rectangle((25, 2.3), 200, 0.45, color="#2ca02c", alpha=0.85))
     ax.text(30, 2.52, "next job (afterany): resumes", fontsize=6.3, va="center", color="white")
     marks = [(-warning, f"Slurm: USR1 to the batch shell, {warning} s ahead\n(the job launches nothing more) ",
               "#8172b3", 0.3, "right"),
              (deadline, f" DISTLAB_DEADLINE:\n the end less {margin} s", "#c0392b", 0.3, "left"),
-             (0, " the walltime's end: PBS SIGTERM\n (at the MoM's next poll), Slurm TERM", "black", 0.75, "left"),
-             (kill_delay, f" PBS SIGKILL, {kill_delay} s or more later\n (at the MoM's next poll)", "#555555", 0.3,
-              "left")]
+             (0, "the walltime's end:\nPBS SIGTERM (next\nMoM poll), Slurm TERM ", "black", 0.9, "right")]
     for x, label, colour, y, side in marks:
         ax.axvline(x, color=colour, lw=1.1, ls="-" if x == 0 else "--")
         ax.text(x, y, label, fontsize=6.3, va="top" if y < 1 else "center", ha=side, color=colour)
+    # the two KILLs after the end, labelled to the right of both lines (a label drawn across a line misreads)
+    kills = [(kill_delay, f"PBS SIGKILL, {kill_delay} s or more later (next MoM poll)", "#555555", 0.3),
+             (SLURM_KILL_WAIT, f"Slurm KILL, KillWait ({SLURM_KILL_WAIT} s by default) after its TERM", "#8172b3", 0.75)]
+    for x, label, colour, y in kills:
+        ax.axvline(x, color=colour, lw=1.1, ls=":")
+        ax.annotate(label, xy=(x, y), xytext=(SLURM_KILL_WAIT + 8, y), fontsize=6.3, va="center", color=colour,
+                    arrowprops={"arrowstyle": "->", "color": colour, "lw": 0.8})
     ax.set_yticks([1.5, 2.52], ["this job", "the next job"], fontsize=7)
     ax.set_ylim(2.9, 0.2)
-    ax.set_xlim(start, 200)
+    ax.set_xlim(start, 300)
     ax.set_xlabel("seconds from the walltime's end", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title(f"a job that stops itself: its last step ends at {stopped} s, its checkpoint at {stopped + save} s, "
@@ -363,6 +372,6 @@ def draw_step_timeline(fig) -> None:
 FIGURES = {
     "12_launch_and_rendezvous.png": (draw_launch_and_rendezvous, (9, 5.6)),
     "12_watchdog.png": (draw_watchdog, (9, 3.6)),
-    "12_walltime.png": (draw_walltime, (9, 3.2)),
+    "12_walltime.png": (draw_walltime, (10.5, 3.2)),
     "12_step_timeline.png": (draw_step_timeline, (9, 3.0)),
 }

@@ -50,6 +50,13 @@ TIMELINE_CASES = (
     _rows(compute=[(0, 2), (3, 9)], backward=[(3, 9)], communication=[(4, 6), (5, 7), (10, 11)]),
     _rows(compute=[(0, 5), (6, 8)], backward=[(6, 8)], communication=[(1, 3), (6.5, 7)]),
 )
+# What each case holds, in words, for a wrong answer's message: its numbers would name the answer, so the message
+# says where to read its rows instead
+TIMELINE_SHAPES = (
+    "one collective across a gap in backward's compute",
+    "two collectives at once, and one after backward",
+    "a collective during the forward, and one in backward",
+)
 
 
 @learner_check
@@ -66,7 +73,9 @@ def check_hidden_communication(function, run_rows: list[dict] | None = None, *, 
         want = hidden_seconds(rows)
         close = lambda a, b: abs(float(a) - b) <= 1e-9 + 1e-6 * abs(b)  # noqa: E731
         if not close(got, want):
-            which = "the notebook's run" if index == len(TIMELINE_CASES) else f"hand-made timeline #{index + 1}"
+            which = ("the notebook's run" if index == len(TIMELINE_CASES) else
+                     f"hand-made timeline #{index + 1} ({TIMELINE_SHAPES[index]}; its rows: "
+                     f"`from labkit.exercises.ch12 import TIMELINE_CASES; TIMELINE_CASES[{index}]`)")
             slip = next((words for wrong, words in _hidden_slips(rows) if close(got, wrong)), None)
             raise ExerciseWrong(
                 f"hidden_communication on {which}: {float(got):.6g} s: "
@@ -116,6 +125,12 @@ def missing_ranks(journals: dict, label: str) -> list[int]:
     return sorted(r for r in members if r not in made)
 
 
+def _calls_made(journals: dict) -> str:
+    """Each rank's calls by label, a call still waiting starred: a hand-made case shown without its answer."""
+    return "; ".join(f"rank {int(r)}: " + ", ".join(c["label"] + ("" if c["done"] else "*") for c in j["calls"])
+                     for r, j in sorted(journals.items(), key=lambda item: int(item[0])))
+
+
 @learner_check
 def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -> None:
     """``function(journals, label)`` must return the ranks of the call's group that never made the call."""
@@ -129,7 +144,8 @@ def check_missing_ranks(function, run: tuple | None = None, *, hint: str = "") -
             raise _not_done("missing_ranks", hint)
         mine = sorted(int(r) for r in got)
         if mine != want:
-            which = "the notebook's run" if index == len(JOURNAL_CASES) else f"journal set #{index + 1}"
+            which = ("the notebook's run" if index == len(JOURNAL_CASES) else
+                     f"journal set #{index + 1} ({_calls_made(journals)}; * waiting)")
             waiting = sorted(int(r) for r, j in journals.items()
                              if any(c["label"] == label and not c["done"] for c in j["calls"]))
             absent = sorted(int(r) for r, j in journals.items() if not any(c["label"] == label for c in j["calls"]))
@@ -173,7 +189,8 @@ def check_placement(function, *, hint: str = "") -> None:
             shown = got[wrong] if wrong < len(got) else "nothing"
             # the message names the first wrong rank, never the expected answer (a wrong guess must not read it)
             raise ExerciseWrong(
-                f"placement of node file #{index + 1} ({len(nodefile)} lines): rank {wrong} got {shown}, which is "
+                f"placement of node file #{index + 1} ({len(nodefile)} lines: {' '.join(nodefile)}): rank {wrong} got "
+                f"{shown}, which is "
                 f"not its place. The file lists a host once a rank, in the scheduler's order; the local rank counts "
                 f"the earlier ranks on the same host. {hint}".strip())
     _ok(f"placement agrees on {len(PLACEMENT_CASES)} node files; rank 0's host is MASTER_ADDR")

@@ -27,7 +27,8 @@ one. Two things end real jobs early, and the script handles both:
   step, save and exit 0. But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``,
   at the MoM's next polls), so only a step and a save shorter than that end in a checkpoint. To stop a job with
   time to save, send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it (under torchrun the agent
-  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s, 30 by default, after its own TERM).
+  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s after its own TERM: 30 by default, the margin,
+  120 s, in the course's jobs, which export it under both schedulers).
 
 The data is what a real run reads: a finite dataset (``--samples`` sequences) in a shuffled order, epoch after
 epoch, and each step masks a random tenth of the input tokens (an augmentation drawn from torch's global random
@@ -75,6 +76,19 @@ def held_names(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not among {', '.join(HOLDABLE)}")
     return names
+
+
+def stop_checkpoint_is_whole(run_dir: Path, state, world_size: int) -> tuple[bool, Path | None, int]:
+    """Whether the checkpoint a stop wrote, read back from disk, is the latest in the folder (the one the next job
+    resumes from) and its metadata names every rank's part; with the latest folder and the ranks looked for. It looks
+    only for what ``state`` holds: no rank's generators after --resume-without-rng, no step when --checkpoint-holds
+    leaves it out (chapter 14's lab)."""
+    latest = checkpointing.latest_checkpoint(run_dir)
+    ranks = world_size if state.rank is not None else 0
+    holds_step = "step" in getattr(state, "held", ("step",))
+    whole = (latest == checkpointing.checkpoint_dir(run_dir, state.step)
+             and checkpointing.records_every_rank(latest, ranks, step=holds_step))
+    return whole, latest, ranks
 
 
 class HeldState(checkpointing.TrainingState):
@@ -269,12 +283,9 @@ def main():
                              "start the job again (a chained qsub) to resume")
                     # read back from disk, not taken from the save's return: the folder the next job resumes from
                     # (the latest with its metadata) must be this one, and its metadata must name every rank's part
-                    latest = checkpointing.latest_checkpoint(run_dir)
-                    ranks = rt.world_size if state.rank is not None else 0  # --resume-without-rng saves no rank's
+                    whole, latest, ranks = stop_checkpoint_is_whole(run_dir, state, rt.world_size)
                     report.check("the stop's checkpoint is the latest in the folder and records every rank",
-                                 latest == checkpointing.checkpoint_dir(run_dir, state.step)
-                                 and checkpointing.records_every_rank(latest, ranks),
-                                 str(latest), f"step_{state.step:06d}, with {ranks} ranks' generators")
+                                 whole, str(latest), f"step_{state.step:06d}, with {ranks} ranks' generators")
                     report.extra = {"stopped_by": by, "checkpoint_step": state.step,
                                     "seconds_left": None if args.deadline is None else args.deadline - time.time()}
                     code = report.finish(args.metrics_out)

@@ -11,10 +11,12 @@ computed from them.
 
 import copy
 import json
+import os
 import re
 import socket
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -98,12 +100,16 @@ def test_tuning_numbers():
     assert memory.transformer_activation_breakdown(tiny, 1, 1)["blocks"] == tiny.n_layers * per_token * 4
     assert memory.transformer_activation_breakdown(tiny, 1, 1, checkpointed=True)["blocks"] == \
         tiny.n_layers * tiny.dim * 4
-    assert f"**{tiny.dim}** numbers per token instead of **{per_token:,}**" in text
     # what lies outside the blocks (embedding, loss) is the same either way; the conclusion for the whole model
     outside_off = off - memory.transformer_activation_breakdown(tiny, 2, 32)["blocks"]
     outside_on = on - memory.transformer_activation_breakdown(tiny, 2, 32, checkpointed=True)["blocks"]
     assert outside_off == outside_on and f"the embedding and the loss keep **{outside_on:,} bytes** either way" in text
     assert f"So the blocks shrink to {100 * tiny.dim / per_token:.1f}% of what they kept" in text
+    # the 1,414 rebuilt from the table's numbers, as the page shows a learner: the blocks' bytes per token and block
+    tokens = 2 * 32
+    assert (off - outside_off) == tokens * tiny.n_layers * 4 * per_token and tiny.n_layers == 2
+    assert (f"**{tiny.dim}** numbers per token (the tiny model's width) instead of **{per_token:,}**, that is "
+            f"({off:,} − {outside_off:,}) bytes / (2 × 32 tokens × {tiny.n_layers} blocks × 4 bytes).") in text
     assert f"and the whole model to **{100 * on / off:.1f}%**" in text
     assert f"checkpointing keeps {100 * on / off:.1f}% of the saved bytes" in CHAPTER
     assert f"**{tiny.n_layers}** block forwards per step, then **{2 * tiny.n_layers}**" in text
@@ -142,7 +148,7 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
     assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
     # activation checkpointing: the time ratio of the two printed rows
     off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
-    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table)" in text
+    assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table;" in text
     assert abs(float(re.search(r"for ([\d.]+)x the forward \+ backward time", CHAPTER).group(1)) - on / off) < 0.05
 
 
@@ -347,6 +353,21 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
     # where torch 2.13 writes the watchdog's dump when TORCH_FR_DUMP_TEMP_FILE is unset (not /tmp, as once)
     assert "~/.cache/torch/comm_lib_trace_rank_<rank>" in flat and "`$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>`" in flat
     assert "the default is node-local `/tmp`" not in flat
+    # TORCH_FR_DUMP_TEMP_FILE is a prefix the rank is appended to (torch 2.13 FlightRecorder.hpp: filename_ =
+    # c10::str(namePrefix, rank)), so the page gives a prefix inside a folder of its own, as the drills do
+    import torch
+
+    recorder = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+                "FlightRecorder.hpp").read_text()
+    assert "filename_ = c10::str(namePrefix, rank);" in recorder
+    assert hangs.debug_env("x")["TORCH_FR_DUMP_TEMP_FILE"].endswith(os.sep + hangs.DUMP_PREFIX)
+    assert "Point `TORCH_FR_DUMP_TEMP_FILE` at the run folder" not in flat and "to a folder on scratch |" not in CHAPTER
+    assert ("`TORCH_FR_DUMP_TEMP_FILE` is a file-name prefix: torch adds the rank. Give it a folder of its own on "
+            "scratch: `mkdir -p $RUN/fr; export TORCH_FR_DUMP_TEMP_FILE=$RUN/fr/rank_` writes `rank_0`, `rank_1`, "
+            "... there, for `fr_trace $RUN/fr`.") in flat
+    assert "set `TORCH_FR_DUMP_TEMP_FILE` to a prefix in a folder of its own on scratch, `$RUN/fr/rank_`" in flat
+    # the lines are the course's reading of the dumps, and say so
+    assert "The drill reads each rank's dump back (its `pg_status` and entries) and prints them" in flat
 
 
 def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
@@ -379,7 +400,8 @@ def test_the_nccl_fault_bound_is_torchruns_and_the_jobs_timeout_is_under_it():
     assert "signal.signal(signal.SIGTERM, on_sigterm)" in drill and 'STOP_REQUESTED["signal"] = signum' in drill
     text = " ".join(CHAPTER.split())
     assert "The drill installs one, to save a checkpoint at the walltime, and it only notes the signal." in text
-    assert "not from NCCL" in text
+    # why the survivors wait for the agent's SIGKILL at all: the handler, said where the race is drawn
+    assert "So the survivors outlive the TERM; two clocks race:" in text
 
 
 def test_the_multi_node_restart_is_what_the_chapter_says():
@@ -398,6 +420,21 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     assert "If that happens before their agent sees the waiting node, it counts a restart as well." in text
     assert "so the other node's worker does not fail: the case where the counts differ" in text
     assert "`distlab.runtime.agree_on_attempt`" in text and hasattr(runtime, "agree_on_attempt")
+    # 12.3 gives the race's reason where it names it, and says a learner's own script meets the same store: torchrun's
+    # workers' init_process_group uses the agent's store (local_elastic_agent.py sets TORCHELASTIC_USE_AGENT_STORE,
+    # rendezvous.py connects to it as a client)
+    assert ("An agent whose workers failed counts a restart; one that restarts healthy workers only because another "
+            "node rejoins counts none. Which one comes first is a race") in text
+    import importlib
+
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+    assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
+    assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
+    assert ("Under torchrun a plain `init_process_group()` uses that same store (`TORCHELASTIC_USE_AGENT_STORE`), so a "
+            "script of your own that restarts needs the same care.") in text
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
     tests = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
@@ -617,6 +654,21 @@ def test_the_job_script_shown_is_the_courses():
     assert "source slurm/common.sh || exit 2" in job and "source slurm/common.sh || exit 2" in shown
     assert any(line.startswith("distlab_launch scripts/04_data_parallel/train_ddp.py") for line in job)
     assert "distlab_finish" in job and shown[-1] == "distlab_finish"
+    # what was left out is said: the cd line and the first of two launches
+    launches = [line for line in job if line.startswith("distlab_launch ")]
+    scripts = [line.split()[1] for line in launches]
+    assert len(launches) == 2 and [line.split()[1] for line in shown if line.startswith("distlab_launch ")] == scripts[1:]
+    assert any(line.startswith("cd ") for line in job) and not any(line.startswith("cd ") for line in shown)
+    assert ("`slurm/04_data_parallel.sbatch` without its comments, its `cd` line and the first of its two launches"
+            in flat(CHAPTER))
+    # the names a learner met undefined (a learner's review): PALS, the step's node list, the two-backend string,
+    # libfabric's provider (PALS: Open MPI's documentation, "Launching with HPE PALS": "HPE PALS (Parallel Application Launch
+    # Service)")
+    text = flat(CHAPTER)
+    assert "| Cray PALS (HPE's Parallel Application Launch Service, `mpiexec` on Derecho) |" in CHAPTER
+    assert "(a **step** is one `srun` launch inside the job; outside a step, `SLURM_JOB_NODELIST`)" in text
+    assert "`\"cuda:nccl,cpu:gloo\"` backend of every GPU run (NCCL for CUDA tensors, gloo for CPU ones)" in text
+    assert "libfabric finds no `cxi` provider (Slingshot's):" in text and "`fi_info -p cxi` lists it on the node" in text
     # one multi-node torchrun command, with the rendezvous the course's jobs use
     common = (ROOT / "jobs" / "common.sh").read_text()
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in common
@@ -697,7 +749,7 @@ def test_blocking_wait_makes_the_call_wait_and_switches_off_the_tear_down_and_de
     lines = inspect.getsource(dist.distributed_c10d).splitlines()
     assert "work.wait()" in "\n".join(lines[3246:3252]) and "if async_op:" in "\n".join(lines[3240:3248])
     text = flat(CHAPTER)
-    assert "`TORCH_NCCL_BLOCKING_WAIT=1` makes every collective wait on the CPU until it completes" in text
+    assert "`TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait on the CPU until it completes" in text
     assert "By default, NCCL's `all_reduce`, `send` and `recv` return as soon as the work is queued" in text
     assert "a rank stuck in a CUDA sync such as `.item()` hangs, with no watchdog to end it" in text
     assert "(not under blocking wait, which turns it off)" in text
@@ -753,8 +805,8 @@ def test_the_schedulers_kill_delays_and_messages():
     assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
             "step") in text
     assert f"| none: SIGTERM after the limit, SIGKILL about {walltime_kill} s later (`kill_delay`) |" in CHAPTER
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`): too "
-            "soon for a real model's step and save.") in text
+    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, plus up "
+            "to one MoM poll): too soon for a real model's step and save.") in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
     assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
     assert f"each poll adds `inc_check_poll`, ({MAX_CHECK_POLL_TIME} − {MIN_CHECK_POLL_TIME} + 19) / 20 = {_INC_CHECK_POLL} s" in text
@@ -783,8 +835,20 @@ def test_the_schedulers_kill_delays_and_messages():
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
     job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
     assert "if ((chain > 0))" in job and '"DISTLAB_CHAIN=$((chain - 1))"' in job
-    chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\.\.\.` \(up to (\d+) more", text).group(1))
-    assert f"`-v DISTLAB_CHAIN={chain},...` (up to {chain} more jobs)" in text
+    chain = int(re.search(r"DISTLAB_CHAIN=(\d+),\$drill` \(up to (\d+) more", text).group(1))
+    assert f"`-v DISTLAB_CHAIN={chain},$drill` (up to {chain} more jobs)" in text
+    # the chain example reaches its deadline: the drill's defaults end in seconds, so the example sets steps and a
+    # step's seconds that outlast the job's walltime, and both jobs (and the DISTLAB_CHAIN form) get them
+    settings = dict(item.split("=", 1) for item in re.search(r"^drill=(\S+)$", CHAPTER, re.M).group(1).split(","))
+    h, m, sec = map(int, re.search(r"^#PBS -l walltime=(\d+):(\d+):(\d+)$", job, re.M).group(1, 2, 3))
+    walltime = 3600 * h + 60 * m + sec
+    steps, step_seconds = int(settings["DISTLAB_DRILL_STEPS"]), int(settings["DISTLAB_DRILL_STEP_SECONDS"])
+    assert steps * step_seconds > walltime and settings["DISTLAB_ONLY"] == "fault_drill.py"
+    assert '--steps "${DISTLAB_DRILL_STEPS:-8}" --step-seconds "${DISTLAB_DRILL_STEP_SECONDS:-0}"' in job
+    assert (f"The drill's defaults (8 steps, no sleep) end in seconds; {steps} steps of {step_seconds} s outlast the "
+            f"{walltime // 60}-minute job.") in text
+    assert "first=$(qsub -A $PBS_ACCOUNT -v $drill pbs/12_hpc_operations.pbs)" in CHAPTER
+    assert "qsub -A $PBS_ACCOUNT -W depend=afterany:$first -v $drill pbs/12_hpc_operations.pbs" in CHAPTER
     # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
@@ -850,18 +914,19 @@ def test_the_restart_time_in_the_drills_caption_is_the_runs():
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert drill.index("with runtime.start(args") < drill.index("started_at = time.time()")
     assert "seconds_to_restart=started_at - died[\"time\"]" in drill
-    assert (f"The {seconds:.1f} s from the kill to the restart cover the survivors leaving, four new Python processes "
+    assert (f"The {seconds:.2f} s from the kill to the restart cover the survivors leaving, four new Python processes "
             "importing torch, and the new process group forming.") in flat(CHAPTER)
-    # the 4.2 s end where the new process group forms, not at the first step: that comes later, after the load
+    # the 4.21 s end where the new process group forms, not at the first step: that comes later, after the load
     first = min(r["time"] for r in data["records"] if r["attempt"] == 1)
     to_first = first - data["died"]["time"]
     assert to_first - seconds > 1
-    # the part between is the difference of the two printed numbers, so that the three add up as printed
-    restart, first_step = round(seconds, 1), round(to_first, 1)
-    between = round(first_step - restart, 1)
-    assert round(restart + between, 1) == first_step
+    # each of the three printed numbers is the run's own, rounded: the part between is computed from the unrounded
+    # times, not as a difference of printed numbers; that the three printed add up is a fact of this run, checked
+    between = to_first - seconds
+    printed = [Decimal(f"{value:.2f}") for value in (seconds, between, to_first)]
+    assert printed[0] + printed[1] == printed[2], printed
     assert (f"Loading the checkpoint and training step {data['extra']['steps_trained_twice'][0]} take "
-            f"{between:.1f} s more: the second attempt's first step ends {first_step:.1f} s after the "
+            f"{between:.2f} s more: the second attempt's first step ends {to_first:.2f} s after the "
             "kill.") in flat(CHAPTER)
 
 
@@ -895,6 +960,9 @@ def test_the_flight_recorder_dumps_on_a_timeout_by_default():
     text = " ".join(chapters.text("12").split())
     assert "With `TORCH_NCCL_DUMP_ON_TIMEOUT=1`" not in text
     assert "By default (`TORCH_NCCL_DUMP_ON_TIMEOUT` is on), each rank dumps its buffer" in text
+    # and the watchdog figure says the same as the text
+    drawing = (ROOT / "coursetools" / "drawings" / "ch12.py").read_text()
+    assert "the flight recorder (if asked)" not in drawing and "the flight recorder (on by default)" in drawing
 
 
 def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
@@ -913,9 +981,10 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     local = (elastic / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text().splitlines()
     assert "def _stop_workers" in local[391] and local[392].strip() == "self._shutdown()"
     assert "def _shutdown(" in local[516] and "timeout: int = 30" in local[517]
-    # the jobs' value: the margin, unless set (slurm/common.sh; test_slurm_job_files runs it)
+    # the jobs' value, both schedulers': the margin, unless set (jobs/common.sh; test_pbs_common and
+    # test_slurm_job_files run it)
     assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}"
-            in (ROOT / "slurm" / "common.sh").read_text())
+            in (ROOT / "jobs" / "common.sh").read_text())
     text = flat(CHAPTER)
     assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
             "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
@@ -1127,10 +1196,17 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     # qdel's SIG_TermJob goes through the walltime's terminate_job (OpenPBS requests.c:1986-1991): SIGTERM, then
     # SIGKILL; qsig -s TERM is a real signal, delivered with no kill time (requests.c:2058-2094). Every text that
     # speaks of a SIGTERM's checkpoint says which of the two it is.
+    from coursetools.drawings import ch12
+
     text = flat(CHAPTER)
     assert "caught and handled the same way" not in text and "(`qdel`, or a site that signals early)" not in text
-    assert ("`qsig -s TERM <id>` sends the TERM alone: the job launches nothing more, and the drill has torchrun's "
-            "30 s to save.") in text
+    # and the agents' wait after it is the jobs' margin, not torch's 30 s (jobs/common.sh exports it for PBS too:
+    # test_pbs_common runs it)
+    margin, _, _ = ch12._job_constants()
+    assert "the drill has torchrun's 30 s to save" not in text
+    assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
+            f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
+    assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
     assert ("sends a real signal, which `req_signaljob` delivers to the job's processes with no kill time "
             "(`requests.c:2058-2094`") in text
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
@@ -1144,8 +1220,13 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
                 "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, too soon for a real model's")\
             in comments, job
     trap = _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
+    # the trap's PBS delays are the MoM model's: the walltime's TERM is sent at a poll, a qdel's between two
+    walltime_kill = _mom_sigkill_after(0, 10)
+    qdel_kills = {_mom_sigkill_after(last, 10) for last in range(MAX_CHECK_POLL_TIME)}
     assert ("write a checkpoint if they finish before the KILL, $kill" in trap
-            and "kill_delay after a qdel or the walltime (PBS; none after qsig -s TERM)" in trap)
+            and f"about {walltime_kill} s after the walltime's TERM, {min(qdel_kills)} to {max(qdel_kills)} s after a "
+                "qdel's (PBS's kill_delay; none after qsig -s TERM)" in trap)
+    assert "10 to about 25 s later" not in _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
     assert "write a checkpoint; nothing more is launched" not in trap
 
 
@@ -1192,6 +1273,12 @@ def test_the_hang_pages_numbers_come_from_the_drill_and_torch():
     assert (f"the {microbatches} microbatches sent or received (`--microbatches`), the step's end and the `barrier`: "
             f"1 + {microbatches} + 1 + 1 = {calls} for ranks 0 to 2") in text
     assert f"rank 0: group 0: {calls} enqueued, the last collective gloo:barrier" in CHAPTER   # the recorder's own count
+    # the lab says the same counts: rank 3 skipped the barrier, so one fewer
+    lab = flat("".join("".join(c["source"]) for c in json.loads(
+        (ROOT / "notebooks" / "12_hpc_operations.ipynb").read_text())["cells"]))
+    assert (f"ranks 0-2 enqueued {calls} pieces of work on the world group, the last a barrier; rank 3 enqueued "
+            f"{calls - 1}.") in lab
+    assert f"rank 3: group 0: {calls - 1} enqueued, the last collective gloo:all_reduce" in CHAPTER
 
 
 def test_the_measuring_pages_numbers_are_computed():
@@ -1201,11 +1288,14 @@ def test_the_measuring_pages_numbers_are_computed():
     text = flat(CHAPTER)
     # the machine the measured numbers come from, as BENCHMARKS.md records it
     cores = int(re.search(r"\*\*(\d+) CPU cores", (ROOT / "BENCHMARKS.md").read_text()).group(1))
-    assert f"On the course's reference machine, 4 ranks share {cores} cores" in text
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert f"**{cores} CPU cores, 24 GiB, no GPU**" in benchmarks     # what the page says of it: no GPU
+    assert (f"On the course's reference machine (no GPU; `BENCHMARKS.md` times it), 4 ranks share {cores} cores, as on "
+            "any machine with fewer cores than ranks.") in text
     assert f"with 4 ranks on the reference machine's {cores} cores" in text
     lab = flat("".join("".join(c["source"]) for c in json.loads(
         (ROOT / "notebooks" / "12_hpc_operations.ipynb").read_text())["cells"]))
-    assert f"On the course's reference machine, 4 ranks share {cores} cores" in lab
+    assert f"On the course's reference machine (no GPU; `BENCHMARKS.md` times it), 4 ranks share {cores} cores" in lab
     assert "On 4 ranks sharing 2 cores" not in text + lab
     # recomputation: chapter 01.2's three products of 2 FLOPs a weight a token, one forward and two backward
     assert "Each costs 2 FLOPs a weight a token, 6 in all" in flat(chapters.text("01"))
@@ -1245,3 +1335,60 @@ def test_the_measuring_pages_numbers_are_computed():
     assert "== [0, 1, 4, 5, 6, 7], problems" in (ROOT / "tests" / "unit" / "test_gpu_affinity.py").read_text()
     words = {6: "six"}
     assert f"fails the rank map's check for the {words[len(off)]} ranks off their GPU's node" in text
+
+
+def test_fsdp2s_measured_overlap_on_a_cpu_is_what_the_profiling_test_holds():
+    # tests/scripts/test_12_profiling.py runs profile_step.py --strategy fsdp2 and holds every rank's hidden fraction
+    # at or under 0.01: the page states that bound, not a 0 the test does not hold
+    profiling = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
+    bound = float(re.search(r"assert max\(hidden\) <= ([0-9.]+)", profiling).group(1))
+    assert f"runs (measured: under {bound:.0%} of its communication time)." in flat(CHAPTER)
+    assert "(measured: 0)" not in CHAPTER
+
+
+def test_on_the_cluster_names_every_program_the_job_runs():
+    # the job's distinct scripts, counted from its distlab_launch lines, are the ones the page lists
+    job = (ROOT / "pbs" / "12_hpc_operations.pbs").read_text()
+    launched = set(re.findall(r"distlab_launch scripts/12_hpc_operations/(\w+\.py)", job))
+    assert launched == {"fault_drill.py", "deadlocks.py", "profile_step.py", "tuning.py"}, launched
+    words = {2: "two", 3: "three", 4: "four", 5: "five"}
+    assert f"runs {words[len(launched)]} things:" in flat(CHAPTER)
+    assert "* the tuning tables of this page (`tuning.py`), on the job's GPUs." in CHAPTER
+
+
+def test_the_printed_time_ratio_is_said_to_divide_the_unrounded_medians():
+    # a learner who divides the table's rounded medians gets another second decimal than the printed ratio: the page
+    # says why (tuning.py divides the medians before rounding them)
+    tuning = (ROOT / "scripts" / "12_hpc_operations" / "tuning.py").read_text()
+    assert "time_ratio = on[\"saved_bytes\"] / off[\"saved_bytes\"], median[True] / median[False]" in tuning
+    off_ms, on_ms = map(float, re.search(r"^\s+off\s+[\d,]+\s+[\d,]+\s+\d+\s+\d+\s+([\d.]+)\n\s+on\s+[\d,]+\s+[\d,]+"
+                                        r"\s+\d+\s+\d+\s+([\d.]+)$", CHAPTER, re.M).groups())
+    printed = float(re.search(r"of the saved bytes for ([\d.]+)x the forward", CHAPTER).group(1))
+    assert f"{on_ms / off_ms:.2f}" != f"{printed:.2f}"    # the case the sentence is for, in the kept output
+    assert (f"({off_ms} → {on_ms} ms in the table; the printed {printed:.2f}x divides the unrounded medians).") in flat(CHAPTER)
+
+
+def test_the_planted_straggler_names_its_script_and_the_nccl_settings_are_told_apart():
+    # the flag is profile_step.py's, under DDP only (its own check refuses FSDP2)
+    profile = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    assert 'p.add_argument("--planted-bug", choices=["slow-rank"]' in profile
+    assert 'args.planted_bug != "slow-rank" or (args.strategy == "ddp"' in profile
+    text = flat(CHAPTER)
+    assert ("(`profile_step.py --strategy ddp --planted-bug slow-rank`, rank 1 given 0.3 s of extra work a step) shows "
+            "it; try it in the lab.") in text
+    # 12.2: the default decides the tear-down; only blocking wait changes it
+    assert "Two settings change it:" not in text and "but it leaves no `except` to run. What decides it:" in text
+    assert "* the setting that changes it, `TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait" in text
+
+
+def test_the_walltime_picture_draws_both_kills_after_the_end():
+    # the figure drew PBS's SIGKILL but not Slurm's KILL, KillWait after the TERM (DEFAULT_KILL_WAIT, 30 s, Slurm
+    # 284c3b95 src/common/read_config.h:117), the default the chapter states
+    from coursetools.drawings import ch12
+
+    assert ch12.SLURM_KILL_WAIT == 30
+    assert f"KILL follows `KillWait` later ({ch12.SLURM_KILL_WAIT} s by default)" in flat(CHAPTER)
+    source = (ROOT / "coursetools" / "drawings" / "ch12.py").read_text()
+    walltime = source[source.index("def draw_walltime"):source.index("# ---- 12.4")]
+    assert "(SLURM_KILL_WAIT, f\"Slurm KILL, KillWait ({SLURM_KILL_WAIT} s by default) after its TERM\"" in walltime
+    assert "the walltime's end:" in walltime and '"black", 0.9, "right")' in walltime   # left of the end's line

@@ -60,6 +60,40 @@ def test_the_drill_checks_the_checkpoint_it_stopped_with_by_reading_it_back():
 
     drill = (Path(__file__).resolve().parents[2] / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert "latest = checkpointing.latest_checkpoint(run_dir)" in drill
-    assert ("latest == checkpointing.checkpoint_dir(run_dir, state.step)\n"
-            "                                 and checkpointing.records_every_rank(latest, ranks)") in drill
+    assert ("whole = (latest == checkpointing.checkpoint_dir(run_dir, state.step)\n"
+            "             and checkpointing.records_every_rank(latest, ranks, step=holds_step))") in drill
+    assert "whole, latest, ranks = stop_checkpoint_is_whole(run_dir, state, rt.world_size)" in drill
     assert "a checkpoint of the last step done is on disk" not in drill
+
+
+def _fault_drill():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "12_hpc_operations" / "fault_drill.py"
+    spec = importlib.util.spec_from_file_location("fault_drill", path)
+    drill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drill)
+    return drill
+
+
+def test_a_stop_checkpoint_without_the_step_is_whole_when_the_run_was_told_not_to_hold_it(tmp_path):
+    """Chapter 14's --checkpoint-holds runs save only what the learner names: a stop (the deadline, a SIGTERM) of a
+    run holding no step must pass the drill's stop check; one that should hold it and does not must fail."""
+    drill = _fault_drill()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 2)).sum().backward()
+    optimizer.step()
+    held = ("model", "optimizer", "rng")   # no step, no data position
+    state = drill.HeldState(model, optimizer, None, 0, held, tmp_path / "losses.txt", main=True)
+    state.step = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpointing.save(state, tmp_path)
+    whole, latest, ranks = drill.stop_checkpoint_is_whole(tmp_path, state, 1)
+    assert (whole, latest, ranks) == (True, checkpointing.checkpoint_dir(tmp_path, 3), 1)
+    # the same folder, checked for a run whose checkpoint should hold the step, is not whole
+    assert not checkpointing.records_every_rank(latest, 1)
+    state.held = ("model", "optimizer", "rng", "step")
+    assert drill.stop_checkpoint_is_whole(tmp_path, state, 1)[0] is False

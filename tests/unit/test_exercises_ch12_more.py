@@ -126,7 +126,10 @@ def test_the_lab_says_when_the_node_files_rule_holds():
     text = _markdown("## Exercise 3: place each rank from the node file")
     assert "one line per rank, so each host appears once for every rank it runs" in text
     assert f"when the select line's `mpiprocs` equals `--ppn`, as in every course job (here {mpiprocs} and 4)" in text
-    assert "PALS itself places `--ppn` ranks on each distinct host, in the file's order" in text
+    # PALS's own rule comes after the task, as a note: the function takes no --ppn, so it is not the one to write
+    note = ("(Cray PALS itself places `--ppn` ranks on each distinct host; with `mpiprocs` equal to `--ppn` the two "
+            "rules agree.)")
+    assert note in text and text.index("Write `placement(nodefile)`") < text.index(note)
 
 
 def test_the_labs_last_submission_names_the_account():
@@ -135,7 +138,53 @@ def test_the_labs_last_submission_names_the_account():
     assert 'qsub -A "$PBS_ACCOUNT"' in readme
     text = _markdown("## Going further")
     assert '`qsub -A "$PBS_ACCOUNT" pbs/12_hpc_operations.pbs`' in text
-    assert '`sbatch -A "$ACCOUNT" slurm/12_hpc_operations.sbatch`' in text
+    # Slurm: nothing sets $ACCOUNT; slurm/README.md has the learner export SBATCH_ACCOUNT, which sbatch reads
+    slurm_readme = (Path(__file__).resolve().parents[2] / "slurm" / "README.md").read_text()
+    assert "export SBATCH_ACCOUNT=<your account>" in slurm_readme
+    assert "$ACCOUNT" not in text
+    assert ("with `SBATCH_ACCOUNT` exported as slurm/README.md says: `sbatch slurm/12_hpc_operations.sbatch`" in text)
+    assert "$ACCOUNT " not in (Path(__file__).resolve().parents[2] / "slurm" / "12_hpc_operations.sbatch").read_text()
+    # and it names all four things the job runs (pbs/12_hpc_operations.pbs launches tuning.py too)
+    job = (Path(__file__).resolve().parents[2] / "pbs" / "12_hpc_operations.pbs").read_text()
+    assert "scripts/12_hpc_operations/tuning.py" in job
+    assert "the profiles with NCCL kernels, and the tuning tables on the job's GPUs" in text
+
+
+def test_exercise_2_says_what_journals_hold():
+    # the learner writes missing_ranks(journals, label): the cell gives the container's shape, the keys of a call as
+    # distlab.hangs writes them, and how to get the run's journals
+    import inspect
+
+    from distlab import hangs
+
+    text = _markdown("## Exercise 2")
+    source = inspect.getsource(hangs)
+    assert 'json.dumps({"rank": self.rank, "state": self.state, "calls": self.calls})' in source
+    assert ('entry = {"label": label, "op": op, "group": group, "members": list(members or []), "peer": peer,'
+            in source)
+    assert ("`journals` maps each rank (an `int`) to its journal, a dict whose `\"calls\"` lists the rank's calls in "
+            "order.") in text
+    assert ("Each call is a dict with `label`, `op`, `group`, `members` (the group's ranks; empty for a send or a "
+            "receive) and `done`") in text
+    cells = json.loads(LAB.read_text())["cells"]
+    check = next("".join(c["source"]) for c in cells if "check_missing_ranks" in "".join(c["source"]))
+    assert 'journals = {int(rank): journal for rank, journal in skipped.metrics["extra"]["journals"].items()}' in check
+    assert '`{int(r): j for r, j in skipped.metrics["extra"]["journals"].items()}`' in text
+
+
+def test_the_timelines_title_says_which_steps_it_covers():
+    # the drawing is the first active step (profiling.timeline, first_step_only); the title's overlap both steps
+    import inspect
+
+    from distlab import profiling
+
+    assert "first_step_only" in inspect.signature(profiling.timeline).parameters
+    text = _markdown("### The overlap, measured")
+    assert ("The title's numbers cover both active steps; the drawing, and Exercise 1's check on this run, the first "
+            "only.") in text
+    cells = json.loads(LAB.read_text())["cells"]
+    title = next("".join(c["source"]) for c in cells if "def draw_timeline" in "".join(c["source"]))
+    assert "ms of communication in 2 steps; drawn: the first)" in title
     assert "run `qsub pbs/12_hpc_operations.pbs`" not in text
 
 
@@ -150,3 +199,22 @@ def test_a_wrong_placement_is_not_told_the_expected_one():
         ch12.check_placement(wrong_local_rank_is_the_rank)
     message = str(wrong.value)
     assert f"rank {first_wrong} got" in message and str(want[first_wrong]) not in message
+
+
+def test_a_wrong_answer_on_a_hand_made_case_shows_that_cases_input():
+    # a learner told "journal set #3" or "node file #2" must be able to test against it: the message shows the case's
+    # input (the journals' calls, the node file's lines) or, for a timeline whose numbers would name the answer, says
+    # what it holds and how to read its rows; never its answer (test_exercises_never_give_the_answer.py)
+    with pytest.raises(ExerciseWrong) as wrong:
+        ch12.check_missing_ranks(lambda journals, label: [0])
+    assert ("journal set #1 (rank 0: sync, barrier*; rank 1: sync, barrier*; rank 2: sync, barrier*; rank 3: sync, "
+            "end*; * waiting)") in str(wrong.value)
+    with pytest.raises(ExerciseWrong) as wrong:
+        ch12.check_placement(wrong_local_rank_is_the_rank)
+    assert "node file #1 (8 lines: n1 n1 n1 n1 n2 n2 n2 n2)" in str(wrong.value)
+    with pytest.raises(ExerciseWrong) as wrong:
+        ch12.check_hidden_communication(lambda rows: 99.0)
+    said = str(wrong.value)
+    assert "`from labkit.exercises.ch12 import TIMELINE_CASES; TIMELINE_CASES[0]`" in said
+    namespace = {}
+    exec(said.split("its rows: `")[1].split("`")[0].replace("; ", "\n"), namespace)   # the line runs as given
