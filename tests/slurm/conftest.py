@@ -7,9 +7,12 @@ import pytest
 from coursetools.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 # KillWait: the seconds between the time limit's SIGTERM and its SIGKILL (slurm.conf.5: 30 by default; slurmd waits
-# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). The limit-reached job's ranks end a 3 s step and write their
-# checkpoint within it. Half a site's default, it keeps scancel's wait in the tests short.
-KILL_WAIT = 15
+# at least 5: MAX(kill_wait, 5) in _rpc_terminate_job). The limit-reached job's ranks end a 3 s step, write their
+# checkpoint and exit within it, and the batch shell then reports what it did not launch. Slurm's default: with 15 s,
+# on CI's 2 loaded cores, the ranks saved in time but their agents and srun ended after the KILL, which took the
+# batch shell before its last summary. A longer KillWait costs nothing when the ranks end sooner: the KILL goes only
+# to what is left.
+KILL_WAIT = 30
 
 
 @pytest.fixture(scope="session")
