@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,28 @@ def tool(name: str) -> str | None:
     """A tool of this virtualenv (mpiexec, shellcheck), else one on PATH."""
     candidate = BIN / name
     return str(candidate) if candidate.exists() else shutil.which(name)
+
+
+def shellcheck_warnings(shellcheck: str, root: Path, common: list[str], jobs: list[str]) -> list[str]:
+    """shellcheck's warnings, one line each: the common files with -x (each follows what it sources), the job files
+    each on its own. -x on a job file would re-read and re-check jobs/common.sh for every job file (1.4 CPU s a job
+    file, about 24 s a tier on a loaded machine) for one difference: on its own, a job file that sets a variable
+    only the common files read gets SC2034 ("appears unused"). That finding is dropped when a common file reads the
+    name; every other finding stays."""
+    import json
+    read_in_common = "\n".join((root / name).read_text() for name in common)
+    found = []
+    for options, files in ((["-x"], common), ([], jobs)):
+        result = subprocess.run([shellcheck, *options, "--severity=warning", "--format=json1", *files], cwd=root,
+                                capture_output=True, text=True, timeout=300)  # a hang's guard: loaded, over 60 s
+        assert result.returncode in (0, 1) and result.stdout, result.stderr  # 1: it found something
+        for c in json.loads(result.stdout)["comments"]:
+            name = c["message"].split()[0]
+            if (files is jobs and c["code"] == 2034
+                    and re.search(r"\$\{?" + re.escape(name) + r"\b", read_in_common)):
+                continue
+            found.append(f"{c['file']}:{c['line']}: SC{c['code']} ({c['level']}): {c['message']}")
+    return found
 
 
 # Variables that would leak from the shell running the tests into the fake job.
