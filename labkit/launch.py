@@ -255,9 +255,12 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
 KEYED_ENVIRONMENT = ("DISTLAB_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "CUDA_", "MASTER_",
                      "PYTHONHASHSEED", "PYTHONPATH")
 # Each make test phase starts its own fork server and rank-interpreter wrapper (RANK_PYTHON_ENV), at new paths:
-# keyed, no run of one phase would replay in the next. The timeline plugin's folder changes no run either.
+# keyed, no run of one phase would replay in the next. The timeline plugin's folder changes no run either. Nor
+# does inductor's cache folder, which torch writes into its own process's environment the first time it asks for
+# it (torch 2.13 _inductor/runtime/cache_dir_utils.py:14-19, cache_dir): keyed, the runs of a process that had
+# compiled something (a make test worker, a lab's kernel) never replayed in one that had not (every learner's copy).
 NOT_KEYED = ("DISTLAB_LAUNCH_CACHE", "DISTLAB_FORK_SERVER", "DISTLAB_FORK_SERVER_SOCKET", RANK_PYTHON_ENV,
-             "DISTLAB_TEST_TIMELINE")
+             "DISTLAB_TEST_TIMELINE", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def file_arguments(args: list[str], cwd: Path, metrics_path=None) -> list[Path]:

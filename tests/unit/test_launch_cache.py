@@ -1,5 +1,6 @@
 """labkit.launch's replay cache: keyed on everything a run depends on, so an edit never replays a stale run."""
 
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -117,6 +118,12 @@ def test_the_ranks_environment_is_part_of_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTLAB_FORK_SERVER_SOCKET", "/tmp/another-phase/socket")   # each phase starts its own
     monkeypatch.setenv(launch.RANK_PYTHON_ENV, "/tmp/another-phase/python")          # and its own wrapper
     monkeypatch.setenv("DISTLAB_TEST_TIMELINE", "/tmp/another-timeline")
+    assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first
+    # torch names inductor's cache folder in the environment of a process that asked for it (a worker that compiled)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
     assert launch._cache_file(script, tmp_path, 2, "fork", [], None) == first
 
 
