@@ -196,8 +196,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        stop_past_its_timeout(process, launcher)
         reader.join(timeout=5)
         result = LaunchResult(command, -9, "".join(lines), time.perf_counter() - started)
         tmpdir.cleanup()
@@ -246,6 +245,28 @@ def _rank_exit_codes(output: str) -> dict[int, int]:
             rank = int(line.split()[2])
             codes[rank] = int(line.rsplit(" ", 1)[1])
     return codes
+
+
+# How long torchrun's agent gets to stop its workers after a TERM before its process group is killed.
+AGENT_STOP_S = 10
+
+
+def stop_past_its_timeout(process, launcher: str) -> None:
+    """End a run that outlived its timeout, ranks and all.
+
+    A fork launch's ranks are in its process group: one SIGKILL ends them. torchrun starts each worker in a session
+    of its own (torch 2.13 distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:64-66,
+    start_new_session), so killing torchrun's group would leave the ranks running, a GPU's memory held by them. A
+    TERM first: the agent passes it to its workers and waits for them to exit (its shutdown; the TERM ends a rank
+    at once unless the rank handles it), then whatever is left of the group is killed."""
+    if launcher == "torchrun":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=AGENT_STOP_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 # The variables of the ranks' environment that can change what a run computes or prints, and so belong in the

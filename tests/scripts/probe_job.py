@@ -1,7 +1,9 @@
 """A test-only job: reports what distlab.runtime saw, all-reduces, and can be told to fail or hang."""
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,9 +18,12 @@ def main():
     p.add_argument("--bad-config", action="store_true")
     p.add_argument("--fail-check", action="store_true", help="record a failing check (exit code 1)")
     p.add_argument("--raise-after", action="store_true", help="raise after the run has finished cleanly")
+    p.add_argument("--pid-folder", default=None, help="each rank writes its process id to a file named by its rank here")
     args = p.parse_args()
     with runtime.start(args, validate=lambda world: runtime.require(not args.bad_config, "probe told to fail")) as rt:
         report = metrics.Report(__file__, rt, vars(args))
+        if args.pid_folder:
+            Path(args.pid_folder, str(rt.rank)).write_text(str(os.getpid()))
         if rt.rank == args.fail_rank:
             raise RuntimeError(f"probe failure on rank {rt.rank}")
         if rt.rank == 0 and args.sleep:
