@@ -766,15 +766,17 @@ def add_unshard_reshard(rank_actions: list[Action], active_stages: int = FSDP_AC
     re-gathers each chunk many times a step, whatever ``reshard_after_forward`` says: the runtime calls
     ``unshard()`` and ``reshard()`` on every FSDP module of the stage (schedules.py:2489-2516). torch evicts in its
     set's order; here in the order of unsharding (the same steps, the RESHARDs of one step maybe reordered)."""
+    # The next distinct stages from each action on, found in one backward walk: from action i, its own stage, then
+    # those from i + 1 without it (one more kept than needed, for the one that drops out).
+    upcoming_at: list[list[int]] = [[]] * len(rank_actions)
+    after: list[int] = []
+    for i in range(len(rank_actions) - 1, -1, -1):
+        stage = rank_actions[i].stage
+        after = ([stage] + [s for s in after if s != stage])[:active_stages + 1]
+        upcoming_at[i] = after[:active_stages]
     active: list[int] = []
     lowered: list[Action] = []
-    for i, action in enumerate(rank_actions):
-        upcoming: list[int] = []
-        for later in rank_actions[i:]:
-            if later.stage not in upcoming:
-                upcoming.append(later.stage)
-                if len(upcoming) == active_stages:
-                    break
+    for action, upcoming in zip(rank_actions, upcoming_at):
         for stage in [s for s in active if s not in upcoming]:
             active.remove(stage)
             lowered.append(Action(stage, -1, "RESHARD"))

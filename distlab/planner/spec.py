@@ -411,12 +411,16 @@ def pipeline_fsdp_gathers(model: ModelSpec, layout: Layout, stage: int, options:
 
 @functools.lru_cache(maxsize=1024)
 def _pipeline_gathers(schedule: str, pp: int, num_micro: int, v: int, stage: int, reshard: bool) -> float:
-    if v > 1:
-        order = schedules.interleaved_1f1b(pp, num_micro, v, torch_rounds=True)
-    else:
-        order = schedules.build("gpipe" if schedule == "gpipe" else "1f1b", pp, num_micro)
+    order = _pipeline_order(schedule, pp, num_micro, v)
     total = sum(schedules.fsdp_all_gathers(order.actions[stage], reshard, runtime=v > 1).values())
     return total // v if total % v == 0 else total / v
+
+
+@functools.lru_cache(maxsize=256)   # one order serves every stage of the layout (the search asks for each)
+def _pipeline_order(schedule: str, pp: int, num_micro: int, v: int):
+    if v > 1:
+        return schedules.interleaved_1f1b(pp, num_micro, v, torch_rounds=True)
+    return schedules.build("gpipe" if schedule == "gpipe" else "1f1b", pp, num_micro)
 
 
 def pipeline_gathered_share(options: Options) -> float:
