@@ -283,6 +283,41 @@ WRONG_IN_THE_JOB = {
 }
 
 
+GUARDS = {   # run 25's guard as a learner would write it: (its source, what the job with the token planted shows)
+    "right": ("def tokens_in_vocabulary(tokens, vocab_size):\n"
+              "    return ((tokens >= 0) & (tokens < vocab_size)).all(dim=1)\n", None),
+    "off-by-one": ("def tokens_in_vocabulary(tokens, vocab_size):\n    return (tokens <= vocab_size).all(dim=1)\n",
+                   "stops"),
+    "too-strict": ("def tokens_in_vocabulary(tokens, vocab_size):\n"
+                   "    return (tokens < vocab_size - 1).all(dim=1)\n", ch14.GUARD_CHECK),
+}
+
+
+@pytest.mark.parametrize("guard", list(GUARDS))
+def test_the_token_guard_is_judged_in_the_job_with_the_token_planted(guard, tmp_path):
+    """The lab's run 25 fix on its 2 ranks (ch14.FIX_NPROC): the right guard leaves out the one sequence holding the
+    id, and the run equals one device leaving out the same (every check passes, the guard's too); a guard that lets
+    the id through stops the job again, rank 1 first with the IndexError; one that leaves out more fails its check."""
+    source, shows = GUARDS[guard]
+    (tmp_path / "fix.py").write_text(source)
+    case = broken_runs.case("token-out-of-vocabulary")
+    result = broken_runs.run_case(case.name, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  extra_args=("--fix-from", str(tmp_path / "fix.py")),
+                                  nproc=ch14.FIX_NPROC[case.name])
+    if shows is None:
+        assert result.returncode == 0 and broken_runs.fix_holds(case, result.metrics) == [], result.tail()
+        guarded = next(c for c in result.metrics["checks"] if c["name"].startswith(ch14.GUARD_CHECK))
+        assert guarded["passed"] and guarded["value"] == "1 left out, 0 wrongly", guarded
+        assert max(result.metrics["extra"]["diffs"]["baseline_loss"]) < 1e-5   # one device, leaving out the same
+    elif shows == "stops":
+        failures = broken_runs.failure_summary(result.output)
+        assert result.metrics is None and failures[0]["rank"] == 1, result.tail()
+        assert failures[0]["error"] == "IndexError: index out of range in self"
+    else:
+        failed = [c["name"] for c in result.metrics["checks"] if not c["passed"]]
+        assert result.returncode == 1 and [name for name in failed if name.startswith(shows)], failed
+
+
 @pytest.mark.parametrize("name", list(WRONG_IN_THE_JOB))
 def test_a_wrong_fix_fails_inside_the_job(name, tmp_path):
     """The learner's answer enters the job (a file the script loads on every rank, or a setting's flag), on as many
