@@ -164,19 +164,17 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         failing_checks=("the training sampler's order changed with the epoch", "DDP loss = single-device loss")),
     BrokenRun(
         name="token-out-of-vocabulary", family="data", script=TRAIN_DDP,
-        on_nccl="The lookup's kernel trips a device-side assert, reported at a later CUDA call: 'CUDA error: "
-                "device-side assert triggered', its traceback perhaps at another line. CUDA_LAUNCH_BLOCKING=1 reports "
-                "it at the lookup. The others wait in NCCL until torchrun stops them, or until the watchdog's timeout.",
+        on_nccl="The lookup trips a device-side assert, reported at a later CUDA call ('CUDA error: device-side "
+                "assert triggered'), perhaps at another line; CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. The "
+                "others wait in NCCL until torchrun or the watchdog stops them.",
         args=DDP_RUN + ("--planted-bug", "token-out-of-vocabulary"), fixed_args=DDP_RUN,
-        symptom="Step 0 trains; at step 1 the job stops with a traceback on every rank. Rank 3's ends in IndexError: "
-                "'index out of range in self' (torch's words), the three others' in a gloo error for a lost peer "
-                "('Connection closed by peer', or 'reset by peer'). torchrun's summary names rank 3's error the root "
-                "cause.",
+        symptom="Step 0 trains; at step 1 every rank stops with a traceback. Rank 3's ends in IndexError: 'index out "
+                "of range in self'; the others' in gloo's lost peer ('Connection closed by peer', or 'reset by "
+                "peer').",
         evidence=("output",),
-        cause="One sequence that rank 3 reads at step 1 holds token id 128, one past the embedding's last row (the "
-              "tiny model's 128 ids): data written with a larger vocabulary than the model's, a tokenizer's added "
-              "token say. The lookup raises on rank 3 alone; the others wait for it in the step's all-reduce and "
-              "fail when it exits.",
+        cause="A sequence rank 3 reads at step 1 holds token id 128, one past the embedding's last row (the tiny "
+              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail in the all-reduce "
+              "when it exits.",
         tell_apart="The first failure, torchrun's 'Root Cause (first observed failure)' (with @record): one rank's "
                    "own exception, before the others' errors, which name the peer that left; a network failure "
                    "starts with no rank's exception.",
