@@ -395,6 +395,18 @@ def per_step(run: Shown) -> list[str]:
     return lines
 
 
+def failures(run: Shown) -> list[str]:
+    """torch's failure summary at the end of a run's output, as any torchrun user reads it (labkit.forkrun prints
+    the same: torch's ChildFailedError), one line a failed rank: the root cause first, then the others, each with its
+    exit code and the first line of its error (nothing is run again; [] when the output has no summary)."""
+    lines = []
+    for failure in broken_runs.failure_summary(run.output) or []:
+        where = "Root Cause (first observed failure)" if failure["root"] else "Failures"
+        lines.append(f"{where}: rank {failure['rank']}, exit code {failure['exitcode']}: "
+                     f"{(failure['error'] or '')[:150]}")
+    return lines
+
+
 # ---- the learner's code, run inside the job ------------------------------------------------------------------------
 LEARNER_DIR = broken_runs.DEFAULT_RUN_DIR / "learner"
 _PRELUDE = ("import math\n\nimport torch\nimport torch.distributed as dist\n"
