@@ -166,7 +166,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         name="token-out-of-vocabulary", family="data", script=TRAIN_DDP,
         on_nccl="The lookup trips a device-side assert, reported at a later CUDA call ('CUDA error: device-side "
                 "assert triggered'), perhaps at another line; CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. The "
-                "others wait in NCCL until torchrun or the watchdog stops them.",
+                "others wait in NCCL until their launcher or the watchdog stops them.",
         args=DDP_RUN + ("--planted-bug", "token-out-of-vocabulary"), fixed_args=DDP_RUN,
         symptom="Step 0 trains; at step 1 every rank stops with a traceback. Rank 3's ends in IndexError: 'index out "
                 "of range in self'; the others' in gloo's lost peer ('Connection closed by peer', or 'reset by "
@@ -179,7 +179,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                    "own exception, before the others' errors, which name the peer that left; a network failure "
                    "starts with no rank's exception.",
         look_alikes=("a network failure", "unused-parameter", "uneven-inputs"),
-        fix="Find the record (the summary names the rank and its traceback the step), then size the model's "
+        fix="Find the record (the summary names the rank, the last step printed the step), then size the model's "
             "vocabulary for every id the tokenizer makes (len(tokenizer), not its base vocabulary). Guard the data on "
             "the CPU: a sequence with an id outside 0 to V - 1 is left out of the loss, every rank still running the "
             "step.",
