@@ -507,6 +507,8 @@ distlab_launch() {
         return 0
     fi
     log=$DISTLAB_RUN_DIR/logs/$(printf '%02d' "$DISTLAB_LAUNCHES")_${name%.py}.log
+    # shellcheck disable=SC2034 # read by the job after the launch (chapter 14's broken runs read an error there)
+    DISTLAB_LAST_LOG=$log
     local start=$SECONDS rc pid tee_pid out
     # a script that checkpoints writes this file when it begins to stop at its own deadline, before its last
     # checkpoint: Slurm's walltime warning then leaves it to finish (slurm/common.sh, distlab_on_walltime_warning)

@@ -5,8 +5,9 @@ Each :class:`BrokenRun` names a script of an earlier chapter and the arguments t
 microbatches; ``--hang NAME`` for chapter 12's hangs), the arguments of the fixed run (``fixed_args``: the bug
 gone, or the corrective setting), what a user sees (``symptom``, never the cause) and where in the run's metrics
 (``evidence``), the cause, the one check that tells it from its look-alikes, and the checks of the script that
-fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``),
-and what the same mistake shows on GPUs under NCCL (``on_nccl``). :data:`SEEN_BY` says which evidence any user's
+fail with the bug and pass with the fix (``failing_checks``; for a hang, the journal's diagnosis ``hang_cause``; for
+an error one rank raises, ``first_failure``: that rank and its error, which torch's failure summary must name as the
+root cause), and what the same mistake shows on GPUs under NCCL (``on_nccl``). :data:`SEEN_BY` says which evidence any user's
 tools show and which only the course's instrumentation does.
 
     from labkit import broken_runs
@@ -23,8 +24,9 @@ Not a limit of torch 2.13: the course's models have no dropout (``distlab.models
 checks against one device is deterministic), so no script has a random stream to get wrong; adding dropout to the
 shared model would change every chapter's single-device reference.
 
-From a job (``pbs/14_when_it_goes_wrong.pbs``): ``python -m labkit.broken_runs check NAME METRICS.json [--fixed]``
-says whether a run's metrics show the case's symptom (or, with ``--fixed``, that it is gone), exit 0 or 1.
+From a job (``pbs/14_when_it_goes_wrong.pbs``): ``python -m labkit.broken_runs check NAME METRICS.json [--fixed]
+[--output LOG]`` says whether a run's metrics (and, for an error one rank raises, its output) show the case's symptom
+(or, with ``--fixed``, that it is gone), exit 0 or 1.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -104,6 +107,8 @@ class BrokenRun:
     prepare_args: tuple[str, ...] = ()  # a run before ``args`` in the same {run_dir}: the interrupted job
     fixed_prepare_args: tuple[str, ...] = ()
     wrong_fixes: tuple[tuple[tuple[str, ...], str], ...] = ()  # (args, why it is wrong): still broken
+    first_failure: tuple = ()   # an error one rank raises: (that rank, its error's words on a CPU, on a GPU); the
+    #                             run stops, and torch's failure summary names that rank's error as the root cause
     nproc: int = 4
     gpu_note: str | None = None   # why the GPU job leaves it out (None: it runs there)
     on_nccl: str = ""   # what the same mistake shows on GPUs under NCCL, beside the CPU run (one table cell)
@@ -157,6 +162,29 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         fix="Call sampler.set_epoch(epoch) before each epoch's first batch.",
         fix_kind="function",
         failing_checks=("the training sampler's order changed with the epoch", "DDP loss = single-device loss")),
+    BrokenRun(
+        name="token-out-of-vocabulary", family="data", script=TRAIN_DDP,
+        on_nccl="The lookup trips a device-side assert, reported at a later CUDA call ('CUDA error: device-side "
+                "assert triggered'), perhaps at another line; CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. The "
+                "others wait in NCCL until their launcher or the watchdog stops them.",
+        args=DDP_RUN + ("--planted-bug", "token-out-of-vocabulary"), fixed_args=DDP_RUN,
+        symptom="Step 0 trains; at step 1 every rank stops with a traceback. Rank 3's ends in IndexError: 'index out "
+                "of range in self'; the others' in gloo's lost peer ('Connection closed by peer', or 'reset by "
+                "peer').",
+        evidence=("output",),
+        cause="A sequence rank 3 reads at step 1 holds token id 128, one past the embedding's last row (the tiny "
+              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail in the all-reduce "
+              "when it exits.",
+        tell_apart="The first failure, torchrun's 'Root Cause (first observed failure)' (with @record): one rank's "
+                   "own exception, before the others' errors, which name the peer that left; a network failure "
+                   "starts with no rank's exception.",
+        look_alikes=("a network failure", "unused-parameter", "uneven-inputs"),
+        fix="Find the record (the summary names the rank, the last step printed the step), then size the model's "
+            "vocabulary for every id the tokenizer makes (len(tokenizer), not its base vocabulary). Guard the data on "
+            "the CPU: a sequence with an id outside 0 to V - 1 is left out of the loss, every rank still running the "
+            "step.",
+        fix_kind="function",
+        first_failure=(3, "IndexError: index out of range in self", "CUDA error: device-side assert triggered")),
     # ---- data parallelism ----------------------------------------------------------------------------------------
     BrokenRun(
         name="accumulation-never-syncs", family="data parallelism", script=TRAIN_DDP,
@@ -633,8 +661,79 @@ def _failed_checks(metrics: dict) -> set[str]:
     return {c["name"] for c in metrics.get("checks", []) if not c["passed"]}
 
 
-def symptom_seen(run: BrokenRun, metrics: dict | None) -> list[str]:
-    """What is missing for the broken run's metrics to show the case's symptom: [] when it is all there."""
+_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b.*")   # as labkit.launch's
+
+
+def failure_summary(output: str) -> list[dict] | None:
+    """torch's failure summary in a run's output, the ``ChildFailedError`` message torchrun ends with (and
+    labkit.forkrun with it): each failed rank as {"rank", "exitcode", "error", "root"}, the root cause ("Root Cause
+    (first observed failure)") first, then the others as the summary lists them. "error" is the first exception line
+    of the rank's traceback, or the summary's words where it has none ("Signal 15 (SIGTERM) received by PID ...",
+    "To enable traceback see ..." without @record). None when the output holds no summary."""
+    lines = output.splitlines()
+    roots = [i for i, line in enumerate(lines) if line.strip() == "Root Cause (first observed failure):"]
+    if not roots:
+        return None
+    root = roots[-1]
+    start = max((i for i, line in enumerate(lines[:root]) if line.strip() == "Failures:"), default=root)
+    found, entry, traceback = [], None, False
+    for i, line in enumerate(lines[start:], start):
+        if re.fullmatch(r"\[\d+\]:", line.strip()):
+            entry, traceback = {"root": i > root, "error": None}, False
+            found.append(entry)
+        elif set(line.strip()) in ({"="}, {"-"}):
+            if i > root and found and found[-1]["root"]:
+                break
+            entry = None
+        elif entry is not None:
+            field = re.match(r"\s+(rank|exitcode|traceback)\s*: ?(.*)", line)
+            if field and not traceback:
+                name, value = field.groups()
+                if name == "rank":
+                    entry["rank"] = int(value.split()[0])
+                elif name == "exitcode":
+                    entry["exitcode"] = int(value.split()[0])
+                else:
+                    traceback = True
+                    entry["error"] = None if value.startswith("Traceback") else value.strip()
+            elif traceback and entry["error"] is None and _EXCEPTION.match(line.strip()):
+                entry["error"] = line.strip()
+    found = [f for f in found if "rank" in f]
+    return sorted(found, key=lambda f: not f["root"]) or None
+
+
+def first_failure_seen(run: BrokenRun, metrics: dict | None, output: str | None) -> list[str]:
+    """What is missing for an error one rank raises (``run.first_failure``): the run stopped before its report, the
+    error in its output, and, where the output ends with torch's failure summary (torchrun, labkit.forkrun), that
+    rank named the root cause with that error, every other rank listed as failed or stopped after it. [] when it is
+    all there. Without a summary (a launcher that is not torchrun: mpiexec, srun) the error alone is looked for."""
+    rank, *words = run.first_failure
+    problems = [] if metrics is None else ["the run wrote its metrics: it ran to its end"]
+    if output is None:
+        return problems + ["the run's output was not given: the error is read there"]
+    failures = failure_summary(output)
+    if failures is None:
+        if not any(word in output for word in words):
+            problems.append(f"no rank's output says {words[0]!r}")
+        return problems
+    root = failures[0]
+    if not root["root"] or root["rank"] != rank:
+        problems.append(f"the summary's root cause is rank {root['rank']}, not rank {rank}")
+    if not any(word in (root["error"] or "") for word in words):
+        problems.append(f"the root cause's error is {root['error']!r}, not {words[0]!r}")
+    others = [f for f in failures[1:] if any(word in (f["error"] or "") for word in words)]
+    if others:
+        problems.append(f"rank {others[0]['rank']} raised the same error: not one rank's")
+    if len(failures) < run.nproc:
+        problems.append(f"the summary lists {len(failures)} failed ranks of {run.nproc}: some rank went on")
+    return problems
+
+
+def symptom_seen(run: BrokenRun, metrics: dict | None, output: str | None = None) -> list[str]:
+    """What is missing for the broken run's metrics to show the case's symptom: [] when it is all there. An error
+    one rank raises is read in the run's ``output`` (:func:`first_failure_seen`)."""
+    if run.first_failure:
+        return first_failure_seen(run, metrics, output)
     if metrics is None:
         return ["the run wrote no metrics"]
     if run.hang:
@@ -667,6 +766,8 @@ def main(argv=None) -> int:
     check.add_argument("name")
     check.add_argument("metrics", type=Path)
     check.add_argument("--fixed", action="store_true", help="the fixed run: every check passes")
+    check.add_argument("--output", type=Path, default=None,
+                       help="the run's output (its log): where an error one rank raises is read")
     options = parser.parse_args(argv)
     if options.command == "list":
         for run in BROKEN_RUNS:
@@ -674,7 +775,8 @@ def main(argv=None) -> int:
         return 0
     run = case(options.name)
     metrics = json.loads(options.metrics.read_text()) if options.metrics.exists() else None
-    problems = fix_holds(run, metrics) if options.fixed else symptom_seen(run, metrics)
+    output = options.output.read_text(errors="replace") if options.output and options.output.exists() else None
+    problems = fix_holds(run, metrics) if options.fixed else symptom_seen(run, metrics, output)
     what = "fixed: every check passes" if options.fixed else "broken as planted: the symptom is there"
     print(f"{run.name}: {what}" if not problems else f"{run.name}: NOT {what}: {'; '.join(problems)}")
     return 0 if not problems else 1

@@ -39,6 +39,26 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "https://pytorch.org/docs/stable/data.html?highlight=set_epoch . For more details, you may refer "
                   "to this issue: pytorch/pytorch#31771"},
     ],
+    "token-out-of-vocabulary": [
+        {"url": "https://github.com/facebookresearch/XLM/issues/223",
+         "title": "Multi-GPU training get stuck after one mini-batch (facebookresearch/XLM #223)",
+         "quote": "I have run the same command with `CUDA_LAUNCH_BLOCKING=1`, and I get the output: [...] block: "
+                  "[81,0,0], thread: [10,0,0] Assertion `srcIndex < srcSelectDimSize` failed."},
+        {"url": "https://github.com/huggingface/transformers/issues/1062",
+         "title": "Example in OpenAIGPTDoubleHeadsModel can't run (huggingface/transformers #1062)",
+         "quote": "Although the tokenizer added new index for special tokens, the embedding in "
+                  "OpenAIGPTDoubleHeadModel didn't add new embeddings for them, which leads to index out of range."},
+        {"url": "https://github.com/mickeysjm/R-BERT/issues/5",
+         "title": "Issue: IndexError: index out of range in self (mickeysjm/R-BERT #5)",
+         "quote": "Seems to be related to the added special tokens, can be fixed by adding: \n"
+                  "model.resize_token_embeddings(len(tokenizer))"},
+        {"url": "https://docs.pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution",
+         "title": "CUDA semantics: asynchronous execution (PyTorch docs)",
+         "quote": "You can force synchronous computation by setting environment variable ``CUDA_LAUNCH_BLOCKING=1``.  "
+                  "This can be handy when an error occurs on the GPU. (With asynchronous execution, such an error "
+                  "isn't reported until after the operation is actually executed, so the stack trace does not show "
+                  "where it was requested.)"},
+    ],
     # ---- data parallelism
     "accumulation-never-syncs": [
         {"url": "https://github.com/modelscope/FunASR/pull/3472",
@@ -377,8 +397,10 @@ LEFT_OUT: dict[str, list[dict[str, str]]] = {
 
 
 # Torch's own changes that chapter 14's "How we know" cites, in the order they happened: why Schedule1F1B refuses
-# fewer microbatches than stages while GPipe runs with them, and where TORCH_DISTRIBUTED_DEBUG=DETAIL's check of
-# every collective comes from. Found with the search tool (corpus: issues), December 2026; quotes verbatim.
+# fewer microbatches than stages while GPipe runs with them, where TORCH_DISTRIBUTED_DEBUG=DETAIL's check of
+# every collective comes from, and why torchrun's summary prints a traceback only with @record, its root cause last.
+# Found with the search tool (corpus: issues), December 2026; quotes verbatim (#66182's from its commit message, as
+# the v1.10.0 tag's notes reproduce it).
 TORCH_CHANGES: dict[str, list[dict[str, str]]] = {
     "too-few-microbatches": [
         {"url": "https://github.com/pytorch/pytorch/pull/144702",
@@ -391,6 +413,19 @@ TORCH_CHANGES: dict[str, list[dict[str, str]]] = {
          "title": "Remove MB < PP check for Gpipe (pytorch/pytorch #171462)",
          "quote": "Move the microbatches < pipeline stages check only for 1F1B, since we don't want to restrict "
                   "Gpipe"},
+    ],
+    "token-out-of-vocabulary": [
+        {"url": "https://github.com/pytorch/pytorch/pull/64036",
+         "title": "[torch/elastic] Pretty print the failure message captured by @record (pytorch/pytorch #64036)",
+         "quote": "This PR slightly revises the implementation of the internal `_format_failure()` method in order to "
+                  "pretty print the error message captured in a subprocess by the `@record` annotation."},
+        {"url": "https://github.com/pytorch/pytorch/pull/66182",
+         "title": "(torch/elastic) add fqdn hostname to error printout (pytorch/pytorch #66182)",
+         "quote": "2. moves the \"root cause\" section to the end (presumably since the logs are being \"tailed\" we want "
+                  "the root cause to appear at the end) [...] NOTE: YOU HAVE TO annotate your main function with "
+                  "torch.distributed.elastic.multiprocessing.errors.record, otherwise no traceback is printed (this is "
+                  "because python exception propagation does NOT work out of the both for IPC - hence the extra "
+                  "record annotation)."},
     ],
     "mismatched-collectives": [
         {"url": "https://github.com/pytorch/pytorch/pull/58224",

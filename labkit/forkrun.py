@@ -6,6 +6,14 @@ MASTER_PORT). The script runs unchanged, as ``__main__``. When a rank fails, the
 to finish their own report and are then stopped, as torchrun does; the launcher exits with the first
 failing rank's code (so a configuration error exits 2) and prints every rank's exit code.
 
+Each rank gets its own ``TORCHELASTIC_ERROR_FILE``, as torchrun's agent gives it (torch/distributed/elastic/
+multiprocessing/api.py:384-390): a script whose entry point is decorated with torch's ``@record`` writes an uncaught
+exception there, traceback and time. When a rank failed and one wrote that file, the launcher ends with the summary
+torchrun prints, torch's own ``ChildFailedError`` ("Root Cause (first observed failure)": the earliest error file,
+its rank and its traceback; the other failed or stopped ranks under "Failures"). The failures are ordered by when
+each happened (an error file's time, to the nanosecond, then the order the ranks exited), where torch's agent orders
+them by the second and the order its polls found them.
+
 CUDA does not survive fork: use torchrun for GPU runs (``labkit.launch`` does).
 
 ``DISTLAB_P2P_LOG=DIR`` (tests only) records every point-to-point operation each rank issues in
@@ -16,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -27,10 +37,15 @@ from labkit.forkexec import run_as_main
 GRACE_SECONDS = 5.0
 
 
-def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[str]) -> None:
+def _error_file(folder: str, rank: int) -> str:
+    """Where rank ``rank`` writes an uncaught exception (``@record``): torchrun's agent's layout, a folder a rank."""
+    return os.path.join(folder, str(rank), "error.json")
+
+
+def _run_rank(rank: int, nproc: int, port: int, script: str, script_args: list[str], errors: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GROUP_RANK="0", ROLE_RANK=str(rank))
+                      GROUP_RANK="0", ROLE_RANK=str(rank), TORCHELASTIC_ERROR_FILE=_error_file(errors, rank))
     write_whole_lines()   # before the script: its tracebacks too
     # A rank's failure is printed with traceback, not sys.excepthook: a script's hook (distlab.runtime's) is not
     # called here, and no atexit handler runs (the rank leaves through os._exit).
@@ -71,6 +86,7 @@ def preload() -> None:
     import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401 - @record, and the failure summary
 
 
 def main() -> int:
@@ -83,12 +99,16 @@ def main() -> int:
     preload()
 
     port = free_port()
+    errors = tempfile.mkdtemp(prefix="forkrun-errors-")   # each rank's TORCHELASTIC_ERROR_FILE, in a folder of its own
+    for rank in range(options.nproc):
+        os.makedirs(os.path.dirname(_error_file(errors, rank)))
     children: dict[int, int] = {}
     for rank in range(options.nproc):
         pid = os.fork()
         if pid == 0:
-            _run_rank(rank, options.nproc, port, options.script, options.script_args)
+            _run_rank(rank, options.nproc, port, options.script, options.script_args, errors)
         children[pid] = rank
+    pids = {rank: pid for pid, rank in children.items()}
 
     exit_codes: dict[int, int] = {}
     first_failure: int | None = None
@@ -111,12 +131,46 @@ def main() -> int:
             first_failed_rank = children[pid]
             deadline = time.monotonic() + GRACE_SECONDS
 
-    if first_failure is not None:
-        print(f"[forkrun] rank {first_failed_rank} was the first to exit with an error", file=sys.stderr, flush=True)
-        for rank in sorted(exit_codes):
-            print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
-        return first_failure
-    return 0
+    try:
+        summary = None
+        if first_failure is not None:
+            failed = failure_order(exit_codes, errors)
+            first_failed_rank, first_failure = failed[0], max(exit_codes[failed[0]], 1)
+            summary = torch_summary(options.script, failed, exit_codes, pids, errors)
+            print(f"[forkrun] rank {first_failed_rank} was the first to exit with an error", file=sys.stderr,
+                  flush=True)
+            for rank in sorted(exit_codes):
+                print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
+        if summary is not None:   # as torchrun ends: its agent's ChildFailedError, the root cause last
+            sys.stderr.write(f"[forkrun] torchrun would end with: ChildFailedError:{summary}\n")
+            sys.stderr.flush()
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+    return first_failure if first_failure is not None else 0
+
+
+def failure_order(exit_codes: dict[int, int], errors: str) -> list[int]:
+    """The failed ranks, first failure first: those that wrote an error file by the file's time (nanoseconds), then
+    the others in the order they exited (``exit_codes``' order, as the launcher saw them end)."""
+    failed = [rank for rank, code in exit_codes.items() if code != 0]
+    written = {rank: os.stat(_error_file(errors, rank)).st_mtime_ns for rank in failed
+               if os.path.isfile(_error_file(errors, rank))}
+    return sorted(failed, key=lambda rank: (rank not in written, written.get(rank, 0), failed.index(rank)))
+
+
+def torch_summary(script: str, failed: list[int], exit_codes: dict[int, int], pids: dict[int, int],
+                  errors: str) -> str | None:
+    """torch's own ChildFailedError message for these failures (torch/distributed/elastic/multiprocessing/errors/
+    __init__.py:205-315), built from torch's ProcessFailure of each failed rank, as torchrun's agent builds it
+    (torch/distributed/elastic/multiprocessing/api.py:964-980); None when no rank wrote an error file (no @record:
+    the summary would say only "To enable traceback see ...")."""
+    if not any(os.path.isfile(_error_file(errors, rank)) for rank in failed):
+        return None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=pids[rank], exitcode=exit_codes[rank],
+                                     error_file=_error_file(errors, rank)) for rank in failed}
+    return ChildFailedError(script, failures).format_msg()   # named as torchrun names it: the script as given
 
 
 if __name__ == "__main__":

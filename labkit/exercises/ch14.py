@@ -1,6 +1,6 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
-The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 24``: a case's
+The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 25``: a case's
 name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
@@ -64,10 +64,11 @@ _TOKENS = {
     "run 22": "7e0ccfa19b94b445",
     "run 23": "4ef8e7a123d81f4e",
     "run 24": "71d08388d01e9bb4",
+    "run 25": "1e2517f5c57750bb",
 }
 LABELS = tuple(_TOKENS)
 PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
-         "stops or prints nonsense": ("run 5", "run 6"),
+         "stops or prints nonsense": ("run 5", "run 6", "run 25"),
          "ranks that disagree": ("run 7", "run 8", "run 9"),
          "wrong against one device": ("run 10", "run 11", "run 12", "run 13", "run 14", "run 15"),
          "two more jobs that stop": ("run 16", "run 17"),
@@ -141,6 +142,7 @@ CAUSES = {
     "stage-grad-norm": "gradients clipped by each pipeline stage's own norm, never reduced over the stages",
     "token-mean-per-micro-batch": "a loss averaged over each micro-batch's own tokens, not over the whole step's",
     "global-batch-grows": "a per-rank batch kept when the world size changed: the global batch changed with it",
+    "token-out-of-vocabulary": "a token id the model's vocabulary does not hold, in one rank's data",
     "learning-rate-too-low": "a learning rate too low",
     "learning-rate-too-high": "a learning rate too high: the run diverges",
     "bf16-overflow": "bf16 overflowing to inf",
@@ -275,12 +277,12 @@ _PENDING: dict = {}   # key -> Future: the broken runs prefetch() started
 
 
 def _prefetch_order(label: str):
-    """The lab's order: each part's runs start before the next part's, so a part's cell waits for its own runs
-    only, and the later parts' runs use the cores while the fix checks run one launch at a time (each fix is one
-    job of 2 or 4 ranks, with moments where the cores idle: its start, its collectives). Longest first had every
-    cell of part 1 wait for the two-launch resumes: measured on 2 cores, the lab took 76-81 s that way, 49-66 s
-    this way."""
-    return LABELS.index(label)
+    """The lab's order: each part's runs start before the next part's (run 25 with part 2's), so a part's cell waits
+    for its own runs only, and the later parts' runs use the cores while the fix checks run one launch at a time
+    (each fix is one job of 2 or 4 ranks, with moments where the cores idle: its start, its collectives). Longest
+    first had every cell of part 1 wait for the two-launch resumes: measured on 2 cores, the lab took 76-81 s that
+    way, 49-66 s this way."""
+    return [each for labels in PARTS.values() for each in labels].index(label)
 PREFETCH_WORKERS = 3
 
 
@@ -393,6 +395,18 @@ def per_step(run: Shown) -> list[str]:
     return lines
 
 
+def failures(run: Shown) -> list[str]:
+    """torch's failure summary at the end of a run's output, as any torchrun user reads it (labkit.forkrun prints
+    the same: torch's ChildFailedError), one line a failed rank: the root cause first, then the others, each with its
+    exit code and the first line of its error (nothing is run again; [] when the output has no summary)."""
+    lines = []
+    for failure in broken_runs.failure_summary(run.output) or []:
+        where = "Root Cause (first observed failure)" if failure["root"] else "Failures"
+        lines.append(f"{where}: rank {failure['rank']}, exit code {failure['exitcode']}: "
+                     f"{(failure['error'] or '')[:150]}")
+    return lines
+
+
 # ---- the learner's code, run inside the job ------------------------------------------------------------------------
 LEARNER_DIR = broken_runs.DEFAULT_RUN_DIR / "learner"
 _PRELUDE = ("import math\n\nimport torch\nimport torch.distributed as dist\n"
@@ -469,7 +483,8 @@ FIX_FLAG = "--fix-from"   # the flag of every script that runs a learner's funct
 # and run 22's recipe (a per-rank batch tuned on 2 ranks is right on 2).
 FIX_NPROC = {"same-samples-every-rank": 2, "loss-averaged-twice": 2, "bf16-gradient-reduction": 2,
              "optimizer-before-sharding": 2, "loss-on-wrong-stage": 2, "slow-rank": 2, "resume-without-rng": 2,
-             "stage-grad-norm": 2, "nan-from-one-rank": 2, "local-grad-norm": 2, "unused-parameter": 2}
+             "stage-grad-norm": 2, "nan-from-one-rank": 2, "local-grad-norm": 2, "unused-parameter": 2,
+             "token-out-of-vocabulary": 2}
 
 
 def _fix_in_job(name: str, function, function_name: str, why: str, args=None, say: bool = True) -> None:
@@ -847,3 +862,49 @@ def check_fix_stage_clip(clip_gradients) -> None:
     loads it (--fix-from) on every rank and calls it after each step's backward."""
     _fix_in_job("stage-grad-norm", clip_gradients, "clip_gradients",
                 why="one norm for the whole model, so every stage scales its gradients by the same factor.")
+
+
+# train_ddp.py's check of a learner's tokens_in_vocabulary(), against the truth, in the run with the fault (--fix-from)
+GUARD_CHECK = "the sequences left out of the loss are those that hold an id outside the vocabulary"
+
+
+def _stopped(result) -> str:
+    """Why a job stopped before its checks, as its output says it: a configuration error's line, or the first
+    failure of torch's summary (its rank and error), or the last error line."""
+    said = [line.strip() for line in result.output.splitlines() if line.startswith("config error")]
+    if said:
+        return said[-1][:300]
+    failures = broken_runs.failure_summary(result.output) or []
+    if failures:
+        return f"torch's summary names rank {failures[0]['rank']}'s {(failures[0]['error'] or '')[:200]} as the " \
+               "first observed failure"
+    said = [line.strip() for line in result.output.splitlines() if "Error" in line]
+    return said[-1][:300] if said else "no error line"
+
+
+@learner_check
+def check_fix_tokens_in_vocabulary(tokens_in_vocabulary) -> None:
+    """``tokens_in_vocabulary(tokens, vocab_size)``: which sequences of a micro-batch the model may take, one bool a
+    sequence (``tokens``: a tensor of token ids, sequences x positions; the embedding has rows 0 to vocab_size - 1).
+    Run inside the job, the one with the fault: train_ddp.py (--fix-from) calls it on every rank before each
+    forward, gives a sequence it rejects no loss (every rank still runs the step: no rank waits for a missing one),
+    and trains one device beside the run leaving out the same sequences. The job checks your verdicts against the
+    ids: every sequence that would stop the run left out, and no other (each one left out is data lost)."""
+    case = broken_runs.case("token-out-of-vocabulary")   # the run with the fault: your function guards it
+    path = learner_file(tokens_in_vocabulary, "tokens_in_vocabulary")
+    result = _launch(case.name, args=case.args, extra=(FIX_FLAG, path), nproc=FIX_NPROC.get(case.name))
+    _LAST_FIX.append(shown(result))
+    if result.metrics is None:
+        raise ExerciseWrong(f"the job run with this function still stops (exit code {result.returncode}) before its "
+                            f"checks: {_stopped(result)}. exercises.last_fix_run() shows its output.")
+    problems = broken_runs.fix_holds(case, result.metrics)
+    if not any(c["name"].startswith(GUARD_CHECK) for c in result.metrics.get("checks", [])):
+        problems.append(f"check '{GUARD_CHECK}...' did not run")
+    if problems:
+        raise ExerciseWrong(f"the job run with this function (exit code {result.returncode}) still fails: "
+                            f"{'; '.join(_said(p) for p in problems[:3])}. exercises.last_fix_run() shows its output "
+                            "and metrics.")
+    print("Correct: a sequence the embedding has no row for never reaches it, and only those are left out; every "
+          "rank still runs each step, so none waits for another. The job ran with the fault and equals one device "
+          "leaving out the same sequences. Then find where the id came from: the model's vocabulary and the "
+          "tokenizer's.")

@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -39,6 +40,41 @@ from ddp_from_scratch import (GRAD_TOLERANCE, LOSS_TOLERANCE, average_gradients,
 from distlab import comm, data, metrics, models, runtime
 
 NAN_STEP = 2   # --planted-bug nan-from-one-rank: the step whose micro-batch on one rank has every target masked
+# --planted-bug token-out-of-vocabulary: the step, and the rank (the last, on fewer ranks), whose first sequence holds
+# one token id equal to the vocabulary's size, one past the embedding's last row
+BAD_TOKEN_STEP, BAD_TOKEN_RANK = 1, 3
+
+
+class WithOneBadToken(torch.utils.data.Dataset):
+    """``dataset`` with one sample's token at ``position`` replaced by ``token``: a record written with another
+    vocabulary than the model's (a tokenizer's added token), which one rank draws at one step."""
+
+    def __init__(self, dataset, index: int, position: int, token: int):
+        self.dataset, self.index, self.position, self.token = dataset, index, position, token
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        sample = self.dataset[index]
+        if index == self.index:
+            sample = sample.clone()
+            sample[self.position] = self.token
+        return sample
+
+
+def bad_token_index(samplers, rank, step, per_rank_step, steps_per_epoch) -> int:
+    """The dataset index of the first sequence ``rank`` draws at ``step`` (its sampler's order, ``per_rank_step``
+    sequences a step: micro-batch x accumulation)."""
+    epoch, within = divmod(step, steps_per_epoch)
+    sampler = samplers[rank]
+    sampler.set_epoch(epoch)
+    return list(sampler)[within * per_rank_step]
+
+
+def in_vocabulary(tokens, vocab_size):
+    """Which sequences of ``tokens`` (sequences x positions) hold only ids the embedding has: 0 to vocab_size - 1."""
+    return ((tokens >= 0) & (tokens < vocab_size)).all(dim=1)
 
 
 def masked_mean_loss(logits, targets, mask):
@@ -76,9 +112,10 @@ TUNED_WORLD = 2
 
 # The functions of a learner's fix this script runs (--fix-from), each in place of its own code there.
 FIXES = ("rank_sampler", "epoch_indices", "synchronises", "without_gradient", "token_loss", "micro_batch_size",
-         "first_nonfinite")
-# A learner's reading of what the run prints, not code that trains: it may run beside --planted-bug.
-READINGS = ("first_nonfinite",)
+         "first_nonfinite", "tokens_in_vocabulary")
+# A learner's reading of what the run prints, not code that trains, and a learner's guard against bad data: each
+# may run beside --planted-bug (the guard is judged with the fault planted: without it every id is in range).
+READINGS = ("first_nonfinite", "tokens_in_vocabulary")
 
 
 def check_config(args, world_size):
@@ -90,6 +127,9 @@ def check_config(args, world_size):
     runtime.require(args.planted_bug != "token-mean-per-micro-batch" or args.uneven_lengths or args.keep_every_target,
                     "--planted-bug token-mean-per-micro-batch plants its mistake in the masked loss: add "
                     "--uneven-lengths (or --keep-every-target); without either no token is masked")
+    runtime.require(args.planted_bug != "token-out-of-vocabulary" or args.steps > BAD_TOKEN_STEP,
+                    f"--planted-bug token-out-of-vocabulary puts its token in step {BAD_TOKEN_STEP}'s batch: give "
+                    f"--steps {BAD_TOKEN_STEP + 1} or more")
     runtime.require(not (args.compare and args.precision == "bf16"),
                     "--compare checks fp32 equality: use --precision fp32 (or auto) with it")
     if args.batch is not None:
@@ -193,6 +233,7 @@ def global_batch_indices(samplers, step, per_rank, steps_per_epoch):
     return indices
 
 
+@record   # an uncaught exception goes to TORCHELASTIC_ERROR_FILE too: torchrun's summary then shows its traceback
 def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=10)
     p.add_argument("--batch", type=runtime.positive_int, default=None,
@@ -211,7 +252,8 @@ def main():
                    help="auto: fp32 with --compare, else bf16 autocast on a GPU, fp32 on a CPU")
     p.add_argument("--planted-bug", choices=["waiting-hook", "no-set-epoch", "same-samples-every-rank",
                                              "accumulation-never-syncs", "nan-from-one-rank", "unused-parameter",
-                                             "token-mean-per-micro-batch", "global-batch-grows"],
+                                             "token-mean-per-micro-batch", "global-batch-grows",
+                                             "token-out-of-vocabulary"],
                    default=None,
                    help="a mistake the checks must catch: a comm hook that waits for its all-reduce (no overlap); "
                         "a loop that never calls set_epoch (the same order every epoch); every rank's sampler "
@@ -221,7 +263,9 @@ def main():
                         "parameter the forward never uses (an extra head), wrapped by DDP as it is; with "
                         "--uneven-lengths, each micro-batch's loss the mean over its own tokens (not the step's); the "
                         f"per-rank batch the recipe had on {TUNED_WORLD} ranks kept on any number (the global batch "
-                        "grows with the world)")
+                        f"grows with the world); one sequence that rank {BAD_TOKEN_RANK} (the last, on fewer ranks) "
+                        f"draws at step {BAD_TOKEN_STEP} holding one token id equal to the vocabulary's size (its "
+                        "embedding lookup raises on that rank alone)")
     p.add_argument("--uneven-lengths", action="store_true",
                    help="each sequence keeps a loss on its first 1 to S of its S targets only (S: the preset's "
                         "sequence length; padding, prompts): the step's loss is the mean over every kept token of the "
@@ -239,7 +283,10 @@ def main():
                             "the whole step), micro_batch_size(global_batch, world_size, accumulation) (the sequences "
                             "of one micro-batch on one rank), first_nonfinite(rank_losses) (a reading of the "
                             "run's losses per rank, step by step: the (step, rank) where the first non-finite loss "
-                            "began, None if none; checked against where --planted-bug nan-from-one-rank put it)")
+                            "began, None if none; checked against where --planted-bug nan-from-one-rank put it), "
+                            "tokens_in_vocabulary(tokens, vocab_size) (which sequences of a micro-batch, sequences x "
+                            "positions, the model may take: a bool a sequence; every rank still runs the step, a "
+                            "sequence left out carrying no loss, and one device leaves out the same)")
     p.add_argument("--compare", action="store_true",
                    help="also train the single-device baseline (rank 0) and ddp_from_scratch's version in "
                         "lockstep, and check all three agree every step (tiny models)")
@@ -247,11 +294,15 @@ def main():
     with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
         fixes = runtime.learner_fixes(args.fix_from, FIXES)   # chapter 14's lab: the learner's code, run below
         rt.require(not (set(fixes) - set(READINGS) and args.planted_bug),
-                   "--fix-from replaces the code --planted-bug breaks (first_nonfinite alone, a reading, runs "
-                   "beside it)")
+                   "--fix-from replaces the code --planted-bug breaks (first_nonfinite, a reading, and "
+                   "tokens_in_vocabulary, a guard against bad data, alone run beside it)")
+        screened = "tokens_in_vocabulary" in fixes   # the learner's guard: which sequences the model may take
         cfg = models.preset(args.preset)
         world, accumulation = rt.world_size, args.accumulation
-        masked_lengths, every = args.uneven_lengths or args.keep_every_target, args.keep_every_target
+        # A guarded run takes the masked loss too: a sequence the guard leaves out carries no target, and the step's
+        # mean is over the tokens kept on every rank (what one device, leaving out the same, takes)
+        masked_lengths = args.uneven_lengths or args.keep_every_target or screened
+        every = args.keep_every_target or (screened and not args.uneven_lengths)
         args.batch = args.batch or (16 if args.preset == "a100" else 8)
         args.samples = args.samples or 4 * args.batch
         check_config(args, world)  # again, with the defaults filled in
@@ -273,6 +324,13 @@ def main():
 
         # ---- data: each rank its own shard of the dataset, through DistributedSampler ----
         dataset = data.SyntheticTokens(args.samples, cfg.seq_len, cfg.vocab_size, seed=args.seed)
+        bad_rank = min(BAD_TOKEN_RANK, world - 1)   # --planted-bug token-out-of-vocabulary: the rank that draws it
+        if args.planted_bug == "token-out-of-vocabulary":   # the mistake: one record holds an id the model has no
+            # row for (a tokenizer's added token, the model sized by the base vocabulary): the sequence rank
+            # bad_rank draws first at step BAD_TOKEN_STEP, at the middle of the sequence (an input and a target)
+            index = bad_token_index(samplers_for(dataset, world, args), bad_rank, BAD_TOKEN_STEP,
+                                    micro_batch * accumulation, args.samples // step_samples)
+            dataset = WithOneBadToken(dataset, index, cfg.seq_len // 2, cfg.vocab_size)
         sampler_rank = rt.rank
         if args.planted_bug == "same-samples-every-rank":   # the mistake: every rank asks for rank 0's share, as a
             sampler_rank = 0                                 # loader with no sampler and one seed everywhere does
@@ -335,6 +393,27 @@ def main():
         rank_losses = []    # per step, each rank's loss on its own micro-batches
         nan_rank = min(2, world - 1)   # --planted-bug nan-from-one-rank: the rank whose batch is masked
         epoch_orders = []   # the sample indices this rank's training sampler gave, epoch by epoch (measured)
+        guard = {"wrong": 0, "left_out": 0}   # the learner's guard's verdicts on this rank's micro-batches
+
+        def guarded(tokens, own=False):
+            """A micro-batch (sequences x S + 1 tokens) as the model takes it, and its targets that carry a loss
+            (None when no target is masked). With the learner's tokens_in_vocabulary, a sequence it leaves out is
+            given token 0 throughout and keeps no target. ``own``: one of this rank's micro-batches, whose verdicts
+            are counted against the truth (in_vocabulary)."""
+            if not screened:
+                return tokens, (kept_targets(tokens, every) if masked_lengths else None)
+            verdict = fixes["tokens_in_vocabulary"](tokens.clone(), cfg.vocab_size)
+            ok = torch.as_tensor(verdict)
+            rt.require(ok.shape == (len(tokens),) and ok.dtype in (torch.bool, torch.int64, torch.int32),
+                       f"tokens_in_vocabulary returned {type(verdict).__name__} of shape {tuple(ok.shape)}: give one "
+                       f"bool a sequence, shape ({len(tokens)},)")
+            ok = ok.to(torch.bool)
+            if own:
+                guard["wrong"] += int((ok != in_vocabulary(tokens, cfg.vocab_size)).sum())
+                guard["left_out"] += int((~ok).sum())
+            tokens = torch.where(ok[:, None], tokens, torch.zeros_like(tokens))
+            return tokens, kept_targets(tokens, every) & ok[:, None]
+
         for step in range(args.steps):
             micro_batches = []
             for _ in range(accumulation):
@@ -353,16 +432,16 @@ def main():
                     tokens = next(batches)
                 micro_batches.append(tokens)
 
+            micro_batches = [guarded(tokens, own=True) for tokens in micro_batches]   # (tokens, kept targets)
             step_tokens = None
             if masked_lengths:   # the kept targets of the whole step, every rank's micro-batches together
-                step_tokens = torch.tensor(float(sum(kept_targets(t, every).sum() for t in micro_batches)),
-                                           device=rt.device)
+                step_tokens = torch.tensor(float(sum(kept.sum() for _, kept in micro_batches)), device=rt.device)
                 dist.all_reduce(step_tokens)
             rt.sync()
             started = time.perf_counter()
             step_loss = torch.zeros((), device=rt.device)
             sent = []
-            for i, tokens in enumerate(micro_batches):
+            for i, (tokens, kept) in enumerate(micro_batches):
                 inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                 last = i == accumulation - 1
                 if "synchronises" in fixes:   # the learner's: whether this micro-batch all-reduces
@@ -389,7 +468,7 @@ def main():
                             # sample, say), its loss a sum over the unmasked tokens divided by their count: 0/0
                             loss = masked_mean_loss(outputs, targets, torch.zeros_like(targets)) / accumulation
                         elif masked_lengths:
-                            kept = kept_targets(tokens.to(rt.device), every)
+                            kept = kept.to(rt.device)
                             if args.planted_bug == "token-mean-per-micro-batch":   # the mistake: each micro-batch's
                                 # mean over its own tokens, as if all held as many: short ones weigh too much
                                 loss = masked_mean_loss(outputs, targets, kept) / accumulation
@@ -416,13 +495,12 @@ def main():
             if args.compare:
                 # the from-scratch version: same micro-batches, accumulate, then average by hand once
                 scratch_step_loss = torch.zeros((), device=rt.device)
-                for tokens in micro_batches:
+                for tokens, kept in micro_batches:
                     inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                     with autocast:
                         if masked_lengths:   # by hand: the step's mean over its kept tokens, then the average
                             scratch_loss = step_token_loss(token_losses(scratch(inputs), targets),
-                                                           kept_targets(tokens.to(rt.device), every), step_tokens,
-                                                           world)
+                                                           kept.to(rt.device), step_tokens, world)
                         else:
                             scratch_loss = models.lm_loss(scratch(inputs), targets) / accumulation
                     scratch_loss.backward()
@@ -433,11 +511,11 @@ def main():
                 if baseline is not None:
                     # the single device: the whole global batch (every rank's samples) in one step
                     indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)
-                    tokens = torch.stack([dataset[i] for i in indices]).to(rt.device)
-                    inputs, targets = data.split_inputs_targets(tokens)
+                    tokens, kept = guarded(torch.stack([dataset[i] for i in indices]))   # as the ranks took them
+                    inputs, targets = data.split_inputs_targets(tokens.to(rt.device))
                     with autocast:
                         if masked_lengths:   # one device: the mean over every kept token of the global batch
-                            baseline_loss = masked_mean_loss(baseline(inputs), targets, kept_targets(tokens, every))
+                            baseline_loss = masked_mean_loss(baseline(inputs), targets, kept.to(rt.device))
                         else:
                             baseline_loss = models.lm_loss(baseline(inputs), targets)
                     baseline_loss.backward()
@@ -546,6 +624,13 @@ def main():
         report.check("sequences per optimizer step = the global batch asked for (--batch)", step_samples == args.batch,
                      step_samples, f"== {args.batch}")
         report.check("replicas identical after training", replicas_identical(model))
+        if screened:   # the learner's guard, against the truth: every sequence with an id outside the vocabulary
+            # left out (else the embedding raises), and no other (each one left out is data lost)
+            counts = torch.tensor([guard["wrong"], guard["left_out"]], device=rt.device)
+            dist.all_reduce(counts)
+            wrong, left_out = (int(c) for c in counts.tolist())
+            report.check("the sequences left out of the loss are those that hold an id outside the vocabulary (every "
+                         "rank, every step)", wrong == 0, f"{left_out} left out, {wrong} wrongly", "0 wrongly")
         finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
         report.check("every rank's loss is finite (every step)", all(finite),
                      finite.index(False) if False in finite else "all", "all")

@@ -70,8 +70,17 @@ def launched():
 @pytest.mark.parametrize("run", BROKEN)
 def test_the_planted_mistake_shows_its_symptom_and_the_script_catches_it(run, launched):
     result = launched(run, fixed=False)
-    assert not broken_runs.symptom_seen(run, result.metrics), (broken_runs.symptom_seen(run, result.metrics),
-                                                                result.tail())
+    seen = broken_runs.symptom_seen(run, result.metrics, result.output)
+    assert not seen, (seen, result.tail())
+    if run.first_failure:   # an error one rank raises: every rank's traceback, torch's summary last (forkrun's)
+        codes = result.rank_exit_codes
+        assert result.returncode == 1 and set(codes.values()) == {1} and len(codes) == run.nproc, result.tail()
+        assert result.metrics is None and [line for line in result.lines if line.startswith("Traceback")]
+        SYMPTOMS[run.name](result.metrics, result)
+        view = ch14.shown(result)
+        assert run.name not in view.output.lower() and not [w for w in CAUSE_WORDS[run.name]
+                                                             if w in view.output.lower()], view.output[-2000:]
+        return
     assert not [line for line in result.lines if line.startswith("Traceback")], result.tail()
     if run.hang:    # ended by the 2 s process-group timeout, with the journal, not by the test's timeout
         assert result.returncode == 0 and result.metrics["extra"]["seconds_to_diagnosis"] < 9, result.tail()
@@ -112,6 +121,7 @@ CAUSE_WORDS = {
     "global-batch-grows": ("grows", "tuned", "micro_batch_size", "recipe"),
     "token-mean-per-micro-batch": ("token-mean", "token_loss", "own tokens", "per micro-batch"),
     "stage-grad-norm": ("stage-grad", "own stages", "clip_gradients"),
+    "token-out-of-vocabulary": ("vocabulary", "bad_token", "bad token", "onebadtoken", "added token"),
 }
 
 
@@ -271,6 +281,41 @@ WRONG_IN_THE_JOB = {
                                    "    return [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11]][rank]\n",
                                    ("each rank evaluated an equal share",)),
 }
+
+
+GUARDS = {   # run 25's guard as a learner would write it: (its source, what the job with the token planted shows)
+    "right": ("def tokens_in_vocabulary(tokens, vocab_size):\n"
+              "    return ((tokens >= 0) & (tokens < vocab_size)).all(dim=1)\n", None),
+    "off-by-one": ("def tokens_in_vocabulary(tokens, vocab_size):\n    return (tokens <= vocab_size).all(dim=1)\n",
+                   "stops"),
+    "too-strict": ("def tokens_in_vocabulary(tokens, vocab_size):\n"
+                   "    return (tokens < vocab_size - 1).all(dim=1)\n", ch14.GUARD_CHECK),
+}
+
+
+@pytest.mark.parametrize("guard", list(GUARDS))
+def test_the_token_guard_is_judged_in_the_job_with_the_token_planted(guard, tmp_path):
+    """The lab's run 25 fix on its 2 ranks (ch14.FIX_NPROC): the right guard leaves out the one sequence holding the
+    id, and the run equals one device leaving out the same (every check passes, the guard's too); a guard that lets
+    the id through stops the job again, rank 1 first with the IndexError; one that leaves out more fails its check."""
+    source, shows = GUARDS[guard]
+    (tmp_path / "fix.py").write_text(source)
+    case = broken_runs.case("token-out-of-vocabulary")
+    result = broken_runs.run_case(case.name, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  extra_args=("--fix-from", str(tmp_path / "fix.py")),
+                                  nproc=ch14.FIX_NPROC[case.name])
+    if shows is None:
+        assert result.returncode == 0 and broken_runs.fix_holds(case, result.metrics) == [], result.tail()
+        guarded = next(c for c in result.metrics["checks"] if c["name"].startswith(ch14.GUARD_CHECK))
+        assert guarded["passed"] and guarded["value"] == "1 left out, 0 wrongly", guarded
+        assert max(result.metrics["extra"]["diffs"]["baseline_loss"]) < 1e-5   # one device, leaving out the same
+    elif shows == "stops":
+        failures = broken_runs.failure_summary(result.output)
+        assert result.metrics is None and failures[0]["rank"] == 1, result.tail()
+        assert failures[0]["error"] == "IndexError: index out of range in self"
+    else:
+        failed = [c["name"] for c in result.metrics["checks"] if not c["passed"]]
+        assert result.returncode == 1 and [name for name in failed if name.startswith(shows)], failed
 
 
 @pytest.mark.parametrize("name", list(WRONG_IN_THE_JOB))
@@ -548,6 +593,38 @@ def _stage_grad_norm(metrics, result):
     assert diffs[0] > lr / 10 and diffs[-1] > diffs[0], diffs
 
 
+def _token_out_of_vocabulary(metrics, result):
+    """Step 0 trains; at step 1 rank 3 raises IndexError in the embedding lookup, first, and the three others fail in
+    the step's all-reduce on gloo's lost peer; torch's summary (forkrun prints torchrun's) names rank 3 the root cause.
+    The id and the vocabulary the registry states are the run's: the tiny model's vocabulary, and that id."""
+    import importlib.util
+    import sys
+
+    from distlab import models
+
+    case = broken_runs.case("token-out-of-vocabulary")
+    rank = case.first_failure[0]
+    steps = [line for line in result.lines if line.startswith("step")]
+    assert len(steps) == 1 and steps[0].startswith("step   0"), steps   # one step trained, then it stopped
+    failures = broken_runs.failure_summary(result.output)
+    root, others = failures[0], failures[1:]
+    assert root["root"] and (root["rank"], root["error"]) == (rank, "IndexError: index out of range in self"), root
+    summary = result.output[result.output.index("Root Cause (first observed failure):"):]
+    assert "in embedding" in summary and "self.tok_embeddings(tokens)" in summary   # the lookup, in its traceback
+    assert sorted(f["rank"] for f in others) == [r for r in range(4) if r != rank], failures
+    assert all("by peer" in f["error"] and "gloo" in f["error"] for f in others), others   # lost the peer that left
+    assert f"Rank {rank}'s ends in IndexError: 'index out of range in self'" in case.symptom
+    assert "at step 1" in case.symptom and "Connection closed by peer" in case.symptom
+    vocabulary = models.preset("tiny").vocab_size
+    assert f"holds token id {vocabulary}, one past the embedding's last row (the tiny model's {vocabulary} ids)" \
+        in case.cause and f"rank {rank} reads at step 1" in case.cause
+    sys.path.insert(0, str(broken_runs.launch.REPO_ROOT / "scripts" / "04_data_parallel"))
+    spec = importlib.util.spec_from_file_location("train_ddp", broken_runs.launch.REPO_ROOT / case.script)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert (script.BAD_TOKEN_STEP, script.BAD_TOKEN_RANK) == (1, rank)
+
+
 SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_epoch,
             "accumulation-never-syncs": _never_syncs, "loss-averaged-twice": _averaged_twice,
             "uneven-inputs": _uneven, "checkpoint-one-shard": _one_shard, "bf16-gradient-reduction": _bf16_reduction,
@@ -557,7 +634,8 @@ SYMPTOMS = {"same-samples-every-rank": _same_samples, "no-set-epoch": _no_set_ep
             "rank-0-evaluation": _rank_0_evaluation, "per-rank-init": _per_rank_init,
             "local-grad-norm": _local_grad_norm, "nan-from-one-rank": _nan_from_one_rank,
             "unused-parameter": _unused_parameter, "global-batch-grows": _global_batch_grows,
-            "token-mean-per-micro-batch": _token_mean, "stage-grad-norm": _stage_grad_norm}
+            "token-mean-per-micro-batch": _token_mean, "stage-grad-norm": _stage_grad_norm,
+            "token-out-of-vocabulary": _token_out_of_vocabulary}
 
 
 def _distinct_losses(metrics, result):

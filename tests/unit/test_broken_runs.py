@@ -76,7 +76,8 @@ def test_the_registry_is_well_formed():
     for run in RUNS:
         assert run.name.islower() and " " not in run.name and (ROOT / run.script).exists(), run.name
         assert run.args != run.fixed_args and run.fix_kind in ("setting", "function"), run.name
-        assert bool(run.failing_checks) != run.hang, run.name   # a check that fails, or a journal's diagnosis
+        # a check that fails, a journal's diagnosis, or one rank's error named by torch's failure summary
+        assert [bool(run.failing_checks), run.hang, bool(run.first_failure)].count(True) == 1, run.name
         assert all(look != run.name for look in run.look_alikes) and run.look_alikes, run.name
         for look in run.look_alikes:   # another case, or a plausible wrong cause in words
             assert look in names or " " in look, (run.name, look)
@@ -107,6 +108,101 @@ def test_symptom_and_fix_checks_read_the_metrics():
     assert broken_runs.symptom_seen(hang, {"checks": [], "extra": {"cause": "none"}})
     assert broken_runs.fix_holds(hang, {"checks": [], "extra": {"cause": "skipped collective"}})
     assert broken_runs.symptom_seen(hang, None) == ["the run wrote no metrics"]
+
+
+# torch's failure summary as torchrun ends with it (torch 2.13, a CPU run of the case under torchrun: rank 3 raised,
+# ranks 0 and 2 failed on gloo's lost peer while the agent stopped them, rank 1 only got the agent's SIGTERM)
+TORCHRUN_ENDS = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+scripts/04_data_parallel/train_ddp.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_04:18:01
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 28770)  (SIGTERM)
+  error_file: /tmp/torchelastic_x/attempt_0/0/error.json
+  traceback : Traceback (most recent call last):
+    File "scripts/04_data_parallel/train_ddp.py", line 481, in main
+      loss.backward()
+  RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44187.
+  
+  At:
+    scripts/04_data_parallel/train_ddp.py(180): finished
+  
+[2]:
+  time      : 2026-12-03_04:18:03
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 28771)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 28771
+[3]:
+  time      : 2026-12-03_04:18:01
+  host      : localhost
+  rank      : 2 (local_rank: 2)
+  exitcode  : -15 (pid: 28772)  (SIGTERM)
+  error_file: /tmp/torchelastic_x/attempt_0/2/error.json
+  traceback : Traceback (most recent call last):
+  RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45200.
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_04:17:59
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : 1 (pid: 28773)
+  error_file: /tmp/torchelastic_x/attempt_0/3/error.json
+  traceback : Traceback (most recent call last):
+    File "torch/nn/functional.py", line 2615, in embedding
+      return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)
+  IndexError: index out of range in self
+  
+============================================================
+"""
+
+
+def test_the_failure_summary_is_read_as_torch_writes_it():
+    failures = broken_runs.failure_summary("[rank3]: a line of a rank's own\n" + TORCHRUN_ENDS)
+    assert [(f["rank"], f["root"], f["exitcode"]) for f in failures] == [(3, True, 1), (0, False, -15), (1, False, -15),
+                                                                         (2, False, -15)]
+    assert failures[0]["error"] == "IndexError: index out of range in self"
+    assert failures[1]["error"].startswith("RuntimeError: [../gloo") and failures[2]["error"].startswith("Signal 15")
+    assert broken_runs.failure_summary("Traceback (most recent call last):\nIndexError: x\n") is None
+    no_record = TORCHRUN_ENDS.replace("  traceback : Traceback (most recent call last):\n    File \"torch/nn/func"
+                                      "tional.py\", line 2615, in embedding\n      return torch.embedding(weight, "
+                                      "input, padding_idx, scale_grad_by_freq, sparse)\n  IndexError: index out of "
+                                      "range in self", "  traceback : To enable traceback see: https://pytorch.org/"
+                                      "docs/stable/elastic/errors.html")
+    assert broken_runs.failure_summary(no_record)[0]["error"].startswith("To enable traceback see")
+
+
+def test_an_error_one_rank_raises_is_read_in_the_output():
+    """The summary must name the case's rank and error as the root cause, with every other rank failed or stopped; a
+    run that wrote its metrics ran to its end. Without a summary (mpiexec, srun), the error's words are enough."""
+    run = broken_runs.case("token-out-of-vocabulary")
+    assert run.first_failure[0] == 3 and broken_runs.symptom_seen(run, None, TORCHRUN_ENDS) == []
+    assert broken_runs.symptom_seen(run, None, TORCHRUN_ENDS.replace("rank      : 3", "rank      : 1")) == [
+        "the summary's root cause is rank 1, not rank 3"]
+    assert broken_runs.symptom_seen(run, {"checks": []}, TORCHRUN_ENDS) == [
+        "the run wrote its metrics: it ran to its end"]
+    assert broken_runs.symptom_seen(run, None, None)
+    three = TORCHRUN_ENDS[:TORCHRUN_ENDS.index("[2]:")] + TORCHRUN_ENDS[TORCHRUN_ENDS.index("[3]:"):]
+    assert broken_runs.symptom_seen(run, None, three) == ["the summary lists 3 failed ranks of 4: some rank went on"]
+    on_gpu = "[rank3]: torch.AcceleratorError: CUDA error: device-side assert triggered\n"
+    assert broken_runs.symptom_seen(run, None, on_gpu) == []   # mpiexec or srun: no summary, the error's words
+    assert broken_runs.symptom_seen(run, None, "RuntimeError: Connection closed by peer\n") == [
+        "no rank's output says 'IndexError: index out of range in self'"]
+
+
+def test_the_command_line_check_reads_the_output_of_an_error(tmp_path, capsys):
+    log = tmp_path / "run.log"
+    log.write_text(TORCHRUN_ENDS)
+    assert broken_runs.main(["check", "token-out-of-vocabulary", str(tmp_path / "absent.json"), "--output", str(log)]) \
+        == 0
+    assert broken_runs.main(["check", "token-out-of-vocabulary", str(tmp_path / "absent.json")]) == 1
+    assert "token-out-of-vocabulary: broken as planted" in capsys.readouterr().out
 
 
 def test_the_command_line_check_exits_1_unless_the_symptom_is_there(tmp_path, capsys):

@@ -58,7 +58,8 @@ def test_the_diagnosis_paths_are_the_registrys_cases_grouped_by_what_a_user_sees
     groups = dict(ch14.grouped(cases))
     names = {group: [case.name for case in members] for group, members in groups.items()}
     assert names["Hangs, timeouts and errors"] == ["uneven-inputs", "fsdp-before-tp", "mismatched-collectives",
-                                                   "full-state-on-rank-0", "rank-0-evaluation", "unused-parameter"]
+                                                   "full-state-on-rank-0", "rank-0-evaluation", "unused-parameter",
+                                                   "token-out-of-vocabulary"]
     assert [name for name in taught if name in names["Wrong numbers"]] == names["Wrong numbers"]
     assert names["Slow steps"] == ["too-few-microbatches", "slow-rank"]
     assert names["Resumes"] == ["checkpoint-one-shard", "resume-without-rng"]
@@ -832,3 +833,66 @@ def test_the_default_timeout_is_named_as_the_courses_beside_torchs():
     said = (f"against the course's default of {runtime.DEFAULT_PG_TIMEOUT_S} s), and every rank prints its journal. "
             f"Torch's own default is {gloo} minutes on gloo, {minutes} on NCCL.")
     assert said in FLAT
+
+
+def test_the_error_one_rank_raises_cites_torchs_summary_as_torch_writes_it():
+    """token-out-of-vocabulary's check is torch's failure summary: @record writes an uncaught exception to
+    TORCHELASTIC_ERROR_FILE (whole seconds), the agent names one file a worker, polls every 0.1 s, stops the rest on
+    the first failure, and torchrun's ChildFailedError lists the failures, the root cause last, the smallest timestamp.
+    The appendix cites those lines in the installed torch 2.13; the section says what a user reads."""
+    import torch
+
+    elastic = Path(torch.__file__).parent / "distributed" / "elastic"
+    errors = (elastic / "multiprocessing" / "errors" / "__init__.py").read_text().splitlines()
+    assert errors[388].strip() == "except Exception as e:" and errors[389].strip() == "error_handler.record_exception(e)"
+    assert errors[199].strip() == "Root Cause (first observed failure):" and errors[196].strip() == "Failures:"
+    assert errors[192].startswith("_MSG_FORMAT_TEMPLATE") and errors[201].strip() == '${boarder}"""'
+    assert "min(self.failures.keys(), key=lambda r: self.failures[r].timestamp)" in errors[248]
+    assert errors[139].strip() == "if self.exitcode < 0:" and "To enable traceback see" in errors[149]
+    handler = (elastic / "multiprocessing" / "errors" / "error_handler.py").read_text().splitlines()
+    assert handler[75].strip() == "file = self._get_error_file_path()" and '"timestamp": str(int(time.time()))' in \
+        handler[82] and handler[87].strip() == "json.dump(data, fp)"
+    assert 'os.environ.get("TORCHELASTIC_ERROR_FILE", None)' in handler[41]
+    api = (elastic / "multiprocessing" / "api.py").read_text().splitlines()
+    assert 'error_file = os.path.join(clogdir, "error.json")' in api[383]
+    assert api[389].strip() == 'envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = error_file'
+    assert api[987].strip() == "# if ALL procs are finished or ANY have failed" and "self.close()" in api[989]
+    launcher = (elastic.parent / "launcher" / "api.py").read_text().splitlines()
+    assert launcher[382].strip() == "raise ChildFailedError(" and launcher[385].strip() == ")"
+    run = (elastic.parent / "run.py").read_text().splitlines()
+    assert run[498].strip() == '"--monitor-interval",' and run[502].strip() == "default=0.1,"
+    for cited in ("(torch/distributed/elastic/multiprocessing/errors/__init__.py:389-391; error_handler.py:76-88)",
+                  "(torch/distributed/elastic/multiprocessing/api.py:384-390)", "(torch/distributed/run.py:498-504)",
+                  "(torch/distributed/elastic/multiprocessing/api.py:988-992)",
+                  "(torch/distributed/launcher/api.py:379-386)",
+                  "(torch/distributed/elastic/multiprocessing/errors/__init__.py:193-202)", "(lines 248-250)",
+                  "(lines 137-150)"):
+        assert cited in FLAT_APPENDIX, cited
+    from labkit import diagnosis_sources
+
+    printed, moved = diagnosis_sources.TORCH_CHANGES["token-out-of-vocabulary"]
+    assert printed["url"].endswith("/pull/64036") and "`@record` annotation" in printed["quote"]
+    assert moved["url"].endswith("/pull/66182") and "since the logs are being \"tailed\"" in moved["quote"]
+    assert "otherwise no traceback is printed" in moved["quote"]
+    section = section_of("token-out-of-vocabulary")
+    assert '"Root Cause (first observed failure)"' in section and "torch's `@record`" in section
+    assert "Read the first failure, not the last lines." in section
+    docs = next(s for s in diagnosis_sources.SOURCES["token-out-of-vocabulary"] if "notes/cuda" in s["url"])
+    assert "CUDA_LAUNCH_BLOCKING=1" in docs["quote"] and "does not show where it was requested" in docs["quote"]
+    assert "CUDA_LAUNCH_BLOCKING=1 reports it at the lookup" in section and "device-side assert" in section
+    assert "does not show where it was requested" in FLAT_APPENDIX and "No GPU run of the case" in FLAT_APPENDIX
+
+
+def test_the_token_case_states_the_vocabulary_and_the_step_the_run_has():
+    """The id, the vocabulary, the rank and the step the section states are the tiny preset's and train_ddp.py's
+    (tests/scripts/test_14 holds the registry's to the run)."""
+    from distlab import models
+
+    vocabulary = models.preset("tiny").vocab_size
+    script = _train_ddp()
+    section = section_of("token-out-of-vocabulary")
+    assert f"A sequence rank {script.BAD_TOKEN_RANK} reads holds token id {vocabulary}." in section
+    assert f"The vocabulary has {vocabulary} ids, 0 to {vocabulary - 1}" in section
+    assert f"Step {script.BAD_TOKEN_STEP - 1} trains. At step {script.BAD_TOKEN_STEP} every rank prints a traceback" \
+        in section
+    assert f"Rank {script.BAD_TOKEN_RANK}'s ends in `IndexError: index out of range in self`" in section

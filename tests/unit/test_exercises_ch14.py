@@ -23,13 +23,13 @@ from labkit.exercises.checks import ExerciseIncomplete, ExerciseWrong
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [run.name for run in broken_runs.BROKEN_RUNS]
 # The answer key, kept here (tests are not importable from labkit): the lab's runs in order.
-ANSWERS = dict(zip([f"run {i}" for i in range(1, 25)], (
+ANSWERS = dict(zip([f"run {i}" for i in range(1, 26)], (
     "mismatched-collectives", "slow-rank", "uneven-inputs", "too-few-microbatches", "fsdp-before-tp",
     "loss-on-wrong-stage", "same-samples-every-rank", "accumulation-never-syncs", "no-set-epoch",
     "loss-averaged-twice", "bf16-gradient-reduction", "data-by-global-rank", "checkpoint-one-shard",
     "resume-without-rng", "optimizer-before-sharding", "rank-0-evaluation", "full-state-on-rank-0",
     "per-rank-init", "local-grad-norm", "nan-from-one-rank", "unused-parameter", "global-batch-grows",
-    "token-mean-per-micro-batch", "stage-grad-norm")))
+    "token-mean-per-micro-batch", "stage-grad-norm", "token-out-of-vocabulary")))
 
 
 @pytest.fixture(autouse=True)
@@ -402,6 +402,22 @@ def test_first_nonfinite_runs_in_the_job_then_on_made_up_runs_with_an_inf_and_wi
     assert args[:len(broken_runs.case(name).args)] == broken_runs.case(name).args   # the run with its fault
 
 
+def right_tokens_in_vocabulary(tokens, vocab_size):
+    return ((tokens >= 0) & (tokens < vocab_size)).all(dim=1)
+
+
+def wrong_tokens_in_vocabulary_off_by_one(tokens, vocab_size):   # lets id vocab_size through: the embedding raises
+    return (tokens <= vocab_size).all(dim=1)
+
+
+def wrong_tokens_in_vocabulary_too_strict(tokens, vocab_size):   # leaves out the sequences holding the last id too
+    return (tokens < vocab_size - 1).all(dim=1)
+
+
+def wrong_tokens_in_vocabulary_keep_all(tokens, vocab_size):
+    return torch.ones(len(tokens), dtype=torch.bool)
+
+
 RIGHT_HOLDS = {"model", "optimizer", "step", "rng", "data_position"}
 FIXES = {
     "mismatched-collectives": (ch14.check_fix_collectives, right_sync,
@@ -445,6 +461,9 @@ FIXES = {
     "token-mean-per-micro-batch": (ch14.check_fix_token_loss, right_token_loss,
                                    [wrong_token_loss_own_mean, wrong_token_loss_no_world]),
     "stage-grad-norm": (ch14.check_fix_stage_clip, right_stage_clip, [wrong_stage_clip_torchs_on_one_stage]),
+    "token-out-of-vocabulary": (ch14.check_fix_tokens_in_vocabulary, right_tokens_in_vocabulary,
+                                [wrong_tokens_in_vocabulary_off_by_one, wrong_tokens_in_vocabulary_too_strict,
+                                 wrong_tokens_in_vocabulary_keep_all]),
 }
 # The flag that carries each answer into the job: a function's file, or a setting's value.
 FLAGS = {name: "--fix-from" for name in FIXES}
@@ -468,6 +487,8 @@ def _metrics(run, fixed: bool) -> dict:
     checks += [{"name": named(prefix), "passed": True} for prefix in run.fixed_checks]
     if run.name == "nan-from-one-rank":   # the learner's reading, checked by the run that has the fault
         checks.append({"name": ch14.FIRST_NONFINITE_CHECK + " (hand-made)", "passed": fixed})
+    if run.name == "token-out-of-vocabulary":   # the learner's guard, checked by the run that has the fault
+        checks.append({"name": ch14.GUARD_CHECK + " (hand-made)", "passed": fixed})
     checks.append({"name": "the run ended by itself", "passed": True})
     return {"checks": checks, "extra": {"cause": "none" if fixed else run.hang_cause}}
 
@@ -529,8 +550,9 @@ def test_every_fix_runs_the_learners_answer_in_the_job_and_the_job_decides(name,
         answers.add(_answer(flag, launched.calls[-1][2]))
     assert len(answers) == 1 + len(wrong_answers)   # each answer went into the job as itself
     for _, _, args in launched.calls:
-        # the straggler's fault stays, and so does the nan: the learner's code finds them in the run that has them
-        assert "--planted-bug" not in args or name in ("slow-rank", "nan-from-one-rank")
+        # the straggler's fault stays, and so do the nan and the token: the learner's code finds them (or guards the
+        # job against them) in the run that has them
+        assert "--planted-bug" not in args or name in ("slow-rank", "nan-from-one-rank", "token-out-of-vocabulary")
     launched.fixed, launched.judge = False, None   # the right answer, but the run still shows the symptom
     with pytest.raises(ExerciseWrong, match="still fails"):
         check(right)
@@ -741,5 +763,32 @@ def test_prefetch_starts_the_runs_in_the_labs_order(monkeypatch):
     ch14.prefetch(workers=1)
     for future in list(ch14._PENDING.values()):
         future.result()
-    assert started == [ch14._case(label).name for label in ch14.LABELS]
+    assert started == [ch14._case(label).name for labels in ch14.PARTS.values() for label in labels]
+    assert started[:7] == [ch14._case(label).name for label in ch14.LABELS[:6] + ("run 25",)]   # part 2 holds it
 
+
+def test_the_token_guard_runs_in_the_job_with_the_fault_and_a_job_that_still_stops_says_where(monkeypatch, tmp_path):
+    """Run 25's guard runs in train_ddp.py with the token planted (the case's broken arguments, on 2 ranks): without
+    it every id is in range and any function would pass. A guard that lets the id through stops the job again, and
+    the message gives torch's first observed failure, rank and error, never the guard to write."""
+    calls = []
+    stopped = ("[forkrun] torchrun would end with: ChildFailedError:\n=====\ntrain_ddp.py FAILED\n-----\nFailures:\n"
+               "[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 1)\n  traceback : Traceback (most recent "
+               "call last):\n  RuntimeError: Connection closed by peer\n-----\nRoot Cause (first observed failure):\n"
+               "[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 2)\n  traceback : Traceback (most "
+               "recent call last):\n  IndexError: index out of range in self\n=====\n")
+
+    def launch(name, fixed=False, args=None, extra=(), nproc=None):
+        calls.append((name, tuple(args) + tuple(extra), nproc))
+        return SimpleNamespace(metrics=None, returncode=1, seconds=1.0, rank_exit_codes={0: 1, 1: 1}, output=stopped)
+
+    monkeypatch.setattr(ch14, "_launch", launch)
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    with pytest.raises(ExerciseWrong, match="still stops") as wrong:
+        ch14.check_fix_tokens_in_vocabulary(wrong_tokens_in_vocabulary_off_by_one)
+    said = str(wrong.value)
+    assert "rank 1's IndexError: index out of range in self" in said and "vocab_size" not in said, said
+    (name, args, nproc), = calls
+    case = broken_runs.case(name)
+    assert name == "token-out-of-vocabulary" and args[:len(case.args)] == case.args and nproc == 2
+    assert args[len(case.args)] == "--fix-from"

@@ -62,7 +62,7 @@ def test_each_exercise_heading_leads_to_the_checks_it_grades(lab):
     assert [("check_fix_batch_and_tokens(" in s, "check_fix_stage_clip(" in s)
             for s in under["Exercise 11: fix three more wrong numbers"]] == [(True, False), (False, True)]
     fixes = under["Exercise 5: fix each run"]   # every run's fix: runs 7, 8 and 9's in one check (one launch)
-    assert len(fixes) == 13 and sum("check_fix_ranks_that_disagree(" in source for source in fixes) == 1
+    assert len(fixes) == 14 and sum("check_fix_ranks_that_disagree(" in source for source in fixes) == 1
 
 
 def test_the_chapter_names_the_labs_exercises_by_their_titles():
@@ -77,7 +77,7 @@ def test_the_labs_counts_of_runs_are_its_labels():
     text = " ".join(" ".join("".join(cell["source"]) for cell in lab["cells"]).split())
     count = len(ch14.LABELS)
     word = {17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 21: "twenty-one", 22: "twenty-two",
-            24: "twenty-four"}[count]
+            24: "twenty-four", 25: "twenty-five"}[count]
     assert f"{word.capitalize()} runs of the course's own scripts" in text and f"`run 1` to `run {count}`" in text
     assert f"You named {word} causes" in text and f"the {word} runs start in the background" in text
 
