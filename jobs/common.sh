@@ -361,13 +361,36 @@ distlab_tee() {
 
 distlab_seconds() { distlab_jobs seconds "$1"; } # PBS's durations: [[HH:]MM:]SS -> seconds
 
+# distlab_chain_successor JOB_FILE NAME=VALUE...: submit this job's successor in a chain (distlab_chain_next) once a
+# job, and set DISTLAB_CHAIN_NEXT to its id. Slurm's requeue and PBS's rerun run the same job again, with the same id
+# and environment (DISTLAB_RESTART_COUNT > 0), while the first attempt's successor is still queued: it waits for this
+# job id to end, and a requeued job has not ended. A second successor would run beside the first from the same
+# checkpoint folder, each would submit its own, and the chain would branch. So the first attempt notes the id in
+# its run folder (DISTLAB_JOB_RUN_DIR/chain_next, which every attempt shares), and a restarted attempt that finds
+# it submits nothing. A restart before the note was written (between sbatch's answer and the next line) still
+# submits a second one.
+distlab_chain_successor() {
+    local noted=$DISTLAB_JOB_RUN_DIR/chain_next
+    DISTLAB_CHAIN_NEXT=
+    if ((${DISTLAB_RESTART_COUNT:-0} > 0)) && [[ -s $noted ]]; then
+        DISTLAB_CHAIN_NEXT=$(<"$noted")
+        distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT, submitted by this job's first attempt (this is its restart $DISTLAB_RESTART_COUNT): no other is submitted"
+        return 0
+    fi
+    DISTLAB_CHAIN_NEXT=$(distlab_chain_next "$@") || return 2
+    printf '%s\n' "$DISTLAB_CHAIN_NEXT" >"$noted" || distlab_log "cannot note the next job's id in $noted: a restart of this job would submit another"
+    distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT (starts when $DISTLAB_JOB_ID ends, however it ends)"
+}
+
 distlab_chain_done() {
     # NEXT_JOB METRICS_FILE: the run is complete (its metrics say so: checks passed, not stopped early), so the
-    # chain's queued successor is cancelled and no finished run queues more jobs
+    # chain's queued successor is cancelled and no finished run queues more jobs; its note goes too, so that a
+    # restart of this job chains afresh
     local next=$1 metrics=$2
     [[ -n $next && -f $metrics ]] || return 0
     if distlab_jobs complete "$metrics"; then
         distlab_cancel_job "$next" && distlab_log "the run is complete: the chain's next job $next is cancelled"
+        rm -f "${DISTLAB_JOB_RUN_DIR:-/nonexistent}/chain_next"
     fi
 }
 

@@ -579,6 +579,34 @@ def test_a_chained_job_makes_its_own_agent_timeout_unless_the_user_gave_one(tmp_
     assert functions(chain, tmp_path, **given, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["timeout=45"]
 
 
+def test_a_requeued_chained_job_keeps_its_first_attempts_successor(tmp_path):
+    """Slurm requeues a job (node failure, preemption, scontrol requeue) with the same id and environment,
+    DISTLAB_CHAIN included, and SLURM_RESTART_COUNT set. Its first attempt's successor (afterany:<this id>) still
+    waits, as a requeued job is pending, not ended; a second one would resume from the same checkpoint folder beside
+    it. So the requeued attempt reuses the id its first attempt noted and calls sbatch no more."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu TimeLimit=00:30:00 StdOut=/runs/x.o7'\n")
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.calls; echo 900\n')
+    for stand_in in (scontrol, sbatch):
+        stand_in.chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    chain = 'distlab_chain_successor job.sbatch DISTLAB_CHAIN=1 && echo "next=$DISTLAB_CHAIN_NEXT"'
+    given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol),
+             "DISTLAB_SBATCH": str(sbatch), "DISTLAB_JOB_RUN_DIR": str(run)}
+    first = functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="0")
+    again = functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="1")
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert first.stdout.splitlines()[-1] == again.stdout.splitlines()[-1] == "next=900", first.stdout + again.stdout
+    assert len((tmp_path / "sbatch.calls").read_text().splitlines()) == 1
+    assert "submitted by this job's first attempt (this is its restart 1): no other is submitted" in again.stdout
+    # a requeue before the first attempt chained (no note): the requeued attempt submits the chain's successor
+    (run / "chain_next").unlink()
+    assert functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="2").stdout.splitlines()[-1] == "next=900"
+    assert len((tmp_path / "sbatch.calls").read_text().splitlines()) == 2
+
+
 def test_the_readme_explains_the_agents_exit_1_and_the_barrier_before_it():
     """slurm/README.md's steps 3-4: the line the job prints after the warning's stop, the srun error lines beside it,
     and why rank 0's writes are safe from srun's --kill-on-bad-exit."""

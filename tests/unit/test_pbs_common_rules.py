@@ -422,8 +422,12 @@ def test_a_completed_run_cancels_the_chains_next_job(tmp_path, extra, checks, ca
     tools = fake_pbs(tmp_path)
     metrics = tmp_path / "fault_drill.json"
     metrics.write_text(json.dumps({"extra": extra, "checks": checks}))
-    out(f"DISTLAB_PYTHON={sys.executable}; distlab_chain_done 4243.desched1 {metrics}", **tools)
+    # the successor's id, noted by distlab_chain_successor: gone with the successor, so that a rerun chains afresh
+    (tmp_path / "chain_next").write_text("4243.desched1\n")
+    out(f"DISTLAB_PYTHON={sys.executable}; distlab_chain_done 4243.desched1 {metrics}", DISTLAB_JOB_RUN_DIR=str(tmp_path),
+        **tools)
     assert (tmp_path / "qdel.args").exists() == cancelled
+    assert (tmp_path / "chain_next").exists() != cancelled
     if cancelled:
         assert (tmp_path / "qdel.args").read_text().split() == ["4243.desched1"]
 
