@@ -625,8 +625,9 @@ distlab_on_sigterm() {
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
     [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
-    # when the scheduler's KILL follows: Slurm's KillWait, read at the job's start (slurm/common.sh); PBS's kill_delay
-    local kill=${DISTLAB_KILL_DELAY:-"about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (PBS's kill_delay; none after qsig -s TERM)"}
+    # when the scheduler's KILL follows, as its part read it at the job's start: Slurm's KillWait (slurm/common.sh),
+    # PBS's kill_delay and the MoM's poll (pbs/common.sh, distlab_kill_delay)
+    local kill=${DISTLAB_KILL_DELAY:-"when the scheduler sends it"}
     if [[ -n $current && $saving == *" $current "* ]]; then
         distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if they finish before the KILL, $kill; nothing more is launched"
     else

@@ -71,6 +71,18 @@ distlab_qstat_field() {
         END { if (line != "") print line }' | sed -n "s/^ *${1//./\\.} = //p" | head -n 1
 }
 
+# distlab_kill_delay: when PBS's SIGKILL follows its TERM, for the TERM trap's line (jobs/common.sh, distlab_on_sigterm,
+# reads DISTLAB_KILL_DELAY): the kill_delay of the queue the job runs in (PBS_QUEUE; `qstat -Qf` lists it where the
+# queue sets one, else it is 10 s: OpenPBS src/server/req_runjob.c:948, 991-994), then the MoM's next poll
+# (coursetools.jobs, pbs_kill_delay)
+distlab_kill_delay() {
+    local delay=""
+    if [[ -n ${PBS_QUEUE:-} ]]; then
+        delay=$("$DISTLAB_QSTAT" -Qf "$PBS_QUEUE" 2>/dev/null | sed -n 's/^ *kill_delay = \([0-9][0-9]*\)$/\1/p' | head -n 1)
+    fi
+    DISTLAB_KILL_DELAY=$(distlab_jobs pbs-kill-delay "$delay") || DISTLAB_KILL_DELAY="when PBS sends it (the queue's kill_delay)"
+}
+
 distlab_deadline() {
     # PBS gives no warning before the walltime: once it has passed, the MoM sends SIGTERM at its next poll and
     # SIGKILL the queue's kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
@@ -79,6 +91,7 @@ distlab_deadline() {
     # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
     # far, which the MoM samples only every 10-120 s (OpenPBS src/include/mom_func.h:413-414) and so runs behind.
     local walltime used start
+    distlab_kill_delay # a qdel's SIGKILL comes with or without a walltime
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
     walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"

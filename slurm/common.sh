@@ -146,12 +146,15 @@ distlab_deadline() {
     # KillWait later (30 s by default, slurm.conf.5): too short for a large model's step and save, so the warning
     # (distlab_on_walltime_warning) or the deadline is the time to save.
     local end limit wait
+    # a TERM (scancel, the limit) leaves the ranks KillWait seconds ("KillWait = 30 sec" in scontrol show config),
+    # read first: a job with no time limit can still be cancelled
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        wait=$("$DISTLAB_SCONTROL" show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9][0-9]*\) sec.*/\1/p')
+        [[ -z $wait ]] || DISTLAB_KILL_DELAY="${wait} s after the TERM (KillWait)"
+    fi
     end=$(distlab_job_field EndTime)
     limit=$(distlab_job_field TimeLimit)
     [[ -n $end && $end != Unknown && $limit != UNLIMITED ]] || return 0 # not a Slurm job, or no limit
-    # a TERM (scancel, the limit) leaves the ranks KillWait seconds ("KillWait = 30 sec" in scontrol show config)
-    wait=$("$DISTLAB_SCONTROL" show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9][0-9]*\) sec.*/\1/p')
-    [[ -z $wait ]] || DISTLAB_KILL_DELAY="${wait} s after the TERM (KillWait)"
     end=$(date -d "$end" +%s 2>/dev/null) || distlab_die "cannot read the job's EndTime '$end'"
     # the job's end: a SIGTERM at or after it is the time limit's (distlab_on_sigterm), and the warning says how near
     export DISTLAB_JOB_END=$end

@@ -328,6 +328,28 @@ def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait
         "if they finish before the KILL, 15 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
 
 
+def test_an_unlimited_jobs_term_names_slurms_killwait_and_never_pbss_delays(tmp_path):
+    """A job with no time limit (TimeLimit=UNLIMITED, EndTime=Unknown) has no deadline, but a scancel still sends
+    TERM, then KILL KillWait later: the trap's line names KillWait, read before the deadline's early return. Where
+    scontrol cannot tell KillWait, the line names no scheduler's number, and never PBS's qdel or kill_delay."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
+                        "  printf 'KillWait                = 30 sec\\n'\n"
+                        "else echo 'JobId=7 TimeLimit=UNLIMITED EndTime=Unknown'; fi\n")
+    scontrol.chmod(0o755)
+    snippet = ("distlab_deadline >/dev/null; echo \"deadline=${DISTLAB_DEADLINE:-none}\"; DISTLAB_CURRENT=fault_drill.py "
+               "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
+    done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
+    assert done.stdout.splitlines() == [
+        "deadline=none",
+        "distlab: SIGTERM: fault_drill.py's ranks stop at the end of their step and write a checkpoint if they finish "
+        "before the KILL, 30 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
+    scontrol.write_text("#!/bin/bash\nexit 1\n")
+    unknown = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol)).stdout
+    assert "before the KILL, when the scheduler sends it;" in unknown, unknown
+    assert "qdel" not in unknown and "kill_delay" not in unknown, unknown
+
+
 def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):
     """At the warning, a launch in DISTLAB_CHECKPOINTING gets TERM through scancel --signal=TERM JOB (the job's steps;
     the batch step only with --batch or --full, scancel.1), so it checkpoints before the limit, where srun's SIGKILL

@@ -1220,13 +1220,22 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
                 "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, too soon for a real model's")\
             in comments, job
     trap = _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
-    # the trap's PBS delays are the MoM model's: the walltime's TERM is sent at a poll, a qdel's between two
+    # the trap's PBS delays (pbs/common.sh, distlab_kill_delay, through coursetools.jobs) are the MoM model's: the
+    # walltime's TERM is sent at a poll, a qdel's between two; the shared trap holds no scheduler's numbers
+    from coursetools import jobs
+
+    for delay in (1, 10, 11, 30, 60, 200):
+        assert all(jobs.mom_sigkill_after(last, delay) == _mom_sigkill_after(last, delay)
+                   for last in range(MAX_CHECK_POLL_TIME)), delay
     walltime_kill = _mom_sigkill_after(0, 10)
     qdel_kills = {_mom_sigkill_after(last, 10) for last in range(MAX_CHECK_POLL_TIME)}
-    assert ("write a checkpoint if they finish before the KILL, $kill" in trap
-            and f"about {walltime_kill} s after the walltime's TERM, {min(qdel_kills)} to {max(qdel_kills)} s after a "
-                "qdel's (PBS's kill_delay; none after qsig -s TERM)" in trap)
-    assert "10 to about 25 s later" not in _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
+    assert "write a checkpoint if they finish before the KILL, $kill" in trap
+    assert jobs.pbs_kill_delay("").startswith(
+        f"about {walltime_kill} s after the walltime's TERM, {min(qdel_kills)} to {max(qdel_kills)} s after a qdel's "
+        "(kill_delay, 10 s unless the queue sets another,")
+    default = next(line for line in trap.splitlines() if "local kill=" in line)
+    assert default.strip() == 'local kill=${DISTLAB_KILL_DELAY:-"when the scheduler sends it"}', default
+    assert "10 to about 25 s later" not in trap
     assert "write a checkpoint; nothing more is launched" not in trap
 
 

@@ -375,6 +375,27 @@ def test_a_sigterm_past_the_walltime_is_named_by_pbss_name_for_the_limit(tmp_pat
     readme = " ".join((ROOT / "pbs" / "README.md").read_text().split())
     assert "`SIGTERM at the walltime`, and each launch held back reads `not-launched NAME (walltime)`" in readme
 
+@pytest.mark.parametrize("queue, kill_delay", [("gpu", 30), ("gpu", None), ("", None)])
+def test_the_term_trap_names_the_queues_kill_delay(tmp_path, queue, kill_delay):
+    # PBS's SIGKILL follows its TERM by the queue's kill_delay (qstat -Qf; 10 s where the queue sets none: OpenPBS
+    # src/server/req_runjob.c:948, 991-994), at the MoM's next poll (coursetools.jobs.mom_sigkill_after): the trap's
+    # line says so, from pbs/common.sh, not from a default of the shared jobs/common.sh
+    tools = fake_pbs(tmp_path)
+    listing = f"Queue: gpu\n    queue_type = Execution\n" + (f"    kill_delay = {kill_delay}\n" if kill_delay else "")
+    (tmp_path / "qstat.queue").write_text(listing)
+    (tmp_path / "qstat").write_text(f'#!/bin/bash\nif [[ $1 == -Qf ]]; then [[ $2 == gpu ]] && cat {tmp_path}/qstat.queue; '
+                                    f'else cat {tmp_path}/qstat.out; fi\n')
+    said = out("distlab_deadline >/dev/null; DISTLAB_CURRENT=fault_drill.py DISTLAB_CHECKPOINTING=fault_drill.py "
+               "distlab_on_sigterm", PBS_JOBID="4242.desched1", PBS_QUEUE=queue, **tools)
+    delay = kill_delay or 10
+    walltime = jobs.mom_sigkill_after(0, delay)
+    qdel = [jobs.mom_sigkill_after(last, delay) for last in range(jobs.MAX_CHECK_POLL_TIME)]
+    whose = f"the queue's kill_delay, {delay} s" if kill_delay else "kill_delay, 10 s unless the queue sets another"
+    assert (f"before the KILL, about {walltime} s after the walltime's TERM, {min(qdel)} to {max(qdel)} s after a "
+            f"qdel's ({whose}, at the MoM's next poll; none after qsig -s TERM)") in said, said
+    assert (walltime, min(qdel), max(qdel)) == ((48, 38, 48) if kill_delay == 30 else (10, 10, 25))
+
+
 def test_a_rerun_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
     # qrerun (or a lost node) runs the job again with the same PBS_JOBID; PBS sets no variable for it, but qstat -f's
     # run_count counts the runs (OpenPBS req_runjob.c adds one each time the job is sent to run)
