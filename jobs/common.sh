@@ -77,12 +77,14 @@ DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the wal
 # torchrun's agent, told to stop (Slurm's walltime warning, a qsig -s TERM or scancel --signal=TERM), SIGKILLs its
 # workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30 unless set (torch 2.13 distributed/launcher/api.py:145-149,
 # elastic/agent/server/api.py:752-754): too short for a long step and a save. Both schedulers' jobs give them what
-# they budget for a last step and checkpoint before the end, DISTLAB_WALLTIME_MARGIN; Slurm's warning (180 s) comes
-# earlier than that, so the SIGKILL still comes before the limit. A worker's failure keeps its 30 s whatever this says
-# (local_elastic_agent.py:392-393, 517-518). Whether the user gave it is noted: a Slurm successor makes its own
-# (slurm/common.sh, distlab_chain_next); a PBS successor gets only its -v settings.
+# they budget for a last step and checkpoint before the end, DISTLAB_WALLTIME_MARGIN, and never less than torch's 30 s:
+# a margin cut to use more of the walltime must not cut the agents' grace too (0 is accepted, api.py:150-153, and
+# SubprocessContext._close then SIGKILLs at once after the TERM: elastic/multiprocessing/api.py:1023-1053). Slurm's
+# warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit. A worker's failure keeps its
+# 30 s whatever this says (local_elastic_agent.py:392-393, 517-518). Whether the user gave it is noted: a successor
+# makes its own unless the user did (slurm/common.sh and pbs/common.sh, distlab_chain_next).
 DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((DISTLAB_WALLTIME_MARGIN > 30 ? DISTLAB_WALLTIME_MARGIN : 30))}
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 

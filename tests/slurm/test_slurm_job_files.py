@@ -385,6 +385,13 @@ def test_torchruns_agents_wait_for_a_last_step_and_checkpoint_as_long_as_the_job
     assert functions(show, tmp_path).stdout.split() == ["120", "120"]  # exported: the agents are its children
     assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="300").stdout.split() == ["300", "300"]
     assert functions(show, tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["45", "45"]
+    # never under torch's own 30 s: a margin cut to use more of the walltime (the Slurm tier's successors run with 5)
+    # would cut the agents' grace after a TERM too, to an immediate SIGKILL at 0 (SubprocessContext._close,
+    # elastic/multiprocessing/api.py:1023-1053); a value given by hand still wins
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="5").stdout.split() == ["30", "30"]
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="0").stdout.split() == ["30", "30"]
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="5", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10").stdout.split() \
+        == ["10", "10"]
 
 
 def stand_ins(tmp_path: Path, steps: str) -> dict[str, str]:

@@ -976,15 +976,22 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     elastic = Path(torch.__file__).parent / "distributed"
     agent = (elastic / "elastic" / "agent" / "server" / "api.py").read_text().splitlines()
     assert "except SignalException" in agent[751] and "timeout=self._shutdown_timeout" in agent[753]
-    launcher = " ".join((elastic / "launcher" / "api.py").read_text().splitlines()[144:149])
+    launcher_lines = (elastic / "launcher" / "api.py").read_text().splitlines()
+    launcher = " ".join(launcher_lines[144:149])
     assert 'os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")' in launcher
     local = (elastic / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text().splitlines()
     assert "def _stop_workers" in local[391] and local[392].strip() == "self._shutdown()"
     assert "def _shutdown(" in local[516] and "timeout: int = 30" in local[517]
-    # the jobs' value, both schedulers': the margin, unless set (jobs/common.sh; test_pbs_common and
-    # test_slurm_job_files run it)
-    assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}"
-            in (ROOT / "jobs" / "common.sh").read_text())
+    # the jobs' value, both schedulers': the margin, at least torch's 30 s, unless set (jobs/common.sh;
+    # test_pbs_common and test_slurm_job_files run it)
+    assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((DISTLAB_WALLTIME_MARGIN > 30 ? "
+            "DISTLAB_WALLTIME_MARGIN : 30))}" in (ROOT / "jobs" / "common.sh").read_text())
+    # what 0 would do: the launcher accepts it, and the agent's close then SIGKILLs at once after its TERM
+    assert "elif self.shutdown_timeout < 0:" in launcher_lines[149]
+    close = (elastic / "elastic" / "multiprocessing" / "api.py").read_text().splitlines()
+    assert "def _close(self, death_sig: signal.Signals, timeout: int = 30)" in close[1022]
+    assert "end = time.monotonic() + timeout" in close[1033] and "if time_to_wait <= 0:" in close[1036]
+    assert "forcefully exiting via" in " ".join(close[1046:1052])
     text = flat(CHAPTER)
     assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
             "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
@@ -1000,7 +1007,10 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         kills.append(warned + margin)
         assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
     assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s after the TERM: torch's default is 30 s, and "
-            f"the jobs set {margin} s (the margin), for a step and a save.") in text
+            f"the jobs set {margin} s (the margin, never under 30 s), for a step and a save.") in text
+    assert ("It never exports less than torch's 30 s. The launcher accepts 0 (`launcher/api.py:150-153`), and the "
+            "agent's close then sends SIGKILL right after its TERM (`SubprocessContext._close`, "
+            "`elastic/multiprocessing/api.py:1023-1053`).") in text
     # the body says the jobs' value leaves the fault drill's restart alone: a failed worker's stop keeps 30 s
     assert ("These 30 s are fixed when a worker fails; `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` sets only the wait of an "
             "agent told to stop (below).") in text
