@@ -113,7 +113,8 @@ distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its walltime did not end "ok"), with this job's own resources: the same
     # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one, and the settings it was
-    # given (-v). Prints its id.
+    # given (-v): its DISTLAB_* ones, TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG. Other -v variables are not
+    # carried. Prints its id.
     local select walltime queue
     select=$(distlab_qstat_field Resource_List.select)
     walltime=$(distlab_qstat_field Resource_List.walltime)
@@ -140,6 +141,12 @@ distlab_chain_next() {
         esac
         [[ " ${*:2} " == *" $name="* ]] || carried+=("$name=${!name-}")
     done
+    # and the two settings of torch and NCCL the user may give a chain (qsub -v), when given: this job's own values (the
+    # margin, NCCL's WARN default on Slingshot) stay behind, as the successor makes its own (jobs/common.sh)
+    local given=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN:-}
+    [[ -z $given || " ${*:2} " == *" TORCH_ELASTIC_SHUTDOWN_TIMEOUT="* ]] || carried+=("TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$given")
+    given=${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}}
+    [[ -z $given || " ${*:2} " == *" NCCL_DEBUG="* ]] || carried+=("NCCL_DEBUG=$given")
     # qsub -v splits its list at every comma outside quotes: a value's commas become colons (distlab_jobs chain-vars)
     local variables
     variables=$(distlab_jobs chain-vars "${carried[@]}" "${@:2}") || return 2

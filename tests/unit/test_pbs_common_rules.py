@@ -432,6 +432,28 @@ def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
     assert not any(v.startswith(("DISTLAB_RUN_DIR=", "DISTLAB_FUNCTIONS_ONLY=", "DISTLAB_CHAIN=2")) for v in variables)
 
 
+def test_the_chained_job_keeps_the_users_agent_timeout_and_nccl_debug(tmp_path):
+    # qsub hands the next job only its -v variables: the user's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG go on as
+    # the header says (else the successor's agents fall back to the margin, and NCCL to WARN); the values this job set
+    # for itself (the margin, NCCL's WARN default) do not, as the successor makes its own
+    tools = fake_pbs(tmp_path)
+
+    def carried(**env: str) -> list[str]:
+        out("distlab_network_env; distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1",
+            PBS_JOBID="4242.desched1", DISTLAB_NETWORK="slingshot", DISTLAB_NNODES="1", DISTLAB_SYS_NET=str(tmp_path),
+            **tools, **env)
+        args = (tmp_path / "qsub.args").read_text().splitlines()
+        return args[args.index("-v") + 1].split(",")
+
+    given = carried(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300", NCCL_DEBUG="INFO")
+    assert {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300", "NCCL_DEBUG=INFO"} <= set(given), given
+    own = carried()  # the job's own: the margin (120) and, on Slingshot, WARN
+    assert not any(v.startswith(("TORCH_ELASTIC_SHUTDOWN_TIMEOUT=", "NCCL_DEBUG=")) for v in own), own
+    header = " ".join((ROOT / "pbs" / "12_hpc_operations.pbs").read_text().replace("#", " ").split())
+    assert ("each with this job's select line, walltime and queue, its DISTLAB_* settings, and the "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG you gave it (qsub -v; no other variable is carried)") in header
+
+
 @pytest.mark.parametrize("extra, checks, cancelled", [
     ({}, [{"passed": True}], True),                                   # complete: the successor is not needed
     ({"stopped_by": "deadline"}, [{"passed": True}], False),         # stopped early: the chain goes on
