@@ -91,6 +91,19 @@ def stop_checkpoint_is_whole(run_dir: Path, state, world_size: int) -> tuple[boo
     return whole, latest, ranks
 
 
+def agreed_stop_verdict(run_dir: Path, state, world_size: int, rank: int, device) -> tuple[bool, Path | None, int]:
+    """stop_checkpoint_is_whole as rank 0 reads it, broadcast to every rank: so every rank exits with the same code.
+    A rank on another node reads the shared folder through its own file-system client, which can miss a file just
+    written there for a few seconds (an NFS client's attribute cache). Its own reading would fail a good stop, and its
+    torchrun agent, its restart unused, would restart every worker. The other ranks get no folder back (None)."""
+    whole, latest = False, None
+    if rank == 0:
+        whole, latest, _ = stop_checkpoint_is_whole(run_dir, state, world_size)
+    verdict = torch.tensor([1.0 if whole else 0.0], device=device)
+    dist.broadcast(verdict, src=0)
+    return bool(verdict.item()), latest, world_size if state.rank is not None else 0
+
+
 class HeldState(checkpointing.TrainingState):
     """A checkpoint holding only ``held`` (names of HOLDABLE): what is not held is not saved, and a resume keeps
     what the fresh start made of it. ``loss_history``: rank 0's loss record, written back on a resume."""
@@ -282,10 +295,12 @@ def main():
                     rt.print(f"{why}: stopped after step {step} with checkpoint step_{state.step:06d} written; "
                              "start the job again (a chained qsub) to resume")
                     # read back from disk, not taken from the save's return: the folder the next job resumes from
-                    # (the latest with its metadata) must be this one, and its metadata must name every rank's part
-                    whole, latest, ranks = stop_checkpoint_is_whole(run_dir, state, rt.world_size)
+                    # (the latest with its metadata) must be this one, and its metadata must name every rank's part;
+                    # rank 0 reads it, and every rank takes its verdict (agreed_stop_verdict)
+                    whole, latest, ranks = agreed_stop_verdict(run_dir, state, rt.world_size, rt.rank, rt.device)
                     report.check("the stop's checkpoint is the latest in the folder and records every rank",
-                                 whole, str(latest), f"step_{state.step:06d}, with {ranks} ranks' generators")
+                                 whole, str(latest) if rt.is_main else "rank 0's reading",
+                                 f"step_{state.step:06d}, with {ranks} ranks' generators")
                     report.extra = {"stopped_by": by, "checkpoint_step": state.step,
                                     "seconds_left": None if args.deadline is None else args.deadline - time.time()}
                     code = report.finish(args.metrics_out)
