@@ -312,8 +312,8 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
 
 def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait_later(tmp_path):
     """At the limit slurmd sends every step TERM, then KILL KillWait later (req.c: _rpc_timelimit,
-    _rpc_terminate_job); the job's srun, TERMed too, sends its tasks nothing (its SIGKILL "forward" is
-    slurm_step_launch_abort: srun_job.c, launch_slurm.c in 22.05). So the trap's line promises the checkpoint within
+    _rpc_terminate_job); the job's srun, TERMed too, asks the controller to SIGKILL its step, which refuses for a job
+    already timed out (step_launch.c:728-731, stepmgr.c:633-636). So the trap's line promises the checkpoint within
     KillWait, read from `scontrol show config` as the job starts (tests/slurm/test_slurm_jobs.py sees it written)."""
     scontrol = tmp_path / "scontrol"
     scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"

@@ -825,8 +825,16 @@ def test_the_schedulers_kill_delays_and_messages():
             f"{limit}` is {late} s late)") in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
     assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit TERM, then KILL `KillWait` later" in text
-    # and srun, TERMed too, sends its tasks nothing: launch_fwd_signal(SIGKILL) is slurm_step_launch_abort
-    assert "`srun` that gets a TERM forwards SIGKILL" not in text and "SIGKILLs the tasks" not in text
+    # and srun, TERMed too, asks the controller to SIGKILL its step (Slurm 284c3b95 src/api/step_launch.c:728-731,
+    # after launch_fwd_signal(SIGKILL) set the abort: src/srun/launch.c:1659-1660, step_launch.c:824-837); the
+    # controller refuses a finished job's step (src/stepmgr/stepmgr.c:633-636), and a timed-out or cancelled job is
+    # finished before slurmd's TERM (src/slurmctld/job_mgr.c:9856-9859, :5398-5404); one still running is not
+    assert "it sends the tasks nothing" not in text and "sends its tasks nothing" not in text
+    assert ("its `launch_fwd_signal(SIGKILL)` marks the launch aborted, and the thread that waits for the tasks asks "
+            "the controller to SIGKILL the step (`slurm_kill_job_step`, `src/api/step_launch.c:728-731`;") in text
+    assert ("The controller refuses a finished job's steps (`ESLURM_ALREADY_DONE`, `src/stepmgr/stepmgr.c:633-636`), "
+            "and a job is finished for it before slurmd's TERM") in text
+    assert "An `srun` TERMed while its job still runs has its step SIGKILLed at once" in text
     # the Slurm tier's KillWait, within which its limit-reached job's ranks save (tests/slurm/conftest.py)
     kill_wait = int(re.search(r"^KILL_WAIT = (\d+)$", (ROOT / "tests" / "slurm" / "conftest.py").read_text(), re.M).group(1))
     assert f"writes its checkpoint within {kill_wait} s of `KillWait`" in text
@@ -1068,15 +1076,18 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
 
 def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     # a plain Slurm scancel sends every step TERM, then KILL after KillWait (scancel.1:355-359); the job's srun, TERMed
-    # too, sends its tasks nothing (launch_fwd_signal(SIGKILL) is slurm_step_launch_abort: src/srun/launch.c,
-    # the time-limit test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
+    # too, asks the controller to SIGKILL its step, which it refuses, as the job is already cancelled (the time-limit
+    # test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
             "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
             "KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
-    assert "forwards SIGKILL" not in readme and "but sends its tasks nothing" in readme
+    assert "but sends its tasks nothing" not in readme
+    assert "It asks the controller to SIGKILL its step, and the controller refuses: the job has already timed out" in readme
+    assert "has its step SIGKILLed at once, with no time to save" in readme
+    assert "the job's `srun` sends its tasks nothing more" not in text
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
 
 
