@@ -352,7 +352,8 @@ distlab_omp_threads() {
 }
 
 distlab_tee() {
-    # tee that outlives a SIGTERM. qdel and the walltime signal every process of the job, tee too; a dead tee
+    # tee that outlives a SIGTERM. qdel and the walltime signal the job shell's processes (PBS: on the first node,
+    # where this tee runs; Slurm: the batch step's), tee too; a dead tee
     # turns rank 0's next print into BrokenPipeError before its checkpoint is written. An ignored signal stays
     # ignored across exec, so this tee ends only when the ranks close the pipe, and the log keeps their last line.
     (
@@ -606,13 +607,16 @@ distlab_not_launched() {
 }
 
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
-# waits in the background): the ranks got the signal too, from the scheduler, and stop at the end of their step. Only
+# waits in the background). The ranks got the signal too and stop at the end of their step: under Slurm from slurmd,
+# every step on every node; under PBS the MoM signals only the first node's job processes (the job shell's session:
+# OpenPBS src/resmom/mom_main.c:5353-5360, linux/mom_mach.c:1314-1372), so ranks elsewhere get it only if mpiexec
+# passes it on (not checked for PALS or Hydra), and a drill's one rank that got it stops them all. Only
 # a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
 # and only then does the line say so; no later launch starts: the job is being ended. After a scancel, a qdel or
-# the limit the scheduler kills what is left of the job (Slurm: KillWait later, which DISTLAB_KILL_DELAY says; PBS:
-# about 10 s after the walltime's TERM, 10 to about 25 s after a qdel's; nothing after a qsig -s TERM or a
-# scancel --signal=TERM): the checkpoint is there only if a step and a save fit before. The summary is written
-# now, as it stands, perhaps before the launch in progress has ended.
+# the limit the scheduler kills what is left of the job, as DISTLAB_KILL_DELAY says (Slurm's KillWait; PBS's
+# kill_delay and the MoM's poll), and nothing after a qsig -s TERM or a scancel --signal=TERM: the checkpoint is
+# there only if a step and a save fit before. The summary is written now, as it stands, perhaps before the launch
+# in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM

@@ -17,9 +17,11 @@ one. Two things end real jobs early, and the script handles both:
   ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
-* **The walltime runs out.** PBS gives no warning: once the walltime has passed, the MoM sends SIGTERM at its
-  next poll (up to 120 s late in a long job) and SIGKILL once ``kill_delay`` (10 s by default) has passed, at its
-  next poll, about 10 s later: too little for a step and a checkpoint of a real model. So the run stops itself
+* **The walltime runs out.** PBS gives no warning: once the walltime has passed, the first node's MoM sends
+  SIGTERM to the job's processes on that node at its next poll (up to 120 s late in a long job), and SIGKILL once
+  ``kill_delay`` (10 s by default) has passed, at its next poll, about 10 s later: too little for a step and a
+  checkpoint of a real model. Ranks on other nodes get the TERM only if ``mpiexec`` passes it on; the all-reduce
+  below makes one rank that saw it enough. So the run stops itself
   first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports ``DISTLAB_DEADLINE``, the job's end less a
   margin) is checked after every step, and when the next step and a checkpoint, timed as the longest seen so far,
   would pass it, every rank agrees (an all-reduce of the flag), writes a checkpoint and exits 0; the next job in

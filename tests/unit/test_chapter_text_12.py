@@ -804,9 +804,19 @@ def test_the_schedulers_kill_delays_and_messages():
     assert walltime_kill == 10 and (min(qdel_kills), max(qdel_kills)) == (10, 25)
     assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
             "step") in text
-    assert f"| none: SIGTERM after the limit, SIGKILL about {walltime_kill} s later (`kill_delay`) |" in CHAPTER
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, plus up "
-            "to one MoM poll): too soon for a real model's step and save.") in text
+    assert (f"| none: SIGTERM after the limit, to the first node; SIGKILL about {walltime_kill} s later (`kill_delay`) |"
+            in CHAPTER)
+    # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
+    # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
+    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
+            f"MoM's next poll, {MIN_CHECK_POLL_TIME} s after such a TERM): too soon for a real model's step and "
+            "save.") in text
+    # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
+    # means for ranks elsewhere
+    assert ("PBS sends it to the first node only: ranks elsewhere get it if `mpiexec` passes it on, and one that does "
+            "stops them all.") in text
+    assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
+    assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
     assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
     assert f"each poll adds `inc_check_poll`, ({MAX_CHECK_POLL_TIME} − {MIN_CHECK_POLL_TIME} + 19) / 20 = {_INC_CHECK_POLL} s" in text
@@ -1081,7 +1091,8 @@ def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
+            "steps only) before `scancel <id>`. PBS's TERM reaches the first node's job processes; ranks elsewhere get "
+            "it only from `mpiexec`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
             "KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "but sends its tasks nothing" not in readme
@@ -1228,8 +1239,18 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
             f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
     assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
-    assert ("sends a real signal, which `req_signaljob` delivers to the job's processes with no kill time "
+    assert ("sends a real signal, which `req_signaljob` delivers to the first node's job processes with no kill time "
             "(`requests.c:2058-2094`") in text
+    # where PBS's signals go (OpenPBS cd7ab5eda): the first node's MoM, its own tasks' sessions; the other nodes' only
+    # through mpiexec, which no source or test here shows for PALS or Hydra
+    assert "The server passes a signal request to the job's MoM, the first node's" in text
+    assert "A rank anywhere else gets it only if `mpiexec` passes it on." in text
+    assert "no source the course has read shows; no test checks it" in text
+    jobs_common = flat((ROOT / "jobs" / "common.sh").read_text().replace("#", " "))
+    assert "the ranks got the signal too, from the scheduler," not in jobs_common
+    assert "under PBS the MoM signals only the first node's job processes" in jobs_common
+    assert "Ranks on other nodes get the TERM only if ``mpiexec`` passes it on" in flat(
+        (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     assert "handled the same way" not in drill
     assert "But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``" in drill
