@@ -592,7 +592,26 @@ def _prose_lines(text: str) -> list[str]:
 # Two learners' reviews of chapter 12: the watchdog and the flight recorder were used before they were defined, and
 # a learner who never used a scheduler met these cluster words undefined.
 TERMS = ["watchdog", "flight recorder", "straggler", "walltime", "local rank", "launcher"]
-CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks"]
+CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks",
+                 "account", "libfabric"]  # a learner's review (s14): both were used and never said
+
+
+def test_the_learners_missing_steps_of_chapter_12_are_given():
+    # a learner's review (s14), chapter 12's items: each place it got lost now says what it lacked
+    text = flat(CHAPTER)
+    assert ("`-A` names your **account**, the project charged for the GPU hours: export `PBS_ACCOUNT` (or "
+            "`SBATCH_ACCOUNT`) once. `qsub -v NAME=value` (Slurm: `--export=ALL,NAME=value`) hands the job a "
+            "setting.") in text
+    assert "Below, `-A` names the account (page 12.1); `-v` passes the job environment variables:" in text
+    assert ("a provider for each kind of network: Slingshot's is `cxi`, and its cards' interfaces are `hsn0`, `hsn1` "
+            "and so on.") in text
+    assert f"waited the process-group timeout ({runtime.DEFAULT_PG_TIMEOUT_S} s in the course; page 12.2)" in text
+    # why a healthy node restarts, before the counts; the drill's checkpoint period where the drill is described
+    assert ("The failed node's agent rejoins the rendezvous; seeing it wait, the others restart their healthy workers "
+            "too, so that all start together. An agent whose workers failed counts a restart") in text
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    every = int(re.search(r'"--save-every", type=runtime.positive_int, default=(\d+)', drill).group(1))
+    assert f"every `--save-every` steps, {every} here. `--kill-rank 1 --kill-at-step 5`" in text
 
 
 @pytest.mark.parametrize("term", TERMS + CLUSTER_WORDS)
