@@ -146,6 +146,12 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
     busy = (1 - measured / 100) * step
     assert f"a rank was busy (1 − {measured / 100:.3f}) × {step} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a pass" in text
     assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
+    # a learner's review (s14): what that 53% would be, and why it is wrong
+    off_by = 100 * (1 - 4 * nominal / step) - measured
+    assert (f"the idle share would read 1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%, about "
+            f"{off_by:.0f} points too high, because the passes ran longer than that.") in text
+    # and why the NCCL job leaves few-microbatches out (12.2)
+    assert "`few-microbatches` is left out too: its stuck receive waits beside the first stage's" in text
     # activation checkpointing: the time ratio of the two printed rows
     off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
     assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table;" in text
