@@ -1201,6 +1201,12 @@ def test_the_derived_ports_range_and_collision_chances_come_from_the_jobs_hash()
                             "for id in 1 77 123456 abc; do distlab_port_from_job_id $id; done"],
                            capture_output=True, text=True, check=True).stdout.split()
     assert len(ports) == 4 and all(base <= int(p) < base + buckets for p in ports), ports
+    # the runtime's own range names where the jobs' rule lives, and says the ephemeral-range argument needs the
+    # kernel's default range (a review's nit, s14)
+    runtime_source = " ".join((ROOT / "distlab" / "runtime.py").read_text().replace("#", " ").split())
+    assert "as jobs/common.sh's distlab_port_from_job_id" in runtime_source
+    assert "with that default range, and only then, a derived port is never already taken" in runtime_source
+    assert runtime.PORT_RANGE == (base, base + buckets)
 
 
 def _function(source: str, name: str) -> str:
