@@ -377,7 +377,7 @@ distlab_chain_successor() {
     DISTLAB_CHAIN_NEXT=
     if ((${DISTLAB_RESTART_COUNT:-0} > 0)) && [[ -s $noted ]]; then
         DISTLAB_CHAIN_NEXT=$(<"$noted")
-        distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT, submitted by this job's first attempt (this is its restart $DISTLAB_RESTART_COUNT): no other is submitted"
+        distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT (submitted by this job's first attempt; this is its restart $DISTLAB_RESTART_COUNT): no other is submitted"
         return 0
     fi
     DISTLAB_CHAIN_NEXT=$(distlab_chain_next "$@") || return 2

@@ -370,5 +370,6 @@ def test_a_rerun_chained_job_submits_no_second_successor(job_env, fake_pals, tmp
         said.append(result.output)
     assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1, (tmp_path / "qsub.calls").read_text()
     assert "next job of the chain: 4243.desched1 (starts when 4242.desched1 ends" in said[0]
-    assert ("next job of the chain: 4243.desched1, submitted by this job's first attempt (this is its restart 1): "
+    # the id first, then a space, as the Slurm tier's chain_next reads it
+    assert ("next job of the chain: 4243.desched1 (submitted by this job's first attempt; this is its restart 1): "
             "no other is submitted") in said[1], said[1]

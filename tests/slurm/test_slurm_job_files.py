@@ -629,7 +629,7 @@ def test_a_requeued_chained_job_keeps_its_first_attempts_successor(tmp_path):
     assert first.returncode == again.returncode == 0, first.stderr + again.stderr
     assert first.stdout.splitlines()[-1] == again.stdout.splitlines()[-1] == "next=900", first.stdout + again.stdout
     assert len((tmp_path / "sbatch.calls").read_text().splitlines()) == 1
-    assert "submitted by this job's first attempt (this is its restart 1): no other is submitted" in again.stdout
+    assert "next job of the chain: 900 (submitted by this job's first attempt; this is its restart 1)" in again.stdout
     # a requeue before the first attempt chained (no note): the requeued attempt submits the chain's successor
     (run / "chain_next").unlink()
     assert functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="2").stdout.splitlines()[-1] == "next=900"
