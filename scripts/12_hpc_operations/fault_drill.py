@@ -248,11 +248,15 @@ def main():
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         longest = {"step": 0.0, "save": 0.0}  # seconds: what the next step and a checkpoint may take
+        # the step of the last checkpoint this attempt can resume from: the one it started from, then each it writes
+        # (a stop's lies off the --save-every grid: a chained job's rank may die just after resuming from it)
+        last_saved = state.step
 
         try:
             for step in range(state.step, args.steps):
                 if rt.rank == args.kill_rank and step == args.kill_at_step and attempt == 0:
-                    (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time()}))
+                    (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time(),
+                                                                    "last_checkpoint": last_saved}))
                     print(f"[rank {rt.rank}] dies at step {step} (a node fails)", flush=True)
                     os._exit(1)
                 step_started = time.perf_counter()
@@ -285,6 +289,7 @@ def main():
                 if state.step % args.save_every == 0 or state.step == args.steps or by:
                     save_started = time.perf_counter()
                     where = checkpointing.save(state, run_dir)
+                    last_saved = state.step
                     longest["save"] = max(longest["save"], time.perf_counter() - save_started)
                     rt.print(f"  checkpoint {where.name}")
                 if by:
@@ -341,9 +346,12 @@ def main():
         if failure.exists():
             died = json.loads(failure.read_text())
             extra.update(died_at_step=died["step"], seconds_to_restart=started_at - died["time"])
-            last_save = max((c for c in range(0, died["step"] + 1, args.save_every)), default=0)
-            report.check("steps lost = death step - last checkpoint before it", len(trained_twice) == died["step"] - last_save,
-                         len(trained_twice), died["step"] - last_save)
+            # the latest checkpoint written before this death, on the --save-every grid or not, and the steps after
+            # it trained again (a chained job's earlier death trained others twice)
+            last_save = died["last_checkpoint"]
+            lost = [s for s in trained_twice if last_save <= s < died["step"]]
+            report.check("steps lost = death step - last checkpoint before it", len(lost) == died["step"] - last_save,
+                         len(lost), died["step"] - last_save)
             rt.print(f"rank {died['rank']} died at step {died['step']}; the job was running again "
                      f"{extra['seconds_to_restart']:.1f} s later; {len(trained_twice)} step(s) trained twice")
         report.extra = extra
