@@ -644,7 +644,9 @@ def draw_journals(ax, journals: dict, second_line, note) -> None:
             waiting = not call["done"]
             ax.barh(rank, 0.92, left=i, color="#f4c7c3" if waiting else "#dddddd",
                     edgecolor="#c0392b" if waiting else "#999999", hatch="//" if waiting else None)
-            ax.text(i + 0.46, rank, f"{call['op']}\n{second_line(i, call)}", ha="center", va="center", fontsize=5.5)
+            # a waiting call's label on a white patch: the hatching must not run over the cell the picture is about
+            ax.text(i + 0.46, rank, f"{call['op']}\n{second_line(i, call)}", ha="center", va="center", fontsize=5.5,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6} if waiting else None)
         if note(journal):
             ax.text(len(journal["calls"]) + 0.05, rank, note(journal), va="center", fontsize=6.5, color="#c0392b")
     ax.set_yticks(sorted(journals), [f"rank {r}" for r in sorted(journals)], fontsize=7)

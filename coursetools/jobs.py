@@ -11,6 +11,7 @@ Standard library only: a job may call it before its own environment is ready.
     warnings FOLDER                  NCCL's WARN lines of the job's per-rank files
     complete METRICS                 exit 0 when a run is complete (its checks passed, not stopped early)
     chain-vars NAME=VALUE...         one -v / --export list for a chain's next job, lists carried with ':'
+    pbs-kill-delay [SECONDS]         when PBS's SIGKILL follows its TERM, for the queue's kill_delay (default 10)
 
 ``submit`` refuses, with one line ``distlab: error: ...`` and exit 2, before anything is queued: an unknown
 partition (``sinfo -h -p NAME``) or queue (``qstat -Q NAME``); no account where the site needs one (Slurm:
@@ -380,6 +381,43 @@ def run_complete(metrics: str) -> bool:
     return not m.get("extra", {}).get("stopped_by") and bool(checks) and all(c["passed"] for c in checks)
 
 
+# PBS's SIGKILL after its TERM, in OpenPBS's MoM (cd7ab5eda). The MoM polls a job's resources every MIN_CHECK_POLL_TIME
+# to MAX_CHECK_POLL_TIME s (src/include/mom_func.h:413-414); each poll lengthens the next by INC_CHECK_POLL
+# (src/resmom/mom_main.c:4114). tests/unit/test_chapter_text_12.py transcribes the same loop on its own and compares.
+MIN_CHECK_POLL_TIME, MAX_CHECK_POLL_TIME = 10, 120
+INC_CHECK_POLL = (MAX_CHECK_POLL_TIME - MIN_CHECK_POLL_TIME + 19) // 20
+PBS_DEFAULT_KILL_DELAY = 10  # a queue without kill_delay (src/server/req_runjob.c:948, 991-994)
+
+
+def mom_sigkill_after(last_poll_before: int, kill_delay: int) -> int:
+    """Seconds from a TERM to the MoM's SIGKILL, whole seconds. terminate_job sends the TERM, sets the kill time to
+    now + kill_delay (src/resmom/requests.c:1863) and the next poll's interval to MIN_CHECK_POLL_TIME (:1876-1881).
+    The loop polls once the last poll + the interval has passed (mom_main.c:8628; one already due runs at once),
+    lengthens the interval (:8636-8639), and sends SIGKILL at the first poll at or after the kill time (:8685-8688).
+    last_poll_before: seconds from the last poll to the TERM; 0 for the walltime's TERM, sent during a poll (:8654,
+    :8865); anything for a qdel's (src/server/req_delete.c:1092)."""
+    poll, interval = -last_poll_before, MIN_CHECK_POLL_TIME
+    while True:
+        poll = max(poll + interval, 0)
+        interval = min(interval + INC_CHECK_POLL, MAX_CHECK_POLL_TIME)
+        if poll >= kill_delay:
+            return poll
+
+
+def pbs_kill_delay(kill_delay: str = "") -> str:
+    """When PBS's SIGKILL follows its TERM, in the words of the jobs' TERM trap (jobs/common.sh, distlab_on_sigterm):
+    after the walltime's TERM (sent at a poll) and after a qdel's (between two polls), for the queue's kill_delay,
+    or PBS's 10 s where the queue sets none ("")."""
+    if kill_delay and not kill_delay.isdigit():
+        raise BadInput(f"pbs-kill-delay: {kill_delay!r} is not a number of seconds")
+    delay = int(kill_delay) if kill_delay else PBS_DEFAULT_KILL_DELAY
+    walltime = mom_sigkill_after(0, delay)
+    qdel = [mom_sigkill_after(last, delay) for last in range(MAX_CHECK_POLL_TIME)]
+    whose = f"the queue's kill_delay, {delay} s" if kill_delay else "kill_delay, 10 s unless the queue sets another"
+    return (f"about {walltime} s after the walltime's TERM, {min(qdel)} to {max(qdel)} s after a qdel's ({whose}, at "
+            "the MoM's next poll; none after qsig -s TERM)")
+
+
 def chain_vars(pairs: list[str]) -> str:
     """NAME=VALUE words -> one list for ``qsub -v`` or ``sbatch --export``, which both split at every comma outside
     quotes (qsub(1B), -v: "the value must be enclosed in single or double quotes"; Slurm's env.c find_quote_token): a
@@ -420,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if rest and run_complete(rest[0]) else 1
         elif command == "chain-vars":
             print(chain_vars(rest))
+        elif command == "pbs-kill-delay":
+            print(pbs_kill_delay(rest[0] if rest else ""))
         else:
             raise BadInput(f"unknown subcommand {command!r}: python -m coursetools.jobs --help lists them")
     except BadInput as exc:

@@ -108,9 +108,10 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-# Derived ports stay in 20000-31999, as pbs/common.sh's distlab_port_from_job_id: below Linux's ephemeral range
+# Derived ports stay in 20000-31999, as jobs/common.sh's distlab_port_from_job_id: below Linux's ephemeral range
 # (net.ipv4.ip_local_port_range, 32768-60999 by default), where the kernel picks the local ports of outgoing
-# connections, so a derived port is never already taken by some process's connection on that node.
+# connections, so with that default range, and only then, a derived port is never already taken by some process's
+# outgoing connection on that node (a site that widens the range loses this: chapter 12.4 says so).
 PORT_RANGE = (20000, 32000)
 
 

@@ -77,12 +77,14 @@ DISTLAB_WALLTIME_MARGIN=${DISTLAB_WALLTIME_MARGIN:-120} # seconds before the wal
 # torchrun's agent, told to stop (Slurm's walltime warning, a qsig -s TERM or scancel --signal=TERM), SIGKILLs its
 # workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s later, 30 unless set (torch 2.13 distributed/launcher/api.py:145-149,
 # elastic/agent/server/api.py:752-754): too short for a long step and a save. Both schedulers' jobs give them what
-# they budget for a last step and checkpoint before the end, DISTLAB_WALLTIME_MARGIN; Slurm's warning (180 s) comes
-# earlier than that, so the SIGKILL still comes before the limit. A worker's failure keeps its 30 s whatever this says
-# (local_elastic_agent.py:392-393, 517-518). Whether the user gave it is noted: a Slurm successor makes its own
-# (slurm/common.sh, distlab_chain_next); a PBS successor gets only its -v settings.
+# they budget for a last step and checkpoint before the end, DISTLAB_WALLTIME_MARGIN, and never less than torch's 30 s:
+# a margin cut to use more of the walltime must not cut the agents' grace too (0 is accepted, api.py:150-153, and
+# SubprocessContext._close then SIGKILLs at once after the TERM: elastic/multiprocessing/api.py:1023-1053). Slurm's
+# warning (180 s) comes earlier than that, so the SIGKILL still comes before the limit. A worker's failure keeps its
+# 30 s whatever this says (local_elastic_agent.py:392-393, 517-518). Whether the user gave it is noted: a successor
+# makes its own unless the user did (slurm/common.sh and pbs/common.sh, distlab_chain_next).
 DISTLAB_SHUTDOWN_TIMEOUT_GIVEN=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-}}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((DISTLAB_WALLTIME_MARGIN > 30 ? DISTLAB_WALLTIME_MARGIN : 30))}
 [[ $DISTLAB_GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_GPUS_PER_NODE=$DISTLAB_GPUS_PER_NODE is not a positive integer"
 [[ -z $DISTLAB_NPROCS || $DISTLAB_NPROCS =~ ^[1-9][0-9]*$ ]] || distlab_die "DISTLAB_NPROCS=$DISTLAB_NPROCS is not a positive integer"
 
@@ -350,7 +352,8 @@ distlab_omp_threads() {
 }
 
 distlab_tee() {
-    # tee that outlives a SIGTERM. qdel and the walltime signal every process of the job, tee too; a dead tee
+    # tee that outlives a SIGTERM. qdel and the walltime signal the job shell's processes (PBS: on the first node,
+    # where this tee runs; Slurm: the batch step's), tee too; a dead tee
     # turns rank 0's next print into BrokenPipeError before its checkpoint is written. An ignored signal stays
     # ignored across exec, so this tee ends only when the ranks close the pipe, and the log keeps their last line.
     (
@@ -361,13 +364,36 @@ distlab_tee() {
 
 distlab_seconds() { distlab_jobs seconds "$1"; } # PBS's durations: [[HH:]MM:]SS -> seconds
 
+# distlab_chain_successor JOB_FILE NAME=VALUE...: submit this job's successor in a chain (distlab_chain_next) once a
+# job, and set DISTLAB_CHAIN_NEXT to its id. Slurm's requeue and PBS's rerun run the same job again, with the same id
+# and environment (DISTLAB_RESTART_COUNT > 0), while the first attempt's successor is still queued: it waits for this
+# job id to end, and a requeued job has not ended. A second successor would run beside the first from the same
+# checkpoint folder, each would submit its own, and the chain would branch. So the first attempt notes the id in
+# its run folder (DISTLAB_JOB_RUN_DIR/chain_next, which every attempt shares), and a restarted attempt that finds
+# it submits nothing. A restart before the note was written (between sbatch's answer and the next line) still
+# submits a second one.
+distlab_chain_successor() {
+    local noted=$DISTLAB_JOB_RUN_DIR/chain_next
+    DISTLAB_CHAIN_NEXT=
+    if ((${DISTLAB_RESTART_COUNT:-0} > 0)) && [[ -s $noted ]]; then
+        DISTLAB_CHAIN_NEXT=$(<"$noted")
+        distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT (submitted by this job's first attempt; this is its restart $DISTLAB_RESTART_COUNT): no other is submitted"
+        return 0
+    fi
+    DISTLAB_CHAIN_NEXT=$(distlab_chain_next "$@") || return 2
+    printf '%s\n' "$DISTLAB_CHAIN_NEXT" >"$noted" || distlab_log "cannot note the next job's id in $noted: a restart of this job would submit another"
+    distlab_log "next job of the chain: $DISTLAB_CHAIN_NEXT (starts when $DISTLAB_JOB_ID ends, however it ends)"
+}
+
 distlab_chain_done() {
     # NEXT_JOB METRICS_FILE: the run is complete (its metrics say so: checks passed, not stopped early), so the
-    # chain's queued successor is cancelled and no finished run queues more jobs
+    # chain's queued successor is cancelled and no finished run queues more jobs; its note goes too, so that a
+    # restart of this job chains afresh
     local next=$1 metrics=$2
     [[ -n $next && -f $metrics ]] || return 0
     if distlab_jobs complete "$metrics"; then
         distlab_cancel_job "$next" && distlab_log "the run is complete: the chain's next job $next is cancelled"
+        rm -f "${DISTLAB_JOB_RUN_DIR:-/nonexistent}/chain_next"
     fi
 }
 
@@ -583,13 +609,16 @@ distlab_not_launched() {
 }
 
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
-# waits in the background): the ranks got the signal too, from the scheduler, and stop at the end of their step. Only
+# waits in the background). The ranks got the signal too and stop at the end of their step: under Slurm from slurmd,
+# every step on every node; under PBS the MoM signals only the first node's job processes (the job shell's session:
+# OpenPBS src/resmom/mom_main.c:5353-5360, linux/mom_mach.c:1314-1372), so ranks elsewhere get it only if mpiexec
+# passes it on (not checked for PALS or Hydra), and a drill's one rank that got it stops them all. Only
 # a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
 # and only then does the line say so; no later launch starts: the job is being ended. After a scancel, a qdel or
-# the limit the scheduler kills what is left of the job (Slurm: KillWait later, which DISTLAB_KILL_DELAY says; PBS:
-# about 10 s after the walltime's TERM, 10 to about 25 s after a qdel's; nothing after a qsig -s TERM or a
-# scancel --signal=TERM): the checkpoint is there only if a step and a save fit before. The summary is written
-# now, as it stands, perhaps before the launch in progress has ended.
+# the limit the scheduler kills what is left of the job, as DISTLAB_KILL_DELAY says (Slurm's KillWait; PBS's
+# kill_delay and the MoM's poll), and nothing after a qsig -s TERM or a scancel --signal=TERM: the checkpoint is
+# there only if a step and a save fit before. The summary is written now, as it stands, perhaps before the launch
+# in progress has ended.
 distlab_on_sigterm() {
     DISTLAB_TERMINATED=1
     local why=SIGTERM
@@ -604,8 +633,9 @@ distlab_on_sigterm() {
     local current=${DISTLAB_CURRENT:-} saving=" ${DISTLAB_CHECKPOINTING:-} " signal="SIGTERM"
     [[ $why == SIGTERM ]] || signal="SIGTERM at the $DISTLAB_LIMIT_NAME"
     saving=${saving//[,:]/ }
-    # when the scheduler's KILL follows: Slurm's KillWait, read at the job's start (slurm/common.sh); PBS's kill_delay
-    local kill=${DISTLAB_KILL_DELAY:-"about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (PBS's kill_delay; none after qsig -s TERM)"}
+    # when the scheduler's KILL follows, as its part read it at the job's start: Slurm's KillWait (slurm/common.sh),
+    # PBS's kill_delay and the MoM's poll (pbs/common.sh, distlab_kill_delay)
+    local kill=${DISTLAB_KILL_DELAY:-"when the scheduler sends it"}
     if [[ -n $current && $saving == *" $current "* ]]; then
         distlab_log "$signal: $current's ranks stop at the end of their step and write a checkpoint if they finish before the KILL, $kill; nothing more is launched"
     else

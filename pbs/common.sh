@@ -71,14 +71,28 @@ distlab_qstat_field() {
         END { if (line != "") print line }' | sed -n "s/^ *${1//./\\.} = //p" | head -n 1
 }
 
+# distlab_kill_delay: when PBS's SIGKILL follows its TERM, for the TERM trap's line (jobs/common.sh, distlab_on_sigterm,
+# reads DISTLAB_KILL_DELAY): the kill_delay of the queue the job runs in (PBS_QUEUE; `qstat -Qf` lists it where the
+# queue sets one, else it is 10 s: OpenPBS src/server/req_runjob.c:948, 991-994), then the MoM's next poll
+# (coursetools.jobs, pbs_kill_delay)
+distlab_kill_delay() {
+    local delay=""
+    if [[ -n ${PBS_QUEUE:-} ]]; then
+        delay=$("$DISTLAB_QSTAT" -Qf "$PBS_QUEUE" 2>/dev/null | sed -n 's/^ *kill_delay = \([0-9][0-9]*\)$/\1/p' | head -n 1)
+    fi
+    DISTLAB_KILL_DELAY=$(distlab_jobs pbs-kill-delay "$delay") || DISTLAB_KILL_DELAY="when PBS sends it (the queue's kill_delay)"
+}
+
 distlab_deadline() {
-    # PBS gives no warning before the walltime: once it has passed, the MoM sends SIGTERM at its next poll and
-    # SIGKILL the queue's kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
+    # PBS gives no warning before the walltime: once it has passed, the first node's MoM sends SIGTERM to the job's
+    # processes there at its next poll (the other nodes' ranks get it only through mpiexec) and SIGKILL the queue's
+    # kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
     # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
     # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set
     # when the server runs the job (OpenPBS src/server/req_runjob.c:1188); without it, now less the walltime used so
     # far, which the MoM samples only every 10-120 s (OpenPBS src/include/mom_func.h:413-414) and so runs behind.
     local walltime used start
+    distlab_kill_delay # a qdel's SIGKILL comes with or without a walltime
     walltime=${PBS_WALLTIME:-$(distlab_qstat_field Resource_List.walltime)}
     [[ -n $walltime ]] || return 0 # not a PBS job: no deadline
     walltime=$(distlab_seconds "$walltime") || distlab_die "cannot read the job's walltime '$walltime'"
@@ -100,7 +114,8 @@ distlab_chain_next() {
     # JOB_FILE NAME=VALUE...: submit the job that continues this one, starting when this one ends however it ends
     # (afterany: a job stopped at its walltime did not end "ok"), with this job's own resources: the same
     # select line, walltime and queue, so a 2-node chain does not go on as a 1-node one, and the settings it was
-    # given (-v). Prints its id.
+    # given (-v): its DISTLAB_* ones, TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG. Other -v variables are not
+    # carried. Prints its id.
     local select walltime queue
     select=$(distlab_qstat_field Resource_List.select)
     walltime=$(distlab_qstat_field Resource_List.walltime)
@@ -127,6 +142,12 @@ distlab_chain_next() {
         esac
         [[ " ${*:2} " == *" $name="* ]] || carried+=("$name=${!name-}")
     done
+    # and the two settings of torch and NCCL the user may give a chain (qsub -v), when given: this job's own values (the
+    # margin, NCCL's WARN default on Slingshot) stay behind, as the successor makes its own (jobs/common.sh)
+    local given=${DISTLAB_SHUTDOWN_TIMEOUT_GIVEN:-}
+    [[ -z $given || " ${*:2} " == *" TORCH_ELASTIC_SHUTDOWN_TIMEOUT="* ]] || carried+=("TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$given")
+    given=${DISTLAB_NCCL_DEBUG_GIVEN-${NCCL_DEBUG:-}}
+    [[ -z $given || " ${*:2} " == *" NCCL_DEBUG="* ]] || carried+=("NCCL_DEBUG=$given")
     # qsub -v splits its list at every comma outside quotes: a value's commas become colons (distlab_jobs chain-vars)
     local variables
     variables=$(distlab_jobs chain-vars "${carried[@]}" "${@:2}") || return 2

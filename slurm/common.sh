@@ -30,10 +30,14 @@ DISTLAB_JOB_ID=${SLURM_JOB_ID:-}
 # At the time limit, and on a plain `scancel JOB`, slurmd sends TERM to every step, the batch shell's and the ranks',
 # and KILL KillWait seconds later (src/slurmd/slurmd/req.c: _rpc_timelimit, _rpc_terminate_job; scancel.1: "This
 # gives time for the running job/step(s) to clean up"). The job's srun gets that TERM too, prints "forcing job
-# termination" and "Job step aborted: Waiting up to N seconds" (KillWait + 2) for its tasks to end: its
-# launch_fwd_signal(SIGKILL) is slurm_step_launch_abort, which sends the tasks nothing (Slurm 22.05 src/srun/libsrun/srun_job.c:2322-2331 and src/plugins/launch/slurm/
-# launch_slurm.c:961-962; src/srun/signals.c and src/srun/launch.c:1659-1660 at 284c3b95). So the ranks have KillWait
-# seconds after their TERM: distlab_on_sigterm says a checkpointing launch writes its checkpoint if it fits in them.
+# termination" and "Job step aborted: Waiting up to N seconds" (KillWait + 2). Its launch_fwd_signal(SIGKILL) marks
+# the launch aborted (src/srun/signals.c:162-168, src/srun/launch.c:1659-1660 at 284c3b95), and srun then asks the
+# controller to SIGKILL the step (slurm_kill_job_step, src/api/step_launch.c:728-731). The controller refuses: the
+# job is already TIMEOUT or CANCELLED (src/slurmctld/job_mgr.c:9856, :5398), and a finished job's steps get
+# ESLURM_ALREADY_DONE (src/stepmgr/stepmgr.c:633-636; Slurm 22.05: step_launch.c:666-671, step_mgr.c:621-624). So
+# the ranks have KillWait seconds after their TERM: distlab_on_sigterm says a checkpointing launch writes its
+# checkpoint if it fits in them. An srun TERMed while the job still runs (timeout under DISTLAB_LAUNCH_TIMEOUT, a
+# kill, scancel --full) has its step SIGKILLed at once: the warning below signals the step, never this shell's srun.
 # the job's time limit as Slurm names it (its TimeLimit field; "*** JOB ... CANCELLED AT ... DUE TO TIME LIMIT ***")
 DISTLAB_LIMIT_NAME="time limit"
 DISTLAB_RESTART_COUNT=${SLURM_RESTART_COUNT:-0} # a requeued job: how many times (Slurm's sbatch manual, SLURM_RESTART_COUNT)
@@ -146,12 +150,15 @@ distlab_deadline() {
     # KillWait later (30 s by default, slurm.conf.5): too short for a large model's step and save, so the warning
     # (distlab_on_walltime_warning) or the deadline is the time to save.
     local end limit wait
+    # a TERM (scancel, the limit) leaves the ranks KillWait seconds ("KillWait = 30 sec" in scontrol show config),
+    # read first: a job with no time limit can still be cancelled
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        wait=$("$DISTLAB_SCONTROL" show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9][0-9]*\) sec.*/\1/p')
+        [[ -z $wait ]] || DISTLAB_KILL_DELAY="${wait} s after the TERM (KillWait)"
+    fi
     end=$(distlab_job_field EndTime)
     limit=$(distlab_job_field TimeLimit)
     [[ -n $end && $end != Unknown && $limit != UNLIMITED ]] || return 0 # not a Slurm job, or no limit
-    # a TERM (scancel, the limit) leaves the ranks KillWait seconds ("KillWait = 30 sec" in scontrol show config)
-    wait=$("$DISTLAB_SCONTROL" show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9][0-9]*\) sec.*/\1/p')
-    [[ -z $wait ]] || DISTLAB_KILL_DELAY="${wait} s after the TERM (KillWait)"
     end=$(date -d "$end" +%s 2>/dev/null) || distlab_die "cannot read the job's EndTime '$end'"
     # the job's end: a SIGTERM at or after it is the time limit's (distlab_on_sigterm), and the warning says how near
     export DISTLAB_JOB_END=$end
@@ -183,6 +190,8 @@ distlab_deadline() {
 # - one whose srun has made no step yet (the warning came as it started): scancel would signal no step (it signals
 #   the steps there are, and succeeds), and the ranks would run on to the limit. Its srun is stopped instead, before
 #   the ranks start (distlab_launch, DISTLAB_STOP_UNSTARTED); the last checkpoint is the one the job started from.
+#   That TERM has srun ask the controller to SIGKILL a step it made meanwhile (step_launch.c:728-731): ranks just
+#   started die, with nothing new trained.
 # A launch that writes no checkpoint goes on: it may still end in time, and a TERM would save nothing.
 distlab_on_walltime_warning() {
     DISTLAB_TERMINATED=1

@@ -126,16 +126,20 @@ def draw_launch_and_rendezvous(fig) -> None:
             va="center", fontsize=6.3, color="#333333")
     # 4. the rendezvous at rank 0's address
     stage(2.05, 4, "rendezvous")
-    box(3.3, 1.75, 5.4, 0.6, f"rank 0's TCP store at {addr}:{port}\n(the job exports both: first node, cksum of "
-        f"the job id;\na bare srun derives port {bare_srun_port()} instead)", face="#e6eef8", edge="#1f77b4", size=6.3)
+    # tall enough for its three lines; the ranks' arrows end at its top edge (its y + height + the box's pad), not on
+    # its first line
+    store_y, store_h, pad = 1.6, 0.8, 0.04
+    box(3.3, store_y, 5.4, store_h, f"rank 0's TCP store at {addr}:{port}\n(the job exports both: first node, cksum "
+        f"of the job id;\na bare srun derives port {bare_srun_port()} instead)", face="#e6eef8", edge="#1f77b4",
+        size=6.3)
     for rank, (x, y) in rank_xy.items():
-        arrow((x, y), (6.0 + (x - 6.0) * 0.25, 2.35), colour="#1f77b4", lw=0.6)
+        arrow((x, y), (6.0 + (x - 6.0) * 0.25, store_y + store_h + pad), colour="#1f77b4", lw=0.6)
     # 5. the process group
     stage(0.75, 5, "process group")
     box(3.2, 0.35, 5.6, 0.8, f"the store hands out NCCL's unique id (gloo: each rank's address); then\n"
         f"init_process_group returns on all {len(ranks)} ranks: one process group, a world of {len(ranks)}",
         face="#f2e6f7", edge="#8172b3")
-    arrow((6.0, 1.75), (6.0, 1.17))
+    arrow((6.0, store_y - pad), (6.0, 1.17))
 
 
 # ---- 12.2: what the watchdog does with a collective that never completes ----------------------------------------

@@ -17,9 +17,11 @@ one. Two things end real jobs early, and the script handles both:
   ``torchrun --max-restarts=1`` the agent then starts every rank again; they resume from the last checkpoint
   and finish. The steps after that checkpoint are trained twice (the steps lost); time to detect is from the
   death to the restart.
-* **The walltime runs out.** PBS gives no warning: once the walltime has passed, the MoM sends SIGTERM at its
-  next poll (up to 120 s late in a long job) and SIGKILL once ``kill_delay`` (10 s by default) has passed, at its
-  next poll, about 10 s later: too little for a step and a checkpoint of a real model. So the run stops itself
+* **The walltime runs out.** PBS gives no warning: once the walltime has passed, the first node's MoM sends
+  SIGTERM to the job's processes on that node at its next poll (up to 120 s late in a long job), and SIGKILL once
+  ``kill_delay`` (10 s by default) has passed, at its next poll, about 10 s later: too little for a step and a
+  checkpoint of a real model. Ranks on other nodes get the TERM only if ``mpiexec`` passes it on; the all-reduce
+  below makes one rank that saw it enough. So the run stops itself
   first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports ``DISTLAB_DEADLINE``, the job's end less a
   margin) is checked after every step, and when the next step and a checkpoint, timed as the longest seen so far,
   would pass it, every rank agrees (an all-reduce of the flag), writes a checkpoint and exits 0; the next job in
@@ -89,6 +91,19 @@ def stop_checkpoint_is_whole(run_dir: Path, state, world_size: int) -> tuple[boo
     whole = (latest == checkpointing.checkpoint_dir(run_dir, state.step)
              and checkpointing.records_every_rank(latest, ranks, step=holds_step))
     return whole, latest, ranks
+
+
+def agreed_stop_verdict(run_dir: Path, state, world_size: int, rank: int, device) -> tuple[bool, Path | None, int]:
+    """stop_checkpoint_is_whole as rank 0 reads it, broadcast to every rank: so every rank exits with the same code.
+    A rank on another node reads the shared folder through its own file-system client, which can miss a file just
+    written there for a few seconds (an NFS client's attribute cache). Its own reading would fail a good stop, and its
+    torchrun agent, its restart unused, would restart every worker. The other ranks get no folder back (None)."""
+    whole, latest = False, None
+    if rank == 0:
+        whole, latest, _ = stop_checkpoint_is_whole(run_dir, state, world_size)
+    verdict = torch.tensor([1.0 if whole else 0.0], device=device)
+    dist.broadcast(verdict, src=0)
+    return bool(verdict.item()), latest, world_size if state.rank is not None else 0
 
 
 class HeldState(checkpointing.TrainingState):
@@ -233,11 +248,15 @@ def main():
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         longest = {"step": 0.0, "save": 0.0}  # seconds: what the next step and a checkpoint may take
+        # the step of the last checkpoint this attempt can resume from: the one it started from, then each it writes
+        # (a stop's lies off the --save-every grid: a chained job's rank may die just after resuming from it)
+        last_saved = state.step
 
         try:
             for step in range(state.step, args.steps):
                 if rt.rank == args.kill_rank and step == args.kill_at_step and attempt == 0:
-                    (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time()}))
+                    (run_dir / FAILURE_FILE).write_text(json.dumps({"rank": rt.rank, "step": step, "time": time.time(),
+                                                                    "last_checkpoint": last_saved}))
                     print(f"[rank {rt.rank}] dies at step {step} (a node fails)", flush=True)
                     os._exit(1)
                 step_started = time.perf_counter()
@@ -270,6 +289,7 @@ def main():
                 if state.step % args.save_every == 0 or state.step == args.steps or by:
                     save_started = time.perf_counter()
                     where = checkpointing.save(state, run_dir)
+                    last_saved = state.step
                     longest["save"] = max(longest["save"], time.perf_counter() - save_started)
                     rt.print(f"  checkpoint {where.name}")
                 if by:
@@ -282,10 +302,12 @@ def main():
                     rt.print(f"{why}: stopped after step {step} with checkpoint step_{state.step:06d} written; "
                              "start the job again (a chained qsub) to resume")
                     # read back from disk, not taken from the save's return: the folder the next job resumes from
-                    # (the latest with its metadata) must be this one, and its metadata must name every rank's part
-                    whole, latest, ranks = stop_checkpoint_is_whole(run_dir, state, rt.world_size)
+                    # (the latest with its metadata) must be this one, and its metadata must name every rank's part;
+                    # rank 0 reads it, and every rank takes its verdict (agreed_stop_verdict)
+                    whole, latest, ranks = agreed_stop_verdict(run_dir, state, rt.world_size, rt.rank, rt.device)
                     report.check("the stop's checkpoint is the latest in the folder and records every rank",
-                                 whole, str(latest), f"step_{state.step:06d}, with {ranks} ranks' generators")
+                                 whole, str(latest) if rt.is_main else "rank 0's reading",
+                                 f"step_{state.step:06d}, with {ranks} ranks' generators")
                     report.extra = {"stopped_by": by, "checkpoint_step": state.step,
                                     "seconds_left": None if args.deadline is None else args.deadline - time.time()}
                     code = report.finish(args.metrics_out)
@@ -324,9 +346,12 @@ def main():
         if failure.exists():
             died = json.loads(failure.read_text())
             extra.update(died_at_step=died["step"], seconds_to_restart=started_at - died["time"])
-            last_save = max((c for c in range(0, died["step"] + 1, args.save_every)), default=0)
-            report.check("steps lost = death step - last checkpoint before it", len(trained_twice) == died["step"] - last_save,
-                         len(trained_twice), died["step"] - last_save)
+            # the latest checkpoint written before this death, on the --save-every grid or not, and the steps after
+            # it trained again (a chained job's earlier death trained others twice)
+            last_save = died["last_checkpoint"]
+            lost = [s for s in trained_twice if last_save <= s < died["step"]]
+            report.check("steps lost = death step - last checkpoint before it", len(lost) == died["step"] - last_save,
+                         len(lost), died["step"] - last_save)
             rt.print(f"rank {died['rank']} died at step {died['step']}; the job was running again "
                      f"{extra['seconds_to_restart']:.1f} s later; {len(trained_twice)} step(s) trained twice")
         report.extra = extra

@@ -330,8 +330,9 @@ def test_after_a_sigterm_the_job_launches_nothing_and_says_checkpoint_only_for_a
         # a checkpoint only if the step and the save end before PBS's SIGKILL (qdel and the walltime send one
         # kill_delay after their TERM; qsig -s TERM sends none: OpenPBS src/resmom/requests.c:1986-1991, :2058-2094)
         assert ("distlab: SIGTERM: rank.py's ranks stop at the end of their step and write a checkpoint if they finish "
-                "before the KILL, about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (PBS's kill_delay; "
-                "none after qsig -s TERM); nothing more is launched") in said, output
+                "before the KILL, about 10 s after the walltime's TERM, 10 to 25 s after a qdel's (kill_delay, 10 s "
+                "unless the queue sets another, at the MoM's next poll; none after qsig -s TERM); nothing more is "
+                "launched") in said, output
     else:
         assert not any("checkpoint written" in s or "write a checkpoint" in s for s in said), output
         assert any("no checkpoint is written" in s for s in said), output

@@ -346,3 +346,30 @@ def test_shellcheck_warnings_drops_only_what_the_common_files_read(tmp_path):
     (tmp_path / "common.sh").write_text('#!/bin/bash\necho "${READ_BY_COMMON:-}"\ncd /tmp\n')  # SC2164 at least
     assert any(line.startswith("common.sh:3: SC2164") for line in
                shellcheck_warnings(shellcheck, tmp_path, ["common.sh"], ["job.sh"]))
+
+
+def test_a_rerun_chained_job_submits_no_second_successor(job_env, fake_pals, tmp_path):
+    """qrerun (or a lost node) runs pbs/12 again with the same PBS_JOBID and environment, DISTLAB_CHAIN included. The
+    first attempt's successor still waits for this job id to end (a rerun job has not ended): a second one would run
+    beside it from the same checkpoint folder, each submitting its own, and the chain would branch. So the first
+    attempt notes its successor's id in the job's first run folder, and the rerun takes it from there: one qsub in
+    all."""
+    qstat = tmp_path / "qstat.out"
+    (tmp_path / "qstat").write_text(f"#!/bin/bash\ncat {qstat}\n")
+    (tmp_path / "qsub").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/qsub.calls; echo 4243.desched1\n')
+    for name in ("qstat", "qsub"):
+        (tmp_path / name).chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_QSTAT": str(tmp_path / "qstat"),
+                     "DISTLAB_QSUB": str(tmp_path / "qsub"), "DISTLAB_QDEL": "true", "DISTLAB_CHAIN": "2",
+                     "DISTLAB_ONLY": "tuning.py", "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+    said = []
+    for run_count in (1, 2):  # the first run, then the rerun (run_count: OpenPBS adds one each time the job runs)
+        qstat.write_text(f"    Resource_List.walltime = 00:20:00\n    run_count = {run_count}\n")
+        result = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env, timeout=120)
+        assert result.returncode == 0, result.output[-3000:]
+        said.append(result.output)
+    assert len((tmp_path / "qsub.calls").read_text().splitlines()) == 1, (tmp_path / "qsub.calls").read_text()
+    assert "next job of the chain: 4243.desched1 (starts when 4242.desched1 ends" in said[0]
+    # the id first, then a space, as the Slurm tier's chain_next reads it
+    assert ("next job of the chain: 4243.desched1 (submitted by this job's first attempt; this is its restart 1): "
+            "no other is submitted") in said[1], said[1]

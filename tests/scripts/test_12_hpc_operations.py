@@ -1,6 +1,7 @@
 """Chapter 12: every planted hang ends by itself within seconds, with a diagnosis that names its cause."""
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import assert_all_checks_passed, assert_config_error
@@ -73,6 +74,31 @@ def test_a_dead_rank_restarts_from_the_last_checkpoint_and_ends_like_one_device(
     # the survivors of the first attempt leave by themselves with one line each, unless torchrun's agent, which
     # stops the other workers as soon as one fails, gets there first (the fork test below waits for all three)
     assert 1 <= sum("lost a peer at step 5" in line for line in done.stdout.splitlines()) <= 3
+
+
+def test_steps_lost_count_from_the_last_checkpoint_written_even_off_the_save_grid(tmp_path):
+    """A chained job's drill can stop (deadline, signal) at a step off the --save-every grid: the Slurm tier's first
+    job stopped after step 4 with checkpoint step_000005 on a loaded machine, and its successor's rank 1 died at step
+    5, at once, with nothing to train again. The steps lost at that death count from the checkpoint written before it
+    (5), not from the grid's (4), and only the steps after it: the first job's own death (there at step 5, here at 3)
+    trained others twice. Here the first job loses rank 1 at step 3, resumes from step 2 and ends its run at step 5 (a
+    checkpoint off the grid of 2); the second goes on to 8 and loses rank 1 at step 5."""
+    run_dir, first, second = tmp_path / "run", tmp_path / "first.json", tmp_path / "second.json"
+
+    def drill(*args, metrics):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "--max-restarts=1", FAULT_DRILL, "--run-dir", str(run_dir), "--pg-timeout", "60",
+                   "--metrics-out", str(metrics), *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=launch.REPO_ROOT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(Path(metrics).read_text())
+
+    drill("--steps", "5", "--kill-rank", "1", "--kill-at-step", "3", metrics=first)
+    assert (run_dir / "step_000005" / ".metadata").exists()
+    metrics = drill("--steps", "8", "--kill-rank", "1", "--kill-at-step", "5", metrics=second)
+    assert all(c["passed"] for c in metrics["checks"]), metrics["checks"]
+    assert metrics["extra"]["died_at_step"] == 5 and metrics["extra"]["steps_trained_twice"] == [2]
 
 
 def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path):

@@ -312,8 +312,8 @@ def test_after_the_walltime_warning_the_job_names_it_and_a_held_back_launch_is_n
 
 def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait_later(tmp_path):
     """At the limit slurmd sends every step TERM, then KILL KillWait later (req.c: _rpc_timelimit,
-    _rpc_terminate_job); the job's srun, TERMed too, sends its tasks nothing (its SIGKILL "forward" is
-    slurm_step_launch_abort: srun_job.c, launch_slurm.c in 22.05). So the trap's line promises the checkpoint within
+    _rpc_terminate_job); the job's srun, TERMed too, asks the controller to SIGKILL its step, which refuses for a job
+    already timed out (step_launch.c:728-731, stepmgr.c:633-636). So the trap's line promises the checkpoint within
     KillWait, read from `scontrol show config` as the job starts (tests/slurm/test_slurm_jobs.py sees it written)."""
     scontrol = tmp_path / "scontrol"
     scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
@@ -326,6 +326,28 @@ def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait
     assert done.stdout.splitlines() == [
         "distlab: SIGTERM at the time limit: fault_drill.py's ranks stop at the end of their step and write a checkpoint "
         "if they finish before the KILL, 15 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
+
+
+def test_an_unlimited_jobs_term_names_slurms_killwait_and_never_pbss_delays(tmp_path):
+    """A job with no time limit (TimeLimit=UNLIMITED, EndTime=Unknown) has no deadline, but a scancel still sends
+    TERM, then KILL KillWait later: the trap's line names KillWait, read before the deadline's early return. Where
+    scontrol cannot tell KillWait, the line names no scheduler's number, and never PBS's qdel or kill_delay."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
+                        "  printf 'KillWait                = 30 sec\\n'\n"
+                        "else echo 'JobId=7 TimeLimit=UNLIMITED EndTime=Unknown'; fi\n")
+    scontrol.chmod(0o755)
+    snippet = ("distlab_deadline >/dev/null; echo \"deadline=${DISTLAB_DEADLINE:-none}\"; DISTLAB_CURRENT=fault_drill.py "
+               "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
+    done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
+    assert done.stdout.splitlines() == [
+        "deadline=none",
+        "distlab: SIGTERM: fault_drill.py's ranks stop at the end of their step and write a checkpoint if they finish "
+        "before the KILL, 30 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
+    scontrol.write_text("#!/bin/bash\nexit 1\n")
+    unknown = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol)).stdout
+    assert "before the KILL, when the scheduler sends it;" in unknown, unknown
+    assert "qdel" not in unknown and "kill_delay" not in unknown, unknown
 
 
 def test_the_walltime_warning_has_a_checkpointing_launch_saved_by_signalling_the_steps_not_the_batch_shell(tmp_path):
@@ -363,6 +385,13 @@ def test_torchruns_agents_wait_for_a_last_step_and_checkpoint_as_long_as_the_job
     assert functions(show, tmp_path).stdout.split() == ["120", "120"]  # exported: the agents are its children
     assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="300").stdout.split() == ["300", "300"]
     assert functions(show, tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["45", "45"]
+    # never under torch's own 30 s: a margin cut to use more of the walltime (the Slurm tier's successors run with 5)
+    # would cut the agents' grace after a TERM too, to an immediate SIGKILL at 0 (SubprocessContext._close,
+    # elastic/multiprocessing/api.py:1023-1053); a value given by hand still wins
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="5").stdout.split() == ["30", "30"]
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="0").stdout.split() == ["30", "30"]
+    assert functions(show, tmp_path, DISTLAB_WALLTIME_MARGIN="5", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10").stdout.split() \
+        == ["10", "10"]
 
 
 def stand_ins(tmp_path: Path, steps: str) -> dict[str, str]:
@@ -577,6 +606,34 @@ def test_a_chained_job_makes_its_own_agent_timeout_unless_the_user_gave_one(tmp_
     given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol), "DISTLAB_SBATCH": str(sbatch)}
     assert functions(chain, tmp_path, **given).stdout.split() == ["timeout=unset"]
     assert functions(chain, tmp_path, **given, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="45").stdout.split() == ["timeout=45"]
+
+
+def test_a_requeued_chained_job_keeps_its_first_attempts_successor(tmp_path):
+    """Slurm requeues a job (node failure, preemption, scontrol requeue) with the same id and environment,
+    DISTLAB_CHAIN included, and SLURM_RESTART_COUNT set. Its first attempt's successor (afterany:<this id>) still
+    waits, as a requeued job is pending, not ended; a second one would resume from the same checkpoint folder beside
+    it. So the requeued attempt reuses the id its first attempt noted and calls sbatch no more."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/bash\necho 'JobId=7 Partition=gpu TimeLimit=00:30:00 StdOut=/runs/x.o7'\n")
+    sbatch = tmp_path / "sbatch"
+    sbatch.write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.calls; echo 900\n')
+    for stand_in in (scontrol, sbatch):
+        stand_in.chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    chain = 'distlab_chain_successor job.sbatch DISTLAB_CHAIN=1 && echo "next=$DISTLAB_CHAIN_NEXT"'
+    given = {"SLURM_JOB_ID": "7", "DISTLAB_NNODES": "1", "DISTLAB_SCONTROL": str(scontrol),
+             "DISTLAB_SBATCH": str(sbatch), "DISTLAB_JOB_RUN_DIR": str(run)}
+    first = functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="0")
+    again = functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="1")
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert first.stdout.splitlines()[-1] == again.stdout.splitlines()[-1] == "next=900", first.stdout + again.stdout
+    assert len((tmp_path / "sbatch.calls").read_text().splitlines()) == 1
+    assert "next job of the chain: 900 (submitted by this job's first attempt; this is its restart 1)" in again.stdout
+    # a requeue before the first attempt chained (no note): the requeued attempt submits the chain's successor
+    (run / "chain_next").unlink()
+    assert functions(chain, tmp_path, **given, SLURM_RESTART_COUNT="2").stdout.splitlines()[-1] == "next=900"
+    assert len((tmp_path / "sbatch.calls").read_text().splitlines()) == 2
 
 
 def test_the_readme_explains_the_agents_exit_1_and_the_barrier_before_it():

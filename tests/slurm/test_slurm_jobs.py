@@ -357,7 +357,8 @@ def test_a_job_that_reaches_its_time_limit_saves_within_killwait_times_out_and_i
     logs "*** JOB N ON n1 CANCELLED AT ... DUE TO TIME LIMIT ***" in every step (SIG_TIME_LIMIT: slurmstepd
     req.c), sends TERM to the ranks' step (_rpc_timelimit), then SIGCONT and TERM to every step, the batch shell's
     included (_rpc_terminate_job), and KILL to what is left KillWait later. The job's srun, TERMed, prints "forcing
-    job termination" and sends its tasks nothing (srun_job.c, launch_slurm.c: slurm_step_launch_abort). So the drill's
+    job termination" and asks the controller to SIGKILL its step, which refuses, the job being TIMEOUT already
+    (step_launch.c:728-731, stepmgr.c:633-636, job_mgr.c:9856). So the drill's
     ranks end their step and write a checkpoint within KillWait; the batch shell's trap says so, names the time
     limit, and launches nothing more; the successor resumes from that checkpoint to the uninterrupted result."""
     kill_wait = cluster.kill_wait  # tests/slurm/conftest.py's KillWait

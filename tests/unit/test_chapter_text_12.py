@@ -146,6 +146,12 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
     busy = (1 - measured / 100) * step
     assert f"a rank was busy (1 − {measured / 100:.3f}) × {step} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a pass" in text
     assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
+    # a learner's review (s14): what that 53% would be, and why it is wrong
+    off_by = 100 * (1 - 4 * nominal / step) - measured
+    assert (f"the idle share would read 1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%, about "
+            f"{off_by:.0f} points too high, because the passes ran longer than that.") in text
+    # and why the NCCL job leaves few-microbatches out (12.2)
+    assert "`few-microbatches` is left out too: its stuck receive waits beside the first stage's" in text
     # activation checkpointing: the time ratio of the two printed rows
     off, on = (float(m) for m in re.findall(r"^ +(?:off|on) +[\d,]+ +[\d,]+ +\d+ +\d+ +([\d.]+)$", CHAPTER, flags=re.M))
     assert f"about {on / off:.1f} times as long on this machine ({off} → {on} ms in the table;" in text
@@ -592,7 +598,26 @@ def _prose_lines(text: str) -> list[str]:
 # Two learners' reviews of chapter 12: the watchdog and the flight recorder were used before they were defined, and
 # a learner who never used a scheduler met these cluster words undefined.
 TERMS = ["watchdog", "flight recorder", "straggler", "walltime", "local rank", "launcher"]
-CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks"]
+CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "modules", "chunks",
+                 "account", "libfabric"]  # a learner's review (s14): both were used and never said
+
+
+def test_the_learners_missing_steps_of_chapter_12_are_given():
+    # a learner's review (s14), chapter 12's items: each place it got lost now says what it lacked
+    text = flat(CHAPTER)
+    assert ("`-A` names your **account**, the project charged for the GPU hours: export `PBS_ACCOUNT` (or "
+            "`SBATCH_ACCOUNT`) once. `qsub -v NAME=value` (Slurm: `--export=ALL,NAME=value`) hands the job a "
+            "setting.") in text
+    assert "Below, `-A` names the account (page 12.1); `-v` passes the job environment variables:" in text
+    assert ("a provider for each kind of network: Slingshot's is `cxi`, and its cards' interfaces are `hsn0`, `hsn1` "
+            "and so on.") in text
+    assert f"waited the process-group timeout ({runtime.DEFAULT_PG_TIMEOUT_S} s in the course; page 12.2)" in text
+    # why a healthy node restarts, before the counts; the drill's checkpoint period where the drill is described
+    assert ("The failed node's agent rejoins the rendezvous; seeing it wait, the others restart their healthy workers "
+            "too, so that all start together. An agent whose workers failed counts a restart") in text
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
+    every = int(re.search(r'"--save-every", type=runtime.positive_int, default=(\d+)', drill).group(1))
+    assert f"every `--save-every` steps, {every} here. `--kill-rank 1 --kill-at-step 5`" in text
 
 
 @pytest.mark.parametrize("term", TERMS + CLUSTER_WORDS)
@@ -804,9 +829,19 @@ def test_the_schedulers_kill_delays_and_messages():
     assert walltime_kill == 10 and (min(qdel_kills), max(qdel_kills)) == (10, 25)
     assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
             "step") in text
-    assert f"| none: SIGTERM after the limit, SIGKILL about {walltime_kill} s later (`kill_delay`) |" in CHAPTER
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, plus up "
-            "to one MoM poll): too soon for a real model's step and save.") in text
+    assert (f"| none: SIGTERM after the limit, to the first node; SIGKILL about {walltime_kill} s later (`kill_delay`) |"
+            in CHAPTER)
+    # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
+    # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
+    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
+            f"MoM's next poll, {MIN_CHECK_POLL_TIME} s after such a TERM): too soon for a real model's step and "
+            "save.") in text
+    # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
+    # means for ranks elsewhere
+    assert ("PBS sends it to the first node only: ranks elsewhere get it if `mpiexec` passes it on, and one that does "
+            "stops them all.") in text
+    assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
+    assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
     assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
     assert f"each poll adds `inc_check_poll`, ({MAX_CHECK_POLL_TIME} − {MIN_CHECK_POLL_TIME} + 19) / 20 = {_INC_CHECK_POLL} s" in text
@@ -825,8 +860,16 @@ def test_the_schedulers_kill_delays_and_messages():
             f"{limit}` is {late} s late)") in text
     # Slurm: KillWait defaults to 30 s (DEFAULT_KILL_WAIT, src/common/read_config.h)
     assert "KILL follows `KillWait` later (30 s by default)" in text and "at the limit TERM, then KILL `KillWait` later" in text
-    # and srun, TERMed too, sends its tasks nothing: launch_fwd_signal(SIGKILL) is slurm_step_launch_abort
-    assert "`srun` that gets a TERM forwards SIGKILL" not in text and "SIGKILLs the tasks" not in text
+    # and srun, TERMed too, asks the controller to SIGKILL its step (Slurm 284c3b95 src/api/step_launch.c:728-731,
+    # after launch_fwd_signal(SIGKILL) set the abort: src/srun/launch.c:1659-1660, step_launch.c:824-837); the
+    # controller refuses a finished job's step (src/stepmgr/stepmgr.c:633-636), and a timed-out or cancelled job is
+    # finished before slurmd's TERM (src/slurmctld/job_mgr.c:9856-9859, :5398-5404); one still running is not
+    assert "it sends the tasks nothing" not in text and "sends its tasks nothing" not in text
+    assert ("its `launch_fwd_signal(SIGKILL)` marks the launch aborted, and the thread that waits for the tasks asks "
+            "the controller to SIGKILL the step (`slurm_kill_job_step`, `src/api/step_launch.c:728-731`;") in text
+    assert ("The controller refuses a finished job's steps (`ESLURM_ALREADY_DONE`, `src/stepmgr/stepmgr.c:633-636`), "
+            "and a job is finished for it before slurmd's TERM") in text
+    assert "An `srun` TERMed while its job still runs has its step SIGKILLed at once" in text
     # the Slurm tier's KillWait, within which its limit-reached job's ranks save (tests/slurm/conftest.py)
     kill_wait = int(re.search(r"^KILL_WAIT = (\d+)$", (ROOT / "tests" / "slurm" / "conftest.py").read_text(), re.M).group(1))
     assert f"writes its checkpoint within {kill_wait} s of `KillWait`" in text
@@ -976,15 +1019,22 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     elastic = Path(torch.__file__).parent / "distributed"
     agent = (elastic / "elastic" / "agent" / "server" / "api.py").read_text().splitlines()
     assert "except SignalException" in agent[751] and "timeout=self._shutdown_timeout" in agent[753]
-    launcher = " ".join((elastic / "launcher" / "api.py").read_text().splitlines()[144:149])
+    launcher_lines = (elastic / "launcher" / "api.py").read_text().splitlines()
+    launcher = " ".join(launcher_lines[144:149])
     assert 'os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")' in launcher
     local = (elastic / "elastic" / "agent" / "server" / "local_elastic_agent.py").read_text().splitlines()
     assert "def _stop_workers" in local[391] and local[392].strip() == "self._shutdown()"
     assert "def _shutdown(" in local[516] and "timeout: int = 30" in local[517]
-    # the jobs' value, both schedulers': the margin, unless set (jobs/common.sh; test_pbs_common and
-    # test_slurm_job_files run it)
-    assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$DISTLAB_WALLTIME_MARGIN}"
-            in (ROOT / "jobs" / "common.sh").read_text())
+    # the jobs' value, both schedulers': the margin, at least torch's 30 s, unless set (jobs/common.sh;
+    # test_pbs_common and test_slurm_job_files run it)
+    assert ("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((DISTLAB_WALLTIME_MARGIN > 30 ? "
+            "DISTLAB_WALLTIME_MARGIN : 30))}" in (ROOT / "jobs" / "common.sh").read_text())
+    # what 0 would do: the launcher accepts it, and the agent's close then SIGKILLs at once after its TERM
+    assert "elif self.shutdown_timeout < 0:" in launcher_lines[149]
+    close = (elastic / "elastic" / "multiprocessing" / "api.py").read_text().splitlines()
+    assert "def _close(self, death_sig: signal.Signals, timeout: int = 30)" in close[1022]
+    assert "end = time.monotonic() + timeout" in close[1033] and "if time_to_wait <= 0:" in close[1036]
+    assert "forcefully exiting via" in " ".join(close[1046:1052])
     text = flat(CHAPTER)
     assert ("`torch/distributed/elastic/agent/server/api.py:752-754`), and `shutdown_timeout` is "
             "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 (`torch/distributed/launcher/api.py:145-149`") in text
@@ -1000,7 +1050,10 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         kills.append(warned + margin)
         assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
     assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s after the TERM: torch's default is 30 s, and "
-            f"the jobs set {margin} s (the margin), for a step and a save.") in text
+            f"the jobs set {margin} s (the margin, never under 30 s), for a step and a save.") in text
+    assert ("It never exports less than torch's 30 s. The launcher accepts 0 (`launcher/api.py:150-153`), and the "
+            "agent's close then sends SIGKILL right after its TERM (`SubprocessContext._close`, "
+            "`elastic/multiprocessing/api.py:1023-1053`).") in text
     # the body says the jobs' value leaves the fault drill's restart alone: a failed worker's stop keeps 30 s
     assert ("These 30 s are fixed when a worker fails; `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` sets only the wait of an "
             "agent told to stop (below).") in text
@@ -1058,15 +1111,19 @@ def test_a_hand_scancel_of_the_steps_does_not_stop_the_job():
 
 def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     # a plain Slurm scancel sends every step TERM, then KILL after KillWait (scancel.1:355-359); the job's srun, TERMed
-    # too, sends its tasks nothing (launch_fwd_signal(SIGKILL) is slurm_step_launch_abort: src/srun/launch.c,
-    # the time-limit test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
+    # too, asks the controller to SIGKILL its step, which it refuses, as the job is already cancelled (the time-limit
+    # test of tests/slurm sees the ranks save within KillWait), so each gives the sigwait thread time
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
+            "steps only) before `scancel <id>`. PBS's TERM reaches the first node's job processes; ranks elsewhere get "
+            "it only from `mpiexec`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
             "KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
-    assert "forwards SIGKILL" not in readme and "but sends its tasks nothing" in readme
+    assert "but sends its tasks nothing" not in readme
+    assert "It asks the controller to SIGKILL its step, and the controller refuses: the job has already timed out" in readme
+    assert "has its step SIGKILLed at once, with no time to save" in readme
+    assert "the job's `srun` sends its tasks nothing more" not in text
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
 
 
@@ -1144,6 +1201,12 @@ def test_the_derived_ports_range_and_collision_chances_come_from_the_jobs_hash()
                             "for id in 1 77 123456 abc; do distlab_port_from_job_id $id; done"],
                            capture_output=True, text=True, check=True).stdout.split()
     assert len(ports) == 4 and all(base <= int(p) < base + buckets for p in ports), ports
+    # the runtime's own range names where the jobs' rule lives, and says the ephemeral-range argument needs the
+    # kernel's default range (a review's nit, s14)
+    runtime_source = " ".join((ROOT / "distlab" / "runtime.py").read_text().replace("#", " ").split())
+    assert "as jobs/common.sh's distlab_port_from_job_id" in runtime_source
+    assert "with that default range, and only then, a derived port is never already taken" in runtime_source
+    assert runtime.PORT_RANGE == (base, base + buckets)
 
 
 def _function(source: str, name: str) -> str:
@@ -1207,8 +1270,18 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
             f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
     assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
-    assert ("sends a real signal, which `req_signaljob` delivers to the job's processes with no kill time "
+    assert ("sends a real signal, which `req_signaljob` delivers to the first node's job processes with no kill time "
             "(`requests.c:2058-2094`") in text
+    # where PBS's signals go (OpenPBS cd7ab5eda): the first node's MoM, its own tasks' sessions; the other nodes' only
+    # through mpiexec, which no source or test here shows for PALS or Hydra
+    assert "The server passes a signal request to the job's MoM, the first node's" in text
+    assert "A rank anywhere else gets it only if `mpiexec` passes it on." in text
+    assert "no source the course has read shows; no test checks it" in text
+    jobs_common = flat((ROOT / "jobs" / "common.sh").read_text().replace("#", " "))
+    assert "the ranks got the signal too, from the scheduler," not in jobs_common
+    assert "under PBS the MoM signals only the first node's job processes" in jobs_common
+    assert "Ranks on other nodes get the TERM only if ``mpiexec`` passes it on" in flat(
+        (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     assert "handled the same way" not in drill
     assert "But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``" in drill
@@ -1220,13 +1293,22 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
                 "sends none; qdel and the walltime send SIGKILL once kill_delay has passed, too soon for a real model's")\
             in comments, job
     trap = _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
-    # the trap's PBS delays are the MoM model's: the walltime's TERM is sent at a poll, a qdel's between two
+    # the trap's PBS delays (pbs/common.sh, distlab_kill_delay, through coursetools.jobs) are the MoM model's: the
+    # walltime's TERM is sent at a poll, a qdel's between two; the shared trap holds no scheduler's numbers
+    from coursetools import jobs
+
+    for delay in (1, 10, 11, 30, 60, 200):
+        assert all(jobs.mom_sigkill_after(last, delay) == _mom_sigkill_after(last, delay)
+                   for last in range(MAX_CHECK_POLL_TIME)), delay
     walltime_kill = _mom_sigkill_after(0, 10)
     qdel_kills = {_mom_sigkill_after(last, 10) for last in range(MAX_CHECK_POLL_TIME)}
-    assert ("write a checkpoint if they finish before the KILL, $kill" in trap
-            and f"about {walltime_kill} s after the walltime's TERM, {min(qdel_kills)} to {max(qdel_kills)} s after a "
-                "qdel's (PBS's kill_delay; none after qsig -s TERM)" in trap)
-    assert "10 to about 25 s later" not in _function((ROOT / "jobs" / "common.sh").read_text(), "distlab_on_sigterm")
+    assert "write a checkpoint if they finish before the KILL, $kill" in trap
+    assert jobs.pbs_kill_delay("").startswith(
+        f"about {walltime_kill} s after the walltime's TERM, {min(qdel_kills)} to {max(qdel_kills)} s after a qdel's "
+        "(kill_delay, 10 s unless the queue sets another,")
+    default = next(line for line in trap.splitlines() if "local kill=" in line)
+    assert default.strip() == 'local kill=${DISTLAB_KILL_DELAY:-"when the scheduler sends it"}', default
+    assert "10 to about 25 s later" not in trap
     assert "write a checkpoint; nothing more is launched" not in trap
 
 

@@ -2,6 +2,7 @@
 or not the latest, fail it."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +63,8 @@ def test_the_drill_checks_the_checkpoint_it_stopped_with_by_reading_it_back():
     assert "latest = checkpointing.latest_checkpoint(run_dir)" in drill
     assert ("whole = (latest == checkpointing.checkpoint_dir(run_dir, state.step)\n"
             "             and checkpointing.records_every_rank(latest, ranks, step=holds_step))") in drill
-    assert "whole, latest, ranks = stop_checkpoint_is_whole(run_dir, state, rt.world_size)" in drill
+    assert "whole, latest, _ = stop_checkpoint_is_whole(run_dir, state, world_size)" in drill
+    assert "whole, latest, ranks = agreed_stop_verdict(run_dir, state, rt.world_size, rt.rank, rt.device)" in drill
     assert "a checkpoint of the last step done is on disk" not in drill
 
 
@@ -97,3 +99,45 @@ def test_a_stop_checkpoint_without_the_step_is_whole_when_the_run_was_told_not_t
     assert not checkpointing.records_every_rank(latest, 1)
     state.held = ("model", "optimizer", "rng", "step")
     assert drill.stop_checkpoint_is_whole(tmp_path, state, 1)[0] is False
+
+
+AGREED_VERDICT_SCRIPT = """
+import sys, warnings
+from pathlib import Path
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_checkpoint_records import _fault_drill
+from distlab import checkpointing
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+drill = _fault_drill()
+model = torch.nn.Linear(2, 2)
+state = checkpointing.TrainingState(model, torch.optim.AdamW(model.parameters()), rank=rank)
+state.step = 3
+run_dir = Path({run_dir!r})
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    checkpointing.save(state, run_dir)
+if rank == 1:
+    # this rank's node does not see the new folder yet (an NFS client's attribute cache, for a few seconds)
+    drill.checkpointing.latest_checkpoint = lambda folder: None
+    assert drill.stop_checkpoint_is_whole(run_dir, state, 2)[0] is False
+whole, latest, ranks = drill.agreed_stop_verdict(run_dir, state, 2, rank, "cpu")
+print(f"rank {{rank}}: whole={{whole}} ranks={{ranks}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_takes_rank_0s_verdict_on_the_stop_checkpoint(tmp_path):
+    """After a stop's save each rank used to read the shared folder itself: a node that sees it late (NFS) failed a
+    good stop and exited 1 while rank 0 exited 0, and its torchrun agent, its restart unused, restarted every worker.
+    Rank 0 reads it and broadcasts the verdict: every rank exits with the same code."""
+    from labkit import launch
+
+    script = tmp_path / "agreed_verdict.py"
+    script.write_text(AGREED_VERDICT_SCRIPT.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path / "run")))
+    result = launch.run(script, nproc=2, launcher="fork", stream=False, metrics=False, timeout=120)
+    assert result.returncode == 0, result.tail()
+    said = sorted(line for line in result.lines if line.startswith("rank "))
+    assert said == ["rank 0: whole=True ranks=2", "rank 1: whole=True ranks=2"], result.tail()

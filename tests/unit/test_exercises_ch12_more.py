@@ -218,3 +218,23 @@ def test_a_wrong_answer_on_a_hand_made_case_shows_that_cases_input():
     assert "`from labkit.exercises.ch12 import TIMELINE_CASES; TIMELINE_CASES[0]`" in said
     namespace = {}
     exec(said.split("its rows: `")[1].split("`")[0].replace("; ", "\n"), namespace)   # the line runs as given
+
+
+def test_the_labs_kinds_and_exercise_1_say_what_is_checked_and_what_hides():
+    """A closing review (s14): the four kinds partition the trace's step spans, so they add up to those by
+    construction; what profile_step.py checks is that the spans cover its own clock's time, within its tolerance. A
+    learner's review (s14): Exercise 1 counts communication where backward's span and compute both hold, so the lab
+    says that backward's span has gaps with no compute, which hide nothing (ch12.check_hidden_communication's slip)."""
+    import re
+
+    profile = (Path(__file__).resolve().parents[2] / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    fraction = float(re.search(r"^KINDS_TOLERANCE_FRACTION = ([\d.]+)", profile, flags=re.M).group(1))
+    seconds = float(re.search(r"^KINDS_TOLERANCE_SECONDS = ([\d.]+)", profile, flags=re.M).group(1))
+    kinds = _markdown("Time per kind on each rank, from its own trace:")
+    assert "The four add up to the active steps' wall time." not in kinds
+    assert ("The four split each active step's span in the trace, so they add up to those spans by construction. What "
+            "the script checks is that the spans cover the time it measured with its own clock, within "
+            f"{100 * fraction:.0f}% + {1000 * seconds:.0f} ms.") in kinds
+    exercise = _markdown("## Exercise 1: read a timeline and say what overlaps")
+    assert ("Backward's span has gaps in which nothing computes (Python, waiting): communication there hides "
+            "nothing.") in exercise

@@ -192,3 +192,32 @@ def test_the_fault_drill_picture_restarts_from_the_last_checkpoint_before_the_de
     assert second[0] == died // every * every                                # resumes where the last save left it
     assert second == list(range(second[0], run["steps"]))                    # and trains to the end
     assert run["extra"]["steps_trained_twice"] == list(range(second[0], died))
+
+
+def test_the_launch_pictures_arrows_end_at_the_stores_edge_and_the_hangs_labels_stay_readable():
+    """A learner's review (s14): the ranks' arrows ended on the store box's first line, and the red hatching ran over
+    the labels of the calls the hang picture is about."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    from coursetools.drawings import ch12
+
+    fig = Figure(figsize=figures.FIGURES["12_launch_and_rendezvous.png"][1])
+    ch12.draw_launch_and_rendezvous(fig)
+    ax = fig.axes[0]
+    blue = (0xe6 / 255, 0xee / 255, 0xf8 / 255)
+    store = next(p for p in ax.patches if isinstance(p, FancyBboxPatch) and p.get_facecolor()[:3] == blue)
+    top = store.get_y() + store.get_height() + store.get_boxstyle().pad
+    ends = [p._posA_posB[1][1] for p in ax.patches if isinstance(p, FancyArrowPatch) and p.get_linewidth() < 1]
+    assert len(ends) == 8 and all(abs(end - top) < 1e-9 for end in ends), (ends, top)
+    # the store's three lines fit inside it: its text's extent lies within the box
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    label = next(t for t in ax.texts if t.get_text().startswith("rank 0's TCP store"))
+    inside = store.get_window_extent(renderer)
+    assert inside.y0 <= label.get_window_extent(renderer).y0 and label.get_window_extent(renderer).y1 <= inside.y1
+
+    fig = Figure(figsize=figures.FIGURES["12_hang.png"][1])
+    figures.draw_hang(fig)
+    waiting = [t for t in fig.axes[0].texts if t.get_text().startswith("barrier")]
+    assert waiting and all(t.get_bbox_patch() is not None for t in waiting)

@@ -375,6 +375,27 @@ def test_a_sigterm_past_the_walltime_is_named_by_pbss_name_for_the_limit(tmp_pat
     readme = " ".join((ROOT / "pbs" / "README.md").read_text().split())
     assert "`SIGTERM at the walltime`, and each launch held back reads `not-launched NAME (walltime)`" in readme
 
+@pytest.mark.parametrize("queue, kill_delay", [("gpu", 30), ("gpu", None), ("", None)])
+def test_the_term_trap_names_the_queues_kill_delay(tmp_path, queue, kill_delay):
+    # PBS's SIGKILL follows its TERM by the queue's kill_delay (qstat -Qf; 10 s where the queue sets none: OpenPBS
+    # src/server/req_runjob.c:948, 991-994), at the MoM's next poll (coursetools.jobs.mom_sigkill_after): the trap's
+    # line says so, from pbs/common.sh, not from a default of the shared jobs/common.sh
+    tools = fake_pbs(tmp_path)
+    listing = f"Queue: gpu\n    queue_type = Execution\n" + (f"    kill_delay = {kill_delay}\n" if kill_delay else "")
+    (tmp_path / "qstat.queue").write_text(listing)
+    (tmp_path / "qstat").write_text(f'#!/bin/bash\nif [[ $1 == -Qf ]]; then [[ $2 == gpu ]] && cat {tmp_path}/qstat.queue; '
+                                    f'else cat {tmp_path}/qstat.out; fi\n')
+    said = out("distlab_deadline >/dev/null; DISTLAB_CURRENT=fault_drill.py DISTLAB_CHECKPOINTING=fault_drill.py "
+               "distlab_on_sigterm", PBS_JOBID="4242.desched1", PBS_QUEUE=queue, **tools)
+    delay = kill_delay or 10
+    walltime = jobs.mom_sigkill_after(0, delay)
+    qdel = [jobs.mom_sigkill_after(last, delay) for last in range(jobs.MAX_CHECK_POLL_TIME)]
+    whose = f"the queue's kill_delay, {delay} s" if kill_delay else "kill_delay, 10 s unless the queue sets another"
+    assert (f"before the KILL, about {walltime} s after the walltime's TERM, {min(qdel)} to {max(qdel)} s after a "
+            f"qdel's ({whose}, at the MoM's next poll; none after qsig -s TERM)") in said, said
+    assert (walltime, min(qdel), max(qdel)) == ((48, 38, 48) if kill_delay == 30 else (10, 10, 25))
+
+
 def test_a_rerun_job_writes_a_folder_of_its_own_and_finds_its_checkpoints(tmp_path):
     # qrerun (or a lost node) runs the job again with the same PBS_JOBID; PBS sets no variable for it, but qstat -f's
     # run_count counts the runs (OpenPBS req_runjob.c adds one each time the job is sent to run)
@@ -411,6 +432,28 @@ def test_the_chained_job_keeps_the_select_line_walltime_and_queue(tmp_path):
     assert not any(v.startswith(("DISTLAB_RUN_DIR=", "DISTLAB_FUNCTIONS_ONLY=", "DISTLAB_CHAIN=2")) for v in variables)
 
 
+def test_the_chained_job_keeps_the_users_agent_timeout_and_nccl_debug(tmp_path):
+    # qsub hands the next job only its -v variables: the user's TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG go on as
+    # the header says (else the successor's agents fall back to the margin, and NCCL to WARN); the values this job set
+    # for itself (the margin, NCCL's WARN default) do not, as the successor makes its own
+    tools = fake_pbs(tmp_path)
+
+    def carried(**env: str) -> list[str]:
+        out("distlab_network_env; distlab_chain_next pbs/12_hpc_operations.pbs DISTLAB_CHAIN=1",
+            PBS_JOBID="4242.desched1", DISTLAB_NETWORK="slingshot", DISTLAB_NNODES="1", DISTLAB_SYS_NET=str(tmp_path),
+            **tools, **env)
+        args = (tmp_path / "qsub.args").read_text().splitlines()
+        return args[args.index("-v") + 1].split(",")
+
+    given = carried(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="300", NCCL_DEBUG="INFO")
+    assert {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300", "NCCL_DEBUG=INFO"} <= set(given), given
+    own = carried()  # the job's own: the margin (120) and, on Slingshot, WARN
+    assert not any(v.startswith(("TORCH_ELASTIC_SHUTDOWN_TIMEOUT=", "NCCL_DEBUG=")) for v in own), own
+    header = " ".join((ROOT / "pbs" / "12_hpc_operations.pbs").read_text().replace("#", " ").split())
+    assert ("each with this job's select line, walltime and queue, its DISTLAB_* settings, and the "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT and NCCL_DEBUG you gave it (qsub -v; no other variable is carried)") in header
+
+
 @pytest.mark.parametrize("extra, checks, cancelled", [
     ({}, [{"passed": True}], True),                                   # complete: the successor is not needed
     ({"stopped_by": "deadline"}, [{"passed": True}], False),         # stopped early: the chain goes on
@@ -422,8 +465,12 @@ def test_a_completed_run_cancels_the_chains_next_job(tmp_path, extra, checks, ca
     tools = fake_pbs(tmp_path)
     metrics = tmp_path / "fault_drill.json"
     metrics.write_text(json.dumps({"extra": extra, "checks": checks}))
-    out(f"DISTLAB_PYTHON={sys.executable}; distlab_chain_done 4243.desched1 {metrics}", **tools)
+    # the successor's id, noted by distlab_chain_successor: gone with the successor, so that a rerun chains afresh
+    (tmp_path / "chain_next").write_text("4243.desched1\n")
+    out(f"DISTLAB_PYTHON={sys.executable}; distlab_chain_done 4243.desched1 {metrics}", DISTLAB_JOB_RUN_DIR=str(tmp_path),
+        **tools)
     assert (tmp_path / "qdel.args").exists() == cancelled
+    assert (tmp_path / "chain_next").exists() != cancelled
     if cancelled:
         assert (tmp_path / "qdel.args").read_text().split() == ["4243.desched1"]
 
