@@ -255,6 +255,11 @@ def test_the_recomputed_forward_is_counted_as_pytorch_and_megatron_run_it(text):
     assert "2 + 2 + 2 = 6 all-reduces per microbatch" in text and "2 + 1 + 2 = 5 under PyTorch's checkpoint" in text
     assert "(three forward when recomputed)" not in text
     assert planner.published.MEGATRON_FULL.recompute_early_stop is False
+    # every published row that runs Megatron's layers recomputes whole blocks, as Megatron does (Llama 3's 128K row
+    # among them): PyTorch's early stop belongs to PyTorch's checkpoint
+    megatrons = [run for run in planner.published.RUNS if not run.options.sp_saves_gathered_inputs]
+    assert megatrons and all(run.options.recompute_early_stop is False for run in megatrons), [
+        run.label for run in megatrons if run.options.recompute_early_stop]
 
 
 def test_the_dry_run_table_is_what_a_dry_run_reads(raw):
