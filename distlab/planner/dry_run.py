@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from distlab import hybrid, memory, models
-from distlab.planner.memory import megatron_layers, state_bytes
+from distlab.planner.memory import fp32_weights_and_gradients, in_mixed_precision, state_bytes
 from distlab.planner.spec import Layout, ModelSpec, Options
 
 GIB = memory.GIB
@@ -128,13 +128,14 @@ def _shard_bytes(module) -> int:
     return sum(_shard_bytes_of(p) for p in module.parameters())
 
 
-def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_grads: bool = False
-                    ) -> tuple[dict, dict]:
+def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_grads: bool = False,
+                    fp32_weights: bool = False) -> tuple[dict, dict]:
     """The training state one rank holds under ZeRO stage ``zero_stage``, read off two builds of the same modules
     (the module docstring says how): parameters, gradients and master weights from the unsharded or the sharded
     build, AdamW's moments from a real step on the meta shards. Returns the bytes by part and the fp32 bytes of
     each build (``{"tp", "sharded"}``). In mixed precision the bf16 parts are half the fp32 shards read, the
-    gradients too unless ``fp32_grads`` (Megatron's fp32 gradient buffer)."""
+    gradients too unless ``fp32_grads`` (an fp32 gradient buffer), the weights unless ``fp32_weights`` (autocast
+    over fp32 weights, which need no master copy: ``memory.fp32_weights_and_gradients``)."""
     import torch
 
     built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(sharded)}
@@ -151,8 +152,8 @@ def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_gr
     master32 = built["sharded"] if zero_stage >= 1 else built["tp"]
     if precision == "fp32":
         return {"params": params32, "grads": grads32, "optimizer": moments}, built
-    return {"params": params32 / 2, "grads": grads32 if fp32_grads else grads32 / 2,
-            "optimizer": moments + master32}, built
+    return {"params": params32 if fp32_weights else params32 / 2, "grads": grads32 if fp32_grads else grads32 / 2,
+            "optimizer": moments + (0 if fp32_weights else master32)}, built
 
 
 def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, full_model=None) -> dict:
@@ -184,8 +185,9 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
                                         SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
                                         SimpleNamespace(tp=layout.tp, dp=data_parallel, precision="fp32"), mesh)
-        fp32_grads = megatron_layers(options) and layout.zero_stage < 3
-        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision, fp32_grads)
+        fp32_weights, fp32_grads = fp32_weights_and_gradients(layout, options)
+        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision, fp32_grads,
+                                          fp32_weights)
     finally:
         dist.destroy_process_group()
     planned = state_bytes(spec, layout, stage, options)
@@ -338,13 +340,15 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
             with quiet:
                 fully_shard(layer.experts, mesh=mesh["expert_dp"],
                             shard_placement_fn=lambda p: Shard(0) if p.shape[0] % ways == 0 else Shard(1))
-            measured, _ = _measured_state(unsharded, layer.experts, layout.zero_stage, options.precision)
+            measured, _ = _measured_state(unsharded, layer.experts, layout.zero_stage, options.precision,
+                                          *reversed(fp32_weights_and_gradients(layout, options)))
         finally:
             dist.destroy_process_group()
         blocks = stage_layer_kinds(spec, layout.pp, stage)[1]
         measured = {part: value * blocks for part, value in measured.items()}
         planned_experts = stage_params(spec, layout, stage)["experts"]
-        planned = memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage, options.precision)
+        planned = in_mixed_precision(memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage,
+                                                             options.precision), layout, options)
         planner_bytes = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
         moe_block = spec.block_params(moe=True)
         row = {"rank": rank, "stage": stage, "moe_blocks": blocks, "ep_group_nodes": len(per_node),

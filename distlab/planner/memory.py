@@ -170,11 +170,36 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
         experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
         state = memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
                                   state.optimizer + experts.optimizer)
-    if megatron_layers(options) and options.precision == "mixed" and layout.zero_stage < 3:
-        # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 (megatron/training/arguments.py:1214-1216,
-        # accumulate_allreduce_grads_in_fp32): 4 bytes a parameter, not the ZeRO paper's 2
-        state = memory.StateBytes(state.params, 2 * state.grads, state.optimizer)
-    return state
+    return in_mixed_precision(state, layout, options)
+
+
+def fp32_weights_and_gradients(layout: Layout, options: Options = Options()) -> tuple[bool, bool]:
+    """Whether a mixed-precision run keeps (its weights, its gradients) in fp32 instead of the ZeRO paper's bf16
+    (``memory.training_state_bytes``: 2 + 2 + 12 bytes a parameter, an fp32 master copy in the optimizer).
+
+    * DDP (ZeRO 0) with torch's layers runs as chapter 04 runs it: bf16 autocast over fp32 weights, so its
+      gradients are fp32 too, and the optimizer keeps only the two moments: 4 + 4 + 8 bytes. Torch's DDP copies the
+      gradients into buckets of their own dtype (``gradient_as_bucket_view``'s saving "will be equal to the total
+      gradients size", torch 2.13 ``nn/parallel/distributed.py:731-735``; counted in
+      tests/unit/test_planner_ddp.py): 4 bytes more, and the all-reduce moves 4 (``communication.ledger``).
+    * ZeRO-1 runs as Megatron-Core's distributed optimizer: bf16 weights, fp32 gradients in one buffer that its
+      buckets are views of, reduce-scattered in fp32 (4), the fp32 master copy and moments sharded: 2 + 4 + 12/d.
+    * Megatron's own layers keep a bf16 run's gradients in fp32 under ZeRO 0 to 2 (megatron/training/
+      arguments.py:1214-1216, accumulate_allreduce_grads_in_fp32): 2 + 4 + 12.
+    * FSDP (ZeRO 3) and ZeRO-2 with torch's layers: the ZeRO paper's 2 + 2 + 12, sharded.
+    """
+    if options.precision != "mixed" or layout.zero_stage >= 3:
+        return False, False
+    autocast = layout.zero_stage == 0 and not megatron_layers(options)
+    return autocast, autocast or layout.zero_stage == 1 or megatron_layers(options)
+
+
+def in_mixed_precision(state: memory.StateBytes, layout: Layout, options: Options = Options()) -> memory.StateBytes:
+    """``state`` as counted by ``memory.zero_state_bytes`` (the ZeRO paper's mixed precision), recounted with the
+    weights and gradients :func:`fp32_weights_and_gradients` keeps in fp32 (an fp32 weight is its own master)."""
+    weights, gradients = fp32_weights_and_gradients(layout, options)
+    return memory.StateBytes(state.params * (2 if weights else 1), state.grads * (2 if gradients else 1),
+                             state.optimizer * (2 / 3 if weights else 1))
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
@@ -184,8 +209,10 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
     runtime 3 of its V chunks: ``spec.pipeline_gathered_share``), and, with more than one
     microbatch, its unsharded gradients, accumulated in fp32 until the last backward reduces them (FSDP2 upcasts
     them to the reduce dtype: ``FSDPParam.to_accumulated_grad_if_needed``); without resharding after forward
-    the whole weights too. DDP and ZeRO-1: DDP's buckets, a second copy of the gradients (none with
-    ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
+    the whole weights too. DDP: torch's buckets, a second copy of the gradients in their dtype (fp32 under
+    autocast: :func:`fp32_weights_and_gradients`; none with ``gradient_as_bucket_view``). ZeRO-1 (Megatron-Core's
+    distributed optimizer) and Megatron's layers: none, their buckets are views of the gradient buffer. ZeRO-2: two
+    buckets."""
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
@@ -203,9 +230,10 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
         return 0.0
     if layout.zero_stage == 2:
         return 2 * 4 * min(params["total"], bucket_params(options, layout))
-    grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
-    # Megatron's buckets are views of its one gradient buffer
-    return 0.0 if options.ddp_bucket_view or megatron_layers(options) else grads
+    if layout.zero_stage == 1 or megatron_layers(options) or options.ddp_bucket_view:
+        return 0.0   # the distributed optimizer's and Megatron's buckets are views of their one gradient buffer
+    # torch's DDP: buckets of the gradients' own dtype, a second copy of them (fp32 under autocast)
+    return state_bytes(model, layout, stage, options).grads
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
