@@ -19,7 +19,9 @@ read from the sharded build under ZeRO-3 and from the TP build otherwise; gradie
 ZeRO-2 and 3; optimizer state from the sharded build under ZeRO-1 to 3. The model is built in fp32 (the master
 weights); mixed precision's accounting (``memory.training_state_bytes``) is then applied to the bytes read:
 parameters and gradients in bf16 are half the fp32 shards', the optimizer holds AdamW's two moments (read from the
-optimizer after its step) plus the fp32 master weights (the fp32 shards). FSDP2 splits a tensor's first dimension
+optimizer after its step) plus the fp32 master weights (the fp32 shards). Where the planner keeps weights or
+gradients in fp32 instead (DDP under autocast, ZeRO-1's and Megatron's fp32 gradients:
+``planner.memory.fp32_weights_and_gradients``), they are read whole, and fp32 weights need no master copy. FSDP2 splits a tensor's first dimension
 in ceil(n / dp) rows, so the first ranks may hold a little more than 1/dp of it: that padding is counted and
 named, and the planner's bytes plus the padding must equal what the shards hold.
 """
@@ -526,3 +528,64 @@ def count_step_markdown(result: dict) -> str:
             lines.append(f"| {r['rank']:,} | {r['stage']} | {dimension} | {show(counted)} | {show(planned)} | "
                          f"{padding:.2f} | {'yes' if r['equal'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def fsdp_buffers_counted(cfg: models.TransformerConfig, world: int, batch: int, mixed: bool,
+                         reshard_after_forward: bool, steps: int = 2) -> dict:
+    """FSDP2's buffers of one rank, counted by torch's own ``FSDPMemTracker``
+    (``torch/distributed/_tools/fsdp2_mem_tracker.py``, which files every storage a TorchDispatchMode sees under
+    the FSDP role it plays) at their peak in forward and in backward: ``{"forward": {...}, "backward": {...}}``,
+    each ``{"gathered", "gradients", "reduce_scatter", "total"}`` in bytes.
+
+    The course's transformer, sharded as chapter 05's ``train_fsdp.py`` shards it (``apply_fsdp``: each block, then
+    the root), on a fake process group of ``world`` ranks, CPU tensors, ``batch`` sequences; ``mixed``: bf16
+    compute, fp32 reduction. Gathered: the unsharded parameters and the all-gather outputs not yet copied out.
+    Gradients: the unsharded ones, filed as such from the op that makes them (the tracker itself files them only at
+    their unit's post-backward, which the root reaches last). The last of ``steps`` steps is read (the first
+    initialises FSDP lazily)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    path = str(REPO / "scripts" / "05_fully_sharded")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    with contextlib.redirect_stderr(io.StringIO()):
+        apply_fsdp = importlib.import_module("train_fsdp").apply_fsdp
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = apply_fsdp(models.Transformer(cfg), reshard_after_forward=reshard_after_forward,
+                           mixed_precision=mixed)
+        units = [model, *model.layers.values()]
+        fsdp_params = [p for unit in units for p in unit._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        cpu, peaks = torch.device("cpu"), {}
+
+        class Tracker(FSDPMemTracker):
+            def _update_peak_stats(self, peak_state):   # after every op
+                super()._update_peak_stats(peak_state)
+                for p in fsdp_params:
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.grad is not None:
+                        self._update_and_maybe_create_winfos(unsharded.grad, _FSDPRefType.UNSHARDED_GRAD,
+                                                             update_existing=True)
+                snap = self._curr_mem_snap.get(cpu, {})
+                parts = {"gathered": snap.get(_FSDPRefType.UNSHARDED_PARAM, 0) + snap.get(_FSDPRefType.ALL_GATHER, 0),
+                         "gradients": snap.get(_FSDPRefType.UNSHARDED_GRAD, 0),
+                         "reduce_scatter": snap.get(_FSDPRefType.REDUCE_SCATTER, 0)}
+                parts["total"] = sum(parts.values())
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
+                if parts["total"] > peaks.get(phase, {"total": -1})["total"]:
+                    peaks[phase] = parts
+
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+        tracker = Tracker(model)
+        with tracker, contextlib.redirect_stderr(io.StringIO()):
+            for _ in range(steps):
+                peaks.clear()
+                tracker.reset_mod_stats()
+                models.lm_loss(model(tokens), tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    return dict(peaks)
