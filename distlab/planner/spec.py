@@ -324,7 +324,9 @@ class Options:
     recompute_early_stop: bool = True
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
     # SP with TP [on whenever tp > 1]: DTensor's costs no extra bytes (its all-gathers and reduce-scatters replace
-    # TP's all-reduces); Megatron's gathers each region's input again in backward (below)
+    # TP's all-reduces) but one all-gather a block under PyTorch's early-stopped full recomputation (which re-issues
+    # the block's all-gathers and stops before its last reduce-scatter); Megatron's gathers each region's input
+    # again in backward (below)
     sequence_parallel: bool | None = None
     # the layers' kind. True: torch's modules (DTensor's parallelize_module, measured in chapter 06), whose TP
     # regions save their all-gathered input under SP. False: Megatron's own layers (planner.memory.megatron_layers):

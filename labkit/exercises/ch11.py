@@ -108,7 +108,8 @@ def costs(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE
     plan = planner.tune(spec, machine, layout, planner.Options(), gpus)
     options = replace(planner.Options(), activation_checkpointing=plan.settings["checkpointing"])
     flops = stage_flops(spec, layout, plan.worst_stage, options)
-    rate = compute_rate(spec, machine, layout, options)   # the rate the planner's step time uses (GEMM shapes)
+    # the rate the planner's step time uses: the GEMM shapes of the plan's own micro-batch
+    rate = compute_rate(replace(spec, micro_batch=plan.settings["micro_batch"]), machine, layout, options)
     return {"recomputation": flops["recompute"] / rate,
             "communication": sum(plan.exposed_seconds.values()),
             "bubble": plan.bubble.get("seconds", 0.0)}

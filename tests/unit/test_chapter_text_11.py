@@ -1237,3 +1237,31 @@ def test_small_pointers_and_stated_assumptions(text):
     assert "F.silu(self.w1(x)) * self.w3(x)" in inspect.getsource(models)
     assert ("Its SwiGLU is counted as one fused kernel (read two, write one), where the course's own model runs SiLU "
             "and the product as two, and RoPE's element-wise work on the queries and keys is not counted") in text
+
+
+def test_plan_pys_help_says_when_sequence_parallelism_moves_more_bytes():
+    """With torch's layers SP moves TP's bytes (its all-gathers and reduce-scatters replace the all-reduces), except
+    under PyTorch's early-stopped full recomputation: one more all-gather a block (the recomputed forward re-issues
+    the block's all-gathers and stops before its last reduce-scatter). --help says so, and no more."""
+    from distlab.planner.communication import bytes_sent
+
+    source = (Path(__file__).resolve().parents[2] / "scripts/11_choosing_a_strategy/plan.py").read_text()
+    help_text = " ".join(re.search(r'"--sequence-parallel".*?help=(.*?)\)\n', source, re.S).group(1).split())
+    assert "it costs no extra bytes" not in help_text
+    assert ("With torch's layers it moves no extra \" \"bytes but one all-gather a block under PyTorch's "
+            "early-stopped full recomputation") in help_text
+    spec, tp = planner.replace(planner.MODELS["7b"], layers=1, global_batch=1), 4
+    layout = planner.Layout(tp=tp)
+
+    def extra(**settings):
+        sent = [bytes_sent("tp", planner.comm_per_step(spec, layout, 0, planner.Options(sequence_parallel=sp,
+                                                                                        **settings))["tp"], tp)
+                for sp in (False, True)]
+        return sent[1] - sent[0]
+
+    # SP's all-reduce of the norm weights' gradients: the same few kilobytes in every setting
+    few = extra(activation_checkpointing="none")
+    assert few < 0.01 * spec.seq_len * spec.hidden * 2
+    assert extra(activation_checkpointing="full", recompute_early_stop=False) == few
+    one_all_gather = spec.seq_len * spec.hidden * 2 * (tp - 1) / tp
+    assert extra(activation_checkpointing="full") == few + one_all_gather

@@ -171,14 +171,18 @@ def test_what_it_pays_rejects_plausible_wrong_causes(slip):
 
 
 def test_the_costs_are_the_planners_seconds():
-    """Recomputation: the forward again, 2 FLOPs per parameter and token, at the cluster's rate, here a third of the
-    path layout's model compute; the exposed seconds and the bubble as the plan gives them."""
+    """Recomputation: the forward again but the blocks' last GEMM (PyTorch's early stop), at the rate of the plan's own
+    micro-batch: what the plan's compute takes beyond the same layout's at that micro-batch without recomputation,
+    here about a quarter more; the exposed seconds and the bubble as the plan gives them."""
     spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
     path = planner.Layout(dp=64, zero_stage=3)
     plan = planner.tune(spec, h100, path, planner.Options(), 64)
     costs = exercises.costs(path)
-    assert plan.settings["checkpointing"] == "full"
-    assert costs["recomputation"] / plan.compute_seconds == pytest.approx(0.25, abs=0.01)   # a third more: 1/4 of all
+    assert plan.settings["checkpointing"] == "full" and plan.settings["micro_batch"] > spec.micro_batch
+    bare = planner.evaluate(planner.replace(spec, micro_batch=plan.settings["micro_batch"]), h100, path,
+                            planner.Options(activation_checkpointing="none"), 64)
+    assert costs["recomputation"] == pytest.approx(plan.compute_seconds - bare.compute_seconds, rel=1e-9)
+    assert costs["recomputation"] / bare.compute_seconds == pytest.approx(0.25, abs=0.01)   # about a quarter more
     assert costs["communication"] == pytest.approx(sum(plan.exposed_seconds.values()))
     assert exercises.costs(planner.Layout(tp=4, pp=4, dp=4, zero_stage=1))["recomputation"] == 0
 
