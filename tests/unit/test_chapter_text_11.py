@@ -1358,3 +1358,11 @@ def test_the_torch_lines_cited_for_recomputation_fsdps_buffers_and_ddps_buckets_
     view = " ".join(lines("nn/parallel/distributed.py", 731, 735).split())
     assert "gradient_as_bucket_view" in view and "saved memory size will be equal to the total gradients size" in view
     assert "`gradient_as_bucket_view` saves \"the total gradients size\" (`nn/parallel/distributed.py:731-735`)" in text
+
+
+def test_the_nics_a_ring_spreads_over_are_said_with_their_source(text):
+    """11.3's body counts a ring's one crossing edge a node over the node's NICs: NCCL's channels each take their own
+    NIC, as its maintainer says (cited in How we know), and the body names the channels."""
+    assert "NCCL runs several rings at once (its channels), whose crossing edges leave from different GPUs" in text
+    assert "https://github.com/NVIDIA/nccl/issues/601" in text and "creates 4 rings, each using a different NIC" in text
+    assert "FSDP over every GPU of a node" not in text
