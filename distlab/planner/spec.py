@@ -355,8 +355,8 @@ class Options:
     # dispatches in FP8 with a scale per 128 elements, 1 + 4/128, and combines in bf16 (section 3.3.3)
     ep_dispatch_bytes: float = 0.0
     reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
-    prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
-    ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)
+    prefetched_units: int = 2              # FSDP blocks gathered at once beside the root (computing + prefetched)
+    ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the fp32 grads)
     # gradient buckets of DDP and ZeRO, in parameters; None: Megatron-Core's rule, max(40M, 1M x dp): larger
     # buckets on larger rings, since every bucket's collective pays the ring's 2 (n - 1) latencies
     bucket_params: int | None = None

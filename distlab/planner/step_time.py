@@ -83,12 +83,12 @@ def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
 def last_gemm_flops(model: ModelSpec, moe: bool = False) -> float:
     """FLOPs per token of a block's last GEMM, which full recomputation under PyTorch's non-reentrant checkpoint
     never runs again (``Options.recompute_early_stop``). Its pack hook stops the recomputation once the last tensor
-    the forward saved is saved again (torch 2.13 ``utils/checkpoint.py:1128-1131``, ``_StopRecomputationError``),
-    and autograd saves an op's inputs before running it: the block's last op that saves anything is never
-    recomputed, nor what follows it (its row-parallel collective: ``communication.ledger``). A dense block's is the
-    MLP's down projection (LLaMA's w2, GPT's fc2), 2 h f; a MoE block's the shared expert's down projection where
-    it has one (``distlab.moe``: it runs after the routed experts, whose outputs the weighting by the router saves),
-    else none. Counted on a checkpointed block in tests/unit/test_planner_recompute.py."""
+    the forward saved is saved again (torch 2.13 ``utils/checkpoint.py:1128-1131``, ``_StopRecomputationError``).
+    That tensor is the input of the block's last GEMM, so the GEMM does not run again, nor what follows it (its
+    row-parallel collective: ``communication.ledger``). A dense block's is the MLP's down projection (LLaMA's w2,
+    GPT's fc2), 2 h f; a MoE block's the shared expert's down projection where it has one (``distlab.moe``: it runs
+    after the routed experts, whose outputs the weighting by the router saves), else none. Counted on torch's
+    checkpoint, with and without the early stop, in tests/unit/test_planner_recompute.py."""
     if not moe:
         return 2 * model.hidden * model.ffn
     return 2 * model.hidden * model.expert_ffn * model.shared_experts
