@@ -57,8 +57,11 @@ def draw_decision_flowchart(fig) -> None:
             end = (tx - _OUTCOME_WIDTH / 2 - 0.05, ty) if ty == y else (tx, ty + heights[target] / 2)
             ax.annotate("", xy=end, xytext=start, arrowprops={"arrowstyle": "->", "color": "#333333"})
             label = _ON_EDGE.get((node, said), "yes" if said else "no")
-            ax.text((start[0] + end[0]) / 2 + 0.08, (start[1] + end[1]) / 2 + 0.05, label, fontsize=6.5,
-                    color="#1a7f37" if said else "#b42318")
+            # beside the arrow, on the side away from its line: an arrow down and to the left has its label to the
+            # upper left of its middle, one down and to the right (or straight) to the upper right
+            left = end[0] < start[0] - 1e-9
+            ax.text((start[0] + end[0]) / 2 + (-0.08 if left else 0.08), (start[1] + end[1]) / 2 + 0.05, label,
+                    fontsize=6.5, ha="right" if left else "left", color="#1a7f37" if said else "#b42318")
     ax.text(5, -0.7, "then the planner's search ranks every layout that fits (its first choice may add more than the "
                      "path names), and --dry-run builds it at full size", ha="center", fontsize=7, style="italic")
 

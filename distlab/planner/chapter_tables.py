@@ -106,13 +106,18 @@ OUTCOME_DIMENSIONS = {"DDP": (False, False, False), "FSDP": (False, False, False
                       "TP": (True, False, False), "CP": (None, False, True)}
 
 
+LLAMA_405B_4K = replace(MODELS["405b"], seq_len=4096, global_batch=4096)
+
+
 def decision_cases() -> list[DecisionCase]:
     c = CLUSTERS
     return [DecisionCase("1B on 8 A100-80GB", MODELS["1b"], c["a100-80gb"], 8),
-            DecisionCase("7B on 2 nodes of 4 A100-40GB", MODELS["7b"], c["a100-40gb"], 8),
+            DecisionCase("7B on 4 nodes of 4 A100-40GB", MODELS["7b"], c["a100-40gb"], 16),
             DecisionCase("70B, 16K-token sequences, on 16 nodes of 4 A100-40GB",
                          replace(MODELS["70b"], seq_len=16384, global_batch=256), c["a100-40gb"], 64),
-            DecisionCase("405B on 16,384 H100-80GB, 2,048 sequences per step", MODELS["405b"], c["h100-80gb"], 16384),
+            # Llama 3's 16M tokens a step, in 4K-token sequences: at its 8K, FSDP over every GPU cannot hold one
+            # sequence beside its gathered units (question 2: no), and the path goes to TP
+            DecisionCase("405B, 4K-token sequences, on 16,384 H100-80GB", LLAMA_405B_4K, c["h100-80gb"], 16384),
             DecisionCase("70B, 32K-token sequences, on 64 H100-80GB",
                          replace(MODELS["70b"], seq_len=32768, global_batch=128), c["h100-80gb"], 64),
             DecisionCase("70B, 128K-token sequences, on 64 H100-80GB",
@@ -148,9 +153,9 @@ def decision_path() -> list[dict]:
                f"of {sum(p.fits for p in plans)}"]
     seven = cases[1]
     plans = search(seven.model, seven.cluster, seven.gpus)
-    ddp, fsdp = (evaluate(seven.model, seven.cluster, Layout(dp=8, zero_stage=z)) for z in (0, 3))
-    answers.append(f"DDP: {_verdict(ddp)}; FSDP dp=8: {_verdict_set(fsdp)}; best: {plans[0].layout.label()}, "
-                   f"{_verdict_set(plans[0])}")
+    ddp, fsdp = (evaluate(seven.model, seven.cluster, Layout(dp=seven.gpus, zero_stage=z)) for z in (0, 3))
+    answers.append(f"DDP: {_verdict(ddp)}; FSDP dp={seven.gpus}: {_verdict_set(fsdp)}; best: "
+                   f"{plans[0].layout.label()}, {_verdict_set(plans[0])}")
     # 16K-token sequences (4M tokens a step): FSDP's traffic hides on Derecho's four NICs a node, its activations do
     # not fit beside the state
     wide = cases[2]

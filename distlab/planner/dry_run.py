@@ -19,7 +19,9 @@ read from the sharded build under ZeRO-3 and from the TP build otherwise; gradie
 ZeRO-2 and 3; optimizer state from the sharded build under ZeRO-1 to 3. The model is built in fp32 (the master
 weights); mixed precision's accounting (``memory.training_state_bytes``) is then applied to the bytes read:
 parameters and gradients in bf16 are half the fp32 shards', the optimizer holds AdamW's two moments (read from the
-optimizer after its step) plus the fp32 master weights (the fp32 shards). FSDP2 splits a tensor's first dimension
+optimizer after its step) plus the fp32 master weights (the fp32 shards). Where the planner keeps weights or
+gradients in fp32 instead (DDP under autocast, ZeRO-1's and Megatron's fp32 gradients:
+``planner.memory.fp32_weights_and_gradients``), they are read whole, and fp32 weights need no master copy. FSDP2 splits a tensor's first dimension
 in ceil(n / dp) rows, so the first ranks may hold a little more than 1/dp of it: that padding is counted and
 named, and the planner's bytes plus the padding must equal what the shards hold.
 """
@@ -38,7 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from distlab import hybrid, memory, models
-from distlab.planner.memory import megatron_layers, state_bytes
+from distlab.planner.memory import fp32_weights_and_gradients, in_mixed_precision, state_bytes
 from distlab.planner.spec import Layout, ModelSpec, Options
 
 GIB = memory.GIB
@@ -128,13 +130,14 @@ def _shard_bytes(module) -> int:
     return sum(_shard_bytes_of(p) for p in module.parameters())
 
 
-def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_grads: bool = False
-                    ) -> tuple[dict, dict]:
+def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_grads: bool = False,
+                    fp32_weights: bool = False) -> tuple[dict, dict]:
     """The training state one rank holds under ZeRO stage ``zero_stage``, read off two builds of the same modules
     (the module docstring says how): parameters, gradients and master weights from the unsharded or the sharded
     build, AdamW's moments from a real step on the meta shards. Returns the bytes by part and the fp32 bytes of
     each build (``{"tp", "sharded"}``). In mixed precision the bf16 parts are half the fp32 shards read, the
-    gradients too unless ``fp32_grads`` (Megatron's fp32 gradient buffer)."""
+    gradients too unless ``fp32_grads`` (an fp32 gradient buffer), the weights unless ``fp32_weights`` (autocast
+    over fp32 weights, which need no master copy: ``memory.fp32_weights_and_gradients``)."""
     import torch
 
     built = {"tp": _shard_bytes(unsharded), "sharded": _shard_bytes(sharded)}
@@ -151,8 +154,8 @@ def _measured_state(unsharded, sharded, zero_stage: int, precision: str, fp32_gr
     master32 = built["sharded"] if zero_stage >= 1 else built["tp"]
     if precision == "fp32":
         return {"params": params32, "grads": grads32, "optimizer": moments}, built
-    return {"params": params32 / 2, "grads": grads32 if fp32_grads else grads32 / 2,
-            "optimizer": moments + master32}, built
+    return {"params": params32 if fp32_weights else params32 / 2, "grads": grads32 if fp32_grads else grads32 / 2,
+            "optimizer": moments + (0 if fp32_weights else master32)}, built
 
 
 def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, full_model=None) -> dict:
@@ -184,8 +187,9 @@ def dry_run_rank(spec: ModelSpec, layout: Layout, options: Options, rank: int, f
                                         SimpleNamespace(tp=layout.tp, dp=1, precision="fp32"), mesh)
             sharded = parallelize_stage(transformer_stage(full_model, stage, layout.pp),
                                         SimpleNamespace(tp=layout.tp, dp=data_parallel, precision="fp32"), mesh)
-        fp32_grads = megatron_layers(options) and layout.zero_stage < 3
-        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision, fp32_grads)
+        fp32_weights, fp32_grads = fp32_weights_and_gradients(layout, options)
+        measured, built = _measured_state(tp_only, sharded, layout.zero_stage, options.precision, fp32_grads,
+                                          fp32_weights)
     finally:
         dist.destroy_process_group()
     planned = state_bytes(spec, layout, stage, options)
@@ -338,13 +342,15 @@ def dry_run_experts(spec: ModelSpec, layout: Layout, cluster, options: Options =
             with quiet:
                 fully_shard(layer.experts, mesh=mesh["expert_dp"],
                             shard_placement_fn=lambda p: Shard(0) if p.shape[0] % ways == 0 else Shard(1))
-            measured, _ = _measured_state(unsharded, layer.experts, layout.zero_stage, options.precision)
+            measured, _ = _measured_state(unsharded, layer.experts, layout.zero_stage, options.precision,
+                                          *reversed(fp32_weights_and_gradients(layout, options)))
         finally:
             dist.destroy_process_group()
         blocks = stage_layer_kinds(spec, layout.pp, stage)[1]
         measured = {part: value * blocks for part, value in measured.items()}
         planned_experts = stage_params(spec, layout, stage)["experts"]
-        planned = memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage, options.precision)
+        planned = in_mixed_precision(memory.zero_state_bytes(planned_experts, layout.expert_dp, layout.zero_stage,
+                                                             options.precision), layout, options)
         planner_bytes = {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer}
         moe_block = spec.block_params(moe=True)
         row = {"rank": rank, "stage": stage, "moe_blocks": blocks, "ep_group_nodes": len(per_node),
@@ -522,3 +528,64 @@ def count_step_markdown(result: dict) -> str:
             lines.append(f"| {r['rank']:,} | {r['stage']} | {dimension} | {show(counted)} | {show(planned)} | "
                          f"{padding:.2f} | {'yes' if r['equal'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def fsdp_buffers_counted(cfg: models.TransformerConfig, world: int, batch: int, mixed: bool,
+                         reshard_after_forward: bool, steps: int = 2) -> dict:
+    """FSDP2's buffers of one rank, counted by torch's own ``FSDPMemTracker``
+    (``torch/distributed/_tools/fsdp2_mem_tracker.py``, which files every storage a TorchDispatchMode sees under
+    the FSDP role it plays) at their peak in forward and in backward: ``{"forward": {...}, "backward": {...}}``,
+    each ``{"gathered", "gradients", "reduce_scatter", "total"}`` in bytes.
+
+    The course's transformer, sharded as chapter 05's ``train_fsdp.py`` shards it (``apply_fsdp``: each block, then
+    the root), on a fake process group of ``world`` ranks, CPU tensors, ``batch`` sequences; ``mixed``: bf16
+    compute, fp32 reduction. Gathered: the unsharded parameters and the all-gather outputs not yet copied out.
+    Gradients: the unsharded ones, filed as such from the op that makes them (the tracker itself files them only at
+    their unit's post-backward, which the root reaches last). The last of ``steps`` steps is read (the first
+    initialises FSDP lazily)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    path = str(REPO / "scripts" / "05_fully_sharded")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    with contextlib.redirect_stderr(io.StringIO()):
+        apply_fsdp = importlib.import_module("train_fsdp").apply_fsdp
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = apply_fsdp(models.Transformer(cfg), reshard_after_forward=reshard_after_forward,
+                           mixed_precision=mixed)
+        units = [model, *model.layers.values()]
+        fsdp_params = [p for unit in units for p in unit._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        cpu, peaks = torch.device("cpu"), {}
+
+        class Tracker(FSDPMemTracker):
+            def _update_peak_stats(self, peak_state):   # after every op
+                super()._update_peak_stats(peak_state)
+                for p in fsdp_params:
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.grad is not None:
+                        self._update_and_maybe_create_winfos(unsharded.grad, _FSDPRefType.UNSHARDED_GRAD,
+                                                             update_existing=True)
+                snap = self._curr_mem_snap.get(cpu, {})
+                parts = {"gathered": snap.get(_FSDPRefType.UNSHARDED_PARAM, 0) + snap.get(_FSDPRefType.ALL_GATHER, 0),
+                         "gradients": snap.get(_FSDPRefType.UNSHARDED_GRAD, 0),
+                         "reduce_scatter": snap.get(_FSDPRefType.REDUCE_SCATTER, 0)}
+                parts["total"] = sum(parts.values())
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
+                if parts["total"] > peaks.get(phase, {"total": -1})["total"]:
+                    peaks[phase] = parts
+
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+        tracker = Tracker(model)
+        with tracker, contextlib.redirect_stderr(io.StringIO()):
+            for _ in range(steps):
+                peaks.clear()
+                tracker.reset_mod_stats()
+                models.lm_loss(model(tokens), tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    return dict(peaks)

@@ -15,8 +15,10 @@ from distlab.planner.spec import (PIPELINE_SCHEDULES, Layout, ModelSpec, Options
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
     """Parameters one TP rank of pipeline stage ``stage`` holds: ``{"sharded", "replicated", "experts",
     "total"}`` (the sharded ones already divided by TP; ``experts``: this rank's routed experts, 1/ep of each MoE
-    block's: whole experts over its EP group's ep ranks, or 1/tp of each expert's width without EP), and its
-    largest FSDP unit (a block, or the embedding/head)."""
+    block's: whole experts over its EP group's ep ranks, or 1/tp of each expert's width without EP), and its FSDP
+    units: ``largest_unit`` (a block, or the root), ``largest_block``, ``root_unit`` (the stage's embedding and
+    head, one unit: chapter 05's ``apply_fsdp``, chapter 09's ``parallelize_stage``) and ``head`` (the final norm
+    and the output layer, the root's parameters whose gradients backward computes first)."""
     dense, moe = stage_layer_kinds(model, layout.pp, stage)
     blocks = [(dense, model.block_params()), (moe, model.block_params(moe=True))]
     sharded = sum(n * block["sharded"] for n, block in blocks)
@@ -33,11 +35,16 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> dict:
         head = model.head_params(tied_copy=layout.pp > 1)
         root_sharded += head["sharded"]
         root_replicated += head["replicated"]
-    if root_sharded or root_replicated:
-        units.append(root_sharded / layout.tp + root_replicated)
+    blocks_largest = max(units, default=0)
+    root = root_sharded / layout.tp + root_replicated
+    if root:
+        units.append(root)
+    head = model.head_params(tied_copy=layout.pp > 1) if stage == layout.pp - 1 else {"sharded": 0, "replicated": 0}
     sharded_per_rank = (sharded + root_sharded) / layout.tp
     return {"sharded": sharded_per_rank, "replicated": replicated + root_replicated, "experts": experts,
-            "total": sharded_per_rank + replicated + root_replicated + experts, "largest_unit": max(units)}
+            "total": sharded_per_rank + replicated + root_replicated + experts, "largest_unit": max(units),
+            "largest_block": blocks_largest, "root_unit": root,
+            "head": head["sharded"] / layout.tp + head["replicated"]}
 
 
 
@@ -170,29 +177,56 @@ def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options =
         experts = memory.zero_state_bytes(params["experts"], layout.expert_dp, layout.zero_stage, options.precision)
         state = memory.StateBytes(state.params + experts.params, state.grads + experts.grads,
                                   state.optimizer + experts.optimizer)
-    if megatron_layers(options) and options.precision == "mixed" and layout.zero_stage < 3:
-        # Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 (megatron/training/arguments.py:1214-1216,
-        # accumulate_allreduce_grads_in_fp32): 4 bytes a parameter, not the ZeRO paper's 2
-        state = memory.StateBytes(state.params, 2 * state.grads, state.optimizer)
-    return state
+    return in_mixed_precision(state, layout, options)
+
+
+def fp32_weights_and_gradients(layout: Layout, options: Options = Options()) -> tuple[bool, bool]:
+    """Whether a mixed-precision run keeps (its weights, its gradients) in fp32 instead of the ZeRO paper's bf16
+    (``memory.training_state_bytes``: 2 + 2 + 12 bytes a parameter, an fp32 master copy in the optimizer).
+
+    * DDP (ZeRO 0) with torch's layers runs as chapter 04 runs it: bf16 autocast over fp32 weights, so its
+      gradients are fp32 too, and the optimizer keeps only the two moments: 4 + 4 + 8 bytes. Torch's DDP copies the
+      gradients into buckets of their own dtype (``gradient_as_bucket_view``'s saving "will be equal to the total
+      gradients size", torch 2.13 ``nn/parallel/distributed.py:731-735``; counted in
+      tests/unit/test_planner_ddp.py): 4 bytes more, and the all-reduce moves 4 (``communication.ledger``).
+    * ZeRO-1 runs as Megatron-Core's distributed optimizer: bf16 weights, fp32 gradients in one buffer that its
+      buckets are views of, reduce-scattered in fp32 (4), the fp32 master copy and moments sharded: 2 + 4 + 12/d.
+    * Megatron's own layers keep a bf16 run's gradients in fp32 under ZeRO 0 to 2 (megatron/training/
+      arguments.py:1214-1216, accumulate_allreduce_grads_in_fp32): 2 + 4 + 12.
+    * FSDP (ZeRO 3) and ZeRO-2 with torch's layers: the ZeRO paper's 2 + 2 + 12, sharded.
+    """
+    if options.precision != "mixed" or layout.zero_stage >= 3:
+        return False, False
+    autocast = layout.zero_stage == 0 and not megatron_layers(options)
+    return autocast, autocast or layout.zero_stage == 1 or megatron_layers(options)
+
+
+def in_mixed_precision(state: memory.StateBytes, layout: Layout, options: Options = Options()) -> memory.StateBytes:
+    """``state`` as counted by ``memory.zero_state_bytes`` (the ZeRO paper's mixed precision), recounted with the
+    weights and gradients :func:`fp32_weights_and_gradients` keeps in fp32 (an fp32 weight is its own master)."""
+    weights, gradients = fp32_weights_and_gradients(layout, options)
+    return memory.StateBytes(state.params * (2 if weights else 1), state.grads * (2 if gradients else 1),
+                             state.optimizer * (2 / 3 if weights else 1))
 
 
 def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
-    """Buffers that live during the step. FSDP (ZeRO-3): ``prefetched_units`` gathered copies of the largest
-    unit plus its full gradient before the reduce-scatter (``distlab.sizing``'s accounting). Kept gathered
+    """Buffers that live during the step. FSDP (ZeRO-3) resharding every microbatch: :func:`fsdp_backward_buffers`
+    (the root kept gathered through backward, ``prefetched_units`` blocks, the unsharded gradients, one
+    reduce-scatter input). Kept gathered
     over the microbatches (PP, or ``fsdp_keep_gathered``): the stage's whole weights (under torch's interleaved
     runtime 3 of its V chunks: ``spec.pipeline_gathered_share``), and, with more than one
     microbatch, its unsharded gradients, accumulated in fp32 until the last backward reduces them (FSDP2 upcasts
     them to the reduce dtype: ``FSDPParam.to_accumulated_grad_if_needed``); without resharding after forward
-    the whole weights too. DDP and ZeRO-1: DDP's buckets, a second copy of the gradients (none with
-    ``gradient_as_bucket_view``). ZeRO-2: two buckets."""
+    the whole weights too. DDP: torch's buckets, a second copy of the gradients in their dtype (fp32 under
+    autocast: :func:`fp32_weights_and_gradients`; none with ``gradient_as_bucket_view``). ZeRO-1 (Megatron-Core's
+    distributed optimizer) and Megatron's layers: none, their buckets are views of the gradient buffer. ZeRO-2: two
+    buckets."""
     params = stage_params(model, layout, stage)
     param_bytes = 4 if options.precision == "fp32" else 2
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
-        if reshards_after_forward(options, layout):
-            # even on one rank: FSDP's unsharded (bf16) copies are made unit by unit
-            return (options.prefetched_units * param_bytes + 4) * params["largest_unit"]
-        return param_bytes * params["total"] + 4 * params["largest_unit"]
+        return fsdp_backward_buffers(params, param_bytes, options.prefetched_units,
+                                     reshards_after_forward(options, layout), stage_layers(model.layers, layout.pp,
+                                                                                           stage))
     if layout.zero_stage == 3:
         accumulated = params["total"] if microbatches(model, layout) > 1 else params["largest_unit"]
         # under PP at most 3 chunks' weights at once with torch's interleaved runtime (its window); the gradients
@@ -203,9 +237,36 @@ def temporary_bytes(model: ModelSpec, layout: Layout, stage: int, options: Optio
         return 0.0
     if layout.zero_stage == 2:
         return 2 * 4 * min(params["total"], bucket_params(options, layout))
-    grads = state_bytes(model, replace(layout, zero_stage=0), stage, options).grads
-    # Megatron's buckets are views of its one gradient buffer
-    return 0.0 if options.ddp_bucket_view or megatron_layers(options) else grads
+    if layout.zero_stage == 1 or megatron_layers(options) or options.ddp_bucket_view:
+        return 0.0   # the distributed optimizer's and Megatron's buckets are views of their one gradient buffer
+    # torch's DDP: buckets of the gradients' own dtype, a second copy of them (fp32 under autocast)
+    return state_bytes(model, layout, stage, options).grads
+
+
+def fsdp_backward_buffers(params: dict, param_bytes: int, prefetched_units: int, reshard_after_forward: bool,
+                          layers: int) -> float:
+    """FSDP2's buffers at their peak, one microbatch, no PP: while a block computes its backward, as torch 2.13 runs
+    it (counted to the byte by torch's ``FSDPMemTracker`` in tests/unit/test_planner_fsdp_buffers.py):
+
+    * gathered, in the compute dtype: the root unit, the whole backward long. Its inputs (token ids) need no
+      gradient, so it gets no post-backward hook (``_fsdp_param_group.py:898-900``); it is resharded and reduced only
+      in the root's final callback, after all of autograd (``_fsdp_state.py:412-415``). Beside it the block that
+      computes and the one prefetched (``prefetched_units``), or, without resharding after forward, every block whose
+      backward has not run;
+    * unsharded gradients, in the compute dtype: the head's (the output layer's and the final norm's, computed
+      first and reduced with the root's, last) and the computing block's;
+    * the previous block's reduce-scatter input, in the reduce dtype (fp32): FSDP keeps one in flight
+      (``reduce_scatter_max_input_buffers``, 1 by default).
+
+    The largest block stands for every block. With fewer than three blocks this counts a block's buffers more than
+    the backward holds. Earlier moments hold less for every preset: the forward, and the root's own reduction at
+    the end."""
+    root, block = params["root_unit"], params["largest_block"]
+    grads = param_bytes * (params["head"] + block)
+    if reshard_after_forward:
+        return param_bytes * (root + prefetched_units * block) + grads + 4 * block
+    # kept from forward: the blocks not yet through backward, less the one resharded before its reduce-scatter
+    return param_bytes * (root + (layers - 1) * block) + grads + max(param_bytes, 4) * block
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:

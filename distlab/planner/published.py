@@ -89,10 +89,11 @@ MTNLG = "Smith et al. (2022), Using DeepSpeed and Megatron to Train Megatron-Tur
 # stated, the planner's: V = 8 stages a rank (126 layers + the embedding and head chunks = 128 = 16 x 8), mb 1,
 # Megatron's sequence parallelism (TP's region inputs saved as their shard, gathered again in backward), torch's
 # microbatches a round (the paper's "N=5" is its Figure 6's, on 4 ranks), and the 128K row's recomputation, of which
-# the paper says nothing
+# the paper says nothing: whole blocks, as Megatron's layers recompute them (recompute_early_stop=False, as
+# MEGATRON_FULL), not PyTorch's checkpoint, which stops before a block's last GEMM and collective
 LLAMA_PIPELINE = Options(zero_stage=3, schedule="interleaved_1f1b", chunks=8, sequence_parallel=True,
                          search_micro_batch=False, activation_checkpointing="none",
-                         sp_saves_gathered_inputs=False, cp_attention="all_gather")
+                         sp_saves_gathered_inputs=False, cp_attention="all_gather", recompute_early_stop=False)
 LLAMA_LONG = replace(LLAMA_PIPELINE, activation_checkpointing=None)
 LLAMA_MISS = ("does not fit without recomputation: the interleaved warm-up keeps 143 chunk-microbatches (128 at "
               "16,384 GPUs) on the first stage; Meta tuned its schedule and freed tensors in ways the paper does not "
@@ -122,7 +123,8 @@ def megatron_settings(micro_batch: int, chunks: int) -> Options:
 # planner's: the micro-batch, the interleave, the recomputation, ZeRO-1 (its distributed optimizer), and Megatron's
 # sequence parallelism saving each TP region's input as its shard
 MEGATRON_CORE = Options(zero_stage=1, async_tp=True, chunks=None, activation_checkpointing=None,
-                        sp_saves_gathered_inputs=False)   # Megatron's SP, as for Llama 3: the planner's reading
+                        sp_saves_gathered_inputs=False,   # Megatron's SP, as for Llama 3: the planner's reading
+                        recompute_early_stop=False)       # Megatron's recompute, where the search tries it
 MEGATRON_CORE_README = "NVIDIA/Megatron-LM README, weak scaling (its table is an image, read by eye)"
 MTNLG_SCALING = "Smith et al. (2022), MT-NLG 530B, section 2.4, as quoted by cli99/llm-analysis"
 

@@ -324,7 +324,9 @@ class Options:
     recompute_early_stop: bool = True
     precision: str = "mixed"               # "mixed" (bf16/fp16 compute, fp32 master) or "fp32"
     # SP with TP [on whenever tp > 1]: DTensor's costs no extra bytes (its all-gathers and reduce-scatters replace
-    # TP's all-reduces); Megatron's gathers each region's input again in backward (below)
+    # TP's all-reduces) but one all-gather a block under PyTorch's early-stopped full recomputation (which re-issues
+    # the block's all-gathers and stops before its last reduce-scatter); Megatron's gathers each region's input
+    # again in backward (below)
     sequence_parallel: bool | None = None
     # the layers' kind. True: torch's modules (DTensor's parallelize_module, measured in chapter 06), whose TP
     # regions save their all-gathered input under SP. False: Megatron's own layers (planner.memory.megatron_layers):
@@ -353,8 +355,8 @@ class Options:
     # dispatches in FP8 with a scale per 128 elements, 1 + 4/128, and combines in bf16 (section 3.3.3)
     ep_dispatch_bytes: float = 0.0
     reserve_bytes: float = 4 * GIB         # CUDA context, NCCL buffers, fragmentation (chapter 09's reserve)
-    prefetched_units: int = 2              # FSDP units gathered at once (computing + prefetched)
-    ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the grads)
+    prefetched_units: int = 2              # FSDP blocks gathered at once beside the root (computing + prefetched)
+    ddp_bucket_view: bool = False          # DDP: gradient_as_bucket_view (else its buckets copy the fp32 grads)
     # gradient buckets of DDP and ZeRO, in parameters; None: Megatron-Core's rule, max(40M, 1M x dp): larger
     # buckets on larger rings, since every bucket's collective pays the ring's 2 (n - 1) latencies
     bucket_params: int | None = None

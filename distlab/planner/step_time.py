@@ -80,11 +80,27 @@ def rejected(layout: Layout, cluster: Cluster, problems: list[str]) -> Plan:
                 0.0, 0.0, problems)
 
 
+def last_gemm_flops(model: ModelSpec, moe: bool = False) -> float:
+    """FLOPs per token of a block's last GEMM, which full recomputation under PyTorch's non-reentrant checkpoint
+    never runs again (``Options.recompute_early_stop``). Its pack hook stops the recomputation once the last tensor
+    the forward saved is saved again (torch 2.13 ``utils/checkpoint.py:1128-1131``, ``_StopRecomputationError``).
+    That tensor is the input of the block's last GEMM, so the GEMM does not run again, nor what follows it (its
+    row-parallel collective: ``communication.ledger``). A dense block's is the MLP's down projection (LLaMA's w2,
+    GPT's fc2), 2 h f; a MoE block's the shared expert's down projection where it has one (``distlab.moe``: it runs
+    after the routed experts, whose outputs the weighting by the router saves), else none. Counted on torch's
+    checkpoint, with and without the early stop, in tests/unit/test_planner_recompute.py."""
+    if not moe:
+        return 2 * model.hidden * model.ffn
+    return 2 * model.hidden * model.expert_ffn * model.shared_experts
+
+
 def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
     """FLOPs one GPU of stage ``stage`` computes in a step: ``model`` (what MFU counts: 6 per matmul parameter
     and token, and attention's :meth:`ModelSpec.attention_flops_per_token` per layer, 12 h s for standard heads,
     the full s x s square as PaLM and Megatron count it), ``recompute`` (full: the blocks' forward again, 2 per
-    parameter + a third of attention's; selective: attention's core forward, a third; none: 0), ``forward`` and ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
+    parameter + a third of attention's, less each block's last GEMM under PyTorch's early stop
+    (:func:`last_gemm_flops`); selective: attention's core forward, a third; none: 0), ``forward`` and
+    ``attention`` (the share CP's ring hides behind). Split over tp x cp."""
     layers = stage_layers(model.layers, layout.pp, stage)
     dense, moe_blocks = stage_layer_kinds(model, layout.pp, stage)
     # the parameters a token uses in this stage's blocks (a MoE block: its top-k experts): with EP a rank computes
@@ -94,6 +110,8 @@ def stage_flops(model: ModelSpec, layout: Layout, stage: int, options: Options =
     head = sum(model.head_params(tied_copy=True).values()) if stage == layout.pp - 1 else 0
     mode = checkpointing(options)
     recompute = {"full": 2 * active + layers * attention / 3, "selective": layers * attention / 3, "none": 0}[mode]
+    if mode == "full" and options.recompute_early_stop:
+        recompute -= dense * last_gemm_flops(model) + moe_blocks * last_gemm_flops(model, moe=True)
     tokens = model.global_batch * model.seq_len / layout.dp / (layout.tp * layout.cp)
     return {"model": tokens * (6 * active + layers * attention + 6 * head),
             "recompute": tokens * recompute,

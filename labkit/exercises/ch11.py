@@ -32,8 +32,9 @@ NODES_CASE = ("13b", "a100-40gb", 16384)
 # how a learner answers each of page 11.1's questions from the planner's numbers (the wrong answer's pointer)
 _HOW_TO_ANSWER = ("1, does DDP's replica fit one GPU: planner.evaluate(model, cluster, planner.Layout(), "
                   "planner.Options(), 1).fits; 2, sharded by FSDP over all the GPUs, does one sequence fit, every "
-                  "block recomputed: planner.memory_per_gpu(...)['total'] against the GPU's memory; 3, does "
-                  "the batch hold a sequence for every GPU; 4, is a sequence 32K tokens or longer")
+                  "block recomputed: count it as page 11.1 counts 7B, or read planner.evaluate(model, cluster, "
+                  "planner.Layout(dp=..., zero_stage=3), planner.Options(activation_checkpointing='full')).fits; 3, "
+                  "does the batch hold a sequence for every GPU; 4, is a sequence 32K tokens or longer")
 # what the path's outcome means for a layout of ``gpus`` GPUs, where the outcome fixes every degree
 _OUTCOME_LAYOUT = {"DDP": dict(zero_stage=0), "FSDP": dict(zero_stage=3)}
 
@@ -81,20 +82,27 @@ def check_path_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus
 def check_better_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2], *,
                         within: float = 0.9, hint: str = "") -> None:
     """``layout`` fits, reaches ``within`` of the best throughput the search finds, and has degrees (tp, pp, dp, cp)
-    other than the search's first choice, which page 11.2 names: the learner searches, not copies."""
+    other than the search's first choice, which page 11.2 names, and other than the path's layout, which the
+    exercise compares it with: the learner searches, not copies. The path's layout is refused whatever its share:
+    it sits just under the bar, and compared with itself the last question would have no answer."""
     from distlab import planner
     from labkit import planner_widgets
 
     if layout is None or layout is Ellipsis:
         raise _not_done("layout_70b", hint)
     verdict = planner_widgets.layout_verdict(layout, model, cluster, gpus, within=within)
-    if not verdict.ok:
-        raise ExerciseWrong(f"{verdict.message}. {hint}".strip())
     first = planner.search(planner.MODELS[model], planner.CLUSTERS[cluster], gpus)[0].layout
     degrees = ("tp", "pp", "dp", "cp")
+    path = path_layout(model, cluster, gpus)[2]
+    if path is not None and all(getattr(layout, d) == getattr(path, d) for d in degrees):
+        raise ExerciseWrong(f"{layout.label()} has the degrees of the path's layout, path_70b, which the next question "
+                            f"compares it with; find other degrees (tp, pp or dp) within {within:.0%}. "
+                            f"{hint}".strip())
     if all(getattr(layout, d) == getattr(first, d) for d in degrees):
         raise ExerciseWrong(f"{layout.label()} has the degrees of the search's first choice, which page 11.2 names; "
                             f"find other degrees (tp, pp or dp) within {within:.0%}. {hint}".strip())
+    if not verdict.ok:
+        raise ExerciseWrong(f"{verdict.message}. {hint}".strip())
     _ok(f"layout_70b: {verdict.message}")
 
 
@@ -108,7 +116,8 @@ def costs(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE
     plan = planner.tune(spec, machine, layout, planner.Options(), gpus)
     options = replace(planner.Options(), activation_checkpointing=plan.settings["checkpointing"])
     flops = stage_flops(spec, layout, plan.worst_stage, options)
-    rate = compute_rate(spec, machine, layout, options)   # the rate the planner's step time uses (GEMM shapes)
+    # the rate the planner's step time uses: the GEMM shapes of the plan's own micro-batch
+    rate = compute_rate(replace(spec, micro_batch=plan.settings["micro_batch"]), machine, layout, options)
     return {"recomputation": flops["recompute"] / rate,
             "communication": sum(plan.exposed_seconds.values()),
             "bubble": plan.bubble.get("seconds", 0.0)}

@@ -52,7 +52,8 @@ def parse_args(argv=None):
                         "search (default): the fastest that fits, for each layout")
     p.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="Megatron SP with TP (default: on whenever tp > 1; it costs no extra bytes)")
+                   help="Megatron SP with TP (default: on whenever tp > 1). With torch's layers it moves no extra "
+                        "bytes but one all-gather a block under PyTorch's early-stopped full recomputation")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the matmuls they feed")
     p.add_argument("--ep-overlap", action="store_true",
                    help="a MoE model: EP's all-to-alls hidden behind another microbatch's compute (DeepSeek-V3's "

@@ -21,6 +21,7 @@ import pytest
 from helpers import assert_all_checks_passed
 
 from distlab import models, planner
+from distlab.planner import dry_run
 from labkit import launch
 
 HYBRID = "scripts/09_hybrid_parallel/fsdp_tp_hybrid.py"
@@ -108,13 +109,19 @@ def test_fsdp_traffic_without_resharding_equals_the_measured_bytes(fsdp_run):
 
 def test_gathered_weights_kept_from_forward_to_backward_are_what_the_ops_saved(fsdp_run):
     """Without resharding every unit stays gathered until its backward: the planner's temporary buffer. The
-    run's saved tensors hold them (every matrix a matmul keeps; the embedding keeps only its indices)."""
+    run's saved tensors hold them (every matrix a matmul keeps; the embedding keeps only its indices). The buffer
+    itself, gathered weights, unsharded gradients and the reduce-scatter input at the backward's peak, equals what
+    torch's FSDPMemTracker counts for the same model, sharded the same way, on a fake group of as many ranks."""
     metrics, spec, layout, options = fsdp_run
     measured = metrics["memory"]["saved_activation_bytes"]
     activations = planner.activation_bytes(spec, layout, 0, options)
     gathered_weights = 4 * (spec.num_params() - spec.vocab * spec.hidden)
     assert abs(activations + gathered_weights - measured) / measured <= 0.01
-    assert planner.temporary_bytes(spec, layout, 0, options) >= gathered_weights
+    config = metrics["config"]
+    counted = dry_run.fsdp_buffers_counted(models.preset(config["preset"]), layout.dp, spec.micro_batch,
+                                           mixed=False, reshard_after_forward=False)
+    assert planner.temporary_bytes(spec, layout, 0, options) == counted["backward"]["total"]
+    assert counted["backward"]["gathered"] >= gathered_weights
 
 
 # ---- chapter 08: TP and TP + SP on 4 ranks: activations and TP traffic ----------------------------------

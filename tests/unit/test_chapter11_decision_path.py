@@ -66,26 +66,57 @@ def _text() -> str:
 
 
 def test_the_case_worked_by_hand_is_the_planners():
-    """Page 11.1: 7B on 8 A100-40GB, its state counted by hand (16 bytes a parameter), then DDP's and FSDP's parts."""
+    """Page 11.1: 7B on 16 A100-40GB, its state counted by hand (16 bytes a parameter), then DDP's and FSDP's parts,
+    each by hand from the model's shape: DDP's fp32 buckets as torch's DDP holds them under autocast
+    (tests/unit/test_planner_ddp.py), FSDP's buffers as FSDP2 holds them at a block's backward
+    (tests/unit/test_planner_fsdp_buffers.py)."""
     text = _text()
     spec, cluster = planner.MODELS["7b"], planner.CLUSTERS["a100-40gb"]
-    by_hand = spec.num_params() * (2 + 2 + 12)
-    assert f"{spec.num_params() / 1e9:.2f} B parameters" in text and "6.74 B x 16 bytes" in text
+    case = next(c for c in planner.decision_cases() if c.model is spec)
+    gpus, n = case.gpus, spec.num_params()
+    assert (gpus, case.cluster) == (16, cluster) and case.name == "7B on 4 nodes of 4 A100-40GB"
+    by_hand = n * (2 + 2 + 12)
+    assert f"{n / 1e9:.2f} B parameters" in text and "6.74 B x 16 bytes" in text
     assert f"= **{by_hand / planner.GIB:.1f} GiB**" in text
-    ddp, fsdp = (planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=z)).memory_per_gpu_bytes
+    ddp, fsdp = (planner.evaluate(spec, cluster, planner.Layout(dp=gpus, zero_stage=z)).memory_per_gpu_bytes
                  for z in (0, 3))
     gib = {k: {part: v / planner.GIB for part, v in m.items()} for k, m in (("ddp", ddp), ("fsdp", fsdp))}
+    # DDP under autocast: fp32 weights (4), gradients (4), two moments (8); buckets of the gradients' dtype (4)
+    assert (ddp["params"], ddp["grads"], ddp["optimizer"], ddp["temporary"]) == pytest.approx((4 * n, 4 * n, 8 * n,
+                                                                                               4 * n))
     assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(by_hand)
     assert f"{gib['ddp']['activations']:.2f} GiB of activations" in text
-    assert f"Its gradient buckets are a second bf16 copy of the gradients" in text
-    assert f"**{gib['ddp']['total']:.1f} GiB**" in text and "buffers for DDP's gradient buckets" not in text
+    assert (f"here fp32: 6.74 B x 4 bytes = {4 * n / planner.GIB:.2f} GiB more, which makes "
+            f"**{gib['ddp']['total']:.1f} GiB**") in text
+    assert "a second bf16 copy" not in text
     fsdp_state = gib["fsdp"]["params"] + gib["fsdp"]["grads"] + gib["fsdp"]["optimizer"]
-    assert f"divides the state by 8, to {fsdp_state:.2f} GiB" in text
-    assert f"take {gib['fsdp']['temporary']:.2f} GiB" in text and f"**{gib['fsdp']['total']:.1f} GiB** of 40" in text
+    assert f"divides the state by {gpus}, to {fsdp_state:.2f} GiB" in text
+    # FSDP's buffers by hand: the root (embedding, final norm, output layer) and two blocks gathered in bf16, the
+    # output layer's (and final norm's) and a block's bf16 gradients, a block's fp32 reduce-scatter input
+    h, v = spec.hidden, spec.vocab
+    block = 2 * h * h + 2 * h * spec.kv_dim + 3 * h * spec.ffn + 2 * h
+    head, root = v * h + h, 2 * v * h + h
+    buffers = 2 * (root + 2 * block) + 2 * (head + block) + 4 * block
+    assert fsdp["temporary"] == buffers
+    assert (f"Its units are each block, {block / 1e6:.0f} M parameters, and the root: the embedding, the final norm "
+            f"and the output layer, {root / 1e6:.0f} M") in text
+    assert (f"so {root / 1e6:.0f} M + 2 x {block / 1e6:.0f} M are gathered. The output layer's and the block's bf16 "
+            f"gradients are whole, {head / 1e6:.0f} M + {block / 1e6:.0f} M. One block's fp32 gradients wait for "
+            f"their reduce-scatter, {block / 1e6:.0f} M x 4 bytes. In all that is {buffers / planner.GIB:.2f} GiB"
+            ) in text
+    assert f"**{gib['fsdp']['total']:.1f} GiB** of 40" in text
     assert gib["fsdp"]["activations"] == gib["ddp"]["activations"] and gib["ddp"]["reserve"] == 4
     assert spec.global_batch == 1024 and spec.seq_len == 4096 and "1,024 sequences" in text
-    assert planner.search(spec, cluster, 8)[0].layout == planner.Layout(dp=8, zero_stage=3)
-    assert "its first choice is `tp=1,pp=1,dp=8,zero=3`" in text
+    plans = planner.search(spec, cluster, gpus)
+    assert plans[0].layout == planner.Layout(dp=gpus, zero_stage=3) and plans[0].settings["checkpointing"] == "none"
+    assert "its first choice is `tp=1,pp=1,dp=16,zero=3`" in text
+    # on two nodes FSDP alone would keep every activation only past the GPU's memory: the search adds TP 2
+    two = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=3),
+                           planner.Options(activation_checkpointing="none")).memory_per_gpu_bytes["total"]
+    first_on_two = planner.search(spec, cluster, 8)[0]
+    assert two > cluster.gpu_bytes and first_on_two.layout.tp == 2 and first_on_two.settings["checkpointing"] == "none"
+    assert (f"On two nodes that would take {two / planner.GIB:.1f} GiB, and the search adds TP "
+            f"{first_on_two.layout.tp} there instead") in text
 
 
 def test_the_worked_cases_prose_reads_the_planner():
@@ -95,12 +126,19 @@ def test_the_worked_cases_prose_reads_the_planner():
     assert [p.layout.zero_stage for p in one[:3]] == [1, 3, 0] and len({round(p.mfu, 2) for p in one[:3]}) == 1
     assert f"at the same {one[0].mfu:.0%} MFU".replace("%", " %") in text
     big = cases[3]
-    assert big.gpus // big.model.global_batch == 8 and "there are eight GPUs for every sequence" in text
+    assert big.gpus // big.model.global_batch == 4 and "there are four GPUs for every sequence" in text
     long = cases[4]
     no_sp, sp = (planner.evaluate(long.model, long.cluster, planner.Layout(8, 8, 1, 1, 1),
                                   planner.Options(sequence_parallel=s), 64).memory_per_gpu_bytes["activations"]
                  for s in (False, True))
-    assert round(no_sp / sp) == 7 and "SP cuts them about sevenfold" in text
+    assert round(no_sp / sp) == 7 and "So the whole shrinks about sevenfold" in text
+    # not eightfold: SP divides the saved block inputs by TP, and of the block recomputed in backward only what TP
+    # left whole (its norms' and regions' inputs)
+    from distlab.planner.memory import block_activation_bytes
+    live = {s: block_activation_bytes(long.model, 1, long.model.seq_len, 8, s, planner.Options()) for s in (False, True)}
+    assert sp == pytest.approx((no_sp - live[False]) / 8 + live[True], rel=1e-9)
+    assert ("SP divides the blocks' saved inputs eightfold, but the block recomputed in backward only from "
+            f"{live[False] / planner.GIB:.1f} to {live[True] / planner.GIB:.1f} GiB: TP had split most of it") in text
     first = planner.search(long.model, long.cluster, 64)[0].layout
     assert (first.tp, first.cp) == (8, 4) and "The search's first choice adds CP 4 beside TP 8" in text
     longest = cases[5]
@@ -129,9 +167,9 @@ def test_the_step_formula_is_the_planners():
 
 
 def test_question_1_is_asked_of_one_gpu_and_its_parts_are_derived():
-    """Question 1 evaluates one GPU (no buckets): 106.7 GiB; DDP on 8 adds its buckets, 119.3. The 2.32 GiB of
-    activations and FSDP's 1.95 GiB of buffers, taken apart as the page does by hand."""
-    from distlab.planner.memory import block_activation_bytes, stage_params
+    """Question 1 evaluates one GPU (no buckets): 106.7 GiB; DDP on 16 adds its fp32 buckets. The 2.32 GiB of
+    activations taken apart as the page does by hand: the blocks' inputs written with their symbols, s x h."""
+    from distlab.planner.memory import block_activation_bytes
 
     text = _text()
     spec, cluster, g = planner.MODELS["7b"], planner.CLUSTERS["a100-40gb"], planner.GIB
@@ -139,28 +177,23 @@ def test_question_1_is_asked_of_one_gpu_and_its_parts_are_derived():
     one = planner.evaluate(spec, cluster, planner.Layout(), planner.Options(), 1)
     assert not planner.DECISION_QUESTIONS["replica"][1](case) and one.memory_per_gpu_bytes["temporary"] == 0
     assert f"that is **{one.memory_per_gpu_bytes['total'] / g:.1f} GiB**, more than twice" in text
-    ddp = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=0)).memory_per_gpu_bytes
-    assert ddp["temporary"] == pytest.approx(spec.num_params() * 2)
-    assert f"6.74 B x 2 bytes = {ddp['temporary'] / g:.2f} GiB, which makes **{ddp['total'] / g:.1f} GiB**" in text
     acts = one.memory_per_gpu_bytes["activations"]
     inputs = spec.layers * spec.seq_len * spec.hidden * 2
     block = block_activation_bytes(spec, 1, spec.seq_len, 1, False, planner.Options(activation_checkpointing="full"))
     head = acts - inputs - block
-    assert inputs == g and (f"(1 GiB), one block recomputed in backward ({block / g:.2f} GiB), and the output layer "
-                            f"with its fp32 log-softmax ({head / g:.2f} GiB)") in text
-    # the two taken apart: chapter 08's per-block count (10 s h + 4 s f numbers of 2 bytes, the b s terms dropped),
-    # and the head's log-softmax over the vocabulary in fp32 plus the final norm's and the output layer's inputs
     s, h, f, v = spec.seq_len, spec.hidden, spec.ffn, spec.vocab
+    assert inputs == g and (f"the {spec.layers} blocks' inputs, {spec.layers} x s x h = {spec.layers} x {s:,} tokens x "
+                            f"{h:,} wide, in 2 bytes (1 GiB)") in text
+    assert (f"Then one block recomputed in backward ({block / g:.2f} GiB), and the output layer with its fp32 "
+            f"log-softmax ({head / g:.2f} GiB)") in text
+    assert f"sequences of s = {s:,} tokens, width h = {h:,}" in text
+    # the two taken apart: chapter 08's per-block count (10 s h + 4 s f numbers of 2 bytes, the b s terms dropped),
+    # and the head's log-softmax over the vocabulary in fp32 plus three s x h tensors: the final norm's input and
+    # output (tensor_parallel.activation_bytes' 2 s h) and the output layer's input
     assert f"{(10 * s * h + 4 * s * f) * 2 / g:.2f}" == f"{block / g:.2f}"
-    assert (f"about 10 s h + 4 s f numbers of 2 bytes, with s = h = {s:,} and the feed-forward width f = {f:,}" in text
-            and s == h)
+    assert f"about 10 s h + 4 s f numbers of 2 bytes, with the feed-forward width f = {f:,}" in text
     softmax, inputs_fp32 = s * v * 4, 3 * s * h * 4
     assert f"{(softmax + inputs_fp32) / g:.2f}" == f"{head / g:.2f}"
-    assert (f"the log-softmax over the {v:,}-token vocabulary, {s:,} x {v:,} x 4 bytes = {softmax / g:.2f} GiB. "
-            f"The rest is the final norm's and the output layer's inputs in fp32, 3 x {s:,} x {h:,} x 4 bytes = "
-            f"{inputs_fp32 / g:.2f} GiB") in text
-    unit = stage_params(spec, planner.Layout(dp=8, zero_stage=3), 0)["largest_unit"]
-    assert unit == pytest.approx(2 * spec.vocab * spec.hidden, rel=1e-4)   # the embedding and the output layer
-    fsdp = planner.evaluate(spec, cluster, planner.Layout(dp=8, zero_stage=3)).memory_per_gpu_bytes
-    assert fsdp["temporary"] == unit * (2 + 2 + 4)
-    assert f"{unit / 1e6:.0f} M parameters, so {unit / 1e6:.0f} M x (2 + 2 + 4) bytes take {fsdp['temporary'] / g:.2f} GiB" in text
+    assert (f"the log-softmax over the {v:,}-token vocabulary, s x {v:,} x 4 bytes = {softmax / g:.2f} GiB. The rest "
+            f"is three fp32 tensors of s x h: the final norm's input and output, and the output layer's input, 3 x "
+            f"{s:,} x {h:,} x 4 bytes = {inputs_fp32 / g:.2f} GiB") in text

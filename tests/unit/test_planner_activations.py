@@ -77,5 +77,8 @@ def test_megatrons_gradients_are_held_in_fp32_as_they_are_reduced():
     params = planner.stage_params(run.model, run.layout, 0)["total"]
     assert planner_memory.state_bytes(run.model, run.layout, 0, run.options).grads == 4 * params
     assert planner_memory.temporary_bytes(run.model, replace(run.layout, dp=2), 0, run.options) == 0
-    torch_modules = replace(run.options, sp_saves_gathered_inputs=True)   # the ZeRO paper's 2 bytes, as before
-    assert planner_memory.state_bytes(run.model, run.layout, 0, torch_modules).grads == 2 * params
+    # with torch's modules ZeRO-2 keeps the ZeRO paper's 2 bytes; ZeRO-1 is Megatron's distributed optimizer
+    # either way, fp32 gradients in one buffer (tests/unit/test_planner_ddp.py)
+    torch_modules = replace(run.options, sp_saves_gathered_inputs=True)
+    assert planner_memory.state_bytes(run.model, replace(run.layout, zero_stage=2), 0, torch_modules).grads == 2 * params
+    assert planner_memory.state_bytes(run.model, run.layout, 0, torch_modules).grads == 4 * params
