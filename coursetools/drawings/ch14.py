@@ -64,7 +64,7 @@ PATHS = {
                           "one rank's long work alone"),
     "unused-parameter": ("an error at the second step", "the error's line of indices",
                          "a parameter the forward never uses"),
-    "token-out-of-vocabulary": ("every rank's traceback, one rank's first", "torchrun's first observed failure",
+    "token-out-of-vocabulary": ("one rank's error, the others lost or stopped", "torchrun's first observed failure",
                                 "a token id outside the vocabulary"),
     "too-few-microbatches": ("every rank idle most of the step", "the idle share against the formula",
                              "too few microbatches"),

@@ -898,6 +898,57 @@ def test_the_token_case_states_the_vocabulary_and_the_step_the_run_has():
     section = section_of("token-out-of-vocabulary")
     assert f"A sequence rank {script.BAD_TOKEN_RANK} reads holds token id {vocabulary}." in section
     assert f"The vocabulary has {vocabulary} ids, 0 to {vocabulary - 1}" in section
-    assert f"Step {script.BAD_TOKEN_STEP - 1} trains. At step {script.BAD_TOKEN_STEP} every rank prints a traceback" \
-        in section
-    assert f"Rank {script.BAD_TOKEN_RANK}'s ends in `IndexError: index out of range in self`" in section
+    assert f"Step {script.BAD_TOKEN_STEP - 1} trains. At step {script.BAD_TOKEN_STEP} the job stops." in section
+    assert f"Rank {script.BAD_TOKEN_RANK} raises `IndexError: index out of range in self`" in section
+
+
+def test_the_token_case_says_what_torchrun_shows_and_what_the_fork_launcher_shows():
+    """torchrun's agent stops every other rank at its first poll that finds a failure (api.py:988-992), so a rank
+    still waiting prints nothing; labkit.forkrun gives the others a few seconds (forkrun.GRACE_SECONDS), so there every
+    rank prints its own error. The section says both, as each run shows them (tests/scripts/test_14 runs both); the
+    registry's symptom and the recap no longer say that every rank prints a traceback."""
+    from labkit import broken_runs, forkrun
+
+    section = section_of("token-out-of-vocabulary")
+    assert "Under torchrun its agent then stops every other rank at once" in section and "some print nothing" in section
+    assert "The course's fork launcher gives them a few seconds, so there all three print gloo's error" in section
+    assert forkrun.GRACE_SECONDS >= 2
+    case = broken_runs.case("token-out-of-vocabulary")
+    assert "under torchrun" in case.symptom and "every rank stops with a traceback" not in case.symptom
+    assert "every rank's traceback" not in ch14.PATHS[case.name][0] and "every rank prints a traceback" not in FLAT
+    assert "unlike torchrun" in forkrun.__doc__ and "as torchrun does" not in forkrun.__doc__
+
+
+def test_the_token_case_keeps_the_bad_ids_out_of_the_input_not_only_out_of_the_loss():
+    """The lookup reads the input: masking the targets (ignore_index) still feeds id V to the embedding. The guard
+    replaces a rejected sequence's ids before the forward and masks its targets, as train_ddp.py does."""
+    from labkit import broken_runs
+
+    script = (ROOT / "scripts/04_data_parallel/train_ddp.py").read_text()
+    assert "tokens = torch.where(ok[:, None], tokens, torch.zeros_like(tokens))" in script
+    assert "return tokens, kept_targets(tokens, every) & ok[:, None]" in script
+    section = section_of("token-out-of-vocabulary")
+    assert "out of the model's input, not only out of the loss" in section and "replace its ids before the forward" \
+        in section and "before `.to(device)`" in section
+    assert "out of the model's input" in broken_runs.case("token-out-of-vocabulary").fix
+    assert "is left out of the loss" not in broken_runs.case("token-out-of-vocabulary").fix
+
+
+def test_the_token_case_on_a_gpu_says_the_faulting_ranks_watchdog_may_abort_it_first():
+    """torch 2.13's NCCL watchdog rethrows CUDA errors by default (TORCH_NCCL_RETHROW_CUDA_ERRORS): after the
+    device-side assert, the sticky error reaches the watchdog's query of an NCCL work's event and the process is
+    aborted (SIGABRT), perhaps before @record writes (pytorch/pytorch #126544). The GPU line says so, the appendix
+    cites it, and the job's check accepts that rank's SIGABRT as the root cause when its log holds the assert."""
+    import torch
+
+    from labkit import broken_runs
+
+    hpp = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+           "ProcessGroupNCCL.hpp").read_text().splitlines()
+    assert hpp[108].strip() == "// Whether to rethrow CUDA Errors in the watchdog (default true)"
+    assert "TORCH_NCCL_RETHROW_CUDA_ERRORS" in hpp[109] and "TORCH_NCCL_RETHROW_CUDA_ERRORS" in hpp[110]
+    on_nccl = broken_runs.case("token-out-of-vocabulary").on_nccl
+    assert "own NCCL watchdog" in on_nccl and "SIGABRT" in on_nccl and "before @record writes" in on_nccl
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:109-111)" in FLAT_APPENDIX
+    assert "https://github.com/pytorch/pytorch/issues/126544" in FLAT_APPENDIX
+    assert "or with SIGABRT when its log holds the assert" in FLAT_APPENDIX
