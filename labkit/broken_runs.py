@@ -168,13 +168,13 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                 "assert triggered'); CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. Rank 3's own NCCL watchdog may "
                 "abort it (SIGABRT) before @record writes. The others wait until stopped.",
         args=DDP_RUN + ("--planted-bug", "token-out-of-vocabulary"), fixed_args=DDP_RUN,
-        symptom="Step 0 trains; at step 1 the job stops, with tracebacks. Rank 3's ends in IndexError: 'index out "
-                "of range in self'; the others' in gloo's lost peer ('Connection closed by peer', or 'reset by "
-                "peer'), or, under torchrun, whose agent stops them at once, some print none.",
+        symptom="Step 0 trains; at step 1 the job stops. Rank 3's ends in IndexError: 'index out of range in self'; "
+                "the others' in gloo's lost peer ('Connection closed by peer') or some, stopped at once by "
+                "torchrun, in nothing.",
         evidence=("output",),
         cause="A sequence rank 3 reads at step 1 holds token id 128, one past the embedding's last row (the tiny "
-              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail in the all-reduce "
-              "when it exits, or are stopped by the launcher first.",
+              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail or are "
+              "stopped when it exits.",
         tell_apart="The first failure, torchrun's 'Root Cause (first observed failure)' (with @record): one rank's "
                    "own exception, before the others' errors, which name the peer that left; a network failure "
                    "starts with no rank's exception.",

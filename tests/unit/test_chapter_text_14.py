@@ -914,7 +914,7 @@ def test_the_token_case_says_what_torchrun_shows_and_what_the_fork_launcher_show
     assert "The course's fork launcher gives them a few seconds, so there all three print gloo's error" in section
     assert forkrun.GRACE_SECONDS >= 2
     case = broken_runs.case("token-out-of-vocabulary")
-    assert "under torchrun" in case.symptom and "every rank stops with a traceback" not in case.symptom
+    assert "stopped at once by torchrun" in case.symptom and "every rank stops with a traceback" not in case.symptom
     assert "every rank's traceback" not in ch14.PATHS[case.name][0] and "every rank prints a traceback" not in FLAT
     assert "unlike torchrun" in forkrun.__doc__ and "as torchrun does" not in forkrun.__doc__
 
