@@ -14,7 +14,7 @@ GROUPS = ("Wrong numbers", "Hangs, timeouts and errors", "Slow steps", "Resumes"
 # The question of the chapter's three (stuck or slow? do the ranks agree? does the run agree with one device?) that
 # sends a run to each group: the picture prints it beside the group's name.
 QUESTIONS = {
-    "Wrong numbers": "questions 2 and 3: the ranks disagree, or all agree and differ from one device",
+    "Wrong numbers": "questions 2 and 3: rows naming the ranks are question 2's, the rest differ from one device",
     "Hangs, timeouts and errors": "question 1: it stops",
     "Slow steps": "question 1: it is slow",
     "Resumes": "question 3: the resumed run differs from the uninterrupted one",
@@ -28,15 +28,15 @@ PATHS = {
                                 "every rank reads the same samples"),
     "no-set-epoch": ("off one device from the second epoch", "the step where the gap starts",
                      "the sampler's epoch is never set"),
-    "accumulation-never-syncs": ("off one device, further every step", "the bytes all-reduced per step",
+    "accumulation-never-syncs": ("replicas differ, further off every step", "the bytes all-reduced per step",
                                  "accumulation never synchronises"),
     "loss-averaged-twice": ("the loss looks right, the gradients small", "the gradients against one device",
                             "the loss is averaged twice"),
-    "per-rank-init": ("off one device before any update", "the replicas' weights before step 0",
+    "per-rank-init": ("replicas differ before any update", "the replicas' weights before step 0",
                       "each rank's own initial weights"),
-    "local-grad-norm": ("right gradients, wrong update", "the gradient norm each rank logs",
+    "local-grad-norm": ("ranks log different norms, wrong update", "the gradient norm each rank logs",
                         "gradients clipped by local norms"),
-    "nan-from-one-rank": ("the loss turns nan", "each rank's own loss, step by step",
+    "nan-from-one-rank": ("one rank's loss nan, then every rank's", "each rank's own loss, step by step",
                           "one rank's nan, all-reduced"),
     "bf16-gradient-reduction": ("gradients far beyond fp32 rounding", "the reduce-scatter's bytes",
                                 "gradients reduced in bf16"),
@@ -46,7 +46,7 @@ PATHS = {
                             "data chosen by the global rank"),
     "loss-on-wrong-stage": ("the printed loss is nan", "the last stage's losses",
                             "the loss read on the first stage"),
-    "stage-grad-norm": ("right gradients, wrong update", "the gradient norm each stage logs",
+    "stage-grad-norm": ("stages log different norms, wrong update", "the gradient norm each stage logs",
                         "gradients clipped per stage"),
     "global-batch-grows": ("below one device, most in its 2nd epoch", "the sequences per step",
                            "a global batch grown with the world"),
@@ -72,7 +72,7 @@ PATHS = {
                   "one slow rank"),
     "checkpoint-one-shard": ("the loss jumps at the resume", "the reloaded weights against the saved",
                              "a checkpoint of one shard"),
-    "resume-without-rng": ("a step trained twice, two losses", "the losses of the step trained twice",
+    "resume-without-rng": ("a step trained twice, two losses", "reloaded weights equal, the loss differs",
                            "random state and data position lost"),
 }
 

@@ -952,3 +952,38 @@ def test_the_token_case_on_a_gpu_says_the_faulting_ranks_watchdog_may_abort_it_f
     assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:109-111)" in FLAT_APPENDIX
     assert "https://github.com/pytorch/pytorch/issues/126544" in FLAT_APPENDIX
     assert "or with SIGABRT when its log holds the assert" in FLAT_APPENDIX
+
+
+QUESTION_2 = ("same-samples-every-rank", "accumulation-never-syncs", "per-rank-init", "local-grad-norm",
+              "nan-from-one-rank", "stage-grad-norm")
+
+
+def test_question_2s_rows_are_found_in_the_picture_by_the_ranks_they_name():
+    """The learner's review: after question 2 ("the ranks disagree") no box of the picture said so. Question 2's
+    cases name the ranks, the replicas or the stages in their first box; no other wrong number does, and no two
+    first boxes of a group say the same words. resume-without-rng's middle box is the check that parts it from
+    checkpoint-one-shard: the reloaded weights equal, yet the loss differs. per-rank-init's row no longer shares
+    its words with two question-3 rows."""
+    names = re.compile(r"\b(ranks?|replicas|stages)\b")
+    for group, members in ch14.grouped(registry().BROKEN_RUNS):
+        if group == "Wrong numbers":
+            for case in members:
+                assert bool(names.search(ch14.PATHS[case.name][0])) == (case.name in QUESTION_2), case.name
+    assert ch14.PATHS["resume-without-rng"][1] == "reloaded weights equal, the loss differs"
+    assert ch14.PATHS["per-rank-init"][0] != ch14.PATHS["data-by-global-rank"][0]
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert "In the picture, these rows' first box names the ranks or the replicas." in first
+    assert "**Do the ranks agree where they must?**" in first and "read the same samples" in first
+
+
+def test_the_worked_example_says_why_the_broken_run_exits_1():
+    """The broken run of the worked example ends with exit 1 and torchrun's ChildFailedError though no rank crashed:
+    the script's report returns 1 when a check fails, and train_ddp.py exits with it."""
+    metrics = (ROOT / "distlab" / "metrics.py").read_text()
+    assert "code = 0 if self.all_passed else 1" in metrics
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    assert "code = report.finish(args.metrics_out)" in script and "sys.exit(code)" in script
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert ("The broken run still ends with exit code 1 and torchrun's `ChildFailedError`, which names a rank as its "
+            "\"Root Cause\". No rank crashed in training. The script exits 1 when a check against one device fails")\
+        in first
