@@ -494,8 +494,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "
                 "refuses the setting with a ValueError before the first step.",
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
-        symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
-                "and the end).",
+        symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the fill and the drain, "
+                "where in the step depending on the rank).",
         evidence=("extra.bubble", "throughput", "timeline"),
         cause="2 microbatches for 4 stages under GPipe, the schedule this run chooses (torch 2.13's Schedule1F1B "
               "refuses fewer microbatches than stages): the fill and drain, (P - 1) / (M + P - 1) of the step, "

@@ -987,3 +987,25 @@ def test_the_worked_example_says_why_the_broken_run_exits_1():
     assert ("The broken run still ends with exit code 1 and torchrun's `ChildFailedError`, which names a rank as its "
             "\"Root Cause\". No rank crashed in training. The script exits 1 when a check against one device fails")\
         in first
+
+
+def test_the_bubbles_idle_time_sits_where_each_rank_is_in_the_pipeline():
+    """The learner's review: the text said the idle time sits at the step's start and end, but on the measured
+    timeline with 2 microbatches rank 0 idles between its last forward and its first backward, in the middle of the
+    step, while the last rank idles at the start and the end (chapter 07 says it so). The section, the registry's
+    symptom and the lab's hint say so."""
+    import json
+
+    run = min(measured("14_pipeline_bubble.json")["runs"], key=lambda r: r["microbatches"] if "microbatches" in r
+              else int(r["argv"][r["argv"].index("--microbatches") + 1]) if "--microbatches" in r["argv"] else 2)
+    ops = sorted((e for e in run["timeline"] if e["rank"] == 0), key=lambda e: e["start"])
+    gaps = [(b["start"] - a["end"], a["kind"], b["kind"]) for a, b in zip(ops, ops[1:])]
+    widest = max(gaps)
+    assert widest[1] != widest[2] and widest[0] > 0.05, gaps   # rank 0: a forward, then a long wait, then a backward
+    slow = " ".join(chapters.pages("14")[3].read_text().split())
+    assert "at the start, in the middle or at the end of the step, depending on the rank" in slow
+    assert "the staircase at the step's start and end" not in FLAT and "at the start and the end" not in \
+        registry().case("too-few-microbatches").symptom
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    hint = " ".join("".join(c["source"]) for c in lab["cells"] if "### Exercise 1:" in "".join(c["source"]))
+    assert "at the start and the end of the step?" not in hint and "where in the step each rank waits" in hint
