@@ -1009,3 +1009,14 @@ def test_the_bubbles_idle_time_sits_where_each_rank_is_in_the_pipeline():
     lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
     hint = " ".join("".join(c["source"]) for c in lab["cells"] if "### Exercise 1:" in "".join(c["source"]))
     assert "at the start and the end of the step?" not in hint and "where in the step each rank waits" in hint
+
+
+def test_the_exercise_list_counts_part_2s_runs_as_the_lab_holds_them():
+    """Part 2 holds three runs: two that stop with an error and one that prints nan (review finding 8)."""
+    from labkit.exercises import ch14 as lab
+
+    names = [next(r.name for r in registry().BROKEN_RUNS if lab._token(r.name) == lab._TOKENS[label])
+             for label in lab.PARTS["stops or prints nonsense"]]
+    errors = sum("Error:" in registry().case(name).symptom for name in names)
+    assert (errors, len(names) - errors) == (2, 1)
+    assert "two errors and a printed `nan`" in " ".join(chapters.exercise_items(BODY))
