@@ -165,24 +165,24 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
     BrokenRun(
         name="token-out-of-vocabulary", family="data", script=TRAIN_DDP,
         on_nccl="The lookup trips a device-side assert, reported at a later CUDA call ('CUDA error: device-side "
-                "assert triggered'), perhaps at another line; CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. The "
-                "others wait in NCCL until their launcher or the watchdog stops them.",
+                "assert triggered'); CUDA_LAUNCH_BLOCKING=1 reports it at the lookup. Rank 3's own NCCL watchdog may "
+                "abort it (SIGABRT) before @record writes. The others wait until stopped.",
         args=DDP_RUN + ("--planted-bug", "token-out-of-vocabulary"), fixed_args=DDP_RUN,
-        symptom="Step 0 trains; at step 1 every rank stops with a traceback. Rank 3's ends in IndexError: 'index out "
-                "of range in self'; the others' in gloo's lost peer ('Connection closed by peer', or 'reset by "
-                "peer').",
+        symptom="Step 0 trains; at step 1 the job stops. Rank 3's ends in IndexError: 'index out of range in self'; "
+                "the others' in gloo's lost peer ('Connection closed by peer') or some, stopped at once by "
+                "torchrun, in nothing.",
         evidence=("output",),
         cause="A sequence rank 3 reads at step 1 holds token id 128, one past the embedding's last row (the tiny "
-              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail in the all-reduce "
-              "when it exits.",
+              "model's 128 ids), a tokenizer's added token. Rank 3 raises alone; the others fail or are "
+              "stopped when it exits.",
         tell_apart="The first failure, torchrun's 'Root Cause (first observed failure)' (with @record): one rank's "
                    "own exception, before the others' errors, which name the peer that left; a network failure "
                    "starts with no rank's exception.",
         look_alikes=("a network failure", "unused-parameter", "uneven-inputs"),
         fix="Find the record (the summary names the rank, the last step printed the step), then size the model's "
             "vocabulary for every id the tokenizer makes (len(tokenizer), not its base vocabulary). Guard the data on "
-            "the CPU: a sequence with an id outside 0 to V - 1 is left out of the loss, every rank still running the "
-            "step.",
+            "the CPU, before the forward: a sequence with an id outside 0 to V - 1 is kept out of the model's input "
+            "(its ids replaced, its targets masked), not only out of the loss, every rank still running the step.",
         fix_kind="function",
         first_failure=(3, "IndexError: index out of range in self", "CUDA error: device-side assert triggered")),
     # ---- data parallelism ----------------------------------------------------------------------------------------
@@ -494,8 +494,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "
                 "refuses the setting with a ValueError before the first step.",
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
-        symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the staircase at the start "
-                "and the end).",
+        symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the fill and the drain, "
+                "where in the step depending on the rank).",
         evidence=("extra.bubble", "throughput", "timeline"),
         cause="2 microbatches for 4 stages under GPipe, the schedule this run chooses (torch 2.13's Schedule1F1B "
               "refuses fewer microbatches than stages): the fill and drain, (P - 1) / (M + P - 1) of the step, "
@@ -705,13 +705,16 @@ def failure_summary(output: str) -> list[dict] | None:
 def first_failure_seen(run: BrokenRun, metrics: dict | None, output: str | None) -> list[str]:
     """What is missing for an error one rank raises (``run.first_failure``): the run stopped before its report, the
     error in its output, and, where the output ends with torch's failure summary (torchrun, labkit.forkrun), that
-    rank named the root cause with that error, every other rank listed as failed or stopped after it. [] when it is
-    all there. Without a summary (a launcher that is not torchrun: mpiexec, srun) the error alone is looked for."""
+    rank named the root cause with that error, every other rank listed as failed or stopped after it. On a GPU that
+    rank's own NCCL watchdog may abort it (SIGABRT: TORCH_NCCL_RETHROW_CUDA_ERRORS, on by default) before @record
+    writes: then its signal as the root cause, with the GPU error in the log, shows the case. [] when it is all
+    there. Without a summary (a launcher that is not torchrun: mpiexec, srun) the error alone is looked for."""
     rank, *words = run.first_failure
     problems = [] if metrics is None else ["the run wrote its metrics: it ran to its end"]
     if output is None:
         return problems + ["the run's output was not given: the error is read there"]
     failures = failure_summary(output)
+    on_gpu = words[1:]   # on a GPU the faulting rank's own NCCL watchdog may abort it (SIGABRT) before @record
     if failures is None:
         if not any(word in output for word in words):
             problems.append(f"no rank's output says {words[0]!r}")
@@ -719,7 +722,8 @@ def first_failure_seen(run: BrokenRun, metrics: dict | None, output: str | None)
     root = failures[0]
     if not root["root"] or root["rank"] != rank:
         problems.append(f"the summary's root cause is rank {root['rank']}, not rank {rank}")
-    if not any(word in (root["error"] or "") for word in words):
+    aborted = (root["error"] or "").startswith("Signal 6 (SIGABRT)") and any(word in output for word in on_gpu)
+    if not aborted and not any(word in (root["error"] or "") for word in words):
         problems.append(f"the root cause's error is {root['error']!r}, not {words[0]!r}")
     others = [f for f in failures[1:] if any(word in (f["error"] or "") for word in words)]
     if others:

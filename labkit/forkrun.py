@@ -3,8 +3,10 @@
 Importing torch costs each rank seconds; here the parent imports it once and forks the ranks, each with
 the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT). The script runs unchanged, as ``__main__``. When a rank fails, the others get a few seconds
-to finish their own report and are then stopped, as torchrun does; the launcher exits with the first
-failing rank's code (so a configuration error exits 2) and prints every rank's exit code.
+to finish their own report and are then stopped, unlike torchrun, whose agent stops them at once
+(torch/distributed/elastic/multiprocessing/api.py:988-992): under torchrun a rank still waiting prints nothing.
+The launcher exits with the first failing rank's code (so a configuration error exits 2) and prints every rank's
+exit code.
 
 Each rank gets its own ``TORCHELASTIC_ERROR_FILE``, as torchrun's agent gives it (torch/distributed/elastic/
 multiprocessing/api.py:384-390): a script whose entry point is decorated with torch's ``@record`` writes an uncaught

@@ -1,7 +1,9 @@
 """The checks of chapter 14's exercises: name the cause of a broken run from what it shows, then fix it.
 
 The lab runs the broken runs of :mod:`labkit.broken_runs` under neutral labels (``run 1`` ... ``run 25``: a case's
-name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each), shows what
+name is its diagnosis, and this module keeps no map from a label to a case, only a salted hash of each; no function
+returns a label's case, and the runs it keeps are keyed by a hash). That hides the answers from a glance, not from
+a determined reader: the module must launch each run with its flag, and can hash every key of the menu. It shows what
 a user would see (:func:`run`: the checks and lines that would say the cause hidden or renamed), and asks two
 things of each:
 
@@ -80,11 +82,10 @@ def _token(name: str) -> str:
     return hashlib.sha256(f"{_SALT}:{name}".encode()).hexdigest()[:16]
 
 
-def _case(label_or_name: str) -> broken_runs.BrokenRun:
-    """The case behind a lab label (found by its hash), or the case of that name."""
-    if label_or_name in _TOKENS:
-        return next(run for run in broken_runs.BROKEN_RUNS if _token(run.name) == _TOKENS[label_or_name])
-    return broken_runs.case(label_or_name)
+def _run_key(*parts) -> str:
+    """The key of a distinct command in :data:`_RUNS` and :data:`_PENDING`: a hash of its parts, so that their keys
+    do not spell the arguments (which name a planted case)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 # Plausible wrong causes that are not cases of the registry: (key, the registry's words, what it would show).
@@ -100,7 +101,8 @@ DISTRACTORS = (
     ("network-failure", "a network failure",
      "on NCCL, most often a watchdog timeout: every rank waiting in the same collective until the timeout, none "
      "finished and none in another call (pytorch#118369: 'the network or NCCL layer broke down'); a connection "
-     "error (reset by peer) only where a socket breaks, as on gloo"),
+     "error (reset by peer) only where a socket breaks, as on gloo, with no rank raising an error of its own (an "
+     "exception outside the collectives) before the others' connection errors"),
     ("slow-network", "a slow network",
      "every rank slow in its collectives alike, none of them idle while the others wait"),
     ("nondeterministic-kernels", "nondeterministic kernels",
@@ -209,7 +211,7 @@ def diagnosis_feedback(label: str, answer: str) -> str | None:
         return None
     if answer not in CAUSES:
         return f"{label}: {answer!r} is not a key of exercises.CAUSES (print it for the menu)."
-    run = _case(label)
+    run = next(case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[label])
     look = f"Look again at {_evidence(run)}: what does {label} show there?"
     if answer in {look_alike_key(w) for w in run.look_alikes}:
         return f"{label} is not {answer}, though the two look alike: {answer} would show: {_would_show(answer)} {look}"
@@ -232,14 +234,14 @@ def check_diagnoses(diagnoses, part: str) -> None:
         if reason:
             raise ExerciseWrong(reason)
     print("Correct:")
-    for label in labels:
-        run = _case(label)
+    for label in labels:   # every answer given was right: the causes, as the registry says them
+        run = next(case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[label])
         print(f"  {label} is {run.name}: {run.cause}")
 
 
 # ---- running the cases -----------------------------------------------------------------------------------------
 
-_RUNS: dict = {}   # (script, prepare args, args) -> LaunchResult: each distinct command launched once per kernel
+_RUNS: dict = {}   # _run_key(script, prepare args, args) -> LaunchResult: each distinct command launched once per kernel
 # Cases whose fixed run is judged by a time (the bubble against its target, the ranks' arrival spread): make test runs
 # the lab while other tests load the machine, so the lab's run of such a fix is kept out of the launch cache, where
 # tests/scripts/test_14 (its TIMED, run later with the machine to itself) would replay it.
@@ -252,10 +254,11 @@ def _launch(label_or_name: str, fixed: bool = False, args=None, extra=(), nproc=
     case's, ``extra`` added to the interrupted job's arguments and the run's, launched once per kernel through
     :func:`labkit.broken_runs.run_case`: the full result, as the script wrote it (the lab shows :func:`run`'s view
     of it)."""
-    case = _case(label_or_name)
+    case = next((case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS.get(label_or_name)), None) \
+        or broken_runs.case(label_or_name)
     prepare = case.fixed_prepare_args if fixed else case.prepare_args
     chosen = tuple(args) if args is not None else (case.fixed_args if fixed else case.args)
-    key = (case.script, prepare, chosen) + ((tuple(extra),) if extra else ()) + ((nproc,) if nproc else ())
+    key = _run_key(case.script, prepare, chosen, *((tuple(extra),) if extra else ()), *((nproc,) if nproc else ()))
     if key in _PENDING:   # started by prefetch(): wait for it
         _RUNS[key] = _PENDING.pop(key).result()
     if key not in _RUNS:
@@ -294,8 +297,8 @@ def prefetch(labels=None, workers: int = PREFETCH_WORKERS) -> None:
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ch14-prefetch")
     for label in sorted(labels or LABELS, key=_prefetch_order):
-        case = _case(label)
-        key = (case.script, case.prepare_args, case.args)
+        case = next(case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[label])
+        key = _run_key(case.script, case.prepare_args, case.args)
         if key not in _RUNS and key not in _PENDING:
             _PENDING[key] = pool.submit(broken_runs.run_case, case.name, stream=False)
     pool.shutdown(wait=False)

@@ -698,3 +698,24 @@ def test_the_token_mean_mistake_without_a_mask_is_refused_on_every_rank():
     learner who drops the flag to keep every target would run correct code and learn nothing. One line, exit 2."""
     assert_config_error(broken_runs.TRAIN_DDP, ["--planted-bug", "token-mean-per-micro-batch", "--steps", "1"],
                         "--planted-bug token-mean-per-micro-batch", nproc=2)
+
+def test_under_torchrun_the_error_one_rank_raises_leaves_the_others_stopped_by_the_agent():
+    """The chapter's own command for token-out-of-vocabulary, under torchrun: rank 3's IndexError is the root cause,
+    and torchrun's agent SIGTERMs every other rank at once (torch/distributed/elastic/multiprocessing/api.py:988-992),
+    so each is listed stopped, with gloo's lost peer if it got to print it, or with the signal alone if it was still
+    waiting: some rank prints nothing. The fork launcher's run (above) gives them a few seconds: all three print
+    gloo's error. The chapter says both."""
+    from labkit import launch
+
+    case = broken_runs.case("token-out-of-vocabulary")
+    result = launch.run(case.script, nproc=case.nproc, args=case.args, launcher="torchrun", stream=False, timeout=120,
+                        check=False)
+    assert result.returncode != 0 and result.metrics is None, result.tail()
+    failures = broken_runs.failure_summary(result.output)
+    root, others = failures[0], failures[1:]
+    assert (root["rank"], root["error"]) == (case.first_failure[0], "IndexError: index out of range in self"), failures
+    assert sorted(f["rank"] for f in others) == [r for r in range(case.nproc) if r != root["rank"]], failures
+    assert all(f["exitcode"] == -15 for f in others), others   # every other rank stopped by the agent's SIGTERM
+    assert all("by peer" in (f["error"] or "") or (f["error"] or "").startswith("Signal 15") for f in others), others
+    assert any(f["error"].startswith("Signal 15") for f in others), others   # stopped before it raised: no error file
+    assert broken_runs.symptom_seen(case, result.metrics, result.output) == []

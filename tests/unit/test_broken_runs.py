@@ -190,6 +190,17 @@ def test_an_error_one_rank_raises_is_read_in_the_output():
     assert broken_runs.symptom_seen(run, None, None)
     three = TORCHRUN_ENDS[:TORCHRUN_ENDS.index("[2]:")] + TORCHRUN_ENDS[TORCHRUN_ENDS.index("[3]:"):]
     assert broken_runs.symptom_seen(run, None, three) == ["the summary lists 3 failed ranks of 4: some rank went on"]
+    # on a GPU, rank 3's own NCCL watchdog may abort it (SIGABRT) before @record writes: the summary's root cause is
+    # that rank's signal, and its log holds the assert
+    aborted = "[rank3]: Process group watchdog thread terminated with exception: CUDA error: device-side assert " \
+              "triggered\n" + TORCHRUN_ENDS.replace("exitcode  : 1 (pid: 28773)", "exitcode  : -6 (pid: 28773)")
+    aborted = aborted[:aborted.index("  traceback : Traceback", aborted.index("Root Cause"))] + \
+        "  traceback : Signal 6 (SIGABRT) received by PID 28773\n" + "=" * 60 + "\n"
+    assert broken_runs.failure_summary(aborted)[0]["error"].startswith("Signal 6")
+    assert broken_runs.symptom_seen(run, None, aborted) == []
+    assert broken_runs.symptom_seen(run, None, aborted[aborted.index("\n") + 1:]) == [
+        "the root cause's error is 'Signal 6 (SIGABRT) received by PID 28773', not 'IndexError: index out of range "
+        "in self'"]   # a SIGABRT with no assert in the log is not this case
     on_gpu = "[rank3]: torch.AcceleratorError: CUDA error: device-side assert triggered\n"
     assert broken_runs.symptom_seen(run, None, on_gpu) == []   # mpiexec or srun: no summary, the error's words
     assert broken_runs.symptom_seen(run, None, "RuntimeError: Connection closed by peer\n") == [

@@ -680,18 +680,23 @@ def test_no_run_number_is_tied_to_its_case_before_the_learner_names_it():
             assert not number.findall(check.__doc__ or ""), name
 
 
-def test_the_unused_parameter_case_fits_in_one_bucket():
-    """Why unused-parameter's step 0 all-reduces 0 bytes: the whole tiny model fits in one DDP bucket of
-    train_ddp.py's default cap, so the bucket that waits for the head's gradient is the only one."""
-    from distlab import models
+def test_the_unused_parameter_case_says_ddps_first_iteration_takes_one_bucket():
+    """Why unused-parameter's step 0 all-reduces 0 bytes, on any model: without find_unused_parameters (and with no
+    per-bucket caps), torch 2.13's DDP puts every parameter in one bucket on its first iteration, whatever
+    bucket_cap_mb says, so the one bucket waits for the head's gradient. Not the model's size against the cap."""
+    import torch
 
-    params = sum(p.numel() for p in models.build_transformer(models.preset("tiny"), seed=0, device="cpu").parameters())
-    mib = params * 4 / 2**20
+    ddp = (Path(torch.__file__).parent / "nn" / "parallel" / "distributed.py").read_text().splitlines()
+    assert "disable initial bucketing" in ddp[150] and "(put all params in one bucket initially)" in ddp[151]
+    assert ddp[152].strip() == "if static_graph or not find_unused_parameters:"
+    assert ddp[153].strip() == "bucket_size_limits = [sys.maxsize]"
+    assert "we only disable bucketing for the first iteration" in ddp[1404]
     script = (ROOT / "scripts/04_data_parallel/train_ddp.py").read_text()
-    cap = float(re.search(r'"--bucket-mb", type=runtime.positive_float, default=([\d.]+)', script).group(1))
-    assert mib < cap and f"{params:,} fp32 parameters, {mib:.2f} MiB" in FLAT_APPENDIX and f"`--bucket-mb` {cap:g}" \
-        in FLAT_APPENDIX
-    assert "This small model's gradients all fit in DDP's first bucket" in FLAT
+    assert "bucket_cap_mb=args.bucket_mb," in script and "bucket_cap_mb_list" not in script   # no per-bucket caps
+    section = " ".join(section_of("unused-parameter").split())
+    assert "On its first iteration DDP puts every parameter in one bucket" in section and "on any model" in section
+    assert "fit in DDP's first bucket" not in FLAT and "fit in one bucket of" not in FLAT
+    assert "(torch/nn/parallel/distributed.py:151-154; 1405)" in FLAT_APPENDIX
 
 
 def test_the_resume_fix_names_every_part_a_checkpoint_can_hold_and_why_the_loss_log_stays_out():
@@ -893,6 +898,125 @@ def test_the_token_case_states_the_vocabulary_and_the_step_the_run_has():
     section = section_of("token-out-of-vocabulary")
     assert f"A sequence rank {script.BAD_TOKEN_RANK} reads holds token id {vocabulary}." in section
     assert f"The vocabulary has {vocabulary} ids, 0 to {vocabulary - 1}" in section
-    assert f"Step {script.BAD_TOKEN_STEP - 1} trains. At step {script.BAD_TOKEN_STEP} every rank prints a traceback" \
-        in section
-    assert f"Rank {script.BAD_TOKEN_RANK}'s ends in `IndexError: index out of range in self`" in section
+    assert f"Step {script.BAD_TOKEN_STEP - 1} trains. At step {script.BAD_TOKEN_STEP} the job stops." in section
+    assert f"Rank {script.BAD_TOKEN_RANK} raises `IndexError: index out of range in self`" in section
+
+
+def test_the_token_case_says_what_torchrun_shows_and_what_the_fork_launcher_shows():
+    """torchrun's agent stops every other rank at its first poll that finds a failure (api.py:988-992), so a rank
+    still waiting prints nothing; labkit.forkrun gives the others a few seconds (forkrun.GRACE_SECONDS), so there every
+    rank prints its own error. The section says both, as each run shows them (tests/scripts/test_14 runs both); the
+    registry's symptom and the recap no longer say that every rank prints a traceback."""
+    from labkit import broken_runs, forkrun
+
+    section = section_of("token-out-of-vocabulary")
+    assert "Under torchrun its agent then stops every other rank at once" in section and "some print nothing" in section
+    assert "The course's fork launcher gives them a few seconds, so there all three print gloo's error" in section
+    assert forkrun.GRACE_SECONDS >= 2
+    case = broken_runs.case("token-out-of-vocabulary")
+    assert "stopped at once by torchrun" in case.symptom and "every rank stops with a traceback" not in case.symptom
+    assert "every rank's traceback" not in ch14.PATHS[case.name][0] and "every rank prints a traceback" not in FLAT
+    assert "unlike torchrun" in forkrun.__doc__ and "as torchrun does" not in forkrun.__doc__
+
+
+def test_the_token_case_keeps_the_bad_ids_out_of_the_input_not_only_out_of_the_loss():
+    """The lookup reads the input: masking the targets (ignore_index) still feeds id V to the embedding. The guard
+    replaces a rejected sequence's ids before the forward and masks its targets, as train_ddp.py does."""
+    from labkit import broken_runs
+
+    script = (ROOT / "scripts/04_data_parallel/train_ddp.py").read_text()
+    assert "tokens = torch.where(ok[:, None], tokens, torch.zeros_like(tokens))" in script
+    assert "return tokens, kept_targets(tokens, every) & ok[:, None]" in script
+    section = section_of("token-out-of-vocabulary")
+    assert "out of the model's input, not only out of the loss" in section and "replace its ids before the forward" \
+        in section and "before `.to(device)`" in section
+    assert "out of the model's input" in broken_runs.case("token-out-of-vocabulary").fix
+    assert "is left out of the loss" not in broken_runs.case("token-out-of-vocabulary").fix
+
+
+def test_the_token_case_on_a_gpu_says_the_faulting_ranks_watchdog_may_abort_it_first():
+    """torch 2.13's NCCL watchdog rethrows CUDA errors by default (TORCH_NCCL_RETHROW_CUDA_ERRORS): after the
+    device-side assert, the sticky error reaches the watchdog's query of an NCCL work's event and the process is
+    aborted (SIGABRT), perhaps before @record writes (pytorch/pytorch #126544). The GPU line says so, the appendix
+    cites it, and the job's check accepts that rank's SIGABRT as the root cause when its log holds the assert."""
+    import torch
+
+    from labkit import broken_runs
+
+    hpp = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+           "ProcessGroupNCCL.hpp").read_text().splitlines()
+    assert hpp[108].strip() == "// Whether to rethrow CUDA Errors in the watchdog (default true)"
+    assert "TORCH_NCCL_RETHROW_CUDA_ERRORS" in hpp[109] and "TORCH_NCCL_RETHROW_CUDA_ERRORS" in hpp[110]
+    on_nccl = broken_runs.case("token-out-of-vocabulary").on_nccl
+    assert "own NCCL watchdog" in on_nccl and "SIGABRT" in on_nccl and "before @record writes" in on_nccl
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:109-111)" in FLAT_APPENDIX
+    assert "https://github.com/pytorch/pytorch/issues/126544" in FLAT_APPENDIX
+    assert "or with SIGABRT when its log holds the assert" in FLAT_APPENDIX
+
+
+QUESTION_2 = ("same-samples-every-rank", "accumulation-never-syncs", "per-rank-init", "local-grad-norm",
+              "nan-from-one-rank", "stage-grad-norm")
+
+
+def test_question_2s_rows_are_found_in_the_picture_by_the_ranks_they_name():
+    """The learner's review: after question 2 ("the ranks disagree") no box of the picture said so. Question 2's
+    cases name the ranks, the replicas or the stages in their first box; no other wrong number does, and no two
+    first boxes of a group say the same words. resume-without-rng's middle box is the check that parts it from
+    checkpoint-one-shard: the reloaded weights equal, yet the loss differs. per-rank-init's row no longer shares
+    its words with two question-3 rows."""
+    names = re.compile(r"\b(ranks?|replicas|stages)\b")
+    for group, members in ch14.grouped(registry().BROKEN_RUNS):
+        if group == "Wrong numbers":
+            for case in members:
+                assert bool(names.search(ch14.PATHS[case.name][0])) == (case.name in QUESTION_2), case.name
+    assert ch14.PATHS["resume-without-rng"][1] == "reloaded weights equal, the loss differs"
+    assert ch14.PATHS["per-rank-init"][0] != ch14.PATHS["data-by-global-rank"][0]
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert "In the picture, these rows' first box names the ranks or the replicas." in first
+    assert "**Do the ranks agree where they must?**" in first and "read the same samples" in first
+
+
+def test_the_worked_example_says_why_the_broken_run_exits_1():
+    """The broken run of the worked example ends with exit 1 and torchrun's ChildFailedError though no rank crashed:
+    the script's report returns 1 when a check fails, and train_ddp.py exits with it."""
+    metrics = (ROOT / "distlab" / "metrics.py").read_text()
+    assert "code = 0 if self.all_passed else 1" in metrics
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    assert "code = report.finish(args.metrics_out)" in script and "sys.exit(code)" in script
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert ("The broken run still ends with exit code 1 and torchrun's `ChildFailedError`, which names a rank as its "
+            "\"Root Cause\". No rank crashed in training. The script exits 1 when a check against one device fails")\
+        in first
+
+
+def test_the_bubbles_idle_time_sits_where_each_rank_is_in_the_pipeline():
+    """The learner's review: the text said the idle time sits at the step's start and end, but on the measured
+    timeline with 2 microbatches rank 0 idles between its last forward and its first backward, in the middle of the
+    step, while the last rank idles at the start and the end (chapter 07 says it so). The section, the registry's
+    symptom and the lab's hint say so."""
+    import json
+
+    run = min(measured("14_pipeline_bubble.json")["runs"], key=lambda r: r["microbatches"] if "microbatches" in r
+              else int(r["argv"][r["argv"].index("--microbatches") + 1]) if "--microbatches" in r["argv"] else 2)
+    ops = sorted((e for e in run["timeline"] if e["rank"] == 0), key=lambda e: e["start"])
+    gaps = [(b["start"] - a["end"], a["kind"], b["kind"]) for a, b in zip(ops, ops[1:])]
+    widest = max(gaps)
+    assert widest[1] != widest[2] and widest[0] > 0.05, gaps   # rank 0: a forward, then a long wait, then a backward
+    slow = " ".join(chapters.pages("14")[3].read_text().split())
+    assert "at the start, in the middle or at the end of the step, depending on the rank" in slow
+    assert "the staircase at the step's start and end" not in FLAT and "at the start and the end" not in \
+        registry().case("too-few-microbatches").symptom
+    lab = json.loads((ROOT / "notebooks" / "14_when_it_goes_wrong.ipynb").read_text())
+    hint = " ".join("".join(c["source"]) for c in lab["cells"] if "### Exercise 1:" in "".join(c["source"]))
+    assert "at the start and the end of the step?" not in hint and "where in the step each rank waits" in hint
+
+
+def test_the_exercise_list_counts_part_2s_runs_as_the_lab_holds_them():
+    """Part 2 holds three runs: two that stop with an error and one that prints nan (review finding 8)."""
+    from labkit.exercises import ch14 as lab
+
+    names = [next(r.name for r in registry().BROKEN_RUNS if lab._token(r.name) == lab._TOKENS[label])
+             for label in lab.PARTS["stops or prints nonsense"]]
+    errors = sum("Error:" in registry().case(name).symptom for name in names)
+    assert (errors, len(names) - errors) == (2, 1)
+    assert "two errors and a printed `nan`" in " ".join(chapters.exercise_items(BODY))
