@@ -315,11 +315,8 @@ def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait
     _rpc_terminate_job); the job's srun, TERMed too, asks the controller to SIGKILL its step, which refuses for a job
     already timed out (step_launch.c:728-731, stepmgr.c:633-636). So the trap's line promises the checkpoint within
     KillWait, read from `scontrol show config` as the job starts (tests/slurm/test_slurm_jobs.py sees it written)."""
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
-                        "  printf 'JobRequeue              = 1\\nKillWait                = 15 sec\\n'\n"
-                        "else echo 'JobId=7 TimeLimit=00:30:00 EndTime=2099-01-01T00:00:00'; fi\n")
-    scontrol.chmod(0o755)
+    scontrol = fake_scontrol(tmp_path, "JobRequeue              = 1\\nKillWait                = 15 sec",
+                             "JobId=7 TimeLimit=00:30:00 EndTime=2099-01-01T00:00:00")
     snippet = ("distlab_deadline >/dev/null; DISTLAB_JOB_END=1 DISTLAB_CURRENT=fault_drill.py "
                "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
     done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
@@ -328,15 +325,21 @@ def test_at_the_time_limit_a_checkpointing_launch_saves_before_the_kill_killwait
         "if they finish before the KILL, 15 s after the TERM (KillWait); nothing more is launched"], done.stdout + done.stderr
 
 
+def fake_scontrol(tmp_path, config: str, job: str):
+    """A stand-in scontrol: `show config` prints ``config`` (lines joined by \\n, as printf reads them), anything
+    else the job's fields."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n  printf '{config}\\n'\n"
+                        f"else echo '{job}'; fi\n")
+    scontrol.chmod(0o755)
+    return scontrol
+
+
 def test_an_unlimited_jobs_term_names_slurms_killwait_and_never_pbss_delays(tmp_path):
     """A job with no time limit (TimeLimit=UNLIMITED, EndTime=Unknown) has no deadline, but a scancel still sends
     TERM, then KILL KillWait later: the trap's line names KillWait, read before the deadline's early return. Where
     scontrol cannot tell KillWait, the line names no scheduler's number, and never PBS's qdel or kill_delay."""
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text("#!/bin/bash\nif [[ $1 == show && $2 == config ]]; then\n"
-                        "  printf 'KillWait                = 30 sec\\n'\n"
-                        "else echo 'JobId=7 TimeLimit=UNLIMITED EndTime=Unknown'; fi\n")
-    scontrol.chmod(0o755)
+    scontrol = fake_scontrol(tmp_path, "KillWait                = 30 sec", "JobId=7 TimeLimit=UNLIMITED EndTime=Unknown")
     snippet = ("distlab_deadline >/dev/null; echo \"deadline=${DISTLAB_DEADLINE:-none}\"; DISTLAB_CURRENT=fault_drill.py "
                "DISTLAB_CHECKPOINTING=fault_drill.py distlab_on_sigterm")
     done = functions(snippet, tmp_path, SLURM_JOB_ID="7", DISTLAB_SCONTROL=str(scontrol))
