@@ -667,7 +667,8 @@ _EXCEPTION = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b.
 def failure_summary(output: str) -> list[dict] | None:
     """torch's failure summary in a run's output, the ``ChildFailedError`` message torchrun ends with (and
     labkit.forkrun with it): each failed rank as {"rank", "exitcode", "error", "root"}, the root cause ("Root Cause
-    (first observed failure)") first, then the others as the summary lists them. "error" is the first exception line
+    (first observed failure)") first, then the others as the summary lists them, with "time" as the summary gives it
+    (whole seconds, "2026-12-03_04:17:59"; missing from a summary without time lines). "error" is the first exception line
     of the rank's traceback, or the summary's words where it has none ("Signal 15 (SIGTERM) received by PID ...",
     "To enable traceback see ..." without @record). None when the output holds no summary."""
     lines = output.splitlines()
@@ -686,10 +687,12 @@ def failure_summary(output: str) -> list[dict] | None:
                 break
             entry = None
         elif entry is not None:
-            field = re.match(r"\s+(rank|exitcode|traceback)\s*: ?(.*)", line)
+            field = re.match(r"\s+(time|rank|exitcode|traceback)\s*: ?(.*)", line)
             if field and not traceback:
                 name, value = field.groups()
-                if name == "rank":
+                if name == "time":
+                    entry["time"] = value.strip()
+                elif name == "rank":
                     entry["rank"] = int(value.split()[0])
                 elif name == "exitcode":
                     entry["exitcode"] = int(value.split()[0])
@@ -720,7 +723,14 @@ def first_failure_seen(run: BrokenRun, metrics: dict | None, output: str | None)
             problems.append(f"no rank's output says {words[0]!r}")
         return problems
     root = failures[0]
-    if not root["root"] or root["rank"] != rank:
+    # torch's root cause is the failure with the smallest timestamp, in whole seconds; of those in one second, the
+    # first the agent found, and in one poll it looks at its ranks in order. A peer that lost this rank in the same
+    # second and has a lower rank can be named instead: then this rank is under "Failures", with the same time.
+    tied = next((f for f in failures[1:] if f["rank"] == rank and root["rank"] < rank and f.get("time")
+                 and f.get("time") == root.get("time") and "by peer" in (root["error"] or "")), None)
+    if tied is not None:
+        root, failures = tied, [tied] + [f for f in failures if f is not tied]
+    elif not root["root"] or root["rank"] != rank:
         problems.append(f"the summary's root cause is rank {root['rank']}, not rank {rank}")
     aborted = (root["error"] or "").startswith("Signal 6 (SIGABRT)") and any(word in output for word in on_gpu)
     if not aborted and not any(word in (root["error"] or "") for word in words):

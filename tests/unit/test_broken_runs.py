@@ -178,6 +178,47 @@ def test_the_failure_summary_is_read_as_torch_writes_it():
     assert broken_runs.failure_summary(no_record)[0]["error"].startswith("To enable traceback see")
 
 
+def _torchrun_summary(tmp_path, errors: dict[int, tuple[int, str]]) -> str:
+    """torch's own ChildFailedError message, as torchrun's agent builds it: one ProcessFailure a failed rank, in rank
+    order (one poll looks at the ranks in order: torch/distributed/elastic/multiprocessing/api.py:967-980), each
+    reading the error file @record writes ({rank: (whole-second timestamp, the traceback's last line)})."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {}
+    for rank in range(4):
+        path = tmp_path / f"{rank}.json"
+        if rank in errors:
+            timestamp, error = errors[rank]
+            path.write_text(json.dumps({"message": {"message": error, "extraInfo": {
+                "py_callstack": f"Traceback (most recent call last):\n  File \"x.py\", line 1, in main\n{error}\n",
+                "timestamp": str(timestamp)}}}))
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1 if rank in errors else -15,
+                                        error_file=str(path))
+    return ChildFailedError("train_ddp.py", failures).format_msg()
+
+
+def test_torchruns_root_cause_in_one_second_is_the_lowest_rank_and_the_case_is_still_read(tmp_path):
+    """torch names the failure with the smallest timestamp, in whole seconds, the first found of equals (errors/
+    __init__.py:155-157, 248-250). Rank 2, losing rank 3 in the same second, is named the root cause (as CI saw on
+    2 loaded cores): the case is still shown by rank 3's IndexError under "Failures" at the same time. A second
+    apart, the root cause is the earlier rank's, and a lost peer named first a second before is not this case."""
+    run = broken_runs.case("token-out-of-vocabulary")
+    lost = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39125."
+    index = "IndexError: index out of range in self"
+    tied = broken_runs.failure_summary(_torchrun_summary(tmp_path, {2: (1000, lost), 3: (1000, index)}))
+    three = next(f for f in tied if f["rank"] == 3)
+    assert (tied[0]["rank"], tied[0]["error"], three["root"], three["error"]) == (2, lost, False, index)
+    assert three["time"] == tied[0]["time"] and len({f["time"] for f in tied}) == 2   # ranks 0, 1: the agent's clock
+    assert broken_runs.symptom_seen(run, None, _torchrun_summary(tmp_path, {2: (1000, lost), 3: (1000, index)})) == []
+    later = broken_runs.failure_summary(_torchrun_summary(tmp_path, {2: (1001, lost), 3: (1000, index)}))
+    assert (later[0]["rank"], later[0]["error"]) == (3, index)
+    assert "the summary's root cause is rank 2, not rank 3" in broken_runs.symptom_seen(
+        run, None, _torchrun_summary(tmp_path, {2: (1000, lost), 3: (1001, index)}))
+    one_error = {2: (1000, lost), 3: (1000, lost)}   # rank 3 lost a peer too: no rank's own exception
+    assert broken_runs.symptom_seen(run, None, _torchrun_summary(tmp_path, one_error)) == [
+        f"the root cause's error is {lost!r}, not {index!r}"]
+
+
 def test_an_error_one_rank_raises_is_read_in_the_output():
     """The summary must name the case's rank and error as the root cause, with every other rank failed or stopped; a
     run that wrote its metrics ran to its end. Without a summary (mpiexec, srun), the error's words are enough."""
