@@ -703,7 +703,7 @@ def test_under_torchrun_the_error_one_rank_raises_leaves_the_others_stopped_by_t
     """The chapter's own command for token-out-of-vocabulary, under torchrun: rank 3's IndexError is the root cause,
     and torchrun's agent SIGTERMs every other rank at once (torch/distributed/elastic/multiprocessing/api.py:988-992),
     so each is listed stopped, with gloo's lost peer if it got to print it, or with the signal alone if it was still
-    waiting: some rank prints nothing. The fork launcher's run (above) gives them a few seconds: all three print
+    waiting: such a rank prints nothing. The fork launcher's run (above) gives them a few seconds: all three print
     gloo's error. The chapter says both. torch's root cause is the smallest whole-second timestamp, the first found
     of equals: a lower rank that lost rank 3 in the same second and was found in the same poll is named instead (CI
     saw rank 2), with rank 3's IndexError under "Failures" at the same time. The chapter says that too."""
@@ -725,5 +725,6 @@ def test_under_torchrun_the_error_one_rank_raises_leaves_the_others_stopped_by_t
     # every other rank failed on its lost peer or was stopped by the agent's SIGTERM
     assert all(f["exitcode"] == -15 or "by peer" in f["error"] for f in others), others
     assert all("by peer" in (f["error"] or "") or (f["error"] or "").startswith("Signal 15") for f in others), others
-    assert any(f["error"].startswith("Signal 15") for f in others), others   # stopped before it raised: no error file
+    # a rank the agent stopped before it saw the lost peer wrote no error file: its signal alone. Whether any was
+    # still waiting is a race (on 2 loaded cores all three had raised before the agent's poll), so it is not asserted
     assert broken_runs.symptom_seen(case, result.metrics, result.output) == []

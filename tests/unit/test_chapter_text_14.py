@@ -910,7 +910,7 @@ def test_the_token_case_says_what_torchrun_shows_and_what_the_fork_launcher_show
     from labkit import broken_runs, forkrun
 
     section = section_of("token-out-of-vocabulary")
-    assert "Under torchrun its agent then stops every other rank at once" in section and "some print nothing" in section
+    assert "Under torchrun its agent then stops every other rank at once" in section and "any still waiting prints nothing" in section
     assert "The course's fork launcher gives them a few seconds, so there all three print gloo's error" in section
     assert forkrun.GRACE_SECONDS >= 2
     case = broken_runs.case("token-out-of-vocabulary")
