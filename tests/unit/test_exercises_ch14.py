@@ -843,3 +843,17 @@ def test_the_token_guard_runs_in_the_job_with_the_fault_and_a_job_that_still_sto
     case = broken_runs.case(name)
     assert name == "token-out-of-vocabulary" and args[:len(case.args)] == case.args and nproc == 2
     assert args[len(case.args)] == "--fix-from"
+
+
+def test_the_guards_check_says_what_the_guard_does_and_is_the_one_the_job_emits():
+    """The guard keeps a sequence with an id outside the vocabulary out of the model's input (the lookup would raise
+    otherwise), and its targets out of the loss: the check's name says the input, not only the loss. train_ddp.py
+    emits the check under that name, so ch14.GUARD_CHECK finds it."""
+    import ast
+
+    assert "model's input" in ch14.GUARD_CHECK and "left out of the loss" not in ch14.GUARD_CHECK
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    emitted = [node.args[0].value for node in ast.walk(ast.parse(script))
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "check" and node.args
+               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
+    assert [name for name in emitted if name.startswith(ch14.GUARD_CHECK)], emitted
