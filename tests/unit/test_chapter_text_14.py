@@ -1020,3 +1020,17 @@ def test_the_exercise_list_counts_part_2s_runs_as_the_lab_holds_them():
     errors = sum("Error:" in registry().case(name).symptom for name in names)
     assert (errors, len(names) - errors) == (2, 1)
     assert "two errors and a printed `nan`" in " ".join(chapters.exercise_items(BODY))
+
+
+def test_the_mismatched_collectives_reports_show_ranks_in_different_operations():
+    """Sources review, finding 9: a report of this case shows two ranks at one position in different operations
+    (their OpTypes differ), not a timeout whose ranks all wait in one all-reduce (pytorch #118369, a maintainer's
+    general remark, now only the network-failure distractor's background)."""
+    from labkit import diagnosis_sources
+
+    reports = [s for s in diagnosis_sources.SOURCES["mismatched-collectives"] if s["url"].startswith("https://github")]
+    assert reports
+    for report in reports:
+        assert len(set(re.findall(r"OpType=(\w+)", report["quote"]))) >= 2, report["url"]
+    assert "118369" not in section_of("mismatched-collectives")
+    assert "speechbrain/speechbrain #2401" in section_of("mismatched-collectives")
