@@ -1065,3 +1065,30 @@ def test_the_slow_steps_say_why_gpipe_and_read_the_straggler_picture_as_totals()
     on_nccl = broken_runs.case("slow-rank").on_nccl
     assert "compute kernels longer when its GPU is the slow part" in on_nccl
     assert "otherwise a gap before its first kernel each step" in on_nccl and len(on_nccl.split()) <= 40
+
+
+def test_the_late_evaluation_is_found_without_the_courses_journals():
+    """The learner's review, finding 11: "busy alone" is the course's journal; on their own job a learner dumps every
+    rank's stack during the wait with py-spy, which chapter 12 teaches: the waiting ranks' stacks end in the
+    all-reduce, the late rank's in its evaluation."""
+    assert "`py-spy dump --pid PID`" in (ROOT / "chapters" / "12.2_hangs.md").read_text()
+    section = section_of("rank-0-evaluation")
+    check = section[section.index("**The check.**"):section.index("**The fix.**")]
+    assert "`py-spy dump` on every rank during the wait (chapter 12)" in check
+    assert "the late rank's in its evaluation" in check
+
+
+def test_the_token_mean_fix_counts_the_steps_tokens_before_the_first_backward():
+    """The learner's review, finding 15: the step's count of kept tokens divides the first micro-batch's loss, so the
+    fix loads the step's micro-batches first and all-reduces their count before any backward, as train_ddp.py does;
+    and it multiplies each loss by N, which DDP's average divides by (step_token_loss)."""
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    loaded, counted = script.index("micro_batches.append(tokens)"), script.index("dist.all_reduce(step_tokens)")
+    first_backward = script.index("loss.backward()", counted)
+    assert loaded < counted < script.index("token_losses(outputs, targets), kept, step_tokens, world)") < first_backward
+    assert "return (per_token * mask).sum() * world_size / step_tokens" in script
+    section = section_of("token-mean-per-micro-batch")
+    fix = section[section.index("**The fix.**"):section.index("**On a GPU (NCCL).**")]
+    assert "The first backward already needs that count" in fix
+    assert "load the step's micro-batches (or their masks) first, all-reduce their count of kept tokens" in fix
+    assert "DDP divides the summed gradients by N, so multiply each loss by N to undo it" in fix
