@@ -1092,3 +1092,53 @@ def test_the_token_mean_fix_counts_the_steps_tokens_before_the_first_backward():
     assert "The first backward already needs that count" in fix
     assert "load the step's micro-batches (or their masks) first, all-reduce their count of kept tokens" in fix
     assert "DDP divides the summed gradients by N, so multiply each loss by N to undo it" in fix
+
+
+def test_question_3_says_how_to_build_a_reference_for_a_model_that_does_not_fit():
+    """The learner's review, finding 4: one device cannot hold a model that needs sharding; the question says what
+    to compare with then, and that another layout is compared by its trend, not to the last digit."""
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    question = first[first.index("3. **Does the run agree with one device?**"):first.index("A hang answers")]
+    assert "A model that needs sharding does not fit on one device" in question
+    assert "the same code small, with fewer layers and a smaller width" in question
+    assert "a simpler layout of the job" in question and "the losses of a run you trust" in question
+    assert "compare the trend, not the last digit" in question
+
+
+def test_the_middle_column_is_what_a_user_can_measure_and_says_how(world_of_one):
+    """The learner's review, finding 5: the three look-alikes' middle boxes are the picture's, said as what a user
+    measures or reruns; the bytes all-reduced are counted by a comm hook (chapter 04 showed 0 bytes, then 492,800),
+    the reduce-scatter's from a profile recorded with shapes, whose collective events carry each input's shape and
+    dtype (seen here on a one-rank gloo group, in bf16 as the case reduces)."""
+    import torch
+    import torch.distributed as dist
+
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    alike = [words[1] for words in ch14.PATHS.values() if words[0].startswith("off one device")]
+    paragraph = first[first.index("three runs look alike"):first.index("## One broken run")]
+    assert all(middle in paragraph for middle in alike), alike
+    assert "always a measurement" not in FLAT and "what you can measure or rerun on your own job" in paragraph
+    assert "with a DDP comm hook that adds up its buckets' sizes (chapter 04)" in section_of("accumulation-never-syncs")
+    assert "The comm hook shows it with `--accumulation 2`: 0 bytes, then 492,800 bytes" in \
+        (ROOT / "chapters" / "04.2_ddp.md").read_text()
+    output = torch.empty(1000, dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.reduce_scatter_single(output, torch.ones(1000, dtype=torch.bfloat16))   # FSDP2's call
+    seen = [(e.input_shapes[0], e.input_dtypes[0]) for e in prof.events() if "reduce_scatter" in e.name]
+    assert ([1000], "c10::BFloat16") in seen, seen
+    bf16 = section_of("bf16-gradient-reduction")
+    assert "A profile recorded with `record_shapes=True` gives them" in bf16
+    assert "each collective's event carries its input's shape and dtype, here `c10::BFloat16`" in bf16
+
+
+def test_what_you_see_marks_what_only_a_reference_shows():
+    """The learner's review, finding 6: "one device's" in a "What you see" is the course's reference, which a user
+    has only once they build one; the cases whose symptom is only that say so."""
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert ("In each \"What you see\" below, \"one device's\" means that reference: on your own job you see it only "
+            "once you build one (question 3).") in first
+    twice = section_of("loss-averaged-twice")
+    assert "Only the reference shows it: the gradients are a quarter of one device's" in twice
+    optimizer = section_of("optimizer-before-sharding")
+    seen = optimizer[:optimizer.index("**Why.**")]
+    assert seen.index("AdamW's moments take 0 bytes") < seen.index("Beside one device, the step-0 gradients are equal")
