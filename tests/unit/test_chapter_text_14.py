@@ -1142,3 +1142,45 @@ def test_what_you_see_marks_what_only_a_reference_shows():
     optimizer = section_of("optimizer-before-sharding")
     seen = optimizer[:optimizer.index("**Why.**")]
     assert seen.index("AdamW's moments take 0 bytes") < seen.index("Beside one device, the step-0 gradients are equal")
+
+
+def test_what_the_checks_cost_is_computed_from_the_model_the_scripts_and_torch():
+    """The learner's review, finding 16: a short section says what each check costs, every number computed here:
+    the tiny model's step all-reduce (4 bytes a parameter), the fingerprint ddp_from_scratch.py gathers (one float64
+    per weight tensor), the flight recorder's default size and NCCL's default timeout in the installed torch, the
+    GPU time a hang costs on a node of 4 GPUs, and the one-device reference (fp32 weights, gradients and AdamW's two
+    moments, trained on rank 0 on the whole global batch)."""
+    import torch
+
+    from distlab import models
+
+    cost = " ".join(chapters.section(BODY, "What the checks cost").split())
+    model = models.build_transformer(models.preset("tiny"), seed=0, device="cpu")
+    parameters = list(model.parameters())
+    count = sum(p.numel() for p in parameters)
+    assert f"whose step all-reduces {4 * count:,} bytes" in cost
+    scratch = (ROOT / "scripts" / "04_data_parallel" / "ddp_from_scratch.py").read_text()
+    assert "torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in model.parameters()])" \
+        in scratch and "dist.all_gather(everyone, mine)" in scratch
+    assert (f"one float64 for each of the model's {len(parameters)} weight tensors: "
+            f"{len(parameters) * torch.finfo(torch.float64).bits // 8} bytes a rank") in cost
+    c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    recorder = (c10d / "FlightRecorder.hpp").read_text().splitlines()
+    entries = int(re.search(r'"TORCH_NCCL_TRACE_BUFFER_SIZE"\}, (\d+)\);', recorder[110])[1])
+    assert "TORCH_FR_BUFFER_SIZE" in recorder[110] and "max_entries_ = getCvarInt(" in recorder[109]
+    assert recorder[113].strip() == "enabled_ = max_entries_ > 0;"   # on unless set to 0
+    assert f"keeps each rank's last {entries:,} collectives, on by default" in cost
+    assert "(torch/include/torch/csrc/distributed/c10d/FlightRecorder.hpp:110-114)" in FLAT_APPENDIX
+    nccl = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()
+    minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", nccl[157])[1])
+    assert f"NCCL's default {minutes} minutes is {4 * minutes} GPU-minutes on a node of 4 GPUs" in cost
+    wrapper = (c10d / "ProcessGroupWrapper.hpp").read_text().splitlines()
+    assert "intercepts" in wrapper[11] and "verify consistency across ranks before dispatching" in wrapper[12]
+    assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp:12-14)" in FLAT_APPENDIX
+    assert "`TORCH_DISTRIBUTED_DEBUG=DETAIL` adds an exchange on a gloo group before every collective" in cost
+    adamw = 4 + 4 + 2 * 4   # fp32 weights, gradients, and AdamW's two moments (chapter 05 counts them)
+    assert f"{adamw} bytes a parameter in fp32 with AdamW (chapter 05), {adamw * count:,} bytes here" in cost
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    assert "if rt.rank == 0:\n                baseline = models.build_transformer(" in script
+    assert "indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)" in script
+    assert "Rank 0 also trains it on the whole global batch, four ranks' work, while the others wait" in cost
