@@ -857,3 +857,19 @@ def test_the_guards_check_says_what_the_guard_does_and_is_the_one_the_job_emits(
                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "check" and node.args
                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
     assert [name for name in emitted if name.startswith(ch14.GUARD_CHECK)], emitted
+
+
+def test_every_naming_exercise_asks_its_guiding_questions_and_sync_says_what_it_must_achieve():
+    """The learner's review, findings 17 and 18: every "name the cause" exercise asks what to look at (Exercises 3 and
+    4 were bare headings), and run 1's fix says what sync() must leave behind, as deadlocks.py checks it: the same
+    tensor on every rank, each having started with its own, and no rank left waiting."""
+    for path in ("notebooks/14_when_it_goes_wrong.ipynb", "notebooks/student/14_when_it_goes_wrong.ipynb"):
+        sources = ["".join(cell["source"]) for cell in json.loads((ROOT / path).read_text())["cells"]]
+        naming = [s for s in sources if s.startswith("### Exercise") and "name the cause" in s.splitlines()[0]]
+        assert len(naming) == 7, path
+        for cell in naming:
+            assert "?" in cell.split("\n", 1)[-1] and "\n" in cell, cell.splitlines()[0]
+        run_1 = next(s for s in sources if "### Exercise 5: fix each run" in s)
+        assert "every rank must hold the same tensor, each having started with its own" in " ".join(run_1.split())
+    script = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "the weights are the same on every rank after sync (each rank's, rank + 1 before)" in script
