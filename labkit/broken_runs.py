@@ -491,8 +491,7 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "single-device run's")),
     BrokenRun(
         name="too-few-microbatches", family="pipelines", script=PP_SCHEDULES,
-        on_nccl="The same idle share, as gaps between each GPU's kernels in a profile; under Schedule1F1B torch "
-                "refuses the setting with a ValueError before the first step.",
+        on_nccl="The same idle share, as gaps between each GPU's kernels in a profile.",
         args=PIPELINE_TIMING + ("--microbatches", "2"), fixed_args=PIPELINE_TIMING + ("--microbatches", "8"),
         symptom="Correct but slow: the timeline shows each rank idle 60% of the step (the fill and the drain, "
                 "where in the step depending on the rank).",
@@ -568,8 +567,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "a step trained twice gives the same loss both times")),
     BrokenRun(
         name="slow-rank", family="operations", script=PROFILE_STEP,
-        on_nccl="The peers' NCCL kernels spin while they wait: their GPUs show full utilisation at low power. The "
-                "profile shows the straggler's compute kernels longer and its peers' all-reduce kernels longer.",
+        on_nccl="The peers' NCCL kernels spin while waiting: full utilisation at low power. A profile shows their "
+                "all-reduce kernels longer; the straggler's compute kernels longer when its GPU is the slow part, "
+                "otherwise a gap before its first kernel each step.",
         args=("--trace-dir", "{run_dir}", "--planted-bug", "slow-rank"), fixed_args=("--trace-dir", "{run_dir}"),
         symptom="Every step takes longer on every rank, yet the job never times out; in the trace one rank "
                 "computes longer than the others, while the three others spend that time in communication.",

@@ -201,12 +201,13 @@ SOURCES: dict[str, list[dict[str, str]]] = {
     ],
     # ---- operations
     "mismatched-collectives": [
-        {"url": "https://github.com/pytorch/pytorch/issues/118369",
-         "title": "NCCL watchdog thread terminated with exception: [Rank 7] Watchdog caught collective operation "
-                  "timeout (pytorch/pytorch #118369)",
-         "quote": "At a high level a collective timeout can be caused by 2 things\n1) all the ranks called the right "
-                  "API but somehow the network or NCCL layer broke down and didn't complete it\n2) *probably more "
-                  "likely* for some reason, one or more ranks did not call the right API at the right time"},
+        {"url": "https://github.com/speechbrain/speechbrain/issues/2401",
+         "title": "Possible NCCL-level deadlock during checkpointing (speechbrain/speechbrain #2401)",
+         "quote": "RuntimeError: Detected mismatch between collectives on ranks. Rank 1 is running collective: "
+                  "CollectiveFingerPrint(SequenceNumber=485, OpType=ALLREDUCE, TensorShape=[25], [...] but Rank 0 "
+                  "is running collective: CollectiveFingerPrint(SequenceNumber=485, OpType=BROADCAST, "
+                  "TensorShape=[1], [...] Collectives differ in the following aspects:   Op type: ALLREDUCEvs "
+                  "BROADCAST"},
         {"url": "https://pytorch.org/docs/stable/torch_nccl_environment_variables.html",
          "title": "PYTORCH ProcessGroupNCCL Environment Variables (PyTorch docs)",
          "quote": "Control whether Desync Debug is enabled. This is helpful in figuring out the culprit rank of "

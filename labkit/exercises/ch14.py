@@ -868,7 +868,8 @@ def check_fix_stage_clip(clip_gradients) -> None:
 
 
 # train_ddp.py's check of a learner's tokens_in_vocabulary(), against the truth, in the run with the fault (--fix-from)
-GUARD_CHECK = "the sequences left out of the loss are those that hold an id outside the vocabulary"
+GUARD_CHECK = ("the sequences kept out of the model's input and the loss are those that hold an id outside the "
+               "vocabulary")
 
 
 def _stopped(result) -> str:

@@ -629,8 +629,9 @@ def main():
             counts = torch.tensor([guard["wrong"], guard["left_out"]], device=rt.device)
             dist.all_reduce(counts)
             wrong, left_out = (int(c) for c in counts.tolist())
-            report.check("the sequences left out of the loss are those that hold an id outside the vocabulary (every "
-                         "rank, every step)", wrong == 0, f"{left_out} left out, {wrong} wrongly", "0 wrongly")
+            report.check("the sequences kept out of the model's input and the loss are those that hold an id outside "
+                         "the vocabulary (every rank, every step)", wrong == 0, f"{left_out} left out, {wrong} wrongly",
+                         "0 wrongly")
         finite = [all(map(math.isfinite, losses)) for losses in rank_losses]
         report.check("every rank's loss is finite (every step)", all(finite),
                      finite.index(False) if False in finite else "all", "all")

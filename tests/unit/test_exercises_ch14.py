@@ -843,3 +843,33 @@ def test_the_token_guard_runs_in_the_job_with_the_fault_and_a_job_that_still_sto
     case = broken_runs.case(name)
     assert name == "token-out-of-vocabulary" and args[:len(case.args)] == case.args and nproc == 2
     assert args[len(case.args)] == "--fix-from"
+
+
+def test_the_guards_check_says_what_the_guard_does_and_is_the_one_the_job_emits():
+    """The guard keeps a sequence with an id outside the vocabulary out of the model's input (the lookup would raise
+    otherwise), and its targets out of the loss: the check's name says the input, not only the loss. train_ddp.py
+    emits the check under that name, so ch14.GUARD_CHECK finds it."""
+    import ast
+
+    assert "model's input" in ch14.GUARD_CHECK and "left out of the loss" not in ch14.GUARD_CHECK
+    script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    emitted = [node.args[0].value for node in ast.walk(ast.parse(script))
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "check" and node.args
+               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
+    assert [name for name in emitted if name.startswith(ch14.GUARD_CHECK)], emitted
+
+
+def test_every_naming_exercise_asks_its_guiding_questions_and_sync_says_what_it_must_achieve():
+    """The learner's review, findings 17 and 18: every "name the cause" exercise asks what to look at (Exercises 3 and
+    4 were bare headings), and run 1's fix says what sync() must leave behind, as deadlocks.py checks it: the same
+    tensor on every rank, each having started with its own, and no rank left waiting."""
+    for path in ("notebooks/14_when_it_goes_wrong.ipynb", "notebooks/student/14_when_it_goes_wrong.ipynb"):
+        sources = ["".join(cell["source"]) for cell in json.loads((ROOT / path).read_text())["cells"]]
+        naming = [s for s in sources if s.startswith("### Exercise") and "name the cause" in s.splitlines()[0]]
+        assert len(naming) == 7, path
+        for cell in naming:
+            assert "?" in cell.split("\n", 1)[-1] and "\n" in cell, cell.splitlines()[0]
+        run_1 = next(s for s in sources if "### Exercise 5: fix each run" in s)
+        assert "every rank must hold the same tensor, each having started with its own" in " ".join(run_1.split())
+    script = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "the weights are the same on every rank after sync (each rank's, rank + 1 before)" in script
