@@ -49,6 +49,7 @@ def test_deadlocks_need_four_ranks():
 # ---- faults and walltime ------------------------------------------------------------------------------------
 
 import os  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -99,6 +100,26 @@ def test_steps_lost_count_from_the_last_checkpoint_written_even_off_the_save_gri
     metrics = drill("--steps", "8", "--kill-rank", "1", "--kill-at-step", "5", metrics=second)
     assert all(c["passed"] for c in metrics["checks"]), metrics["checks"]
     assert metrics["extra"]["died_at_step"] == 5 and metrics["extra"]["steps_trained_twice"] == [2]
+
+
+def test_a_resume_from_an_older_checkpoint_than_the_last_before_the_death_fails_the_drill(tmp_path):
+    """Review s15 finding 6: rank 1 dies at step 5, after the checkpoint of step 4; the next run finds that checkpoint
+    gone (deleted here: a save lost, a folder unreadable) and resumes from step 2's. It trains steps 2-4 again, so the
+    count of steps lost after the last checkpoint (4) still finds one, and the losses still equal one device's: only
+    the resume point shows the extra loss. Without the check on it, this run passed every check."""
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir)]
+    launch.run(FAULT_DRILL, nproc=2, args=args + ["--kill-rank", "1", "--kill-at-step", "5"], stream=False,
+               check=False, metrics=False, timeout=90)
+    assert json.loads((run_dir / "failure.json").read_text())["last_checkpoint"] == 4
+    shutil.rmtree(run_dir / "step_000004")
+    resumed = launch.run(FAULT_DRILL, nproc=2, args=args + ["--metrics-out", str(tmp_path / "m.json")],
+                         stream=False, check=False, timeout=90)
+    checks = {c["name"]: c for c in json.loads((tmp_path / "m.json").read_text())["checks"]}
+    assert resumed.returncode != 0, resumed.tail()
+    wrong = checks["the first attempt after the death resumed from the last checkpoint written before it"]
+    assert (wrong["passed"], wrong["value"], wrong["tolerance"]) == (False, 2, 4), wrong
+    assert [name for name, c in checks.items() if not c["passed"]] == [wrong["name"]], checks
 
 
 def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path):
