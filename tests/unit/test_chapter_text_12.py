@@ -279,10 +279,10 @@ def test_the_walltime_section_states_what_the_job_does():
                           flags=re.M).group(1))
     gpus = int(re.search(r'DISTLAB_GPUS_PER_NODE:=(\d+)', (ROOT / "sites" / "derecho.sh").read_text()).group(1))
     text = flat(CHAPTER)
-    assert "distlab_tee" in common and f"PBS sets it to the chunk's `ncpus`, {ncpus} on Derecho" in text
-    assert (f"`jobs/common.sh` sets a node's cores / its GPUs threads a rank (16 on Derecho: {ncpus} / {gpus})"
+    assert "distlab_tee" in common and f"PBS sets it to the chunk's `ncpus` ({ncpus} on Derecho)" in text
+    assert (f"`jobs/common.sh` sets a node's cores / its GPUs instead ({ncpus // gpus} on Derecho)"
             in text) and ncpus // gpus == 16
-    assert f"So {gpus} ranks would run {ncpus} threads each on {ncpus} cores" in text
+    assert f"`ompthreads=`: {gpus} ranks would run {ncpus} threads each on {ncpus} cores" in text
     assert "always sets 16 threads" not in text
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
                 "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
@@ -439,7 +439,7 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
 
     assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
     assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
-    assert ("Under torchrun a plain `init_process_group()` uses that same store (`TORCHELASTIC_USE_AGENT_STORE`), so a "
+    assert ("A plain `init_process_group()` under torchrun uses that same store (`TORCHELASTIC_USE_AGENT_STORE`): a "
             "script of your own that restarts needs the same care.") in text
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
@@ -814,7 +814,7 @@ def test_youngs_checkpoint_interval():
     # the conclusion carried to its number: 4 times the nodes, a quarter of the MTBF
     quarter = mtbf_h * 60 // 4
     shorter = math.sqrt(2 * save_min * quarter)
-    assert f"On 4 times the nodes, M = {mtbf_h // 4} h: T = sqrt(2 × {save_min} × {quarter}) min = {shorter:.0f} min" in text
+    assert f"on 4 times the nodes, M = {mtbf_h // 4} h: T = sqrt(2 × {save_min} × {quarter}) min = {shorter:.0f} min" in text
     assert f"saving costs {save_min}/{shorter:.0f} = {100 * save_min / shorter:.1f}%" in text
 
 
@@ -833,13 +833,16 @@ def test_the_schedulers_kill_delays_and_messages():
             in CHAPTER)
     # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
     # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
+    assert (f"`qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
             f"MoM's next poll, {MIN_CHECK_POLL_TIME} s after such a TERM): too soon for a real model's step and "
             "save.") in text
     # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
-    # means for ranks elsewhere
-    assert ("PBS sends it to the first node only: ranks elsewhere get it if `mpiexec` passes it on, and one that does "
-            "stops them all.") in text
+    # means for every rank, the first node's too (review s15 finding 4: the MoM signals its own tasks' sessions,
+    # and whether PALS starts the ranks inside them no source read here shows)
+    assert ("But PBS signals only the first node's job shell, `mpiexec` and `tee`. A rank gets the TERM only if it runs "
+            "in the shell's session or `mpiexec` passes it on, which the course has not checked under Cray PALS. One "
+            "rank that gets it stops them all.") in text
+    assert "PBS sends it to the first node only" not in text
     assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
     assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
@@ -892,10 +895,12 @@ def test_the_schedulers_kill_delays_and_messages():
             f"{walltime // 60}-minute job.") in text
     assert "first=$(qsub -A $PBS_ACCOUNT -v $drill pbs/12_hpc_operations.pbs)" in CHAPTER
     assert "qsub -A $PBS_ACCOUNT -W depend=afterany:$first -v $drill pbs/12_hpc_operations.pbs" in CHAPTER
-    # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
+    # the drill counts a save as at least a step, at every step (max(longest save, longest step)), not only before
+    # the first save (review s15 finding 8)
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
-    assert "before the first checkpoint, it counts a save as long as a step" in text
+    assert "each timed as the longest so far (a save as at least a step)" in text
+    assert "before the first checkpoint, it counts a save as long as a step" not in text
 
 
 def test_the_step_picture_is_cut_by_the_courses_trace_reader():
@@ -1086,7 +1091,8 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "A SIGKILL 30 s later would come before the save ends." in text
     assert "long before any signal" not in text and "must be raised" not in text
     assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
-            "SIGTERM. Slurm's warning comes during it; the jobs then leave the save alone (below).") in text
+            "SIGTERM. Slurm's warning comes during the last step or the save, and no SIGKILL comes before the save "
+            "ends (below).") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert ("An agent waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them (torchrun's `--shutdown-timeout`), then "
             f"sends SIGKILL. torch's default is 30 s. The jobs set it to `DISTLAB_WALLTIME_MARGIN` ({margin} s)") in readme
@@ -1267,8 +1273,10 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     # test_pbs_common runs it)
     margin, _, _ = ch12._job_constants()
     assert "the drill has torchrun's 30 s to save" not in text
-    assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
-            f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
+    # and only if the ranks get it at all (review s15 finding 4): whether PALS's mpiexec passes it on is unknown
+    assert ("`qsig -s TERM <id>` sends the TERM alone. If the ranks get it, the agents give them "
+            f"{margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin); if not, only the deadline saves."
+            ) in text
     assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
     assert ("sends a real signal, which `req_signaljob` delivers to the first node's job processes with no kill time "
             "(`requests.c:2058-2094`") in text
@@ -1280,12 +1288,13 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     jobs_common = flat((ROOT / "jobs" / "common.sh").read_text().replace("#", " "))
     assert "the ranks got the signal too, from the scheduler," not in jobs_common
     assert "under PBS the MoM signals only the first node's job processes" in jobs_common
-    assert "Ranks on other nodes get the TERM only if ``mpiexec`` passes it on" in flat(
+    assert "a rank, on that node or another, gets the TERM only if it runs in such a session or ``mpiexec`` passes it on" in flat(
         (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     assert "handled the same way" not in drill
     assert "But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``" in drill
-    assert "send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it" in drill
+    assert ("``qsig -s TERM JOBID`` sends the TERM alone, with no SIGKILL after it: where the ranks get it (above), the "
+            "job stops with time to save") in drill and "where they do not, only the deadline saves" in drill
     for job in ("pbs/12_hpc_operations.pbs", "slurm/12_hpc_operations.sbatch"):
         comments = flat((ROOT / job).read_text().replace("#", " "))
         assert "checkpoint at the end of their step (PBS: qdel;" not in comments, job
