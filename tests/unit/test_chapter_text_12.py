@@ -519,19 +519,33 @@ def test_waiting_for_a_peer_is_communication_not_idle():
 
 def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default():
     import inspect
+    import sys
 
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel, distributed
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
 
     assert "self.reducer._rebuild_buckets()" in inspect.getsource(DistributedDataParallel._pre_forward)
+    # step 0 is one bucket (review s15 finding 2; an earlier text said "the reverse order of model.parameters()"):
+    # torch's comment, at the lines cited, and the limit it computes for a DDP that finds no unused parameters
+    lines = inspect.getsource(distributed).splitlines()
+    assert "we don't do bucketing, thus only one ALL-REDUCE is inserted after all the gradients" in lines[1401]
+    assert "we only disable bucketing for the first iteration" in lines[1404]
+    assert "if static_graph or not find_unused_parameters:" in lines[152]
+    limits, _ = _BucketCapacityConfig.create(0.1, None, False).compute_bucket_size_limits(False, False)
+    assert limits == [sys.maxsize]
     text = flat(CHAPTER)
-    assert "At the start of step 1's forward DDP rebuilds them" in text and "two broadcasts" in text
-    assert "`--warmup 0` makes step 1 active, and the count holds" in text
-    assert "DDP's first step puts everything in one bucket" not in text
+    assert ("step 0, in which DDP puts every gradient in one bucket, all-reduced once backward ends. At the start of "
+            "step 1's forward DDP rebuilds its buckets, each up to the cap,") in text and "two broadcasts" in text
+    assert "reverse order of `model.parameters()`" not in text
+    assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:153-154`)" in text
     source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert 'DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}' in source
+    assert 'DDP_FIRST_STEP, DDP_FIRST_STEP_COLLECTIVES = 0, {"all_reduce": 1}' in source
+    assert "reverse parameter order" not in source
     assert "25.0" not in source  # the a100 preset keeps DDP's default (1 MiB first bucket), not an explicit 25
     profiling_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
-    assert '[{"all_reduce": 4, "broadcast": 2}, {"all_reduce": 4}, {"all_reduce": 4}]' in profiling_test
+    assert ('[{"all_reduce": 1}, {"all_reduce": 4, "broadcast": 2},\n'
+            in profiling_test and '["--wait", "0", "--warmup", "0", "--active", "4"]' in profiling_test)
 
 
 def test_the_operations_corrections_of_issue_45_item_13():
