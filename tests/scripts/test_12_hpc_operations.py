@@ -42,6 +42,50 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause, tmp_path):
         assert recorded["3"].startswith("group 0: 6 enqueued, the last collective gloo:all_reduce"), recorded
 
 
+def test_a_rank_that_starts_after_the_timeout_still_joins_and_the_planted_hang_is_what_ends_the_drill(tmp_path):
+    """Review s15 finding 5: the drill's 4 s (here 2 s) timeout also bounded the rendezvous, so a rank that starts
+    later than that (on a cluster: imports from a shared file system, a CUDA context) failed the job at init, with
+    rank 0's store "waiting for clients", before any hang was planted. Four plain processes (RANK, WORLD_SIZE and
+    MASTER_* as a launcher of one process a rank gives them), rank 3 started 3 timeouts after the others: the group
+    forms, and the skipped barrier ends the drill with its diagnosis within the usual bound."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from distlab.runtime import free_port
+
+    pg_timeout, late = 2, 6
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PMI_", "PALS_",
+                                "OMPI_"))}
+    env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR=socket.gethostbyname("localhost"),
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONPATH=str(launch.REPO_ROOT))
+    metrics_file = tmp_path / "metrics.json"
+    command = [sys.executable, DEADLOCKS, "--hang", "skipped-barrier", "--pg-timeout", str(pg_timeout),
+               "--trace-dir", str(tmp_path / "trace"), "--metrics-out", str(metrics_file)]
+    ranks = []
+    try:
+        for rank in range(4):
+            if rank == 3:
+                time.sleep(late)
+            ranks.append(subprocess.Popen(command, env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          cwd=launch.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    # before: every rank failed in init_process_group (gloo's "Connect timeout", its store's "wait timeout after
+    # 2000ms"), and no metrics were written
+    assert metrics_file.exists() and [rank.returncode for rank in ranks] == [0] * 4, outputs[0][-3000:]
+    metrics = json.loads(metrics_file.read_text())
+    assert all(c["passed"] for c in metrics["checks"]), (metrics["checks"], outputs[0][-3000:])
+    assert metrics["extra"]["cause"] == "skipped collective", outputs[0][-3000:]
+    assert metrics["extra"]["seconds_to_diagnosis"] < 2 * pg_timeout + 5   # the collectives' timeout still applies
+
+
 def test_deadlocks_need_four_ranks():
     assert_config_error(DEADLOCKS, [], "the scenarios are written for 4 ranks", nproc=2)
 

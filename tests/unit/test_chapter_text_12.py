@@ -256,7 +256,10 @@ def test_rendezvous_timeout_message_as_a_cpu_produces_it():
     message = re.sub(r"after \d+ seconds", f"after {course} seconds", str(waiting.value).splitlines()[0])
     assert f"`torch.distributed.DistStoreError: {message}`" in CHAPTER, message
     assert f'"Timed out after {course} seconds" for {runtime.DEFAULT_PG_TIMEOUT_S}' in flat(CHAPTER)
-    assert "timeout=datetime.timedelta(seconds=timeout)" in (ROOT / "distlab" / "runtime.py").read_text()
+    # the group forms under the process-group timeout, or a longer one where a script asks (deadlocks.py)
+    source = (ROOT / "distlab" / "runtime.py").read_text()
+    assert "timeout=datetime.timedelta(seconds=joining)" in source
+    assert "joining = max(timeout, rendezvous_timeout_s or 0.0)" in source
 
 
 def test_the_walltime_section_states_what_the_job_does():
@@ -757,6 +760,31 @@ def test_the_price_of_a_timeout():
     # the drill's own default, said as the script's (a learner read "4 s by default there" three times)
     assert "`deadlocks.py` sets its own default for `--pg-timeout`, 4 s, so a drill ends in seconds" in text
     assert "4 s by default there" not in text
+
+
+def test_the_hang_drills_meet_under_the_courses_timeout_and_hang_under_their_own():
+    # review s15 finding 5: the drill's 4 s bounded the rendezvous too; the group now forms under the course's
+    # default and takes the drill's timeout after (torch's _set_pg_timeout, at the lines the chapter cites); the
+    # measurement is tests/scripts/test_12_hpc_operations.py's late rank
+    import inspect
+
+    from torch.distributed import distributed_c10d
+
+    lines = inspect.getsource(distributed_c10d).splitlines()
+    assert lines[1615].startswith("def _set_pg_timeout(") and "backend._set_default_timeout(timeout)" in lines[1660]
+    deadlocks = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "RENDEZVOUS_TIMEOUT_S = runtime.DEFAULT_PG_TIMEOUT_S" in deadlocks
+    assert "rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S" in deadlocks
+    source = inspect.getsource(runtime.start)
+    assert "dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))" in source
+    text = flat(CHAPTER)
+    assert ("Its ranks still get the course's 300 s to meet: on a cluster they may start seconds apart, and a late "
+            "start is no hang.") in text and runtime.DEFAULT_PG_TIMEOUT_S == 300
+    assert "`torch/distributed/distributed_c10d.py:1616-1661`" in text
+    assert "no GPU run has checked it, nor how long the ranks of a GPU job start apart." in text
+    scripts_test = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
+    assert "pg_timeout, late = 2, 6" in scripts_test
+    assert "starts the fourth rank of a skipped-barrier drill 6 s after the others, with a 2 s timeout" in text
 
 
 def test_the_timeouts_shown_are_the_courses_and_torchs_is_named():
