@@ -919,7 +919,7 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
             torch.set_num_threads(max(1, cores // where.local_world_size))
         os.environ.setdefault("MASTER_ADDR", where.master_addr)
         os.environ.setdefault("MASTER_PORT", str(where.master_port))
-        # how long the store waits while the group forms (see the docstring); set back to the timeout once it has
+        # how long the ranks wait for each other while the group forms (see the docstring); the timeout after
         joining = max(timeout, rendezvous_timeout_s or 0.0)
         joined_store = None
         if not dist.is_initialized():
