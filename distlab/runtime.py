@@ -859,12 +859,18 @@ def require(condition: bool, message: str) -> None:
 
 @contextlib.contextmanager
 def start(args: argparse.Namespace | None = None, *, validate=None, device: str | None = None,
-          seed: int | None = None, pg_timeout_s: float | None = None):
+          seed: int | None = None, pg_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None):
     """Join the job, set device, backend and seed, and yield a :class:`Runtime`; leave cleanly at the end.
 
     ``validate(world_size)`` runs on every rank before the process group is formed, so a configuration that
     cannot work (a mesh that does not divide the world) stops before any rank waits on another. A
     :class:`ConfigError` raised there or inside the block (``rt.require``) prints one line and exits 2.
+
+    The ranks wait for each other while the group forms (the store's rendezvous, then the backend's connections:
+    gloo's connectFullMesh and its store waits use the group's timeout) as long as the process-group timeout, unless
+    ``rendezvous_timeout_s`` is longer. Then the group forms under that longer timeout, and the process-group timeout
+    is set on the group and its store once it has formed: a drill's timeout of seconds must not fail ranks that start
+    a few seconds apart.
     """
     write_whole_lines()
     import torch
@@ -913,9 +919,12 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
             torch.set_num_threads(max(1, cores // where.local_world_size))
         os.environ.setdefault("MASTER_ADDR", where.master_addr)
         os.environ.setdefault("MASTER_PORT", str(where.master_port))
+        # how long the ranks wait for each other while the group forms (see the docstring); the timeout after
+        joining = max(timeout, rendezvous_timeout_s or 0.0)
+        joined_store = None
         if not dist.is_initialized():
             kwargs = dict(backend=backend, rank=where.rank, world_size=where.world_size,
-                          timeout=datetime.timedelta(seconds=timeout))
+                          timeout=datetime.timedelta(seconds=joining))
             if where.world_size == 1:
                 kwargs["store"] = dist.HashStore()  # alone: no rendezvous, no port
             elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -927,9 +936,17 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
                 # 940-968; pytorch#108158, #135712). The attempt's rank 0 numbers it for everyone instead.
                 agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                             where.world_size, is_master=False,
-                                            timeout=datetime.timedelta(seconds=timeout))
-                attempt = agree_on_attempt(agent_store, where.rank, where.world_size, timeout)
+                                            timeout=datetime.timedelta(seconds=joining))
+                attempt = agree_on_attempt(agent_store, where.rank, where.world_size, joining)
                 kwargs["store"] = dist.PrefixStore(f"distlab/attempt_{attempt}", agent_store)
+                joined_store = agent_store
+            elif joining > timeout:
+                # the store env:// makes (torch distributed/rendezvous.py, _env_rendezvous_handler: rank 0 serves it
+                # on MASTER_PORT), made here to wait longer; init_process_group would prefix it "default_pg" itself
+                # (distributed_c10d.py, init_process_group), and the journals of deadlocks.py read it so
+                joined_store, _, _ = next(dist.rendezvous("env://", where.rank, where.world_size,
+                                                          timeout=datetime.timedelta(seconds=joining)))
+                kwargs["store"] = dist.PrefixStore("default_pg", joined_store)
             else:
                 # env:// and not tcp://: under torchrun the agent already serves the store on MASTER_PORT
                 # and workers must join it as clients (TORCHELASTIC_USE_AGENT_STORE).
@@ -937,6 +954,11 @@ def start(args: argparse.Namespace | None = None, *, validate=None, device: str 
             if torch_device.type == "cuda":
                 kwargs["device_id"] = torch_device
             dist.init_process_group(**kwargs)
+            if joining > timeout:   # formed: the collectives' timeout from now on (torch's _set_pg_timeout sets it on
+                # the group's gloo or NCCL backend, distributed_c10d.py:1616-1661)
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
+            if joined_store is not None:
+                joined_store.set_timeout(datetime.timedelta(seconds=timeout))
         _subgroups_inherit_timeout(timeout)
         seed_everything(seed)
         rt = Runtime(where.rank, where.world_size, where.local_rank, where.local_world_size, torch_device,

@@ -486,6 +486,14 @@ distlab_launch() {
         distlab_not_launched "$name"
         return 143
     fi
+    # the deadline has come (DISTLAB_DEADLINE: the job's end less the margin): what is launched now runs into the
+    # margin and meets the walltime's TERM and KILL; the job stops here, as a launch that stopped at it does (below)
+    if [[ ${DISTLAB_DEADLINE:-} =~ ^[0-9]+ ]] && (($(date +%s) >= ${BASH_REMATCH[0]})); then
+        DISTLAB_TERMINATED=1
+        DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-deadline}
+        distlab_not_launched "$name"
+        return 143
+    fi
     if [[ ${target[0]} != -m && ! -f $script ]]; then
         distlab_log "FAILED $name: $script does not exist in $DISTLAB_ROOT"
         DISTLAB_RESULTS+=("missing $name")
@@ -571,6 +579,13 @@ distlab_launch() {
     wait "$tee_pid" # the log and the job's output hold the launch's last line before the result line
     local seconds=$((SECONDS - start))
     DISTLAB_CURRENT=
+    # the launch stopped itself at the deadline (a checkpointing script wrote its stop file first): the job launches
+    # nothing more, as after the walltime warning; under PBS, which sends no warning, nothing else would stop it
+    # before the walltime's TERM
+    if [[ -e $DISTLAB_STOPPING_FILE ]]; then
+        DISTLAB_TERMINATED=1
+        DISTLAB_TERMINATED_BY=${DISTLAB_TERMINATED_BY:-deadline}
+    fi
     if ((rc == 0)); then
         distlab_log "ok $name in ${seconds}s"
         DISTLAB_RESULTS+=("ok $name ${seconds}s")
@@ -595,12 +610,13 @@ distlab_launch() {
 }
 
 # distlab_not_launched NAME: a launch the job was told not to start, and why: the first reason it was told to stop,
-# SIGTERM (scancel, qdel), the time limit's SIGTERM, or the walltime warning (Slurm's USR1), which is the job stopping
-# in time, no failure
+# SIGTERM (scancel, qdel), the time limit's SIGTERM, the walltime warning (Slurm's USR1) or the deadline (a launch
+# stopped at it, or it has passed); the last two are the job stopping in time, no failure
 distlab_not_launched() {
     local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
     case $why in
     "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
+    deadline) line="the job's deadline has come (DISTLAB_DEADLINE, the end less DISTLAB_WALLTIME_MARGIN)" ;;
     "$DISTLAB_LIMIT_NAME") line="the job reached its $DISTLAB_LIMIT_NAME (SIGTERM)" ;;
     *) line="the job got SIGTERM" ;;
     esac
@@ -609,10 +625,11 @@ distlab_not_launched() {
 }
 
 # distlab_on_sigterm: the job shell's SIGTERM trap (qdel, scancel, the time limit). It runs at once (distlab_launch
-# waits in the background). The ranks got the signal too and stop at the end of their step: under Slurm from slurmd,
-# every step on every node; under PBS the MoM signals only the first node's job processes (the job shell's session:
-# OpenPBS src/resmom/mom_main.c:5353-5360, linux/mom_mach.c:1314-1372), so ranks elsewhere get it only if mpiexec
-# passes it on (not checked for PALS or Hydra), and a drill's one rank that got it stops them all. Only
+# waits in the background). The ranks stop at the end of their step if they got the signal too: under Slurm from
+# slurmd, every step on every node; under PBS the MoM signals only the first node's job processes (its tasks'
+# sessions, the job shell's: OpenPBS src/resmom/mom_main.c:5353-5360, linux/mom_mach.c:1314-1372), so a rank, on the
+# first node or another, gets it only if it runs in that session or mpiexec passes it on (not checked for PALS or
+# Hydra), and a drill's one rank that got it stops them all. Only
 # a script the job names in DISTLAB_CHECKPOINTING (names; , : or space between) writes a checkpoint on the way out,
 # and only then does the line say so; no later launch starts: the job is being ended. After a scancel, a qdel or
 # the limit the scheduler kills what is left of the job, as DISTLAB_KILL_DELAY says (Slurm's KillWait; PBS's
@@ -678,8 +695,9 @@ distlab_finish() {
     local result failed=0
     distlab_write_summary | tee "$DISTLAB_RUN_DIR/summary.txt"
     for result in "${DISTLAB_RESULTS[@]}"; do
-        # a launch held back by the walltime warning is the job stopping in time, not a failure
-        [[ $result == ok* || $result == dry-run* || $result == *"(walltime warning)" ]] || failed=1
+        # a launch held back by the walltime warning or the deadline is the job stopping in time, not a failure
+        [[ $result == ok* || $result == dry-run* || $result == *"(walltime warning)" || $result == *"(deadline)" ]] ||
+            failed=1
     done
     distlab_log "metrics and logs in $DISTLAB_RUN_DIR"
     exit "$failed"

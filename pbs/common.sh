@@ -85,7 +85,8 @@ distlab_kill_delay() {
 
 distlab_deadline() {
     # PBS gives no warning before the walltime: once it has passed, the first node's MoM sends SIGTERM to the job's
-    # processes there at its next poll (the other nodes' ranks get it only through mpiexec) and SIGKILL the queue's
+    # processes there at its next poll (a rank gets it only inside the job shell's session or through mpiexec, not
+    # checked under Cray PALS) and SIGKILL the queue's
     # kill_delay later (10 s unless the queue sets another; `qstat -Qf` shows it), too
     # little for a step and a checkpoint of a real model. So the scripts stop themselves: DISTLAB_DEADLINE (seconds
     # since the epoch) = the job's start + its walltime - DISTLAB_WALLTIME_MARGIN. The start is qstat's stime, set

@@ -26,7 +26,9 @@ group exists, ``TORCH_NCCL_BLOCKING_WAIT=1`` (the timeout raises in the rank's t
 tearing the process down) and PyTorch's own flight recorder (``TORCH_FR_BUFFER_SIZE``), whose buffer each rank
 dumps into ``--trace-dir``/manual (the run folder, on scratch) when it gives up: read them with
 ``python -m torch.distributed.flight_recorder.fr_trace <trace-dir>/manual``. The checks: the hang ended within its time
-bound (no silent hang) and the diagnosis names the cause the flag planted.
+bound (no silent hang) and the diagnosis names the cause the flag planted. The ranks' rendezvous waits longer than
+``--pg-timeout``: the course's default (``runtime.DEFAULT_PG_TIMEOUT_S``), so that ranks starting seconds apart, as
+on a cluster, meet before the timeout of seconds applies (``runtime.start``, ``rendezvous_timeout_s``).
 
 Two scenarios pair different collectives (mismatched-collectives, wrong-group): on NCCL a barrier is an
 all-reduce, and a rank's barrier met by another rank's all-reduce is undefined behaviour, not a clean hang. So on
@@ -55,6 +57,8 @@ EXPECTED_CAUSE = {"mismatched-collectives": "mismatched collectives", "skipped-b
                   "wrong-group": "wrong group", "few-microbatches": "too few messages",
                   "unpaired-p2p": "unpaired point-to-point", "uneven-inputs": "skipped collective", "full-state-on-rank-0": "skipped collective",
                   "rank-0-evaluation": "late rank", "none": "none"}
+# how long the ranks wait for each other while the process group forms, before --pg-timeout applies
+RENDEZVOUS_TIMEOUT_S = runtime.DEFAULT_PG_TIMEOUT_S
 # the program's calls, in the order of its text (the diagnosis uses it to tell who went past whom)
 ORDER = {"sync weights": 1, "pair all-reduce": 2, "microbatch": 3, "end of step": 4, "barrier before logging": 5,
          "count batches": 6, "gradient all-reduce": 7, "save full state": 8, "evaluate": 9, "evaluation sums": 10,
@@ -329,7 +333,11 @@ def main():
         os._exit(143)
 
     hangs.on_sigterm_leave_evidence(leave_evidence)
-    with runtime.start(args, validate=lambda world: check_config(args, world)) as rt:
+    # the ranks' rendezvous waits the course's default, not --pg-timeout: on a cluster the ranks start seconds apart
+    # (imports from a shared file system, CUDA contexts), and a rank 4 s late would end the drill at init, not at the
+    # planted hang
+    with runtime.start(args, validate=lambda world: check_config(args, world),
+                       rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S) as rt:
         hangs.prepare_trace_dir(env)  # NCCL's watchdog writes its own dump there on a timeout
         report = metrics.Report(__file__, rt, config=vars(args))
         store = dist.distributed_c10d._get_default_store()  # the rendezvous store: it outlives a broken group

@@ -20,17 +20,19 @@ one. Two things end real jobs early, and the script handles both:
 * **The walltime runs out.** PBS gives no warning: once the walltime has passed, the first node's MoM sends
   SIGTERM to the job's processes on that node at its next poll (up to 120 s late in a long job), and SIGKILL once
   ``kill_delay`` (10 s by default) has passed, at its next poll, about 10 s later: too little for a step and a
-  checkpoint of a real model. Ranks on other nodes get the TERM only if ``mpiexec`` passes it on; the all-reduce
-  below makes one rank that saw it enough. So the run stops itself
-  first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports ``DISTLAB_DEADLINE``, the job's end less a
+  checkpoint of a real model. The MoM signals its own tasks' sessions (the job shell, ``mpiexec``, ``tee``): a rank,
+  on that node or another, gets the TERM only if it runs in such a session or ``mpiexec`` passes it on, which the
+  course has not checked under Cray PALS; the all-reduce below makes one rank that saw it enough. So the run stops
+  itself first: ``--deadline`` (seconds since the epoch; pbs/common.sh exports ``DISTLAB_DEADLINE``, the job's end less a
   margin) is checked after every step, and when the next step and a checkpoint, timed as the longest seen so far,
   would pass it, every rank agrees (an all-reduce of the flag), writes a checkpoint and exits 0; the next job in
   the chain (``qsub -W depend=afterany:JOBID``) resumes. A SIGTERM is caught the same way: the ranks finish their
   step, save and exit 0. But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``,
-  at the MoM's next polls), so only a step and a save shorter than that end in a checkpoint. To stop a job with
-  time to save, send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it (under torchrun the agent
-  still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s after its own TERM: 30 by default, the margin,
-  120 s, in the course's jobs, which export it under both schedulers).
+  at the MoM's next polls), so only a step and a save shorter than that end in a checkpoint. ``qsig -s TERM JOBID``
+  sends the TERM alone, with no SIGKILL after it: where the ranks get it (above), the job stops with time to save
+  (under torchrun the agent still SIGKILLs its workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s after its own TERM: 30
+  by default, the margin, 120 s, in the course's jobs, which export it under both schedulers); where they do not,
+  only the deadline saves.
 
 The data is what a real run reads: a finite dataset (``--samples`` sequences) in a shuffled order, epoch after
 epoch, and each step masks a random tenth of the input tokens (an augmentation drawn from torch's global random
@@ -188,6 +190,16 @@ def single_device_losses(cfg, args, device) -> list[float]:
     return losses
 
 
+def note_the_resume(failure: Path, step: int) -> None:
+    """Rank 0, as an attempt starts: if a rank died since the last attempt began (the dead rank's record lacks
+    ``resumed_from``), note the step this attempt resumes from, for the check at the end. Called before the barrier
+    that every rank passes before its first step: the dying rank of this attempt writes its record after it."""
+    if failure.exists():
+        died = json.loads(failure.read_text())
+        if "resumed_from" not in died:
+            failure.write_text(json.dumps({**died, "resumed_from": step}))
+
+
 def on_sigterm(signum, frame):
     STOP_REQUESTED["signal"] = signum  # acted on at the end of the step, by every rank together
 
@@ -247,6 +259,8 @@ def main():
             rt.print(f"attempt {attempt}: no checkpoint in {run_dir}: starting at step 0")
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
+            note_the_resume(run_dir / FAILURE_FILE, state.step)
+        dist.barrier()  # no rank dies (--kill-at-step) before rank 0 has read the last death's record
         longest = {"step": 0.0, "save": 0.0}  # seconds: what the next step and a checkpoint may take
         # the step of the last checkpoint this attempt can resume from: the one it started from, then each it writes
         # (a stop's lies off the --save-every grid: a chained job's rank may die just after resuming from it)
@@ -349,6 +363,11 @@ def main():
             # the latest checkpoint written before this death, on the --save-every grid or not, and the steps after
             # it trained again (a chained job's earlier death trained others twice)
             last_save = died["last_checkpoint"]
+            # where the first attempt after the death started (note_the_resume): a resume from an older checkpoint
+            # (the latest missing or unreadable) trains every step the count below looks for and more, and is still
+            # exact, so neither that count nor the losses would see it
+            report.check("the first attempt after the death resumed from the last checkpoint written before it",
+                         died.get("resumed_from") == last_save, died.get("resumed_from"), last_save)
             lost = [s for s in trained_twice if last_save <= s < died["step"]]
             report.check("steps lost = death step - last checkpoint before it", len(lost) == died["step"] - last_save,
                          len(lost), died["step"] - last_save)

@@ -3,8 +3,8 @@
 The course transformer trains under ``--strategy ddp`` (chapter 04: DistributedDataParallel, gradients
 all-reduced in buckets during backward) or ``--strategy fsdp`` (chapter 05: ``fully_shard`` per block,
 parameters all-gathered before use, gradients reduce-scattered). ``torch.profiler`` watches the steps with a
-schedule: ``--wait`` steps ignored (step 0: DDP's first buckets, before step 1's forward rebuilds them), ``--warmup``
-steps traced and thrown away (the profiler's own start-up cost), ``--active`` steps kept. Each rank writes a Chrome trace (open it in https://ui.perfetto.dev or
+schedule: ``--wait`` steps ignored (step 0, whose gradients DDP all-reduces in one bucket once backward ends; step
+1's forward builds the capped buckets), ``--warmup`` steps traced and thrown away (the profiler's own start-up cost), ``--active`` steps kept. Each rank writes a Chrome trace (open it in https://ui.perfetto.dev or
 chrome://tracing) and reads it back (``distlab.profiling``) to say:
 
 * time per kind over the active steps: computing only, communicating only (exposed), both (overlapped),
@@ -19,8 +19,8 @@ threads (the main thread only records the enqueue, ``c10d::allreduce_``); FSDP2'
 
 Checks: every rank's trace exists and parses; the trace's active steps, which the four kinds partition by
 construction, span the wall time measured with the script's own clock; the collectives in the trace, step by step, equal those one more
-(unprofiled) step issues as counted by ``distlab.comm.CommCounter`` (plus, under DDP, step 1's two broadcasts
-of the bucket rebuild); the losses equal the single-device
+(unprofiled) step issues as counted by ``distlab.comm.CommCounter`` (under DDP, step 0's one all-reduce instead,
+and step 1's two broadcasts of the bucket rebuild besides); the losses equal the single-device
 baseline's (tiny preset); with several buckets or units, some communication overlapped backward's compute.
 
     torchrun --standalone --nproc_per_node=4 scripts/12_hpc_operations/profile_step.py --strategy ddp
@@ -58,10 +58,15 @@ KINDS_TOLERANCE_SECONDS = 0.010
 # twice over it.
 STRAGGLER_TOLERANCE_S = 0.15
 SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
-# DDP lays out its buckets in reverse parameter order at construction; at the start of step 1's forward it rebuilds them in
-# the order step 0's gradients became ready (torch/nn/parallel/distributed.py, _pre_forward:
+# DDP's step 0 has one bucket: "when the parameters are not in the real execution order, we don't do bucketing, thus
+# only one ALL-REDUCE is inserted after all the gradients of the whole graph are computed ... we only disable
+# bucketing for the first iteration" (torch 2.13 nn/parallel/distributed.py:1401-1407; its bucket limit is
+# sys.maxsize unless find_unused_parameters, _BucketCapacityConfig.compute_bucket_size_limits, :153-154). At the
+# start of step 1's forward DDP builds the capped buckets in the order step 0's gradients became ready (_pre_forward:
 # reducer._rebuild_buckets()), and rank 0 broadcasts the new layout: the indices, then the bucket sizes (c10d
-# reducer.cpp, Reducer::sync_bucket_indices). Measured on gloo: two gloo:broadcast events in step 1's forward.
+# reducer.cpp, Reducer::sync_bucket_indices). Measured on gloo (tests/scripts/test_12_profiling.py, --wait 0): one
+# all-reduce in step 0, two gloo:broadcast events in step 1's forward.
+DDP_FIRST_STEP, DDP_FIRST_STEP_COLLECTIVES = 0, {"all_reduce": 1}
 DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}
 
 
@@ -106,7 +111,9 @@ def parallelize(model, args, rt):
 def expected_in_trace(issued: dict, device_type: str, strategy: str = "fsdp", step: int | None = None) -> Counter:
     """The collectives a step issued (CommCounter's names) as the trace names them: gloo runs FSDP2's flat
     reduce-scatter as an all-reduce (``gloo:all_reduce``); NCCL has a kernel of its own for each. Under DDP,
-    step 1 also holds the broadcasts of DDP's bucket rebuild."""
+    step 0 all-reduces one bucket, and step 1 also holds the broadcasts of DDP's bucket rebuild."""
+    if strategy == "ddp" and step == DDP_FIRST_STEP:
+        return Counter(DDP_FIRST_STEP_COLLECTIVES)
     renamed = {"reduce_scatter": "all_reduce"} if device_type == "cpu" else {}
     expected = Counter()
     for collective, calls in issued.items():
@@ -120,7 +127,7 @@ def main():
     p = runtime.parser(__doc__, presets=("tiny", "a100"), steps=None)
     p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="which chapter's training to profile")
     p.add_argument("--wait", type=runtime.nonnegative_int, default=1,
-                   help="steps the profiler skips (step 0: DDP's buckets in parameter order, before its rebuild)")
+                   help="steps the profiler skips (step 0: DDP's one bucket, before step 1 builds the capped ones)")
     p.add_argument("--warmup", type=runtime.nonnegative_int, default=1, help="steps traced, then thrown away (profiler start-up)")
     p.add_argument("--active", type=runtime.positive_int, default=2, help="steps traced and kept")
     p.add_argument("--batch", type=runtime.positive_int, default=8, help="global batch, sequences per step")
@@ -255,7 +262,8 @@ def main():
         wrong = [(row["rank"], first_active + i, dict(seen), dict(want)) for row, wants in zip(everyone, expected)
                  for i, (seen, want) in enumerate(zip(row["trace_collectives_per_step"], wants)) if seen != want]
         report.check("collectives in the trace, every active step = what a step issues (CommCounter, counted in "
-                     "an unprofiled step; DDP's step 1 adds its bucket rebuild's broadcasts), every rank", not wrong,
+                     "an unprofiled step; DDP's step 0 has one bucket, its step 1 adds the rebuild's broadcasts), "
+                     "every rank", not wrong,
                      "; ".join(f"rank {r} step {s}: {seen}" for r, s, seen, _ in wrong[:2]) or dict(expected[0][-1]),
                      "; ".join(f"{want}" for *_, want in wrong[:2]) or "the same")
         # DDP launches each bucket's all-reduce from backward's gradient hooks and goes on computing: with two

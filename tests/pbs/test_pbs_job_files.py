@@ -373,3 +373,37 @@ def test_a_rerun_chained_job_submits_no_second_successor(job_env, fake_pals, tmp
     # the id first, then a space, as the Slurm tier's chain_next reads it
     assert ("next job of the chain: 4243.desched1 (submitted by this job's first attempt; this is its restart 1): "
             "no other is submitted") in said[1], said[1]
+
+
+@pytest.mark.parametrize("how", ["the drill stopped at it", "it passed during the drill"])
+def test_after_the_deadline_the_job_launches_nothing_more(how, job_env, tmp_path):
+    """PBS sends no warning before the walltime. When fault_drill.py stops itself at DISTLAB_DEADLINE (its stop file
+    written, checkpoint saved, exit 0), the rest of pbs/12 (two hangs, two profiles, tuning) would run into the last
+    120 s and end with `walltime exceeded` (review s15 finding 1). So would any launch begun once the deadline has
+    passed. A stand-in mpiexec plays the drill: it writes the launch's DISTLAB_STOPPING_FILE as the drill does at its
+    deadline, or outlasts a deadline 2 s away; every launch it gets is noted."""
+    import time
+
+    calls = tmp_path / "launched"
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"""#!/bin/bash
+for word in "$@"; do [[ $word == *.py ]] && echo "${{word##*/}}" >> {calls}; done
+if [[ " $* " == *fault_drill.py* ]]; then
+    if [[ $PLAY == stop ]]; then echo '{{"by": "deadline"}}' > "$DISTLAB_STOPPING_FILE"; else sleep 3; fi
+fi
+""")
+    mpiexec.chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": str(mpiexec), "DISTLAB_MPIEXEC_FLAVOR": "pals",
+                     "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+    if how == "the drill stopped at it":
+        env |= {"PLAY": "stop"}
+    else:
+        env |= {"PLAY": "outlast", "DISTLAB_DEADLINE": str(int(time.time()) + 2)}
+    result = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env, timeout=120)
+    assert calls.read_text().split() == ["fault_drill.py"], result.output[-3000:]
+    summary = (tmp_path / "run" / "summary.txt").read_text().splitlines()[1:]
+    assert [line.strip() for line in summary if "launched" in line] == [
+        f"not-launched {name} (deadline)" for name in
+        ("deadlocks.py", "deadlocks.py", "profile_step.py", "profile_step.py", "tuning.py")], result.output[-3000:]
+    assert "distlab: not launched tuning.py: the job's deadline has come" in result.output
+    assert result.returncode == 0, result.output[-3000:]  # the job stopping in time is no failure

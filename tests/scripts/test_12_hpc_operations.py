@@ -42,6 +42,50 @@ def test_every_hang_ends_with_its_diagnosis(hang, cause, tmp_path):
         assert recorded["3"].startswith("group 0: 6 enqueued, the last collective gloo:all_reduce"), recorded
 
 
+def test_a_rank_that_starts_after_the_timeout_still_joins_and_the_planted_hang_is_what_ends_the_drill(tmp_path):
+    """Review s15 finding 5: the drill's 4 s (here 2 s) timeout also bounded the rendezvous, so a rank that starts
+    later than that (on a cluster: imports from a shared file system, a CUDA context) failed the job at init, with
+    rank 0's store "waiting for clients", before any hang was planted. Four plain processes (RANK, WORLD_SIZE and
+    MASTER_* as a launcher of one process a rank gives them), rank 3 started 3 timeouts after the others: the group
+    forms, and the skipped barrier ends the drill with its diagnosis within the usual bound."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from distlab.runtime import free_port
+
+    pg_timeout, late = 2, 6
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PMI_", "PALS_",
+                                "OMPI_"))}
+    env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR=socket.gethostbyname("localhost"),
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONPATH=str(launch.REPO_ROOT))
+    metrics_file = tmp_path / "metrics.json"
+    command = [sys.executable, DEADLOCKS, "--hang", "skipped-barrier", "--pg-timeout", str(pg_timeout),
+               "--trace-dir", str(tmp_path / "trace"), "--metrics-out", str(metrics_file)]
+    ranks = []
+    try:
+        for rank in range(4):
+            if rank == 3:
+                time.sleep(late)
+            ranks.append(subprocess.Popen(command, env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          cwd=launch.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    # before: every rank failed in init_process_group (gloo's "Connect timeout", its store's "wait timeout after
+    # 2000ms"), and no metrics were written
+    assert metrics_file.exists() and [rank.returncode for rank in ranks] == [0] * 4, outputs[0][-3000:]
+    metrics = json.loads(metrics_file.read_text())
+    assert all(c["passed"] for c in metrics["checks"]), (metrics["checks"], outputs[0][-3000:])
+    assert metrics["extra"]["cause"] == "skipped collective", outputs[0][-3000:]
+    assert metrics["extra"]["seconds_to_diagnosis"] < 2 * pg_timeout + 5   # the collectives' timeout still applies
+
+
 def test_deadlocks_need_four_ranks():
     assert_config_error(DEADLOCKS, [], "the scenarios are written for 4 ranks", nproc=2)
 
@@ -49,6 +93,7 @@ def test_deadlocks_need_four_ranks():
 # ---- faults and walltime ------------------------------------------------------------------------------------
 
 import os  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -99,6 +144,26 @@ def test_steps_lost_count_from_the_last_checkpoint_written_even_off_the_save_gri
     metrics = drill("--steps", "8", "--kill-rank", "1", "--kill-at-step", "5", metrics=second)
     assert all(c["passed"] for c in metrics["checks"]), metrics["checks"]
     assert metrics["extra"]["died_at_step"] == 5 and metrics["extra"]["steps_trained_twice"] == [2]
+
+
+def test_a_resume_from_an_older_checkpoint_than_the_last_before_the_death_fails_the_drill(tmp_path):
+    """Review s15 finding 6: rank 1 dies at step 5, after the checkpoint of step 4; the next run finds that checkpoint
+    gone (deleted here: a save lost, a folder unreadable) and resumes from step 2's. It trains steps 2-4 again, so the
+    count of steps lost after the last checkpoint (4) still finds one, and the losses still equal one device's: only
+    the resume point shows the extra loss. Without the check on it, this run passed every check."""
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir)]
+    launch.run(FAULT_DRILL, nproc=2, args=args + ["--kill-rank", "1", "--kill-at-step", "5"], stream=False,
+               check=False, metrics=False, timeout=90)
+    assert json.loads((run_dir / "failure.json").read_text())["last_checkpoint"] == 4
+    shutil.rmtree(run_dir / "step_000004")
+    resumed = launch.run(FAULT_DRILL, nproc=2, args=args + ["--metrics-out", str(tmp_path / "m.json")],
+                         stream=False, check=False, timeout=90)
+    checks = {c["name"]: c for c in json.loads((tmp_path / "m.json").read_text())["checks"]}
+    assert resumed.returncode != 0, resumed.tail()
+    wrong = checks["the first attempt after the death resumed from the last checkpoint written before it"]
+    assert (wrong["passed"], wrong["value"], wrong["tolerance"]) == (False, 2, 4), wrong
+    assert [name for name, c in checks.items() if not c["passed"]] == [wrong["name"]], checks
 
 
 def test_survivors_of_a_dead_rank_leave_within_seconds_without_restarts(tmp_path):

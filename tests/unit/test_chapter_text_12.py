@@ -256,7 +256,10 @@ def test_rendezvous_timeout_message_as_a_cpu_produces_it():
     message = re.sub(r"after \d+ seconds", f"after {course} seconds", str(waiting.value).splitlines()[0])
     assert f"`torch.distributed.DistStoreError: {message}`" in CHAPTER, message
     assert f'"Timed out after {course} seconds" for {runtime.DEFAULT_PG_TIMEOUT_S}' in flat(CHAPTER)
-    assert "timeout=datetime.timedelta(seconds=timeout)" in (ROOT / "distlab" / "runtime.py").read_text()
+    # the group forms under the process-group timeout, or a longer one where a script asks (deadlocks.py)
+    source = (ROOT / "distlab" / "runtime.py").read_text()
+    assert "timeout=datetime.timedelta(seconds=joining)" in source
+    assert "joining = max(timeout, rendezvous_timeout_s or 0.0)" in source
 
 
 def test_the_walltime_section_states_what_the_job_does():
@@ -279,10 +282,10 @@ def test_the_walltime_section_states_what_the_job_does():
                           flags=re.M).group(1))
     gpus = int(re.search(r'DISTLAB_GPUS_PER_NODE:=(\d+)', (ROOT / "sites" / "derecho.sh").read_text()).group(1))
     text = flat(CHAPTER)
-    assert "distlab_tee" in common and f"PBS sets it to the chunk's `ncpus`, {ncpus} on Derecho" in text
-    assert (f"`jobs/common.sh` sets a node's cores / its GPUs threads a rank (16 on Derecho: {ncpus} / {gpus})"
+    assert "distlab_tee" in common and f"PBS sets it to the chunk's `ncpus` ({ncpus} on Derecho)" in text
+    assert (f"`jobs/common.sh` sets a node's cores / its GPUs instead ({ncpus // gpus} on Derecho)"
             in text) and ncpus // gpus == 16
-    assert f"So {gpus} ranks would run {ncpus} threads each on {ncpus} cores" in text
+    assert f"`ompthreads=`: {gpus} ranks would run {ncpus} threads each on {ncpus} cores" in text
     assert "always sets 16 threads" not in text
     for row in ("walltime exceeded", "memory limit exceeded", "no usable OFI provider",
                 "NCCL and its net plugin disagree", "CUDA driver too old", "rendezvous: n of N joined",
@@ -439,7 +442,7 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
 
     assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
     assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
-    assert ("Under torchrun a plain `init_process_group()` uses that same store (`TORCHELASTIC_USE_AGENT_STORE`), so a "
+    assert ("A plain `init_process_group()` under torchrun uses that same store (`TORCHELASTIC_USE_AGENT_STORE`): a "
             "script of your own that restarts needs the same care.") in text
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
@@ -519,19 +522,33 @@ def test_waiting_for_a_peer_is_communication_not_idle():
 
 def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default():
     import inspect
+    import sys
 
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel, distributed
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
 
     assert "self.reducer._rebuild_buckets()" in inspect.getsource(DistributedDataParallel._pre_forward)
+    # step 0 is one bucket (review s15 finding 2; an earlier text said "the reverse order of model.parameters()"):
+    # torch's comment, at the lines cited, and the limit it computes for a DDP that finds no unused parameters
+    lines = inspect.getsource(distributed).splitlines()
+    assert "we don't do bucketing, thus only one ALL-REDUCE is inserted after all the gradients" in lines[1401]
+    assert "we only disable bucketing for the first iteration" in lines[1404]
+    assert "if static_graph or not find_unused_parameters:" in lines[152]
+    limits, _ = _BucketCapacityConfig.create(0.1, None, False).compute_bucket_size_limits(False, False)
+    assert limits == [sys.maxsize]
     text = flat(CHAPTER)
-    assert "At the start of step 1's forward DDP rebuilds them" in text and "two broadcasts" in text
-    assert "`--warmup 0` makes step 1 active, and the count holds" in text
-    assert "DDP's first step puts everything in one bucket" not in text
+    assert ("step 0, in which DDP puts every gradient in one bucket, all-reduced once backward ends. At the start of "
+            "step 1's forward DDP rebuilds its buckets, each up to the cap,") in text and "two broadcasts" in text
+    assert "reverse order of `model.parameters()`" not in text
+    assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:153-154`)" in text
     source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert 'DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}' in source
+    assert 'DDP_FIRST_STEP, DDP_FIRST_STEP_COLLECTIVES = 0, {"all_reduce": 1}' in source
+    assert "reverse parameter order" not in source
     assert "25.0" not in source  # the a100 preset keeps DDP's default (1 MiB first bucket), not an explicit 25
     profiling_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
-    assert '[{"all_reduce": 4, "broadcast": 2}, {"all_reduce": 4}, {"all_reduce": 4}]' in profiling_test
+    assert ('[{"all_reduce": 1}, {"all_reduce": 4, "broadcast": 2},\n'
+            in profiling_test and '["--wait", "0", "--warmup", "0", "--active", "4"]' in profiling_test)
 
 
 def test_the_operations_corrections_of_issue_45_item_13():
@@ -605,9 +622,12 @@ CLUSTER_WORDS = ["login node", "compute nodes", "run folder", "scratch", "module
 def test_the_learners_missing_steps_of_chapter_12_are_given():
     # a learner's review (s14), chapter 12's items: each place it got lost now says what it lacked
     text = flat(CHAPTER)
-    assert ("`-A` names your **account**, the project charged for the GPU hours: export `PBS_ACCOUNT` (or "
-            "`SBATCH_ACCOUNT`) once. `qsub -v NAME=value` (Slurm: `--export=ALL,NAME=value`) hands the job a "
-            "setting.") in text
+    # qsub reads no PBS_ACCOUNT (review s15 finding 8): the shell variable is passed with -A; sbatch reads its own
+    assert ("`-A` names your **account**, the project charged for the GPU hours: export `PBS_ACCOUNT` once for "
+            "`qsub -A $PBS_ACCOUNT`; `sbatch` reads `SBATCH_ACCOUNT` itself. `qsub -v NAME=value` (Slurm: "
+            "`--export=ALL,NAME=value`) hands the job a setting.") in text
+    assert "export `PBS_ACCOUNT` (or `SBATCH_ACCOUNT`) once" not in text
+    assert "`doc/man1/qsub.1B:1740-1750`" in text and "`doc/man/man1/sbatch.1:2844-2860`" in text
     assert "Below, `-A` names the account (page 12.1); `-v` passes the job environment variables:" in text
     assert ("a provider for each kind of network: Slingshot's is `cxi`, and its cards' interfaces are `hsn0`, `hsn1` "
             "and so on.") in text
@@ -745,6 +765,31 @@ def test_the_price_of_a_timeout():
     assert "4 s by default there" not in text
 
 
+def test_the_hang_drills_meet_under_the_courses_timeout_and_hang_under_their_own():
+    # review s15 finding 5: the drill's 4 s bounded the rendezvous too; the group now forms under the course's
+    # default and takes the drill's timeout after (torch's _set_pg_timeout, at the lines the chapter cites); the
+    # measurement is tests/scripts/test_12_hpc_operations.py's late rank
+    import inspect
+
+    from torch.distributed import distributed_c10d
+
+    lines = inspect.getsource(distributed_c10d).splitlines()
+    assert lines[1615].startswith("def _set_pg_timeout(") and "backend._set_default_timeout(timeout)" in lines[1660]
+    deadlocks = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    assert "RENDEZVOUS_TIMEOUT_S = runtime.DEFAULT_PG_TIMEOUT_S" in deadlocks
+    assert "rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S" in deadlocks
+    source = inspect.getsource(runtime.start)
+    assert "dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))" in source
+    text = flat(CHAPTER)
+    assert ("Its ranks still get the course's 300 s to meet: on a cluster they may start seconds apart, and a late "
+            "start is no hang.") in text and runtime.DEFAULT_PG_TIMEOUT_S == 300
+    assert "`torch/distributed/distributed_c10d.py:1616-1661`" in text
+    assert "no GPU run has checked it, nor how long the ranks of a GPU job start apart." in text
+    scripts_test = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
+    assert "pg_timeout, late = 2, 6" in scripts_test
+    assert "starts the fourth rank of a skipped-barrier drill 6 s after the others, with a 2 s timeout" in text
+
+
 def test_the_timeouts_shown_are_the_courses_and_torchs_is_named():
     import re
 
@@ -814,7 +859,7 @@ def test_youngs_checkpoint_interval():
     # the conclusion carried to its number: 4 times the nodes, a quarter of the MTBF
     quarter = mtbf_h * 60 // 4
     shorter = math.sqrt(2 * save_min * quarter)
-    assert f"On 4 times the nodes, M = {mtbf_h // 4} h: T = sqrt(2 × {save_min} × {quarter}) min = {shorter:.0f} min" in text
+    assert f"on 4 times the nodes, M = {mtbf_h // 4} h: T = sqrt(2 × {save_min} × {quarter}) min = {shorter:.0f} min" in text
     assert f"saving costs {save_min}/{shorter:.0f} = {100 * save_min / shorter:.1f}%" in text
 
 
@@ -833,13 +878,16 @@ def test_the_schedulers_kill_delays_and_messages():
             in CHAPTER)
     # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
     # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
-    assert (f"But `qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
+    assert (f"`qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
             f"MoM's next poll, {MIN_CHECK_POLL_TIME} s after such a TERM): too soon for a real model's step and "
             "save.") in text
     # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
-    # means for ranks elsewhere
-    assert ("PBS sends it to the first node only: ranks elsewhere get it if `mpiexec` passes it on, and one that does "
-            "stops them all.") in text
+    # means for every rank, the first node's too (review s15 finding 4: the MoM signals its own tasks' sessions,
+    # and whether PALS starts the ranks inside them no source read here shows)
+    assert ("But PBS signals only the first node's job shell, `mpiexec` and `tee`. A rank gets the TERM only if it runs "
+            "in the shell's session or `mpiexec` passes it on, which the course has not checked under Cray PALS. One "
+            "rank that gets it stops them all.") in text
+    assert "PBS sends it to the first node only" not in text
     assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
     assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
@@ -872,7 +920,10 @@ def test_the_schedulers_kill_delays_and_messages():
     assert "An `srun` TERMed while its job still runs has its step SIGKILLed at once" in text
     # the Slurm tier's KillWait, within which its limit-reached job's ranks save (tests/slurm/conftest.py)
     kill_wait = int(re.search(r"^KILL_WAIT = (\d+)$", (ROOT / "tests" / "slurm" / "conftest.py").read_text(), re.M).group(1))
-    assert f"writes its checkpoint within {kill_wait} s of `KillWait`" in text
+    # within KillWait of the TERM, as the tier asserts it (stopped.json's time against the CANCELLED line's), not
+    # "30 s of KillWait" (review s15 finding 8)
+    assert f"writes its checkpoint within `KillWait` ({kill_wait} s) of the TERM" in text
+    assert "at - 1 <= saved[\"time\"] <= at + kill_wait + 1" in (ROOT / "tests" / "slurm" / "test_slurm_jobs.py").read_text()
     # the node-failure line in full (src/slurmd/slurmstepd/req.c)
     assert "`DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***`" in text
     # DISTLAB_CHAIN=N: the job submits a successor with N - 1 while N > 0, so N more jobs at most
@@ -892,10 +943,12 @@ def test_the_schedulers_kill_delays_and_messages():
             f"{walltime // 60}-minute job.") in text
     assert "first=$(qsub -A $PBS_ACCOUNT -v $drill pbs/12_hpc_operations.pbs)" in CHAPTER
     assert "qsub -A $PBS_ACCOUNT -W depend=afterany:$first -v $drill pbs/12_hpc_operations.pbs" in CHAPTER
-    # before a save has been timed, the drill counts one as long as a step (max(longest save, longest step))
+    # the drill counts a save as at least a step, at every step (max(longest save, longest step)), not only before
+    # the first save (review s15 finding 8)
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
-    assert "before the first checkpoint, it counts a save as long as a step" in text
+    assert "each timed as the longest so far (a save as at least a step)" in text
+    assert "before the first checkpoint, it counts a save as long as a step" not in text
 
 
 def test_the_step_picture_is_cut_by_the_courses_trace_reader():
@@ -1086,7 +1139,8 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert "A SIGKILL 30 s later would come before the save ends." in text
     assert "long before any signal" not in text and "must be raised" not in text
     assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
-            "SIGTERM. Slurm's warning comes during it; the jobs then leave the save alone (below).") in text
+            "SIGTERM. Slurm's warning comes during the last step or the save, and no SIGKILL comes before the save "
+            "ends (below).") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert ("An agent waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them (torchrun's `--shutdown-timeout`), then "
             f"sends SIGKILL. torch's default is 30 s. The jobs set it to `DISTLAB_WALLTIME_MARGIN` ({margin} s)") in readme
@@ -1267,8 +1321,10 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     # test_pbs_common runs it)
     margin, _, _ = ch12._job_constants()
     assert "the drill has torchrun's 30 s to save" not in text
-    assert ("`qsig -s TERM <id>` sends the TERM alone: the job shell's trap launches nothing more, and the agents give "
-            f"the ranks {margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin).") in text
+    # and only if the ranks get it at all (review s15 finding 4): whether PALS's mpiexec passes it on is unknown
+    assert ("`qsig -s TERM <id>` sends the TERM alone. If the ranks get it, the agents give them "
+            f"{margin} s to save (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`: the jobs' margin); if not, only the deadline saves."
+            ) in text
     assert f"under torchrun the agent's own still does, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` later (the jobs' {margin} s)." in text
     assert ("sends a real signal, which `req_signaljob` delivers to the first node's job processes with no kill time "
             "(`requests.c:2058-2094`") in text
@@ -1280,12 +1336,13 @@ def test_a_qdel_is_followed_by_sigkill_and_qsig_term_is_not():
     jobs_common = flat((ROOT / "jobs" / "common.sh").read_text().replace("#", " "))
     assert "the ranks got the signal too, from the scheduler," not in jobs_common
     assert "under PBS the MoM signals only the first node's job processes" in jobs_common
-    assert "Ranks on other nodes get the TERM only if ``mpiexec`` passes it on" in flat(
+    assert "a rank, on that node or another, gets the TERM only if it runs in such a session or ``mpiexec`` passes it on" in flat(
         (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     drill = flat((ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text())
     assert "handled the same way" not in drill
     assert "But ``qdel`` sends SIGKILL after its SIGTERM too, 10 to about 25 s later (``kill_delay``" in drill
-    assert "send ``qsig -s TERM JOBID``: the TERM alone, with no SIGKILL after it" in drill
+    assert ("``qsig -s TERM JOBID`` sends the TERM alone, with no SIGKILL after it: where the ranks get it (above), the "
+            "job stops with time to save") in drill and "where they do not, only the deadline saves" in drill
     for job in ("pbs/12_hpc_operations.pbs", "slurm/12_hpc_operations.sbatch"):
         comments = flat((ROOT / job).read_text().replace("#", " "))
         assert "checkpoint at the end of their step (PBS: qdel;" not in comments, job
@@ -1457,7 +1514,11 @@ def test_the_planted_straggler_names_its_script_and_the_nccl_settings_are_told_a
     assert 'args.planted_bug != "slow-rank" or (args.strategy == "ddp"' in profile
     text = flat(CHAPTER)
     assert ("(`profile_step.py --strategy ddp --planted-bug slow-rank`, rank 1 given 0.3 s of extra work a step) shows "
-            "it; try it in the lab.") in text
+            "it. Then the three other ranks'") in text
+    # no pointer to a lab: chapter 12's has no straggler run, and chapter 14's runs it as a case to diagnose, unnamed
+    # (review s15 finding 7)
+    assert "slow-rank" not in (ROOT / "notebooks" / "12_hpc_operations.ipynb").read_text()
+    assert "try it in the lab" not in text
     # 12.2: the default decides the tear-down; only blocking wait changes it
     assert "Two settings change it:" not in text and "but it leaves no `except` to run. What decides it:" in text
     assert "* the setting that changes it, `TORCH_NCCL_BLOCKING_WAIT=1`, makes every collective wait" in text
