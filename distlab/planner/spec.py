@@ -228,8 +228,8 @@ class Cluster:
     inter_node_bytes_per_s: float
     source: str = ""
     # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
-    # model's FLOPs reach as one number (quick estimates: chapter 13's, lab 11's); gemm_time_share, the
-    # kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their shapes' rate, its
+    # model's FLOPs reach as one number (quick estimates: chapter 13's; the step time does not read it);
+    # gemm_time_share, the kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their shapes' rate, its
     # norms, softmax and element-wise kernels at the memory's) times this factor, which covers what the block
     # model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a ring inside a node
     # and across nodes
@@ -243,8 +243,10 @@ class Cluster:
 
 
 # One set of constants per GPU type, the same for every run of the validation table (distlab.planner.published):
-# the efficiency is fitted once per GPU type against that table (published.fitted_efficiency) and stated in
-# chapter 11; the latencies are
+# gemm_time_share, the kernel-gap factor the step time multiplies the block rate by, is fitted once per GPU type
+# against that table (published.fitted_efficiency, tested to give it back) and stated in chapter 11.3;
+# compute_efficiency is not fitted and the step time does not read it: the one-number share of the peak that quick
+# estimates use (chapter 13's, and 11.3's comparison with a flat rate); the latencies are
 # NCCL's own cost model for the Simple protocol of a ring step (src/graph/tuning.cc, hwLat: NVLink 3.4 us,
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {

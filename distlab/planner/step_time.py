@@ -31,6 +31,7 @@ class Plan:
     worst_stage: int = 0
     exposed_seconds: dict = field(default_factory=dict)  # the communication left on the critical path
     settings: dict = field(default_factory=dict)         # micro-batch, schedule, checkpointing, SP, FSDP mode
+    compute_flops: float = 0.0   # what one GPU of the stage that sets the step computes: model FLOPs + recompute
 
     def describe_settings(self) -> str:
         """The settings in a few words: ``mb 1, 1F1B x8, full ckpt, SP``."""
@@ -263,4 +264,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
                 "fsdp_keep_gathered": keeps_gathered(options, layout),
                 "async_tp": bool(options.async_tp) and layout.tp > 1}
     return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step,
-                timing["compute"], mfu, tokens / step, [], worst, exposed, settings)
+                timing["compute"], mfu, tokens / step, [], worst, exposed, settings,
+                timing["flops"]["model"] + timing["flops"]["recompute"])
