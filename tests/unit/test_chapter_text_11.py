@@ -629,7 +629,7 @@ def test_the_paths_answer_falls_short_of_the_search_and_only_the_check_says_so(t
     from labkit import planner_widgets
     from labkit.exercises import ch11
 
-    route, outcome, layout = ch11.path_layout("70b", "h100-80gb", 64)
+    route, outcome, layout = ch11._path_layout("70b", "h100-80gb", 64)
     assert outcome == "FSDP" and layout == planner.Layout(dp=64, zero_stage=3)
     spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
     plan, best = planner.tune(spec, h100, layout, planner.Options(), 64), planner.search(spec, h100, 64)[0]
@@ -1181,6 +1181,70 @@ def test_the_lab_and_the_tools_say_what_the_chapter_says(text):
     stages = {hybrid.grid_coordinates(r, (8, 2, 1))["pp"]
               for r in dry_run.sampled_ranks(planner.Layout(tp=1, pp=8, dp=2, zero_stage=3))}
     assert stages == {0, 4, 7}
+
+
+def test_the_lab_puts_metas_41_beside_the_planners_row_at_metas_settings():
+    """Lab 11's first cell evaluates Meta's layout at the search's settings (DDP and ZeRO-1, every block recomputed),
+    not at Meta's (FSDP, no recomputation). The cell says so, and prints "Meta measured 41 %" only beside the
+    validation table's row at Meta's settings, with that row's predicted MFU, never beside the other evaluations."""
+    import contextlib
+    import io
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from distlab.planner import published
+    from labkit import planner_widgets
+
+    root = Path(__file__).resolve().parents[2]
+    for path in ("notebooks/11_choosing_a_strategy.ipynb", "notebooks/student/11_choosing_a_strategy.ipynb"):
+        cells = json.loads((root / path).read_text())["cells"]
+        code = next("".join(c["source"]) for c in cells if "llama_plans = [" in "".join(c["source"]))
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown):
+            exec(code, {"planner": planner, "planner_widgets": planner_widgets, "plt": plt})
+        plt.close("all")
+        lines = shown.getvalue().splitlines()
+        meta = published.validate(next(r for r in published.RUNS if r.label == "Llama 3 405B, 8K tokens, 16,384 H100"))
+        beside = [line for line in lines if "Meta measured" in line]
+        assert len(beside) == 1 and f"MFU {meta['predicted_mfu']:.1%} predicted (Meta measured 41 %)" in beside[0]
+        assert f"({meta['settings']})" in beside[0] and "no ckpt" in meta["settings"] and "zero=3" in beside[0]
+        assert f"{meta['gib_per_gpu']:.1f} GiB per GPU of 80" in beside[0] and not meta["fits"]
+        # the cell's own evaluations: other settings, as its text says
+        tuned = [line for line in lines if line.startswith("tp=8,pp=16,dp=128")]
+        assert len(tuned) == 2 and all("full ckpt" in line and "zero=3" not in line for line in tuned)
+        prose = _lab_text(path)
+        assert ("These are not Meta's settings. Meta ran FSDP without recomputation; here the search recomputes every "
+                "block to fit. So their MFU is not comparable with Meta's 41 %") in prose
+        assert "as Meta trained it" not in prose
+
+
+def test_zero1_gathers_the_updated_weights_once_a_step(text):
+    """11.2's first choice (ZeRO-1) all-gathers its stage's bf16 weights once a step, where an FSDP layout of the
+    same table gathers them again and again: the text and the lab's hint say so, not "without gathering weights"."""
+    from distlab.planner.memory import stage_params
+
+    spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    gathered = {}
+    for layout in (planner.Layout(tp=4, pp=4, dp=4, zero_stage=1), planner.Layout(tp=1, pp=8, dp=8, zero_stage=3)):
+        plan = planner.tune(spec, h100, layout, planner.Options(), 64)
+        options = planner.replace(planner.Options(), chunks=plan.settings["chunks"],
+                                  activation_checkpointing=plan.settings["checkpointing"])
+        ledger = planner.comm_per_step(spec, layout, 0, options, h100.gpus_per_node)["dp"]
+        gathered[layout.zero_stage] = ledger["all_gather"] / (2 * stage_params(spec, layout, 0)["total"])
+    assert gathered[1] == pytest.approx(1.0) and gathered[3] > 10
+    assert planner.search(spec, h100, 64)[0].layout == planner.Layout(tp=4, pp=4, dp=4, zero_stage=1)
+    assert ("ZeRO-1 shards the optimizer state without FSDP's repeated gathers: it all-gathers the updated weights once "
+            "a step") in text
+    for path in ("notebooks/11_choosing_a_strategy.ipynb", "notebooks/student/11_choosing_a_strategy.ipynb"):
+        lab = _lab_text(path)
+        assert ("ZeRO-1 shards the optimizer state without FSDP's repeated gathers: it all-gathers the updated "
+                "weights once a step") in lab
+        assert "without gathering weights" not in lab
+    assert "without gathering weights" not in text
 
 
 def test_fsdp_under_pp_hides_each_units_first_gather_behind_the_first_forward(text):
