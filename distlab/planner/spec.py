@@ -310,9 +310,9 @@ class Options:
     # reduce-scatter a step [False]
     fsdp_keep_gathered: bool | None = None
     # FSDP under PP: when a stage's reduce-scatters (and HSDP's all-reduces) run. "after_backward": in the
-    # REDUCE_GRAD action torch's pipeline schedules put after the stage's last backward (torch 2.13
-    # pipelining/stage.py, perform_reduce_grad; every backward before runs with set_requires_gradient_sync(False)):
-    # nothing of the stage's backward is left to hide them. "last_backward": during the last microbatch's
+    # REDUCE_GRAD action torch's pipeline schedules put right after each chunk's last backward (torch 2.13
+    # pipelining/schedules.py, _add_reduce_grad; stage.py, perform_reduce_grad; every backward before runs with
+    # set_requires_gradient_sync(False)), which ends in FSDP's finalize_backward: the compute stream waits for them. "last_backward": during the last microbatch's
     # backward, as DDP under torch's stage (stage.py, backward_maybe_with_nosync) and Megatron's overlapped
     # gradient reduction run. DDP and ZeRO-1/2 always take the second.
     pp_fsdp_grad_sync: str = "after_backward"
@@ -439,8 +439,8 @@ PP_FSDP_GRAD_SYNC = ("after_backward", "last_backward")
 
 
 def reduces_after_backward(options: Options, layout: Layout) -> bool:
-    """FSDP's gradient reduction (and HSDP's all-reduce) runs after the stage's last backward, exposed: FSDP under
-    PP as torch's pipeline stage runs it (``Options.pp_fsdp_grad_sync``)."""
+    """FSDP's gradient reduction (and HSDP's all-reduce) runs after each chunk's last backward, exposed (the compute
+    stream waits for it): FSDP under PP as torch's pipeline stage runs it (``Options.pp_fsdp_grad_sync``)."""
     if options.pp_fsdp_grad_sync not in PP_FSDP_GRAD_SYNC:
         raise ValueError(f"pp_fsdp_grad_sync must be one of {PP_FSDP_GRAD_SYNC}, not {options.pp_fsdp_grad_sync!r}")
     return layout.zero_stage == 3 and layout.pp > 1 and options.pp_fsdp_grad_sync == "after_backward"

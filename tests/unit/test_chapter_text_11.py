@@ -624,7 +624,7 @@ def test_question_4s_32k_is_a_rule_of_thumb_cp_2_ties_tp_2_at_16k(text):
 
 
 def test_the_paths_answer_falls_short_of_the_search_and_only_the_check_says_so(text):
-    """70B (4K) on 64 H100: the path reaches FSDP over every GPU; it fits at 84 % of the first choice's throughput,
+    """70B (4K) on 64 H100: the path reaches FSDP over every GPU; it fits at 89.5 % of the first choice's throughput,
     below the lab's 90 %. The chapter leaves both to Exercise 1: only the check's confirmation says them."""
     from labkit import planner_widgets
     from labkit.exercises import ch11
@@ -635,6 +635,7 @@ def test_the_paths_answer_falls_short_of_the_search_and_only_the_check_says_so(t
     plan, best = planner.tune(spec, h100, layout, planner.Options(), 64), planner.search(spec, h100, 64)[0]
     share = plan.tokens_per_second / best.tokens_per_second
     assert plan.fits and share < 0.9 and not planner_widgets.layout_verdict(layout).ok
+    assert f"{share:.1%}" == "89.5%"   # the docstring's share
     for said in (f"{share:.0%}".replace("%", " %"), "the path ends at FSDP", "path leads to FSDP"):
         assert said not in text, said
     assert f"{share:.1%} of the best layout's throughput" in planner_widgets.layout_verdict(layout).message
@@ -1220,6 +1221,17 @@ def test_the_lab_puts_metas_41_beside_the_planners_row_at_metas_settings():
         assert ("These are not Meta's settings. Meta ran FSDP without recomputation; here the search recomputes every "
                 "block to fit. So their MFU is not comparable with Meta's 41 %") in prose
         assert "as Meta trained it" not in prose
+
+
+def test_fsdps_reductions_under_pp_follow_each_chunks_last_backward(text):
+    """Torch's REDUCE_GRAD follows each chunk's own last backward (tests/unit/test_pipeline_fsdp.py), and
+    finalize_backward makes the compute stream wait for it: the pages and the step time's docstring say so."""
+    from distlab.planner import step_time
+
+    assert "Each chunk's reduce-scatters (and HSDP's all-reduces) run after its last backward, exposed" in text
+    assert "The schedule puts a chunk's REDUCE_GRAD right after that chunk's last backward" in text
+    assert "after the stage's last backward" not in text
+    assert "after the stage's last backward" not in " ".join(step_time.stage_time.__doc__.split())
 
 
 def test_zero1_gathers_the_updated_weights_once_a_step(text):
