@@ -229,10 +229,10 @@ class Cluster:
     source: str = ""
     # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
     # model's FLOPs reach as one number (quick estimates: chapter 13's; the step time does not read it);
-    # gemm_time_share, the kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their shapes' rate, its
-    # norms, softmax and element-wise kernels at the memory's) times this factor, which covers what the block
-    # model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a ring inside a node
-    # and across nodes
+    # gemm_time_share, the kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their
+    # shapes' rate, its norms, softmax and element-wise kernels at the memory's) times this factor, which covers what
+    # the block model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a
+    # ring inside a node and across nodes
     compute_efficiency: float = 0.5
     gemm_time_share: float = 0.7
     intra_node_latency_s: float = 3.4e-6
@@ -312,9 +312,10 @@ class Options:
     # FSDP under PP: when a stage's reduce-scatters (and HSDP's all-reduces) run. "after_backward": in the
     # REDUCE_GRAD action torch's pipeline schedules put right after each chunk's last backward (torch 2.13
     # pipelining/schedules.py, _add_reduce_grad; stage.py, perform_reduce_grad; every backward before runs with
-    # set_requires_gradient_sync(False)), which ends in FSDP's finalize_backward: the compute stream waits for them. "last_backward": during the last microbatch's
-    # backward, as DDP under torch's stage (stage.py, backward_maybe_with_nosync) and Megatron's overlapped
-    # gradient reduction run. DDP and ZeRO-1/2 always take the second.
+    # set_requires_gradient_sync(False)), which ends in FSDP's finalize_backward: the compute stream waits for them.
+    # "last_backward": during the last microbatch's backward, as DDP under torch's stage (stage.py,
+    # backward_maybe_with_nosync) and Megatron's overlapped gradient reduction run. DDP and ZeRO-1/2 always take the
+    # second.
     pp_fsdp_grad_sync: str = "after_backward"
     # "full": every block recomputed in backward (True); "selective": attention's core only (Korthikanti et
     # al. 2022); "none" (False) [full]

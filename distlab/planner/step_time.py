@@ -201,7 +201,8 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
         exposed["expert_dp"] = m * max(0.0, expert_dp / m - backward)
     else:
-        # under PP the experts' reduce-scatters run in the same REDUCE_GRAD as the rest: after each chunk's last backward
+        # under PP the experts' reduce-scatters run in the same REDUCE_GRAD as the rest: after each chunk's last
+        # backward
         exposed["expert_dp"] = max(0.0, expert_dp - (0.0 if after else backward))
     return {"compute": compute, "forward_per_microbatch": forward, "exposed": exposed, "seconds": seconds,
             "flops": flops}
