@@ -286,6 +286,16 @@ def test_the_dry_run_table_is_what_a_dry_run_reads(raw):
     result = dry_run.dry_run(run.model, run.layout, run.options)
     assert result["equal"] and dry_run.dry_run_markdown(result) in raw
     assert "ceil(n / dp) rows" in raw
+    # the body's one row, stated plainly: a rank without FSDP padding, its state read from torch's DTensor shards,
+    # equal to the planner's to the byte
+    row = next(r for r in result["ranks"] if r["rank"] == 8192)
+    parts = ("params", "grads", "optimizer")
+    assert not any(row["padding_bytes"].values()) and all(row["measured"][p] == row["planner"][p] for p in parts)
+    held = sum(row["measured"][p] for p in parts)
+    assert result["world"] == run.gpus == 16384 and run.model.name == "405b"
+    assert (f"So does a full-size layout's state: rank {row['rank']:,} of Llama 3 405B's {run.gpus:,} GPUs, built by "
+            f"PyTorch on a fake process group, holds {held:,.0f} bytes, exactly the planner's count") in " ".join(
+        raw.split())
 
 
 def test_the_counted_step_table_is_what_a_counted_step_reads(raw):
@@ -964,6 +974,12 @@ def test_the_gemm_model_and_table_1_are_what_the_planner_computes(text, raw):
     assert (f"At s = 2,048 it takes {first['scores_share']:.0%} of a small model's block time and "
             f"{widest['scores_share']:.0%} of a large one's".replace("%", " %")) in text
     assert "(page 11.3's figure)" not in text
+    # the figure's alt text gives the same shares, the s x s work's: no second "56 %" beside the 1.7B row's block rate
+    alt = re.search(r"!\[(Left: one block's time by Table 1 row[^]]*)\]", raw).group(1)
+    shares = [r["scores_share"] for r in rows]
+    assert shares == sorted(shares, reverse=True)   # "falls", row by row
+    assert (f"attention's s x s work falls from {shares[0]:.0%} of it to {shares[-1]:.0%}".replace("%", " %")) in alt
+    assert pct(first["block_efficiency"]) not in alt and "56" not in alt
     factor = planner.GPU_CONSTANTS["A100"]["gemm_time_share"]
     assert (f"The 1.7B row's block rate, its FLOPs over its time, is {pct(first['block_efficiency'])} of the peak: "
             f"{first['block_efficiency']:.2f} x {a100.peak_flops / 1e12:.0f} x {factor} = "
@@ -1110,8 +1126,9 @@ def test_the_numbers_stated_in_passing_are_computed(text):
     rows = published.megatron_width_table()
     weights = [r["time_shares"]["GEMMs of the weights"] for r in rows]
     assert weights == sorted(weights)
-    assert (f"the weights' GEMMs take from {weights[0]:.0%} to {weights[-1]:.0%} of it".replace("%", " %")
-            in text)
+    # the alt text names the s x s work's falling share (test_the_gemm_model_...), not the weights' rising one, whose
+    # first row's 56 % read as a second "56 %" beside the 1.7B row's block rate
+    assert "the weights' GEMMs take from" not in text
     names = [r["label"].split(",")[0].replace("Megatron ", "").replace("1008.0B", "1T") for r in rows]
     falls = [name for name, before, r in zip(names[1:], rows, rows[1:]) if r["predicted"] < before["predicted"]]
     assert (f"and the planner's, rising but falling at {', '.join(falls[:-1])} and {falls[-1]}." in text
