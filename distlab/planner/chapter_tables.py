@@ -55,15 +55,6 @@ def fsdp_one_sequence_bytes(model: ModelSpec, gpus: int) -> dict:
                           Options(activation_checkpointing="full"))
 
 
-def fewest_fsdp_nodes(model: ModelSpec, cluster: Cluster, max_nodes: int = 512) -> int | None:
-    """The fewest nodes on which FSDP over every GPU holds one sequence beside its shards (page 11.1's second
-    question asked of 1, 2, 3 ... nodes; the batch aside). Lab 11's Exercise 2 asks it by hand."""
-    for nodes in range(1, max_nodes + 1):
-        if fsdp_one_sequence_bytes(model, nodes * cluster.gpus_per_node)["total"] <= cluster.gpu_bytes:
-            return nodes
-    return None
-
-
 def _sequence_fits_beside_shards(case: DecisionCase) -> bool:
     """FSDP over every GPU, one sequence a micro-batch, every block recomputed: does it fit (the batch aside)?"""
     return fsdp_one_sequence_bytes(case.model, case.gpus)["total"] <= case.cluster.gpu_bytes

@@ -55,12 +55,16 @@ def in_flight(schedule: str, pp: int, stage: int, num_microbatches: int, chunks:
     min((V-1)N + 2(P-1-s) + 1, V M) chunk-microbatches of 1/V of a stage each, N the microbatches a round as
     torch's ``ScheduleInterleaved1F1B`` sets it, M // max(1, M // P) (P when P divides M, Megatron's), which warms up
     (V-1) N + 2 (P-1-s) ops (``_get_warmup_ops``). A smaller N would hold less but stalls the pipeline here: the
-    course's simulator deadlocks at P 16, V 8, N 5."""
+    course's simulator deadlocks at P 16, V 8, N 5.
+
+    One chunk a rank (V = 1) is plain 1F1B, as the search (``search.CHUNKS``), the settings ("1F1B") and FSDP's
+    gathers (``spec._pipeline_order``) take it: ``Schedule1F1B``'s P - s, not the 2 (P-1-s) + 1 that torch's
+    interleaved class would warm up with one stage a rank (its ``multiply_factor`` is 2 whatever the stages)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return num_microbatches
-    if schedule == "1f1b":
+    if schedule == "1f1b" or (schedule == "interleaved_1f1b" and chunks == 1):
         return min(pp - stage, num_microbatches)
     if schedule == "interleaved_1f1b":
         n = per_round or num_microbatches // max(1, num_microbatches // pp)

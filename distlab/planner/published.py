@@ -98,8 +98,10 @@ LLAMA_LONG = replace(LLAMA_PIPELINE, activation_checkpointing=None)
 LLAMA_MISS = ("does not fit without recomputation: the interleaved warm-up keeps 143 chunk-microbatches (128 at "
               "16,384 GPUs) on the first stage; Meta tuned its schedule and freed tensors in ways the paper does not "
               "quantify")
-# Megatron-LM (2020-2022): its own layers, full recomputation of whole blocks, no flash attention, gradients all-reduced by its local
-# DDP (run_table_1.sh: DDP=local); the micro-batch and the chunks of each Table 1 row are fixed by NVIDIA's
+# Megatron-LM (2020-2022): its own layers, full recomputation of whole blocks, no flash attention; gradients
+# all-reduced by its local DDP from 39B up (run_table_1.sh: DDP=local) and by torch's DDP below (DDP=torch: the 1.7B,
+# 3.6B, 7.5B and 18B rows, which these settings count as local DDP too; none of them has PP, and none is among the
+# runs the A100's factor is fitted to); the micro-batch and the chunks of each Table 1 row are fixed by NVIDIA's
 # examples/sc21/run_table_1.sh (source megatron_sc21_run_table_1_*)
 MEGATRON_FULL = Options(zero_stage=0, activation_checkpointing="full", flash_attention=False,
                         sequence_parallel=False, recompute_early_stop=False, search_micro_batch=False,

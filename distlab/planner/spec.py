@@ -228,11 +228,11 @@ class Cluster:
     inter_node_bytes_per_s: float
     source: str = ""
     # the time model's constants, one set per GPU type (GPU_CONSTANTS): the share of the dense peak that the
-    # model's FLOPs reach as one number (quick estimates: chapter 13's, lab 11's); gemm_time_share, the
-    # kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their shapes' rate, its
-    # norms, softmax and element-wise kernels at the memory's) times this factor, which covers what the block
-    # model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a ring inside a node
-    # and across nodes
+    # model's FLOPs reach as one number (quick estimates: chapter 13's; the step time does not read it);
+    # gemm_time_share, the kernel-gap factor: the step time computes at planner.gemm's block rate (its GEMMs at their
+    # shapes' rate, its norms, softmax and element-wise kernels at the memory's) times this factor, which covers what
+    # the block model leaves out (gaps between kernels, launches, what is not modelled); the latency of one step of a
+    # ring inside a node and across nodes
     compute_efficiency: float = 0.5
     gemm_time_share: float = 0.7
     intra_node_latency_s: float = 3.4e-6
@@ -243,8 +243,10 @@ class Cluster:
 
 
 # One set of constants per GPU type, the same for every run of the validation table (distlab.planner.published):
-# the efficiency is fitted once per GPU type against that table (published.fitted_efficiency) and stated in
-# chapter 11; the latencies are
+# gemm_time_share, the kernel-gap factor the step time multiplies the block rate by, is fitted once per GPU type
+# against that table (published.fitted_efficiency, tested to give it back) and stated in chapter 11.3;
+# compute_efficiency is not fitted and the step time does not read it: the one-number share of the peak that quick
+# estimates use (chapter 13's, and 11.3's comparison with a flat rate); the latencies are
 # NCCL's own cost model for the Simple protocol of a ring step (src/graph/tuning.cc, hwLat: NVLink 3.4 us,
 # network 14 us), which its tuner uses to choose between algorithms.
 GPU_CONSTANTS = {
@@ -308,11 +310,12 @@ class Options:
     # reduce-scatter a step [False]
     fsdp_keep_gathered: bool | None = None
     # FSDP under PP: when a stage's reduce-scatters (and HSDP's all-reduces) run. "after_backward": in the
-    # REDUCE_GRAD action torch's pipeline schedules put after the stage's last backward (torch 2.13
-    # pipelining/stage.py, perform_reduce_grad; every backward before runs with set_requires_gradient_sync(False)):
-    # nothing of the stage's backward is left to hide them. "last_backward": during the last microbatch's
-    # backward, as DDP under torch's stage (stage.py, backward_maybe_with_nosync) and Megatron's overlapped
-    # gradient reduction run. DDP and ZeRO-1/2 always take the second.
+    # REDUCE_GRAD action torch's pipeline schedules put right after each chunk's last backward (torch 2.13
+    # pipelining/schedules.py, _add_reduce_grad; stage.py, perform_reduce_grad; every backward before runs with
+    # set_requires_gradient_sync(False)), which ends in FSDP's finalize_backward: the compute stream waits for them.
+    # "last_backward": during the last microbatch's backward, as DDP under torch's stage (stage.py,
+    # backward_maybe_with_nosync) and Megatron's overlapped gradient reduction run. DDP and ZeRO-1/2 always take the
+    # second.
     pp_fsdp_grad_sync: str = "after_backward"
     # "full": every block recomputed in backward (True); "selective": attention's core only (Korthikanti et
     # al. 2022); "none" (False) [full]
@@ -437,8 +440,8 @@ PP_FSDP_GRAD_SYNC = ("after_backward", "last_backward")
 
 
 def reduces_after_backward(options: Options, layout: Layout) -> bool:
-    """FSDP's gradient reduction (and HSDP's all-reduce) runs after the stage's last backward, exposed: FSDP under
-    PP as torch's pipeline stage runs it (``Options.pp_fsdp_grad_sync``)."""
+    """FSDP's gradient reduction (and HSDP's all-reduce) runs after each chunk's last backward, exposed (the compute
+    stream waits for it): FSDP under PP as torch's pipeline stage runs it (``Options.pp_fsdp_grad_sync``)."""
     if options.pp_fsdp_grad_sync not in PP_FSDP_GRAD_SYNC:
         raise ValueError(f"pp_fsdp_grad_sync must be one of {PP_FSDP_GRAD_SYNC}, not {options.pp_fsdp_grad_sync!r}")
     return layout.zero_stage == 3 and layout.pp > 1 and options.pp_fsdp_grad_sync == "after_backward"

@@ -31,6 +31,7 @@ class Plan:
     worst_stage: int = 0
     exposed_seconds: dict = field(default_factory=dict)  # the communication left on the critical path
     settings: dict = field(default_factory=dict)         # micro-batch, schedule, checkpointing, SP, FSDP mode
+    compute_flops: float = 0.0   # what one GPU of the stage that sets the step computes: model FLOPs + recompute
 
     def describe_settings(self) -> str:
         """The settings in a few words: ``mb 1, 1F1B x8, full ckpt, SP``."""
@@ -138,7 +139,7 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
       microbatch's backward, ZeRO-2 each microbatch's during that microbatch's backward, and ZeRO gathers the
       updated parameters during the next step's first forward (Megatron's overlap of both); FSDP kept gathered without PP likewise; FSDP under PP gathers first during the first forward,
       gathers again (``spec.pipeline_fsdp_gathers``) behind the step's compute, and, as torch's pipeline stage
-      runs it, reduce-scatters after the stage's last backward
+      runs it, reduce-scatters after each chunk's last backward, and the compute stream waits for them
       (``Options.pp_fsdp_grad_sync``): exposed; FSDP resharding every microbatch hides each microbatch's gathers
       and reduce-scatters behind that microbatch's compute, except the first unit's gather, which nothing
       precedes;
@@ -200,7 +201,8 @@ def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, o
     if layout.zero_stage == 3 and not keeps_gathered(options, layout):
         exposed["expert_dp"] = m * max(0.0, expert_dp / m - backward)
     else:
-        # under PP the experts' reduce-scatters run in the same REDUCE_GRAD as the rest: after the last backward
+        # under PP the experts' reduce-scatters run in the same REDUCE_GRAD as the rest: after each chunk's last
+        # backward
         exposed["expert_dp"] = max(0.0, expert_dp - (0.0 if after else backward))
     return {"compute": compute, "forward_per_microbatch": forward, "exposed": exposed, "seconds": seconds,
             "flops": flops}
@@ -263,4 +265,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Option
                 "fsdp_keep_gathered": keeps_gathered(options, layout),
                 "async_tp": bool(options.async_tp) and layout.tp > 1}
     return Plan(layout, memories[worst], cluster.gpu_bytes, comm_bytes, comm_seconds, bubble, step,
-                timing["compute"], mfu, tokens / step, [], worst, exposed, settings)
+                timing["compute"], mfu, tokens / step, [], worst, exposed, settings,
+                timing["flops"]["model"] + timing["flops"]["recompute"])

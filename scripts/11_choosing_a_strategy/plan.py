@@ -150,8 +150,10 @@ def describe(plan: planner.Plan, model, cluster, say=print) -> None:
                 f"(derived)")
     b = plan.bubble
     say(f"  bubble: {b['of_step']:.1%} of the step, {b['of_ideal']:.1%} of the ideal time ({b['seconds']:.3g} s)")
+    # the rate the step time used: the stage's model FLOPs and recomputation over its compute seconds
+    rate = plan.compute_flops / plan.compute_seconds / cluster.peak_flops
     say(f"  step {plan.step_seconds:.3g} s (compute {plan.compute_seconds:.3g} s at "
-        f"{cluster.compute_efficiency:.0%} of peak), {plan.tokens_per_second:,.0f} tokens/s, "
+        f"{rate:.0%} of peak), {plan.tokens_per_second:,.0f} tokens/s, "
         f"MFU {plan.mfu:.1%} of {cluster.peak_flops / 1e12:.0f} TFLOP/s {cluster.dtype} dense (all derived)")
 
 

@@ -357,3 +357,22 @@ def test_dry_run_of_deepseek_v3s_published_layout_builds_its_ep_groups(capsys):
     assert code == 0, out
     assert "fits" in out and "ep: all_to_all" in out
     assert "EP groups' nodes, experts and their state = the planner's: equal" in out
+
+
+def test_one_layout_prints_the_compute_rate_the_step_used(capsys):
+    """The step line's "at N% of peak" is the rate the step time used (the model's FLOPs and the recomputation over
+    the compute seconds), not the one-number GPU_CONSTANTS compute_efficiency, which the step time never reads."""
+    from distlab.planner.step_time import compute_rate
+
+    spec, cluster = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    layout = planner.Layout(tp=4, pp=4, dp=4, zero_stage=1)
+    code, out, _ = run_plan(["--model", "70b", "--gpus", "64", "--cluster", "h100-80gb", "--layout",
+                             "tp=4,pp=4,dp=4,zero=1"], capsys)
+    plan = planner.tune(spec, cluster, layout, planner.Options(), 64)
+    options = replace(planner.Options(), activation_checkpointing=plan.settings["checkpointing"],
+                      sequence_parallel=plan.settings["sequence_parallel"], chunks=plan.settings["chunks"])
+    rate = compute_rate(replace(spec, micro_batch=plan.settings["micro_batch"]), cluster, layout, options)
+    share = rate / cluster.peak_flops
+    assert f"(compute {plan.compute_seconds:.3g} s at {share:.0%} of peak)" in out
+    assert f"{share:.0%}" != f"{cluster.compute_efficiency:.0%}"   # 55 % here, the constant 57 %
+    assert plan.compute_flops / plan.compute_seconds == pytest.approx(rate, rel=1e-12)

@@ -92,7 +92,7 @@ def test_the_bar_falls_on_no_rounded_share():
 def _exercise_2():
     spec = exercises.nodes_case()
     a100 = planner.CLUSTERS[exercises.NODES_CASE[1]]
-    return spec, a100, planner.fewest_fsdp_nodes(spec, a100)
+    return spec, a100, exercises._fewest_fsdp_nodes(spec, a100)
 
 
 def _held_gib(spec, cluster, nodes):
@@ -106,7 +106,8 @@ def test_exercise_2_is_settled_neither_by_chapter_09_nor_by_the_state_alone():
     """The answer, computed by the planner's memory (FSDP over every GPU, one sequence, full recomputation), differs
     from every count a learner could copy or divide out: chapter 09's 13B rows, the state over a node's memory, the
     search's any-layout count, the same sum at 4K tokens. Leaving out one part of the sum (the reserve, or FSDP's
-    buffers) is no wrong answer here: a node fewer still misses by more than either, so the count stands."""
+    buffers) leaves the count as it is (a node fewer still misses by more than either), but not the GiB, which the
+    exercise asks too (test_a_learner_counting_as_page_11_1_does_passes_exercise_2)."""
     spec, a100, fewest = _exercise_2()
     assert spec.seq_len == 16384 and spec.global_batch * spec.seq_len == 1024 * 4096
     by_memory = next(n for n in range(1, 64) if _held_gib(spec, a100, n) <= a100.gpu_bytes / planner.GIB)
@@ -115,11 +116,11 @@ def test_exercise_2_is_settled_neither_by_chapter_09_nor_by_the_state_alone():
     slips = {"the state alone": math.ceil(state_gib / (a100.gpus_per_node * a100.gpu_bytes / planner.GIB)),
              "chapter 09's fewest nodes for 13B": sizing.min_nodes("13B"),
              "the search over every layout": planner.fewest_nodes(spec, a100),
-             "4K-token activations": planner.fewest_fsdp_nodes(planner.MODELS["13b"], a100)}
+             "4K-token activations": exercises._fewest_fsdp_nodes(planner.MODELS["13b"], a100)}
     for slip, count in slips.items():
         assert count != fewest, slip
-        with pytest.raises(exercises.ExerciseWrong):
-            exercises.check_fewest_nodes(count)
+        with pytest.raises(exercises.ExerciseWrong):   # even with the GiB right for that count
+            exercises.check_fewest_nodes(count, _held_gib(spec, a100, count))
     # a node fewer misses by more than the reserve and more than FSDP's buffers: either slip gives the same count
     parts = planner.fsdp_one_sequence_bytes(spec, (fewest - 1) * a100.gpus_per_node)
     over = parts["total"] - a100.gpu_bytes
@@ -128,20 +129,92 @@ def test_exercise_2_is_settled_neither_by_chapter_09_nor_by_the_state_alone():
     assert f"{_held_gib(spec, a100, fewest):.1f}" not in chapters.text("09")
 
 
+def _page_11_1_by_hand(nodes: int, slip: str = "") -> float:
+    """Exercise 2's GiB per GPU counted as page 11.1 counts 7B, from the shapes the exercise gives (h, L, f, the
+    vocabulary), not from the planner; ``slip`` leaves out or miscounts one part."""
+    h, layers, f, vocab, s, gpus = 5120, 40, 13824, 32000, 16384, nodes * 4
+    block, root, head = 4 * h * h + 3 * h * f + 2 * h, 2 * vocab * h + h, vocab * h + h   # two norms a block
+    state = 16 * (layers * block + root) / gpus
+    log_softmax = s * vocab * (2 if slip == "log-softmax in bf16" else 0 if slip == "no log-softmax" else 4)
+    activations = (layers * s * h * 2 + (0 if slip == "no block recomputed" else (10 * s * h + 4 * s * f) * 2)
+                   + log_softmax + (0 if slip == "no fp32 s x h tensors" else 3 * s * h * 4))
+    gathered = root + (1 if slip == "no prefetched block" else 2) * block
+    buffers = 0 if slip == "no buffers" else (2 * gathered + 2 * (head + block)
+                                              + (0 if slip == "no reduce-scatter input" else 4 * block))
+    total = state + activations + buffers + (0 if slip == "no reserve" else 4 * 2**30)
+    return total / (1e9 if slip == "GB for GiB" else 2**30)
+
+
+def test_a_learner_counting_as_page_11_1_does_passes_exercise_2():
+    """Page 11.1's recipe, done by hand, lands within the stated tolerance of the planner's sum; each usual slip
+    (a part left out or miscounted, GB for GiB) lands outside it, and is refused with the count right."""
+    spec, a100, fewest = _exercise_2()
+    by_hand = _page_11_1_by_hand(fewest)
+    assert by_hand == pytest.approx(_held_gib(spec, a100, fewest), abs=0.01)
+    assert _page_11_1_by_hand(fewest - 1) > 40 >= by_hand
+    exercises.check_fewest_nodes(fewest, round(by_hand, 1))
+    for slip in ("no reserve", "no buffers", "no block recomputed", "GB for GiB", "no log-softmax",
+                 "log-softmax in bf16", "no fp32 s x h tensors", "no prefetched block", "no reduce-scatter input"):
+        wrong = _page_11_1_by_hand(fewest, slip)
+        assert abs(wrong - by_hand) > exercises.GIB_TOLERANCE, slip
+        with pytest.raises(exercises.ExerciseWrong, match="is not, within 0.5 GiB"):
+            exercises.check_fewest_nodes(fewest, round(wrong, 1))
+
+
+def test_a_guessed_count_passes_nothing_and_learns_nothing():
+    """The count alone is three guesses away: with it the exercise asks the GiB per GPU there. A count with a GiB
+    that is not its sum is refused with one message whatever the count, so guessing counts tells nothing."""
+    spec, a100, fewest = _exercise_2()
+    messages = {}
+    for count in range(1, 7):
+        # the GPU's memory or just under it, a round number, the state's share alone
+        for guess in (40, 39.9, 38, 34, 16 * planner.MODELS["13b"].num_params() / (count * 4) / planner.GIB):
+            assert abs(guess - _held_gib(spec, a100, count)) > 1   # none is near the sum it stands for
+            with pytest.raises(exercises.ExerciseWrong) as wrong:
+                exercises.check_fewest_nodes(count, guess)
+            messages.setdefault(guess, set()).add(str(wrong.value).replace(f"over {count} node", "over N node"))
+    assert all(len(said) == 1 for said in messages.values()), messages
+
+
+def test_the_answers_are_out_of_the_labs_reach():
+    """The lab imports ``planner`` and this module as ``exercises``: neither holds a reference that gives an
+    answer (the decision path's layout, the costs, the fewest FSDP nodes); the checks keep them private."""
+    for name in ("path_layout", "costs", "fewest_fsdp_nodes"):
+        assert not hasattr(exercises, name) and not hasattr(planner, name), name
+        assert name not in exercises.__all__
+    public = {name for name in dir(exercises) if not name.startswith("_")}
+    helpers = {name for name in public if callable(getattr(exercises, name)) and not name.startswith("check_")}
+    assert helpers <= {"ExerciseIncomplete", "ExerciseWrong", "learner_check", "nodes_case", "replace"}, helpers
+    with pytest.raises(ImportError):
+        exec("from distlab.planner import fewest_fsdp_nodes", {})
+    with pytest.raises(ImportError):
+        exec("from labkit.exercises.ch11 import path_layout", {})
+
+
 def test_the_fewest_nodes_check_points_at_memory_not_at_the_answer():
     spec, a100, fewest = _exercise_2()
-    exercises.check_fewest_nodes(fewest)
-    # a node too few (the state alone, rounded up), a node more "to be safe", half a node, a string, none
-    for slip in (fewest - 1, fewest - 2, fewest + 1, fewest + 0.5, str(fewest), 0, True):
+    exercises.check_fewest_nodes(fewest, round(_held_gib(spec, a100, fewest), 1))
+    # a node too few (the state alone, rounded up), a node more "to be safe", each with its own sum right
+    for slip in (fewest - 1, fewest - 2, fewest + 1):
         with pytest.raises(exercises.ExerciseWrong) as wrong:
-            exercises.check_fewest_nodes(slip)
+            exercises.check_fewest_nodes(slip, _held_gib(spec, a100, slip))
         message = str(wrong.value)
         assert f"{fewest} node" not in message and f"= {fewest}" not in message and f"{fewest} is" not in message
         assert f"{_held_gib(spec, a100, fewest):.1f}" not in message and "one node fewer" not in message
-    with pytest.raises(exercises.ExerciseWrong, match=f"needs {_held_gib(spec, a100, fewest - 1):.1f} GiB per GPU of 40"):
-        exercises.check_fewest_nodes(fewest - 1)
+    below = _held_gib(spec, a100, fewest - 1)
+    with pytest.raises(exercises.ExerciseWrong, match=f"your sum, {below:g} GiB per GPU, is more than the GPU's 40"):
+        exercises.check_fewest_nodes(fewest - 1, below)
+    # half a node, a string, none, a bool; a GiB that is no number
+    for slip in (fewest + 0.5, str(fewest), 0, True):
+        with pytest.raises(exercises.ExerciseWrong):
+            exercises.check_fewest_nodes(slip, 36.4)
+    for gib in ("36.4", True, float("nan"), -1):
+        with pytest.raises(exercises.ExerciseWrong, match="gib_13b is a number"):
+            exercises.check_fewest_nodes(fewest, gib)
     with pytest.raises(exercises.ExerciseIncomplete):
-        exercises.check_fewest_nodes(None)
+        exercises.check_fewest_nodes(None, None)
+    with pytest.raises(exercises.ExerciseIncomplete, match="gib_13b"):
+        exercises.check_fewest_nodes(fewest, None)
 
 
 def test_exercise_2s_notebook_states_the_planners_case_and_numbers():
@@ -152,7 +225,9 @@ def test_exercise_2s_notebook_states_the_planners_case_and_numbers():
     state = planner.MODELS["13b"].num_params()
     assert f"{state / 1e9:.1f} B parameters x 16 bytes are {state * 16 / planner.GIB:.0f} GiB" in prompt
     assert f"{spec.seq_len:,}-token sequences" in prompt and f"{spec.global_batch} sequences" in prompt
-    assert f"nodes_13b = {fewest}" in "".join("".join(c["source"]) for c in cells)
+    sources = "".join("".join(c["source"]) for c in cells)
+    assert f"nodes_13b = {fewest}" in sources and f"gib_13b = {_held_gib(spec, a100, fewest):.1f}" in sources
+    assert f"within {exercises.GIB_TOLERANCE:g} GiB" in prompt and "`gib_13b`" in prompt
 
 
 def test_the_path_check_rejects_what_is_not_a_layout_and_waits_for_the_stub():
@@ -166,7 +241,7 @@ def test_the_paths_own_layout_is_never_the_better_one():
     """The path's layout sits just under the 90 % bar (89.5 % of the best). A planner whose numbers moved a little would
     let it pass, and the last question would then compare it with itself: it is refused for its degrees whatever
     the bar, and the message names the rule, not the answer."""
-    path = exercises.path_layout()[2]
+    path = exercises._path_layout()[2]
     for within in (0.9, 0.8):
         with pytest.raises(exercises.ExerciseWrong, match="degrees of the path's layout") as refused:
             exercises.check_better_layout(path, "70b", "h100-80gb", 64, within=within)
@@ -202,24 +277,24 @@ def test_the_costs_are_the_planners_seconds():
     spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
     path = planner.Layout(dp=64, zero_stage=3)
     plan = planner.tune(spec, h100, path, planner.Options(), 64)
-    costs = exercises.costs(path)
+    costs = exercises._costs(path)
     assert plan.settings["checkpointing"] == "full" and plan.settings["micro_batch"] > spec.micro_batch
     bare = planner.evaluate(planner.replace(spec, micro_batch=plan.settings["micro_batch"]), h100, path,
                             planner.Options(activation_checkpointing="none"), 64)
     assert costs["recomputation"] == pytest.approx(plan.compute_seconds - bare.compute_seconds, rel=1e-9)
     assert costs["recomputation"] / bare.compute_seconds == pytest.approx(0.25, abs=0.01)   # about a quarter more
     assert costs["communication"] == pytest.approx(sum(plan.exposed_seconds.values()))
-    assert exercises.costs(planner.Layout(tp=4, pp=4, dp=4, zero_stage=1))["recomputation"] == 0
+    assert exercises._costs(planner.Layout(tp=4, pp=4, dp=4, zero_stage=1))["recomputation"] == 0
 
 
 def test_the_fewest_nodes_check_does_not_tell_too_many_from_too_few():
     """A small whole count is found by halving when a wrong one is told its side: past the state-alone slip (the only
     count below the answer here), wrong counts read alike but for the count, and none says which side it is on."""
-    fewest = planner.fewest_fsdp_nodes(exercises.nodes_case(), planner.CLUSTERS["a100-40gb"])
+    spec, a100, fewest = _exercise_2()
     messages = {}
     for wrong in (fewest + 1, fewest + 3):
-        with pytest.raises(exercises.ExerciseWrong) as raised:
-            exercises.check_fewest_nodes(wrong, "13b", "a100-40gb")
+        with pytest.raises(exercises.ExerciseWrong) as raised:   # each with its own sum right
+            exercises.check_fewest_nodes(wrong, _held_gib(spec, a100, wrong), "13b", "a100-40gb")
         messages[wrong] = str(raised.value).replace(f"= {wrong} ", "= N ")
     assert len(set(messages.values())) == 1, messages
     assert not any(word in messages[fewest + 1] for word in ("fewer", "fits on", "no layout fits", "too many"))

@@ -404,7 +404,7 @@ def ch11_path_layout():
 
     from labkit.exercises import ch11
 
-    right = ch11.path_layout()[2]
+    right = ch11._path_layout()[2]
     for wrong in (planner.Layout(dp=64, zero_stage=0), planner.Layout(dp=64, zero_stage=1),
                   planner.Layout(dp=64, zero_stage=3), planner.Layout(tp=8, pp=8, dp=1, zero_stage=1)):
         if wrong != right:
@@ -416,8 +416,8 @@ def ch11_what_it_pays():
 
     from labkit.exercises import ch11
 
-    path, better = ch11.path_layout()[2], planner.Layout(tp=4, pp=8, dp=2, zero_stage=1)
-    paid, spent = ch11.costs(path), ch11.costs(better)
+    path, better = ch11._path_layout()[2], planner.Layout(tp=4, pp=8, dp=2, zero_stage=1)
+    paid, spent = ch11._costs(path), ch11._costs(better)
     right = max(paid, key=lambda name: paid[name] - spent[name])
     for wrong in paid:
         if wrong != right:
@@ -431,11 +431,17 @@ def ch11_fewest_nodes():
 
     from labkit import planner_widgets
 
-    # exercise 2's case: 13B at 16K-token sequences, FSDP over every GPU
-    spec = planner_widgets.with_sequence_length(planner.MODELS["13b"], 16384)
-    right = planner.fewest_fsdp_nodes(spec, planner.CLUSTERS["a100-40gb"])
+    # exercise 2's case: 13B at 16K-token sequences, FSDP over every GPU; the count and the GiB per GPU there
+    spec, a100 = planner_widgets.with_sequence_length(planner.MODELS["13b"], 16384), planner.CLUSTERS["a100-40gb"]
+    right = ch11._fewest_fsdp_nodes(spec, a100)
+    gib = ch11._held_gib(spec, a100, right)
     for label, got in _numbers_off(right).items():
-        yield Attempt(label, lambda got=got: ch11.check_fewest_nodes(got), [right])
+        # a wrong count with the GiB right for it (where it is a count): the message leaves out both answers
+        held = ch11._held_gib(spec, a100, int(got)) if got == int(got) and got >= 1 else gib
+        yield Attempt(f"nodes {label}", lambda got=got, held=held: ch11.check_fewest_nodes(got, held), [right, gib])
+    for label, got in _numbers_off(gib).items():
+        # the right count with a wrong GiB: the count is the learner's own, the GiB must not be said
+        yield Attempt(f"GiB {label}", lambda got=got: ch11.check_fewest_nodes(right, got), [gib])
 
 
 def ch12_hidden_communication():

@@ -58,6 +58,25 @@ def test_our_interleaved_order_and_unshard_reshard_lowering_are_torchs(ranks, mi
         assert _runs(mine) == _runs(theirs), f"rank {rank} of {ranks} x {microbatches} x {chunks}"
 
 
+@pytest.mark.parametrize("ranks, microbatches, chunks", [(4, 8, 2), (2, 4, 3)])
+def test_torch_reduces_each_chunks_gradients_right_after_its_last_backward(ranks, microbatches, chunks):
+    """Chapter 11.3: torch's REDUCE_GRAD (FSDP's reduce-scatters under PP) for a chunk comes right after that chunk's
+    M-th backward (torch 2.13 ``_add_reduce_grad``), so under interleaving before the rank's other chunks finish:
+    after each chunk's last backward, not after the rank's."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    _, lowered = _torch_lowered(ranks, microbatches, chunks)
+    for rank in range(ranks):
+        acts = [a for a in lowered[rank] if a is not None and a.computation_type in (T.FULL_BACKWARD, T.REDUCE_GRAD)]
+        reduces = [i for i, a in enumerate(acts) if a.computation_type == T.REDUCE_GRAD]
+        assert len(reduces) == chunks
+        for i in reduces:
+            stage = acts[i].stage_index
+            done = [a for a in acts[:i] if a.computation_type == T.FULL_BACKWARD and a.stage_index == stage]
+            assert len(done) == microbatches and acts[i - 1] is done[-1]
+        assert any(a.computation_type == T.FULL_BACKWARD for a in acts[reduces[0]:])   # others still to finish
+
+
 def test_the_review_case_gathers_each_chunk_47_times_on_rank_0():
     # P = 8, V = 8, M = 32: rank 0's chunks re-gathered through torch's window of 3, not once each
     actions = schedules.interleaved_1f1b(8, 32, 8).actions[0]

@@ -160,12 +160,21 @@ def test_bubble_equals_the_simulated_timeline(schedule, chunks, pp, num_micro):
     assert plan.bubble["of_ideal"] == pytest.approx(share / (1 - share))  # the two ways of quoting it
 
 
-@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 1),
+                                             ("interleaved_1f1b", 2)])
 def test_activations_in_flight_equal_the_schedules_peaks(schedule, chunks):
+    # one chunk a rank is plain 1F1B, as every label says (search.CHUNKS, the settings' "1F1B", and FSDP's gathers,
+    # counted on schedules.build("1f1b")), not torch's interleaved class run with one stage a rank
+    simulated = "1f1b" if (schedule, chunks) == ("interleaved_1f1b", 1) else schedule
+    from coursetools import chapters
+    from distlab.planner.search import CHUNKS
+
+    assert CHUNKS == (1, 2, 4, 8)   # page 11.1 names the search's chunks, one as plain 1F1B
+    assert "chunks per rank (chapter 07): 1 (plain 1F1B), 2, 4 or 8" in " ".join(chapters.text("11").split())
     for pp, num_micro in ((2, 2), (4, 8), (4, 3), (8, 16)):
         if schedule == "interleaved_1f1b" and num_micro % pp:
             continue
-        peaks = schedules.peak_activations(schedules.build(schedule, pp, num_micro, chunks))
+        peaks = schedules.peak_activations(schedules.build(simulated, pp, num_micro, chunks))
         for stage in range(pp):
             # the simulator counts (chunk, microbatch) pairs; the planner whole-stage units
             assert planner.in_flight(schedule, pp, stage, num_micro, chunks) * chunks == peaks[stage]
