@@ -45,6 +45,7 @@ import random
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1091,17 +1092,50 @@ def free_port() -> int:
     # machine never takes the port that job's rank 0 is about to bind
     high = min(low, PORT_RANGE[0])
     draw = random.SystemRandom()
-    for _ in range(50 if high > 12000 else 0):
-        port = draw.randrange(10000, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with _port_claims() as claims:
+        for _ in range(50 if high > 12000 else 0):
+            port = draw.randrange(10000, high)
+            if port in claims:   # handed to another launch that may not have bound it yet
                 continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            claims[port] = time.time()
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORT_CLAIM_S = 120   # how long a drawn port stays another launch's: its rank 0 binds it within seconds
+
+
+@contextlib.contextmanager
+def _port_claims():
+    """The ports :func:`free_port` handed out in the last PORT_CLAIM_S seconds on this machine, by any process of
+    this user, read and written under an exclusive lock (a file per user in /tmp, fcntl.flock). A port is free when
+    drawn but is bound only when its launch's rank 0 starts: two launches drawing at once (two test workers, a
+    notebook beside a test) could otherwise both get it, and one's ranks would join the other's store."""
+    import fcntl
+    import json
+
+    path = Path(os.environ.get("DISTLAB_PORT_CLAIMS", f"/tmp/distlab-port-claims-{os.getuid()}.json"))
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        try:
+            claims = {int(port): when for port, when in json.loads(handle.read() or "{}").items()}
+        except (ValueError, AttributeError):
+            claims = {}   # a file cut short by a killed process: start again
+        now = time.time()
+        claims = {port: when for port, when in claims.items() if now - when < PORT_CLAIM_S}
+        yield claims
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(claims))
+        handle.flush()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,3 +23,26 @@ def test_ports_never_land_where_a_job_derives_its_port():
     from distlab.runtime import PORT_RANGE
     ports = [free_port() for _ in range(200)]
     assert not [p for p in ports if PORT_RANGE[0] <= p < PORT_RANGE[1]], sorted(ports)[-5:]
+
+
+def test_a_port_drawn_is_never_handed_out_again_while_its_launch_may_not_have_bound_it(tmp_path, monkeypatch):
+    """Two launches drawing at once (two test workers, a notebook beside a test) must not both get one port: the
+    first's rank 0 has not bound it yet, so a bind test alone would pass twice and the second's ranks would join the
+    first's store (a fresh clone's make test saw 'DistNetworkError: Connection reset by peer' from the store as a
+    group formed, which such a meeting would give). The claims are read
+    under a lock by every process of the user; a claim lapses after PORT_CLAIM_S."""
+    import json
+    import random
+    import time
+
+    from distlab import runtime
+
+    monkeypatch.setenv("DISTLAB_PORT_CLAIMS", str(tmp_path / "claims.json"))
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, low, high: 15123)   # every draw the same
+    first, second = free_port(), free_port()
+    assert first == 15123 and second != 15123, (first, second)   # the second falls back to the kernel's choice
+    claims = json.loads((tmp_path / "claims.json").read_text())
+    assert list(claims) == ["15123"]
+    # once the claim has lapsed the port may be drawn again
+    (tmp_path / "claims.json").write_text(json.dumps({"15123": time.time() - runtime.PORT_CLAIM_S - 1}))
+    assert free_port() == 15123
