@@ -1170,14 +1170,16 @@ def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. PBS's TERM reaches the first node's job processes; ranks elsewhere get "
-            "it only from `mpiexec`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
+            "steps only) before `scancel <id>`. PBS's TERM reaches the job shell's session on the first node; a rank "
+            "gets it only if it runs there or `mpiexec` passes it on (not checked under Cray PALS). A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
             "KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "but sends its tasks nothing" not in readme
     assert "It asks the controller to SIGKILL its step, and the controller refuses: the job has already timed out" in readme
     assert "has its step SIGKILLed at once, with no time to save" in readme
     assert "the job's `srun` sends its tasks nothing more" not in text
+    # PBS signals the MoM's own tasks' sessions (OpenPBS mom_main.c:5353-5360, mom_mach.c:1314-1372), as 12.3 says
+    assert "PBS's TERM reaches the first node's job processes" not in text
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
 
 
