@@ -547,6 +547,7 @@ distlab_launch() {
     # a script that checkpoints writes this file when it begins to stop at its own deadline, before its last
     # checkpoint: Slurm's walltime warning then leaves it to finish (slurm/common.sh, distlab_on_walltime_warning)
     export DISTLAB_STOPPING_FILE=${log%.log}.stopping
+    rm -f "$DISTLAB_STOPPING_FILE" # an earlier run's, in a reused run folder (DISTLAB_RUN_DIR_REUSE): not this launch's
     DISTLAB_STOP_UNSTARTED=0
     DISTLAB_CURRENT=$name
     if [[ ${DISTLAB_TERMINATED:-0} == 1 ]]; then # told to stop while this launch was being prepared
@@ -616,7 +617,7 @@ distlab_not_launched() {
     local why=${DISTLAB_TERMINATED_BY:-SIGTERM} line
     case $why in
     "walltime warning") line="Slurm's walltime warning (USR1) came" ;;
-    deadline) line="the job's deadline has come (DISTLAB_DEADLINE, the end less DISTLAB_WALLTIME_MARGIN)" ;;
+    deadline) line="the job stopped for its deadline (DISTLAB_DEADLINE, the end less DISTLAB_WALLTIME_MARGIN)" ;;
     "$DISTLAB_LIMIT_NAME") line="the job reached its $DISTLAB_LIMIT_NAME (SIGTERM)" ;;
     *) line="the job got SIGTERM" ;;
     esac

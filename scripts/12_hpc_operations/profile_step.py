@@ -61,7 +61,8 @@ SLOW_RANK, SLOW_RANK_SECONDS = 1, 0.3
 # DDP's step 0 has one bucket: "when the parameters are not in the real execution order, we don't do bucketing, thus
 # only one ALL-REDUCE is inserted after all the gradients of the whole graph are computed ... we only disable
 # bucketing for the first iteration" (torch 2.13 nn/parallel/distributed.py:1401-1407; its bucket limit is
-# sys.maxsize unless find_unused_parameters, _BucketCapacityConfig.compute_bucket_size_limits, :153-154). At the
+# sys.maxsize when no bucket_cap_mb_list is given and static_graph or not find_unused_parameters:
+# _BucketCapacityConfig.compute_bucket_size_limits, :146-154). At the
 # start of step 1's forward DDP builds the capped buckets in the order step 0's gradients became ready (_pre_forward:
 # reducer._rebuild_buckets()), and rank 0 broadcasts the new layout: the indices, then the bucket sizes (c10d
 # reducer.cpp, Reducer::sync_bucket_indices). Measured on gloo (tests/scripts/test_12_profiling.py, --wait 0): one
@@ -100,7 +101,8 @@ def parallelize(model, args, rt):
     if args.strategy == "fsdp":
         return apply_fsdp(model)
     # bucket_cap_mb=None is DDP's default: 25 MiB buckets after a first one of 1 MiB. Passing 25 explicitly would
-    # make the first bucket 25 MiB too (torch/nn/parallel/distributed.py, BucketCapacityConfig.from_bucket_cap_mb).
+    # make the first bucket 25 MiB too (torch 2.13 nn/parallel/distributed.py, _BucketCapacityConfig.create: the 1 MiB
+    # first bucket only when bucket_cap_mb is None, :106-110).
     ddp = DDP(model, device_ids=[rt.device] if rt.device_type == "cuda" else None, bucket_cap_mb=args.bucket_mb,
               forward_sync_buffers=False)  # the rotary tables never change: no broadcast each step
     # DDP's default all-reduce, as a Python comm hook: the same collective, now visible to CommCounter

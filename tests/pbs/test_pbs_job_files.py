@@ -405,5 +405,48 @@ fi
     assert [line.strip() for line in summary if "launched" in line] == [
         f"not-launched {name} (deadline)" for name in
         ("deadlocks.py", "deadlocks.py", "profile_step.py", "profile_step.py", "tuning.py")], result.output[-3000:]
-    assert "distlab: not launched tuning.py: the job's deadline has come" in result.output
+    assert "distlab: not launched tuning.py: the job stopped for its deadline" in result.output
     assert result.returncode == 0, result.output[-3000:]  # the job stopping in time is no failure
+
+
+def test_chapter_14s_summary_reports_a_case_held_back_at_the_deadline_as_not_launched(job_env, tmp_path):
+    """Chapter 14's job relabels each case's result line: broken() judges a planted mistake by its metrics and log,
+    interrupted() calls a rank killed on purpose ok. A case the deadline held back was never started, so it has
+    neither; judged, it would read FAILED(no symptom) against the previous launch's log, or ok (review ch12 s15
+    confirm, finding 3). A stand-in mpiexec outlasts a deadline 2 s away in the first launch (interrupted); the
+    three cases after it must stay `not-launched`, and the job exits 0."""
+    import time
+
+    calls = tmp_path / "launched"
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f'#!/bin/bash\necho launched >> {calls}\nsleep 3\n')
+    mpiexec.chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": str(mpiexec), "DISTLAB_MPIEXEC_FLAVOR": "pals",
+                     "DISTLAB_ONLY": "checkpoint_resume.py", "DISTLAB_DEADLINE": str(int(time.time()) + 2)}
+    result = run_bash(["bash", str(PBS_DIR / "14_when_it_goes_wrong.pbs")], env, timeout=120)
+    assert calls.read_text().split() == ["launched"], result.output[-3000:]
+    summary = [line.strip() for line in (tmp_path / "run" / "summary.txt").read_text().splitlines()[1:]]
+    assert summary[0].startswith("ok checkpoint_resume.py") and "(interrupted on purpose)" in summary[0], summary
+    assert summary[1:] == ["not-launched checkpoint_resume.py (deadline)"] * 3, result.output[-3000:]
+    assert result.returncode == 0, result.output[-3000:]
+
+
+def test_a_stop_file_left_in_a_reused_run_folder_holds_back_nothing(job_env, tmp_path):
+    """DISTLAB_RUN_DIR_REUSE=1 keeps an earlier run's logs, and with them a drill's stop file (logs/NN_name.stopping)
+    if that run stopped at its deadline. The next run's drill, which completes, must not be read as stopped: every
+    later launch still starts (review ch12 s15 confirm, nit 4)."""
+    calls = tmp_path / "launched"
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"""#!/bin/bash
+for word in "$@"; do [[ $word == *.py ]] && echo "${{word##*/}}" >> {calls}; done
+if [[ " $* " == *fault_drill.py* && $PLAY == stop ]]; then echo '{{"by": "deadline"}}' > "$DISTLAB_STOPPING_FILE"; fi
+""")
+    mpiexec.chmod(0o755)
+    env = job_env | {"DISTLAB_MPIEXEC": str(mpiexec), "DISTLAB_MPIEXEC_FLAVOR": "pals",
+                     "DISTLAB_DRILL_DIR": str(tmp_path / "drill"), "DISTLAB_ONLY": "fault_drill.py,tuning.py"}
+    first = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env | {"PLAY": "stop"}, timeout=120)
+    assert calls.read_text().split() == ["fault_drill.py"], first.output[-3000:]
+    calls.unlink()
+    again = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env | {"PLAY": "complete"}, timeout=120)
+    assert calls.read_text().split() == ["fault_drill.py", "tuning.py"], again.output[-3000:]
+    assert again.returncode == 0, again.output[-3000:]

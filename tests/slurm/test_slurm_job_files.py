@@ -658,3 +658,23 @@ def distlab_ranks_words() -> list[str]:
                           env=dict(os.environ, DISTLAB_FUNCTIONS_ONLY="1", DISTLAB_SRUN="srun"),
                           capture_output=True, text=True, timeout=60)
     return done.stdout.split()
+
+
+def test_chapter_14s_cases_held_back_by_the_warning_or_the_deadline_stay_not_launched(tmp_path):
+    """slurm/14's broken() and interrupted() relabel a case's result line. A case held back (the walltime warning, a
+    deadline passed) never ran: judged, it read FAILED(no symptom) or ok (review ch12 s15 confirm, finding 3). The
+    job file's own two functions, after each hold-back: every line stays `not-launched`, and the job exits 0."""
+    text = (ROOT / "slurm" / "14_when_it_goes_wrong.sbatch").read_text()
+    defs = re.search(r"^broken\(\) \{.*?^interrupted\(\) \{.*?^\}\n", text, re.S | re.M)
+    assert defs, "slurm/14 defines broken() and interrupted()"
+    for hold_back, why in (("distlab_on_walltime_warning", "walltime warning"), ("DISTLAB_DEADLINE=1", "deadline")):
+        (tmp_path / why).mkdir()
+        snippet = (f'DISTLAB_RUN_DIR=$1 DISTLAB_NNODES=1 DISTLAB_NODES=n1 DISTLAB_DRY_RUN=0 DISTLAB_LAST_LOG=/dev/null run=$1 device=()\n'
+                   f'{defs.group(0)}\n{hold_back}\n'
+                   'broken no-set-epoch scripts/04_data_parallel/train_ddp.py\n'
+                   'interrupted scripts/05_fully_sharded/checkpoint_resume.py\ndistlab_finish')
+        done = subprocess.run(["bash", "-c", f"source slurm/common.sh || exit 9\n{snippet}", "x", str(tmp_path / why)],
+                              cwd=ROOT, env=functions_env(tmp_path), capture_output=True, text=True, timeout=60)
+        assert [line.strip() for line in done.stdout.splitlines() if line.startswith("  ")] == [
+            f"not-launched train_ddp.py ({why})", f"not-launched checkpoint_resume.py ({why})"], done.stdout + done.stderr
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -540,7 +540,16 @@ def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default(
     assert ("step 0, in which DDP puts every gradient in one bucket, all-reduced once backward ends. At the start of "
             "step 1's forward DDP rebuilds its buckets, each up to the cap,") in text and "two broadcasts" in text
     assert "reverse order of `model.parameters()`" not in text
-    assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:153-154`)" in text
+    assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:146-154`)" in text
+    # the whole condition (review ch12 s15 confirm, nit 6): per-bucket caps come first, then static_graph
+    assert "if self.has_custom_per_bucket_caps:" in lines[145]
+    assert ("`sys.maxsize` when DDP has no per-bucket caps (`bucket_cap_mb_list`) and either `static_graph` or no "
+            "`find_unused_parameters` (`:146-154`)") in text
+    # profile_step.py names the factory that makes the 1 MiB first bucket only for bucket_cap_mb=None
+    assert "dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap" in lines[108]
+    profile_source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    assert "_BucketCapacityConfig.create: the 1 MiB" in profile_source and "from_bucket_cap_mb" not in profile_source
+    assert callable(_BucketCapacityConfig.create) and not hasattr(_BucketCapacityConfig, "from_bucket_cap_mb")
     source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert 'DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}' in source
     assert 'DDP_FIRST_STEP, DDP_FIRST_STEP_COLLECTIVES = 0, {"all_reduce": 1}' in source
@@ -1170,14 +1179,16 @@ def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. PBS's TERM reaches the first node's job processes; ranks elsewhere get "
-            "it only from `mpiexec`. A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
+            "steps only) before `scancel <id>`. PBS's TERM reaches the job shell's session on the first node; a rank "
+            "gets it only if it runs there or `mpiexec` passes it on (not checked under Cray PALS). A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
             "KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "but sends its tasks nothing" not in readme
     assert "It asks the controller to SIGKILL its step, and the controller refuses: the job has already timed out" in readme
     assert "has its step SIGKILLed at once, with no time to save" in readme
     assert "the job's `srun` sends its tasks nothing more" not in text
+    # PBS signals the MoM's own tasks' sessions (OpenPBS mom_main.c:5353-5360, mom_mach.c:1314-1372), as 12.3 says
+    assert "PBS's TERM reaches the first node's job processes" not in text
     assert "(scancel, qdel, the walltime)" not in hangs.on_sigterm_leave_evidence.__doc__
 
 

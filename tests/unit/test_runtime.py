@@ -104,3 +104,60 @@ def test_start_sends_whole_lines_before_anything_else(monkeypatch):
     monkeypatch.setattr(runtime, "write_whole_lines", called)
     with pytest.raises(Called), runtime.start(argparse.Namespace(device="cpu", seed=0)):
         pass
+
+
+_LATE_RANK = r'''
+import os, sys, time
+import torch
+import torch.distributed as dist
+from distlab import runtime
+
+with runtime.start(device="cpu", pg_timeout_s=2, rendezvous_timeout_s=40) as rt:
+    if rt.rank == 1:  # never joins the collective, never sets the key
+        time.sleep(120)  # the test ends it once rank 0 has answered
+        os._exit(0)
+    for what, call in (("collective", lambda: dist.all_reduce(torch.ones(1))),  # no explicit timeout: the group's
+                       ("store", lambda: dist.distributed_c10d._get_default_store().get("never-set"))):
+        began = time.monotonic()
+        try:
+            call()
+            print(what, "returned")
+        except Exception:
+            print(what, f"{time.monotonic() - began:.1f}")
+        sys.stdout.flush()
+    os._exit(0)
+'''
+
+
+def test_once_formed_the_group_and_its_store_time_out_at_the_pg_timeout_not_the_rendezvous_one(tmp_path):
+    """runtime.start forms the group under the longer rendezvous timeout (40 s here), then sets the process-group
+    timeout (2 s) on the group (torch's _set_pg_timeout, distributed_c10d.py:1616-1661) and on its store
+    (Store.set_timeout, torch/_C/_distributed_c10d.pyi:220). Two gloo ranks: rank 1 never joins an all-reduce nor sets a key. Rank 0's all-reduce, waited
+    on with no timeout of its own, and its store get must fail within about 2 s, not 40 (review ch12 s15 confirm,
+    finding 2: deadlocks.py waits with explicit timeouts, so its test could not see these lines go)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "late_rank.py"
+    script.write_text(_LATE_RANK)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "DISTLAB_", "SLURM_", "PBS_",
+                                                                     "PMI_", "PALS_", "OMPI_"))}
+    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+             "PYTHONPATH": root, "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env=base | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [procs[0].communicate(timeout=150)[0]]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+        procs[0].kill()
+    seconds = dict(line.split() for line in outs[0].splitlines()
+                   if line.split()[:1] in (["collective"], ["store"]) and len(line.split()) == 2)
+    assert set(seconds) == {"collective", "store"}, outs[0][-3000:]
+    assert float(seconds["collective"]) < 10, outs[0][-3000:]
+    assert float(seconds["store"]) < 10, outs[0][-3000:]
