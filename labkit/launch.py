@@ -82,6 +82,17 @@ class LaunchResult:
 RANK_PYTHON_ENV = "DISTLAB_RANK_PYTHON"
 
 
+def torchrun_invocation(torchrun_args, script, args=()) -> list[str]:
+    """The command that runs torchrun (``torchrun_args``: its own options) on ``script`` from here: this interpreter,
+    or under make test the rank-interpreter wrapper (RANK_PYTHON_ENV) for the agent and, through --no-python, for
+    each rank, forked from the fork server (labkit.forkexec)."""
+    python = os.environ.get(RANK_PYTHON_ENV)
+    if python:
+        return [python, "-m", "torch.distributed.run", *torchrun_args, "--no-python", python, "-u", str(script),
+                *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(script), *map(str, args)]
+
+
 def torchrun_command(script: str, nproc: int, args=()) -> list[str]:
     """The command a person would type (shown before every launch, so a learner can copy it)."""
     return ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
@@ -149,13 +160,7 @@ def run(script: str | os.PathLike, nproc: int = 4, args=(), *, launcher: str = "
             metrics_path = cwd / metrics_path
 
     if launcher == "torchrun":
-        python = os.environ.get(RANK_PYTHON_ENV)
-        if python:   # make test: the agent and its ranks forked from the fork server (labkit.forkexec)
-            command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       "--no-python", python, "-u", str(script), *args]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       str(script), *args]
+        command = torchrun_invocation(["--standalone", f"--nproc_per_node={nproc}"], script, args)
     else:
         command = [sys.executable, "-m", "labkit.forkrun", f"--nproc={nproc}", str(script), *args]
 

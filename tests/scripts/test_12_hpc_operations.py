@@ -105,9 +105,9 @@ FAULT_DRILL = "scripts/12_hpc_operations/fault_drill.py"
 def test_a_dead_rank_restarts_from_the_last_checkpoint_and_ends_like_one_device(tmp_path):
     # the real torchrun, with one restart allowed: rank 1 dies at step 5, the job resumes from step 4
     metrics_file = tmp_path / "metrics.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
-               FAULT_DRILL, "--run-dir", str(tmp_path / "run"), "--kill-rank", "1", "--kill-at-step", "5",
-               "--pg-timeout", "60", "--metrics-out", str(metrics_file)]
+    command = launch.torchrun_invocation(["--standalone", "--nproc_per_node=4", "--max-restarts=1"], FAULT_DRILL,
+                                         ["--run-dir", tmp_path / "run", "--kill-rank", "1", "--kill-at-step", "5",
+                                          "--pg-timeout", "60", "--metrics-out", metrics_file])
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=launch.REPO_ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -131,9 +131,9 @@ def test_steps_lost_count_from_the_last_checkpoint_written_even_off_the_save_gri
     run_dir, first, second = tmp_path / "run", tmp_path / "first.json", tmp_path / "second.json"
 
     def drill(*args, metrics):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "--max-restarts=1", FAULT_DRILL, "--run-dir", str(run_dir), "--pg-timeout", "60",
-                   "--metrics-out", str(metrics), *args]
+        command = launch.torchrun_invocation(["--standalone", "--nproc_per_node=2", "--max-restarts=1"], FAULT_DRILL,
+                                             ["--run-dir", run_dir, "--pg-timeout", "60", "--metrics-out", metrics,
+                                              *args])
         done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=launch.REPO_ROOT,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -287,6 +287,8 @@ def test_two_nodes_restart_together_when_one_nodes_worker_dies(tmp_path):
 
     worker = tmp_path / "worker.py"
     worker.write_text(TWO_NODE_WORKER.format(root=str(launch.REPO_ROOT), out=str(tmp_path)))
+    # the real interpreter: the test finds each agent's worker among its child processes, which a worker forked
+    # from the fork server (launch.torchrun_invocation under make test) is not
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{runtime.free_port()}", "--rdzv-id=two_nodes",
                str(worker)]
