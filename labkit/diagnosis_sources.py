@@ -274,10 +274,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "different rng before applying DDP/FSDP1"},
     ],
     "local-grad-norm": [
-        {"url": "https://github.com/pytorch/torchtitan/issues/766",
-         "title": "fsdp grad norm need to be aggregated manually (pytorch/torchtitan #766)",
-         "quote": "I noticed that the `grad_norm` varies across different ranks when applying fsdp, suggesting that "
-                  "gradients are not being aggregated at a global level."},
         {"url": "https://github.com/pytorch/pytorch/issues/72548",
          "title": "Implement clip_grad_norm for FSDP models (pytorch/pytorch #72548)",
          "quote": "For FSDP, since parameters are sharded across ranks, simply using clip_grad_norm_  would be "

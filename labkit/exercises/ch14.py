@@ -107,6 +107,9 @@ DISTRACTORS = (
      "every rank slow in its collectives alike, none of them idle while the others wait"),
     ("nondeterministic-kernels", "nondeterministic kernels",
      "differences at fp32 rounding's size (1e-7), the same on any number of ranks, and the right byte counts"),
+    ("norm-logged-unreduced", "a norm logged before it is reduced",
+     "each rank logging its own piece of one norm, while the weights after the first clipped step equal one "
+     "device's: the clip was right, only the log is a piece"),
     ("lr-schedule-restarted", "a learning-rate schedule restarted",
      "a resumed run whose first steps move differently, while the reloaded weights equal the saved ones"),
     ("mesh-does-not-divide-world", "a mesh that does not divide the world",
@@ -152,6 +155,7 @@ CAUSES = {
     "network-failure": "a network failure between nodes",
     "slow-network": "a slow network",
     "nondeterministic-kernels": "nondeterministic kernels (atomics, reduction order)",
+    "norm-logged-unreduced": "a gradient norm logged on each rank before it is reduced over the ranks",
     "lr-schedule-restarted": "a learning-rate schedule restarted from its first step on resume",
     "mesh-does-not-divide-world": "a device mesh whose shape does not divide the world size",
     "mesh-names-swapped": "a device mesh built with its dimension names swapped",

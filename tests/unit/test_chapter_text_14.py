@@ -1184,3 +1184,25 @@ def test_what_the_checks_cost_is_computed_from_the_model_the_scripts_and_torch()
     assert "if rt.rank == 0:\n                baseline = models.build_transformer(" in script
     assert "indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)" in script
     assert "Rank 0 also trains it on the whole global batch, four ranks' work, while the others wait" in cost
+
+
+def test_the_nan_fix_keeps_every_rank_in_the_step():
+    """Under DDP a rank that skips a step alone never joins its all-reduce, and its peers wait (uneven-inputs): the
+    fix keeps the batch (a zero loss, still a backward), and skips only by a decision every rank shares."""
+    case = registry().case("nan-from-one-rank")
+    section = " ".join(section_of("nan-from-one-rank").split())
+    for text in (section, case.fix):
+        assert "skip a batch with no target" not in text, text
+        assert "still runs its backward" in text and "a decision every rank shares" in text, text
+
+
+def test_the_resume_without_rng_curve_is_said_as_the_committed_data_has_it():
+    """The broken resume leaves one device's curve at the resume and stays off it but for one step, where the two
+    cross (the committed losses: a gap under 0.01 at one step only)."""
+    run = measured("14_resumes.json")["resume-without-rng"]
+    gaps = [abs(a - b) for a, b in zip(run["broken"]["losses"], run["fixed"]["losses"])]
+    resume = next(step for step, gap in enumerate(gaps) if gap > 1e-6)
+    crossings = [step for step, gap in enumerate(gaps) if step > resume and gap < 0.01]
+    assert len(crossings) == 1 and all(gap > 0.05 for gap in gaps[resume:] if gaps.index(gap) not in crossings), gaps
+    assert f"crosses it once, at step {crossings[0]}" in FLAT
+    assert "never come back to it" not in FLAT
