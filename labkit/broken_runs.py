@@ -333,7 +333,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         look_alikes=("resume-without-rng", "a learning-rate schedule restarted"),
         fix="Save and load with torch.distributed.checkpoint (every rank writes and reads its own shards), or "
             "gather the full state dict on every rank and save it from rank 0 (get_model_state_dict with "
-            "full_state_dict=True is a collective: called under `if rank == 0:` it hangs).",
+            "full_state_dict=True is a collective: called under `if rank == 0:` it hangs); load that file back "
+            "with set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, "
+            "broadcast_from_rank0=True)), which gives each rank its own shards.",
         fix_kind="function",
         failing_checks=("model written by 4 ranks, read by 4: every value equal",
                         "losses = uninterrupted single-device run",
@@ -360,8 +362,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
     BrokenRun(
         name="optimizer-before-sharding", family="FSDP", script=TRAIN_FSDP,
-        on_nccl="The same: no error and a flat loss; the GPU's memory shows it too, no optimizer state allocated "
-                "after the first step.",
+        on_nccl="The same: no error, a flat loss. Memory does not shrink by the number of ranks: the optimizer "
+                "keeps the unsharded parameters alive, and allocates no state.",
         args=("--steps", "3", "--planted-bug", "optimizer-before-sharding"), fixed_args=("--steps", "3"),
         symptom="No error, and the step-0 gradients equal one device's, but the loss does not fall while one "
                 "device's does, and AdamW holds no state: 0 bytes of moments on every rank.",
