@@ -229,9 +229,10 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         tell_apart="The ranks' own losses at the first nan step: one rank alone is nan and the others are finite; "
                    "a step later all are (a learning rate too high grows every rank's loss first).",
         look_alikes=("a diverging run (a learning rate too high)", "bf16 overflow", "loss-on-wrong-stage"),
-        fix="Find the first rank whose own loss went non-finite, then its batch: divide by max(count, 1) or skip a "
-            "batch with no target. Check the local loss before backward: after the all-reduce every rank looks "
-            "alike.",
+        fix="Find the first rank whose own loss went non-finite, then its batch: divide by max(count, 1), so the "
+            "batch adds a zero loss and still runs its backward; skip a step only by a decision every rank shares "
+            "(an all-reduced flag), or the ranks that run it wait. Check the local loss before backward: after the "
+            "all-reduce every rank looks alike.",
         fix_kind="function",
         failing_checks=("every rank's loss is finite", "DDP loss = single-device loss")),
     BrokenRun(
@@ -332,7 +333,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         look_alikes=("resume-without-rng", "a learning-rate schedule restarted"),
         fix="Save and load with torch.distributed.checkpoint (every rank writes and reads its own shards), or "
             "gather the full state dict on every rank and save it from rank 0 (get_model_state_dict with "
-            "full_state_dict=True is a collective: called under `if rank == 0:` it hangs).",
+            "full_state_dict=True is a collective: called under `if rank == 0:` it hangs); load that file back "
+            "with set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, "
+            "broadcast_from_rank0=True)), which gives each rank its own shards.",
         fix_kind="function",
         failing_checks=("model written by 4 ranks, read by 4: every value equal",
                         "losses = uninterrupted single-device run",
@@ -359,8 +362,8 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                         "parameters = single-device parameters", "reduce_scatter bytes per step = formula")),
     BrokenRun(
         name="optimizer-before-sharding", family="FSDP", script=TRAIN_FSDP,
-        on_nccl="The same: no error and a flat loss; the GPU's memory shows it too, no optimizer state allocated "
-                "after the first step.",
+        on_nccl="The same: no error, a flat loss. Memory does not shrink by the number of ranks: the optimizer "
+                "keeps the unsharded parameters alive, and allocates no state.",
         args=("--steps", "3", "--planted-bug", "optimizer-before-sharding"), fixed_args=("--steps", "3"),
         symptom="No error, and the step-0 gradients equal one device's, but the loss does not fall while one "
                 "device's does, and AdamW holds no state: 0 bytes of moments on every rank.",
@@ -426,12 +429,13 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
         cause="The gradients were clipped by the norm of each rank's own shards (p.grad.to_local()), never reduced "
               "over the ranks: each rank scales its shards by its own factor. On the DTensor gradients "
               "clip_grad_norm_ all-reduces the norm (torch/distributed/tensor/_ops/_math_ops.py:66-79).",
-        tell_apart="The ranks' gradient norms: they differ, and their squares add up to one device's norm squared "
-                   "(pieces of one norm); a wrong gradient would make one device's norm differ instead.",
-        look_alikes=("loss-averaged-twice", "bf16-gradient-reduction", "nondeterministic kernels"),
+        tell_apart="The weights after the first clipped step against one device's: off with the bug, equal with a "
+                   "right clip. The ranks' norms cannot tell: a right clip that logs each rank's unreduced piece "
+                   "shows the same norms.",
+        look_alikes=("loss-averaged-twice", "bf16-gradient-reduction", "a norm logged before it is reduced"),
         fix="Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) on the sharded (DTensor) "
             "parameters, which reduces the norm over the ranks; by hand, all-reduce the sum of squares first (and "
-            "over the pipeline stages too).",
+            "over the pipeline stages too). Log the reduced norm the clip used, not a rank's piece.",
         fix_kind="function",
         failing_checks=("every rank computed the same gradient norm", "parameters = single-device parameters")),
     # ---- tensor parallelism ------------------------------------------------------------------------------------

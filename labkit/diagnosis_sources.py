@@ -149,12 +149,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "(aws/amazon-sagemaker-examples #1983)",
          "quote": "Doing it based on global ranks (as is currently done) would result in some data samples being "
                   "skipped, since there are also model-parallel ranks."},
-        {"url": "https://github.com/NVIDIA/Megatron-LM/issues/7452",
-         "title": "Silent numerical-correctness bugs in Megatron Core parallelism composition "
-                  "(NVIDIA/Megatron-LM #7452)",
-         "quote": "LLaVAModel._process_embedding_token_parallel scatters the combined embeddings to the\n"
-                  "sequence-parallel region without passing the language model's explicit tp group, so the shard\n"
-                  "each rank keeps comes from the global MPU tensor-parallel layout."},
     ],
     # ---- pipelines
     "loss-on-wrong-stage": [
@@ -178,10 +172,11 @@ SOURCES: dict[str, list[dict[str, str]]] = {
          "title": "[QUESTION] VPP argument setting (NVIDIA/Megatron-LM #1829)",
          "quote": "According to the current code logic ,If `microbatch_group_size_per_vp_stage` is smaller than "
                   "`pipeline_parallel_size`, there should be a large number of bubbles."},
-        {"url": "https://huggingface.co/spaces/nanotron/ultrascale-playbook/discussions/24/files",
+        {"url": "https://huggingface.co/spaces/nanotron/ultrascale-playbook",
          "title": "The Ultra-Scale Playbook (nanotron), pipeline parallelism section",
-         "quote": "On the left, with microbatches equal to PP degree minus one (m=pp-1), we see how detrimental the "
-                  "pipeline bubble can be - performance drops significantly as we scale PP."},
+         "quote": "On the left, with a number of micro-batches equal to or less than the PP degree minus one (m = p "
+                  "- 1), we see how detrimental the pipeline bubble can be - performance is low and even drops as we "
+                  "scale PP."},
     ],
     # ---- composition
     "fsdp-before-tp": [
@@ -274,10 +269,6 @@ SOURCES: dict[str, list[dict[str, str]]] = {
                   "different rng before applying DDP/FSDP1"},
     ],
     "local-grad-norm": [
-        {"url": "https://github.com/pytorch/torchtitan/issues/766",
-         "title": "fsdp grad norm need to be aggregated manually (pytorch/torchtitan #766)",
-         "quote": "I noticed that the `grad_norm` varies across different ranks when applying fsdp, suggesting that "
-                  "gradients are not being aggregated at a global level."},
         {"url": "https://github.com/pytorch/pytorch/issues/72548",
          "title": "Implement clip_grad_norm for FSDP models (pytorch/pytorch #72548)",
          "quote": "For FSDP, since parameters are sharded across ranks, simply using clip_grad_norm_  would be "

@@ -23,8 +23,10 @@ Runs are launched once per kernel (:func:`_launch`); :func:`prefetch` starts the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import inspect
+import json
 import math
 import os
 import re
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import forkserver
-from labkit import broken_runs
+from labkit import broken_runs, launch
 from labkit.exercises.checks import ExerciseWrong, _not_done, call_learner, learner_check
 
 # The lab's order, by the chapter's three questions: stuck or slow? stops or prints nonsense? do the ranks agree?
@@ -107,6 +109,9 @@ DISTRACTORS = (
      "every rank slow in its collectives alike, none of them idle while the others wait"),
     ("nondeterministic-kernels", "nondeterministic kernels",
      "differences at fp32 rounding's size (1e-7), the same on any number of ranks, and the right byte counts"),
+    ("norm-logged-unreduced", "a norm logged before it is reduced",
+     "each rank logging its own piece of one norm, while the weights after the first clipped step equal one "
+     "device's: the clip was right, only the log is a piece"),
     ("lr-schedule-restarted", "a learning-rate schedule restarted",
      "a resumed run whose first steps move differently, while the reloaded weights equal the saved ones"),
     ("mesh-does-not-divide-world", "a mesh that does not divide the world",
@@ -152,6 +157,7 @@ CAUSES = {
     "network-failure": "a network failure between nodes",
     "slow-network": "a slow network",
     "nondeterministic-kernels": "nondeterministic kernels (atomics, reduction order)",
+    "norm-logged-unreduced": "a gradient norm logged on each rank before it is reduced over the ranks",
     "lr-schedule-restarted": "a learning-rate schedule restarted from its first step on resume",
     "mesh-does-not-divide-world": "a device mesh whose shape does not divide the world size",
     "mesh-names-swapped": "a device mesh built with its dimension names swapped",
@@ -204,6 +210,14 @@ def _evidence(run: broken_runs.BrokenRun) -> str:
     return "; ".join(dict.fromkeys(words))
 
 
+def _part_evidence(label: str) -> str:
+    """What every run of ``label``'s part is read by, together: one run's own evidence would single out its case."""
+    part = next(labels for labels in PARTS.values() if label in labels)
+    runs = [case for each in part for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[each]]
+    keys = dict.fromkeys(key for case in runs for key in case.evidence)
+    return "; ".join(dict.fromkeys(EVIDENCE_WORDS[key] for key in keys if key in EVIDENCE_WORDS))
+
+
 def diagnosis_feedback(label: str, answer: str) -> str | None:
     """None when ``answer`` names run ``label``'s cause, else why not: what the wrong answer would have shown, and
     which of the run's own evidence to look at again (never the right answer, nor the check that singles it out)."""
@@ -212,7 +226,7 @@ def diagnosis_feedback(label: str, answer: str) -> str | None:
     if answer not in CAUSES:
         return f"{label}: {answer!r} is not a key of exercises.CAUSES (print it for the menu)."
     run = next(case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[label])
-    look = f"Look again at {_evidence(run)}: what does {label} show there?"
+    look = f"Look again at {_part_evidence(label)}: what does {label} show there?"
     if answer in {look_alike_key(w) for w in run.look_alikes}:
         return f"{label} is not {answer}, though the two look alike: {answer} would show: {_would_show(answer)} {look}"
     return (f"{label} is not {answer}: {answer} would show: {_would_show(answer)} That is not what {label} "
@@ -273,7 +287,26 @@ def _launch(label_or_name: str, fixed: bool = False, args=None, extra=(), nproc=
         finally:
             if cache is not None:
                 os.environ[CACHE_ENV] = cache
+    _RUNS[key] = _unnamed(_RUNS[key])
     return _RUNS[key]
+
+
+_CASE_NAMES = re.compile("|".join(sorted((re.escape(case.name) for case in broken_runs.BROKEN_RUNS), key=len,
+                                         reverse=True)))
+
+
+def _unnamed(result):
+    """A launch's result with no case's name left in it: the command cut after its script (its arguments, such as
+    --planted-bug NAME, name the case), and each name in the output and the metrics replaced. The checks and their
+    values stay: the fix checks read them."""
+    if not isinstance(result, launch.LaunchResult):
+        return result
+    command = list(result.command)
+    script = next((i for i, part in enumerate(command) if str(part).endswith(".py")), len(command) - 1)
+    text = json.dumps(result.metrics) if result.metrics is not None else None
+    return dataclasses.replace(result, command=command[:script + 1],
+                               output=_CASE_NAMES.sub("(hidden)", result.output),
+                               metrics=None if text is None else json.loads(_CASE_NAMES.sub("(hidden)", text)))
 
 
 _PENDING: dict = {}   # key -> Future: the broken runs prefetch() started

@@ -182,6 +182,33 @@ def test_any_one_seed_shared_by_every_rank_fixes_per_rank_init(tmp_path, monkeyp
     assert broken_runs.fix_holds(case, result.metrics) == [], result.tail()
 
 
+
+def clip_and_log_the_local_piece(model, max_norm):   # a right clip, but the norm logged is this rank's shards'
+    logged = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()])
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if norm.item() != norm.full_tensor().item():   # torch 2.13: the norm returned is already reduced (Replicate)
+        raise RuntimeError(f"clip_grad_norm_ returned an unreduced norm: {norm.placements}")
+    return logged
+
+
+def test_a_right_clip_that_logs_each_ranks_piece_of_the_norm_is_not_local_grad_norm(tmp_path, monkeypatch):
+    """A right clip whose logged norm is taken before it is reduced (each rank's own shards): the ranks log what
+    local-grad-norm logs, pieces of one norm, but the weights equal one device's. The case's check is the weights,
+    so this run is not the case. (clip_grad_norm_'s own returned norm is reduced in torch 2.13: .item() on it is
+    the whole norm on every rank, which the learner's function checks in the job.)"""
+    monkeypatch.setattr(ch14, "LEARNER_DIR", tmp_path)
+    path = ch14.learner_file(clip_and_log_the_local_piece, "clip_gradients")
+    case = broken_runs.case("local-grad-norm")
+    result = broken_runs.run_case(case.name, fixed=True, run_dir=tmp_path / "run", stream=False, timeout=90,
+                                  args_override=case.fixed_args + ("--clip-from", path))
+    norms = result.metrics["extra"]["rank_grad_norms"][0]
+    one_device = result.metrics["extra"]["one_device_grad_norms"][0]
+    assert max(norms) - min(norms) > 0.01 and math.isclose(sum(n * n for n in norms), one_device ** 2,
+                                                           rel_tol=1e-4), result.tail()
+    failed = {c["name"] for c in result.metrics["checks"] if not c["passed"]}
+    assert not any(name.startswith("parameters = single-device parameters") for name in failed), failed
+    assert broken_runs.symptom_seen(case, result.metrics) != [], "a right clip logged by pieces read as the bug"
+
 # Wrong fixes as a learner would write them, each run inside the job by its script's --fix-from (or the setting's
 # flag): (case, the run's arguments, the learner's file or None, the checks that must fail or the hang's diagnosis).
 # The three functions train_ddp.py loads share one launch: each breaks a check of its own.

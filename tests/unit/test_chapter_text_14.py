@@ -1184,3 +1184,60 @@ def test_what_the_checks_cost_is_computed_from_the_model_the_scripts_and_torch()
     assert "if rt.rank == 0:\n                baseline = models.build_transformer(" in script
     assert "indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)" in script
     assert "Rank 0 also trains it on the whole global batch, four ranks' work, while the others wait" in cost
+
+
+def test_the_nan_fix_keeps_every_rank_in_the_step():
+    """Under DDP a rank that skips a step alone never joins its all-reduce, and its peers wait (uneven-inputs): the
+    fix keeps the batch (a zero loss, still a backward), and skips only by a decision every rank shares."""
+    case = registry().case("nan-from-one-rank")
+    section = " ".join(section_of("nan-from-one-rank").split())
+    for text in (section, case.fix):
+        assert "skip a batch with no target" not in text, text
+        assert "still runs its backward" in text and "a decision every rank shares" in text, text
+
+
+def test_the_resume_without_rng_curve_is_said_as_the_committed_data_has_it():
+    """The broken resume leaves one device's curve at the resume and stays off it but for one step, where the two
+    cross (the committed losses: a gap under 0.01 at one step only)."""
+    run = measured("14_resumes.json")["resume-without-rng"]
+    gaps = [abs(a - b) for a, b in zip(run["broken"]["losses"], run["fixed"]["losses"])]
+    resume = next(step for step, gap in enumerate(gaps) if gap > 1e-6)
+    crossings = [step for step, gap in enumerate(gaps) if step > resume and gap < 0.01]
+    assert len(crossings) == 1 and all(gap > 0.05 for gap in gaps[resume:] if gaps.index(gap) not in crossings), gaps
+    assert f"crosses it once, at step {crossings[0]}" in FLAT
+    assert "never come back to it" not in FLAT
+
+
+def test_the_not_a_fix_bubble_and_the_evaluation_time_are_computed():
+    """(P-1)/(M+P-1) at M = P = 4, as distlab.schedules computes it, is the share the page says; rank 0's evaluation
+    lasts deadlocks.py's default, 1.5 times the process group's timeout (the case passes no --eval-seconds)."""
+    from distlab import schedules
+
+    case = registry().case("too-few-microbatches")
+    share = f"{round(100 * schedules.bubble_fraction(4, 4))}% idle"
+    assert f"= {share}" in section_of("too-few-microbatches") and any(share in w[1] for w in case.wrong_fixes)
+    deadlocks = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text().splitlines()
+    default = re.search(r"else ([\d.]+) \* rt\.pg_timeout_s", deadlocks[236])[1]
+    evaluation = registry().case("rank-0-evaluation")
+    assert "--eval-seconds" not in evaluation.args and f"for {default} times the timeout" in evaluation.cause
+
+
+def test_the_optimizer_gpu_line_and_the_one_shard_fix_say_the_visible_part():
+    """fully_shard copies each shard into new storage (new_zeros, then copy_): an optimizer built before it keeps the
+    whole unsharded model alive, so memory does not shrink by the number of ranks. The one-shard fix reads the full
+    file back too: set_model_state_dict with full_state_dict and broadcast_from_rank0 (state_dict.py's docstring)."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    param = (torch_dir / "distributed" / "fsdp" / "_fully_shard" / "_fsdp_param.py").read_text().splitlines()
+    assert "param_data.new_zeros(padded_sharded_size)" in param[306] and ".copy_(sharded_param)" in param[310]
+    assert "_fsdp_param.py:325-331). It copies each shard into new storage (lines 307-311)" in FLAT_APPENDIX
+    state = (torch_dir / "distributed" / "checkpoint" / "state_dict.py").read_text().splitlines()
+    assert "``broadcast_from_rank0``" in state[122] and "``full_state_dict`` must be set to True" in state[126]
+    optimizer = " ".join(section_of("optimizer-before-sharding").split())
+    assert "does not shrink by the number of ranks" in optimizer and "does not shrink" in registry().case(
+        "optimizer-before-sharding").on_nccl
+    one_shard = " ".join(section_of("checkpoint-one-shard").split())
+    assert "set_model_state_dict" in one_shard and "broadcast_from_rank0=True" in one_shard
+    assert "set_model_state_dict" in registry().case("checkpoint-one-shard").fix
+    assert "state_dict.py:123-127" in FLAT_APPENDIX

@@ -65,7 +65,9 @@ def test_every_look_alike_is_rejected_pointing_at_the_evidence_not_at_the_answer
         with pytest.raises(ExerciseWrong) as wrong:
             ch14.check_diagnoses({**_right_diagnoses(part), label: answer}, part)
         said = str(wrong.value)
-        assert "look alike" in said and ch14._evidence(run) in said and ch14._evidence(run), said
+        look = ch14._part_evidence(label)   # the part's evidence: the run's own among it, not it alone
+        assert "look alike" in said and look in said and ch14._evidence(run), said
+        assert all(words in look for words in ch14._evidence(run).split("; ")), (look, ch14._evidence(run))
         assert run.name not in said and run.tell_apart not in said and run.cause not in said, said
 
 
@@ -115,18 +117,33 @@ def test_no_function_called_with_a_label_and_no_run_kept_names_the_labels_case(m
     it keeps (_PENDING, then _RUNS) do not spell the arguments, which hold each run's --planted-bug in the lab's
     order."""
     import inspect
+    import sys
 
-    class Launched:   # what the stubbed run_case returns: no launch, no answer
-        pass
+    from labkit import launch
+
+    def launched(name, fixed=False, args_override=None, extra_args=(), nproc=None, **kwargs):
+        """What run_case returns, as the real one words it: the command with the case's flags, the output and the
+        metrics the script writes (its planting line, its config)."""
+        case = broken_runs.case(name)
+        args = [str(a) for a in (args_override if args_override is not None else
+                                 case.fixed_args if fixed else case.args)] + [str(a) for a in extra_args]
+        return launch.LaunchResult([sys.executable, "-m", "labkit.forkrun", f"--nproc={nproc or case.nproc}",
+                                    case.script, *args], 1, f"planting: {name}\nstep 0  loss 4.86\n", 1.0,
+                                   {"config": {"planted_bug": name, "hang": name}, "checks": [], "extra": {}})
 
     monkeypatch.setattr(ch14, "_RUNS", {})
     monkeypatch.setattr(ch14, "_PENDING", {})
-    monkeypatch.setattr(ch14.broken_runs, "run_case", lambda name, **kwargs: Launched())
+    monkeypatch.setattr(ch14.broken_runs, "run_case", launched)
     ch14.prefetch(workers=1)
     for future in list(ch14._PENDING.values()):
         future.result()
-    for label in ch14.LABELS[:3]:
-        ch14._launch(label)   # from _PENDING into _RUNS
+    for label in ch14.LABELS:
+        result = ch14._launch(label)   # from _PENDING into _RUNS
+        said = json.dumps([getattr(result, field) for field in ("command", "output", "metrics")], default=str)
+        assert not [name for name in NAMES if name in said], (label, said)   # nor --planted-bug NAME, --hang NAME
+    for result in ch14._RUNS.values():
+        said = json.dumps([str(value) for value in vars(result).values()])
+        assert not [name for name in NAMES if name in said], said
     kept = list(ch14._PENDING) + list(ch14._RUNS)
     assert kept and not [key for key in kept for name in NAMES if name in repr(key)], kept
     for values in (list(ch14._PENDING), list(ch14._RUNS)):
@@ -141,6 +158,19 @@ def test_no_function_called_with_a_label_and_no_run_kept_names_the_labels_case(m
             except Exception:   # noqa: BLE001 - a function that needs more, or another kind of argument
                 continue
             assert getattr(value, "name", value) != ANSWERS[label], (name, label)
+            assert not any(case in str(getattr(value, "__dict__", value)) for case in NAMES), (name, label)
+
+
+def test_a_wrong_guess_points_at_evidence_no_one_run_of_its_part_has_alone():
+    """The feedback on a wrong answer names what to look at again: the same for every run of the part, so that it
+    cannot be mapped back to one case through the registry's evidence."""
+    for part, labels in ch14.PARTS.items():
+        looks = set()
+        for label in labels:
+            wrong = next(key for key in ch14.CAUSES if key not in NAMES)   # a distractor: wrong for every run
+            said = ch14.diagnosis_feedback(label, wrong)
+            looks.add(re.search(r"Look again at (.*): what does", said)[1])
+        assert len(looks) == 1, (part, looks)
 
 
 def test_a_network_failure_guessed_for_the_error_one_rank_raises_is_told_apart_by_that_error():
