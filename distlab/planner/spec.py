@@ -317,6 +317,10 @@ class Options:
     # backward_maybe_with_nosync) and Megatron's overlapped gradient reduction run. DDP and ZeRO-1/2 always take the
     # second.
     pp_fsdp_grad_sync: str = "after_backward"
+    # FSDP under PP: torch's schedule.step(return_outputs=True), its default (pipelining/schedules.py:745), keeps every
+    # microbatch's output (the logits) on the last stage until the next step (planner.memory.kept_output_bytes). The
+    # course's scripts pass False (chapters 07 and 09), as the planner assumes [False]
+    pp_return_outputs: bool = False
     # "full": every block recomputed in backward (True); "selective": attention's core only (Korthikanti et
     # al. 2022); "none" (False) [full]
     activation_checkpointing: bool | str | None = None
