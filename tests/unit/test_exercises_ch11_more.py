@@ -298,3 +298,17 @@ def test_the_fewest_nodes_check_does_not_tell_too_many_from_too_few():
         messages[wrong] = str(raised.value).replace(f"= {wrong} ", "= N ")
     assert len(set(messages.values())) == 1, messages
     assert not any(word in messages[fewest + 1] for word in ("fewer", "fits on", "no layout fits", "too many"))
+
+
+def test_the_lab_names_the_fitted_factor():
+    """The factor fitted to the published rows is gemm_time_share, not the unfitted compute_efficiency."""
+    import json
+    from pathlib import Path
+
+    from distlab import planner
+
+    cells = json.loads((Path(__file__).parents[2] / "notebooks/11_choosing_a_strategy.ipynb").read_text())["cells"]
+    lab = " ".join(" ".join("".join(c["source"]).split()) for c in cells)
+    assert "one compute efficiency" not in lab
+    assert "one factor per GPU type (the kernel-gap factor, `gemm_time_share`), fitted" in lab
+    assert planner.published.fitted_efficiency("A100") == planner.GPU_CONSTANTS["A100"]["gemm_time_share"]
