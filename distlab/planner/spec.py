@@ -582,6 +582,10 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
     if model.global_batch % (d * model.micro_batch):
         problems.append(f"global batch {model.global_batch} does not split into dp x micro-batch = "
                         f"{d} x {model.micro_batch} equal parts")
+    elif v == 1 and p > 1 and options.schedule != "gpipe" and microbatches(model, layout) < p:
+        # torch 2.13's Schedule1F1B refuses fewer microbatches than stages (pipelining/schedules.py:1020-1024)
+        problems.append(f"1F1B needs at least as many microbatches as the {p} stages, not "
+                        f"{microbatches(model, layout)} (torch's Schedule1F1B refuses fewer)")
     elif v > 1 and p > 1 and layout.zero_stage == 3:
         # FSDP's gathers are counted on torch's own interleaved order (pipeline_fsdp_gathers), which needs this
         m = microbatches(model, layout)
