@@ -165,7 +165,20 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
         per_microbatch += layers * 2 * b * (model.seq_len - seq) * model.kv_dim_per_tp_rank(layout.tp) * number_bytes
     held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
-    return held * per_microbatch + live + head
+    kept = kept_output_bytes(model, layout, stage, options)
+    # the last backward runs beside all M kept outputs; after it torch.cat copies them (_merge_outputs)
+    return max(held * per_microbatch + live + head + kept, 2 * kept)
+
+
+def kept_output_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
+    """The logits torch's pipeline schedules keep on the last stage: every microbatch's output, b s V/t each, in
+    fp32 (the root's ``output_dtype``, ``distlab.hybrid.mixed_precision_policy``), until the next step clears
+    them (torch 2.13 pipelining/stage.py:907-908; cleared by the next step's ``clear_runtime_states``, schedules.py:772,
+    stage.py:609-611). Only for the layouts the planner runs under torch's stage (FSDP under PP), and only with
+    ``Options.pp_return_outputs``: ``step``'s default, which the course's scripts turn off."""
+    if not (options.pp_return_outputs and layout.zero_stage == 3 and layout.pp > 1 and stage == layout.pp - 1):
+        return 0
+    return microbatches(model, layout) * model.micro_batch * (model.seq_len // layout.cp) * model.vocab / layout.tp * 4
 
 
 def state_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> memory.StateBytes:

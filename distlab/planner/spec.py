@@ -317,6 +317,10 @@ class Options:
     # backward_maybe_with_nosync) and Megatron's overlapped gradient reduction run. DDP and ZeRO-1/2 always take the
     # second.
     pp_fsdp_grad_sync: str = "after_backward"
+    # FSDP under PP: torch's schedule.step(return_outputs=True), its default (pipelining/schedules.py:745), keeps every
+    # microbatch's output (the logits) on the last stage until the next step (planner.memory.kept_output_bytes). The
+    # course's scripts pass False (chapters 07 and 09), as the planner assumes [False]
+    pp_return_outputs: bool = False
     # "full": every block recomputed in backward (True); "selective": attention's core only (Korthikanti et
     # al. 2022); "none" (False) [full]
     activation_checkpointing: bool | str | None = None
@@ -578,6 +582,10 @@ def layout_problems(model: ModelSpec, cluster: Cluster, layout: Layout, gpus: in
     if model.global_batch % (d * model.micro_batch):
         problems.append(f"global batch {model.global_batch} does not split into dp x micro-batch = "
                         f"{d} x {model.micro_batch} equal parts")
+    elif v == 1 and p > 1 and options.schedule != "gpipe" and microbatches(model, layout) < p:
+        # torch 2.13's Schedule1F1B refuses fewer microbatches than stages (pipelining/schedules.py:1020-1024)
+        problems.append(f"1F1B needs at least as many microbatches as the {p} stages, not "
+                        f"{microbatches(model, layout)} (torch's Schedule1F1B refuses fewer)")
     elif v > 1 and p > 1 and layout.zero_stage == 3:
         # FSDP's gathers are counted on torch's own interleaved order (pipeline_fsdp_gathers), which needs this
         m = microbatches(model, layout)

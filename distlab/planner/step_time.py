@@ -131,8 +131,8 @@ def compute_rate(model: ModelSpec, cluster: Cluster, layout: Layout, options: Op
 
 
 def stage_time(model: ModelSpec, cluster: Cluster, layout: Layout, stage: int, options: Options = Options()) -> dict:
-    """One stage's step without the bubble: its compute at the cluster's efficiency, and the communication that
-    does not hide behind it, per dimension (seconds):
+    """One stage's step without the bubble: its compute at the block rate x ``gemm_time_share``, and the
+    communication that does not hide behind it, per dimension (seconds):
 
     * tp sits on the critical path between dependent matmuls: all of it (``async_tp``: what exceeds compute);
     * dp hides as far as the schedule lets it: DDP and ZeRO-1 reduce the gradients during the last

@@ -10,14 +10,14 @@ tests/unit/test_exercises_ch11_more.py feeds each check the plausible wrong answ
 a learner following the chapter gives. A wrong answer's message points at the evidence (the planner's numbers to
 print, the learner's own layout's share), never at the answer.
 
-The checks' references (:func:`_path_layout`, :func:`_costs`, :func:`_fewest_fsdp_nodes`) are private to this module,
-and ``__all__`` leaves them out: the lab imports this module, and an exported reference would be the answer.
+The checks' references live in :mod:`labkit.exercises._ch11_reference`, imported inside the checks, so the lab's
+``exercises`` (this module) holds none of them. That hides the answers from a glance, not from a determined reader:
+the planner's own calls give them, and the lab says so. Exercise 1's two choice answers can be guessed in a few tries.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from labkit.exercises.checks import (ExerciseIncomplete, ExerciseWrong, _not_done, _ok, check_true, check_value,
                                      learner_check)
@@ -46,27 +46,11 @@ _HOW_TO_ANSWER = ("1, does DDP's replica fit one GPU: planner.evaluate(model, cl
 _OUTCOME_LAYOUT = {"DDP": dict(zero_stage=0), "FSDP": dict(zero_stage=3)}
 
 
-def _case(model: str, cluster: str, gpus: int):
-    from distlab import planner
-
-    return planner.DecisionCase(f"{model} on {gpus} {cluster}", planner.MODELS[model], planner.CLUSTERS[cluster],
-                                gpus)
-
-
-def _path_layout(model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2]):
-    """The route of the decision path (the planner's answers to its questions) and the layout its outcome names,
-    or None where the outcome leaves the degrees to the search (TP + PP, TP, CP)."""
-    from distlab import planner
-
-    route, outcome = planner.decision_route(_case(model, cluster, gpus))
-    fixed = _OUTCOME_LAYOUT.get(outcome)
-    return route, outcome, (planner.Layout(dp=gpus, **fixed) if fixed is not None else None)
-
-
 @learner_check
 def check_path_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2], *,
                       hint: str = "") -> None:
     """``layout`` must be the one the decision path leads to; the confirmation says how it fares in the search."""
+    from labkit.exercises import _ch11_reference as _reference
     from distlab import planner
     from labkit import planner_widgets
 
@@ -75,7 +59,7 @@ def check_path_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gpus
     if not isinstance(layout, planner.Layout):
         raise ExerciseWrong(f"write the answer as planner.Layout(tp=..., pp=..., dp=..., zero_stage=...), not "
                             f"{type(layout).__name__}. {hint}".strip())
-    route, outcome, expected = _path_layout(model, cluster, gpus)
+    route, outcome, expected = _reference._path_layout(model, cluster, gpus)
     if layout != expected:
         raise ExerciseWrong(f"{layout.label()} is not where the path leads. Answer page 11.1's questions in order "
                             f"from the planner's numbers ({_HOW_TO_ANSWER}), and follow the flowchart from each "
@@ -92,6 +76,7 @@ def check_better_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gp
     other than the search's first choice, which page 11.2 names, and other than the path's layout, which the
     exercise compares it with: the learner searches, not copies. The path's layout is refused whatever its share:
     it sits just under the bar, and compared with itself the last question would have no answer."""
+    from labkit.exercises import _ch11_reference as _reference
     from distlab import planner
     from labkit import planner_widgets
 
@@ -100,7 +85,7 @@ def check_better_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gp
     verdict = planner_widgets.layout_verdict(layout, model, cluster, gpus, within=within)
     first = planner.search(planner.MODELS[model], planner.CLUSTERS[cluster], gpus)[0].layout
     degrees = ("tp", "pp", "dp", "cp")
-    path = _path_layout(model, cluster, gpus)[2]
+    path = _reference._path_layout(model, cluster, gpus)[2]
     if path is not None and all(getattr(layout, d) == getattr(path, d) for d in degrees):
         raise ExerciseWrong(f"{layout.label()} has the degrees of the path's layout, path_70b, which the next question "
                             f"compares it with; find other degrees (tp, pp or dp) within {within:.0%}. "
@@ -113,33 +98,17 @@ def check_better_layout(layout, model: str = CASE[0], cluster: str = CASE[1], gp
     _ok(f"layout_70b: {verdict.message}")
 
 
-def _costs(layout, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2]) -> dict:
-    """The seconds a layout, at the settings the search gives it, spends on each cost a layout can pay beyond the
-    model's own compute: recomputation, exposed communication, the pipeline's bubble."""
-    from distlab import planner
-    from distlab.planner.step_time import compute_rate, stage_flops
-
-    spec, machine = planner.MODELS[model], planner.CLUSTERS[cluster]
-    plan = planner.tune(spec, machine, layout, planner.Options(), gpus)
-    options = replace(planner.Options(), activation_checkpointing=plan.settings["checkpointing"])
-    flops = stage_flops(spec, layout, plan.worst_stage, options)
-    # the rate the planner's step time uses: the GEMM shapes of the plan's own micro-batch
-    rate = compute_rate(replace(spec, micro_batch=plan.settings["micro_batch"]), machine, layout, options)
-    return {"recomputation": flops["recompute"] / rate,
-            "communication": sum(plan.exposed_seconds.values()),
-            "bubble": plan.bubble.get("seconds", 0.0)}
-
-
 @learner_check
 def check_what_it_pays(answer, path, better, model: str = CASE[0], cluster: str = CASE[1], gpus: int = CASE[2], *,
                        hint: str = "") -> None:
     """``answer`` names the cost ("recomputation", "communication" or "bubble") that the path's layout ``path``
     pays more of, in seconds a step, than ``better`` does: the largest difference, as the planner counts them."""
+    from labkit.exercises import _ch11_reference as _reference
     if answer is None or answer is Ellipsis:
         raise _not_done("cost_70b", hint)
     if path is None or better is None:
         raise ExerciseIncomplete("answer path_70b and layout_70b first")
-    paid, spent = _costs(path, model, cluster, gpus), _costs(better, model, cluster, gpus)
+    paid, spent = _reference._costs(path, model, cluster, gpus), _reference._costs(better, model, cluster, gpus)
     extra = {name: paid[name] - spent[name] for name in paid}
     right = max(extra, key=extra.get)
     shown = ", ".join(f"{name} {paid[name]:.1f} s against {spent[name]:.1f} s" for name in paid)
@@ -161,24 +130,6 @@ def nodes_case(model: str = NODES_CASE[0], seq_len: int = NODES_CASE[2]):
     return planner_widgets.with_sequence_length(planner.MODELS[model], seq_len)
 
 
-def _held_gib(model, cluster, nodes: int) -> float:
-    """GiB per GPU that FSDP over ``nodes`` nodes needs for one sequence, every block recomputed (page 11.1's
-    second question: ``planner.fsdp_one_sequence_bytes``)."""
-    from distlab import planner
-
-    return planner.fsdp_one_sequence_bytes(model, nodes * cluster.gpus_per_node)["total"] / planner.GIB
-
-
-def _fewest_fsdp_nodes(model, cluster, max_nodes: int = 512) -> int | None:
-    """Exercise 2's reference: the fewest nodes on which FSDP over every GPU holds one sequence beside its shards
-    (page 11.1's second question asked of 1, 2, 3 ... nodes; the batch aside). Private: the lab imports this module."""
-    from distlab import planner
-
-    return next((n for n in range(1, max_nodes + 1)
-                 if planner.fsdp_one_sequence_bytes(model, n * cluster.gpus_per_node)["total"] <= cluster.gpu_bytes),
-                None)
-
-
 @learner_check
 def check_fewest_nodes(nodes, gib, model: str = NODES_CASE[0], cluster: str = NODES_CASE[1],
                        seq_len: int = NODES_CASE[2], *, hint: str = "") -> None:
@@ -189,6 +140,7 @@ def check_fewest_nodes(nodes, gib, model: str = NODES_CASE[0], cluster: str = NO
     which is not the fewest is never told the answer, nor, when it fits, whether it is too many (a few guesses would
     find a small count); one that does not fit is told that its own sum is over the GPU's memory. The confirmation
     adds the count before it and what the search finds with TP or CP."""
+    from labkit.exercises import _ch11_reference as _reference
     from distlab import planner
 
     if nodes is None or nodes is Ellipsis:
@@ -204,13 +156,13 @@ def check_fewest_nodes(nodes, gib, model: str = NODES_CASE[0], cluster: str = NO
         raise ExerciseWrong(f"gib_13b is a number of GiB per GPU, not {gib!r}. {hint}".strip())
     spec = nodes_case(model, seq_len)
     gpu_gib = machine.gpu_bytes / planner.GIB
-    held = _held_gib(spec, machine, nodes)
+    held = _reference._held_gib(spec, machine, nodes)
     if abs(gib - held) > GIB_TOLERANCE:
         raise ExerciseWrong(f"gib_13b = {gib:g} GiB is not, within {GIB_TOLERANCE:g} GiB, what FSDP over {nodes} "
                             f"node(s) of {machine.gpus_per_node} GPUs needs per GPU at {seq_len:,} tokens. Add every "
                             f"part as page 11.1 does for 7B: the state's share, one sequence's activations, FSDP's "
                             f"buffers and the reserve, in GiB (2^30 bytes). {hint}".strip())
-    fewest = _fewest_fsdp_nodes(spec, machine)
+    fewest = _reference._fewest_fsdp_nodes(spec, machine)
     if nodes != fewest and held > gpu_gib:
         raise ExerciseWrong(f"on {nodes} node(s) your sum, {gib:g} GiB per GPU, is more than the GPU's "
                             f"{gpu_gib:.0f} GiB: one sequence does not fit there. {hint}".strip())
@@ -219,7 +171,7 @@ def check_fewest_nodes(nodes, gib, model: str = NODES_CASE[0], cluster: str = NO
                             f"{seq_len:,}-token sequence. Add, per GPU, every part (the state's share, activations, "
                             f"FSDP's units, the reserve) for a node count and for the one before it. {hint}".strip())
     searched = planner.fewest_nodes(spec, machine)
-    before = (f"; on {nodes - 1} node(s), {_held_gib(spec, machine, nodes - 1):.1f} GiB, over the GPU's "
+    before = (f"; on {nodes - 1} node(s), {_reference._held_gib(spec, machine, nodes - 1):.1f} GiB, over the GPU's "
               f"{gpu_gib:.0f}" if nodes > 1 else "")
     _ok(f"nodes_13b = {nodes}, gib_13b = {gib:g}: FSDP over {nodes * machine.gpus_per_node} GPUs needs {held:.1f} GiB "
         f"per GPU of {gpu_gib:.0f}{before}. Free to add TP, SP or CP, the planner's search fits it on {searched} "

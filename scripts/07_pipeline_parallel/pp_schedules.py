@@ -169,7 +169,9 @@ def main():
             rt.sync()
             dist.barrier()
             t0 = time.perf_counter()
-            schedule.step(*inputs, **outputs)
+            # return_outputs=False: else the last stage keeps every microbatch's output until the next step
+            # (torch 2.13 pipelining/schedules.py:745, stage.py:907-908)
+            schedule.step(*inputs, **outputs, return_outputs=False)
             rt.sync()                       # on a GPU, wait for the step's kernels before reading the clock
             step_seconds.append(time.perf_counter() - t0)
             if last_here:

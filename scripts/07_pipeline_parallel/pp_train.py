@@ -139,7 +139,9 @@ def main():
             dist.barrier()
             t0 = time.perf_counter()
             step_losses = [] if last_here else None
-            schedule.step(*((inputs,) if first_here else ()),
+            # return_outputs=False: else the last stage keeps every microbatch's logits until the next step
+            # (torch 2.13 pipelining/schedules.py:745, stage.py:907-908); the losses come back in step_losses
+            schedule.step(*((inputs,) if first_here else ()), return_outputs=False,
                           **(dict(target=targets, losses=step_losses) if last_here else {}))
             if step == 0 and with_reference:
                 first_grads = {n: p.grad.detach().cpu().clone() for m in modules.values()   # before any clip

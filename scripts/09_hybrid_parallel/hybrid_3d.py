@@ -205,7 +205,9 @@ def main():
             t0 = clock.start()
             losses = [] if last_here else None
             with comm.CommCounter() as counter:
-                schedule.step(*((inputs,) if first_here else ()),
+                # return_outputs=False: else the last stage keeps every microbatch's logits until the next step
+                # (torch 2.13 pipelining/schedules.py:745, stage.py:907-908); the losses come back in losses
+                schedule.step(*((inputs,) if first_here else ()), return_outputs=False,
                               **(dict(target=targets, losses=losses) if last_here else {}))
             if step == first and args.reference:   # the first step is not timed: its gradients, gathered whole
                 first_grads = {n: g for m in modules.values() for n, g in full_named(m, grads=True).items()}

@@ -160,7 +160,9 @@ def main():
             inputs, targets = replica_batch(step, args, cfg, dp_rank, rt.device)
             losses = [] if last_here else None
             with autocast:
-                schedule.step(*((inputs,) if first_here else ()),
+                # return_outputs=False: else the last stage keeps every microbatch's logits until the next step
+                # (torch 2.13 pipelining/schedules.py:745, stage.py:907-908); the losses come back in losses
+                schedule.step(*((inputs,) if first_here else ()), return_outputs=False,
                               **(dict(target=targets, losses=losses) if last_here else {}))
             return torch.stack(losses).mean().item() if last_here else None
 

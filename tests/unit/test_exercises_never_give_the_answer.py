@@ -402,9 +402,10 @@ def ch09_block_plan():
 def ch11_path_layout():
     from distlab import planner
 
+    from labkit.exercises import _ch11_reference as reference
     from labkit.exercises import ch11
 
-    right = ch11._path_layout()[2]
+    right = reference._path_layout()[2]
     for wrong in (planner.Layout(dp=64, zero_stage=0), planner.Layout(dp=64, zero_stage=1),
                   planner.Layout(dp=64, zero_stage=3), planner.Layout(tp=8, pp=8, dp=1, zero_stage=1)):
         if wrong != right:
@@ -414,10 +415,11 @@ def ch11_path_layout():
 def ch11_what_it_pays():
     from distlab import planner
 
+    from labkit.exercises import _ch11_reference as reference
     from labkit.exercises import ch11
 
-    path, better = ch11._path_layout()[2], planner.Layout(tp=4, pp=8, dp=2, zero_stage=1)
-    paid, spent = ch11._costs(path), ch11._costs(better)
+    path, better = reference._path_layout()[2], planner.Layout(tp=4, pp=8, dp=2, zero_stage=1)
+    paid, spent = reference._costs(path), reference._costs(better)
     right = max(paid, key=lambda name: paid[name] - spent[name])
     for wrong in paid:
         if wrong != right:
@@ -427,17 +429,18 @@ def ch11_what_it_pays():
 def ch11_fewest_nodes():
     from distlab import planner
 
+    from labkit.exercises import _ch11_reference as reference
     from labkit.exercises import ch11
 
     from labkit import planner_widgets
 
     # exercise 2's case: 13B at 16K-token sequences, FSDP over every GPU; the count and the GiB per GPU there
     spec, a100 = planner_widgets.with_sequence_length(planner.MODELS["13b"], 16384), planner.CLUSTERS["a100-40gb"]
-    right = ch11._fewest_fsdp_nodes(spec, a100)
-    gib = ch11._held_gib(spec, a100, right)
+    right = reference._fewest_fsdp_nodes(spec, a100)
+    gib = reference._held_gib(spec, a100, right)
     for label, got in _numbers_off(right).items():
         # a wrong count with the GiB right for it (where it is a count): the message leaves out both answers
-        held = ch11._held_gib(spec, a100, int(got)) if got == int(got) and got >= 1 else gib
+        held = reference._held_gib(spec, a100, int(got)) if got == int(got) and got >= 1 else gib
         yield Attempt(f"nodes {label}", lambda got=got, held=held: ch11.check_fewest_nodes(got, held), [right, gib])
     for label, got in _numbers_off(gib).items():
         # the right count with a wrong GiB: the count is the learner's own, the GiB must not be said

@@ -646,3 +646,18 @@ def test_zero2s_reduce_scatters_hide_behind_each_microbatchs_backward():
 
     exposed = step_time.stage_time(spec, cluster, layout, 0, options)["exposed"]["dp"]
     assert exposed == pytest.approx(0.0, abs=1e-3)
+
+
+def test_one_chunk_a_rank_needs_as_many_microbatches_as_stages():
+    """torch's Schedule1F1B refuses M < P (pipelining/schedules.py:1020-1024): the planner never proposes it."""
+    spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
+    spec = replace(spec, global_batch=32)
+    layout = planner.Layout(tp=8, pp=8, dp=8, zero_stage=1)          # M = 32 / 8 = 4 < P = 8
+    problems = planner.layout_problems(spec, h100, layout, 512, planner.Options(chunks=1))
+    assert any("1F1B needs at least as many microbatches" in p for p in problems)
+    assert not planner.layout_problems(spec, h100, layout, 512, planner.Options(chunks=2))
+    small = replace(planner.MODELS["7b"], global_batch=16)
+    plans = planner.search(small, h100, 64)
+    tuned = [p for p in plans if p.settings]
+    assert tuned and not [p for p in tuned if p.layout.pp > 1 and p.settings.get("chunks", 1) == 1
+                          and small.global_batch // (p.layout.dp * p.settings["micro_batch"]) < p.layout.pp]

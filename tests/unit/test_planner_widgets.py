@@ -57,14 +57,15 @@ def test_layout_verdicts():
 def test_the_notebooks_exercise_checks_reject_plausible_wrong_answers():
     import pytest
 
+    from labkit.exercises import _ch11_reference as reference
     from labkit.exercises import ch11 as exercises
 
     spec, a100 = exercises.nodes_case("13b", 16384), planner.CLUSTERS["a100-40gb"]
-    right = exercises._fewest_fsdp_nodes(spec, a100)
-    exercises.check_fewest_nodes(right, exercises._held_gib(spec, a100, right), "13b", "a100-40gb", 16384)
+    right = reference._fewest_fsdp_nodes(spec, a100)
+    exercises.check_fewest_nodes(right, reference._held_gib(spec, a100, right), "13b", "a100-40gb", 16384)
     for slip in (right - 1, right + 1):  # the state alone, rounded up, and a node more "to be safe"
         with pytest.raises(exercises.ExerciseWrong):
-            exercises.check_fewest_nodes(slip, exercises._held_gib(spec, a100, slip), "13b", "a100-40gb", 16384)
+            exercises.check_fewest_nodes(slip, reference._held_gib(spec, a100, slip), "13b", "a100-40gb", 16384)
     with pytest.raises(exercises.ExerciseIncomplete):
         exercises.check_true("layout_70b", planner_widgets.layout_verdict(None).ok, "")
     for slip in (planner.Layout(tp=8, pp=1, dp=8, zero_stage=3),  # FSDP re-gathers for every microbatch
