@@ -88,3 +88,16 @@ def test_the_chapter_states_the_assumption_with_the_planners_numbers():
     assert (f"Then 11.2's `tp=1,pp=8,dp=8,zero=3` would need {kept.memory_per_gpu_bytes['total'] / planner.GIB:.1f} "
             f"GiB, not {run.memory_per_gpu_bytes['total'] / planner.GIB:.1f}.") in text
     assert "The course's pipeline scripts pass `return_outputs=False`, and the planner assumes it." in text
+
+
+def test_chapter_07s_example_passes_return_outputs_false_on_every_rank():
+    """Chapter 07.2's code block is what a learner copies: each `schedule.step(` in it passes return_outputs=False,
+    as the course's scripts do, and the page says why (the last stage would keep every microbatch's logits)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "chapters" / "07.2_interleaving_and_zero_bubble.md").read_text()
+    block = text[text.index("stage = PipelineStage(my_layers"):]
+    block = block[:block.index("```")]
+    calls = [line for line in block.splitlines() if "schedule.step(" in line]
+    assert len(calls) == 3 and all("return_outputs=False" in line for line in calls), calls
+    assert "By default it keeps every microbatch's output, the logits, until\nthe next step" in text
