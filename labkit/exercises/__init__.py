@@ -7,5 +7,6 @@ general checks (``check_value``, ``check_function``, ``check_tensor``, ``check_t
 checks of its own exercises, which look at more than the final number so that a plausible wrong answer is caught.
 
 checks   the shared failures and general checks
-ch01 ... ch13    each lab's checks
+ch01 ... ch14    each lab's checks
+_ch11_reference  lab 11's reference answers, imported by ch11's checks when they run (not by the lab)
 """
