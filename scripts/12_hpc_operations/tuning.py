@@ -341,7 +341,8 @@ def knob_microbatches(args, rt, report):
             rt.sync()
             dist.barrier()
             started = time.perf_counter()
-            schedule.step(*((x.to(rt.device),) if rt.rank == 0 else ()),
+            # return_outputs=False: else the last stage keeps every microbatch's output until the next step
+            schedule.step(*((x.to(rt.device),) if rt.rank == 0 else ()), return_outputs=False,
                           **(dict(target=target.to(rt.device)) if rt.rank == ranks - 1 else {}))
             rt.sync()
             if step:

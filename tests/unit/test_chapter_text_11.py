@@ -124,10 +124,10 @@ def test_ddp_is_as_fast_as_the_best_for_a_model_that_fits_one_gpu(text):
 def test_llamas_layouts_fit_near_the_top_and_the_gpt3_row_is_gone(text, raw):
     rows = planner.published_table()
     assert [r["fits"] for r in rows] == [False, False, True]   # at their published settings (the 8K rows: a miss)
-    assert all(r["rank"] and r["rank"] <= 10 for r in rows)     # at the planner's settings, near the top
+    assert all(1 < r["rank"] <= r["fitting"] / 2 for r in rows)   # at the planner's settings: top half, not first
     long = rows[2]
     assert abs(long["mfu"] / long["best_mfu"] - 1) < 0.05  # "by a few per cent of MFU"
-    assert "ranks near the top" in text and "differs by a few per cent of MFU" in text
+    assert "ranks in the top half of the layouts" in text and "differs by a few per cent of MFU" in text
     assert "GPT-3 175B on 1024 V100" not in planner.validation_markdown() + planner.published_table_markdown()
     assert "the GPT-3 paper gives neither a GPU count nor parallel degrees" in text
     assert planner.MODELS["405b"].layers % 16 and "126 layers do not divide into 16 stages" in text
@@ -823,7 +823,8 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
             "torchtitan and the planner set it, a schedule with one stage per rank (GPipe, 1F1B) keeps them "
             "gathered. The interleaved schedule ignores the setting and keeps three chunks gathered") in text
     assert ("Under PP with one stage a rank, `fully_shard`'s `reshard_after_forward` decides, and the planner sets it "
-            "to `False` (torch's default is `True`). Under the interleaved schedule torch's runtime decides: it keeps "
+            "to `False` (torch's default, `None`, reshards every unit but the root). Under the interleaved schedule "
+            "torch's runtime decides: it keeps "
             "three chunks gathered (page 11.3)") in text
     for gone in ("A one-stage schedule", "PyTorch's pipeline schedule decides", "gathers first during"):
         assert gone not in text, gone

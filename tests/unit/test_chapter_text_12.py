@@ -893,9 +893,11 @@ def test_the_schedulers_kill_delays_and_messages():
     # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
     # means for every rank, the first node's too (review s15 finding 4: the MoM signals its own tasks' sessions,
     # and whether PALS starts the ranks inside them no source read here shows)
-    assert ("But PBS signals only the first node's job shell, `mpiexec` and `tee`. A rank gets the TERM only if it runs "
-            "in the shell's session or `mpiexec` passes it on, which the course has not checked under Cray PALS. One "
-            "rank that gets it stops them all.") in text
+    # (review s15 closing nit: the MoM signals every task session of the job there, the job shell's and any a TM
+    # launch started: mom_main.c kill_job, linux/mom_mach.c kill_task)
+    assert ("But PBS signals only the first node's task sessions: the job shell's (with `mpiexec` and `tee`) and any "
+            "started through TM. A rank gets the TERM only if it runs in one or `mpiexec` passes it on, unchecked under "
+            "Cray PALS. One rank that gets it stops them all.") in text
     assert "PBS sends it to the first node only" not in text
     assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
     assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
@@ -1179,9 +1181,10 @@ def test_a_hung_jobs_evidence_needs_a_term_the_ranks_can_outlive():
     text = flat(CHAPTER)
     assert "A job cancelled while its ranks hang (`scancel`, `qdel`) leaves the same evidence" not in text
     assert ("PBS's `qdel` (TERM, then SIGKILL after `kill_delay`), or under Slurm `scancel --signal=TERM <id>` (the "
-            "steps only) before `scancel <id>`. PBS's TERM reaches the job shell's session on the first node; a rank "
-            "gets it only if it runs there or `mpiexec` passes it on (not checked under Cray PALS). A plain Slurm `scancel <id>` works too: it sends every step TERM, then "
-            "KILL after `KillWait`") in text
+            "steps only) before `scancel <id>`. PBS's TERM reaches the job's task sessions on the first node: the job "
+            "shell's, and any started through PBS's task interface (TM). A rank gets it only if it runs in one or "
+            "`mpiexec` passes it on (not checked under Cray PALS). A plain Slurm `scancel <id>` works too: it sends "
+            "every step TERM, then KILL after `KillWait`") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert "but sends its tasks nothing" not in readme
     assert "It asks the controller to SIGKILL its step, and the controller refuses: the job has already timed out" in readme
