@@ -277,17 +277,24 @@ def test_the_two_hangs_of_chapter_12_dump_into_folders_of_their_own(job_env, fak
     assert len(folders) == 2 and len(set(folders)) == 2 and all(f.startswith(job_env["DISTLAB_RUN_DIR"]) for f in folders)
 
 
+def chained_job_env(job_env, fake_pals, tmp_path, qstat: str, qsub: str, chain: str, only: str) -> dict:
+    """The environment of a chained pbs/12 run under stand-ins: ``qstat`` and ``qsub`` are the bodies of the bash
+    scripts that stand in for them, the fake PALS mpiexec launches (it echoes: nothing runs)."""
+    for name, body in (("qstat", qstat), ("qsub", qsub)):
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    return job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_QSTAT": str(tmp_path / "qstat"),
+                      "DISTLAB_QSUB": str(tmp_path / "qsub"), "DISTLAB_QDEL": "true", "DISTLAB_CHAIN": chain,
+                      "DISTLAB_ONLY": only, "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+
+
 def test_the_chain_carries_a_list_of_scripts_to_the_next_job(job_env, fake_pals, tmp_path):
     """pbs/12 with DISTLAB_CHAIN=1 and DISTLAB_ONLY=a list with commas, under stand-ins for qstat and qsub: qsub -v
     splits its list at commas, so the next job must get the list with colons (it read DISTLAB_ONLY=tuning.py and
     would run the wrong script). Launches are the fake PALS mpiexec's echo: nothing runs."""
-    (tmp_path / "qstat").write_text("#!/bin/bash\nprintf '    Resource_List.walltime = 00:20:00\\n'\n")
-    (tmp_path / "qsub").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/qsub.args; echo 4243.desched1\n')
-    for name in ("qstat", "qsub"):
-        (tmp_path / name).chmod(0o755)
-    env = job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_QSTAT": str(tmp_path / "qstat"),
-                     "DISTLAB_QSUB": str(tmp_path / "qsub"), "DISTLAB_QDEL": "true", "DISTLAB_CHAIN": "1",
-                     "DISTLAB_ONLY": "tuning.py,fault_drill.py", "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+    env = chained_job_env(job_env, fake_pals, tmp_path, qstat="printf '    Resource_List.walltime = 00:20:00\\n'",
+                          qsub=f'printf "%s\\n" "$@" > {tmp_path}/qsub.args; echo 4243.desched1',
+                          chain="1", only="tuning.py,fault_drill.py")
     result = run_bash(["bash", str(PBS_DIR / "12_hpc_operations.pbs")], env, timeout=120)
     assert result.returncode == 0, result.output[-3000:]
     args = (tmp_path / "qsub.args").read_text().splitlines()
@@ -355,13 +362,8 @@ def test_a_rerun_chained_job_submits_no_second_successor(job_env, fake_pals, tmp
     attempt notes its successor's id in the job's first run folder, and the rerun takes it from there: one qsub in
     all."""
     qstat = tmp_path / "qstat.out"
-    (tmp_path / "qstat").write_text(f"#!/bin/bash\ncat {qstat}\n")
-    (tmp_path / "qsub").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/qsub.calls; echo 4243.desched1\n')
-    for name in ("qstat", "qsub"):
-        (tmp_path / name).chmod(0o755)
-    env = job_env | {"DISTLAB_MPIEXEC": fake_pals, "DISTLAB_QSTAT": str(tmp_path / "qstat"),
-                     "DISTLAB_QSUB": str(tmp_path / "qsub"), "DISTLAB_QDEL": "true", "DISTLAB_CHAIN": "2",
-                     "DISTLAB_ONLY": "tuning.py", "DISTLAB_DRILL_DIR": str(tmp_path / "drill")}
+    env = chained_job_env(job_env, fake_pals, tmp_path, qstat=f"cat {qstat}",
+                          qsub=f'echo "$*" >> {tmp_path}/qsub.calls; echo 4243.desched1', chain="2", only="tuning.py")
     said = []
     for run_count in (1, 2):  # the first run, then the rerun (run_count: OpenPBS adds one each time the job runs)
         qstat.write_text(f"    Resource_List.walltime = 00:20:00\n    run_count = {run_count}\n")
