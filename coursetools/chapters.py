@@ -53,6 +53,13 @@ def pages(number: str, root: Path = ROOT) -> list[Path]:
     return first + more
 
 
+def labs(number: str, root: Path = ROOT) -> list[Path]:
+    """A chapter's lab notebooks in working order: the one named as the chapter (``notebooks/NN_name.ipynb``) first,
+    then its sequels by name (chapter 14's lab is two notebooks, each under a minute)."""
+    first = pages(number, root)[0].stem
+    return sorted((root / "notebooks").glob(f"{number}_*.ipynb"), key=lambda lab: (lab.stem != first, lab.name))
+
+
 def text(number: str, root: Path = ROOT) -> str:
     """A chapter's pages as one text (what a text test reads: a claim may move from one page to the next)."""
     return "\n\n".join(p.read_text() for p in pages(number, root))
@@ -131,7 +138,7 @@ def exercise_items(markdown: str) -> list[str]:
 def lab_exercises(number: str, root: Path = ROOT) -> list[str]:
     """The titles of the exercise headings of a chapter's lab ("Exercise 2: predict the bytes of a step")."""
     found = []
-    for lab in sorted((root / "notebooks").glob(f"{number}_*.ipynb")):
+    for lab in labs(number, root):
         for cell in json.loads(lab.read_text())["cells"]:
             if cell["cell_type"] == "markdown":
                 source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]

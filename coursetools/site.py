@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coursetools.chapters import labs as chapter_labs
 from coursetools.chapters import pages as chapter_pages
 from coursetools.chapters import text as chapter_text
 
@@ -39,7 +40,7 @@ class Chapter:
     number: str                  # "05"
     stem: str                    # "05_fully_sharded"
     title: str
-    lab: str | None              # "notebooks/05_fully_sharded.ipynb"
+    labs: list[str]              # ["notebooks/05_fully_sharded.ipynb"]; chapter 14's lab is two notebooks
     scripts: list[str] = field(default_factory=list)   # "scripts/05_fully_sharded/train_fsdp.py", ...
     job: str | None = None       # "pbs/05_fully_sharded.pbs"
 
@@ -56,13 +57,13 @@ def chapter_links(repo: Path = REPO) -> list[Chapter]:
         number = path.stem[:2]
         if number == "00":    # the conventions: a page of their own
             continue
-        lab = next((f"notebooks/{p.name}" for p in sorted((repo / "notebooks").glob(f"{number}_*.ipynb"))), None)
+        labs = [f"notebooks/{p.name}" for p in chapter_labs(number, repo)]   # the lab named as its chapter first
         folder = next(iter(sorted((repo / "scripts").glob(f"{number}_*"))), None)
         scripts = ([f"scripts/{folder.name}/{p.name}" for p in sorted(folder.glob("*.py"))
                     if not p.name.startswith("common_")] if folder else
                    _scripts_named(chapter_text(number, repo), repo))   # chapter 14 breaks the other chapters' scripts
         job = next((f"pbs/{p.name}" for p in sorted((repo / "pbs").glob(f"{number}_*.pbs"))), None)
-        chapters.append(Chapter(number, path.stem, _title(path.read_text(), path.stem), lab, scripts, job))
+        chapters.append(Chapter(number, path.stem, _title(path.read_text(), path.stem), labs, scripts, job))
     return chapters
 
 
@@ -100,8 +101,13 @@ def _faces_line(chapter: Chapter, page: str, *, skip: str = "") -> str:
     parts = []
     if skip != "chapter":
         parts.append(f"[chapter {chapter.number}]({_relative(f'chapters/{chapter.stem}.md', page)})")
-    if chapter.lab and skip != "lab":
-        parts.append(f"[the lab]({_relative(chapter.lab, page)})")
+    labs = [lab for lab in chapter.labs if lab != skip]
+    if len(labs) == 1 and len(chapter.labs) == 1:
+        parts.append(f"[the lab]({_relative(labs[0], page)})")
+    elif labs:   # a lab of several notebooks: each, in order; a notebook's own page links the others
+        word = "the lab" if len(labs) == len(chapter.labs) else "the lab's other part" + "s" * (len(labs) > 1)
+        parts.append(f"{word}: " + ", ".join(f"[part {chapter.labs.index(lab) + 1}]({_relative(lab, page)})"
+                                             for lab in labs))
     if chapter.scripts:
         parts.append("scripts: " + ", ".join(f"[`{Path(s).name}`]({_relative(page_of(s), page)})"
                                              for s in chapter.scripts if s != skip))
@@ -125,12 +131,12 @@ def _source_page(path: str, chapter: Chapter | None, language: str) -> str:
     return "\n".join(lines)
 
 
-def _lab_cell(chapter: Chapter) -> dict:
-    name = Path(chapter.lab).name
+def _lab_cell(chapter: Chapter, lab: str) -> dict:
+    name = Path(lab).name
     text = (f"**Run this lab yourself:** `make lab` opens the course in JupyterLab; open `notebooks/student/{name}` "
-            f"there, your copy with the exercises left to do. The page below is `{chapter.lab}`, the lab with its "
+            f"there, your copy with the exercises left to do. The page below is `{lab}`, the lab with its "
             f"answers, as the course ran it on a CPU while the website was built: try the exercises before you read "
-            f"it. {{download}}`Download the answers <{name}>`.\n\n{_faces_line(chapter, chapter.lab, skip='lab')}")
+            f"it. {{download}}`Download the answers <{name}>`.\n\n{_faces_line(chapter, lab, skip=lab)}")
     return {"cell_type": "markdown", "id": "distlab-run-this-lab", "metadata": {}, "source": text}
 
 
@@ -190,14 +196,14 @@ def _lay_out(source: Path, repo: Path) -> None:
     # labs, each with its first cell
     (source / "notebooks").mkdir()
     for chapter in chapters:
-        if chapter.lab:
-            notebook = json.loads((repo / chapter.lab).read_text())
+        for lab in chapter.labs:
+            notebook = json.loads((repo / lab).read_text())
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "markdown":
                     text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-                    cell["source"] = _link_paths(text, chapter.lab, known)
-            notebook["cells"].insert(1, _lab_cell(chapter))   # under the lab's title
-            (source / chapter.lab).write_text(json.dumps(notebook, indent=1))
+                    cell["source"] = _link_paths(text, lab, known)
+            notebook["cells"].insert(1, _lab_cell(chapter, lab))   # under the lab's title
+            (source / lab).write_text(json.dumps(notebook, indent=1))
 
     # scripts and jobs as pages
     scripts = sorted(p.relative_to(repo).as_posix() for p in (repo / "scripts").rglob("*.py"))
@@ -227,8 +233,9 @@ def _lay_out(source: Path, repo: Path) -> None:
     toc = ["chapters/00_conventions.md"]
     for chapter in chapters:   # a chapter of several pages: each page in the contents, in reading order
         toc += [path.relative_to(repo).as_posix() for path in chapter_pages(chapter.number, repo)]
-        if chapter.lab:   # named apart from its chapter in the contents (some labs share the chapter's title)
-            toc.append(f"{chapter.number} · the lab <{chapter.lab}>")
+        for part, lab in enumerate(chapter.labs, 1):   # named apart from its chapter in the contents (some labs
+            # share the chapter's title); a lab of several notebooks, part by part
+            toc.append(f"{chapter.number} · the lab" + (f", part {part}" if len(chapter.labs) > 1 else "") + f" <{lab}>")
     hidden = [page_of(p) for p in scripts + jobs]
     (source / "BENCHMARKS.md").write_text((repo / "BENCHMARKS.md").read_text())
     index = [readme, "", "```{toctree}", ":caption: The course", ":maxdepth: 1", "", *toc, "```", "",

@@ -109,8 +109,7 @@ def pages_to_open(html: Path) -> list[str]:
     pages = ["index.html", "chapters/00_conventions.html"]
     for chapter in site.chapter_links():
         pages += [f"chapters/{page.stem}.html" for page in site.chapter_pages(chapter.number)]
-        if chapter.lab:
-            pages.append(chapter.lab.replace(".ipynb", ".html"))
+        pages += [lab.replace(".ipynb", ".html") for lab in chapter.labs]
     missing = [p for p in pages if not (html / p).exists()]
     if missing:
         raise FileNotFoundError(f"not built: {', '.join(missing)} (run make site)")

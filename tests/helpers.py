@@ -107,3 +107,17 @@ def forkexec_settings() -> dict[str, str]:
 
     socket_path = os.environ.get(forkserver.SOCKET_ENV)
     return {"DISTLAB_PYTHON": scheduler_python(), forkserver.SOCKET_ENV: socket_path} if socket_path else {}
+
+
+def lab_cells(number: str, student: bool = False) -> list[dict]:
+    """A chapter's lab as one list of cells, its notebooks in working order (``coursetools.chapters.labs``: chapter
+    14's lab is two notebooks): the full lab's, or with ``student`` the learner's copies'."""
+    import json
+
+    from coursetools import chapters
+
+    cells = []
+    for lab in chapters.labs(number):
+        path = lab.parent / "student" / lab.name if student else lab
+        cells += json.loads(path.read_text())["cells"]
+    return cells

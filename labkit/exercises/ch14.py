@@ -78,6 +78,13 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "two more jobs that stop": ("run 16", "run 17"),
          "four more runs": ("run 18", "run 19", "run 20", "run 21"),
          "three more wrong numbers": ("run 22", "run 23", "run 24")}
+# The lab is three notebooks, each under a minute on 2 cores: the chapter's first questions (stuck or slow? stops?
+# do the ranks agree?) and their fixes; its third (does the run agree with one device?), whose FSDP, TP and
+# checkpoint runs are the lab's heaviest; then more failures of every kind. Each prefetches its own parts' runs
+# (prefetch(notebook=...)).
+NOTEBOOKS = {"14_when_it_goes_wrong": ("stuck or slow", "stops or prints nonsense", "ranks that disagree"),
+             "14_against_one_device": ("wrong against one device",),
+             "14_more_failures": ("two more jobs that stop", "four more runs", "three more wrong numbers")}
 
 
 def _token(name: str) -> str:
@@ -322,12 +329,17 @@ def _prefetch_order(label: str):
 PREFETCH_WORKERS = 3
 
 
-def prefetch(labels=None, workers: int = PREFETCH_WORKERS) -> None:
-    """Start the lab's broken runs (``labels``, default all) in the background, ``workers`` at a time, so that
-    :func:`run` finds each done or under way. Much of a broken run is waiting (a hang's timeout, a slow rank's
-    sleep, the ranks' start), which another run can use. Broken runs only: a fix is judged by its own run, alone."""
+def prefetch(labels=None, workers: int = PREFETCH_WORKERS, *, notebook: str | None = None) -> None:
+    """Start the lab's broken runs (``labels``, or those of ``notebook``'s parts, a key of :data:`NOTEBOOKS`;
+    default all) in the background, ``workers`` at a time, so that :func:`run` finds each done or under way. Much
+    of a broken run is waiting (a hang's timeout, a slow rank's sleep, the ranks' start), which another run can
+    use. Broken runs only: a fix is judged by its own run, alone."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if notebook is not None:
+        if notebook not in NOTEBOOKS:
+            raise ValueError(f"notebook {notebook!r}: one of {sorted(NOTEBOOKS)}")
+        labels = [label for part in NOTEBOOKS[notebook] for label in PARTS[part]]
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ch14-prefetch")
     for label in sorted(labels or LABELS, key=_prefetch_order):
         case = next(case for case in broken_runs.BROKEN_RUNS if _token(case.name) == _TOKENS[label])

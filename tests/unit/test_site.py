@@ -41,9 +41,26 @@ def test_every_chapter_has_its_four_faces():
     chapters = site.chapter_links()
     assert [c.number for c in chapters] == [f"{n:02d}" for n in range(1, 15)]
     for chapter in chapters:
-        assert chapter.lab == f"notebooks/{chapter.stem}.ipynb", chapter
+        assert chapter.labs[0] == f"notebooks/{chapter.stem}.ipynb", chapter   # the lab named as its chapter first
+        assert chapter.labs == [f"notebooks/{chapter.stem}.ipynb"] + (
+            ["notebooks/14_against_one_device.ipynb", "notebooks/14_more_failures.ipynb"] if chapter.number == "14"
+            else []), chapter   # chapter 14's lab is three notebooks, in working order
         assert chapter.scripts and all((REPO / s).exists() for s in chapter.scripts), chapter
         assert chapter.job == f"pbs/{chapter.stem}.pbs"
+
+
+def test_a_lab_of_several_notebooks_is_linked_part_by_part():
+    """Chapter 14's lab is three notebooks: the chapter's pages link each part in order, and each part's page links
+    the other parts (a lab of one notebook keeps its one link, and its own page none)."""
+    several = site.Chapter("14", "14_x", "x", ["notebooks/14_x.ipynb", "notebooks/14_b.ipynb", "notebooks/14_c.ipynb"])
+    line = site._faces_line(several, "chapters/14_x.md", skip="chapter")
+    assert line == ("the lab: [part 1](../notebooks/14_x.ipynb), [part 2](../notebooks/14_b.ipynb), "
+                    "[part 3](../notebooks/14_c.ipynb)")
+    own = site._faces_line(several, "notebooks/14_b.ipynb", skip="notebooks/14_b.ipynb")
+    assert "the lab's other parts: [part 1](../notebooks/14_x.ipynb), [part 3](../notebooks/14_c.ipynb)" in own
+    one = site.Chapter("05", "05_y", "y", ["notebooks/05_y.ipynb"])
+    assert "[the lab](../notebooks/05_y.ipynb)" in site._faces_line(one, "chapters/05_y.md", skip="chapter")
+    assert "lab" not in site._faces_line(one, "notebooks/05_y.ipynb", skip="notebooks/05_y.ipynb")
 
 
 def test_paths_in_backticks_become_links_and_others_stay_text():
@@ -62,7 +79,8 @@ def test_the_site_builds_without_a_warning(built):
     for chapter in site.chapter_links():
         for page in site.chapter_pages(chapter.number):    # every page of a chapter of several
             assert (html / "chapters" / page.with_suffix(".html").name).exists(), page
-        assert (html / chapter.lab.replace(".ipynb", ".html")).exists()
+        for lab in chapter.labs:
+            assert (html / lab.replace(".ipynb", ".html")).exists(), lab
     assert (html / "searchindex.js").exists() and (html / "search.html").exists()
 
 
