@@ -55,7 +55,7 @@ def pages(number: str, root: Path = ROOT) -> list[Path]:
 
 def labs(number: str, root: Path = ROOT) -> list[Path]:
     """A chapter's lab notebooks in working order: the one named as the chapter (``notebooks/NN_name.ipynb``) first,
-    then its sequels by name (chapter 14's lab is two notebooks, each under a minute)."""
+    then its sequels by name (chapter 14's lab is three notebooks, each under a minute)."""
     first = pages(number, root)[0].stem
     return sorted((root / "notebooks").glob(f"{number}_*.ipynb"), key=lambda lab: (lab.stem != first, lab.name))
 

@@ -40,7 +40,7 @@ class Chapter:
     number: str                  # "05"
     stem: str                    # "05_fully_sharded"
     title: str
-    labs: list[str]              # ["notebooks/05_fully_sharded.ipynb"]; chapter 14's lab is two notebooks
+    labs: list[str]              # ["notebooks/05_fully_sharded.ipynb"]; chapter 14's lab is three
     scripts: list[str] = field(default_factory=list)   # "scripts/05_fully_sharded/train_fsdp.py", ...
     job: str | None = None       # "pbs/05_fully_sharded.pbs"
 

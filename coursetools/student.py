@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -99,9 +100,16 @@ def solution_lines(source: str) -> list[str]:
     return found
 
 
+# a lab named in a lab's text (``notebooks/NN_name.ipynb``, as chapter 14's three notebooks name each other): the
+# learner's copy names the learner's copy of it, not the full one with the answers
+OTHER_LAB = re.compile(r"(?<![\w/])notebooks/(\d\d_\w+\.ipynb)")
+
+
 def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
     student = copy.deepcopy(notebook)
     for cell in student.cells:
+        if cell.cell_type == "markdown":
+            cell.source = OTHER_LAB.sub(r"notebooks/student/\1", cell.source)
         if cell.cell_type == "code":
             if has_solution(cell.source):
                 cell.source = strip_solutions(cell.source)

@@ -111,7 +111,7 @@ def forkexec_settings() -> dict[str, str]:
 
 def lab_cells(number: str, student: bool = False) -> list[dict]:
     """A chapter's lab as one list of cells, its notebooks in working order (``coursetools.chapters.labs``: chapter
-    14's lab is two notebooks): the full lab's, or with ``student`` the learner's copies'."""
+    14's lab is three notebooks): the full lab's, or with ``student`` the learner's copies'."""
     import json
 
     from coursetools import chapters

@@ -78,8 +78,8 @@ PARTS = {"stuck or slow": ("run 1", "run 2", "run 3", "run 4"),
          "two more jobs that stop": ("run 16", "run 17"),
          "four more runs": ("run 18", "run 19", "run 20", "run 21"),
          "three more wrong numbers": ("run 22", "run 23", "run 24")}
-# The lab is three notebooks, each under a minute on 2 cores: the chapter's first questions (stuck or slow? stops?
-# do the ranks agree?) and their fixes; its third (does the run agree with one device?), whose FSDP, TP and
+# The lab is three notebooks, each under a minute on 2 cores (about 30 s each in lab-check, BENCHMARKS.md): the
+# chapter's first two questions (stuck or slow? do the ranks agree?, with part 2's runs that stop) and their fixes; its third (does the run agree with one device?), whose FSDP, TP and
 # checkpoint runs are the lab's heaviest; then more failures of every kind. Each prefetches its own parts' runs
 # (prefetch(notebook=...)).
 NOTEBOOKS = {"14_when_it_goes_wrong": ("stuck or slow", "stops or prints nonsense", "ranks that disagree"),
@@ -321,10 +321,9 @@ _PENDING: dict = {}   # key -> Future: the broken runs prefetch() started
 
 def _prefetch_order(label: str):
     """The lab's order: each part's runs start before the next part's (run 25 with part 2's), so a part's cell waits
-    for its own runs only, and the later parts' runs use the cores while the fix checks run one launch at a time
-    (each fix is one job of 2 or 4 ranks, with moments where the cores idle: its start, its collectives). Longest
-    first had every cell of part 1 wait for the two-launch resumes: measured on 2 cores, the lab took 76-81 s that
-    way, 49-66 s this way."""
+    for its own runs only, and a notebook of several parts (the first, the third) runs its first part's cells while
+    the later parts' runs use the cores. Longest first had every cell of part 1 wait for the two-launch resumes:
+    measured on 2 cores when the lab was one notebook (session 13), it took 76-81 s that way, 49-66 s this way."""
     return [each for labels in PARTS.values() for each in labels].index(label)
 PREFETCH_WORKERS = 3
 
@@ -337,6 +336,8 @@ def prefetch(labels=None, workers: int = PREFETCH_WORKERS, *, notebook: str | No
     from concurrent.futures import ThreadPoolExecutor
 
     if notebook is not None:
+        if labels is not None:
+            raise ValueError("give labels or a notebook, not both")
         if notebook not in NOTEBOOKS:
             raise ValueError(f"notebook {notebook!r}: one of {sorted(NOTEBOOKS)}")
         labels = [label for part in NOTEBOOKS[notebook] for label in PARTS[part]]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -188,32 +187,9 @@ def clip_and_log_the_local_piece(model, max_norm):   # a right clip, but the nor
     logged = torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()])
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if norm.item() != norm.full_tensor().item():   # torch 2.13: the norm returned is already reduced (Replicate):
-        # see test_the_norm_clip_grad_norm_returns_is_reduced_inside_it; .item() on a Partial would not reduce
+        # (tests/unit/test_chapter_text_14.py: why); .item() on a Partial DTensor would not reduce
         raise RuntimeError(f"clip_grad_norm_ returned an unreduced norm: {norm.placements}")
     return logged
-
-
-def test_the_norm_clip_grad_norm_returns_is_reduced_inside_it():
-    """Why the returned norm is Replicate under FSDP2 (torch 2.13, a p-norm): the per-gradient norms of Shard(0)
-    DTensors are _NormPartial, whose reduce_op is "sum" (_math_ops.py:82-84); the last vector_norm over their stack
-    (clip_grad.py:105-107) is not linear in a "sum" partial, so its strategy asks for Replicate inputs
-    (_math_ops.py:280-291), and the all-reduce runs there, before clip_grad_norm_ returns (clip_grad.py:232). .item()
-    on a Partial DTensor reduces nothing (_sharding_prop.py skips aten._local_scalar_dense), so the learner's check
-    above does tell the two apart. Traced and measured on 2 gloo ranks in session 16."""
-    import torch
-
-    root = Path(torch.__file__).parent
-
-    def lines(name, first, last):
-        return "".join((root / name).read_text().splitlines(keepends=True)[first - 1:last])
-
-    assert "total_norm = torch.linalg.vector_norm(" in lines("nn/utils/clip_grad.py", 105, 105)
-    assert "torch.stack([norm.to(first_device) for norm in norms]), norm_type" in lines("nn/utils/clip_grad.py", 106, 106)
-    assert "return total_norm" in lines("nn/utils/clip_grad.py", 232, 232)
-    assert 'super().__init__("sum")' in lines("distributed/tensor/_ops/_math_ops.py", 82, 84)
-    rule = lines("distributed/tensor/_ops/_math_ops.py", 280, 291)
-    assert "if isinstance(p, Partial) and p.reduce_op != reduction_op:" in rule and "replicate_reduction_dims(" in rule
-    assert "_local_scalar_dense" in lines("distributed/tensor/_sharding_prop.py", 745, 746)
 
 
 def test_a_right_clip_that_logs_each_ranks_piece_of_the_norm_is_not_local_grad_norm(tmp_path, monkeypatch):

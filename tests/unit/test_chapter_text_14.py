@@ -671,8 +671,8 @@ def test_no_run_number_is_tied_to_its_case_before_the_learner_names_it():
 
     number = re.compile(r"\b[Rr]uns? \d+")
     assert not number.findall(CHAPTER), number.findall(CHAPTER)
-    cells = ["".join(c["source"]) for c in lab_cells("14", student=True)]   # both notebooks, in working order
-    # a notebook's opening names its labels as a range ("`run 1` to `run 15`, and `run 25`"): neutral
+    cells = ["".join(c["source"]) for c in lab_cells("14", student=True)]   # every notebook, in working order
+    # a notebook's opening names its labels as ranges ("`run 1` to `run 9`, and `run 25`"): neutral
     neutral = re.compile(r"`run \d+` to `run \d+`(, and `run \d+`)?|exercises\.run\(\"run \d+\"\)")
     parts = [i for i, cell in enumerate(cells) if cell.startswith("## Part ")]   # in the order of lab.PARTS
     assert len(parts) == len(lab.PARTS)
@@ -1240,3 +1240,28 @@ def test_the_optimizer_gpu_line_and_the_one_shard_fix_say_the_visible_part():
     assert "set_model_state_dict" in one_shard and "broadcast_from_rank0=True" in one_shard
     assert "set_model_state_dict" in registry().case("checkpoint-one-shard").fix
     assert "state_dict.py:123-127" in FLAT_APPENDIX
+
+
+def test_the_norm_clip_grad_norm_returns_is_reduced_inside_it():
+    """Why the returned norm is Replicate under FSDP2 (torch 2.13, a p-norm): the per-gradient norms of Shard(0)
+    DTensors are _NormPartial, whose reduce_op is "sum" (_math_ops.py:82-84); the last vector_norm over their stack
+    (clip_grad.py:105-107) is not linear in a "sum" partial, so its strategy asks for Replicate inputs
+    (_math_ops.py:280-291), and the all-reduce runs there, before clip_grad_norm_ returns (clip_grad.py:232). .item()
+    on a Partial DTensor reduces nothing (_sharding_prop.py skips aten._local_scalar_dense), so the guard of
+    tests/scripts/test_14_when_it_goes_wrong.py's clip_and_log_the_local_piece does tell the two apart. Traced and
+    measured on 2 gloo ranks in session 16. (The run that shows it: that test file's right clip that logs its
+    piece.)"""
+    import torch
+
+    root = Path(torch.__file__).parent
+
+    def lines(name, first, last):
+        return "".join((root / name).read_text().splitlines(keepends=True)[first - 1:last])
+
+    assert "total_norm = torch.linalg.vector_norm(" in lines("nn/utils/clip_grad.py", 105, 105)
+    assert "torch.stack([norm.to(first_device) for norm in norms]), norm_type" in lines("nn/utils/clip_grad.py", 106, 106)
+    assert "return total_norm" in lines("nn/utils/clip_grad.py", 232, 232)
+    assert 'super().__init__("sum")' in lines("distributed/tensor/_ops/_math_ops.py", 82, 84)
+    rule = lines("distributed/tensor/_ops/_math_ops.py", 280, 291)
+    assert "if isinstance(p, Partial) and p.reduce_op != reduction_op:" in rule and "replicate_reduction_dims(" in rule
+    assert "_local_scalar_dense" in lines("distributed/tensor/_sharding_prop.py", 745, 746)

@@ -744,7 +744,7 @@ def test_no_fix_is_a_coin_flip():
 
 def test_the_learners_copy_does_not_name_the_cases():
     """The lab shows the runs under labels: a case's name is its diagnosis, so the learner's copy never says it."""
-    text = "\n".join("".join(cell["source"]) for cell in lab_cells("14", student=True))   # both notebooks
+    text = "\n".join("".join(cell["source"]) for cell in lab_cells("14", student=True))   # every notebook of the lab
     assert not [name for name in NAMES if name in text]
 
 
@@ -761,7 +761,7 @@ def test_the_lab_says_every_fix_runs_inside_the_job():
 
 def test_every_fix_comes_after_every_diagnosis_and_its_prompt_starts_from_the_symptom():
     """A fix prompt says what to change, so it would sort the runs: the lab asks for the fixes once all are named."""
-    sources = ["".join(cell["source"]) for cell in lab_cells("14")]   # both notebooks, in working order
+    sources = ["".join(cell["source"]) for cell in lab_cells("14")]   # every notebook of the lab, in working order
     diagnosed = {part: next(i for i, s in enumerate(sources) if "check_diagnoses(" in s and f'"{part}"' in s)
                  for part in ch14.PARTS}
     prompted = {label: next(i for i, s in enumerate(sources) if f"**{label.capitalize()}**" in s)
@@ -846,6 +846,26 @@ def test_prefetch_starts_the_runs_in_the_labs_order(monkeypatch):
         future.result()
     assert started == [ANSWERS[label] for labels in ch14.PARTS.values() for label in labels]
     assert started[:7] == [ANSWERS[label] for label in ch14.LABELS[:6] + ("run 25",)]   # part 2 holds it
+
+
+def test_each_notebook_prefetches_its_own_runs_in_the_labs_order(monkeypatch):
+    """The lab is three notebooks (ch14.NOTEBOOKS): each starts exactly its own parts' broken runs, part by part;
+    a name that is not a notebook, or labels given beside one, is refused."""
+    monkeypatch.setattr(ch14.broken_runs, "run_case", lambda name, **kwargs: started.append(name))
+    for notebook, parts in ch14.NOTEBOOKS.items():
+        started = []
+        monkeypatch.setattr(ch14, "_RUNS", {})
+        monkeypatch.setattr(ch14, "_PENDING", {})
+        ch14.prefetch(workers=1, notebook=notebook)
+        for future in list(ch14._PENDING.values()):
+            future.result()
+        assert started == [ANSWERS[label] for part in parts for label in ch14.PARTS[part]], notebook
+    assert sorted(ANSWERS[label] for parts in ch14.NOTEBOOKS.values() for part in parts
+                  for label in ch14.PARTS[part]) == sorted(ANSWERS.values())   # every run in one notebook
+    with pytest.raises(ValueError, match="one of"):
+        ch14.prefetch(notebook="14_no_such_notebook")
+    with pytest.raises(ValueError, match="not both"):
+        ch14.prefetch(["run 1"], notebook="14_when_it_goes_wrong")
 
 
 def test_the_token_guard_runs_in_the_job_with_the_fault_and_a_job_that_still_stops_says_where(monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ from helpers import lab_cells
 from labkit.exercises import ch14
 
 ROOT = Path(__file__).resolve().parents[2]
-LABS = ["lab", "student"]   # the lab's two notebooks with their answers, and the learner's copies
+LABS = ["lab", "student"]   # the lab's notebooks with their answers, and the learner's copies
 # heading -> the checks it grades: each diagnosis part by its name, then every fix
 GRADED = {
     "Exercise 1: name the cause of a run that is stuck or slow": ['check_diagnoses(diagnoses_part1, "stuck or slow")'],
@@ -77,23 +77,27 @@ def test_the_chapter_names_the_labs_exercises_by_their_titles():
 
 
 def test_the_labs_counts_of_runs_are_its_labels():
-    """Each notebook's opening, its prefetch and its take-away count the runs it shows: one per label of its parts'
-    checks (ch14.NOTEBOOKS); the two notebooks share the labels out, in the order of the parts, and the last
-    take-away counts them all."""
+    """Each notebook's opening names its runs (how many, and their labels as ranges), its prefetch and its take-away
+    count them: one per label of its parts' checks (ch14.NOTEBOOKS); the notebooks share the labels out, in the
+    order of the parts, and the last take-away counts them all."""
     words = {6: "six", 9: "nine", 10: "ten", 25: "twenty-five"}
     assert [part for parts in ch14.NOTEBOOKS.values() for part in parts] == list(ch14.PARTS)
     assert [lab.stem for lab in chapters.labs("14")] == list(ch14.NOTEBOOKS)
     for lab, parts in ch14.NOTEBOOKS.items():
         cells = json.loads((ROOT / "notebooks" / f"{lab}.ipynb").read_text())["cells"]
         text = " ".join(" ".join("".join(cell["source"]) for cell in cells).split())
-        count = words[sum(len(ch14.PARTS[part]) for part in parts)]
-        assert f"{count.capitalize()} " in " ".join("".join(cells[0]["source"]).split())[:200], lab
+        opening, take_away = (" ".join("".join(cells[i]["source"]).split()) for i in (0, -1))
+        labels = sorted((int(label.split()[1]) for part in parts for label in ch14.PARTS[part]))
+        count = words[len(labels)]
+        assert f"{count.capitalize()} " in opening[:200], lab
+        firsts = [n for n in labels if n - 1 not in labels]   # each run of consecutive labels, as the opening says it
+        lasts = [n for n in labels if n + 1 not in labels]
+        ranges = [f"`run {a}` to `run {b}`" if a != b else f"`run {a}`" for a, b in zip(firsts, lasts)]
+        assert all(range_ in opening for range_ in ranges), (lab, ranges)
         assert f'exercises.prefetch(notebook="{lab}") # this notebook\'s {count} runs start in the background' in text
         assert all(f'exercises.PARTS["{part}"]' in text for part in parts), lab
-    last = " ".join("".join(json.loads(chapters.labs("14")[-1].read_text())["cells"][-1]["source"]).split())
-    assert f"You named {words[len(ch14.LABELS)]} causes" in last
-
-
+        total = words[len(ch14.LABELS)] if lab == list(ch14.NOTEBOOKS)[-1] else count
+        assert f"You named {total} causes" in take_away, lab
 def _cell_printing(part: str) -> str:
     return next("".join(c["source"]) for c in lab_cells("14") if f'exercises.PARTS["{part}"]' in "".join(c["source"]))
 

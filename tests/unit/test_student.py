@@ -1,3 +1,4 @@
+import nbformat
 import pytest
 
 from coursetools import student
@@ -44,3 +45,16 @@ def test_unbalanced_markers_are_errors():
 
 def test_solution_lines_are_found():
     assert student.solution_lines(TOP_LEVEL_CELL) == ["predicted_bytes = 16 * n", "a, b = 1, 2"]
+
+
+def test_a_lab_named_in_the_text_becomes_the_learners_copy_of_it():
+    """Chapter 14's three notebooks name each other: a learner's copy names the learner's copies (make lab serves
+    notebooks/, where the full ones hold the answers); code, and paths already under student/, are left alone."""
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("Next: `notebooks/14_more_failures.ipynb`, or `notebooks/student/01_a.ipynb`."),
+        nbformat.v4.new_code_cell("path = 'notebooks/05_fully_sharded.ipynb'")])
+    copy = student.student_notebook(nb, "14_x.ipynb")
+    assert copy.cells[1].source == ("Next: `notebooks/student/14_more_failures.ipynb`, or "
+                                    "`notebooks/student/01_a.ipynb`.")
+    assert copy.cells[2].source == "path = 'notebooks/05_fully_sharded.ipynb'"
+    assert "`notebooks/14_x.ipynb`" in copy.cells[0].source   # the header names the full one, on purpose
