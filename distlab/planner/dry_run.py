@@ -239,7 +239,8 @@ def dry_run_markdown(result: dict) -> str:
     rank."""
     lines = [f"| rank of {result['world']:,} | stage | from its fp32 shards (bf16 parts halved): params + grads + "
              "optimizer (GiB) | "
-             "the planner's (GiB) | FSDP padding (bytes) | equal |", "|---:|---:|---|---|---:|---|"]
+             "the planner's (GiB) | FSDP padding (bytes) | measured = planner's + padding |",
+             "|---:|---:|---|---|---:|---|"]
     for r in result["ranks"]:
         seen = " + ".join(f"{r['measured'][p] / GIB:.3f}" for p in ("params", "grads", "optimizer"))
         planned = " + ".join(f"{r['planner'][p] / GIB:.3f}" for p in ("params", "grads", "optimizer"))
@@ -514,7 +515,7 @@ def padding_of(dimension: str, rank_result: dict, layout: Layout) -> float:
 def count_step_markdown(result: dict) -> str:
     """Counted against the planner, one row a rank and mesh dimension: calls and bytes of each collective."""
     lines = [f"| rank of {result['world']:,} | stage | dimension | counted: calls, MiB | the planner's: calls, MiB "
-             "| FSDP padding (MiB) | equal |", "|---:|---:|---|---|---|---:|---|"]
+             "| FSDP padding (MiB) | counted = planner's + padding |", "|---:|---:|---|---|---|---:|---|"]
     for r in result["ranks"]:
         for dimension in COUNTED_DIMENSIONS:
             counted, planned = r["counted"].get(dimension, {}), r["planner"].get(dimension, {})

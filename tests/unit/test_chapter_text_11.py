@@ -73,10 +73,14 @@ def test_every_validation_row_is_within_the_band_and_the_text_says_so(text):
     assert all(abs(r["error"]) <= planner.published.BAND for r in rows)
     assert all(not r["fits"] for r in rows if r["miss"]) and sum(r["passes"] for r in rows) == 12
     assert "(all fourteen within 15 % of the published MFU" in text and "Two are named misses on memory" in text
+    # the learner's review s16, finding 9: the last column says what it counts, so a miss within the band reads
+    header = planner.validation_markdown().splitlines()[0]
+    assert header.endswith("| counted (fits, and within 15 %) |") and "The table's last column counts them out" in text
     assert "all within 15 % on MFU; two named misses on memory |" in text
     assert "Its MFU lands within 15 % of the published one for all fourteen" in text
     assert "do not fit the planner's memory at their published settings" in text
-    assert "their MFU is within the band, but they do not fit the planner's memory" in text
+    # the figure's caption names the hollow points; the two sentences above it say the rest (s16: shortened)
+    assert "Hollow: Llama 3's 8K runs, which do not fit." in text
     assert "named misses are drawn hollow" not in text and "lands within 15 % of the published MFU for twelve" not in text
     # the efficiency is fitted to the runs it is checked against: the body says so
     assert ("is fitted to the twelve others, Table 1's last four rows among them, so this checks the model's shape"
@@ -293,9 +297,20 @@ def test_the_dry_run_table_is_what_a_dry_run_reads(raw):
     assert not any(row["padding_bytes"].values()) and all(row["measured"][p] == row["planner"][p] for p in parts)
     held = sum(row["measured"][p] for p in parts)
     assert result["world"] == run.gpus == 16384 and run.model.name == "405b"
-    assert (f"So does a full-size layout's state: rank {row['rank']:,} of Llama 3 405B's {run.gpus:,} GPUs, built by "
-            f"PyTorch on a fake process group, holds {held:,.0f} bytes, exactly the planner's count") in " ".join(
-        raw.split())
+    flat = " ".join(raw.split())
+    assert (f"So does a full-size layout's state. One process stands in for Llama 3 405B's {run.gpus:,} GPUs, "
+            f"allocating nothing (How we know). There PyTorch's own sharding code gives rank {row['rank']:,} shards of "
+            f"{held:,.0f} bytes, exactly the planner's count; other ranks add only FSDP's padding.") in flat
+    # the learner's review s16, finding 6: the other sampled ranks are equal but for padding, which they have
+    others = [r for r in result["ranks"] if r["rank"] != 8192]
+    assert others and all(r["equal"] and any(r["padding_bytes"].values()) for r in others)
+    # "allocating nothing": the build is on the meta device, whose tensors carry no data (torch's own docstring)
+    import importlib.util
+    docs = (Path(importlib.util.find_spec("torch").origin).parent / "_tensor_docs.py").read_text().splitlines()
+    assert "Meta tensors" in docs[6716] and "are like normal tensors, but they carry no data." in docs[6717]
+    assert ('Meta tensors "carry no data" (torch 2.13 `_tensor_docs.py:6717-6718`), so the build allocates '
+            "nothing.") in flat
+    assert "fake process group, holds" not in flat
 
 
 def test_the_counted_step_table_is_what_a_counted_step_reads(raw):
@@ -306,6 +321,19 @@ def test_the_counted_step_table_is_what_a_counted_step_reads(raw):
     assert result["equal"] and dry_run.count_step_markdown(result) in raw
     narrow = dry_run.narrow_spec(run.model, run.layout)
     assert (narrow.layers, narrow.heads, narrow.kv_heads) == (126, 128, 8)
+    # the learner's review s16, finding 11: which narrow tensors FSDP pads, and to how many rows (ceil split)
+    import math
+    dp = run.layout.dp
+
+    def padded(rows):
+        return math.ceil(rows / dp) * dp
+
+    kv_rows = narrow.kv_heads * dry_run.NARROW_HEAD_DIM // run.layout.tp
+    ffn_rows = narrow.ffn // run.layout.tp
+    assert kv_rows < dp and ffn_rows % dp and (narrow.hidden // run.layout.tp) % dp == 0
+    assert (f"On a TP rank a key or value projection has {kv_rows} rows, padded to {padded(kv_rows)} so that each of "
+            f"the {dp} data-parallel ranks gets one. The feed-forward's {ffn_rows} rows pad to {padded(ffn_rows)}.") \
+        in " ".join(raw.split())
     assert f"head size\nof {dry_run.NARROW_HEAD_DIM} instead of {run.model.head_dim}" in raw
 
 
@@ -413,6 +441,12 @@ def test_the_latency_paragraph_counts_what_the_planner_charges(text):
     assert "2 (7 x 4 us + 7 x 14 us) = 0.25 ms" in text and "bigger buckets mean fewer calls" in text
     # NCCL's tree latency, tuning.cc:416: 2 ((ranks a node - 1) x intraLat + log2i(nodes) x interLat): up and down
     assert "2 log2(nodes) network steps, up the tree and down" in text
+    # the learner's review s16, finding 12: the tree's NVLink figure is not the ring's
+    tree_nvlink, tree_net = (comm.NCCL_TREE_STEP_LATENCY_S[k]["Simple"] * 1e6 for k in ("nvlink", "network"))
+    ring_nvlink = comm.NCCL_RING_STEP_LATENCY_S["nvlink"]["Simple"] * 1e6
+    assert (f"2 ((GPUs per node - 1) x NCCL's NVLink tree figure, {tree_nvlink:g} us, + log2(nodes) x the network "
+            f"figure, {tree_net:g} us), up and down") in text
+    assert f"7 NVLink steps each way, at {tree_nvlink:g} us, not the ring's {ring_nvlink:g}." in text
 
 
 def test_the_megatron_175b_row_as_run_holds_the_interleaved_warm_up(text):
@@ -863,7 +897,7 @@ def test_fsdp_under_pp_is_said_to_follow_torchs_schedule(text):
     said = ", ".join(str(counts[s]) for s in sorted(counts))
     said = said[:said.rindex(", ")] + " and" + said[said.rindex(", ") + 1:]
     assert (f"rank 0 gathers its chunks {said} times a step: {sum(counts.values())} gathers where one a chunk would "
-            f"be {len(counts)}") in text
+            f"be {len(counts)}. At page 11.2's M = {m} the same replay gives {sum(regathers.values())}.") in text
     # the torch 2.13 lines the bullet cites say what it says they do
     import importlib.util
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent / "distributed"
@@ -1371,7 +1405,7 @@ def test_small_pointers_and_stated_assumptions(text):
             "and the product as two, and RoPE's element-wise work on the queries and keys is not counted") in text
 
 
-def test_plan_pys_help_says_when_sequence_parallelism_moves_more_bytes():
+def test_plan_pys_help_says_when_sequence_parallelism_moves_more_bytes(text):
     """With torch's layers SP moves TP's bytes (its all-gathers and reduce-scatters replace the all-reduces), except
     under PyTorch's early-stopped full recomputation: one more all-gather a block (the recomputed forward re-issues
     the block's all-gathers and stops before its last reduce-scatter). --help says so, and no more."""
@@ -1397,6 +1431,10 @@ def test_plan_pys_help_says_when_sequence_parallelism_moves_more_bytes():
     assert extra(activation_checkpointing="full", recompute_early_stop=False) == few
     one_all_gather = spec.seq_len * spec.hidden * 2 * (tp - 1) / tp
     assert extra(activation_checkpointing="full") == few + one_all_gather
+    # the learner's review s16, finding 10: how How we know says it
+    assert ("With SP, PyTorch's DTensor turns each all-reduce into an all-gather and a reduce-scatter of the same "
+            "bytes. Its early-stopped recomputation adds one all-gather per block to that") in text
+    assert "costs nothing more, except" not in text
 
 
 def test_full_recomputation_costs_a_quarter_under_pytorch_and_a_third_under_megatron(text):

@@ -220,7 +220,14 @@ def test_the_straggler_numbers_are_the_measured_ones():
 
 def test_the_resume_numbers_are_the_measured_ones():
     run = measured("14_resumes.json")
-    assert f"the loss jumps by {run['checkpoint-one-shard']['jump']:.2f} at the resume" in FLAT
+    # the learner's review s16, finding 20: the jump is said against the step's first loss, which was one device's
+    shard = run["checkpoint-one-shard"]
+    first = shard["first_step"]
+    before, after = shard["earlier"][str(first)], shard["broken"]["losses_by_step"][str(first)]
+    assert before == shard["uninterrupted"][first] and after - before == pytest.approx(shard["jump"])
+    assert (f"step {first} is trained twice. The second time its loss is {shard['jump']:.2f} above the first, which "
+            "was one device's") in FLAT
+    assert "the loss jumps by" not in FLAT
     rng = run["resume-without-rng"]
     assert f"trains step {rng['steps_trained_twice'][0]} a second time, and gets another loss, {rng['jump']:.2f} away" \
         in FLAT
@@ -1157,18 +1164,37 @@ def test_what_the_checks_cost_is_computed_from_the_model_the_scripts_and_torch()
     model = models.build_transformer(models.preset("tiny"), seed=0, device="cpu")
     parameters = list(model.parameters())
     count = sum(p.numel() for p in parameters)
-    assert f"whose step all-reduces {4 * count:,} bytes" in cost
+    assert f"the tiny model's on 4 ranks: {count:,} fp32 parameters, whose step all-reduces {4 * count:,} bytes" in cost
     scratch = (ROOT / "scripts" / "04_data_parallel" / "ddp_from_scratch.py").read_text()
     assert "torch.stack([p.detach().double().sum() + p.detach().double().abs().sum() for p in model.parameters()])" \
         in scratch and "dist.all_gather(everyone, mine)" in scratch
-    assert (f"one float64 for each of the model's {len(parameters)} weight tensors: "
-            f"{len(parameters) * torch.finfo(torch.float64).bits // 8} bytes a rank") in cost
+    fingerprint = len(parameters) * torch.finfo(torch.float64).bits // 8
+    share = f"{100 * fingerprint / (4 * count):.2f} %"
+    assert share == "0.03 %"
+    assert (f"one float64 for each of the model's {len(parameters)} weight tensors (its sum plus the sum of its "
+            f"absolute values): {fingerprint} bytes a rank, {share} of the step's all-reduce") in cost
+    # finding 14: the latency, and the host's wait on a GPU number (torch's own words for .item())
+    assert ("Their cost is a call's latency, not their bytes: one small all-gather each time, every step for the "
+            "loss") in cost
+    assert "dist.all_gather(each_rank, step_loss)" in (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
+    torch_dir = Path(torch.__file__).parent
+    scaler = (torch_dir / "amp" / "grad_scaler.py").read_text().splitlines()
+    assert scaler[563].strip() == "def get_scale(self) -> float:" and "incurs a CPU-GPU sync" in scaler[567]
+    assert "scale.item()" in "\n".join(scaler[563:575])
+    assert '"incurs a CPU-GPU sync" (torch/amp/grad_scaler.py:564-575)' in FLAT_APPENDIX
+    assert "Printing a number also costs what `.item()` costs on one GPU: the host waits for the GPU's queued work" \
+        in cost
     c10d = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
     recorder = (c10d / "FlightRecorder.hpp").read_text().splitlines()
     entries = int(re.search(r'"TORCH_NCCL_TRACE_BUFFER_SIZE"\}, (\d+)\);', recorder[110])[1])
     assert "TORCH_FR_BUFFER_SIZE" in recorder[110] and "max_entries_ = getCvarInt(" in recorder[109]
     assert recorder[113].strip() == "enabled_ = max_entries_ > 0;"   # on unless set to 0
-    assert f"keeps each rank's last {entries:,} collectives, on by default" in cost
+    assert (f"keeps each rank's last {entries:,} collectives, in a circular buffer in host memory. Torch turns it on "
+            "by default, so its cost is already in every NCCL run") in cost
+    # finding 16: the buffer, a vector in the process, used as a ring
+    assert recorder[187].strip() == "std::vector<Entry> entries_;" and "circular entries" in recorder[118]
+    assert 'a `std::vector<Entry>` in the process (line 188), used as "the circular entries buffer" (lines 119-121)' \
+        in FLAT_APPENDIX
     assert "(torch/include/torch/csrc/distributed/c10d/FlightRecorder.hpp:110-114)" in FLAT_APPENDIX
     nccl = (c10d / "ProcessGroupNCCL.hpp").read_text().splitlines()
     minutes = int(re.search(r"milliseconds\((\d+) \* 60 \* 1000\)", nccl[157])[1])
@@ -1177,12 +1203,25 @@ def test_what_the_checks_cost_is_computed_from_the_model_the_scripts_and_torch()
     assert "intercepts" in wrapper[11] and "verify consistency across ranks before dispatching" in wrapper[12]
     assert "(torch/include/torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp:12-14)" in FLAT_APPENDIX
     assert "`TORCH_DISTRIBUTED_DEBUG=DETAIL` adds an exchange on a gloo group before every collective" in cost
+    # finding 15: what a rerun's checks cost is not measured here, and the page says so and where to measure it
+    assert ("This page does not measure how much: time a few steps of your own job with and without it.") in cost
+    ddp = (torch_dir / "nn" / "parallel" / "distributed.py").read_text().splitlines()
+    assert "find_unused_parameters (bool): Traverse the autograd graph from all" in ddp[718]
+    assert "if self.find_unused_parameters and not self.static_graph:" in ddp[1834]
+    assert "self.reducer.prepare_for_backward(list(_find_tensors(output)))" in ddp[1836]
+    assert "(torch/nn/parallel/distributed.py:719-721)" in FLAT_APPENDIX and "(lines 1835-1837)" in FLAT_APPENDIX
     adamw = 4 + 4 + 2 * 4   # fp32 weights, gradients, and AdamW's two moments (chapter 05 counts them)
     assert f"{adamw} bytes a parameter in fp32 with AdamW (chapter 05), {adamw * count:,} bytes here" in cost
     script = (ROOT / "scripts" / "04_data_parallel" / "train_ddp.py").read_text()
     assert "if rt.rank == 0:\n                baseline = models.build_transformer(" in script
     assert "indices = global_batch_indices(all_samplers, step, args.batch // world, steps_per_epoch)" in script
     assert "Rank 0 also trains it on the whole global batch, four ranks' work, while the others wait" in cost
+    # finding 18: which question 3, in its own words
+    first = " ".join(chapters.pages("14")[0].read_text().split())
+    assert "3. **Does the run agree with one device?**" in first
+    assert "then train the same code small, with fewer layers and a smaller width" in first
+    assert ("A large job compares with a small copy instead: the first page's question 3, the same code with fewer "
+            "layers and a smaller width.") in cost
 
 
 def test_the_nan_fix_keeps_every_rank_in_the_step():
@@ -1238,6 +1277,17 @@ def test_the_optimizer_gpu_line_and_the_one_shard_fix_say_the_visible_part():
         "optimizer-before-sharding").on_nccl
     one_shard = " ".join(section_of("checkpoint-one-shard").split())
     assert "set_model_state_dict" in one_shard and "broadcast_from_rank0=True" in one_shard
+    # the learner's review s16, finding 19: why the load does not fail. The script copies rank 0's local shards into
+    # each rank's own, and on 4 ranks every weight's first dimension splits evenly: the shapes match
+    from distlab import models
+
+    script = (ROOT / "scripts" / "05_fully_sharded" / "checkpoint_resume.py").read_text()
+    assert "param.to_local().copy_(saved[name])" in script
+    assert "torch.save({name: param.to_local() for name, param in model.named_parameters()}," in script
+    tiny = models.build_transformer(models.preset("tiny"), seed=0, device="cpu")
+    assert all(p.shape[0] % 4 == 0 for p in tiny.parameters())
+    assert ("The resume copied that file into every rank's own shards. The shapes match, since every shard is a "
+            "quarter of its weight, so nothing complains. Every rank's shard became rank 0's.") in one_shard
     assert "set_model_state_dict" in registry().case("checkpoint-one-shard").fix
     assert "state_dict.py:123-127" in FLAT_APPENDIX
 

@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import importlib
+from dataclasses import replace
+
 from distlab.planner.spec import Layout, ModelSpec, Options, microbatches
 
 planner_memory = importlib.import_module("distlab.planner.memory")   # the package re-exports distlab.memory
@@ -79,18 +81,97 @@ def test_the_courses_pipeline_steps_keep_no_outputs(path):
 
 
 def test_the_chapter_states_the_assumption_with_the_planners_numbers():
+    """The learner's review s16, findings 1-4: the kept logits' arithmetic, page 11.2's 70B row by row (M, s, the
+    vocabulary, fp32), the cat's copy in place of the last stage's activations, the option's scope (FSDP under PP
+    only: 11.2's ZeRO-1 choice does not change), and the body's pitfall with the difference."""
     from pathlib import Path
 
     from distlab import planner
 
-    text = " ".join((Path(__file__).parents[2] / "chapters/11.3_the_planners_model.md").read_text().split())
+    root = Path(__file__).parents[2]
+    text = " ".join((root / "chapters/11.3_the_planners_model.md").read_text().split())
     spec, h100 = planner.MODELS["70b"], planner.CLUSTERS["h100-80gb"]
-    run, kept = (planner.tune(spec, h100, planner.Layout(1, 8, 8, 1, 3), options, 64)
+    layout = planner.Layout(1, 8, 8, 1, 3)
+    run, kept = (planner.tune(spec, h100, layout, options, 64)
                  for options in (planner.Options(), planner.Options(pp_return_outputs=True)))
     assert run.fits and not kept.fits
-    assert (f"Then 11.2's `tp=1,pp=8,dp=8,zero=3` would need {kept.memory_per_gpu_bytes['total'] / planner.GIB:.1f} "
-            f"GiB, not {run.memory_per_gpu_bytes['total'] / planner.GIB:.1f}.") in text
+    gib = planner.GIB
+    total, without = kept.memory_per_gpu_bytes["total"] / gib, run.memory_per_gpu_bytes["total"] / gib
+    assert (f"Then 11.2's `tp=1,pp=8,dp=8,zero=3` would need {total:.1f} GiB, not {without:.1f} (its first "
+            "stage's, the fuller one without the logits).") in text
     assert "The course's pipeline scripts pass `return_outputs=False`, and the planner assumes it." in text
+    # the arithmetic, with the settings the search chose for the row
+    settings = run.settings
+    assert settings == kept.settings and settings["micro_batch"] == 1 and layout.tp == 1 and layout.cp == 1
+    tuned = replace(spec, micro_batch=settings["micro_batch"])
+    options = [Options(chunks=settings["chunks"], activation_checkpointing=settings["checkpointing"],
+                       pp_return_outputs=keep) for keep in (False, True)]
+    last, m = layout.pp - 1, microbatches(tuned, layout)
+    logits = planner_memory.kept_output_bytes(tuned, layout, last, options[1])
+    assert logits == m * tuned.seq_len * tuned.vocab * 4
+    assert (f"that is {m} micro-batches x {tuned.seq_len:,} tokens x {tuned.vocab:,} (LLaMA-2's vocabulary) x 4 bytes "
+            f"= {logits / gib:.1f} GiB, kept through the last backward") in text
+    assert f"the step's final `torch.cat` copies them: {2 * logits / gib:.0f} GiB at once" in text
+    stage = [planner_memory.memory_per_gpu(tuned, layout, last, o) for o in options]
+    held = stage[0]["activations"]
+    # the copy is the larger moment: it replaces the stage's activations, it does not add to them
+    assert stage[1]["activations"] == 2 * logits > held + logits
+    assert stage[1]["total"] == pytest.approx(stage[0]["total"] - held + 2 * logits)
+    assert round(stage[1]["total"] / gib, 1) == round(total, 1)
+    assert (f"in place of the stage's {held / gib:.1f} GiB of activations, which backward has freed: the last stage's "
+            f"{stage[0]['total'] / gib:.1f} GiB become {stage[0]['total'] / gib:.1f} - {held / gib:.1f} + "
+            f"{2 * logits / gib:.0f} = {total:.1f}.") in text
+    # the first stage is the fuller one without the logits
+    first = planner_memory.memory_per_gpu(tuned, layout, 0, options[0])["total"]
+    assert first > stage[0]["total"] and round(first / gib, 1) == round(without, 1)
+    # the scope: FSDP under PP only; 11.2's first choice, ZeRO-1 beside PP, keeps no logits in the planner
+    zero1 = planner.Layout(4, 4, 4, 1, 1)
+    plain, keeping = (planner.tune(spec, h100, zero1, planner.Options(pp_return_outputs=keep), 64)
+                      for keep in (False, True))
+    assert plain.memory_per_gpu_bytes == keeping.memory_per_gpu_bytes
+    assert ("It applies to FSDP under PP, the layouts the planner runs under torch's pipeline stage. ZeRO-1 beside PP "
+            "is modelled as Megatron-Core runs it, not torch's stage.") in text
+    assert "M x b x s x (vocabulary / t) fp32 numbers, the logits of every micro-batch" in text
+    # the body's pitfall: the difference, rounded
+    assert (f"keeps every micro-batch's logits on the last stage unless you pass `return_outputs=False` (chapter "
+            f"07.2): {total - without:.0f} GiB more on page 11.2's `tp=1,pp=8,dp=8,zero=3`") in text
+
+
+def test_the_torch_lines_cited_for_the_kept_outputs_hold_what_is_said():
+    """Each line the bullet cites, read in the installed torch: the default in both class families, the kept
+    output, its clearing, the loss computed from it, the final copy, and the backward that frees the graph."""
+    import importlib.util
+    from pathlib import Path
+
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    text = " ".join((Path(__file__).parents[2] / "chapters/11.3_the_planners_model.md").read_text().split())
+
+    def lines(path, first, last=None):
+        return "\n".join((torch_dir / path).read_text().splitlines()[first - 1:last or first])
+
+    schedules = "distributed/pipelining/schedules.py"
+    source = (torch_dir / schedules).read_text().splitlines()
+
+    def owner(line):   # the class a line of schedules.py sits in
+        return next(s.split("(")[0][len("class "):] for s in reversed(source[:line]) if s.startswith("class "))
+
+    assert "return_outputs: bool = True" in lines(schedules, 745) and owner(745) == "PipelineScheduleSingle"
+    assert "return_outputs: bool = True" in lines(schedules, 1939) and owner(1939) == "PipelineScheduleMulti"
+    assert "self.output_chunks.append(output)" in lines("distributed/pipelining/stage.py", 907, 908)
+    assert "self._stage.clear_runtime_states()" in lines(schedules, 772)
+    assert "stage.clear_runtime_states()" in lines(schedules, 1972)
+    assert "self.output_chunks.clear()" in (torch_dir / "distributed/pipelining/stage.py").read_text()
+    assert "loss = self._compute_loss(output" in lines(schedules, 299, 304)
+    assert "return self._merge_outputs(self._stage.output_chunks)" in lines(schedules, 794, 797)
+    assert "return self._merge_outputs(stage.output_chunks)" in lines(schedules, 1995, 1997)
+    backward = lines("distributed/pipelining/_backward.py", 434, 437)
+    assert "torch.autograd.backward(" in backward and "retain_graph" not in backward
+    assert "If ``False``, the graph used to compute the grad\n            will be freed" in lines(
+        "autograd/__init__.py", 307, 310)
+    for cited in ("(`schedules.py:745` in the single-stage classes, `:1939` in the multi-stage ones)",
+                  "`stage.py:907-908`", "`schedules.py:772` (`:1972`)", "`schedules.py:299-304`",
+                  "`schedules.py:794-797` (`:1995-1997`)", "(`_backward.py:434-437`)", "(`autograd/__init__.py:307-310`)"):
+        assert cited in text, cited
 
 
 def test_chapter_07s_example_passes_return_outputs_false_on_every_rank():
