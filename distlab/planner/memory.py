@@ -165,9 +165,8 @@ def activation_bytes(model: ModelSpec, layout: Layout, stage: int, options: Opti
         per_microbatch += layers * 2 * b * (model.seq_len - seq) * model.kv_dim_per_tp_rank(layout.tp) * number_bytes
     held = in_flight(options.schedule, layout.pp, stage, microbatches(model, layout), chunks(options))
     head = per_rank["head"] if stage == layout.pp - 1 else 0
-    kept = kept_output_bytes(model, layout, stage, options)
-    # the last backward runs beside all M kept outputs; after it torch.cat copies them (_merge_outputs)
-    return max(held * per_microbatch + live + head + kept, 2 * kept)
+    # the last backward runs beside all M kept outputs (their copy, after it: memory_per_gpu)
+    return held * per_microbatch + live + head + kept_output_bytes(model, layout, stage, options)
 
 
 def kept_output_bytes(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> float:
@@ -287,10 +286,19 @@ def fsdp_backward_buffers(params: dict, param_bytes: int, prefetched_units: int,
 
 
 def memory_per_gpu(model: ModelSpec, layout: Layout, stage: int, options: Options = Options()) -> dict:
+    """The larger of a stage's two moments: its backward (the state, the activations with the kept outputs, the
+    temporary buffers); and, where torch's pipeline keeps the outputs (:func:`kept_output_bytes`), the step's final
+    ``torch.cat`` of them (``_merge_outputs``, torch 2.13 schedules.py:794-797, :1995-1997). By then backward has
+    freed the activations, and the stage's REDUCE_GRAD (schedules.py:1177, stage.py:1164-1191: FSDP's
+    post_backward, _fsdp_param_group.py:626-638) has dropped the unsharded gradients and resharded the weights:
+    the state, the reserve and two copies of the outputs are left."""
     state = state_bytes(model, layout, stage, options)
     parts = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer,
              "activations": activation_bytes(model, layout, stage, options),
              "temporary": temporary_bytes(model, layout, stage, options), "reserve": options.reserve_bytes}
+    kept = kept_output_bytes(model, layout, stage, options)
+    if 2 * kept > parts["activations"] + parts["temporary"]:
+        parts["activations"], parts["temporary"] = 2 * kept, 0.0   # the copy's moment is the larger
     parts["total"] = sum(parts.values())
     return parts
 

@@ -61,8 +61,12 @@ def test_the_planner_counts_the_kept_logits_on_torchs_last_stage():
     assert planner_memory.kept_output_bytes(model, Layout(tp=1, pp=4, dp=2, zero_stage=1), 3, keep) == 0
     with_outputs = planner_memory.activation_bytes(model, layout, 3, keep)
     without = planner_memory.activation_bytes(model, layout, 3)
-    # during the last backward all M are kept; after it torch.cat copies them (_merge_outputs)
-    assert with_outputs == max(without + m * logits, 2 * m * logits)
+    assert with_outputs == without + m * logits   # during the last backward all M are kept
+    # after it torch.cat copies them (_merge_outputs), once backward has freed the activations and REDUCE_GRAD the
+    # unsharded gradients and gathered weights: the state, the reserve and two copies
+    stage = [planner_memory.memory_per_gpu(model, layout, 3, o) for o in (Options(), keep)]
+    state = sum(stage[0][part] for part in ("params", "grads", "optimizer"))
+    assert stage[1]["total"] == max(stage[0]["total"] + m * logits, state + stage[0]["reserve"] + 2 * m * logits)
 
 
 # every script that steps a torch pipeline schedule, found by what it calls (a fixed list missed tuning.py's)
@@ -98,11 +102,12 @@ def test_the_chapter_states_the_assumption_with_the_planners_numbers():
     gib = planner.GIB
     total, without = kept.memory_per_gpu_bytes["total"] / gib, run.memory_per_gpu_bytes["total"] / gib
     assert (f"Then 11.2's `tp=1,pp=8,dp=8,zero=3` would need {total:.1f} GiB, not {without:.1f} (its first "
-            "stage's, the fuller one without the logits).") in text
+            "stage's, the fuller one without the logits), and more if the caller keeps the returned tensor into the "
+            "next step.") in text
     assert "The course's pipeline scripts pass `return_outputs=False`, and the planner assumes it." in text
-    # the arithmetic, with the settings the search chose for the row
+    # the arithmetic, with the settings the search chose for the row (return_outputs switched, nothing else)
     settings = run.settings
-    assert settings == kept.settings and settings["micro_batch"] == 1 and layout.tp == 1 and layout.cp == 1
+    assert settings["micro_batch"] == 1 and layout.tp == 1 and layout.cp == 1
     tuned = replace(spec, micro_batch=settings["micro_batch"])
     options = [Options(chunks=settings["chunks"], activation_checkpointing=settings["checkpointing"],
                        pp_return_outputs=keep) for keep in (False, True)]
@@ -111,16 +116,24 @@ def test_the_chapter_states_the_assumption_with_the_planners_numbers():
     assert logits == m * tuned.seq_len * tuned.vocab * 4
     assert (f"that is {m} micro-batches x {tuned.seq_len:,} tokens x {tuned.vocab:,} (LLaMA-2's vocabulary) x 4 bytes "
             f"= {logits / gib:.1f} GiB, kept through the last backward") in text
-    assert f"the step's final `torch.cat` copies them: {2 * logits / gib:.0f} GiB at once" in text
     stage = [planner_memory.memory_per_gpu(tuned, layout, last, o) for o in options]
-    held = stage[0]["activations"]
-    # the copy is the larger moment: it replaces the stage's activations, it does not add to them
-    assert stage[1]["activations"] == 2 * logits > held + logits
-    assert stage[1]["total"] == pytest.approx(stage[0]["total"] - held + 2 * logits)
+    before = stage[0]["total"]
+    assert (f"kept through the last backward: {before / gib:.1f} + {logits / gib:.1f} = {(before + logits) / gib:.1f} "
+            "GiB on the last stage.") in text
+    assert ("the step's final `torch.cat` copies them into one more 62.5 GiB tensor beside them: "
+            f"{2 * logits / gib:.0f} GiB at once") in text and logits / gib == 62.5
+    # the copy's moment is the larger: backward freed the activations, REDUCE_GRAD the unsharded gradients and the
+    # gathered weights (the planner's temporary buffers); the state, the reserve and the two copies are left
+    state = sum(stage[0][part] for part in ("params", "grads", "optimizer"))
+    held, freed = stage[0]["activations"], stage[0]["temporary"]
+    assert (stage[1]["activations"], stage[1]["temporary"]) == (2 * logits, 0.0)
+    assert stage[1]["total"] == pytest.approx(state + stage[0]["reserve"] + 2 * logits)
+    assert stage[1]["total"] > before + logits
     assert round(stage[1]["total"] / gib, 1) == round(total, 1)
-    assert (f"in place of the stage's {held / gib:.1f} GiB of activations, which backward has freed: the last stage's "
-            f"{stage[0]['total'] / gib:.1f} GiB become {stage[0]['total'] / gib:.1f} - {held / gib:.1f} + "
-            f"{2 * logits / gib:.0f} = {total:.1f}.") in text
+    assert (f"By then backward has freed the stage's {held / gib:.1f} GiB of activations, and its REDUCE_GRAD the "
+            f"{freed / gib:.1f} GiB of unsharded gradients and gathered weights. What is left is the state's "
+            f"{state / gib:.1f} GiB, the reserve's {stage[0]['reserve'] / gib:.0f} and the {2 * logits / gib:.0f}: "
+            f"{total:.1f} GiB, the larger of the two moments, which the planner counts.") in text
     # the first stage is the fuller one without the logits
     first = planner_memory.memory_per_gpu(tuned, layout, 0, options[0])["total"]
     assert first > stage[0]["total"] and round(first / gib, 1) == round(without, 1)
@@ -131,7 +144,8 @@ def test_the_chapter_states_the_assumption_with_the_planners_numbers():
     assert plain.memory_per_gpu_bytes == keeping.memory_per_gpu_bytes
     assert ("It applies to FSDP under PP, the layouts the planner runs under torch's pipeline stage. ZeRO-1 beside PP "
             "is modelled as Megatron-Core runs it, not torch's stage.") in text
-    assert "M x b x s x (vocabulary / t) fp32 numbers, the logits of every micro-batch" in text
+    assert ("M x b x s x (vocabulary / t) numbers, the logits of every micro-batch, in fp32 as the course's root "
+            "returns them (half that in bf16)") in text
     # the body's pitfall: the difference, rounded
     assert (f"keeps every micro-batch's logits on the last stage unless you pass `return_outputs=False` (chapter "
             f"07.2): {total - without:.0f} GiB more on page 11.2's `tp=1,pp=8,dp=8,zero=3`") in text
@@ -164,13 +178,23 @@ def test_the_torch_lines_cited_for_the_kept_outputs_hold_what_is_said():
     assert "loss = self._compute_loss(output" in lines(schedules, 299, 304)
     assert "return self._merge_outputs(self._stage.output_chunks)" in lines(schedules, 794, 797)
     assert "return self._merge_outputs(stage.output_chunks)" in lines(schedules, 1995, 1997)
+    # before the copy: REDUCE_GRAD (single-stage: the end of _step_microbatches; the runtime: its action) runs FSDP's
+    # post_backward, which drops the unsharded gradients and reshards
+    assert "self._stage.perform_reduce_grad(" in lines(schedules, 1177)
+    assert "elif comp_type == REDUCE_GRAD:" in lines(schedules, 2605) and "perform_reduce_grad" in lines(schedules, 2607)
+    reduce_grad = lines("distributed/pipelining/stage.py", 1164, 1191)
+    assert "def perform_reduce_grad(" in reduce_grad and "fsdp_param_group.post_backward()" in reduce_grad
+    post_backward = lines("distributed/fsdp/_fully_shard/_fsdp_param_group.py", 626, 638)
+    assert "fsdp_param.unsharded_accumulated_grad = None" in post_backward
+    assert "fsdp_param.unsharded_param.grad = None" in post_backward and "self.reshard()" in post_backward
     backward = lines("distributed/pipelining/_backward.py", 434, 437)
     assert "torch.autograd.backward(" in backward and "retain_graph" not in backward
     assert "If ``False``, the graph used to compute the grad\n            will be freed" in lines(
         "autograd/__init__.py", 307, 310)
     for cited in ("(`schedules.py:745` in the single-stage classes, `:1939` in the multi-stage ones)",
                   "`stage.py:907-908`", "`schedules.py:772` (`:1972`)", "`schedules.py:299-304`",
-                  "`schedules.py:794-797` (`:1995-1997`)", "(`_backward.py:434-437`)", "(`autograd/__init__.py:307-310`)"):
+                  "`schedules.py:794-797` (`:1995-1997`)", "(`schedules.py:1177`; the runtime's action, `:2605-2607`)",
+                  "(`stage.py:1164-1191`)", "(`_fsdp_param_group.py:626-638`)", "(`_backward.py:434-437`)", "(`autograd/__init__.py:307-310`)"):
         assert cited in text, cited
 
 
