@@ -560,7 +560,8 @@ SOURCES: dict[str, Source] = {
         "{ /* NVLINK */ { /* Tree (LL/LL128/Simple)*/ "
         "{ .6, 1.25, 28 }, /* Ring (LL/LL128/Simple)*/ { .6, 1.9, 3.4 }, ... /* NET */ { /* Tree (LL/LL128/Simple)*/ "
         "{ 5.0, 8.5, 28 }, /* Ring (LL/LL128/Simple)*/ { 2.7, 4.0, 14.0 }, ...  [older NCCL (commit "
-        "01afd20a77b5804e0ecf1042509dd9d20ebf9e93) had NET Ring Simple 9.6]",
+        "01afd20a77b5804e0ecf1042509dd9d20ebf9e93) had NET Ring Simple 9.6; the tree's Simple 28 here is 4.0 over "
+        "NVLink and 14 across nodes at NCCL_HEAD: nccl_hwlat_tree_head]",
         "https://github.com/NVIDIA/nccl/blob/" + NCCL_COMMIT + "/src/graph/tuning.cc"),
     "megatron_core_ddp_bucket_size": Source(
         "NVIDIA/Megatron-LM", f"megatron/core/distributed/distributed_data_parallel_config.py at {MEGATRON_HEAD}",
@@ -610,6 +611,12 @@ SOURCES: dict[str, Source] = {
         "if (algorithm == NCCL_ALGO_RING && protocol == NCCL_PROTO_SIMPLE && comm->nNodes > 1 && coll == "
         "ncclFuncAllReduce && nBytes / (comm->nChannels * comm->nRanks) >= 64) { lat *= comm->minCompCap < 80 ? 1.9 "
         ": 1.4; // Plateau effect of ring",
+        "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
+    "nccl_hwlat_tree_head": Source(
+        "NVIDIA/nccl", f"src/graph/tuning.cc:156-171 at {NCCL_HEAD}",
+        "// hwLatencies { /* NVLINK */ { { 0.6, 1.25, 4.0 }, { 0.6, 1.9, 3.4 }, /* Tree (LL/LL128/Simple), Ring "
+        "(LL/LL128/Simple)*/ ... /* NET */ { { 5.0, 8.5, 14 }, { 2.7, 4.0, 14.0 }, /* Tree (LL/LL128/Simple), Ring "
+        "(LL/LL128/Simple)*/",
         "https://github.com/NVIDIA/nccl/blob/" + NCCL_HEAD + "/src/graph/tuning.cc"),
     "nccl_tree_all_reduce": Source(
         "NVIDIA/nccl", f"src/graph/tuning.cc:331, 379-380 and 414-416 at {NCCL_HEAD}",

@@ -118,8 +118,8 @@ def test_the_chapter_states_the_assumption_with_the_planners_numbers():
             f"= {logits / gib:.1f} GiB, kept through the last backward") in text
     stage = [planner_memory.memory_per_gpu(tuned, layout, last, o) for o in options]
     before = stage[0]["total"]
-    assert (f"kept through the last backward: {before / gib:.1f} + {logits / gib:.1f} = {(before + logits) / gib:.1f} "
-            "GiB on the last stage.") in text
+    assert (f"kept through the last backward. The last stage then holds {before / gib:.1f} + {logits / gib:.1f} = "
+            f"{(before + logits) / gib:.1f} GiB.") in text
     assert ("the step's final `torch.cat` copies them into one more 62.5 GiB tensor beside them: "
             f"{2 * logits / gib:.0f} GiB at once") in text and logits / gib == 62.5
     # the copy's moment is the larger: backward freed the activations, REDUCE_GRAD the unsharded gradients and the

@@ -6,6 +6,7 @@ quotation of it). These tests do not trust the rows: they parse the quoted text 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +164,16 @@ def test_the_clusters_peaks_and_links_are_quoted_or_named_not_found():
     assert {c["intra_node_latency_s"] for c in planner.GPU_CONSTANTS.values()} == {3.4e-6}
     assert {c["inter_node_latency_s"] for c in planner.GPU_CONSTANTS.values()} == {14e-6}
     assert "max(40000000, 1000000 * dp_size)" in SOURCES["megatron_core_ddp_bucket_size"].quote
+    # the tree's step latencies (distlab.comm, 11.3's "4 us") from NCCL_HEAD's table, not the older commit's 28
+    tree = SOURCES["nccl_hwlat_tree_head"].quote
+    nvlink, net = (tuple(float(x) for x in row.split(",")) for row in
+                   re.findall(r"\{ \{ ([\d., ]+) \}, \{ [\d., ]+ \}, /\* Tree \(LL/LL128/Simple\)", tree))
+    from distlab import comm
+    assert nvlink == tuple(v * 1e6 for v in comm.NCCL_TREE_STEP_LATENCY_S["nvlink"].values()) == (0.6, 1.25, 4.0)
+    assert net == tuple(round(v * 1e6, 6) for v in comm.NCCL_TREE_STEP_LATENCY_S["network"].values()) == (5.0, 8.5, 14.0)
+    chapter = " ".join((Path(__file__).parents[2] / "chapters/11.3_the_planners_model.md").read_text().split())
+    assert "its `tuning.cc:156-171` holds the tree's 4.0 and 14 (an older commit's table had 28 for both)." in chapter
+    assert "Tree (LL/LL128/Simple)*/ { .6, 1.25, 28 }" in SOURCES["nccl_hwlat_ring_simple"].quote
 
 
 def test_the_new_measured_rows_hold_their_figures():

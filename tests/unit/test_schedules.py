@@ -238,11 +238,11 @@ def test_a_deadlocking_order_is_reported_not_looped_on():
     actions = {0: [Action(0, 0, "F"), Action(0, 0, "B"), Action(0, 1, "F"), Action(0, 1, "B")],
                1: [Action(1, 1, "F"), Action(1, 0, "F"), Action(1, 0, "B"), Action(1, 1, "B")]}
     schedule = Schedule("cyclic", 2, 2, 1, {0: 0, 1: 1}, actions)
-    started = time.perf_counter()
+    started = time.process_time()   # CPU seconds: a loaded machine's wait for a core is not the simulator's
     with pytest.raises(ValueError, match=r"deadlocks.*rank 0 at 0B0 .* waits for 1B0; "
                                          r"rank 1 at 1F1 .* waits for 0F1"):
         schedules.simulate(schedule)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 @pytest.mark.parametrize("change, message", [
@@ -259,14 +259,27 @@ def test_malformed_schedules_are_refused(change, message):
         schedules.simulate(schedule)
 
 
-def test_simulating_64_ranks_1024_microbatches_4_chunks_takes_under_a_second():
-    schedule = schedules.interleaved_1f1b(64, 1024, 4)
-    started = time.process_time()         # CPU time: other jobs on a busy test machine do not count
-    events = schedules.simulate(schedule)
-    elapsed = time.process_time() - started
-    assert len(events) == 2 * 64 * 4 * 1024
-    assert elapsed < 1.0, f"simulate took {elapsed:.2f} s of CPU time"
-    assert schedules.bubble_fraction_from_timeline(events) == pytest.approx(schedules.bubble_fraction(64, 1024, 4))
+def test_simulating_64_ranks_512_microbatches_4_chunks_grows_linearly_with_the_microbatches():
+    """A quarter of a million events in under a second of CPU on a laptop core; what is held is the growth, which
+    does not depend on the machine or its load: 4x the microbatches cost at most 8x the CPU (each action handled
+    once; an algorithm that rescanned would cost 16x), each size timed at its best of two (CPU time, so other jobs on
+    a busy machine count little; a collection or a cache miss still can). A loose ceiling catches what growth cannot
+    see: a constant factor ten times worse."""
+    def best_cpu_seconds(microbatches):
+        schedule = schedules.interleaved_1f1b(64, microbatches, 4)
+        times = []
+        for _ in range(2):
+            started = time.process_time()
+            events = schedules.simulate(schedule)
+            times.append(time.process_time() - started)
+        return min(times), events
+
+    small, _ = best_cpu_seconds(128)
+    large, events = best_cpu_seconds(512)
+    assert len(events) == 2 * 64 * 4 * 512
+    assert large < 8 * small, f"4x the microbatches took {large / small:.1f}x the CPU ({small:.2f} -> {large:.2f} s)"
+    assert large < 5.0, f"simulate took {large:.2f} s of CPU time"
+    assert schedules.bubble_fraction_from_timeline(events) == pytest.approx(schedules.bubble_fraction(64, 512, 4))
 
 
 def test_timeline_events_round_trip_through_json_dicts():

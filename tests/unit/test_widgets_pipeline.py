@@ -64,8 +64,10 @@ def test_the_widget_updates_when_a_slider_moves():
 
 
 def test_the_largest_setting_draws_quickly():
+    """0.06 s of CPU on a laptop core. Timed in CPU seconds: on make test's loaded cores the wall clock of the same
+    call reached 2.2 s (s16a), time spent waiting for a core, not drawing."""
     import time
 
-    started = time.perf_counter()
+    started = time.process_time()
     widgets.pipeline_explorer_html("interleaved_1f1b", 16, 64, 4)
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
