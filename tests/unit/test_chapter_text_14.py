@@ -494,6 +494,25 @@ def test_the_exercises_lead_to_every_exercise_of_the_lab():
     assert len(titles) == 12 and all(f'"{title}"' in listed for title in titles), titles
 
 
+def test_each_exercise_is_listed_under_the_notebook_that_asks_it():
+    """Cold review s16, finding 8: the list item under each notebook's path quotes exactly that notebook's
+    exercise headings, in its order, read from the notebooks themselves (and their learner's copies, the paths the
+    page names); every notebook of the lab has its item, in working order."""
+    labs = chapters.labs("14")
+    expected = {}
+    for lab in labs:
+        path = f"notebooks/student/{lab.name}"
+        expected[path] = chapters.notebook_exercises(lab)
+        assert expected[path] and chapters.notebook_exercises(ROOT / path) == expected[path], path
+    named = []
+    for item in chapters.exercise_items(BODY):
+        paths = re.findall(r"`(notebooks/student/14_\w+\.ipynb)`", item)
+        assert len(paths) == 1, item[:80]
+        named.append(paths[0])
+        assert re.findall(r'"(Exercise \d+: [^"]*)"', item) == expected[paths[0]], paths[0]
+    assert named == list(expected)
+
+
 def test_the_picture_shows_which_question_sends_you_to_each_band():
     assert list(ch14.QUESTIONS) == list(ch14.GROUPS)
     assert ch14.QUESTIONS["Hangs, timeouts and errors"].startswith("question 1")
