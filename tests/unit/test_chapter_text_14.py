@@ -513,6 +513,19 @@ def test_each_exercise_is_listed_under_the_notebook_that_asks_it():
     assert named == list(expected)
 
 
+def test_the_exercise_list_says_which_of_the_first_pages_questions_each_notebook_asks():
+    """Cold review s16, finding 7: "asks the first questions" and "asks the third" read, after the bullet
+    "Exercise 3", as exercises. Each notebook's item quotes the first page's questions it asks, in the page's words."""
+    first = chapters.pages("14")[0].read_text()
+    questions = [q[0].lower() + q[1:] for q in re.findall(r"^\d\. \*\*(.+?)\*\*", first, flags=re.M)]
+    assert len(questions) == 3 and questions[2] == "does the run agree with one device?", questions
+    items = chapters.exercise_items(BODY)
+    assert f"the first page's first two questions ({questions[0]} {questions[1]})" in items[0]
+    assert "The runs that stop or print nonsense come between them" in items[0]
+    assert f"the first page's third question ({questions[2]})" in items[1]
+    assert "asks the first questions" not in FLAT and "asks the third:" not in FLAT
+
+
 def test_the_picture_shows_which_question_sends_you_to_each_band():
     assert list(ch14.QUESTIONS) == list(ch14.GROUPS)
     assert ch14.QUESTIONS["Hangs, timeouts and errors"].startswith("question 1")
