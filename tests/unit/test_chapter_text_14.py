@@ -1321,6 +1321,10 @@ def test_the_optimizer_gpu_line_and_the_one_shard_fix_say_the_visible_part():
     assert ("The resume copied that file into every rank's own shards. The shapes match, since every shard is a "
             "quarter of its weight, so nothing complains. Every rank's shard became rank 0's.") in one_shard
     assert "set_model_state_dict" in registry().case("checkpoint-one-shard").fix
+    # cold review s16 ch11_14, finding 9: the registry's cause (the table in "How we know") tells the body's account
+    cause = registry().case("checkpoint-one-shard").cause
+    assert "The resume copied that file into every rank's own shards" in cause and "as if it were" not in cause
+    assert "as if it were the model" not in FLAT
     assert "state_dict.py:123-127" in FLAT_APPENDIX
 
 
