@@ -526,6 +526,22 @@ def test_the_exercise_list_says_which_of_the_first_pages_questions_each_notebook
     assert "asks the first questions" not in FLAT and "asks the third:" not in FLAT
 
 
+def test_exercise_11s_hint_asks_what_the_notebook_asks_of_its_three_runs():
+    """Cold review s16, finding 11: the notebook's Exercise 11 asks what the ranks share (run 24), how many sequences
+    a step trains on (run 22) and what a step's loss averages over (run 23); the chapter's hint asks all three."""
+    import json
+
+    lab = ROOT / "notebooks" / "14_more_failures.ipynb"
+    cells = ["".join(c["source"]) for c in json.loads(lab.read_text())["cells"] if c["cell_type"] == "markdown"]
+    asked = " ".join(next(c for c in cells if c.startswith("### Exercise 11:")).split())
+    assert "their weights, their own losses, the norms they clip by?" in asked
+    assert "How many sequences does one step train on" in asked and "What does one step's loss average over" in asked
+    item = next(i for i in chapters.exercise_items(BODY) if "14_more_failures" in i)
+    hint = item[item.index('"Exercise 11:'):item.index('"Exercise 12:')]
+    assert "their weights, their own losses, the norm they clip by" in hint
+    assert "how many sequences a step trains on" in hint and "what its loss averages over" in hint
+
+
 def test_the_picture_shows_which_question_sends_you_to_each_band():
     assert list(ch14.QUESTIONS) == list(ch14.GROUPS)
     assert ch14.QUESTIONS["Hangs, timeouts and errors"].startswith("question 1")
