@@ -135,15 +135,19 @@ def exercise_items(markdown: str) -> list[str]:
     return [" ".join(item.split()) for item in items]
 
 
-def lab_exercises(number: str, root: Path = ROOT) -> list[str]:
-    """The titles of the exercise headings of a chapter's lab ("Exercise 2: predict the bytes of a step")."""
+def notebook_exercises(lab: Path) -> list[str]:
+    """The titles of one notebook's exercise headings, in its order ("Exercise 2: predict the bytes of a step")."""
     found = []
-    for lab in labs(number, root):
-        for cell in json.loads(lab.read_text())["cells"]:
-            if cell["cell_type"] == "markdown":
-                source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-                found += re.findall(r"^#+\s+(?:\d+\.\s+)?(Exercise[^\n]*?)\s*$", source, flags=re.M)
+    for cell in json.loads(lab.read_text())["cells"]:
+        if cell["cell_type"] == "markdown":
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            found += re.findall(r"^#+\s+(?:\d+\.\s+)?(Exercise[^\n]*?)\s*$", source, flags=re.M)
     return found
+
+
+def lab_exercises(number: str, root: Path = ROOT) -> list[str]:
+    """The titles of the exercise headings of a chapter's lab, its notebooks in working order."""
+    return [title for lab in labs(number, root) for title in notebook_exercises(lab)]
 
 
 def problems(number: str, root: Path = ROOT) -> list[str]:

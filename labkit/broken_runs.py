@@ -326,8 +326,9 @@ BROKEN_RUNS: tuple[BrokenRun, ...] = (
                 "(0.39 above the interrupted run's loss at that step) and stays above one device's to the end of "
                 "the run, the gap shrinking.",
         evidence=("extra.losses_by_step", "extra.earlier_losses", "extra.uninterrupted_losses", "checks"),
-        cause="Rank 0 saved the model it holds with torch.save (DDP's habit): under FSDP that is one shard of each "
-              "weight; every rank loaded it as if it were the model, so all took rank 0's shard.",
+        cause="Rank 0 saved its model with torch.save (DDP's habit): under FSDP that is its shard of each "
+              "weight. The resume copied that file into every rank's own shards; the shapes match, so every rank's "
+              "shard became rank 0's.",
         tell_apart="The reloaded state against the full copy saved beside the checkpoint: unequal at once, before "
                    "any training step.",
         look_alikes=("resume-without-rng", "a learning-rate schedule restarted"),

@@ -494,6 +494,54 @@ def test_the_exercises_lead_to_every_exercise_of_the_lab():
     assert len(titles) == 12 and all(f'"{title}"' in listed for title in titles), titles
 
 
+def test_each_exercise_is_listed_under_the_notebook_that_asks_it():
+    """Cold review s16, finding 8: the list item under each notebook's path quotes exactly that notebook's
+    exercise headings, in its order, read from the notebooks themselves (and their learner's copies, the paths the
+    page names); every notebook of the lab has its item, in working order."""
+    labs = chapters.labs("14")
+    expected = {}
+    for lab in labs:
+        path = f"notebooks/student/{lab.name}"
+        expected[path] = chapters.notebook_exercises(lab)
+        assert expected[path] and chapters.notebook_exercises(ROOT / path) == expected[path], path
+    named = []
+    for item in chapters.exercise_items(BODY):
+        paths = re.findall(r"`(notebooks/student/14_\w+\.ipynb)`", item)
+        assert len(paths) == 1, item[:80]
+        named.append(paths[0])
+        assert re.findall(r'"(Exercise \d+: [^"]*)"', item) == expected[paths[0]], paths[0]
+    assert named == list(expected)
+
+
+def test_the_exercise_list_says_which_of_the_first_pages_questions_each_notebook_asks():
+    """Cold review s16, finding 7: "asks the first questions" and "asks the third" read, after the bullet
+    "Exercise 3", as exercises. Each notebook's item quotes the first page's questions it asks, in the page's words."""
+    first = chapters.pages("14")[0].read_text()
+    questions = [q[0].lower() + q[1:] for q in re.findall(r"^\d\. \*\*(.+?)\*\*", first, flags=re.M)]
+    assert len(questions) == 3 and questions[2] == "does the run agree with one device?", questions
+    items = chapters.exercise_items(BODY)
+    assert f"the first page's first two questions ({questions[0]} {questions[1]})" in items[0]
+    assert "The runs that stop or print nonsense come between them" in items[0]
+    assert f"the first page's third question ({questions[2]})" in items[1]
+    assert "asks the first questions" not in FLAT and "asks the third:" not in FLAT
+
+
+def test_exercise_11s_hint_asks_what_the_notebook_asks_of_its_three_runs():
+    """Cold review s16, finding 11: the notebook's Exercise 11 asks what the ranks share (run 24), how many sequences
+    a step trains on (run 22) and what a step's loss averages over (run 23); the chapter's hint asks all three."""
+    import json
+
+    lab = ROOT / "notebooks" / "14_more_failures.ipynb"
+    cells = ["".join(c["source"]) for c in json.loads(lab.read_text())["cells"] if c["cell_type"] == "markdown"]
+    asked = " ".join(next(c for c in cells if c.startswith("### Exercise 11:")).split())
+    assert "their weights, their own losses, the norms they clip by?" in asked
+    assert "How many sequences does one step train on" in asked and "What does one step's loss average over" in asked
+    item = next(i for i in chapters.exercise_items(BODY) if "14_more_failures" in i)
+    hint = item[item.index('"Exercise 11:'):item.index('"Exercise 12:')]
+    assert "their weights, their own losses, the norm they clip by" in hint
+    assert "how many sequences a step trains on" in hint and "what its loss averages over" in hint
+
+
 def test_the_picture_shows_which_question_sends_you_to_each_band():
     assert list(ch14.QUESTIONS) == list(ch14.GROUPS)
     assert ch14.QUESTIONS["Hangs, timeouts and errors"].startswith("question 1")
@@ -1289,6 +1337,10 @@ def test_the_optimizer_gpu_line_and_the_one_shard_fix_say_the_visible_part():
     assert ("The resume copied that file into every rank's own shards. The shapes match, since every shard is a "
             "quarter of its weight, so nothing complains. Every rank's shard became rank 0's.") in one_shard
     assert "set_model_state_dict" in registry().case("checkpoint-one-shard").fix
+    # cold review s16 ch11_14, finding 9: the registry's cause (the table in "How we know") tells the body's account
+    cause = registry().case("checkpoint-one-shard").cause
+    assert "The resume copied that file into every rank's own shards" in cause and "as if it were" not in cause
+    assert "as if it were the model" not in FLAT
     assert "state_dict.py:123-127" in FLAT_APPENDIX
 
 
