@@ -137,7 +137,7 @@ CAUSES = {
     "accumulation-never-syncs": "gradient accumulation that never synchronises, the last micro-batch too",
     "loss-averaged-twice": "the loss divided by the world size, and the gradients averaged over the ranks again",
     "uneven-inputs": "the ranks' shards of data of unequal length: one runs out first",
-    "checkpoint-one-shard": "a checkpoint saved from one rank's shard and loaded as if it were the whole model",
+    "checkpoint-one-shard": "a checkpoint saved from one rank's shard and copied into every rank's shards",
     "bf16-gradient-reduction": "gradients summed over the ranks in bf16",
     "optimizer-before-sharding": "the optimizer built before the model was sharded",
     "data-by-global-rank": "each rank's data chosen by its global rank, not by its place on the model's mesh",

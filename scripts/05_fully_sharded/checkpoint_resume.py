@@ -120,7 +120,7 @@ def main():
     runtime.add_lr_flag(p)
     p.add_argument("--planted-bug", choices=["checkpoint-one-shard"], default=None,
                    help="a mistake the checks must catch: rank 0 saves the model it holds (one shard of each weight) "
-                        "with torch.save beside the checkpoint, and --resume loads that file on every rank as if whole")
+                        "with torch.save beside the checkpoint, and --resume copies that file into every rank's own shards")
     runtime.add_fix_flag(p, "full_from_shards(shards) (a parameter whole again from its FSDP shards, rank 0's first): "
                             "every rank gathers its shards, rank 0 saves the learner's whole parameters beside the "
                             "checkpoint, and --resume gives every rank its rows of them")
