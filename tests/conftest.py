@@ -26,16 +26,23 @@ def pytest_addoption(parser):
                           "a test that passes only after, or only beside, another shows up as a failure")
 
 
+# The file whose tests wait longest on a clock they cannot hurry (the Slurm cluster's jobs: a time limit's warning comes
+# at slurmctld's 30 s check, a requeue starts the job again): first, so that the other worker's files fill that wait.
+WAITS_LONGEST = "tests/slurm/test_slurm_jobs.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """--shuffle-files=SEED: every worker draws the same order (the same seed over the same collection), so pytest-xdist
-    hands the files out in it."""
+    """The order pytest-xdist hands the files out in (make test's first phase takes them in collection order:
+    --no-loadscope-reorder): the file that waits longest first, then the command line's order. --shuffle-files=SEED:
+    an order drawn with SEED instead; every worker draws the same one (the same seed over the same collection)."""
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
     seed = config.getoption("shuffle_files")
     if seed is None:
-        return
-    import random
+        files.sort(key=lambda name: name != WAITS_LONGEST)                # stable: the rest keep their order
+    else:
+        import random
 
-    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
-    random.Random(seed).shuffle(files)
+        random.Random(seed).shuffle(files)
     rank = {name: index for index, name in enumerate(files)}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])   # stable: a file's tests keep their order
 

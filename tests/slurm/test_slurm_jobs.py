@@ -123,10 +123,12 @@ JOBS = {
     # would read as its own --export. No DISTLAB_MODULES, no DISTLAB_CONDA_ENV, no DISTLAB_SITE: the generic profile.
     "export-list": ("preflight", [], {"DISTLAB_ONLY": "distlab.runtime"}),
     # a requeue (scontrol requeue mid-run: a node failure or a preemption does the same): the job runs again with the
-    # same id and SLURM_RESTART_COUNT=1, and the fault drill resumes from the first attempt's checkpoint
+    # same id and SLURM_RESTART_COUNT=1, and the fault drill resumes from the first attempt's checkpoint. No rank
+    # dies (DISTLAB_DRILL_DEATH=0): the walltime job proves the death and torchrun's restart under Slurm; here each
+    # attempt would restart four real interpreters for it (about 20 s of CPU in make test) and prove nothing more.
     "requeue": ("12_hpc_operations", ["--time=5"],
                 {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_DRILL_DIR": "", "DISTLAB_DRILL_STEPS": "8",
-                 "DISTLAB_DRILL_STEP_SECONDS": "2", **REAL_PYTHON}),
+                 "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_DRILL_DEATH": "0", **REAL_PYTHON}),
     # bad input: one line, exit 2, nothing left queued
     "tasks-not-gpus": ("04_data_parallel", ["--ntasks-per-node=1"], {}),
     "ranks-do-not-fit": ("04_data_parallel", [], {"DISTLAB_NPROCS": "3"}),
