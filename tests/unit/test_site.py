@@ -3,7 +3,7 @@
 `make site` runs every lab (CI does it: .ci/run); here the site is built with the labs left unexecuted (nbval runs
 them in `make test`), which checks every link and image of every page in seconds, and three planted faults (a broken
 link, a missing image, a cell that raises while the lab runs) show that the build fails on each. The first two are
-planted in the built site's source and rebuilt incrementally (Sphinx re-reads only the changed page)."""
+planted together in the built site's source and rebuilt once, incrementally (Sphinx re-reads only the changed pages)."""
 
 from __future__ import annotations
 
@@ -115,31 +115,38 @@ def test_nothing_is_fetched_from_the_network(built):
         assert "https://cdn" not in text and "unpkg.com" not in text and "mathjax" not in text.lower(), page
 
 
-def _planted(built, path: str, change) -> subprocess.CompletedProcess:
-    """Plant a fault in the built site's own source and rebuild it incrementally: Sphinx re-reads only the pages
-    whose file or dependencies changed (seconds, where a copy of the source is a new source folder and a full
-    build), then put the file back. The fault's warning must fail the build."""
+def _planted(built, changes: dict) -> subprocess.CompletedProcess:
+    """Plant faults in the built site's own source (``changes``: a path and what to do to it) and rebuild it
+    incrementally: Sphinx re-reads only the pages whose file or dependencies changed (seconds, where a copy of the
+    source is a new source folder and a full build), then put the files back. Every fault's warning must fail the
+    build: -W --keep-going reports them all, each naming its file, so one rebuild checks each."""
     out, source, _ = built
-    target = source / path
-    saved = target.read_bytes()
+    saved = {path: (source / path).read_bytes() for path in changes}
     try:
-        change(target)
+        for path, change in changes.items():
+            change(source / path)
         return sphinx(source, out)
     finally:
-        target.write_bytes(saved)   # newer than the failed build's read: the next build reads it again
+        for path, content in saved.items():
+            (source / path).write_bytes(content)   # newer than the failed build's read: the next build reads it again
 
 
-def test_a_broken_link_fails_the_build(built):
+@pytest.fixture(scope="module")
+def with_two_faults(built):
+    """A broken link and a missing image, planted in one rebuild."""
     def break_link(page):
         page.write_text(page.read_text() + "\n\nSee [the missing page](06_no_such_chapter.md).\n")
 
-    result = _planted(built, "chapters/05_fully_sharded.md", break_link)
-    assert result.returncode != 0 and "06_no_such_chapter" in result.stderr
+    return _planted(built, {"chapters/05_fully_sharded.md": break_link,
+                            "chapters/figures/05_zero_stages.png": lambda image: image.unlink()})
 
 
-def test_a_missing_image_fails_the_build(built):
-    result = _planted(built, "chapters/figures/05_zero_stages.png", lambda image: image.unlink())
-    assert result.returncode != 0 and "05_zero_stages.png" in result.stderr
+def test_a_broken_link_fails_the_build(with_two_faults):
+    assert with_two_faults.returncode != 0 and "06_no_such_chapter" in with_two_faults.stderr
+
+
+def test_a_missing_image_fails_the_build(with_two_faults):
+    assert with_two_faults.returncode != 0 and "05_zero_stages.png" in with_two_faults.stderr
 
 
 def test_the_appendix_opens_collapsed(built):
