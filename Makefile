@@ -38,34 +38,33 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-## Every test, in phases. First the Slurm and PBS tiers (the Slurm jobs file first: its jobs wait on the cluster's clock
-## for minutes, time the other worker spends on other files), scripts (4 CPU ranks), notebooks (nbval) and unit tests
-## (short, last: they fill the end of the phase) on two pytest workers, which take the files in that order
-## (--no-loadscope-reorder: pytest-xdist's own order is the files with the most tests first, which started the Slurm jobs
-## file 6 minutes in, beside nothing); tests/conftest.py puts the slowest-waiting file first: a 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the
-## timeouts it waits out), so two workers run the same checks in about 60% of the time. Then the learner's
-## copies, on two workers: they replay the script runs their full notebooks made in the first phase (--expect-replays:
-## a copy's cell that starts its run again fails the test)
-## (DISTLAB_LAUNCH_CACHE, shared by every phase: keyed on every input of a run, the files its arguments name among
-## them, and restoring the files it left). Last, alone, the timing-sensitive tests. Every worker, notebook kernel and
+## Every test, in two phases. First, on two pytest workers, which take the files in this order: the Slurm and PBS
+## tiers (the Slurm jobs file first: its jobs wait on the cluster's clock for minutes, time the other worker spends on
+## other files), scripts (4 CPU ranks), the notebooks (nbval), the learner's copies, and the unit tests (the long ones
+## first; the short ones fill the end of the phase). --no-loadscope-reorder: pytest-xdist's own order is the files with
+## the most tests first, which started the Slurm jobs file 6 minutes in, beside nothing (tests/conftest.py sets the
+## order). A 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the timeouts it waits out), so
+## two workers run the same checks in about 60% of the time. Each learner's copy waits until its full notebook has run
+## its last cell, on either worker, and replays the runs it made (--expect-replays: a copy's cell that starts its run
+## again fails the test; DISTLAB_LAUNCH_CACHE, keyed on every input of a run, the files its arguments name among them,
+## and restoring the files it left). Then, alone, the timing-sensitive tests. Every worker, notebook kernel and
 ## subprocess of a phase forks its CPU launches from one server that imported torch once (DISTLAB_FORK_SERVER,
 ## labkit.forkserver, started by tests/conftest.py): a few hundred launches skip 2.4 s of imports each; the notebooks'
 ## kernels fork from it too (the python3 kernel tests/conftest.py puts first on JUPYTER_PATH). torch.compile's tests
-## (tests/scripts/test_compile.py) build
-## inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on 2 busy cores its pool of workers cost
-## 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache in 26 s where vectorised code took
-## 39; the tests check what is computed, not how fast). Each test process and notebook kernel computes on one thread
-## (OMP_NUM_THREADS=1, as every rank already does): two workers on two cores, each with torch's default of a thread a
-## core, fought over them (a unit test's 30 tiny steps took 1.5 s alone and 15 s inside make test). Python writes the
-## bytecode of what it compiles (PYTHONDONTWRITEBYTECODE unset, where a machine sets it): else every rank of every launch
-## compiled the course's modules again, and every pytest process rewrote every test module's asserts again (a worker's
-## collection took 19.7 s of CPU, 9 with the cache). The writes are atomic, so two processes compiling one module agree.
+## (tests/scripts/test_compile.py) build inductor's C++ in the compiling process (TORCHINDUCTOR_COMPILE_THREADS=1: on
+## 2 busy cores its pool of workers cost 7 s more) as scalar code (TORCHINDUCTOR_VEC_ISA_OK=0: built from a cold cache
+## in 26 s where vectorised code took 39; the tests check what is computed, not how fast). Each test process and
+## notebook kernel computes on one thread (OMP_NUM_THREADS=1, as every rank already does): two workers on two cores,
+## each with torch's default of a thread a core, fought over them (a unit test's 30 tiny steps took 1.5 s alone and
+## 15 s inside make test). Python writes the bytecode of what it compiles (PYTHONDONTWRITEBYTECODE unset, where a
+## machine sets it): else every pytest process rewrote every test module's asserts again (a worker's collection took
+## 19.7 s of CPU, 9 with the cache), and every process compiled the course's modules again. The writes are atomic, so
+## two processes compiling one module agree.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(LAB_OVERRIDES)
 	unset PYTHONDONTWRITEBYTECODE && export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
-	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/unit --nbval-lax --nbval-kernel-name=python3 --nbval-kernel-startup-timeout=180 \
-		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS) && \
-	$(PY) -m pytest tests/notebooks -m serial -n $(PYTEST_WORKERS) --dist load --expect-replays $(PYTEST_ARGS) && \
+	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/notebooks tests/unit --nbval-lax --nbval-kernel-name=python3 \
+		--nbval-kernel-startup-timeout=180 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --expect-replays $(PYTEST_ARGS) && \
 	$(PY) -m pytest tests/scripts -m serial $(PYTEST_ARGS)
 
 unit: $(STAMP)

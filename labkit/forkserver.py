@@ -199,12 +199,15 @@ def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) ->
 def serve(path: str) -> None:
     from labkit import forkrun
 
-    forkrun.preload()
     parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     server.listen(16)
     os.rename(path + ".tmp", path)   # the path appears only once the server listens
+    # Listening before the imports: whoever started the server goes on at once (make test's pytest workers collect
+    # their tests meanwhile, 4 s sooner); a request that comes first waits in the backlog, and none is forked from
+    # here until torch is imported.
+    forkrun.preload()
     server.settimeout(1.0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # children are reaped by the kernel; their caller gets the code
     while os.getppid() == parent:                   # the process that started it is gone: leave too

@@ -1,6 +1,10 @@
-"""Assertions shared by the script tests."""
+"""Assertions and settings shared by the tests."""
 
 from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
 
 from labkit import launch
 
@@ -121,3 +125,23 @@ def lab_cells(number: str, student: bool = False) -> list[dict]:
         path = lab.parent / "student" / lab.name if student else lab
         cells += json.loads(path.read_text())["cells"]
     return cells
+
+
+def full_notebook_done(name: str) -> Path:
+    """The file that says the full notebook ``name`` has run its last cell in this make test (tests/conftest.py
+    writes it), under the replay cache every process of the run shares."""
+    return Path(os.environ["DISTLAB_LAUNCH_CACHE"]) / "full-notebooks-run" / name
+
+
+def wait_for_full_notebook(request, notebook: Path, timeout_s: float = 600) -> None:
+    """When the full ``notebook`` runs in this pytest session too (make test: nbval, on either worker), wait until
+    its last cell has run, so that its learner's copy replays every run it made. A session without it waits for
+    nothing. The notebooks are handed out before the copies (tests/conftest.py), so the wait ends."""
+    if not any(item.nodeid.split("::")[0] == f"notebooks/{notebook.name}" for item in request.session.items):
+        return
+    done = full_notebook_done(notebook.name)
+    deadline = time.monotonic() + timeout_s
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the full notebook {notebook.name} did not finish within {timeout_s:.0f} s")
+        time.sleep(0.5)

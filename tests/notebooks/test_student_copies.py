@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import wait_for_full_notebook
 from nbclient import NotebookClient
 
 from coursetools import student
@@ -79,6 +80,7 @@ def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path, request
     # Run All in the learner's copy, every exercise still a stub: each check cell says its exercise is not written
     # yet, and the notebook runs on to its last cell (a learner who answers exercise 2 first sees its check)
     copy_path = REPO / "notebooks" / "student" / path.name
+    wait_for_full_notebook(request, path)   # make test runs the full notebook beside: its runs, replayed here
     nb = nbformat.read(copy_path, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, startup_timeout=180, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(copy_path.parent)}})
@@ -98,7 +100,7 @@ def test_student_copy_runs_to_the_end_and_says_what_is_not_written(path, request
                 failures.append(f"cell {index}: no 'not written yet' message: {text[:200]!r}")
     if request.config.getoption("expect_replays"):
         # make test: the full notebook ran first on the same cache. A run its cell starts again, not replayed,
-        # means the cache's key took in something that differs between make test's phases: it once re-ran them all
+        # means the cache's key took in something that differs between two processes: it once re-ran them all
         full_cells = {c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"}
         failures += [f"cell {index} started its run again instead of replaying the full notebook's: {line}"
                      for index, cell in enumerate(nb.cells) if cell.cell_type == "code" and cell.source in full_cells
