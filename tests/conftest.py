@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
     """The order pytest-xdist hands the files out in (make test's first phase takes them in collection order:
     --no-loadscope-reorder): the file that waits longest first, then the command line's order, the long unit files
     first among the unit files. --shuffle-files=SEED: an order drawn with SEED instead; every worker draws the same
-    one (the same seed over the same collection)."""
+    one (the same seed over the same collection). Either way the learner's copies come after the full notebooks."""
     files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
     seed = config.getoption("shuffle_files")
     if seed is None:
@@ -53,9 +53,12 @@ def pytest_collection_modifyitems(config, items):
         import random
 
         random.Random(seed).shuffle(files)
-        # the learner's copies after every full notebook, as in the command line's order: a copy waits for its
-        # notebook (helpers.wait_for_full_notebook), and a notebook handed out after it could be queued behind it
-        files.sort(key=lambda name: name.startswith("tests/notebooks/"))
+    # the learner's copies right after the last full notebook, whatever the order asked: a copy waits for its
+    # notebook (helpers.wait_for_full_notebook), and a notebook handed out after it could be queued behind it
+    copies = [name for name in files if name.startswith("tests/notebooks/")]
+    files = [name for name in files if name not in copies]
+    after_notebooks = 1 + max((i for i, name in enumerate(files) if name.endswith(".ipynb")), default=-1)
+    files[after_notebooks:after_notebooks] = copies
     rank = {name: index for index, name in enumerate(files)}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])   # stable: a file's tests keep their order
 
