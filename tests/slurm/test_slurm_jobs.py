@@ -49,8 +49,11 @@ EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTH
 # The fault path's jobs run the real interpreter, not the fork-server wrapper: a forked program is a child of the
 # fork server, outside the Slurm task's process tree, and the test cluster's proctrack/linuxproc signals a step by
 # that tree (proctrack_linuxproc.c, kill_proc_tree), so Slurm's TERM and KILL would reach only the wrapper, and
-# torchrun's workers would go on, and checkpoint, where a real site's step would be killed.
-REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable}
+# torchrun's workers would go on, and checkpoint, where a real site's step would be killed. Their environment probe is
+# off (DISTLAB_PREFLIGHT=0: jobs/common.sh's check that the interpreter imports torch and distlab): in the real
+# interpreter it imports torch once more a job, 2-3 s of CPU each of the ten, and the chapter, preflight and
+# export-list jobs run it.
+REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable, "DISTLAB_PREFLIGHT": "0"}
 
 # The drill's process-group timeout in the jobs where no rank dies: the job file's 20 s is for a death (NCCL's
 # survivors leave before torchrun's 30 s SIGKILL); here it would bound only the final barrier, which every rank
