@@ -51,7 +51,7 @@ EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTH
 # that tree (proctrack_linuxproc.c, kill_proc_tree), so Slurm's TERM and KILL would reach only the wrapper, and
 # torchrun's workers would go on, and checkpoint, where a real site's step would be killed. Their environment probe is
 # off (DISTLAB_PREFLIGHT=0: jobs/common.sh's check that the interpreter imports torch and distlab): in the real
-# interpreter it imports torch once more a job, 2-3 s of CPU each of the ten, and the chapter, preflight and
+# interpreter it imports torch once more a job, 2-3 s of CPU in each of about ten, and the chapter, preflight and
 # export-list jobs run it.
 REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable, "DISTLAB_PREFLIGHT": "0"}
 
