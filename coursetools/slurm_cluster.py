@@ -16,6 +16,7 @@ starts one, prints how to use it, and stops it on Ctrl-C.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ import time
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+# One installer at a time on this machine (ensure_installed); root's, as the install is
+INSTALL_LOCK = Path(tempfile.gettempdir()) / "distlab-slurm-install.lock"
+APT_LOCK_WAIT = 300
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 16  # more than the machine has: slots for several small jobs at once (config_overrides below)
 GPUS_PER_NODE = 8  # count-only GPUs (no device files): each test job asks 2 a node, so four jobs run side by side
@@ -88,19 +92,34 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot run here (not installable, not root): the one line the tests skip with."""
 
 
+def _installed() -> bool:
+    return all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged", "mungekey"))
+
+
 def ensure_installed() -> None:
-    """Install Debian's Slurm and munge when a daemon is missing, as .ci/run installs Chromium."""
-    if all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged", "mungekey")):
+    """Install Debian's Slurm and munge when a daemon is missing, as .ci/run installs Chromium.
+
+    make test's two workers each start a cluster (the cluster's own tests and the jobs' run on different workers):
+    on a machine without Slurm both called apt-get at once, and the second failed on dpkg's lock ("Unable to acquire
+    the dpkg frontend lock"), skipping its half of the tier. One process installs under INSTALL_LOCK; the others wait
+    for it and find Slurm installed. apt-get itself waits up to APT_LOCK_WAIT s for dpkg's lock held by anything else
+    (an unattended upgrade): DPkg::Lock::Timeout, apt 1.9.11 and later; apt-get gives up at once without it."""
+    if _installed():
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise SlurmUnavailable("Slurm is not installed and cannot be here (needs root and apt-get): "
                                "apt-get install slurmctld slurmd slurm-client munge")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
-    done = subprocess.run(install, env=env, capture_output=True, text=True)
-    if done.returncode != 0:  # a machine whose package lists are stale or absent
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed():  # another process installed it while this one waited
+            return
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        apt = ["apt-get", "-o", f"DPkg::Lock::Timeout={APT_LOCK_WAIT}"]
+        install = [*apt, "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
         done = subprocess.run(install, env=env, capture_output=True, text=True)
+        if done.returncode != 0:  # a machine whose package lists are stale or absent
+            subprocess.run([*apt, "update", "-qq"], env=env, capture_output=True)
+            done = subprocess.run(install, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {last}")
