@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections import Counter, defaultdict
 
@@ -37,6 +38,7 @@ class CallJournal:
         self.mirror = mirror  # a file that holds the same JSON: what is left when the job is cancelled mid-hang
         self.calls: list[dict] = []
         self.state = "running"
+        self._finishing = threading.Lock()   # finish() runs in the main thread and in the SIGTERM thread
 
     def as_json(self) -> str:
         return json.dumps({"rank": self.rank, "state": self.state, "calls": self.calls})
@@ -70,12 +72,20 @@ class CallJournal:
 
     def finish(self, state: str) -> None:
         """``finished`` (the program ran to its end), ``timed out`` (a call raised after the timeout) or
-        ``cancelled`` (the job was ended while the rank waited: only the file is written, the store may be gone)."""
-        self.state = state
-        if state == "cancelled":
-            self.save_file()
-        else:
-            self._save()
+        ``cancelled`` (the job was ended while the rank waited: only the file is written, the store may be gone).
+
+        A cancellation is final. The SIGTERM thread writes ``cancelled`` and then, before it ends the process, writes
+        the flight recorder; meanwhile a peer that got its SIGTERM sooner may have exited, the main thread's call then
+        raises, and its ``timed out`` overwrote the file (seen once in make test's Slurm tier). The lock makes the
+        two writes one after the other."""
+        with self._finishing:
+            if self.state == "cancelled":
+                return
+            self.state = state
+            if state == "cancelled":
+                self.save_file()
+            else:
+                self._save()
 
 
 def on_sigterm_leave_evidence(leave) -> None:

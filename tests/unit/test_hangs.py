@@ -131,3 +131,19 @@ def test_a_rank_busy_alone_before_the_call_the_others_wait_in_is_a_late_rank():
     for r in (1, 2, 3):
         journals[r]["calls"].insert(1, call("evaluate", "compute", group=f"rank {r}", seconds=0.75))
     assert hangs.diagnose(journals)["cause"] == "unknown"
+
+
+def test_a_cancelled_journal_stays_cancelled_when_the_main_threads_call_then_raises(tmp_path):
+    # scancel: the SIGTERM thread writes "cancelled"; a peer that exited sooner makes this rank's call raise, and the
+    # main thread's "timed out" must not replace it in the file the job leaves
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+    mirror = tmp_path / "journals" / "rank_1.json"
+    journal = hangs.CallJournal(Store(), 1, prefix="p", mirror=str(mirror))
+    with pytest.raises(RuntimeError), journal.call("end of step", "all_reduce"):
+        journal.finish("cancelled")
+        raise RuntimeError("Connection closed by peer")
+    journal.finish("timed out")
+    assert json.loads(mirror.read_text())["state"] == "cancelled"
