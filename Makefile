@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 # The virtualenv is rebuilt whenever the pins change.
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip>=23"
+	@# pip 23 or newer; a venv's own pip usually is already, and asking the index says so only after a round trip
+	$(PY) -c 'import sys, pip; sys.exit(int(pip.__version__.split(".")[0]) < 23)' || $(PY) -m pip install --quiet --upgrade "pip>=23"
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt -c constraints.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
 	@# The bytecode pip would compile one package after another (30 s of CPU), compiled on every core at once;
