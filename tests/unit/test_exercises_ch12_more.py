@@ -93,6 +93,7 @@ def test_the_expected_placements_are_what_a_real_mpiexec_does(tmp_path):
     """MPICH's Hydra mpiexec (in the environment, PYTORCH_NOTES) with the exercise's nodes, in the scheduler's order,
     and -ppn: each rank's PMI_HOSTNAME and MPI_LOCALRANKID are the checker's written-out answer."""
     import shutil
+    import signal
     import subprocess
     import sys
 
@@ -103,9 +104,15 @@ def test_the_expected_placements_are_what_a_real_mpiexec_does(tmp_path):
         hosts = list(dict.fromkeys(nodefile))
         ppn = nodefile.count(hosts[0])
         (tmp_path / "hosts.txt").write_text("".join(f"{h}:{ppn}\n" for h in hosts))
-        done = subprocess.run([mpiexec, "-launcher", "fork", "-f", str(tmp_path / "hosts.txt"), "-ppn", str(ppn),
-                               "-n", str(len(nodefile)), "sh", "-c", 'echo "$PMI_RANK $PMI_HOSTNAME $MPI_LOCALRANKID"'],
-                              capture_output=True, text=True, timeout=60, check=True)
+        command = [mpiexec, "-launcher", "fork", "-f", str(tmp_path / "hosts.txt"), "-ppn", str(ppn),
+                   "-n", str(len(nodefile)), "sh", "-c", 'echo "$PMI_RANK $PMI_HOSTNAME $MPI_LOCALRANKID"']
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        if done.returncode == -signal.SIGPIPE:
+            # Hydra's own teardown: once in make test (s18g, two loaded cores) mpiexec itself died of SIGPIPE as its
+            # eight instant ranks exited (0 in 100 runs alone). The placements it prints are what this test checks:
+            # one more run, and a second death fails below
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (done.returncode, done.stderr[-500:])
         rows = sorted((int(r), h, int(l)) for r, h, l in (line.split() for line in done.stdout.splitlines()))
         assert [(h, l) for _, h, l in rows] == want
 
