@@ -76,16 +76,20 @@ class CallJournal:
 
         A cancellation is final. The SIGTERM thread writes ``cancelled`` and then, before it ends the process, writes
         the flight recorder; meanwhile a peer that got its SIGTERM sooner may have exited, the main thread's call then
-        raises, and its ``timed out`` overwrote the file (seen once in make test's Slurm tier). The lock makes the
-        two writes one after the other."""
+        raises, and its ``timed out`` overwrote the file (seen once in make test's Slurm tier). The lock orders the
+        two file writes; the store is written outside it, so that a store gone with a peer never holds up the SIGTERM
+        thread."""
         with self._finishing:
             if self.state == "cancelled":
                 return
             self.state = state
             if state == "cancelled":
                 self.save_file()
-            else:
-                self._save()
+                return
+        self.store.set(self.key, self.as_json())
+        with self._finishing:
+            if self.state == state:   # not cancelled meanwhile
+                self.save_file()
 
 
 def on_sigterm_leave_evidence(leave) -> None:
