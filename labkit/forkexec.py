@@ -11,10 +11,13 @@ to the program, and it exits as the program did (the same exit code, or killed b
 child that forked the program waits for it and reports which). If this client dies (SIGKILL after a job's
 KillWait), that child kills the program.
 
-What it cannot give: the program is not in the client's process tree, so a scheduler that kills a task's whole tree
-(Slurm's proctrack, a cgroup) reaches the client, and through it the program, but not the program's own children
-(a torchrun agent's workers). The tiers' jobs that test killing (the walltime, time-limit and requeue jobs) start
-their ranks with the real interpreter.
+The program is not in the client's process tree, so a scheduler that signals a task's whole tree (Slurm's
+proctrack/linuxproc walks /proc for every descendant of the task and signals each: kill_tree.c, kill_proc_tree)
+would reach the client only. With ``DISTLAB_FORKEXEC_WHOLE_TREE=1`` in its environment the client stands in for
+that tree: a signal it gets goes to the program and to every descendant the program has at that moment (a torchrun
+agent's workers, in sessions of their own), and if the client is killed, the program and all its descendants are
+killed. The Slurm tier sets it; without it only the program is signalled or killed, as a plain ``kill PID`` of an
+interpreter would do (what labkit.launch's own timeout must cope with: torchrun's workers outlive a killed agent).
 
 Whatever it does not serve, it hands to the real interpreter unchanged (``os.execv``): any other interpreter option,
 a program on standard input, no server (``DISTLAB_FORK_SERVER_SOCKET`` unset or gone). What differs from a fresh
@@ -32,7 +35,39 @@ import sys
 import time
 
 SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # as labkit.forkserver.SOCKET_ENV (this client imports nothing of labkit)
+WHOLE_TREE_ENV = "DISTLAB_FORKEXEC_WHOLE_TREE"   # "1": signal and kill the program's descendants too (Slurm's proctrack)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def descendants(top: int) -> list[int]:
+    """Every live process below ``top`` (children, their children, ...), found as Slurm's proctrack/linuxproc finds a
+    task's: each /proc/PID/stat's parent, zombies left out (kill_tree.c, _build_hashtbl and _get_list)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()   # after "(comm)", which may hold spaces
+        except OSError:                                              # gone meanwhile
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, waiting = [], [top]
+    while waiting:
+        below = children.get(waiting.pop(), [])
+        found += below
+        waiting += below
+    return found
+
+
+def signal_program(pid: int, number: int, whole_tree: bool) -> None:
+    """Send ``number`` to the program, and with ``whole_tree`` to each of its descendants too."""
+    for target in [pid, *(descendants(pid) if whole_tree else [])]:
+        try:
+            os.kill(target, number)
+        except ProcessLookupError:
+            pass
 
 
 def parse(argv: list[str]) -> dict | None:
@@ -82,14 +117,13 @@ def main(argv: list[str]) -> None:
     program_pid = [0]
     pending: list[int] = []
 
+    whole_tree = env.get(WHOLE_TREE_ENV) == "1"
+
     def forward(number, _frame):
         if not program_pid[0]:
             pending.append(number)
             return
-        try:
-            os.kill(program_pid[0], number)
-        except ProcessLookupError:
-            pass
+        signal_program(program_pid[0], number, whole_tree)
 
     for number in FORWARDED:
         signal.signal(number, forward)
@@ -134,12 +168,13 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
     """In the fork server's child: fork the program of the request, and report how it ended. Never returns.
 
     This child stays between the server and the program as its parent, so that it can wait for it: it tells the
-    client the program's pid, reports its exit code or the signal that killed it, and kills it if the client goes
-    (closes the connection) first."""
+    client the program's pid, reports its exit code or the signal that killed it, and kills it (and, where the client
+    stands in for a whole tree, its descendants) if the client goes (closes the connection) first."""
     import select
 
     program = 0
     ended = False
+    whole_tree = request["env"].get(WHOLE_TREE_ENV) == "1"
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # the server ignores SIGCHLD: this child must wait
@@ -175,7 +210,7 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
     finally:
         if program and not ended:                        # whatever went wrong here, nothing outlives the client
             try:
-                os.kill(program, signal.SIGKILL)
+                signal_program(program, signal.SIGKILL, whole_tree)   # the tree is read before the program goes
                 os.waitpid(program, 0)
             except OSError:
                 pass

@@ -102,6 +102,18 @@ def forked_kernels() -> str:
     return str(folder)
 
 
+def slurm_task_settings() -> dict[str, str]:
+    """What a Slurm job of the tier is given so that every program it starts forks from make test's server: its
+    interpreter (DISTLAB_PYTHON) and torchrun's for its workers (PYTHON_EXEC, torch 2.13 distributed/run.py:953) are
+    the wrapper, and each wrapper stands in for its task's whole process tree. Slurm signals and kills every process
+    of that tree (the test cluster's proctrack/linuxproc walks /proc for them: kill_tree.c, kill_proc_tree), and a
+    forked program is outside it: so the wrapper passes a signal on to the program and all its descendants (a
+    torchrun agent's workers), and takes them with it when it is killed (labkit/forkexec.py, WHOLE_TREE_ENV)."""
+    from labkit import forkexec
+
+    return {"DISTLAB_PYTHON": scheduler_python(), "PYTHON_EXEC": scheduler_python(), forkexec.WHOLE_TREE_ENV: "1"}
+
+
 def forkexec_settings() -> dict[str, str]:
     """A job's settings that make its ranks fork from make test's server (empty when no server runs): the
     environment the PBS tier hands its jobs is cleaned of DISTLAB_*, the server's socket with it."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from coursetools.slurm_cluster import SlurmCluster
+from helpers import slurm_task_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLOCKS = ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py"
@@ -32,7 +33,10 @@ def write_job(folder: Path, name: str, body: str) -> Path:
 def jobs(cluster, tmp_path_factory):
     """Every job of this module, submitted before any test waits: {name: (job id, its folder)}."""
     folder = tmp_path_factory.mktemp("slurm_jobs")
-    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PY": sys.executable}
+    # each rank forks from make test's fork server (its wrapper standing in for the task's tree: helpers.py)
+    task = slurm_task_settings()
+    env = {"MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PY": task["DISTLAB_PYTHON"],
+           **task}
     submitted = {}
     # a real hang (the last rank skips a barrier) with a process-group timeout far away: only scancel ends it,
     # and each rank must leave its journal and its flight recorder in the run folder

@@ -5,10 +5,11 @@ said on the command line (two tasks and two GPUs a node: the GPUs are Slurm's co
 gloo) and the course's settings in the environment (sbatch hands the environment on). Every job is submitted at
 the start, so the cluster runs them side by side; each test waits for its own with scontrol and reads what the job
 wrote: every check passed, ranks on both nodes. The node names do not resolve here: DISTLAB_MASTER_ADDR=127.0.0.1.
-In the chapter jobs each rank is a Slurm task whose interpreter (DISTLAB_PYTHON, tests/helpers.py) forks the program
-from make test's fork server, torch imported once (labkit/forkexec.py: signals passed on, the same exit). The jobs
-whose test is about signals and stopping (walltime, time limit, requeue) and the export-list job, handed no server,
-start their ranks with the real interpreter (REAL_PYTHON).
+Each program a job starts with its interpreter (DISTLAB_PYTHON, tests/helpers.py: a chapter job's rank, a torchrun
+agent) and each worker a torchrun agent starts (PYTHON_EXEC, torch/distributed/run.py) forks from make test's fork
+server, torch imported once (labkit/forkexec.py: signals passed on, the same exit). Slurm signals and kills a task's
+whole process tree, and the forked program is outside it; each wrapper stands in for that tree (helpers.py). The
+export-list job, handed no server, starts its ranks with the real interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import scheduler_python
+from helpers import slurm_task_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = ROOT / "slurm"
@@ -32,8 +33,8 @@ SHAPE = ["-N", "2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task
 
 def settings(run_dir: Path, **extra: str) -> dict[str, str]:
     return {"DISTLAB_RUN_DIR": str(run_dir), "DISTLAB_DEVICE": "cpu", "DISTLAB_PRESET": "tiny", "DISTLAB_MODULES": "",
-            "DISTLAB_CONDA_ENV": "", "DISTLAB_PYTHON": scheduler_python(), "DISTLAB_MASTER_ADDR": "127.0.0.1",
-            "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"), "DISTLAB_LAUNCH_TIMEOUT": "150", **extra}
+            "DISTLAB_CONDA_ENV": "", "DISTLAB_MASTER_ADDR": "127.0.0.1", "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"),
+            "DISTLAB_LAUNCH_TIMEOUT": "150", **slurm_task_settings(), **extra}
 
 
 # the time-limit job's warning: --signal=B:USR1@WARNING
@@ -46,14 +47,9 @@ RESERVATION = "course"
 EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTHON", "DISTLAB_MASTER_ADDR",
             "DISTLAB_SCRATCH", "DISTLAB_LAUNCH_TIMEOUT", "DISTLAB_ONLY")
 
-# The fault path's jobs run the real interpreter, not the fork-server wrapper: a forked program is a child of the
-# fork server, outside the Slurm task's process tree, and the test cluster's proctrack/linuxproc signals a step by
-# that tree (proctrack_linuxproc.c, kill_proc_tree), so Slurm's TERM and KILL would reach only the wrapper, and
-# torchrun's workers would go on, and checkpoint, where a real site's step would be killed. Their environment probe is
-# off (DISTLAB_PREFLIGHT=0: jobs/common.sh's check that the interpreter imports torch and distlab): in the real
-# interpreter it imports torch once more a job, 2-3 s of CPU in each of about ten, and the chapter, preflight and
-# export-list jobs run it.
-REAL_PYTHON = {"DISTLAB_PYTHON": sys.executable, "DISTLAB_PREFLIGHT": "0"}
+# The fault path's jobs (walltime, time limit, requeue) depend on the wrapper standing in for a task's whole process
+# tree (helpers.slurm_task_settings): their ranks, a torchrun agent's workers, checkpoint on Slurm's TERM and die at
+# its KILL, and both reach them through the wrapper.
 
 # The drill's process-group timeout in the jobs where no rank dies: the job file's 20 s is for a death (NCCL's
 # survivors leave before torchrun's 30 s SIGKILL); here it would bound only the final barrier, which every rank
@@ -85,7 +81,7 @@ JOBS = {
                  {"DISTLAB_ONLY": "no_such_script.py,fault_drill.py", "DISTLAB_CHAIN": "3", "DISTLAB_WALLTIME_MARGIN": "90",
                   "DISTLAB_DRILL_STEPS": "24", "DISTLAB_DRILL_STEP_SECONDS": "1",
                   "DISTLAB_CHAIN_SBATCH_ARGS": "--signal=B:USR1@5",
-                  "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5", **REAL_PYTHON}),
+                  "DISTLAB_CHAIN_EXPORT": "DISTLAB_WALLTIME_MARGIN=5"}),
     # the walltime warning as the time to save (test_a_job_warned_before_its_time_limit_...): one task and one GPU
     # a node, --time=2, the warning asked WARNING s ahead; the drill's own deadline is put past the limit (given by
     # hand, a day away), so that only the warning stops it: the case of a step or a checkpoint longer than the
@@ -105,8 +101,7 @@ JOBS = {
                     "DISTLAB_DRILL_DEATH": "0", **PG_TIMEOUT,
                     "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
                     "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py,DISTLAB_DRILL_STEP_SECONDS=0",
-                    "DISTLAB_LAUNCH_TIMEOUT": "500",
-                    **REAL_PYTHON}),
+                    "DISTLAB_LAUNCH_TIMEOUT": "500"}),
     # the time limit itself (test_a_job_that_reaches_its_time_limit_...): the job file's warning turned off
     # (--signal=B:USR1@0: slurmctld sends a warning only for a warn_time above 0, job_mgr.c send_job_warn_signal),
     # --time=1, Slurm's smallest; the drill's own deadline a day away, as above, so that nothing stops it before the
@@ -120,7 +115,7 @@ JOBS = {
                        "DISTLAB_DRILL_DEATH": "0", "DISTLAB_DRILL_STEP_SECONDS": "3", **PG_TIMEOUT,
                        "DISTLAB_CHAIN_SBATCH_ARGS": "--time=10",
                        "DISTLAB_CHAIN_EXPORT": "DISTLAB_ONLY=fault_drill.py,DISTLAB_DRILL_STEP_SECONDS=0",
-                       "DISTLAB_LAUNCH_TIMEOUT": "500", **REAL_PYTHON}),
+                       "DISTLAB_LAUNCH_TIMEOUT": "500"}),
     # a site whose sbatch hands the job no environment (SBATCH_EXPORT=NONE in the site's profile.d): the user names
     # what the job needs with --export=NAMES (no ALL), and sbatch sets SLURM_EXPORT_ENV to the same list, which srun
     # would read as its own --export. No DISTLAB_MODULES, no DISTLAB_CONDA_ENV, no DISTLAB_SITE: the generic profile.
@@ -128,10 +123,10 @@ JOBS = {
     # a requeue (scontrol requeue mid-run: a node failure or a preemption does the same): the job runs again with the
     # same id and SLURM_RESTART_COUNT=1, and the fault drill resumes from the first attempt's checkpoint. No rank
     # dies (DISTLAB_DRILL_DEATH=0): the walltime job proves the death and torchrun's restart under Slurm; here each
-    # attempt would restart four real interpreters for it (about 20 s of CPU in make test) and prove nothing more.
+    # attempt would restart four ranks for it and prove nothing more.
     "requeue": ("12_hpc_operations", ["--time=5"],
                 {"DISTLAB_ONLY": "fault_drill.py", "DISTLAB_DRILL_DIR": "", "DISTLAB_DRILL_STEPS": "8",
-                 "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_DRILL_DEATH": "0", **REAL_PYTHON}),
+                 "DISTLAB_DRILL_STEP_SECONDS": "2", "DISTLAB_DRILL_DEATH": "0"}),
     # bad input: one line, exit 2, nothing left queued
     "tasks-not-gpus": ("04_data_parallel", ["--ntasks-per-node=1"], {}),
     "ranks-do-not-fit": ("04_data_parallel", [], {"DISTLAB_NPROCS": "3"}),

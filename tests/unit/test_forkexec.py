@@ -4,6 +4,7 @@ on; nothing outliving its client; anything it does not serve handed to the real 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,6 +88,49 @@ def test_a_program_does_not_outlive_its_client(env):
         time.sleep(0.05)
     os.kill(program, signal.SIGKILL)
     pytest.fail("the program outlived its client")
+
+
+def ended(pid: int, within: float = 10) -> bool:
+    """Whether ``pid`` is gone (or a zombie nobody reaps yet) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# A program with a child in a session of its own, as torchrun's agent starts each worker (torch 2.13
+# distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:64-66): it prints its child's pid
+AGENT = ("import subprocess, sys, time\n"
+         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+         "print(child.pid, flush=True)\ntime.sleep(60)\n")
+
+
+@pytest.mark.parametrize("whole_tree", [True, False])
+def test_a_signal_and_a_kill_reach_the_programs_descendants_only_for_a_whole_tree(env, whole_tree):
+    """DISTLAB_FORKEXEC_WHOLE_TREE=1 (the Slurm tier): the client stands in for a task's whole process tree, which
+    Slurm's proctrack/linuxproc signals process by process; a TERM reaches the agent's worker, and so does the kill
+    when the client is killed. Without it, only the program: the worker outlives both, as it would a `kill PID`."""
+    settings = env | {"DISTLAB_FORKEXEC_WHOLE_TREE": "1" if whole_tree else "0"}
+    for how in ("TERM to the client", "the client killed"):
+        process, first = started(settings, AGENT)
+        worker = int(first)
+        try:
+            if how == "TERM to the client":
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(10) == -signal.SIGTERM
+            else:
+                process.kill()
+                process.wait(10)
+            assert ended(worker, within=10 if whole_tree else 1) == whole_tree, how
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
 
 
 def test_what_it_does_not_serve_goes_to_the_real_interpreter(env):
