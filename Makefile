@@ -39,13 +39,14 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-## Every test, in two phases. First, on two pytest workers, which take the files in this order: the Slurm and PBS
-## tiers (the Slurm jobs file first: its jobs wait on the cluster's clock for minutes, time the other worker spends on
-## other files), scripts (4 CPU ranks), the notebooks (nbval), the learner's copies, and the unit tests (the long ones
+## Every test, in two phases. First, on three pytest workers (on two cores: a worker waiting on a clock leaves its
+## core to the other two; with two, 218 of the phase's 1,074 core-seconds were idle and it took 536 s, with three 74
+## idle and 467 s), which take the files in this order: the Slurm and PBS tiers (the Slurm jobs file first: its jobs
+## wait on the cluster's clock for minutes, time the other workers spend on other files), scripts (4 CPU ranks), the notebooks (nbval), the learner's copies, and the unit tests (the long ones
 ## first; the short ones fill the end of the phase). --no-loadscope-reorder: pytest-xdist's own order is the files with
 ## the most tests first, which started the Slurm jobs file 6 minutes in, beside nothing (tests/conftest.py sets the
 ## order). A 4-rank job leaves a core idle for much of its life (start-up, rendezvous, the timeouts it waits out), so
-## two workers run the same checks in about 60% of the time. Each learner's copy waits until its full notebook has run
+## two workers run the same checks in about 60% of the time of one. Each learner's copy waits until its full notebook has run
 ## its last cell, on either worker, and replays the runs it made (--expect-replays: a copy's cell that starts its run
 ## again fails the test; DISTLAB_LAUNCH_CACHE, keyed on every input of a run, the files its arguments name among them,
 ## and restoring the files it left). Then, alone, the timing-sensitive tests. Every worker, notebook kernel and
@@ -61,7 +62,7 @@ NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 ## machine sets it): else every pytest process rewrote every test module's asserts again (a worker's collection took
 ## 19.7 s of CPU, 9 with the cache), and every process compiled the course's modules again. The writes are atomic, so
 ## two processes compiling one module agree.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test: $(STAMP) $(LAB_OVERRIDES)
 	unset PYTHONDONTWRITEBYTECODE && export DISTLAB_FORK_SERVER=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_VEC_ISA_OK=0 OMP_NUM_THREADS=1 && export DISTLAB_LAUNCH_CACHE=$$(mktemp -d -t distlab-replay-XXXXXX) && trap 'rm -rf "$$DISTLAB_LAUNCH_CACHE"' EXIT && \
 	$(PY) -m pytest tests/slurm tests/pbs tests/scripts $(NOTEBOOKS) tests/notebooks tests/unit --nbval-lax --nbval-kernel-name=python3 \

@@ -99,7 +99,7 @@ def _installed() -> bool:
 def ensure_installed() -> None:
     """Install Debian's Slurm and munge when a daemon is missing, as .ci/run installs Chromium.
 
-    make test's two workers each start a cluster (the cluster's own tests and the jobs' run on different workers):
+    make test's workers may each start a cluster (the cluster's own tests and the jobs' run on different workers):
     on a machine without Slurm both called apt-get at once, and the second failed on dpkg's lock ("Unable to acquire
     the dpkg frontend lock"), skipping its half of the tier. One process installs under INSTALL_LOCK; the others wait
     for it and find Slurm installed. apt-get itself waits up to APT_LOCK_WAIT s for dpkg's lock held by anything else

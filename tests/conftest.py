@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 
 
 # The file whose tests wait longest on a clock they cannot hurry (the Slurm cluster's jobs: a time limit's warning comes
-# at slurmctld's 30 s check, a requeue starts the job again): first, so that the other worker's files fill that wait.
+# at slurmctld's 30 s check, a requeue starts the job again): first, so that the other workers' files fill that wait.
 WAITS_LONGEST = "tests/slurm/test_slurm_jobs.py"
 # The unit files that take 10 s or more in make test (BENCHMARKS.md, the seventeenth session): first among the unit
 # files, which end the phase, so that it ends on short files. A long file handed out last kept one worker busy for

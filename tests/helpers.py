@@ -146,7 +146,7 @@ def full_notebook_done(name: str) -> Path:
 
 
 def wait_for_full_notebook(request, notebook: Path, timeout_s: float = 240) -> None:
-    """When the full ``notebook`` runs in this pytest session too (make test: nbval, on either worker), wait until
+    """When the full ``notebook`` runs in this pytest session too (make test: nbval, on any worker), wait until
     its last cell has run, so that its learner's copy replays every run it made. A session without it waits for
     nothing. The notebooks are handed out before the copies (tests/conftest.py), so the wait ends: a lab runs in
     under a minute, and 240 s fails it before pytest-timeout's 300 s would."""
