@@ -14,10 +14,12 @@ KillWait), that child kills the program.
 The program is not in the client's process tree, so a scheduler that signals a task's whole tree (Slurm's
 proctrack/linuxproc walks /proc for every descendant of the task and signals each: kill_tree.c, kill_proc_tree)
 would reach the client only. With ``DISTLAB_FORKEXEC_WHOLE_TREE=1`` in its environment the client stands in for
-that tree: a signal it gets goes to the program and to every descendant the program has at that moment (a torchrun
-agent's workers, in sessions of their own), and if the client is killed, the program and all its descendants are
-killed. The Slurm tier sets it; without it only the program is signalled or killed, as a plain ``kill PID`` of an
-interpreter would do (what labkit.launch's own timeout must cope with: torchrun's workers outlive a killed agent).
+that tree: a signal it gets goes to the program and to every descendant the program has at that moment, and if the
+client is killed, the program and all its descendants are killed. A torchrun agent's workers, in sessions of their
+own, are among them; started through this wrapper too (PYTHON_EXEC), each is a client that inherits the setting and
+passes what it gets on to its own program in turn. One pass: a process forked between the walk and the kill escapes
+it. The Slurm tier sets it; without it only the program is signalled or killed, as a plain ``kill PID`` of an
+interpreter would be (what labkit.launch's own timeout must cope with: torchrun's workers outlive a killed agent).
 
 Whatever it does not serve, it hands to the real interpreter unchanged (``os.execv``): any other interpreter option,
 a program on standard input, no server (``DISTLAB_FORK_SERVER_SOCKET`` unset or gone). What differs from a fresh
@@ -35,7 +37,7 @@ import sys
 import time
 
 SOCKET_ENV = "DISTLAB_FORK_SERVER_SOCKET"   # as labkit.forkserver.SOCKET_ENV (this client imports nothing of labkit)
-WHOLE_TREE_ENV = "DISTLAB_FORKEXEC_WHOLE_TREE"   # "1": signal and kill the program's descendants too (Slurm's proctrack)
+WHOLE_TREE_ENV = "DISTLAB_FORKEXEC_WHOLE_TREE"   # "1": signal and kill the program's descendants too
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
@@ -49,10 +51,11 @@ def descendants(top: int) -> list[int]:
         try:
             with open(f"/proc/{name}/stat", "rb") as stat:
                 fields = stat.read().rsplit(b")", 1)[1].split()   # after "(comm)", which may hold spaces
-        except OSError:                                              # gone meanwhile
+            state, parent = fields[0], int(fields[1])
+        except (OSError, IndexError, ValueError):                    # gone meanwhile, or unreadable: skipped
             continue
-        if fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
+        if state != b"Z":
+            children.setdefault(parent, []).append(int(name))
     found, waiting = [], [top]
     while waiting:
         below = children.get(waiting.pop(), [])
@@ -62,11 +65,13 @@ def descendants(top: int) -> list[int]:
 
 
 def signal_program(pid: int, number: int, whole_tree: bool) -> None:
-    """Send ``number`` to the program, and with ``whole_tree`` to each of its descendants too."""
+    """Send ``number`` to the program, and with ``whole_tree`` to each of its descendants too (the tree read
+    first, before the program can go and its children be handed to another parent). A descendant that is a client
+    of this server itself (a torchrun worker started through PYTHON_EXEC) passes the signal on to its own program."""
     for target in [pid, *(descendants(pid) if whole_tree else [])]:
         try:
             os.kill(target, number)
-        except ProcessLookupError:
+        except OSError:                                  # gone, or not ours to signal: the others still get it
             pass
 
 
@@ -144,8 +149,9 @@ def main(argv: list[str]) -> None:
         return text.decode()
 
     program_pid[0] = int(line() or 0)
-    for number in pending:
-        forward(number, None)
+    if program_pid[0]:                                   # (no pid: the server went; nothing to pass anything to)
+        for number in pending:
+            forward(number, None)
     how, _, value = line().partition(" ")
     sys.stdout.flush()
     if how == "exit":
@@ -212,7 +218,7 @@ def be_the_program(request: dict, fds: list[int], connection: socket.socket) -> 
             try:
                 signal_program(program, signal.SIGKILL, whole_tree)   # the tree is read before the program goes
                 os.waitpid(program, 0)
-            except OSError:
+            except Exception:  # noqa: BLE001 - this child must still reach its os._exit below
                 pass
         os._exit(0)
 

@@ -107,8 +107,9 @@ def slurm_task_settings() -> dict[str, str]:
     interpreter (DISTLAB_PYTHON) and torchrun's for its workers (PYTHON_EXEC, torch 2.13 distributed/run.py:953) are
     the wrapper, and each wrapper stands in for its task's whole process tree. Slurm signals and kills every process
     of that tree (the test cluster's proctrack/linuxproc walks /proc for them: kill_tree.c, kill_proc_tree), and a
-    forked program is outside it: so the wrapper passes a signal on to the program and all its descendants (a
-    torchrun agent's workers), and takes them with it when it is killed (labkit/forkexec.py, WHOLE_TREE_ENV)."""
+    forked program is outside it: so the wrapper passes a signal on to the program and all its descendants, and
+    takes them with it when it is killed (labkit/forkexec.py, WHOLE_TREE_ENV). A torchrun agent's descendants are
+    its workers' wrappers, which inherit the setting and do the same for each worker."""
     from labkit import forkexec
 
     return {"DISTLAB_PYTHON": scheduler_python(), "PYTHON_EXEC": scheduler_python(), forkexec.WHOLE_TREE_ENV: "1"}

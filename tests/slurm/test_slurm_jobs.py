@@ -33,8 +33,9 @@ SHAPE = ["-N", "2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task
 
 def settings(run_dir: Path, **extra: str) -> dict[str, str]:
     return {"DISTLAB_RUN_DIR": str(run_dir), "DISTLAB_DEVICE": "cpu", "DISTLAB_PRESET": "tiny", "DISTLAB_MODULES": "",
-            "DISTLAB_CONDA_ENV": "", "DISTLAB_MASTER_ADDR": "127.0.0.1", "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"),
-            "DISTLAB_LAUNCH_TIMEOUT": "150", **slurm_task_settings(), **extra}
+            "DISTLAB_CONDA_ENV": "", "DISTLAB_MASTER_ADDR": "127.0.0.1",
+            "DISTLAB_SCRATCH": str(run_dir.parent / "scratch"), "DISTLAB_LAUNCH_TIMEOUT": "150",
+            **slurm_task_settings(), **extra}
 
 
 # the time-limit job's warning: --signal=B:USR1@WARNING

@@ -1,6 +1,7 @@
 """labkit.forkexec: a program a scheduler starts, forked from the fork server, behaves as the interpreter would run it:
 its arguments, folder, environment and standard streams; its exit code or the signal that killed it; signals passed
-on; nothing outliving its client; anything it does not serve handed to the real interpreter."""
+on; nothing outliving its client (under Slurm, nothing of the program's whole tree); anything it does not serve
+handed to the real interpreter."""
 
 from __future__ import annotations
 
@@ -91,35 +92,43 @@ def test_a_program_does_not_outlive_its_client(env):
 
 
 def ended(pid: int, within: float = 10) -> bool:
-    """Whether ``pid`` is gone (or a zombie nobody reaps yet) within ``within`` seconds."""
+    """Whether ``pid`` is gone (or a zombie nobody reaps yet) within ``within`` seconds (0: now)."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    while True:
         try:
             with open(f"/proc/{pid}/stat", "rb") as stat:
                 if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
                     return True
         except OSError:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
-# A program with a child in a session of its own, as torchrun's agent starts each worker (torch 2.13
-# distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:64-66): it prints its child's pid
+# An agent as torchrun starts its workers, each in a session of its own (torch 2.13 distributed/elastic/
+# multiprocessing/subprocess_handler/subprocess_handler.py:64-66): a plain child, and a worker started through this
+# wrapper (as PYTHON_EXEC does), itself a client whose program is forked from the server, a child of neither. It prints
+# both pids: the plain child's and the worker program's (which that program prints first).
 AGENT = ("import subprocess, sys, time\n"
-         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
-         "print(child.pid, flush=True)\ntime.sleep(60)\n")
+         "plain = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+         f"worker = subprocess.Popen([sys.executable, {FORKEXEC!r}, '-c',\n"
+         "                            'import os, time; print(os.getpid(), flush=True); time.sleep(60)'],\n"
+         "                           start_new_session=True, stdout=subprocess.PIPE, text=True)\n"
+         "print(plain.pid, worker.stdout.readline().strip(), flush=True)\ntime.sleep(60)\n")
 
 
 @pytest.mark.parametrize("whole_tree", [True, False])
 def test_a_signal_and_a_kill_reach_the_programs_descendants_only_for_a_whole_tree(env, whole_tree):
     """DISTLAB_FORKEXEC_WHOLE_TREE=1 (the Slurm tier): the client stands in for a task's whole process tree, which
-    Slurm's proctrack/linuxproc signals process by process; a TERM reaches the agent's worker, and so does the kill
-    when the client is killed. Without it, only the program: the worker outlives both, as it would a `kill PID`."""
+    Slurm's proctrack/linuxproc signals process by process. A TERM to it reaches the agent's plain child and, through
+    the worker's own client, the worker program; so does the kill when the client is killed. Without it, only the
+    agent: both outlive it, as they would a `kill PID` of a real agent (the 1 s wait there can only miss a late
+    death, not invent one)."""
     settings = env | {"DISTLAB_FORKEXEC_WHOLE_TREE": "1" if whole_tree else "0"}
     for how in ("TERM to the client", "the client killed"):
         process, first = started(settings, AGENT)
-        worker = int(first)
+        descendants = [int(pid) for pid in first.split()]
         try:
             if how == "TERM to the client":
                 process.send_signal(signal.SIGTERM)
@@ -127,10 +136,13 @@ def test_a_signal_and_a_kill_reach_the_programs_descendants_only_for_a_whole_tre
             else:
                 process.kill()
                 process.wait(10)
-            assert ended(worker, within=10 if whole_tree else 1) == whole_tree, how
+            gone = [ended(pid, within=10 if whole_tree else 1) for pid in descendants]
+            assert gone == [whole_tree, whole_tree], (how, descendants)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker, signal.SIGKILL)
+            for pid in descendants:
+                if not ended(pid, within=0):     # only a process still there: a gone pid may be another's by now
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
 
 def test_what_it_does_not_serve_goes_to_the_real_interpreter(env):
