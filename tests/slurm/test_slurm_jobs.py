@@ -49,8 +49,9 @@ EXPORTED = ("DISTLAB_RUN_DIR", "DISTLAB_DEVICE", "DISTLAB_PRESET", "DISTLAB_PYTH
             "DISTLAB_SCRATCH", "DISTLAB_LAUNCH_TIMEOUT", "DISTLAB_ONLY")
 
 # The fault path's jobs (walltime, time limit, requeue) depend on the wrapper standing in for a task's whole process
-# tree (helpers.slurm_task_settings): their ranks, a torchrun agent's workers, checkpoint on Slurm's TERM and die at
-# its KILL, and both reach them through the wrapper.
+# tree (helpers.slurm_task_settings): their ranks, a torchrun agent's workers, checkpoint on Slurm's TERM, which
+# reaches them through the wrapper (and, were one still alive at Slurm's KILL, the wrapper's death would take it:
+# tests/unit/test_forkexec.py).
 
 # The drill's process-group timeout in the jobs where no rank dies: the job file's 20 s is for a death (NCCL's
 # survivors leave before torchrun's 30 s SIGKILL); here it would bound only the final barrier, which every rank
