@@ -264,6 +264,17 @@ def run_as_main(mode: str, target: str, args: list[str], *, before=None, report=
         return 1
 
 
+def take_environment(env: dict[str, str]) -> None:
+    """In a child of the fork server: this environment as the process's own, and what the server had computed from
+    its own forgotten. tempfile reads TMPDIR once a process (``tempfile.tempdir``, set by the server's imports):
+    cleared, the child reads it from this environment, as a new interpreter would (a job's TMPDIR, say)."""
+    import tempfile
+
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+
+
 def _run(request: dict, fds: list[int]) -> None:
     """Become the program: its streams, folder, environment, umask and CPUs; run it as the interpreter would."""
     import atexit
@@ -279,8 +290,7 @@ def _run(request: dict, fds: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        take_environment(request["env"])
         os.umask(request["umask"])
         os.sched_setaffinity(0, request["affinity"])
         program = request["program"]

@@ -18,6 +18,11 @@ them by the second and the order its polls found them.
 
 CUDA does not survive fork: use torchrun for GPU runs (``labkit.launch`` does).
 
+The error files' folder (``forkrun-errors-*`` in the temporary folder) is removed when the launcher ends, and when it
+cannot (a launcher killed by SIGKILL: a timeout's kill, the kernel out of memory), by the next launcher: each folder
+holds a lock for as long as its launcher or one of its ranks lives (an flock, which the kernel releases with the last
+process holding it), and a launcher removes the folders whose lock it can take.
+
 ``DISTLAB_P2P_LOG=DIR`` (tests only) records every point-to-point operation each rank issues in
 ``DIR/rank{r}.jsonl`` (:class:`distlab.comm.P2PRecorder`), so a test can replay them under NCCL's rules.
 """
@@ -25,6 +30,8 @@ CUDA does not survive fork: use torchrun for GPU runs (``labkit.launch`` does).
 from __future__ import annotations
 
 import argparse
+import fcntl
+import glob
 import os
 import shutil
 import signal
@@ -37,6 +44,36 @@ from distlab.runtime import free_port, write_whole_lines
 from labkit.forkexec import run_as_main
 
 GRACE_SECONDS = 5.0
+ERRORS_PREFIX = "forkrun-errors-"
+IN_USE = "in-use"     # the lock file of an error files' folder
+
+
+def make_errors_folder() -> str:
+    """A new folder for the ranks' error files, locked while this process (and the ranks it forks, which share the
+    lock) lives; the folders of launchers that died without removing theirs removed first."""
+    remove_abandoned_errors_folders()
+    folder = tempfile.mkdtemp(prefix=ERRORS_PREFIX)
+    lock = os.open(os.path.join(folder, IN_USE), os.O_CREAT | os.O_RDWR, 0o600)  # not inherited by an exec
+    fcntl.flock(lock, fcntl.LOCK_EX)   # held until the last process with this descriptor ends: never closed here
+    return folder
+
+
+def remove_abandoned_errors_folders() -> None:
+    """Remove the error files' folders no process holds any more. A folder without its lock file is left alone
+    (its launcher is between making it and locking it, or it is not one of ours)."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), ERRORS_PREFIX + "*")):
+        try:
+            lock = os.open(os.path.join(folder, IN_USE), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue      # its launcher or one of its ranks is alive
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(lock)
 
 
 def _error_file(folder: str, rank: int) -> str:
@@ -101,9 +138,16 @@ def main() -> int:
     preload()
 
     port = free_port()
-    errors = tempfile.mkdtemp(prefix="forkrun-errors-")   # each rank's TORCHELASTIC_ERROR_FILE, in a folder of its own
+    errors = make_errors_folder()   # each rank's TORCHELASTIC_ERROR_FILE, in a folder of its own
     for rank in range(options.nproc):
         os.makedirs(os.path.dirname(_error_file(errors, rank)))
+    try:
+        return _run_ranks(options, port, errors)
+    finally:   # a Ctrl-C included; a SIGKILL leaves the folder to the next launcher
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def _run_ranks(options: argparse.Namespace, port: int, errors: str) -> int:
     children: dict[int, int] = {}
     for rank in range(options.nproc):
         pid = os.fork()
@@ -133,21 +177,18 @@ def main() -> int:
             first_failed_rank = children[pid]
             deadline = time.monotonic() + GRACE_SECONDS
 
-    try:
-        summary = None
-        if first_failure is not None:
-            failed = failure_order(exit_codes, errors)
-            first_failed_rank, first_failure = failed[0], max(exit_codes[failed[0]], 1)
-            summary = torch_summary(options.script, failed, exit_codes, pids, errors)
-            print(f"[forkrun] rank {first_failed_rank} was the first to exit with an error", file=sys.stderr,
-                  flush=True)
-            for rank in sorted(exit_codes):
-                print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
-        if summary is not None:   # as torchrun ends: its agent's ChildFailedError, the root cause last
-            sys.stderr.write(f"[forkrun] torchrun would end with: ChildFailedError:{summary}\n")
-            sys.stderr.flush()
-    finally:
-        shutil.rmtree(errors, ignore_errors=True)
+    summary = None
+    if first_failure is not None:
+        failed = failure_order(exit_codes, errors)
+        first_failed_rank, first_failure = failed[0], max(exit_codes[failed[0]], 1)
+        summary = torch_summary(options.script, failed, exit_codes, pids, errors)
+        print(f"[forkrun] rank {first_failed_rank} was the first to exit with an error", file=sys.stderr,
+              flush=True)
+        for rank in sorted(exit_codes):
+            print(f"[forkrun] rank {rank} exited with code {exit_codes[rank]}", file=sys.stderr, flush=True)
+    if summary is not None:   # as torchrun ends: its agent's ChildFailedError, the root cause last
+        sys.stderr.write(f"[forkrun] torchrun would end with: ChildFailedError:{summary}\n")
+        sys.stderr.flush()
     return first_failure if first_failure is not None else 0
 
 

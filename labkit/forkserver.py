@@ -176,8 +176,9 @@ def _be_the_forkrun(request: dict, output_fd: int, connection: socket.socket) ->
         os.close(output_fd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        from labkit import forkexec
+
+        forkexec.take_environment(request["env"])
         sys.argv = ["labkit.forkrun", *request["argv"]]
         from labkit import forkrun
 
