@@ -10,8 +10,8 @@ chrome://tracing) and reads it back (``distlab.profiling``) to say:
 * time per kind over the active steps: computing only, communicating only (exposed), both (overlapped),
   neither (idle: Python between operators, the data, a sleep). Waiting for a late peer is communication: a
   gloo event lasts until the slowest rank arrives, and an NCCL kernel spins until then;
-* how much of the communication ran while backward was computing: the overlap, measured from the trace's
-  intervals, not drawn.
+* how much of the communication ran while backward was computing: the backward overlap, measured from the
+  trace's intervals, not drawn.
 
 On a CPU the trace shows each gloo collective as a ``gloo:<collective>`` event on one of gloo's worker
 threads (the main thread only records the enqueue, ``c10d::allreduce_``); FSDP2's reduce-scatters appear as

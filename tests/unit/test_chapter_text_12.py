@@ -141,7 +141,8 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
              re.findall(r"^ +(\d+) +(\d+) +(\d+) +([\d.]+)% +[\d.]+%$", CHAPTER, flags=re.M)}
     nominal = 5 + 10   # the table's stages: 5 ms forward, 10 ms backward
     assert all(ideal == (m + 4 - 1) * nominal for m, (_, ideal, _) in steps.items())
-    assert 'In the bubble table, "ideal ms" is (M + P - 1) × 15 ms' in text
+    assert "P is the number of pipeline stages, one a rank (4 here), and M the number of microbatches" in text
+    assert '"ideal ms" is (M + P - 1) × 15 ms' in text
     step, _, measured = steps[4]
     busy = (1 - measured / 100) * step
     assert f"a rank was busy (1 − {measured / 100:.3f}) × {step} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a pass" in text
@@ -161,7 +162,7 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
 def test_fsdp_collective_counts():
     units = models.preset("tiny").n_layers + 1  # one fully_shard per block, and the root
     assert f"the tiny model has **{units}** units" in flat(CHAPTER)
-    assert f"**{2 * units}** and **{units}**" in CHAPTER
+    assert f"**{2 * units}** all-gathers and **{units}** reduce-scatters" in CHAPTER
     # the 2 per unit holds because apply_fsdp reshards every unit; fully_shard's default spares the root
     import inspect
 
@@ -171,7 +172,7 @@ def test_fsdp_collective_counts():
     assert "def apply_fsdp(model, *, reshard_after_forward=True" in (
         ROOT / "scripts" / "05_fully_sharded" / "train_fsdp.py").read_text()
     text = flat(CHAPTER)
-    assert "`apply_fsdp` sets `reshard_after_forward=True` on every unit, the root too" in text
+    assert "`apply_fsdp` reshards every unit after forward, the root too (`reshard_after_forward=True`)" in text
     assert f"so the root all-gathers once: {2 * units - 1} all-gathers, not {2 * units}" in text
     # the same counts are what profile_step.py's test asserts from a real run
     script_test = (ROOT / "tests" / "scripts" / "test_12_profiling.py").read_text()
@@ -975,10 +976,14 @@ def test_the_step_picture_is_cut_by_the_courses_trace_reader():
     assert (f"{kinds['compute']:g} ms compute only, {kinds['overlapped']:g} overlapped, {kinds['communication']:g} "
             f"exposed, {kinds['idle']:g} idle, {kinds['step']:g} in all") in text
     communication = kinds["overlapped"] + kinds["communication"]
-    assert (f"In the picture it is {kinds['overlapped']:g} of {communication:g} ms, "
-            f"{100 * kinds['hidden_fraction']:.0f}%") in text
-    # the narrow overlap is said to differ from the overlapped kind
-    assert "It is narrower than the overlapped kind above: only backward's compute counts" in text
+    # the backward overlap (the reader's hidden_fraction) is said to differ from the overlapped kind, and to agree
+    # with it in the picture: every overlapped millisecond there lies in backward
+    assert "It is not the \"overlapped\" time of the four kinds above" in text
+    assert "this share counts only backward's" in text
+    assert abs(kinds["hidden_fraction"] - kinds["overlapped"] / communication) < 1e-9
+    assert (f"In the picture every overlapped millisecond is in backward, so the two agree: {kinds['overlapped']:g} "
+            f"of the {communication:g} ms of communication ({kinds['overlapped']:g} overlapped + "
+            f"{kinds['communication']:g} exposed), {100 * kinds['hidden_fraction']:.0f}%") in text
     # and the page puts the picture before its measured table
     assert CHAPTER.index("figures/12_step_timeline.png") < CHAPTER.index("== DDP bucket_cap_mb")
 
