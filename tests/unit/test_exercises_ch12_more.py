@@ -186,7 +186,7 @@ def test_the_timelines_title_says_which_steps_it_covers():
     from distlab import profiling
 
     assert "first_step_only" in inspect.signature(profiling.timeline).parameters
-    text = _markdown("### The overlap, measured")
+    text = _markdown("### The backward overlap, measured")
     assert ("The title's numbers cover both active steps; the drawing, and Exercise 1's check on this run, the first "
             "only.") in text
     cells = json.loads(LAB.read_text())["cells"]
