@@ -322,7 +322,8 @@ def knob_microbatches(args, rt, report):
     modules = [TimedStage(args.dim) for _ in range(ranks)]   # every rank builds all: its own is modules[rank]
     rt.print(f"\n== microbatches against the bubble: GPipe, {ranks} stages of {args.stage_compute_ms:g} ms forward, "
              f"{2 * args.stage_compute_ms:g} ms backward ==")
-    rt.print(f"{'M':>4} {'step ms':>8} {'ideal ms':>9} {'idle share, measured':>21} {'formula (P-1)/(M+P-1)':>22}")
+    rt.print(f"{'M':>4} {'step ms':>8} {'passes ms':>10} {'ideal ms':>9} {'idle share, measured':>21} "
+             f"{'formula (P-1)/(M+P-1)':>22}")
     rows = []
     for microbatches in args.microbatches:
         module = modules[rt.rank].to(rt.device)
@@ -330,7 +331,7 @@ def knob_microbatches(args, rt, report):
         events = []
         record_actions(stage, events, rt.sync)
         schedule = torch_schedule("GPipe", [stage], microbatches, loss_fn=F.mse_loss)
-        bubbles, seconds = [], []
+        bubbles, seconds, spans = [], [], []
         for step in range(1 + args.pipeline_steps):   # step 0 sets torch's buffers up, without pauses: not timed
             module.compute_s = pause if step else 0.0
             generator = torch.Generator().manual_seed(args.seed * 1000 + step)
@@ -347,21 +348,25 @@ def knob_microbatches(args, rt, report):
             rt.sync()
             if step:
                 seconds.append(time.perf_counter() - started)
-                bubbles.append(schedules.bubble_fraction_from_timeline(gather_timeline(events, started, rt.rank),
-                                                                       ranks))
+                timeline = gather_timeline(events, started, rt.rank)
+                # the passes' span: the first forward's start to the last backward's end, what the idle share divides
+                spans.append(max(e["end"] for e in timeline) - min(e["start"] for e in timeline))
+                bubbles.append(schedules.bubble_fraction_from_timeline(timeline, ranks))
         median = sorted(range(len(bubbles)), key=bubbles.__getitem__)[(len(bubbles) - 1) // 2]
         measured, formula = bubbles[median], schedules.bubble_fraction(ranks, microbatches)
         ideal = (microbatches + ranks - 1) * 3 * pause   # M + P - 1 slots of forward (T) + backward (2T)
-        rt.print(f"{microbatches:>4} {1e3 * seconds[median]:>8.0f} {1e3 * ideal:>9.0f} "
+        rt.print(f"{microbatches:>4} {1e3 * seconds[median]:>8.0f} {1e3 * spans[median]:>10.0f} {1e3 * ideal:>9.0f} "
                  f"{100 * measured:>20.1f}% {100 * formula:>21.1f}%")
         rows.append({"microbatches": microbatches, "measured": measured, "formula": formula,
-                     "measured_per_step": bubbles, "step_seconds": seconds, "ideal_step_seconds": ideal})
+                     "measured_per_step": bubbles, "step_seconds": seconds, "passes_seconds": spans,
+                     "ideal_step_seconds": ideal})
     by_count = sorted(rows, key=lambda r: r["microbatches"])
     shrinking = all(a["measured"] > b["measured"] for a, b in zip(by_count, by_count[1:]))
     report.check("the measured bubble shrinks as the microbatches grow (median of the timed steps)", shrinking,
                  [round(r["measured"], 3) for r in by_count], "strictly decreasing")
-    rt.print(f"(measured: idle / (ranks x step) from every pass's timestamps, median of {args.pipeline_steps} steps;\n"
-             " the formula charges nothing for hand-offs between ranks, which the clock counts as idle)")
+    rt.print(f"(measured: idle / (ranks x passes ms), from every forward's and backward's timestamps, median of "
+             f"{args.pipeline_steps} steps;\n the formula charges nothing for hand-offs between ranks, which the clock "
+             "counts as idle)")
     return rows
 
 

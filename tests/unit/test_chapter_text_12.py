@@ -131,23 +131,25 @@ def test_the_tuning_prose_says_what_its_printed_table_says():
 
     text = flat(CHAPTER)
     # microbatches: measured idle share against the formula, row by row
-    rows = re.findall(r"^ +(\d+) +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER, flags=re.M)
+    rows = re.findall(r"^ +(\d+) +\d+ +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER, flags=re.M)
     gaps = [float(measured) - float(formula) for _, measured, formula in rows]
     assert len(gaps) == 3
     low, high = math.floor(min(gaps)), math.ceil(max(gaps))
     assert f"on this machine by about {low}-{high} points" in text, (low, high)
     # the learner's reconciliation: the idle share comes from the passes' timestamps, whose passes ran long
-    steps = {int(m): (int(step), int(ideal), float(measured)) for m, step, ideal, measured in
-             re.findall(r"^ +(\d+) +(\d+) +(\d+) +([\d.]+)% +[\d.]+%$", CHAPTER, flags=re.M)}
+    steps = {int(m): (int(step), int(passes), int(ideal), float(measured)) for m, step, passes, ideal, measured in
+             re.findall(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +([\d.]+)% +[\d.]+%$", CHAPTER, flags=re.M)}
+    assert sorted(steps) == [4, 8, 16]
     nominal = 5 + 10   # the table's stages: 5 ms forward, 10 ms backward
-    assert all(ideal == (m + 4 - 1) * nominal for m, (_, ideal, _) in steps.items())
+    assert all(ideal == (m + 4 - 1) * nominal for m, (_, _, ideal, _) in steps.items())
     assert "P is the number of pipeline stages, one a rank (4 here), and M the number of microbatches" in text
     assert '"ideal ms" is (M + P - 1) × 15 ms' in text
-    step, _, measured = steps[4]
-    busy = (1 - measured / 100) * step
-    assert f"a rank was busy (1 − {measured / 100:.3f}) × {step} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a pass" in text
-    assert f"1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%" in text
-    # a learner's review (s14): what that 53% would be, and why it is wrong
+    step, passes, _, measured = steps[4]
+    busy = (1 - measured / 100) * passes   # the idle share divides the passes' span, not the step
+    assert (f"a rank was busy (1 − {measured / 100:.3f}) × {passes} ms = {busy:.0f} ms, about {busy / 4:.0f} ms a "
+            "microbatch (its forward and its backward) instead of 15") in text
+    assert "A **pass** is, as in chapter 07, one microbatch's forward or its backward on one rank" in text
+    # a learner's review (s14): what the idle share would be from the step time, and why it is wrong
     off_by = 100 * (1 - 4 * nominal / step) - measured
     assert (f"the idle share would read 1 − 4 × {nominal}/{step} = {100 * (1 - 4 * nominal / step):.0f}%, about "
             f"{off_by:.0f} points too high, because the passes ran longer than that.") in text
@@ -169,6 +171,19 @@ def test_fsdp_collective_counts():
     from torch.distributed.fsdp import fully_shard
 
     assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    # ... and None reshards every unit but the root, at the lines the chapter cites
+    import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
+
+    shard_lines = inspect.getsource(fully_shard_module).splitlines()
+    state_lines = inspect.getsource(fsdp_state).splitlines()
+    assert "reshard_after_forward: bool | int | None = None," in shard_lines[101]
+    assert "auto_reshard_after_forward = reshard_after_forward is None" in shard_lines[245]
+    assert "# For the root, do not reshard after forward" in state_lines[202]
+    assert "if self._auto_reshard_after_forward:" in state_lines[204]
+    assert "post_forward_mesh_info = None" in state_lines[206]
+    assert ("`_fully_shard/_fully_shard.py:102`; it sets `auto_reshard_after_forward` (`:246`), and the root alone then "
+            "stays gathered after forward (`_fsdp_state.py:203-207`") in flat(CHAPTER)
     assert "def apply_fsdp(model, *, reshard_after_forward=True" in (
         ROOT / "scripts" / "05_fully_sharded" / "train_fsdp.py").read_text()
     text = flat(CHAPTER)
@@ -539,7 +554,20 @@ def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default(
     assert limits == [sys.maxsize]
     text = flat(CHAPTER)
     assert ("step 0, in which DDP puts every gradient in one bucket, all-reduced once backward ends. At the start of "
-            "step 1's forward DDP rebuilds its buckets, each up to the cap,") in text and "two broadcasts" in text
+            "step 1's forward DDP rebuilds its buckets in the order step 0's gradients became ready, closing each once "
+            "it holds the cap.") in text and "two broadcasts" in text
+    # the kept steps and the buckets of the profiled DDP, as profile_step.py's defaults make them
+    script = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    defaults = {name: int(re.search(rf'"--{name}", type=runtime\.\w+, default=(\d+)', script).group(1))
+                for name in ("wait", "warmup", "active")}
+    kept = list(range(defaults["wait"] + defaults["warmup"], defaults["wait"] + defaults["warmup"] + defaults["active"]))
+    assert (f"The defaults, `--wait {defaults['wait']} --warmup {defaults['warmup']} --active {defaults['active']}`, "
+            f"keep steps {kept[0]} and {kept[1]}.") in text and len(kept) == 2
+    assert "args.bucket_mb = 0.1" in script
+    backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(models.preset("tiny")).parameters()))]
+    buckets = comm.ddp_bucket_sizes(backward_order, 0.1)
+    assert f"caps DDP's buckets at 0.1 MB (`--bucket-mb`): **{len(buckets)}** buckets" in text
+    assert f"one all-reduce per bucket: **{len(buckets)}** a step here" in text
     assert "reverse order of `model.parameters()`" not in text
     assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:146-154`)" in text
     # the whole condition (review ch12 s15 confirm, nit 6): per-bucket caps come first, then static_graph
@@ -548,10 +576,9 @@ def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default(
             "`find_unused_parameters` (`:146-154`)") in text
     # profile_step.py names the factory that makes the 1 MiB first bucket only for bucket_cap_mb=None
     assert "dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap" in lines[108]
-    profile_source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
+    source = profile_source = script
     assert "_BucketCapacityConfig.create: the 1 MiB" in profile_source and "from_bucket_cap_mb" not in profile_source
     assert callable(_BucketCapacityConfig.create) and not hasattr(_BucketCapacityConfig, "from_bucket_cap_mb")
-    source = (ROOT / "scripts" / "12_hpc_operations" / "profile_step.py").read_text()
     assert 'DDP_REBUILD_STEP, DDP_REBUILD_COLLECTIVES = 1, {"broadcast": 2}' in source
     assert 'DDP_FIRST_STEP, DDP_FIRST_STEP_COLLECTIVES = 0, {"all_reduce": 1}' in source
     assert "reverse parameter order" not in source
@@ -1216,8 +1243,9 @@ def test_the_hang_section_names_the_hang_drill_and_a_pass_is_defined():
     assert (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").exists()
     assert "`pgrep -af deadlocks.py` (or your own script's name) lists the PIDs" in text
     assert "pgrep -af fault_drill.py" not in text
-    # chapter 07's TimedStage: a forward of 5 ms and a backward of 10 ms, one microbatch's pass on one rank
-    assert "every **pass**, one microbatch's forward and backward on one rank, took its nominal 5 + 10 ms" in text
+    # chapter 07's pass (one bar: a microbatch's forward or backward on one rank), its TimedStage 5 ms and 10 ms
+    assert "each bar one microbatch's pass" in flat(chapters.text("07"))
+    assert "every forward took its nominal 5 ms and every backward its 10 ms, and hand-offs were free" in text
 
 
 # slurmctld tests time limits every PERIODIC_TIMEOUT s (Slurm 284c3b95 src/slurmctld/slurmctld.h:105) and sends the
@@ -1448,12 +1476,13 @@ def test_the_measuring_pages_numbers_are_computed():
     cores = int(re.search(r"\*\*(\d+) CPU cores", (ROOT / "BENCHMARKS.md").read_text()).group(1))
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     assert f"**{cores} CPU cores, 24 GiB, no GPU**" in benchmarks     # what the page says of it: no GPU
-    assert (f"On the course's reference machine (no GPU; `BENCHMARKS.md` times it), 4 ranks share {cores} cores, as on "
-            "any machine with fewer cores than ranks.") in text
+    assert (f"On the course's reference machine, the {cores}-core computer without a GPU on which `BENCHMARKS.md` times "
+            f"every run, 4 ranks share {cores} cores, as on any machine with fewer cores than ranks.") in text
     assert f"with 4 ranks on the reference machine's {cores} cores" in text
     lab = flat("".join("".join(c["source"]) for c in json.loads(
         (ROOT / "notebooks" / "12_hpc_operations.ipynb").read_text())["cells"]))
-    assert f"On the course's reference machine (no GPU; `BENCHMARKS.md` times it), 4 ranks share {cores} cores" in lab
+    assert (f"On the course's reference machine, the {cores}-core computer without a GPU on which `BENCHMARKS.md` times "
+            f"every run, 4 ranks share {cores} cores") in lab
     assert "On 4 ranks sharing 2 cores" not in text + lab
     # recomputation: chapter 01.2's three products of 2 FLOPs a weight a token, one forward and two backward
     assert "Each costs 2 FLOPs a weight a token, 6 in all" in flat(chapters.text("01"))
@@ -1462,7 +1491,7 @@ def test_the_measuring_pages_numbers_are_computed():
     assert ratio - 1 == Fraction(1, 3) and "that is a third more step time" in text
     assert f"A forward costs {forward} and a backward {backward}, so one more forward makes {ratio}." in text
     # the bubble table's gap at M = 4
-    measured, formula = (float(x) for x in re.search(r"^ +4 +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER,
+    measured, formula = (float(x) for x in re.search(r"^ +4 +\d+ +\d+ +\d+ +([\d.]+)% +([\d.]+)%$", CHAPTER,
                                                       flags=re.M).groups())
     assert f"({measured} − {formula} = {measured - formula:.1f} at M = 4)" in text
     # Daly's higher-order period, sqrt(2 C M) (1 + (1/3) sqrt(C / 2M) + (1/9) C / 2M) - C for C < 2M, with C = 5 min
