@@ -392,7 +392,8 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
             "... there, for `fr_trace $RUN/fr`.") in flat
     assert "set `TORCH_FR_DUMP_TEMP_FILE` to a prefix in a folder of its own on scratch, `$RUN/fr/rank_`" in flat
     # the lines are the course's reading of the dumps, and say so
-    assert "The drill reads each rank's dump back (its `pg_status` and entries) and prints them" in flat
+    assert ("The drill reads each rank's dump back and prints, for each group, how many collectives the rank enqueued "
+            "(the dump's `pg_status`) and the last one.") in flat
 
 
 def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
@@ -788,13 +789,18 @@ def test_the_price_of_a_derived_port():
 
 def test_the_price_of_a_timeout():
     import importlib.util
+    import inspect
 
     spec = importlib.util.spec_from_file_location("deadlocks", ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py")
     assert "p.set_defaults(pg_timeout=4.0)" in (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
     assert spec is not None
     default = runtime.DEFAULT_PG_TIMEOUT_S
     text = flat(CHAPTER)
-    assert f"`--pg-timeout`, default {default} s" in text
+    assert f"`--pg-timeout`, or without it `DISTLAB_PG_TIMEOUT`, or without either {default} s" in text
+    # the flag wins over the variable, as the page orders them
+    start = inspect.getsource(runtime.start)
+    assert ('pg_timeout_s or getattr(args, "pg_timeout", None) or float(\n        os.environ.get("DISTLAB_PG_TIMEOUT", '
+            'DEFAULT_PG_TIMEOUT_S))') in start
     assert f"64 GPUs × {default} s = {64 * default:,} GPU-seconds, {64 * default / 3600:.1f} GPU-hours" in text
     assert f"64 GPUs × 4 s = {64 * 4 / 3600:.2f} GPU-hours with the drill's 4 s" in text
     # the drill's own default, said as the script's (a learner read "4 s by default there" three times)
@@ -1456,8 +1462,8 @@ def test_the_hang_pages_numbers_come_from_the_drill_and_torch():
     assert 'collective("barrier before logging", "barrier")' in source
     assert "for _ in range(args.microbatches):" in source
     calls = 1 + microbatches + 1 + 1
-    assert (f"the {microbatches} microbatches sent or received (`--microbatches`), the step's end and the `barrier`: "
-            f"1 + {microbatches} + 1 + 1 = {calls} for ranks 0 to 2") in text
+    assert (f"They are `sync weights`, the {microbatches} microbatches sent or received (`--microbatches`), `end of "
+            f"step` and the barrier: 1 + {microbatches} + 1 + 1 = {calls} for ranks 0 to 2") in text
     assert f"rank 0: group 0: {calls} enqueued, the last collective gloo:barrier" in CHAPTER   # the recorder's own count
     # the lab says the same counts: rank 3 skipped the barrier, so one fewer
     lab = flat("".join("".join(c["source"]) for c in json.loads(
@@ -1583,3 +1589,17 @@ def test_the_walltime_picture_draws_both_kills_after_the_end():
     walltime = source[source.index("def draw_walltime"):source.index("# ---- 12.4")]
     assert "(SLURM_KILL_WAIT, f\"Slurm KILL, KillWait ({SLURM_KILL_WAIT} s by default) after its TERM\"" in walltime
     assert "the walltime's end:" in walltime and '"black", 0.9, "right")' in walltime   # left of the end's line
+
+
+def test_the_two_nccl_drills_pair_no_two_different_collectives():
+    """12.2 says why skipped-barrier and unpaired-p2p are safe on NCCL: the barrier is the step's last call, and an
+    unpaired receive meets no collective."""
+    drill = (ROOT / "scripts" / "12_hpc_operations" / "deadlocks.py").read_text()
+    step = drill[drill.index('    collective("end of step", "all_reduce")'):]
+    step = step[:step.index("\ndef ")]
+    # after the barrier under its `if`, the step returns: the rank that skipped it calls nothing more in the step
+    after = step[step.index('collective("barrier before logging", "barrier")'):]
+    assert "collective(" not in after.split("\n", 1)[1] and "p2p(" not in after
+    assert "The skipped barrier\nis the step's last collective; the rank that skips it has nothing left to call." in drill
+    assert ("Neither pairs two different collectives: the skipped barrier is the step's last call, so the rank that "
+            "skips it calls nothing more, and an unpaired receive waits for a send that never comes.") in flat(CHAPTER)
