@@ -441,7 +441,10 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     text = " ".join(CHAPTER.split())
     # the other nodes count a restart too when their workers fail before their agent sees the waiting node
     assert "elif state == WorkerState.HEALTHY:" in source and "num_nodes_waiting > 0" in source
-    assert "So `TORCHELASTIC_RESTART_COUNT` may differ between nodes, and it cannot name the attempt." in text
+    assert ("So the count of restarts torchrun gives each worker, `TORCHELASTIC_RESTART_COUNT`, may differ between "
+            "nodes, and it cannot name the attempt.") in text
+    assert ("On a healthy node two things race: its workers fail at their next collective with the dead peer (a "
+            "restart counted), or its agent sees the other node waiting first (none counted)") in text
     assert "Which one the other nodes' agents do is a race." in text
     assert "If that happens before their agent sees the waiting node, it counts a restart as well." in text
     assert "so the other node's worker does not fail: the case where the counts differ" in text
@@ -450,7 +453,7 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     # workers' init_process_group uses the agent's store (local_elastic_agent.py sets TORCHELASTIC_USE_AGENT_STORE,
     # rendezvous.py connects to it as a client)
     assert ("An agent whose workers failed counts a restart; one that restarts healthy workers only because another "
-            "node rejoins counts none. Which one comes first is a race") in text
+            "node rejoins counts none. On a healthy node two things race") in text
     import importlib
 
     from torch.distributed.elastic.agent.server import local_elastic_agent
@@ -460,7 +463,8 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
     assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
     assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
     assert ("A plain `init_process_group()` under torchrun uses that same store (`TORCHELASTIC_USE_AGENT_STORE`): a "
-            "script of your own that restarts needs the same care.") in text
+            "script of your own that restarts on several nodes must keep each attempt's keys apart too, for example "
+            "with `agree_on_attempt`.") in text
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
     tests = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
@@ -921,8 +925,8 @@ def test_the_schedulers_kill_delays_and_messages():
             in CHAPTER)
     # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
     # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
-    assert (f"`qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s later (`kill_delay`, then the "
-            f"MoM's next poll, {MIN_CHECK_POLL_TIME} s after such a TERM): too soon for a real model's step and "
+    assert (f"`qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s after its TERM (`kill_delay` has "
+            "passed and the MoM polls again; How we know works the range out): too soon for a real model's step and "
             "save.") in text
     # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
     # means for every rank, the first node's too (review s15 finding 4: the MoM signals its own tasks' sessions,
@@ -985,14 +989,15 @@ def test_the_schedulers_kill_delays_and_messages():
     assert steps * step_seconds > walltime and settings["DISTLAB_ONLY"] == "fault_drill.py"
     assert '--steps "${DISTLAB_DRILL_STEPS:-8}" --step-seconds "${DISTLAB_DRILL_STEP_SECONDS:-0}"' in job
     assert (f"The drill's defaults (8 steps, no sleep) end in seconds; {steps} steps of {step_seconds} s outlast the "
-            f"{walltime // 60}-minute job.") in text
+            f"job's {walltime // 60} minutes (`#PBS -l walltime={h:02d}:{m:02d}:{sec:02d}`).") in text
     assert "first=$(qsub -A $PBS_ACCOUNT -v $drill pbs/12_hpc_operations.pbs)" in CHAPTER
     assert "qsub -A $PBS_ACCOUNT -W depend=afterany:$first -v $drill pbs/12_hpc_operations.pbs" in CHAPTER
     # the drill counts a save as at least a step, at every step (max(longest save, longest step)), not only before
     # the first save (review s15 finding 8)
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
-    assert "each timed as the longest so far (a save as at least a step)" in text
+    assert ("each timed as the longest so far. Until a save has been timed, a save is taken to last as long as the "
+            "longest step, and after, as at least that long.") in text
     assert "before the first checkpoint, it counts a save as long as a step" not in text
 
 
@@ -1048,7 +1053,8 @@ def test_the_walltime_picture_follows_the_drills_rule():
     assert (margin, warning, kill_delay) == (120, 180, 10)
     last = ch12.stop_step(40, 60, -600, -margin)
     assert last + 40 + 60 > -margin and last + 60 <= -margin          # one more step would pass; the save does not
-    assert f"The checkpoint ends at {-(last + 60)} s before the walltime's end, before the deadline" in flat(CHAPTER)
+    assert (f"The checkpoint ends {-(last + 60)} s before the walltime's end, before the deadline ({margin} s before "
+            "it)") in flat(CHAPTER)
 
 
 def test_the_restart_time_in_the_drills_caption_is_the_runs():
@@ -1187,9 +1193,10 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert f"The SIGKILL then comes {-kills[0]} to {-kills[1]} s before the limit, after the save." in text
     assert "A SIGKILL 30 s later would come before the save ends." in text
     assert "long before any signal" not in text and "must be raised" not in text
-    assert (f"The checkpoint ends at {-(save_start + save)} s before the walltime's end, before the deadline and PBS's "
-            "SIGTERM. Slurm's warning comes during the last step or the save, and no SIGKILL comes before the save "
-            "ends (below).") in text
+    assert (f"The checkpoint ends {-(save_start + save)} s before the walltime's end, before the deadline ({margin} s "
+            f"before it) and before PBS's SIGTERM, which comes only after the end. Slurm's warning ({warning} to "
+            f"{warning + PERIODIC_TIMEOUT} s before the end) comes during the last step or the save; it sends no "
+            "SIGKILL, and the time limit's comes after the end (below).") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert ("An agent waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them (torchrun's `--shutdown-timeout`), then "
             f"sends SIGKILL. torch's default is 30 s. The jobs set it to `DISTLAB_WALLTIME_MARGIN` ({margin} s)") in readme
