@@ -673,7 +673,8 @@ def test_the_learners_missing_steps_of_chapter_12_are_given():
     assert "Below, `-A` names the account (page 12.1); `-v` passes the job environment variables:" in text
     assert ("a provider for each kind of network: Slingshot's is `cxi`, and its cards' interfaces are `hsn0`, `hsn1` "
             "and so on.") in text
-    assert f"waited the process-group timeout ({runtime.DEFAULT_PG_TIMEOUT_S} s in the course; page 12.2)" in text
+    assert (f"waited the process-group timeout ({runtime.DEFAULT_PG_TIMEOUT_S} s in the course; page 12.2; the store "
+            "reports one second more)") in text
     # why a healthy node restarts, before the counts; the drill's checkpoint period where the drill is described
     assert ("The failed node's agent rejoins the rendezvous; seeing it wait, the others restart their healthy workers "
             "too, so that all start together. An agent whose workers failed counts a restart") in text
@@ -700,7 +701,14 @@ def test_the_worked_launch_is_what_the_runtime_reads():
     assert five.rank // five.local_world_size == 1            # the second node, n2
     text = flat(CHAPTER)
     assert "gives the sixth `SLURM_PROCID=5`, `SLURM_LOCALID=1` and `SLURM_NTASKS=8`" in text
-    assert "it takes GPU 1 of node `n2`. In general, rank = node × 4 + local rank, and 5 = 1 × 4 + 1." in text
+    assert ("it takes GPU 1 of node `n2`. In general, rank = node index × 4 + local rank, counting `n1` as node 0, and "
+            "5 = 1 × 4 + 1.") in text
+    # a stale export beside srun: the runtime's own line, as the page quotes it
+    stale = {"RANK": "0", "WORLD_SIZE": "4", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+             "SLURM_STEP_NUM_TASKS": "8", "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
+    with pytest.raises(runtime.ConfigError) as refused:
+        runtime.launcher_env(stale)
+    assert f"stops the run with one line, such as `config error: {refused.value}`." in text
     # the course's jobs export MASTER_PORT (cksum of the job id); only a bare srun derives it (SHA-256)
     cksum = int(subprocess.run(["cksum"], input=ch12.JOB_ID, capture_output=True, text=True).stdout.split()[0])
     jobs_port = 20000 + cksum % 12000
@@ -746,8 +754,10 @@ def test_the_job_script_shown_is_the_courses():
     scripts = [line.split()[1] for line in launches]
     assert len(launches) == 2 and [line.split()[1] for line in shown if line.startswith("distlab_launch ")] == scripts[1:]
     assert any(line.startswith("cd ") for line in job) and not any(line.startswith("cd ") for line in shown)
-    assert ("`slurm/04_data_parallel.sbatch` without its comments, its `cd` line and the first of its two launches"
+    assert ("simplified from the course's `slurm/04_data_parallel.sbatch`: the real one also has comments, a `cd` into "
+            f"the course, a first launch (of `{Path(scripts[0]).name}`) and each launch's `--metrics-out` file"
             in flat(CHAPTER))
+    assert all("--metrics-out" in line for line in launches)
     # the names a learner met undefined (a learner's review): PALS, the step's node list, the two-backend string,
     # libfabric's provider (PALS: Open MPI's documentation, "Launching with HPE PALS": "HPE PALS (Parallel Application Launch
     # Service)")
