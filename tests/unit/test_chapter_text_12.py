@@ -75,6 +75,11 @@ def test_tuning_numbers():
     backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(tiny).parameters()))]
     buckets = {mb: comm.ddp_bucket_sizes(backward_order, mb) for mb in (25, 0.1, 0.025)}
     assert len(buckets[25]) == 1 and sum(buckets[25]) == 4 * n
+    # the storages of the gradient_as_bucket_view table: one a parameter without it, one a bucket with it (cap 0.1)
+    parameters = len(backward_order)
+    assert (f"The {parameters} storages without it are the model's {parameters} parameters' own gradients; the "
+            f"{len(buckets[0.1])} with it are the {len(buckets[0.1])} buckets.") in text
+    assert re.search(rf"^ False +{parameters} ", CHAPTER, re.M) and re.search(rf"^  True +{len(buckets[0.1])} ", CHAPTER, re.M)
     # the largest bucket, the one that passes the cap by the most (a learner's review: not the first one)
     assert f"(up to **{max(buckets[0.1]):,}** bytes under a cap of **{int(0.1 * comm.MIB):,}**)" in text
     assert max(buckets[0.1]) > int(0.1 * comm.MIB) and max(buckets[0.1]) != buckets[0.1][0]
@@ -108,6 +113,11 @@ def test_tuning_numbers():
     # the 1,414 rebuilt from the table's numbers, as the page shows a learner: the blocks' bytes per token and block
     tokens = 2 * 32
     assert (off - outside_off) == tokens * tiny.n_layers * 4 * per_token and tiny.n_layers == 2
+    d, heads, hidden = tiny.dim, tiny.n_heads, tiny.ffn_hidden
+    assert per_token == 10 * d + 2 + heads + 4 * hidden   # chapter 01's count, as the page spells it out
+    assert "**10d + 2 + a + 4F numbers per token**" in chapters.text("01")
+    assert (f"A block keeps **{per_token:,}** numbers per token: chapter 01's count, 10d + 2 + a + 4F, with d = {d}, "
+            f"a = {heads} heads and F = {hidden}.") in text
     assert (f"**{tiny.dim}** numbers per token (the tiny model's width) instead of **{per_token:,}**, that is "
             f"({off:,} − {outside_off:,}) bytes / (2 × 32 tokens × {tiny.n_layers} blocks × 4 bytes).") in text
     assert f"and the whole model to **{100 * on / off:.1f}%**" in text
@@ -613,7 +623,8 @@ def test_the_operations_corrections_of_issue_45_item_13():
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous)
     # torchrun's workers' store listens on a free port of node rank 0: a second port to open, beside the endpoint
     assert "server_port = 0" in inspect.getsource(dynamic_rendezvous)
-    assert "Under torchrun it needs a second port: the agent of node rank 0 opens the workers' store on a free port." in text
+    assert ("Under torchrun it needs a second port: the agent of the first node (node rank 0, in the agents' own "
+            "numbering) opens the workers' store on a free port, which the system picks when the agent starts.") in text
     # NCCL_ALGO / NCCL_PROTO are debugging variables
     assert "NCCL's documentation lists them under debugging" in text and "NVIDIA/nccl#1246" in text
 
