@@ -947,8 +947,7 @@ def test_the_schedulers_kill_delays_and_messages():
     # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
     # TERM (requests.c:1876-1881): so "up to one MoM poll" (up to 120 s) was not what bounds the 25 s
     assert (f"`qdel` sends SIGKILL too, {min(qdel_kills)} to about {max(qdel_kills)} s after its TERM (`kill_delay` has "
-            "passed and the MoM polls again; How we know works the range out): too soon for a real model's step and "
-            "save.") in text
+            "passed and the MoM polls again): too soon for a real model's step and save.") in text
     # PBS's signals reach the first node's job processes only (review s14 finding 4): the body says it, and what it
     # means for every rank, the first node's too (review s15 finding 4: the MoM signals its own tasks' sessions,
     # and whether PALS starts the ranks inside them no source read here shows)
