@@ -122,8 +122,9 @@ def debug_env(trace_dir: str) -> dict:
 
     * ``TORCH_NCCL_BLOCKING_WAIT=1``: a collective that times out raises in the rank's own thread, so its
       ``except`` runs. Without it NCCL's collectives return once queued, and the watchdog's default
-      (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down first; with it, torch turns async error
-      handling off ("Only TORCH_NCCL_BLOCKING_WAIT is being used in this process", ProcessGroupNCCL.cpp);
+      (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the process down first; with it, torch 2.12 and later start no
+      watchdog at all ("TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created.", ProcessGroupNCCL.cpp),
+      so nothing tears the process down, and nothing dumps on a timeout either (the drills dump by hand);
     * ``TORCH_FR_BUFFER_SIZE``: PyTorch's flight recorder keeps each rank's last collectives, with their state;
     * ``TORCH_FR_DUMP_TEMP_FILE``: where the watchdog's dump goes, ``<trace_dir>/watchdog/trace_rank_<rank>`` in
       the run folder on scratch. Left unset, torch 2.13 writes ``$XDG_CACHE_HOME/torch/comm_lib_trace_rank_<rank>``,
@@ -131,7 +132,8 @@ def debug_env(trace_dir: str) -> dict:
       torch/csrc/distributed/c10d/FlightRecorder.cpp; declared in the wheel's
       include/torch/csrc/distributed/c10d/FlightRecorder.hpp:73, and libtorch_cpu.so carries the strings
       XDG_CACHE_HOME, /.cache and comm_lib_trace_rank_): a home folder, small on a cluster and shared by every job;
-      ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (on by default): NCCL's watchdog dumps when it sees a timeout.
+      ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (on by default): NCCL's watchdog dumps when it sees a timeout (set for a
+      script that runs without blocking wait; under it there is no watchdog to dump).
     Variables already set are kept. The watchdog does not create its folder: :func:`prepare_trace_dir` does."""
     wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_FR_DUMP_TEMP_FILE": os.path.join(trace_dir, WATCHDOG_DUMPS, DUMP_PREFIX)}

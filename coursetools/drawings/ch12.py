@@ -149,7 +149,9 @@ def draw_watchdog(fig) -> None:
     thread goes on at once (the call only queued the kernel), the kernel spins on the GPU, the watchdog thread
     checks the queued work, and at the process group's timeout (the course's default) it tears the process down.
     Under blocking wait ``all_reduce()`` itself waits (``dist.all_reduce`` calls ``work.wait()``, and the wait polls
-    until the work completes or times out), then raises; the watchdog's tear-down is off."""
+    until the work completes or times out, checking the timeout in the rank's own thread), then raises. torch 2.12
+    and later start no watchdog under blocking wait ("TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is
+    created.", ProcessGroupNCCL.cpp), so its lane is empty there."""
     from matplotlib.patches import Rectangle
 
     from distlab import runtime
@@ -164,7 +166,7 @@ def draw_watchdog(fig) -> None:
         ax.invert_yaxis()
         if blocking:
             ax.add_patch(Rectangle((0, -0.3), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
-            ax.text(4, 0, "all_reduce() waits in work.wait(), polling the work; it raises at the timeout",
+            ax.text(4, 0, "all_reduce() waits in work.wait(), polling the work and its timeout; it raises at the timeout",
                     fontsize=6.5, va="center")
         else:
             ax.add_patch(Rectangle((0, -0.3), end * 0.008, 0.6, color="#1f77b4"))
@@ -176,15 +178,18 @@ def draw_watchdog(fig) -> None:
                     va="center")
         ax.add_patch(Rectangle((0, 0.7), timeout, 0.6, facecolor="#f4c7c3", edgecolor="#c0392b", hatch="//"))
         ax.text(4, 1, "the NCCL kernel spins, waiting for a peer that never calls", fontsize=6.5, va="center")
-        checks = [t for t in range(0, int(timeout) + 1, int(timeout) // 10)]
-        ax.plot(checks, [2] * len(checks), "|", color="#555555", markersize=8)
-        ax.text(checks[1], 1.65, "checks the queued work (many times a second; ticks not to scale)", fontsize=6.5,
-                va="center", color="#555555")
+        if blocking:
+            ax.text(4, 2, "none: blocking wait starts no watchdog (no tear-down, no dump on a timeout)",
+                    fontsize=6.5, va="center", color="#555555")
+        else:
+            checks = [t for t in range(0, int(timeout) + 1, int(timeout) // 10)]
+            ax.plot(checks, [2] * len(checks), "|", color="#555555", markersize=8)
+            ax.text(checks[1], 1.65, "checks the queued work (many times a second; ticks not to scale)", fontsize=6.5,
+                    va="center", color="#555555")
         ax.axvline(timeout, color="#c0392b", lw=1.2)
         if blocking:
             ax.text(timeout + 3, 0, "all_reduce() raises:\nthe rank's except runs", fontsize=6.5, va="center",
                     color="#c0392b")
-            ax.text(timeout + 3, 2, "tear-down off", fontsize=6.5, va="center", color="#555555")
             ax.set_title("TORCH_NCCL_BLOCKING_WAIT=1: the call itself waits, and raises at the timeout", fontsize=8)
         else:
             ax.text(timeout + 3, 2, "logs the timeout, dumps\nthe flight recorder (on by default),\ntears the process down",

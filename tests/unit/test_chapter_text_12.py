@@ -362,8 +362,9 @@ def test_wrong_group_is_named_as_pairing_two_collectives_on_nccl():
     planted = re.search(r"for hang in ([a-z0-9 -]+); do", job)
     assert planted and "wrong-group" not in planted.group(1) and "skipped-barrier" in planted.group(1)
     assert planted.group(1).split() == ["skipped-barrier", "unpaired-p2p"]
-    assert ("the course's job ([the PBS job](12.4_measuring_a_step.md#on-the-cluster)) plants only `skipped-barrier`"
-            " and `unpaired-p2p`") in text
+    assert ("the course's cluster jobs ([On the cluster](12.4_measuring_a_step.md#on-the-cluster)) plant only "
+            "`skipped-barrier` and `unpaired-p2p`") in text
+    assert 'for hang in skipped-barrier unpaired-p2p; do' in (ROOT / "slurm" / "12_hpc_operations.sbatch").read_text()
     # the case planted on purpose is run on NCCL only under DETAIL (a learner and a source review: it read as planted)
     assert "`mismatched-collectives` does it on purpose: on NCCL, run it only with `--debug-detail`" in text
     assert "does pair a broadcast with all-reduces, on purpose" not in text
@@ -378,7 +379,7 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
         assert line in CHAPTER
         assert line.split(": ", 1)[1] in script
     flat = " ".join(CHAPTER.split())
-    assert "TORCH_NCCL_BLOCKING_WAIT=1" in flat and "Only TORCH_NCCL_BLOCKING_WAIT is being used" in flat
+    assert "TORCH_NCCL_BLOCKING_WAIT=1" in flat and "NO watchdog thread is created" in flat
     # under blocking wait the timed-out call raises in the rank's own thread: the watchdog does not end the hang
     assert "which the watchdog ends" not in flat
     assert "ended by the process-group timeout in the rank's own thread (blocking wait), not by the watchdog" in flat
@@ -408,10 +409,17 @@ def test_the_flight_recorder_lines_are_what_the_drill_prints():
 
 
 def test_the_watchdog_line_and_native_stacks_match_torch_2_13():
-    # ProcessGroupNCCL::createLogPrefix: "[PG ID ", local_id_, " PG GUID ", pg_uid_, "(", pg_desc_, ") Rank ", rank_
+    # WorkNCCL::checkTimeout prefixes its line with WorkNCCL::logPrefix ("[Rank r] ", declared at hpp:388); the
+    # process group's prefix (createLogPrefix) opens the lines after it (a source review s20; users' logs agree)
+    import torch
+
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" /
+              "ProcessGroupNCCL.hpp").read_text().splitlines()
+    assert "const std::string& logPrefix() const;" in header[387]
     text = flat(CHAPTER)
-    assert "`[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout:" in text
-    assert "`[Rank 0] Watchdog" not in text
+    assert "`[Rank 0] Watchdog caught collective operation timeout:" in text
+    assert "`[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog" not in text
+    assert "The watchdog's line prefix is `WorkNCCL::logPrefix`, `[Rank r] ` (declared at `ProcessGroupNCCL.hpp:388`)" in text
     # a hung NCCL rank waits in c10d or a CUDA sync; the NCCL kernel spins on the GPU
     assert "frames, inside NCCL" not in text
     assert "shows c10d's wait (`WorkNCCL`'s poll loop under blocking wait) or a CUDA synchronisation" in text
@@ -522,7 +530,7 @@ def test_the_slurm_warning_comes_before_the_deadline_and_is_when_the_jobs_save()
     assert '"$DISTLAB_SCANCEL" --signal=TERM "$signalled"' in trap and "--batch" not in trap and "--full" not in trap
     assert "DISTLAB_SCANCEL=${DISTLAB_SCANCEL:-scancel}" in slurm
     assert "`scancel --signal=TERM <id>.<step>` sends TERM to the launch's own step, not to the batch shell" in flat(CHAPTER)
-    assert "Little time is left at the limit itself" in flat(CHAPTER)
+    assert "At the limit itself Slurm sends TERM to every step" in flat(CHAPTER)
     # the lines of torch the chapter cites: the agent's signals, and its shutdown on one
     source = Path(torch.__file__).parent / "distributed" / "elastic"
     assert '"SIGTERM,SIGINT,SIGHUP,SIGQUIT"' in (source / "multiprocessing" / "api.py").read_text().splitlines()[538]
@@ -691,7 +699,7 @@ def test_the_learners_missing_steps_of_chapter_12_are_given():
             "too, so that all start together. An agent whose workers failed counts a restart") in text
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     every = int(re.search(r'"--save-every", type=runtime.positive_int, default=(\d+)', drill).group(1))
-    assert f"every `--save-every` steps, {every} here. `--kill-rank 1 --kill-at-step 5`" in text
+    assert f"every `--save-every` steps (default {every}). `--kill-rank 1 --kill-at-step 5`" in text
 
 
 @pytest.mark.parametrize("term", TERMS + CLUSTER_WORDS)
@@ -891,13 +899,17 @@ def test_blocking_wait_makes_the_call_wait_and_switches_off_the_tear_down_and_de
     assert "By default, NCCL's `all_reduce`, `send` and `recv` return as soon as the work is queued" in text
     assert "a rank stuck in a CUDA sync such as `.item()` hangs, with no watchdog to end it" in text
     assert "(not under blocking wait, which turns it off)" in text
-    assert "`desyncDebug_ = false`" in text
+    # torch 2.12 and later: no watchdog thread at all under blocking wait (ProcessGroupNCCL.cpp; not in the wheel)
+    assert "TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created." in text
+    assert "torch then starts no watchdog at all" in text and "turns the watchdog's tear-down off" not in text
+    assert "there is no watchdog: the waiting call checks the timeout itself and raises a `DistBackendError`" in text
     # the picture: under blocking wait the Python bar is the call itself, waiting until the timeout
     from coursetools.drawings import ch12
 
     source = inspect.getsource(ch12.draw_watchdog)
     blocking = source[source.index("if blocking:"):source.index("else:")]
     assert "all_reduce() waits in work.wait()" in blocking and "queues the kernel and returns" not in blocking
+    assert "none: blocking wait starts no watchdog" in source and "tear-down off" not in source
     # the watchdog's polling period: declared in the header (its value, 100 ms, is in ProcessGroupNCCL.cpp, which
     # the wheel does not ship); the picture's ticks are said to be schematic
     import torch
@@ -940,8 +952,8 @@ def test_the_schedulers_kill_delays_and_messages():
     walltime_kill = _mom_sigkill_after(0, kill_delay)
     qdel_kills = {_mom_sigkill_after(last, kill_delay) for last in range(MAX_CHECK_POLL_TIME)}
     assert walltime_kill == 10 and (min(qdel_kills), max(qdel_kills)) == (10, 25)
-    assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. That does not hold a "
-            "step") in text
+    assert (f"(10 s unless the queue sets another): about {walltime_kill} s after the SIGTERM. {kill_delay} s is too "
+            "short for a step") in text
     assert (f"| none: SIGTERM after the limit, to the first node; SIGKILL about {walltime_kill} s later (`kill_delay`) |"
             in CHAPTER)
     # the SIGKILL comes at the MoM's first poll past kill_delay, which terminate_job sets MIN_CHECK_POLL_TIME after a
@@ -957,7 +969,7 @@ def test_the_schedulers_kill_delays_and_messages():
             "started through TM. A rank gets the TERM only if it runs in one or `mpiexec` passes it on, unchecked under "
             "Cray PALS. One rank that gets it stops them all.") in text
     assert "PBS sends it to the first node only" not in text
-    assert "the MoM, PBS's daemon on its first node, notices at its next poll" in text
+    assert "the MoM (PBS's daemon) of its first node notices at its next poll" in text
     assert "It sends SIGTERM to the job's processes on that node, then SIGKILL" in text
     assert f"so the next poll, and the SIGKILL, come {walltime_kill} s later." in text
     assert f"Its TERM comes between two polls, so its SIGKILL comes {min(qdel_kills)} to {max(qdel_kills)} s later." in text
@@ -1017,7 +1029,7 @@ def test_the_schedulers_kill_delays_and_messages():
     drill = (ROOT / "scripts" / "12_hpc_operations" / "fault_drill.py").read_text()
     assert 'longest = {"step": 0.0, "save": 0.0}' in drill and 'max(longest["save"], longest["step"])' in drill
     assert ("each timed as the longest so far. Until a save has been timed, a save is taken to last as long as the "
-            "longest step, and after, as at least that long.") in text
+            "longest step, and after, as the longer of the two.") in text
     assert "before the first checkpoint, it counts a save as long as a step" not in text
 
 
@@ -1216,7 +1228,7 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
     assert (f"The checkpoint ends {-(save_start + save)} s before the walltime's end, before the deadline ({margin} s "
             f"before it) and before PBS's SIGTERM, which comes only after the end. Slurm's warning ({warning} to "
             f"{warning + PERIODIC_TIMEOUT} s before the end) comes during the last step or the save; it sends no "
-            "SIGKILL, and the time limit's comes after the end (below).") in text
+            "SIGKILL, and the time limit's TERM and KILL come after the end (below).") in text
     readme = flat((ROOT / "slurm" / "README.md").read_text())
     assert ("An agent waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds for them (torchrun's `--shutdown-timeout`), then "
             f"sends SIGKILL. torch's default is 30 s. The jobs set it to `DISTLAB_WALLTIME_MARGIN` ({margin} s)") in readme
