@@ -5,7 +5,7 @@
     --hang wrong-group             ranks 2 and 3 all-reduce "their pair" on the world group (group= forgotten)
     --hang few-microbatches        the first stage splits its batch with torch.chunk, which returns fewer pieces
                                    than asked when the batch does not split evenly; the last stage waits for more
-    --hang unpaired-p2p            two ranks both receive first: each waits for the other's send
+    --hang unpaired-p2p            in each pair both ranks receive first: each waits for the other's send
     --hang uneven-inputs           data parallelism over shards of unequal length: the last rank runs out of batches
                                    first and leaves while the others wait in the next gradient all-reduce
                                    (--stop-at-fewest-batches: the ranks agree first on the shortest shard, the fix)

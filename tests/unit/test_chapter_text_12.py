@@ -481,9 +481,12 @@ def test_the_multi_node_restart_is_what_the_chapter_says():
 
     assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
     assert "if _torchelastic_use_agent_store():" in inspect.getsource(rendezvous._create_c10d_store)
-    assert ("A plain `init_process_group()` under torchrun uses that same store (`TORCHELASTIC_USE_AGENT_STORE`): a "
-            "script of your own that restarts on several nodes must keep each attempt's keys apart too, for example "
-            "with `agree_on_attempt`.") in text
+    assert ("A plain `init_process_group()` under torchrun uses that same store (`TORCHELASTIC_USE_AGENT_STORE`"
+            "), and torch 2.13 keys no attempt apart: a script of your own that restarts must keep each attempt's keys "
+            "apart too, for example with `agree_on_attempt`.") in text
+    # torch's own comment says a new store is made each retry; the rendezvous handler makes its server once
+    assert "We create a new TCPStore for every retry so no need to add prefix" in inspect.getsource(rendezvous)
+    assert "RESTART_COUNT" not in inspect.getsource(rendezvous._create_c10d_store)
     runtime_source = (ROOT / "distlab" / "runtime.py").read_text()
     assert "os.environ.get(\"TORCHELASTIC_RESTART_COUNT\"" not in runtime_source
     tests = (ROOT / "tests" / "scripts" / "test_12_hpc_operations.py").read_text()
@@ -590,7 +593,7 @@ def test_ddp_rebuilds_its_buckets_in_step_1_and_profile_step_keeps_ddps_default(
     assert "args.bucket_mb = 0.1" in script
     backward_order = [p.numel() * 4 for p in reversed(list(models.build_transformer(models.preset("tiny")).parameters()))]
     buckets = comm.ddp_bucket_sizes(backward_order, 0.1)
-    assert f"caps DDP's buckets at 0.1 MB (`--bucket-mb`): **{len(buckets)}** buckets" in text
+    assert f"caps DDP's buckets at 0.1 MiB (`--bucket-mb`): **{len(buckets)}** buckets" in text
     assert f"one all-reduce per bucket: **{len(buckets)}** a step here" in text
     assert "reverse order of `model.parameters()`" not in text
     assert "`nn/parallel/distributed.py:1401-1407`" in text and "(`:146-154`)" in text
@@ -632,8 +635,11 @@ def test_the_operations_corrections_of_issue_45_item_13():
     assert "local_addr or socket.getfqdn()" in inspect.getsource(dynamic_rendezvous)
     # torchrun's workers' store listens on a free port of node rank 0: a second port to open, beside the endpoint
     assert "server_port = 0" in inspect.getsource(dynamic_rendezvous)
-    assert ("Under torchrun it needs a second port: the first node's agent opens the workers' store on a free port, "
-            "which the system picks. So a firewall must let the nodes reach any port of the first node") in text
+    assert ("Under torchrun it needs a second port: that agent opens the workers' store on a free port, which the "
+            "system picks. So a firewall must let the nodes reach any port of each other") in text
+    # the agents' store is hosted by rendezvous rank 0, ordered by host name (a source review s20)
+    assert "for rank, node in enumerate(sorted(state.participants))" in inspect.getsource(dynamic_rendezvous)
+    assert "Then one agent, node rank 0 of the rendezvous (by host name; not always the first node)" in text
     # NCCL_ALGO / NCCL_PROTO are debugging variables
     assert "NCCL's documentation lists them under debugging" in text and "NVIDIA/nccl#1246" in text
 
@@ -1189,8 +1195,8 @@ def test_the_warnings_save_must_fit_in_the_agents_shutdown_timeout():
         assert warned + 30 < save_start + save                       # torch's default SIGKILL comes first
         kills.append(warned + margin)
         assert save_start + save < warned + margin < 0               # the jobs' comes after the save, before the end
-    assert (f"An agent SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s after the TERM: torch's default is 30 s, and "
-            f"the jobs set {margin} s (the margin, never under 30 s), for a step and a save.") in text
+    assert (f"An agent told to stop SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` s after the TERM (after a failure, "
+            f"always 30 s): the jobs set {margin} s (torch's default: 30 s), for a step and a save.") in text
     assert ("It never exports less than torch's 30 s. The launcher accepts 0 (`launcher/api.py:150-153`), and the "
             "agent's close then sends SIGKILL right after its TERM (`SubprocessContext._close`, "
             "`elastic/multiprocessing/api.py:1023-1053`).") in text
